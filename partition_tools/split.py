@@ -1,0 +1,150 @@
+"""``autoglm-partition split``: cut a model at layer N into an edge/cloud bundle (layout: shared.manifest)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.manifest import FORMAT_VERSION, BundleError, Manifest
+
+from .adapters import ModelAdapter, call_layer
+from .export import export_front
+from .models import LoadedModel
+from .progress import Steps
+from .quantize import QUANT_MODES, quantize_front
+
+FRONT = "edge/front.onnx"
+CALIBRATION = "calibration.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass(slots=True)
+class SplitConfig:
+    layer: int  # N: layers [0, N) go to the edge
+    out: Path
+    edge_quant: str = "int8"
+    calib_tokens: int = 512  # tokens of built-in text used to find the boundary's outlier channels
+    outlier_channels: int = 8  # channels kept in fp16 by the outlier-aware codec
+
+    def __post_init__(self):
+        if self.edge_quant not in QUANT_MODES:
+            raise BundleError(f"--edge-quant {self.edge_quant!r}: expected one of {', '.join(QUANT_MODES)}")
+        self.out = Path(self.out)
+
+
+def sample_text() -> str:
+    return (Path(__file__).parent / "data" / "sample.txt").read_text()
+
+
+def calibration_ids(lm: LoadedModel, adapter: ModelAdapter, n_tokens: int) -> torch.Tensor:
+    if lm.tokenizer is not None:
+        ids = lm.tokenizer(sample_text(), return_tensors="pt").input_ids[:, :n_tokens]
+    else:  # random-weight presets: no vocabulary to speak of, any ids will do
+        ids = torch.randint(4, adapter.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(0))
+    return ids  # [1, T]
+
+
+@torch.no_grad()
+def boundary_hidden(adapter: ModelAdapter, ids: torch.Tensor, layer: int) -> torch.Tensor:
+    """fp32 reference boundary activations after layers [0, layer): [1, T, H]."""
+    hidden = adapter.embed_tokens(ids)
+    pos = torch.arange(ids.shape[1])[None]
+    cos_sin = adapter.position_embeddings(hidden, pos)
+    for blk in list(adapter.layers)[:layer]:
+        hidden = call_layer(blk, hidden, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
+    return hidden
+
+
+def calibrate(adapter: ModelAdapter, ids: torch.Tensor, layer: int, k: int) -> dict:
+    h = boundary_hidden(adapter, ids, layer)[0].float().numpy()  # [T, H]
+    chan_absmax = np.abs(h[1:]).max(axis=0)  # token 0 is an attention sink: judged separately
+    outliers = np.argsort(-chan_absmax)[:k]
+    tok_norm = np.linalg.norm(h, axis=1)
+    sinks = [int(i) for i in np.nonzero(tok_norm > 4 * np.median(tok_norm))[0][:4]]
+    return {
+        "layer": layer,
+        "tokens": int(h.shape[0]),
+        "outlier_channels": [int(c) for c in outliers],
+        "channel_absmax": [round(float(x), 4) for x in chan_absmax],
+        "sink_positions": sinks,
+        "boundary_absmax": float(np.abs(h).max()),
+    }
+
+
+def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
+    adapter = ModelAdapter(lm.model)
+    L = adapter.num_layers
+    if not 0 < cfg.layer < L:
+        raise BundleError(f"--layer {cfg.layer}: must be between 1 and {L - 1} (the model has {L} layers)")
+    started = time.perf_counter()
+    out = cfg.out
+    if out.exists() and any(out.iterdir()):
+        if not (out / "manifest.json").is_file():
+            raise BundleError(f"{out}: exists and is not a bundle; refusing to overwrite")
+        shutil.rmtree(out)
+    (out / "edge").mkdir(parents=True, exist_ok=True)
+    (out / "cloud").mkdir(parents=True, exist_ok=True)
+    steps = Steps(5 if cfg.edge_quant != "fp32" else 4, "split")
+
+    # 1. edge front -> ONNX (fp32), then quantize
+    steps.next(f"export layers [0, {cfg.layer}) to ONNX")
+    quant_report: dict = {"mode": "fp32"}
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32 = export_front(adapter, cfg.layer, Path(tmp) / "front.onnx")
+        if cfg.edge_quant == "fp32":
+            shutil.move(str(fp32), out / FRONT)
+        else:
+            steps.next(f"quantize edge weights to {cfg.edge_quant}")
+            from .quantize import recipe_for
+
+            quant_report = quantize_front(fp32, out / FRONT, cfg.edge_quant, **recipe_for(adapter, cfg.layer))
+
+    # 2. cloud half -> safetensors + config
+    steps.next(f"write layers [{cfg.layer}, {L}) + norm + lm_head")
+    from safetensors.torch import save_file
+
+    from cloud_server.back_half import BACK_CONFIG, BACK_WEIGHTS, back_state_dict
+
+    save_file(back_state_dict(adapter, cfg.layer), str(out / BACK_WEIGHTS))
+    (out / BACK_CONFIG).write_text(lm.model.config.to_json_string())
+
+    # 3. tokenizer + chat template
+    steps.next("tokenizer, chat template, calibration")
+    if lm.tokenizer is not None:
+        tmp_tok = out / "edge" / "_tok"
+        lm.tokenizer.save_pretrained(str(tmp_tok))
+        for name in TOKENIZER_FILES:
+            if (tmp_tok / name).is_file():
+                shutil.move(str(tmp_tok / name), out / "edge" / name)
+        if lm.tokenizer.chat_template and not (out / "edge" / "chat_template.jinja").is_file():
+            (out / "edge" / "chat_template.jinja").write_text(lm.tokenizer.chat_template)
+        shutil.rmtree(tmp_tok)
+    ids = calibration_ids(lm, adapter, cfg.calib_tokens)
+    (out / CALIBRATION).write_text(json.dumps(calibrate(adapter, ids, cfg.layer, cfg.outlier_channels)) + "\n")
+
+    # 4. manifest with hashes
+    steps.next("hash artifacts, write manifest")
+    manifest = Manifest(
+        format_version=FORMAT_VERSION, source=lm.source, source_identity=lm.identity,
+        architecture=adapter.family.name, model_type=lm.model.config.model_type, split_layer=cfg.layer,
+        num_layers=L, hidden_size=adapter.hidden_size, num_heads=adapter.num_heads,
+        num_kv_heads=adapter.num_kv_heads, head_dim=adapter.head_dim, vocab_size=adapter.vocab_size,
+        rope=adapter.rope_settings(), eos_token_ids=adapter.eos_token_ids(), edge_quant=cfg.edge_quant,
+        edge_dtype="float32", cloud_dtype=str(adapter.lm_head.weight.dtype).removeprefix("torch."),
+        quant_report=quant_report,
+    )
+    for p in sorted(out.rglob("*")):
+        if p.is_file() and p.name != "manifest.json":
+            rel = p.relative_to(out).as_posix()
+            role = "edge" if rel.startswith("edge/") else "cloud" if rel.startswith("cloud/") else "shared"
+            manifest.add_artifact(out, rel, role)
+    manifest.save(out)
+    steps.done(time.perf_counter() - started)
+    return manifest

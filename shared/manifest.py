@@ -1,0 +1,138 @@
+"""The bundle manifest: what a split bundle holds and the id that ties its two halves together.
+
+A bundle directory looks like::
+
+    manifest.json
+    edge/front.onnx            embeddings + layers [0, N), KV cache in/out (see partition_tools.export)
+    edge/tokenizer.json ...    tokenizer files and chat_template.jinja (when the source has them)
+    cloud/back.safetensors     layers [N, L) renumbered from 0, final norm, lm_head
+    cloud/config.json          the source's full HF config (the cloud rebuilds its modules from it)
+    calibration.json           boundary statistics: outlier channels, attention-sink tokens
+
+``bundle_id`` is a hash over the model description and the sha256 of every artifact *except* the edge
+graph's quantization variant, so an int8 and an fp32 edge of the same split talk to the same cloud half.
+The edge and the cloud each present it at connect time; a mismatch is refused.
+
+Pure Python (json + hashlib): the phone reads manifests too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+
+
+class BundleError(Exception):
+    """A bundle is missing, malformed or tampered with; the message is one line."""
+
+
+@dataclass(slots=True)
+class Artifact:
+    sha256: str
+    bytes: int
+    role: str  # "edge" | "cloud" | "shared"
+
+
+@dataclass(slots=True)
+class Manifest:
+    format_version: int
+    source: str  # what the user passed to `split`
+    source_identity: str  # LoadedModel.identity
+    architecture: str  # adapter family: glm4 | glm | glm4v | llama
+    model_type: str  # HF model_type of the source
+    split_layer: int  # N: layers [0, N) run on the edge
+    num_layers: int  # L
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope: dict
+    eos_token_ids: list[int]
+    edge_quant: str  # fp32 | int8 | int4
+    edge_dtype: str  # dtype of the edge graph's I/O tensors
+    cloud_dtype: str  # dtype of the stored back-half weights
+    artifacts: dict[str, Artifact] = field(default_factory=dict)
+    quant_report: dict = field(default_factory=dict)  # which ops stayed in float, and why
+    bundle_id: str = ""
+
+    def __post_init__(self):
+        if not 0 < self.split_layer < self.num_layers:
+            raise BundleError(f"split layer {self.split_layer} must be in [1, {self.num_layers - 1}]")
+        self.artifacts = {k: v if isinstance(v, Artifact) else Artifact(**v) for k, v in self.artifacts.items()}
+
+    # -- identity ---------------------------------------------------------------------------
+    def compute_bundle_id(self) -> str:
+        desc = {
+            "format_version": self.format_version,
+            "source_identity": self.source_identity,
+            "architecture": self.architecture,
+            "split_layer": self.split_layer,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "cloud": {k: a.sha256 for k, a in sorted(self.artifacts.items()) if a.role != "edge"},
+        }
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
+
+    # -- io ---------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    def save(self, bundle_dir: Path) -> None:
+        self.bundle_id = self.compute_bundle_id()
+        (Path(bundle_dir) / MANIFEST_NAME).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, bundle_dir: str | Path) -> "Manifest":
+        path = Path(bundle_dir) / MANIFEST_NAME
+        if not Path(bundle_dir).is_dir():
+            raise BundleError(f"{bundle_dir}: no such bundle directory")
+        if not path.is_file():
+            raise BundleError(f"{path}: missing (not a bundle written by `autoglm-partition split`)")
+        try:
+            raw = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BundleError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise BundleError(f"{path}: expected a JSON object")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise BundleError(f"{path}: format version {raw.get('format_version')!r}, expected {FORMAT_VERSION}")
+        try:
+            m = cls(**raw)
+        except TypeError as e:
+            raise BundleError(f"{path}: malformed manifest ({e})") from None
+        if m.bundle_id != m.compute_bundle_id():
+            raise BundleError(f"{path}: bundle id does not match its contents (manifest edited?)")
+        return m
+
+    # -- integrity --------------------------------------------------------------------------
+    def add_artifact(self, bundle_dir: Path, rel: str, role: str) -> None:
+        p = Path(bundle_dir) / rel
+        self.artifacts[rel] = Artifact(sha256=sha256_file(p), bytes=p.stat().st_size, role=role)
+
+    def verify_files(self, bundle_dir: str | Path, roles: tuple[str, ...] = ("edge", "cloud", "shared")) -> None:
+        """Re-hash every artifact of the given roles; raise BundleError on the first problem."""
+        for rel, art in sorted(self.artifacts.items()):
+            if art.role not in roles:
+                continue
+            p = Path(bundle_dir) / rel
+            if not p.is_file():
+                raise BundleError(f"{p}: missing artifact")
+            size = p.stat().st_size
+            if size != art.bytes:
+                raise BundleError(f"{p}: {size} bytes, manifest says {art.bytes} (truncated or replaced)")
+            if sha256_file(p) != art.sha256:
+                raise BundleError(f"{p}: sha256 mismatch (tampered or corrupt)")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
