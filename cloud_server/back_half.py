@@ -35,26 +35,30 @@ def back_state_dict(adapter: ModelAdapter, split_layer: int) -> dict[str, torch.
     return sd
 
 
-def _text_model_class(config):
-    from transformers import AutoModel
+def back_config(config, split_layer: int, num_layers: int):
+    """The text config of layers [split_layer, num_layers) alone: per-layer lists are sliced to match."""
+    from transformers import AutoConfig
 
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return text_config, (lambda cfg: AutoModel.from_config(cfg))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    d = text.to_dict()
+    d["num_hidden_layers"] = num_layers - split_layer
+    if isinstance(d.get("layer_types"), list):
+        d["layer_types"] = d["layer_types"][split_layer:num_layers]
+    out = AutoConfig.for_model(**d)
+    out._attn_implementation = "sdpa"
+    return out
 
 
 class BackHalf(torch.nn.Module):
     def __init__(self, config, split_layer: int, num_layers: int):
         super().__init__()
-        from transformers import AutoConfig
+        from transformers import AutoModel
 
         self.family = adapter_for_config(config)
-        text_config, build = _text_model_class(config)
-        text_config = AutoConfig.for_model(**{**text_config.to_dict(), "num_hidden_layers": num_layers - split_layer})
-        text_config._attn_implementation = "sdpa"
-        self.config = text_config
+        self.config = text_config = back_config(config, split_layer, num_layers)
         self.split_layer = split_layer
         with torch.device("meta"):
-            decoder = build(text_config)
+            decoder = AutoModel.from_config(text_config)
         self.layers = decoder.layers
         self.norm = decoder.norm
         self.rotary_emb = type(decoder.rotary_emb)(config=text_config)  # real buffers, not meta

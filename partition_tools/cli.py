@@ -1,0 +1,127 @@
+"""``autoglm-partition``: split / verify / inspect a GLM-family checkpoint.
+
+Every flag has an environment-variable twin (``AUTOGLM_PARTITION_<FLAG>``). Bad input ends in one line on
+stderr and exit status 2; a failed verification exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _env(name: str, default=None):
+    return os.environ.get(f"AUTOGLM_PARTITION_{name}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autoglm-partition", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("split", help="cut a model at layer N into an edge/cloud bundle")
+    s.add_argument("source", nargs="?", help="checkpoint directory, .gguf file or preset name")
+    s.add_argument("--preset", help="preset name: tiny-glm4, tiny-glm4v, smollm2, glm4v-9b-random")
+    s.add_argument("--layer", type=int, default=_env("LAYER"), help="N: layers [0, N) run on the edge")
+    s.add_argument("--out", default=_env("OUT"), help="bundle directory to write")
+    s.add_argument("--edge-quant", choices=("int8", "int4", "fp32"), default=_env("EDGE_QUANT", "int8"),
+                   help="edge weight precision (default int8)")
+    s.add_argument("--seed", type=int, default=int(_env("SEED", 0)), help="seed for random-weight presets")
+
+    v = sub.add_parser("verify", help="check a bundle against the unsplit model on real text")
+    v.add_argument("bundle")
+    v.add_argument("--source", default=_env("SOURCE"), help="reference model (default: the manifest's source)")
+    v.add_argument("--text", default=_env("TEXT"), help="UTF-8 text file to evaluate on (default: built-in sample)")
+    v.add_argument("--max-tokens", type=int, default=int(_env("MAX_TOKENS", 1024)), help="tokens to evaluate")
+    v.add_argument("--json", action="store_true", help="print exactly one JSON object")
+
+    i = sub.add_parser("inspect", help="show what a bundle holds and re-check its hashes")
+    i.add_argument("bundle")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p
+
+
+def _cmd_split(args) -> int:
+    from .models import load_model
+    from .split import SplitConfig, split
+
+    source = args.preset or args.source
+    if not source:
+        raise UsageError("split needs SOURCE or --preset NAME")
+    if args.preset and args.source:
+        raise UsageError("give SOURCE or --preset, not both")
+    if args.layer is None or args.out is None:
+        raise UsageError("split needs --layer N and --out DIR")
+    cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant)
+    lm = load_model(source, seed=args.seed)
+    m = split(lm, cfg)
+    sizes = {"edge": 0, "cloud": 0, "shared": 0}
+    for a in m.artifacts.values():
+        sizes[a.role] += a.bytes
+    print(f"bundle {m.bundle_id} -> {cfg.out}")
+    print(f"  edge  : embeddings + layers [0, {m.split_layer}) {m.edge_quant} ONNX, {sizes['edge'] / 1e6:.2f} MB")
+    print(f"  cloud : layers [{m.split_layer}, {m.num_layers}) + norm + lm_head, {sizes['cloud'] / 1e6:.2f} MB")
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    from .verify import verify_bundle
+
+    text = None
+    if args.text:
+        try:
+            text = Path(args.text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--text {args.text}: {e}") from None
+    if args.max_tokens < 16:
+        raise UsageError("--max-tokens must be at least 16")
+    r = verify_bundle(args.bundle, source=args.source, text=text, max_tokens=args.max_tokens)
+    if args.json:
+        print(json.dumps(r, sort_keys=True))
+    else:
+        print(f"bundle {r['bundle_id']} (edge {r['edge_quant']}, split at {r['split_layer']}), {r['tokens']} tokens,"
+              f" {r['weights']} weights")
+        print(f"  top-1 agreement   {r['top1_agreement']:.4f}")
+        print(f"  mean KL           {r['mean_kl']:.5f}")
+        print(f"  perplexity        reference {r['ppl_reference']:.3f}  split {r['ppl_split']:.3f}")
+        print(f"  boundary error    max {r['boundary_max_abs_err']:.3e}  mean {r['boundary_mean_abs_err']:.3e}")
+        print(f"  incremental error {r['incremental_rel_err']:.2e} (decode steps vs full sequence, relative)")
+        print("  PASSED" if r["passed"] else "  FAILED: " + "; ".join(r["failures"]))
+    return 0 if r["passed"] else 1
+
+
+def _cmd_inspect(args) -> int:
+    from .inspect_bundle import format_report, inspect_bundle
+
+    r = inspect_bundle(args.bundle)
+    print(json.dumps(r, indent=2, sort_keys=True) if args.json else format_report(r))
+    return 0 if r["integrity"] == "ok" else 1
+
+
+class UsageError(Exception):
+    pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from shared.manifest import BundleError
+
+    from .adapters import UnsupportedArchitecture
+    from .models import ModelLoadError
+
+    expected = (UsageError, BundleError, ModelLoadError, UnsupportedArchitecture, FileNotFoundError,
+                PermissionError, IsADirectoryError)
+    try:
+        return {"split": _cmd_split, "verify": _cmd_verify, "inspect": _cmd_inspect}[args.command](args)
+    except expected as e:
+        print(f"autoglm-partition {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""``autoglm-partition inspect``: what a bundle holds, how big each half is, and whether every hash still matches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.manifest import Manifest, sha256_file
+
+
+def inspect_bundle(bundle_dir: str | Path) -> dict:
+    bundle_dir = Path(bundle_dir)
+    m = Manifest.load(bundle_dir)
+    files, sizes, problems = [], {"edge": 0, "cloud": 0, "shared": 0}, []
+    for rel, art in sorted(m.artifacts.items()):
+        p = bundle_dir / rel
+        if not p.is_file():
+            status = "missing"
+        elif p.stat().st_size != art.bytes:
+            status = f"size {p.stat().st_size} != {art.bytes}"
+        elif sha256_file(p) != art.sha256:
+            status = "sha256 mismatch"
+        else:
+            status = "ok"
+        if status != "ok":
+            problems.append(f"{rel}: {status}")
+        sizes[art.role] += art.bytes
+        files.append({"path": rel, "role": art.role, "bytes": art.bytes, "status": status})
+    return {
+        "bundle_id": m.bundle_id,
+        "source": m.source,
+        "source_identity": m.source_identity,
+        "architecture": m.architecture,
+        "model_type": m.model_type,
+        "split_layer": m.split_layer,
+        "num_layers": m.num_layers,
+        "shape": {"hidden": m.hidden_size, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
+                  "head_dim": m.head_dim, "vocab": m.vocab_size},
+        "rope": m.rope,
+        "eos_token_ids": m.eos_token_ids,
+        "edge_quant": m.edge_quant,
+        "quant_report": m.quant_report,
+        "bytes": sizes,
+        "files": files,
+        "integrity": "ok" if not problems else "FAILED",
+        "problems": problems,
+    }
+
+
+def format_report(r: dict) -> str:
+    mb = lambda b: f"{b / 1e6:8.2f} MB"  # noqa: E731
+    lines = [
+        f"bundle {r['bundle_id']}  ({r['architecture']}, model_type {r['model_type']})",
+        f"source     {r['source']}  [{r['source_identity']}]",
+        f"split      edge layers [0, {r['split_layer']})  |  cloud layers [{r['split_layer']}, {r['num_layers']})",
+        "shape      " + ", ".join(f"{k} {v}" for k, v in r["shape"].items()),
+        f"edge quant {r['edge_quant']}",
+        f"sizes      edge {mb(r['bytes']['edge'])}   cloud {mb(r['bytes']['cloud'])}   shared {mb(r['bytes']['shared'])}",
+        "files:",
+    ]
+    for f in r["files"]:
+        lines.append(f"  {f['role']:6s} {mb(f['bytes'])}  {f['status']:>14s}  {f['path']}")
+    lines.append(f"integrity  {r['integrity']}" + ("" if not r["problems"] else ": " + "; ".join(r["problems"])))
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from cloud_server.back_half import BackHalf
+from partition_tools.adapters import ModelAdapter
+from partition_tools.export import input_names
+from partition_tools.models import load_model
+from partition_tools.split import SplitConfig, split
+from shared.manifest import BundleError, Manifest
+
+
+def _split_matches_unsplit(source: str, layer: int, out, quant: str = "fp32") -> None:
+    lm = load_model(source)
+    m = split(lm, SplitConfig(layer=layer, out=out, edge_quant=quant))
+    ad = ModelAdapter(lm.model)
+    ids = torch.randint(4, ad.vocab_size, (1, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = lm.model(input_ids=ids).logits[0]  # [S, V]
+    sess = ort.InferenceSession(str(out / "edge" / "front.onnx"))
+    empty = np.zeros((1, m.num_kv_heads, 0, m.head_dim), np.float32)
+    feeds = dict(zip(input_names(layer), [ids.numpy(), np.arange(11)[None], *[empty] * (2 * layer)]))
+    hidden = torch.from_numpy(sess.run(["hidden_states"], feeds)[0])  # [1, S, H]
+    logits = BackHalf.from_bundle(out)(hidden, torch.arange(11)[None])[0]
+    assert torch.allclose(logits, ref, atol=1e-4), float((logits - ref).abs().max())
+
+
+@pytest.mark.parametrize("source", ["tiny-glm4", "tiny-glm4v"])
+def test_presets_split_and_recombine_exactly(source, tmp_path):
+    _split_matches_unsplit(source, 2, tmp_path / "b")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_checkpoint_dirs_split_and_recombine(kind, request, tmp_path):
+    ckpt = request.getfixturevalue(f"{kind}_dir")
+    _split_matches_unsplit(str(ckpt), 1, tmp_path / "b")
+
+
+def test_manifest_records_model_and_hashes(tiny_glm4_bundle):
+    m = Manifest.load(tiny_glm4_bundle)
+    assert (m.split_layer, m.num_layers, m.hidden_size, m.num_kv_heads, m.head_dim) == (2, 4, 64, 2, 16)
+    assert m.eos_token_ids == [2, 3] and m.architecture == "glm4" and m.edge_quant == "int8"
+    assert set(m.artifacts) >= {"edge/front.onnx", "cloud/back.safetensors", "cloud/config.json", "calibration.json"}
+    m.verify_files(tiny_glm4_bundle)
+    calib = json.loads((tiny_glm4_bundle / "calibration.json").read_text())
+    assert len(calib["outlier_channels"]) == 8 and len(calib["channel_absmax"]) == 64
+
+
+def test_bundle_id_ties_halves_and_ignores_edge_variant(tmp_path):
+    lm = load_model("tiny-glm4")
+    a = split(lm, SplitConfig(layer=2, out=tmp_path / "a", edge_quant="fp32"))
+    b = split(lm, SplitConfig(layer=2, out=tmp_path / "b", edge_quant="int8"))
+    c = split(lm, SplitConfig(layer=1, out=tmp_path / "c", edge_quant="fp32"))
+    assert a.bundle_id == b.bundle_id != c.bundle_id
+
+
+def test_edited_manifest_is_refused(tiny_glm4_bundle, tmp_path):
+    import shutil
+
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    raw = json.loads((d / "manifest.json").read_text())
+    raw["split_layer"] = 3
+    (d / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(BundleError, match="bundle id does not match"):
+        Manifest.load(d)
+
+
+def test_split_refuses_to_overwrite_a_non_bundle(tmp_path):
+    (tmp_path / "precious.txt").write_text("x")
+    with pytest.raises(BundleError, match="refusing to overwrite"):
+        split(load_model("tiny-glm4"), SplitConfig(layer=2, out=tmp_path))
