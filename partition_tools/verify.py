@@ -43,7 +43,7 @@ THRESHOLDS = {
 # is wired right, not quality (which only trained weights can show).
 UNTRAINED_THRESHOLDS = {
     "fp32": THRESHOLDS["fp32"],
-    "int8": Thresholds(0.95, 1e-3, 1.01, 1e-3),
+    "int8": Thresholds(0.90, 1e-3, 1.01, 1e-3),
     "int4": Thresholds(0.80, 5e-2, 1.10, 1e-3),
 }
 

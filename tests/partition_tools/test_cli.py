@@ -1,0 +1,88 @@
+"""The partition CLI end to end: split -> verify -> inspect, and every bad input as one line + non-zero exit."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from partition_tools.cli import main
+
+
+def test_split_verify_inspect_tiny_glm4v(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["split", "--preset", "tiny-glm4v", "--layer", "2", "--out", str(out)]) == 0
+    assert main(["verify", str(out), "--json", "--max-tokens", "256"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"top1_agreement", "mean_kl", "ppl_reference", "ppl_split", "tokens"} <= set(report)
+    assert report["tokens"] == 256 and report["passed"]
+    assert main(["inspect", str(out)]) == 0
+    assert "integrity  ok" in capsys.readouterr().out
+
+
+def test_verify_checkpoint_dir_bundle(llama_dir, tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["split", str(llama_dir), "--layer", "1", "--out", str(out)]) == 0
+    assert main(["verify", str(out), "--max-tokens", "128"]) == 0
+    assert "PASSED" in capsys.readouterr().out
+
+
+def test_verify_passes_on_default_bundle(tiny_glm4_bundle, capsys):
+    assert main(["verify", str(tiny_glm4_bundle), "--json", "--max-tokens", "256"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["edge_quant"] == "int8" and r["incremental_rel_err"] < 1e-3
+
+
+def _fails_in_one_line(argv, capsys, match):
+    capsys.readouterr()  # drop what the test's own setup printed
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and match in err, err
+
+
+@pytest.mark.parametrize("layer", ["0", "4", "-1"])
+def test_bad_split_layer(layer, tmp_path, capsys):
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", layer, "--out", str(tmp_path / "b")],
+                       capsys, "--layer")
+
+
+def test_unknown_source(tmp_path, capsys):
+    _fails_in_one_line(["split", "no-such-model", "--layer", "1", "--out", str(tmp_path / "b")], capsys,
+                       "no such preset")
+
+
+def test_unknown_architecture(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(d)
+    _fails_in_one_line(["split", str(d), "--layer", "1", "--out", str(tmp_path / "b")], capsys,
+                       "unsupported architecture: model_type='gpt2'")
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "tampered", "no-manifest"])
+def test_damaged_bundle(damage, tiny_glm4_bundle, tmp_path, capsys):
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    target = d / "cloud" / "back.safetensors"
+    if damage == "missing":
+        target.unlink()
+    elif damage == "truncated":
+        target.write_bytes(target.read_bytes()[:100])
+    elif damage == "tampered":
+        data = bytearray(target.read_bytes())
+        data[-10] ^= 0xFF
+        target.write_bytes(bytes(data))
+    else:
+        (d / "manifest.json").unlink()
+    _fails_in_one_line(["verify", str(d)], capsys, str(d))
+    if damage != "no-manifest":
+        assert main(["inspect", str(d)]) == 1
+        assert "integrity  FAILED" in capsys.readouterr().out
+
+
+def test_console_script_prints_no_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "partition_tools.cli", "verify", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "no such bundle directory" in r.stderr
