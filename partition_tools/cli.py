@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 
@@ -55,14 +56,17 @@ def _cmd_split(args) -> int:
     if args.layer is None or args.out is None:
         raise UsageError("split needs --layer N and --out DIR")
     cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant)
+    t0 = time.perf_counter()
     lm = load_model(source, seed=args.seed)
     m = split(lm, cfg)
+    seconds = time.perf_counter() - t0
     sizes = {"edge": 0, "cloud": 0, "shared": 0}
     for a in m.artifacts.values():
         sizes[a.role] += a.bytes
     print(f"bundle {m.bundle_id} -> {cfg.out}")
     print(f"  edge  : embeddings + layers [0, {m.split_layer}) {m.edge_quant} ONNX, {sizes['edge'] / 1e6:.2f} MB")
     print(f"  cloud : layers [{m.split_layer}, {m.num_layers}) + norm + lm_head, {sizes['cloud'] / 1e6:.2f} MB")
+    print(f"  took  : {seconds:.1f} s (load + export + quantize + write)")
     return 0
 
 
