@@ -1,0 +1,1013 @@
+"""Cloud engine on a GPU: the GLM fast path's decode throughput, its HBM roofline, batching gain, the
+plain-transformers baseline and tensor parallel, measured side by side in one run.
+
+Workload (the issue "Cloud engine on real GPUs"): the GLM-4.1V-9B text decoder split at N = 12, so the
+cloud runs 28 layers + final norm + lm_head in bf16 with random weights (speed does not depend on values).
+S simulated sessions each bring a 512-token prompt (boundary hidden states, prefilled in chunks before the
+timed phase) and then 128 decode steps, each fed one hidden state per session, as a phone would: the step's
+[S, H] input is copied from pinned host memory, the step is one CUDA-graph replay, and the sampled ids are
+copied back (the only host sync per step). All sessions decode in lockstep: this is the engine's
+steady-state decode batch; arrivals and departures are the scheduler's business, not this measurement's.
+
+Measured, in one process:
+* ``bandwidth``: device-to-device copy of a large buffer (bytes read + written / time);
+* ``fast``: per S, decode tokens/s and per-step latency, prefill tokens/s;
+* ``sequential``: the same decode served one session at a time (the articles' "before batching");
+* ``transformers``: plain transformers (``Glm4ForCausalLM`` with the same 28-layer shapes), eager forward
+  with its own ``DynamicCache`` (per-step latency) and ``generate``;
+* ``roofline``: bytes a decode step must move (weights once + every session's KV) / measured bandwidth,
+  and the fraction of it reached;
+* ``checks``: the Triton kernels and the fast model against the torch formulas and the library's layers on
+  this GPU (bf16 relative errors), CUDA-graph replay against the eager step;
+* ``memory``: weights, the KV pool for 128 sessions x 4,096 tokens, peak allocation, and what fits on
+  two 24 GiB RTX 4090s at TP = 2;
+* ``linear_tuning`` / ``attention_tuning``: before the graphs are captured, cuBLAS vs the Triton GEMV/GEMM
+  per projection shape and batch bucket, and the decode kernel's split/tile per bucket, timed here and the
+  fastest kept (``--no-tune-linear`` keeps cuBLAS and the heuristic);
+* ``breakdown``: each op class over all layers in its own CUDA graph: where a step's time goes.
+
+``--tp`` (under ``torchrun --nproc-per-node 2``): TP = 1 on rank 0, then TP = 2 on both ranks: step latency
+at S = 1 and throughput at S = 64, with NCCL and with the symmetric-memory one-shot all-reduce.
+
+Runs on CPU too with a tiny preset (``--preset tiny-glm4v``): the same code without graphs or Triton.
+Reproducing commands: docs/_gpu_perf.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cloud_server.fast import kernels
+from cloud_server.fast.attention import decode_attention_torch, decode_attention_triton
+from cloud_server.fast.config import FastGLMConfig
+from cloud_server.fast.glm import FastGLM, PrefillMeta
+from cloud_server.fast.graphs import DecodeGraphs
+from cloud_server.fast.kv import BlockAllocator, KVPool, KVPoolConfig
+
+GIB = 1 << 30
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    preset: str = "glm4v-9b-random"  # or tiny-glm4 / tiny-glm4v for a CPU smoke run
+    split: int = 12  # N: layers [0, N) are the phone's; the cloud runs [N, L)
+    sessions: tuple[int, ...] = (1, 8, 32, 64, 128)
+    prompt: int = 512
+    gen: int = 128
+    max_context: int = 4096  # tokens of KV each of pool_sessions sessions can hold
+    pool_sessions: int = 128
+    block_size: int = 16
+    prefill_chunk_tokens: int = 8192  # tokens per prefill forward (whole prompts)
+    sequential_sessions: int = 2  # sessions served one at a time for the "before batching" baseline
+    hf_sessions: tuple[int, ...] = (1, 64)  # plain-transformers batch sizes
+    hf_steps: int = 12  # timed eager decode steps per batch size
+    hf_generate_tokens: int = 24  # new tokens per generate() call
+    tp_sessions: tuple[int, ...] = (1, 64)
+    tp: bool = False
+    allreduce: tuple[str, ...] = ("nccl", "symm_mem")
+    seed: int = 0
+    skip_hf: bool = False
+    skip_checks: bool = False
+    tune_linear: bool = True  # time cuBLAS vs the Triton skinny GEMM per shape and use the faster
+    out: Path | None = None
+    merge: Path | None = None  # an earlier result JSON to extend (the TP run adds to the single-GPU one)
+
+    def __post_init__(self):
+        for name in ("split", "prompt", "gen", "max_context", "pool_sessions", "block_size",
+                     "prefill_chunk_tokens", "hf_steps", "hf_generate_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if any(s <= 0 for s in self.sessions) or max(self.sessions) > self.pool_sessions:
+            raise ValueError(f"sessions must be in [1, pool_sessions={self.pool_sessions}]")
+        if self.prompt + self.gen > self.max_context:
+            raise ValueError("prompt + gen exceeds max_context")
+        if self.prompt > self.prefill_chunk_tokens:
+            raise ValueError("prefill_chunk_tokens must hold at least one prompt")
+
+
+# ------------------------------------------------------------------------------------------------
+# plumbing
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def model_config(preset: str, split: int) -> tuple[FastGLMConfig, object]:
+    from partition_tools import models
+
+    full = {"glm4v-9b-random": models.glm4v_9b_text_config, "tiny-glm4": models.tiny_glm4_config,
+            "tiny-glm4v": models.tiny_glm4v_config}.get(preset)
+    if full is None:
+        raise ValueError(f"--preset must be glm4v-9b-random, tiny-glm4 or tiny-glm4v, got {preset!r}")
+    hf = full()
+    total = hf.get_text_config().num_hidden_layers
+    if not 0 < split < total:
+        raise ValueError(f"--split must be in [1, {total - 1}]")
+    return FastGLMConfig.from_hf(hf, num_layers=total - split, max_position=8192), hf
+
+
+def env_info(dev: torch.device) -> dict:
+    import transformers
+
+    info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": str(dev), "triton": None}
+    if kernels.HAVE_TRITON:
+        import triton
+
+        info["triton"] = triton.__version__
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(gpu=p.name, sm_count=p.multi_processor_count, gpu_mem_gib=round(p.total_memory / GIB, 1),
+                    cuda=torch.version.cuda)
+    else:
+        info["gpu"] = None
+    return info
+
+
+def measure_bandwidth(dev: torch.device, nbytes: int, reps: int = 20) -> dict:
+    """Device-to-device copy: (bytes read + bytes written) / median time."""
+    n = nbytes // 2
+    src = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 3):
+        sync(dev)
+        t0 = time.perf_counter()
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            b.synchronize()
+            dt = a.elapsed_time(b) / 1e3
+        else:
+            dst.copy_(src)
+            dt = time.perf_counter() - t0
+        if i >= 3:
+            times.append(dt)
+    med = statistics.median(times)
+    del src, dst
+    return {"bytes_per_copy": 2 * n * 2, "median_s": med, "gb_per_s": 2 * n * 2 / med / 1e9}
+
+
+# ------------------------------------------------------------------------------------------------
+# sessions: the minimal serving loop
+
+
+class Sessions:
+    """S sessions' KV blocks (reserved for prompt + gen at admission) and device-side decode state."""
+
+    def __init__(self, n: int, tokens: int, alloc: BlockAllocator, max_blocks: int, dev: torch.device):
+        self.n, self.alloc = n, alloc
+        self.blocks = [alloc.allocate(tokens) for _ in range(n)]
+        tab = torch.zeros(n, max_blocks, dtype=torch.int32)
+        for i, b in enumerate(self.blocks):
+            tab[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        self.tables = tab.to(dev)  # [S, MAXB]
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)  # next position to decode
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)  # context incl. that token
+
+    def release(self) -> None:
+        for b in self.blocks:
+            self.alloc.free(b)
+        self.blocks = []
+
+
+def prefill(model: FastGLM, kv: KVPool, sess: Sessions, prompt: int, chunk_tokens: int, gen: torch.Generator,
+            dev: torch.device) -> float:
+    """Prefill every session's prompt (random boundary states), whole prompts per chunk; returns seconds."""
+    per_chunk = max(1, chunk_tokens // prompt)
+    bs = kv.block_size
+    sync(dev)
+    t0 = time.perf_counter()
+    for start in range(0, sess.n, per_chunk):
+        idx = list(range(start, min(sess.n, start + per_chunk)))
+        k = len(idx)
+        hidden = torch.randn(k * prompt, model.cfg.hidden_size, generator=gen, device=dev, dtype=model.dtype)
+        pos = torch.arange(prompt, device=dev).repeat(k)  # [k * prompt]
+        tables = sess.tables[idx]  # [k, MAXB]
+        rows = torch.arange(k, device=dev).repeat_interleave(prompt)
+        slots = tables[rows, pos // bs].long() * bs + pos % bs
+        model.prefill(hidden, pos, slots, kv, PrefillMeta([prompt] * k, [prompt] * k, tables))
+    sync(dev)
+    sess.positions.fill_(prompt)
+    sess.seq_lens.fill_(prompt + 1)
+    return time.perf_counter() - t0
+
+
+def decode(graphs: DecodeGraphs, sess: Sessions, steps: int, inputs: list[torch.Tensor],
+           full_metadata: bool = False) -> dict:
+    """``steps`` decode steps of all sessions; per-step wall time includes input copy, replay and id readback.
+
+    The first step uploads the batch's metadata; later ones only the hidden states (``step_next``), unless
+    ``full_metadata`` (positions, lengths and block tables uploaded every step, as the engine adapter does)."""
+    dev = graphs.model.device
+    ids_host = torch.empty(sess.n, dtype=torch.long, pin_memory=dev.type == "cuda")
+    done = torch.cuda.Event() if dev.type == "cuda" else None
+    times = []
+    sync(dev)
+    t_start = time.perf_counter()
+    for step in range(steps):
+        t0 = time.perf_counter()
+        hid = inputs[step % len(inputs)][: sess.n]  # [S, H] pinned host: the phones' boundary states
+        if step == 0 or full_metadata:
+            _, ids = graphs.step(hid, sess.positions, sess.seq_lens, sess.tables)
+        else:
+            _, ids = graphs.step_next(hid)
+        ids_host.copy_(ids, non_blocking=True)
+        if full_metadata:
+            sess.positions += 1
+            sess.seq_lens += 1
+        if done is not None:
+            done.record()
+            done.synchronize()  # the sampled ids go back to the phones
+        times.append(time.perf_counter() - t0)
+    total = time.perf_counter() - t_start
+    if not full_metadata:
+        sess.positions += steps
+        sess.seq_lens += steps
+    return {"steps": steps, "total_s": total, "step_ms_mean": 1e3 * total / steps,
+            "step_ms_median": 1e3 * statistics.median(times), "step_ms_p90": 1e3 * sorted(times)[int(0.9 * steps)],
+            "tokens_per_s": sess.n * steps / total}
+
+
+def host_inputs(n: int, hidden: int, dtype, dev: torch.device, count: int = 4) -> list[torch.Tensor]:
+    pin = dev.type == "cuda"
+    return [torch.randn(n, hidden).to(dtype).pin_memory() if pin else torch.randn(n, hidden).to(dtype)
+            for _ in range(count)]
+
+
+# ------------------------------------------------------------------------------------------------
+# roofline and memory
+
+
+def roofline(cfg: FastGLMConfig, s: int, prompt: int, gen: int, step_ms: float, bw_gbs: float,
+             tp: int = 1) -> dict:
+    avg_ctx = prompt + (gen + 1) / 2  # context grows from prompt + 1 to prompt + gen over the decode
+    w = cfg.weight_bytes() / tp
+    kv = s * avg_ctx * cfg.kv_bytes_per_token() / tp
+    t_w = w / (bw_gbs * 1e9) * 1e3
+    t_all = (w + kv) / (bw_gbs * 1e9) * 1e3
+    return {"weight_bytes": w, "kv_read_bytes": kv, "roofline_ms_weights": t_w, "roofline_ms": t_all,
+            "fraction": t_all / step_ms, "fraction_weights_only": t_w / step_ms}
+
+
+def memory_plan(cfg: FastGLMConfig, overhead_bytes: float, gpu_gib: float = 24.0, tp: int = 2,
+                context: int = 4096) -> dict:
+    """What fits per GPU on ``tp`` GPUs of ``gpu_gib`` GiB: weights / tp + overhead + KV / tp."""
+    w = cfg.weight_bytes() / tp
+    per_tok = cfg.kv_bytes_per_token() / tp
+    free = gpu_gib * GIB - w - overhead_bytes
+    tokens = max(0, int(free // per_tok))
+    return {"gpu_gib": gpu_gib, "tp": tp, "weights_gib_per_gpu": w / GIB, "overhead_gib_per_gpu": overhead_bytes / GIB,
+            "kv_bytes_per_token_per_gpu": per_tok, "kv_tokens_fit": tokens,
+            "sessions_fit_at_4096": tokens // context, "sessions_fit_at_640": tokens // 640,
+            "kv_gib_for_128x4096_per_gpu": 128 * context * per_tok / GIB}
+
+
+# ------------------------------------------------------------------------------------------------
+# checks: kernels and model on this device
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def check_kernels(cfg: FastGLMConfig, dev: torch.device, dtype) -> dict:
+    if not kernels.HAVE_TRITON or dev.type != "cuda":
+        return {"skipped": "no triton on this device"}
+    g = torch.Generator(device=dev).manual_seed(1)
+    h, out = cfg.hidden_size, {}
+    x, r = (torch.randn(37, h, device=dev, generator=g, dtype=dtype) for _ in range(2))
+    w1, w2 = (torch.rand(h, device=dev, generator=g).to(dtype) + 0.5 for _ in range(2))
+    out["rmsnorm"] = rel(kernels.rmsnorm(x, w1, 1e-5, "triton"), kernels.rmsnorm_torch(x, w1, 1e-5))
+    ht, ot = kernels.add_norm_norm(x, r.clone(), w1, w2, 1e-5, "triton")
+    hr, orf = kernels.add_norm_norm_torch(x, r, w1, w2, 1e-5)
+    out["add_norm_norm"] = max(rel(ht, hr), rel(ot, orf))
+    gu = torch.randn(37, 2 * cfg.intermediate_size, device=dev, generator=g, dtype=dtype)
+    out["silu_mul"] = rel(kernels.silu_mul(gu, "triton"), kernels.silu_mul_torch(gu))
+    nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = torch.randn(37, (nq + 2 * nkv) * d, device=dev, generator=g, dtype=dtype)
+    model_tab = FastGLM.random(FastGLMConfig(h, nq, nkv, d, 64, 1, 64, rotary_dim=cfg.rotary_dim,
+                                             max_position=8192), dtype, dev)
+    pos = torch.randint(0, 4000, (37,), device=dev, generator=g)
+    slots = torch.randperm(64 * 16, device=dev, generator=g)[:37]
+    caches = [torch.zeros(64, 16, nkv, d, device=dev, dtype=dtype) for _ in range(4)]
+    a, b = qkv.clone(), qkv.clone()
+    kernels.rope_store(a, pos, model_tab.rope_cos, model_tab.rope_sin, caches[0], caches[1], slots, nq, nkv, d,
+                       cfg.rotary_dim, "triton")
+    kernels.rope_store_torch(b, pos, model_tab.rope_cos, model_tab.rope_sin, caches[2], caches[3], slots, nq, nkv, d,
+                             cfg.rotary_dim)
+    out["rope_store"] = max(rel(a, b), rel(caches[0], caches[2]), rel(caches[1], caches[3]))
+    kc, vc = (torch.randn(300, 16, nkv, d, device=dev, generator=g, dtype=dtype) for _ in range(2))
+    q = torch.randn(5, nq, d, device=dev, generator=g, dtype=dtype)
+    bt = torch.randperm(299, device=dev, generator=g)[:5 * 40].view(5, 40).int() + 1
+    lens = torch.tensor([1, 17, 333, 640, 640], dtype=torch.int32, device=dev)
+    ref = decode_attention_torch(q.float(), kc.float(), vc.float(), bt, lens, d ** -0.5)
+    out["decode_attention"] = max(rel(decode_attention_triton(q, kc, vc, bt, lens, d ** -0.5, split=s), ref)
+                                  for s in (64, 256, 640))
+    return out
+
+
+def check_model(hf_full, cfg: FastGLMConfig, dev: torch.device, dtype) -> dict:
+    """Two library layers (the text decoder's own classes) vs FastGLM built from them, prefill and decode."""
+    from transformers import AutoModel
+
+    from partition_tools.adapters import call_layer
+
+    text = hf_full.get_text_config()
+    small = type(text)(**{**text.to_dict(), "num_hidden_layers": 2})
+    small._attn_implementation = "sdpa"
+    torch.manual_seed(2)
+    with torch.device(dev):
+        ref_model = AutoModel.from_config(small, dtype=dtype).eval()
+        lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+    with torch.no_grad():
+        for layer in ref_model.layers:  # the library initialises norms to ones and biases to zero: perturb
+            for p in layer.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.05)
+    fast = FastGLM.from_modules(ref_model.layers, ref_model.norm, lm_head, small)
+    s = 45
+    hidden = torch.randn(s, cfg.hidden_size, device=dev, dtype=dtype)
+    pos = torch.arange(s, device=dev)[None]
+    with torch.no_grad():
+        h = hidden[None]
+        p3 = pos[None].expand(3, 1, s) if small.model_type != "glm4" else pos
+        cos_sin = ref_model.rotary_emb(h, p3)
+        for layer in ref_model.layers:
+            h = call_layer(layer, h, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
+        ref = lm_head(ref_model.norm(h))[0].float()  # [S, V]
+    kv = KVPool(KVPoolConfig(2, 8, 16, cfg.num_kv_heads, cfg.head_dim), dtype, dev)
+    blocks = [5, 2, 7, 1]
+    bt = torch.tensor([blocks + [0] * 4], dtype=torch.int32, device=dev)
+    slots = torch.tensor([blocks[t // 16] * 16 + t % 16 for t in range(s)], device=dev)
+    p = s - 4
+    out = {}
+    logits = fast.prefill(hidden[:p], pos[0, :p], slots[:p], kv, PrefillMeta([p], [p], bt))
+    out["prefill_logits_rel"] = rel(logits[0].float(), ref[p - 1])
+    graphs = DecodeGraphs(fast, kv, max_batch=2, max_blocks_per_seq=8)
+    graphs.capture()
+    errs = []
+    for t in range(p, s):
+        lg, _ = graphs.step(hidden[t:t + 1], torch.tensor([t], device=dev), torch.tensor([t + 1], dtype=torch.int32,
+                                                                                      device=dev), bt)
+        errs.append(rel(lg[0].float(), ref[t]))
+    out["decode_logits_rel_max"] = max(errs)
+    if graphs.use_graphs:
+        one = (hidden[s - 1:s], torch.tensor([s - 1], device=dev), torch.tensor([s], dtype=torch.int32, device=dev))
+        # graph replay == eager step on the same state (the last step again: same inputs, same slot)
+        graphs.use_graphs = False
+        lg_e = graphs.step(*one, bt)[0].float()
+        graphs.use_graphs = True
+        lg_g = graphs.step(*one, bt)[0].float()
+        out["graph_vs_eager_rel"] = rel(lg_g, lg_e)
+        # bucket 2 replayed for batch 1: its padding row must not touch the live sequence's blocks
+        before = kv.k[:, blocks].clone()
+        graphs.step(*one, bt)
+        out["padding_touched_live_kv"] = bool((kv.k[:, blocks] != before).any())
+    del ref_model, fast, graphs, kv
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# where a decode step's time goes: each op over all layers, in a CUDA graph (no launch gaps between calls)
+
+
+def time_graph(fn, reps: int = 10) -> float:
+    """Median ms of one replay of a graph of ``fn`` (captured after two warm-up calls)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del g
+    return statistics.median(times[2:])
+
+
+def tune_linears(model: FastGLM, dev, dtype) -> dict:
+    """Time cuBLAS and the Triton candidates (linear.candidates) on every projection shape, over all layers'
+    weights as a decode step reads them, at batch 1, 16, 64 and 128; use the fastest Triton config where it
+    is checked correct and > 3 % faster than cuBLAS. Returns the table."""
+    import torch.nn.functional as F
+
+    from cloud_server.fast.linear import candidates, m_bucket, run_config
+
+    layers = model.layers
+    groups = {"qkv": [(l_.qkv_weight, l_.qkv_bias) for l_ in layers], "o": [(l_.o_weight, None) for l_ in layers],
+              "gate_up": [(l_.gate_up_weight, None) for l_ in layers], "down": [(l_.down_weight, None) for l_ in layers],
+              "lm_head": [(model.lm_head_weight, None)]}
+    table = {}
+    for m in (1, 16, 64, 128):
+        for name, ws in groups.items():
+            w0, b0 = ws[0]
+            n, k = w0.shape
+            x = torch.randn(m, k, device=dev, dtype=dtype)
+            nbytes = sum(w.numel() * w.element_size() for w, _ in ws)
+            t_cu = time_graph(lambda x=x, ws=ws: [F.linear(x, w, b) for w, b in ws])
+            row = {"n": n, "k": k, "m": m, "cublas_ms": t_cu, "cublas_gbs": nbytes / t_cu / 1e6, "chosen": "cublas"}
+            best, best_t = None, 0.97 * t_cu
+            if kernels.HAVE_TRITON:
+                ref = F.linear(x, w0, b0).float()
+                for cfg in candidates(m, n, k):
+                    try:
+                        err = rel(run_config(cfg, x, w0, b0).float(), ref)
+                        if err > 1e-2:
+                            continue
+                        t = time_graph(lambda cfg=cfg, x=x, ws=ws: [run_config(cfg, x, w, b) for w, b in ws])
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile is just not chosen
+                        row.setdefault("errors", []).append(f"{cfg}: {e!r}"[:200])
+                        continue
+                    if t < best_t:
+                        best, best_t = cfg, t
+            if best is not None:
+                model.linear.set(n, k, m_bucket(m), best)
+                row.update(chosen=f"triton {best.kernel} n{best.block_n} k{best.block_k} w{best.num_warps} "
+                                  f"s{best.num_stages}", triton_ms=best_t, triton_gbs=nbytes / best_t / 1e6)
+            table[f"{name}@m{m}"] = row
+            log(f"  linear {name:8s} m={m:3d}: cuBLAS {row['cublas_gbs']:.0f} GB/s"
+                + (f", {row['chosen']} {row['triton_gbs']:.0f} GB/s" if best is not None else " (kept)"))
+    return table
+
+
+def attention_inputs(model: FastGLM, kv: KVPool, m: int, ctx: int, dev, dtype):
+    """q [m, Hq, D], block tables [m, blocks] over distinct pool blocks, lengths [m] = ctx."""
+    bs = kv.block_size
+    nblk = -(-ctx // bs)
+    tables = (torch.arange(m * nblk, device=dev, dtype=torch.int32).view(m, nblk) % (kv.cfg.num_blocks - 1)) + 1
+    lens = torch.full((m,), ctx, dtype=torch.int32, device=dev)
+    q = torch.randn(m, model.local_heads, model.cfg.head_dim, device=dev, dtype=dtype)
+    return q, tables, lens
+
+
+def tune_attention(model: FastGLM, kv: KVPool, graphs: DecodeGraphs, ctx: int, dev, dtype) -> dict:
+    """Per decode bucket, time split/tile configs of the decode kernel (all layers) and keep the fastest."""
+    from cloud_server.fast.attention import MAX_SPLITS, DecodeConfig, decode_attention_triton
+
+    ws = graphs.workspace
+    max_tokens = graphs.block_tables.shape[1] * kv.block_size
+    table = {}
+    for b in graphs.buckets:
+        q, tables, lens = attention_inputs(model, kv, b, ctx, dev, dtype)
+        full = torch.zeros(b, graphs.block_tables.shape[1], dtype=torch.int32, device=dev)
+        full[:, : tables.shape[1]] = tables  # the captured graphs see the full-width tables
+        results = {}
+        for split in (64, 128, 256, 512):
+            if math.ceil(max_tokens / split) > MAX_SPLITS:
+                continue
+            for bn, warps, stages in ((64, 4, 2), (32, 4, 3), (64, 8, 3)):
+                cfg = DecodeConfig(split, bn, warps, stages)
+                try:
+                    t = time_graph(lambda cfg=cfg, q=q, full=full, lens=lens: [
+                        decode_attention_triton(q, *kv.layer(i), full, lens, 0.088, ws, config=cfg)
+                        for i in range(model.cfg.num_layers)])
+                except Exception as e:  # noqa: BLE001
+                    table.setdefault("errors", []).append(f"{cfg}: {e!r}"[:200])
+                    continue
+                results[cfg] = t
+        best = min(results, key=results.get)
+        ws.configs[b] = best
+        table[str(b)] = {"config": [best.split, best.block_n, best.num_warps, best.num_stages],
+                         "ms_all_layers": results[best],
+                         "heuristic_ms": results.get(DecodeConfig(_heuristic_split(b, model, max_tokens)))}
+        log(f"  attention b={b:3d}: split {best.split} block {best.block_n} warps {best.num_warps} "
+            f"stages {best.num_stages}: {results[best]:.3f} ms / step (ctx {ctx})")
+    return table
+
+
+def _heuristic_split(b: int, model: FastGLM, max_tokens: int) -> int:
+    from cloud_server.fast.attention import decode_split_tokens
+
+    return decode_split_tokens(b, model.local_kv_heads, max_tokens)
+
+
+def breakdown(model: FastGLM, kv: KVPool, graphs: DecodeGraphs, m: int, ctx: int, dev, dtype, bw_gbs: float) -> dict:
+    """ms per decode step spent in each op class (all layers), at batch ``m`` with ``ctx`` tokens of context."""
+    from cloud_server.fast.attention import decode_attention
+
+    cfg, be, eps = model.cfg, model.backend, model.cfg.rms_norm_eps
+    nq, nkv, d = model.local_heads, model.local_kv_heads, cfg.head_dim
+    h, layers = cfg.hidden_size, model.layers
+    x = torch.randn(m, h, device=dev, dtype=dtype)
+    res = torch.randn(m, h, device=dev, dtype=dtype)
+    qkv = torch.randn(m, (nq + 2 * nkv) * d, device=dev, dtype=dtype)
+    attn_in = torch.randn(m, nq * d, device=dev, dtype=dtype)
+    gu = torch.randn(m, 2 * layers[0].down_weight.shape[1], device=dev, dtype=dtype)
+    act = torch.randn(m, layers[0].down_weight.shape[1], device=dev, dtype=dtype)
+    bs = kv.block_size
+    q, tables, lens = attention_inputs(model, kv, m, ctx, dev, dtype)
+    full = torch.zeros(m, graphs.block_tables.shape[1], dtype=torch.int32, device=dev)
+    full[:, : tables.shape[1]] = tables
+    pos = torch.full((m,), ctx - 1, dtype=torch.long, device=dev)
+    slots = tables[:, -1].long() * bs + (ctx - 1) % bs
+    ws = graphs.workspace
+    ops = {
+        "qkv": lambda: [model.linear(x, l_.qkv_weight, l_.qkv_bias) for l_ in layers],
+        "rope_store": lambda: [kernels.rope_store(qkv, pos, model.rope_cos, model.rope_sin, *kv.layer(i), slots, nq, nkv,
+                                                  d, cfg.rotary_dim, be) for i in range(len(layers))],
+        "attention": lambda: [decode_attention(q, *kv.layer(i), full, lens, d ** -0.5, be, ws)
+                              for i in range(len(layers))],
+        "o": lambda: [model.linear(attn_in, l_.o_weight) for l_ in layers],
+        "norms": lambda: [kernels.add_norm_norm(x, res, l_.post_self_attn_ln, l_.post_attention_ln, eps, be)
+                          for l_ in layers for _ in range(2)],
+        "gate_up": lambda: [model.linear(x, l_.gate_up_weight) for l_ in layers],
+        "silu_mul": lambda: [kernels.silu_mul(gu, be) for _ in layers],
+        "down": lambda: [model.linear(act, l_.down_weight) for l_ in layers],
+        "lm_head": lambda: model.linear(x, model.lm_head_weight),
+    }
+    out = {}
+    for name, fn in ops.items():
+        out[name] = {"ms": time_graph(fn)}
+    gemm_bytes = {"qkv": sum(l_.qkv_weight.numel() for l_ in layers), "o": sum(l_.o_weight.numel() for l_ in layers),
+                  "gate_up": sum(l_.gate_up_weight.numel() for l_ in layers),
+                  "down": sum(l_.down_weight.numel() for l_ in layers), "lm_head": model.lm_head_weight.numel()}
+    for name, n in gemm_bytes.items():
+        out[name]["gb_per_s"] = n * 2 / out[name]["ms"] / 1e6
+        out[name]["fraction_of_copy_bw"] = out[name]["gb_per_s"] / bw_gbs
+    kv_bytes = len(layers) * m * ctx * 2 * nkv * d * 2
+    out["attention"]["gb_per_s"] = kv_bytes / out["attention"]["ms"] / 1e6
+    out["sum_ms"] = sum(v["ms"] for v in out.values() if isinstance(v, dict))
+    log(f"  breakdown m={m} ctx={ctx}: " + ", ".join(f"{k} {v['ms']:.3f}" for k, v in out.items() if isinstance(v, dict))
+        + f"; sum {out['sum_ms']:.3f} ms")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the fast path: decode sweep
+
+
+def build_fast(cfg: FastGLMConfig, bc: BenchConfig, dev, dtype, tp_rank: int = 0, tp_size: int = 1,
+               allreduce: str = "nccl", tune: dict | None = None):
+    """Random-weight model (sharded under TP), KV pool for pool_sessions x max_context, captured graphs.
+
+    ``tune`` (a dict): time cuBLAS vs the Triton skinny GEMM per shape first and record the table there."""
+    model = FastGLM.random(cfg, dtype, dev, seed=bc.seed)
+    if tp_size > 1:
+        from cloud_server.fast import tp
+
+        tp.shard_model(model, tp_rank, tp_size)
+        if allreduce == "symm_mem":
+            model.all_reduce = tp.SymmMemAllReduce(None, max(bc.sessions + bc.tp_sessions), cfg.hidden_size, dtype,
+                                                   dev)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    max_blocks = -(-bc.max_context // bc.block_size)
+    pool_cfg = KVPoolConfig.for_tokens(cfg.num_layers, bc.pool_sessions * bc.max_context, bc.block_size,
+                                       model.local_kv_heads, cfg.head_dim)
+    kv = KVPool(pool_cfg, dtype, dev)
+    alloc = BlockAllocator(pool_cfg.num_blocks, bc.block_size)
+    graphs = DecodeGraphs(model, kv, max_batch=max(bc.sessions + bc.tp_sessions), max_blocks_per_seq=max_blocks)
+    if tune is not None and "chosen" in tune:  # same shapes as an earlier build of this process: reuse
+        model.linear.choice.update(tune["chosen"][0])
+        graphs.workspace.configs.update(tune["chosen"][1])
+    elif tune is not None and dev.type == "cuda":
+        tune["linear"] = tune_linears(model, dev, dtype)
+        if model.backend == "triton":
+            tune["attention"] = tune_attention(model, kv, graphs, bc.prompt + bc.gen // 2, dev, dtype)
+        tune["chosen"] = (dict(model.linear.choice), dict(graphs.workspace.configs))
+    t0 = time.perf_counter()
+    graphs.capture()
+    return model, kv, alloc, graphs, time.perf_counter() - t0
+
+
+EXTRA_STEPS = 64  # KV room per session beyond prompt + gen for the side measurements
+
+
+def gpu_step_ms(graphs: DecodeGraphs, n: int, reps: int = 20) -> float:
+    """GPU time of one step replayed back to back (no host sync between steps): the step without the host."""
+    if not graphs.use_graphs:
+        return float("nan")
+    hid = graphs.hidden[:n].clone()
+    graphs.step_next(hid)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graphs.step_next(hid)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def probe_logits(model: FastGLM, kv: KVPool, alloc: BlockAllocator, graphs: DecodeGraphs, dev, dtype,
+                 tokens: int = 64) -> torch.Tensor:
+    """Logits of one fixed 64-token prefill (same inputs on every rank): compares TP = 2 with TP = 1."""
+    gen = torch.Generator().manual_seed(1234)
+    hidden = torch.randn(tokens, model.cfg.hidden_size, generator=gen).to(device=dev, dtype=dtype)
+    sess = Sessions(1, tokens, alloc, graphs.block_tables.shape[1], dev)
+    pos = torch.arange(tokens, device=dev)
+    bs = kv.block_size
+    slots = sess.tables[0, pos // bs].long() * bs + pos % bs
+    logits = model.prefill(hidden, pos, slots, kv, PrefillMeta([tokens], [tokens], sess.tables))
+    sess.release()
+    return logits.float().cpu()
+
+
+def sweep(model, kv, alloc, graphs, bc: BenchConfig, sessions: tuple[int, ...], dev, dtype, bw: float,
+          tp: int = 1) -> dict:
+    gen = torch.Generator(device=dev).manual_seed(bc.seed + 1)
+    max_blocks = graphs.block_tables.shape[1]
+    inputs = host_inputs(max(sessions), model.cfg.hidden_size, dtype, dev)
+    warm = Sessions(1, bc.prompt + bc.gen + EXTRA_STEPS, alloc, max_blocks, dev)  # first-call costs out of the way
+    prefill(model, kv, warm, bc.prompt, bc.prefill_chunk_tokens, gen, dev)
+    decode(graphs, warm, 4, inputs)
+    warm.release()
+    out = {}
+    for s in sessions:
+        sess = Sessions(s, bc.prompt + bc.gen + EXTRA_STEPS, alloc, max_blocks, dev)
+        t_pre = prefill(model, kv, sess, bc.prompt, bc.prefill_chunk_tokens, gen, dev)
+        res = decode(graphs, sess, bc.gen, inputs)
+        res["prefill_s"] = t_pre
+        res["prefill_tokens_per_s"] = s * bc.prompt / t_pre
+        res["roofline"] = roofline(model.cfg, s, bc.prompt, bc.gen, res["step_ms_mean"], bw, tp)
+        if s in (1, 64):  # the engine adapter's way (metadata every step), and the GPU time alone
+            full = decode(graphs, sess, 32, inputs, full_metadata=True)
+            res["full_metadata_step_ms_mean"] = full["step_ms_mean"]
+            res["gpu_step_ms"] = gpu_step_ms(graphs, s)
+        sess.release()
+        out[str(s)] = res
+        log(f"  S={s:4d}: step {res['step_ms_mean']:.3f} ms (median {res['step_ms_median']:.3f}"
+            + (f", metadata every step {res['full_metadata_step_ms_mean']:.3f}, GPU only {res['gpu_step_ms']:.3f}"
+               if "gpu_step_ms" in res else "")
+            + f"), {res['tokens_per_s']:.0f} tok/s, roofline {res['roofline']['roofline_ms']:.3f} ms -> "
+            f"{100 * res['roofline']['fraction']:.1f} %, prefill {res['prefill_tokens_per_s']:.0f} tok/s")
+    return out
+
+
+def sequential(model, kv, alloc, graphs, bc: BenchConfig, dev, dtype) -> dict:
+    """Sessions served one at a time (batch 1 each): the 'before batching' baseline."""
+    gen = torch.Generator(device=dev).manual_seed(bc.seed + 2)
+    inputs = host_inputs(1, model.cfg.hidden_size, dtype, dev)
+    total_t, tokens = 0.0, 0
+    for _ in range(bc.sequential_sessions):
+        sess = Sessions(1, bc.prompt + bc.gen, alloc, graphs.block_tables.shape[1], dev)
+        prefill(model, kv, sess, bc.prompt, bc.prefill_chunk_tokens, gen, dev)
+        r = decode(graphs, sess, bc.gen, inputs)
+        total_t += r["total_s"]
+        tokens += bc.gen
+        sess.release()
+    return {"sessions": bc.sequential_sessions, "tokens_per_s": tokens / total_t,
+            "step_ms_mean": 1e3 * total_t / (bc.sequential_sessions * bc.gen)}
+
+
+# ------------------------------------------------------------------------------------------------
+# plain transformers
+
+
+def hf_baseline(cfg: FastGLMConfig, bc: BenchConfig, dev, dtype) -> dict:
+    import inspect
+
+    from transformers import DynamicCache, GenerationConfig, Glm4Config, Glm4ForCausalLM
+
+    hcfg = Glm4Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                      num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                      num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, attention_bias=True,
+                      rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=8192, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2, tie_word_embeddings=False,
+                      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                       "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim})
+    t0 = time.perf_counter()
+    with torch.device(dev):
+        model = Glm4ForCausalLM._from_config(hcfg, dtype=dtype).eval()
+    log(f"  transformers model built in {time.perf_counter() - t0:.1f} s "
+        f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, attn={model.config._attn_implementation})")
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = {"model": "Glm4ForCausalLM", "layers": cfg.num_layers, "attn_implementation": model.config._attn_implementation,
+           "eager": {}, "generate": {}}
+    h = cfg.hidden_size
+    with torch.no_grad():
+        for s in bc.hf_sessions:
+            cache = DynamicCache(config=hcfg)
+            emb = torch.randn(s, bc.prompt, h, device=dev, dtype=dtype)
+            o = model(inputs_embeds=emb, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+            o.logits[:, -1].argmax(-1).tolist()
+            times = []
+            for _ in range(bc.hf_steps + 2):
+                x = torch.randn(s, 1, h, device=dev, dtype=dtype)
+                sync(dev)
+                t0 = time.perf_counter()
+                o = model(inputs_embeds=x, use_cache=True, **{cache_kw: cache})
+                o.logits[:, -1].argmax(-1).tolist()  # the sampled ids to the host, as a server must
+                times.append(time.perf_counter() - t0)
+            times = times[2:]
+            step = statistics.median(times)
+            out["eager"][str(s)] = {"step_ms_median": 1e3 * step, "tokens_per_s": s / step, "steps": len(times)}
+            log(f"  transformers eager S={s}: step {1e3 * step:.1f} ms, {s / step:.0f} tok/s")
+            del cache, o
+            torch.cuda.empty_cache() if dev.type == "cuda" else None
+        gcfg = GenerationConfig(max_new_tokens=bc.hf_generate_tokens, min_new_tokens=bc.hf_generate_tokens,
+                                do_sample=False, pad_token_id=0, eos_token_id=2)
+        for s in bc.hf_sessions:
+            emb = torch.randn(s, bc.prompt, h, device=dev, dtype=dtype)
+            mask = torch.ones(s, bc.prompt, dtype=torch.long, device=dev)
+            sync(dev)
+            t0 = time.perf_counter()
+            res = model.generate(inputs_embeds=emb, attention_mask=mask, generation_config=gcfg)
+            sync(dev)
+            dt = time.perf_counter() - t0
+            new = res.shape[1] if res.shape[1] <= bc.hf_generate_tokens else res.shape[1] - bc.prompt
+            out["generate"][str(s)] = {"new_tokens": int(new), "seconds": dt, "tokens_per_s": s * new / dt,
+                                       "note": "includes the 512-token prefill, as generate() does"}
+            log(f"  transformers generate S={s}: {s * new / dt:.1f} tok/s ({new} new tokens in {dt:.2f} s)")
+    del model
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# runs
+
+
+def run_single(bc: BenchConfig) -> dict:
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg, hf_full = model_config(bc.preset, bc.split)
+    res: dict = {"config": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+                            for k, v in asdict(bc).items()},
+                 "env": env_info(dev), "model": asdict(cfg), "errors": {}}
+    res["gpu"] = res["env"]["gpu"]
+    save(bc, res)
+    log(f"env: {res['env']}")
+    bw = measure_bandwidth(dev, 4 * GIB if dev.type == "cuda" else 64 << 20)
+    res["bandwidth"] = bw
+    log(f"copy bandwidth: {bw['gb_per_s']:.0f} GB/s")
+    if not bc.skip_checks:
+        for name, fn in (("kernels", lambda: check_kernels(cfg, dev, dtype)),
+                         ("model", lambda: check_model(hf_full, cfg, dev, dtype))):
+            try:
+                res.setdefault("checks", {})[name] = fn()
+                log(f"check {name}: {res['checks'][name]}")
+            except Exception as e:  # noqa: BLE001 - record and go on: one run must yield all it can
+                res["errors"][f"check_{name}"] = traceback.format_exc()
+                log(f"check {name} FAILED: {e}")
+        save(bc, res)
+    log(f"building the fast model: {cfg.num_layers} layers, {cfg.weight_bytes() / 1e9:.2f} GB of weights")
+    t0 = time.perf_counter()
+    tune: dict = {}
+    model, kv, alloc, graphs, t_cap = build_fast(cfg, bc, dev, dtype, tune=tune if bc.tune_linear else None)
+    res["linear_tuning"] = tune.get("linear")
+    res["attention_tuning"] = tune.get("attention")
+    tune.pop("chosen", None)
+    res["fast_build"] = {"seconds": time.perf_counter() - t0, "graph_capture_s": t_cap, "buckets": graphs.buckets,
+                         "backend": model.backend, "graphs": graphs.use_graphs}
+    mem = {"weights_bytes": model.weight_bytes_local(), "kv_pool_bytes": kv.nbytes(),
+           "kv_pool_tokens": (kv.cfg.num_blocks - 1) * kv.block_size}
+    log(f"fast model ready: {res['fast_build']}")
+    if dev.type == "cuda":
+        try:
+            res["breakdown"] = {str(m): breakdown(model, kv, graphs, m, bc.prompt + bc.gen // 2, dev, dtype,
+                                                  bw["gb_per_s"])
+                                for m in (1, 64) if m <= graphs.max_batch}
+        except Exception as e:  # noqa: BLE001
+            res["errors"]["breakdown"] = traceback.format_exc()
+            log(f"breakdown FAILED: {e}")
+        save(bc, res)
+    res["fast"] = sweep(model, kv, alloc, graphs, bc, bc.sessions, dev, dtype, bw["gb_per_s"])
+    save(bc, res)
+    res["sequential"] = sequential(model, kv, alloc, graphs, bc, dev, dtype)
+    log(f"sequential (one session at a time): {res['sequential']}")
+    if dev.type == "cuda":
+        mem["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+        mem["overhead_bytes"] = mem["peak_allocated_bytes"] - mem["weights_bytes"] - mem["kv_pool_bytes"]
+        mem["fits_128x4096_on_one_gpu"] = mem["peak_allocated_bytes"] < torch.cuda.get_device_properties(dev).total_memory
+        mem["rtx4090_tp2"] = memory_plan(cfg, mem["overhead_bytes"] / 2)
+    res["memory"] = mem
+    save(bc, res)
+    del model, kv, graphs
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if not bc.skip_hf:
+        try:
+            res["transformers"] = hf_baseline(cfg, bc, dev, dtype)
+        except Exception as e:  # noqa: BLE001
+            res["errors"]["transformers"] = traceback.format_exc()
+            log(f"transformers baseline FAILED: {e}")
+    summarize(res)
+    save(bc, res)
+    return res
+
+
+def run_tp(bc: BenchConfig) -> dict:
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(minutes=20)  # rank 1 waits while rank 0 measures TP = 1
+    if torch.cuda.is_available():
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dev = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl", device_id=dev, timeout=timeout)
+        dtype = torch.bfloat16
+    else:  # CPU smoke run of this code path (gloo; no symmetric memory)
+        dev, dtype = torch.device("cpu"), torch.float32
+        dist.init_process_group("gloo", timeout=timeout)
+        bc.allreduce = tuple(a for a in bc.allreduce if a == "nccl")
+    cfg, _ = model_config(bc.preset, bc.split)
+    res = load_json(bc.merge) if (bc.merge and rank == 0) else {}
+    res.setdefault("errors", {})
+    tp_res = {"world_size": world, "env": env_info(dev), "tp1": {}, "tp2": {}}
+    bw = measure_bandwidth(dev, 4 * GIB if dev.type == "cuda" else 64 << 20)
+    tp_res["bandwidth"] = bw
+    if rank == 0:
+        log(f"[tp] rank 0: TP=1 reference on one GPU ({bw['gb_per_s']:.0f} GB/s)")
+        tune1: dict = {}
+        model, kv, alloc, graphs, _ = build_fast(cfg, bc, dev, dtype, tune=tune1 if bc.tune_linear else None)
+        tp_res["tp1"] = sweep(model, kv, alloc, graphs, bc, bc.tp_sessions, dev, dtype, bw["gb_per_s"])
+        ref_logits = probe_logits(model, kv, alloc, graphs, dev, dtype)
+        del model, kv, alloc, graphs
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    tune2: dict = {}
+    for ar in bc.allreduce:
+        try:
+            log(f"[tp] rank {rank}: TP={world} with {ar} all-reduce")
+            model, kv, alloc, graphs, t_cap = build_fast(cfg, bc, dev, dtype, rank, world, ar,
+                                                         tune=tune2 if bc.tune_linear else None)
+            r = sweep(model, kv, alloc, graphs, bc, bc.tp_sessions, dev, dtype, bw["gb_per_s"], tp=world)
+            if dev.type == "cuda":  # where the time goes: this rank's ops alone, and the all-reduces alone
+                r["breakdown_m1"] = breakdown(model, kv, graphs, 1, bc.prompt + bc.gen // 2, dev, dtype,
+                                              bw["gb_per_s"])
+                r["allreduce_ms_per_step"] = {}
+                for m in (1, 64):
+                    xs = torch.randn(m, cfg.hidden_size, device=dev, dtype=dtype)
+                    r["allreduce_ms_per_step"][str(m)] = time_graph(
+                        lambda xs=xs, fn=model.all_reduce: [fn(xs) for _ in range(2 * cfg.num_layers)])
+                log(f"[tp] {ar}: {2 * cfg.num_layers} all-reduces per step: "
+                    + ", ".join(f"m={m} {t:.3f} ms" for m, t in r["allreduce_ms_per_step"].items()))
+            r["graph_capture_s"] = t_cap
+            logits = probe_logits(model, kv, alloc, graphs, dev, dtype)
+            if rank == 0:
+                r["logits_rel_err_vs_tp1"] = rel(logits, ref_logits)
+                log(f"[tp] {ar}: logits vs TP=1 rel err {r['logits_rel_err_vs_tp1']:.2e}")
+            r["weights_bytes_per_gpu"] = model.weight_bytes_local()
+            r["kv_pool_bytes_per_gpu"] = kv.nbytes()
+            tp_res["tp2"][ar] = r
+            del model, kv, alloc, graphs
+        except Exception as e:  # noqa: BLE001
+            res["errors"][f"tp_{ar}"] = traceback.format_exc()
+            log(f"[tp] {ar} FAILED on rank {rank}: {e}")
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        dist.barrier()
+    tp_res["tuning_rank0"] = {"linear": tune2.get("linear"), "attention": tune2.get("attention")}
+    if rank == 0:
+        res["tp"] = tp_res
+        summarize(res)
+        save(bc, res)
+    dist.barrier()
+    dist.destroy_process_group()
+    return res
+
+
+def summarize(res: dict) -> None:
+    """The headline figures (the issue's required keys) from whatever sections this run has."""
+    fast = res.get("fast", {})
+    if "1" in fast:
+        res["roofline_fraction_s1"] = fast["1"]["roofline"]["fraction"]
+        res["roofline_fraction_weights_only_s1"] = fast["1"]["roofline"]["fraction_weights_only"]
+        res["step_ms_s1"] = fast["1"]["step_ms_mean"]
+    if "64" in fast:
+        res["roofline_fraction_s64"] = fast["64"]["roofline"]["fraction"]
+        res["tokens_per_s_s64"] = fast["64"]["tokens_per_s"]
+        res["step_ms_s64"] = fast["64"]["step_ms_mean"]
+        seq = res.get("sequential")
+        if seq:
+            res["batching_gain_s64"] = fast["64"]["tokens_per_s"] / seq["tokens_per_s"]
+        hf = res.get("transformers", {}).get("eager", {}).get("64")
+        if hf:
+            res["speedup_vs_transformers_s64"] = fast["64"]["tokens_per_s"] / hf["tokens_per_s"]
+        gen = res.get("transformers", {}).get("generate", {}).get("64")
+        if gen:
+            res["speedup_vs_transformers_generate_s64"] = fast["64"]["tokens_per_s"] / gen["tokens_per_s"]
+    if "1" in fast and res.get("transformers", {}).get("eager", {}).get("1"):
+        res["speedup_vs_transformers_s1"] = res["transformers"]["eager"]["1"]["step_ms_median"] / fast["1"]["step_ms_mean"]
+    tp = res.get("tp")
+    if tp and "1" in tp.get("tp1", {}):
+        best = None
+        for ar, r in tp.get("tp2", {}).items():
+            if "1" in r and (best is None or r["1"]["step_ms_mean"] < tp["tp2"][best]["1"]["step_ms_mean"]):
+                best = ar
+        if best:
+            t1, t2 = tp["tp1"], tp["tp2"][best]
+            res["tp2_allreduce"] = best
+            res["tp2_step_speedup_s1"] = t1["1"]["step_ms_mean"] / t2["1"]["step_ms_mean"]
+            if "64" in t1 and "64" in t2:
+                res["tp2_throughput_speedup_s64"] = t2["64"]["tokens_per_s"] / t1["64"]["tokens_per_s"]
+
+
+def load_json(path: Path | None) -> dict:
+    return json.loads(Path(path).read_text()) if path and Path(path).is_file() else {}
+
+
+def save(bc: BenchConfig, res: dict) -> None:
+    if bc.out is not None:
+        bc.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = bc.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(res, indent=1, default=str))
+        tmp.replace(bc.out)
+
+
+def parse_args(argv=None) -> BenchConfig:
+    d = BenchConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default=d.preset, help="glm4v-9b-random (GPU) | tiny-glm4 | tiny-glm4v (CPU smoke)")
+    p.add_argument("--split", type=int, default=d.split, help="N: the phone runs layers [0, N)")
+    p.add_argument("--sessions", default=",".join(map(str, d.sessions)), help="decode batch sizes S to sweep")
+    p.add_argument("--prompt", type=int, default=d.prompt, help="prompt tokens per session")
+    p.add_argument("--gen", type=int, default=d.gen, help="decode steps per session")
+    p.add_argument("--max-context", type=int, default=d.max_context, help="KV tokens per session in the pool")
+    p.add_argument("--pool-sessions", type=int, default=d.pool_sessions, help="sessions the KV pool holds")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--prefill-chunk-tokens", type=int, default=d.prefill_chunk_tokens)
+    p.add_argument("--sequential-sessions", type=int, default=d.sequential_sessions)
+    p.add_argument("--hf-sessions", default=",".join(map(str, d.hf_sessions)))
+    p.add_argument("--hf-steps", type=int, default=d.hf_steps)
+    p.add_argument("--hf-generate-tokens", type=int, default=d.hf_generate_tokens)
+    p.add_argument("--tp-sessions", default=",".join(map(str, d.tp_sessions)))
+    p.add_argument("--tp", action="store_true", help="tensor-parallel run (launch with torchrun)")
+    p.add_argument("--allreduce", default=",".join(d.allreduce), help="TP all-reduce variants: nccl,symm_mem")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--skip-hf", action="store_true", help="skip the plain-transformers baseline")
+    p.add_argument("--skip-checks", action="store_true", help="skip the on-device correctness checks")
+    p.add_argument("--no-tune-linear", action="store_true", help="cuBLAS for every projection (no Triton GEMM)")
+    p.add_argument("--out", type=Path, default=None, help="result JSON (rewritten after every section)")
+    p.add_argument("--merge", type=Path, default=None, help="earlier result JSON to extend (TP run)")
+    a = p.parse_args(argv)
+
+    def ints(s):
+        return tuple(int(x) for x in s.split(",") if x)
+
+    return BenchConfig(preset=a.preset, split=a.split, sessions=ints(a.sessions), prompt=a.prompt, gen=a.gen,
+                       max_context=a.max_context, pool_sessions=a.pool_sessions, block_size=a.block_size,
+                       prefill_chunk_tokens=a.prefill_chunk_tokens, sequential_sessions=a.sequential_sessions,
+                       hf_sessions=ints(a.hf_sessions), hf_steps=a.hf_steps, hf_generate_tokens=a.hf_generate_tokens,
+                       tp_sessions=ints(a.tp_sessions), tp=a.tp,
+                       allreduce=tuple(x for x in a.allreduce.split(",") if x), seed=a.seed, skip_hf=a.skip_hf,
+                       skip_checks=a.skip_checks, tune_linear=not a.no_tune_linear, out=a.out, merge=a.merge)
+
+
+def print_table(res: dict) -> None:
+    keys = ["gpu", "roofline_fraction_s1", "roofline_fraction_weights_only_s1", "roofline_fraction_s64",
+            "tokens_per_s_s64", "batching_gain_s64", "speedup_vs_transformers_s64", "speedup_vs_transformers_s1",
+            "tp2_step_speedup_s1", "tp2_throughput_speedup_s64", "tp2_allreduce"]
+    print("\n== summary ==")
+    for k in keys:
+        if k in res:
+            v = res[k]
+            print(f"{k:40s} {v:.3f}" if isinstance(v, float) else f"{k:40s} {v}")
+    if res.get("errors"):
+        print("errors in:", ", ".join(res["errors"]))
+
+
+def main(argv=None) -> int:
+    bc = parse_args(argv)
+    res = run_tp(bc) if bc.tp else run_single(bc)
+    if not bc.tp or int(os.environ.get("RANK", "0")) == 0:
+        print_table(res)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,228 @@
+"""Fused element-wise kernels of the GLM layer: RMSNorm, residual-add + two norms, SiLU-mul, RoPE + KV store.
+
+Eager PyTorch runs GLM-4's RMSNorm as six kernels and each layer has four of them; at decode batch 1 the
+launch gaps of those tiny kernels cost more than the matrix products. Each function here is one Triton
+kernel on CUDA and the plain-torch formula elsewhere (the CPU tests, and the reference the GPU run checks the
+kernels against). The torch versions reproduce the library's rounding step by step (fp32 statistics, cast
+to the activation dtype, then the weight product); the Triton versions keep fp32 between those steps, so in
+bf16 they differ from the library by rounding only.
+
+``backend``: ``"triton"`` or ``"torch"``; :func:`default_backend` picks Triton on CUDA when it imports.
+``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors (the tests use it when Triton is installed).
+
+Reference: ``Glm4RMSNorm``, ``Glm4MLP``, ``apply_rotary_pos_emb`` in ``transformers.models.glm4``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; the CPU-only CI has none.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    triton = tl = None
+    HAVE_TRITON = False
+
+BACKENDS = ("triton", "torch")
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def default_backend(device: torch.device) -> str:
+    """Triton on CUDA (or under TRITON_INTERPRET=1), torch otherwise."""
+    if HAVE_TRITON and (torch.device(device).type == "cuda" or interpreting()):
+        return "triton"
+    return "torch"
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton" and not HAVE_TRITON:
+        raise ValueError("kernel backend 'triton' requested but triton is not installed")
+    return backend
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# ------------------------------------------------------------------------------------------------
+# torch formulas (the library's rounding)
+
+
+def rmsnorm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return w * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def add_norm_norm_torch(y, res, w1, w2, eps):
+    h = res + rmsnorm_torch(y, w1, eps)
+    return h, rmsnorm_torch(h, w2, eps)
+
+
+def silu_mul_torch(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return up * torch.nn.functional.silu(gate)
+
+
+def _rotate_interleaved(x):
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rope_store_torch(qkv, positions, cos, sin, k_cache, v_cache, slots, nq, nkv, head_dim, rotary_dim):
+    t = qkv.shape[0]
+    q = qkv[:, : nq * head_dim].view(t, nq, head_dim)  # [T, Hq, D] views into qkv
+    k = qkv[:, nq * head_dim: (nq + nkv) * head_dim].view(t, nkv, head_dim)
+    v = qkv[:, (nq + nkv) * head_dim:].view(t, nkv, head_dim)
+    c = cos[positions].to(qkv.dtype).repeat_interleave(2, dim=-1)[:, None, :]  # [T, 1, R]
+    s = sin[positions].to(qkv.dtype).repeat_interleave(2, dim=-1)[:, None, :]
+    for x in (q, k):
+        xr = x[..., :rotary_dim]
+        x[..., :rotary_dim] = xr * c + _rotate_interleaved(xr) * s
+    k_cache.view(-1, nkv, head_dim)[slots] = k
+    v_cache.view(-1, nkv, head_dim)[slots] = v
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+        y = (x * r).to(o_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(o_ptr + row * stride_o + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_norm_norm_kernel(y_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, o_ptr, stride_y, stride_r, stride_h,
+                              stride_o, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        dt = o_ptr.dtype.element_ty
+        y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r1 = tl.rsqrt(tl.sum(y * y, axis=0) / n + eps)
+        yn = ((y * r1).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        h = (res + yn).to(dt).to(tl.float32)
+        r2 = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+        o = (h * r2).to(dt).to(tl.float32) * w2
+        tl.store(h_ptr + row * stride_h + offs, h.to(dt), mask=mask)
+        tl.store(o_ptr + row * stride_o + offs, o.to(dt), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, o_ptr, stride_gu, stride_o, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < inter
+        dt = o_ptr.dtype.element_ty
+        g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + inter + offs, mask=mask, other=0.0).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        tl.store(o_ptr + row * stride_o + offs, (u * act).to(dt), mask=mask)
+
+    @triton.jit
+    def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, stride_qkv, stride_tab,
+                           NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr,
+                           HALF_D_PAD: tl.constexpr):
+        # One program per (token, head); heads [0, NQ) are q, [NQ, NQ+NKV) k, the rest v.
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        dt = qkv_ptr.dtype.element_ty
+        i = tl.arange(0, HALF_D_PAD)  # pair index: channels (2i, 2i + 1)
+        pmask = i < D // 2
+        base = qkv_ptr + t * stride_qkv + h * D
+        xe = tl.load(base + 2 * i, mask=pmask, other=0.0).to(tl.float32)
+        xo = tl.load(base + 2 * i + 1, mask=pmask, other=0.0).to(tl.float32)
+        if h < NQ + NKV:  # rotate q and k
+            pos = tl.load(pos_ptr + t)
+            rmask = i < HALF_R
+            c = tl.load(cos_ptr + pos * stride_tab + i, mask=rmask, other=1.0).to(dt).to(tl.float32)
+            s = tl.load(sin_ptr + pos * stride_tab + i, mask=rmask, other=0.0).to(dt).to(tl.float32)
+            ye = xe * c - xo * s
+            yo = xo * c + xe * s
+            tl.store(base + 2 * i, ye.to(dt), mask=pmask)
+            tl.store(base + 2 * i + 1, yo.to(dt), mask=pmask)
+        else:
+            ye = xe
+            yo = xo
+        if h >= NQ:  # k and v also go to the paged cache slot of this token
+            slot = tl.load(slot_ptr + t)
+            if h < NQ + NKV:
+                dst = k_ptr + (slot * NKV + (h - NQ)) * D
+            else:
+                dst = v_ptr + (slot * NKV + (h - NQ - NKV)) * D
+            tl.store(dst + 2 * i, ye.to(dt), mask=pmask)
+            tl.store(dst + 2 * i + 1, yo.to(dt), mask=pmask)
+
+
+# ------------------------------------------------------------------------------------------------
+# dispatch
+
+
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
+    """RMSNorm of each row of ``x`` [T, H]."""
+    if backend == "torch":
+        return rmsnorm_torch(x, w, eps)
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    _rmsnorm_kernel[(x.shape[0],)](x, w, out, x.stride(0), out.stride(0), n, eps, BLOCK=_pow2(n), num_warps=8)
+    return out
+
+
+def add_norm_norm(y, res, w1, w2, eps: float, backend: str):
+    """``h = res + rmsnorm(y, w1)``; returns ``(h, rmsnorm(h, w2))``, rows of [T, H]. ``h`` reuses ``res``."""
+    if backend == "torch":
+        return add_norm_norm_torch(y, res, w1, w2, eps)
+    out = torch.empty_like(y)
+    n = y.shape[-1]
+    _add_norm_norm_kernel[(y.shape[0],)](y, res, w1, w2, res, out, y.stride(0), res.stride(0), res.stride(0),
+                                         out.stride(0), n, eps, BLOCK=_pow2(n), num_warps=8)
+    return res, out
+
+
+def silu_mul(gu: torch.Tensor, backend: str) -> torch.Tensor:
+    """``up * silu(gate)`` for ``gu`` = [gate | up] of shape [T, 2I] -> [T, I]."""
+    if backend == "torch":
+        return silu_mul_torch(gu)
+    t, two_i = gu.shape
+    inter = two_i // 2
+    out = torch.empty((t, inter), dtype=gu.dtype, device=gu.device)
+    block = min(1024, _pow2(inter))
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, gu.stride(0), out.stride(0), inter, BLOCK=block,
+                                                   num_warps=4)
+    return out
+
+
+def rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, nq: int, nkv: int, head_dim: int,
+               rotary_dim: int, backend: str) -> None:
+    """Rotate q and k inside ``qkv`` [T, (nq + 2 nkv) D] in place and store k, v at ``slots`` [T].
+
+    ``cos``/``sin``: fp32 tables [max_position, rotary_dim / 2]; ``k_cache``/``v_cache``: one layer's pool,
+    any shape whose flat view is [slots, nkv, D].
+    """
+    if backend == "torch":
+        return rope_store_torch(qkv, positions, cos, sin, k_cache, v_cache, slots, nq, nkv, head_dim, rotary_dim)
+    t = qkv.shape[0]
+    if t == 0:
+        return None
+    _rope_store_kernel[(t, nq + 2 * nkv)](qkv, positions, cos, sin, k_cache, v_cache, slots, qkv.stride(0),
+                                          cos.stride(0), NQ=nq, NKV=nkv, D=head_dim, HALF_R=rotary_dim // 2,
+                                          HALF_D_PAD=_pow2(head_dim // 2), num_warps=1)
+    return None

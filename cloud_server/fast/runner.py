@@ -1,0 +1,127 @@
+"""FastGlmRunner: the GLM fast path behind the engine's ``ModelRunner.run(batch) -> logits`` interface.
+
+The engine (``cloud_server.engine``) builds a flat :class:`~cloud_server.engine.model_runner.Batch` per step
+and calls ``runner.run(batch)``; this runner computes the same float32 logits ``[S, V]`` with
+:class:`FastGLM` instead of the library's modules:
+
+* steps where every sequence brings one token (pure decode) replay a CUDA graph (:mod:`.graphs`);
+* anything else (prefill chunks, mixed steps, GLM-4.1V 3-D image positions) runs eagerly: one pass over the
+  weights for all rows, SDPA for the chunks and the paged decode kernel for the one-token rows.
+
+It shares the engine's KV pool tensors (``KVCachePool.k`` [L, NB * BS, KVH, D] is viewed as
+[L, NB, BS, KVH, D]: same memory) and reserves block 0 as the graphs' padding block
+(:attr:`reserved_blocks`, which the engine's block manager never hands out). The library's q/k/v weights
+are re-pointed into the fused QKV tensor, so the fast path adds no weight memory.
+
+Selection: :func:`fast_runner_factory` returns the engine's ``make_runner`` hook: the fast runner for float
+(bf16/fp16) variants of GLM-4 / GLM-4.1V models on CUDA at tensor-parallel size 1, the library's
+``ModelRunner`` otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .config import FAST_MODEL_TYPES, UnsupportedFastPath
+from .glm import FastGLM, PrefillMeta
+from .graphs import DecodeGraphs
+from .kv import NULL_BLOCK, KVPool, KVPoolConfig
+
+
+def _pool_view(pool, num_kv_heads: int, head_dim: int) -> KVPool:
+    """The engine's pool tensors [L, NB * BS, KVH, D] as a :class:`KVPool` [L, NB, BS, KVH, D] (no copy)."""
+    bs = pool.block_size
+    layers = pool.k.shape[0]
+    kv = KVPool.__new__(KVPool)
+    kv.cfg = KVPoolConfig(layers, pool.num_blocks, bs, num_kv_heads, head_dim)
+    kv.k = pool.k.view(layers, pool.num_blocks, bs, num_kv_heads, head_dim)
+    kv.v = pool.v.view(layers, pool.num_blocks, bs, num_kv_heads, head_dim)
+    return kv
+
+
+def _alias_qkv(layers, fast: FastGLM) -> None:
+    """Point the library's q/k/v weights and biases at slices of the fused tensors (frees the originals)."""
+    for layer, fl in zip(layers, fast.layers, strict=True):
+        sa = layer.self_attn
+        q, kv = fast.cfg.q_size, fast.cfg.kv_size
+        for proj, lo, hi in ((sa.q_proj, 0, q), (sa.k_proj, q, q + kv), (sa.v_proj, q + kv, q + 2 * kv)):
+            if proj.weight.dtype == fl.qkv_weight.dtype and proj.weight.device == fl.qkv_weight.device:
+                proj.weight.data = fl.qkv_weight.data[lo:hi]
+                if proj.bias is not None and fl.qkv_bias is not None:
+                    proj.bias.data = fl.qkv_bias.data[lo:hi]
+
+
+class FastGlmRunner:
+    """Runs one GLM ``CloudModel`` (a float variant, one GPU) against the engine's ``KVCachePool``."""
+
+    reserved_blocks = (NULL_BLOCK,)
+
+    def __init__(self, model, pool, max_batch: int = 64, max_model_len: int = 8192,
+                 use_graphs: bool | None = None, backend: str | None = None):
+        if getattr(model, "variant", None) == "int8":
+            raise UnsupportedFastPath("the GLM fast path runs float variants (bf16/fp16/fp32), not int8")
+        if max_batch <= 0 or max_model_len <= 0:
+            raise ValueError("max_batch and max_model_len must be positive")
+        self.model, self.pool = model, pool
+        self.device = pool.k.device
+        self.fast = FastGLM.from_modules(model.layers, model.norm, model.lm_head, model.config, dtype=model.dtype,
+                                         device=self.device, backend=backend)
+        _alias_qkv(model.layers, self.fast)
+        self.kv = _pool_view(pool, self.fast.local_kv_heads, self.fast.cfg.head_dim)
+        self.max_blocks = -(-max_model_len // pool.block_size)
+        self.graphs = DecodeGraphs(self.fast, self.kv, max_batch, self.max_blocks, use_graphs=use_graphs)
+        self.graphs.capture()
+
+    def _tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(t) for t in tables))
+        arr = np.full((len(tables), width), NULL_BLOCK, dtype=np.int32)
+        for i, t in enumerate(tables):
+            arr[i, : len(t)] = t
+        return torch.from_numpy(arr).to(self.device, non_blocking=True)  # [B, W] int32
+
+    @torch.inference_mode()
+    def run(self, batch) -> torch.Tensor:
+        """Forward an engine ``Batch``; float32 logits [S, V] for ``batch.logits_indices``."""
+        fast, dev = self.fast, self.device
+        if batch.hidden is not None:
+            hidden = batch.hidden.to(device=dev, dtype=fast.dtype, non_blocking=True)  # [T, H]
+        else:
+            if self.model.embed_tokens is None:
+                raise ValueError("this model has no token embeddings (split mode expects hidden states)")
+            hidden = self.model.embed_tokens(batch.input_ids.to(dev)).to(fast.dtype)  # [T, H]
+        tables = self._tables(batch.block_tables)
+        rows = batch.logits_indices.to(dev)  # [S]
+        nseq = len(batch.query_lens)
+        rope = getattr(batch, "rope_positions", None)  # [3, T] GLM-4.1V image positions, or None
+        if rope is not None and bool((rope == batch.positions[None]).all()):
+            rope = None  # text positions on all three axes: plain 1-D rope
+        if rope is None and all(q == 1 for q in batch.query_lens) and nseq <= self.graphs.max_batch:
+            seq_lens = torch.tensor(batch.context_lens, dtype=torch.int32).to(dev, non_blocking=True)
+            logits, _ = self.graphs.step(hidden, batch.positions.to(dev), seq_lens, tables)  # [B, V]
+            return logits[rows].float()
+        meta = PrefillMeta.build(batch.query_lens, batch.context_lens, tables, split_decode=True,
+                                 workspace=self.graphs.workspace if nseq <= self.graphs.max_batch else None)
+        x = fast.forward(hidden, batch.positions.to(dev), batch.slot_mapping.to(dev), self.kv, meta,
+                         None if rope is None else rope.to(dev))  # [T, H]
+        return fast.compute_logits(x[rows]).float()
+
+
+def fast_path_supported(model, device: str, tp: int = 1) -> bool:
+    """GLM-4 / GLM-4.1V float variant on CUDA without tensor parallelism."""
+    cfg = getattr(model, "config", None)
+    return (str(device).startswith("cuda") and tp == 1 and getattr(model, "variant", None) != "int8"
+            and getattr(cfg, "model_type", None) in FAST_MODEL_TYPES)
+
+
+def fast_runner_factory(engine_config):
+    """The engine's ``make_runner(index, model, pool)``: fast path where supported, ``ModelRunner`` elsewhere."""
+    from cloud_server.engine.model_runner import ModelRunner
+
+    def make_runner(index, model, pool):
+        if fast_path_supported(model, engine_config.device, engine_config.tp):
+            return FastGlmRunner(model, pool, max_batch=engine_config.max_num_seqs,
+                                 max_model_len=engine_config.max_model_len)
+        return ModelRunner(model, pool, batch_invariant=engine_config.batch_invariant)
+
+    return make_runner
