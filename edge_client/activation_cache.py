@@ -1,0 +1,354 @@
+"""Activation cache for common prompts: the front KV cache and boundary hidden states of prompt prefixes.
+
+An AutoGLM agent re-sends the same long system prompt every step. Its front-layer KV (what the edge needs to
+continue from it) and its boundary hidden states (what the cloud needs to rebuild its own KV) are cached
+per block of ``block_tokens`` tokens, so a hit skips the front layers for the prefix, and the edge sends the
+cloud only the prefix's *keys*: the cloud keeps its KV for the same blocks under the same keys.
+
+Keys form a hash chain (as in vLLM's automatic prefix caching), so a block's key names its whole prefix::
+
+    key_0 = sha256(b"" || ids[0:B] as int64 LE || bundle_id)
+    key_i = sha256(key_{i-1} || ids[iB:(i+1)B] as int64 LE || bundle_id)
+
+Only full blocks are cached, and a lookup never covers a prompt's last token (its hidden state must be
+computed and sent for the cloud to sample the first new token).
+
+Bounded in bytes with LRU eviction; a chain's deeper blocks are evicted before its head. Persisted (when
+given a directory) as one file per block under ``<dir>/<bundle_id>/``::
+
+    magic b"AGLMACT1" | u32 LE header length | header JSON | payload (raw little-endian arrays)
+
+The header holds the bundle id, the block's key, parent key and token ids (the key is recomputed from them),
+array shapes and dtype, and the payload's sha256. No pickle. A file that fails any check is logged, removed
+and treated as a miss; it never crashes the client. Files survive restarts; their mtime is the LRU clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("edge_client.activation_cache")
+
+MAGIC = b"AGLMACT1"
+FILE_SUFFIX = ".blk"
+_HEADER_LIMIT = 1 << 20
+
+
+class CacheFileError(Exception):
+    """A cache file is corrupt, truncated or belongs to another bundle; the message says which check failed."""
+
+
+def block_keys(ids, bundle_id: str, block_tokens: int) -> list[str]:
+    """Hash-chain keys (hex) of every full block of ``ids`` (see the module docstring)."""
+    arr = np.asarray(ids, dtype="<i8").reshape(-1)  # [S]
+    tail = bundle_id.encode()
+    keys, prev = [], b""
+    for i in range(arr.size // block_tokens):
+        prev = hashlib.sha256(prev + arr[i * block_tokens:(i + 1) * block_tokens].tobytes() + tail).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+@dataclass(slots=True)
+class CacheHit:
+    """The cached prefix of a prompt: ``tokens`` positions, as blocks."""
+
+    tokens: int
+    keys: list[str]  # chain keys of the hit blocks, in order
+    kv_blocks: list[list[np.ndarray]]  # per block: 2N float32 arrays [KVH, B, D]
+    hidden: np.ndarray  # [tokens, H] float32 boundary hidden states
+
+
+@dataclass(slots=True)
+class CacheStats:
+    lookups: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0  # full-block tokens looked up but not found
+    inserted_blocks: int = 0
+    evicted_blocks: int = 0
+    rejected_files: int = 0  # corrupt / foreign files removed
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: str
+    parent: str
+    index: int  # block position in its chain
+    tokens: list[int]
+    nbytes: int
+    arrays: list[np.ndarray] | None = None  # 2N KV arrays [KVH, B, D] + hidden [B, H]; None until loaded
+    path: Path | None = None
+    meta: dict = field(default_factory=dict)
+
+
+class ActivationCache:
+    """Per-block front KV + boundary hidden states, LRU-bounded in bytes, optionally persisted."""
+
+    def __init__(self, bundle_id: str, n_layers: int, kv_heads: int, head_dim: int, hidden_size: int,
+                 block_tokens: int = 16, max_bytes: int = 512 << 20, cache_dir: str | Path | None = None,
+                 dtype: str = "float32"):
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        if dtype not in ("float32", "float16"):
+            raise ValueError(f"cache dtype {dtype!r}: expected float32 or float16")
+        self.bundle_id = bundle_id
+        self.n_layers, self.kv_heads, self.head_dim, self.hidden_size = n_layers, kv_heads, head_dim, hidden_size
+        self.block_tokens = block_tokens
+        self.max_bytes = max_bytes
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.dir = Path(cache_dir) / bundle_id if cache_dir is not None else None
+        self.stats = CacheStats()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
+        self._bytes = 0
+        self._lock = threading.RLock()
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._scan()
+
+    # -- shapes ----------------------------------------------------------------------------------
+    def _shapes(self) -> list[tuple[int, ...]]:
+        kv = (self.kv_heads, self.block_tokens, self.head_dim)
+        return [kv] * (2 * self.n_layers) + [(self.block_tokens, self.hidden_size)]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(int(np.prod(s)) for s in self._shapes()) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys_for(self, ids) -> list[str]:
+        return block_keys(ids, self.bundle_id, self.block_tokens)
+
+    # -- lookup / insert ---------------------------------------------------------------------------
+    def lookup(self, ids, max_tokens: int | None = None) -> CacheHit | None:
+        """Longest cached prefix of ``ids`` in whole blocks, at most ``max_tokens`` (default ``len - 1``)."""
+        ids = list(ids)
+        limit = len(ids) - 1 if max_tokens is None else min(max_tokens, len(ids) - 1)
+        keys = self.keys_for(ids[: max(limit, 0)])
+        with self._lock:
+            self.stats.lookups += 1
+            hit: list[_Entry] = []
+            for k in keys:
+                e = self._entries.get(k)
+                if e is None or self._load(e) is None:
+                    break
+                hit.append(e)
+            self.stats.hit_tokens += len(hit) * self.block_tokens
+            self.stats.miss_tokens += (len(keys) - len(hit)) * self.block_tokens
+            if not hit:
+                return None
+            self._touch(hit)
+            n = 2 * self.n_layers
+            kv_blocks = [[a.astype(np.float32) for a in e.arrays[:n]] for e in hit]  # type: ignore[index]
+            hidden = np.concatenate([e.arrays[n] for e in hit], axis=0).astype(np.float32)  # type: ignore[index]
+            return CacheHit(len(hit) * self.block_tokens, [e.key for e in hit], kv_blocks, hidden)
+
+    def contains(self, ids) -> int:
+        """Tokens of ``ids`` covered by cached blocks (no LRU update, no payload load)."""
+        n = 0
+        with self._lock:
+            for k in self.keys_for(ids):
+                if k not in self._entries:
+                    break
+                n += self.block_tokens
+        return n
+
+    def insert(self, ids, kv_slice, hidden: np.ndarray, start_block: int = 0) -> int:
+        """Cache every full block of ``ids`` not cached yet; returns how many blocks were added.
+
+        ``kv_slice(a, b)`` returns the front KV of positions [a, b) as 2N arrays [KVH, b-a, D] (the runtime's
+        ``kv_slice``); ``hidden`` [len(ids) or more, H] are the boundary hidden states of those positions.
+        Blocks before ``start_block`` are skipped (the caller knows they are cached).
+        """
+        ids = [int(t) for t in ids]
+        keys = self.keys_for(ids)
+        if hidden.shape[0] < len(keys) * self.block_tokens or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden {hidden.shape} does not cover {len(keys)} blocks of {self.block_tokens}")
+        if self.block_bytes > self.max_bytes:
+            return 0
+        added = 0
+        with self._lock:
+            chain: list[_Entry] = []
+            for i, key in enumerate(keys):
+                if key in self._entries:
+                    chain.append(self._entries[key])
+                    continue
+                if i < start_block:
+                    break  # the caller's claim is stale: an earlier block is gone, so later ones are unreachable
+                a, b = i * self.block_tokens, (i + 1) * self.block_tokens
+                arrays = [np.ascontiguousarray(x, dtype=self.dtype) for x in kv_slice(a, b)]
+                arrays.append(np.ascontiguousarray(hidden[a:b], dtype=self.dtype))
+                self._check_shapes(arrays)
+                e = _Entry(key, keys[i - 1] if i else "", i, ids[a:b], sum(x.nbytes for x in arrays), arrays)
+                if self.dir is not None:
+                    e.path = self._write(e)
+                self._entries[key] = e
+                self._bytes += e.nbytes
+                self.stats.inserted_blocks += 1
+                chain.append(e)
+                added += 1
+            self._touch(chain)
+            self._evict()
+        return added
+
+    def clear(self) -> None:
+        with self._lock:
+            for e in list(self._entries.values()):
+                self._remove(e)
+
+    # -- LRU ---------------------------------------------------------------------------------------
+    def _touch(self, chain: list[_Entry]) -> None:
+        """Mark a chain used: deepest block first, so the head ends up most recent and is evicted last."""
+        now = time.time()
+        for j, e in enumerate(reversed(chain)):
+            self._entries.move_to_end(e.key)
+            if e.path is not None:
+                try:
+                    t = now - 1e-3 * (len(chain) - j)  # strictly increasing towards the head
+                    os.utime(e.path, (t, t))
+                except OSError:
+                    pass
+
+    def _evict(self) -> None:
+        while self._bytes > self.max_bytes and self._entries:
+            _, e = next(iter(self._entries.items()))
+            self._remove(e)
+            self.stats.evicted_blocks += 1
+
+    def _remove(self, e: _Entry) -> None:
+        if self._entries.pop(e.key, None) is not None:
+            self._bytes -= e.nbytes
+        if e.path is not None:
+            try:
+                e.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def _check_shapes(self, arrays: list[np.ndarray]) -> None:
+        want = self._shapes()
+        got = [tuple(a.shape) for a in arrays]
+        if got != want:
+            raise ValueError(f"cache block shapes {got[:1]}...{got[-1:]} do not match {want[:1]}...{want[-1:]}")
+
+    # -- persistence -------------------------------------------------------------------------------
+    def _write(self, e: _Entry) -> Path:
+        assert self.dir is not None
+        payload = b"".join(a.tobytes() for a in e.arrays)  # type: ignore[union-attr]
+        header = {
+            "bundle_id": self.bundle_id, "key": e.key, "parent": e.parent, "index": e.index,
+            "tokens": e.tokens, "block_tokens": self.block_tokens, "dtype": self.dtype.str,
+            "shapes": [list(s) for s in self._shapes()], "payload_bytes": len(payload),
+            "payload_sha256": hashlib.sha256(payload).hexdigest(),
+        }
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        path = self.dir / f"{e.key}{FILE_SUFFIX}"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(hb)) + hb + payload)
+        os.replace(tmp, path)  # atomic: a crash mid-write leaves no half file under the real name
+        e.meta = header
+        return path
+
+    def _read_header(self, path: Path) -> tuple[dict, int]:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + 4)
+            if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
+                raise CacheFileError("bad magic (not an activation-cache file, or another format version)")
+            (hlen,) = struct.unpack("<I", head[len(MAGIC):])
+            if hlen > _HEADER_LIMIT:
+                raise CacheFileError(f"header length {hlen} is implausible")
+            raw = f.read(hlen)
+        try:
+            header = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CacheFileError("header is not valid JSON") from None
+        if not isinstance(header, dict):
+            raise CacheFileError("header is not a JSON object")
+        if header.get("bundle_id") != self.bundle_id:
+            raise CacheFileError(f"written for bundle {header.get('bundle_id')!r}, not {self.bundle_id!r}")
+        if header.get("dtype") != self.dtype.str or header.get("block_tokens") != self.block_tokens:
+            raise CacheFileError("written with another dtype or block size")
+        if header.get("shapes") != [list(s) for s in self._shapes()]:
+            raise CacheFileError("array shapes do not match this bundle's front")
+        tokens, parent = header.get("tokens"), header.get("parent")
+        if not (isinstance(tokens, list) and len(tokens) == self.block_tokens and isinstance(parent, str)):
+            raise CacheFileError("header lacks the block's tokens or parent key")
+        digest = hashlib.sha256((bytes.fromhex(parent) if parent else b"") + np.asarray(tokens, "<i8").tobytes()
+                                + self.bundle_id.encode()).hexdigest()
+        if digest != header.get("key") or path.name != f"{digest}{FILE_SUFFIX}":
+            raise CacheFileError("key does not match the block's tokens and parent")
+        return header, len(MAGIC) + 4 + hlen
+
+    def _scan(self) -> None:
+        assert self.dir is not None
+        found = []
+        for path in self.dir.iterdir():
+            if path.suffix != FILE_SUFFIX:
+                if ".tmp" in path.suffix:  # a write cut short by a crash
+                    path.unlink(missing_ok=True)
+                continue
+            try:
+                header, offset = self._read_header(path)
+                if path.stat().st_size != offset + int(header["payload_bytes"]):
+                    raise CacheFileError("file size does not match its header (truncated?)")
+            except (CacheFileError, OSError, KeyError, ValueError, TypeError) as err:
+                self._reject(path, err)
+                continue
+            e = _Entry(header["key"], header["parent"], int(header["index"]), header["tokens"],
+                       int(header["payload_bytes"]), None, path, header)
+            found.append((path.stat().st_mtime, e))
+        for _, e in sorted(found, key=lambda t: t[0]):  # oldest first = least recently used
+            self._entries[e.key] = e
+            self._bytes += e.nbytes
+        self._evict()
+
+    def _load(self, e: _Entry) -> list[np.ndarray] | None:
+        """The entry's arrays, reading and verifying the file on first use; None if it is corrupt."""
+        if e.arrays is not None:
+            return e.arrays
+        assert e.path is not None
+        try:
+            header, offset = self._read_header(e.path)
+            data = e.path.read_bytes()[offset:]
+            if len(data) != header["payload_bytes"]:
+                raise CacheFileError("payload is truncated")
+            if hashlib.sha256(data).hexdigest() != header["payload_sha256"]:
+                raise CacheFileError("payload sha256 mismatch")
+            arrays, pos = [], 0
+            for shape in self._shapes():
+                n = int(np.prod(shape)) * self.dtype.itemsize
+                arrays.append(np.frombuffer(data, dtype=self.dtype, count=n // self.dtype.itemsize,
+                                            offset=pos).reshape(shape))
+                pos += n
+        except (CacheFileError, OSError, KeyError, ValueError, TypeError) as err:
+            self._reject(e.path, err)
+            self._remove(e)
+            return None
+        e.arrays = arrays
+        return arrays
+
+    def _reject(self, path: Path, err: Exception) -> None:
+        self.stats.rejected_files += 1
+        log.warning("activation cache: removing %s: %s", path, err)
+        try:
+            path.unlink()
+        except OSError:
+            pass

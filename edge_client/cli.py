@@ -1,0 +1,194 @@
+"""``autoglm-edge``: chat with a split model, serve it as a local OpenAI endpoint, or run the demo.
+
+    autoglm-edge chat  --bundle B --url ws://HOST:PORT/v1/split [--api-key K] [--thinking]
+    autoglm-edge serve --bundle B --url ws://... [--port 8001] [--preload prompts.txt]
+    autoglm-edge preload --bundle B --cache-dir D prompts.txt
+    autoglm-edge demo
+
+Flags mirror :class:`~edge_client.config.EdgeConfig` fields and have environment twins
+(``AUTOGLM_BUNDLE``, ``AUTOGLM_URL``, ``AUTOGLM_API_KEY``, ``AUTOGLM_EDGE_<FIELD>``). Errors print one line
+and exit with status 2 (bad input) or 1 (failure at run time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
+    g = p.add_argument_group("edge runtime (env: AUTOGLM_EDGE_<FIELD>)")
+    g.add_argument("--bundle", type=Path, help="bundle directory (env AUTOGLM_BUNDLE)")
+    if need_url:
+        g.add_argument("--url", help="cloud split endpoint, ws://host:port/v1/split (env AUTOGLM_URL)")
+        g.add_argument("--api-key", help="cloud API key (env AUTOGLM_API_KEY)")
+    g.add_argument("--threads", type=int, help="onnxruntime threads for the front layers (default 2)")
+    g.add_argument("--prefill-chunk", type=int, help="prompt tokens per front forward (default 128)")
+    g.add_argument("--codec", help="wire codec for hidden states (default: the server's precision plan)")
+    g.add_argument("--cache-dir", type=Path, help="persist the activation cache here (default: memory only)")
+    g.add_argument("--cache-max-bytes", type=int, help="activation cache bound in bytes (default 512 MiB)")
+    g.add_argument("--preload", type=Path, action="append", default=[],
+                   help="common prompts to cache first (.txt: one system prompt; .jsonl/.json: several)")
+
+
+def _config(args):
+    from .config import EdgeConfig
+
+    return EdgeConfig.from_env(bundle=args.bundle, url=getattr(args, "url", None),
+                               api_key=getattr(args, "api_key", None), threads=args.threads,
+                               prefill_chunk=args.prefill_chunk, codec=args.codec, cache_dir=args.cache_dir,
+                               cache_max_bytes=args.cache_max_bytes)
+
+
+def _client(args):
+    from .client import EdgeClient
+
+    client = EdgeClient(_config(args))
+    for path in args.preload:
+        n = client.preload_prompts(path)
+        print(f"preloaded {path}: {n} tokens cached", file=sys.stderr)
+    return client
+
+
+def cmd_chat(args) -> int:
+    client = _client(args)
+    history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+    print("autoglm-edge chat: empty line or Ctrl-D quits; Ctrl-C stops an answer.", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("you> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            history.append({"role": "user", "content": line})
+            gen = client.generate(messages=history, max_tokens=args.max_tokens, temperature=args.temperature,
+                                  enable_thinking=args.thinking, precision=args.precision)
+            print("assistant> ", end="", flush=True)
+            try:
+                for delta in gen:
+                    print(delta, end="", flush=True)
+            except KeyboardInterrupt:
+                gen.close()
+            print()
+            history.append({"role": "assistant", "content": gen.text})
+            st = gen.stats
+            if args.stats:
+                print(f"  [{gen.finish_reason}] TTFT {1000 * (st.ttft_s or 0):.0f} ms, {st.tokens_per_s:.1f} tok/s, "
+                      f"up {st.bytes_up} B, down {st.bytes_down} B, cached {st.cached_tokens} prompt tokens",
+                      file=sys.stderr)
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .openai_server import create_app
+
+    client = _client(args)
+    app = create_app(client, model_name=args.model_name, api_key=args.local_api_key)
+    print(f"autoglm-edge: OpenAI-compatible endpoint on http://{args.host}:{args.port}/v1 "
+          f"(cloud {client.config.url})", file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_preload(args) -> int:
+    from .client import EdgeClient
+
+    cfg = _config(args)
+    if cfg.cache_dir is None:
+        raise ValueError("preload needs --cache-dir (or AUTOGLM_EDGE_CACHE_DIR): a memory cache dies with the process")
+    client = EdgeClient(cfg)
+    try:
+        for path in [*args.preload, *args.files]:
+            print(f"{path}: {client.preload_prompts(path)} tokens cached in {cfg.cache_dir}")
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import DEMO_PROMPT, run_demo
+
+    run_demo(prompt=args.prompt or DEMO_PROMPT, max_tokens=args.max_tokens, bundle=args.bundle,
+             rebuild=args.rebuild, threads=args.threads, port=args.port)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autoglm-edge", description="Edge side of the autoglm-split runtime.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log reconnects and cache decisions")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="interactive streaming chat through the split model")
+    _config_flags(chat)
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--precision", help="wire codec override for every request (fp16, int8-b32, ...)")
+    chat.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                      help="enable_thinking for the chat template (default: the template's)")
+    chat.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True,
+                      help="print TTFT, tokens/s and bytes after each answer")
+    chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="local OpenAI-compatible endpoint (/v1/chat/completions)")
+    _config_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8001)
+    serve.add_argument("--model-name", help="model id reported by /v1/models (default: from the bundle id)")
+    serve.add_argument("--local-api-key", help="require this Bearer key from local apps (default: none)")
+    serve.add_argument("--log-level", default="warning")
+    serve.set_defaults(func=cmd_serve)
+
+    pre = sub.add_parser("preload", help="fill the persistent activation cache with common prompts")
+    _config_flags(pre, need_url=False)
+    pre.add_argument("files", nargs="*", type=Path, help="prompt files (.txt, .jsonl, .json)")
+    pre.set_defaults(func=cmd_preload)
+
+    demo = sub.add_parser("demo", help="build the SmolLM2 bundle once, start a local cloud, stream an answer")
+    demo.add_argument("--prompt", help="the question to ask")
+    demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--bundle", type=Path, help="bundle path (default: $AUTOGLM_CACHE/bundles/smollm2-l8)")
+    demo.add_argument("--rebuild", action="store_true", help="rebuild the cached bundle")
+    demo.add_argument("--threads", type=int, default=2)
+    demo.add_argument("--port", type=int, help="cloud server port (default: a free one)")
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    from shared.manifest import BundleError
+
+    from .config import ConfigError
+
+    try:
+        return args.func(args)
+    except (ConfigError, BundleError, ValueError, FileNotFoundError) as e:
+        print(f"autoglm-edge: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        from .errors import EdgeClientError
+
+        if isinstance(e, EdgeClientError):
+            print(f"autoglm-edge: error: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

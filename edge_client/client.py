@@ -1,0 +1,328 @@
+"""EdgeClient: the phone-side API. Front layers here, back layers in the cloud, text deltas out.
+
+    client = EdgeClient("bundle/", "ws://cloud:8000/v1/split", api_key="...")
+    gen = client.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=64)
+    for delta in gen:            # sync iterator of text deltas
+        print(delta, end="")
+    print(gen.stats.ttft_s, gen.stats.bytes_up)
+
+    async for delta in client.agenerate(prompt="..."):   # the async twin (any event loop)
+        ...
+
+One request runs at a time (the edge holds one sequence's KV); concurrent calls queue. Everything network-
+side runs on a private event loop thread that owns the WebSocket, so the sync and async APIs share one
+session; the front layers run in a worker thread so keepalive pings go out during a long prefill.
+
+A request (see :mod:`edge_client.session` for the wire flow): tokenize -> activation-cache lookup ->
+front prefill of the rest in chunks, each chunk coded and sent as soon as it is computed -> for every token
+the cloud returns, one front decode step and one DecodeStep up -> until a finish reason, a stop string,
+``max_tokens`` or :meth:`Generation.cancel`. Dropped links reconnect and resume (or replay) without losing or
+repeating a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import queue
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from shared.manifest import Manifest
+
+from .activation_cache import ActivationCache
+from .config import EdgeConfig
+from .errors import EdgeClientError
+from .request import RequestSpec, RequestStats
+from .runtime import FrontRuntime
+from .session import Session
+from .tokenizer import EdgeTokenizer, StreamDecoder
+
+__all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "RequestStats"]
+
+_END = object()
+
+
+class EdgeClient:
+    """The edge runtime, tokenizer, activation cache and cloud session of one bundle."""
+
+    def __init__(self, bundle: str | Path | EdgeConfig, url: str | None = None, api_key: str | None = None,
+                 **overrides: Any):
+        if isinstance(bundle, EdgeConfig):
+            cfg = replace(bundle, **({"url": url} if url else {}), **({"api_key": api_key} if api_key else {}),
+                          **overrides)
+        else:
+            kw = {"url": url} if url else {}
+            cfg = EdgeConfig(bundle=Path(bundle), api_key=api_key, **kw, **overrides)
+        self.config = cfg
+        self.manifest = Manifest.load(cfg.bundle)
+        self.runtime = FrontRuntime(cfg.bundle, threads=cfg.threads, chunk=cfg.prefill_chunk,
+                                    verify=cfg.verify_bundle)
+        self.tokenizer = EdgeTokenizer.from_bundle(cfg.bundle, self.manifest)
+        self.cache = ActivationCache(
+            self.manifest.bundle_id, self.runtime.n_layers, self.runtime.kv_heads, self.runtime.head_dim,
+            self.runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
+            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="autoglm-edge-loop", daemon=True)
+        self._thread.start()
+        self.session = Session(cfg, self.manifest, self.runtime, self.cache, self.tokenizer)
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self.session.connected
+
+    def connect(self) -> dict:
+        """Open the session now (otherwise the first request does); returns the server's Welcome as a dict."""
+        return self._call(self.session.ensure_connected())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call(self.session.close(), timeout=5.0)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> EdgeClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # -- requests -----------------------------------------------------------------------------
+    def _spec(self, prompt: str | None, messages: list[dict] | None, prompt_ids: list[int] | None,
+              enable_thinking: bool | None, chat_template_kwargs: dict | None, **sampling: Any) -> RequestSpec:
+        given = sum(x is not None for x in (prompt, messages, prompt_ids))
+        if given != 1:
+            raise ValueError("pass exactly one of prompt=, messages= or prompt_ids=")
+        if messages is not None:
+            kw = dict(chat_template_kwargs or {})
+            if enable_thinking is not None:
+                kw["enable_thinking"] = enable_thinking
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw)
+        ids = list(prompt_ids) if prompt_ids is not None else self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 prompt_ids: list[int] | None = None, max_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+                 precision: str | None = None, enable_thinking: bool | None = None,
+                 chat_template_kwargs: dict | None = None) -> Generation:
+        """Start a request; iterate the result for text deltas. Exactly one of ``prompt`` (raw text),
+        ``messages`` (rendered by the bundle's chat template) or ``prompt_ids`` (token ids).
+
+        ``temperature=0`` is greedy. ``precision`` overrides the server's choice of wire codec for this
+        request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included)."""
+        spec = self._spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs,
+                          max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                          stop=list(stop or []), precision=precision)
+        q: queue.Queue = queue.Queue()
+        gen = Generation(self, spec, q)
+        gen._future = asyncio.run_coroutine_threadsafe(self.session.run(spec, q.put, gen.stats), self._loop)
+        return gen
+
+    def agenerate(self, prompt: str | None = None, **kwargs: Any) -> AsyncGeneration:
+        """The async twin of :meth:`generate` (same arguments); call it inside a running event loop."""
+        caller = asyncio.get_running_loop()
+        spec = self._spec(prompt, kwargs.pop("messages", None), kwargs.pop("prompt_ids", None),
+                          kwargs.pop("enable_thinking", None), kwargs.pop("chat_template_kwargs", None),
+                          **_sampling_defaults(kwargs))
+        aq: asyncio.Queue = asyncio.Queue()
+        gen = AsyncGeneration(self, spec, aq)
+        sink = lambda item: caller.call_soon_threadsafe(aq.put_nowait, item)
+        gen._future = asyncio.run_coroutine_threadsafe(self.session.run(spec, sink, gen.stats), self._loop)
+        return gen
+
+    def complete(self, prompt: str | None = None, **kwargs: Any) -> Generation:
+        """Run a request to the end; returns the finished :class:`Generation` (``.text``, ``.stats``)."""
+        gen = self.generate(prompt, **kwargs)
+        for _ in gen:
+            pass
+        return gen
+
+    # -- common prompts ---------------------------------------------------------------------
+    def preload_prompts(self, path: str | Path, as_system: bool = True) -> int:
+        """Fill the activation cache with the prompts in ``path``; returns the number of tokens cached.
+
+        ``.txt``: the whole file is one prompt. ``.jsonl``: one JSON value per line, a string or
+        ``{"messages": [...]}``. ``.json``: a list of those. Strings become a system message rendered by the
+        chat template (``as_system``), so their blocks match the start of real requests; set
+        ``as_system=False`` to cache raw text. Only the front runs; the cloud learns the prefix from the
+        first request that uses it (its hidden states come from this cache, not the front layers)."""
+        prompts = _read_prompts(Path(path))
+        tokens = 0
+        for p in prompts:
+            if isinstance(p, str):
+                if as_system:
+                    text = self.tokenizer.apply_chat_template([{"role": "system", "content": p}],
+                                                              add_generation_prompt=False)
+                else:
+                    text = p
+            else:
+                text = self.tokenizer.apply_chat_template(p, add_generation_prompt=False)
+            tokens += self._call(self.session.preload(self.tokenizer.encode(text)))
+        return tokens
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self.tokenizer)
+
+
+def _sampling_defaults(kw: dict) -> dict:
+    out = dict(max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, precision=None)
+    unknown = set(kw) - set(out)
+    if unknown:
+        raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")
+    out.update(kw)
+    out["stop"] = list(out["stop"] or [])
+    return out
+
+
+def _read_prompts(path: Path) -> list[str | list[dict]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such prompts file")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".txt":
+        return [text.strip("\n")] if text.strip() else []
+    try:
+        items = ([json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl"
+                 else json.loads(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(items, list):
+        raise ValueError(f"{path}: expected a list of prompts")
+    out: list[str | list[dict]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("messages"), list):
+            out.append(item["messages"])
+        else:
+            raise ValueError(f"{path}: item {i} is neither a string nor {{\"messages\": [...]}}")
+    return out
+
+
+class _GenerationBase:
+    def __init__(self, client: EdgeClient, spec: RequestSpec):
+        self.client = client
+        self.spec = spec
+        self.stats = RequestStats(prompt_tokens=len(spec.prompt_ids))
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._done = False
+
+    def cancel(self) -> None:
+        """Stop generating: the cloud is told to drop the request; iteration ends with finish_reason
+        ``"cancelled"``. Safe from any thread."""
+        if self._future is not None:
+            self._future.cancel()
+
+    def _consume(self, item) -> str | None:
+        kind = item[0]
+        if kind == "token":
+            _, token, delta = item
+            if token >= 0:  # -1: text flushed at the end (held-back bytes), no token of its own
+                self.token_ids.append(token)
+            self.text += delta
+            return delta
+        if kind == "end":
+            self.finish_reason = item[1]
+            self._done = True
+            return None
+        if kind == "error":
+            self._done = True
+            self.finish_reason = "error"
+            raise item[1]
+        raise AssertionError(f"unknown item {kind!r}")
+
+
+class Generation(_GenerationBase):
+    """Sync iterator of text deltas; ``token_ids``, ``text``, ``finish_reason`` and ``stats`` fill as it runs."""
+
+    def __init__(self, client: EdgeClient, spec: RequestSpec, q: queue.Queue):
+        super().__init__(client, spec)
+        self._q = q
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> str:
+        while not self._done:
+            delta = self._consume(self._q.get())
+            if delta:
+                return delta
+        raise StopIteration
+
+    def iter_tokens(self):
+        """Iterate ``(token_id, text_delta)`` per generated token (the delta may be empty while a character
+        is incomplete). Use this or plain iteration, not both."""
+        while not self._done:
+            n = len(self.token_ids)
+            delta = self._consume(self._q.get())
+            if len(self.token_ids) > n:
+                yield self.token_ids[-1], delta
+
+    def __del__(self):  # abandoned mid-way: free the session for the next request
+        if not self._done and self._future is not None:
+            self._future.cancel()
+
+    def close(self) -> None:
+        if not self._done:
+            self.cancel()
+            while not self._done:
+                try:
+                    self._consume(self._q.get(timeout=10.0))
+                except queue.Empty:
+                    break
+                except Exception:  # noqa: BLE001 - closing: the error is not the caller's concern now
+                    break
+
+
+class AsyncGeneration(_GenerationBase):
+    """Async iterator of text deltas (``async for``); ``aclose()`` cancels an unfinished request."""
+
+    def __init__(self, client: EdgeClient, spec: RequestSpec, q: asyncio.Queue):
+        super().__init__(client, spec)
+        self._q = q
+
+    def __aiter__(self) -> AsyncGeneration:
+        return self
+
+    async def __anext__(self) -> str:
+        while not self._done:
+            delta = self._consume(await self._q.get())
+            if delta:
+                return delta
+        raise StopAsyncIteration
+
+    async def iter_tokens(self):
+        """Async ``(token_id, text_delta)`` per generated token (see :meth:`Generation.iter_tokens`)."""
+        while not self._done:
+            n = len(self.token_ids)
+            delta = self._consume(await self._q.get())
+            if len(self.token_ids) > n:
+                yield self.token_ids[-1], delta
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self.cancel()
+            while not self._done:
+                try:
+                    self._consume(await asyncio.wait_for(self._q.get(), 10.0))
+                except Exception:  # noqa: BLE001
+                    break

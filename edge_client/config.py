@@ -1,0 +1,132 @@
+"""Edge client configuration: one dataclass for the runtime and session, one for timeouts and retries.
+
+CLI flags mirror these fields (``--threads`` <-> ``EdgeConfig.threads``), and each has an environment
+twin (``AUTOGLM_EDGE_THREADS``); see :func:`EdgeConfig.from_env`.
+
+Reference: Petals' ``ClientConfig`` (one dataclass of client timeouts, each field saying why).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+DEFAULT_SPLIT_PATH = "/v1/split"  # the cloud server's WebSocket route for split sessions
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the field."""
+
+
+@dataclass(slots=True)
+class RetryPolicy:
+    # Opening the WebSocket (TCP + HTTP upgrade + Hello/Welcome). A phone on a bad link needs seconds,
+    # but a dead server must not hang the app.
+    connect_timeout_s: float = 10.0
+    # Longest wait for the server's next message while a request is in flight. It covers a long prefill on
+    # a loaded server (seconds), so it is generous; liveness is detected sooner by the keepalive below.
+    reply_timeout_s: float = 60.0
+    # Reconnect attempts after the link drops mid-session before the request fails. Mobile links drop in
+    # bursts (handover, tunnel): a handful of attempts over ~15 s rides those out.
+    max_retries: int = 6
+    # Backoff before reconnect attempt k: min(max, initial * multiplier**k) * (1 +- jitter). Jitter keeps a
+    # fleet of phones from reconnecting in lockstep after a server restart.
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 5.0
+    backoff_multiplier: float = 2.0
+    backoff_jitter: float = 0.2
+    # WebSocket ping interval and the pong deadline: NAT boxes drop idle TCP flows after ~30-60 s, and a
+    # half-open connection (the phone changed networks) is only noticed by a missed pong.
+    keepalive_interval_s: float | None = 15.0
+    keepalive_timeout_s: float | None = 20.0
+
+    def __post_init__(self):
+        for name in ("connect_timeout_s", "reply_timeout_s", "backoff_initial_s", "backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"RetryPolicy.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ConfigError(f"RetryPolicy.max_retries must be >= 0, got {self.max_retries}")
+        if self.backoff_multiplier < 1.0:
+            raise ConfigError(f"RetryPolicy.backoff_multiplier must be >= 1, got {self.backoff_multiplier}")
+        if not 0.0 <= self.backoff_jitter < 1.0:
+            raise ConfigError(f"RetryPolicy.backoff_jitter must be in [0, 1), got {self.backoff_jitter}")
+        for name in ("keepalive_interval_s", "keepalive_timeout_s"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"RetryPolicy.{name} must be > 0 or None, got {v}")
+
+    def backoff(self, attempt: int, rand: float = 0.5) -> float:
+        """Delay before reconnect attempt ``attempt`` (0-based); ``rand`` in [0, 1) draws the jitter."""
+        base = min(self.backoff_max_s, self.backoff_initial_s * self.backoff_multiplier ** attempt)
+        return base * (1.0 + self.backoff_jitter * (2.0 * rand - 1.0))
+
+
+@dataclass(slots=True)
+class EdgeConfig:
+    bundle: Path  # a bundle directory written by `autoglm-partition split` (only edge/ files are read)
+    url: str = f"ws://127.0.0.1:8000{DEFAULT_SPLIT_PATH}"  # the cloud's split WebSocket endpoint
+    api_key: str | None = None  # sent as "Authorization: Bearer <key>"
+    # onnxruntime intra-op threads. Phones have 2-4 big cores; using all of them starves the UI thread.
+    threads: int = 2
+    # Prompt tokens per front-layer forward. Bounds peak edge memory (attention is S x P) and lets the first
+    # chunk's upload overlap the next chunk's compute.
+    prefill_chunk: int = 128
+    # Wire codec for boundary activations; None lets the server's precision plan decide per request.
+    codec: str | None = None
+    wire_zstd: bool = False  # zstd over coded payloads: ~1.1x on activations, not worth a phone core by default
+    # Activation cache for common prompts (see activation_cache.py). None: in memory only.
+    cache_dir: Path | None = None
+    cache_max_bytes: int = 512 << 20  # 512 MiB: a few long system prompts' front KV of a 9B split at N=4
+    cache_block_tokens: int = 16  # hash-chain block: finer blocks reuse more, coarser ones cost fewer files
+    cache_dtype: str = "float32"  # float32 keeps cached == recomputed bit for bit; float16 halves the bytes
+    cache_prompts: bool = True  # also cache the full blocks of every request's prompt (not only preloads)
+    verify_bundle: bool = True  # re-hash edge/ artifacts at load: a tampered graph is refused
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __post_init__(self):
+        self.bundle = Path(self.bundle)
+        if self.cache_dir is not None:
+            self.cache_dir = Path(self.cache_dir)
+        if not self.url.startswith(("ws://", "wss://")):
+            raise ConfigError(f"url {self.url!r}: expected ws:// or wss://")
+        if self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if self.cache_max_bytes < 0:
+            raise ConfigError(f"cache_max_bytes must be >= 0, got {self.cache_max_bytes}")
+        if self.cache_block_tokens < 1:
+            raise ConfigError(f"cache_block_tokens must be >= 1, got {self.cache_block_tokens}")
+        if self.cache_dtype not in ("float32", "float16"):
+            raise ConfigError(f"cache_dtype {self.cache_dtype!r}: expected float32 or float16")
+
+    @classmethod
+    def from_env(cls, **overrides) -> EdgeConfig:
+        """Fields from ``AUTOGLM_EDGE_<FIELD>`` (``AUTOGLM_BUNDLE``/``AUTOGLM_URL``/``AUTOGLM_API_KEY`` too),
+        then ``overrides`` (the CLI's explicit flags) on top."""
+        values: dict = {}
+        aliases = {"bundle": "AUTOGLM_BUNDLE", "url": "AUTOGLM_URL", "api_key": "AUTOGLM_API_KEY"}
+        for f in fields(cls):
+            if f.name == "retry":
+                continue
+            raw = os.environ.get(f"AUTOGLM_EDGE_{f.name.upper()}") or os.environ.get(aliases.get(f.name, "-"))
+            if raw is not None:
+                values[f.name] = _coerce(f.name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "bundle" not in values:
+            raise ConfigError("no bundle: pass --bundle or set AUTOGLM_BUNDLE")
+        return cls(**values)
+
+
+def _coerce(name: str, raw: str):
+    ints = {"threads", "prefill_chunk", "cache_max_bytes", "cache_block_tokens"}
+    bools = {"cache_prompts", "verify_bundle", "wire_zstd"}
+    try:
+        if name in ints:
+            return int(raw)
+        if name in bools:
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+    except ValueError:
+        raise ConfigError(f"AUTOGLM_EDGE_{name.upper()}={raw!r}: expected an integer") from None
+    return raw

@@ -1,0 +1,179 @@
+"""``autoglm-edge demo``: the whole split on localhost with the embedded default model.
+
+1. Build (once, cached) a SmolLM2-135M-Instruct bundle split at layer 8 with an int8 edge, under
+   ``$AUTOGLM_CACHE/bundles/smollm2-l8`` (default ``~/.cache/autoglm-split``). This step imports the
+   partition tools (torch): it is the developer machine's job, not the phone's.
+2. Start ``autoglm-cloud serve BUNDLE`` as a subprocess on a free port and wait for ``/ready``.
+3. Stream an answer to a fixed prompt through :class:`~edge_client.client.EdgeClient`, print it, then print
+   TTFT, tokens/s and bytes up/down (per token).
+4. Stop the server cleanly (SIGINT, then SIGTERM, then SIGKILL if it hangs).
+
+:class:`LocalCloud` (start/stop a cloud server process) is reused by the end-to-end tests and the benchmark.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from shared.manifest import BundleError, Manifest
+
+DEMO_PROMPT = "In three sentences, explain why splitting a language model between a phone and a server helps."
+DEMO_LAYER = 8
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("AUTOGLM_CACHE") or Path.home() / ".cache" / "autoglm-split")
+
+
+def ensure_bundle(out: Path | None = None, source: str = "smollm2", layer: int = DEMO_LAYER,
+                  edge_quant: str = "int8", rebuild: bool = False, quiet: bool = False) -> Path:
+    """The cached bundle at ``out`` (default ``<cache>/bundles/smollm2-l8``), built if absent or broken."""
+    out = Path(out) if out is not None else cache_root() / "bundles" / f"{source}-l{layer}"
+    if not rebuild:
+        try:
+            m = Manifest.load(out)
+            m.verify_files(out)
+            if m.split_layer == layer and m.edge_quant == edge_quant:
+                return out
+        except BundleError:
+            pass
+    if not quiet:
+        print(f"building the {source} bundle (layer {layer}, {edge_quant} edge) in {out} - once", flush=True)
+    from partition_tools.models import load_model
+    from partition_tools.split import SplitConfig, split
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then swap in: never half a bundle
+        staged = Path(tmp) / "bundle"
+        split(load_model(source), SplitConfig(layer=layer, out=staged, edge_quant=edge_quant))
+        if out.exists():
+            import shutil
+
+            shutil.rmtree(out)
+        staged.rename(out)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalCloud:
+    """A cloud server subprocess (``autoglm-cloud serve``) on localhost."""
+
+    def __init__(self, bundle: Path, port: int | None = None, api_key: str | None = None,
+                 extra_args: list[str] | None = None, log_path: Path | None = None):
+        self.bundle = Path(bundle)
+        self.port = port or free_port()
+        self.api_key = api_key
+        self.extra_args = list(extra_args or [])
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        from .config import DEFAULT_SPLIT_PATH
+
+        return f"ws://127.0.0.1:{self.port}{DEFAULT_SPLIT_PATH}"
+
+    def start(self, timeout: float = 180.0) -> LocalCloud:
+        cmd = [sys.executable, "-c", "import sys; from cloud_server.cli import main; sys.exit(main())",
+               "serve", str(self.bundle), "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        if self.log_path is not None:
+            self._log = open(self.log_path, "ab")
+        out = self._log if self._log is not None else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cloud server exited with code {self.proc.returncode} before it was ready"
+                                   + (f" (log: {self.log_path})" if self.log_path else ""))
+            try:
+                with urllib.request.urlopen(f"{self.http_url}/ready", timeout=2.0) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"cloud server not ready after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """Graceful stop: SIGINT (drain), then SIGTERM, then SIGKILL; returns the exit code."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+                try:
+                    proc.send_signal(sig)
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return None if proc is None else proc.returncode
+
+    def kill(self) -> None:
+        """Abrupt death (tests of the client's recovery): SIGKILL, no drain."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10.0)
+        self.proc = None
+
+    def __enter__(self) -> LocalCloud:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_demo(prompt: str = DEMO_PROMPT, max_tokens: int = 96, bundle: Path | None = None, rebuild: bool = False,
+             threads: int = 2, port: int | None = None, out=sys.stdout) -> dict:
+    """Steps 1-4 of the module docstring; returns the numbers it printed."""
+    from .client import EdgeClient
+
+    path = ensure_bundle(bundle, rebuild=rebuild)
+    m = Manifest.load(path)
+    print(f"bundle {path} ({m.source}, layers [0, {m.split_layer}) on the edge as {m.edge_quant}, "
+          f"[{m.split_layer}, {m.num_layers}) in the cloud)", file=out, flush=True)
+    log = Path(tempfile.gettempdir()) / "autoglm-demo-cloud.log"
+    with LocalCloud(path, port=port, log_path=log) as cloud:
+        print(f"cloud server ready on {cloud.ws_url}\n", file=out, flush=True)
+        with EdgeClient(path, cloud.ws_url, threads=threads) as client:
+            print(f"user> {prompt}\nassistant> ", end="", file=out, flush=True)
+            gen = client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
+            for delta in gen:
+                print(delta, end="", file=out, flush=True)
+            st = gen.stats
+    summary = {
+        "ttft_s": st.ttft_s, "tokens_per_s": st.tokens_per_s, "completion_tokens": st.completion_tokens,
+        "prompt_tokens": st.prompt_tokens, "bytes_up": st.bytes_up, "bytes_down": st.bytes_down,
+        "bytes_up_per_token": st.bytes_up / max(1, st.prompt_tokens + st.completion_tokens),
+        "bytes_down_per_token": st.bytes_down / max(1, st.completion_tokens),
+        "edge_compute_s": st.edge_compute_s, "codec": st.codec, "finish_reason": gen.finish_reason,
+    }
+    print(f"\n\n[{gen.finish_reason}] {st.prompt_tokens} prompt + {st.completion_tokens} generated tokens | "
+          f"TTFT {1000 * (st.ttft_s or 0):.0f} ms | {st.tokens_per_s:.1f} tokens/s | "
+          f"up {st.bytes_up / 1024:.1f} KiB ({summary['bytes_up_per_token']:.0f} B/token) | "
+          f"down {st.bytes_down / 1024:.1f} KiB ({summary['bytes_down_per_token']:.0f} B/token) | "
+          f"edge compute {1000 * st.edge_compute_s:.0f} ms | codec {st.codec}", file=out, flush=True)
+    return summary

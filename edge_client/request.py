@@ -1,0 +1,71 @@
+"""What the caller asks of one request (:class:`RequestSpec`) and what it cost (:class:`RequestStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.precision import PrecisionOverride
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    prompt_ids: list[int]
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    precision: str | None = None  # override: a codec ("int8-b32"), a compute variant ("bf16") or both ("fp16")
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.precision is not None:
+            PrecisionOverride.parse(self.precision)  # a codec or compute name; PrecisionError (a ValueError)
+
+
+@dataclass(slots=True)
+class RequestStats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose front layers the activation cache skipped
+    uploaded_prompt_tokens: int = 0  # prompt positions whose hidden states went up (the cloud has the rest)
+    cloud_cached_tokens: int = 0  # prompt positions the cloud took from its prefix cache (its Usage)
+    ttft_s: float | None = None  # request start -> first token delivered to the caller
+    itl_s: list[float] = field(default_factory=list)  # gaps between successive tokens
+    total_s: float = 0.0
+    edge_compute_s: float = 0.0  # front-layer time for this request (prefill + decode steps)
+    edge_prefill_s: float = 0.0
+    bytes_up: int = 0  # WebSocket frames, both ways, this request
+    bytes_down: int = 0
+    prefill_bytes_up: int = 0  # of bytes_up: the prompt's hidden states
+    codec: str = ""  # wire codec of the hidden states
+    compute: str = ""  # compute variant asked of the cloud
+    reconnects: int = 0
+    resumes: int = 0  # the cloud session survived a drop
+    replays: int = 0  # the cloud lost the session; the context was replayed
+    prefix_misses: int = 0
+
+    @property
+    def mean_itl_s(self) -> float | None:
+        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode rate after the first token (the TTFT is reported separately)."""
+        gap = sum(self.itl_s)
+        return len(self.itl_s) / gap if gap > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__slots__ if k != "itl_s"}
+        d.update(mean_itl_s=self.mean_itl_s, tokens_per_s=self.tokens_per_s)
+        return d

@@ -1,0 +1,480 @@
+"""One edge session with the cloud: the request flow, the prefix cache on the wire, reconnect and resume.
+
+The flow of one request (message names from :mod:`shared.protocol`)::
+
+    Hello(bundle_id, codecs, resume_token?) -> Welcome(session_id, resume_token, limits)   [once per link]
+    Prefill(start=p, hidden[p:p+n], params, prefix_keys, last=False) ... Prefill(..., last=True)
+                                              <- Tokens(index 0, [t0])
+    DecodeStep(position=L, hidden(t0))        <- Tokens(index 1, [t1])       ... until finish_reason
+
+Prefix cache: the edge names every full block of the prompt by its hash-chain key
+(:func:`~edge_client.activation_cache.block_keys`, at the server's block size). When its activation cache
+covers ``[0, h)`` it skips the front layers there, and it skips uploading ``[0, c)`` (``c`` = ``h`` rounded
+down to the server's block) on the bet that the cloud still holds those blocks under the same keys. If it
+does not, the cloud answers ``Error(prefix_miss)`` and the edge resends the whole prompt, the prefix's hidden
+states coming from its cache (the front layers still do not run).
+
+Resume: the edge keeps, for the whole context, every hidden state it sent (coded, as sent) and every token
+it received. When the link drops it reconnects with backoff and presents its resume token:
+
+* the session survived (``Welcome.resumed``): ``Resume(request_id, have)``; the cloud resends the tokens
+  after ``have`` and says which position it expects next; the edge resends its inputs from there;
+* the session is gone (server restart, another replica): the edge *replays* - a fresh request whose prompt
+  is the whole context so far (prompt + tokens received), all hidden states from its record, so the new
+  server rebuilds its KV without the front layers running again; token indices continue where they were.
+
+Either way no token is lost or repeated (greedy output equals an undisturbed run's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared import codecs as C
+from shared import protocol as P
+from shared.manifest import Manifest
+from shared.openai_compat import StopMatcher
+from shared.precision import PrecisionError, PrecisionOverride, RequestFeatures, choose_precision
+
+from .activation_cache import ActivationCache, block_keys
+from .config import EdgeConfig
+from .errors import EdgeClientError
+from .request import RequestSpec, RequestStats
+from .runtime import FrontRuntime
+from .tokenizer import EdgeTokenizer, StreamDecoder
+from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown
+
+CLIENT_VERSION = "0.1.0"
+
+log = logging.getLogger("edge_client.session")
+
+
+@dataclass(slots=True)
+class _Sent:
+    """One coded span of hidden states sent for a request: positions [start, start + n)."""
+
+    start: int
+    n: int
+    tensor: object  # shared.codecs EncodedTensor, as sent
+
+
+class _Request:
+    """Everything needed to resend or replay a request: its spec, coded inputs, received tokens."""
+
+    def __init__(self, spec: RequestSpec, codec: str, compute: str | None = None):
+        self.spec = spec
+        self.rid = uuid.uuid4().hex[:16]
+        self.codec = codec
+        self.compute = compute
+        self.prompt_len = len(spec.prompt_ids)
+        self.prefix_raw: np.ndarray | None = None  # [c, H] hidden of the prefix not uploaded (from the cache)
+        self.sent: list[_Sent] = []  # coded inputs, in position order
+        self.tokens: list[int] = []  # received, in order
+        self.index_base = 0  # the cloud's token index 0 is our token `index_base` (after a replay)
+        self.opened = False  # the current request id's first Prefill (params, keys) has been sent
+        self.pending: list = []  # token messages received during recovery, to process in order
+        self.finish: str | None = None
+
+    @property
+    def context_len(self) -> int:
+        return self.prompt_len + len(self.tokens)
+
+
+async def _compute(fn, *args):
+    """Run front-layer work in a worker thread (the event loop keeps pinging). If the caller is cancelled
+    meanwhile, the work still finishes before the cancellation propagates: the runtime's KV cache must never
+    be touched by two requests at once."""
+    fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait({fut})
+        raise
+
+
+def _calibration(bundle: Path) -> dict | None:
+    """The bundle's boundary calibration (outlier channels for the outlier-aware codecs), if any."""
+    path = Path(bundle) / "calibration.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class Session:
+    """The link, the Welcome it got, and the request loop (see the module docstring)."""
+
+    def __init__(self, config: EdgeConfig, manifest: Manifest, runtime: FrontRuntime, cache: ActivationCache,
+                 tokenizer: EdgeTokenizer | None = None):
+        self.config = config
+        self.manifest = manifest
+        self.runtime = runtime
+        self.cache = cache
+        self.tokenizer = tokenizer
+        self.link = Link(config.url, config.api_key, config.retry)
+        self.codecs = C.available_codecs(_calibration(config.bundle))  # name -> BoundaryCodec
+        self.welcome = None
+        self.resume_token: str | None = None
+        self._lock: asyncio.Lock | None = None
+
+    # -- connection -----------------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self.link.open and self.welcome is not None
+
+    @property
+    def limits(self) -> P.SessionLimits:
+        return self.welcome.limits if self.welcome is not None else P.SessionLimits()
+
+    @property
+    def block_size(self) -> int:
+        return self.limits.prefix_block_tokens
+
+    def _hello(self, resume: bool):
+        hints = P.ClientHints(edge_quant=self.manifest.edge_quant, threads=self.config.threads,
+                              client=f"autoglm-edge/{CLIENT_VERSION}")
+        return P.Hello(bundle_id=self.manifest.bundle_id, codecs=list(self.codecs), hints=hints,
+                       resume_token=self.resume_token if resume else None)
+
+    async def ensure_connected(self, resume: bool = False) -> dict:
+        if not self.connected:
+            try:
+                w = await self.link.connect(self._hello(resume))
+            except HandshakeRefused as e:
+                raise EdgeClientError(str(e), e.code) from None
+            except GarbageFromServer as e:
+                raise EdgeClientError(str(e), "bad_server") from None
+            if self.config.cache_block_tokens != w.limits.prefix_block_tokens:
+                log.warning("the cloud names prefixes per %d tokens, the edge cache per %d: cloud prefix reuse "
+                            "is limited to whole cloud blocks", w.limits.prefix_block_tokens,
+                            self.config.cache_block_tokens)
+            self.welcome = w
+            self.resume_token = w.resume_token
+        return P.to_dict(self.welcome)
+
+    async def close(self) -> None:
+        """Orderly end: Close, then let the server close the WebSocket (it frees the session at once)."""
+        if self.link.open:
+            try:
+                await self.link.send(P.Close(reason="client closed"))
+                await self.link.wait_closed(1.0)
+            except LinkDown:
+                pass
+        await self.link.close()
+        self.welcome = None
+
+    async def _reconnect(self, req: _Request, stats: RequestStats, cause: Exception) -> bool:
+        """Reconnect with backoff; True if the cloud session (and the request) survived."""
+        retry = self.config.retry
+        last: Exception = cause
+        for attempt in range(retry.max_retries):
+            delay = self.link.backoff(attempt)
+            log.info("link down (%s); reconnect %d/%d in %.2f s", last, attempt + 1, retry.max_retries, delay)
+            await asyncio.sleep(delay)
+            self.welcome = None
+            try:
+                await self.ensure_connected(resume=True)
+            except LinkDown as e:
+                last = e
+                continue
+            stats.reconnects += 1
+            return bool(getattr(self.welcome, "resumed", False))
+        raise EdgeClientError(f"cloud unreachable after {retry.max_retries} reconnect attempts: {last}",
+                              "unreachable")
+
+    # -- requests -------------------------------------------------------------------------------
+    async def run(self, spec: RequestSpec, sink: Callable, stats: RequestStats) -> None:
+        """Run one request, feeding ``sink`` with ("token", id, text) items, then ("end", reason) or
+        ("error", exc). Cancellation (the caller cancels the task) ends it with reason "cancelled"."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        try:
+            async with self._lock:
+                reason = await self._run(spec, sink, stats)
+            sink(("end", reason))
+        except asyncio.CancelledError:
+            sink(("end", "cancelled"))
+        except EdgeClientError as e:
+            sink(("error", e))
+        except Exception as e:
+            log.exception("edge request failed")
+            sink(("error", EdgeClientError(f"internal error: {type(e).__name__}: {e}", "internal")))
+
+    def _plan_for(self, spec: RequestSpec) -> P.PrecisionPlan:
+        """The request's precision: the shared policy over what this session negotiated, with the request's
+        override (or the config's codec) winning. Both ends run the same policy (shared.precision)."""
+        w = self.welcome
+        features = RequestFeatures(prompt_tokens=len(spec.prompt_ids), server_load=w.server.load,
+                                   hidden_size=self.runtime.hidden_size)
+        try:
+            override = PrecisionOverride.parse(spec.precision)
+            if override is None and self.config.codec is not None:
+                override = PrecisionOverride(codec=self.config.codec)
+            if (override is not None and override.codec is not None and override.compute is not None
+                    and override.compute not in w.server.compute_variants):
+                override = PrecisionOverride(codec=override.codec)  # "fp16" names both; this server computes otherwise
+            return choose_precision(features, override, available_codecs=w.codecs,
+                                    available_compute=w.server.compute_variants)
+        except PrecisionError as e:
+            raise EdgeClientError(f"precision: {e}", "codec_not_negotiated") from None
+
+    async def _run(self, spec: RequestSpec, sink: Callable, stats: RequestStats) -> str:
+        t0 = time.perf_counter()
+        up0, down0 = self.link.bytes_up, self.link.bytes_down
+        compute0 = self.runtime.stats.seconds
+        req: _Request | None = None
+        try:
+            await self._connect_with_retry(stats)
+            plan = self._plan_for(spec)
+            req = _Request(spec, plan.codec, plan.compute)
+            stats.codec, stats.compute = plan.codec, plan.compute
+            decoder = StreamDecoder(self.tokenizer) if self.tokenizer is not None else None
+            stop = StopMatcher(spec.stop)
+            await self._prefill(req, stats)
+            stats.edge_prefill_s = self.runtime.stats.seconds - compute0
+            last_t = None
+            async for token in self._tokens(req, stats):
+                now = time.perf_counter()
+                if last_t is None:
+                    stats.ttft_s = now - t0
+                else:
+                    stats.itl_s.append(now - last_t)
+                last_t = now
+                stats.completion_tokens += 1
+                text, stopped = stop.feed(decoder.push(token) if decoder is not None else "")
+                sink(("token", token, text))
+                if stopped:  # a stop string: the text ends before it, the cloud stops generating
+                    await self._cancel(req)
+                    return "stop"
+            if decoder is not None:  # bytes held back for an incomplete character, and text held for stops
+                tail = stop.feed(decoder.flush())[0] + stop.flush()
+                if tail:
+                    sink(("token", -1, tail))
+            return req.finish or "stop"
+        except asyncio.CancelledError:
+            if req is not None and req.opened:
+                await asyncio.shield(self._cancel(req))
+            raise
+        finally:
+            stats.total_s = time.perf_counter() - t0
+            stats.bytes_up = self.link.bytes_up - up0
+            stats.bytes_down = self.link.bytes_down - down0
+            stats.edge_compute_s = self.runtime.stats.seconds - compute0
+
+    async def _connect_with_retry(self, stats: RequestStats) -> None:
+        retry = self.config.retry
+        for attempt in range(retry.max_retries + 1):
+            try:
+                await self.ensure_connected()
+                return
+            except LinkDown as e:
+                if attempt == retry.max_retries:
+                    raise EdgeClientError(f"cannot reach the cloud at {self.config.url}: {e}", "unreachable") from None
+                await asyncio.sleep(self.link.backoff(attempt))
+
+    async def _cancel(self, req: _Request) -> None:
+        if self.link.open:
+            try:
+                await self.link.send(P.Cancel(request_id=req.rid))
+            except LinkDown:
+                pass
+
+    # -- prefill --------------------------------------------------------------------------------
+    def _encode(self, req: _Request, hidden: np.ndarray) -> list[tuple[int, object]]:
+        """Code ``hidden`` [n, H] in pieces within the session's limits (tokens per Prefill, frame bytes;
+        fp32 bytes per row bound every codec's payload)."""
+        codec = self.codecs[req.codec]
+        n = hidden.shape[0]
+        lim = self.limits
+        rows = max(1, min(n, lim.max_prefill_chunk_tokens, (lim.max_frame_bytes - 4096) // (hidden.shape[1] * 4)))
+        return [(i, codec.encode(np.ascontiguousarray(hidden[i:i + rows]), zstd=self.config.wire_zstd))
+                for i in range(0, n, rows)]
+
+    async def _send_span(self, req: _Request, start: int, hidden: np.ndarray, stats: RequestStats,
+                         record: bool = True) -> None:
+        """Code and send hidden states [n, H] of positions [start, start + n) as Prefill messages."""
+        for off, tensor in self._encode(req, hidden):
+            span = _Sent(start + off, int(tensor.shape[0]), tensor)
+            if record:
+                req.sent.append(span)
+            stats.prefill_bytes_up += await self.link.send(self._prefill_msg(req, span))
+
+    def _prefill_msg(self, req: _Request, span: _Sent):
+        """A Prefill for ``span``; the request's first message carries the sampling params and prefix keys,
+        and the one that completes the context is ``last`` (the cloud samples after it)."""
+        spec = req.spec
+        params, keys = None, []
+        if not req.opened:
+            req.opened = True
+            params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
+                                      top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
+            keys = block_keys(spec.prompt_ids, self.manifest.bundle_id, self.block_size)
+        last = span.start + span.n == req.context_len
+        return P.Prefill(request_id=req.rid, start=span.start, hidden=span.tensor, last=last, params=params,
+                         prefix_keys=keys, compute=req.compute if params is not None else None)
+
+    async def _prefill(self, req: _Request, stats: RequestStats) -> None:
+        spec, rt = req.spec, self.runtime
+        ids = spec.prompt_ids
+        # 1. the activation cache: skip the front for [0, h)
+        rt.reset()
+        hit = self.cache.lookup(ids) if self.cache is not None else None
+        h = hit.tokens if hit is not None else 0
+        if hit is not None:
+            rt.extend_kv(hit.kv_blocks)
+        stats.cached_tokens = h
+        # 2. optimistic: the cloud has [0, c) under the same keys, so those positions are not uploaded
+        c = (h // self.block_size) * self.block_size
+        req.prefix_raw = hit.hidden[:c] if hit is not None else None
+        stats.uploaded_prompt_tokens = len(ids) - c
+        parts: list[np.ndarray] = [hit.hidden] if hit is not None else []
+        if h > c:
+            await self._guarded(req, stats, self._send_span(req, c, hit.hidden[c:h], stats))
+        # 3. front layers over [h, L), each chunk sent as soon as it is computed
+        chunks = rt.prefill_chunks(ids[h:])
+        while True:
+            item = await _compute(next, chunks, None)
+            if item is None:
+                break
+            start, hidden = item  # hidden: [n, H]
+            parts.append(hidden)
+            await self._guarded(req, stats, self._send_span(req, start, hidden, stats))
+        # 4. remember the prompt's full blocks for next time (front KV + boundary hidden states)
+        if self.config.cache_prompts and self.cache is not None:
+            all_hidden = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]  # [L, H]
+            start_block = h // self.cache.block_tokens
+            await _compute(self.cache.insert, ids, rt.kv_slice, all_hidden, start_block)
+
+    async def _guarded(self, req: _Request, stats: RequestStats, coro) -> None:
+        """Await a send; on a dropped link, recover (the recovery resends what the cloud lacks)."""
+        try:
+            await coro
+        except LinkDown as e:
+            await self._recover(req, stats, e)
+
+    async def _resend_all(self, req: _Request, stats: RequestStats) -> None:
+        """Open a fresh request with everything recorded: the cached prefix (coded now) and every span."""
+        req.rid = uuid.uuid4().hex[:16]
+        req.opened = False
+        req.index_base = len(req.tokens)  # the new request's token 0 is the next one we lack
+        if req.prefix_raw is not None and len(req.prefix_raw):
+            await self._send_span(req, 0, req.prefix_raw, stats, record=False)
+        for span in req.sent:
+            stats.prefill_bytes_up += await self.link.send(self._prefill_msg(req, span))
+
+    # -- tokens ---------------------------------------------------------------------------------
+    async def _tokens(self, req: _Request, stats: RequestStats):
+        """Yield new tokens in order; drives decode steps, prefix misses and recovery."""
+        timeout = self.config.retry.reply_timeout_s
+        while req.finish is None:
+            if req.pending:
+                msg = req.pending.pop(0)
+            else:
+                try:
+                    msg = await self.link.recv(timeout)
+                except LinkDown as e:
+                    await self._recover(req, stats, e)
+                    continue
+                except GarbageFromServer as e:
+                    raise EdgeClientError(str(e), "bad_server") from None
+            if isinstance(msg, P.Error):
+                if getattr(msg, "request_id", None) not in (None, req.rid):
+                    continue  # a late error about a request id we abandoned
+                if msg.code == "prefix_miss":
+                    stats.prefix_misses += 1
+                    stats.uploaded_prompt_tokens = req.prompt_len
+                    await self._guarded(req, stats, self._resend_all(req, stats))
+                    continue
+                raise EdgeClientError(f"cloud error {msg.code}: {msg.message}", msg.code)
+            if not isinstance(msg, (P.Tokens, P.Resumed)) or msg.request_id != req.rid:
+                continue  # nothing for this request
+            if isinstance(msg, P.Tokens) and msg.usage is not None:
+                stats.cloud_cached_tokens = msg.usage.cached_tokens
+            new = self._accept(req, msg.index, msg.token_ids, msg.finish_reason)
+            for t in new:
+                yield t
+            if new and req.finish is None:
+                await self._guarded(req, stats, self._decode_and_send(req, new))
+
+    def _accept(self, req: _Request, index: int, token_ids: list[int], finish: str | None) -> list[int]:
+        """Append the tokens we do not have yet (indices are the cloud's, offset by ``index_base``)."""
+        new = []
+        for i, t in enumerate(token_ids):
+            if req.index_base + index + i == len(req.tokens):
+                req.tokens.append(int(t))
+                new.append(int(t))
+        if finish and req.index_base + index + len(token_ids) >= len(req.tokens):
+            req.finish = finish
+        return new
+
+    async def _decode_and_send(self, req: _Request, new: list[int]) -> None:
+        """Front decode of each new token (the edge KV needs them all); a DecodeStep for the last one."""
+        codec = self.codecs[req.codec]
+        for t in new:
+            hidden = await _compute(self.runtime.decode, t)  # [1, H]
+            req.sent.append(_Sent(self.runtime.length - 1, 1, codec.encode(hidden, zstd=self.config.wire_zstd)))
+        await self._send_decode(req, req.sent[-1])
+
+    async def _send_decode(self, req: _Request, span: _Sent) -> None:
+        await self.link.send(P.DecodeStep(request_id=req.rid, position=span.start, hidden=span.tensor))
+
+    async def _recover(self, req: _Request, stats: RequestStats, cause: Exception) -> None:
+        """After a drop: resume the cloud's request if it survived, else replay the context (docstring)."""
+        while True:
+            resumed = await self._reconnect(req, stats, cause)
+            try:
+                if resumed and req.opened and await self._resume(req, stats):
+                    return
+                stats.replays += 1
+                await self._resend_all(req, stats)
+                return
+            except LinkDown as e:  # dropped again while recovering: start over
+                cause = e
+
+    async def _resume(self, req: _Request, stats: RequestStats) -> bool:
+        """Ask the surviving session where the request stands; resend what it lacks. False: replay instead."""
+        await self.link.send(P.Resume(request_id=req.rid, have_tokens=len(req.tokens) - req.index_base))
+        while True:
+            msg = await self.link.recv(self.config.retry.reply_timeout_s)
+            if isinstance(msg, P.Error) and getattr(msg, "request_id", None) in (None, req.rid):
+                return False  # unknown request (finished, timed out or aborted while we were away)
+            if isinstance(msg, P.Resumed) and msg.request_id == req.rid:
+                break
+            if isinstance(msg, P.Tokens) and msg.request_id == req.rid:
+                req.pending.append(msg)  # sent just before the Resumed: still ours, in order
+        received = msg.received
+        if any(s.start < received < s.start + s.n for s in req.sent):
+            return False  # the cloud holds part of a span: cannot resend it exactly, replay instead
+        stats.resumes += 1
+        for span in req.sent:
+            if span.start >= received:
+                if span.start >= req.prompt_len:
+                    await self._send_decode(req, span)
+                else:
+                    stats.prefill_bytes_up += await self.link.send(self._prefill_msg(req, span))
+        req.pending.append(msg)
+        return True
+
+    # -- preload ----------------------------------------------------------------------------------
+    async def preload(self, ids: list[int]) -> int:
+        """Run the front over ``ids`` and cache its full blocks (no network); returns tokens cached."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            rt = self.runtime
+            rt.reset()
+            have = self.cache.contains(ids)
+            if have >= (len(ids) // self.cache.block_tokens) * self.cache.block_tokens:
+                return have
+            hidden = await _compute(rt.prefill, ids)
+            await _compute(self.cache.insert, ids, rt.kv_slice, hidden)
+            return self.cache.contains(ids)

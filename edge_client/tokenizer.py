@@ -1,0 +1,197 @@
+"""Tokenizer and chat template on the phone: ``tokenizers`` + ``jinja2``, no transformers.
+
+* :class:`EdgeTokenizer` reads ``edge/tokenizer.json`` (``tokenizers.Tokenizer.from_file``),
+  ``edge/tokenizer_config.json`` (special tokens) and ``edge/chat_template.jinja`` (or the config's
+  ``chat_template``), and renders templates the way transformers' ``apply_chat_template`` does: a sandboxed
+  jinja2 environment with ``trim_blocks``/``lstrip_blocks``, ``tojson``, ``raise_exception`` and
+  ``strftime_now``, extra template kwargs such as ``enable_thinking`` passed through.
+* :class:`ByteTokenizer` is the fallback for bundles with no trained vocabulary (the random tiny presets):
+  UTF-8 bytes shifted past the model's special ids, and a ChatML-like template. Good enough to drive the
+  pipeline by text; tests that compare against the unsplit model drive it by token ids.
+* :class:`StreamDecoder` turns a stream of token ids into text deltas without splitting a multi-byte
+  character or a merge (the prefix/read-offset method of vLLM's incremental detokenizer).
+
+References: transformers ``PreTrainedTokenizerBase.apply_chat_template``; vLLM ``detokenize_incrementally``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from shared.manifest import BundleError, Manifest
+
+# Tags the reasoning splitter must see even when the tokenizer marks them special.
+THINKING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+
+
+class TokenizerLike(Protocol):
+    eos_token_ids: list[int]
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str: ...
+
+
+def _jinja_env():
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+class ChatTemplate:
+    """A compiled chat template plus the special-token strings it may reference."""
+
+    def __init__(self, source: str, specials: dict[str, str]):
+        import jinja2
+
+        try:
+            self.template = _jinja_env().from_string(source)
+        except jinja2.TemplateError as e:
+            raise BundleError(f"chat template does not compile: {e}") from None
+        self.source = source
+        self.specials = specials
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        import jinja2
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.specials, **kwargs)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template refused the messages: {e}") from None
+
+
+class EdgeTokenizer:
+    """A bundle's trained tokenizer (``tokenizers``) and chat template (jinja2)."""
+
+    def __init__(self, tokenizer_json: Path, config: dict, template: str | None, eos_token_ids: list[int]):
+        from tokenizers import Tokenizer
+
+        try:
+            self.tok = Tokenizer.from_file(str(tokenizer_json))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception
+            raise BundleError(f"{tokenizer_json}: cannot load: {str(e).splitlines()[0]}") from None
+        self.config = config
+        specials = {}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            v = config.get(name)
+            if isinstance(v, dict):  # older configs store AddedToken dicts
+                v = v.get("content")
+            if isinstance(v, str):
+                specials[name] = v
+        self.template = ChatTemplate(template, specials) if template else None
+        eos = list(eos_token_ids)
+        if "eos_token" in specials:
+            tid = self.tok.token_to_id(specials["eos_token"])
+            if tid is not None and tid not in eos:
+                eos.append(tid)
+        self.eos_token_ids = eos
+        added = self.tok.get_added_tokens_decoder()  # {id: AddedToken}
+        self._hidden_ids = {i for i, t in added.items() if t.special and t.content not in THINKING_TAGS}
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_bundle(cls, bundle_dir: str | Path, manifest: Manifest | None = None) -> TokenizerLike:
+        """The bundle's tokenizer, or a :class:`ByteTokenizer` when the bundle has none."""
+        edge = Path(bundle_dir) / "edge"
+        manifest = manifest or Manifest.load(bundle_dir)
+        if not (edge / "tokenizer.json").is_file():
+            return ByteTokenizer(manifest.vocab_size, manifest.eos_token_ids)
+        config: dict = {}
+        if (edge / "tokenizer_config.json").is_file():
+            try:
+                config = json.loads((edge / "tokenizer_config.json").read_text())
+            except json.JSONDecodeError as e:
+                raise BundleError(f"{edge / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+        template = None
+        if (edge / "chat_template.jinja").is_file():
+            template = (edge / "chat_template.jinja").read_text()
+        elif isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        elif isinstance(config.get("chat_template"), list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        return cls(edge / "tokenizer.json", config, template, manifest.eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([i for i in ids if i not in self._hidden_ids], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        if self.template is None:
+            raise ValueError("this bundle's tokenizer has no chat template; send a raw prompt instead")
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+class ByteTokenizer:
+    """Byte-level fallback: id = byte + offset (offset skips the model's pad/bos/eos ids)."""
+
+    TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], offset: int = 4):
+        if vocab_size < offset + 256:
+            raise BundleError(f"vocabulary of {vocab_size} ids is too small for the byte-level fallback "
+                              f"(needs {offset + 256}); the bundle needs a tokenizer")
+        self.offset = offset
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.template = ChatTemplate(self.TEMPLATE, {})
+
+    def encode(self, text: str) -> list[int]:
+        return [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        # Ids past the byte range (a random model samples them) have no text.
+        data = bytes(i - self.offset for i in ids if self.offset <= i < self.offset + 256)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: ``push(token) -> text delta`` (possibly empty while a character is partial)."""
+
+    def __init__(self, tokenizer: TokenizerLike):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # start of the left context decoded with the new tokens (merges, spaces)
+        self.read_offset = 0  # tokens before this one have been emitted
+
+    def push(self, token: int) -> str:
+        self.ids.append(int(token))
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held (a truncated multi-byte character comes out as U+FFFD)."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        self.read_offset = len(self.ids)
+        self.prefix_offset = self.read_offset
+        return full[len(prefix):] if len(full) > len(prefix) else ""

@@ -1,0 +1,158 @@
+"""The edge's WebSocket link to the cloud: connect, handshake, framed messages, keepalive, reconnect.
+
+One :class:`Link` is one WebSocket (the ``websockets`` asyncio client) carrying binary frames of
+``shared.protocol`` messages, one message per frame. WebSocket compression is off: hidden states are
+already coded, and deflating them costs phone CPU for nothing. Keepalive is the WebSocket ping/pong (a
+missed pong closes the link, which the client treats as a drop).
+
+Failure classes (the client's retry decisions hang on them):
+
+* :class:`LinkDown` - the connection dropped, timed out or could not be opened: retry with backoff.
+* :class:`HandshakeRefused` - the server said no (bundle mismatch, bad API key, at capacity): not retried.
+* :class:`GarbageFromServer` - the peer is not speaking our protocol (a non-WebSocket HTTP reply, an
+  undecodable frame): not retried; the message says what arrived.
+
+Byte counters include every frame in both directions, so the client's "bytes up/down" are what the link
+carried, not what the payloads weighed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from shared import protocol as P
+
+from .config import RetryPolicy
+
+# Refusals at Hello that say "not now" rather than "never": reconnecting later may succeed.
+RETRYABLE_REFUSALS = ("draining", "overloaded", "internal")
+
+
+class LinkDown(Exception):
+    """The link is gone (closed, timed out, unreachable); reconnecting may help."""
+
+
+class HandshakeRefused(Exception):
+    """The server refused the session; ``code`` is the wire error code (or the HTTP status)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class GarbageFromServer(Exception):
+    """The peer answered something that is not our protocol."""
+
+
+class Link:
+    """One WebSocket session to the cloud (see the module docstring)."""
+
+    def __init__(self, url: str, api_key: str | None, retry: RetryPolicy, max_frame_bytes: int = 64 << 20):
+        self.url = url
+        self.api_key = api_key
+        self.retry = retry
+        self.max_frame_bytes = max_frame_bytes  # the largest frame we accept; the server's limit is in Welcome
+        self.ws: ClientConnection | None = None
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.frames_up = 0
+        self.frames_down = 0
+
+    @property
+    def open(self) -> bool:
+        return self.ws is not None and self.ws.state is websockets.protocol.State.OPEN
+
+    async def connect(self, hello: P.Hello) -> P.Welcome:
+        """Open the WebSocket and run Hello -> Welcome; raises LinkDown / HandshakeRefused / GarbageFromServer."""
+        await self.close()
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            self.ws = await asyncio.wait_for(
+                connect(self.url, additional_headers=headers, compression=None, max_size=self.max_frame_bytes,
+                        open_timeout=self.retry.connect_timeout_s, ping_interval=self.retry.keepalive_interval_s,
+                        ping_timeout=self.retry.keepalive_timeout_s, close_timeout=2.0,
+                        user_agent_header="autoglm-edge"),
+                self.retry.connect_timeout_s + 1.0)
+        except InvalidStatus as e:
+            status = e.response.status_code
+            body = (e.response.body or b"")[:200].decode("utf-8", "replace").strip()
+            if status in (401, 403):
+                raise HandshakeRefused("unauthorized", f"{self.url}: HTTP {status}: API key refused"
+                                       + (f" ({body})" if body else "")) from None
+            if status >= 500 or status == 429:
+                raise LinkDown(f"{self.url}: HTTP {status} at connect" + (f" ({body})" if body else "")) from None
+            raise GarbageFromServer(f"{self.url}: HTTP {status} instead of a WebSocket upgrade"
+                                    + (f" ({body})" if body else "") + "; is this the cloud's split endpoint?") from None
+        except InvalidURI as e:
+            raise HandshakeRefused("bad_url", f"{self.url}: {e}") from None
+        except InvalidHandshake as e:
+            raise GarbageFromServer(f"{self.url}: not a WebSocket server ({type(e).__name__}: {e})") from None
+        except (OSError, asyncio.TimeoutError, ConnectionClosed) as e:
+            raise LinkDown(f"{self.url}: cannot connect ({type(e).__name__}: {e or 'timed out'})") from None
+        await self.send(hello)
+        reply = await self.recv(self.retry.connect_timeout_s)
+        if isinstance(reply, P.Error):
+            await self.close()
+            if reply.code in RETRYABLE_REFUSALS:  # another attempt (or replica) may be accepted
+                raise LinkDown(f"server busy: {reply.code}: {reply.message}")
+            raise HandshakeRefused(reply.code, f"server refused the session: {reply.code}: {reply.message}")
+        if not isinstance(reply, P.Welcome):
+            await self.close()
+            raise GarbageFromServer(f"{self.url}: expected Welcome, got {type(reply).__name__}")
+        return reply
+
+    async def send(self, msg) -> int:
+        if self.ws is None:
+            raise LinkDown("not connected")
+        frame = P.encode_message(msg)
+        try:
+            await self.ws.send(frame)
+        except ConnectionClosed as e:
+            raise LinkDown(f"connection closed while sending ({e})") from None
+        self.bytes_up += len(frame)
+        self.frames_up += 1
+        return len(frame)
+
+    async def recv(self, timeout: float):
+        """The next message; LinkDown on close or when nothing arrives within ``timeout`` seconds."""
+        if self.ws is None:
+            raise LinkDown("not connected")
+        try:
+            frame = await asyncio.wait_for(self.ws.recv(), timeout)
+        except asyncio.TimeoutError:
+            await self.close()
+            raise LinkDown(f"no reply from the server in {timeout:.1f} s") from None
+        except ConnectionClosed as e:
+            raise LinkDown(f"connection closed ({e})") from None
+        if isinstance(frame, str):
+            raise GarbageFromServer(f"server sent a text frame ({frame[:60]!r}); the protocol is binary")
+        self.bytes_down += len(frame)
+        self.frames_down += 1
+        try:
+            return P.decode_message(frame)
+        except P.ProtocolError as e:
+            raise GarbageFromServer(f"server sent an undecodable frame ({e})") from None
+
+    async def wait_closed(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the peer to close the connection (after we sent Close)."""
+        if self.ws is not None:
+            try:
+                await asyncio.wait_for(self.ws.wait_closed(), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    async def close(self) -> None:
+        ws, self.ws = self.ws, None
+        if ws is not None:
+            try:
+                await asyncio.wait_for(ws.close(), 2.0)
+            except (asyncio.TimeoutError, ConnectionClosed, OSError):
+                pass
+
+    def backoff(self, attempt: int) -> float:
+        return self.retry.backoff(attempt, random.random())

@@ -1,0 +1,405 @@
+"""OpenAI-compatible request parsing and response formatting, shared by the edge's local endpoint and the
+cloud's full-model mode. Pure Python (json + dataclasses): the phone imports it without torch.
+
+Contract:
+
+* :func:`parse_chat_request` / :func:`parse_completion_request` turn a decoded JSON body into a validated
+  :class:`ChatRequest` / :class:`CompletionRequest`, or raise :class:`OpenAIRequestError` whose
+  :meth:`~OpenAIRequestError.to_dict` is the OpenAI error body (HTTP 400). Unknown fields are ignored, as
+  OpenAI-compatible servers do; known fields with a bad type or range are refused, naming the field.
+* Thinking: ``enable_thinking`` is read from the top level or from ``chat_template_kwargs`` (vLLM / SGLang
+  spelling); ``return_reasoning`` asks for the ``<think>...</think>`` part in ``reasoning_content``, apart
+  from ``content`` (the AutoGLM / GLM-4.1V-Thinking serving convention).
+* :class:`ThinkingSplitter` and :class:`StopMatcher` work on a stream of text deltas whose boundaries may
+  fall anywhere, including inside a tag or a stop string: they hold back only the text that could still
+  be the start of one.
+* :func:`chat_chunk`, :func:`chat_response`, :func:`completion_chunk`, :func:`completion_response`,
+  :func:`sse` and :data:`SSE_DONE` format the wire shapes of the Chat Completions / Completions APIs.
+
+References: OpenAI API reference (chat/completions, completions, streaming); vLLM's reasoning parsers
+(``reasoning_content``); GLM-4.1V-Thinking model card (``<think>``/``<answer>`` output format).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class OpenAIRequestError(Exception):
+    """A request the OpenAI API would refuse with HTTP 400; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error",
+                 status: int = 400):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+
+    def to_dict(self) -> dict[str, Any]:
+        err_type = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": err_type, "param": self.param, "code": self.code}}
+
+
+# --------------------------------------------------------------------------------------------
+# requests
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """The sampling fields common to both endpoints (OpenAI names; ``top_k`` and ``seed`` as vLLM spells them)."""
+
+    max_tokens: int | None = None  # None: the server's limit
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise OpenAIRequestError("max_tokens must be >= 1", "max_tokens")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise OpenAIRequestError("temperature must be in [0, 2]", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise OpenAIRequestError("top_p must be in (0, 1]", "top_p")
+        if self.top_k < 0:
+            raise OpenAIRequestError("top_k must be >= 0 (0 disables it)", "top_k")
+        if len(self.stop) > 16 or any(not s for s in self.stop):
+            raise OpenAIRequestError("stop: at most 16 non-empty strings", "stop")
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    model: str
+    messages: list[dict[str, Any]]  # each {"role": ..., "content": str}; content parts flattened to text
+    sampling: SamplingOptions
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: one last chunk with usage, no choices
+    enable_thinking: bool | None = None  # None: the chat template's default
+    return_reasoning: bool = False  # reasoning in `reasoning_content`, not in `content`
+    precision: str | None = None  # extension: client override of the wire codec ("fp16", "int8-b32", ...)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kw = dict(self.chat_template_kwargs)
+        if self.enable_thinking is not None:
+            kw["enable_thinking"] = self.enable_thinking
+        return kw
+
+
+@dataclass(slots=True)
+class CompletionRequest:
+    model: str
+    prompt: str
+    sampling: SamplingOptions
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    precision: str | None = None
+
+
+def _get(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int subclass: refuse True where a number is expected, and 1 where a bool is.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise OpenAIRequestError(f"{name}: expected {_type_name(types)}, got a boolean", name)
+    if not isinstance(value, types):
+        raise OpenAIRequestError(f"{name}: expected {_type_name(types)}, got {type(value).__name__}", name)
+    return value
+
+
+def _type_name(types: type | tuple[type, ...]) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join({"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+                        "list": "an array", "dict": "an object"}.get(t.__name__, t.__name__) for t in types)
+
+
+def _sampling(body: dict) -> SamplingOptions:
+    max_tokens = _get(body, "max_completion_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int, None)
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise OpenAIRequestError("stop: expected a string or an array of strings", "stop")
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise OpenAIRequestError("n: only n=1 is supported", "n")
+    return SamplingOptions(
+        max_tokens=max_tokens,
+        temperature=float(_get(body, "temperature", (int, float), 1.0)),
+        top_p=float(_get(body, "top_p", (int, float), 1.0)),
+        top_k=max(0, _get(body, "top_k", int, 0)),  # vLLM uses -1 for "off"
+        seed=_get(body, "seed", int, None),
+        stop=stops,
+    )
+
+
+def _flatten_content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or "type" not in part:
+                raise OpenAIRequestError(f"{where}.content[{i}]: expected an object with a 'type'", "messages")
+            if part["type"] != "text":
+                raise OpenAIRequestError(f"{where}.content[{i}]: part type {part['type']!r} is not supported "
+                                         "by this endpoint (text only)", "messages")
+            if not isinstance(part.get("text"), str):
+                raise OpenAIRequestError(f"{where}.content[{i}].text: expected a string", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise OpenAIRequestError(f"{where}.content: expected a string or an array of parts", "messages")
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _get(body, "stream", bool, False)
+    opts = _get(body, "stream_options", dict, {}) or {}
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise OpenAIRequestError("stream_options.include_usage: expected a boolean", "stream_options")
+    return stream, include_usage and stream
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a decoded ``/v1/chat/completions`` body (see the module docstring)."""
+    if not isinstance(body, dict):
+        raise OpenAIRequestError("request body must be a JSON object")
+    model = _get(body, "model", str, "")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIRequestError("messages: expected a non-empty array", "messages")
+    parsed = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise OpenAIRequestError(f"{where}: expected an object", "messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise OpenAIRequestError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}", "messages")
+        msg: dict[str, Any] = {"role": role, "content": _flatten_content(m.get("content"), where)}
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            msg["reasoning_content"] = m["reasoning_content"]
+        parsed.append(msg)
+    kwargs = _get(body, "chat_template_kwargs", dict, {}) or {}
+    thinking = _get(body, "enable_thinking", bool, None)
+    if thinking is None and "enable_thinking" in kwargs:
+        if not isinstance(kwargs["enable_thinking"], bool):
+            raise OpenAIRequestError("chat_template_kwargs.enable_thinking: expected a boolean",
+                                     "chat_template_kwargs")
+        thinking = kwargs["enable_thinking"]
+    kwargs = {k: v for k, v in kwargs.items() if k != "enable_thinking"}
+    stream, include_usage = _stream_flags(body)
+    return ChatRequest(
+        model=model, messages=parsed, sampling=_sampling(body), stream=stream, include_usage=include_usage,
+        enable_thinking=thinking, return_reasoning=_get(body, "return_reasoning", bool, False),
+        precision=_get(body, "precision", str, None), chat_template_kwargs=kwargs,
+    )
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validate a decoded ``/v1/completions`` body; the prompt is one string (or a one-string array)."""
+    if not isinstance(body, dict):
+        raise OpenAIRequestError("request body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise OpenAIRequestError("prompt: expected a non-empty string", "prompt")
+    stream, include_usage = _stream_flags(body)
+    return CompletionRequest(model=_get(body, "model", str, ""), prompt=prompt, sampling=_sampling(body),
+                             stream=stream, include_usage=include_usage, echo=_get(body, "echo", bool, False),
+                             precision=_get(body, "precision", str, None))
+
+
+# --------------------------------------------------------------------------------------------
+# streaming text filters
+
+
+def _held_suffix(text: str, patterns: list[str]) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of one of ``patterns``."""
+    best = 0
+    for p in patterns:
+        for k in range(min(len(p) - 1, len(text)), best, -1):
+            if text.endswith(p[:k]):
+                best = k
+                break
+    return best
+
+
+class ThinkingSplitter:
+    """Split streamed model text into ``("reasoning", text)`` and ``("content", text)`` pieces.
+
+    Text between ``<think>`` and ``</think>`` is reasoning, the rest content; the tags themselves are
+    dropped, as are GLM-4.1V's ``<answer>``/``</answer>`` markers when ``strip_answer_tags``. Use
+    ``in_thinking=True`` when the prompt already opened the think block (templates that end the generation
+    prompt with ``<think>``).
+    """
+
+    def __init__(self, in_thinking: bool = False, open_tag: str = "<think>", close_tag: str = "</think>",
+                 strip_answer_tags: bool = True):
+        if not open_tag or not close_tag:
+            raise ValueError("thinking tags must be non-empty")
+        self.in_thinking = in_thinking
+        self.open_tag, self.close_tag = open_tag, close_tag
+        self.answer_tags = ["<answer>", "</answer>"] if strip_answer_tags else []
+        self._buf = ""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self._buf += text
+        out: list[tuple[str, str]] = []
+        while True:
+            kind = "reasoning" if self.in_thinking else "content"
+            tags = [self.close_tag] if self.in_thinking else [self.open_tag, *self.answer_tags]
+            hits = [(self._buf.find(t), t) for t in tags]
+            hits = [(i, t) for i, t in hits if i >= 0]
+            if not hits:
+                keep = _held_suffix(self._buf, tags)
+                emit, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+                if emit:
+                    out.append((kind, emit))
+                return out
+            i, tag = min(hits)
+            if i:
+                out.append((kind, self._buf[:i]))
+            self._buf = self._buf[i + len(tag):]
+            if tag == self.open_tag:
+                self.in_thinking = True
+            elif tag == self.close_tag:
+                self.in_thinking = False
+
+    def flush(self) -> list[tuple[str, str]]:
+        """The held-back tail at the end of the stream (a partial tag is plain text after all)."""
+        rest, self._buf = self._buf, ""
+        return [("reasoning" if self.in_thinking else "content", rest)] if rest else []
+
+
+class StopMatcher:
+    """Find the first stop string in streamed text; hold back a tail that may start one.
+
+    ``feed(text) -> (safe_text, stopped)``: ``safe_text`` may be emitted; once ``stopped`` is true the
+    stream ends there (the stop string itself is not emitted, as in the OpenAI API).
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._buf = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return text, False
+        self._buf += text
+        hits = [i for i in (self._buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self._buf = self._buf[: min(hits)], ""
+            return out, True
+        keep = _held_suffix(self._buf, self.stops)
+        out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        rest, self._buf = ("" if self.stopped else self._buf), ""
+        return rest
+
+
+# --------------------------------------------------------------------------------------------
+# responses
+
+
+def new_id(prefix: str = "chatcmpl") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, **extra: Any) -> dict[str, Any]:
+    """OpenAI usage object; ``extra`` (e.g. ``cached_tokens``) goes under ``prompt_tokens_details``."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if extra:
+        out["prompt_tokens_details"] = dict(extra)
+    return out
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None = None,
+               finish_reason: str | None = None, usage_obj: dict | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None`` with ``usage_obj`` is the final usage-only chunk."""
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    if delta is None and usage_obj is not None:
+        chunk["choices"] = []
+        chunk["usage"] = usage_obj
+    else:
+        chunk["choices"] = [{"index": 0, "delta": delta or {}, "logprobs": None,
+                             "finish_reason": _finish(finish_reason)}]
+    return chunk
+
+
+def chat_response(rid: str, model: str, created: int, content: str, finish_reason: str,
+                  usage_obj: dict, reasoning: str | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": _finish(finish_reason)}],
+            "usage": usage_obj}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str | None,
+                     finish_reason: str | None = None, usage_obj: dict | None = None) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    if text is None and usage_obj is not None:
+        chunk["choices"] = []
+        chunk["usage"] = usage_obj
+    else:
+        chunk["choices"] = [{"index": 0, "text": text or "", "logprobs": None,
+                             "finish_reason": _finish(finish_reason)}]
+    return chunk
+
+
+def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str,
+                        usage_obj: dict) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(finish_reason)}],
+            "usage": usage_obj}
+
+
+def model_list(model_ids: list[str], owned_by: str = "autoglm-split") -> dict[str, Any]:
+    now = int(time.time())
+    return {"object": "list",
+            "data": [{"id": m, "object": "model", "created": now, "owned_by": owned_by} for m in model_ids]}
+
+
+def _finish(reason: str | None) -> str | None:
+    # The OpenAI enum has no "cancelled"/"error": a cut-short stream reports "stop" like vLLM does on abort.
+    if reason is None or reason in ("stop", "length"):
+        return reason
+    return "stop"
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

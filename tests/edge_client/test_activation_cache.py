@@ -1,0 +1,136 @@
+"""edge_client.activation_cache: hash-chain keys, hits equal recomputation, LRU bound, persistence, corruption."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from edge_client.activation_cache import MAGIC, ActivationCache, block_keys
+from edge_client.runtime import FrontRuntime
+
+B = 16
+
+
+def _cache(rt: FrontRuntime, **kw) -> ActivationCache:
+    return ActivationCache(rt.manifest.bundle_id, rt.n_layers, rt.kv_heads, rt.head_dim, rt.hidden_size,
+                           block_tokens=B, **kw)
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_bundle):
+    return FrontRuntime(tiny_bundle, threads=1)
+
+
+IDS = list(np.random.RandomState(1).randint(4, 512, 75))  # 4 full blocks + 11 tokens
+
+
+def _fill(rt, cache, ids=IDS):
+    rt.reset()
+    h = rt.prefill(ids)
+    return cache.insert(ids, rt.kv_slice, h), h
+
+
+def test_keys_form_a_chain():
+    k = block_keys(IDS, "b1", B)
+    assert len(k) == 4 and len(set(k)) == 4
+    assert block_keys(IDS[:40], "b1", B) == k[:2]  # a key names its whole prefix...
+    other = list(IDS)
+    other[3] += 1
+    assert all(a != b for a, b in zip(block_keys(other, "b1", B), k))  # ...so a change early changes all
+    assert block_keys(IDS, "b2", B)[0] != k[0]  # and the bundle
+
+
+def test_hit_restores_the_same_state_as_recomputing(rt):
+    cache = _cache(rt)
+    added, h_cold = _fill(rt, cache)
+    assert added == 4 and len(cache) == 4
+    prompt = IDS[:70] + [9, 9, 9]
+    hit = cache.lookup(prompt)
+    assert hit is not None and hit.tokens == 64 and len(hit.keys) == 4
+    np.testing.assert_array_equal(hit.hidden, h_cold[:64])
+    rt.reset()
+    rt.extend_kv(hit.kv_blocks)
+    warm = rt.prefill(prompt[64:])
+    rt.reset()
+    cold = rt.prefill(prompt)
+    np.testing.assert_allclose(warm, cold[64:], atol=2e-5)
+    # never the whole prompt: its last token must be computed
+    assert cache.lookup(IDS[:64]).tokens == 48
+    assert cache.lookup([5] * 40) is None
+    assert cache.stats.hit_tokens == 64 + 48
+
+
+def test_lru_bound_evicts_deepest_blocks_first(rt):
+    probe = _cache(rt)
+    cache = _cache(rt, max_bytes=6 * probe.block_bytes)
+    _fill(rt, cache)  # chain A: 4 blocks
+    other = list(np.random.RandomState(2).randint(4, 512, 48))
+    _fill(rt, cache, other)  # chain B: 3 blocks -> 7 > 6: evict A's deepest block
+    assert len(cache) == 6 and cache.nbytes <= cache.max_bytes and cache.stats.evicted_blocks == 1
+    assert cache.contains(IDS) == 48 and cache.contains(other) == 48
+    cache.lookup(IDS[:50])  # touch A's first three blocks: B becomes least recent
+    _fill(rt, cache, list(np.random.RandomState(3).randint(4, 512, 33)))  # 2 more blocks
+    assert cache.contains(IDS) == 48 and cache.contains(other) == 16
+
+
+def test_persisted_entries_survive_a_restart(rt, tmp_path):
+    cache = _cache(rt, cache_dir=tmp_path)
+    _, h = _fill(rt, cache)
+    files = sorted((tmp_path / rt.manifest.bundle_id).glob("*.blk"))
+    assert len(files) == 4 and files[0].read_bytes().startswith(MAGIC)
+    again = _cache(rt, cache_dir=tmp_path)
+    assert len(again) == 4 and again.nbytes == cache.nbytes
+    hit = again.lookup(IDS)
+    assert hit.tokens == 64
+    np.testing.assert_array_equal(hit.hidden, h[:64])
+    for a, b in zip(hit.kv_blocks[1], rt.kv_slice(16, 32)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_other_bundle_does_not_see_entries(rt, tmp_path):
+    _fill(rt, _cache(rt, cache_dir=tmp_path))
+    other = ActivationCache("another-bundle", rt.n_layers, rt.kv_heads, rt.head_dim, rt.hidden_size,
+                            block_tokens=B, cache_dir=tmp_path)
+    assert len(other) == 0 and other.lookup(IDS) is None
+
+
+@pytest.mark.parametrize("damage", ["payload", "truncate", "magic", "header", "garbage"])
+def test_corrupt_file_is_rejected_and_removed(rt, tmp_path, caplog, damage):
+    cache = _cache(rt, cache_dir=tmp_path)
+    _fill(rt, cache)
+    d = tmp_path / rt.manifest.bundle_id
+    victim = d / f"{block_keys(IDS, rt.manifest.bundle_id, B)[1]}.blk"
+    data = bytearray(victim.read_bytes())
+    if damage == "payload":
+        data[-5] ^= 0xFF
+    elif damage == "truncate":
+        data = data[: len(data) - 100]
+    elif damage == "magic":
+        data[:4] = b"JUNK"
+    elif damage == "header":
+        data[20:24] = b"\xff\xfe{]"
+    else:
+        data = bytearray(b"\x00" * 7)
+    victim.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="edge_client.activation_cache"):
+        again = _cache(rt, cache_dir=tmp_path)
+        hit = again.lookup(IDS)
+    assert hit is not None and hit.tokens == 16  # the chain stops at the damaged block
+    assert not victim.exists() and again.stats.rejected_files == 1
+    assert any("removing" in r.message for r in caplog.records)
+
+
+def test_bad_arguments(rt):
+    with pytest.raises(ValueError):
+        _cache(rt, dtype="int8")
+    with pytest.raises(ValueError):
+        _cache(rt).insert(IDS, rt.kv_slice, np.zeros((3, rt.hidden_size), np.float32))
+
+
+def test_float16_store_halves_bytes(rt):
+    c32, c16 = _cache(rt), _cache(rt, dtype="float16")
+    assert c16.block_bytes * 2 == c32.block_bytes
+    _, h = _fill(rt, c16)
+    np.testing.assert_allclose(c16.lookup(IDS).hidden, h[:64], rtol=1e-3, atol=1e-3)

@@ -1,0 +1,46 @@
+"""edge_client.cli: bad input gets one line and exit status 2; preload fills a persistent cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_client.cli import build_parser, main
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["chat", "--bundle", "/no/such/bundle", "--url", "ws://x"], "no such bundle directory"),
+    (["serve", "--bundle", "/no/such/bundle", "--url", "http://x"], "expected ws:// or wss://"),
+    (["chat", "--bundle", "/b", "--url", "ws://x", "--threads", "0"], "threads must be >= 1"),
+])
+def test_bad_input_is_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and err.startswith("autoglm-edge: error:")
+
+
+def test_help_lists_every_command():
+    text = build_parser().format_help()
+    assert all(c in text for c in ("chat", "serve", "preload", "demo"))
+
+
+def test_preload_needs_a_cache_dir(tiny_bundle, capsys):
+    assert main(["preload", "--bundle", str(tiny_bundle), "x.txt"]) == 2
+    assert "--cache-dir" in capsys.readouterr().err
+
+
+def test_preload_persists_common_prompts(tiny_bundle, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"You are a phone agent. Tap, swipe and type to finish the task."\n'
+                       '{"messages": [{"role": "system", "content": "Answer briefly and politely."}]}\n')
+    assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(prompts)]) == 0
+    assert "tokens cached" in capsys.readouterr().out
+    from edge_client.activation_cache import ActivationCache
+    from shared.manifest import Manifest
+
+    m = Manifest.load(tiny_bundle)
+    cache = ActivationCache(m.bundle_id, m.split_layer, m.num_kv_heads, m.head_dim, m.hidden_size,
+                            cache_dir=tmp_path / "c")
+    assert len(cache) >= 4  # both prompts' full blocks survived the process
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"not": "a list"}')
+    assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(bad)]) == 2

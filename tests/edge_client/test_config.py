@@ -1,0 +1,45 @@
+"""edge_client.config: validation with one-line errors, backoff schedule, environment twins."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_client.config import ConfigError, EdgeConfig, RetryPolicy
+
+
+@pytest.mark.parametrize("kw", [dict(connect_timeout_s=0), dict(max_retries=-1), dict(backoff_multiplier=0.5),
+                                dict(backoff_jitter=1.0), dict(keepalive_interval_s=0)])
+def test_retry_policy_refuses_bad_values(kw):
+    with pytest.raises(ConfigError, match=next(iter(kw))):
+        RetryPolicy(**kw)
+
+
+def test_backoff_grows_to_its_cap_with_bounded_jitter():
+    r = RetryPolicy(backoff_initial_s=0.1, backoff_max_s=1.0, backoff_multiplier=2.0, backoff_jitter=0.2)
+    assert [round(r.backoff(k), 3) for k in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]  # rand=0.5: no jitter
+    assert r.backoff(0, 0.0) == pytest.approx(0.08) and r.backoff(10, 0.999) <= 1.2
+
+
+@pytest.mark.parametrize("kw, field", [(dict(url="http://x"), "url"), (dict(threads=0), "threads"),
+                                       (dict(cache_dtype="int8"), "cache_dtype"),
+                                       (dict(prefill_chunk=0), "prefill_chunk")])
+def test_edge_config_refuses_bad_values(tmp_path, kw, field):
+    with pytest.raises(ConfigError, match=field):
+        EdgeConfig(bundle=tmp_path, **kw)
+
+
+def test_environment_twins_and_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOGLM_BUNDLE", str(tmp_path))
+    monkeypatch.setenv("AUTOGLM_URL", "ws://cloud:9/v1/split")
+    monkeypatch.setenv("AUTOGLM_EDGE_THREADS", "3")
+    monkeypatch.setenv("AUTOGLM_EDGE_CACHE_PROMPTS", "no")
+    cfg = EdgeConfig.from_env(threads=None, prefill_chunk=64)  # None = flag not given
+    assert (cfg.bundle, cfg.url, cfg.threads, cfg.prefill_chunk, cfg.cache_prompts) == \
+        (tmp_path, "ws://cloud:9/v1/split", 3, 64, False)
+    monkeypatch.setenv("AUTOGLM_EDGE_THREADS", "many")
+    with pytest.raises(ConfigError, match="AUTOGLM_EDGE_THREADS"):
+        EdgeConfig.from_env()
+    monkeypatch.delenv("AUTOGLM_BUNDLE")
+    monkeypatch.delenv("AUTOGLM_EDGE_THREADS")
+    with pytest.raises(ConfigError, match="no bundle"):
+        EdgeConfig.from_env()

@@ -1,0 +1,171 @@
+"""edge_client.openai_server: the official openai client and langchain_openai.ChatOpenAI against the local
+endpoint. The split runtime is replaced by a scripted client here (the real one is covered end to end in
+test_end_to_end.py); what is tested is the HTTP/SSE surface: streaming, usage, stop, thinking, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+
+from edge_client.errors import EdgeClientError
+from edge_client.openai_server import create_app
+from edge_client.tokenizer import ByteTokenizer
+
+SCRIPT = ["<thi", "nk>I should gr", "eet.</th", "ink>Hel", "lo the", "re! STOP here", " and more"]
+
+
+class _ScriptedGeneration:
+    def __init__(self, owner, prompt: str, kw: dict):
+        self.owner, self.prompt, self.kw = owner, prompt, kw
+        self.stats = SimpleNamespace(prompt_tokens=len(prompt), completion_tokens=0, cached_tokens=3)
+        self.finish_reason = None
+        self._i = 0
+        self.closed = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.owner.fail:
+            raise EdgeClientError("cloud error bundle_mismatch: bundle ids differ", "bundle_mismatch")
+        pieces = SCRIPT[: self.kw["max_tokens"]]
+        if self._i >= len(pieces):
+            self.finish_reason = "length" if self.kw["max_tokens"] < len(SCRIPT) else "stop"
+            raise StopAsyncIteration
+        piece = pieces[self._i]
+        self._i += 1
+        for s in self.kw["stop"]:  # what EdgeClient does with stop strings
+            if s in piece:
+                self.finish_reason = "stop"
+                self._i = len(pieces)
+                piece = piece[: piece.index(s)]
+        self.stats.completion_tokens += 1
+        await asyncio.sleep(0)
+        return piece
+
+    async def aclose(self):
+        self.closed = True
+
+
+class _ScriptedClient:
+    def __init__(self):
+        self.manifest = SimpleNamespace(bundle_id="0123456789abcdef")
+        self.tokenizer = ByteTokenizer(512, [2])
+        self.connected = True
+        self.calls: list[_ScriptedGeneration] = []
+        self.fail = False
+
+    def agenerate(self, prompt=None, **kw):
+        g = _ScriptedGeneration(self, prompt, kw)
+        self.calls.append(g)
+        return g
+
+
+@pytest.fixture(scope="module")
+def server():
+    client = _ScriptedClient()
+    app = create_app(client, model_name="split-test")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", client=client)
+    srv.should_exit = True
+    th.join(5)
+
+
+def test_models_and_health(server):
+    r = httpx.get(f"{server.url}/v1/models")
+    assert r.json()["data"][0]["id"] == "split-test"
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_openai_client_non_streaming_with_reasoning(server):
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY")
+    r = oa.chat.completions.create(model="split-test", messages=[{"role": "user", "content": "hi"}],
+                                   extra_body={"enable_thinking": True, "return_reasoning": True})
+    msg = r.choices[0].message
+    assert msg.content == "Hello there! STOP here and more"
+    assert msg.model_extra["reasoning_content"] == "I should greet."
+    assert r.usage.completion_tokens == len(SCRIPT) and r.usage.prompt_tokens_details.cached_tokens == 3
+    assert r.choices[0].finish_reason == "stop"
+    # the thinking flag reached the chat template call (ByteTokenizer ignores it, but it was passed)
+    assert server.client.calls[-1].prompt.endswith("<|assistant|>\n")
+
+
+def test_openai_client_streaming_stop_and_usage(server):
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY")
+    stream = oa.chat.completions.create(model="split-test", messages=[{"role": "user", "content": "hi"}],
+                                        stream=True, stop=["STOP"], stream_options={"include_usage": True})
+    content, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.delta.content:
+                content.append(c.delta.content)
+            finish = c.finish_reason or finish
+    # without return_reasoning the text is passed through unchanged, tags included
+    assert "".join(content) == "<think>I should greet.</think>Hello there! "
+    assert finish == "stop" and usage is not None and usage.completion_tokens == 6
+    assert server.client.calls[-1].kw["stop"] == ["STOP"]
+
+
+def test_langchain_chat_openai_streaming(server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="split-test", base_url=f"{server.url}/v1", api_key="EMPTY", streaming=True,
+                     extra_body={"enable_thinking": True, "return_reasoning": True}, max_tokens=5)
+    chunks = list(llm.stream("hello"))
+    text = "".join(c.content for c in chunks)
+    assert text == "Hello the"  # 5 scripted pieces, reasoning kept out of content
+    assert server.client.calls[-1].kw["max_tokens"] == 5
+    assert llm.invoke("hello").content == "Hello the"
+
+
+def test_completions_endpoint(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Once", "max_tokens": 2})
+    assert r.json()["choices"][0]["text"] == "<think>I should gr" and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_bad_requests_get_openai_errors(server):
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as ei:
+        oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=5)
+    assert "temperature" in str(ei.value)
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_upstream_failure_is_a_clear_error(server):
+    import openai
+
+    server.client.fail = True
+    try:
+        oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as ei:
+            oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert ei.value.status_code == 502 and "bundle_mismatch" in str(ei.value)
+        lines = httpx.post(f"{server.url}/v1/chat/completions", json={
+            "model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}).text.splitlines()
+        assert any("bundle_mismatch" in line for line in lines) and lines[-2] == "data: [DONE]"
+    finally:
+        server.client.fail = False

@@ -1,0 +1,70 @@
+"""edge_client.runtime: the ONNX front matches the torch layers, chunked or not, and its KV cache edits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from edge_client.runtime import FrontError, FrontRuntime
+from shared.manifest import BundleError
+
+
+@pytest.fixture(scope="module")
+def reference_hidden(tiny_reference):
+    from partition_tools.adapters import ModelAdapter
+    from partition_tools.split import boundary_hidden
+
+    ids = np.random.RandomState(0).randint(4, 512, 40)
+    ref = boundary_hidden(ModelAdapter(tiny_reference), torch.tensor(ids)[None], 2)[0].numpy()  # [S, H]
+    return ids, ref
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_prefill_matches_torch_for_any_chunking(tiny_bundle, reference_hidden, chunk):
+    ids, ref = reference_hidden
+    rt = FrontRuntime(tiny_bundle, threads=1, chunk=chunk)
+    h = rt.prefill(ids[:30])
+    steps = [rt.decode(int(t)) for t in ids[30:]]
+    got = np.concatenate([h, *steps])
+    assert got.shape == ref.shape and rt.length == len(ids)
+    np.testing.assert_allclose(got, ref, atol=2e-5)
+    assert rt.stats.tokens == len(ids) and rt.stats.forward_calls == -(-30 // chunk) + 10
+
+
+def test_truncate_and_restore_prefix(tiny_bundle, reference_hidden):
+    ids, ref = reference_hidden
+    rt = FrontRuntime(tiny_bundle, threads=1)
+    rt.prefill(ids)
+    rt.truncate(16)
+    np.testing.assert_allclose(rt.prefill(ids[16:]), ref[16:], atol=2e-5)
+    saved = rt.kv_slice(0, 16)
+    assert len(saved) == 2 * rt.n_layers and saved[0].shape == (rt.kv_heads, 16, rt.head_dim)
+    rt.reset()
+    assert rt.length == 0
+    rt.extend_kv([saved])
+    np.testing.assert_allclose(rt.prefill(ids[16:], start_pos=16), ref[16:], atol=2e-5)
+
+
+def test_bad_input_is_refused(tiny_bundle):
+    rt = FrontRuntime(tiny_bundle, threads=1)
+    with pytest.raises(FrontError, match="out of range"):
+        rt.prefill([1, 99999])
+    with pytest.raises(FrontError, match="position"):
+        rt.decode(5, pos=3)
+    with pytest.raises(FrontError):
+        rt.truncate(1)
+    with pytest.raises(ValueError):
+        FrontRuntime(tiny_bundle, threads=0)
+
+
+def test_tampered_graph_is_refused(tiny_bundle, tmp_path):
+    import shutil
+
+    bad = tmp_path / "b"
+    shutil.copytree(tiny_bundle, bad)
+    with open(bad / "edge" / "front.onnx", "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(BundleError, match="sha256"):
+        FrontRuntime(bad)

@@ -1,0 +1,215 @@
+"""edge_client.session/client against a reference cloud (fake_cloud.FakeCloud): the request flow, prefix
+cache on the wire, resume after a drop, replay after a lost session, bad servers. Greedy output is compared
+with the unsplit model token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from edge_fake_cloud import FakeCloud
+from edge_tcp_proxy import CuttableProxy
+
+from edge_client.client import EdgeClient
+from edge_client.config import RetryPolicy
+from edge_client.errors import EdgeClientError
+
+PROMPT = [int(t) for t in np.random.RandomState(0).randint(4, 512, 40)]
+N_NEW = 12
+FAST_RETRY = RetryPolicy(connect_timeout_s=2.0, reply_timeout_s=10.0, max_retries=3, backoff_initial_s=0.05,
+                         backoff_max_s=0.2)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_reference):
+    with torch.no_grad():
+        out = tiny_reference.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+@pytest.fixture(scope="module")
+def cloud(tiny_bundle):
+    with FakeCloud(tiny_bundle) as fc:
+        yield fc
+
+
+@pytest.fixture
+def client(tiny_bundle, cloud):
+    cloud.drop_after_tokens, cloud.forget_sessions = None, False
+    with EdgeClient(tiny_bundle, cloud.url, codec="fp16", retry=FAST_RETRY) as c:
+        yield c
+
+
+def test_split_equals_unsplit_and_stats(client, reference):
+    gen = client.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+    assert gen.token_ids == reference and gen.finish_reason == "length"
+    st = gen.stats
+    assert st.prompt_tokens == 40 and st.completion_tokens == N_NEW and st.codec == "fp16"
+    assert st.ttft_s > 0 and len(st.itl_s) == N_NEW - 1 and st.tokens_per_s > 0
+    # fp16 on the wire: 40 prompt + 11 decode positions of 64 halves, plus framing
+    assert (40 + 11) * 64 * 2 < st.bytes_up < (40 + 11) * 64 * 2 * 1.5 and st.bytes_down > 0
+    assert st.edge_compute_s > 0
+
+
+def test_second_request_hits_both_caches(client, cloud, reference):
+    client.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+    gen = client.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+    assert gen.token_ids == reference
+    assert gen.stats.cached_tokens == 32 and gen.stats.uploaded_prompt_tokens == 8
+    assert gen.stats.prefix_misses == 0
+
+
+def test_prefix_miss_falls_back_to_cached_hidden_states(client, cloud, reference):
+    client.complete(prompt_ids=PROMPT, max_tokens=2)
+    cloud.prefix.clear()  # the cloud evicted the prefix
+    front_before = client.runtime.stats.tokens
+    gen = client.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+    assert gen.token_ids == reference and gen.stats.prefix_misses == 1
+    assert gen.stats.uploaded_prompt_tokens == 40
+    # the front layers still ran only over the uncached suffix (8) and the decode steps (11)
+    assert client.runtime.stats.tokens - front_before == 8 + N_NEW - 1
+
+
+def test_drop_mid_generation_resumes_without_loss(client, cloud, reference):
+    cloud.drop_after_tokens = 5
+    gen = client.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+    assert gen.token_ids == reference
+    assert gen.stats.reconnects == 1 and gen.stats.resumes == 1 and gen.stats.replays == 0
+
+
+def test_lost_session_is_replayed(client, cloud, reference):
+    cloud.drop_after_tokens, cloud.forget_sessions = 5, True
+    front_before = client.runtime.stats.tokens
+    gen = client.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+    assert gen.token_ids == reference
+    assert gen.stats.replays == 1 and gen.stats.resumes == 0
+    # replay re-sent stored hidden states: the front ran once per position, never again
+    assert client.runtime.stats.tokens - front_before <= len(PROMPT) + N_NEW - 1
+
+
+def test_cut_tcp_connection_repeatedly(tiny_bundle, cloud, reference):
+    cloud.drop_after_tokens, cloud.forget_sessions = None, False
+    with CuttableProxy(cloud.port) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=FAST_RETRY) as c:
+        gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
+        for i, (token, _) in enumerate(gen.iter_tokens()):
+            if i in (2, 6):  # cut the link twice while tokens flow
+                proxy.cut()
+                time.sleep(0.05)
+        assert gen.token_ids == reference
+        assert proxy.cuts == 2 and gen.stats.reconnects == 2 and proxy.connections == 3
+
+
+def test_cancel_stops_the_request(client, reference):
+    gen = client.generate(prompt_ids=PROMPT, max_tokens=200)
+    for i, _ in enumerate(gen.iter_tokens()):
+        if i == 2:
+            gen.cancel()
+    assert gen.finish_reason == "cancelled" and 3 <= len(gen.token_ids) < 200
+    assert client.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == reference  # the session lives on
+
+
+def test_async_twin(client, reference):
+    async def main():
+        gen = client.agenerate(prompt_ids=PROMPT, max_tokens=N_NEW)
+        deltas = [d async for d in gen]
+        return gen, deltas
+
+    gen, _ = asyncio.run(main())
+    assert gen.token_ids == reference and gen.finish_reason == "length"
+
+
+def test_bundle_mismatch_is_refused(client, cloud):
+    real = cloud.bundle_id
+    cloud.bundle_id = "another-bundle"
+    try:
+        with pytest.raises(EdgeClientError, match="bundle_mismatch") as ei:
+            client.complete(prompt_ids=PROMPT, max_tokens=2)
+        assert ei.value.code == "bundle_mismatch"
+    finally:
+        cloud.bundle_id = real
+
+
+def test_api_key_goes_in_the_upgrade_header(tiny_bundle, cloud):
+    cloud.api_key = "sekrit"
+    try:
+        with EdgeClient(tiny_bundle, cloud.url, api_key="wrong", retry=FAST_RETRY) as c, \
+                pytest.raises(EdgeClientError, match="HTTP 401") as ei:
+            c.complete(prompt_ids=PROMPT, max_tokens=2)
+        assert ei.value.code == "unauthorized"
+        with EdgeClient(tiny_bundle, cloud.url, api_key="sekrit", retry=FAST_RETRY) as c:
+            assert len(c.complete(prompt_ids=PROMPT, max_tokens=2).token_ids) == 2
+        assert cloud.auth_headers[-1] == "Bearer sekrit"
+    finally:
+        cloud.api_key = None
+
+
+def test_garbage_server_is_a_clear_error(client, cloud):
+    cloud.garbage = True
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EdgeClientError, match="undecodable|not a WebSocket|expected Welcome") as ei:
+            client.complete(prompt_ids=PROMPT, max_tokens=2)
+        assert ei.value.code == "bad_server" and time.monotonic() - t0 < 5
+    finally:
+        cloud.garbage = False
+
+
+def _serve_once(payload: bytes) -> int:
+    """A TCP server that answers every connection with ``payload`` (not a WebSocket)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def run():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            conn.recv(4096)
+            conn.sendall(payload)
+            conn.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+def test_http_server_instead_of_cloud(tiny_bundle):
+    port = _serve_once(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+    with EdgeClient(tiny_bundle, f"ws://127.0.0.1:{port}/v1/split", retry=FAST_RETRY) as c, \
+            pytest.raises(EdgeClientError, match="HTTP 200 instead of a WebSocket upgrade"):
+        c.complete(prompt_ids=PROMPT, max_tokens=2)
+
+
+def test_unreachable_cloud_fails_after_retries(tiny_bundle):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens
+    t0 = time.monotonic()
+    with EdgeClient(tiny_bundle, f"ws://127.0.0.1:{port}/v1/split", retry=FAST_RETRY) as c, \
+            pytest.raises(EdgeClientError, match="cannot reach") as ei:
+        c.complete(prompt_ids=PROMPT, max_tokens=2)
+    assert ei.value.code == "unreachable" and time.monotonic() - t0 < 10
+
+
+def test_persistent_cache_survives_restart_and_corruption(tiny_bundle, cloud, reference, tmp_path):
+    cloud.drop_after_tokens, cloud.forget_sessions = None, False
+    kw = dict(codec="fp16", retry=FAST_RETRY, cache_dir=tmp_path)
+    with EdgeClient(tiny_bundle, cloud.url, **kw) as c:
+        assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == reference
+    files = sorted((tmp_path / c.manifest.bundle_id).glob("*.blk"))
+    assert len(files) == 2  # 40 prompt tokens: two full blocks of 16
+    with EdgeClient(tiny_bundle, cloud.url, **kw) as c:  # a new process would see the same files
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+        assert gen.token_ids == reference and gen.stats.cached_tokens == 32
+    files[0].write_bytes(files[0].read_bytes()[:-10])  # truncated by a crash
+    with EdgeClient(tiny_bundle, cloud.url, **kw) as c:
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+        assert gen.token_ids == reference and c.cache.stats.rejected_files == 1

@@ -1,0 +1,142 @@
+"""shared.openai_compat: request validation, thinking/stop stream filters, response shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared.openai_compat import (
+    SSE_DONE,
+    OpenAIRequestError,
+    StopMatcher,
+    ThinkingSplitter,
+    chat_chunk,
+    chat_response,
+    parse_chat_request,
+    parse_completion_request,
+    sse,
+    usage,
+)
+
+
+def _body(**kw):
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def test_parse_chat_defaults_and_fields():
+    r = parse_chat_request(_body(max_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=1, stop="END",
+                                 stream=True, stream_options={"include_usage": True}, precision="int8-b32"))
+    assert (r.sampling.max_tokens, r.sampling.temperature, r.sampling.top_p, r.sampling.top_k) == (7, 0.0, 0.5, 3)
+    assert r.sampling.stop == ["END"] and r.sampling.seed == 1
+    assert r.stream and r.include_usage and r.precision == "int8-b32"
+    assert r.enable_thinking is None and not r.return_reasoning
+
+
+def test_thinking_flag_top_level_or_template_kwargs():
+    assert parse_chat_request(_body(enable_thinking=True)).template_kwargs() == {"enable_thinking": True}
+    r = parse_chat_request(_body(chat_template_kwargs={"enable_thinking": False, "x": 1}, return_reasoning=True))
+    assert r.enable_thinking is False and r.return_reasoning
+    assert r.template_kwargs() == {"x": 1, "enable_thinking": False}
+    # max_completion_tokens wins over the legacy max_tokens
+    assert parse_chat_request(_body(max_tokens=3, max_completion_tokens=9)).sampling.max_tokens == 9
+
+
+def test_content_parts_are_flattened():
+    r = parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert r.messages == [{"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ([], None),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    (_body(temperature=3), "temperature"),
+    (_body(temperature="hot"), "temperature"),
+    (_body(top_p=0), "top_p"),
+    (_body(max_tokens=0), "max_tokens"),
+    (_body(max_tokens=True), "max_tokens"),
+    (_body(n=2), "n"),
+    (_body(stop=[1]), "stop"),
+    (_body(stream="yes"), "stream"),
+    (_body(enable_thinking="on"), "enable_thinking"),
+])
+def test_bad_chat_requests_name_the_field(body, param):
+    with pytest.raises(OpenAIRequestError) as ei:
+        parse_chat_request(body)
+    assert ei.value.param == param
+    err = ei.value.to_dict()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_parse_completion():
+    r = parse_completion_request({"model": "m", "prompt": ["once"], "max_tokens": 4})
+    assert r.prompt == "once" and r.sampling.max_tokens == 4
+    with pytest.raises(OpenAIRequestError):
+        parse_completion_request({"model": "m", "prompt": ""})
+
+
+def _split_all(text: str, cuts: list[int], **kw) -> tuple[str, str]:
+    sp = ThinkingSplitter(**kw)
+    pieces = []
+    prev = 0
+    for c in sorted(set(cuts)) + [len(text)]:
+        pieces += sp.feed(text[prev:c])
+        prev = c
+    pieces += sp.flush()
+    return ("".join(t for k, t in pieces if k == "reasoning"), "".join(t for k, t in pieces if k == "content"))
+
+
+def test_thinking_splitter_basic():
+    assert _split_all("<think>plan</think>answer", []) == ("plan", "answer")
+    assert _split_all("plan</think>answer", [], in_thinking=True) == ("plan", "answer")
+    assert _split_all("no tags at all <thi", []) == ("", "no tags at all <thi")
+    assert _split_all("<think>a</think><answer>b</answer>", []) == ("a", "b")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="ab<>/thinkr ", max_size=12), st.text(alphabet="ab<>/ ", max_size=12),
+       st.lists(st.integers(0, 60), max_size=8))
+def test_thinking_splitter_is_independent_of_chunking(reasoning, content, cuts):
+    # any split of the stream gives what a single feed gives
+    text = f"<think>{reasoning.replace('</think>', '')}</think>{content}"
+    assert _split_all(text, cuts) == _split_all(text, [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet="abcS", max_size=30), st.lists(st.integers(0, 30), max_size=6))
+def test_stop_matcher_matches_reference(text, cuts):
+    stops = ["SS", "cab"]
+    m = StopMatcher(stops)
+    out, prev, stopped = [], 0, False
+    for c in sorted(set(cuts)) + [len(text)]:
+        piece, stopped = m.feed(text[prev:c])
+        out.append(piece)
+        prev = c
+        if stopped:
+            break
+    if not stopped:
+        out.append(m.flush())
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    expected = text[: min(hits)] if hits else text
+    assert "".join(out) == expected and stopped == bool(hits)
+
+
+def test_response_shapes():
+    u = usage(5, 3, cached_tokens=4)
+    assert u == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                 "prompt_tokens_details": {"cached_tokens": 4}}
+    c = chat_chunk("id", "m", 1, {"content": "x"})
+    assert c["choices"][0]["delta"] == {"content": "x"} and c["choices"][0]["finish_reason"] is None
+    last = chat_chunk("id", "m", 1, None, usage_obj=u)
+    assert last["choices"] == [] and last["usage"] == u
+    r = chat_response("id", "m", 1, "ans", "cancelled", u, reasoning="why")
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": "ans", "reasoning_content": "why"}
+    assert r["choices"][0]["finish_reason"] == "stop"  # not an OpenAI enum value: reported as stop
+    line = sse(c)
+    assert line.startswith("data: ") and line.endswith("\n\n") and json.loads(line[6:]) == c
+    assert SSE_DONE == "data: [DONE]\n\n"
