@@ -1,0 +1,165 @@
+"""The FastAPI app: the split WebSocket endpoint, health/readiness, Prometheus metrics, the OpenAI routes.
+
+Routes:
+
+* ``GET /health``   200 while the process is up (liveness);
+* ``GET /ready``    200 once the model is loaded and the engine runs, 503 while loading, draining or after a
+  fatal engine error (readiness: take the replica out of the load balancer);
+* ``GET /metrics``  Prometheus text (``cloud_server.metrics``), unauthenticated like vLLM's;
+* ``GET /v1/models`` the served model;
+* ``WS  /v1/split`` split mode: the edge's session (``cloud_server.split_endpoint``);
+* ``POST /v1/chat/completions``, ``POST /v1/completions``: full-model mode (``cloud_server.openai_server``).
+
+With an API key configured every route but ``/health``, ``/ready`` and ``/metrics`` needs
+``Authorization: Bearer <key>`` (a WebSocket presents it in the handshake headers).
+
+Graceful drain (:func:`drain`, on the first SIGTERM via :class:`DrainingServer`, and at shutdown): the app
+stops admitting (``/ready`` -> 503, new sessions closed with 1013, new HTTP requests 503), sends ``Drain`` to
+connected edges, waits up to ``drain_timeout_s`` for open requests to finish, then stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
+from fastapi.responses import JSONResponse, Response
+
+from shared import openai_compat as oc
+
+log = logging.getLogger("autoglm.cloud")
+
+
+def _key_ok(expected: str | None, header: str | None) -> bool:
+    if expected is None:
+        return True
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header.removeprefix("Bearer ").strip().encode(), expected.encode())
+
+
+async def drain(app: FastAPI) -> None:
+    """Stop admitting, tell connected edges (``Drain``), and wait up to ``drain_timeout_s`` for open requests
+    to finish. Idempotent; runs on the first SIGTERM (:class:`DrainingServer`) and again at shutdown."""
+    runtime = app.state.runtime
+    timeout = runtime.config.drain_timeout_s
+    if not runtime.draining:
+        runtime.draining = True
+        split = getattr(app.state, "split", None)
+        if split is not None:
+            split.drain(int(timeout * 1000))
+        log.info("draining: %d open requests, up to %.0f s", runtime.num_active_requests(), timeout)
+    deadline = time.monotonic() + timeout
+    while runtime.num_active_requests() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a graceful drain on the first SIGTERM/SIGINT (``/ready`` turns 503, edges get ``Drain``,
+    open requests finish) before the usual shutdown; a second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI):
+        super().__init__(config)
+        self.app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:  # may be called from any thread
+        if self._draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+
+        async def drain_then_exit():
+            await drain(self.app)
+            self.should_exit = True
+
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(drain_then_exit()))
+
+
+def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
+    """The app over ``runtime`` (a :class:`~cloud_server.runtime.CloudRuntime`). With ``owns_runtime`` the
+    app starts it on startup and drains + stops it on shutdown; otherwise the caller does (tests)."""
+    cfg = runtime.config
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if owns_runtime:
+            await asyncio.get_running_loop().run_in_executor(None, runtime.start)
+        try:
+            yield
+        finally:
+            await drain(app)
+            if owns_runtime:
+                await asyncio.get_running_loop().run_in_executor(None, runtime.stop)
+
+    app = FastAPI(title="autoglm-split cloud server", lifespan=lifespan)
+    app.state.runtime = runtime
+
+    async def require_key(request: Request):
+        if not _key_ok(cfg.api_key, request.headers.get("authorization")):
+            raise HTTPException(401, detail="missing or wrong API key (Authorization: Bearer <key>)")
+
+    auth = Depends(require_key)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        code = {401: "invalid_api_key", 404: "not_found", 503: "unavailable"}.get(exc.status_code, "error")
+        err = oc.OpenAIRequestError(str(exc.detail), None, code, exc.status_code)
+        return JSONResponse(err.to_dict(), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        body = {"ready": runtime.ready, "mode": cfg.mode, "model": runtime.model_name,
+                "draining": runtime.draining, "bundle_id": runtime.bundle_id}
+        if runtime.engine is not None and runtime.engine.dead:
+            body["error"] = runtime.engine.dead
+        return JSONResponse(body, status_code=200 if runtime.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        if runtime.metrics is None:
+            return Response(b"", media_type="text/plain")
+        return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)
+
+    @app.get("/v1/models", dependencies=[auth])
+    async def models():
+        return oc.model_list([runtime.model_name] if runtime.model_name else [])
+
+    if cfg.mode == "full":
+        from cloud_server.openai_server import OpenAIServer
+
+        OpenAIServer(runtime).install(app, auth)
+
+    else:
+        from cloud_server.split_endpoint import SplitEndpoint
+
+        endpoint = SplitEndpoint(runtime)
+        app.state.split = endpoint
+
+        @app.websocket("/v1/split")
+        async def split(ws: WebSocket):
+            if not _key_ok(cfg.api_key, ws.headers.get("authorization")):
+                err = oc.OpenAIRequestError("missing or wrong API key (Authorization: Bearer <key>)", None,
+                                            "unauthorized", 401)
+                try:  # an HTTP 401 before the upgrade, where the server supports denial responses
+                    await ws.send_denial_response(JSONResponse(err.to_dict(), status_code=401))
+                except RuntimeError:
+                    await ws.close(code=1008, reason="missing or wrong API key")  # HTTP 403
+                return
+            await endpoint.serve(ws)
+
+    return app

@@ -1,0 +1,193 @@
+"""``autoglm-cloud``: the cloud server's command line.
+
+``autoglm-cloud serve BUNDLE`` serves a bundle's cloud half (split mode); ``autoglm-cloud serve --full SOURCE``
+serves a whole model OpenAI-compatibly (preset, checkpoint directory or .gguf).
+
+Every option has an environment twin ``AUTOGLM_CLOUD_<NAME>`` (``--max-sessions`` ->
+``AUTOGLM_CLOUD_MAX_SESSIONS``; the bundle is ``AUTOGLM_CLOUD_BUNDLE``) and may also come from a config
+file (``--config FILE``, JSON or TOML, keys as the option names with ``_``). Precedence: command line >
+environment > config file > built-in default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cloud_server.config import ConfigError, EngineConfig, ServerConfig
+
+ENV_PREFIX = "AUTOGLM_CLOUD_"
+
+
+def _bool(text: str) -> bool:
+    low = str(text).strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean, got {text!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str  # flag without dashes, with "_"; also the config-file key and the env suffix (upper-cased)
+    kind: type  # str | int | float | bool
+    target: str  # "server" or "engine": which dataclass field it sets
+    help: str
+
+
+OPTIONS = (
+    Option("full", str, "server", "full-model mode: serve this model whole (preset, checkpoint dir or .gguf)"),
+    Option("host", str, "server", "listen address (default 127.0.0.1)"),
+    Option("port", int, "server", "listen port (default 8000)"),
+    Option("api_key", str, "server", "require 'Authorization: Bearer KEY' on the API and the WebSocket"),
+    Option("max_sessions", int, "server", "open split sessions before new ones are refused with 1013 "
+                                          "(default 64)"),
+    Option("session_grace_s", float, "server", "seconds a disconnected session keeps its KV for Resume "
+                                               "(default 30)"),
+    Option("step_timeout_s", float, "server", "abort a request whose edge sends nothing for this long "
+                                              "(default 120)"),
+    Option("drain_timeout_s", float, "server", "on shutdown, seconds open requests may finish (default 30)"),
+    Option("model_name", str, "server", "model id reported by /v1/models (default: bundle or source name)"),
+    Option("tp", int, "engine", "tensor-parallel ranks: 1 or 2 (default 1)"),
+    Option("device", str, "engine", "cpu or cuda (default: cuda if available)"),
+    Option("variants", str, "engine", "compute variants to load, comma-separated: auto, fp32, bf16, fp16, int8 "
+                                      "(default auto = fp32 on CPU, bf16 on CUDA; the first is the default)"),
+    Option("num_blocks", int, "engine", "KV blocks per variant, preallocated (default 1024)"),
+    Option("block_size", int, "engine", "tokens per KV block and prefix-cache granularity (default 16)"),
+    Option("max_num_seqs", int, "engine", "sequences per forward pass (default 64)"),
+    Option("max_num_batched_tokens", int, "engine", "token budget of one engine step (default 2048)"),
+    Option("max_model_len", int, "engine", "positions per sequence (default 8192)"),
+    Option("enable_prefix_cache", bool, "engine", "share KV of common prefixes across sessions (default true)"),
+    Option("fast_path", bool, "engine", "use the hand-written GLM kernels on CUDA where they apply (default true)"),
+)
+
+
+def _load_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    text = p.read_text()
+    if p.suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            raise ConfigError(f"--config {path}: TOML needs Python 3.11+; use JSON") from None
+        parse = tomllib.loads
+    else:
+        parse = json.loads
+    try:
+        data = parse(text)
+    except Exception as e:  # noqa: BLE001 - json / toml errors
+        raise ConfigError(f"--config {path}: cannot parse ({type(e).__name__}: {e})".splitlines()[0]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a table/object of options")
+    known = {o.name for o in OPTIONS} | {"bundle"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown option(s) {', '.join(unknown)}")
+    return data
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autoglm-cloud", description="The autoglm-split cloud server.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a bundle's cloud half (split mode) or a whole model (--full)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("bundle", nargs="?", help="bundle directory written by `autoglm-partition split` "
+                                             f"[env {ENV_PREFIX}BUNDLE]")
+    s.add_argument("--config", help=f"JSON or TOML file of options [env {ENV_PREFIX}CONFIG]")
+    for o in OPTIONS:
+        flag = "--" + o.name.replace("_", "-")
+        env = ENV_PREFIX + o.name.upper()
+        if o.kind is bool:
+            s.add_argument(flag, dest=o.name, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{o.help} [env {env}]")
+        else:
+            s.add_argument(flag, dest=o.name, type=o.kind, default=None, help=f"{o.help} [env {env}]")
+    s.add_argument("--log-level", default=os.environ.get(ENV_PREFIX + "LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"], help=f"[env {ENV_PREFIX}LOG_LEVEL]")
+    return ap
+
+
+def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerConfig:
+    """Merge command line, environment and config file into a validated :class:`ServerConfig`."""
+    env = os.environ if environ is None else environ
+    cfg_path = args.config or env.get(ENV_PREFIX + "CONFIG")
+    file = _load_file(cfg_path) if cfg_path else {}
+    server: dict = {}
+    engine: dict = {}
+
+    def pick(name: str, kind: type, cli_value):
+        if cli_value is not None:
+            return cli_value
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None and raw != "":
+            try:
+                return _bool(raw) if kind is bool else kind(raw)
+            except ValueError as e:
+                raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: {e}") from None
+        if name in file:
+            value = file[name]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ConfigError(f"config file: {name} must be {kind.__name__}, got {type(value).__name__}")
+            return value
+        return None
+
+    bundle = pick("bundle", str, args.bundle)
+    if bundle is not None:
+        server["bundle"] = bundle
+    for o in OPTIONS:
+        value = pick(o.name, o.kind, getattr(args, o.name))
+        if value is not None:
+            (server if o.target == "server" else engine)[o.name] = value
+    if "device" not in engine:
+        engine["device"] = _default_device()
+    return ServerConfig(engine=EngineConfig(**engine), **server)
+
+
+def _default_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover
+        return "cpu"
+
+
+def serve(config: ServerConfig, log_level: str = "info") -> None:
+    import uvicorn
+
+    from cloud_server.app import DrainingServer, create_app
+    from cloud_server.runtime import CloudRuntime
+
+    app = create_app(CloudRuntime(config), owns_runtime=True)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                          timeout_graceful_shutdown=5), app)
+    server.run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = resolve(args)
+    except ConfigError as e:
+        print(f"autoglm-cloud: error: {e}", file=sys.stderr)
+        return 2
+    if config.bundle is not None and not (Path(config.bundle) / "manifest.json").is_file():
+        print(f"autoglm-cloud: error: {config.bundle}: not a bundle (no manifest.json)", file=sys.stderr)
+        return 2
+    serve(config, args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

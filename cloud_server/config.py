@@ -1,0 +1,116 @@
+"""Configuration of the cloud server: the engine's knobs and the server's, as validated dataclasses.
+
+``EngineConfig`` sizes the KV pool and the per-step token budget (nano-vLLM's ``Config``); ``ServerConfig``
+adds what the network side needs (listen address, API key, session limits, timeouts). The CLI
+(``cloud_server.cli``) mirrors every field as a flag with an ``AUTOGLM_CLOUD_*`` environment twin.
+Invalid values raise :class:`ConfigError` with a one-line message naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COMPUTE_VARIANTS = ("fp32", "bf16", "fp16", "int8")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name} must be > 0 (got {value!r})")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    device: str = "cpu"  # "cpu" or "cuda[:i]"; tensor parallel ranks use cuda:rank
+    # Compute variants to load. "auto" = fp32 on CPU, bf16 on CUDA. int8 = weight-only int8 layers
+    # (dequantized in the matmul) with the device's default compute dtype.
+    variants: tuple[str, ...] = ("auto",)
+    block_size: int = 16  # tokens per KV block; also the prefix-cache granularity (one key per full block)
+    num_blocks: int = 1024  # blocks per variant pool, preallocated at start (fixed memory, no growth)
+    max_num_seqs: int = 64  # sequences in one forward pass
+    # Token budget of one step: every ready decode step first, then prefill chunks fill the rest.
+    # Large enough for a phone's typical prompt in one chunk, small enough to bound a step's latency.
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192  # positions per sequence (prompt + generated)
+    tp: int = 1  # tensor-parallel ranks (1 or 2; GLM-4.1V's 2 KV heads split exactly over 2)
+    enable_prefix_cache: bool = True
+    # CPU: compute attention one sequence at a time so batching never changes a sequence's numbers.
+    # GPU: decode steps share one padded attention call (faster, equal up to float rounding).
+    batch_invariant: bool | None = None  # None = True on CPU, False on CUDA
+    # The hand-written GLM fast path (cloud_server.fast) where it applies: GLM-4 / GLM-4.1V, float variant,
+    # CUDA, tp 1. Elsewhere (and when off) the library's layers run through the paged attention.
+    fast_path: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.variants, str):
+            self.variants = tuple(v.strip() for v in self.variants.split(",") if v.strip())
+        self.variants = tuple(self.variants)
+        if not self.variants:
+            raise ConfigError("variants: at least one compute variant is needed")
+        for v in self.variants:
+            if v != "auto" and v not in COMPUTE_VARIANTS:
+                raise ConfigError(f"variants: unknown compute variant {v!r} (choose from auto, "
+                                  f"{', '.join(COMPUTE_VARIANTS)})")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"device: expected 'cpu' or 'cuda[:i]' (got {self.device!r})")
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            _positive(name, getattr(self, name))
+        if self.tp not in (1, 2):
+            raise ConfigError(f"tp: tensor parallel size must be 1 or 2 (got {self.tp})")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError("max_num_batched_tokens must be >= max_num_seqs (every ready decode step "
+                              "must fit in one step)")
+        if self.batch_invariant is None:
+            self.batch_invariant = self.device == "cpu"
+
+    def resolved_variants(self) -> tuple[str, ...]:
+        """``auto`` expanded for this device; order kept, duplicates dropped; the first is the default."""
+        out: list[str] = []
+        for v in self.variants:
+            v = ("fp32" if self.device == "cpu" else "bf16") if v == "auto" else v
+            if self.device == "cpu" and v in ("bf16", "fp16"):
+                raise ConfigError(f"variants: {v} compute needs a CUDA device (CPU computes in fp32)")
+            if v not in out:
+                out.append(v)
+        return tuple(out)
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    bundle: Path | None = None  # split mode: the bundle whose cloud half we serve
+    full: str | None = None  # full-model mode: a load_model source (preset, checkpoint dir, .gguf)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, required as "Authorization: Bearer <key>" (HTTP and WebSocket)
+    max_sessions: int = 64  # open split sessions (connected or within their resume grace period)
+    # A disconnected session keeps its KV this long so the edge can Resume; then everything is freed.
+    session_grace_s: float = 30.0
+    # A request waiting this long for the edge's next decode step is aborted and its KV freed.
+    step_timeout_s: float = 120.0
+    # On shutdown: stop admitting, then let open requests finish for up to this long.
+    drain_timeout_s: float = 30.0
+    model_name: str | None = None  # served model id (/v1/models); default: the bundle's or source's name
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self):
+        if (self.bundle is None) == (self.full is None):
+            raise ConfigError("serve exactly one of: a BUNDLE (split mode) or --full SOURCE (full-model mode)")
+        if self.bundle is not None:
+            self.bundle = Path(self.bundle)
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port: {self.port} is not a TCP port")
+        if self.api_key is not None and not self.api_key:
+            self.api_key = None
+        _positive("max_sessions", self.max_sessions)
+        _positive("session_grace_s", self.session_grace_s)
+        _positive("step_timeout_s", self.step_timeout_s)
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"drain_timeout_s must be >= 0 (got {self.drain_timeout_s})")
+
+    @property
+    def mode(self) -> str:
+        return "split" if self.bundle is not None else "full"

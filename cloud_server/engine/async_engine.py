@@ -1,0 +1,181 @@
+"""Drive the engine from its own thread; sessions talk to it through a command queue and output sinks.
+
+Network handlers (asyncio) never touch the engine's state: they enqueue commands (``add_request``,
+``add_input``, ``abort``) and receive :class:`RequestOutput`s through a per-request *sink*, a callable that
+must not block (the app's sink hands the output to its event loop with ``call_soon_threadsafe``). The engine
+thread loops: apply every queued command, run one step if any sequence is ready, deliver the outputs; when
+nothing is ready it sleeps on the queue. So a slow or dead WebSocket never blocks a step.
+
+A model-runner exception is fatal for the engine: every open request gets an ``engine_error`` output, the
+loop stops and ``dead`` says why (``/ready`` turns false). Requests idle longer than ``idle_timeout_s``
+(an edge that stopped sending decode steps) are aborted with reason ``timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from cloud_server.engine.llm_engine import LLMEngine, RequestOutput
+
+log = logging.getLogger("autoglm.cloud.engine")
+
+Sink = Callable[[RequestOutput], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after a fatal error; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, idle_timeout_s: float | None = None,
+                 on_fatal: Callable[[str], None] | None = None, idle_hook: Callable[[], None] | None = None,
+                 idle_hook_every_s: float = 20.0):
+        self.engine = engine
+        # Called on the engine thread after idle_hook_every_s without a step (tensor-parallel heartbeat:
+        # the workers wait in a collective with a timeout).
+        self.idle_hook, self.idle_hook_every_s = idle_hook, idle_hook_every_s
+        self.idle_timeout_s = idle_timeout_s
+        self.on_fatal = on_fatal
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="autoglm-engine", daemon=True)
+        self.dead: str | None = None
+        self.steps = 0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake",))
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
+
+    # -- commands (any thread) -----------------------------------------------------------------
+    def add_request(self, request_id: str, sink: Sink, first, params, variant: str | None = None,
+                    prefix_keys: list[str] | None = None) -> None:
+        self._put(("add", request_id, sink, first, params, variant, prefix_keys))
+
+    def add_input(self, request_id: str, chunk) -> None:
+        self._put(("input", request_id, chunk))
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        if self.dead is None:
+            self._cmds.put(("abort", request_id, reason))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> Future:
+        """Run ``fn(engine)`` on the engine thread between steps (consistent reads of its state)."""
+        fut: Future = Future()
+        self._put(("call", fn, fut))
+        return fut
+
+    def _put(self, cmd: tuple) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine stopped: {self.dead}")
+        self._cmds.put(cmd)
+
+    # -- the loop (engine thread) --------------------------------------------------------------
+    def _apply(self, cmd: tuple) -> list[RequestOutput]:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, sink, first, params, variant, keys = cmd
+            outs = self.engine.add_request(rid, first, params, variant, keys)
+            if not any(o.request_id == rid and o.finished for o in outs):
+                self._sinks[rid] = sink
+            else:
+                for o in outs:
+                    sink(o)
+                return []
+            return outs
+        if kind == "input":
+            return self.engine.add_input(cmd[1], cmd[2])
+        if kind == "abort":
+            return self.engine.abort(cmd[1], cmd[2])
+        if kind == "call":
+            _, fn, fut = cmd
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+        return []
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            sink = self._sinks.pop(o.request_id, None) if o.finished else self._sinks.get(o.request_id)
+            if sink is None:
+                continue
+            try:
+                sink(o)
+            except Exception:
+                log.exception("output sink of %s failed", o.request_id)
+
+    def _loop(self) -> None:
+        last_sweep = last_busy = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                outs: list[RequestOutput] = []
+                block = not self.engine.has_ready()
+                while True:
+                    try:
+                        cmd = self._cmds.get(timeout=0.25) if block else self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    block = False
+                    outs += self._apply(cmd)
+                self._deliver(outs)
+                now = time.monotonic()
+                if self.engine.has_ready():
+                    self._deliver(self.engine.step())
+                    self.steps += 1
+                    last_busy = now
+                elif self.idle_hook is not None and now - last_busy > self.idle_hook_every_s:
+                    self.idle_hook()
+                    last_busy = now
+                if self.idle_timeout_s is not None and now - last_sweep > 1.0:
+                    last_sweep = now
+                    self._deliver(self.engine.abort_idle(self.idle_timeout_s))
+        except Exception as e:
+            log.exception("engine step failed")
+            self.dead = f"{type(e).__name__}: {e}".splitlines()[0]
+            for rid, sink in list(self._sinks.items()):
+                try:
+                    sink(RequestOutput(rid, finish_reason="error", error_code="engine_error",
+                                       error_message=self.dead))
+                except Exception:
+                    log.exception("output sink of %s failed", rid)
+            self._sinks.clear()
+            if self.on_fatal is not None:
+                self.on_fatal(self.dead)
+
+
+class RequestStream:
+    """The asyncio end of one request: its sink hands outputs to the event loop's queue, never blocking."""
+
+    def __init__(self, loop=None):
+        import asyncio
+
+        self.loop = loop or asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.closed = False
+
+    def sink(self, out: RequestOutput) -> None:
+        if not self.closed:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+    async def get(self) -> RequestOutput:
+        return await self.queue.get()
+
+    def close(self) -> None:
+        self.closed = True

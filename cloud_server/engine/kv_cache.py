@@ -1,0 +1,167 @@
+"""The KV cache of the cloud's layers: a fixed, preallocated pool of blocks, block tables and a prefix cache.
+
+Memory is allocated once at start (:class:`KVCachePool`): per layer, ``num_blocks * block_size`` slots of
+``[KVH, D]`` keys and values. A sequence owns a *block table* (block ids in position order); position ``p``
+lives in slot ``table[p // block_size] * block_size + p % block_size``.
+
+:class:`BlockManager` does the accounting: free list, reference counts, and the prefix cache. The edge names
+each full block of a common prefix (e.g. the agent's system prompt) by a key from a hash chain over the
+token blocks, so key ``i`` identifies tokens ``[0, (i + 1) * block_size)`` exactly. Once a sequence has
+computed such a block the manager publishes ``key -> block``; a later sequence presenting the same key chain
+takes references to those blocks instead of recomputing (or even receiving) them. Full blocks are never
+written again, so sharing needs no copy-on-write. A cached block whose last reference goes stays cached but
+*evictable* (LRU); allocation evicts only when the free list is empty.
+
+Invariant checked by the tests: once every sequence is released, ``num_used_blocks == 0``.
+Reference: PagedAttention / vLLM's block manager and automatic prefix caching; nano-vLLM's block_manager.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+
+import torch
+
+
+class KVCachePool:
+    """Preallocated K and V tensors for all cloud layers: each ``[layers, num_blocks * block_size, KVH, D]``."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class BlockManager:
+    """Block allocation, reference counts and the prefix cache for one pool (see the module docstring)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
+                 reserved: tuple[int, ...] = ()):
+        self.reserved = frozenset(reserved)  # never handed out (e.g. a fast path's padding "null block")
+        self.num_blocks = num_blocks - len(self.reserved)  # usable blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.ref_count = [0] * num_blocks
+        # unreferenced, holding nothing worth keeping
+        self.free: deque[int] = deque(b for b in range(num_blocks) if b not in self.reserved)
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced but cached (LRU first)
+        self.block_of_key: dict[str, int] = {}
+        self.key_of_block: dict[int, str] = {}
+        self.prefix_hits = 0  # blocks served from the cache
+        self.prefix_queries = 0  # blocks looked up
+
+    # -- accounting -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free + evictable cached)."""
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one live sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.block_of_key)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def lookup(self, keys: list[str]) -> list[int]:
+        """Blocks of the longest cached run of ``keys`` from the first (no references taken)."""
+        if not self.enable_prefix_cache:
+            return []
+        out = []
+        for key in keys:
+            block = self.block_of_key.get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def acquire(self, blocks: list[int], queried: int) -> None:
+        """Take a reference on cached ``blocks`` (from :meth:`lookup`); ``queried`` counts the lookup."""
+        self.prefix_queries += queried
+        self.prefix_hits += len(blocks)
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                self.evictable.pop(b, None)
+            self.ref_count[b] += 1
+
+    def publish(self, block: int, key: str) -> None:
+        """Record that full block ``block`` holds the tokens named by ``key`` (first writer wins)."""
+        if not self.enable_prefix_cache or key in self.block_of_key or block in self.key_of_block:
+            return
+        self.block_of_key[key] = block
+        self.key_of_block[block] = key
+
+    # -- allocation -------------------------------------------------------------------------
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free_blocks:
+            raise MemoryError(f"KV pool exhausted: {n} blocks wanted, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self.free:
+                b = self.free.popleft()
+            else:  # evict the least recently released cached block
+                b, _ = self.evictable.popitem(last=False)
+                del self.block_of_key[self.key_of_block.pop(b)]
+            self.ref_count[b] = 1
+            out.append(b)
+        return out
+
+    def ensure(self, table: list[int], num_tokens: int) -> bool:
+        """Grow ``table`` in place to cover ``num_tokens`` positions; False (unchanged) if the pool is short."""
+        need = self.blocks_for(num_tokens) - len(table)
+        if need <= 0:
+            return True
+        if not self.can_allocate(need):
+            return False
+        table.extend(self.allocate(need))
+        return True
+
+    def release(self, table: list[int]) -> None:
+        """Drop one reference on every block of ``table`` (a finished, cancelled or dropped sequence)."""
+        for b in table:
+            if self.ref_count[b] <= 0:
+                raise RuntimeError(f"block {b} released more often than acquired")
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                if b in self.key_of_block:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+        table.clear()
+
+    def check(self) -> None:
+        """Consistency of the bookkeeping (used by tests and debug builds)."""
+        free, evict = set(self.free), set(self.evictable)
+        if free & evict or len(free) != len(self.free):
+            raise RuntimeError("block on two free lists")
+        for b in range(len(self.ref_count)):
+            if b in self.reserved:
+                if self.ref_count[b] or b in free or b in evict:
+                    raise RuntimeError(f"reserved block {b} was handed out")
+                continue
+            zero = self.ref_count[b] == 0
+            if zero != (b in free or b in evict):
+                raise RuntimeError(f"block {b}: ref_count {self.ref_count[b]} disagrees with the free lists")
+        if any(self.block_of_key[k] != b for b, k in self.key_of_block.items()):
+            raise RuntimeError("prefix-cache maps disagree")

@@ -1,0 +1,236 @@
+"""The engine: requests in, tokens out; one ``step`` = schedule -> run -> postprocess.
+
+:class:`LLMEngine` is synchronous and single-threaded (``cloud_server.engine.async_engine`` drives it from
+its own thread). Requests are added with their first input chunk and receive further chunks as the edge
+sends them (``add_input``); every ``step`` returns :class:`RequestOutput` events: a sampled token, a finish,
+or a per-request error.
+
+Errors come in two kinds, as in vLLM v1: :class:`~cloud_server.engine.scheduler.RequestError` is fatal for
+one request (bad input, prefix miss, prompt too long, pool exhausted) and becomes an error output;
+any exception out of the model runner is fatal for the engine and propagates from ``step``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cloud_server.config import EngineConfig
+from cloud_server.engine.kv_cache import BlockManager, KVCachePool
+from cloud_server.engine.model_runner import ModelRunner, build_batch
+from cloud_server.engine.sampler import Sampler
+from cloud_server.engine.sampling_params import SamplingParams
+from cloud_server.engine.scheduler import RequestError, ScheduledBatch, Scheduler
+from cloud_server.engine.sequence import InputChunk, Sequence
+from cloud_server.model import CloudModel
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    token_id: int | None = None  # the token sampled this step, if any
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error"
+    error_code: str | None = None  # set with finish_reason "error" (or alone for a non-fatal refusal)
+    error_message: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt positions served from the prefix cache
+    num_output_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runners: dict[str, ModelRunner], metrics=None,
+                 sampler_seed: int | None = None):
+        if not runners:
+            raise ValueError("an engine needs at least one model variant")
+        self.config = config
+        self.runners = runners
+        self.default_variant = next(iter(runners))
+        # A runner may reserve pool blocks for itself (a fast path's padding block): never hand those out.
+        self.block_managers = {v: BlockManager(r.pool.num_blocks, r.pool.block_size, config.enable_prefix_cache,
+                                               tuple(getattr(r, "reserved_blocks", ())))
+                               for v, r in runners.items()}
+        self.scheduler = Scheduler(config, self.block_managers)
+        self.sampler = Sampler(sampler_seed)
+        self.metrics = metrics
+        self.seqs: dict[str, Sequence] = {}
+        first = next(iter(runners.values())).model
+        self.eos_token_ids = list(first.eos_token_ids)
+        self.vocab_size = first.vocab_size
+
+    @classmethod
+    def from_models(cls, config: EngineConfig, models: dict[str, CloudModel], metrics=None,
+                    make_runner=None) -> LLMEngine:
+        """Allocate one KV pool per variant (``config.num_blocks`` blocks) and wrap each model in a runner.
+
+        ``make_runner(index, model, pool)`` builds a custom runner (tensor parallel, a fast path)."""
+        runners = {}
+        for i, (variant, model) in enumerate(models.items()):
+            pool = KVCachePool(model.num_layers, config.num_blocks, config.block_size, model.num_kv_heads,
+                               model.head_dim, model.dtype, next(model.parameters()).device)
+            runners[variant] = (make_runner(i, model, pool) if make_runner is not None
+                                else ModelRunner(model, pool, batch_invariant=config.batch_invariant))
+        return cls(config, runners, metrics)
+
+    # -- requests ---------------------------------------------------------------------------
+    def resolve_variant(self, requested: str | None) -> str:
+        """The loaded variant serving a request that asks for ``requested`` (the default if not loaded)."""
+        if requested in self.runners:
+            return requested
+        if requested in ("bf16", "fp16", "fp32"):  # same family, another float: closest loaded float variant
+            for v in ("bf16", "fp16", "fp32"):
+                if v in self.runners:
+                    return v
+        return self.default_variant
+
+    def add_request(self, request_id: str, first: InputChunk, params: SamplingParams,
+                    variant: str | None = None, prefix_keys: list[str] | None = None) -> list[RequestOutput]:
+        """Admit a request; returns an error output (and admits nothing) if it is refused."""
+        if request_id in self.seqs:
+            return [self._error_output(request_id, "duplicate_request", f"request {request_id!r} is active")]
+        seq = Sequence(request_id, params, self.resolve_variant(variant), prefix_keys,
+                       feed_back_tokens=first.token_ids is not None)
+        try:
+            self._check_input(first)
+            self.scheduler.add(seq, first)
+        except RequestError as e:
+            self.scheduler.remove(seq)
+            return [self._error_output(request_id, e.code, e.message)]
+        self.seqs[request_id] = seq
+        if self.metrics is not None:
+            self.metrics.on_admit(seq)
+        return []
+
+    def add_input(self, request_id: str, chunk: InputChunk) -> list[RequestOutput]:
+        """The next input chunk of a running request (a decode step's hidden state, or more prompt)."""
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return [self._error_output(request_id, "unknown_request", f"no active request {request_id!r}")]
+        try:
+            self._check_input(chunk)
+            if chunk.end > self.config.max_model_len:
+                raise RequestError("too_long", f"position {chunk.end} exceeds max_model_len "
+                                               f"{self.config.max_model_len}")
+            seq.push(chunk)
+        except (RequestError, ValueError) as e:
+            code = e.code if isinstance(e, RequestError) else "bad_input"
+            return [self._finish(seq, "error", code, str(e))]
+        return []
+
+    def abort(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
+        seq = self.seqs.get(request_id)
+        return [] if seq is None else [self._finish(seq, reason)]
+
+    def abort_idle(self, timeout_s: float) -> list[RequestOutput]:
+        """Abort requests that have waited more than ``timeout_s`` for their next input (a vanished edge)."""
+        now = time.monotonic()
+        stale = [s for s in self.seqs.values() if not s.pending and now - s.waiting_since > timeout_s]
+        return [self._finish(s, "timeout", "timeout", f"no input for {timeout_s:g} s") for s in stale]
+
+    def _check_input(self, chunk: InputChunk) -> None:
+        model = next(iter(self.runners.values())).model
+        if chunk.hidden is not None and chunk.hidden.shape[1] != model.hidden_size:
+            raise RequestError("bad_input", f"hidden size {chunk.hidden.shape[1]}, the model's is "
+                                            f"{model.hidden_size}")
+        if chunk.rope_positions is not None and not model.mrope:
+            raise RequestError("bad_input", "rope_positions sent to a model without multimodal RoPE")
+        if chunk.token_ids is not None:
+            if model.embed_tokens is None:
+                raise RequestError("bad_input", "this server runs the back layers only: send hidden states")
+            if int(chunk.token_ids.min()) < 0 or int(chunk.token_ids.max()) >= self.vocab_size:
+                raise RequestError("bad_input", f"token id out of range [0, {self.vocab_size})")
+
+    # -- the step ---------------------------------------------------------------------------
+    def has_ready(self) -> bool:
+        return any(s.ready for s in self.seqs.values())
+
+    def step(self) -> list[RequestOutput]:
+        batches, victims = self.scheduler.schedule()
+        outputs = [self._finish(s, "error", "kv_cache_full", "the KV pool is exhausted; request aborted")
+                   for s in victims]
+        for batch in batches:
+            logits = self._run(batch)
+            outputs += self._postprocess(batch, logits)
+        if self.metrics is not None:
+            self.metrics.on_step(self, sum(b.num_tokens for b in batches))
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> torch.Tensor:
+        items = batch.items
+        flat = build_batch([it.chunk for it in items], [it.seq.block_table for it in items],
+                           self.config.block_size, [it.sample for it in items])
+        return self.runners[batch.variant].run(flat)
+
+    def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
+        outputs = []
+        to_sample = [it.seq for it in batch.items if it.sample]
+        sampled = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
+                               [s.output_ids for s in to_sample]) if to_sample else []
+        now = time.monotonic()
+        for it in batch.items:
+            it.seq.num_computed = it.chunk.end
+            self.scheduler.publish_prefix(it.seq)
+        for seq, tok in zip(to_sample, sampled, strict=True):
+            seq.output_ids.append(tok.token_id)
+            if self.metrics is not None:
+                self.metrics.on_token(seq, now)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            reason = self._stop_reason(seq, tok.token_id)
+            out = RequestOutput(seq.request_id, tok.token_id, tok.logprob, tok.top_logprobs,
+                                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                                num_output_tokens=len(seq.output_ids))
+            if reason is not None:
+                out.finish_reason = reason
+                self._release(seq, reason)
+            elif seq.feed_back_tokens:
+                seq.push(InputChunk(seq.num_received, token_ids=torch.tensor([tok.token_id])))
+            else:
+                seq.waiting_since = now
+            outputs.append(out)
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens:
+            return "length"
+        if seq.num_received + 1 >= self.config.max_model_len:  # the token itself needs a position
+            return "length"
+        return None
+
+    # -- release ----------------------------------------------------------------------------
+    def _release(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        if self.metrics is not None:
+            self.metrics.on_finish(seq)
+
+    def _finish(self, seq: Sequence, reason: str, code: str | None = None,
+                message: str | None = None) -> RequestOutput:
+        self._release(seq, reason)
+        return RequestOutput(seq.request_id, finish_reason=reason, error_code=code, error_message=message,
+                             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                             num_output_tokens=len(seq.output_ids))
+
+    @staticmethod
+    def _error_output(request_id: str, code: str, message: str) -> RequestOutput:
+        return RequestOutput(request_id, finish_reason="error", error_code=code, error_message=message)
+
+    # -- accounting -------------------------------------------------------------------------
+    def num_used_blocks(self) -> int:
+        return sum(bm.num_used_blocks for bm in self.block_managers.values())
+
+    def kv_usage(self) -> float:
+        total = sum(bm.num_blocks for bm in self.block_managers.values())
+        return self.num_used_blocks() / total

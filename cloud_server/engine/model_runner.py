@@ -1,0 +1,117 @@
+"""One forward pass of the cloud's layers over a flat, varlen batch: ``ModelRunner.run(batch) -> logits``.
+
+A :class:`Batch` is the step's sequences flattened to ``T`` tokens (sequence ``i`` owns rows
+``[cu[i], cu[i+1])``): boundary hidden states ``[T, H]`` (split mode) or token ids ``[T]`` (full-model mode),
+absolute positions ``[T]``, the pool slot of every token ``[T]``, per-sequence query and context lengths and
+block tables, and the rows whose logits are wanted. It is plain tensors and lists so it can be broadcast to
+tensor-parallel ranks (``cloud_server.tp``) and so a hand-written fast path (e.g. a fused GLM kernel) can
+take the same input.
+
+The runner drives the library's decoder layers on ``[1, T, H]`` with the paged attention context installed
+(``cloud_server.attention``); logits are computed only for the sampled rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cloud_server.attention import AttentionContext, attention_context
+from cloud_server.engine.kv_cache import KVCachePool
+from cloud_server.model import CloudModel
+from partition_tools.adapters import call_layer
+
+
+@dataclass(slots=True)
+class Batch:
+    positions: torch.Tensor  # [T] int64 absolute positions
+    slot_mapping: torch.Tensor  # [T] int64 pool slot each token's K/V is written to
+    query_lens: list[int]  # [B] tokens per sequence this step
+    context_lens: list[int]  # [B] cached tokens per sequence after this step
+    block_tables: list[list[int]]  # [B] block ids in position order
+    logits_indices: torch.Tensor  # [S] int64 rows (of T) whose logits are wanted
+    hidden: torch.Tensor | None = None  # [T, H] float32 boundary hidden states (split mode)
+    input_ids: torch.Tensor | None = None  # [T] int64 token ids (full-model mode)
+    rope_positions: torch.Tensor | None = None  # [3, T] int64 multimodal RoPE positions (GLM-4.1V)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: list[bool]) -> Batch:
+    """Flatten scheduled input chunks (``InputChunk`` list, same order as ``block_tables``) into a Batch."""
+    positions, slots, q_lens, c_lens, rows, hiddens, ids, ropes = [], [], [], [], [], [], [], []
+    any_rope = any(c.rope_positions is not None for c in chunks)
+    t = 0
+    for chunk, table, want in zip(chunks, block_tables, sample, strict=True):
+        pos = torch.arange(chunk.start, chunk.end)  # [n]
+        tab = torch.tensor(table, dtype=torch.long)
+        positions.append(pos)
+        slots.append(tab[pos // block_size] * block_size + pos % block_size)
+        q_lens.append(chunk.n)
+        c_lens.append(chunk.end)
+        t += chunk.n
+        if want:
+            rows.append(t - 1)
+        if any_rope:  # text positions ride on all three axes
+            ropes.append(chunk.rope_positions if chunk.rope_positions is not None else pos.expand(3, -1))
+        if chunk.hidden is not None:
+            hiddens.append(chunk.hidden)
+        else:
+            ids.append(chunk.token_ids)
+    if hiddens and ids:
+        raise ValueError("a batch mixes hidden-state and token-id inputs")
+    return Batch(
+        positions=torch.cat(positions), slot_mapping=torch.cat(slots), query_lens=q_lens, context_lens=c_lens,
+        block_tables=[list(tb) for tb in block_tables], logits_indices=torch.tensor(rows, dtype=torch.long),
+        hidden=torch.cat(hiddens).float() if hiddens else None, input_ids=torch.cat(ids) if ids else None,
+        rope_positions=torch.cat(ropes, dim=1).long() if ropes else None,
+    )
+
+
+class ModelRunner:
+    """Runs one :class:`CloudModel` (one compute variant) against its :class:`KVCachePool`."""
+
+    def __init__(self, model: CloudModel, pool: KVCachePool, batch_invariant: bool = True,
+                 compute_logits: bool = True):
+        self.model = model
+        self.pool = pool
+        self.batch_invariant = batch_invariant
+        self.compute_logits = compute_logits  # tensor-parallel ranks > 0 stop before the lm_head
+        self.device = pool.k.device
+
+    def _seq_slots(self, batch: Batch) -> list[torch.Tensor]:
+        bs = self.pool.block_size
+        offs = torch.arange(bs)
+        out = []
+        for table, ctx in zip(batch.block_tables, batch.context_lens, strict=True):
+            slots = (torch.tensor(table, dtype=torch.long)[:, None] * bs + offs).flatten()[:ctx]  # [ctx]
+            out.append(slots.to(self.device))
+        return out
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor | None:
+        """Forward ``batch``; returns float32 logits ``[S, V]`` for ``batch.logits_indices`` (None on ranks > 0)."""
+        m, dev = self.model, self.device
+        if batch.hidden is not None:
+            hidden = batch.hidden.to(device=dev, dtype=m.dtype)[None]  # [1, T, H]
+        else:
+            if m.embed_tokens is None:
+                raise ValueError("this model has no token embeddings (split mode expects hidden states)")
+            hidden = m.embed_tokens(batch.input_ids.to(dev))[None]  # [1, T, H]
+        position_ids = batch.positions.to(dev)[None]  # [1, T]
+        rope = None if batch.rope_positions is None else batch.rope_positions.to(dev)[:, None]  # [3, 1, T]
+        cos_sin = m.position_embeddings(hidden, position_ids, rope)
+        ctx = AttentionContext(k_cache=self.pool.k, v_cache=self.pool.v, slot_mapping=batch.slot_mapping.to(dev),
+                               query_lens=batch.query_lens, context_lens=batch.context_lens,
+                               seq_slots=self._seq_slots(batch), batch_invariant=self.batch_invariant)
+        with attention_context(ctx):
+            for layer in m.layers:
+                hidden = call_layer(layer, hidden, attention_mask=None, position_ids=position_ids,
+                                    position_embeddings=cos_sin)
+        if not self.compute_logits:
+            return None
+        last = hidden[0, batch.logits_indices.to(dev)]  # [S, H]
+        return m.lm_head(m.norm(last)).float()  # [S, V]

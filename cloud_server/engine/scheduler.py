@@ -1,0 +1,175 @@
+"""What runs in the next step: ready decode steps of every session, then prefill chunks, under a token budget.
+
+Scheduling is decided per iteration; one step is one forward pass per compute variant. Phones' steps arrive
+at different times, so the scheduler never waits for anyone: it takes whatever is *ready* now (a sequence
+whose next input chunk starts where its KV ends), in this order:
+
+1. running sequences with a one-position chunk (decode steps: latency-critical, cheap);
+2. running sequences with a longer chunk (prefill continuing), oldest first;
+3. waiting sequences (not yet holding KV), first come first served: admission stops at the first one that
+   does not fit, so a long prompt is not starved by later short ones.
+
+Each takes ``min(ready positions, remaining budget)``; a partially taken chunk is a *prefill chunk* and its
+rest stays pending for the next step. KV blocks are allocated as positions are scheduled; a sequence that
+cannot get blocks waits. If a ready running sequence is blocked and nothing else could run, the youngest
+running sequence is returned for abort (fatal for that request, not the engine) so the others progress.
+
+Admission and the prefix cache: :meth:`Scheduler.add` matches the request's prefix keys against the
+variant's cache; a request whose first chunk starts at ``p > 0`` must be covered by cached blocks for
+``[0, p)``, else :class:`PrefixMiss` (the edge then resends the full hidden states).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from cloud_server.config import EngineConfig
+from cloud_server.engine.kv_cache import BlockManager
+from cloud_server.engine.sequence import InputChunk, Sequence, SequenceStatus
+
+
+class RequestError(Exception):
+    """Fatal for one request only; ``code`` is the wire error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class PrefixMiss(RequestError):
+    def __init__(self, message: str):
+        super().__init__("prefix_miss", message)
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    chunk: InputChunk  # positions [chunk.start, chunk.end) run this step
+    sample: bool  # the chunk ends an input turn: sample a token from its last position
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    variant: str
+    items: list[ScheduledChunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(it.chunk.n for it in self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_managers: dict[str, BlockManager]):
+        self.config = config
+        self.block_managers = block_managers
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # -- admission --------------------------------------------------------------------------
+    def add(self, seq: Sequence, first: InputChunk) -> None:
+        """Admit ``seq`` with its first input chunk, reusing cached prefix blocks; may raise RequestError."""
+        bm = self.block_managers[seq.variant]
+        bs = self.config.block_size
+        if first.end > self.config.max_model_len:
+            raise RequestError("too_long", f"prompt of {first.end} positions exceeds max_model_len "
+                                           f"{self.config.max_model_len}")
+        if bm.blocks_for(first.end) > bm.num_blocks:
+            raise RequestError("too_long", f"prompt of {first.end} positions needs more KV blocks than the "
+                                           f"pool holds ({bm.num_blocks} x {bs})")
+        # Leave the final position of a sampled turn to compute: its logits are needed.
+        limit = (first.end - (1 if first.last else 0)) // bs
+        blocks = bm.lookup(seq.prefix_keys)[:limit] if self.config.enable_prefix_cache else []
+        if first.start > 0 and len(blocks) * bs < first.start:
+            have = len(blocks) * bs
+            raise PrefixMiss(f"positions [0, {first.start}) were omitted but the prefix cache holds only "
+                             f"[0, {have}) of the named keys")
+        bm.acquire(blocks, queried=min(len(seq.prefix_keys), limit))
+        seq.block_table = list(blocks)
+        seq.num_cached_tokens = len(blocks) * bs
+        seq.num_registered_blocks = len(blocks)
+        seq.num_received = first.start
+        seq.push(first)
+        seq.num_prompt_tokens = first.end
+        seq.skip_computed(seq.num_cached_tokens)
+        if blocks:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Release everything ``seq`` holds (finish, cancel, disconnect, timeout); idempotent."""
+        self.block_managers[seq.variant].release(seq.block_table)
+        seq.status = SequenceStatus.FINISHED
+        seq.pending.clear()
+        if seq in self.running:
+            self.running.remove(seq)
+        try:
+            self.waiting.remove(seq)
+        except ValueError:
+            pass
+
+    # -- one step ---------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[ScheduledBatch], list[Sequence]]:
+        """This step's batches (one per variant) and the sequences to abort because the pool is full."""
+        budget, slots = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        chosen: dict[str, list[ScheduledChunk]] = {}
+        blocked_running = False
+        ready = [s for s in self.running if s.ready]
+        ready.sort(key=lambda s: (s.num_ready_tokens > 1, s.arrival_time))
+        for seq in ready:
+            if budget == 0 or slots == 0:
+                break
+            k = self._fit(seq, budget)
+            if k == 0:
+                blocked_running = True
+                continue
+            chosen.setdefault(seq.variant, []).append(ScheduledChunk(seq, *seq.take(k)))
+            budget, slots = budget - k, slots - 1
+        while self.waiting and budget > 0 and slots > 0:
+            seq = self.waiting[0]
+            if not seq.ready:  # its first chunk is still arriving in pieces? (never: add() pushes one)
+                break
+            k = self._fit(seq, budget)
+            if k == 0:
+                break  # FCFS: later arrivals do not overtake a blocked one
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen.setdefault(seq.variant, []).append(ScheduledChunk(seq, *seq.take(k)))
+            budget, slots = budget - k, slots - 1
+        batches = [ScheduledBatch(v, items) for v, items in chosen.items()]
+        victims: list[Sequence] = []
+        if not batches and blocked_running:
+            victims.append(max(self.running, key=lambda s: s.arrival_time))
+        return batches, victims
+
+    def _fit(self, seq: Sequence, budget: int) -> int:
+        """Positions of ``seq`` to run now (<= budget), with KV blocks allocated for them; 0 if none fit."""
+        bm = self.block_managers[seq.variant]
+        bs = self.config.block_size
+        k = min(seq.num_ready_tokens, budget)
+        capacity = (len(seq.block_table) + bm.num_free_blocks) * bs - seq.num_computed
+        k = min(k, capacity)
+        if k <= 0 or not bm.ensure(seq.block_table, seq.num_computed + k):
+            return 0
+        return k
+
+    # -- after the step -----------------------------------------------------------------------
+    def publish_prefix(self, seq: Sequence) -> None:
+        """Publish ``seq``'s newly completed prefix blocks under their keys."""
+        bm = self.block_managers[seq.variant]
+        full = min(seq.num_computed // self.config.block_size, len(seq.prefix_keys))
+        for i in range(seq.num_registered_blocks, full):
+            bm.publish(seq.block_table[i], seq.prefix_keys[i])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

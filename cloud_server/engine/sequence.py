@@ -1,0 +1,156 @@
+"""One request's state inside the engine: its inputs as they arrive, its KV blocks, its generated tokens.
+
+Inputs arrive asynchronously as :class:`InputChunk`s covering positions ``[start, start + n)``: boundary
+hidden states from the edge (split mode) or token ids (full-model mode). A chunk marked ``last`` ends an
+input turn: once it is computed the engine samples a token. In split mode the edge then runs its front
+layers on that token and sends the next one-position chunk (a decode step); in full-model mode the engine
+feeds the token back itself.
+
+A sequence is *ready* when the next chunk starts exactly where its KV ends (``num_computed``): the
+scheduler may then run some or all of that chunk's positions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from cloud_server.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"  # admitted, holds no KV blocks of its own yet
+    RUNNING = "running"  # holds KV blocks
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class InputChunk:
+    start: int  # first position
+    hidden: torch.Tensor | None = None  # [n, H] boundary hidden states (split mode)
+    token_ids: torch.Tensor | None = None  # [n] int64 (full-model mode)
+    last: bool = True  # sample a token after this chunk
+    # [3, n] int64 multimodal RoPE positions (GLM-4.1V images); None: the sequence positions on all axes
+    rope_positions: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if (self.hidden is None) == (self.token_ids is None):
+            raise ValueError("an input chunk carries either hidden states or token ids")
+        if self.start < 0:
+            raise ValueError(f"input chunk start {self.start} < 0")
+        if self.hidden is not None and self.hidden.dim() != 2:
+            raise ValueError(f"hidden states must be [n, H], got shape {tuple(self.hidden.shape)}")
+        if self.token_ids is not None and self.token_ids.dim() != 1:
+            raise ValueError(f"token ids must be [n], got shape {tuple(self.token_ids.shape)}")
+        if self.n == 0:
+            raise ValueError("empty input chunk")
+        if self.rope_positions is not None and tuple(self.rope_positions.shape) != (3, self.n):
+            raise ValueError(f"rope positions must be [3, {self.n}], got {tuple(self.rope_positions.shape)}")
+
+    @property
+    def n(self) -> int:
+        return int((self.hidden if self.hidden is not None else self.token_ids).shape[0])
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+    def split(self, k: int) -> tuple[InputChunk, InputChunk]:
+        """The first ``k`` positions (never ``last``) and the rest."""
+        h, t, r = self.hidden, self.token_ids, self.rope_positions
+        head = InputChunk(self.start, None if h is None else h[:k], None if t is None else t[:k], last=False,
+                          rope_positions=None if r is None else r[:, :k])
+        tail = InputChunk(self.start + k, None if h is None else h[k:], None if t is None else t[k:], self.last,
+                          rope_positions=None if r is None else r[:, k:])
+        return head, tail
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Engine-side state of one request (see the module docstring)."""
+
+    def __init__(self, request_id: str, params: SamplingParams, variant: str,
+                 prefix_keys: list[str] | None = None, feed_back_tokens: bool = False):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.params = params
+        self.variant = variant
+        self.prefix_keys = list(prefix_keys or [])  # key of block i covers tokens [i*bs, (i+1)*bs)
+        self.feed_back_tokens = feed_back_tokens  # full-model mode: the sampled token is the next input
+        self.status = SequenceStatus.WAITING
+        self.pending: deque[InputChunk] = deque()
+        self.num_computed = 0  # positions whose K/V are in the pool
+        self.num_received = 0  # positions received (computed + pending)
+        self.num_prompt_tokens = 0  # positions of the first input turn (the prompt)
+        self.num_cached_tokens = 0  # prompt positions served by the prefix cache
+        self.num_registered_blocks = 0  # prefix blocks already published to the cache
+        self.block_table: list[int] = []
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        now = time.monotonic()
+        self.arrival_time = now
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.waiting_since = now  # when it last became idle waiting for input (step timeouts)
+
+    # -- inputs -----------------------------------------------------------------------------
+    def push(self, chunk: InputChunk) -> None:
+        if chunk.start != self.num_received:
+            raise ValueError(f"input for positions [{chunk.start}, {chunk.end}) but the next position "
+                             f"expected is {self.num_received}")
+        self.pending.append(chunk)
+        self.num_received = chunk.end
+        self.waiting_since = time.monotonic()  # input arrived: the edge is alive
+        if not self.output_ids:
+            self.num_prompt_tokens = self.num_received
+
+    def skip_computed(self, n: int) -> None:
+        """Positions [0, n) are already in the KV (prefix-cache hit): drop their pending inputs."""
+        self.num_computed = n
+        while self.pending and self.pending[0].end <= n:
+            self.pending.popleft()
+        if self.pending and self.pending[0].start < n:
+            _, self.pending[0] = self.pending[0].split(n - self.pending[0].start)
+        self.num_received = max(self.num_received, n)
+
+    @property
+    def ready(self) -> bool:
+        return (self.status is not SequenceStatus.FINISHED and bool(self.pending)
+                and self.pending[0].start == self.num_computed)
+
+    @property
+    def num_ready_tokens(self) -> int:
+        return self.pending[0].n if self.ready else 0
+
+    def take(self, k: int) -> tuple[InputChunk, bool]:
+        """Pop up to ``k`` ready positions; returns the chunk and whether to sample after it."""
+        chunk = self.pending[0]
+        if k < chunk.n:
+            head, self.pending[0] = chunk.split(k)
+            return head, False
+        self.pending.popleft()
+        return chunk, chunk.last
+
+    # -- outputs ----------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Positions this sequence will occupy once its pending inputs are computed."""
+        return self.num_received
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, computed={self.num_computed}, "
+                f"received={self.num_received}, out={len(self.output_ids)}, blocks={len(self.block_table)})")

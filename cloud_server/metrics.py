@@ -1,0 +1,114 @@
+"""Prometheus metrics of the cloud server, on a registry of its own (several servers may share a process).
+
+Names follow vLLM's so existing dashboards work: ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``, ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries`` /
+``vllm:prefix_cache_hits`` (tokens), ``vllm:prompt_tokens`` / ``vllm:generation_tokens``,
+``vllm:request_success`` (by finish reason). Split-specific ones carry the ``autoglm:`` prefix: wire bytes up
+(edge -> cloud hidden states) and down (tokens), bytes per token by codec, open and refused sessions.
+
+In split mode the latencies are measured at the cloud between a request's arrival and its sampled tokens,
+so the inter-token latency includes the edge's round trip (what a user waits for); durations only, never
+timestamps of another machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    10.0, 20.0, 40.0, 80.0)
+_BYTES_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        lab = ["model_name"]
+        self.model_name = model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", lab,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", lab,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests holding KV blocks", lab, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for admission", lab, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", lab, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      lab, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache", lab,
+                                   registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens received", lab, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=r)
+        self.batched_tokens = Counter("autoglm:engine_step_tokens", "Tokens run through the layers", lab,
+                                      registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests", lab + ["finished_reason"], registry=r)
+        self.uplink = Counter("autoglm:uplink_bytes", "Bytes received from edges (hidden states)", lab + ["codec"],
+                              registry=r)
+        self.downlink = Counter("autoglm:downlink_bytes", "Bytes sent to edges", lab, registry=r)
+        self.bytes_per_token = Histogram("autoglm:uplink_bytes_per_token", "Encoded hidden-state bytes per token",
+                                         lab + ["codec"], buckets=_BYTES_BUCKETS, registry=r)
+        self.sessions = Gauge("autoglm:sessions_open", "Split sessions open (connected or resumable)", lab,
+                              registry=r)
+        self.refused = Counter("autoglm:sessions_refused", "Sessions refused", lab + ["reason"], registry=r)
+        self.variant_requests = Counter("autoglm:requests_by_variant", "Requests by compute variant",
+                                        lab + ["variant"], registry=r)
+        # Series exist from the start (0), so dashboards and alerts see them before the first request.
+        for m in (self.ttft, self.itl, self.e2e, self.running, self.waiting, self.kv_usage, self.prefix_queries,
+                  self.prefix_hits, self.prompt_tokens, self.generation_tokens, self.batched_tokens,
+                  self.downlink, self.sessions):
+            m.labels(model_name)
+
+    # -- engine hooks (called from the engine thread) ------------------------------------------
+    def on_admit(self, seq) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(seq.num_prompt_tokens)
+        if seq.prefix_keys:
+            self.prefix_queries.labels(m).inc(seq.num_prompt_tokens)
+            self.prefix_hits.labels(m).inc(seq.num_cached_tokens)
+        self.variant_requests.labels(m, seq.variant).inc()
+
+    def on_token(self, seq, now: float) -> None:
+        m = self.model_name
+        self.generation_tokens.labels(m).inc()
+        if seq.last_token_time is None:
+            self.ttft.labels(m).observe(now - seq.arrival_time)
+        else:
+            self.itl.labels(m).observe(now - seq.last_token_time)
+
+    def on_finish(self, seq) -> None:
+        m = self.model_name
+        self.e2e.labels(m).observe(time.monotonic() - seq.arrival_time)
+        self.success.labels(m, seq.finish_reason or "abort").inc()
+
+    def on_step(self, engine, num_tokens: int) -> None:
+        m = self.model_name
+        self.running.labels(m).set(engine.scheduler.num_running)
+        self.waiting.labels(m).set(engine.scheduler.num_waiting)
+        self.kv_usage.labels(m).set(engine.kv_usage())
+        if num_tokens:
+            self.batched_tokens.labels(m).inc(num_tokens)
+
+    # -- network hooks ----------------------------------------------------------------------------
+    def on_uplink(self, nbytes: int, codec: str, tokens: int) -> None:
+        self.uplink.labels(self.model_name, codec).inc(nbytes)
+        if tokens:
+            self.bytes_per_token.labels(self.model_name, codec).observe(nbytes / tokens)
+
+    def on_downlink(self, nbytes: int) -> None:
+        self.downlink.labels(self.model_name).inc(nbytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

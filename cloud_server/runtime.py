@@ -1,0 +1,142 @@
+"""Everything a serving process holds, built from a :class:`ServerConfig`: models, engine, TP workers, metrics.
+
+``CloudRuntime.start()`` loads the model variants (the bundle's back half, or a full model), launches the
+tensor-parallel workers when ``tp == 2``, allocates the KV pools and starts the engine thread;
+``stop()`` undoes all of it. The FastAPI app (``cloud_server.app``) holds one runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from cloud_server.config import ServerConfig
+from cloud_server.engine.async_engine import AsyncEngine
+from cloud_server.engine.llm_engine import LLMEngine
+from cloud_server.metrics import ServerMetrics
+
+log = logging.getLogger("autoglm.cloud")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class CloudRuntime:
+    def __init__(self, config: ServerConfig, loaded=None):
+        self.config = config
+        self._loaded = loaded  # full-model mode: an already loaded LoadedModel (tests, embedding)
+        self.manifest = None  # split mode: the served bundle's manifest
+        self.tokenizer = None  # full-model mode: the model's tokenizer (chat endpoints)
+        self.engine: AsyncEngine | None = None
+        self.metrics: ServerMetrics | None = None
+        self.model_name = config.model_name or ""
+        self._workers = []
+        self._tp_runner = None
+        self.started_at = time.monotonic()
+        self.draining = False  # set on shutdown: /ready turns false, new sessions and requests are refused
+
+    # -- build ------------------------------------------------------------------------------
+    def start(self) -> CloudRuntime:
+        cfg, ecfg = self.config, self.config.engine
+        variants = list(ecfg.resolved_variants())
+        lm = None
+        if cfg.mode == "split":
+            from shared.manifest import Manifest
+
+            self.manifest = Manifest.load(cfg.bundle)
+            self.model_name = self.model_name or f"{Path(cfg.bundle).name}"
+            source_kind, source = "bundle", str(cfg.bundle)
+        else:
+            from partition_tools.models import load_model
+
+            lm = self._loaded if self._loaded is not None else load_model(cfg.full)
+            self.tokenizer = lm.tokenizer
+            self.model_name = self.model_name or cfg.full
+            source_kind, source = "full", cfg.full
+        self.metrics = ServerMetrics(self.model_name)
+        if ecfg.tp > 1:
+            models, make_runner = self._start_tp(source_kind, source, variants)
+        else:
+            models = {v: self._load(source_kind, source, lm, v, ecfg.device) for v in variants}
+            make_runner = None
+            if ecfg.fast_path and ecfg.device.startswith("cuda"):
+                from cloud_server.fast.runner import fast_runner_factory
+
+                make_runner = fast_runner_factory(ecfg)  # the GLM fast path where it applies
+        engine = LLMEngine.from_models(ecfg, models, metrics=self.metrics, make_runner=make_runner)
+        idle_hook = self._heartbeat if self._tp_runner is not None else None
+        self.engine = AsyncEngine(engine, idle_timeout_s=cfg.step_timeout_s, idle_hook=idle_hook).start()
+        log.info("serving %s (%s mode, variants %s, tp %d)", self.model_name, cfg.mode, variants, ecfg.tp)
+        return self
+
+    @staticmethod
+    def _load(source_kind, source, lm, variant, device, shard=None):
+        from cloud_server.model import load_full_model, load_split_model
+
+        if source_kind == "bundle":
+            return load_split_model(source, variant, device, shard=shard)
+        return load_full_model(lm, variant, device, shard=shard)
+
+    def _start_tp(self, source_kind: str, source: str, variants: list[str]):
+        from cloud_server import tp
+
+        ecfg = self.config.engine
+        world, port = ecfg.tp, free_port()
+        self._workers = tp.launch_workers(world, "127.0.0.1", port, source_kind, source, variants, ecfg.device,
+                                          ecfg.num_blocks, ecfg.block_size)
+        tp.init_group(0, world, "127.0.0.1", port, ecfg.device)
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        device = tp.rank_device(ecfg.device, 0)
+        models = dict(zip(variants, tp.load_models(source_kind, source, variants, device, 0, world), strict=True))
+        torch.distributed.barrier()  # every rank has its shard
+
+        def make_runner(i, model, pool):
+            runner = tp.TPModelRunner(model, pool, batch_invariant=ecfg.batch_invariant, variant_idx=i)
+            self._tp_runner = runner
+            return runner
+
+        return models, make_runner
+
+    def _heartbeat(self) -> None:
+        self._tp_runner.heartbeat()
+
+    # -- teardown ---------------------------------------------------------------------------
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        if self._tp_runner is not None:
+            try:
+                self._tp_runner.stop_workers()
+                torch.distributed.destroy_process_group()
+            except Exception:
+                log.exception("stopping tensor-parallel workers")
+            for p in self._workers:
+                try:
+                    p.wait(timeout=30)
+                except Exception:  # noqa: BLE001
+                    p.kill()
+            self._workers, self._tp_runner = [], None
+
+    def num_active_requests(self) -> int:
+        if self.engine is None or not self.engine.alive:
+            return 0
+        return len(self.engine.engine.seqs)  # a read of a dict's size: safe from another thread
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.alive and not self.draining
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def bundle_id(self) -> str | None:
+        return self.manifest.bundle_id if self.manifest is not None else None
+
+    def eos_token_ids(self) -> list[int]:
+        return list(self.engine.engine.eos_token_ids)

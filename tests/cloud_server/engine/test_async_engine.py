@@ -1,0 +1,101 @@
+"""The engine thread: commands in, outputs to sinks; idle timeouts; a runner failure is fatal for the engine."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+import torch
+
+from cloud_server.config import EngineConfig
+from cloud_server.engine.async_engine import AsyncEngine, EngineDeadError
+from cloud_server.engine.llm_engine import LLMEngine
+from cloud_server.engine.sampling_params import SamplingParams
+from cloud_server.engine.sequence import InputChunk
+from cloud_server.model import load_split_model
+
+
+@pytest.fixture
+def engine(tiny_bundle):
+    eng = LLMEngine.from_models(EngineConfig(num_blocks=32, block_size=4), {"fp32": load_split_model(tiny_bundle, "fp32")})
+    return eng
+
+
+def _collect(q: queue.Queue, until, timeout=20.0):
+    got = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            got.append(q.get(timeout=0.1))
+        except queue.Empty:
+            continue
+        if until(got):
+            return got
+    raise AssertionError(f"timed out; got {got}")
+
+
+def test_outputs_reach_their_sinks_and_decode_steps_come_back(engine):
+    ae = AsyncEngine(engine).start()
+    try:
+        q: queue.Queue = queue.Queue()
+        ae.add_request("a", q.put, InputChunk(0, hidden=torch.randn(5, 64)), SamplingParams(0.0, max_tokens=3,
+                                                                                           ignore_eos=True))
+        [first] = _collect(q, lambda g: len(g) == 1)
+        assert first.token_id is not None and not first.finished
+        ae.add_input("a", InputChunk(5, hidden=torch.randn(1, 64)))
+        ae.add_input("a", InputChunk(6, hidden=torch.randn(1, 64)))  # arrives before it is due: still fine
+        rest = _collect(q, lambda g: g[-1].finished)
+        assert [o.finish_reason for o in rest] == [None, "length"]
+        assert ae.call(lambda e: e.num_used_blocks()).result(5) == 0
+    finally:
+        ae.shutdown()
+
+
+def test_requests_waiting_too_long_for_input_are_aborted(engine):
+    ae = AsyncEngine(engine, idle_timeout_s=0.3).start()
+    try:
+        q: queue.Queue = queue.Queue()
+        ae.add_request("slow", q.put, InputChunk(0, hidden=torch.randn(3, 64)), SamplingParams(0.0, max_tokens=9))
+        got = _collect(q, lambda g: g[-1].finished)
+        assert got[-1].finish_reason == "timeout" and got[-1].error_code == "timeout"
+        assert ae.call(lambda e: (len(e.seqs), e.num_used_blocks())).result(5) == (0, 0)
+    finally:
+        ae.shutdown()
+
+
+def test_a_runner_failure_is_fatal_for_the_engine_and_fails_every_request(engine):
+    fatal = []
+    ae = AsyncEngine(engine, on_fatal=fatal.append)
+    runner = engine.runners["fp32"]
+
+    def broken(batch):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    runner.run = broken
+    ae.start()
+    q: queue.Queue = queue.Queue()
+    ae.add_request("x", q.put, InputChunk(0, hidden=torch.randn(3, 64)), SamplingParams())
+    [out] = _collect(q, lambda g: g[-1].finished)
+    assert out.error_code == "engine_error" and "device-side assert" in out.error_message
+    deadline = time.monotonic() + 5
+    while ae.alive and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not ae.alive and fatal and "device-side assert" in ae.dead
+    with pytest.raises(EngineDeadError):
+        ae.add_request("y", q.put, InputChunk(0, hidden=torch.randn(3, 64)), SamplingParams())
+
+
+def test_the_idle_hook_runs_on_the_engine_thread_when_nothing_happens(engine):
+    import threading
+
+    calls = []
+    ae = AsyncEngine(engine, idle_hook=lambda: calls.append(threading.current_thread().name),
+                     idle_hook_every_s=0.1).start()
+    try:
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        ae.shutdown()
+    assert len(calls) >= 2 and set(calls) == {"autoglm-engine"}  # e.g. the tensor-parallel heartbeat

@@ -1,0 +1,125 @@
+"""Block pool accounting: allocation, reference counts, the prefix cache and its LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cloud_server.engine.kv_cache import BlockManager, KVCachePool
+
+
+def test_pool_is_preallocated_with_the_right_shape():
+    pool = KVCachePool(num_layers=3, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    assert pool.k.shape == (3, 40, 2, 8) and pool.v.shape == (3, 40, 2, 8)
+    assert pool.nbytes == 2 * 3 * 40 * 2 * 8 * 4
+
+
+def test_allocate_grow_release():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    table: list[int] = []
+    assert bm.ensure(table, 5) and len(table) == 2
+    assert bm.ensure(table, 8) and len(table) == 2  # still fits
+    assert bm.num_used_blocks == 2 and bm.num_free_blocks == 2
+    assert not bm.ensure(table, 17)  # would need 5 blocks: refused, table unchanged
+    assert len(table) == 2
+    bm.release(table)
+    assert table == [] and bm.num_used_blocks == 0
+    with pytest.raises(MemoryError):
+        bm.allocate(5)
+    bm.check()
+
+
+def test_prefix_blocks_are_shared_and_stay_cached_after_release():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a: list[int] = []
+    bm.ensure(a, 8)
+    bm.publish(a[0], "k0")
+    bm.publish(a[1], "k1")
+    hit = bm.lookup(["k0", "k1", "k2"])
+    assert hit == a
+    bm.acquire(hit, queried=3)
+    assert bm.ref_count[a[0]] == 2 and bm.num_used_blocks == 2
+    bm.release(a)
+    assert bm.num_used_blocks == 2  # still referenced by the second sequence
+    b = list(hit)
+    bm.release(b)
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks == 2  # unreferenced but kept
+    assert bm.lookup(["k0", "k1"]) == hit
+    assert (bm.prefix_hits, bm.prefix_queries) == (2, 3)
+    bm.check()
+
+
+def test_lookup_stops_at_the_first_unknown_key():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    t: list[int] = []
+    bm.ensure(t, 6)
+    bm.publish(t[0], "a")
+    bm.publish(t[2], "c")
+    assert bm.lookup(["a", "b", "c"]) == [t[0]]
+    assert bm.lookup(["x", "a"]) == []
+
+
+def test_cached_blocks_are_evicted_lru_only_when_the_free_list_is_empty():
+    bm = BlockManager(num_blocks=3, block_size=1)
+    t: list[int] = []
+    bm.ensure(t, 2)
+    bm.publish(t[0], "old")
+    bm.publish(t[1], "new")
+    first, second = t
+    bm.release([first])
+    bm.release([second])  # released after: more recently used
+    fresh = bm.allocate(1)  # the free block first: nothing evicted
+    assert bm.num_cached_blocks == 2
+    more = bm.allocate(1)  # now the least recently released cached block goes
+    assert more == [first] and bm.lookup(["old"]) == [] and bm.lookup(["new"]) == [second]
+    bm.release(fresh + more)
+    bm.check()
+
+
+def test_first_writer_wins_and_double_release_is_an_error():
+    bm = BlockManager(num_blocks=2, block_size=1)
+    a, b = bm.allocate(1), bm.allocate(1)
+    bm.publish(a[0], "k")
+    bm.publish(b[0], "k")  # same key computed twice at once: the first mapping stays
+    assert bm.lookup(["k"]) == a
+    block = a[0]
+    bm.release(a)
+    with pytest.raises(RuntimeError, match="released more often"):
+        bm.release([block])
+
+
+def test_reserved_blocks_are_never_handed_out():
+    bm = BlockManager(num_blocks=4, block_size=1, reserved=(0,))
+    assert bm.num_blocks == 3
+    got = bm.allocate(3)
+    assert 0 not in got and bm.num_free_blocks == 0
+    bm.release(got)
+    bm.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["grow", "release", "share"]), st.integers(0, 5), st.integers(1, 12)),
+                max_size=60))
+def test_accounting_returns_to_zero_after_any_sequence_of_operations(ops):
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tables: list[list[int]] = [[] for _ in range(6)]
+    for op, i, n in ops:
+        if op == "grow":
+            bm.ensure(tables[i], len(tables[i]) * 4 + n)
+            for j, blk in enumerate(tables[i]):
+                bm.publish(blk, f"{i}-{j}")
+        elif op == "release":
+            bm.release(tables[i])
+        else:  # take references on another table's cached prefix
+            keys = [f"{i}-{j}" for j in range(n)]
+            hit = bm.lookup(keys)
+            if not tables[(i + 1) % 6]:
+                bm.acquire(hit, len(keys))
+                tables[(i + 1) % 6] = list(hit)
+        bm.check()
+    for t in tables:
+        bm.release(t)
+    bm.check()
+    assert bm.num_used_blocks == 0

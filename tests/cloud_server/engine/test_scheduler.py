@@ -1,0 +1,126 @@
+"""Scheduling policy: decode steps first, prefill chunks under the token budget, FCFS admission,
+prefix-cache admission, and the abort of the youngest when the pool is exhausted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cloud_server.config import EngineConfig
+from cloud_server.engine.kv_cache import BlockManager
+from cloud_server.engine.sampling_params import SamplingParams
+from cloud_server.engine.scheduler import PrefixMiss, RequestError, Scheduler
+from cloud_server.engine.sequence import InputChunk, Sequence, SequenceStatus
+
+
+def _sched(num_blocks=64, block_size=4, **kw):
+    cfg = EngineConfig(num_blocks=num_blocks, block_size=block_size, **kw)
+    return Scheduler(cfg, {"fp32": BlockManager(num_blocks, block_size)})
+
+
+def _seq(name, keys=None):
+    return Sequence(name, SamplingParams(0.0), "fp32", keys)
+
+
+def _h(n):
+    return torch.zeros(n, 8)
+
+
+def _run(sched, batches):
+    """Pretend the forward ran: mark the scheduled positions computed."""
+    for b in batches:
+        for it in b.items:
+            it.seq.num_computed = it.chunk.end
+            sched.publish_prefix(it.seq)
+
+
+def test_decode_steps_go_first_then_prefill_fills_the_budget():
+    s = _sched(max_num_batched_tokens=10, max_num_seqs=8)
+    a, b = _seq("a"), _seq("b")
+    s.add(a, InputChunk(0, hidden=_h(3)))
+    batches, _ = s.schedule()
+    _run(s, batches)
+    s.add(b, InputChunk(0, hidden=_h(30)))
+    a.push(InputChunk(3, hidden=_h(1)))  # a's decode step
+    [batch], victims = s.schedule()
+    assert not victims
+    assert [(it.seq.request_id, it.chunk.n, it.sample) for it in batch.items] == [("a", 1, True), ("b", 9, False)]
+    _run(s, [batch])
+    [batch], _ = s.schedule()  # b continues with the next 10-token chunk
+    assert [(it.seq.request_id, it.chunk.start, it.chunk.n) for it in batch.items] == [("b", 9, 10)]
+
+
+def test_only_ready_sequences_run_and_nobody_waits_for_a_slow_one():
+    s = _sched()
+    a, b = _seq("a"), _seq("b")
+    s.add(a, InputChunk(0, hidden=_h(2)))
+    s.add(b, InputChunk(0, hidden=_h(2)))
+    _run(s, s.schedule()[0])
+    b.push(InputChunk(2, hidden=_h(1)))  # a's phone is slow: only b is ready
+    [batch], _ = s.schedule()
+    assert [it.seq.request_id for it in batch.items] == ["b"]
+    _run(s, [batch])
+    assert s.schedule() == ([], [])
+
+
+def test_admission_is_first_come_first_served_when_blocks_are_short():
+    s = _sched(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    big, small = _seq("big"), _seq("small")
+    hog = _seq("hog")
+    s.add(hog, InputChunk(0, hidden=_h(8)))
+    _run(s, s.schedule()[0])  # hog holds 2 of 4 blocks
+    s.add(big, InputChunk(0, hidden=_h(12)))  # needs 3 blocks: must wait
+    s.add(small, InputChunk(0, hidden=_h(2)))  # would fit, but may not overtake
+    batches, victims = s.schedule()
+    # big gets the 2 free blocks' worth as a partial prefill chunk (8 of 12 positions); small waits.
+    assert [(it.seq.request_id, it.chunk.n) for b in batches for it in b.items] == [("big", 8)]
+    assert small.status is SequenceStatus.WAITING and not victims
+
+
+def test_youngest_running_sequence_is_the_victim_when_the_pool_is_exhausted():
+    s = _sched(num_blocks=2, block_size=2)
+    old, young = _seq("old"), _seq("young")
+    s.add(old, InputChunk(0, hidden=_h(2)))
+    s.add(young, InputChunk(0, hidden=_h(2)))
+    _run(s, s.schedule()[0])
+    old.push(InputChunk(2, hidden=_h(1)))
+    young.push(InputChunk(2, hidden=_h(1)))
+    batches, victims = s.schedule()
+    assert batches == [] and victims == [young]
+    s.remove(young)
+    [batch], victims = s.schedule()
+    assert [it.seq.request_id for it in batch.items] == ["old"] and not victims
+
+
+def test_prefix_hits_skip_computation_and_omitted_positions_need_the_cache():
+    s = _sched(block_size=4)
+    first = _seq("first", keys=["k0", "k1", "k2"])
+    s.add(first, InputChunk(0, hidden=_h(10)))
+    _run(s, s.schedule()[0])  # blocks 0 and 1 are full -> published; block 2 is not full
+    bm = s.block_managers["fp32"]
+    assert bm.num_cached_blocks == 2
+    # Full hidden states sent: the cached 8 positions are skipped, 2 computed.
+    again = _seq("again", keys=["k0", "k1", "k2"])
+    s.add(again, InputChunk(0, hidden=_h(10)))
+    assert again.num_cached_tokens == 8 and again.num_computed == 8
+    [batch], _ = s.schedule()
+    assert [(it.chunk.start, it.chunk.n) for it in batch.items] == [(8, 2)]
+    # Positions [0, 8) omitted by the edge: fine when cached...
+    short = _seq("short", keys=["k0", "k1"])
+    s.add(short, InputChunk(8, hidden=_h(3)))
+    assert short.num_computed == 8 and short.block_table[:2] == first.block_table[:2]
+    # ... a prefix miss otherwise.
+    with pytest.raises(PrefixMiss):
+        s.add(_seq("miss", keys=["k0", "zz"]), InputChunk(8, hidden=_h(3)))
+    # A whole-prompt hit still computes the last position (its logits are needed).
+    exact = _seq("exact", keys=["k0", "k1"])
+    s.add(exact, InputChunk(0, hidden=_h(8)))
+    assert exact.num_cached_tokens == 4 and exact.num_computed == 4
+
+
+def test_too_long_prompts_are_refused():
+    s = _sched(num_blocks=4, block_size=4, max_model_len=100)
+    with pytest.raises(RequestError, match="max_model_len"):
+        s.add(_seq("a"), InputChunk(0, hidden=_h(101)))
+    with pytest.raises(RequestError, match="more KV blocks than the pool holds"):
+        s.add(_seq("b"), InputChunk(0, hidden=_h(17)))

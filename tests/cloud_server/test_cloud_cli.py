@@ -1,0 +1,84 @@
+"""``autoglm-cloud serve`` options: flags, environment twins, config files, precedence, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cloud_server.cli import OPTIONS, build_parser, main, resolve
+from cloud_server.config import ConfigError
+
+
+def _resolve(argv, env=None):
+    return resolve(build_parser().parse_args(["serve", *argv]), environ=env or {})
+
+
+def test_flags_set_server_and_engine_fields(tmp_path):
+    cfg = _resolve([str(tmp_path), "--port", "9001", "--tp", "2", "--max-sessions", "3", "--api-key", "k",
+                    "--variants", "fp32,int8", "--no-enable-prefix-cache", "--device", "cpu"])
+    assert cfg.mode == "split" and cfg.bundle == tmp_path and cfg.port == 9001 and cfg.max_sessions == 3
+    assert cfg.api_key == "k" and cfg.engine.tp == 2 and cfg.engine.variants == ("fp32", "int8")
+    assert cfg.engine.enable_prefix_cache is False
+
+
+def test_every_option_has_an_environment_twin(tmp_path):
+    env = {"AUTOGLM_CLOUD_BUNDLE": str(tmp_path), "AUTOGLM_CLOUD_PORT": "7000",
+           "AUTOGLM_CLOUD_MAX_SESSIONS": "5", "AUTOGLM_CLOUD_ENABLE_PREFIX_CACHE": "false",
+           "AUTOGLM_CLOUD_BLOCK_SIZE": "32", "AUTOGLM_CLOUD_DEVICE": "cpu", "AUTOGLM_CLOUD_SESSION_GRACE_S": "2.5"}
+    cfg = _resolve([], env)
+    assert (cfg.bundle, cfg.port, cfg.max_sessions, cfg.session_grace_s) == (tmp_path, 7000, 5, 2.5)
+    assert cfg.engine.block_size == 32 and cfg.engine.enable_prefix_cache is False
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    for o in OPTIONS:
+        assert f"AUTOGLM_CLOUD_{o.name.upper()}" in help_text
+
+
+def test_precedence_cli_over_env_over_file(tmp_path):
+    conf = tmp_path / "c.json"
+    conf.write_text(json.dumps({"bundle": str(tmp_path), "port": 1111, "max_sessions": 9, "host": "0.0.0.0",
+                                "device": "cpu"}))
+    cfg = _resolve(["--config", str(conf), "--port", "3333"], {"AUTOGLM_CLOUD_PORT": "2222",
+                                                                "AUTOGLM_CLOUD_MAX_SESSIONS": "8"})
+    assert (cfg.port, cfg.max_sessions, cfg.host) == (3333, 8, "0.0.0.0")
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'bundle = "{tmp_path}"\nnum_blocks = 77\ndevice = "cpu"\n')
+    assert _resolve(["--config", str(toml)]).engine.num_blocks == 77
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    ([], {}, "exactly one of"),
+    (["B", "--full", "tiny-glm4"], {}, "exactly one of"),
+    (["B", "--tp", "3", "--device", "cpu"], {}, "tp"),
+    (["B", "--device", "cpu", "--variants", "bf16"], {}, None),  # validated when resolving variants
+    (["B"], {"AUTOGLM_CLOUD_PORT": "eighty"}, "AUTOGLM_CLOUD_PORT"),
+    (["B", "--device", "tpu"], {}, "device"),
+])
+def test_bad_configuration_is_a_one_line_error(argv, env, message):
+    if message is None:
+        cfg = _resolve(argv, env)
+        with pytest.raises(ConfigError, match="needs a CUDA device"):
+            cfg.engine.resolved_variants()
+        return
+    with pytest.raises(ConfigError, match=message):
+        _resolve(argv, env)
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"prot": 1}))
+    with pytest.raises(ConfigError, match="unknown option"):
+        _resolve(["--config", str(bad)])
+    bad.write_text(json.dumps({"bundle": "x", "port": "80"}))
+    with pytest.raises(ConfigError, match="port must be int"):
+        _resolve(["--config", str(bad)])
+
+
+def test_main_reports_errors_without_a_traceback(tmp_path, capsys):
+    assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
+    assert "not a bundle" in capsys.readouterr().err
+    r = subprocess.run([sys.executable, "-m", "cloud_server.cli", "serve", "--help"], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0 and "--max-sessions" in r.stdout and "AUTOGLM_CLOUD_API_KEY" in r.stdout

@@ -1,0 +1,145 @@
+"""Full-model mode over HTTP: OpenAI chat/completions (plain and SSE), usage, stop, thinking, auth, abort."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import httpx
+import pytest
+from cloud_support import ServerThread, greedy_reference
+
+from cloud_server.app import create_app
+from cloud_server.config import EngineConfig, ServerConfig
+from cloud_server.runtime import CloudRuntime
+
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking %}<think>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def server(smol_lm):
+    lm = copy.copy(smol_lm)
+    cfg = ServerConfig(full="smollm2", api_key="sk-test", model_name="smol",
+                       engine=EngineConfig(num_blocks=128, block_size=16, max_model_len=512))
+    rt = CloudRuntime(cfg, loaded=lm).start()
+    with ServerThread(create_app(rt)) as srv:
+        srv.runtime = rt
+        yield srv
+    rt.stop()
+
+
+def _client(srv, key="sk-test"):
+    return httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+
+def _expected(smol_lm, messages, n, **kw):
+    tok = smol_lm.tokenizer
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+    ids = tok(prompt, add_special_tokens=False).input_ids
+    out = greedy_reference(smol_lm.model, ids, n, [tok.eos_token_id])
+    return tok.decode([t for t in out if t != tok.eos_token_id], skip_special_tokens=True), len(ids), len(out)
+
+
+def test_probes_models_and_auth(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    r = httpx.get(server.url + "/ready")
+    assert r.status_code == 200 and r.json()["ready"] is True and r.json()["mode"] == "full"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert _client(server, "wrong").get("/v1/models").status_code == 401
+    assert [m["id"] for m in _client(server).get("/v1/models").json()["data"]] == ["smol"]
+
+
+def test_chat_greedy_matches_the_model_and_streaming_matches_plain(server, smol_lm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text, n_prompt, n_out = _expected(smol_lm, messages, 10)
+    body = {"model": "smol", "messages": messages, "max_tokens": 10, "temperature": 0}
+    with _client(server) as c:
+        r = c.post("/v1/chat/completions", json=body).json()
+        assert r["choices"][0]["message"]["content"] == text
+        assert r["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                              "total_tokens": n_prompt + n_out}
+        deltas, usage, finish = [], None, None
+        with c.stream("POST", "/v1/chat/completions",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for ln in lines[:-1]:
+        chunk = json.loads(ln[6:])
+        if chunk["choices"]:
+            deltas.append(chunk["choices"][0]["delta"].get("content", ""))
+            finish = chunk["choices"][0]["finish_reason"] or finish
+        else:
+            usage = chunk["usage"]
+    assert "".join(deltas) == text and finish in ("stop", "length") and usage["completion_tokens"] == n_out
+
+
+def test_openai_client_library_works_unchanged(server, smol_lm):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-test")
+    messages = [{"role": "user", "content": "Name a colour."}]
+    text, _, _ = _expected(smol_lm, messages, 6)
+    r = client.chat.completions.create(model="smol", messages=messages, max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == text
+    stream = client.chat.completions.create(model="smol", messages=messages, max_tokens=6, temperature=0,
+                                            stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == text
+
+
+def test_completions_with_a_stop_string(server, smol_lm):
+    tok = smol_lm.tokenizer
+    prompt = "1, 2, 3, 4,"
+    ids = tok(prompt).input_ids
+    full = tok.decode(greedy_reference(smol_lm.model, ids, 12, [tok.eos_token_id]), skip_special_tokens=True)
+    assert "," in full
+    with _client(server) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0}).json()
+        assert r["choices"][0]["text"] == full
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                            "stop": [","]}).json()
+    assert r["choices"][0]["text"] == full[: full.index(",")] and r["choices"][0]["finish_reason"] == "stop"
+    deadline = time.monotonic() + 5
+    while server.runtime.num_active_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.runtime.engine.engine.num_used_blocks() == 0  # the stopped request was aborted and freed
+
+
+def test_enable_thinking_reaches_the_template_and_reasoning_is_split(server, smol_lm):
+    tok = server.runtime.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = THINK_TEMPLATE
+    try:
+        messages = [{"role": "user", "content": "Hi"}]
+        with _client(server) as c:
+            on = c.post("/v1/chat/completions", json={
+                "messages": messages, "max_tokens": 5, "temperature": 0, "return_reasoning": True,
+                "chat_template_kwargs": {"enable_thinking": True}}).json()["choices"][0]["message"]
+            off = c.post("/v1/chat/completions", json={
+                "messages": messages, "max_tokens": 5, "temperature": 0, "return_reasoning": True,
+                "enable_thinking": False}).json()["choices"][0]["message"]
+    finally:
+        tok.chat_template = saved
+    # The prompt opened <think> and the model never closed it: everything is reasoning.
+    assert on["content"] == "" and on["reasoning_content"]
+    assert off["content"] and off["reasoning_content"] == ""
+
+
+def test_bad_requests_are_400_and_a_dropped_stream_frees_its_kv(server):
+    with _client(server) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [], "max_tokens": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        with c.stream("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 400,
+                                                       "temperature": 0, "stream": True}) as s:
+            for i, _ in enumerate(s.iter_lines()):
+                if i > 3:
+                    break  # client goes away mid-stream
+    deadline = time.monotonic() + 10
+    while server.runtime.num_active_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.runtime.num_active_requests() == 0
+    assert server.runtime.engine.engine.num_used_blocks() == 0

@@ -1,0 +1,424 @@
+"""The split WebSocket endpoint over a real uvicorn server: greedy equality through the wire, concurrency,
+refusals (bundle mismatch 1008, overload 1013, bad frames 1002), prefix cache, cancel / disconnect / resume,
+and the pool's accounting returning to zero."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+import websockets
+from cloud_support import EdgeSim, OnnxFront, ServerThread, greedy_reference
+
+from cloud_server.app import create_app
+from cloud_server.config import EngineConfig, ServerConfig
+from cloud_server.runtime import CloudRuntime
+from shared import protocol as P
+from shared.manifest import Manifest
+
+
+def _serve(bundle, **kw):
+    engine = EngineConfig(**{"num_blocks": 256, "block_size": 4, **kw.pop("engine", {})})
+    rt = CloudRuntime(ServerConfig(bundle=bundle, engine=engine, **kw)).start()
+    app = create_app(rt)
+    srv = ServerThread(app).__enter__()
+    srv.runtime, srv.app = rt, app
+    return srv
+
+
+def _stop(srv):
+    srv.__exit__(None, None, None)
+    srv.runtime.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle):
+    srv = _serve(tiny_bundle, max_sessions=128, session_grace_s=0.5)
+    yield srv
+    _stop(srv)
+
+
+@pytest.fixture(scope="module")
+def ort_session(tiny_bundle):
+    return OnnxFront(tiny_bundle).session
+
+
+def _edge(srv, bundle, ort_session, **kw):
+    return EdgeSim(srv.ws_url, bundle, Manifest.load(bundle).bundle_id, session=ort_session, **kw)
+
+
+def _prompts(n, seed=0, lo=3, hi=20):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 512, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+
+
+async def _settle(rt, timeout=10.0):
+    """Wait until the engine holds no request and no KV block (aborts are asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        used = await asyncio.wrap_future(rt.engine.call(lambda e: (len(e.seqs), e.num_used_blocks())))
+        if used == (0, 0):
+            return used
+        await asyncio.sleep(0.05)
+    return used
+
+
+def test_one_and_eight_staggered_sessions_match_the_unsplit_model(server, tiny_bundle, tiny_lm, ort_session):
+    prompts = _prompts(8, seed=1)
+    refs = [greedy_reference(tiny_lm.model, p, 12, [2, 3]) for p in prompts]
+
+    async def phone(i, delay):
+        await asyncio.sleep(delay)
+        edge = _edge(server, tiny_bundle, ort_session)
+        welcome = await edge.connect()
+        assert isinstance(welcome, P.Welcome) and welcome.limits.prefix_block_tokens == 4
+        tokens, finish, last = await edge.generate(f"r{i}", prompts[i], 12)
+        await edge.close()
+        return tokens, finish, last
+
+    async def main():
+        solo = await phone(0, 0)
+        many = await asyncio.gather(*(phone(i, 0.05 * i) for i in range(8)))
+        return solo, many
+
+    (solo, finish, last), many = asyncio.run(main())
+    assert solo == refs[0] and finish in ("stop", "length")
+    assert last.usage.prompt_tokens == len(prompts[0]) and last.usage.completion_tokens == len(solo)
+    assert [m[0] for m in many] == refs
+    assert asyncio.run(_settle(server.runtime)) == (0, 0)
+
+
+def test_smollm2_eight_sessions_through_the_wire_match_the_unsplit_model(smol_bundle, smol_lm):
+    from cloud_support import greedy_reference_batch
+
+    tok = smol_lm.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at",
+             "The quick brown fox", "import numpy as np", "My favourite colour is", "1, 2, 3, 4,"]
+    prompts = [tok(t).input_ids for t in texts]
+    refs = greedy_reference_batch(smol_lm.model, prompts, 12, [tok.eos_token_id])
+    srv = _serve(smol_bundle, engine={"block_size": 16})
+    session = OnnxFront(smol_bundle).session
+    try:
+        async def phone(i):
+            await asyncio.sleep(0.1 * i)
+            edge = _edge(srv, smol_bundle, session)
+            await edge.connect()
+            tokens, _, _ = await edge.generate(f"r{i}", prompts[i], 12)
+            await edge.close()
+            return tokens
+
+        async def main():
+            return await asyncio.gather(*(phone(i) for i in range(8)))
+
+        assert asyncio.run(main()) == refs  # fp16 on the wire, fp32 edge and cloud
+    finally:
+        _stop(srv)
+
+
+def test_bundle_mismatch_is_refused_with_1008(server, tiny_bundle, ort_session):
+    async def main():
+        edge = EdgeSim(server.ws_url, tiny_bundle, "0" * 32, session=ort_session)
+        err = await edge.connect()
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await edge.recv()
+        return err, closed.value.rcvd.code
+
+    err, code = asyncio.run(main())
+    assert isinstance(err, P.Error) and err.code == "bundle_mismatch" and err.fatal and code == 1008
+
+
+def test_garbage_frames_get_an_error_and_1002(server):
+    async def main():
+        async with websockets.connect(server.ws_url) as ws:
+            await ws.send(b"\xc1not msgpack")
+            err = P.decode_message(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+            return err, closed.value.rcvd.code
+
+    err, code = asyncio.run(main())
+    assert isinstance(err, P.Error) and err.code == "bad_frame" and code == 1002
+
+
+def test_overload_refuses_with_1013_and_existing_sessions_are_unaffected(tiny_bundle, tiny_lm, ort_session):
+    srv = _serve(tiny_bundle, max_sessions=2, session_grace_s=0.5)
+    prompts = _prompts(2, seed=2)
+    try:
+        async def main():
+            a, b = _edge(srv, tiny_bundle, ort_session), _edge(srv, tiny_bundle, ort_session)
+            await a.connect()
+            await b.connect()
+            ta = asyncio.create_task(a.generate("x", prompts[0], 10))
+            await asyncio.sleep(0.05)
+            c = _edge(srv, tiny_bundle, ort_session)
+            err = await c.connect()
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await c.recv()
+            tb = await b.generate("y", prompts[1], 10)
+            return err, closed.value.rcvd, await ta, tb
+
+        err, close, ra, rb = asyncio.run(main())
+        assert isinstance(err, P.Error) and err.code == "overloaded" and err.fatal and err.retry_after_ms
+        assert close.code == 1013 and "2 sessions" in close.reason
+        assert ra[0] == greedy_reference(tiny_lm.model, prompts[0], 10, [2, 3])
+        assert rb[0] == greedy_reference(tiny_lm.model, prompts[1], 10, [2, 3])
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'autoglm:sessions_refused_total{model_name="b",reason="overloaded"} 1.0' in metrics
+    finally:
+        _stop(srv)
+
+
+def test_100_sessions_opened_cancelled_closed_and_killed_leave_the_pool_empty(server, tiny_bundle, ort_session):
+    prompts = _prompts(100, seed=3, lo=2, hi=30)
+
+    async def phone(i):
+        edge = _edge(server, tiny_bundle, ort_session)
+        await edge.connect()
+        kind = i % 4
+        if kind == 3:  # runs to the end
+            _, finish, _ = await edge.generate(f"q{i}", prompts[i], 4)
+            await edge.close()
+            return finish
+        _, finish, _ = await edge.generate(f"q{i}", prompts[i], 50, stop_after=1 + i % 3)
+        if kind == 0:  # cancel, then wait for the server's confirmation
+            await edge.send(P.Cancel(request_id=f"q{i}"))
+            while True:
+                msg = await edge.recv()
+                if isinstance(msg, P.Tokens) and msg.finish_reason:
+                    await edge.close()
+                    return msg.finish_reason
+        if kind == 1:  # orderly Close mid-generation
+            await edge.close()
+            return "closed"
+        edge.kill()  # the phone vanishes: the session waits out its grace period
+        return "killed"
+
+    async def main():
+        results = []
+        for k in range(0, 100, 20):  # 20 phones at a time
+            results += await asyncio.gather(*(phone(i) for i in range(k, k + 20)))
+        await asyncio.sleep(0.8)  # > session_grace_s
+        return results, await _settle(server.runtime)
+
+    results, settled = asyncio.run(main())
+    assert results.count("cancelled") == 25 and results.count("killed") == 25 and results.count("closed") == 25
+    assert settled == (0, 0)
+    assert len(server.app.state.split.registry) == 0
+    bm = server.runtime.engine.engine.block_managers["fp32"]
+    bm.check()
+
+
+def test_prefix_cache_over_the_wire(server, tiny_bundle, tiny_lm, ort_session):
+    prompt = _prompts(1, seed=4, lo=18, hi=19)[0]  # 4 full blocks of 4 + 2
+    keys = [f"sys-{i}" for i in range(4)]
+    ref = greedy_reference(tiny_lm.model, prompt, 8, [2, 3])
+
+    async def main():
+        edge = _edge(server, tiny_bundle, ort_session)
+        await edge.connect()
+        first = await edge.generate("a", prompt, 8, keys=keys)  # computes and publishes the blocks
+        second = await edge.generate("b", prompt, 8, start=16, keys=keys)  # omits [0, 16)
+        miss = await edge.generate("c", prompt, 8, start=16, keys=["nope"] + keys[1:])
+        again = await edge.generate("d", prompt, 8, keys=["nope"] + keys[1:])  # resend in full: fine
+        await edge.close()
+        return first, second, miss, again
+
+    first, second, miss, again = asyncio.run(main())
+    assert first[0] == ref and second[0] == ref and again[0] == ref
+    assert second[2].usage.cached_tokens == 16 and first[2].usage.cached_tokens == 0
+    assert miss[1] == "error:prefix_miss" and miss[2].request_id == "c" and not miss[2].fatal
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "vllm:prefix_cache_hits_total" in metrics
+
+
+def test_resume_after_a_dropped_link_continues_without_losing_tokens(server, tiny_bundle, tiny_lm, ort_session):
+    prompt = _prompts(1, seed=5, lo=9, hi=10)[0]
+    ref = greedy_reference(tiny_lm.model, prompt, 12, [2, 3])
+
+    async def main():
+        edge = _edge(server, tiny_bundle, ort_session)
+        welcome = await edge.connect()
+        front = OnnxFront(tiny_bundle, ort_session)
+        await edge.prefill("r", front, prompt, P.SamplingParams(max_tokens=12, temperature=0.0))
+        tokens = []
+        for _ in range(3):  # three tokens, each answered with its DecodeStep
+            msg = await edge.recv()
+            tokens += msg.token_ids
+            hidden = edge.encode(front.run([msg.token_ids[-1]]))
+            await edge.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
+        edge.kill()  # the fourth token is generated while we are away
+        await asyncio.sleep(0.2)
+        again = _edge(server, tiny_bundle, ort_session)
+        w2 = await again.connect(resume_token=welcome.resume_token)
+        assert w2.resumed and w2.session_id == welcome.session_id
+        assert [(r.request_id, r.received) for r in w2.requests] == [("r", len(prompt) + 3)]
+        await again.send(P.Resume(request_id="r", have_tokens=len(tokens)))
+        resumed = await again.recv()
+        tokens += resumed.token_ids
+        assert resumed.received == len(prompt) + 3 and resumed.index == 3
+        while True:
+            hidden = again.encode(front.run([tokens[-1]]))
+            await again.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
+            msg = await again.recv()
+            tokens += msg.token_ids
+            if msg.finish_reason:
+                break
+        await again.send(P.Resume(request_id="zz", have_tokens=0))
+        unknown = await again.recv()
+        await again.close()
+        return tokens, resumed, unknown
+
+    tokens, resumed, unknown = asyncio.run(main())
+    assert len(resumed.token_ids) == 1  # the token generated while the link was down
+    assert tokens == ref
+    assert isinstance(unknown, P.Error) and unknown.code == "resume_failed"
+
+
+def test_a_session_gone_past_its_grace_period_cannot_be_resumed(server, tiny_bundle, ort_session):
+    async def main():
+        edge = _edge(server, tiny_bundle, ort_session)
+        welcome = await edge.connect()
+        await edge.generate("r", _prompts(1, seed=6)[0], 20, stop_after=1)
+        edge.kill()
+        await asyncio.sleep(0.9)
+        again = _edge(server, tiny_bundle, ort_session)
+        w2 = await again.connect(resume_token=welcome.resume_token)
+        await again.send(P.Resume(request_id="r", have_tokens=1))
+        err = await again.recv()
+        await again.close()
+        return w2, err
+
+    w2, err = asyncio.run(main())
+    assert not w2.resumed and w2.requests == []
+    assert err.code == "resume_failed"
+    assert asyncio.run(_settle(server.runtime)) == (0, 0)
+
+
+def test_per_request_errors_keep_the_session(server, tiny_bundle, ort_session):
+    async def main():
+        edge = _edge(server, tiny_bundle, ort_session)
+        await edge.connect()
+        front = OnnxFront(tiny_bundle, ort_session)
+        h = edge.encode(front.run([5, 6, 7]))
+        await edge.send(P.Prefill(request_id="p", start=0, hidden=h, params=P.SamplingParams(max_tokens=5)))
+        await edge.recv()  # first token
+        await edge.send(P.DecodeStep(request_id="p", position=7, hidden=edge.encode(front.run([9]))))
+        bad_pos = await edge.recv()
+        other = P.EncodedTensor(codec="int8-b32", shape=(1, 64), data=b"\x00" * 66)  # not negotiated
+        await edge.send(P.Prefill(request_id="q", start=0, hidden=other))
+        bad_codec = await edge.recv()
+        tokens, finish, _ = await edge.generate("ok", [5, 6, 7], 3)
+        await edge.close()
+        return bad_pos, bad_codec, tokens, finish
+
+    bad_pos, bad_codec, tokens, finish = asyncio.run(main())
+    assert bad_pos.code == "bad_position" and bad_pos.request_id == "p" and not bad_pos.fatal
+    assert bad_codec.code == "codec_not_negotiated" and bad_codec.request_id == "q"
+    assert len(tokens) >= 1 and finish in ("stop", "length")
+
+
+def test_probes_metrics_and_api_key(tiny_bundle, ort_session):
+    srv = _serve(tiny_bundle, api_key="sk-x", model_name="tiny")
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        ready = httpx.get(srv.url + "/ready").json()
+        assert ready["ready"] and ready["mode"] == "split" and ready["bundle_id"] == Manifest.load(tiny_bundle).bundle_id
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        models = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer sk-x"}).json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+
+        async def main():
+            bad = _edge(srv, tiny_bundle, ort_session, api_key="wrong")
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                await bad.connect()
+            good = _edge(srv, tiny_bundle, ort_session, api_key="sk-x")
+            await good.connect()
+            out = await good.generate("m", [5, 6, 7, 8], 3)
+            await good.close()
+            return refused.value.response, out
+
+        refused, out = asyncio.run(main())
+        assert refused.status_code == 401 and b"unauthorized" in refused.body and out[0]
+        text = httpx.get(srv.url + "/metrics").text
+        for name in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                     "vllm:e2e_request_latency_seconds_count", "vllm:num_requests_running",
+                     "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total",
+                     'autoglm:uplink_bytes_total{codec="fp16",model_name="tiny"}', "autoglm:downlink_bytes_total",
+                     'autoglm:uplink_bytes_per_token_count{codec="fp16",model_name="tiny"}'):
+            assert name in text, name
+    finally:
+        _stop(srv)
+
+
+def test_sigterm_drains_open_requests_refuses_new_sessions_then_exits(tiny_bundle, tiny_lm, ort_session):
+    import signal
+
+    srv = _serve(tiny_bundle, drain_timeout_s=20)
+    prompt = _prompts(1, seed=7)[0]
+    try:
+        async def main():
+            edge = _edge(srv, tiny_bundle, ort_session)
+            await edge.connect()
+            front = OnnxFront(tiny_bundle, ort_session)
+            await edge.prefill("r", front, prompt, P.SamplingParams(max_tokens=10, temperature=0.0))
+            first = await edge.recv()
+            srv.server.handle_exit(signal.SIGTERM, None)  # what the signal handler does
+            drain = await edge.recv()
+            ready = await asyncio.to_thread(httpx.get, srv.url + "/ready")
+            late = _edge(srv, tiny_bundle, ort_session)
+            refused = await late.connect()
+            tokens = list(first.token_ids)
+            while True:  # the open request still runs to its end
+                hidden = edge.encode(front.run([tokens[-1]]))
+                await edge.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
+                msg = await edge.recv()
+                tokens += msg.token_ids
+                if msg.finish_reason:
+                    break
+            return drain, ready, refused, tokens
+
+        drain, ready, refused, tokens = asyncio.run(main())
+        assert isinstance(drain, P.Drain) and drain.grace_ms == 20_000
+        assert ready.status_code == 503 and ready.json()["draining"] is True
+        assert isinstance(refused, P.Error) and refused.code == "draining" and refused.retry_after_ms
+        assert tokens == greedy_reference(tiny_lm.model, prompt, 10, [2, 3])
+        srv.thread.join(timeout=10)
+        assert not srv.thread.is_alive()  # the server exited by itself once the request finished
+    finally:
+        _stop(srv)
+
+
+def test_a_reconnect_takes_over_a_session_whose_old_link_is_not_yet_seen_dead(server, tiny_bundle, tiny_lm,
+                                                                               ort_session):
+    prompt = _prompts(1, seed=8)[0]
+
+    async def main():
+        old = _edge(server, tiny_bundle, ort_session)
+        welcome = await old.connect()
+        front = OnnxFront(tiny_bundle, ort_session)
+        await old.prefill("r", front, prompt, P.SamplingParams(max_tokens=6, temperature=0.0))
+        first = await old.recv()
+        new = _edge(server, tiny_bundle, ort_session)  # the old socket is still open as far as anyone knows
+        w2 = await new.connect(resume_token=welcome.resume_token)
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                await old.recv(timeout=10)
+        tokens = list(first.token_ids)
+        await new.send(P.Resume(request_id="r", have_tokens=1))
+        assert (await new.recv()).token_ids == []
+        while True:
+            hidden = new.encode(front.run([tokens[-1]]))
+            await new.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
+            msg = await new.recv()
+            tokens += msg.token_ids
+            if msg.finish_reason:
+                break
+        await new.close()
+        return w2, closed.value.rcvd, tokens
+
+    w2, close, tokens = asyncio.run(main())
+    assert w2.resumed and close.code == 1000 and "replaced" in close.reason
+    assert tokens == greedy_reference(tiny_lm.model, prompt, 6, [2, 3])
