@@ -1,0 +1,129 @@
+"""Calibration-free boundary codecs: fp16, bf16, and Petals-style blockwise int8 / int4.
+
+* ``fp16``  - IEEE half per element (2 bytes). Lossless for SmolLM2's boundary in practice; refuses values
+  beyond +-65504 (use ``bf16``).
+* ``bf16``  - bfloat16 (2 bytes), round-to-nearest-even: float32's range, 8 bits of mantissa.
+* ``int8-b<B>`` - per token, blocks of B channels, one float16 absmax scale per block, symmetric codes
+  -127..127 (1 + 2/B bytes). Blockwise absmax quantization as in Petals' activation compression
+  (Borzunov et al., 2023) and bitsandbytes' blockwise quantization (Dettmers et al., 2022).
+* ``int4-b<B>`` - the same with codes -7..7 packed two per byte (0.5 + 2/B bytes).
+
+A massive-activation channel (~700-20,000 in SmolLM2) inflates its block's scale, so the other channels
+of that block lose most of their resolution; the outlier-aware codecs (:mod:`shared.codecs_outlier`) exist
+for that reason. Payload layouts: docs/protocol.md, "Codec payloads".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .codec_base import (
+    BoundaryCodec,
+    bf16_bits_to_f32,
+    check_scales,
+    f16_round_up,
+    f32_to_bf16_bits,
+    pack_nibbles,
+    to_f16,
+    unpack_nibbles,
+)
+from .errors import BAD_TENSOR, ProtocolError
+from .tensors import PayloadReader, check_finite
+
+
+class Fp16Codec(BoundaryCodec):
+    name = "fp16"
+
+    def encode_payload(self, x):
+        return to_f16(x, self.name).tobytes()
+
+    def decode_payload(self, payload, s, h):
+        r = PayloadReader(payload, self.name)
+        out = r.take("float16", (s, h), finite=True).astype(np.float32)
+        r.finish()
+        return out
+
+    def max_payload_bytes(self, s, h):
+        return 2 * s * h
+
+
+class Bf16Codec(BoundaryCodec):
+    name = "bf16"
+
+    def encode_payload(self, x):
+        bits = f32_to_bf16_bits(x)
+        if not np.isfinite(bf16_bits_to_f32(bits)).all():  # rounding up past float32's max
+            raise ProtocolError(BAD_TENSOR, "bf16: values beyond the bfloat16 range")
+        return bits.tobytes()
+
+    def decode_payload(self, payload, s, h):
+        r = PayloadReader(payload, self.name)
+        out = bf16_bits_to_f32(r.take("bfloat16", (s, h)))
+        r.finish()
+        check_finite(out, self.name)
+        return out
+
+    def max_payload_bytes(self, s, h):
+        return 2 * s * h
+
+
+def _blocks(x: np.ndarray, block: int) -> np.ndarray:
+    """[S, H] -> [S, nb, block], zero-padding the last (ragged) block."""
+    s, h = x.shape
+    nb = -(-h // block)
+    if nb * block != h:
+        x = np.concatenate([x, np.zeros((s, nb * block - h), x.dtype)], axis=1)
+    return x.reshape(s, nb, block)
+
+
+class BlockwiseIntCodec(BoundaryCodec):
+    """Symmetric absmax quantization in blocks of ``block`` channels per token; float16 scales."""
+
+    def __init__(self, bits: int, block: int):
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if block not in (16, 32, 64, 128):
+            raise ValueError(f"block must be 16, 32, 64 or 128, got {block}")
+        self.bits, self.block = bits, block
+        self.qmax = 127 if bits == 8 else 7
+        self.name = f"int{bits}-b{block}"
+
+    def _nb(self, h: int) -> int:
+        return -(-h // self.block)
+
+    def encode_payload(self, x):
+        s, h = x.shape
+        xb = _blocks(x, self.block)  # [S, nb, B]
+        scale = f16_round_up(np.abs(xb).max(axis=-1) / self.qmax)  # [S, nb] float16
+        if not np.isfinite(scale).all():
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: block scale beyond the float16 range")
+        sf = scale.astype(np.float32)[..., None]
+        q = np.where(sf > 0, np.rint(xb / np.where(sf > 0, sf, 1)), 0)
+        q = np.clip(q, -self.qmax, self.qmax).reshape(s, xb.shape[1] * self.block)[:, :h]  # [S, H]
+        if self.bits == 8:
+            codes = q.astype(np.int8).tobytes()
+        else:
+            codes = pack_nibbles((q + 8).astype(np.uint8)).tobytes()
+        return scale.tobytes() + codes
+
+    def decode_payload(self, payload, s, h):
+        r = PayloadReader(payload, self.name)
+        nb = self._nb(h)
+        scale = r.take("float16", (s, nb)).astype(np.float32)  # [S, nb]
+        check_scales(scale, self.name)
+        if self.bits == 8:
+            q = r.take("int8", (s, h)).astype(np.float32)
+            if (q < -127).any():
+                raise ProtocolError(BAD_TENSOR, f"{self.name}: code -128 is not used")
+        else:
+            c = unpack_nibbles(r.take("uint8", (s, (h + 1) // 2)), h, self.name)
+            if (c == 0).any():
+                raise ProtocolError(BAD_TENSOR, f"{self.name}: code 0 (-8) is not used")
+            q = c.astype(np.float32) - 8
+        r.finish()
+        out = _blocks(q, self.block) * scale[..., None]  # [S, nb, B]
+        return out.reshape(s, nb * self.block)[:, :h].copy()
+
+    def max_payload_bytes(self, s, h):
+        codes = s * h if self.bits == 8 else s * ((h + 1) // 2)
+        return 2 * s * self._nb(h) + codes

@@ -1,0 +1,240 @@
+"""Frames <-> messages: msgpack with strict, bounded decoding.
+
+``encode_message(msg)`` packs ``[type, field, ...]`` (nested structs as arrays, bytes as msgpack bin).
+``decode_message(frame, limits)`` is the only way bytes from the network become objects:
+
+1. the frame length is checked against ``limits.max_frame_bytes`` before anything is parsed;
+2. msgpack's ``Unpacker`` runs with explicit ``max_buffer_size`` / ``max_bin_len`` / ``max_str_len`` /
+   ``max_array_len`` / ``max_map_len`` and ``max_ext_len=0`` (no ext types, hence no msgpack timestamps);
+   exactly one value must fill the frame;
+3. the value is converted field by field against the message dataclass's annotations (no ``eval``, no
+   pickle, no object hooks) and the dataclass validates ranges in ``__post_init__``;
+4. zstd-compressed tensors have their frame header checked here (declared size within what the tensor's
+   shape can need); full bounded decompression happens in the codec (:mod:`shared.codecs`).
+
+Anything wrong raises ``ProtocolError`` with a stable code (:mod:`shared.errors`), never another exception.
+
+References: msgpack spec (https://github.com/msgpack/msgpack/blob/master/spec.md); docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+
+import msgpack
+import zstandard
+
+from . import messages as _messages
+from .errors import BAD_FRAME, BAD_TYPE, DECOMPRESS, TOO_LARGE, VERSION, ProtocolError
+from .messages import MESSAGE_TYPES, PROTOCOL_VERSION, Hello, Message, Welcome
+from .tensors import EncodedTensor
+
+
+@dataclass(slots=True)
+class Limits:
+    """Local decoding limits (not sent anywhere). Defaults fit the SessionLimits defaults."""
+
+    max_frame_bytes: int = (16 << 20) + 4096  # the session's frame limit plus envelope slack
+    max_str_len: int = 1 << 16  # error messages are cut at 1 KiB; ids are at most 256 characters
+    max_array_len: int = 1 << 17  # token lists, prefix keys; tensors are bin, not arrays
+    max_map_len: int = 0  # the protocol uses no msgpack maps
+    max_decoded_tensor_bytes: int = 64 << 20  # a decompressed codec payload may not exceed this
+    max_zstd_ratio: float = 256.0  # decompressed / compressed
+    zstd_window_log_max: int = 23  # 8 MiB window
+
+    def __post_init__(self):
+        for name in ("max_frame_bytes", "max_str_len", "max_array_len", "max_decoded_tensor_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"Limits.{name} must be a positive int")
+        if self.max_map_len < 0:
+            raise ValueError("Limits.max_map_len must be >= 0")
+        if not (self.max_zstd_ratio > 1 and math.isfinite(self.max_zstd_ratio)):
+            raise ValueError("Limits.max_zstd_ratio must be a finite number > 1")
+        if not 10 <= self.zstd_window_log_max <= 31:
+            raise ValueError("Limits.zstd_window_log_max must be in [10, 31]")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# -- encoding ----------------------------------------------------------------------------------------------
+
+def _to_wire(v):
+    if dataclasses.is_dataclass(v):
+        return [_to_wire(getattr(v, f.name)) for f in dataclasses.fields(v)]
+    if isinstance(v, (list, tuple)):
+        return [_to_wire(x) for x in v]
+    if isinstance(v, (bytearray, memoryview)):
+        return bytes(v)
+    return v
+
+
+def encode_message(msg: Message, max_frame_bytes: int | None = None) -> bytes:
+    """One binary frame for ``msg``; ``ProtocolError("too_large")`` if it exceeds ``max_frame_bytes``."""
+    if type(msg) not in _TYPE_CODES:
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    frame = msgpack.packb([msg.TYPE, *_to_wire(msg)], use_bin_type=True)
+    if max_frame_bytes is not None and len(frame) > max_frame_bytes:
+        raise ProtocolError(TOO_LARGE, f"{type(msg).__name__} frame is {len(frame)} bytes (limit {max_frame_bytes})")
+    return frame
+
+
+_TYPE_CODES = {cls: code for code, cls in MESSAGE_TYPES.items()}
+
+
+# -- decoding: wire value -> typed object, driven by the dataclass annotations ------------------------------
+
+def _fail(what: str, expected: str, v) -> typing.NoReturn:
+    raise ProtocolError(BAD_TYPE, f"{what}: expected {expected}, got {type(v).__name__}")
+
+
+def _converter(tp, what: str):
+    """A function wire_value -> typed value for annotation ``tp`` (built once per field)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:
+            raise TypeError(f"{what}: only X | None unions are supported")
+        conv = _converter(inner[0], what)
+        return lambda v: None if v is None else conv(v)
+    if origin is list:
+        conv = _converter(args[0], what + "[]")
+
+        def list_conv(v):
+            if not isinstance(v, list):
+                _fail(what, "an array", v)
+            return [conv(x) for x in v]
+        return list_conv
+    if origin is tuple:
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"{what}: only tuple[X, ...] is supported")
+        conv = _converter(args[0], what + "[]")
+
+        def tuple_conv(v):
+            if not isinstance(v, list):
+                _fail(what, "an array", v)
+            return tuple(conv(x) for x in v)
+        return tuple_conv
+    if dataclasses.is_dataclass(tp):
+        return _struct_converter(tp)
+    if tp is bool:
+        return lambda v: v if isinstance(v, bool) else _fail(what, "a boolean", v)
+    if tp is int:
+        return lambda v: v if isinstance(v, int) and not isinstance(v, bool) else _fail(what, "an integer", v)
+    if tp is float:
+        def float_conv(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                _fail(what, "a number", v)
+            return float(v)
+        return float_conv
+    if tp is str:
+        return lambda v: v if isinstance(v, str) else _fail(what, "a string", v)
+    if tp is bytes:
+        return lambda v: v if isinstance(v, bytes) else _fail(what, "binary data", v)
+    raise TypeError(f"{what}: unsupported annotation {tp!r}")
+
+
+_STRUCTS: dict[type, typing.Callable] = {}
+
+
+def _struct_converter(cls):
+    if cls in _STRUCTS:
+        return _STRUCTS[cls]
+    hints = typing.get_type_hints(cls, vars(_messages))
+    spec = []  # (name, converter, required)
+    for f in dataclasses.fields(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        spec.append((f.name, _converter(hints[f.name], f"{cls.__name__}.{f.name}"), required))
+    # Every field up to the last required one must be present; trailing ones may be omitted (defaults).
+    n_required = max((i + 1 for i, (*_, r) in enumerate(spec) if r), default=0)
+
+    def conv(v):
+        if not isinstance(v, list):
+            _fail(cls.__name__, "an array", v)
+        if len(v) < n_required:
+            raise ProtocolError(BAD_TYPE, f"{cls.__name__}: {len(v)} fields, at least {n_required} required")
+        # Extra trailing fields come from a newer minor revision: ignored (docs/protocol.md, Versioning).
+        return cls(**{name: c(x) for (name, c, _), x in zip(spec, v)})
+
+    _STRUCTS[cls] = conv
+    return conv
+
+
+_MESSAGE_CONVERTERS = {code: _struct_converter(cls) for code, cls in MESSAGE_TYPES.items()}
+
+
+def _check_zstd_header(t: EncodedTensor, limits: Limits) -> None:
+    """Refuse a compressed tensor whose header declares more than its shape can need (before allocating)."""
+    s, h = t.shape
+    worst = s * h * 2 + (s + 7) // 8 + 64  # fp16 everywhere plus a row bitmap: no codec needs more
+    try:
+        declared = zstandard.frame_content_size(t.data)
+    except zstandard.ZstdError:
+        raise ProtocolError(DECOMPRESS, "bad zstd frame header") from None
+    if declared > min(worst, limits.max_decoded_tensor_bytes) and declared != zstandard.CONTENTSIZE_UNKNOWN:
+        raise ProtocolError(DECOMPRESS, f"zstd frame declares {declared} bytes for a [{s}, {h}] tensor")
+
+
+def decode_message(data: bytes, limits: Limits | None = None) -> Message:
+    """Parse and validate one frame (see the module docstring). Raises only ``ProtocolError``."""
+    limits = limits or DEFAULT_LIMITS
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(BAD_FRAME, f"frames are binary, got {type(data).__name__}")
+    if len(data) > limits.max_frame_bytes:
+        raise ProtocolError(TOO_LARGE, f"frame of {len(data)} bytes (limit {limits.max_frame_bytes})")
+    if len(data) == 0:
+        raise ProtocolError(BAD_FRAME, "empty frame")
+    unpacker = msgpack.Unpacker(
+        raw=False, use_list=True, strict_map_key=True,
+        max_buffer_size=max(len(data), 1), max_bin_len=limits.max_frame_bytes,
+        max_str_len=limits.max_str_len, max_array_len=limits.max_array_len,
+        max_map_len=limits.max_map_len, max_ext_len=0,
+    )
+    try:
+        unpacker.feed(data)
+        value = unpacker.unpack()
+    except msgpack.OutOfData:
+        raise ProtocolError(BAD_FRAME, "truncated frame") from None
+    except ValueError as e:  # msgpack reports limit violations (and StackError, FormatError) as ValueError
+        text = str(e)
+        if "max_ext_len" in text:
+            raise ProtocolError(BAD_FRAME, "msgpack ext types (timestamps included) are not used") from None
+        if "max_map_len" in text and limits.max_map_len == 0:
+            raise ProtocolError(BAD_TYPE, "msgpack maps are not used; messages are arrays") from None
+        code = TOO_LARGE if "exceeds max" in text else BAD_FRAME
+        raise ProtocolError(code, f"msgpack: {type(e).__name__}: {text}") from None
+    except Exception as e:  # noqa: BLE001 - FormatError, StackError, UnicodeDecodeError, ...
+        raise ProtocolError(BAD_FRAME, f"msgpack: {type(e).__name__}: {e}") from None
+    if unpacker.tell() != len(data):
+        raise ProtocolError(BAD_FRAME, f"{len(data) - unpacker.tell()} trailing bytes after the message")
+    if not isinstance(value, list) or not value or isinstance(value[0], bool) or not isinstance(value[0], int):
+        raise ProtocolError(BAD_TYPE, "a frame is an array [type, fields...]")
+    conv = _MESSAGE_CONVERTERS.get(value[0])
+    if conv is None:
+        raise ProtocolError(BAD_TYPE, f"unknown message type {value[0]}")
+    # Version first: a peer of another major version gets "version", not a confusing field error.
+    if value[0] in (Hello.TYPE, Welcome.TYPE) and len(value) > 1 and isinstance(value[1], int) \
+            and value[1] != PROTOCOL_VERSION:
+        raise ProtocolError(VERSION, f"protocol version {value[1]} (this side speaks {PROTOCOL_VERSION})")
+    try:
+        msg = conv(value[1:])
+    except ProtocolError:
+        raise
+    except RecursionError:
+        raise ProtocolError(BAD_FRAME, "nesting too deep") from None
+    except Exception as e:  # noqa: BLE001 - a validator bug must still surface as a protocol error
+        raise ProtocolError(BAD_TYPE, f"{type(e).__name__}: {e}") from None
+    for t in _tensors_of(msg):
+        if t.zstd:
+            _check_zstd_header(t, limits)
+    return msg
+
+
+def _tensors_of(msg: Message):
+    hidden = getattr(msg, "hidden", None)
+    if isinstance(hidden, EncodedTensor):
+        yield hidden

@@ -1,0 +1,281 @@
+"""shared.codecs: round trips within each codec's error bound, exact layouts, strict payload validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from shared import codecs as C
+from shared import protocol as P
+from shared.codecs_outlier import hadamard
+
+CALIB = {"outlier_channels": [3, 17, 40], "sink_threshold": 30.0}
+
+
+def codec(name: str):
+    return C.available_codecs(CALIB)[name]
+
+
+def hidden(seed=0, s=9, h=64, massive=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((s, h)).astype(np.float32)
+    if massive:
+        x[:, 17] *= 300  # a massive-activation channel
+        x[0] *= 25  # an attention sink
+    return x
+
+
+def max_rel_err(name, x, y):
+    """Error relative to each row's scale (what the codec promises)."""
+    return float((np.abs(y - x).max(axis=1) / np.maximum(np.abs(x).max(axis=1), 1e-30)).max())
+
+
+BOUNDS = {"fp16": 1e-3, "bf16": 8e-3, "int8-b32": 1e-2, "int8-b64": 1e-2, "int4-b32": 0.15,
+          "int8-outlier": 1e-2, "int4-outlier": 0.15}
+
+finite_rows = hnp.arrays(np.float32, st.tuples(st.integers(1, 5), st.integers(1, 70)),  # within float16's range
+                         elements=st.floats(-6e4, 6e4, width=32, allow_nan=False, allow_infinity=False))
+
+
+@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=finite_rows, z=st.booleans())
+def test_round_trip_any_finite_input(name, x, z):
+    h = x.shape[1]
+    c = C.get_codec(name, outlier_channels=[0, h - 1] if h > 2 else [0]) if name in C.CALIBRATED_CODECS else \
+        C.get_codec(name)
+    if name in C.CALIBRATED_CODECS and h < 2:
+        with pytest.raises(P.ProtocolError):
+            c.encode(x)
+        return
+    t = c.encode(x, zstd=z)
+    assert t.shape == x.shape and t.codec == name
+    frame = P.encode_message(P.Prefill(request_id="r", start=0, hidden=t))  # through the wire too
+    y = c.decode(P.decode_message(frame).hidden)
+    assert y.shape == x.shape and y.dtype == np.float32 and np.isfinite(y).all()
+    if name == "int4-outlier":  # rotated blocks: the error bound is on each block's L2 norm
+        err, ref = np.linalg.norm(y - x, axis=1), np.linalg.norm(x, axis=1)
+        assert (err <= 0.25 * ref + 1e-3).all()
+    else:
+        scale = np.maximum(np.abs(x).max(), 1e-3)
+        tol = {"fp16": 1e-3, "bf16": 8e-3}.get(name, 0.1 if "int4" in name else 0.01)
+        assert np.abs(y - x).max() <= tol * scale + 1e-3
+    assert c.decode(c.encode(y)).shape == x.shape
+
+
+@pytest.mark.parametrize("name", C.CODEC_NAMES)
+def test_error_bounds_on_activation_like_data(name):
+    x = hidden()
+    c = codec(name)
+    y = c.decode(c.encode(x))
+    assert max_rel_err(name, x, y) <= BOUNDS[name]
+    if name in C.CALIBRATED_CODECS:  # outlier channels and the sink row are float16-exact
+        f16 = x.astype(np.float16).astype(np.float32)
+        assert np.array_equal(y[:, CALIB["outlier_channels"]], f16[:, CALIB["outlier_channels"]])
+        assert np.array_equal(y[0], f16[0])
+
+
+@pytest.mark.parametrize("name", C.CODEC_NAMES)
+def test_rows_are_coded_independently(name):
+    """Quality measured on prefill chunks holds for single-token decode messages (bench relies on it)."""
+    x = hidden(1, s=6)
+    c = codec(name)
+    whole = c.decode(c.encode(x))
+    rows = np.concatenate([c.decode(c.encode(x[i:i + 1])) for i in range(6)])
+    assert np.array_equal(whole, rows)
+
+
+@pytest.mark.parametrize("name", C.CODEC_NAMES)
+def test_payload_sizes(name):
+    c = codec(name)
+    x = hidden(2, s=5, h=64, massive=False)  # no sink rows
+    t = c.encode(x)
+    assert len(t.data) == c.payload_bytes(5, 64) <= c.max_payload_bytes(5, 64)
+    if name in C.CALIBRATED_CODECS:
+        xs = x.copy()
+        xs[:, 0] = 1000.0  # every row a sink
+        assert len(c.encode(xs).data) == c.max_payload_bytes(5, 64)
+
+
+def test_nominal_bytes_per_element():
+    h, s = 576, 512
+    k = 8
+    cal = {"outlier_channels": list(range(k))}
+    cs = C.available_codecs(cal)
+    per = {n: c.payload_bytes(s, h) / (s * h) for n, c in cs.items()}
+    assert per["fp16"] == per["bf16"] == 2.0
+    assert per["int8-b64"] == pytest.approx(1 + 2 / 64)
+    assert per["int4-b32"] == pytest.approx(0.5 + 2 / 32)
+    assert per["int8-outlier"] < 1.03 and per["int4-outlier"] < 0.6
+
+
+def test_zstd_only_when_smaller():
+    c = C.get_codec("fp16")
+    x = np.zeros((64, 64), np.float32)
+    t = c.encode(x, zstd=True)
+    assert t.zstd and len(t.data) < 64 * 64 * 2
+    noise = np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)
+    assert not c.encode(noise, zstd=True).zstd  # 32 bytes never shrink under a zstd header
+
+
+def test_fp16_refuses_values_beyond_its_range_and_bf16_takes_them():
+    x = np.full((1, 4), 1e5, np.float32)
+    with pytest.raises(P.ProtocolError) as e:
+        C.get_codec("fp16").encode(x)
+    assert e.value.code == "bad_tensor"
+    assert np.allclose(C.get_codec("bf16").decode(C.get_codec("bf16").encode(x)), x, rtol=1e-2)
+
+
+def test_bf16_rounds_to_nearest_even():
+    x = np.array([[1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-9]], np.float32)
+    y = C.get_codec("bf16").decode(C.get_codec("bf16").encode(x))
+    assert list(y[0]) == [1.0, 1.0 + 4 * 2**-8, 1.0]
+
+
+@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_encode_refuses_nan_inf(name, bad):
+    x = hidden()
+    x[2, 5] = bad
+    with pytest.raises(P.ProtocolError) as e:
+        codec(name).encode(x)
+    assert e.value.code == "bad_tensor"
+
+
+@pytest.mark.parametrize("name", C.CODEC_NAMES)
+def test_decode_refuses_wrong_size_and_wrong_codec(name):
+    c = codec(name)
+    t = c.encode(hidden(3))
+    for data in (t.data[:-1], t.data + b"\x00"):
+        with pytest.raises(P.ProtocolError) as e:
+            c.decode(P.EncodedTensor(codec=name, shape=t.shape, data=data))
+        assert e.value.code == "bad_tensor"
+    with pytest.raises(P.ProtocolError) as e:
+        c.decode(P.EncodedTensor(codec="other", shape=t.shape, data=t.data))
+    assert e.value.code == "bad_codec"
+
+
+def _scale_offsets(name, s, h):
+    """Byte offset of the first float16 scale (or ref) in a payload with no sink rows."""
+    if name.startswith(("int8-b", "int4-b")):
+        return 0
+    k = len(CALIB["outlier_channels"])
+    return (s + 7) // 8 + 2 * s * k
+
+
+@pytest.mark.parametrize("name", ["int8-b32", "int8-b64", "int4-b32", "int8-outlier", "int4-outlier"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_decode_refuses_nan_inf_negative_scales(name, bad):
+    c = codec(name)
+    x = hidden(4, massive=False)
+    t = c.encode(x)
+    data = bytearray(t.data)
+    off = _scale_offsets(name, *x.shape)
+    if name == "int4-outlier":  # the row reference is float32
+        data[off:off + 4] = np.float32(bad).tobytes()
+    else:
+        data[off:off + 2] = np.float16(bad).tobytes()
+    with pytest.raises(P.ProtocolError) as e:
+        c.decode(P.EncodedTensor(codec=name, shape=t.shape, data=bytes(data)))
+    assert e.value.code == "bad_tensor"
+
+
+@pytest.mark.parametrize("name", ["int8-outlier", "int4-outlier"])
+def test_decode_refuses_nan_in_outlier_and_sink_fields(name):
+    c = codec(name)
+    x = hidden(5)  # row 0 is a sink
+    t = c.encode(x)
+    nb = (x.shape[0] + 7) // 8
+    for off in (nb, nb + 2 * x.shape[1]):  # first sink value, first outlier value
+        data = bytearray(t.data)
+        data[off:off + 2] = np.float16(np.nan).tobytes()
+        with pytest.raises(P.ProtocolError) as e:
+            c.decode(P.EncodedTensor(codec=name, shape=t.shape, data=bytes(data)))
+        assert e.value.code == "bad_tensor"
+
+
+def test_decode_refuses_unused_codes_and_padding():
+    c8 = C.get_codec("int8-b32")
+    t = c8.encode(np.ones((1, 32), np.float32))
+    data = bytearray(t.data)
+    data[2] = 0x80  # code -128
+    with pytest.raises(P.ProtocolError):
+        c8.decode(P.EncodedTensor(codec="int8-b32", shape=(1, 32), data=bytes(data)))
+    c4 = C.get_codec("int4-b32")
+    t = c4.encode(np.ones((1, 3), np.float32))  # odd width: one padding nibble
+    data = bytearray(t.data)
+    data[-1] |= 0x10
+    with pytest.raises(P.ProtocolError):
+        c4.decode(P.EncodedTensor(codec="int4-b32", shape=(1, 3), data=bytes(data)))
+    co = codec("int8-outlier")
+    t = co.encode(hidden(6, s=3, massive=False))
+    data = bytearray(t.data)
+    data[0] |= 0x80  # bitmap padding bit for row 7 of a 3-row tensor
+    with pytest.raises(P.ProtocolError):
+        co.decode(P.EncodedTensor(codec="int8-outlier", shape=(3, 64), data=bytes(data)))
+
+
+@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(max_size=600), s=st.integers(0, 4), h=st.integers(41, 80), z=st.booleans())
+def test_random_payloads_decode_or_refuse(name, data, s, h, z):
+    c = codec(name)
+    if z:
+        data = b"\x28\xb5\x2f\xfd" + data
+    try:
+        y = c.decode(P.EncodedTensor(codec=name, shape=(s, h), data=data, zstd=z))
+    except P.ProtocolError as e:
+        assert e.code in P.PROTOCOL_ERROR_CODES
+    else:
+        assert y.shape == (s, h) and np.isfinite(y).all()
+
+
+def test_outlier_codec_parameters_are_checked():
+    for bad in ([], [-1], [1, 1], ["x"], [1.5], [True], list(range(300)), None, 3):
+        with pytest.raises(P.ProtocolError) as e:
+            C.get_codec("int8-outlier", outlier_channels=bad)
+        assert e.value.code == "bad_codec"
+    with pytest.raises(P.ProtocolError):
+        C.get_codec("int8-outlier")  # the bundle's calibration is required
+    for thr in (float("nan"), -1.0, 0.0, "x", [1]):
+        with pytest.raises(P.ProtocolError):
+            C.get_codec("int8-outlier", outlier_channels=[1], sink_threshold=thr)
+    assert C.get_codec("int8-outlier", outlier_channels=np.array([3, 1]), sink_threshold=np.float32(2)).outlier_channels == [1, 3]
+    with pytest.raises(P.ProtocolError):
+        C.get_codec("nope")
+    with pytest.raises(P.ProtocolError):
+        C.get_codec("fp16", block=3)
+    c = C.get_codec("int8-outlier", outlier_channels=[100])
+    with pytest.raises(P.ProtocolError) as e:  # a codec for another model's width
+        c.decode(P.EncodedTensor(codec="int8-outlier", shape=(1, 64), data=b""))
+    assert e.value.code == "bad_codec"
+
+
+def test_available_codecs_without_calibration():
+    assert set(C.available_codecs()) == set(C.CODEC_NAMES) - set(C.CALIBRATED_CODECS)
+    assert set(C.available_codecs(CALIB)) == set(C.CODEC_NAMES)
+
+
+def test_hadamard_is_orthonormal_and_symmetric():
+    for n in (1, 2, 16, 64):
+        m = hadamard(n)
+        assert np.allclose(m @ m, np.eye(n), atol=1e-6) and np.allclose(m, m.T)
+    with pytest.raises(ValueError):
+        hadamard(12)
+
+
+def test_find_outlier_channels_and_sink_threshold():
+    x = hidden(7, s=200)
+    x[:, 40] *= 50
+    ch = C.find_outlier_channels(x, k=2)
+    assert ch == [17, 40]  # the sink row (row 0) does not decide
+    thr = C.find_sink_threshold(x, ch)
+    rest = np.abs(np.delete(x, ch, axis=1)).max(axis=1)
+    assert rest[0] > thr > rest[1:].max()
+    with pytest.raises(ValueError):
+        C.find_outlier_channels(x, k=0)
+    with pytest.raises(ValueError):
+        C.find_outlier_channels(np.full((2, 3), np.nan), k=1)

@@ -1,0 +1,114 @@
+"""shared.precision: the default policy's tiers, overrides, availability fallbacks; a pure function."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared import codecs as C
+from shared.precision import (
+    CALIBRATION_FREE_CODECS,
+    COMPUTE_VARIANTS,
+    PrecisionError,
+    PrecisionOverride,
+    PrecisionPlan,
+    PrecisionPolicy,
+    RequestFeatures,
+    choose_precision,
+)
+
+ALL = C.CODEC_NAMES
+
+
+def plan(tokens, **kw):
+    codecs = kw.pop("codecs", ALL)
+    compute = kw.pop("compute", COMPUTE_VARIANTS)
+    override = kw.pop("override", None)
+    return choose_precision(RequestFeatures(prompt_tokens=tokens, **kw), override, codecs, compute)
+
+
+def test_text_tiers():
+    assert (plan(50).codec, plan(50).compute) == ("int8-outlier", "fp16")  # short, idle server
+    assert plan(50, server_load=0.9).compute == "int8"  # short, busy server
+    assert plan(300, server_load=0.9).compute == "fp16"
+    assert plan(50, server_load=0.5).compute == "fp16"  # int8 only when busy
+    assert plan(1024).compute == "fp16" and plan(1025).compute == "bf16"
+    assert plan(5000, server_load=0.9).compute == "bf16"
+
+
+def test_multimodal_uses_calibration_free_codec_and_bf16():
+    p = plan(50, images=1, server_load=1.0)
+    assert (p.codec, p.compute) == ("int8-b32", "bf16")
+    assert plan(10, audio=1).compute == "bf16"
+
+
+def test_slow_link_uses_the_compact_codec():
+    # 2000 tokens x 4096 x 1.02 B x 8 bit = 67 Mbit: 6.7 s at 10 Mbit/s, 0.07 s at 1 Gbit/s
+    assert plan(2000, link_kbps=10_000).codec == "int4-outlier"
+    assert plan(2000, link_kbps=1_000_000).codec == "int8-outlier"
+    assert plan(2000).codec == "int8-outlier"  # no hint: near-lossless
+    assert "slow link" in plan(2000, link_kbps=10_000).reason
+
+
+def test_without_calibration_defaults_are_calibration_free():
+    p = choose_precision(RequestFeatures(prompt_tokens=100))
+    assert p.codec in CALIBRATION_FREE_CODECS and p.codec == "int8-b32"
+    assert plan(2000, link_kbps=1, codecs=CALIBRATION_FREE_CODECS).codec == "int8-b32"  # no compact codec
+
+
+def test_availability_fallbacks():
+    assert plan(50, compute=("bf16",), server_load=1.0).compute == "bf16"
+    assert plan(50, compute=("fp32", "int8")).compute == "fp32"
+    assert plan(50, codecs=("bf16",)).codec == "bf16"
+    with pytest.raises(PrecisionError):
+        plan(50, codecs=())
+
+
+@pytest.mark.parametrize("override, codec, compute", [
+    ("int4-outlier", "int4-outlier", "fp16"),
+    ("int8", "int8-outlier", "int8"),
+    ("bf16", "bf16", "bf16"),  # a name that is both a codec and a compute variant sets both
+    ({"compute": "fp32"}, "int8-outlier", "fp32"),
+    (PrecisionOverride(codec="fp16"), "fp16", "fp16"),
+    (PrecisionPlan(codec="int8-b64", compute="bf16"), "int8-b64", "bf16"),
+])
+def test_overrides(override, codec, compute):
+    p = plan(50, override=override)
+    assert (p.codec, p.compute) == (codec, compute) and "override" in p.reason
+
+
+@pytest.mark.parametrize("override", ["fp8", {"codec": "x"}, {"colour": "red"}, 3])
+def test_bad_overrides(override):
+    with pytest.raises(PrecisionError):
+        plan(50, override=override)
+
+
+def test_unavailable_override_is_refused_not_ignored():
+    with pytest.raises(PrecisionError):
+        plan(50, override="int4-outlier", codecs=CALIBRATION_FREE_CODECS)
+    with pytest.raises(PrecisionError):
+        plan(50, override="int8", compute=("bf16",))
+
+
+def test_bad_features_and_policies():
+    for kw in ({"prompt_tokens": -1}, {"prompt_tokens": 1, "server_load": 2.0}, {"prompt_tokens": 1, "link_kbps": 0}):
+        with pytest.raises(ValueError):
+            RequestFeatures(**kw)
+    with pytest.raises(ValueError):
+        PrecisionPolicy(short_prompt_tokens=600, long_prompt_tokens=512)
+    assert plan(600, compute=COMPUTE_VARIANTS).compute == "fp16"
+    with pytest.raises(ValueError):
+        PrecisionPolicy(compact_codec="int2")
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.integers(0, 1 << 20), images=st.integers(0, 3), audio=st.integers(0, 2),
+       link=st.none() | st.floats(1, 1e7), load=st.floats(0, 1),
+       codecs=st.lists(st.sampled_from(ALL), min_size=1, unique=True),
+       compute=st.lists(st.sampled_from(COMPUTE_VARIANTS), min_size=1, unique=True))
+def test_always_a_valid_available_plan(tokens, images, audio, link, load, codecs, compute):
+    f = RequestFeatures(prompt_tokens=tokens, images=images, audio=audio, link_kbps=link, server_load=load)
+    p = choose_precision(f, None, codecs, compute)
+    assert p.codec in codecs and p.compute in compute
+    assert p == choose_precision(f, None, codecs, compute)  # pure

@@ -1,0 +1,110 @@
+"""shared.session_state: the server-side state machine accepts a correct session and refuses misbehaviour."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared import codecs as C
+from shared import protocol as P
+from shared.session_state import CLOSED, DRAINING, READY, SessionError, SessionState
+
+FP16 = C.get_codec("fp16")
+
+
+def hidden(n):
+    return FP16.encode(np.ones((n, 8), np.float32))
+
+
+def ready(**limits) -> SessionState:
+    s = SessionState()
+    s.on_client(P.Hello(bundle_id="b", codecs=["fp16"]))
+    s.on_server(P.Welcome(session_id="s", resume_token="t", codecs=["fp16"], limits=P.SessionLimits(**limits)))
+    assert s.phase == READY
+    return s
+
+
+def refused(s, msg, code):
+    with pytest.raises(SessionError) as e:
+        s.on_client(msg)
+    assert e.value.code == code
+    err = e.value.to_error()
+    assert isinstance(err, P.Error) and err.code == code
+    return e.value
+
+
+def prefill(rid="r1", start=0, n=4, last=True, params=True, keys=()):
+    return P.Prefill(request_id=rid, start=start, hidden=hidden(n), last=last,
+                     params=P.SamplingParams() if params else None, prefix_keys=list(keys))
+
+
+def test_a_whole_request():
+    s = ready()
+    s.on_client(prefill(n=3, last=False))
+    s.on_client(prefill(start=3, n=2, params=False))
+    for i in range(3):
+        s.on_server(P.Tokens(request_id="r1", index=i, token_ids=[5]))
+        s.on_client(P.DecodeStep(request_id="r1", position=5 + i, hidden=hidden(1)))
+    s.on_server(P.Tokens(request_id="r1", index=3, token_ids=[2], finish_reason="stop"))
+    assert s.open_requests == 0
+    assert s.on_client(P.Cancel(request_id="r1")) is None  # late cancel: ignored
+    refused(s, prefill(), "duplicate_request")
+    s.on_client(P.Close())
+    assert s.phase == CLOSED
+    assert refused(s, P.Cancel(request_id="r1"), "bad_state").fatal
+
+
+def test_order_violations():
+    s = SessionState()
+    assert refused(s, prefill(), "bad_state").fatal  # before Hello
+    s = ready()
+    assert refused(s, P.Hello(bundle_id="b", codecs=[]), "bad_state").fatal
+    refused(s, P.DecodeStep(request_id="r1", position=0, hidden=hidden(1)), "unknown_request")
+    refused(s, prefill(params=False), "bad_state")  # opening without sampling params
+    s.on_client(prefill(n=4))
+    refused(s, prefill(start=4, params=False), "bad_state")  # prompt already complete
+    refused(s, P.DecodeStep(request_id="r1", position=4, hidden=hidden(1)), "bad_state")  # no token yet
+    s.on_server(P.Tokens(request_id="r1", index=0, token_ids=[7]))
+    refused(s, P.DecodeStep(request_id="r1", position=5, hidden=hidden(1)), "bad_position")
+    s.on_client(P.DecodeStep(request_id="r1", position=4, hidden=hidden(1)))
+    refused(s, P.DecodeStep(request_id="r1", position=5, hidden=hidden(1)), "bad_state")  # one step per token
+
+
+def test_positions_limits_and_codecs():
+    s = ready(max_context=10, max_prefill_chunk_tokens=6, max_concurrent_requests=1, prefix_block_tokens=4)
+    refused(s, prefill(n=7), "too_large")
+    refused(s, prefill(start=4, n=2), "bad_position")  # a prefix without keys
+    s.on_client(prefill(start=4, n=2, last=False, keys=["k1"]))  # prefix of one block
+    refused(s, prefill(start=7, n=1, params=False), "bad_position")  # gap
+    refused(s, prefill(start=6, n=5, params=False), "context_full")
+    refused(s, prefill(rid="r2"), "overloaded")
+    t = C.get_codec("bf16").encode(np.ones((1, 8), np.float32))
+    refused(s, P.Prefill(request_id="r1", start=6, hidden=t), "codec_not_negotiated")
+
+
+def test_resume_and_reconnect():
+    s = ready()
+    s.on_client(prefill())
+    s.on_server(P.Tokens(request_id="r1", index=0, token_ids=[1, 2]))
+    s.reconnect()
+    refused(s, P.Resume(request_id="r1", have_tokens=1), "bad_state")  # Hello first
+    s.on_client(P.Hello(bundle_id="b", codecs=["fp16"], resume_token="t"))
+    s.on_server(P.Welcome(session_id="s", resume_token="t", resumed=True, codecs=["fp16"]))
+    assert s.on_client(P.Resume(request_id="r1", have_tokens=1)).tokens == 2
+    refused(s, P.Resume(request_id="r1", have_tokens=3), "bad_position")
+    refused(s, P.Resume(request_id="gone", have_tokens=0), "resume_failed")
+    s.on_server(P.Resumed(request_id="r1", received=4, index=1, token_ids=[2]))
+    s.on_client(P.DecodeStep(request_id="r1", position=4, hidden=hidden(1)))
+
+
+def test_drain_errors_and_cancel():
+    s = ready()
+    s.on_client(prefill())
+    assert s.on_client(P.Cancel(request_id="r1")).cancelled
+    s.on_server(P.Drain(grace_ms=100))
+    assert s.phase == DRAINING
+    refused(s, prefill(rid="r2"), "draining")
+    s.on_server(P.Error(code="internal", request_id="r1"))
+    assert s.open_requests == 0
+    s.on_server(P.Error(code="internal", fatal=True))
+    assert s.phase == CLOSED
