@@ -7,7 +7,7 @@ A bundle directory looks like::
     edge/tokenizer.json ...    tokenizer files and chat_template.jinja (when the source has them)
     cloud/back.safetensors     layers [N, L) renumbered from 0, final norm, lm_head
     cloud/config.json          the source's full HF config (the cloud rebuilds its modules from it)
-    calibration.json           boundary statistics: outlier channels, attention-sink tokens
+    calibration.json           boundary statistics: outlier channels, attention-sink threshold
 
 ``bundle_id`` is a hash over the model description and the sha256 of every artifact *except* the edge
 graph's quantization variant, so an int8 and an fp32 edge of the same split talk to the same cloud half.

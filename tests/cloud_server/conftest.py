@@ -1,7 +1,7 @@
 """Models and bundles built once per test session for the cloud-server tests.
 
-tiny-glm4 (split at layer 2, fp32 edge) serves most tests; SmolLM2 (split at layer 8) is built only when a
-test asks for it."""
+Aliases of the shared fixtures in tests/conftest.py: tiny-glm4 (split at layer 2, fp32 edge) serves most
+tests; SmolLM2 (split at layer 4, fp32 edge) is built only when a test asks for it."""
 
 from __future__ import annotations
 
@@ -14,40 +14,21 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _split(out: Path, source: str, layer: int) -> Path:
-    from partition_tools.models import load_model
-    from partition_tools.split import SplitConfig, split
-
-    split(load_model(source), SplitConfig(layer=layer, out=out, edge_quant="fp32"))
-    return out
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_glm4_lm):
+    return tiny_glm4_lm
 
 
 @pytest.fixture(scope="session")
-def tiny_lm():
-    from partition_tools.models import load_model
-
-    return load_model("tiny-glm4")
+def tiny_bundle(tiny_glm4_fp32_bundle) -> Path:
+    return tiny_glm4_fp32_bundle
 
 
 @pytest.fixture(scope="session")
-def tiny_bundle(tmp_path_factory) -> Path:
-    return _split(tmp_path_factory.mktemp("cloud-tiny") / "b", "tiny-glm4", 2)
+def smol_lm(smollm2_lm):
+    return smollm2_lm
 
 
 @pytest.fixture(scope="session")
-def smol_lm():
-    from partition_tools.models import ModelLoadError, load_model
-
-    try:
-        return load_model("smollm2")
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="session")
-def smol_bundle(tmp_path_factory, smol_lm) -> Path:
-    from partition_tools.split import SplitConfig, split
-
-    out = tmp_path_factory.mktemp("cloud-smol") / "b"
-    split(smol_lm, SplitConfig(layer=8, out=out, edge_quant="fp32"))
-    return out
+def smol_bundle(smollm2_fp32_bundle) -> Path:
+    return smollm2_fp32_bundle

@@ -12,51 +12,24 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def _split(out: Path, source: str, layer: int, quant: str) -> Path:
-    from partition_tools.models import load_model
-    from partition_tools.split import SplitConfig, split
-
-    split(load_model(source), SplitConfig(layer=layer, out=out, edge_quant=quant))
-    return out
-
-
 @pytest.fixture(scope="session")
-def tiny_bundle(tmp_path_factory) -> Path:
+def tiny_bundle(tiny_glm4_fp32_bundle) -> Path:
     """tiny-glm4 split at layer 2, fp32 edge (split output equals the unsplit model)."""
-    return _split(tmp_path_factory.mktemp("tiny-fp32") / "b", "tiny-glm4", 2, "fp32")
+    return tiny_glm4_fp32_bundle
 
 
 @pytest.fixture(scope="session")
-def tiny_int8_bundle(tmp_path_factory) -> Path:
-    return _split(tmp_path_factory.mktemp("tiny-int8") / "b", "tiny-glm4", 2, "int8")
+def tiny_int8_bundle(tiny_glm4_int8_bundle) -> Path:
+    return tiny_glm4_int8_bundle
 
 
 @pytest.fixture(scope="session")
-def smollm2_lm():
-    """The unsplit SmolLM2-135M-Instruct (loaded once: the bundle is split from it and it is the reference)."""
-    from partition_tools.models import ModelLoadError, load_model, smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-    return load_model("smollm2")
+def smollm2_bundle(smollm2_fp32_bundle) -> Path:
+    """SmolLM2 split at layer 4 with an fp32 edge, real tokenizer and chat template (shared fixture)."""
+    return smollm2_fp32_bundle
 
 
 @pytest.fixture(scope="session")
-def smollm2_bundle(tmp_path_factory, smollm2_lm) -> Path:
-    """SmolLM2 split at layer 2 with an fp32 edge, real tokenizer and chat template. Layer 2 keeps the export
-    short in the default suite; the demo's layer-8 int8 split is exercised by the benchmark and the demo."""
-    from partition_tools.split import SplitConfig, split
-
-    out = tmp_path_factory.mktemp("smollm2-fp32") / "b"
-    split(smollm2_lm, SplitConfig(layer=2, out=out, edge_quant="fp32"))
-    return out
-
-
-@pytest.fixture(scope="session")
-def tiny_reference(tiny_bundle):
+def tiny_reference(tiny_bundle, tiny_glm4_lm):
     """The unsplit tiny-glm4 model (same seed as the bundle) for token-for-token comparisons."""
-    from partition_tools.models import load_model
-
-    return load_model("tiny-glm4").model
+    return tiny_glm4_lm.model
