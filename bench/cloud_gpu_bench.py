@@ -22,15 +22,24 @@ Measured, in one process:
 * ``memory``: weights, the KV pool for 128 sessions x 4,096 tokens, peak allocation, and what fits on
   two 24 GiB RTX 4090s at TP = 2;
 * ``linear_tuning`` / ``attention_tuning``: before the graphs are captured, cuBLAS vs the Triton GEMV/GEMM
-  per projection shape and batch bucket, and the decode kernel's split/tile per bucket, timed here and the
-  fastest kept (``--no-tune-linear`` keeps cuBLAS and the heuristic);
+  per projection shape and batch bucket, and the decode kernel's split/tile per bucket, timed and the
+  fastest kept by ``cloud_server.fast.tuning`` (the code ``FastGlmRunner`` runs at construction on CUDA;
+  ``--no-tune-linear`` keeps cuBLAS and the heuristic);
 * ``breakdown``: each op class over all layers in its own CUDA graph: where a step's time goes.
 
 ``--tp`` (under ``torchrun --nproc-per-node 2``): TP = 1 on rank 0, then TP = 2 on both ranks: step latency
 at S = 1 and throughput at S = 64, with NCCL and with the symmetric-memory one-shot all-reduce.
 
+``--through-engine``: the direct decode above for each S, then the serving stack as ``cloud_server.runtime``
+builds it (``LLMEngine.from_models`` + ``fast_runner_factory``; a random-weight back half made on the GPU by
+``cloud_server.model.random_split_model``) fed S sessions through the engine's public API: ``add_request``
+with the prompt's hidden states, then per decode step one ``add_input`` per session and one ``step()``.
+Per S: tokens/s, step latency split into add_input / runner / the engine's host work, the runner's graph
+replay alone, and the roofline fraction, beside the direct figures; written under the ``engine`` key of the
+``--merge`` JSON (other keys kept).
+
 Runs on CPU too with a tiny preset (``--preset tiny-glm4v``): the same code without graphs or Triton.
-Reproducing commands: docs/_gpu_perf.md.
+Reproducing commands: docs/performance.md, "Cloud engine on GPU".
 """
 
 from __future__ import annotations
@@ -38,7 +47,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import platform
 import statistics
@@ -58,6 +66,7 @@ from cloud_server.fast.config import FastGLMConfig
 from cloud_server.fast.glm import FastGLM, PrefillMeta
 from cloud_server.fast.graphs import DecodeGraphs
 from cloud_server.fast.kv import BlockAllocator, KVPool, KVPoolConfig
+from cloud_server.fast.tuning import attention_inputs, rel, time_graph, tune_attention, tune_linears
 
 GIB = 1 << 30
 
@@ -86,6 +95,7 @@ class BenchConfig:
     tune_linear: bool = True  # time cuBLAS vs the Triton skinny GEMM per shape and use the faster
     out: Path | None = None
     merge: Path | None = None  # an earlier result JSON to extend (the TP run adds to the single-GPU one)
+    through_engine: bool = False  # drive LLMEngine with S sessions (and the direct path): the "engine" key
 
     def __post_init__(self):
         for name in ("split", "prompt", "gen", "max_context", "pool_sessions", "block_size",
@@ -290,11 +300,6 @@ def memory_plan(cfg: FastGLMConfig, overhead_bytes: float, gpu_gib: float = 24.0
 # checks: kernels and model on this device
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def check_kernels(cfg: FastGLMConfig, dev: torch.device, dtype) -> dict:
     if not kernels.HAVE_TRITON or dev.type != "cuda":
         return {"skipped": "no triton on this device"}
@@ -396,125 +401,6 @@ def check_model(hf_full, cfg: FastGLMConfig, dev: torch.device, dtype) -> dict:
 # where a decode step's time goes: each op over all layers, in a CUDA graph (no launch gaps between calls)
 
 
-def time_graph(fn, reps: int = 10) -> float:
-    """Median ms of one replay of a graph of ``fn`` (captured after two warm-up calls)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    return statistics.median(times[2:])
-
-
-def tune_linears(model: FastGLM, dev, dtype) -> dict:
-    """Time cuBLAS and the Triton candidates (linear.candidates) on every projection shape, over all layers'
-    weights as a decode step reads them, at batch 1, 16, 64 and 128; use the fastest Triton config where it
-    is checked correct and > 3 % faster than cuBLAS. Returns the table."""
-    import torch.nn.functional as F
-
-    from cloud_server.fast.linear import candidates, m_bucket, run_config
-
-    layers = model.layers
-    groups = {"qkv": [(l_.qkv_weight, l_.qkv_bias) for l_ in layers], "o": [(l_.o_weight, None) for l_ in layers],
-              "gate_up": [(l_.gate_up_weight, None) for l_ in layers], "down": [(l_.down_weight, None) for l_ in layers],
-              "lm_head": [(model.lm_head_weight, None)]}
-    table = {}
-    for m in (1, 16, 64, 128):
-        for name, ws in groups.items():
-            w0, b0 = ws[0]
-            n, k = w0.shape
-            x = torch.randn(m, k, device=dev, dtype=dtype)
-            nbytes = sum(w.numel() * w.element_size() for w, _ in ws)
-            t_cu = time_graph(lambda x=x, ws=ws: [F.linear(x, w, b) for w, b in ws])
-            row = {"n": n, "k": k, "m": m, "cublas_ms": t_cu, "cublas_gbs": nbytes / t_cu / 1e6, "chosen": "cublas"}
-            best, best_t = None, 0.97 * t_cu
-            if kernels.HAVE_TRITON:
-                ref = F.linear(x, w0, b0).float()
-                for cfg in candidates(m, n, k):
-                    try:
-                        err = rel(run_config(cfg, x, w0, b0).float(), ref)
-                        if err > 1e-2:
-                            continue
-                        t = time_graph(lambda cfg=cfg, x=x, ws=ws: [run_config(cfg, x, w, b) for w, b in ws])
-                    except Exception as e:  # noqa: BLE001 - a config that does not compile is just not chosen
-                        row.setdefault("errors", []).append(f"{cfg}: {e!r}"[:200])
-                        continue
-                    if t < best_t:
-                        best, best_t = cfg, t
-            if best is not None:
-                model.linear.set(n, k, m_bucket(m), best)
-                row.update(chosen=f"triton {best.kernel} n{best.block_n} k{best.block_k} w{best.num_warps} "
-                                  f"s{best.num_stages}", triton_ms=best_t, triton_gbs=nbytes / best_t / 1e6)
-            table[f"{name}@m{m}"] = row
-            log(f"  linear {name:8s} m={m:3d}: cuBLAS {row['cublas_gbs']:.0f} GB/s"
-                + (f", {row['chosen']} {row['triton_gbs']:.0f} GB/s" if best is not None else " (kept)"))
-    return table
-
-
-def attention_inputs(model: FastGLM, kv: KVPool, m: int, ctx: int, dev, dtype):
-    """q [m, Hq, D], block tables [m, blocks] over distinct pool blocks, lengths [m] = ctx."""
-    bs = kv.block_size
-    nblk = -(-ctx // bs)
-    tables = (torch.arange(m * nblk, device=dev, dtype=torch.int32).view(m, nblk) % (kv.cfg.num_blocks - 1)) + 1
-    lens = torch.full((m,), ctx, dtype=torch.int32, device=dev)
-    q = torch.randn(m, model.local_heads, model.cfg.head_dim, device=dev, dtype=dtype)
-    return q, tables, lens
-
-
-def tune_attention(model: FastGLM, kv: KVPool, graphs: DecodeGraphs, ctx: int, dev, dtype) -> dict:
-    """Per decode bucket, time split/tile configs of the decode kernel (all layers) and keep the fastest."""
-    from cloud_server.fast.attention import MAX_SPLITS, DecodeConfig, decode_attention_triton
-
-    ws = graphs.workspace
-    max_tokens = graphs.block_tables.shape[1] * kv.block_size
-    table = {}
-    for b in graphs.buckets:
-        q, tables, lens = attention_inputs(model, kv, b, ctx, dev, dtype)
-        full = torch.zeros(b, graphs.block_tables.shape[1], dtype=torch.int32, device=dev)
-        full[:, : tables.shape[1]] = tables  # the captured graphs see the full-width tables
-        results = {}
-        for split in (64, 128, 256, 512):
-            if math.ceil(max_tokens / split) > MAX_SPLITS:
-                continue
-            for bn, warps, stages in ((64, 4, 2), (32, 4, 3), (64, 8, 3)):
-                cfg = DecodeConfig(split, bn, warps, stages)
-                try:
-                    t = time_graph(lambda cfg=cfg, q=q, full=full, lens=lens: [
-                        decode_attention_triton(q, *kv.layer(i), full, lens, 0.088, ws, config=cfg)
-                        for i in range(model.cfg.num_layers)])
-                except Exception as e:  # noqa: BLE001
-                    table.setdefault("errors", []).append(f"{cfg}: {e!r}"[:200])
-                    continue
-                results[cfg] = t
-        best = min(results, key=results.get)
-        ws.configs[b] = best
-        table[str(b)] = {"config": [best.split, best.block_n, best.num_warps, best.num_stages],
-                         "ms_all_layers": results[best],
-                         "heuristic_ms": results.get(DecodeConfig(_heuristic_split(b, model, max_tokens)))}
-        log(f"  attention b={b:3d}: split {best.split} block {best.block_n} warps {best.num_warps} "
-            f"stages {best.num_stages}: {results[best]:.3f} ms / step (ctx {ctx})")
-    return table
-
-
-def _heuristic_split(b: int, model: FastGLM, max_tokens: int) -> int:
-    from cloud_server.fast.attention import decode_split_tokens
-
-    return decode_split_tokens(b, model.local_kv_heads, max_tokens)
-
-
 def breakdown(model: FastGLM, kv: KVPool, graphs: DecodeGraphs, m: int, ctx: int, dev, dtype, bw_gbs: float) -> dict:
     """ms per decode step spent in each op class (all layers), at batch ``m`` with ``ctx`` tokens of context."""
     from cloud_server.fast.attention import decode_attention
@@ -529,7 +415,7 @@ def breakdown(model: FastGLM, kv: KVPool, graphs: DecodeGraphs, m: int, ctx: int
     gu = torch.randn(m, 2 * layers[0].down_weight.shape[1], device=dev, dtype=dtype)
     act = torch.randn(m, layers[0].down_weight.shape[1], device=dev, dtype=dtype)
     bs = kv.block_size
-    q, tables, lens = attention_inputs(model, kv, m, ctx, dev, dtype)
+    q, tables, lens = attention_inputs(model, kv, m, ctx)
     full = torch.zeros(m, graphs.block_tables.shape[1], dtype=torch.int32, device=dev)
     full[:, : tables.shape[1]] = tables
     pos = torch.full((m,), ctx - 1, dtype=torch.long, device=dev)
@@ -596,9 +482,9 @@ def build_fast(cfg: FastGLMConfig, bc: BenchConfig, dev, dtype, tp_rank: int = 0
         model.linear.choice.update(tune["chosen"][0])
         graphs.workspace.configs.update(tune["chosen"][1])
     elif tune is not None and dev.type == "cuda":
-        tune["linear"] = tune_linears(model, dev, dtype)
+        tune["linear"] = tune_linears(model, report=log)  # cloud_server.fast.tuning, as FastGlmRunner does
         if model.backend == "triton":
-            tune["attention"] = tune_attention(model, kv, graphs, bc.prompt + bc.gen // 2, dev, dtype)
+            tune["attention"] = tune_attention(model, kv, graphs, bc.prompt + bc.gen // 2, report=log)
         tune["chosen"] = (dict(model.linear.choice), dict(graphs.workspace.configs))
     t0 = time.perf_counter()
     graphs.capture()
@@ -638,7 +524,8 @@ def probe_logits(model: FastGLM, kv: KVPool, alloc: BlockAllocator, graphs: Deco
 
 
 def sweep(model, kv, alloc, graphs, bc: BenchConfig, sessions: tuple[int, ...], dev, dtype, bw: float,
-          tp: int = 1) -> dict:
+          tp: int = 1, side: tuple[int, ...] = (1, 64)) -> dict:
+    """Per S: prefill, ``gen`` lockstep decode steps; for S in ``side`` also metadata-every-step and GPU-only."""
     gen = torch.Generator(device=dev).manual_seed(bc.seed + 1)
     max_blocks = graphs.block_tables.shape[1]
     inputs = host_inputs(max(sessions), model.cfg.hidden_size, dtype, dev)
@@ -654,7 +541,7 @@ def sweep(model, kv, alloc, graphs, bc: BenchConfig, sessions: tuple[int, ...], 
         res["prefill_s"] = t_pre
         res["prefill_tokens_per_s"] = s * bc.prompt / t_pre
         res["roofline"] = roofline(model.cfg, s, bc.prompt, bc.gen, res["step_ms_mean"], bw, tp)
-        if s in (1, 64):  # the engine adapter's way (metadata every step), and the GPU time alone
+        if s in side:  # the engine adapter's way (metadata every step), and the GPU time alone
             full = decode(graphs, sess, 32, inputs, full_metadata=True)
             res["full_metadata_step_ms_mean"] = full["step_ms_mean"]
             res["gpu_step_ms"] = gpu_step_ms(graphs, s)
@@ -748,6 +635,228 @@ def hf_baseline(cfg: FastGLMConfig, bc: BenchConfig, dev, dtype) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# through the engine: S simulated sessions fed to LLMEngine as the split endpoint feeds it
+
+
+def build_engine(bc: BenchConfig, hf_full, dev, variant: str):
+    """An ``LLMEngine`` over a random-weight back half built on ``dev``, the way ``cloud_server.runtime`` builds
+    one (``LLMEngine.from_models`` + ``fast_runner_factory``); the fast runner tunes itself at construction.
+    On the CPU the fast runner is forced (the factory keeps it for CUDA) so the smoke run covers its code."""
+    from cloud_server.config import EngineConfig
+    from cloud_server.engine.llm_engine import LLMEngine
+    from cloud_server.fast.runner import FastGlmRunner, fast_runner_factory
+    from cloud_server.model import random_split_model
+
+    smax = max(bc.sessions)
+    per_seq = -(-(bc.prompt + bc.gen + 1) // bc.block_size)
+    ecfg = EngineConfig(device=str(dev), variants=(variant,), block_size=bc.block_size,
+                        num_blocks=(smax + 1) * per_seq + 2, max_num_seqs=smax,
+                        max_num_batched_tokens=max(bc.prefill_chunk_tokens, smax), max_model_len=bc.max_context,
+                        enable_prefix_cache=False)
+    t0 = time.perf_counter()
+    model = random_split_model(hf_full, bc.split, variant, str(dev), seed=bc.seed)
+    sync(dev)
+    t_model = time.perf_counter() - t0
+    if dev.type == "cuda":
+        make_runner = fast_runner_factory(ecfg)
+    else:
+        def make_runner(i, m, pool):
+            return FastGlmRunner(m, pool, max_batch=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len)
+    engine = LLMEngine.from_models(ecfg, {variant: model}, make_runner=make_runner)
+    sync(dev)
+    runner = engine.runners[variant]
+    info = {"engine_config": {k: getattr(ecfg, k) for k in ("block_size", "num_blocks", "max_num_seqs",
+                                                           "max_num_batched_tokens", "max_model_len")},
+            "model_build_s": t_model, "runner_build_s": time.perf_counter() - t0 - t_model,
+            "runner": type(runner).__name__}
+    if isinstance(runner, FastGlmRunner):
+        info.update(graphs=runner.graphs.use_graphs, backend=runner.fast.backend, buckets=runner.graphs.buckets,
+                    tuning_s=(runner.tuning or {}).get("seconds"),
+                    linear_choices=len(runner.fast.linear.choice),
+                    attention_configs={str(b): [c.split, c.block_n, c.num_warps, c.num_stages]
+                                       for b, c in runner.graphs.workspace.configs.items()})
+    return engine, runner, info
+
+
+class _TimedRun:
+    """Wraps ``runner.run``: wall time of each forward until its logits are on the device (the sampler syncs
+    on them right after anyway), so a step splits into runner time and the engine's own host work."""
+
+    def __init__(self, runner, dev):
+        self.runner, self.dev, self.inner, self.total = runner, dev, runner.run, 0.0
+        runner.run = self
+
+    def __call__(self, batch):
+        t0 = time.perf_counter()
+        out = self.inner(batch)
+        sync(self.dev)
+        self.total += time.perf_counter() - t0
+        return out
+
+    def remove(self) -> None:
+        self.runner.run = self.inner
+
+
+def engine_sessions(engine, s: int, bc: BenchConfig, prompts: list[torch.Tensor], steps_in: list[torch.Tensor],
+                    dev, gen: int, tag: str) -> dict:
+    """Admit ``s`` sessions (each a ``prompt``-position hidden-state chunk), step until each has its first token,
+    then ``gen`` lockstep decode steps: every session's one-position hidden state goes in through
+    ``add_input`` and one ``step()`` returns one token per session. Timed per step."""
+    from cloud_server.engine.sampling_params import SamplingParams
+    from cloud_server.engine.sequence import InputChunk
+
+    params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(s)]
+
+    def check(outs):
+        bad = [o for o in outs if o.error_code is not None]
+        if bad:
+            raise RuntimeError(f"engine refused {bad[0].request_id}: {bad[0].error_code}: {bad[0].error_message}")
+        return outs
+
+    sync(dev)
+    t0 = time.perf_counter()
+    for i, rid in enumerate(ids):
+        check(engine.add_request(rid, InputChunk(0, hidden=prompts[i % len(prompts)]), params))
+    first: set[str] = set()
+    prefill_steps = 0
+    while len(first) < s:
+        first |= {o.request_id for o in check(engine.step()) if o.token_id is not None}
+        prefill_steps += 1
+    sync(dev)
+    t_prefill = time.perf_counter() - t0
+    timer = _TimedRun(engine.runners[engine.default_variant], dev)
+    feed, step_t, runner_t = [], [], []
+    pos = bc.prompt
+    t_start = time.perf_counter()
+    try:
+        for k in range(gen):
+            t0 = time.perf_counter()
+            for i, rid in enumerate(ids):  # the phones' boundary states for this position: [1, H] float32 each
+                check(engine.add_input(rid, InputChunk(pos, hidden=steps_in[(k + i) % len(steps_in)])))
+            t1 = time.perf_counter()
+            r0 = timer.total
+            outs = check(engine.step())
+            t2 = time.perf_counter()
+            if sum(o.token_id is not None for o in outs) != s:
+                raise RuntimeError(f"step {k}: {len(outs)} outputs for {s} sessions")
+            feed.append(t1 - t0)
+            step_t.append(t2 - t1)
+            runner_t.append(timer.total - r0)
+            pos += 1
+    finally:
+        timer.remove()
+    total = time.perf_counter() - t_start
+    if engine.seqs:
+        raise RuntimeError(f"{len(engine.seqs)} sessions still active after their last token")
+
+    def ms(xs):
+        return 1e3 * statistics.mean(xs)
+
+    return {"sessions": s, "steps": gen, "total_s": total, "tokens_per_s": s * gen / total,
+            "step_ms_mean": 1e3 * total / gen, "step_ms_median": 1e3 * statistics.median(
+                [a + b for a, b in zip(feed, step_t, strict=True)]),
+            "add_input_ms_mean": ms(feed), "engine_step_ms_mean": ms(step_t), "runner_ms_mean": ms(runner_t),
+            "engine_host_ms_mean": ms(step_t) - ms(runner_t), "prefill_s": t_prefill,
+            "prefill_steps": prefill_steps, "prefill_tokens_per_s": s * bc.prompt / t_prefill}
+
+
+def run_engine(bc: BenchConfig) -> dict:
+    """Direct fast path and the engine, same GPU, same process, same S: recorded under the ``engine`` key."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    variant = "bf16" if dev.type == "cuda" else "fp32"
+    cfg, hf_full = model_config(bc.preset, bc.split)
+    res = load_json(bc.merge)
+    out: dict = {"config": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+                            for k, v in asdict(bc).items()}, "env": env_info(dev), "errors": {}}
+    res["engine"] = out
+    log(f"env: {out['env']}")
+    bw = measure_bandwidth(dev, 4 * GIB if dev.type == "cuda" else 64 << 20)
+    out["bandwidth"] = bw
+    log(f"copy bandwidth: {bw['gb_per_s']:.0f} GB/s")
+    # 1. the fast path driven directly (tuned by the same cloud_server.fast.tuning code)
+    try:
+        t0 = time.perf_counter()
+        tune: dict = {}
+        model, kv, alloc, graphs, _ = build_fast(cfg, bc, dev, dtype, tune=tune if bc.tune_linear else None)
+        out["direct_build_s"] = time.perf_counter() - t0
+        out["direct"] = sweep(model, kv, alloc, graphs, bc, bc.sessions, dev, dtype, bw["gb_per_s"],
+                              side=bc.sessions)
+        del model, kv, alloc, graphs
+    except Exception as e:  # noqa: BLE001 - record and go on: one run must yield all it can
+        out["errors"]["direct"] = traceback.format_exc()
+        log(f"direct FAILED: {e}")
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    save(bc, res)
+    # 2. the engine: LLMEngine + FastGlmRunner (self-tuned), S sessions through the public API
+    try:
+        engine, runner, info = build_engine(bc, hf_full, dev, variant)
+        out["build"] = info
+        log(f"engine ready: {info}")
+        h = cfg.hidden_size
+        gen = torch.Generator().manual_seed(bc.seed + 3)
+        prompts = [torch.randn(bc.prompt, h, generator=gen) for _ in range(4)]  # [P, H] float32, as decoded
+        steps_in = [torch.randn(1, h, generator=gen) for _ in range(16)]  # [1, H] float32 per decode step
+        engine_sessions(engine, 1, bc, prompts, steps_in, dev, 4, "warm")  # first-call costs out of the way
+        out["sessions"] = {}
+        for s in bc.sessions:
+            r = engine_sessions(engine, s, bc, prompts, steps_in, dev, bc.gen, f"s{s}")
+            r["roofline"] = roofline(cfg, s, bc.prompt, bc.gen, r["step_ms_mean"], bw["gb_per_s"])
+            if dev.type == "cuda" and getattr(runner, "graphs", None) is not None and runner.graphs.use_graphs:
+                r["graph_replay_ms"] = gpu_step_ms(runner.graphs, s)  # the runner's own graph, back to back
+            d = out.get("direct", {}).get(str(s))
+            if d:
+                r["direct_step_ms_mean"] = d["step_ms_mean"]
+                r["overhead_ms_vs_direct"] = r["step_ms_mean"] - d["step_ms_mean"]
+                r["throughput_vs_direct"] = r["tokens_per_s"] / d["tokens_per_s"]
+            if "graph_replay_ms" in r:
+                r["overhead_ms_vs_replay"] = r["step_ms_mean"] - r["graph_replay_ms"]
+            out["sessions"][str(s)] = r
+            log(f"  engine S={s:3d}: step {r['step_ms_mean']:.3f} ms (add_input {r['add_input_ms_mean']:.3f}, "
+                f"engine.step {r['engine_step_ms_mean']:.3f} of which runner {r['runner_ms_mean']:.3f}), "
+                f"{r['tokens_per_s']:.0f} tok/s, roofline {100 * r['roofline']['fraction']:.1f} %"
+                + (f", direct {d['step_ms_mean']:.3f} ms" if d else "")
+                + (f", replay {r['graph_replay_ms']:.3f} ms" if "graph_replay_ms" in r else ""))
+            save(bc, res)
+        del engine, runner
+    except Exception as e:  # noqa: BLE001
+        out["errors"]["engine"] = traceback.format_exc()
+        log(f"engine FAILED: {e}")
+    summarize_engine(out)
+    save(bc, res)
+    return res
+
+
+def summarize_engine(out: dict) -> None:
+    """Headline figures of the engine section: per S, engine vs direct step, tokens/s and roofline fraction."""
+    rows = {}
+    for s, r in out.get("sessions", {}).items():
+        d = out.get("direct", {}).get(s, {})
+        rows[s] = {"engine_step_ms": r["step_ms_mean"], "engine_tokens_per_s": r["tokens_per_s"],
+                   "engine_roofline_fraction": r["roofline"]["fraction"],
+                   "direct_step_ms": d.get("step_ms_mean"), "direct_tokens_per_s": d.get("tokens_per_s"),
+                   "direct_roofline_fraction": d.get("roofline", {}).get("fraction"),
+                   "graph_replay_ms": r.get("graph_replay_ms"),
+                   "engine_overhead_ms_vs_replay": r.get("overhead_ms_vs_replay"),
+                   "engine_overhead_ms_vs_direct": r.get("overhead_ms_vs_direct")}
+    out["summary"] = rows
+    if rows:
+        print("\n== engine vs direct ==")
+        print(f"{'S':>4} {'engine ms':>10} {'direct ms':>10} {'replay ms':>10} {'eng tok/s':>10} {'dir tok/s':>10} "
+              f"{'eng roof':>9} {'dir roof':>9}")
+        for s, r in rows.items():
+            def f(v, fmt):
+                return format(v, fmt) if isinstance(v, (int, float)) else "-"
+            print(f"{s:>4} {f(r['engine_step_ms'], '10.3f')} {f(r['direct_step_ms'], '10.3f')} "
+                  f"{f(r['graph_replay_ms'], '10.3f')} {f(r['engine_tokens_per_s'], '10.0f')} "
+                  f"{f(r['direct_tokens_per_s'], '10.0f')} {f(r['engine_roofline_fraction'], '9.3f')} "
+                  f"{f(r['direct_roofline_fraction'], '9.3f')}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -973,7 +1082,9 @@ def parse_args(argv=None) -> BenchConfig:
     p.add_argument("--skip-checks", action="store_true", help="skip the on-device correctness checks")
     p.add_argument("--no-tune-linear", action="store_true", help="cuBLAS for every projection (no Triton GEMM)")
     p.add_argument("--out", type=Path, default=None, help="result JSON (rewritten after every section)")
-    p.add_argument("--merge", type=Path, default=None, help="earlier result JSON to extend (TP run)")
+    p.add_argument("--merge", type=Path, default=None, help="earlier result JSON to extend (TP / engine run)")
+    p.add_argument("--through-engine", action="store_true",
+                   help="S sessions through LLMEngine + FastGlmRunner beside the direct path ('engine' key)")
     a = p.parse_args(argv)
 
     def ints(s):
@@ -985,7 +1096,8 @@ def parse_args(argv=None) -> BenchConfig:
                        hf_sessions=ints(a.hf_sessions), hf_steps=a.hf_steps, hf_generate_tokens=a.hf_generate_tokens,
                        tp_sessions=ints(a.tp_sessions), tp=a.tp,
                        allreduce=tuple(x for x in a.allreduce.split(",") if x), seed=a.seed, skip_hf=a.skip_hf,
-                       skip_checks=a.skip_checks, tune_linear=not a.no_tune_linear, out=a.out, merge=a.merge)
+                       skip_checks=a.skip_checks, tune_linear=not a.no_tune_linear, out=a.out, merge=a.merge,
+                       through_engine=a.through_engine)
 
 
 def print_table(res: dict) -> None:
@@ -1003,6 +1115,11 @@ def print_table(res: dict) -> None:
 
 def main(argv=None) -> int:
     bc = parse_args(argv)
+    if bc.through_engine:
+        res = run_engine(bc)
+        if res["engine"].get("errors"):
+            print("errors in:", ", ".join(res["engine"]["errors"]))
+        return 0
     res = run_tp(bc) if bc.tp else run_single(bc)
     if not bc.tp or int(os.environ.get("RANK", "0")) == 0:
         print_table(res)

@@ -149,3 +149,39 @@ def load_full_model(lm, variant: str, device: str = "cpu", shard=None) -> CloudM
     if shard is not None:
         shard(model)
     return _finish(model, variant, device)
+
+
+def random_split_model(config, split_layer: int, variant: str, device: str = "cpu", seed: int = 0,
+                       eos_token_ids: list[int] | None = None) -> CloudModel:
+    """A back half of random weights (layers [split_layer, L) of ``config``), built directly on ``device``.
+
+    For benchmarks of full-size models without a bundle: the library's decoder-layer classes, as
+    :func:`load_split_model` gives them, but the weights are the library's random initialisation made on the
+    device itself, so a 9B model's half never passes through host memory. Speed does not depend on values.
+    """
+    from transformers import AutoModel
+
+    from cloud_server.back_half import back_config
+    from partition_tools.adapters import adapter_for_config
+
+    family = adapter_for_config(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    total = int(text.num_hidden_layers)
+    if not 0 < split_layer < total:
+        raise ConfigError(f"split layer must be in [1, {total - 1}] (got {split_layer})")
+    dtype = compute_dtype(variant, device)
+    half_cfg = back_config(config, split_layer, total)
+    if eos_token_ids is None:
+        eos = getattr(text, "eos_token_id", None)
+        eos_token_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])]
+    cuda = [torch.device(device).index or 0] if str(device).startswith("cuda") else []
+    with torch.random.fork_rng(devices=cuda):  # seeded without touching the caller's generators
+        torch.manual_seed(seed)
+        with torch.device(device):
+            decoder = AutoModel.from_config(half_cfg, dtype=dtype)
+            lm_head = torch.nn.Linear(half_cfg.hidden_size, half_cfg.vocab_size, bias=False, dtype=dtype)
+    decoder.embed_tokens = None  # the cloud half never embeds tokens: free the table
+    model = CloudModel(layers=decoder.layers, norm=decoder.norm, lm_head=lm_head,
+                       rotary=_fp32_rotary(decoder.rotary_emb, half_cfg), config=half_cfg, variant=variant,
+                       dtype=dtype, eos_token_ids=eos_token_ids, mrope=family.mrope)
+    return _finish(model, variant, device)

@@ -66,6 +66,10 @@ class Sampler:
                  histories: list[list[int]] | None = None) -> list[SampledToken]:
         """logits [S, V] float32 (CPU or device), one row per request -> one token each. ``histories``:
         each request's generated tokens (for the penalties)."""
+        if all(p.greedy and not p.penalized and p.logprobs is None for p in params):
+            # plain greedy rows: argmax where the logits are (first maximum = lowest id on ties, as below);
+            # only S ids cross to the host instead of S x V floats and S host-side argmaxes
+            return [SampledToken(int(t)) for t in logits.argmax(dim=-1).tolist()]
         logits = logits.float().cpu()
         histories = histories or [[] for _ in params]
         out = []

@@ -192,7 +192,7 @@ if HAVE_TRITON:
 @dataclass(slots=True)
 class DecodeWorkspace:
     """Scratch for the split partials, sized once for the largest batch (graph-capture safe), and the launch
-    config per batch size (tuned on the device by the benchmark; the heuristic where absent)."""
+    config per batch size (tuned on the device by :mod:`.tuning`; the heuristic where absent)."""
 
     max_batch: int
     num_heads: int

@@ -9,8 +9,8 @@ kernel streams it closest to the HBM bandwidth, and for the small GLM projection
 * :func:`skinny_linear` (batch <= 128): a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tile product on the tensor
   cores per program, streaming ``BLOCK_N`` weight rows over K.
 
-:class:`LinearChooser` maps (N, K, batch bucket) to the implementation and launch config that won; the
-benchmark fills it by timing the candidates over every layer's weights (as a decode step reads them) before
+:class:`LinearChooser` maps (N, K, batch bucket) to the implementation and launch config that won;
+:mod:`.tuning` fills it by timing the candidates over every layer's weights (as a decode step reads them) before
 the decode graphs are captured, after checking each Triton result against cuBLAS. Empty means cuBLAS.
 """
 

@@ -13,6 +13,10 @@ It shares the engine's KV pool tensors (``KVCachePool.k`` [L, NB * BS, KVH, D] i
 (:attr:`reserved_blocks`, which the engine's block manager never hands out). The library's q/k/v weights
 are re-pointed into the fused QKV tensor, so the fast path adds no weight memory.
 
+Startup tuning: on CUDA (with Triton) the constructor first times the projection kernels and the decode
+attention configs on this GPU (:func:`.tuning.tune`, ~30 s for the 9B half) and keeps the fastest, then
+captures the graphs; ``tune=False`` skips it (cuBLAS and the heuristic split). On the CPU nothing is tuned.
+
 Selection: :func:`fast_runner_factory` returns the engine's ``make_runner`` hook: the fast runner for float
 (bf16/fp16) variants of GLM-4 / GLM-4.1V models on CUDA at tensor-parallel size 1, the library's
 ``ModelRunner`` otherwise.
@@ -27,6 +31,8 @@ from .config import FAST_MODEL_TYPES, UnsupportedFastPath
 from .glm import FastGLM, PrefillMeta
 from .graphs import DecodeGraphs
 from .kv import NULL_BLOCK, KVPool, KVPoolConfig
+from .tuning import DEFAULT_CONTEXT
+from .tuning import tune as tune_for_device
 
 
 def _pool_view(pool, num_kv_heads: int, head_dim: int) -> KVPool:
@@ -58,7 +64,8 @@ class FastGlmRunner:
     reserved_blocks = (NULL_BLOCK,)
 
     def __init__(self, model, pool, max_batch: int = 64, max_model_len: int = 8192,
-                 use_graphs: bool | None = None, backend: str | None = None):
+                 use_graphs: bool | None = None, backend: str | None = None, tune: bool = True,
+                 tune_context: int = DEFAULT_CONTEXT):
         if getattr(model, "variant", None) == "int8":
             raise UnsupportedFastPath("the GLM fast path runs float variants (bf16/fp16/fp32), not int8")
         if max_batch <= 0 or max_model_len <= 0:
@@ -71,6 +78,8 @@ class FastGlmRunner:
         self.kv = _pool_view(pool, self.fast.local_kv_heads, self.fast.cfg.head_dim)
         self.max_blocks = -(-max_model_len // pool.block_size)
         self.graphs = DecodeGraphs(self.fast, self.kv, max_batch, self.max_blocks, use_graphs=use_graphs)
+        # what the startup tuning measured and chose (None: not tuned, e.g. on the CPU)
+        self.tuning = tune_for_device(self.fast, self.kv, self.graphs, tune_context) if tune else None
         self.graphs.capture()
 
     def _tables(self, tables: list[list[int]]) -> torch.Tensor:

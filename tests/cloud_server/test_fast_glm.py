@@ -325,6 +325,8 @@ def test_fast_runner_equals_the_engine_runner(tiny_bundle):
     ref = ModelRunner(model, pool())
     fast = FastGlmRunner(model, pool(), max_batch=4, max_model_len=48)
     assert fast.reserved_blocks == (0,)
+    # no startup tuning on the CPU: cuBLAS/torch everywhere, the heuristic decode split
+    assert fast.tuning is None and not fast.fast.linear.choice and not fast.graphs.workspace.configs
     g = torch.Generator().manual_seed(4)
     tabs = [[3, 4, 5], [7, 9, 2]]
 
@@ -364,6 +366,10 @@ def test_fast_runner_on_cuda_matches_the_engine_runner():
     ref = ModelRunner(model, pool(), batch_invariant=False)
     fast = fast_runner_factory(EngineConfig(device="cuda", max_num_seqs=4, max_model_len=64))(0, model, pool())
     assert isinstance(fast, FastGlmRunner) and fast.fast.backend == "triton" and fast.graphs.use_graphs
+    # the startup tuning ran before capture: every graph bucket has a measured decode-attention config
+    assert fast.tuning is not None and set(fast.tuning) >= {"linear", "attention", "seconds"}
+    assert set(fast.graphs.workspace.configs) == set(fast.graphs.buckets)
+    assert all(f"{name}@m1" in fast.tuning["linear"] for name in ("qkv", "o", "gate_up", "down", "lm_head"))
     g = torch.Generator().manual_seed(6)
     tabs = [[3, 4, 5, 6], [7, 9, 2, 8], [11, 12, 13, 14]]
 
@@ -383,6 +389,70 @@ def test_fast_runner_on_cuda_matches_the_engine_runner():
         a, f = ref.run(b), fast.run(b)
         err = float((a - f).norm() / a.norm())
         assert err < 3e-2, (q_lens, err)
+
+
+
+def test_tuning_is_a_no_op_off_cuda(tiny):
+    from cloud_server.fast import tuning
+
+    _, _, fast = tiny
+    kv = new_pool(fast)
+    graphs = DecodeGraphs(fast, kv, max_batch=4, max_blocks_per_seq=8)
+    assert not tuning.can_tune(fast)
+    assert tuning.tune(fast, kv, graphs) is None
+    assert not fast.linear.choice and not graphs.workspace.configs
+    # timed batch sizes: only those whose chooser bucket a graph of that many rows can use
+    assert tuning.linear_batches_for(1) == (1,) and tuning.linear_batches_for(64) == (1, 16, 64)
+    assert tuning.linear_batches_for(128) == tuning.linear_batches_for(4096) == (1, 16, 64, 128)
+
+
+def test_engine_over_a_random_back_half_matches_the_library_runner():
+    """The benchmark's engine mode on CPU: a random-weight back half built from a config, S sessions through
+    LLMEngine's public API (prompt chunk, then one hidden state per decode step) with the fast runner and
+    with the library's runner give the same greedy tokens."""
+    from cloud_server.config import EngineConfig
+    from cloud_server.engine.llm_engine import LLMEngine
+    from cloud_server.engine.sampling_params import SamplingParams
+    from cloud_server.engine.sequence import InputChunk
+    from cloud_server.fast.runner import FastGlmRunner
+    from cloud_server.model import random_split_model
+    from partition_tools.models import tiny_glm4v_config
+
+    cfg = tiny_glm4v_config()
+    a = random_split_model(cfg, 1, "fp32", "cpu", seed=3)
+    b = random_split_model(cfg, 1, "fp32", "cpu", seed=3)
+    assert a.num_layers == 3 and a.mrope and a.embed_tokens is None
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    with pytest.raises(Exception, match="split layer"):
+        random_split_model(cfg, 4, "fp32", "cpu")
+    ecfg = EngineConfig(device="cpu", variants=("fp32",), block_size=BLOCK, num_blocks=64, max_num_seqs=4,
+                        max_num_batched_tokens=32, max_model_len=64, enable_prefix_cache=False)
+    engines = {"fast": LLMEngine.from_models(ecfg, {"fp32": a}, make_runner=lambda i, m, p: FastGlmRunner(
+                   m, p, max_batch=4, max_model_len=64)),
+               "library": LLMEngine.from_models(ecfg, {"fp32": b})}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randn(n, a.hidden_size, generator=g) for n in (9, 5, 12)]
+    steps = [torch.randn(3, 1, a.hidden_size, generator=g) for _ in range(4)]
+    tokens = {}
+    for name, eng in engines.items():
+        params = SamplingParams(temperature=0.0, max_tokens=len(steps) + 1, ignore_eos=True)
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+        for i, p in enumerate(prompts):
+            assert eng.add_request(f"r{i}", InputChunk(0, hidden=p), params) == []
+        while any(not v for v in got.values()):
+            for o in eng.step():
+                got[o.request_id].append(o.token_id)
+        for k, hid in enumerate(steps):
+            for i, p in enumerate(prompts):
+                assert eng.add_input(f"r{i}", InputChunk(p.shape[0] + k, hidden=hid[i])) == []
+            outs = eng.step()
+            assert len(outs) == 3 and all(o.error_code is None for o in outs)
+            for o in outs:
+                got[o.request_id].append(o.token_id)
+        assert not eng.seqs  # max_tokens reached: every session finished
+        tokens[name] = got
+    assert tokens["fast"] == tokens["library"]
+    assert isinstance(engines["fast"].runners["fp32"], FastGlmRunner)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--tp-worker":

@@ -69,3 +69,13 @@ def test_logprobs_are_the_raw_distribution():
 def test_bad_parameters_are_refused(kw):
     with pytest.raises(SamplingParamsError):
         SamplingParams(**kw)
+
+
+def test_all_greedy_batch_takes_the_device_argmax_path_with_the_same_tokens():
+    # The all-greedy fast path (one argmax where the logits live) must pick what the per-row path picks,
+    # ties included: mixing in one logprobs request forces the per-row path for the same rows.
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 3.0, 3.0, 0.0], [-1.0, -2.0, -0.5, -0.5]])
+    greedy = [SamplingParams(temperature=0.0) for _ in range(3)]
+    fast = Sampler(0)(logits, greedy, [None] * 3)
+    slow = Sampler(0)(logits, greedy[:2] + [SamplingParams(temperature=0.0, logprobs=0)], [None] * 3)
+    assert [t.token_id for t in fast] == [t.token_id for t in slow] == [1, 0, 2]
