@@ -44,8 +44,10 @@ def sample_text() -> str:
 
 
 def calibration_ids(lm: LoadedModel, adapter: ModelAdapter, n_tokens: int) -> torch.Tensor:
+    """Calibration tokens: the *last* ``n_tokens`` of the built-in text, so they never overlap the first
+    1,024 tokens that ``verify`` and the benchmarks evaluate on."""
     if lm.tokenizer is not None:
-        ids = lm.tokenizer(sample_text(), return_tensors="pt").input_ids[:, :n_tokens]
+        ids = lm.tokenizer(sample_text(), return_tensors="pt").input_ids[:, -n_tokens:]
     else:  # random-weight presets: no vocabulary to speak of, any ids will do
         ids = torch.randint(4, adapter.vocab_size, (1, n_tokens), generator=torch.Generator().manual_seed(0))
     return ids  # [1, T]
@@ -63,17 +65,18 @@ def boundary_hidden(adapter: ModelAdapter, ids: torch.Tensor, layer: int) -> tor
 
 
 def calibrate(adapter: ModelAdapter, ids: torch.Tensor, layer: int, k: int) -> dict:
+    """Boundary statistics for the outlier-aware codecs (``shared.codecs``): which channels carry the
+    massive activations, and above which row magnitude a token (an attention sink) travels whole in fp16."""
+    from shared.codecs import find_outlier_channels, find_sink_threshold
+
     h = boundary_hidden(adapter, ids, layer)[0].float().numpy()  # [T, H]
-    chan_absmax = np.abs(h[1:]).max(axis=0)  # token 0 is an attention sink: judged separately
-    outliers = np.argsort(-chan_absmax)[:k]
-    tok_norm = np.linalg.norm(h, axis=1)
-    sinks = [int(i) for i in np.nonzero(tok_norm > 4 * np.median(tok_norm))[0][:4]]
+    outliers = find_outlier_channels(h, k)
     return {
         "layer": layer,
         "tokens": int(h.shape[0]),
-        "outlier_channels": [int(c) for c in outliers],
-        "channel_absmax": [round(float(x), 4) for x in chan_absmax],
-        "sink_positions": sinks,
+        "outlier_channels": outliers,
+        "sink_threshold": find_sink_threshold(h, outliers),
+        "channel_absmax": [round(float(x), 4) for x in np.abs(h).max(axis=0)],
         "boundary_absmax": float(np.abs(h).max()),
     }
 
@@ -104,7 +107,8 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
             steps.next(f"quantize edge weights to {cfg.edge_quant}")
             from .quantize import recipe_for
 
-            quant_report = quantize_front(fp32, out / FRONT, cfg.edge_quant, **recipe_for(adapter, cfg.layer))
+            recipe = recipe_for(adapter, cfg.layer, cfg.edge_quant, lm.tokenizer)
+            quant_report = quantize_front(fp32, out / FRONT, cfg.edge_quant, **recipe)
 
     # 2. cloud half -> safetensors + config
     steps.next(f"write layers [{cfg.layer}, {L}) + norm + lm_head")

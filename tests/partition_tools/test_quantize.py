@@ -1,0 +1,242 @@
+"""partition_tools.quantize + smoothing: MatMulNBits rewrite, per-node precision, embedding table, smoothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from partition_tools.adapters import ModelAdapter
+from partition_tools.evaluate import front_session
+from partition_tools.export import export_front
+from partition_tools.models import load_model
+from partition_tools.quantize import (
+    QuantizationError,
+    embedding_gathers,
+    module_path,
+    quantize_front,
+    quantize_table,
+    recipe_for,
+    weight_matmuls,
+)
+from partition_tools.smoothing import norm_fed_groups, smooth_norm_inputs
+
+N_FRONT = 2  # front layers exported per family
+
+
+@pytest.fixture(scope="module")
+def fronts(llama_dir, tmp_path_factory):
+    """family -> (loaded model, fp32 front graph path), exported once per module on first use."""
+    cache: dict[str, tuple] = {}
+
+    def get(family: str):
+        if family not in cache:
+            lm = load_model(str(llama_dir) if family == "llama" else family)
+            out = tmp_path_factory.mktemp(family) / "front.onnx"
+            cache[family] = (lm, export_front(ModelAdapter(lm.model), N_FRONT, out))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(params=["llama", "tiny-glm4v"])
+def front(request, fronts):
+    """Llama layout (conftest's checkpoint dir) and GLM-4.1V (3-D rope, fused gate_up, biases)."""
+    return fronts(request.param)
+
+
+def _feeds(path, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Prefill of ``ids [S]`` from an empty cache (shapes read from the graph's inputs)."""
+    feeds = {"input_ids": ids[None].astype(np.int64), "position_ids": np.arange(ids.size, dtype=np.int64)[None]}
+    for inp in front_session(path).get_inputs()[2:]:
+        feeds[inp.name] = np.zeros((1, inp.shape[1], 0, inp.shape[3]), np.float32)  # [1, KVH, 0, D]
+    return feeds
+
+
+def _hidden(path, ids: np.ndarray) -> np.ndarray:
+    return front_session(path).run(["hidden_states"], _feeds(path, ids))[0]  # [1, S, H]
+
+
+def _ids(lm, n: int = 24, seed: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).integers(4, ModelAdapter(lm.model).vocab_size, n)
+
+
+def _nodes(path, op_type: str) -> list[onnx.NodeProto]:
+    return [n for n in onnx.load(str(path)).graph.node if n.op_type == op_type]
+
+
+def _attr(node: onnx.NodeProto, name: str):
+    return next(helper.get_attribute_value(a) for a in node.attribute if a.name == name)
+
+
+def test_int8_recipe_quantizes_every_weight_and_stays_close(front, tmp_path):
+    lm, fp32 = front
+    expected = weight_matmuls(onnx.load(str(fp32)))
+    dst = tmp_path / "int8.onnx"
+    report = quantize_front(fp32, dst, "int8", **recipe_for(ModelAdapter(lm.model), N_FRONT, "int8", lm.tokenizer))
+    q = onnx.load(str(dst))
+    inits = {i.name for i in q.graph.initializer}
+    assert not [n for n in q.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    nbits = _nodes(dst, "MatMulNBits")
+    assert len(nbits) == len(expected) == report["quantized_matmuls"]
+    assert {(_attr(n, "bits"), _attr(n, "block_size"), _attr(n, "accuracy_level")) for n in nbits} == {(8, 32, 4)}
+    assert len(_nodes(dst, "GatherBlockQuantized")) == 1 and not embedding_gathers(q)
+    assert report["smoothing"]["groups"] == 2 * N_FRONT  # q/k/v and the MLP input of every layer
+    assert report["embedding"].startswith("int8") and report["bytes"] < 0.8 * fp32.stat().st_size  # tiny graphs: metadata weighs too
+    ids = _ids(lm)
+    ref, out = _hidden(fp32, ids), _hidden(dst, ids)
+    assert np.abs(out - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_int4_recipe_runs_and_is_not_absurd(front, tmp_path):
+    lm, fp32 = front
+    dst = tmp_path / "int4.onnx"
+    quantize_front(fp32, dst, "int4", **recipe_for(ModelAdapter(lm.model), N_FRONT, "int4", lm.tokenizer))
+    assert {_attr(n, "bits") for n in _nodes(dst, "MatMulNBits")} == {4}
+    ids = _ids(lm)
+    ref, out = _hidden(fp32, ids), _hidden(dst, ids)
+    assert np.isfinite(out).all() and np.abs(out - ref).max() < 0.5 * np.abs(ref).max()
+
+
+def test_smoothing_keeps_the_fp32_function(front, tmp_path):
+    lm, fp32 = front
+    model = onnx.load(str(fp32))
+    before = {i.name: numpy_helper.to_array(i).copy() for i in model.graph.initializer}
+    assert len(norm_fed_groups(model)) == 2 * N_FRONT
+    assert smooth_norm_inputs(model, _ids(lm, 64, seed=5), alpha=0.5) == [ModelAdapter(lm.model).hidden_size] * 4
+    changed = [i.name for i in model.graph.initializer
+               if i.name in before and not np.allclose(numpy_helper.to_array(i), before[i.name], rtol=1e-3)]
+    assert len(changed) >= 2 * N_FRONT  # norm weights and the MatMul weights behind them were rescaled
+    dst = tmp_path / "smoothed.onnx"
+    onnx.save(model, str(dst))
+    ids = _ids(lm)
+    ref, out = _hidden(fp32, ids), _hidden(dst, ids)
+    assert np.abs(out - ref).max() < 1e-4 * np.abs(ref).max() + 1e-5
+
+
+def test_smoothing_rejects_bad_alpha_and_ids(front):
+    lm, fp32 = front
+    model = onnx.load(str(fp32))
+    with pytest.raises(ValueError, match="alpha"):
+        smooth_norm_inputs(model, _ids(lm), alpha=1.0)
+    with pytest.raises(ValueError, match="1-D"):
+        smooth_norm_inputs(model, _ids(lm).reshape(4, -1))
+
+
+def test_module_paths_name_the_torch_modules(fronts):
+    _, fp32 = fronts("llama")
+    names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    want = {f"layers.{i}.{n}" for i in range(N_FRONT) for n in names}
+    assert set(weight_matmuls(onnx.load(str(fp32))).values()) == want
+    gather = next(n for n in onnx.load(str(fp32)).graph.node if n.op_type == "Gather")
+    assert module_path(gather) == "embed_tokens"
+
+
+def test_precise_and_keep_float_pick_nodes_by_module_path(fronts, tmp_path):
+    lm, fp32 = fronts("llama")
+    dst = tmp_path / "mixed.onnx"
+    report = quantize_front(fp32, dst, "int8", precise=["layers.0.self_attn.*"], keep_float=["layers.1.mlp.down_proj"])
+    assert report["precise_matmuls"] == [f"layers.0.self_attn.{p}_proj" for p in "koqv"]
+    assert report["float_matmuls"] == ["layers.1.mlp.down_proj"]
+    q = onnx.load(str(dst))
+    levels = {n.name: _attr(n, "accuracy_level") for n in q.graph.node if n.op_type == "MatMulNBits"}
+    paths = weight_matmuls(onnx.load(str(fp32)))
+    precise = {f"{name}_Q8" for name, p in paths.items() if p.startswith("layers.0.self_attn.")}
+    assert {k for k, v in levels.items() if v == 1} == precise and set(levels.values()) == {1, 4}
+    left = [module_path(n) for n in q.graph.node if n.op_type == "MatMul" and n.name in paths]
+    assert left == ["layers.1.mlp.down_proj"]
+    ids = _ids(lm)
+    ref, out = _hidden(fp32, ids), _hidden(dst, ids)
+    assert np.abs(out - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def _gather_graph(table: np.ndarray, path) -> None:
+    node = helper.make_node("Gather", ["table", "input_ids"], ["out"], name="node_embedding")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [None])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(table, "table")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+
+
+@pytest.mark.parametrize(("bits", "block"), [(8, 32), (8, 16), (4, 32), (4, 16)])
+def test_embedding_table_matches_numpy_dequantization(bits, block, tmp_path):
+    rng = np.random.default_rng(bits * block)
+    table = rng.standard_normal((37, 48)).astype(np.float32)  # 48 = 1.5 blocks of 32: a partial last block
+    table[5, 7] = 300.0  # a massive value only degrades its own block
+    table[9] = 0.0  # an all-zero row must survive (scale 1, codes at the zero point)
+    _gather_graph(table, tmp_path / "g.onnx")
+    report = quantize_front(tmp_path / "g.onnx", tmp_path / "q.onnx", "int8", embedding=f"int{bits}",
+                            embedding_block_size=block)
+    assert report["embedding"] == f"int{bits} GatherBlockQuantized block {block}"
+    ids = np.arange(37, dtype=np.int64)
+    got = front_session(tmp_path / "q.onnx").run(None, {"input_ids": ids})[0]  # [V, H]
+    codes, scales = quantize_table(table, bits, block)
+    want = (codes.astype(np.float32) - (1 << (bits - 1))) * np.repeat(scales, block, axis=1)[:, :48]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    err_bound = np.repeat(scales, block, axis=1)[:, :48] / 2 + 1e-6
+    assert (np.abs(got - table) <= err_bound).all()
+    assert (got[9] == 0).all()
+    clean = [b for b in range(-(-48 // block)) if not (b * block <= 7 < (b + 1) * block)]
+    assert all(scales[5, b] < 10 for b in clean)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"mode": "int3"}, "edge quantization 'int3'"),
+    ({"embedding": "int2"}, "embedding quantization"),
+    ({"accuracy_level": 7}, "accuracy level 7"),
+    ({"block_size": 24}, "block size 24"),
+    ({"embedding": "int8", "embedding_block_size": 8}, "embedding block size 8"),
+    ({"smooth_alpha": 0.5}, "calibration_ids"),
+])
+def test_bad_arguments_raise_one_line_errors(kwargs, match, tmp_path):
+    _gather_graph(np.ones((4, 32), np.float32), tmp_path / "g.onnx")
+    kwargs = {"mode": "int8", **kwargs}
+    with pytest.raises(QuantizationError, match=match) as e:
+        quantize_front(tmp_path / "g.onnx", tmp_path / "q.onnx", kwargs.pop("mode"), **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_recipe_is_only_for_quantized_modes(front):
+    lm, _ = front
+    with pytest.raises(QuantizationError, match="no quantization recipe"):
+        recipe_for(ModelAdapter(lm.model), N_FRONT, "fp32")
+
+
+@pytest.mark.slow
+def test_smollm2_int8_front_meets_the_quality_and_speed_goal(tmp_path):
+    """The issue's goal: SmolLM2 split at 8, default int8 edge, fp16 boundary, 1,024 tokens of real text.
+
+    Speed is checked with one intra-op thread: with two, another job on a shared 2-core machine stalls
+    every parallel section of both graphs and the ratio measures the machine, not the graphs
+    (``bench/edge_quant_bench.py --gate`` checks the two-thread number on an otherwise idle machine).
+    """
+    import time
+
+    from partition_tools.evaluate import evaluate_split, fp16_round_trip
+    from partition_tools.split import SplitConfig, split
+
+    lm = load_model("smollm2")
+    manifest = split(lm, SplitConfig(layer=8, out=tmp_path / "b", edge_quant="fp32"))
+    fp32 = tmp_path / "b" / "edge" / "front.onnx"
+    int8 = tmp_path / "int8.onnx"
+    quantize_front(fp32, int8, "int8", **recipe_for(ModelAdapter(lm.model), 8, "int8", lm.tokenizer))
+    r = evaluate_split(tmp_path / "b", front_onnx_path=int8, codec=fp16_round_trip, lm=lm)
+    assert r["tokens"] >= 1000
+    assert r["top1_agreement"] >= 0.98 and r["mean_kl"] <= 0.003 and r["ppl_delta_pct"] <= 1.0, r
+    rng = np.random.default_rng(0)
+    feeds = {"input_ids": np.array([[42]]), "position_ids": np.array([[256]])}
+    for i in range(8):
+        for kind in ("key", "value"):  # [1, KVH, 256, D]
+            feeds[f"past_{kind}.{i}"] = rng.standard_normal((1, manifest.num_kv_heads, 256, 64)).astype(np.float32)
+    sessions = [front_session(fp32, threads=1), front_session(int8, threads=1)]
+    times: list[list[float]] = [[], []]
+    for _ in range(20):  # alternating blocks of 10 steps (after one warm-up step): same load for both
+        for s, t in zip(sessions, times):
+            s.run(None, feeds)
+            for _ in range(10):
+                start = time.perf_counter()
+                s.run(None, feeds)
+                t.append(time.perf_counter() - start)
+    assert np.median(times[0]) / np.median(times[1]) >= 1.5
