@@ -290,6 +290,14 @@ class SplitEndpoint:
     def _rope(w: P.WireArray | None) -> torch.Tensor | None:
         return None if w is None else torch.from_numpy(w.to_numpy().astype(np.int64))  # [3, n]
 
+    def _decode_inputs(self, session: Session, rid: str, msg: P.Prefill | P.DecodeStep):
+        """The message's hidden states and optional 3-D rope positions, or None after failing the request."""
+        try:
+            return self._decode_hidden(session, msg.hidden), self._rope(msg.rope_positions)
+        except P.ProtocolError as e:
+            self._fail_request(session, rid, e.code, e.message)
+            return None
+
     def _on_prefill(self, session: Session, msg: P.Prefill, nbytes: int) -> None:
         rid = msg.request_id
         if rid in session.dead:
@@ -298,12 +306,10 @@ class SplitEndpoint:
         if rec is not None and not rec.active:
             self._error(session, "duplicate_request", f"request {rid!r} already finished", rid)
             return
-        try:
-            hidden = self._decode_hidden(session, msg.hidden)
-            rope = self._rope(msg.rope_positions)
-        except P.ProtocolError as e:
-            self._fail_request(session, rid, e.code, e.message)
+        inputs = self._decode_inputs(session, rid, msg)
+        if inputs is None:
             return
+        hidden, rope = inputs
         self.rt.metrics.on_uplink(nbytes, msg.hidden.codec, msg.n_tokens)
         end = msg.start + msg.n_tokens
         if end > self.limits.max_context:
@@ -359,12 +365,10 @@ class SplitEndpoint:
         if rec is None or not rec.active:
             self._error(session, "unknown_request", f"no open request {rid!r}", rid)
             return
-        try:
-            hidden = self._decode_hidden(session, msg.hidden)
-            rope = self._rope(msg.rope_positions)
-        except P.ProtocolError as e:
-            self._fail_request(session, rid, e.code, e.message)
+        inputs = self._decode_inputs(session, rid, msg)
+        if inputs is None:
             return
+        hidden, rope = inputs
         self.rt.metrics.on_uplink(nbytes, msg.hidden.codec, 1)
         if msg.position != rec.received:
             self._fail_request(session, rid, "bad_position", f"DecodeStep at {msg.position}, the server "
