@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from shared import codecs as C
-from shared import protocol as P
+from shared import codecs as C  # noqa: E402 (run as a script from bench/)
+from shared import protocol as P  # noqa: E402
 
 GOALS = {  # docs/quality.md: judged with an fp32 edge
     "near_lossless": {"bytes_per_element": 1.05, "top1_agreement": 0.995, "mean_kl": 0.001},

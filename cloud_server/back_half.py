@@ -67,7 +67,7 @@ class BackHalf(torch.nn.Module):
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu", verify: bool = True) -> "BackHalf":
+                    device: str | torch.device = "cpu", verify: bool = True) -> BackHalf:
         from safetensors.torch import load_file
         from transformers import AutoConfig
 

@@ -143,7 +143,8 @@ class EdgeClient:
                           **_sampling_defaults(kwargs))
         aq: asyncio.Queue = asyncio.Queue()
         gen = AsyncGeneration(self, spec, aq)
-        sink = lambda item: caller.call_soon_threadsafe(aq.put_nowait, item)
+        def sink(item):
+            return caller.call_soon_threadsafe(aq.put_nowait, item)
         gen._future = asyncio.run_coroutine_threadsafe(self.session.run(spec, sink, gen.stats), self._loop)
         return gen
 

@@ -88,7 +88,7 @@ class Manifest:
         (Path(bundle_dir) / MANIFEST_NAME).write_text(self.to_json())
 
     @classmethod
-    def load(cls, bundle_dir: str | Path) -> "Manifest":
+    def load(cls, bundle_dir: str | Path) -> Manifest:
         path = Path(bundle_dir) / MANIFEST_NAME
         if not Path(bundle_dir).is_dir():
             raise BundleError(f"{bundle_dir}: no such bundle directory")

@@ -98,7 +98,7 @@ def test_cut_tcp_connection_repeatedly(tiny_bundle, cloud, reference):
     with CuttableProxy(cloud.port) as proxy, \
             EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=FAST_RETRY) as c:
         gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
-        for i, (token, _) in enumerate(gen.iter_tokens()):
+        for i, (_token, _) in enumerate(gen.iter_tokens()):
             if i in (2, 6):  # cut the link twice while tokens flow
                 proxy.cut()
                 time.sleep(0.05)
