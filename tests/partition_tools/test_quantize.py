@@ -204,27 +204,42 @@ def test_recipe_is_only_for_quantized_modes(front):
         recipe_for(ModelAdapter(lm.model), N_FRONT, "fp32")
 
 
-@pytest.mark.slow
-def test_smollm2_int8_front_meets_the_quality_and_speed_goal(tmp_path):
-    """The issue's goal: SmolLM2 split at 8, default int8 edge, fp16 boundary, 1,024 tokens of real text.
+@pytest.fixture(scope="module")
+def smollm2_l8(tmp_path_factory, smollm2_lm):
+    """SmolLM2 split at 8 (fp32 front) plus the default int8 front quantized from it."""
+    from partition_tools.split import SplitConfig, split
 
-    Speed is checked with one intra-op thread: with two, another job on a shared 2-core machine stalls
-    every parallel section of both graphs and the ratio measures the machine, not the graphs
+    out = tmp_path_factory.mktemp("smollm2-l8") / "b"
+    manifest = split(smollm2_lm, SplitConfig(layer=8, out=out, edge_quant="fp32"))
+    int8 = out.parent / "int8.onnx"
+    recipe = recipe_for(ModelAdapter(smollm2_lm.model), 8, "int8", smollm2_lm.tokenizer)
+    quantize_front(out / "edge" / "front.onnx", int8, "int8", **recipe)
+    return manifest, out, int8
+
+
+def test_smollm2_int8_front_meets_the_quality_goal(smollm2_l8, smollm2_lm):
+    """The issue's gate on real weights: SmolLM2 split at 8, default int8 edge, fp16 boundary, >= 1,000
+    tokens of real text: top-1 >= 0.98, mean KL <= 0.003, perplexity within +1 %."""
+    from partition_tools.evaluate import evaluate_split, fp16_round_trip
+
+    _, bundle, int8 = smollm2_l8
+    r = evaluate_split(bundle, front_onnx_path=int8, codec=fp16_round_trip, lm=smollm2_lm)
+    assert r["tokens"] >= 1000
+    assert r["top1_agreement"] >= 0.98 and r["mean_kl"] <= 0.003 and r["ppl_delta_pct"] <= 1.0, r
+
+
+@pytest.mark.slow
+def test_smollm2_int8_front_decode_is_faster_than_fp32(smollm2_l8):
+    """Speed half of the goal (a benchmark, so slow-marked): one decode step at past 256.
+
+    Checked with one intra-op thread: with two, another job on a shared 2-core machine stalls every
+    parallel section of both graphs and the ratio measures the machine, not the graphs
     (``bench/edge_quant_bench.py --gate`` checks the two-thread number on an otherwise idle machine).
     """
     import time
 
-    from partition_tools.evaluate import evaluate_split, fp16_round_trip
-    from partition_tools.split import SplitConfig, split
-
-    lm = load_model("smollm2")
-    manifest = split(lm, SplitConfig(layer=8, out=tmp_path / "b", edge_quant="fp32"))
-    fp32 = tmp_path / "b" / "edge" / "front.onnx"
-    int8 = tmp_path / "int8.onnx"
-    quantize_front(fp32, int8, "int8", **recipe_for(ModelAdapter(lm.model), 8, "int8", lm.tokenizer))
-    r = evaluate_split(tmp_path / "b", front_onnx_path=int8, codec=fp16_round_trip, lm=lm)
-    assert r["tokens"] >= 1000
-    assert r["top1_agreement"] >= 0.98 and r["mean_kl"] <= 0.003 and r["ppl_delta_pct"] <= 1.0, r
+    manifest, bundle, int8 = smollm2_l8
+    fp32 = bundle / "edge" / "front.onnx"
     rng = np.random.default_rng(0)
     feeds = {"input_ids": np.array([[42]]), "position_ids": np.array([[256]])}
     for i in range(8):
