@@ -62,6 +62,7 @@ class LLMEngine:
         self.metrics = metrics
         self.seqs: dict[str, Sequence] = {}
         first = next(iter(runners.values())).model
+        self._first_model = first  # input checks read its sizes on every add_input
         self.eos_token_ids = list(first.eos_token_ids)
         self.vocab_size = first.vocab_size
 
@@ -135,7 +136,7 @@ class LLMEngine:
         return [self._finish(s, "timeout", "timeout", f"no input for {timeout_s:g} s") for s in stale]
 
     def _check_input(self, chunk: InputChunk) -> None:
-        model = next(iter(self.runners.values())).model
+        model = self._first_model
         if chunk.hidden is not None and chunk.hidden.shape[1] != model.hidden_size:
             raise RequestError("bad_input", f"hidden size {chunk.hidden.shape[1]}, the model's is "
                                             f"{model.hidden_size}")
@@ -169,30 +170,36 @@ class LLMEngine:
         return self.runners[batch.variant].run(flat)
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
-        outputs = []
-        to_sample = [it.seq for it in batch.items if it.sample]
+        items = batch.items
+        to_sample = [it.seq for it in items if it.sample]
         sampled = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
                                [s.output_ids for s in to_sample]) if to_sample else []
         now = time.monotonic()
-        for it in batch.items:
-            it.seq.num_computed = it.chunk.end
-            self.scheduler.publish_prefix(it.seq)
+        publish = self.scheduler.publish_prefix
+        for it in items:
+            seq = it.seq
+            seq.num_computed = it.chunk.end
+            if seq.prefix_keys:
+                publish(seq)
+        metrics, stop_reason = self.metrics, self._stop_reason
+        outputs = []
         for seq, tok in zip(to_sample, sampled, strict=True):
-            seq.output_ids.append(tok.token_id)
-            if self.metrics is not None:
-                self.metrics.on_token(seq, now)
+            token = tok.token_id
+            seq.output_ids.append(token)
+            if metrics is not None:
+                metrics.on_token(seq, now)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.last_token_time = now
-            reason = self._stop_reason(seq, tok.token_id)
-            out = RequestOutput(seq.request_id, tok.token_id, tok.logprob, tok.top_logprobs,
+            reason = stop_reason(seq, token)
+            out = RequestOutput(seq.request_id, token, tok.logprob, tok.top_logprobs,
                                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                                 num_output_tokens=len(seq.output_ids))
             if reason is not None:
                 out.finish_reason = reason
                 self._release(seq, reason)
             elif seq.feed_back_tokens:
-                seq.push(InputChunk(seq.num_received, token_ids=torch.tensor([tok.token_id])))
+                seq.push(InputChunk(seq.num_received, token_ids=torch.tensor([token])))
             else:
                 seq.waiting_since = now
             outputs.append(out)

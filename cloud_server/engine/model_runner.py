@@ -40,23 +40,68 @@ class Batch:
         return int(self.positions.shape[0])
 
 
+# Chunks up to this many positions are flattened as Python ints (decode steps, short chunks: one
+# ``torch.tensor`` per field for the whole batch); longer prefill chunks as tensor ops (cheaper per position).
+_LIST_MAX = 64
+
+
+class _Int64Column:
+    """A flat int64 column appended to in order, as runs of Python ints or whole tensors; one tensor at the end."""
+
+    __slots__ = ("parts", "run")
+
+    def __init__(self):
+        self.parts: list[torch.Tensor] = []
+        self.run: list[int] = []
+
+    def _flush(self) -> None:
+        self.parts.append(torch.tensor(self.run, dtype=torch.long))  # copies: the run list is reused
+        self.run.clear()
+
+    def add_tensor(self, t: torch.Tensor) -> None:
+        if self.run:
+            self._flush()
+        self.parts.append(t)
+
+    def tensor(self) -> torch.Tensor:
+        if self.run or not self.parts:
+            self._flush()
+        return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+
+
 def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: list[bool]) -> Batch:
-    """Flatten scheduled input chunks (``InputChunk`` list, same order as ``block_tables``) into a Batch."""
-    positions, slots, q_lens, c_lens, rows, hiddens, ids, ropes = [], [], [], [], [], [], [], []
+    """Flatten scheduled input chunks (``InputChunk`` list, same order as ``block_tables``) into a Batch.
+
+    Position ``p`` of a chunk goes to pool slot ``table[p // block_size] * block_size + p % block_size``."""
+    if not chunks:
+        raise ValueError("an empty batch")
+    positions, slots = _Int64Column(), _Int64Column()
+    pos_run, slot_run = positions.run, slots.run
+    q_lens, c_lens, rows, hiddens, ids, ropes = [], [], [], [], [], []
     any_rope = any(c.rope_positions is not None for c in chunks)
+    bs = block_size
     t = 0
     for chunk, table, want in zip(chunks, block_tables, sample, strict=True):
-        pos = torch.arange(chunk.start, chunk.end)  # [n]
-        tab = torch.tensor(table, dtype=torch.long)
-        positions.append(pos)
-        slots.append(tab[pos // block_size] * block_size + pos % block_size)
-        q_lens.append(chunk.n)
-        c_lens.append(chunk.end)
-        t += chunk.n
+        start, end, n = chunk.start, chunk.end, chunk.n
+        if n == 1:  # a decode step
+            pos_run.append(start)
+            slot_run.append(table[start // bs] * bs + start % bs)
+        elif n <= _LIST_MAX:
+            pos_run.extend(range(start, end))
+            slot_run.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+        else:
+            pos = torch.arange(start, end)  # [n]
+            tab = torch.tensor(table, dtype=torch.long)
+            positions.add_tensor(pos)
+            slots.add_tensor(tab[pos // bs] * bs + pos % bs)
+        q_lens.append(n)
+        c_lens.append(end)
+        t += n
         if want:
             rows.append(t - 1)
         if any_rope:  # text positions ride on all three axes
-            ropes.append(chunk.rope_positions if chunk.rope_positions is not None else pos.expand(3, -1))
+            r = chunk.rope_positions
+            ropes.append(r if r is not None else torch.arange(start, end).expand(3, -1))
         if chunk.hidden is not None:
             hiddens.append(chunk.hidden)
         else:
@@ -64,7 +109,7 @@ def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: 
     if hiddens and ids:
         raise ValueError("a batch mixes hidden-state and token-id inputs")
     return Batch(
-        positions=torch.cat(positions), slot_mapping=torch.cat(slots), query_lens=q_lens, context_lens=c_lens,
+        positions=positions.tensor(), slot_mapping=slots.tensor(), query_lens=q_lens, context_lens=c_lens,
         block_tables=[list(tb) for tb in block_tables], logits_indices=torch.tensor(rows, dtype=torch.long),
         hidden=torch.cat(hiddens).float() if hiddens else None, input_ids=torch.cat(ids) if ids else None,
         rope_positions=torch.cat(ropes, dim=1).long() if ropes else None,

@@ -117,22 +117,27 @@ class Scheduler:
         budget, slots = self.config.max_num_batched_tokens, self.config.max_num_seqs
         chosen: dict[str, list[ScheduledChunk]] = {}
         blocked_running = False
-        ready = [s for s in self.running if s.ready]
-        ready.sort(key=lambda s: (s.num_ready_tokens > 1, s.arrival_time))
-        for seq in ready:
+        # (seq, ready positions): each sequence's readiness is read once per step
+        ready = [(s, n) for s in self.running if (n := s.num_ready_tokens)]
+        ready.sort(key=lambda p: (p[1] > 1, p[0].arrival_time))  # stable: decode steps first, oldest first
+        for seq, n in ready:
             if budget == 0 or slots == 0:
                 break
-            k = self._fit(seq, budget)
+            k = self._fit(seq, budget, n)
             if k == 0:
                 blocked_running = True
                 continue
-            chosen.setdefault(seq.variant, []).append(ScheduledChunk(seq, *seq.take(k)))
+            items = chosen.get(seq.variant)
+            if items is None:
+                items = chosen[seq.variant] = []
+            items.append(ScheduledChunk(seq, *seq.take(k)))
             budget, slots = budget - k, slots - 1
         while self.waiting and budget > 0 and slots > 0:
             seq = self.waiting[0]
-            if not seq.ready:  # its first chunk is still arriving in pieces? (never: add() pushes one)
+            n = seq.num_ready_tokens
+            if not n:  # its first chunk is still arriving in pieces? (never: add() pushes one)
                 break
-            k = self._fit(seq, budget)
+            k = self._fit(seq, budget, n)
             if k == 0:
                 break  # FCFS: later arrivals do not overtake a blocked one
             self.waiting.popleft()
@@ -146,20 +151,26 @@ class Scheduler:
             victims.append(max(self.running, key=lambda s: s.arrival_time))
         return batches, victims
 
-    def _fit(self, seq: Sequence, budget: int) -> int:
-        """Positions of ``seq`` to run now (<= budget), with KV blocks allocated for them; 0 if none fit."""
-        bm = self.block_managers[seq.variant]
+    def _fit(self, seq: Sequence, budget: int, ready: int) -> int:
+        """Positions of ``seq`` to run now (<= budget, <= its ``ready`` positions), with KV blocks allocated
+        for them; 0 if none fit."""
         bs = self.config.block_size
-        k = min(seq.num_ready_tokens, budget)
-        capacity = (len(seq.block_table) + bm.num_free_blocks) * bs - seq.num_computed
+        k = min(ready, budget)
+        table, computed = seq.block_table, seq.num_computed
+        if 0 < k and computed + k <= len(table) * bs:  # the common decode step: its blocks are already held
+            return k
+        bm = self.block_managers[seq.variant]
+        capacity = (len(table) + bm.num_free_blocks) * bs - computed
         k = min(k, capacity)
-        if k <= 0 or not bm.ensure(seq.block_table, seq.num_computed + k):
+        if k <= 0 or not bm.ensure(table, computed + k):
             return 0
         return k
 
     # -- after the step -----------------------------------------------------------------------
     def publish_prefix(self, seq: Sequence) -> None:
         """Publish ``seq``'s newly completed prefix blocks under their keys."""
+        if seq.num_registered_blocks >= len(seq.prefix_keys):  # nothing left to publish (or no keys at all)
+            return
         bm = self.block_managers[seq.variant]
         full = min(seq.num_computed // self.config.block_size, len(seq.prefix_keys))
         for i in range(seq.num_registered_blocks, full):

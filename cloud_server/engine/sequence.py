@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -37,6 +37,10 @@ class InputChunk:
     last: bool = True  # sample a token after this chunk
     # [3, n] int64 multimodal RoPE positions (GLM-4.1V images); None: the sequence positions on all axes
     rope_positions: torch.Tensor | None = None
+    # positions carried and the first position after them; derived once here (the scheduler and
+    # build_batch read them many times per step), so a chunk's fields are not reassigned after construction
+    n: int = field(init=False, repr=False, compare=False)
+    end: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if (self.hidden is None) == (self.token_ids is None):
@@ -47,18 +51,12 @@ class InputChunk:
             raise ValueError(f"hidden states must be [n, H], got shape {tuple(self.hidden.shape)}")
         if self.token_ids is not None and self.token_ids.dim() != 1:
             raise ValueError(f"token ids must be [n], got shape {tuple(self.token_ids.shape)}")
+        self.n = int((self.hidden if self.hidden is not None else self.token_ids).shape[0])
+        self.end = self.start + self.n
         if self.n == 0:
             raise ValueError("empty input chunk")
         if self.rope_positions is not None and tuple(self.rope_positions.shape) != (3, self.n):
             raise ValueError(f"rope positions must be [3, {self.n}], got {tuple(self.rope_positions.shape)}")
-
-    @property
-    def n(self) -> int:
-        return int((self.hidden if self.hidden is not None else self.token_ids).shape[0])
-
-    @property
-    def end(self) -> int:
-        return self.start + self.n
 
     def split(self, k: int) -> tuple[InputChunk, InputChunk]:
         """The first ``k`` positions (never ``last``) and the rest."""
@@ -130,7 +128,13 @@ class Sequence:
 
     @property
     def num_ready_tokens(self) -> int:
-        return self.pending[0].n if self.ready else 0
+        """Positions of the ready chunk (0 if not ready); one check, read once per step by the scheduler."""
+        pending = self.pending
+        if pending and self.status is not SequenceStatus.FINISHED:
+            head = pending[0]
+            if head.start == self.num_computed:
+                return head.n
+        return 0
 
     def take(self, k: int) -> tuple[InputChunk, bool]:
         """Pop up to ``k`` ready positions; returns the chunk and whether to sample after it."""

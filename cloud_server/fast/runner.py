@@ -24,7 +24,6 @@ Selection: :func:`fast_runner_factory` returns the engine's ``make_runner`` hook
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .config import FAST_MODEL_TYPES, UnsupportedFastPath
@@ -72,6 +71,7 @@ class FastGlmRunner:
             raise ValueError("max_batch and max_model_len must be positive")
         self.model, self.pool = model, pool
         self.device = pool.k.device
+        self._pin = self.device.type == "cuda"  # page-locked staging buffers for the per-step uploads
         self.fast = FastGLM.from_modules(model.layers, model.norm, model.lm_head, model.config, dtype=model.dtype,
                                          device=self.device, backend=backend)
         _alias_qkv(model.layers, self.fast)
@@ -82,37 +82,59 @@ class FastGlmRunner:
         self.tuning = tune_for_device(self.fast, self.kv, self.graphs, tune_context) if tune else None
         self.graphs.capture()
 
+    def _staged(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer to fill and upload: page-locked on CUDA, so the copy is a true async DMA.
+
+        Taken from PyTorch's caching host allocator, which records the copy's stream event and does not hand
+        the block out again before the copy is done, so refilling next step is safe without a sync."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self._pin)
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device (through a pinned staging buffer on CUDA); device tensors pass through."""
+        if t.device == self.device or not self._pin:
+            return t.to(self.device, non_blocking=True)
+        staged = self._staged(tuple(t.shape), t.dtype)
+        staged.copy_(t)
+        return staged.to(self.device, non_blocking=True)
+
     def _tables(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(t) for t in tables))
-        arr = np.full((len(tables), width), NULL_BLOCK, dtype=np.int32)
+        staged = self._staged((len(tables), width), torch.int32)
+        arr = staged.numpy()
+        arr.fill(NULL_BLOCK)
         for i, t in enumerate(tables):
             arr[i, : len(t)] = t
-        return torch.from_numpy(arr).to(self.device, non_blocking=True)  # [B, W] int32
+        return staged.to(self.device, non_blocking=True)  # [B, W] int32
 
     @torch.inference_mode()
     def run(self, batch) -> torch.Tensor:
         """Forward an engine ``Batch``; float32 logits [S, V] for ``batch.logits_indices``."""
         fast, dev = self.fast, self.device
         if batch.hidden is not None:
-            hidden = batch.hidden.to(device=dev, dtype=fast.dtype, non_blocking=True)  # [T, H]
+            hidden = self._upload(batch.hidden).to(dtype=fast.dtype)  # [T, H]
         else:
             if self.model.embed_tokens is None:
                 raise ValueError("this model has no token embeddings (split mode expects hidden states)")
-            hidden = self.model.embed_tokens(batch.input_ids.to(dev)).to(fast.dtype)  # [T, H]
+            hidden = self.model.embed_tokens(self._upload(batch.input_ids)).to(fast.dtype)  # [T, H]
         tables = self._tables(batch.block_tables)
-        rows = batch.logits_indices.to(dev)  # [S]
         nseq = len(batch.query_lens)
+        num_rows = int(batch.logits_indices.shape[0])
         rope = getattr(batch, "rope_positions", None)  # [3, T] GLM-4.1V image positions, or None
         if rope is not None and bool((rope == batch.positions[None]).all()):
             rope = None  # text positions on all three axes: plain 1-D rope
+        positions = self._upload(batch.positions)  # [T]
         if rope is None and all(q == 1 for q in batch.query_lens) and nseq <= self.graphs.max_batch:
-            seq_lens = torch.tensor(batch.context_lens, dtype=torch.int32).to(dev, non_blocking=True)
-            logits, _ = self.graphs.step(hidden, batch.positions.to(dev), seq_lens, tables)  # [B, V]
-            return logits[rows].float()
+            lens = self._staged((nseq,), torch.int32)
+            lens.numpy()[:] = batch.context_lens
+            logits, _ = self.graphs.step(hidden, positions, lens.to(dev, non_blocking=True), tables)  # [B, V]
+            if num_rows == nseq and batch.logits_indices.tolist() == list(range(nseq)):  # every row, in order
+                return logits.float() if logits.dtype != torch.float32 else logits.clone()
+            return logits[self._upload(batch.logits_indices)].float()
+        rows = self._upload(batch.logits_indices)  # [S]
         meta = PrefillMeta.build(batch.query_lens, batch.context_lens, tables, split_decode=True,
                                  workspace=self.graphs.workspace if nseq <= self.graphs.max_batch else None)
-        x = fast.forward(hidden, batch.positions.to(dev), batch.slot_mapping.to(dev), self.kv, meta,
-                         None if rope is None else rope.to(dev))  # [T, H]
+        x = fast.forward(hidden, positions, self._upload(batch.slot_mapping), self.kv, meta,
+                         None if rope is None else self._upload(rope))  # [T, H]
         return fast.compute_logits(x[rows]).float()
 
 

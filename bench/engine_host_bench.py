@@ -1,0 +1,191 @@
+"""Host time of one ``LLMEngine`` decode step on the CPU, with the model work taken out.
+
+The engine runs against a stub runner whose ``run(batch)`` returns precomputed logits at once, so what is
+timed is only the engine's own host work per step: ``add_input`` for every session (a ``[1, H]`` float32
+state each, as the split endpoint feeds it), then ``step()``: schedule, ``build_batch``, greedy sampling of
+S rows, postprocess. S sessions first prefill a short prompt; the timed steps are pure decode steps with all
+S sequences ready.
+
+Usage::
+
+    python bench/engine_host_bench.py --out /tmp/engine_host.json          # this tree only
+    python bench/engine_host_bench.py --compare /tmp/engine_before --out docs/results/engine_host.json
+    python bench/engine_host_bench.py --profile 64     # cProfile of 200 steps at S = 64
+
+``--compare DIR`` first runs the same measurement in a subprocess against the packages exported to ``DIR``
+(e.g. ``git archive <rev> cloud_server partition_tools shared | tar -x -C DIR``: the code before a change),
+labelled ``before``, then against this tree (``after``), and prints both side by side. Run it as a script
+(``python bench/engine_host_bench.py``): ``PYTHONPATH=DIR`` must win over the editable install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cloud_server.config import EngineConfig
+from cloud_server.engine.kv_cache import KVCachePool
+from cloud_server.engine.llm_engine import LLMEngine
+from cloud_server.engine.sampling_params import SamplingParams
+from cloud_server.engine.sequence import InputChunk
+
+
+class _StubModel:
+    """What the engine reads of a model: sizes, eos ids, no embeddings (split mode), 1-D RoPE."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [0]
+        self.embed_tokens = None
+        self.mrope = False
+
+
+class _StubRunner:
+    """``run(batch)`` returns precomputed float32 logits [S, V] (greedy token 7) without computing anything."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, max_rows: int, num_blocks: int, block_size: int):
+        self.model = _StubModel(hidden_size, vocab_size)
+        self.pool = KVCachePool(1, num_blocks, block_size, 1, 8, torch.float32)
+        self.logits = torch.zeros(max_rows, vocab_size)  # [R, V]
+        self.logits[:, 7] = 1.0
+        self.calls = 0
+
+    def run(self, batch) -> torch.Tensor:
+        self.calls += 1
+        return self.logits[: int(batch.logits_indices.shape[0])]  # [S, V]
+
+
+def _engine(sessions: int, prompt: int, steps: int, hidden: int, vocab: int, block_size: int):
+    max_len = prompt + steps + 8
+    num_blocks = sessions * (-(-max_len // block_size)) + 1
+    cfg = EngineConfig(max_num_seqs=max(sessions, 1), max_num_batched_tokens=max(2048, sessions * prompt),
+                       max_model_len=max_len, num_blocks=num_blocks, block_size=block_size,
+                       enable_prefix_cache=False)
+    runner = _StubRunner(hidden, vocab, max(sessions, 1), num_blocks, block_size)
+    eng = LLMEngine(cfg, {"fp32": runner}, sampler_seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(sessions):
+        out = eng.add_request(f"r{i}", InputChunk(0, hidden=torch.randn(prompt, hidden)), params)
+        if out:
+            raise RuntimeError(f"request refused: {out[0].error_message}")
+    got = 0
+    while got < sessions:
+        got += sum(1 for o in eng.step() if o.token_id is not None)
+    return eng
+
+
+def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Run ``steps`` decode steps; per-step host seconds of the add_input loop and of step()."""
+    ids = [f"r{i}" for i in range(sessions)]
+    t_add, t_step = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for j, rid in enumerate(ids):
+            seq = eng.seqs[rid]
+            out = eng.add_input(rid, InputChunk(seq.num_received, hidden=states[j: j + 1]))
+            if out:
+                raise RuntimeError(f"add_input failed: {out[0].error_message}")
+        t1 = time.perf_counter()
+        outs = eng.step()
+        t2 = time.perf_counter()
+        if len(outs) != sessions or any(o.token_id != 7 for o in outs):
+            raise RuntimeError(f"expected one token 7 per session, got {len(outs)} outputs")
+        t_add.append(t1 - t0)
+        t_step.append(t2 - t1)
+    return t_add, t_step
+
+
+def measure(sessions: int, steps: int, repeats: int, prompt: int, hidden: int, vocab: int,
+            block_size: int) -> dict:
+    states = torch.randn(sessions, hidden)  # [S, H]
+    adds, stepss = [], []
+    for _ in range(repeats):
+        eng = _engine(sessions, prompt, steps + 10, hidden, vocab, block_size)
+        _decode_steps(eng, sessions, 10, hidden, states)  # warm-up
+        a, s = _decode_steps(eng, sessions, steps, hidden, states)
+        adds.append(statistics.median(a))
+        stepss.append(statistics.median(s))
+    add_us, step_us = min(adds) * 1e6, min(stepss) * 1e6
+    return {"sessions": sessions, "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
+            "total_us": round(add_us + step_us, 1), "per_session_us": round((add_us + step_us) / sessions, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sessions", default="1,8,64,128")
+    ap.add_argument("--steps", type=int, default=100, help="timed decode steps per repeat")
+    ap.add_argument("--repeats", type=int, default=3, help="fresh engines; the best median is kept")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096, help="boundary hidden size (GLM-4.1V: 4096)")
+    ap.add_argument("--vocab", type=int, default=512, help="stub logits width (kept small: sampling is not timed "
+                                                          "on the GPU path either, it is one device argmax)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--label", default="after")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--merge", action="store_true", help="keep other labels already in --out")
+    ap.add_argument("--compare", type=Path, help="first measure the packages exported to this folder (before)")
+    ap.add_argument("--profile", type=int, help="cProfile 200 steps at this many sessions instead")
+    args = ap.parse_args()
+    if args.compare is not None:
+        if not (args.compare / "cloud_server" / "engine" / "llm_engine.py").is_file():
+            raise SystemExit(f"--compare: {args.compare} holds no exported cloud_server package")
+        if args.out is None:
+            raise SystemExit("--compare needs --out (the before run is read back from it)")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--label", "before", "--out", str(args.out),
+               "--sessions", args.sessions, "--steps", str(args.steps), "--repeats", str(args.repeats),
+               "--prompt", str(args.prompt), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
+               "--block-size", str(args.block_size)]
+        env = {**os.environ, "PYTHONPATH": str(args.compare.resolve())}
+        subprocess.run(cmd, env=env, check=True)
+        args.label, args.merge = "after", True
+    torch.set_num_threads(1)
+    if args.profile:
+        eng = _engine(args.profile, args.prompt, 210, args.hidden, args.vocab, args.block_size)
+        states = torch.randn(args.profile, args.hidden)
+        _decode_steps(eng, args.profile, 10, args.hidden, states)
+        prof = cProfile.Profile()
+        prof.enable()
+        _decode_steps(eng, args.profile, 200, args.hidden, states)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return
+    rows = []
+    for s in (int(x) for x in args.sessions.split(",")):
+        r = measure(s, args.steps, args.repeats, args.prompt, args.hidden, args.vocab, args.block_size)
+        rows.append(r)
+        print(f"[{args.label}] S={s:4d}  add_input x S {r['add_input_us']:9.1f} us  step {r['step_us']:9.1f} us  "
+              f"total {r['total_us']:9.1f} us  ({r['per_session_us']:.2f} us/session)", flush=True)
+    if args.out:
+        data = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
+        import cloud_server
+
+        data[args.label] = {"rows": rows, "code": str(Path(cloud_server.__file__).parent.parent), "torch": torch.__version__, "python": platform.python_version(),
+                            "cpu": platform.processor() or platform.machine(), "threads": 1,
+                            "config": {"steps": args.steps, "repeats": args.repeats, "prompt": args.prompt,
+                                       "hidden": args.hidden, "vocab": args.vocab, "block_size": args.block_size}}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        if "before" in data and "after" in data:
+            data["speedup_total"] = {str(b["sessions"]): round(b["total_us"] / a["total_us"], 2)
+                                     for b, a in zip(data["before"]["rows"], data["after"]["rows"], strict=False)
+                                     if b["sessions"] == a["sessions"]}
+            print("S      before us/step   after us/step   speedup")
+            for b, a in zip(data["before"]["rows"], data["after"]["rows"], strict=False):
+                print(f"{b['sessions']:<4d} {b['total_us']:15.1f} {a['total_us']:15.1f} "
+                      f"{b['total_us'] / a['total_us']:8.2f}x")
+        args.out.write_text(json.dumps(data, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
