@@ -67,6 +67,7 @@ from cloud_server.fast.glm import FastGLM, PrefillMeta
 from cloud_server.fast.graphs import DecodeGraphs
 from cloud_server.fast.kv import BlockAllocator, KVPool, KVPoolConfig
 from cloud_server.fast.tuning import attention_inputs, rel, time_graph, tune_attention, tune_linears
+from partition_tools.adapters import cache_kwarg_of
 
 GIB = 1 << 30
 
@@ -576,7 +577,6 @@ def sequential(model, kv, alloc, graphs, bc: BenchConfig, dev, dtype) -> dict:
 
 
 def hf_baseline(cfg: FastGLMConfig, bc: BenchConfig, dev, dtype) -> dict:
-    import inspect
 
     from transformers import DynamicCache, GenerationConfig, Glm4Config, Glm4ForCausalLM
 
@@ -592,7 +592,7 @@ def hf_baseline(cfg: FastGLMConfig, bc: BenchConfig, dev, dtype) -> dict:
         model = Glm4ForCausalLM._from_config(hcfg, dtype=dtype).eval()
     log(f"  transformers model built in {time.perf_counter() - t0:.1f} s "
         f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, attn={model.config._attn_implementation})")
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_kwarg_of(model.forward)
     out = {"model": "Glm4ForCausalLM", "layers": cfg.num_layers, "attn_implementation": model.config._attn_implementation,
            "eager": {}, "generate": {}}
     h = cfg.hidden_size

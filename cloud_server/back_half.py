@@ -63,7 +63,6 @@ class BackHalf(torch.nn.Module):
         self.norm = decoder.norm
         self.rotary_emb = type(decoder.rotary_emb)(config=text_config)  # real buffers, not meta
         self.lm_head = torch.nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, device="meta")
-        self.cache_kw = "cache" if "cache" in _layer_params(self.layers[0]) else "past_key_values"
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -101,8 +100,3 @@ class BackHalf(torch.nn.Module):
                                 position_embeddings=cos_sin)
         return self.lm_head(self.norm(hidden))
 
-
-def _layer_params(layer) -> set[str]:
-    import inspect
-
-    return set(inspect.signature(type(layer).forward).parameters)

@@ -142,9 +142,13 @@ class ModelAdapter:
         return self.rotary_emb(hidden, position_ids)
 
     def cache_kwarg(self) -> str:
-        """Name of the decoder layers' cache argument (``past_key_values`` before transformers 5.2x, ``cache`` after)."""
-        params = inspect.signature(type(self.layers[0]).forward).parameters
-        return "cache" if "cache" in params else "past_key_values"
+        """Name of the decoder layers' cache argument (see :func:`cache_kwarg_of`)."""
+        return cache_kwarg_of(type(self.layers[0]).forward)
+
+
+def cache_kwarg_of(forward) -> str:
+    """A model's or layer's cache argument: ``past_key_values`` before transformers 5.2x, ``cache`` after."""
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -3,7 +3,6 @@ that plays several phones against an engine (staggered arrivals, slow decode rep
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import numpy as np
 import torch
 
 from cloud_server.engine.sampling_params import SamplingParams
+from partition_tools.adapters import cache_kwarg_of
 from cloud_server.engine.sequence import InputChunk
 
 
@@ -75,7 +75,7 @@ def greedy_reference_batch(model, prompts: list[list[int]], max_new: int, eos: l
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # [B, W]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = cache_kwarg_of(model.forward)
     outs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for _ in range(max_new):
