@@ -8,7 +8,7 @@ Routes:
 * ``GET /metrics``  Prometheus text (``cloud_server.metrics``), unauthenticated like vLLM's;
 * ``GET /v1/models`` the served model;
 * ``WS  /v1/split`` split mode: the edge's session (``cloud_server.split_endpoint``);
-* ``POST /v1/chat/completions``, ``POST /v1/completions``: full-model mode (``cloud_server.openai_server``).
+* ``POST /v1/chat/completions``, ``POST /v1/completions``: full-model mode (``cloud_server.full_api``).
 
 With an API key configured every route but ``/health``, ``/ready`` and ``/metrics`` needs
 ``Authorization: Bearer <key>`` (a WebSocket presents it in the handshake headers).
@@ -140,7 +140,7 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         return oc.model_list([runtime.model_name] if runtime.model_name else [])
 
     if cfg.mode == "full":
-        from cloud_server.openai_server import OpenAIServer
+        from cloud_server.full_api import OpenAIServer
 
         OpenAIServer(runtime).install(app, auth)
 

@@ -23,13 +23,13 @@ from shared.precision import (
 
 def server_load(rt) -> float:
     """Busy fraction in [0, 1]: open requests over the engine's sequence capacity."""
-    eng = rt.engine.engine
+    eng = rt.engine.llm
     return min(1.0, len(eng.seqs) / max(1, rt.config.engine.max_num_seqs))
 
 
 def _features(rt, prompt_tokens: int, images: int = 0, link_kbps: float | None = None) -> RequestFeatures:
-    hidden = rt.manifest.hidden_size if rt.manifest is not None else rt.engine.engine.runners[
-        rt.engine.engine.default_variant].model.hidden_size
+    hidden = rt.manifest.hidden_size if rt.manifest is not None else rt.engine.llm.runners[
+        rt.engine.llm.default_variant].model.hidden_size
     return RequestFeatures(prompt_tokens=prompt_tokens, images=images, link_kbps=link_kbps,
                            server_load=server_load(rt), hidden_size=hidden)
 
@@ -39,13 +39,13 @@ def session_plan(hello, codecs: list[str], rt) -> PrecisionPlan:
     hints = getattr(hello, "hints", None)
     link = getattr(hints, "link_kbps", None)
     return choose_precision(_features(rt, 0, link_kbps=link), None, available_codecs=codecs,
-                            available_compute=list(rt.engine.engine.runners))
+                            available_compute=list(rt.engine.llm.runners))
 
 
 def request_compute(rt, session, prompt_tokens: int, multimodal: bool) -> str:
     """The compute variant of a split request that did not name one."""
     plan = choose_precision(_features(rt, prompt_tokens, images=int(multimodal)), None,
-                            available_codecs=session.codecs, available_compute=list(rt.engine.engine.runners))
+                            available_codecs=session.codecs, available_compute=list(rt.engine.llm.runners))
     return plan.compute
 
 
@@ -55,7 +55,7 @@ def compute_variant(override: str | None, prompt_len: int, rt) -> str:
     Raises ``PrecisionError`` for a variant this server did not load."""
     ov = PrecisionOverride.parse(override)
     ov = PrecisionOverride(compute=ov.compute) if ov is not None and ov.compute is not None else None
-    plan = choose_precision(_features(rt, prompt_len), ov, available_compute=list(rt.engine.engine.runners))
+    plan = choose_precision(_features(rt, prompt_len), ov, available_compute=list(rt.engine.llm.runners))
     return plan.compute
 
 

@@ -127,7 +127,7 @@ class CloudRuntime:
     def num_active_requests(self) -> int:
         if self.engine is None or not self.engine.alive:
             return 0
-        return len(self.engine.engine.seqs)  # a read of a dict's size: safe from another thread
+        return len(self.engine.llm.seqs)  # a read of a dict's size: safe from another thread
 
     @property
     def ready(self) -> bool:
@@ -139,4 +139,4 @@ class CloudRuntime:
         return self.manifest.bundle_id if self.manifest is not None else None
 
     def eos_token_ids(self) -> list[int]:
-        return list(self.engine.engine.eos_token_ids)
+        return list(self.engine.llm.eos_token_ids)

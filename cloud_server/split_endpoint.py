@@ -37,9 +37,10 @@ from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 from cloud_server.engine.sequence import InputChunk
 from cloud_server.precision_select import request_compute, session_plan
-from cloud_server.session import RequestRecord, Session, SessionRegistry
+from cloud_server.session_store import RequestRecord, Session, SessionRegistry
 from shared import protocol as P
 from shared.codecs import available_codecs
+from shared.version import __version__
 
 log = logging.getLogger("autoglm.cloud.split")
 
@@ -188,9 +189,9 @@ class SplitEndpoint:
             log.debug("close after disconnect", exc_info=True)
 
     def _server_info(self) -> P.ServerInfo:
-        eng = self.rt.engine.engine
+        eng = self.rt.engine.llm
         load = min(1.0, len(eng.seqs) / max(1, self.rt.config.engine.max_num_seqs))
-        return P.ServerInfo(version="0.1.0", compute_variants=list(eng.runners), load=float(load))
+        return P.ServerInfo(version=__version__, compute_variants=list(eng.runners), load=float(load))
 
     async def _cached_keys(self, limit: int = 256) -> list[str]:
         """Prefix keys the default variant holds (advisory: the edge may skip uploading those blocks)."""
@@ -340,7 +341,7 @@ class SplitEndpoint:
         except SamplingParamsError as e:
             self._fail_request(session, rid, "bad_value", str(e))
             return
-        engine = self.rt.engine.engine
+        engine = self.rt.engine.llm
         # The prompt's length is known when its first message is also its last; else it is at least a chunk.
         prompt_guess = end if msg.last else max(end, self.limits.max_prefill_chunk_tokens)
         planned = msg.compute or request_compute(self.rt, session, prompt_guess, msg.rope_positions is not None)

@@ -15,7 +15,7 @@ _EXPORTS = {
     "RetryPolicy": "edge_client.config",
     "RequestStats": "edge_client.request",
     "ActivationCache": "edge_client.activation_cache",
-    "FrontRuntime": "edge_client.runtime",
+    "FrontRuntime": "edge_client.front",
 }
 
 __all__ = ["ActivationCache", "AsyncGeneration", "EdgeClient", "EdgeClientError", "EdgeConfig", "FrontRuntime",

@@ -88,7 +88,7 @@ def cmd_chat(args) -> int:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .openai_server import create_app
+    from .local_api import create_app
 
     client = _client(args)
     app = create_app(client, model_name=args.model_name, api_key=args.local_api_key)

@@ -13,7 +13,7 @@ One request runs at a time (the edge holds one sequence's KV); concurrent calls 
 side runs on a private event loop thread that owns the WebSocket, so the sync and async APIs share one
 session; the front layers run in a worker thread so keepalive pings go out during a long prefill.
 
-A request (see :mod:`edge_client.session` for the wire flow): tokenize -> activation-cache lookup ->
+A request (see :mod:`edge_client.generation` for the wire flow): tokenize -> activation-cache lookup ->
 front prefill of the rest in chunks, each chunk coded and sent as soon as it is computed -> for every token
 the cloud returns, one front decode step and one DecodeStep up -> until a finish reason, a stop string,
 ``max_tokens`` or :meth:`Generation.cancel`. Dropped links reconnect and resume (or replay) without losing or
@@ -37,8 +37,8 @@ from .activation_cache import ActivationCache
 from .config import EdgeConfig
 from .errors import EdgeClientError
 from .request import RequestSpec, RequestStats
-from .runtime import FrontRuntime
-from .session import Session
+from .front import FrontRuntime
+from .generation import Session
 from .tokenizer import EdgeTokenizer, StreamDecoder
 
 __all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "RequestStats"]

@@ -35,7 +35,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_timeout_s: float | None = None,
                  on_fatal: Callable[[str], None] | None = None, idle_hook: Callable[[], None] | None = None,
                  idle_hook_every_s: float = 20.0):
-        self.engine = engine
+        self.llm = engine
         # Called on the engine thread after idle_hook_every_s without a step (tensor-parallel heartbeat:
         # the workers wait in a collective with a timeout).
         self.idle_hook, self.idle_hook_every_s = idle_hook, idle_hook_every_s
@@ -91,7 +91,7 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, rid, sink, first, params, variant, keys = cmd
-            outs = self.engine.add_request(rid, first, params, variant, keys)
+            outs = self.llm.add_request(rid, first, params, variant, keys)
             if not any(o.request_id == rid and o.finished for o in outs):
                 self._sinks[rid] = sink
             else:
@@ -100,13 +100,13 @@ class AsyncEngine:
                 return []
             return outs
         if kind == "input":
-            return self.engine.add_input(cmd[1], cmd[2])
+            return self.llm.add_input(cmd[1], cmd[2])
         if kind == "abort":
-            return self.engine.abort(cmd[1], cmd[2])
+            return self.llm.abort(cmd[1], cmd[2])
         if kind == "call":
             _, fn, fut = cmd
             try:
-                fut.set_result(fn(self.engine))
+                fut.set_result(fn(self.llm))
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(e)
         return []
@@ -126,7 +126,7 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 outs: list[RequestOutput] = []
-                block = not self.engine.has_ready()
+                block = not self.llm.has_ready()
                 while True:
                     try:
                         cmd = self._cmds.get(timeout=0.25) if block else self._cmds.get_nowait()
@@ -136,8 +136,8 @@ class AsyncEngine:
                     outs += self._apply(cmd)
                 self._deliver(outs)
                 now = time.monotonic()
-                if self.engine.has_ready():
-                    self._deliver(self.engine.step())
+                if self.llm.has_ready():
+                    self._deliver(self.llm.step())
                     self.steps += 1
                     last_busy = now
                 elif self.idle_hook is not None and now - last_busy > self.idle_hook_every_s:
@@ -145,7 +145,7 @@ class AsyncEngine:
                     last_busy = now
                 if self.idle_timeout_s is not None and now - last_sweep > 1.0:
                     last_sweep = now
-                    self._deliver(self.engine.abort_idle(self.idle_timeout_s))
+                    self._deliver(self.llm.abort_idle(self.idle_timeout_s))
         except Exception as e:
             log.exception("engine step failed")
             self.dead = f"{type(e).__name__}: {e}".splitlines()[0]

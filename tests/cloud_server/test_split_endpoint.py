@@ -207,7 +207,7 @@ def test_100_sessions_opened_cancelled_closed_and_killed_leave_the_pool_empty(se
     assert results.count("cancelled") == 25 and results.count("killed") == 25 and results.count("closed") == 25
     assert settled == (0, 0)
     assert len(server.app.state.split.registry) == 0
-    bm = server.runtime.engine.engine.block_managers["fp32"]
+    bm = server.runtime.engine.llm.block_managers["fp32"]
     bm.check()
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edge_client.activation_cache import MAGIC, ActivationCache, block_keys
-from edge_client.runtime import FrontRuntime
+from edge_client.front import FrontRuntime
 
 B = 16
 

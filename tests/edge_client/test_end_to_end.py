@@ -143,7 +143,7 @@ def test_smollm2_split_equals_unsplit(smollm2_lm, smollm2_bundle, smollm2_cloud)
 def _serve(client) -> tuple[str, object]:
     import uvicorn
 
-    from edge_client.openai_server import create_app
+    from edge_client.local_api import create_app
 
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(client, model_name="split"), host="127.0.0.1",

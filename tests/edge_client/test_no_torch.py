@@ -6,9 +6,9 @@ import subprocess
 import sys
 import textwrap
 
-MODULES = ["edge_client", "edge_client.config", "edge_client.errors", "edge_client.runtime",
+MODULES = ["edge_client", "edge_client.config", "edge_client.errors", "edge_client.front",
            "edge_client.tokenizer", "edge_client.activation_cache", "edge_client.transport",
-           "edge_client.session", "edge_client.request", "edge_client.client", "edge_client.openai_server", "edge_client.cli",
+           "edge_client.generation", "edge_client.request", "edge_client.client", "edge_client.local_api", "edge_client.cli",
            "edge_client.demo", "shared.openai_compat"]
 
 

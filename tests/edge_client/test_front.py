@@ -1,4 +1,4 @@
-"""edge_client.runtime: the ONNX front matches the torch layers, chunked or not, and its KV cache edits."""
+"""edge_client.front: the ONNX front matches the torch layers, chunked or not, and its KV cache edits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.runtime import FrontError, FrontRuntime
+from edge_client.front import FrontError, FrontRuntime
 from shared.manifest import BundleError
 
 

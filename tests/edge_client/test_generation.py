@@ -1,4 +1,4 @@
-"""edge_client.session/client against a reference cloud (fake_cloud.FakeCloud): the request flow, prefix
+"""edge_client.generation/client against a reference cloud (fake_cloud.FakeCloud): the request flow, prefix
 cache on the wire, resume after a drop, replay after a lost session, bad servers. Greedy output is compared
 with the unsplit model token for token."""
 

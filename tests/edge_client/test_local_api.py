@@ -1,4 +1,4 @@
-"""edge_client.openai_server: the official openai client and langchain_openai.ChatOpenAI against the local
+"""edge_client.local_api: the official openai client and langchain_openai.ChatOpenAI against the local
 endpoint. The split runtime is replaced by a scripted client here (the real one is covered end to end in
 test_end_to_end.py); what is tested is the HTTP/SSE surface: streaming, usage, stop, thinking, errors."""
 
@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from edge_client.errors import EdgeClientError
-from edge_client.openai_server import create_app
+from edge_client.local_api import create_app
 from edge_client.tokenizer import ByteTokenizer
 
 SCRIPT = ["<thi", "nk>I should gr", "eet.</th", "ink>Hel", "lo the", "re! STOP here", " and more"]

@@ -104,7 +104,7 @@ def test_completions_with_a_stop_string(server, smol_lm):
     deadline = time.monotonic() + 5
     while server.runtime.num_active_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server.runtime.engine.engine.num_used_blocks() == 0  # the stopped request was aborted and freed
+    assert server.runtime.engine.llm.num_used_blocks() == 0  # the stopped request was aborted and freed
 
 
 def test_enable_thinking_reaches_the_template_and_reasoning_is_split(server, smol_lm):
@@ -142,4 +142,4 @@ def test_bad_requests_are_400_and_a_dropped_stream_frees_its_kv(server):
     while server.runtime.num_active_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.runtime.num_active_requests() == 0
-    assert server.runtime.engine.engine.num_used_blocks() == 0
+    assert server.runtime.engine.llm.num_used_blocks() == 0

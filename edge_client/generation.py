@@ -49,13 +49,13 @@ from .activation_cache import ActivationCache, block_keys
 from .config import EdgeConfig
 from .errors import EdgeClientError
 from .request import RequestSpec, RequestStats
-from .runtime import FrontRuntime
+from .front import FrontRuntime
 from .tokenizer import EdgeTokenizer, StreamDecoder
 from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown
 
-CLIENT_VERSION = "0.1.0"
+from shared.version import __version__ as CLIENT_VERSION
 
-log = logging.getLogger("edge_client.session")
+log = logging.getLogger("edge_client.generation")
 
 
 @dataclass(slots=True)
