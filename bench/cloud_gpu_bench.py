@@ -30,6 +30,11 @@ Measured, in one process:
 ``--tp`` (under ``torchrun --nproc-per-node 2``): TP = 1 on rank 0, then TP = 2 on both ranks: step latency
 at S = 1 and throughput at S = 64, with NCCL and with the symmetric-memory one-shot all-reduce.
 
+``--through-engine --tp`` (under ``torchrun --nproc-per-node 2``): the *served* tensor-parallel path, as
+``autoglm-cloud serve --tp 1`` and ``--tp 2`` build it (``LLMEngine`` + ``FastGlmRunner`` over the
+``cloud_server.tp`` shard; rank 0 schedules, samples and broadcasts each batch, rank 1 runs them), TP = 1 and
+TP = 2 in one run: ``tp2_served_step_speedup_s1``, ``tp2_served_tokens_per_s_s64`` (``engine_tp`` key).
+
 ``--through-engine``: the direct decode above for each S, then the serving stack as ``cloud_server.runtime``
 builds it (``LLMEngine.from_models`` + ``fast_runner_factory``; a random-weight back half made on the GPU by
 ``cloud_server.model.random_split_model``) fed S sessions through the engine's public API: ``add_request``
@@ -65,7 +70,7 @@ from cloud_server.fast.attention import decode_attention_torch, decode_attention
 from cloud_server.fast.config import FastGLMConfig
 from cloud_server.fast.glm import FastGLM, PrefillMeta
 from cloud_server.fast.graphs import DecodeGraphs
-from cloud_server.fast.kv import BlockAllocator, KVPool, KVPoolConfig
+from cloud_server.fast.kv import NULL_BLOCK, KVPool
 from cloud_server.fast.tuning import attention_inputs, rel, time_graph, tune_attention, tune_linears
 from partition_tools.adapters import cache_kwarg_of
 
@@ -183,7 +188,84 @@ def measure_bandwidth(dev: torch.device, nbytes: int, reps: int = 20) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# sessions: the minimal serving loop
+# sessions: the minimal serving loop (stand-ins for the engine's block manager, and the all-reduce variant
+# the served runner does not use)
+
+
+class OutOfBlocks(Exception):
+    """The pool has no free block left for a session."""
+
+
+class BlockAllocator:
+    """Free list of the pool's blocks (the null block excluded): the direct path's stand-in for the engine's
+    block manager (sessions reserve prompt + generation up front and release at the end)."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 2:
+            raise ValueError("a pool needs at least 2 blocks (block 0 is reserved)")
+        self.block_size = block_size
+        self._free = [b for b in range(num_blocks - 1, -1, -1) if b != NULL_BLOCK]
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // self.block_size)
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} blocks for {num_tokens} tokens, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class SymmMemAllReduce:
+    """One-shot all-reduce through PyTorch symmetric memory for small (decode) inputs, NCCL above ``max_rows``.
+
+    At decode sizes (a few KB per rank) an NCCL all-reduce costs ~9 us inside a CUDA graph, two calls a layer;
+    the one-shot kernel copies the local input into a symmetric staging buffer, meets its peers at a barrier
+    and reads their buffers over NVLink directly (no multicast needed, so it runs with
+    ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``), all in one kernel. Swapped in for ``FastGLM.all_reduce``.
+    """
+
+    name = "symm_mem"
+
+    def __init__(self, group, max_rows: int, hidden: int, dtype: torch.dtype, device):
+        import torch.distributed as dist
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.group = group or dist.group.WORLD
+        self.group_name = self.group.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # required by older releases, deprecated (a no-op) in newer ones
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(self.group_name)
+        self.max_rows = max_rows
+        self.buf = symm_mem.empty(max_rows, hidden, dtype=dtype, device=device)  # [R, H]
+        symm_mem.rendezvous(self.buf, self.group)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = x.shape[0]
+        if t > self.max_rows:
+            dist.all_reduce(x, group=self.group)
+            return x
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(self.buf[:t], x, "sum", self.group_name, out)
+        return out
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's weights."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def rope_tables(cfg: FastGLMConfig, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 cos/sin tables [max_position, rotary_dim / 2] FastGLM builds (the library's formula)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
+    freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
 
 
 class Sessions:
@@ -316,16 +398,13 @@ def check_kernels(cfg: FastGLMConfig, dev: torch.device, dtype) -> dict:
     out["silu_mul"] = rel(kernels.silu_mul(gu, "triton"), kernels.silu_mul_torch(gu))
     nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv = torch.randn(37, (nq + 2 * nkv) * d, device=dev, generator=g, dtype=dtype)
-    model_tab = FastGLM.random(FastGLMConfig(h, nq, nkv, d, 64, 1, 64, rotary_dim=cfg.rotary_dim,
-                                             max_position=8192), dtype, dev)
+    cos, sin = (t.to(dev) for t in rope_tables(cfg, 8192))
     pos = torch.randint(0, 4000, (37,), device=dev, generator=g)
     slots = torch.randperm(64 * 16, device=dev, generator=g)[:37]
     caches = [torch.zeros(64, 16, nkv, d, device=dev, dtype=dtype) for _ in range(4)]
     a, b = qkv.clone(), qkv.clone()
-    kernels.rope_store(a, pos, model_tab.rope_cos, model_tab.rope_sin, caches[0], caches[1], slots, nq, nkv, d,
-                       cfg.rotary_dim, "triton")
-    kernels.rope_store_torch(b, pos, model_tab.rope_cos, model_tab.rope_sin, caches[2], caches[3], slots, nq, nkv, d,
-                             cfg.rotary_dim)
+    kernels.rope_store(a, pos, cos, sin, caches[0], caches[1], slots, nq, nkv, d, cfg.rotary_dim, "triton")
+    kernels.rope_store_torch(b, pos, cos, sin, caches[2], caches[3], slots, nq, nkv, d, cfg.rotary_dim)
     out["rope_store"] = max(rel(a, b), rel(caches[0], caches[2]), rel(caches[1], caches[3]))
     kc, vc = (torch.randn(300, 16, nkv, d, device=dev, generator=g, dtype=dtype) for _ in range(2))
     q = torch.randn(5, nq, d, device=dev, generator=g, dtype=dtype)
@@ -338,35 +417,24 @@ def check_kernels(cfg: FastGLMConfig, dev: torch.device, dtype) -> dict:
 
 
 def check_model(hf_full, cfg: FastGLMConfig, dev: torch.device, dtype) -> dict:
-    """Two library layers (the text decoder's own classes) vs FastGLM built from them, prefill and decode."""
-    from transformers import AutoModel
+    """Two library layers (a random ``CloudModel``, the text decoder's own classes) vs FastGLM built from them,
+    prefill and decode; the reference is ``CloudModel.forward``."""
+    from partition_tools.cloud_half import CloudModel
 
-    from partition_tools.adapters import call_layer
-
-    text = hf_full.get_text_config()
-    small = type(text)(**{**text.to_dict(), "num_hidden_layers": 2})
-    small._attn_implementation = "sdpa"
+    total = hf_full.get_text_config().num_hidden_layers
+    ref_model = CloudModel.random(hf_full, total - 2, dtype, dev, seed=2)  # the last two layers
     torch.manual_seed(2)
-    with torch.device(dev):
-        ref_model = AutoModel.from_config(small, dtype=dtype).eval()
-        lm_head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
     with torch.no_grad():
         for layer in ref_model.layers:  # the library initialises norms to ones and biases to zero: perturb
             for p in layer.parameters():
                 if p.dim() == 1:
                     p.add_(torch.randn_like(p) * 0.05)
-    fast = FastGLM.from_modules(ref_model.layers, ref_model.norm, lm_head, small)
+    fast = FastGLM.from_modules(ref_model.layers, ref_model.norm, ref_model.lm_head, ref_model.config)
     s = 45
     hidden = torch.randn(s, cfg.hidden_size, device=dev, dtype=dtype)
     pos = torch.arange(s, device=dev)[None]
-    with torch.no_grad():
-        h = hidden[None]
-        p3 = pos[None].expand(3, 1, s) if small.model_type != "glm4" else pos
-        cos_sin = ref_model.rotary_emb(h, p3)
-        for layer in ref_model.layers:
-            h = call_layer(layer, h, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
-        ref = lm_head(ref_model.norm(h))[0].float()  # [S, V]
-    kv = KVPool(KVPoolConfig(2, 8, 16, cfg.num_kv_heads, cfg.head_dim), dtype, dev)
+    ref = ref_model(hidden[None], pos)[0].float()  # [S, V]
+    kv = KVPool.zeros(2, 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype, dev)
     blocks = [5, 2, 7, 1]
     bt = torch.tensor([blocks + [0] * 4], dtype=torch.int32, device=dev)
     slots = torch.tensor([blocks[t // 16] * 16 + t % 16 for t in range(s)], device=dev)
@@ -457,27 +525,31 @@ def breakdown(model: FastGLM, kv: KVPool, graphs: DecodeGraphs, m: int, ctx: int
 # the fast path: decode sweep
 
 
-def build_fast(cfg: FastGLMConfig, bc: BenchConfig, dev, dtype, tp_rank: int = 0, tp_size: int = 1,
-               allreduce: str = "nccl", tune: dict | None = None):
-    """Random-weight model (sharded under TP), KV pool for pool_sessions x max_context, captured graphs.
+def build_fast(cfg: FastGLMConfig, hf_full, bc: BenchConfig, dev, dtype, tp_rank: int = 0, tp_size: int = 1,
+                allreduce: str = "nccl", tune: dict | None = None):
+    """The served model's construction: a random-weight back half made on ``dev``
+    (``cloud_server.model.random_split_model``), sharded by ``cloud_server.tp.shard_model`` under TP and fused
+    into a FastGLM as ``FastGlmRunner`` does; a KV pool for pool_sessions x max_context; captured graphs.
 
     ``tune`` (a dict): time cuBLAS vs the Triton skinny GEMM per shape first and record the table there."""
-    model = FastGLM.random(cfg, dtype, dev, seed=bc.seed)
-    if tp_size > 1:
-        from cloud_server.fast import tp
+    from cloud_server import tp
+    from cloud_server.model import random_split_model
 
-        tp.shard_model(model, tp_rank, tp_size)
-        if allreduce == "symm_mem":
-            model.all_reduce = tp.SymmMemAllReduce(None, max(bc.sessions + bc.tp_sessions), cfg.hidden_size, dtype,
-                                                   dev)
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+    half = random_split_model(hf_full, bc.split, "bf16" if dtype == torch.bfloat16 else "fp32", str(dev),
+                              seed=bc.seed)
+    if tp_size > 1:
+        tp.shard_model(half, tp_rank, tp_size)
+    model = FastGLM.from_modules(half.layers, half.norm, half.lm_head, half.config, tp=getattr(half, "tp", None))
+    del half  # FastGLM holds every weight it needs (the fused q/k/v is its own copy)
+    if tp_size > 1 and allreduce == "symm_mem":
+        model.all_reduce = SymmMemAllReduce(None, max(bc.sessions + bc.tp_sessions), cfg.hidden_size, dtype, dev)
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     max_blocks = -(-bc.max_context // bc.block_size)
-    pool_cfg = KVPoolConfig.for_tokens(cfg.num_layers, bc.pool_sessions * bc.max_context, bc.block_size,
-                                       model.local_kv_heads, cfg.head_dim)
-    kv = KVPool(pool_cfg, dtype, dev)
-    alloc = BlockAllocator(pool_cfg.num_blocks, bc.block_size)
+    num_blocks = -(-(bc.pool_sessions * bc.max_context) // bc.block_size) + 1  # + the null block
+    kv = KVPool.zeros(cfg.num_layers, num_blocks, bc.block_size, model.local_kv_heads, cfg.head_dim, dtype, dev)
+    alloc = BlockAllocator(num_blocks, bc.block_size)
     graphs = DecodeGraphs(model, kv, max_batch=max(bc.sessions + bc.tp_sessions), max_blocks_per_seq=max_blocks)
     if tune is not None and "chosen" in tune:  # same shapes as an earlier build of this process: reuse
         model.linear.choice.update(tune["chosen"][0])
@@ -641,33 +713,42 @@ def hf_baseline(cfg: FastGLMConfig, bc: BenchConfig, dev, dtype) -> dict:
 # through the engine: S simulated sessions fed to LLMEngine as the split endpoint feeds it
 
 
-def build_engine(bc: BenchConfig, hf_full, dev, variant: str):
+def build_engine(bc: BenchConfig, hf_full, dev, variant: str, sessions: tuple[int, ...] | None = None,
+                 tp_rank: int = 0, tp_size: int = 1):
     """An ``LLMEngine`` over a random-weight back half built on ``dev``, the way ``cloud_server.runtime`` builds
     one (``LLMEngine.from_models`` + ``fast_runner_factory``); the fast runner tunes itself at construction.
-    On the CPU the fast runner is forced (the factory keeps it for CUDA) so the smoke run covers its code."""
+    On the CPU the fast path is switched on (``fast_path=True``; by default it runs on CUDA only) so the smoke
+    run covers its code. Under TP (``tp_size`` 2, inside the group) the half is sharded by
+    ``cloud_server.tp.shard_model`` and rank 0's runner broadcasts every batch, as ``serve --tp 2`` does; the
+    other rank's engine is only the holder of its runner and pool (``cloud_server.tp.serve_batches`` drives it)."""
+    from cloud_server import tp
     from cloud_server.config import EngineConfig
     from cloud_server.engine.llm_engine import LLMEngine
     from cloud_server.fast.runner import FastGlmRunner, fast_runner_factory
     from cloud_server.model import random_split_model
 
-    smax = max(bc.sessions)
+    smax = max(sessions or bc.sessions)
     per_seq = -(-(bc.prompt + bc.gen + 1) // bc.block_size)
     ecfg = EngineConfig(device=str(dev), variants=(variant,), block_size=bc.block_size,
                         num_blocks=(smax + 1) * per_seq + 2, max_num_seqs=smax,
                         max_num_batched_tokens=max(bc.prefill_chunk_tokens, smax), max_model_len=bc.max_context,
-                        enable_prefix_cache=False)
+                        tp=tp_size, enable_prefix_cache=False, fast_path=True if dev.type == "cpu" else None)
     t0 = time.perf_counter()
     model = random_split_model(hf_full, bc.split, variant, str(dev), seed=bc.seed)
+    if tp_size > 1:
+        tp.shard_model(model, tp_rank, tp_size)
     sync(dev)
     t_model = time.perf_counter() - t0
-    if dev.type == "cuda":
-        make_runner = fast_runner_factory(ecfg)
-    else:
+    make_runner = fast_runner_factory(ecfg)
+    if tp_size > 1 and tp_rank == 0:
+        comm, inner = tp.comm_device(ecfg.device, 0), make_runner
+
         def make_runner(i, m, pool):
-            return FastGlmRunner(m, pool, max_batch=ecfg.max_num_seqs, max_model_len=ecfg.max_model_len)
+            return tp.BroadcastingRunner(inner(i, m, pool), i, comm)
     engine = LLMEngine.from_models(ecfg, {variant: model}, make_runner=make_runner)
     sync(dev)
     runner = engine.runners[variant]
+    runner = getattr(runner, "runner", runner)  # rank 0 under TP: the runner inside the broadcasting one
     info = {"engine_config": {k: getattr(ecfg, k) for k in ("block_size", "num_blocks", "max_num_seqs",
                                                            "max_num_batched_tokens", "max_model_len")},
             "model_build_s": t_model, "runner_build_s": time.perf_counter() - t0 - t_model,
@@ -701,20 +782,25 @@ class _TimedRun:
 
 
 def engine_sessions(engine, s: int, bc: BenchConfig, prompts: list[torch.Tensor], steps_in: list[torch.Tensor],
-                    dev, gen: int, tag: str) -> dict:
+                    dev, gen: int, tag: str, tokens: list[list[int]] | None = None) -> dict:
     """Admit ``s`` sessions (each a ``prompt``-position hidden-state chunk), step until each has its first token,
     then ``gen`` lockstep decode steps: every session's one-position hidden state goes in through
-    ``add_input`` and one ``step()`` returns one token per session. Timed per step."""
+    ``add_input`` and one ``step()`` returns one token per session. Timed per step. ``tokens`` (a list), if
+    given, receives each session's sampled ids in order."""
     from cloud_server.engine.sampling_params import SamplingParams
     from cloud_server.engine.sequence import InputChunk
 
     params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eos=True)
     ids = [f"{tag}-{i}" for i in range(s)]
+    got: dict[str, list[int]] = {rid: [] for rid in ids}
 
     def check(outs):
         bad = [o for o in outs if o.error_code is not None]
         if bad:
             raise RuntimeError(f"engine refused {bad[0].request_id}: {bad[0].error_code}: {bad[0].error_message}")
+        for o in outs:
+            if o.token_id is not None:
+                got[o.request_id].append(o.token_id)
         return outs
 
     sync(dev)
@@ -752,6 +838,8 @@ def engine_sessions(engine, s: int, bc: BenchConfig, prompts: list[torch.Tensor]
     total = time.perf_counter() - t_start
     if engine.seqs:
         raise RuntimeError(f"{len(engine.seqs)} sessions still active after their last token")
+    if tokens is not None:
+        tokens.extend(got[rid] for rid in ids)
 
     def ms(xs):
         return 1e3 * statistics.mean(xs)
@@ -782,7 +870,7 @@ def run_engine(bc: BenchConfig) -> dict:
     try:
         t0 = time.perf_counter()
         tune: dict = {}
-        model, kv, alloc, graphs, _ = build_fast(cfg, bc, dev, dtype, tune=tune if bc.tune_linear else None)
+        model, kv, alloc, graphs, _ = build_fast(cfg, hf_full, bc, dev, dtype, tune=tune if bc.tune_linear else None)
         out["direct_build_s"] = time.perf_counter() - t0
         out["direct"] = sweep(model, kv, alloc, graphs, bc, bc.sessions, dev, dtype, bw["gb_per_s"],
                               side=bc.sessions)
@@ -830,6 +918,92 @@ def run_engine(bc: BenchConfig) -> dict:
         log(f"engine FAILED: {e}")
     summarize_engine(out)
     save(bc, res)
+    return res
+
+
+def run_engine_tp(bc: BenchConfig) -> dict:
+    """``--through-engine --tp`` under torchrun: the served tensor-parallel path measured beside TP = 1, one run.
+
+    TP = 1: rank 0 alone runs the engine as ``serve --tp 1`` does. TP = 2: both ranks build the engine over their
+    shard (``build_engine``); rank 0 feeds S sessions through it and its runner broadcasts every step, rank 1
+    runs the broadcast batches as a ``serve --tp 2`` worker does (``cloud_server.tp.serve_batches``). Per S in
+    ``--tp-sessions``: the ``engine_sessions`` figures; recorded under ``engine_tp`` with
+    ``tp2_served_step_speedup_s1`` and ``tp2_served_tokens_per_s_s64`` (and TP = 1's) at the top level."""
+    import torch.distributed as dist
+
+    from cloud_server import tp
+
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    rank, world = tp.init_from_env(dev_type)
+    dev = torch.device(tp.rank_device(dev_type, rank))
+    variant = "bf16" if dev.type == "cuda" else "fp32"
+    cfg, hf_full = model_config(bc.preset, bc.split)
+    res = load_json(bc.merge) if (bc.merge and rank == 0) else {}
+    out: dict = {"world_size": world, "env": env_info(dev), "tp1": {}, "tp2": {}, "errors": {}}
+    h = cfg.hidden_size
+    gen = torch.Generator().manual_seed(bc.seed + 3)
+    prompts = [torch.randn(bc.prompt, h, generator=gen) for _ in range(4)]  # [P, H] float32, as decoded
+    steps_in = [torch.randn(1, h, generator=gen) for _ in range(16)]  # [1, H] float32 per decode step
+
+    tokens: dict[str, dict[int, list[list[int]]]] = {"tp1": {}, "tp2": {}}  # greedy ids per S, per session
+
+    def measure(engine, key: str) -> None:
+        engine_sessions(engine, 1, bc, prompts, steps_in, dev, 4, f"{key}-warm")
+        for s in bc.tp_sessions:
+            tokens[key][s] = []
+            r = engine_sessions(engine, s, bc, prompts, steps_in, dev, bc.gen, f"{key}-s{s}", tokens[key][s])
+            out[key][str(s)] = r
+            log(f"[served {key}] S={s:3d}: step {r['step_ms_mean']:.3f} ms, {r['tokens_per_s']:.0f} tok/s "
+                f"(runner {r['runner_ms_mean']:.3f} ms)")
+
+    if rank == 0:
+        try:
+            engine, _, out["tp1_build"] = build_engine(bc, hf_full, dev, variant, bc.tp_sessions)
+            measure(engine, "tp1")
+            del engine
+        except Exception as e:  # noqa: BLE001 - record and go on: one run must yield all it can
+            out["errors"]["tp1"] = traceback.format_exc()
+            log(f"[served tp1] FAILED: {e}")
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    engine, _, info = build_engine(bc, hf_full, dev, variant, bc.tp_sessions, rank, world)
+    comm = tp.comm_device(dev_type, rank)
+    if rank == 0:
+        out["tp2_build"] = info
+        try:
+            measure(engine, "tp2")
+        except Exception as e:  # noqa: BLE001
+            out["errors"]["tp2"] = traceback.format_exc()
+            log(f"[served tp2] FAILED: {e}")
+        tp.stop_workers(comm)
+    else:
+        tp.serve_batches([engine.runners[engine.default_variant]], comm)
+    dist.barrier()
+    if rank == 0:
+        t1, t2 = out["tp1"], out["tp2"]
+        if "1" in t1 and "1" in t2:
+            res["tp2_served_step_speedup_s1"] = t1["1"]["step_ms_mean"] / t2["1"]["step_ms_mean"]
+            res["tp1_served_step_ms_s1"], res["tp2_served_step_ms_s1"] = t1["1"]["step_ms_mean"], t2["1"]["step_ms_mean"]
+        if "64" in t1 and "64" in t2:
+            res["tp2_served_tokens_per_s_s64"] = t2["64"]["tokens_per_s"]
+            res["tp1_served_tokens_per_s_s64"] = t1["64"]["tokens_per_s"]
+        # the same inputs at every position (the sessions' states do not depend on the sampled ids): the
+        # fraction of greedy ids TP = 2 samples as TP = 1 does (1.0 in fp32; bf16 rounding may flip near-ties)
+        pairs = [(a, b) for s in tokens["tp2"] if s in tokens["tp1"]
+                 for sa, sb in zip(tokens["tp1"][s], tokens["tp2"][s], strict=True) for a, b in zip(sa, sb, strict=True)]
+        if pairs:
+            res["tp2_served_greedy_agreement"] = out["greedy_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+        res["engine_tp"] = out
+        save(bc, res)
+        for k in ("tp2_served_step_speedup_s1", "tp1_served_step_ms_s1", "tp2_served_step_ms_s1",
+                  "tp1_served_tokens_per_s_s64", "tp2_served_tokens_per_s_s64", "tp2_served_greedy_agreement"):
+            if k in res:
+                print(f"{k:40s} {res[k]:.3f}")
+        if out["errors"]:
+            print("errors in:", ", ".join(out["errors"]))
+    dist.destroy_process_group()
     return res
 
 
@@ -889,14 +1063,14 @@ def run_single(bc: BenchConfig) -> dict:
     log(f"building the fast model: {cfg.num_layers} layers, {cfg.weight_bytes() / 1e9:.2f} GB of weights")
     t0 = time.perf_counter()
     tune: dict = {}
-    model, kv, alloc, graphs, t_cap = build_fast(cfg, bc, dev, dtype, tune=tune if bc.tune_linear else None)
+    model, kv, alloc, graphs, t_cap = build_fast(cfg, hf_full, bc, dev, dtype, tune=tune if bc.tune_linear else None)
     res["linear_tuning"] = tune.get("linear")
     res["attention_tuning"] = tune.get("attention")
     tune.pop("chosen", None)
     res["fast_build"] = {"seconds": time.perf_counter() - t0, "graph_capture_s": t_cap, "buckets": graphs.buckets,
                          "backend": model.backend, "graphs": graphs.use_graphs}
-    mem = {"weights_bytes": model.weight_bytes_local(), "kv_pool_bytes": kv.nbytes(),
-           "kv_pool_tokens": (kv.cfg.num_blocks - 1) * kv.block_size}
+    mem = {"weights_bytes": weight_bytes(model), "kv_pool_bytes": kv.nbytes(),
+           "kv_pool_tokens": (kv.num_blocks - 1) * kv.block_size}
     log(f"fast model ready: {res['fast_build']}")
     if dev.type == "cuda":
         try:
@@ -950,7 +1124,7 @@ def run_tp(bc: BenchConfig) -> dict:
         dev, dtype = torch.device("cpu"), torch.float32
         dist.init_process_group("gloo", timeout=timeout)
         bc.allreduce = tuple(a for a in bc.allreduce if a == "nccl")
-    cfg, _ = model_config(bc.preset, bc.split)
+    cfg, hf_full = model_config(bc.preset, bc.split)
     res = load_json(bc.merge) if (bc.merge and rank == 0) else {}
     res.setdefault("errors", {})
     tp_res = {"world_size": world, "env": env_info(dev), "tp1": {}, "tp2": {}}
@@ -959,7 +1133,7 @@ def run_tp(bc: BenchConfig) -> dict:
     if rank == 0:
         log(f"[tp] rank 0: TP=1 reference on one GPU ({bw['gb_per_s']:.0f} GB/s)")
         tune1: dict = {}
-        model, kv, alloc, graphs, _ = build_fast(cfg, bc, dev, dtype, tune=tune1 if bc.tune_linear else None)
+        model, kv, alloc, graphs, _ = build_fast(cfg, hf_full, bc, dev, dtype, tune=tune1 if bc.tune_linear else None)
         tp_res["tp1"] = sweep(model, kv, alloc, graphs, bc, bc.tp_sessions, dev, dtype, bw["gb_per_s"])
         ref_logits = probe_logits(model, kv, alloc, graphs, dev, dtype)
         del model, kv, alloc, graphs
@@ -971,7 +1145,7 @@ def run_tp(bc: BenchConfig) -> dict:
     for ar in bc.allreduce:
         try:
             log(f"[tp] rank {rank}: TP={world} with {ar} all-reduce")
-            model, kv, alloc, graphs, t_cap = build_fast(cfg, bc, dev, dtype, rank, world, ar,
+            model, kv, alloc, graphs, t_cap = build_fast(cfg, hf_full, bc, dev, dtype, rank, world, ar,
                                                          tune=tune2 if bc.tune_linear else None)
             r = sweep(model, kv, alloc, graphs, bc, bc.tp_sessions, dev, dtype, bw["gb_per_s"], tp=world)
             if dev.type == "cuda":  # where the time goes: this rank's ops alone, and the all-reduces alone
@@ -989,7 +1163,7 @@ def run_tp(bc: BenchConfig) -> dict:
             if rank == 0:
                 r["logits_rel_err_vs_tp1"] = rel(logits, ref_logits)
                 log(f"[tp] {ar}: logits vs TP=1 rel err {r['logits_rel_err_vs_tp1']:.2e}")
-            r["weights_bytes_per_gpu"] = model.weight_bytes_local()
+            r["weights_bytes_per_gpu"] = weight_bytes(model)
             r["kv_pool_bytes_per_gpu"] = kv.nbytes()
             tp_res["tp2"][ar] = r
             del model, kv, alloc, graphs
@@ -1115,6 +1289,9 @@ def print_table(res: dict) -> None:
 
 def main(argv=None) -> int:
     bc = parse_args(argv)
+    if bc.through_engine and bc.tp:
+        run_engine_tp(bc)
+        return 0
     if bc.through_engine:
         res = run_engine(bc)
         if res["engine"].get("errors"):

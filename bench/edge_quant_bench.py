@@ -2,14 +2,15 @@
 
 For one model split at layer N (default: SmolLM2-135M at layer 8) this
 
-1. exports the fp32 edge front once (``split(..., edge_quant="fp32")`` into ``--work``);
+1. exports the fp32 edge front once (``split(..., edge_quant="fp32", edge_graph=--edge-graph)`` into
+   ``--work``; the fused graph by default, ``--edge-graph plain`` for the traced one);
 2. builds every variant in ``VARIANTS`` from that fp32 graph (``quantize_front`` kwargs, or onnxruntime's
    ``quantize_dynamic`` for the per-tensor dynamic-int8 baseline);
 3. scores each with :class:`partition_tools.evaluate.SplitEvaluator` over ``--tokens`` tokens of the built-in
    English text, boundary through a lossless fp16 round trip (top-1 agreement, mean KL(ref || split),
    perplexity of split vs unsplit, boundary error);
-4. times a single-token decode step (``--past`` cached tokens, ``--threads`` intra-op threads) of
-   each variant side by side with the fp32 graph (alternating blocks of 10 steps, so machine load hits both
+4. times a single-token decode step through ``edge_client.front.FrontRuntime`` (``--past`` cached
+   tokens, ``--threads`` intra-op threads) of each variant side by side with the fp32 graph (alternating blocks of 10 steps, so machine load hits both
    alike): the speedup is median(fp32) / median(variant) of that pairing; plus a 128-token prefill the same
    way, and fp32 vs ``default`` once more with one thread (insensitive to other jobs on a shared machine);
 5. writes the JSON report (``--json``) and prints a markdown table; ``--gate`` exits 1 when the ``default``
@@ -35,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from partition_tools.evaluate import SplitEvaluator, fp16_round_trip, front_session
+from edge_client.front import open_session
+from partition_tools.evaluate import SplitEvaluator, fp16_round_trip
 from partition_tools.quantize import calibration_tokens, quantize_front, recipe_for
 
 GATE = {"top1_agreement": 0.98, "mean_kl": 0.003, "ppl_delta_pct": 1.0, "decode_speedup": 1.5}
@@ -45,6 +47,8 @@ DYNAMIC = "dynamic"  # marker: onnxruntime.quantization.quantize_dynamic, not qu
 # Specs with "smooth_alpha" get the recipe's calibration tokens (the last 512 of the built-in text).
 I8 = {"mode": "int8", "block_size": 32, "accuracy_level": 4}
 I4 = {"mode": "int4", "block_size": 32, "accuracy_level": 4}
+# v_proj in the plain graph; the fused graph packs q|k|v into one MatMul, so there it is all three
+V_PROJ = ["layers.*.self_attn.v_proj", "layers.*.self_attn.qkv_proj"]
 VARIANTS: dict[str, dict | str | None] = {
     "fp32": None,
     "dynamic-int8": DYNAMIC,
@@ -52,12 +56,12 @@ VARIANTS: dict[str, dict | str | None] = {
     "int8-b32": I8,
     "int8-b64": {**I8, "block_size": 64},
     "int8-b128": {**I8, "block_size": 128},
-    "int8-b32-v_proj-fp32": {**I8, "keep_float": ["layers.*.self_attn.v_proj"]},
-    "int8-b32-v_proj-acc1": {**I8, "precise": ["layers.*.self_attn.v_proj"]},
+    "int8-b32-v_proj-fp32": {**I8, "keep_float": V_PROJ},
+    "int8-b32-v_proj-acc1": {**I8, "precise": V_PROJ},
     "int8-b32-sq0.3": {**I8, "smooth_alpha": 0.3},
     "int8-b32-sq0.5": {**I8, "smooth_alpha": 0.5},
     "int8-b32-sq0.7": {**I8, "smooth_alpha": 0.7},
-    "int8-b32-sq0.5-v_proj-fp32": {**I8, "smooth_alpha": 0.5, "keep_float": ["layers.*.self_attn.v_proj"]},
+    "int8-b32-sq0.5-v_proj-fp32": {**I8, "smooth_alpha": 0.5, "keep_float": V_PROJ},
     "int8-b32-emb8": {**I8, "embedding": "int8"},
     "int8-b32-emb8-b64": {**I8, "embedding": "int8", "embedding_block_size": 64},
     "int8-b32-emb4": {**I8, "embedding": "int4"},
@@ -69,12 +73,13 @@ VARIANTS: dict[str, dict | str | None] = {
     "int4-default": "recipe-int4",  # recipe_for(adapter, N, "int4")
 }
 # --sensitivity: which MatMuls does int8 (b32, accuracy level 4) hurt? Keep one kind / one layer in fp32.
-OPS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+OPS = {"plain": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+       "fused": ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
 
 
-def sensitivity_variants(n_layers: int) -> dict[str, dict]:
-    out = {f"int8-b32-{op.split('.')[-1]}-fp32": {**I8, "keep_float": [f"layers.*.{op}"]} for op in OPS}
+def sensitivity_variants(n_layers: int, graph: str = "fused") -> dict[str, dict]:
+    out = {f"int8-b32-{op.split('.')[-1]}-fp32": {**I8, "keep_float": [f"layers.*.{op}"]} for op in OPS[graph]}
     out.update({f"int8-b32-layer{i}-fp32": {**I8, "keep_float": [f"layers.{i}.*"]} for i in range(n_layers)})
     return out
 
@@ -102,66 +107,75 @@ def build_variant(name: str, spec, fp32: Path, out_dir: Path, adapter, layer: in
     return dst, quantize_front(fp32, dst, kwargs.pop("mode"), **kwargs)
 
 
-def decode_feeds(manifest, past: int, tokens: int = 1) -> dict[str, np.ndarray]:
-    """Inputs of one step: ``tokens`` new ids at positions [past, past + tokens) over a random KV cache."""
+def front(path: Path, bundle: Path, threads: int, past: int) -> FrontRuntime:
+    """The phone's runtime over edge graph ``path`` of ``bundle`` with ``past`` stored (random) cache rows."""
+    rt = FrontRuntime(bundle, threads=threads, chunk=512, verify=False, graph=path, capacity=past + 64)
     rng = np.random.default_rng(0)
-    feeds = {"input_ids": rng.integers(4, manifest.vocab_size, (1, tokens)).astype(np.int64),
-             "position_ids": np.arange(past, past + tokens, dtype=np.int64)[None]}
-    for i in range(manifest.split_layer):
-        for kind in ("key", "value"):  # [1, KVH, past, D]
-            feeds[f"past_{kind}.{i}"] = rng.standard_normal(
-                (1, manifest.num_kv_heads, past, manifest.head_dim)).astype(np.float32)
-    return feeds
+    if past:  # [KVH, past, D] per layer and tensor
+        rt.extend_kv([[rng.standard_normal((rt.kv_heads, past, rt.head_dim)).astype(np.float32)
+                       for _ in range(2 * rt.n_layers)]])
+    return rt
 
 
-def time_paired(base, other, feeds: dict, runs: int, block: int = 10) -> tuple[np.ndarray, np.ndarray]:
-    """Milliseconds of ``runs`` calls of each of two sessions, alternating in blocks of ``block`` calls.
+def _step(rt: FrontRuntime, past: int, prefill: int) -> None:
+    """One timed unit: a decode step over ``past`` cached positions (rolled back after), or a prefill of
+    ``prefill`` tokens from an empty cache."""
+    if prefill:
+        rt.reset()
+        rt.prefill(np.arange(4, 4 + prefill))
+    else:
+        rt.decode(42)
+        rt.truncate(past)
 
-    Returns two [runs // block, block] arrays (row i: block i of each session, run within a fraction of a
-    second of each other). The first call of each block is an untimed warm-up: it pays for the other
-    session's still-spinning worker threads and the caches the other graph evicted (a decoding edge runs
+
+def time_paired(base: FrontRuntime, other: FrontRuntime, past: int, runs: int, block: int = 10,
+                prefill: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Milliseconds of ``runs`` steps of each of two runtimes, alternating in blocks of ``block`` steps.
+
+    Returns two [runs // block, block] arrays (row i: block i of each runtime, run within a fraction of a
+    second of each other). The first step of each block is an untimed warm-up: it pays for the other
+    runtime's still-spinning worker threads and the caches the other graph evicted (a decoding edge runs
     one graph step after step).
     """
     blocks = max(1, runs // block)
     times = np.zeros((2, blocks, block))
-    for s in (base, other):
-        s.run(None, feeds)
+    for rt in (base, other):
+        _step(rt, past, prefill)
     for b in range(blocks):
-        for k, s in enumerate((base, other)):
-            s.run(None, feeds)
+        for k, rt in enumerate((base, other)):
+            _step(rt, past, prefill)
             for i in range(block):
                 start = time.perf_counter()
-                s.run(None, feeds)
+                _step(rt, past, prefill)
                 times[k, b, i] = 1000 * (time.perf_counter() - start)
     return times[0], times[1]
 
 
-def speed_one_thread(paths: dict[str, Path], manifest, past: int, runs: int) -> dict[str, float]:
+def speed_one_thread(paths: dict[str, Path], bundle: Path, past: int, runs: int) -> dict[str, float]:
     """fp32 vs ``default`` with one intra-op thread: no cross-thread barriers, so other jobs on a shared
     machine slow each step by their share of the core instead of by whole scheduler slices."""
-    base, other = front_session(paths["fp32"], 1), front_session(paths["default"], 1)
-    b, d = time_paired(base, other, decode_feeds(manifest, past), runs)
+    base, other = front(paths["fp32"], bundle, 1, past), front(paths["default"], bundle, 1, past)
+    b, d = time_paired(base, other, past, runs)
     return {"fp32_decode_ms_median": float(np.median(b)), "default_decode_ms_median": float(np.median(d)),
             "decode_speedup": float(np.median(b) / np.median(d)),
             "decode_speedup_blockwise": float(np.median(np.median(b, 1) / np.median(d, 1)))}
 
 
-def speed(paths: dict[str, Path], manifest, past: int, runs: int, threads: int) -> dict[str, dict]:
+def speed(paths: dict[str, Path], bundle: Path, past: int, runs: int, threads: int) -> dict[str, dict]:
     """Decode (one token over ``past`` cached ones) and 128-token prefill times, each variant paired with fp32.
 
     ``decode_speedup`` = median(fp32) / median(variant) over all paired runs; ``decode_speedup_blockwise`` =
     the median over blocks of the same ratio within one block pair (robust to load that changes over the
     run: another job starting on a shared machine slows both sides of a block alike).
     """
-    base = front_session(paths["fp32"], threads)
-    decode, prefill = decode_feeds(manifest, past), decode_feeds(manifest, 0, 128)
+    base = front(paths["fp32"], bundle, threads, past)
     out, base_decode = {}, []
     for name, path in paths.items():
         if name == "fp32":
             continue
-        session = front_session(path, threads)
-        b, d = time_paired(base, session, decode, runs)
-        bp, p = time_paired(base, session, prefill, max(4, runs // 10), block=2)
+        rt = front(path, bundle, threads, past)
+        b, d = time_paired(base, rt, past, runs)
+        bp, p = time_paired(base, rt, past, max(4, runs // 10), block=2, prefill=128)
         base_decode.append(b.ravel())
         out[name] = {
             "decode_ms_median": float(np.median(d)), "decode_ms_p10": float(np.percentile(d, 10)),
@@ -173,9 +187,9 @@ def speed(paths: dict[str, Path], manifest, past: int, runs: int, threads: int) 
             "decode_speedup_p10": float(np.percentile(b, 10) / np.percentile(d, 10)),
             "prefill128_speedup": float(np.median(bp) / np.median(p)),
         }
-        del session
+        del rt
     if not base_decode:  # fp32 alone: time it against itself
-        base_decode = [time_paired(base, base, decode, runs)[0].ravel()]
+        base_decode = [time_paired(base, base, past, runs)[0].ravel()]
     fp32 = np.concatenate(base_decode)
     out["fp32"] = {"decode_ms_median": float(np.median(fp32)), "decode_ms_p10": float(np.percentile(fp32, 10)),
                    "decode_ms_p90": float(np.percentile(fp32, 90)),
@@ -223,12 +237,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the report here")
     p.add_argument("--sensitivity", action="store_true",
                    help="also run int8 with one MatMul kind / one layer kept in fp32 (per-op sensitivity)")
+    p.add_argument("--edge-graph", choices=("fused", "plain"), default="fused",
+                   help="edge graph every variant is built from (partition_tools.export.build_front)")
     p.add_argument("--gate", action="store_true", help="exit 1 if the 'default' variant misses the goal")
     args = p.parse_args(argv)
-    known = {**VARIANTS, **sensitivity_variants(args.layer)}
+    known = {**VARIANTS, **sensitivity_variants(args.layer, args.edge_graph)}
     names = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",") if v.strip()]
     if args.sensitivity:
-        names += [n for n in sensitivity_variants(args.layer) if n not in names]
+        names += [n for n in sensitivity_variants(args.layer, args.edge_graph) if n not in names]
     unknown = [v for v in names if v not in known]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -249,20 +265,21 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()
     lm = load_model(args.model)
     adapter = ModelAdapter(lm.model)
-    bundle = args.work / "bundle-fp32"
+    bundle = args.work / f"bundle-fp32-{args.edge_graph}"
     try:
         m = Manifest.load(bundle)
-        reuse = m.source_identity == lm.identity and m.split_layer == args.layer
+        reuse = (m.source_identity == lm.identity and m.split_layer == args.layer
+                 and m.quant_report.get("edge_graph") == args.edge_graph)
     except BundleError:
         reuse = False
     if not reuse:
-        split(lm, SplitConfig(layer=args.layer, out=bundle, edge_quant="fp32"))
+        split(lm, SplitConfig(layer=args.layer, out=bundle, edge_quant="fp32", edge_graph=args.edge_graph))
     manifest = Manifest.load(bundle)
     fp32 = bundle / "edge" / "front.onnx"
     vdir = args.work / "variants"
     vdir.mkdir(parents=True, exist_ok=True)
 
-    variants = {**VARIANTS, **sensitivity_variants(args.layer)}
+    variants = {**VARIANTS, **sensitivity_variants(args.layer, args.edge_graph)}
     evaluator = SplitEvaluator(bundle, lm=lm, max_tokens=args.tokens, window=args.window, threads=args.threads)
     rows, paths = [], {}
     for name in args.names:
@@ -276,10 +293,10 @@ def main(argv=None) -> int:
         print(f"{name}: top-1 {quality['top1_agreement']:.4f} KL {quality['mean_kl']:.5f} "
               f"ppl {quality['ppl_delta_pct']:+.3f} %", file=sys.stderr, flush=True)
     load_timing = os.getloadavg()
-    timing = speed(paths, manifest, args.past, args.runs, args.threads)
+    timing = speed(paths, bundle, args.past, args.runs, args.threads)
     for r in rows:
         r.update(timing[r["name"]])
-    one_thread = speed_one_thread(paths, manifest, args.past, args.runs) if "default" in paths else None
+    one_thread = speed_one_thread(paths, bundle, args.past, args.runs) if "default" in paths else None
 
     result = {
         "command": "python bench/edge_quant_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),

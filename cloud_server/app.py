@@ -64,6 +64,9 @@ class DrainingServer(uvicorn.Server):
     open requests finish) before the usual shutdown; a second signal exits at once."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI):
+        split = getattr(app.state, "split", None)
+        if split is not None:  # read over-size frames, so that they fail one request instead of the session
+            config.ws_max_size = max(config.ws_max_size, split.max_message_bytes)
         super().__init__(config)
         self.app = app
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,9 +143,9 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         return oc.model_list([runtime.model_name] if runtime.model_name else [])
 
     if cfg.mode == "full":
-        from cloud_server.full_api import OpenAIServer
+        from cloud_server import full_api
 
-        OpenAIServer(runtime).install(app, auth)
+        full_api.install(app, runtime, auth)
 
     else:
         from cloud_server.split_endpoint import SplitEndpoint

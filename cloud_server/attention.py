@@ -12,7 +12,7 @@ calls the registered function :func:`paged_attention_forward` (``config._attn_im
 The per-step metadata (slot mapping, per-sequence query lengths, context lengths and slot lists) comes from
 an :class:`AttentionContext` that the model runner installs around the forward pass. Outside such a context
 the function delegates to the library's SDPA attention, so the same modules keep working as a plain model
-(``BackHalf.forward``, the reference path).
+(``CloudModel.forward``, the reference path).
 
 Batch invariance: with ``batch_invariant`` (the CPU default) every sequence's attention is computed on its
 own, so a sequence's numbers do not depend on which others share its step. Otherwise decode steps

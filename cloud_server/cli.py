@@ -64,7 +64,8 @@ OPTIONS = (
     Option("max_num_batched_tokens", int, "engine", "token budget of one engine step (default 2048)"),
     Option("max_model_len", int, "engine", "positions per sequence (default 8192)"),
     Option("enable_prefix_cache", bool, "engine", "share KV of common prefixes across sessions (default true)"),
-    Option("fast_path", bool, "engine", "use the hand-written GLM kernels on CUDA where they apply (default true)"),
+    Option("fast_path", bool, "engine", "the hand-written GLM layers for GLM float variants, tp 1 or 2 "
+                                        "(default: on CUDA; --fast-path: on the CPU too; --no-fast-path: never)"),
 )
 
 

@@ -41,9 +41,10 @@ class EngineConfig:
     # CPU: compute attention one sequence at a time so batching never changes a sequence's numbers.
     # GPU: decode steps share one padded attention call (faster, equal up to float rounding).
     batch_invariant: bool | None = None  # None = True on CPU, False on CUDA
-    # The hand-written GLM fast path (cloud_server.fast) where it applies: GLM-4 / GLM-4.1V, float variant,
-    # CUDA, tp 1. Elsewhere (and when off) the library's layers run through the paged attention.
-    fast_path: bool = True
+    # The hand-written GLM fast path (cloud_server.fast) for GLM-4 / GLM-4.1V float variants, at any tp.
+    # None: on CUDA (Triton kernels, CUDA graphs); True: on the CPU too (the same layers in plain torch: the
+    # tests' check of the served GPU path); False: never. Elsewhere the library's layers run (paged attention).
+    fast_path: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.variants, str):

@@ -2,16 +2,23 @@
 
 The policy is a pure function of the request (prompt length, images), the client's link hint and the
 server's load; the cloud runs it with what it actually offers: the codecs negotiated with the session and
-the compute variants it loaded. It is applied at three points:
+the compute variants it loaded (``EngineFacts``, fixed at start: nothing here reads the running engine).
+The load is the caller's figure: open requests over the engine's sequence capacity (:func:`load_fraction`).
+It is applied at three points:
 
 * :func:`session_plan` - the session's default plan, sent in ``Welcome.plan``;
 * :func:`request_compute` - a split request's compute variant when its ``Prefill.compute`` is empty
   (the first ``Tokens`` reports the plan used);
 * :func:`compute_variant` - a full-model request's variant, with the OpenAI ``precision`` override.
+
+The load-dependent choice (int8 compute on a busy server for short prompts) is the one way a request's
+answer can depend on other clients; a client that needs reproducible answers pins the compute variant
+(``Prefill.compute``, the OpenAI ``precision`` field), which always wins over the policy.
 """
 
 from __future__ import annotations
 
+from cloud_server.engine_facts import EngineFacts
 from shared.precision import (
     PrecisionError,
     PrecisionOverride,
@@ -21,31 +28,29 @@ from shared.precision import (
 )
 
 
-def server_load(rt) -> float:
-    """Busy fraction in [0, 1]: open requests over the engine's sequence capacity."""
-    eng = rt.engine.llm
-    return min(1.0, len(eng.seqs) / max(1, rt.config.engine.max_num_seqs))
+def load_fraction(open_requests: int, facts: EngineFacts) -> float:
+    """Busy fraction in [0, 1]: ``open_requests`` over the engine's sequence capacity."""
+    return min(1.0, open_requests / max(1, facts.max_num_seqs))
 
 
-def _features(rt, prompt_tokens: int, images: int = 0, link_kbps: float | None = None) -> RequestFeatures:
-    hidden = rt.manifest.hidden_size if rt.manifest is not None else rt.engine.llm.runners[
-        rt.engine.llm.default_variant].model.hidden_size
-    return RequestFeatures(prompt_tokens=prompt_tokens, images=images, link_kbps=link_kbps,
-                           server_load=server_load(rt), hidden_size=hidden)
+def _features(facts: EngineFacts, load: float, prompt_tokens: int, images: int = 0,
+              link_kbps: float | None = None) -> RequestFeatures:
+    return RequestFeatures(prompt_tokens=prompt_tokens, images=images, link_kbps=link_kbps, server_load=load,
+                           hidden_size=facts.hidden_size)
 
 
-def session_plan(hello, codecs: list[str], rt) -> PrecisionPlan:
+def session_plan(hello, codecs: list[str], facts: EngineFacts, load: float) -> PrecisionPlan:
     """The default plan for a new session: a typical short text request on this link, at today's load."""
-    hints = getattr(hello, "hints", None)
-    link = getattr(hints, "link_kbps", None)
-    return choose_precision(_features(rt, 0, link_kbps=link), None, available_codecs=codecs,
-                            available_compute=list(rt.engine.llm.runners))
+    link = hello.hints.link_kbps
+    return choose_precision(_features(facts, load, 0, link_kbps=link), None, available_codecs=codecs,
+                            available_compute=list(facts.variants))
 
 
-def request_compute(rt, session, prompt_tokens: int, multimodal: bool) -> str:
+def request_compute(facts: EngineFacts, load: float, codecs: list[str], prompt_tokens: int,
+                    multimodal: bool) -> str:
     """The compute variant of a split request that did not name one."""
-    plan = choose_precision(_features(rt, prompt_tokens, images=int(multimodal)), None,
-                            available_codecs=session.codecs, available_compute=list(rt.engine.llm.runners))
+    plan = choose_precision(_features(facts, load, prompt_tokens, images=int(multimodal)), None,
+                            available_codecs=codecs, available_compute=list(facts.variants))
     return plan.compute
 
 
@@ -55,8 +60,9 @@ def compute_variant(override: str | None, prompt_len: int, rt) -> str:
     Raises ``PrecisionError`` for a variant this server did not load."""
     ov = PrecisionOverride.parse(override)
     ov = PrecisionOverride(compute=ov.compute) if ov is not None and ov.compute is not None else None
-    plan = choose_precision(_features(rt, prompt_len), ov, available_compute=list(rt.engine.llm.runners))
+    load = load_fraction(rt.num_active_requests(), rt.facts)
+    plan = choose_precision(_features(rt.facts, load, prompt_len), ov, available_compute=list(rt.facts.variants))
     return plan.compute
 
 
-__all__ = ["PrecisionError", "compute_variant", "request_compute", "server_load", "session_plan"]
+__all__ = ["PrecisionError", "compute_variant", "load_fraction", "request_compute", "session_plan"]

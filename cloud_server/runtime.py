@@ -8,7 +8,6 @@ tensor-parallel workers when ``tp == 2``, allocates the KV pools and starts the 
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from pathlib import Path
 
@@ -17,15 +16,11 @@ import torch
 from cloud_server.config import ServerConfig
 from cloud_server.engine.async_engine import AsyncEngine
 from cloud_server.engine.llm_engine import LLMEngine
+from cloud_server.engine_facts import EngineFacts
+from cloud_server.fast.runner import fast_runner_factory
 from cloud_server.metrics import ServerMetrics
 
 log = logging.getLogger("autoglm.cloud")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class CloudRuntime:
@@ -35,10 +30,12 @@ class CloudRuntime:
         self.manifest = None  # split mode: the served bundle's manifest
         self.tokenizer = None  # full-model mode: the model's tokenizer (chat endpoints)
         self.engine: AsyncEngine | None = None
+        self.facts: EngineFacts | None = None  # the engine's fixed facts, published once by start()
         self.metrics: ServerMetrics | None = None
         self.model_name = config.model_name or ""
-        self._workers = []
-        self._tp_runner = None
+        self._workers = []  # tensor parallel: the worker ranks' processes
+        self._tp_store = None  # rank 0 hosts the group's store: kept open until the workers are gone
+        self._tp_comm = None  # where the rank-0 broadcasts' tensors live
         self.started_at = time.monotonic()
         self.draining = False  # set on shutdown: /ready turns false, new sessions and requests are refused
 
@@ -61,17 +58,16 @@ class CloudRuntime:
             self.model_name = self.model_name or cfg.full
             source_kind, source = "full", cfg.full
         self.metrics = ServerMetrics(self.model_name)
+        make_runner = fast_runner_factory(ecfg)  # the GLM fast path where it applies, else the library's layers
         if ecfg.tp > 1:
-            models, make_runner = self._start_tp(source_kind, source, variants)
+            models, make_runner = self._start_tp(source_kind, source, variants, make_runner)
         else:
             models = {v: self._load(source_kind, source, lm, v, ecfg.device) for v in variants}
-            make_runner = None
-            if ecfg.fast_path and ecfg.device.startswith("cuda"):
-                from cloud_server.fast.runner import fast_runner_factory
-
-                make_runner = fast_runner_factory(ecfg)  # the GLM fast path where it applies
         engine = LLMEngine.from_models(ecfg, models, metrics=self.metrics, make_runner=make_runner)
-        idle_hook = self._heartbeat if self._tp_runner is not None else None
+        if ecfg.tp > 1:
+            torch.distributed.barrier()  # every rank has built its runners (CUDA graphs captured together)
+        self.facts = EngineFacts.of(engine)  # before the engine thread runs: handlers read only this
+        idle_hook = self._heartbeat if self._tp_comm is not None else None
         self.engine = AsyncEngine(engine, idle_timeout_s=cfg.step_timeout_s, idle_hook=idle_hook).start()
         log.info("serving %s (%s mode, variants %s, tp %d)", self.model_name, cfg.mode, variants, ecfg.tp)
         return self
@@ -84,45 +80,51 @@ class CloudRuntime:
             return load_split_model(source, variant, device, shard=shard)
         return load_full_model(lm, variant, device, shard=shard)
 
-    def _start_tp(self, source_kind: str, source: str, variants: list[str]):
+    def _start_tp(self, source_kind: str, source: str, variants: list[str], make_runner):
+        """Open the group, start the workers, load rank 0's shards; rank 0's runners broadcast every batch."""
         from cloud_server import tp
 
         ecfg = self.config.engine
-        world, port = ecfg.tp, free_port()
-        self._workers = tp.launch_workers(world, "127.0.0.1", port, source_kind, source, variants, ecfg.device,
-                                          ecfg.num_blocks, ecfg.block_size)
-        tp.init_group(0, world, "127.0.0.1", port, ecfg.device)
+        world = ecfg.tp
+        self._tp_store, port = tp.open_group(world, ecfg.device)
+        self._workers = tp.launch_workers(world, "127.0.0.1", port, source_kind, source, variants, ecfg)
+        tp.join_group(self._tp_store, world, ecfg.device)
+        self._tp_comm = tp.comm_device(ecfg.device, 0)
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
         device = tp.rank_device(ecfg.device, 0)
         models = dict(zip(variants, tp.load_models(source_kind, source, variants, device, 0, world), strict=True))
-        torch.distributed.barrier()  # every rank has its shard
 
-        def make_runner(i, model, pool):
-            runner = tp.TPModelRunner(model, pool, batch_invariant=ecfg.batch_invariant, variant_idx=i)
-            self._tp_runner = runner
-            return runner
+        def broadcasting(i, model, pool):
+            return tp.BroadcastingRunner(make_runner(i, model, pool), i, self._tp_comm)
 
-        return models, make_runner
+        return models, broadcasting
 
     def _heartbeat(self) -> None:
-        self._tp_runner.heartbeat()
+        from cloud_server import tp
+
+        tp.heartbeat(self._tp_comm)
 
     # -- teardown ---------------------------------------------------------------------------
     def stop(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
-        if self._tp_runner is not None:
+        if self._tp_comm is not None:
+            from cloud_server import tp
+
             try:
-                self._tp_runner.stop_workers()
-                torch.distributed.destroy_process_group()
+                tp.stop_workers(self._tp_comm)
             except Exception:
                 log.exception("stopping tensor-parallel workers")
-            for p in self._workers:
+            for p in self._workers:  # before the group goes: rank 0 hosts its store
                 try:
                     p.wait(timeout=30)
                 except Exception:  # noqa: BLE001
                     p.kill()
-            self._workers, self._tp_runner = [], None
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:
+                log.exception("leaving the tensor-parallel group")
+            self._workers, self._tp_store, self._tp_comm = [], None, None
 
     def num_active_requests(self) -> int:
         if self.engine is None or not self.engine.alive:

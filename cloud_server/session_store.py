@@ -1,4 +1,4 @@
-"""Split sessions on the cloud: who is connected, their open requests, and what a reconnect needs.
+"""Split sessions on the cloud: who is connected, the protocol state of each, and what a reconnect needs.
 
 A :class:`Session` outlives its WebSocket: when the link drops the session is *detached* and keeps its
 requests (and their KV in the engine) for ``grace_s`` so the edge can reconnect with its resume token
@@ -6,9 +6,12 @@ requests (and their KV in the engine) for ``grace_s`` so the edge can reconnect 
 aborted and the KV freed. :class:`SessionRegistry` enforces ``max_sessions`` over attached and detached
 sessions alike (a session in its grace period still holds KV).
 
-:class:`RequestRecord` is what the server remembers of one request for the wire: the tokens it generated
-(so ``Resume`` can resend those the edge missed), the next position it expects, the finish reason.
-Everything here runs on the event loop thread; the engine's outputs reach it via ``call_soon_threadsafe``.
+The protocol rules live in one place, the shared state machine (``shared.session_state.SessionState``), one
+per session: every message received passes its ``on_client`` before it is acted on, and every message sent
+goes through :meth:`Session.send`, which records it with ``on_server``. What the server remembers beyond the
+rules - the engine's id for a request, its tokens (so ``Resume`` can resend those the edge missed), its plan
+- is the :class:`RequestRecord` hung on the request's track (``RequestTrack.owner``), so records and tracks
+are kept and forgotten together. Everything here runs on the event loop thread.
 """
 
 from __future__ import annotations
@@ -16,39 +19,41 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
-FINISHED_KEPT = 16  # finished requests a session remembers (a Resume after the finish still gets its tokens)
+from shared import protocol as P
+from shared.session_state import RequestTrack, SessionState
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RequestRecord:
-    request_id: str  # the edge's id (unique within the session)
+    track: RequestTrack  # the protocol's view (positions, tokens sent, finish)
     engine_id: str  # the engine's id: "<session id>/<request id>"
-    codec: str  # codec of its first Prefill (metrics)
+    codec: str  # codec of its first Prefill (metrics, the plan report)
     compute: str  # the compute variant serving it
-    received: int = 0  # positions [0, received) handed to the engine
     prompt_tokens: int = 0
     cached_tokens: int = 0
     tokens: list[int] = field(default_factory=list)
-    finish: str | None = None  # wire finish reason once finished
     plan_sent: bool = False  # the first Tokens carries the plan actually used
     last_input: float = field(default_factory=time.monotonic)  # when its latest input arrived (timings)
 
     @property
+    def request_id(self) -> str:
+        return self.track.request_id
+
+    @property
     def active(self) -> bool:
-        return self.finish is None
+        return self.track.finish is None
 
 
 class Session:
-    def __init__(self, session_id: str, resume_token: str, codecs: list[str], plan):
+    def __init__(self, session_id: str, resume_token: str, codecs: list[str], plan, tenant: str):
         self.session_id = session_id
         self.resume_token = resume_token
+        self.tenant = tenant  # shared.prefix_keys.tenant_of(its API key): the namespace of its prefix blocks
         self.codecs = codecs  # negotiated codec names
         self.plan = plan  # shared.precision.PrecisionPlan: the session's default
-        self.requests: OrderedDict[str, RequestRecord] = OrderedDict()
-        self.dead: OrderedDict[str, None] = OrderedDict()  # refused request ids: late chunks are dropped
+        self.state = SessionState()
         self.outq: asyncio.Queue | None = None  # frames for the attached WebSocket, in order
         self.ws = None  # the attached WebSocket
         self.generation = 0  # bumped per attach: a replaced connection's cleanup must not detach the new one
@@ -59,25 +64,20 @@ class Session:
     def attached(self) -> bool:
         return self.outq is not None
 
-    def send(self, frame: bytes) -> None:
-        """Queue a frame for the attached link; dropped when detached (Resume recovers tokens)."""
+    def send(self, msg) -> None:
+        """Record ``msg`` in the protocol state and queue it for the attached link. Dropped while detached:
+        the state still advances, and ``Resume`` recovers the tokens."""
+        self.state.on_server(msg)
         if self.outq is not None:
-            self.outq.put_nowait(frame)
+            self.outq.put_nowait(P.encode_message(msg))
+
+    def record(self, request_id: str) -> RequestRecord | None:
+        """The server's record of an open or recently finished request (None: unknown, or not admitted)."""
+        track = self.state.track(request_id)
+        return None if track is None else track.owner
 
     def active_requests(self) -> list[RequestRecord]:
-        return [r for r in self.requests.values() if r.active]
-
-    def finished(self, rec: RequestRecord) -> None:
-        """Keep a bounded number of finished records for late Resumes."""
-        done = [k for k, r in self.requests.items() if not r.active]
-        for k in done[: max(0, len(done) - FINISHED_KEPT)]:
-            del self.requests[k]
-
-    def mark_dead(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.dead[request_id] = None
-        while len(self.dead) > 64:
-            self.dead.popitem(last=False)
+        return [t.owner for t in self.state.requests.values() if t.owner is not None]
 
 
 class SessionRegistry:
@@ -93,22 +93,27 @@ class SessionRegistry:
     def full(self) -> bool:
         return len(self.by_id) >= self.max_sessions
 
-    def create(self, codecs: list[str], plan) -> Session:
-        s = Session(secrets.token_hex(8), secrets.token_urlsafe(24), codecs, plan)
+    def open_requests(self) -> int:
+        """Requests open over every session (the server's load, as the network side counts it)."""
+        return sum(s.state.open_requests for s in self.by_id.values())
+
+    def create(self, codecs: list[str], plan, tenant: str) -> Session:
+        s = Session(secrets.token_hex(8), secrets.token_urlsafe(24), codecs, plan, tenant)
         self.by_id[s.session_id] = s
         self.by_token[s.resume_token] = s
         return s
 
-    def for_resume(self, token: str | None) -> Session | None:
-        """The live session holding ``token``. It may still look attached: a link that died without a close
-        (a phone losing coverage) is only noticed later, and the reconnect takes the session over."""
+    def for_resume(self, token: str | None, tenant: str) -> Session | None:
+        """The live session of ``tenant`` holding ``token``. It may still look attached: a link that died
+        without a close (a phone losing coverage) is only noticed later, and the reconnect takes it over."""
         if not token:
             return None
         s = self.by_token.get(token)
-        return s if s is not None and not s.closed else None
+        return s if s is not None and not s.closed and s.tenant == tenant else None
 
     def remove(self, s: Session) -> None:
         s.closed = True
+        s.state.close()
         if s.expiry is not None:
             s.expiry.cancel()
             s.expiry = None

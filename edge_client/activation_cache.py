@@ -5,10 +5,12 @@ continue from it) and its boundary hidden states (what the cloud needs to rebuil
 per block of ``block_tokens`` tokens, so a hit skips the front layers for the prefix, and the edge sends the
 cloud only the prefix's *keys*: the cloud keeps its KV for the same blocks under the same keys.
 
-Keys form a hash chain (as in vLLM's automatic prefix caching), so a block's key names its whole prefix::
-
-    key_0 = sha256(b"" || ids[0:B] as int64 LE || bundle_id)
-    key_i = sha256(key_{i-1} || ids[iB:(i+1)B] as int64 LE || bundle_id)
+Keys form a hash chain (as in vLLM's automatic prefix caching), so a block's key names its whole prefix,
+and they are scoped to what produced the states: ``shared.prefix_keys`` (the derivation the cloud's prefix
+cache uses too) over the bundle id, the edge front's weights (``edge_variant``) and the storage dtype
+(``encoding = "cache-<dtype>"``), plus a content digest per block for image/audio spans. An fp32 and an
+int8 front of the same bundle, or a float16 and a float32 cache, sharing one directory never read each
+other's blocks (they skip, and keep, each other's files).
 
 Only full blocks are cached, and a lookup never covers a prompt's last token (its hidden state must be
 computed and sent for the cloud to sample the first new token).
@@ -18,8 +20,8 @@ given a directory) as one file per block under ``<dir>/<bundle_id>/``::
 
     magic b"AGLMACT1" | u32 LE header length | header JSON | payload (raw little-endian arrays)
 
-The header holds the bundle id, the block's key, parent key and token ids (the key is recomputed from them),
-array shapes and dtype, and the payload's sha256. No pickle. A file that fails any check is logged, removed
+The header holds the bundle id, the scope, the block's key, parent key, token ids and content digest (the key
+is recomputed from them), array shapes and dtype, and the payload's sha256. No pickle. A file that fails any check is logged, removed
 and treated as a miss; it never crashes the client. Files survive restarts; their mtime is the LRU clock.
 """
 
@@ -38,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.prefix_keys import PREFIX_KEY_VERSION, KeyScope, block_keys, chain_key
+
 log = logging.getLogger("edge_client.activation_cache")
 
 MAGIC = b"AGLMACT1"
@@ -49,15 +53,8 @@ class CacheFileError(Exception):
     """A cache file is corrupt, truncated or belongs to another bundle; the message says which check failed."""
 
 
-def block_keys(ids, bundle_id: str, block_tokens: int) -> list[str]:
-    """Hash-chain keys (hex) of every full block of ``ids`` (see the module docstring)."""
-    arr = np.asarray(ids, dtype="<i8").reshape(-1)  # [S]
-    tail = bundle_id.encode()
-    keys, prev = [], b""
-    for i in range(arr.size // block_tokens):
-        prev = hashlib.sha256(prev + arr[i * block_tokens:(i + 1) * block_tokens].tobytes() + tail).digest()
-        keys.append(prev.hex())
-    return keys
+class OtherScope(CacheFileError):
+    """A valid file of another scope (edge variant, dtype, block size) sharing the directory: skipped, kept."""
 
 
 @dataclass(slots=True)
@@ -86,6 +83,7 @@ class _Entry:
     parent: str
     index: int  # block position in its chain
     tokens: list[int]
+    content: bytes | None  # the block's content digest (None: text only)
     nbytes: int
     arrays: list[np.ndarray] | None = None  # 2N KV arrays [KVH, B, D] + hidden [B, H]; None until loaded
     path: Path | None = None
@@ -97,7 +95,7 @@ class ActivationCache:
 
     def __init__(self, bundle_id: str, n_layers: int, kv_heads: int, head_dim: int, hidden_size: int,
                  block_tokens: int = 16, max_bytes: int = 512 << 20, cache_dir: str | Path | None = None,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", *, edge_variant: str):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         if max_bytes < 0:
@@ -109,6 +107,7 @@ class ActivationCache:
         self.block_tokens = block_tokens
         self.max_bytes = max_bytes
         self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.scope = KeyScope(bundle_id, edge_variant, f"cache-{dtype}")  # what produced (and stores) the states
         self.dir = Path(cache_dir) / bundle_id if cache_dir is not None else None
         self.stats = CacheStats()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
@@ -134,15 +133,16 @@ class ActivationCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys_for(self, ids) -> list[str]:
-        return block_keys(ids, self.bundle_id, self.block_tokens)
+    def keys_for(self, ids, content=None) -> list[str]:
+        """Keys of the full blocks of ``ids``; ``content[i]``: block i's content digest (None: text)."""
+        return block_keys(ids, self.scope, self.block_tokens, content)
 
     # -- lookup / insert ---------------------------------------------------------------------------
-    def lookup(self, ids, max_tokens: int | None = None) -> CacheHit | None:
+    def lookup(self, ids, max_tokens: int | None = None, content=None) -> CacheHit | None:
         """Longest cached prefix of ``ids`` in whole blocks, at most ``max_tokens`` (default ``len - 1``)."""
         ids = list(ids)
         limit = len(ids) - 1 if max_tokens is None else min(max_tokens, len(ids) - 1)
-        keys = self.keys_for(ids[: max(limit, 0)])
+        keys = self.keys_for(ids[: max(limit, 0)], content)
         with self._lock:
             self.stats.lookups += 1
             hit: list[_Entry] = []
@@ -161,25 +161,26 @@ class ActivationCache:
             hidden = np.concatenate([e.arrays[n] for e in hit], axis=0).astype(np.float32)  # type: ignore[index]
             return CacheHit(len(hit) * self.block_tokens, [e.key for e in hit], kv_blocks, hidden)
 
-    def contains(self, ids) -> int:
+    def contains(self, ids, content=None) -> int:
         """Tokens of ``ids`` covered by cached blocks (no LRU update, no payload load)."""
         n = 0
         with self._lock:
-            for k in self.keys_for(ids):
+            for k in self.keys_for(ids, content):
                 if k not in self._entries:
                     break
                 n += self.block_tokens
         return n
 
-    def insert(self, ids, kv_slice, hidden: np.ndarray, start_block: int = 0) -> int:
+    def insert(self, ids, kv_slice, hidden: np.ndarray, start_block: int = 0, content=None) -> int:
         """Cache every full block of ``ids`` not cached yet; returns how many blocks were added.
 
         ``kv_slice(a, b)`` returns the front KV of positions [a, b) as 2N arrays [KVH, b-a, D] (the runtime's
         ``kv_slice``); ``hidden`` [len(ids) or more, H] are the boundary hidden states of those positions.
-        Blocks before ``start_block`` are skipped (the caller knows they are cached).
+        Blocks before ``start_block`` are skipped (the caller knows they are cached). ``content``: per block,
+        its content digest (None: text).
         """
         ids = [int(t) for t in ids]
-        keys = self.keys_for(ids)
+        keys = self.keys_for(ids, content)
         if hidden.shape[0] < len(keys) * self.block_tokens or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden {hidden.shape} does not cover {len(keys)} blocks of {self.block_tokens}")
         if self.block_bytes > self.max_bytes:
@@ -197,7 +198,8 @@ class ActivationCache:
                 arrays = [np.ascontiguousarray(x, dtype=self.dtype) for x in kv_slice(a, b)]
                 arrays.append(np.ascontiguousarray(hidden[a:b], dtype=self.dtype))
                 self._check_shapes(arrays)
-                e = _Entry(key, keys[i - 1] if i else "", i, ids[a:b], sum(x.nbytes for x in arrays), arrays)
+                e = _Entry(key, keys[i - 1] if i else "", i, ids[a:b], None if content is None else content[i],
+                           sum(x.nbytes for x in arrays), arrays)
                 if self.dir is not None:
                     e.path = self._write(e)
                 self._entries[key] = e
@@ -253,8 +255,10 @@ class ActivationCache:
         assert self.dir is not None
         payload = b"".join(a.tobytes() for a in e.arrays)  # type: ignore[union-attr]
         header = {
-            "bundle_id": self.bundle_id, "key": e.key, "parent": e.parent, "index": e.index,
-            "tokens": e.tokens, "block_tokens": self.block_tokens, "dtype": self.dtype.str,
+            "bundle_id": self.bundle_id, "key_version": PREFIX_KEY_VERSION, "edge_variant": self.scope.edge_variant,
+            "encoding": self.scope.encoding, "key": e.key, "parent": e.parent, "index": e.index,
+            "tokens": e.tokens, "content": None if e.content is None else e.content.hex(),
+            "block_tokens": self.block_tokens, "dtype": self.dtype.str,
             "shapes": [list(s) for s in self._shapes()], "payload_bytes": len(payload),
             "payload_sha256": hashlib.sha256(payload).hexdigest(),
         }
@@ -284,15 +288,19 @@ class ActivationCache:
             raise CacheFileError("header is not a JSON object")
         if header.get("bundle_id") != self.bundle_id:
             raise CacheFileError(f"written for bundle {header.get('bundle_id')!r}, not {self.bundle_id!r}")
-        if header.get("dtype") != self.dtype.str or header.get("block_tokens") != self.block_tokens:
-            raise CacheFileError("written with another dtype or block size")
+        if header.get("key_version") != PREFIX_KEY_VERSION:
+            raise CacheFileError(f"keys of version {header.get('key_version')}, not {PREFIX_KEY_VERSION}")
+        if (header.get("edge_variant"), header.get("encoding"), header.get("dtype"), header.get("block_tokens")) != (
+                self.scope.edge_variant, self.scope.encoding, self.dtype.str, self.block_tokens):
+            raise OtherScope("written by another edge variant, dtype or block size")
         if header.get("shapes") != [list(s) for s in self._shapes()]:
             raise CacheFileError("array shapes do not match this bundle's front")
-        tokens, parent = header.get("tokens"), header.get("parent")
-        if not (isinstance(tokens, list) and len(tokens) == self.block_tokens and isinstance(parent, str)):
-            raise CacheFileError("header lacks the block's tokens or parent key")
-        digest = hashlib.sha256((bytes.fromhex(parent) if parent else b"") + np.asarray(tokens, "<i8").tobytes()
-                                + self.bundle_id.encode()).hexdigest()
+        tokens, parent, content = header.get("tokens"), header.get("parent"), header.get("content")
+        if not (isinstance(tokens, list) and len(tokens) == self.block_tokens and isinstance(parent, str)
+                and (content is None or isinstance(content, str))):
+            raise CacheFileError("header lacks the block's tokens, parent key or content digest")
+        digest = chain_key(bytes.fromhex(parent) if parent else self.scope.seed(), tokens,
+                           None if content is None else bytes.fromhex(content)).hex()
         if digest != header.get("key") or path.name != f"{digest}{FILE_SUFFIX}":
             raise CacheFileError("key does not match the block's tokens and parent")
         return header, len(MAGIC) + 4 + hlen
@@ -309,10 +317,13 @@ class ActivationCache:
                 header, offset = self._read_header(path)
                 if path.stat().st_size != offset + int(header["payload_bytes"]):
                     raise CacheFileError("file size does not match its header (truncated?)")
+            except OtherScope:
+                continue  # another client's valid block: not ours to use or to remove
             except (CacheFileError, OSError, KeyError, ValueError, TypeError) as err:
                 self._reject(path, err)
                 continue
-            e = _Entry(header["key"], header["parent"], int(header["index"]), header["tokens"],
+            content = None if header["content"] is None else bytes.fromhex(header["content"])
+            e = _Entry(header["key"], header["parent"], int(header["index"]), header["tokens"], content,
                        int(header["payload_bytes"]), None, path, header)
             found.append((path.stat().st_mtime, e))
         for _, e in sorted(found, key=lambda t: t[0]):  # oldest first = least recently used

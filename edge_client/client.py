@@ -39,7 +39,7 @@ from .errors import EdgeClientError
 from .request import RequestSpec, RequestStats
 from .front import FrontRuntime
 from .generation import Session
-from .tokenizer import EdgeTokenizer, StreamDecoder
+from .tokenizer import EdgeTokenizer
 
 __all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "RequestStats"]
 
@@ -65,7 +65,7 @@ class EdgeClient:
         self.cache = ActivationCache(
             self.manifest.bundle_id, self.runtime.n_layers, self.runtime.kv_heads, self.runtime.head_dim,
             self.runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
-            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype)
+            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=self.manifest.edge_quant)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="autoglm-edge-loop", daemon=True)
         self._thread.start()
@@ -177,9 +177,6 @@ class EdgeClient:
                 text = self.tokenizer.apply_chat_template(p, add_generation_prompt=False)
             tokens += self._call(self.session.preload(self.tokenizer.encode(text)))
         return tokens
-
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self.tokenizer)
 
 
 def _sampling_defaults(kw: dict) -> dict:

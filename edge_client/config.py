@@ -11,12 +11,26 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_SPLIT_PATH = "/v1/split"  # the cloud server's WebSocket route for split sessions
 
 
 class ConfigError(ValueError):
     """A configuration value is out of range; the message names the field."""
+
+
+def split_url(url: str) -> str:
+    """The split endpoint's WebSocket URL for ``url``: a server's base URL (``ws://host:port`` or ``.../v1``,
+    as an OpenAI client takes ``base_url``) gets ``/v1/split``; any other path is kept as given."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+        raise ConfigError(f"url {url!r}: expected ws:// or wss:// and a host (the server's base URL, or its "
+                          f"{DEFAULT_SPLIT_PATH} endpoint)")
+    path = parts.path.rstrip("/")
+    if path in ("", "/v1"):
+        path = DEFAULT_SPLIT_PATH
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
 @dataclass(slots=True)
@@ -65,7 +79,7 @@ class RetryPolicy:
 @dataclass(slots=True)
 class EdgeConfig:
     bundle: Path  # a bundle directory written by `autoglm-partition split` (only edge/ files are read)
-    url: str = f"ws://127.0.0.1:8000{DEFAULT_SPLIT_PATH}"  # the cloud's split WebSocket endpoint
+    url: str = "ws://127.0.0.1:8000"  # the cloud's base URL, or its split endpoint (split_url)
     api_key: str | None = None  # sent as "Authorization: Bearer <key>"
     # onnxruntime intra-op threads. Phones have 2-4 big cores; using all of them starves the UI thread.
     threads: int = 2
@@ -88,8 +102,7 @@ class EdgeConfig:
         self.bundle = Path(self.bundle)
         if self.cache_dir is not None:
             self.cache_dir = Path(self.cache_dir)
-        if not self.url.startswith(("ws://", "wss://")):
-            raise ConfigError(f"url {self.url!r}: expected ws:// or wss://")
+        self.url = split_url(self.url)
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.prefill_chunk < 1:

@@ -4,17 +4,28 @@ Contract (one sequence at a time, positions are absolute and contiguous):
 
 * ``prefill(ids)`` runs the tokens at positions ``[len, len + S)`` in chunks of ``chunk`` tokens and returns
   the boundary hidden states ``[S, H]``; ``decode(token)`` is the one-token case ``[1, H]``.
-* The KV cache is a list of ``2N`` float32 arrays ``[1, KVH, P, D]`` (``past_key.i``, ``past_value.i`` as
-  the graph names them, see ``partition_tools.export``); ``len`` is ``P``.
 * ``truncate(n)`` rolls the cache back to the first ``n`` positions (a new prompt that shares a prefix with
   the last one, or a rejected speculative step); ``kv_slice(a, b)`` / ``extend_kv(blocks)`` copy positions
-  out and back in, which is how the activation cache stores and restores prefixes.
+  out and back in (2N arrays ``[KVH, T, D]``, K then V per layer), which is how the activation cache stores
+  and restores prefixes.
+
+Two edge graphs run here, told apart by their inputs:
+
+* the **fused** graph (``partition_tools.graph_builder``: GroupQueryAttention & co.): the KV cache is one
+  preallocated buffer ``[1, KVH, C, D]`` per layer and tensor, bound once through IO binding as both the
+  past input and the present output of the same OrtValue, so a step writes its S new rows in place and
+  copies nothing else. ``truncate`` only moves the length. The buffer grows (doubling, one copy) when a
+  sequence outgrows it. An int8-KV graph (``partition_tools.kv_quant``) keeps int8 buffers; ``kv_slice``
+  dequantizes and ``extend_kv`` quantizes with the graph's own scales, so callers always see float32;
+* the **plain** traced graph (``partition_tools.export``, the portable fallback): explicit past -> present
+  concatenation, arrays in and out, the cache copied on every step.
 
 Only numpy and onnxruntime: this module runs on the phone.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +35,16 @@ import onnxruntime as ort
 
 from shared.manifest import BundleError, Manifest
 
+from .rope import rope_feeds
+
 FRONT = "edge/front.onnx"
+FUSED_INPUTS = ("seqlens_k", "total_sequence_length")  # partition_tools.graph_builder's interface
+ROPE_INPUTS = ("rope_cos", "rope_sin")
+MAX_POSITIONS_KEY = "autoglm.max_positions"  # graph metadata: rows of the rotary caches
+MROPE_KEY = "autoglm.mrope"  # graph metadata (3-D rope graphs): JSON {theta, rotary_dim, mrope_section}
+EMBEDS_INPUTS = ("inputs_embeds", "embeds_mask")  # media rows in place of token embeddings (front_embeds)
+KV_SCALES_KEY = "autoglm.kv_scales"  # graph metadata (int8 KV graphs): JSON {"k", "v"}: per layer [KVH][D]
+INITIAL_CAPACITY = 256  # KV rows allocated up front (SmolLM2 split at 8: 3 MB); grows by doubling
 
 
 class FrontError(Exception):
@@ -43,12 +63,163 @@ class FrontStats:
         return FrontStats(self.forward_calls, self.tokens, self.seconds)
 
 
+def open_session(path: str | Path, threads: int = 2, profile_prefix: str | None = None) -> ort.InferenceSession:
+    """An onnxruntime CPU session over an edge graph with ``threads`` intra-op threads (as the phone opens it).
+
+    ``profile_prefix``: turn on onnxruntime's profiler (per-op times; ``session.end_profiling()`` writes them).
+    """
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    if profile_prefix:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = profile_prefix
+    try:
+        return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+        first = str(e).splitlines()[0]
+        hint = ("; the bundle's fused edge graph needs onnxruntime's com.microsoft contrib ops: re-split with "
+                "--edge-graph plain for this runtime") if "com.microsoft" in first or "not a registered" in first else ""
+        raise BundleError(f"{path}: onnxruntime cannot load it: {first}{hint}") from None
+
+
+class _ConcatKV:
+    """The plain graph's cache: 2N arrays [1, KVH, P, D], replaced by the graph's outputs every step."""
+
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int):
+        self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
+        self.kv: list[np.ndarray] = []
+        self.reset()
+
+    @property
+    def length(self) -> int:
+        return int(self.kv[0].shape[2])
+
+    def reset(self) -> None:
+        empty = np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32)  # [1, KVH, 0, D]
+        self.kv = [empty] * (2 * self.n_layers)
+
+    def truncate(self, n: int) -> None:
+        self.kv = [np.ascontiguousarray(t[:, :, :n]) for t in self.kv]
+
+    def rows(self, j: int, start: int, end: int) -> np.ndarray:
+        return self.kv[j][0, :, start:end]  # [KVH, T, D]
+
+    def append(self, blocks: list[list[np.ndarray]]) -> None:
+        self.kv = [np.concatenate([t[0]] + [np.asarray(b[j], np.float32) for b in blocks], axis=1)[None]
+                   for j, t in enumerate(self.kv)]  # [1, KVH, P', D]
+
+    def run(self, session: ort.InferenceSession, ids: np.ndarray, extra: dict) -> np.ndarray:
+        p, s, n = self.length, ids.shape[0], self.n_layers
+        feeds = {"input_ids": ids[None], "position_ids": np.arange(p, p + s, dtype=np.int64)[None]}  # [1, S]
+        for i in range(n):
+            feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = self.kv[2 * i], self.kv[2 * i + 1]  # [1, KVH, P, D]
+        names = ["hidden_states"] + [f"present_{kv}.{i}" for i in range(n) for kv in ("key", "value")]
+        out = session.run(names, feeds)
+        self.kv = out[1:]  # [1, KVH, P+S, D] each
+        return out[0][0]  # [S, H]
+
+
+class _SharedBufferKV:
+    """The fused graph's cache: one buffer [1, KVH, C, D] per layer and tensor, bound once as past *and*
+    present (GroupQueryAttention updates it in place); rows [0, length) are valid."""
+
+    def __init__(self, session: ort.InferenceSession, n_layers: int, kv_heads: int, head_dim: int,
+                 capacity: int, max_positions: int, scales: list[np.ndarray] | None = None):
+        """``scales``: int8 cache (``partition_tools.kv_quant``): 2N arrays [KVH, 1, D] (K, V per layer)."""
+        self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
+        self.max_positions = max_positions
+        self.scales = scales
+        self.dtype = np.int8 if scales is not None else np.float32
+        self.hidden_size = int(session.get_outputs()[0].shape[-1])
+        self.binding = session.io_binding()
+        self._hidden: tuple[np.ndarray, ort.OrtValue] | None = None  # bound output [1, S, H] of the last S
+        self.length = 0
+        self.buffers: list[np.ndarray] = []
+        self._values: list[ort.OrtValue] = []  # share memory with ``buffers``
+        self._allocate(min(capacity, max_positions))
+
+    @property
+    def capacity(self) -> int:
+        return int(self.buffers[0].shape[2]) if self.buffers else 0
+
+    def _allocate(self, capacity: int) -> None:
+        old, n = self.buffers, self.length
+        self.buffers = [np.zeros((1, self.kv_heads, capacity, self.head_dim), self.dtype)  # [1, KVH, C, D]
+                        for _ in range(2 * self.n_layers)]
+        for new, prev in zip(self.buffers, old):
+            new[:, :, :n] = prev[:, :, :n]
+        self._values = [ort.OrtValue.ortvalue_from_numpy(b) for b in self.buffers]
+        for i in range(self.n_layers):
+            for k, kind in enumerate(("key", "value")):
+                value = self._values[2 * i + k]
+                self.binding.bind_ortvalue_input(f"past_{kind}.{i}", value)
+                self.binding.bind_ortvalue_output(f"present_{kind}.{i}", value)
+
+    def reserve(self, total: int) -> None:
+        """Make room for ``total`` positions (one copy of the valid rows when the buffer grows)."""
+        if total > self.max_positions:
+            raise FrontError(f"{total} positions exceed the edge graph's {self.max_positions}")
+        if total > self.capacity:
+            self._allocate(min(max(2 * self.capacity, total), self.max_positions))
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def truncate(self, n: int) -> None:
+        self.length = n  # rows past n are overwritten by the next step
+
+    def rows(self, j: int, start: int, end: int) -> np.ndarray:
+        rows = self.buffers[j][0, :, start:end]  # [KVH, T, D]
+        return rows if self.scales is None else rows.astype(np.float32) * self.scales[j]
+
+    def append(self, blocks: list[list[np.ndarray]]) -> None:
+        total = self.length + sum(int(np.shape(b[0])[1]) for b in blocks)
+        self.reserve(total)
+        p = self.length
+        for b in blocks:
+            t = int(np.shape(b[0])[1])
+            for j, arr in enumerate(b):
+                if self.scales is not None:  # as the op stores a row: round to the grid, saturate
+                    arr = np.clip(np.rint(np.asarray(arr, np.float32) / self.scales[j]), -128, 127)
+                self.buffers[j][0, :, p:p + t] = arr  # [KVH, T, D]
+            p += t
+        self.length = total
+
+    def run(self, session: ort.InferenceSession, ids: np.ndarray, extra: dict) -> np.ndarray:
+        s = ids.shape[0]
+        total = self.length + s
+        self.reserve(total)
+        b = self.binding
+        b.bind_cpu_input("input_ids", ids[None])  # [1, S]
+        b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))  # [1]
+        b.bind_cpu_input("total_sequence_length", np.array(total, np.int32))  # []
+        for name, value in extra.items():
+            b.bind_cpu_input(name, value)
+        if self._hidden is None or self._hidden[0].shape[1] != s:  # decode steps reuse one binding
+            out = np.empty((1, s, self.hidden_size), np.float32)  # [1, S, H]
+            self._hidden = (out, ort.OrtValue.ortvalue_from_numpy(out))
+            b.bind_ortvalue_output("hidden_states", self._hidden[1])
+        session.run_with_iobinding(b)
+        self.length = total
+        return self._hidden[0][0].copy()  # [S, H]: the bound buffer is overwritten by the next step
+
+
 class FrontRuntime:
     """onnxruntime session over ``edge/front.onnx`` plus the sequence's KV cache for layers [0, N)."""
 
-    def __init__(self, bundle_dir: str | Path, threads: int = 2, chunk: int = 128, verify: bool = True):
-        if threads < 1 or chunk < 1:
-            raise ValueError(f"threads ({threads}) and chunk ({chunk}) must be >= 1")
+    def __init__(self, bundle_dir: str | Path, threads: int = 2, chunk: int = 128, verify: bool = True,
+                 graph: str | Path | None = None, capacity: int = INITIAL_CAPACITY,
+                 profile_prefix: str | None = None):
+        """``verify``: check the bundle's edge files against the manifest's hashes first. ``graph``: another
+        edge graph of this bundle's split in place of ``edge/front.onnx`` (how the partition tools score
+        candidate quantizations of one split). ``capacity``: KV rows allocated up front by the fused graph.
+        ``profile_prefix``: onnxruntime profiling on (``session.end_profiling()`` writes the JSON)."""
+        if threads < 1 or chunk < 1 or capacity < 1:
+            raise ValueError(f"threads ({threads}), chunk ({chunk}) and capacity ({capacity}) must be >= 1")
         self.bundle_dir = Path(bundle_dir)
         self.manifest = Manifest.load(self.bundle_dir)
         if verify:
@@ -60,84 +231,121 @@ class FrontRuntime:
         self.head_dim = m.head_dim
         self.vocab_size = m.vocab_size
         self.chunk = chunk
-        path = self.bundle_dir / FRONT
+        self.capacity = capacity
+        path = Path(graph) if graph is not None else self.bundle_dir / FRONT
         if not path.is_file():
             raise BundleError(f"{path}: missing (not an edge bundle?)")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
-        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
-            raise BundleError(f"{path}: onnxruntime cannot load it: {str(e).splitlines()[0]}") from None
-        names = [i.name for i in self.session.get_inputs()]
-        expected = ["input_ids", "position_ids"] + [f"past_{kv}.{i}" for i in range(self.n_layers)
-                                                    for kv in ("key", "value")]
-        if sorted(names) != sorted(expected):
-            raise BundleError(f"{path}: inputs {names[:4]}... do not match a {self.n_layers}-layer front graph")
-        self.output_names = ["hidden_states"] + [f"present_{kv}.{i}" for i in range(self.n_layers)
-                                                 for kv in ("key", "value")]
+        self.session = open_session(path, threads, profile_prefix)
+        names = {i.name for i in self.session.get_inputs()}
+        self.fused = set(FUSED_INPUTS) <= names
+        self.mrope = set(ROPE_INPUTS) <= names
+        # media (GLM-4.1V images): the embeddings inputs, fed a no-op on text chunks
+        self.embeds_input = set(EMBEDS_INPUTS) <= names
+        kv_names = {f"past_{kv}.{i}" for i in range(self.n_layers) for kv in ("key", "value")}
+        if self.fused:
+            expected = kv_names | {"input_ids", *FUSED_INPUTS, *(ROPE_INPUTS if self.mrope else ()),
+                                   *(EMBEDS_INPUTS if self.embeds_input else ())}
+        else:
+            expected = kv_names | {"input_ids", "position_ids"}
+        if names != expected:
+            raise BundleError(f"{path}: inputs {sorted(names)[:4]}... do not match a {self.n_layers}-layer "
+                              f"front graph")
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.max_positions = int(meta.get(MAX_POSITIONS_KEY, 1 << 20))
+        self.mrope_params = json.loads(meta[MROPE_KEY]) if self.mrope else None
+        self.kv_scales = None  # int8 KV graphs: 2N arrays [KVH, 1, D]
+        if KV_SCALES_KEY in meta:
+            sc = json.loads(meta[KV_SCALES_KEY])
+            self.kv_scales = [np.asarray(sc[kind][i], np.float32)[:, None, :] for i in range(self.n_layers)
+                              for kind in ("k", "v")]
+        self.rope_delta = 0  # 3-D rope: a later token's position is its index + this (edge_client.mrope)
         self.stats = FrontStats()
-        self.kv: list[np.ndarray] = []
-        self.reset()
+        self._cache = self._new_cache()
+
+    def _new_cache(self) -> _ConcatKV | _SharedBufferKV:
+        if self.fused:
+            return _SharedBufferKV(self.session, self.n_layers, self.kv_heads, self.head_dim, self.capacity,
+                                   self.max_positions, self.kv_scales)
+        return _ConcatKV(self.n_layers, self.kv_heads, self.head_dim)
 
     # -- cache state ------------------------------------------------------------------------------
     @property
+    def graph_kind(self) -> str:
+        """``fused`` (in-place KV through IO binding) or ``plain`` (the traced portable graph)."""
+        return "fused" if self.fused else "plain"
+
+    @property
     def length(self) -> int:
         """Positions held in the KV cache (the next token's position)."""
-        return int(self.kv[0].shape[2])
+        return self._cache.length
+
+    def fork(self) -> FrontRuntime:
+        """A runtime for another sequence over the same loaded graph: an empty cache and its own stats."""
+        other = object.__new__(FrontRuntime)
+        for name in ("bundle_dir", "manifest", "n_layers", "hidden_size", "kv_heads", "head_dim", "vocab_size",
+                     "chunk", "capacity", "session", "fused", "mrope", "max_positions", "mrope_params",
+                     "kv_scales", "embeds_input"):
+            setattr(other, name, getattr(self, name))
+        other.rope_delta = 0
+        other.stats = FrontStats()
+        other._cache = other._new_cache()
+        return other
 
     def reset(self) -> None:
-        empty = np.zeros((1, self.kv_heads, 0, self.head_dim), dtype=np.float32)  # [1, KVH, 0, D]
-        self.kv = [empty] * (2 * self.n_layers)
+        self._cache.reset()
+        self.rope_delta = 0
 
     def truncate(self, n: int) -> None:
-        """Keep positions [0, n) of the cache."""
+        """Keep positions [0, n) of the cache (O(1) on the fused graph)."""
         if not 0 <= n <= self.length:
             raise FrontError(f"truncate({n}): the cache holds {self.length} positions")
         if n < self.length:
-            self.kv = [np.ascontiguousarray(t[:, :, :n]) for t in self.kv]
+            self._cache.truncate(n)
 
     def kv_slice(self, start: int, end: int) -> list[np.ndarray]:
         """Copies of positions [start, end) of every layer's K and V: 2N arrays [KVH, end-start, D]."""
         if not 0 <= start <= end <= self.length:
             raise FrontError(f"kv_slice({start}, {end}): the cache holds {self.length} positions")
-        return [np.array(t[0, :, start:end], dtype=np.float32) for t in self.kv]
+        return [np.array(self._cache.rows(j, start, end), dtype=np.float32) for j in range(2 * self.n_layers)]
 
     def extend_kv(self, blocks: list[list[np.ndarray]]) -> None:
         """Append stored positions (each block: 2N arrays [KVH, T, D], as ``kv_slice`` returns them)."""
         if not blocks:
             return
+        shape = (self.kv_heads, self.head_dim)
         for b in blocks:
             if len(b) != 2 * self.n_layers:
                 raise FrontError(f"KV block has {len(b)} arrays, expected {2 * self.n_layers}")
-        new = []
-        for j, t in enumerate(self.kv):
-            parts = [t[0]] + [np.asarray(b[j], dtype=np.float32) for b in blocks]  # each [KVH, T, D]
-            new.append(np.concatenate(parts, axis=1)[None])  # [1, KVH, P', D]
-        self.kv = new
+            t = np.shape(b[0])[1] if np.ndim(b[0]) == 3 else -1
+            if any(np.shape(a) != (shape[0], t, shape[1]) for a in b):
+                raise FrontError(f"KV block arrays must all be [{shape[0]}, T, {shape[1]}]")
+        self._cache.append(blocks)
 
     # -- forward ---------------------------------------------------------------------------------
-    def _run(self, ids: np.ndarray) -> np.ndarray:
+    def _rope_inputs(self, s: int) -> dict[str, np.ndarray]:
+        """cos/sin [S, R/2] of text positions [len, len + S) (+ ``rope_delta`` after an image) for a 3-D rope
+        graph (``edge_client.rope``)."""
+        if not self.mrope:
+            return {}
+        return rope_feeds(np.arange(self.length, self.length + s) + self.rope_delta, self.mrope_params)
+
+    def _run(self, ids: np.ndarray, positions: np.ndarray | None = None,
+             embeds: np.ndarray | None = None, mask: np.ndarray | None = None) -> np.ndarray:
+        """One graph call; ``positions`` [3, S] explicit 3-D rope positions, ``embeds`` [S, H] rows used where
+        ``mask`` [S] is True (see ``prefill_media``)."""
         s = ids.shape[0]
-        p = self.length
-        feeds = {
-            "input_ids": ids[None],  # [1, S]
-            "position_ids": np.arange(p, p + s, dtype=np.int64)[None],  # [1, S]
-        }
-        for i in range(self.n_layers):
-            feeds[f"past_key.{i}"] = self.kv[2 * i]  # [1, KVH, P, D]
-            feeds[f"past_value.{i}"] = self.kv[2 * i + 1]
+        extra = self._rope_inputs(s) if positions is None else rope_feeds(positions, self.mrope_params)
+        if self.embeds_input:
+            if embeds is None:
+                embeds, mask = np.zeros((1, self.hidden_size), np.float32), np.zeros(1, np.bool_)
+            extra["inputs_embeds"] = np.ascontiguousarray(embeds, np.float32)[None]  # [1, S, H] (or the no-op)
+            extra["embeds_mask"] = np.ascontiguousarray(mask, np.bool_).reshape(1, -1, 1)  # [1, S, 1]
         t0 = time.perf_counter()
-        out = self.session.run(self.output_names, feeds)
+        hidden = self._cache.run(self.session, ids, extra)  # [S, H]
         self.stats.seconds += time.perf_counter() - t0
         self.stats.forward_calls += 1
-        self.stats.tokens += s
-        self.kv = out[1:]  # [1, KVH, P+S, D] each
-        return out[0][0]  # [S, H]
+        self.stats.tokens += ids.shape[0]
+        return hidden
 
     def _check_ids(self, ids) -> np.ndarray:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)  # [S]
@@ -154,6 +362,26 @@ class FrontRuntime:
         if arr.size == 0:
             return np.zeros((0, self.hidden_size), dtype=np.float32)
         outs = [self._run(arr[i:i + self.chunk]) for i in range(0, arr.size, self.chunk)]
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)  # [S, H]
+
+    def prefill_media(self, ids, positions: np.ndarray, embeds: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """``prefill`` of a prompt span holding media tokens (GLM-4.1V images): ``positions`` int [3, S] are
+        its 3-D rope positions (``edge_client.mrope``), ``embeds`` float32 [S, H] replace the token embeddings
+        where ``mask`` [S] is True (the visual embeddings at the image tokens). Needs a 3-D rope graph with the
+        embeddings input (``partition_tools.front_embeds``); returns boundary hidden states [S, H]."""
+        arr = self._check_ids(ids)
+        s = arr.size
+        if not (self.mrope and self.embeds_input):
+            raise FrontError("this edge graph takes no media (needs 3-D rope and the embeddings input)")
+        if np.shape(positions) != (3, s) or np.shape(embeds) != (s, self.hidden_size) or np.shape(mask) != (s,):
+            raise FrontError(f"prefill_media: positions [3, {s}], embeds [{s}, {self.hidden_size}] and mask "
+                             f"[{s}] expected, got {np.shape(positions)}, {np.shape(embeds)}, {np.shape(mask)}")
+        outs = []
+        for i in range(0, s, self.chunk):
+            j = min(i + self.chunk, s)
+            media = bool(np.any(mask[i:j]))
+            outs.append(self._run(arr[i:j], positions[:, i:j], embeds[i:j] if media else None,
+                                  mask[i:j] if media else None))
         return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)  # [S, H]
 
     def prefill_chunks(self, ids):

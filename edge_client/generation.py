@@ -8,7 +8,8 @@ The flow of one request (message names from :mod:`shared.protocol`)::
     DecodeStep(position=L, hidden(t0))        <- Tokens(index 1, [t1])       ... until finish_reason
 
 Prefix cache: the edge names every full block of the prompt by its hash-chain key
-(:func:`~edge_client.activation_cache.block_keys`, at the server's block size). When its activation cache
+(:func:`shared.prefix_keys.block_keys`, at the server's block size, scoped to this bundle, this front's
+weights and the request's codec: the cloud reuses only states produced the same way). When its activation cache
 covers ``[0, h)`` it skips the front layers there, and it skips uploading ``[0, c)`` (``c`` = ``h`` rounded
 down to the server's block) on the bet that the cloud still holds those blocks under the same keys. If it
 does not, the cloud answers ``Error(prefix_miss)`` and the edge resends the whole prompt, the prefix's hidden
@@ -24,6 +25,11 @@ it received. When the link drops it reconnects with backoff and presents its res
   server rebuilds its KV without the front layers running again; token indices continue where they were.
 
 Either way no token is lost or repeated (greedy output equals an undisturbed run's).
+
+The protocol's rules are the server's own: every message the edge sends first passes the shared state machine
+(``shared.session_state``, the one the cloud enforces) and every message it receives is recorded there, and
+prompt states are cut into Prefill messages by the shared chunking (``shared.chunking``), so a message the
+cloud would refuse is caught here, as a bug, before it leaves.
 """
 
 from __future__ import annotations
@@ -41,16 +47,20 @@ import numpy as np
 
 from shared import codecs as C
 from shared import protocol as P
+from shared.chunking import prefill_messages
+from shared.detokenizer import StreamDecoder
 from shared.manifest import Manifest
 from shared.openai_compat import StopMatcher
 from shared.precision import PrecisionError, PrecisionOverride, RequestFeatures, choose_precision
+from shared.prefix_keys import KeyScope, block_keys
+from shared.session_state import SessionError, SessionState
 
-from .activation_cache import ActivationCache, block_keys
+from .activation_cache import ActivationCache
 from .config import EdgeConfig
 from .errors import EdgeClientError
 from .request import RequestSpec, RequestStats
 from .front import FrontRuntime
-from .tokenizer import EdgeTokenizer, StreamDecoder
+from .tokenizer import EdgeTokenizer
 from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown
 
 from shared.version import __version__ as CLIENT_VERSION
@@ -124,6 +134,7 @@ class Session:
         self.codecs = C.available_codecs(_calibration(config.bundle))  # name -> BoundaryCodec
         self.welcome = None
         self.resume_token: str | None = None
+        self.state = SessionState()  # the protocol's rules, as the cloud enforces them
         self._lock: asyncio.Lock | None = None
 
     # -- connection -----------------------------------------------------------------------------
@@ -147,8 +158,9 @@ class Session:
 
     async def ensure_connected(self, resume: bool = False) -> dict:
         if not self.connected:
+            hello = self._hello(resume)
             try:
-                w = await self.link.connect(self._hello(resume))
+                w = await self.link.connect(hello)
             except HandshakeRefused as e:
                 raise EdgeClientError(str(e), e.code) from None
             except GarbageFromServer as e:
@@ -157,17 +169,38 @@ class Session:
                 log.warning("the cloud names prefixes per %d tokens, the edge cache per %d: cloud prefix reuse "
                             "is limited to whole cloud blocks", w.limits.prefix_block_tokens,
                             self.config.cache_block_tokens)
+            if w.resumed:
+                self.state.reconnect()  # same session: its open requests carry on
+            else:
+                self.state = SessionState()
+            self.state.on_client(hello)
+            self.state.on_server(w)
             self.welcome = w
             self.resume_token = w.resume_token
         return P.to_dict(self.welcome)
+
+    async def _send(self, msg) -> int:
+        """Check ``msg`` against the protocol's rules, then send it; returns the frame's size."""
+        frame = P.encode_message(msg)
+        try:
+            self.state.on_client(msg, len(frame))
+        except SessionError as e:
+            raise EdgeClientError(f"the edge would break the protocol ({e.code}): {e.message}", e.code) from None
+        return await self.link.send_frame(frame)
+
+    async def _recv(self, timeout: float):
+        """The next message from the cloud, recorded in the protocol state."""
+        msg = await self.link.recv(timeout)
+        self.state.on_server(msg)
+        return msg
 
     async def close(self) -> None:
         """Orderly end: Close, then let the server close the WebSocket (it frees the session at once)."""
         if self.link.open:
             try:
-                await self.link.send(P.Close(reason="client closed"))
+                await self._send(P.Close(reason="client closed"))
                 await self.link.wait_closed(1.0)
-            except LinkDown:
+            except (LinkDown, EdgeClientError):
                 pass
         await self.link.close()
         self.welcome = None
@@ -237,7 +270,7 @@ class Session:
             plan = self._plan_for(spec)
             req = _Request(spec, plan.codec, plan.compute)
             stats.codec, stats.compute = plan.codec, plan.compute
-            decoder = StreamDecoder(self.tokenizer) if self.tokenizer is not None else None
+            decoder = StreamDecoder(self.tokenizer.decode) if self.tokenizer is not None else None
             stop = StopMatcher(spec.stop)
             await self._prefill(req, stats)
             stats.edge_prefill_s = self.runtime.stats.seconds - compute0
@@ -284,43 +317,40 @@ class Session:
     async def _cancel(self, req: _Request) -> None:
         if self.link.open:
             try:
-                await self.link.send(P.Cancel(request_id=req.rid))
-            except LinkDown:
+                await self._send(P.Cancel(request_id=req.rid))
+            except (LinkDown, EdgeClientError):
                 pass
 
     # -- prefill --------------------------------------------------------------------------------
-    def _encode(self, req: _Request, hidden: np.ndarray) -> list[tuple[int, object]]:
-        """Code ``hidden`` [n, H] in pieces within the session's limits (tokens per Prefill, frame bytes;
-        fp32 bytes per row bound every codec's payload)."""
-        codec = self.codecs[req.codec]
-        n = hidden.shape[0]
-        lim = self.limits
-        rows = max(1, min(n, lim.max_prefill_chunk_tokens, (lim.max_frame_bytes - 4096) // (hidden.shape[1] * 4)))
-        return [(i, codec.encode(np.ascontiguousarray(hidden[i:i + rows]), zstd=self.config.wire_zstd))
-                for i in range(0, n, rows)]
+    def _open_fields(self, req: _Request) -> dict:
+        """What a request's first Prefill carries (and no other): sampling params, prefix keys, compute."""
+        spec = req.spec
+        req.opened = True
+        params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
+                                  top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
+        scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_quant, req.codec)  # what produces the states
+        return {"params": params, "prefix_keys": block_keys(spec.prompt_ids, scope, self.block_size),
+                "compute": req.compute}
 
     async def _send_span(self, req: _Request, start: int, hidden: np.ndarray, stats: RequestStats,
                          record: bool = True) -> None:
-        """Code and send hidden states [n, H] of positions [start, start + n) as Prefill messages."""
-        for off, tensor in self._encode(req, hidden):
-            span = _Sent(start + off, int(tensor.shape[0]), tensor)
+        """Code and send hidden states [n, H] of positions [start, start + n) as Prefill messages, cut to
+        the session's limits by the shared chunking (tokens per Prefill, frame bytes)."""
+        first = {} if req.opened else self._open_fields(req)
+        msgs = prefill_messages(req.rid, np.ascontiguousarray(hidden), self.codecs[req.codec], self.limits,
+                                start=start, last=start + hidden.shape[0] == req.context_len,
+                                zstd=self.config.wire_zstd, **first)
+        for m in msgs:
             if record:
-                req.sent.append(span)
-            stats.prefill_bytes_up += await self.link.send(self._prefill_msg(req, span))
+                req.sent.append(_Sent(m.start, m.n_tokens, m.hidden))
+            stats.prefill_bytes_up += await self._send(m)
 
     def _prefill_msg(self, req: _Request, span: _Sent):
-        """A Prefill for ``span``; the request's first message carries the sampling params and prefix keys,
-        and the one that completes the context is ``last`` (the cloud samples after it)."""
-        spec = req.spec
-        params, keys = None, []
-        if not req.opened:
-            req.opened = True
-            params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
-                                      top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
-            keys = block_keys(spec.prompt_ids, self.manifest.bundle_id, self.block_size)
+        """A Prefill resending ``span`` (as coded the first time); the first one of a request id carries the
+        request's fields, and the one that completes the context is ``last`` (the cloud samples after it)."""
+        first = {} if req.opened else self._open_fields(req)
         last = span.start + span.n == req.context_len
-        return P.Prefill(request_id=req.rid, start=span.start, hidden=span.tensor, last=last, params=params,
-                         prefix_keys=keys, compute=req.compute if params is not None else None)
+        return P.Prefill(request_id=req.rid, start=span.start, hidden=span.tensor, last=last, **first)
 
     async def _prefill(self, req: _Request, stats: RequestStats) -> None:
         spec, rt = req.spec, self.runtime
@@ -369,7 +399,7 @@ class Session:
         if req.prefix_raw is not None and len(req.prefix_raw):
             await self._send_span(req, 0, req.prefix_raw, stats, record=False)
         for span in req.sent:
-            stats.prefill_bytes_up += await self.link.send(self._prefill_msg(req, span))
+            stats.prefill_bytes_up += await self._send(self._prefill_msg(req, span))
 
     # -- tokens ---------------------------------------------------------------------------------
     async def _tokens(self, req: _Request, stats: RequestStats):
@@ -380,7 +410,7 @@ class Session:
                 msg = req.pending.pop(0)
             else:
                 try:
-                    msg = await self.link.recv(timeout)
+                    msg = await self._recv(timeout)
                 except LinkDown as e:
                     await self._recover(req, stats, e)
                     continue
@@ -425,7 +455,7 @@ class Session:
         await self._send_decode(req, req.sent[-1])
 
     async def _send_decode(self, req: _Request, span: _Sent) -> None:
-        await self.link.send(P.DecodeStep(request_id=req.rid, position=span.start, hidden=span.tensor))
+        await self._send(P.DecodeStep(request_id=req.rid, position=span.start, hidden=span.tensor))
 
     async def _recover(self, req: _Request, stats: RequestStats, cause: Exception) -> None:
         """After a drop: resume the cloud's request if it survived, else replay the context (docstring)."""
@@ -434,6 +464,8 @@ class Session:
             try:
                 if resumed and req.opened and await self._resume(req, stats):
                     return
+                if req.rid in self.state.requests:  # the cloud holds part of a span: drop its copy, replay ours
+                    await self._send(P.Cancel(request_id=req.rid))
                 stats.replays += 1
                 await self._resend_all(req, stats)
                 return
@@ -442,9 +474,9 @@ class Session:
 
     async def _resume(self, req: _Request, stats: RequestStats) -> bool:
         """Ask the surviving session where the request stands; resend what it lacks. False: replay instead."""
-        await self.link.send(P.Resume(request_id=req.rid, have_tokens=len(req.tokens) - req.index_base))
+        await self._send(P.Resume(request_id=req.rid, have_tokens=len(req.tokens) - req.index_base))
         while True:
-            msg = await self.link.recv(self.config.retry.reply_timeout_s)
+            msg = await self._recv(self.config.retry.reply_timeout_s)
             if isinstance(msg, P.Error) and getattr(msg, "request_id", None) in (None, req.rid):
                 return False  # unknown request (finished, timed out or aborted while we were away)
             if isinstance(msg, P.Resumed) and msg.request_id == req.rid:
@@ -460,7 +492,7 @@ class Session:
                 if span.start >= req.prompt_len:
                     await self._send_decode(req, span)
                 else:
-                    stats.prefill_bytes_up += await self.link.send(self._prefill_msg(req, span))
+                    stats.prefill_bytes_up += await self._send(self._prefill_msg(req, span))
         req.pending.append(msg)
         return True
 

@@ -1,32 +1,23 @@
 """``autoglm-edge serve``: a local OpenAI-compatible endpoint on the device, backed by the split runtime.
 
 Existing apps (the ``openai`` client, ``langchain_openai.ChatOpenAI``) point their ``base_url`` at
-``http://127.0.0.1:<port>/v1`` and work unchanged; every request runs the front layers here and the rest in
-the cloud through one :class:`~edge_client.client.EdgeClient`.
-
-Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``.
-Streaming is SSE (``data: {chunk}`` lines, then ``data: [DONE]``); ``stream_options.include_usage`` adds a
-last usage-only chunk. Thinking: ``enable_thinking`` (top level or ``chat_template_kwargs``) reaches the chat
-template; ``return_reasoning`` moves the ``<think>...</think>`` text to ``reasoning_content``. ``stop``
-strings end the stream and cancel the cloud request. ``precision`` (an extension) overrides the wire codec.
-A client that disconnects mid-stream cancels its request. Requests run one at a time (the edge runtime holds
-one sequence); later ones queue.
-
-Request parsing and response shapes come from :mod:`shared.openai_compat` (shared with the cloud's
-full-model endpoint).
+``http://127.0.0.1:<port>/v1`` and work unchanged. Routes: ``GET /health``, ``GET /v1/models``, and the chat
+and completion routes of :mod:`shared.openai_routes` (shared with the cloud's full-model mode), which this
+module adapts to one :class:`~edge_client.client.EdgeClient`: the bundle's chat template makes the prompt,
+:meth:`EdgeClient.agenerate` runs it (front layers here, the rest in the cloud; stop strings cancel the cloud
+request), and the cloud's failures are ``upstream`` (502). ``precision`` (an extension) overrides the wire
+codec. Requests run one at a time (the edge runtime holds one sequence); later ones queue.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
-import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from shared import openai_compat as oc
+from shared import openai_routes
 
 from .errors import EdgeClientError
 
@@ -36,19 +27,58 @@ if TYPE_CHECKING:
 DEFAULT_MAX_TOKENS = 512
 
 
-def _err(e: oc.OpenAIRequestError) -> JSONResponse:
-    return JSONResponse(e.to_dict(), status_code=e.status)
+class _EdgeStream:
+    """An :class:`AsyncGeneration` as a :class:`shared.openai_routes.TextStream`."""
+
+    def __init__(self, gen: AsyncGeneration):
+        self.gen = gen
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.gen.finish_reason
+
+    def __aiter__(self) -> _EdgeStream:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self.gen.__anext__()
+        except EdgeClientError as e:
+            raise openai_routes.GenerationError(str(e), e.code, upstream=True) from None
+
+    def usage(self) -> dict[str, Any]:
+        st = self.gen.stats
+        return oc.usage(st.prompt_tokens, st.completion_tokens, st.cached_tokens)
+
+    async def aclose(self) -> None:
+        await self.gen.aclose()  # cancels the cloud request if it has not finished
 
 
-def _server_error(message: str, status: int = 502) -> JSONResponse:
-    return _err(oc.OpenAIRequestError(message, None, "upstream_error", status))
+class _EdgeBackend:
+    """The :class:`shared.openai_routes.TextBackend` of one :class:`EdgeClient`."""
 
+    def __init__(self, client: EdgeClient, model_name: str):
+        self.client, self.model_name = client, model_name
 
-async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise oc.OpenAIRequestError("request body is not valid JSON") from None
+    def check_ready(self) -> None:
+        """Always ready: the client connects (and reconnects) to the cloud per request."""
+
+    def render_chat(self, req: oc.ChatRequest) -> str:
+        try:
+            return self.client.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
+                                                             **req.template_kwargs())
+        except ValueError as e:
+            raise oc.OpenAIRequestError(str(e), "messages") from None
+
+    def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EdgeStream:
+        s = req.sampling
+        try:
+            return _EdgeStream(self.client.agenerate(
+                prompt=prompt, max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, temperature=s.temperature,
+                top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop, precision=req.precision))
+        except ValueError as e:  # e.g. a prompt that tokenizes to nothing
+            param = "messages" if isinstance(req, oc.ChatRequest) else "prompt"
+            raise oc.OpenAIRequestError(str(e), param) from None
 
 
 def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
@@ -60,7 +90,8 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
     async def auth(request: Request, call_next):
         if (api_key and request.url.path.startswith("/v1/")
                 and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}")):
-            return _err(oc.OpenAIRequestError("invalid API key", None, "invalid_api_key", 401))
+            refused = oc.OpenAIRequestError("invalid API key", None, "invalid_api_key", 401)
+            return openai_routes.error_response(refused)
         return await call_next(request)
 
     @app.get("/health")
@@ -71,107 +102,5 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
     async def models():
         return oc.model_list([model_id])
 
-    def sampling_kwargs(s: oc.SamplingOptions, precision: str | None) -> dict[str, Any]:
-        return dict(max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, temperature=s.temperature, top_p=s.top_p,
-                    top_k=s.top_k, seed=s.seed, stop=s.stop, precision=precision)
-
-    def usage_of(gen: AsyncGeneration) -> dict[str, Any]:
-        st = gen.stats
-        return oc.usage(st.prompt_tokens, st.completion_tokens, cached_tokens=st.cached_tokens)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        try:
-            req = oc.parse_chat_request(await _json(request))
-            messages = [{"role": m["role"], "content": m["content"]} for m in req.messages]
-            prompt = client.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                          **req.template_kwargs())
-        except oc.OpenAIRequestError as e:
-            return _err(e)
-        except ValueError as e:
-            return _err(oc.OpenAIRequestError(str(e), "messages"))
-        model = req.model or model_id
-        rid, created = oc.new_id(), int(time.time())
-        splitter = (oc.ThinkingSplitter(in_thinking=prompt.rstrip().endswith("<think>"))
-                    if req.return_reasoning else None)
-
-        def pieces(text: str, final: bool) -> list[tuple[str, str]]:
-            if splitter is None:
-                return [("content", text)] if text else []
-            return splitter.feed(text) + (splitter.flush() if final else [])
-
-        gen = client.agenerate(prompt=prompt, **sampling_kwargs(req.sampling, req.precision))
-
-        if not req.stream:
-            parts: dict[str, list[str]] = {"content": [], "reasoning": []}
-            try:
-                async for delta in gen:
-                    for kind, t in pieces(delta, False):
-                        parts[kind].append(t)
-            except EdgeClientError as e:
-                return _server_error(str(e))
-            for kind, t in pieces("", True):
-                parts[kind].append(t)
-            reasoning = "".join(parts["reasoning"]) if req.return_reasoning else None
-            return JSONResponse(oc.chat_response(rid, model, created, "".join(parts["content"]),
-                                                 gen.finish_reason or "stop", usage_of(gen), reasoning))
-
-        async def events():
-            yield oc.sse(oc.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
-            try:
-                async for delta in gen:
-                    for kind, t in pieces(delta, False):
-                        yield oc.sse(oc.chat_chunk(rid, model, created,
-                                                   {"reasoning_content" if kind == "reasoning" else "content": t}))
-                for kind, t in pieces("", True):
-                    yield oc.sse(oc.chat_chunk(rid, model, created,
-                                               {"reasoning_content" if kind == "reasoning" else "content": t}))
-                yield oc.sse(oc.chat_chunk(rid, model, created, {}, gen.finish_reason or "stop"))
-                if req.include_usage:
-                    yield oc.sse(oc.chat_chunk(rid, model, created, None, usage_obj=usage_of(gen)))
-            except EdgeClientError as e:
-                yield oc.sse(oc.OpenAIRequestError(str(e), None, "upstream_error", 502).to_dict())
-            finally:
-                await gen.aclose()  # client went away: cancel the cloud request
-            yield oc.SSE_DONE
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        try:
-            req = oc.parse_completion_request(await _json(request))
-        except oc.OpenAIRequestError as e:
-            return _err(e)
-        model = req.model or model_id
-        rid, created = oc.new_id("cmpl"), int(time.time())
-        gen = client.agenerate(prompt=req.prompt, **sampling_kwargs(req.sampling, req.precision))
-        if not req.stream:
-            try:
-                text = "".join([d async for d in gen])
-            except EdgeClientError as e:
-                return _server_error(str(e))
-            text = (req.prompt + text) if req.echo else text
-            return JSONResponse(oc.completion_response(rid, model, created, text, gen.finish_reason or "stop",
-                                                       usage_of(gen)))
-
-        async def events():
-            try:
-                if req.echo:
-                    yield oc.sse(oc.completion_chunk(rid, model, created, req.prompt))
-                async for delta in gen:
-                    yield oc.sse(oc.completion_chunk(rid, model, created, delta))
-                yield oc.sse(oc.completion_chunk(rid, model, created, "", gen.finish_reason or "stop"))
-                if req.include_usage:
-                    yield oc.sse(oc.completion_chunk(rid, model, created, None, usage_obj=usage_of(gen)))
-            except EdgeClientError as e:
-                yield oc.sse(oc.OpenAIRequestError(str(e), None, "upstream_error", 502).to_dict())
-            finally:
-                await gen.aclose()
-            yield oc.SSE_DONE
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
+    openai_routes.install(app, _EdgeBackend(client, model_id))
     return app

@@ -8,10 +8,11 @@
 * :class:`ByteTokenizer` is the fallback for bundles with no trained vocabulary (the random tiny presets):
   UTF-8 bytes shifted past the model's special ids, and a ChatML-like template. Good enough to drive the
   pipeline by text; tests that compare against the unsplit model drive it by token ids.
-* :class:`StreamDecoder` turns a stream of token ids into text deltas without splitting a multi-byte
-  character or a merge (the prefix/read-offset method of vLLM's incremental detokenizer).
 
-References: transformers ``PreTrainedTokenizerBase.apply_chat_template``; vLLM ``detokenize_incrementally``.
+Streaming decode (token ids to text deltas) is :class:`shared.detokenizer.StreamDecoder` over
+:meth:`EdgeTokenizer.decode`, the same code the cloud's full-model routes run.
+
+References: transformers ``PreTrainedTokenizerBase.apply_chat_template``.
 """
 
 from __future__ import annotations
@@ -166,32 +167,3 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-
-
-class StreamDecoder:
-    """Incremental detokenizer: ``push(token) -> text delta`` (possibly empty while a character is partial)."""
-
-    def __init__(self, tokenizer: TokenizerLike):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = 0  # start of the left context decoded with the new tokens (merges, spaces)
-        self.read_offset = 0  # tokens before this one have been emitted
-
-    def push(self, token: int) -> str:
-        self.ids.append(int(token))
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        """Whatever is still held (a truncated multi-byte character comes out as U+FFFD)."""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
-        self.read_offset = len(self.ids)
-        self.prefix_offset = self.read_offset
-        return full[len(prefix):] if len(full) > len(prefix) else ""

@@ -12,6 +12,10 @@ Failure classes (the client's retry decisions hang on them):
 * :class:`GarbageFromServer` - the peer is not speaking our protocol (a non-WebSocket HTTP reply, an
   undecodable frame): not retried; the message says what arrived.
 
+The URL may be the server's base URL (``ws://host:port``, as an OpenAI client takes ``base_url``) or the split
+endpoint itself (``ws://host:port/v1/split``); :func:`~edge_client.config.split_url` resolves the first to
+the second. A URL with no split endpoint behind it (HTTP 403/404 on the upgrade) says so.
+
 Byte counters include every frame in both directions, so the client's "bytes up/down" are what the link
 carried, not what the payloads weighed.
 """
@@ -27,7 +31,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from shared import protocol as P
 
-from .config import RetryPolicy
+from .config import RetryPolicy, split_url
 
 # Refusals at Hello that say "not now" rather than "never": reconnecting later may succeed.
 RETRYABLE_REFUSALS = ("draining", "overloaded", "internal")
@@ -53,7 +57,7 @@ class Link:
     """One WebSocket session to the cloud (see the module docstring)."""
 
     def __init__(self, url: str, api_key: str | None, retry: RetryPolicy, max_frame_bytes: int = 64 << 20):
-        self.url = url
+        self.url = split_url(url)
         self.api_key = api_key
         self.retry = retry
         self.max_frame_bytes = max_frame_bytes  # the largest frame we accept; the server's limit is in Welcome
@@ -81,8 +85,12 @@ class Link:
         except InvalidStatus as e:
             status = e.response.status_code
             body = (e.response.body or b"")[:200].decode("utf-8", "replace").strip()
-            if status in (401, 403):
-                raise HandshakeRefused("unauthorized", f"{self.url}: HTTP {status}: API key refused"
+            if status == 401:
+                raise HandshakeRefused("unauthorized", f"{self.url}: HTTP 401: API key refused"
+                                       + (f" ({body})" if body else "")) from None
+            if status in (403, 404):  # an ASGI server refuses an upgrade to a path it has no WebSocket route for
+                raise HandshakeRefused("no_split_endpoint", f"no split endpoint at {self.url} (HTTP {status} on the "
+                                       f"WebSocket upgrade); the cloud serves it at <base URL>/v1/split"
                                        + (f" ({body})" if body else "")) from None
             if status >= 500 or status == 429:
                 raise LinkDown(f"{self.url}: HTTP {status} at connect" + (f" ({body})" if body else "")) from None
@@ -107,9 +115,12 @@ class Link:
         return reply
 
     async def send(self, msg) -> int:
+        return await self.send_frame(P.encode_message(msg))
+
+    async def send_frame(self, frame: bytes) -> int:
+        """Send one encoded message; returns its size."""
         if self.ws is None:
             raise LinkDown("not connected")
-        frame = P.encode_message(msg)
         try:
             await self.ws.send(frame)
         except ConnectionClosed as e:

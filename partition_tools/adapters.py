@@ -36,8 +36,44 @@ _FAMILIES: dict[str, Family] = {
 }
 
 
-def _text_config(config):
+def text_config(config):
+    """The text decoder's config: GLM-4.1V nests it (``text_config``); a plain decoder's is its own."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def kv_heads_of(text) -> int:
+    """KV heads of a text config (``num_key_value_heads``; without GQA, the attention heads)."""
+    return int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+
+
+def head_dim_of(text) -> int:
+    """Per-head width of a text config (``head_dim`` where given, else hidden / heads)."""
+    return int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+
+
+def eos_ids_of(*configs) -> list[int]:
+    """End-of-sequence ids: the first ``eos_token_id`` set among ``configs`` (text config, model config,
+    generation config, in the caller's order; ``None`` entries are skipped), as a list."""
+    for c in configs:
+        eos = getattr(c, "eos_token_id", None) if c is not None else None
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    return []
+
+
+def rope_cos_sin(rotary: torch.nn.Module, mrope: bool, hidden: torch.Tensor, position_ids: torch.Tensor,
+                 rope_positions: torch.Tensor | None = None):
+    """cos/sin of ``rotary`` for ``position_ids`` [B, S], the one place positions become rotary embeddings.
+
+    GLM-4.1V's 3-D rope (``mrope``) takes ``rope_positions`` [3, B, S] when given (image tokens), else the
+    same ids on all three axes; a 1-D rope model refuses ``rope_positions``."""
+    if mrope:
+        if rope_positions is not None:
+            return rotary(hidden, rope_positions)
+        position_ids = position_ids[None].expand(3, *position_ids.shape)  # [3, B, S]
+    elif rope_positions is not None:
+        raise ValueError("multimodal rope positions for a model without multimodal RoPE")
+    return rotary(hidden, position_ids)
 
 
 def adapter_for_config(config) -> Family:
@@ -58,7 +94,7 @@ class ModelAdapter:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.family = adapter_for_config(model.config)
-        self.config = _text_config(model.config)
+        self.config = text_config(model.config)
         decoder = model
         for attr in self.family.text_path:
             decoder = getattr(decoder, attr)
@@ -100,26 +136,18 @@ class ModelAdapter:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(getattr(self.config, "num_key_value_heads", None) or self.num_heads)
+        return kv_heads_of(self.config)
 
     @property
     def head_dim(self) -> int:
-        return int(getattr(self.config, "head_dim", None) or self.hidden_size // self.num_heads)
+        return head_dim_of(self.config)
 
     @property
     def vocab_size(self) -> int:
         return int(self.config.vocab_size)
 
     def eos_token_ids(self) -> list[int]:
-        eos = getattr(self.config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.model.config, "eos_token_id", None)
-        gen = getattr(self.model, "generation_config", None)
-        if eos is None and gen is not None:
-            eos = gen.eos_token_id
-        if eos is None:
-            return []
-        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+        return eos_ids_of(self.config, self.model.config, getattr(self.model, "generation_config", None))
 
     def rope_settings(self) -> dict:
         rope = getattr(self.config, "rope_parameters", None) or {}
@@ -136,10 +164,8 @@ class ModelAdapter:
 
     # -- forward helpers ----------------------------------------------------------------------
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor):
-        """cos/sin for ``position_ids`` [B, S]; GLM-4.1V's 3-D rope gets the same ids on all three axes."""
-        if self.family.mrope:
-            position_ids = position_ids[None].expand(3, *position_ids.shape)  # [3, B, S]
-        return self.rotary_emb(hidden, position_ids)
+        """cos/sin for ``position_ids`` [B, S] (see :func:`rope_cos_sin`)."""
+        return rope_cos_sin(self.rotary_emb, self.family.mrope, hidden, position_ids)
 
     def cache_kwarg(self) -> str:
         """Name of the decoder layers' cache argument (see :func:`cache_kwarg_of`)."""

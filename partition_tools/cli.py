@@ -1,4 +1,4 @@
-"""``autoglm-partition``: split / verify / inspect a GLM-family checkpoint.
+"""``autoglm-partition``: split / verify / inspect / plan a GLM-family checkpoint.
 
 Every flag has an environment-variable twin (``AUTOGLM_PARTITION_<FLAG>``). Bad input ends in one line on
 stderr and exit status 2; a failed verification exits 1.
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=_env("OUT"), help="bundle directory to write")
     s.add_argument("--edge-quant", choices=("int8", "int4", "fp32"), default=_env("EDGE_QUANT", "int8"),
                    help="edge weight precision (default int8)")
+    s.add_argument("--vision-quant", choices=("int8", "fp32", "none"), default=_env("VISION_QUANT"),
+                   help="GLM-4.1V: the edge vision tower's weights (default: int8, fp32 with an fp32 front; "
+                        "none: no vision tower)")
     s.add_argument("--seed", type=int, default=int(_env("SEED", 0)), help="seed for random-weight presets")
 
     v = sub.add_parser("verify", help="check a bundle against the unsplit model on real text")
@@ -41,6 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="show what a bundle holds and re-check its hashes")
     i.add_argument("bundle")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    pl = sub.add_parser("plan", help="choose the split layer N from measured edge/cloud/link costs")
+    pl.add_argument("source", help="checkpoint directory, .gguf file or preset name")
+    pl.add_argument("--link", default=_env("LINK", "4g"), help="link profile: wifi, 5g, 4g, 3g-poor (default 4g)")
+    pl.add_argument("--edge-threads", type=int, default=int(_env("EDGE_THREADS", 2)), help="edge onnxruntime threads")
+    pl.add_argument("--bundle", default=_env("BUNDLE"), help="time this bundle's front instead of a probe export")
+    pl.add_argument("--cloud-results", default=_env("CLOUD_RESULTS"),
+                    help="cloud costs from a cloud_gpu.json (default: measure torch on this CPU)")
+    pl.add_argument("--cloud-threads", type=int, default=int(_env("CLOUD_THREADS", 1)), help="CPU cloud threads")
+    pl.add_argument("--codec", default=_env("CODEC", "int8-outlier"), help="wire codec of the prediction")
+    pl.add_argument("--edge-memory-mb", type=float, default=float(_env("EDGE_MEMORY_MB", 1024)),
+                    help="edge memory budget (MB)")
+    pl.add_argument("--candidates", default=_env("CANDIDATES"), help="split layers to try, comma-separated")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
 
@@ -55,7 +72,8 @@ def _cmd_split(args) -> int:
         raise UsageError("give SOURCE or --preset, not both")
     if args.layer is None or args.out is None:
         raise UsageError("split needs --layer N and --out DIR")
-    cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant)
+    cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant,
+                      vision_quant=args.vision_quant)
     t0 = time.perf_counter()
     lm = load_model(source, seed=args.seed)
     m = split(lm, cfg)
@@ -104,6 +122,25 @@ def _cmd_inspect(args) -> int:
     return 0 if r["integrity"] == "ok" else 1
 
 
+def _cmd_plan(args) -> int:
+    from shared.link_profiles import LinkProfileError, get_profile
+
+    from .models import load_model
+    from .plan import PlanConfig, format_plan, plan
+
+    try:
+        link = get_profile(args.link)
+        cands = [int(x) for x in args.candidates.split(",")] if args.candidates else None
+    except (LinkProfileError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    cfg = PlanConfig(link=link, edge_threads=args.edge_threads, cloud_threads=args.cloud_threads, codec=args.codec,
+                     edge_memory_mb=args.edge_memory_mb, candidates=cands,
+                     cloud_results=Path(args.cloud_results) if args.cloud_results else None)
+    r = plan(load_model(args.source), cfg, Path(args.bundle) if args.bundle else None)
+    print(json.dumps(r, indent=1) if args.json else format_plan(r))
+    return 0
+
+
 class UsageError(Exception):
     pass
 
@@ -118,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     expected = (UsageError, BundleError, ModelLoadError, UnsupportedArchitecture, FileNotFoundError,
                 PermissionError, IsADirectoryError)
     try:
-        return {"split": _cmd_split, "verify": _cmd_verify, "inspect": _cmd_inspect}[args.command](args)
+        return {"split": _cmd_split, "verify": _cmd_verify, "inspect": _cmd_inspect,
+                "plan": _cmd_plan}[args.command](args)
     except expected as e:
         print(f"autoglm-partition {args.command}: error: {e}", file=sys.stderr)
         return 2

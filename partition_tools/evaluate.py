@@ -6,10 +6,10 @@ Contract of :func:`evaluate_split` (``autoglm-partition verify`` builds on it):
    tokenizer) and keep the first ``max_tokens`` tokens -> ``ids [T]``;
 2. reference: the *unsplit* source model (``lm.model``, fp32 torch) over all T tokens at once -> logits
    ``[T, V]`` and the fp32 boundary activations after layer N ``[T, H]``;
-3. split: the edge graph in onnxruntime, prefilled in windows of ``window`` tokens with its own KV cache
-   (P = 0, then the past of the previous windows: the path the edge runtime takes), each window's boundary
-   passed through ``codec`` (what the wire does to it; identity = lossless fp32), then the cloud half
-   (``BackHalf.forward``, fp32 torch) over the whole sequence -> logits ``[T, V]``;
+3. split: the edge graph in the phone's own runtime (``edge_client.front.FrontRuntime``), prefilled in
+   chunks of ``window`` tokens over its KV cache (P = 0, then the past of the previous chunks), each chunk's
+   boundary passed through ``codec`` (what the wire does to it; identity = lossless fp32), then the cloud
+   half (``CloudModel.forward``, fp32 torch) over the whole sequence -> logits ``[T, V]``;
 4. compare: top-1 next-token agreement, mean and max KL(ref || split) per position, perplexity of both on
    the text itself, and the boundary error the cloud receives (after the codec) against the fp32 boundary.
 
@@ -32,12 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge_client.front import FRONT, FrontRuntime
 from shared.manifest import BundleError, Manifest
 
 from .adapters import ModelAdapter
+from .cloud_half import CloudModel
 from .models import LoadedModel, load_model
 
-FRONT = "edge/front.onnx"
 Codec = Callable[[np.ndarray], np.ndarray]  # boundary [S, H] float32 -> what the cloud receives [S, H]
 
 
@@ -79,32 +80,6 @@ def reference_run(lm: LoadedModel, split_layer: int, ids: np.ndarray) -> Referen
     return Reference(ids=ids, logits=out.logits[0].float(), boundary=boundary)
 
 
-def front_session(path: str | Path, threads: int = 2):
-    """An onnxruntime CPU session for an edge graph with ``threads`` intra-op threads."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-
-
-def run_front(session, ids: np.ndarray, window: int, manifest: Manifest, codec: Codec | None = None) -> np.ndarray:
-    """Chunked prefill of ``ids [T]`` through the edge graph with its KV cache -> boundary [T, H]."""
-    n, kvh, d = manifest.split_layer, manifest.num_kv_heads, manifest.head_dim
-    past = [np.zeros((1, kvh, 0, d), np.float32) for _ in range(2 * n)]  # k0, v0, k1, v1, ...
-    chunks = []
-    for start in range(0, ids.size, window):
-        chunk = ids[start:start + window][None]  # [1, S]
-        feeds = {"input_ids": chunk, "position_ids": np.arange(start, start + chunk.shape[1], dtype=np.int64)[None]}
-        for i in range(n):
-            feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = past[2 * i], past[2 * i + 1]
-        hidden, *past = session.run(None, feeds)  # hidden [1, S, H]; past [1, KVH, P+S, D]
-        chunks.append(codec(hidden[0]) if codec is not None else hidden[0])
-    return np.concatenate(chunks).astype(np.float32)  # [T, H]
-
-
 @torch.no_grad()
 def compare_logits(ref: torch.Tensor, split: torch.Tensor, ids: np.ndarray, rows: int = 256) -> dict:
     """Agreement, KL(ref || split) and perplexities of two logit tensors [T, V] over the tokens ``ids``."""
@@ -137,8 +112,6 @@ class SplitEvaluator:
 
     def __init__(self, bundle_dir: str | Path, lm: LoadedModel | None = None, text: str | None = None,
                  max_tokens: int = 1024, window: int = 512, threads: int = 2):
-        from cloud_server.back_half import BackHalf
-
         if window < 1:
             raise ValueError(f"window {window}: must be >= 1")
         self.bundle_dir = Path(bundle_dir)
@@ -149,7 +122,7 @@ class SplitEvaluator:
                               f"{self.manifest.source_identity}")
         self.window, self.threads = window, threads
         self.reference = reference_run(lm, self.manifest.split_layer, evaluation_ids(lm, text, max_tokens))
-        self.back = BackHalf.from_bundle(self.bundle_dir)
+        self.back = CloudModel.from_bundle(self.bundle_dir)
 
     @torch.no_grad()
     def evaluate(self, front_onnx_path: str | Path | None = None, codec: Codec | None = None) -> dict:
@@ -158,7 +131,9 @@ class SplitEvaluator:
         path = Path(front_onnx_path) if front_onnx_path is not None else self.bundle_dir / FRONT
         if not path.is_file():
             raise BundleError(f"{path}: no such edge graph")
-        boundary = run_front(front_session(path, self.threads), ref.ids, self.window, self.manifest, codec)
+        front = FrontRuntime(self.bundle_dir, threads=self.threads, chunk=self.window, verify=False, graph=path)
+        chunks = [h if codec is None else codec(h) for _, h in front.prefill_chunks(ref.ids)]  # each [S, H]
+        boundary = np.concatenate(chunks).astype(np.float32)  # [T, H]: what the cloud receives
         if boundary.shape != ref.boundary.shape:
             raise BundleError(f"{path}: boundary shape {boundary.shape}, expected {ref.boundary.shape}")
         pos = torch.arange(ref.ids.size)[None]  # [1, T]

@@ -1,6 +1,9 @@
-"""Export the edge front (embeddings + decoder layers [0, N)) to ONNX with an explicit KV cache.
+"""Export the edge front (embeddings + decoder layers [0, N)) to ONNX.
 
-One graph serves prefill and single-token decode. Its interface (the edge runtime relies on it):
+:func:`build_front` picks the graph: the *fused* one written from the weights by
+``partition_tools.graph_builder`` (the default where it fits: in-place KV, fused contrib ops), or the
+*plain* traced one below, the portable fallback. The plain graph serves prefill and single-token decode
+with an explicit KV cache. Its interface (the edge runtime relies on it):
 
     inputs   input_ids      int64   [B, S]
              position_ids   int64   [B, S]          (absolute positions; GLM-4.1V's 3-D rope is built inside)
@@ -87,6 +90,52 @@ def example_inputs(adapter: ModelAdapter, n_layers: int, seq: int = 3, past: int
     pos = torch.arange(past, past + seq)[None]
     kv = [torch.randn(1, adapter.num_kv_heads, past, adapter.head_dim) for _ in range(2 * n_layers)]
     return (ids, pos, *kv)
+
+
+EDGE_GRAPHS = ("auto", "fused", "plain")
+
+
+def build_front(adapter: ModelAdapter, n_layers: int, out_path: Path, graph: str = "auto") -> tuple[Path, str]:
+    """Write the fp32 front graph of kind ``graph`` -> (path, kind written: "fused" | "plain").
+
+    ``fused``: ``partition_tools.graph_builder`` (contrib ops, in-place KV; fails loudly if the model does not
+    fit it); ``plain``: the traced portable graph (:func:`export_front`); ``auto``: fused when the model fits
+    it and the installed onnxruntime loads it, else plain.
+    """
+    from .graph_builder import GraphBuildError, build_fused_front
+
+    if graph not in EDGE_GRAPHS:
+        raise ValueError(f"edge graph {graph!r}: expected one of {', '.join(EDGE_GRAPHS)}")
+    if graph == "plain":
+        return export_front(adapter, n_layers, out_path), "plain"
+    try:
+        path = build_fused_front(adapter, n_layers, out_path)
+        _check_loads(path)
+        return path, "fused"
+    except (GraphBuildError, RuntimeError) as e:
+        if graph == "fused":
+            raise
+        logging.getLogger(__name__).info("fused edge graph not built (%s); writing the plain graph", e)
+        return export_front(adapter, n_layers, out_path), "plain"
+
+
+def _check_loads(path: Path) -> None:
+    """RuntimeError unless this onnxruntime loads ``path`` and runs a 2-token prefill on it (a contrib op
+    missing, or a shape its kernels refuse)."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    from .smoothing import calibration_feeds
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        session.run(["hidden_states"], calibration_feeds(onnx.load(str(path), load_external_data=False),
+                                                          np.array([1, 2], np.int64)))
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+        raise RuntimeError(f"onnxruntime cannot run the fused graph: {str(e).splitlines()[0]}") from None
 
 
 def export_front(adapter: ModelAdapter, n_layers: int, out_path: Path) -> Path:

@@ -10,6 +10,8 @@
   uses integer dot products (VNNI / ARM dotprod: the fast path), 1 dequantizes the weights and computes in
   fp32 (exact activations, but slower than a plain fp32 MatMul on x86). MatMuls whose module path matches
   a ``precise`` pattern get level 1; those matching ``keep_float`` stay fp32 ``MatMul``;
+* with ``kv_cache="int8"`` (fused graph only) the KV cache is stored as int8 with calibrated per-channel
+  scales (``partition_tools.kv_quant``);
 * with ``embedding="int8"|"int4"`` the embedding table (the ``Gather`` that starts the graph, half of a
   small model's bytes) becomes a ``GatherBlockQuantized`` node: blocks of ``block_size`` channels of one
   token row share an fp32 scale, zero point 2^(bits-1) (symmetric).
@@ -40,6 +42,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 QUANT_MODES = ("fp32", "int8", "int4")
 EMBEDDING_MODES = ("fp32", "int8", "int4")
+KV_MODES = ("fp32", "int8")  # int8: the fused graph's GroupQueryAttention cache (partition_tools.kv_quant)
 ACCURACY_LEVELS = (1, 2, 3, 4)  # MatMulNBits: 1 fp32, 2 fp16, 3 bf16, 4 int8 activation compute
 CALIBRATION_TOKENS = 512  # smoothing statistics: enough to see every outlier channel, < 1 s to collect
 
@@ -138,7 +141,8 @@ def _quantize_embedding(model: onnx.ModelProto, node: onnx.NodeProto, bits: int,
 def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accuracy_level: int = 4,
                    precise: tuple[str, ...] | list[str] = (), keep_float: tuple[str, ...] | list[str] = (),
                    embedding: str = "fp32", embedding_block_size: int | None = None, symmetric: bool = True,
-                   smooth_alpha: float | None = None, calibration_ids: np.ndarray | None = None) -> dict:
+                   smooth_alpha: float | None = None, calibration_ids: np.ndarray | None = None,
+                   kv_cache: str = "fp32") -> dict:
     """Quantize the fp32 edge graph ``src`` into ``dst``; returns the report recorded in the manifest.
 
     mode: int8 | int4 (fp32 is a plain copy). ``precise`` / ``keep_float``: module-path patterns run at
@@ -160,10 +164,22 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         raise QuantizationError(f"embedding block size {emb_block}: must be a power of two >= 16")
     if smooth_alpha is not None and calibration_ids is None:
         raise QuantizationError("smoothing needs calibration_ids (token ids of calibration text)")
+    if kv_cache not in KV_MODES:
+        raise QuantizationError(f"KV cache {kv_cache!r}: expected one of {', '.join(KV_MODES)}")
+    if kv_cache != "fp32" and calibration_ids is None:
+        raise QuantizationError("an int8 KV cache needs calibration_ids (token ids of calibration text)")
     model = onnx.load(str(src))
+    kv_report = {}
+    if kv_cache == "int8":
+        from .kv_quant import quantize_kv
+
+        try:
+            kv_report = quantize_kv(model, np.asarray(calibration_ids, dtype=np.int64).reshape(-1))
+        except ValueError as e:
+            raise QuantizationError(str(e)) from None
     if mode == "fp32":
         _save(model, Path(dst))
-        return {"mode": "fp32"}
+        return {"mode": "fp32", **kv_report}
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     smoothed: list[int] = []
@@ -209,6 +225,7 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         nbytes = _quantize_embedding(model, gathers[0], 8 if embedding == "int8" else 4, emb_block)
         report["embedding"] = f"{embedding} GatherBlockQuantized block {emb_block}"
         report["embedding_bytes"] = nbytes
+    report.update(kv_report)
     _save(model, Path(dst))
     report["bytes"] = sum(p.stat().st_size for p in Path(dst).parent.glob(Path(dst).name + "*"))
     return report

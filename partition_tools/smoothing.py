@@ -14,7 +14,8 @@ only the rounding of the quantized ops changes. The per-channel ``max|x_j|`` com
 graph over calibration tokens (:func:`matmul_input_absmax`).
 
 A group is smoothed only when the pattern is unambiguous: the MatMuls' shared input is produced by a
-``Mul`` with one 1-D ``[K]`` initializer (the norm weight), and every consumer of that input is a MatMul with
+``Mul`` (traced graph) or a ``(Skip)SimplifiedLayerNormalization`` (fused graph) with one 1-D ``[K]``
+initializer (the norm weight), and every consumer of that input is a MatMul with
 a constant weight read by nothing else. Anything else (other readers of the norm output, shared or fused
 weights) is left untouched, so the pass is safe on any exported decoder family. A norm weight that the
 exporter deduplicated across layers (identical values, e.g. all-ones in random-weight models) gets a
@@ -26,6 +27,7 @@ Models" (ICML 2023); Sun et al., "Massive Activations in Large Language Models" 
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -35,17 +37,33 @@ import onnx
 from onnx import numpy_helper
 
 _PROTO_LIMIT = (1 << 31) - (1 << 26)  # protobuf's 2 GB ceiling, with headroom
+# nodes whose output 0 is "normalized x times a [K] weight": the traced graph's Mul, the fused graph's norms
+_NORM_OPS = ("Mul", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization")
 
 
-def _calibration_feeds(model: onnx.ModelProto, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """input_ids/position_ids for ``ids [T]``; every other input (the KV cache) empty: P = 0."""
-    feeds = {"input_ids": ids[None].astype(np.int64), "position_ids": np.arange(ids.size, dtype=np.int64)[None]}
+def calibration_feeds(model: onnx.ModelProto, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """A prefill of ``ids [T]`` from an empty cache (P = 0) for either edge graph (``edge_client.front``)."""
+    from edge_client.front import MROPE_KEY
+    from edge_client.rope import rope_feeds
+
+    t = ids.size
+    feeds = {"input_ids": ids[None].astype(np.int64)}
+    names = {i.name for i in model.graph.input}
+    if "position_ids" in names:  # plain graph
+        feeds["position_ids"] = np.arange(t, dtype=np.int64)[None]
+    if "seqlens_k" in names:  # fused graph
+        feeds["seqlens_k"] = np.array([t - 1], np.int32)
+        feeds["total_sequence_length"] = np.array(t, np.int32)
+    if "rope_cos" in names:
+        meta = {p.key: p.value for p in model.metadata_props}
+        feeds.update(rope_feeds(np.arange(t), json.loads(meta[MROPE_KEY])))
     for inp in model.graph.input:
         if inp.name in feeds:
             continue
         dims = [d.dim_value if d.HasField("dim_value") else 0 for d in inp.type.tensor_type.shape.dim]
         dims[0] = 1  # batch
-        feeds[inp.name] = np.zeros(dims, np.float32)  # [1, KVH, 0, D]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type)  # float32, or int8 KV
+        feeds[inp.name] = np.zeros(dims, dtype)  # [1, KVH, 0, D]
     return feeds
 
 
@@ -67,7 +85,7 @@ def matmul_input_absmax(model: onnx.ModelProto, ids: np.ndarray, tensors: list[s
         path = Path(tmp) / "probe.onnx"
         onnx.save(probe, str(path), save_as_external_data=probe.ByteSize() > _PROTO_LIMIT)
         session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        outs = session.run(tensors, _calibration_feeds(model, ids))
+        outs = session.run(tensors, calibration_feeds(model, ids))
     return {name: np.abs(o).reshape(-1, o.shape[-1]).max(0) for name, o in zip(tensors, outs)}  # [K]
 
 
@@ -92,7 +110,7 @@ def norm_fed_groups(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, s
                or len(readers[u.input[1]]) != 1 for u in users):
             continue
         mul = producer.get(x)
-        if mul is None or mul.op_type != "Mul":
+        if mul is None or mul.op_type not in _NORM_OPS or mul.output[0] != x:
             continue
         k = inits[n.input[1]].dims[0]
         weights = [i for i in mul.input if i in inits and list(inits[i].dims) == [k]]

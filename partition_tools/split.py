@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge_client.front import FRONT
 from shared.manifest import FORMAT_VERSION, BundleError, Manifest
 
 from .adapters import ModelAdapter, call_layer
-from .export import export_front
+from .cloud_half import BACK_CONFIG, BACK_WEIGHTS, back_state_dict
+from .export import build_front
 from .models import LoadedModel
 from .progress import Steps
 from .quantize import QUANT_MODES, quantize_front
 
-FRONT = "edge/front.onnx"
 CALIBRATION = "calibration.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -30,12 +31,16 @@ class SplitConfig:
     layer: int  # N: layers [0, N) go to the edge
     out: Path
     edge_quant: str = "int8"
+    edge_graph: str = "auto"  # fused | plain | auto (fused where it fits): partition_tools.export.build_front
     calib_tokens: int = 512  # tokens of built-in text used to find the boundary's outlier channels
     outlier_channels: int = 8  # channels kept in fp16 by the outlier-aware codec
+    vision_quant: str | None = None  # GLM-4.1V's edge vision tower: int8 | fp32 | none (None: as the front)
 
     def __post_init__(self):
         if self.edge_quant not in QUANT_MODES:
             raise BundleError(f"--edge-quant {self.edge_quant!r}: expected one of {', '.join(QUANT_MODES)}")
+        if self.vision_quant not in (None, "int8", "fp32", "none"):
+            raise BundleError(f"--vision-quant {self.vision_quant!r}: expected int8, fp32 or none")
         self.out = Path(self.out)
 
 
@@ -81,6 +86,18 @@ def calibrate(adapter: ModelAdapter, ids: torch.Tensor, layer: int, k: int) -> d
     }
 
 
+def _export_vision(lm: LoadedModel, adapter: ModelAdapter, cfg: SplitConfig) -> dict:
+    """GLM-4.1V: the vision tower as ``edge/vision.onnx`` and an embeddings input on the front for its output
+    (``partition_tools.export_vision``, ``partition_tools.front_embeds``); returns the tower's quant report."""
+    from .export_vision import export_vision
+    from .front_embeds import add_embeds_input_file
+
+    add_embeds_input_file(cfg.out / FRONT, adapter.hidden_size)
+    quant = cfg.vision_quant or ("fp32" if cfg.edge_quant == "fp32" else "int8")
+    spec = export_vision(lm.model, cfg.out, quant)
+    return {"mode": spec.quant, **{k: v for k, v in spec.quant_report.items() if k != "mode"}}
+
+
 def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     adapter = ModelAdapter(lm.model)
     L = adapter.num_layers
@@ -100,7 +117,7 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     steps.next(f"export layers [0, {cfg.layer}) to ONNX")
     quant_report: dict = {"mode": "fp32"}
     with tempfile.TemporaryDirectory() as tmp:
-        fp32 = export_front(adapter, cfg.layer, Path(tmp) / "front.onnx")
+        fp32, graph_kind = build_front(adapter, cfg.layer, Path(tmp) / "front.onnx", cfg.edge_graph)
         if cfg.edge_quant == "fp32":
             shutil.move(str(fp32), out / FRONT)
         else:
@@ -109,12 +126,13 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
 
             recipe = recipe_for(adapter, cfg.layer, cfg.edge_quant, lm.tokenizer)
             quant_report = quantize_front(fp32, out / FRONT, cfg.edge_quant, **recipe)
+    quant_report["edge_graph"] = graph_kind
+    if hasattr(getattr(lm.model, "model", None), "visual") and cfg.vision_quant != "none":
+        quant_report["vision"] = _export_vision(lm, adapter, cfg)
 
     # 2. cloud half -> safetensors + config
     steps.next(f"write layers [{cfg.layer}, {L}) + norm + lm_head")
     from safetensors.torch import save_file
-
-    from cloud_server.back_half import BACK_CONFIG, BACK_WEIGHTS, back_state_dict
 
     save_file(back_state_dict(adapter, cfg.layer), str(out / BACK_WEIGHTS))
     (out / BACK_CONFIG).write_text(lm.model.config.to_json_string())

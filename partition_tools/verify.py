@@ -2,11 +2,12 @@
 
 Two checks:
 
-1. quality (``partition_tools.evaluate.evaluate_split``): edge ONNX in onnxruntime -> boundary hidden
+1. quality (``partition_tools.evaluate.evaluate_split``): edge graph in the phone's runtime -> boundary hidden
    states (fp16 round trip: the lossless wire codec) -> cloud half in PyTorch, versus the unsplit
    reference; top-1 agreement, mean KL, perplexities, boundary error;
-2. incremental: prefill k tokens then single-token decode steps through the edge graph's KV cache must
-   reproduce the full-sequence boundary hidden states.
+2. incremental: prefill k tokens then single-token decode steps through the edge runtime's KV cache
+   (``edge_client.front.FrontRuntime``, what the phone runs) must reproduce the full-sequence boundary
+   hidden states.
 
 Thresholds depend on the edge quantization (``THRESHOLDS``); ``verify`` fails when any is missed.
 """
@@ -19,8 +20,6 @@ from pathlib import Path
 import numpy as np
 
 from shared.manifest import Manifest
-
-from .export import input_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,30 +52,17 @@ def is_untrained(ppl_reference: float, vocab_size: int) -> bool:
     return ppl_reference > vocab_size / 4
 
 
-def incremental_check(bundle_dir: Path, manifest: Manifest, ids: np.ndarray, prefill: int = 8, steps: int = 8) -> float:
-    """Relative max error between (prefill + decode steps) and one full-sequence pass of the edge graph."""
-    import onnxruntime as ort
+def incremental_check(bundle_dir: Path, ids: np.ndarray, prefill: int = 8, steps: int = 8) -> float:
+    """Relative max error between (prefill + decode steps) and one full-sequence pass, both through the
+    phone's own runtime (``edge_client.front.FrontRuntime``) over the bundle's edge graph."""
+    from edge_client.front import FrontRuntime
 
-    n = manifest.split_layer
-    sess = ort.InferenceSession(str(bundle_dir / "edge" / "front.onnx"), providers=["CPUExecutionProvider"])
-    names = input_names(n)
-    total = prefill + steps
-    ids = ids[:total].astype(np.int64)[None]  # [1, T]
-    empty = np.zeros((1, manifest.num_kv_heads, 0, manifest.head_dim), np.float32)
-
-    def run(tok: np.ndarray, start: int, past: list[np.ndarray]):
-        pos = np.arange(start, start + tok.shape[1], dtype=np.int64)[None]
-        out = sess.run(None, dict(zip(names, [tok, pos, *past])))
-        return out[0][0], out[1:]  # [S, H], presents
-
-    full, _ = run(ids, 0, [empty] * (2 * n))  # [T, H]
-    pieces = []
-    h, past = run(ids[:, :prefill], 0, [empty] * (2 * n))
-    pieces.append(h)
-    for t in range(prefill, total):
-        h, past = run(ids[:, t:t + 1], t, past)
-        pieces.append(h)
-    inc = np.concatenate(pieces, axis=0)
+    ids = ids[:prefill + steps].astype(np.int64)  # [T]
+    front = FrontRuntime(bundle_dir, chunk=ids.size, verify=False)
+    full = front.prefill(ids)  # [T, H] in one forward pass
+    front.reset()
+    pieces = [front.prefill(ids[:prefill])] + [front.decode(int(t)) for t in ids[prefill:]]  # [k, H], [1, H]...
+    inc = np.concatenate(pieces, axis=0)  # [T, H]
     scale = max(float(np.abs(full).max()), 1e-6)
     return float(np.abs(inc - full).max()) / scale
 
@@ -94,7 +80,7 @@ def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str |
     report = evaluate_split(bundle_dir, text=text, max_tokens=max_tokens, codec=fp16_round_trip, lm=lm)
     # The incremental check exercises the graph's KV plumbing; any ids will do.
     ids = np.random.default_rng(0).integers(4, manifest.vocab_size, 16)
-    report["incremental_rel_err"] = incremental_check(bundle_dir, manifest, ids)
+    report["incremental_rel_err"] = incremental_check(bundle_dir, ids)
     untrained = is_untrained(report["ppl_reference"], manifest.vocab_size)
     th = (UNTRAINED_THRESHOLDS if untrained else THRESHOLDS)[manifest.edge_quant]
     failures = []

@@ -6,7 +6,7 @@ Pure Python + numpy + msgpack + zstandard (no torch): the phone imports this pac
 * :mod:`shared.codecs` - boundary hidden-state codecs by name (``codecs_plain``, ``codecs_outlier``)
 * :mod:`shared.compression` - bounded zstd
 * :mod:`shared.chunking` - Prefill messages within the negotiated limits
-* :mod:`shared.session_state` - the session state machine a server enforces
+* :mod:`shared.session_state` - the session state machine both ends enforce
 * :mod:`shared.precision` - the per-request precision policy (``plan`` holds the wire struct)
 * :mod:`shared.manifest` - the bundle manifest
 

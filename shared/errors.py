@@ -37,6 +37,9 @@ SESSION_ERROR_CODES = (
     "overloaded",  # too many requests; retry later (Error.retry_after_ms)
     "draining",  # server is draining; no new requests on this connection
     "codec_not_negotiated",  # a tensor whose codec is not in Welcome.codecs
+    "too_large",  # a Prefill over max_prefill_chunk_tokens, or a frame over max_frame_bytes: that request fails
+    "bad_input",  # hidden states the model cannot take (width != its hidden size, 3-D RoPE to a 1-D model)
+    "timeout",  # the request waited longer than the server's step timeout for its next input; its KV is freed
     "internal",  # the server's fault; the request failed
 )
 

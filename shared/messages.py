@@ -96,15 +96,18 @@ class ClientHints:
 
 @dataclass(slots=True, kw_only=True)
 class SessionLimits:
-    """What the server accepts on this session (sent in Welcome; the client must stay within it)."""
+    """What the server accepts on this session (sent in Welcome; the client must stay within it).
+
+    The defaults are what the reference server (``cloud_server``) sends with its default configuration
+    (``cloud_server.split_endpoint.session_limits``; a test holds the two and docs/protocol.md together)."""
 
     max_frame_bytes: int = 16 << 20  # largest binary frame either side may send
     max_context: int = 8192  # prompt + generated tokens per request
-    max_prefill_chunk_tokens: int = 512  # tokens per Prefill message
-    max_concurrent_requests: int = 4  # requests open at once on this session
+    max_prefill_chunk_tokens: int = 2048  # tokens per Prefill message
+    max_concurrent_requests: int = 16  # requests open at once on this session
     prefix_block_tokens: int = 16  # granularity of prefix_keys (one key per full block of the prompt)
     idle_timeout_ms: int = 300_000  # the server closes a session silent for this long
-    resume_window_ms: int = 120_000  # a dropped session stays resumable this long
+    resume_window_ms: int = 30_000  # a dropped session stays resumable this long
 
     def __post_init__(self):
         _int(self.max_frame_bytes, "limits.max_frame_bytes", 1024, 1 << 30)

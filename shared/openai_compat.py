@@ -1,5 +1,6 @@
-"""OpenAI-compatible request parsing and response formatting, shared by the edge's local endpoint and the
-cloud's full-model mode. Pure Python (json + dataclasses): the phone imports it without torch.
+"""OpenAI-compatible request parsing and response formatting, under the routes that the edge's local endpoint
+and the cloud's full-model mode share (:mod:`shared.openai_routes`). Pure Python (json + dataclasses): the
+phone imports it without torch.
 
 Contract:
 
@@ -29,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class OpenAIRequestError(Exception):
-    """A request the OpenAI API would refuse with HTTP 400; ``param`` names the offending field."""
+    """An answer in OpenAI's error shape (:meth:`to_dict`) with HTTP ``status``: 400 for a request refused
+    (``param`` names the offending field), or the status the caller gives (401, 503, ...)."""
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error",
                  status: int = 400):
@@ -332,12 +333,12 @@ def new_id(prefix: str = "chatcmpl") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, **extra: Any) -> dict[str, Any]:
-    """OpenAI usage object; ``extra`` (e.g. ``cached_tokens``) goes under ``prompt_tokens_details``."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI usage object; prefix-cache hits, if any, as ``prompt_tokens_details.cached_tokens``."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
-    if extra:
-        out["prompt_tokens_details"] = dict(extra)
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     return out
 
 

@@ -1,9 +1,12 @@
-"""The session state machine, as the server enforces it on what a client sends.
+"""The session state machine: the one rulebook both ends run over what the client sends.
 
-One :class:`SessionState` per session (it survives reconnects: call :meth:`SessionState.reconnect` when a
-resumed client says Hello again). Feed it every client message with :meth:`on_client` *before* acting on it,
-and every message the server sends with :meth:`on_server`. A violation raises :class:`SessionError`, whose
-:meth:`~SessionError.to_error` is the ``Error`` message to send back (request-level unless ``fatal``).
+One :class:`SessionState` per session, on each side. It survives reconnects (call :meth:`SessionState.reconnect`
+when a resumed client says Hello again). Feed it every client message with :meth:`~SessionState.on_client`
+*before* acting on it (the server on what it received, the edge on what it is about to send), and every
+server message with :meth:`~SessionState.on_server` (the server on what it sends, the edge on what it
+received). A violation raises :class:`SessionError`, whose :meth:`~SessionError.to_error` is the ``Error``
+message to send back (request-level unless ``fatal``). A request-level error closes that request: the server
+aborts it, and the ``Error`` it sends (through ``on_server``) closes it here too.
 
 Connection phases::
 
@@ -11,7 +14,8 @@ Connection phases::
          ^                                              |                  |
          +------------- reconnect (resume_token) -------+---- Close / fatal Error / socket closed --> CLOSED
 
-Per request (client view of ``received`` = positions the server holds, ``tokens`` = tokens it sent)::
+Per request (``received`` = positions the server holds, ``tokens`` = tokens the server sent, ``prompt_len``
+known once the Prefill with ``last`` arrived)::
 
     (new id) --Prefill(params, start=0 or a prefix)--> PREFILL --Prefill(start=received)...--+
     PREFILL --Prefill(last=True)--> [server samples] --Tokens--> AWAIT_STEP --DecodeStep(position=received)-->
@@ -19,8 +23,10 @@ Per request (client view of ``received`` = positions the server holds, ``tokens`
     Cancel: any time, idempotent (a request that already finished ignores it).
 
 Messages cross in flight, so the rules only forbid what a correct client can never send: a second Hello,
-a DecodeStep nobody asked for, positions that skip or repeat, a request opened without sampling parameters,
-more open requests or context than ``Welcome.limits`` allow, a codec that was not negotiated.
+a DecodeStep nobody asked for, positions that skip or repeat, a request opened without sampling parameters
+or under a used id, more open requests, tokens per chunk, frame bytes or context than ``Welcome.limits``
+allow, a codec that was not negotiated. What a correct client *can* send - a later chunk or decode step of a
+request the server has just finished or refused, a Cancel for it - is ignored (``on_client`` returns None).
 
 References: docs/protocol.md ("Session state machine"); vLLM v1 (errors fatal for the engine vs for one
 request).
@@ -28,9 +34,10 @@ request).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from .errors import TOO_LARGE
 from .messages import (
     Cancel,
     Close,
@@ -47,7 +54,8 @@ from .messages import (
 )
 
 AWAIT_HELLO, AWAIT_WELCOME, READY, DRAINING, CLOSED = "await_hello", "await_welcome", "ready", "draining", "closed"
-FINISHED_MEMORY = 4096  # ids of finished requests remembered (to refuse reuse); bounded
+FINISHED_MEMORY = 4096  # ids of finished or refused requests remembered (reuse refused, late messages ignored)
+FINISHED_KEPT = 16  # finished requests whose track is kept: a Resume after the finish still gets its tokens
 
 
 class SessionError(Exception):
@@ -57,18 +65,31 @@ class SessionError(Exception):
         super().__init__(f"{code}: {message}")
         self.code, self.message, self.request_id, self.fatal = code, message, request_id, fatal
 
-    def to_error(self) -> Error:
-        return Error(code=self.code, message=self.message, request_id=self.request_id, fatal=self.fatal)
+    def to_error(self, retry_after_ms: int | None = None) -> Error:
+        return Error(code=self.code, message=self.message, request_id=self.request_id, fatal=self.fatal,
+                     retry_after_ms=retry_after_ms)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RequestTrack:
+    """One request as the protocol sees it. ``owner`` is the side's own record of it (opaque here)."""
+
     request_id: str
     received: int = 0  # positions [0, received) sent by the client (prefix-cache hits included)
-    prompt_done: bool = False  # the Prefill with last=True arrived
+    prompt_len: int | None = None  # set by the Prefill with last=True
     tokens: int = 0  # tokens the server has sent
-    await_step: bool = False  # the server sent a token and waits for its DecodeStep
     cancelled: bool = False
+    finish: str | None = None  # finish reason ("stop", ..., "error") once finished
+    owner: object = None
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.prompt_len is not None
+
+    @property
+    def awaits_step(self) -> bool:
+        """The server sent a token whose DecodeStep it has not received yet."""
+        return self.finish is None and self.prompt_len is not None and self.received < self.prompt_len + self.tokens
 
 
 class SessionState:
@@ -76,8 +97,9 @@ class SessionState:
         self.phase = AWAIT_HELLO
         self.limits = SessionLimits()
         self.codecs: set[str] = set()
-        self.requests: dict[str, RequestTrack] = {}
-        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.requests: dict[str, RequestTrack] = {}  # open requests
+        self.finished: OrderedDict[str, RequestTrack | None] = OrderedDict()  # the latest FINISHED_KEPT keep tracks
+        self._kept: deque[str] = deque()
 
     # -- connection ---------------------------------------------------------------------------------------
     def reconnect(self) -> None:
@@ -85,15 +107,24 @@ class SessionState:
         self.phase = AWAIT_HELLO
 
     def close(self) -> None:
+        """The session ends: open requests finish as cancelled (nothing more is sent for them)."""
         self.phase = CLOSED
+        for req in list(self.requests.values()):
+            self._finish(req, "cancelled")
 
     @property
     def open_requests(self) -> int:
         return len(self.requests)
 
+    def track(self, request_id: str) -> RequestTrack | None:
+        """The request's track: open, or finished recently enough to be kept."""
+        return self.requests.get(request_id) or self.finished.get(request_id)
+
     # -- client -> server -----------------------------------------------------------------------------------
-    def on_client(self, msg) -> RequestTrack | None:
-        """Check a client message against the state and advance it; returns the request it concerns."""
+    def on_client(self, msg, frame_bytes: int | None = None) -> RequestTrack | None:
+        """Check a client message (of ``frame_bytes`` bytes on the wire, if known) against the state and
+        advance it. Returns the request it concerns, or None when nothing is to be done (Hello, Close, Error,
+        and late messages about a request that already finished)."""
         if self.phase == CLOSED:
             raise SessionError("bad_state", f"{type(msg).__name__} after the session closed", fatal=True)
         if isinstance(msg, Hello):
@@ -103,30 +134,42 @@ class SessionState:
             return None
         if self.phase in (AWAIT_HELLO, AWAIT_WELCOME):
             raise SessionError("bad_state", f"{type(msg).__name__} before the Welcome", fatal=True)
+        rid = getattr(msg, "request_id", None)
+        if frame_bytes is not None and frame_bytes > self.limits.max_frame_bytes and rid is None:
+            raise SessionError(TOO_LARGE, f"{frame_bytes}-byte frame (max_frame_bytes {self.limits.max_frame_bytes})",
+                               fatal=True)
         if isinstance(msg, Close):
             self.phase = CLOSED
             return None
+        if isinstance(msg, Error):  # the client reports a failure; fatal ends the session
+            if msg.fatal:
+                self.phase = CLOSED
+            return None
         if isinstance(msg, Prefill):
-            return self._prefill(msg)
+            return self._prefill(msg, frame_bytes)
         if isinstance(msg, DecodeStep):
-            return self._decode_step(msg)
+            return self._decode_step(msg, frame_bytes)
         if isinstance(msg, Cancel):
-            req = self.requests.get(msg.request_id)
+            req = self.requests.get(rid)
             if req is not None:
                 req.cancelled = True
             return req  # None: finished or unknown - Cancel is idempotent, nothing to answer
         if isinstance(msg, Resume):
-            req = self.requests.get(msg.request_id)
+            req = self.track(rid)
             if req is None:
-                raise SessionError("resume_failed", f"request {msg.request_id} is not open here: replay it",
-                                   msg.request_id)
+                raise SessionError("resume_failed", f"request {rid} is not held here: replay it", rid)
             if msg.have_tokens > req.tokens:
                 raise SessionError("bad_position", f"client claims {msg.have_tokens} tokens, server sent "
-                                                   f"{req.tokens}", msg.request_id)
+                                                   f"{req.tokens}", rid)
             return req
         raise SessionError("bad_state", f"{type(msg).__name__} is not a client message", fatal=True)
 
-    def _check_tensor(self, msg, n: int, end: int) -> None:
+    def _check_frame(self, rid: str, frame_bytes: int | None) -> None:
+        if frame_bytes is not None and frame_bytes > self.limits.max_frame_bytes:
+            raise SessionError(TOO_LARGE, f"{frame_bytes}-byte frame (max_frame_bytes "
+                                          f"{self.limits.max_frame_bytes})", rid)
+
+    def _check_tensor(self, msg, end: int) -> None:
         if msg.hidden.codec not in self.codecs:
             raise SessionError("codec_not_negotiated", f"codec {msg.hidden.codec!r} not in {sorted(self.codecs)}",
                                msg.request_id)
@@ -134,50 +177,80 @@ class SessionState:
             raise SessionError("context_full", f"position {end} beyond max_context {self.limits.max_context}",
                                msg.request_id)
 
-    def _prefill(self, msg: Prefill) -> RequestTrack:
+    def _prefill(self, msg: Prefill, frame_bytes: int | None) -> RequestTrack | None:
         rid, n = msg.request_id, msg.n_tokens
-        if n > self.limits.max_prefill_chunk_tokens:
-            raise SessionError("too_large", f"{n} tokens in one Prefill (max {self.limits.max_prefill_chunk_tokens})",
-                               rid)
         req = self.requests.get(rid)
         if req is None:
-            if self.phase == DRAINING:
-                raise SessionError("draining", "the server is draining: no new requests", rid)
             if rid in self.finished:
+                if msg.params is None:
+                    return None  # a late chunk of a request that finished or was refused: the client knows
                 raise SessionError("duplicate_request", f"request id {rid} was already used", rid)
-            if len(self.requests) >= self.limits.max_concurrent_requests:
-                raise SessionError("overloaded", f"{len(self.requests)} requests open "
-                                                 f"(max {self.limits.max_concurrent_requests})", rid)
             if msg.params is None:
-                raise SessionError("bad_state", "the first Prefill of a request carries params", rid)
-            block = self.limits.prefix_block_tokens
-            if msg.start and (msg.start % block or msg.start > len(msg.prefix_keys) * block):
-                raise SessionError("bad_position", f"start {msg.start}: a prefix must be whole blocks of {block} "
-                                                   f"covered by prefix_keys", rid)
-            self._check_tensor(msg, n, msg.start + n)
-            req = self.requests[rid] = RequestTrack(rid, received=msg.start)
-        else:
-            if req.prompt_done:
-                raise SessionError("bad_state", "Prefill after the prompt was complete (use DecodeStep)", rid)
-            self._check_tensor(msg, n, msg.start + n)
+                raise SessionError("unknown_request", f"Prefill for request {rid}, which is not open (the first "
+                                                      "Prefill of a request carries params)", rid)
+            try:
+                return self._open(msg, frame_bytes)
+            except SessionError:
+                self._remember(rid, None)  # refused: its later chunks are ignored, its id stays used
+                raise
+        if msg.params is not None:
+            raise SessionError("duplicate_request", f"request {rid} is already open (params travel on its first "
+                                                    "Prefill only)", rid)
+        self._check_frame(rid, frame_bytes)
+        if req.prompt_done:
+            raise SessionError("bad_state", "Prefill after the one with last=true (use DecodeStep)", rid)
+        self._check_chunk(msg)
         if msg.start != req.received:
             raise SessionError("bad_position", f"Prefill starts at {msg.start}, the server holds {req.received}", rid)
-        req.received += n
-        req.prompt_done = msg.last
+        self._check_tensor(msg, msg.start + n)
+        self._advance(req, msg)
         return req
 
-    def _decode_step(self, msg: DecodeStep) -> RequestTrack:
+    def _check_chunk(self, msg: Prefill) -> None:
+        if msg.n_tokens > self.limits.max_prefill_chunk_tokens:
+            raise SessionError(TOO_LARGE, f"{msg.n_tokens} tokens in one Prefill (max_prefill_chunk_tokens "
+                                          f"{self.limits.max_prefill_chunk_tokens})", msg.request_id)
+
+    def _open(self, msg: Prefill, frame_bytes: int | None) -> RequestTrack:
+        rid = msg.request_id
+        self._check_frame(rid, frame_bytes)
+        if self.phase == DRAINING:
+            raise SessionError("draining", "the server is draining: no new requests", rid)
+        if len(self.requests) >= self.limits.max_concurrent_requests:
+            raise SessionError("overloaded", f"{len(self.requests)} requests open "
+                                             f"(max_concurrent_requests {self.limits.max_concurrent_requests})", rid)
+        self._check_chunk(msg)
+        block = self.limits.prefix_block_tokens
+        if msg.start and (msg.start % block or msg.start > len(msg.prefix_keys) * block):
+            raise SessionError("bad_position", f"start {msg.start}: a prefix must be whole blocks of {block} "
+                                               f"covered by prefix_keys ({len(msg.prefix_keys)})", rid)
+        self._check_tensor(msg, msg.start + msg.n_tokens)
+        req = self.requests[rid] = RequestTrack(rid, received=msg.start)
+        self._advance(req, msg)
+        return req
+
+    @staticmethod
+    def _advance(req: RequestTrack, msg: Prefill) -> None:
+        req.received += msg.n_tokens
+        if msg.last:
+            req.prompt_len = req.received
+
+    def _decode_step(self, msg: DecodeStep, frame_bytes: int | None) -> RequestTrack | None:
         rid = msg.request_id
         req = self.requests.get(rid)
         if req is None:
+            if rid in self.finished:
+                return None  # answers a token sent just before the request finished or failed
             raise SessionError("unknown_request", f"request {rid} is not open", rid)
-        if not req.await_step:
-            raise SessionError("bad_state", "DecodeStep without a token to feed", rid)
+        self._check_frame(rid, frame_bytes)
+        if not req.prompt_done:
+            raise SessionError("bad_state", "DecodeStep before the Prefill with last=true", rid)
+        if not req.awaits_step:
+            raise SessionError("bad_state", "DecodeStep without a token to feed (one per generated token)", rid)
         if msg.position != req.received:
             raise SessionError("bad_position", f"DecodeStep at {msg.position}, the server holds {req.received}", rid)
-        self._check_tensor(msg, 1, msg.position + 1)
+        self._check_tensor(msg, msg.position + 1)
         req.received += 1
-        req.await_step = False
         return req
 
     # -- server -> client -----------------------------------------------------------------------------------
@@ -192,28 +265,41 @@ class SessionState:
                 return
             req.tokens = max(req.tokens, msg.index + len(msg.token_ids))
             if msg.finish_reason is not None:
-                self._finish(msg.request_id)
-            elif msg.token_ids:
-                req.await_step = True
+                self._finish(req, msg.finish_reason)
         elif isinstance(msg, Resumed):
-            req = self.requests.get(msg.request_id)
-            if req is not None:
-                req.received = msg.received
-                if msg.finish_reason is not None:
-                    self._finish(msg.request_id)
+            req = self.track(msg.request_id)
+            if req is None:
+                return
+            req.tokens = max(req.tokens, msg.index + len(msg.token_ids))
+            req.received = msg.received  # the server's word: what it holds (a lost link may have eaten some)
+            if req.prompt_len is not None and msg.received < req.prompt_len:
+                req.prompt_len = None  # the prompt's last chunk never arrived: it is resent
+            if msg.finish_reason is not None and req.finish is None:
+                self._finish(req, msg.finish_reason)
         elif isinstance(msg, Error):
             if msg.fatal:
                 self.phase = CLOSED
             elif msg.request_id is not None and msg.request_id in self.requests:
-                self._finish(msg.request_id)
+                self._finish(self.requests[msg.request_id], "error")
         elif isinstance(msg, Drain):
             if self.phase != CLOSED:
                 self.phase = DRAINING
         elif isinstance(msg, Close):
             self.phase = CLOSED
 
-    def _finish(self, rid: str) -> None:
-        self.requests.pop(rid, None)
-        self.finished[rid] = None
+    def _finish(self, req: RequestTrack, reason: str) -> None:
+        req.finish = reason
+        self.requests.pop(req.request_id, None)
+        self._remember(req.request_id, req)
+
+    def _remember(self, rid: str, req: RequestTrack | None) -> None:
+        self.finished[rid] = req
+        self.finished.move_to_end(rid)
+        if req is not None:
+            self._kept.append(rid)
+            if len(self._kept) > FINISHED_KEPT:  # keep the tracks of the latest FINISHED_KEPT only
+                old = self._kept.popleft()
+                if old in self.finished:
+                    self.finished[old] = None
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)

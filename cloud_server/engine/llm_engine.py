@@ -102,7 +102,7 @@ class LLMEngine:
             self._check_input(first)
             self.scheduler.add(seq, first)
         except RequestError as e:
-            self.scheduler.remove(seq)
+            self.scheduler.remove(seq, "error")
             return [self._error_output(request_id, e.code, e.message)]
         self.seqs[request_id] = seq
         if self.metrics is not None:
@@ -153,12 +153,12 @@ class LLMEngine:
         return any(s.ready for s in self.seqs.values())
 
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run the model (one forward pass per variant) -> postprocess."""
         batches, victims = self.scheduler.schedule()
         outputs = [self._finish(s, "error", "kv_cache_full", "the KV pool is exhausted; request aborted")
                    for s in victims]
         for batch in batches:
-            logits = self._run(batch)
-            outputs += self._postprocess(batch, logits)
+            outputs += self._postprocess(batch, self._run(batch))
         if self.metrics is not None:
             self.metrics.on_step(self, sum(b.num_tokens for b in batches))
         return outputs
@@ -170,40 +170,37 @@ class LLMEngine:
         return self.runners[batch.variant].run(flat)
 
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
-        items = batch.items
-        to_sample = [it.seq for it in items if it.sample]
-        sampled = self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
-                               [s.output_ids for s in to_sample]) if to_sample else []
+        """Sample the rows that end an input turn, then advance every scheduled sequence
+        (:meth:`Sequence.update_from_output`), publish its full prefix blocks, and stop or continue it."""
+        to_sample = [it.seq for it in batch.items if it.sample]
+        sampled = iter(self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
+                                    [s.output_ids for s in to_sample]) if to_sample else ())
         now = time.monotonic()
-        publish = self.scheduler.publish_prefix
-        for it in items:
-            seq = it.seq
-            seq.num_computed = it.chunk.end
-            if seq.prefix_keys:
-                publish(seq)
-        metrics, stop_reason = self.metrics, self._stop_reason
         outputs = []
-        for seq, tok in zip(to_sample, sampled, strict=True):
-            token = tok.token_id
-            seq.output_ids.append(token)
-            if metrics is not None:
-                metrics.on_token(seq, now)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
-            reason = stop_reason(seq, token)
-            out = RequestOutput(seq.request_id, token, tok.logprob, tok.top_logprobs,
-                                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                                num_output_tokens=len(seq.output_ids))
-            if reason is not None:
-                out.finish_reason = reason
-                self._release(seq, reason)
-            elif seq.feed_back_tokens:
-                seq.push(InputChunk(seq.num_received, token_ids=torch.tensor([token])))
-            else:
-                seq.waiting_since = now
-            outputs.append(out)
+        for it in batch.items:
+            seq = it.seq
+            tok = next(sampled) if it.sample else None
+            if tok is not None and self.metrics is not None:
+                self.metrics.on_token(seq, now)  # reads the previous token's time: before the update
+            seq.update_from_output(it.chunk.end, None if tok is None else tok.token_id, now)
+            if seq.prefix_keys:
+                self.scheduler.publish_prefix(seq)
+            if tok is not None:
+                outputs.append(self._after_token(seq, tok))
         return outputs
+
+    def _after_token(self, seq: Sequence, tok) -> RequestOutput:
+        """The output for a freshly sampled token; finishes ``seq`` if it stops, feeds the token back in
+        full-model mode."""
+        reason = self._stop_reason(seq, tok.token_id)
+        out = RequestOutput(seq.request_id, tok.token_id, tok.logprob, tok.top_logprobs, finish_reason=reason,
+                            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                            num_output_tokens=len(seq.output_ids))
+        if reason is not None:
+            self._release(seq, reason)
+        elif seq.feed_back_tokens:
+            seq.push(InputChunk(seq.num_received, token_ids=torch.tensor([tok.token_id])))
+        return out
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -217,8 +214,7 @@ class LLMEngine:
 
     # -- release ----------------------------------------------------------------------------
     def _release(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq, reason)
         self.seqs.pop(seq.request_id, None)
         if self.metrics is not None:
             self.metrics.on_finish(seq)

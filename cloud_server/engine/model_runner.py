@@ -119,12 +119,10 @@ def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: 
 class ModelRunner:
     """Runs one :class:`CloudModel` (one compute variant) against its :class:`KVCachePool`."""
 
-    def __init__(self, model: CloudModel, pool: KVCachePool, batch_invariant: bool = True,
-                 compute_logits: bool = True):
+    def __init__(self, model: CloudModel, pool: KVCachePool, batch_invariant: bool = True):
         self.model = model
         self.pool = pool
         self.batch_invariant = batch_invariant
-        self.compute_logits = compute_logits  # tensor-parallel ranks > 0 stop before the lm_head
         self.device = pool.k.device
 
     def _seq_slots(self, batch: Batch) -> list[torch.Tensor]:
@@ -137,8 +135,9 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor | None:
-        """Forward ``batch``; returns float32 logits ``[S, V]`` for ``batch.logits_indices`` (None on ranks > 0)."""
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Forward ``batch``; returns float32 logits ``[S, V]`` for ``batch.logits_indices`` (on every
+        tensor-parallel rank: a sharded lm_head gathers the vocabulary)."""
         m, dev = self.model, self.device
         if batch.hidden is not None:
             hidden = batch.hidden.to(device=dev, dtype=m.dtype)[None]  # [1, T, H]
@@ -156,7 +155,5 @@ class ModelRunner:
             for layer in m.layers:
                 hidden = call_layer(layer, hidden, attention_mask=None, position_ids=position_ids,
                                     position_embeddings=cos_sin)
-        if not self.compute_logits:
-            return None
         last = hidden[0, batch.logits_indices.to(dev)]  # [S, H]
         return m.lm_head(m.norm(last)).float()  # [S, V]

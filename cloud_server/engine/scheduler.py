@@ -86,24 +86,14 @@ class Scheduler:
             raise PrefixMiss(f"positions [0, {first.start}) were omitted but the prefix cache holds only "
                              f"[0, {have}) of the named keys")
         bm.acquire(blocks, queried=min(len(seq.prefix_keys), limit))
-        seq.block_table = list(blocks)
-        seq.num_cached_tokens = len(blocks) * bs
-        seq.num_registered_blocks = len(blocks)
-        seq.num_received = first.start
-        seq.push(first)
-        seq.num_prompt_tokens = first.end
-        seq.skip_computed(seq.num_cached_tokens)
-        if blocks:
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-        else:
-            self.waiting.append(seq)
+        seq.admit(first, blocks, bs)
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Release everything ``seq`` holds (finish, cancel, disconnect, timeout); idempotent."""
+    def remove(self, seq: Sequence, reason: str) -> None:
+        """Release everything ``seq`` holds and finish it with ``reason`` (finish, cancel, disconnect,
+        timeout); idempotent."""
         self.block_managers[seq.variant].release(seq.block_table)
-        seq.status = SequenceStatus.FINISHED
-        seq.pending.clear()
+        seq.finish(reason)
         if seq in self.running:
             self.running.remove(seq)
         try:
@@ -141,7 +131,7 @@ class Scheduler:
             if k == 0:
                 break  # FCFS: later arrivals do not overtake a blocked one
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            seq.start_running()
             self.running.append(seq)
             chosen.setdefault(seq.variant, []).append(ScheduledChunk(seq, *seq.take(k)))
             budget, slots = budget - k, slots - 1
@@ -175,7 +165,7 @@ class Scheduler:
         full = min(seq.num_computed // self.config.block_size, len(seq.prefix_keys))
         for i in range(seq.num_registered_blocks, full):
             bm.publish(seq.block_table[i], seq.prefix_keys[i])
-        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+        seq.mark_published(full)
 
     @property
     def num_running(self) -> int:

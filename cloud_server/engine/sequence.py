@@ -12,7 +12,6 @@ scheduler may then run some or all of that chunk's positions.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,15 +67,18 @@ class InputChunk:
         return head, tail
 
 
-_ids = itertools.count()
-
-
 class Sequence:
-    """Engine-side state of one request (see the module docstring)."""
+    """Engine-side state of one request (see the module docstring).
+
+    Every state transition is one method here, and no other class writes a sequence's fields:
+    :meth:`admit` (the scheduler, with the prefix-cache hit), :meth:`push` (input arrives),
+    :meth:`take` and :meth:`start_running` (scheduled), :meth:`update_from_output` (the step ran),
+    :meth:`mark_published` (prefix blocks published) and :meth:`finish`. The one shared structure is
+    ``block_table``, which the block manager grows and empties in place (``BlockManager.ensure`` / ``release``).
+    """
 
     def __init__(self, request_id: str, params: SamplingParams, variant: str,
                  prefix_keys: list[str] | None = None, feed_back_tokens: bool = False):
-        self.seq_id = next(_ids)
         self.request_id = request_id
         self.params = params
         self.variant = variant
@@ -97,12 +99,31 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         now = time.monotonic()
         self.arrival_time = now
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
+        self.last_token_time: float | None = None  # metrics: TTFT while None, then inter-token latency
         self.waiting_since = now  # when it last became idle waiting for input (step timeouts)
 
-    # -- inputs -----------------------------------------------------------------------------
+    # -- transitions ----------------------------------------------------------------------------
+    def admit(self, first: InputChunk, cached_blocks: list[int], block_size: int) -> None:
+        """Start with ``first``; ``cached_blocks`` (prefix-cache hits) already hold positions
+        ``[0, len(cached_blocks) * block_size)``, so their inputs are dropped and they count as computed.
+        A sequence holding cached blocks is RUNNING at once; otherwise it WAITS for admission to a step."""
+        cached = len(cached_blocks) * block_size
+        self.block_table = list(cached_blocks)
+        self.num_cached_tokens = self.num_computed = cached
+        self.num_registered_blocks = len(cached_blocks)
+        self.num_received = first.start
+        self.push(first)
+        while self.pending and self.pending[0].end <= cached:
+            self.pending.popleft()
+        if self.pending and self.pending[0].start < cached:
+            _, self.pending[0] = self.pending[0].split(cached - self.pending[0].start)
+        self.num_received = max(self.num_received, cached)
+        self.num_prompt_tokens = first.end
+        if cached_blocks:
+            self.status = SequenceStatus.RUNNING
+
     def push(self, chunk: InputChunk) -> None:
+        """The next input chunk arrived (must start where the inputs so far end)."""
         if chunk.start != self.num_received:
             raise ValueError(f"input for positions [{chunk.start}, {chunk.end}) but the next position "
                              f"expected is {self.num_received}")
@@ -112,15 +133,40 @@ class Sequence:
         if not self.output_ids:
             self.num_prompt_tokens = self.num_received
 
-    def skip_computed(self, n: int) -> None:
-        """Positions [0, n) are already in the KV (prefix-cache hit): drop their pending inputs."""
-        self.num_computed = n
-        while self.pending and self.pending[0].end <= n:
-            self.pending.popleft()
-        if self.pending and self.pending[0].start < n:
-            _, self.pending[0] = self.pending[0].split(n - self.pending[0].start)
-        self.num_received = max(self.num_received, n)
+    def take(self, k: int) -> tuple[InputChunk, bool]:
+        """Scheduled: pop up to ``k`` ready positions; returns the chunk and whether to sample after it."""
+        chunk = self.pending[0]
+        if k < chunk.n:
+            head, self.pending[0] = chunk.split(k)
+            return head, False
+        self.pending.popleft()
+        return chunk, chunk.last
 
+    def start_running(self) -> None:
+        """Admitted to a step: from now on it holds KV blocks of its own."""
+        self.status = SequenceStatus.RUNNING
+
+    def update_from_output(self, computed_end: int, token: int | None = None, now: float | None = None) -> None:
+        """The step computed this sequence's positions up to ``computed_end`` and, if it sampled, ``token``."""
+        self.num_computed = computed_end
+        if token is not None:
+            now = time.monotonic() if now is None else now
+            self.output_ids.append(token)
+            self.last_token_time = now
+            self.waiting_since = now  # the edge now runs its front layers on the token
+
+    def mark_published(self, num_blocks: int) -> None:
+        """Its first ``num_blocks`` prefix blocks are in the prefix cache."""
+        self.num_registered_blocks = max(self.num_registered_blocks, num_blocks)
+
+    def finish(self, reason: str) -> None:
+        """Finished (stop, length, abort, timeout, error): drops pending inputs; idempotent."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+        self.status = SequenceStatus.FINISHED
+        self.pending.clear()
+
+    # -- reads ----------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
         return (self.status is not SequenceStatus.FINISHED and bool(self.pending)
@@ -135,25 +181,6 @@ class Sequence:
             if head.start == self.num_computed:
                 return head.n
         return 0
-
-    def take(self, k: int) -> tuple[InputChunk, bool]:
-        """Pop up to ``k`` ready positions; returns the chunk and whether to sample after it."""
-        chunk = self.pending[0]
-        if k < chunk.n:
-            head, self.pending[0] = chunk.split(k)
-            return head, False
-        self.pending.popleft()
-        return chunk, chunk.last
-
-    # -- outputs ----------------------------------------------------------------------------
-    @property
-    def num_tokens(self) -> int:
-        """Positions this sequence will occupy once its pending inputs are computed."""
-        return self.num_received
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, computed={self.num_computed}, "

@@ -7,13 +7,14 @@ Modules, one concept each:
 * ``kernels``   - fused RMSNorm / residual / SiLU-mul / RoPE + KV-store kernels (Triton on CUDA, torch elsewhere);
 * ``attention`` - paged decode attention (split-K flash-decoding in Triton) and prefill attention (SDPA);
 * ``linear``    - Triton weight-streaming GEMV / skinny GEMM, chosen per shape against cuBLAS by measurement;
-* ``kv``        - the static paged KV pool on the GPU and a minimal block allocator;
+* ``kv``        - the engine's paged KV pool seen block-wise;
 * ``graphs``    - CUDA graphs captured per decode batch bucket;
-* ``tp``        - tensor-parallel sharding of a built :class:`FastGLM` (column/row parallel + all-reduce);
+* ``tuning``    - startup timing of the projection and decode-attention kernels on the GPU at hand;
 * ``runner``    - :class:`FastGlmRunner`, the ``run(batch) -> logits`` adapter the serving engine selects.
 
-The same code runs on the CPU with tiny configs (torch kernels, no graphs): that is how the tests check it
-against the library's own layers.
+Tensor parallelism is not a second implementation: ``cloud_server.tp.shard_model`` shards the library's layers
+and :class:`FastGLM` fuses the shards. The same code runs on the CPU (torch kernels, no graphs): that is how
+the tests check it against the library's own layers, and serve it at TP = 2 over gloo.
 """
 
 from .config import FastGLMConfig, UnsupportedFastPath

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from partition_tools.adapters import kv_heads_of, text_config
+
 
 class UnsupportedFastPath(Exception):
     """The model cannot run on the GLM fast path; the message says why in one line."""
@@ -65,7 +67,7 @@ class FastGLMConfig:
     @classmethod
     def from_hf(cls, config, num_layers: int | None = None, max_position: int | None = None) -> FastGLMConfig:
         """From a ``Glm4Config`` / ``Glm4vConfig`` / ``Glm4vTextConfig``; ``num_layers`` overrides the count."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         model_type = getattr(text, "model_type", None)
         if model_type not in FAST_MODEL_TYPES:
             raise UnsupportedFastPath(f"the GLM fast path runs model types {', '.join(FAST_MODEL_TYPES)}, "
@@ -93,7 +95,7 @@ class FastGLMConfig:
         return cls(
             hidden_size=int(text.hidden_size),
             num_heads=heads,
-            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            num_kv_heads=kv_heads_of(text),
             head_dim=head_dim,
             intermediate_size=int(text.intermediate_size),
             num_layers=int(num_layers if num_layers is not None else text.num_hidden_layers),

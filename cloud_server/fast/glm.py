@@ -16,8 +16,10 @@ What differs from the library, for speed only:
 * the residual stream is updated in place, so one decode step allocates nothing new after warm-up (the
   precondition for CUDA graphs, :mod:`.graphs`).
 
-Tensor parallelism (:mod:`.tp`) shards a built model in place; ``forward`` then all-reduces after the two
-row-parallel products and ``compute_logits`` all-gathers the vocabulary shards.
+Tensor parallelism: built from layers that ``cloud_server.tp.shard_model`` sharded (``tp`` is that model's
+:class:`~cloud_server.tp.TPShard`), each rank holds its heads, KV heads, MLP channels and vocabulary rows;
+``forward`` then all-reduces after the two row-parallel products (``all_reduce``, swappable for another
+implementation of the same sum) and ``compute_logits`` all-gathers the vocabulary shards.
 
 References: GLM-4.1V-Thinking (Hong et al., 2025) for the architecture; gpt-fast (PyTorch team, 2023)
 for the shape of a fast plain-PyTorch decoder.
@@ -128,7 +130,7 @@ class FastLayer(nn.Module):
 
 class FastGLM(nn.Module):
     def __init__(self, cfg: FastGLMConfig, layers: list[FastLayer], norm_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, backend: str | None = None):
+                 lm_head_weight: torch.Tensor, backend: str | None = None, tp=None):
         super().__init__()
         if len(layers) != cfg.num_layers:
             raise ValueError(f"config says {cfg.num_layers} layers, got {len(layers)}")
@@ -138,9 +140,10 @@ class FastGLM(nn.Module):
         self.lm_head_weight = _param(lm_head_weight)  # [V / tp, H]
         device = norm_weight.device
         self.backend = kernels.check_backend(backend or kernels.default_backend(device))
-        # Tensor-parallel state; tp.shard_model sets it. ``all_reduce(x)`` returns x [T, H] summed over ranks.
-        self.tp_rank, self.tp_size, self.tp_group = 0, 1, None
-        self.all_reduce = None
+        # Tensor parallel: the shard's group (None: one rank); ``all_reduce(x)`` returns x [T, H] summed over ranks.
+        self.tp = tp
+        self.tp_size = 1 if tp is None else tp.world
+        self.all_reduce = None if tp is None else tp.all_reduce
         self.linear = LinearChooser()  # cuBLAS, or the Triton skinny GEMM where measured faster (linear.py)
         # cos/sin table [max_position, rotary_dim / 2] in fp32, computed as the library's rotary embedding does.
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
@@ -152,44 +155,15 @@ class FastGLM(nn.Module):
     @classmethod
     def from_modules(cls, layers, norm, lm_head, config, dtype: torch.dtype | None = None,
                      device: str | torch.device | None = None, backend: str | None = None,
-                     max_position: int | None = None) -> FastGLM:
-        """From the library's decoder layers + final norm + lm_head (e.g. a :class:`BackHalf`'s)."""
+                     max_position: int | None = None, tp=None) -> FastGLM:
+        """From the library's decoder layers + final norm + lm_head (e.g. a ``CloudModel``'s); sharded layers
+        (``cloud_server.tp.shard_model``) come with their ``tp`` shard."""
         dtype = dtype or lm_head.weight.dtype
         device = device or lm_head.weight.device
         cfg = FastGLMConfig.from_hf(config, num_layers=len(layers), max_position=max_position)
         fast = [FastLayer.from_hf(layer, dtype, device) for layer in layers]
         return cls(cfg, fast, norm.weight.detach().to(device=device, dtype=dtype),
-                   lm_head.weight.detach().to(device=device, dtype=dtype).contiguous(), backend)
-
-    @classmethod
-    def from_back_half(cls, back_half, dtype: torch.dtype | None = None, device=None,
-                       backend: str | None = None) -> FastGLM:
-        return cls.from_modules(back_half.layers, back_half.norm, back_half.lm_head, back_half.config, dtype,
-                                device, backend)
-
-    @classmethod
-    @torch.no_grad()
-    def random(cls, cfg: FastGLMConfig, dtype: torch.dtype, device, seed: int = 0, std: float = 0.02,
-               backend: str | None = None) -> FastGLM:
-        """Random weights of the right shapes built directly on ``device`` (speed does not depend on values).
-
-        Norm weights are ones, as the library initialises them. The same seed gives the same weights on every
-        GPU of one kind, so tensor-parallel ranks can each build the full model and keep their shard.
-        """
-        gen = torch.Generator(device=device).manual_seed(seed)
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        qkv_rows = cfg.q_size + 2 * cfg.kv_size
-
-        def rnd(*shape):
-            return torch.randn(*shape, generator=gen, device=device, dtype=dtype).mul_(std)
-
-        def ones():
-            return torch.ones(h, device=device, dtype=dtype)
-
-        layers = [FastLayer(rnd(qkv_rows, h), rnd(qkv_rows) if cfg.attention_bias else None, rnd(h, cfg.q_size),
-                            rnd(2 * i, h), rnd(h, i), ones(), ones(), ones(), ones())
-                  for _ in range(cfg.num_layers)]
-        return cls(cfg, layers, ones(), rnd(cfg.vocab_size, h), backend)
+                   lm_head.weight.detach().to(device=device, dtype=dtype).contiguous(), backend, tp)
 
     # -- shapes on this rank ------------------------------------------------------------------------
     @property
@@ -207,9 +181,6 @@ class FastGLM(nn.Module):
     @property
     def local_kv_heads(self) -> int:
         return self.cfg.num_kv_heads // self.tp_size
-
-    def weight_bytes_local(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
 
     # -- forward ----------------------------------------------------------------------------------
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,15 +247,7 @@ class FastGLM(nn.Module):
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [N, H] -> logits [N, V] (gathered across tensor-parallel ranks)."""
         local = self.linear(x, self.lm_head_weight)  # [N, V / tp]
-        if self.tp_size == 1:
-            return local
-        gathered = torch.empty((self.tp_size * local.shape[0], local.shape[1]), dtype=local.dtype,
-                               device=local.device)
-        gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-        gather(gathered, local.contiguous(), group=self.tp_group)  # the first name is the newer releases
-        n = local.shape[0]
-        full = gathered.view(self.tp_size, n, -1).permute(1, 0, 2).reshape(n, -1)  # [N, tp * V/tp]
-        return full[:, : self.cfg.vocab_size]
+        return local if self.tp is None else self.tp.gather_vocab(local, self.cfg.vocab_size)
 
     # -- convenience for whole sequences (tests, the benchmark's prefill) ---------------------------
     @torch.no_grad()

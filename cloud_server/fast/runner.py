@@ -18,8 +18,9 @@ attention configs on this GPU (:func:`.tuning.tune`, ~30 s for the 9B half) and 
 captures the graphs; ``tune=False`` skips it (cuBLAS and the heuristic split). On the CPU nothing is tuned.
 
 Selection: :func:`fast_runner_factory` returns the engine's ``make_runner`` hook: the fast runner for float
-(bf16/fp16) variants of GLM-4 / GLM-4.1V models on CUDA at tensor-parallel size 1, the library's
-``ModelRunner`` otherwise.
+variants of GLM-4 / GLM-4.1V models on CUDA (and on the CPU with ``EngineConfig.fast_path=True``), at any
+tensor-parallel size (over the shard ``cloud_server.tp.shard_model`` made), the library's ``ModelRunner``
+otherwise.
 """
 
 from __future__ import annotations
@@ -29,27 +30,17 @@ import torch
 from .config import FAST_MODEL_TYPES, UnsupportedFastPath
 from .glm import FastGLM, PrefillMeta
 from .graphs import DecodeGraphs
-from .kv import NULL_BLOCK, KVPool, KVPoolConfig
+from .kv import NULL_BLOCK, KVPool
 from .tuning import DEFAULT_CONTEXT
 from .tuning import tune as tune_for_device
 
 
-def _pool_view(pool, num_kv_heads: int, head_dim: int) -> KVPool:
-    """The engine's pool tensors [L, NB * BS, KVH, D] as a :class:`KVPool` [L, NB, BS, KVH, D] (no copy)."""
-    bs = pool.block_size
-    layers = pool.k.shape[0]
-    kv = KVPool.__new__(KVPool)
-    kv.cfg = KVPoolConfig(layers, pool.num_blocks, bs, num_kv_heads, head_dim)
-    kv.k = pool.k.view(layers, pool.num_blocks, bs, num_kv_heads, head_dim)
-    kv.v = pool.v.view(layers, pool.num_blocks, bs, num_kv_heads, head_dim)
-    return kv
-
-
 def _alias_qkv(layers, fast: FastGLM) -> None:
     """Point the library's q/k/v weights and biases at slices of the fused tensors (frees the originals)."""
+    d = fast.cfg.head_dim
+    q, kv = fast.local_heads * d, fast.local_kv_heads * d  # this rank's rows of the fused [q; k; v]
     for layer, fl in zip(layers, fast.layers, strict=True):
         sa = layer.self_attn
-        q, kv = fast.cfg.q_size, fast.cfg.kv_size
         for proj, lo, hi in ((sa.q_proj, 0, q), (sa.k_proj, q, q + kv), (sa.v_proj, q + kv, q + 2 * kv)):
             if proj.weight.dtype == fl.qkv_weight.dtype and proj.weight.device == fl.qkv_weight.device:
                 proj.weight.data = fl.qkv_weight.data[lo:hi]
@@ -58,7 +49,8 @@ def _alias_qkv(layers, fast: FastGLM) -> None:
 
 
 class FastGlmRunner:
-    """Runs one GLM ``CloudModel`` (a float variant, one GPU) against the engine's ``KVCachePool``."""
+    """Runs one GLM ``CloudModel`` (a float variant; on a tensor-parallel rank, its shard) against the engine's
+    ``KVCachePool``."""
 
     reserved_blocks = (NULL_BLOCK,)
 
@@ -73,9 +65,12 @@ class FastGlmRunner:
         self.device = pool.k.device
         self._pin = self.device.type == "cuda"  # page-locked staging buffers for the per-step uploads
         self.fast = FastGLM.from_modules(model.layers, model.norm, model.lm_head, model.config, dtype=model.dtype,
-                                         device=self.device, backend=backend)
+                                         device=self.device, backend=backend, tp=getattr(model, "tp", None))
         _alias_qkv(model.layers, self.fast)
-        self.kv = _pool_view(pool, self.fast.local_kv_heads, self.fast.cfg.head_dim)
+        self.kv = KVPool.view_of(pool)  # [L, NB, BS, KVH / tp, D]
+        if self.kv.k.shape[3] != self.fast.local_kv_heads:
+            raise ValueError(f"the KV pool holds {self.kv.k.shape[3]} KV heads, this rank runs "
+                             f"{self.fast.local_kv_heads}")
         self.max_blocks = -(-max_model_len // pool.block_size)
         self.graphs = DecodeGraphs(self.fast, self.kv, max_batch, self.max_blocks, use_graphs=use_graphs)
         # what the startup tuning measured and chose (None: not tuned, e.g. on the CPU)
@@ -138,19 +133,23 @@ class FastGlmRunner:
         return fast.compute_logits(x[rows]).float()
 
 
-def fast_path_supported(model, device: str, tp: int = 1) -> bool:
-    """GLM-4 / GLM-4.1V float variant on CUDA without tensor parallelism."""
+def fast_path_supported(model, device: str, fast_path: bool | None = None) -> bool:
+    """A GLM-4 / GLM-4.1V float variant (sharded or not), on CUDA, or on the CPU when ``fast_path`` is True
+    (the plain-torch kernels); never when ``fast_path`` is False."""
     cfg = getattr(model, "config", None)
-    return (str(device).startswith("cuda") and tp == 1 and getattr(model, "variant", None) != "int8"
+    where = str(device).startswith("cuda") if fast_path is None else fast_path
+    return (where and getattr(model, "variant", None) != "int8"
             and getattr(cfg, "model_type", None) in FAST_MODEL_TYPES)
 
 
 def fast_runner_factory(engine_config):
-    """The engine's ``make_runner(index, model, pool)``: fast path where supported, ``ModelRunner`` elsewhere."""
+    """The engine's ``make_runner(index, model, pool)``: the fast path where :func:`fast_path_supported`
+    (``engine_config.fast_path``), the library's ``ModelRunner`` elsewhere. Every tensor-parallel rank builds its
+    runners with this, so all ranks take the same path."""
     from cloud_server.engine.model_runner import ModelRunner
 
     def make_runner(index, model, pool):
-        if fast_path_supported(model, engine_config.device, engine_config.tp):
+        if fast_path_supported(model, engine_config.device, engine_config.fast_path):
             return FastGlmRunner(model, pool, max_batch=engine_config.max_num_seqs,
                                  max_model_len=engine_config.max_model_len)
         return ModelRunner(model, pool, batch_invariant=engine_config.batch_invariant)

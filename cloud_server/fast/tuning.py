@@ -116,7 +116,7 @@ def attention_inputs(model, kv, m: int, ctx: int):
     """q [m, Hq, D], block tables [m, blocks] over distinct pool blocks (never the null block 0), lengths [m]."""
     dev, dtype = model.device, model.dtype
     nblk = -(-ctx // kv.block_size)
-    tables = (torch.arange(m * nblk, device=dev, dtype=torch.int32).view(m, nblk) % (kv.cfg.num_blocks - 1)) + 1
+    tables = (torch.arange(m * nblk, device=dev, dtype=torch.int32).view(m, nblk) % (kv.num_blocks - 1)) + 1
     lens = torch.full((m,), ctx, dtype=torch.int32, device=dev)  # [m]
     q = torch.randn(m, model.local_heads, model.cfg.head_dim, device=dev, dtype=dtype)  # [m, Hq, D]
     return q, tables, lens

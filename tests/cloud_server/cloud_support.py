@@ -1,4 +1,4 @@
-"""Test support for the cloud server: an onnxruntime edge front, the unsplit greedy reference, and a driver
+"""Test support for the cloud server: the edge's own front runtime, the unsplit greedy reference, and a driver
 that plays several phones against an engine (staggered arrivals, slow decode replies)."""
 
 from __future__ import annotations
@@ -6,47 +6,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from cloud_server.engine.sampling_params import SamplingParams
-from partition_tools.adapters import cache_kwarg_of
 from cloud_server.engine.sequence import InputChunk
+from edge_client.front import FrontRuntime
+from partition_tools.adapters import cache_kwarg_of
 
 
-class OnnxFront:
-    """The bundle's edge graph (layers [0, N)) in onnxruntime with its own KV cache, one sequence."""
+def edge_front(bundle: Path) -> FrontRuntime:
+    """The phone's own front runtime (``edge_client.front``) over the bundle's edge graph, one thread.
 
-    def __init__(self, bundle: Path, session=None):
-        import onnxruntime as ort
+    ``front.fork()`` gives another sequence over the same loaded graph (a test plays many phones)."""
+    return FrontRuntime(bundle, threads=1, verify=False)
 
-        from shared.manifest import Manifest
 
-        m = Manifest.load(bundle)
-        self.n, self.kvh, self.d = m.split_layer, m.num_kv_heads, m.head_dim
-        if session is None:
-            opts = ort.SessionOptions()
-            opts.intra_op_num_threads = 1
-            opts.log_severity_level = 3
-            session = ort.InferenceSession(str(bundle / "edge/front.onnx"), opts, providers=["CPUExecutionProvider"])
-        self.session = session
-        self.outputs = ["hidden_states"] + [f"present_{kv}.{i}" for i in range(self.n) for kv in ("key", "value")]
-        self.kv = [np.zeros((1, self.kvh, 0, self.d), np.float32)] * (2 * self.n)
-
-    @property
-    def length(self) -> int:
-        return int(self.kv[0].shape[2])
-
-    def run(self, ids: list[int]) -> torch.Tensor:
-        """Tokens at positions [len, len + S) -> boundary hidden states [S, H] (float32)."""
-        p = self.length
-        feeds = {"input_ids": np.asarray(ids, np.int64)[None],
-                 "position_ids": np.arange(p, p + len(ids), dtype=np.int64)[None]}
-        for i in range(self.n):
-            feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = self.kv[2 * i], self.kv[2 * i + 1]
-        out = self.session.run(self.outputs, feeds)
-        self.kv = out[1:]
-        return torch.from_numpy(out[0][0].copy())
+def boundary(front: FrontRuntime, ids: list[int]) -> torch.Tensor:
+    """Tokens at positions [len, len + S) through the front -> boundary hidden states [S, H] (float32)."""
+    return torch.from_numpy(front.prefill(ids))
 
 
 @torch.no_grad()
@@ -100,7 +77,7 @@ class Phone:
 
     name: str
     prompt: list[int]
-    front: OnnxFront
+    front: FrontRuntime
     max_tokens: int
     arrive: int = 0
     delay: int = 0
@@ -117,7 +94,7 @@ def drive(engine, phones: list[Phone], max_steps: int = 10_000, prefix_keys=None
     while any(p.finish is None for p in phones):
         for p in phones:
             if p.arrive == step:
-                first = InputChunk(0, hidden=p.front.run(p.prompt))
+                first = InputChunk(0, hidden=boundary(p.front, p.prompt))
                 sp = params(p) if params else SamplingParams(temperature=0.0, max_tokens=p.max_tokens)
                 outs = engine.add_request(p.name, first, sp, prefix_keys=(prefix_keys or {}).get(p.name))
                 for o in outs:
@@ -125,7 +102,7 @@ def drive(engine, phones: list[Phone], max_steps: int = 10_000, prefix_keys=None
             for due, tok in [d for d in p.due if d[0] <= step]:
                 p.due.remove((due, tok))
                 pos = len(p.prompt) + len(p.tokens) - 1
-                engine.add_input(p.name, InputChunk(pos, hidden=p.front.run([tok])))
+                engine.add_input(p.name, InputChunk(pos, hidden=boundary(p.front, [tok])))
         for o in engine.step():
             p = live[o.request_id]
             if o.token_id is not None:
@@ -187,14 +164,14 @@ class ServerThread:
 class EdgeSim:
     """A minimal edge over the real protocol: Hello, Prefill, DecodeStep per token, Cancel, Resume.
 
-    Runs the bundle's ONNX front for every token it sends (one ``OnnxFront`` per request), codes hidden
+    Runs the edge's front runtime for every token it sends (one fork of ``front`` per request), codes hidden
     states with ``codec`` (``shared.codecs``) and records every message it receives."""
 
     def __init__(self, url: str, bundle: Path, bundle_id: str, codec: str = "fp16", api_key: str | None = None,
-                 session=None):
+                 front: FrontRuntime | None = None):
         self.url, self.bundle, self.bundle_id, self.codec = url, bundle, bundle_id, codec
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.session = session  # a shared onnxruntime session (saves loading the graph per phone)
+        self.front = front or edge_front(bundle)  # loaded once; requests fork it
         self.ws = None
         self.welcome = None
 
@@ -226,12 +203,12 @@ class EdgeSim:
 
         return get_codec(self.codec).encode(hidden.numpy())
 
-    async def prefill(self, rid: str, front: OnnxFront, prompt: list[int], params, start: int = 0,
+    async def prefill(self, rid: str, front: FrontRuntime, prompt: list[int], params, start: int = 0,
                       keys: list[str] | None = None, chunk: int = 0) -> None:
         """Run the front over ``prompt`` and send positions [start, len) (in chunks of ``chunk`` if > 0)."""
         from shared import protocol as P
 
-        hidden = front.run(prompt)  # [S, H]
+        hidden = boundary(front, prompt)  # [S, H]
         n = len(prompt)
         step = chunk or n
         first = True
@@ -247,7 +224,7 @@ class EdgeSim:
         after that many tokens without sending the next DecodeStep (the caller then cancels or drops)."""
         from shared import protocol as P
 
-        front = OnnxFront(self.bundle, self.session)
+        front = self.front.fork()
         params = P.SamplingParams(max_tokens=max_tokens, temperature=temperature)
         await self.prefill(rid, front, prompt, params, start, keys)
         tokens: list[int] = []
@@ -263,7 +240,7 @@ class EdgeSim:
             if stop_after is not None and len(tokens) >= stop_after:
                 return tokens, None, msg
             pos = len(prompt) + len(tokens) - 1
-            await self.send(P.DecodeStep(request_id=rid, position=pos, hidden=self.encode(front.run([tokens[-1]]))))
+            await self.send(P.DecodeStep(request_id=rid, position=pos, hidden=self.encode(boundary(front, [tokens[-1]]))))
 
     def kill(self) -> None:
         """Drop the TCP connection without a close handshake (a phone losing its link)."""

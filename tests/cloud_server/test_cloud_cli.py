@@ -24,6 +24,13 @@ def test_flags_set_server_and_engine_fields(tmp_path):
     assert cfg.engine.enable_prefix_cache is False
 
 
+def test_fast_path_is_cuda_by_default_and_can_be_forced_either_way(tmp_path):
+    assert _resolve([str(tmp_path), "--device", "cpu"]).engine.fast_path is None  # on CUDA only
+    assert _resolve([str(tmp_path), "--device", "cpu", "--fast-path"]).engine.fast_path is True
+    assert _resolve([str(tmp_path), "--no-fast-path"]).engine.fast_path is False
+    assert _resolve([str(tmp_path)], {"AUTOGLM_CLOUD_FAST_PATH": "true"}).engine.fast_path is True
+
+
 def test_every_option_has_an_environment_twin(tmp_path):
     env = {"AUTOGLM_CLOUD_BUNDLE": str(tmp_path), "AUTOGLM_CLOUD_PORT": "7000",
            "AUTOGLM_CLOUD_MAX_SESSIONS": "5", "AUTOGLM_CLOUD_ENABLE_PREFIX_CACHE": "false",

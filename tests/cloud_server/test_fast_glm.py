@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from cloud_server.fast import FastGLM, FastGLMConfig, UnsupportedFastPath
 from cloud_server.fast.glm import DecodeMeta, PrefillMeta
 from cloud_server.fast.graphs import DecodeGraphs
-from cloud_server.fast.kv import BlockAllocator, KVPool, KVPoolConfig, OutOfBlocks
+from cloud_server.fast.kv import KVPool
 from partition_tools.adapters import ModelAdapter, call_layer
 from partition_tools.models import load_model
 
@@ -47,7 +46,7 @@ def reference_logits(ad, layers, hidden: torch.Tensor) -> torch.Tensor:
 
 def new_pool(fast: FastGLM, num_blocks: int = 40) -> KVPool:
     c = fast.cfg
-    return KVPool(KVPoolConfig(c.num_layers, num_blocks, BLOCK, c.num_kv_heads, c.head_dim), fast.dtype, "cpu")
+    return KVPool.zeros(c.num_layers, num_blocks, BLOCK, fast.local_kv_heads, c.head_dim, fast.dtype, "cpu")
 
 
 def slots_of(blocks: list[int], positions) -> torch.Tensor:
@@ -106,8 +105,7 @@ def test_decode_equals_prefill_with_mixed_lengths(tiny):
     seqs = [torch.randn(total, ad.hidden_size, generator=g) for _ in prompts]
     refs = [reference_logits(ad, layers, h) for h in seqs]
     kv = new_pool(fast)
-    alloc = BlockAllocator(kv.cfg.num_blocks, BLOCK)
-    blocks = [alloc.allocate(total) for _ in prompts]
+    blocks = [[5, 1, 9, 3], [2, 8, 11, 6], [4, 10, 7, 12]]  # 4 blocks of 4 per sequence, scattered
     bt = tables(blocks)
 
     # 1. prefill: all three prompts in one forward (sequence 2 gets only its first 2 tokens now)
@@ -181,16 +179,77 @@ def test_glm4v_image_positions_take_the_3d_rope():
     assert not torch.allclose(flat, ref, atol=1e-5)  # the 3-D positions mattered
 
 
-def test_block_allocator_accounts_and_refuses():
-    alloc = BlockAllocator(5, 4)
-    a = alloc.allocate(9)  # 3 blocks
-    assert len(a) == 3 and 0 not in a and alloc.num_free == 1
-    with pytest.raises(OutOfBlocks):
-        alloc.allocate(5)
-    alloc.free(a)
-    assert alloc.num_free == 4
-    with pytest.raises(ValueError):
-        KVPoolConfig(2, 1)
+def test_kv_pool_views_the_engine_pool_and_refuses_bad_shapes():
+    from cloud_server.engine.kv_cache import KVCachePool
+
+    engine_pool = KVCachePool(2, 6, BLOCK, 2, 16, torch.float32)
+    kv = KVPool.view_of(engine_pool)
+    assert (kv.num_blocks, kv.block_size, tuple(kv.k.shape)) == (6, BLOCK, (2, 6, BLOCK, 2, 16))
+    kv.layer(1)[0][3, 2].fill_(7.0)  # block 3, offset 2 of layer 1 is slot 3 * BLOCK + 2 of the engine's pool
+    assert bool((engine_pool.k[1, 3 * BLOCK + 2] == 7.0).all()) and kv.nbytes() == engine_pool.nbytes
+    with pytest.raises(ValueError, match="block 0 is reserved"):
+        KVPool.zeros(2, 1, BLOCK, 2, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"\[L, NB, BS, KVH, D\]"):
+        KVPool(torch.zeros(2, 4, 4, 16), torch.zeros(2, 4, 4, 16))
+
+
+def _row_parallel_partials(o_weight: torch.Tensor, attn: torch.Tensor, world: int = 2) -> list[torch.Tensor]:
+    """What each of ``world`` ranks computes for a row-parallel o_proj: its input-channel shard's product."""
+    k = o_weight.shape[1] // world
+    return [attn[:, r * k:(r + 1) * k] @ o_weight[:, r * k:(r + 1) * k].T for r in range(world)]  # each [T, H]
+
+
+def test_fused_reduce_epilogue_over_local_partials_equals_the_unsharded_layer(tiny):
+    """Issue 16's fused all-reduce + residual-add + two norms, with both ranks' partial sums local: summing
+    the row-parallel partials inside the epilogue gives the unsharded o_proj's add_norm_norm (fp32)."""
+    from cloud_server.fast import kernels
+
+    _, _, fast = tiny
+    layer, eps = fast.layers[0], fast.cfg.rms_norm_eps
+    g = torch.Generator().manual_seed(8)
+    attn = torch.randn(6, layer.o_weight.shape[1], generator=g)  # [T, Hq D]
+    res = torch.randn(6, fast.cfg.hidden_size, generator=g)  # [T, H]
+    w1 = layer.post_self_attn_ln + 0.1 * torch.randn(layer.post_self_attn_ln.shape, generator=g)
+    w2 = layer.post_attention_ln + 0.1 * torch.randn(layer.post_attention_ln.shape, generator=g)
+    h_ref, x_ref = kernels.add_norm_norm(attn @ layer.o_weight.T, res.clone(), w1, w2, eps, "torch")
+    h, x = kernels.reduce_add_norm_norm(_row_parallel_partials(layer.o_weight, attn), res.clone(), w1, w2, eps,
+                                        "torch")
+    assert torch.allclose(h, h_ref, atol=1e-5) and torch.allclose(x, x_ref, atol=1e-5)
+    one = kernels.reduce_add_norm_norm([attn @ layer.o_weight.T], res.clone(), w1, w2, eps, "torch")
+    assert torch.equal(one[1], x_ref)  # one rank: exactly add_norm_norm
+    with pytest.raises(ValueError, match="at least one"):
+        kernels.reduce_add_norm_norm([], res, w1, w2, eps, "torch")
+    with pytest.raises(ValueError, match="partial sums must all be"):
+        kernels.reduce_add_norm_norm([res[:2], res], res, w1, w2, eps, "torch")
+
+
+@pytest.mark.gpu
+def test_fused_reduce_epilogue_kernel_on_cuda():
+    """The Triton epilogue on one GPU, both partials local (bf16, the 9B's hidden size): equal to the torch
+    formula up to rounding and to NCCL-style reduce-then-add_norm_norm; the peer read needs two GPUs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from cloud_server.fast import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    t, h, k = 37, 4096, 4096
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    o_weight, attn, res = rnd(h, k) * 0.02, rnd(t, k), rnd(t, h)
+    w1, w2 = (torch.rand(h, device="cuda", generator=g).to(torch.bfloat16) + 0.5 for _ in range(2))
+    partials = _row_parallel_partials(o_weight, attn)
+    h_t, x_t = kernels.reduce_add_norm_norm(partials, res.clone(), w1, w2, 1e-5, "triton")
+    h_r, x_r = kernels.reduce_add_norm_norm_torch(partials, res.clone(), w1, w2, 1e-5)
+    summed = (partials[0].float() + partials[1].float()).to(torch.bfloat16)  # what an all-reduce returns
+    h_u, x_u = kernels.add_norm_norm(summed, res.clone(), w1, w2, 1e-5, "triton")
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    assert rel(h_t, h_r) < 1e-2 and rel(x_t, x_r) < 1e-2, (rel(h_t, h_r), rel(x_t, x_r))
+    assert torch.equal(h_t, h_u) and torch.equal(x_t, x_u)  # the fused kernel == reduce, then the unfused one
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,6 +267,10 @@ err["rmsnorm"] = (K.rmsnorm(x, w1, 1e-5, "triton") - K.rmsnorm_torch(x, w1, 1e-5
 h_t, o_t = K.add_norm_norm(x, r.clone(), w1, w2, 1e-5, "triton")
 h_r, o_r = K.add_norm_norm_torch(x, r, w1, w2, 1e-5)
 err["add_norm_norm"] = max((h_t - h_r).abs().max().item(), (o_t - o_r).abs().max().item())
+p0, p1 = torch.randn(5, 64), torch.randn(5, 64)
+h_t, o_t = K.reduce_add_norm_norm([p0, p1], r.clone(), w1, w2, 1e-5, "triton")
+h_r, o_r = K.reduce_add_norm_norm_torch([p0, p1], r.clone(), w1, w2, 1e-5)
+err["reduce_add_norm_norm"] = max((h_t - h_r).abs().max().item(), (o_t - o_r).abs().max().item())
 gu = torch.randn(5, 2 * 96)
 err["silu_mul"] = (K.silu_mul(gu, "triton") - K.silu_mul_torch(gu)).abs().max().item()
 nq, nkv, d, rot = 4, 2, 16, 8
@@ -247,8 +310,8 @@ def test_triton_kernels_match_the_torch_formulas():
                          timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     err = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(err) == {"rmsnorm", "add_norm_norm", "silu_mul", "rope_store", "decode_attention", "skinny_linear",
-                        "gemv"}
+    assert set(err) == {"rmsnorm", "add_norm_norm", "reduce_add_norm_norm", "silu_mul", "rope_store",
+                        "decode_attention", "skinny_linear", "gemv"}
     assert all(v < 5e-5 for v in err.values()), err
 
 
@@ -256,38 +319,34 @@ def test_triton_kernels_match_the_torch_formulas():
 # tensor parallel: two gloo ranks on CPU reproduce the unsharded model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(out_path: str) -> None:
-    from cloud_server.fast.tp import init_from_env, shard_model
+    """One torchrun rank: the unsharded fast model and this rank's shard (``cloud_server.tp.shard_model`` over
+    the library's layers, then fused) compute the same prefill and decode logits."""
+    from cloud_server import tp
+    from cloud_server.model import load_full_model
 
     torch.set_num_threads(1)
-    rank, world = init_from_env("cpu")
+    rank, world = tp.init_from_env("cpu")
     lm = load_model("tiny-glm4")
-    ad = ModelAdapter(lm.model)
-    full = FastGLM.from_modules(list(ad.layers)[SPLIT:], ad.norm, ad.lm_head, ad.config, backend="torch")
-    fast = FastGLM.from_modules(list(ad.layers)[SPLIT:], ad.norm, ad.lm_head, ad.config, backend="torch")
-    shard_model(fast, rank, world)
+    whole, part = load_full_model(lm, "fp32"), load_full_model(lm, "fp32")
+    tp.shard_model(part, rank, world)
+    full = FastGLM.from_modules(whole.layers, whole.norm, whole.lm_head, whole.config, backend="torch")
+    fast = FastGLM.from_modules(part.layers, part.norm, part.lm_head, part.config, backend="torch", tp=part.tp)
     s = 7
-    hidden = torch.randn(s + 1, ad.hidden_size, generator=torch.Generator().manual_seed(3))
+    hidden = torch.randn(s + 1, whole.hidden_size, generator=torch.Generator().manual_seed(3))
     blocks = [3, 1, 5]
     bt = tables([blocks])
     errs = []
     for model in (full, fast):
         kv = new_pool(model, 8)
-        kv = KVPool(KVPoolConfig(model.cfg.num_layers, 8, BLOCK, model.local_kv_heads, model.cfg.head_dim),
-                    torch.float32, "cpu")
         a = model.prefill(hidden[:s], torch.arange(s), slots_of(blocks, range(s)), kv, PrefillMeta([s], [s], bt))
         x = model.forward(hidden[s:], torch.tensor([s]), slots_of(blocks, [s]), kv,
                           DecodeMeta(bt, torch.tensor([s + 1], dtype=torch.int32)))
         errs.append((a, model.compute_logits(x)))
     (a0, b0), (a1, b1) = errs
     result = {"prefill": (a0 - a1).abs().max().item(), "decode": (b0 - b1).abs().max().item(),
-              "qkv_rows": fast.layers[0].qkv_weight.shape[0], "vocab_rows": fast.lm_head_weight.shape[0]}
+              "qkv_rows": fast.layers[0].qkv_weight.shape[0], "vocab_rows": fast.lm_head_weight.shape[0],
+              "kv_heads": fast.local_kv_heads}
     if rank == 0:
         Path(out_path).write_text(json.dumps(result))
     torch.distributed.barrier()  # nobody tears the group down while a peer still talks to it
@@ -295,14 +354,17 @@ def _tp_worker(out_path: str) -> None:
 
 
 def test_tensor_parallel_two_ranks_equal_one(tmp_path):
+    """torchrun --standalone: its agent binds the rendezvous port itself (port 0) and hosts the store, so no
+    port is probed free and bound later (another process could take it in between) and no rank's exit takes
+    the store from the other."""
     out = tmp_path / "tp.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), __file__, "--tp-worker", str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
+           "--tp-worker", str(out)]
     run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[2], env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["qkv_rows"] == (2 + 2 * 1) * 16 and r["vocab_rows"] == 256  # half the heads, half the vocab
+    assert r["qkv_rows"] == (2 + 2 * 1) * 16 and r["vocab_rows"] == 256 and r["kv_heads"] == 1  # halves
     assert r["prefill"] < 1e-5 and r["decode"] < 1e-5, r
 
 
@@ -317,7 +379,8 @@ def test_fast_runner_equals_the_engine_runner(tiny_bundle):
     from cloud_server.model import load_split_model
 
     model = load_split_model(tiny_bundle, "fp32", "cpu")
-    assert not fast_path_supported(model, "cpu") and fast_path_supported(model, "cuda")
+    assert not fast_path_supported(model, "cpu") and fast_path_supported(model, "cuda")  # default: CUDA only
+    assert fast_path_supported(model, "cpu", True) and not fast_path_supported(model, "cuda", False)
 
     def pool():
         return KVCachePool(model.num_layers, 16, BLOCK, model.num_kv_heads, model.head_dim, torch.float32)

@@ -107,6 +107,22 @@ def test_completions_with_a_stop_string(server, smol_lm):
     assert server.runtime.engine.llm.num_used_blocks() == 0  # the stopped request was aborted and freed
 
 
+def test_refusals_have_the_openai_error_shape(server):
+    runtime = server.runtime
+    with _client(server) as c:
+        bad = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "top_p": 0})
+        runtime.draining = True
+        try:
+            draining = c.post("/v1/completions", json={"prompt": "x"})
+        finally:
+            runtime.draining = False
+    unauthorized = _client(server, "wrong").post("/v1/completions", json={"prompt": "x"})
+    for r, status, code in ((bad, 400, "invalid_request_error"), (draining, 503, "draining"),
+                            (unauthorized, 401, "invalid_api_key")):
+        err = r.json()["error"]
+        assert r.status_code == status and set(err) == {"message", "type", "param", "code"} and err["code"] == code
+
+
 def test_enable_thinking_reaches_the_template_and_reasoning_is_split(server, smol_lm):
     tok = server.runtime.tokenizer
     saved = tok.chat_template

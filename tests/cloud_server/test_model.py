@@ -1,4 +1,4 @@
-"""CloudModel: int8 weight-only layers, full-model mode over GLM-4.1V's 3-D RoPE, the plain-model fallback."""
+"""cloud_server.model: int8 weight-only layers, full-model mode over GLM-4.1V's 3-D RoPE, the plain-model fallback."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from cloud_server.engine.llm_engine import LLMEngine
 from cloud_server.engine.sampling_params import SamplingParams
 from cloud_server.engine.sequence import InputChunk
 from cloud_server.model import Int8Linear, compute_dtype, load_full_model, load_split_model, quantize_int8_
+from partition_tools.cloud_half import CloudModel
 
 
 def test_int8_linear_is_close_and_stores_int8():
@@ -33,20 +34,20 @@ def test_compute_dtypes():
 
 
 def test_split_model_outside_an_engine_step_is_the_plain_back_half(tiny_bundle):
-    """The registered attention falls back to SDPA: the modules still work as a plain model."""
-    from cloud_server.back_half import BackHalf
-
-    plain = BackHalf.from_bundle(tiny_bundle)
+    """The registered attention falls back to SDPA: the served model is still the reference back half."""
+    plain = CloudModel.from_bundle(tiny_bundle)
     ours = load_split_model(tiny_bundle, "fp32")
-    assert ours.config._attn_implementation == "autoglm_paged"
+    assert ours.config._attn_implementation == "autoglm_paged" and ours.variant == "fp32"
+    assert plain.config._attn_implementation == "sdpa"
     h = torch.randn(1, 7, 64)
     pos = torch.arange(7)[None]
-    x = h
-    cos_sin = ours.position_embeddings(x, pos)
-    for layer in ours.layers:
-        x = layer(x, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
-        x = x[0] if isinstance(x, tuple) else x
-    torch.testing.assert_close(ours.lm_head(ours.norm(x)), plain(h, pos), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours(h, pos), plain(h, pos), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_variant_quantizes_the_layers_only(tiny_bundle):
+    model = load_split_model(tiny_bundle, "int8")
+    assert any(isinstance(m, Int8Linear) for m in model.layers.modules())
+    assert type(model.lm_head) is torch.nn.Linear and model.dtype == torch.float32
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 import websockets
-from cloud_support import EdgeSim, OnnxFront, ServerThread, greedy_reference
+from cloud_support import EdgeSim, ServerThread, boundary, edge_front, greedy_reference
 
 from cloud_server.app import create_app
 from cloud_server.config import EngineConfig, ServerConfig
@@ -42,12 +42,13 @@ def server(tiny_bundle):
 
 
 @pytest.fixture(scope="module")
-def ort_session(tiny_bundle):
-    return OnnxFront(tiny_bundle).session
+def loaded_front(tiny_bundle):
+    """The edge's front runtime, loaded once; every simulated request forks it."""
+    return edge_front(tiny_bundle)
 
 
-def _edge(srv, bundle, ort_session, **kw):
-    return EdgeSim(srv.ws_url, bundle, Manifest.load(bundle).bundle_id, session=ort_session, **kw)
+def _edge(srv, bundle, loaded_front, **kw):
+    return EdgeSim(srv.ws_url, bundle, Manifest.load(bundle).bundle_id, front=loaded_front, **kw)
 
 
 def _prompts(n, seed=0, lo=3, hi=20):
@@ -66,13 +67,13 @@ async def _settle(rt, timeout=10.0):
     return used
 
 
-def test_one_and_eight_staggered_sessions_match_the_unsplit_model(server, tiny_bundle, tiny_lm, ort_session):
+def test_one_and_eight_staggered_sessions_match_the_unsplit_model(server, tiny_bundle, tiny_lm, loaded_front):
     prompts = _prompts(8, seed=1)
     refs = [greedy_reference(tiny_lm.model, p, 12, [2, 3]) for p in prompts]
 
     async def phone(i, delay):
         await asyncio.sleep(delay)
-        edge = _edge(server, tiny_bundle, ort_session)
+        edge = _edge(server, tiny_bundle, loaded_front)
         welcome = await edge.connect()
         assert isinstance(welcome, P.Welcome) and welcome.limits.prefix_block_tokens == 4
         tokens, finish, last = await edge.generate(f"r{i}", prompts[i], 12)
@@ -100,11 +101,11 @@ def test_smollm2_eight_sessions_through_the_wire_match_the_unsplit_model(smol_bu
     prompts = [tok(t).input_ids for t in texts]
     refs = greedy_reference_batch(smol_lm.model, prompts, 12, [tok.eos_token_id])
     srv = _serve(smol_bundle, engine={"block_size": 16})
-    session = OnnxFront(smol_bundle).session
+    front = edge_front(smol_bundle)
     try:
         async def phone(i):
             await asyncio.sleep(0.1 * i)
-            edge = _edge(srv, smol_bundle, session)
+            edge = _edge(srv, smol_bundle, front)
             await edge.connect()
             tokens, _, _ = await edge.generate(f"r{i}", prompts[i], 12)
             await edge.close()
@@ -118,9 +119,9 @@ def test_smollm2_eight_sessions_through_the_wire_match_the_unsplit_model(smol_bu
         _stop(srv)
 
 
-def test_bundle_mismatch_is_refused_with_1008(server, tiny_bundle, ort_session):
+def test_bundle_mismatch_is_refused_with_1008(server, tiny_bundle, loaded_front):
     async def main():
-        edge = EdgeSim(server.ws_url, tiny_bundle, "0" * 32, session=ort_session)
+        edge = EdgeSim(server.ws_url, tiny_bundle, "0" * 32, front=loaded_front)
         err = await edge.connect()
         with pytest.raises(websockets.ConnectionClosed) as closed:
             await edge.recv()
@@ -143,17 +144,17 @@ def test_garbage_frames_get_an_error_and_1002(server):
     assert isinstance(err, P.Error) and err.code == "bad_frame" and code == 1002
 
 
-def test_overload_refuses_with_1013_and_existing_sessions_are_unaffected(tiny_bundle, tiny_lm, ort_session):
+def test_overload_refuses_with_1013_and_existing_sessions_are_unaffected(tiny_bundle, tiny_lm, loaded_front):
     srv = _serve(tiny_bundle, max_sessions=2, session_grace_s=0.5)
     prompts = _prompts(2, seed=2)
     try:
         async def main():
-            a, b = _edge(srv, tiny_bundle, ort_session), _edge(srv, tiny_bundle, ort_session)
+            a, b = _edge(srv, tiny_bundle, loaded_front), _edge(srv, tiny_bundle, loaded_front)
             await a.connect()
             await b.connect()
             ta = asyncio.create_task(a.generate("x", prompts[0], 10))
             await asyncio.sleep(0.05)
-            c = _edge(srv, tiny_bundle, ort_session)
+            c = _edge(srv, tiny_bundle, loaded_front)
             err = await c.connect()
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await c.recv()
@@ -171,11 +172,11 @@ def test_overload_refuses_with_1013_and_existing_sessions_are_unaffected(tiny_bu
         _stop(srv)
 
 
-def test_100_sessions_opened_cancelled_closed_and_killed_leave_the_pool_empty(server, tiny_bundle, ort_session):
+def test_100_sessions_opened_cancelled_closed_and_killed_leave_the_pool_empty(server, tiny_bundle, loaded_front):
     prompts = _prompts(100, seed=3, lo=2, hi=30)
 
     async def phone(i):
-        edge = _edge(server, tiny_bundle, ort_session)
+        edge = _edge(server, tiny_bundle, loaded_front)
         await edge.connect()
         kind = i % 4
         if kind == 3:  # runs to the end
@@ -211,13 +212,13 @@ def test_100_sessions_opened_cancelled_closed_and_killed_leave_the_pool_empty(se
     bm.check()
 
 
-def test_prefix_cache_over_the_wire(server, tiny_bundle, tiny_lm, ort_session):
+def test_prefix_cache_over_the_wire(server, tiny_bundle, tiny_lm, loaded_front):
     prompt = _prompts(1, seed=4, lo=18, hi=19)[0]  # 4 full blocks of 4 + 2
     keys = [f"sys-{i}" for i in range(4)]
     ref = greedy_reference(tiny_lm.model, prompt, 8, [2, 3])
 
     async def main():
-        edge = _edge(server, tiny_bundle, ort_session)
+        edge = _edge(server, tiny_bundle, loaded_front)
         await edge.connect()
         first = await edge.generate("a", prompt, 8, keys=keys)  # computes and publishes the blocks
         second = await edge.generate("b", prompt, 8, start=16, keys=keys)  # omits [0, 16)
@@ -234,24 +235,24 @@ def test_prefix_cache_over_the_wire(server, tiny_bundle, tiny_lm, ort_session):
     assert "vllm:prefix_cache_hits_total" in metrics
 
 
-def test_resume_after_a_dropped_link_continues_without_losing_tokens(server, tiny_bundle, tiny_lm, ort_session):
+def test_resume_after_a_dropped_link_continues_without_losing_tokens(server, tiny_bundle, tiny_lm, loaded_front):
     prompt = _prompts(1, seed=5, lo=9, hi=10)[0]
     ref = greedy_reference(tiny_lm.model, prompt, 12, [2, 3])
 
     async def main():
-        edge = _edge(server, tiny_bundle, ort_session)
+        edge = _edge(server, tiny_bundle, loaded_front)
         welcome = await edge.connect()
-        front = OnnxFront(tiny_bundle, ort_session)
+        front = loaded_front.fork()
         await edge.prefill("r", front, prompt, P.SamplingParams(max_tokens=12, temperature=0.0))
         tokens = []
         for _ in range(3):  # three tokens, each answered with its DecodeStep
             msg = await edge.recv()
             tokens += msg.token_ids
-            hidden = edge.encode(front.run([msg.token_ids[-1]]))
+            hidden = edge.encode(boundary(front, [msg.token_ids[-1]]))
             await edge.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
         edge.kill()  # the fourth token is generated while we are away
         await asyncio.sleep(0.2)
-        again = _edge(server, tiny_bundle, ort_session)
+        again = _edge(server, tiny_bundle, loaded_front)
         w2 = await again.connect(resume_token=welcome.resume_token)
         assert w2.resumed and w2.session_id == welcome.session_id
         assert [(r.request_id, r.received) for r in w2.requests] == [("r", len(prompt) + 3)]
@@ -260,7 +261,7 @@ def test_resume_after_a_dropped_link_continues_without_losing_tokens(server, tin
         tokens += resumed.token_ids
         assert resumed.received == len(prompt) + 3 and resumed.index == 3
         while True:
-            hidden = again.encode(front.run([tokens[-1]]))
+            hidden = again.encode(boundary(front, [tokens[-1]]))
             await again.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
             msg = await again.recv()
             tokens += msg.token_ids
@@ -277,14 +278,14 @@ def test_resume_after_a_dropped_link_continues_without_losing_tokens(server, tin
     assert isinstance(unknown, P.Error) and unknown.code == "resume_failed"
 
 
-def test_a_session_gone_past_its_grace_period_cannot_be_resumed(server, tiny_bundle, ort_session):
+def test_a_session_gone_past_its_grace_period_cannot_be_resumed(server, tiny_bundle, loaded_front):
     async def main():
-        edge = _edge(server, tiny_bundle, ort_session)
+        edge = _edge(server, tiny_bundle, loaded_front)
         welcome = await edge.connect()
         await edge.generate("r", _prompts(1, seed=6)[0], 20, stop_after=1)
         edge.kill()
         await asyncio.sleep(0.9)
-        again = _edge(server, tiny_bundle, ort_session)
+        again = _edge(server, tiny_bundle, loaded_front)
         w2 = await again.connect(resume_token=welcome.resume_token)
         await again.send(P.Resume(request_id="r", have_tokens=1))
         err = await again.recv()
@@ -297,18 +298,18 @@ def test_a_session_gone_past_its_grace_period_cannot_be_resumed(server, tiny_bun
     assert asyncio.run(_settle(server.runtime)) == (0, 0)
 
 
-def test_per_request_errors_keep_the_session(server, tiny_bundle, ort_session):
+def test_per_request_errors_keep_the_session(server, tiny_bundle, loaded_front):
     async def main():
-        edge = _edge(server, tiny_bundle, ort_session)
+        edge = _edge(server, tiny_bundle, loaded_front)
         await edge.connect()
-        front = OnnxFront(tiny_bundle, ort_session)
-        h = edge.encode(front.run([5, 6, 7]))
+        front = loaded_front.fork()
+        h = edge.encode(boundary(front, [5, 6, 7]))
         await edge.send(P.Prefill(request_id="p", start=0, hidden=h, params=P.SamplingParams(max_tokens=5)))
         await edge.recv()  # first token
-        await edge.send(P.DecodeStep(request_id="p", position=7, hidden=edge.encode(front.run([9]))))
+        await edge.send(P.DecodeStep(request_id="p", position=7, hidden=edge.encode(boundary(front, [9]))))
         bad_pos = await edge.recv()
         other = P.EncodedTensor(codec="int8-b32", shape=(1, 64), data=b"\x00" * 66)  # not negotiated
-        await edge.send(P.Prefill(request_id="q", start=0, hidden=other))
+        await edge.send(P.Prefill(request_id="q", start=0, hidden=other, params=P.SamplingParams()))
         bad_codec = await edge.recv()
         tokens, finish, _ = await edge.generate("ok", [5, 6, 7], 3)
         await edge.close()
@@ -320,7 +321,7 @@ def test_per_request_errors_keep_the_session(server, tiny_bundle, ort_session):
     assert len(tokens) >= 1 and finish in ("stop", "length")
 
 
-def test_probes_metrics_and_api_key(tiny_bundle, ort_session):
+def test_probes_metrics_and_api_key(tiny_bundle, loaded_front):
     srv = _serve(tiny_bundle, api_key="sk-x", model_name="tiny")
     try:
         assert httpx.get(srv.url + "/health").status_code == 200
@@ -331,10 +332,10 @@ def test_probes_metrics_and_api_key(tiny_bundle, ort_session):
         assert [m["id"] for m in models["data"]] == ["tiny"]
 
         async def main():
-            bad = _edge(srv, tiny_bundle, ort_session, api_key="wrong")
+            bad = _edge(srv, tiny_bundle, loaded_front, api_key="wrong")
             with pytest.raises(websockets.InvalidStatus) as refused:
                 await bad.connect()
-            good = _edge(srv, tiny_bundle, ort_session, api_key="sk-x")
+            good = _edge(srv, tiny_bundle, loaded_front, api_key="sk-x")
             await good.connect()
             out = await good.generate("m", [5, 6, 7, 8], 3)
             await good.close()
@@ -353,26 +354,26 @@ def test_probes_metrics_and_api_key(tiny_bundle, ort_session):
         _stop(srv)
 
 
-def test_sigterm_drains_open_requests_refuses_new_sessions_then_exits(tiny_bundle, tiny_lm, ort_session):
+def test_sigterm_drains_open_requests_refuses_new_sessions_then_exits(tiny_bundle, tiny_lm, loaded_front):
     import signal
 
     srv = _serve(tiny_bundle, drain_timeout_s=20)
     prompt = _prompts(1, seed=7)[0]
     try:
         async def main():
-            edge = _edge(srv, tiny_bundle, ort_session)
+            edge = _edge(srv, tiny_bundle, loaded_front)
             await edge.connect()
-            front = OnnxFront(tiny_bundle, ort_session)
+            front = loaded_front.fork()
             await edge.prefill("r", front, prompt, P.SamplingParams(max_tokens=10, temperature=0.0))
             first = await edge.recv()
             srv.server.handle_exit(signal.SIGTERM, None)  # what the signal handler does
             drain = await edge.recv()
             ready = await asyncio.to_thread(httpx.get, srv.url + "/ready")
-            late = _edge(srv, tiny_bundle, ort_session)
+            late = _edge(srv, tiny_bundle, loaded_front)
             refused = await late.connect()
             tokens = list(first.token_ids)
             while True:  # the open request still runs to its end
-                hidden = edge.encode(front.run([tokens[-1]]))
+                hidden = edge.encode(boundary(front, [tokens[-1]]))
                 await edge.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
                 msg = await edge.recv()
                 tokens += msg.token_ids
@@ -392,16 +393,16 @@ def test_sigterm_drains_open_requests_refuses_new_sessions_then_exits(tiny_bundl
 
 
 def test_a_reconnect_takes_over_a_session_whose_old_link_is_not_yet_seen_dead(server, tiny_bundle, tiny_lm,
-                                                                               ort_session):
+                                                                               loaded_front):
     prompt = _prompts(1, seed=8)[0]
 
     async def main():
-        old = _edge(server, tiny_bundle, ort_session)
+        old = _edge(server, tiny_bundle, loaded_front)
         welcome = await old.connect()
-        front = OnnxFront(tiny_bundle, ort_session)
+        front = loaded_front.fork()
         await old.prefill("r", front, prompt, P.SamplingParams(max_tokens=6, temperature=0.0))
         first = await old.recv()
-        new = _edge(server, tiny_bundle, ort_session)  # the old socket is still open as far as anyone knows
+        new = _edge(server, tiny_bundle, loaded_front)  # the old socket is still open as far as anyone knows
         w2 = await new.connect(resume_token=welcome.resume_token)
         with pytest.raises(websockets.ConnectionClosed) as closed:
             while True:
@@ -410,7 +411,7 @@ def test_a_reconnect_takes_over_a_session_whose_old_link_is_not_yet_seen_dead(se
         await new.send(P.Resume(request_id="r", have_tokens=1))
         assert (await new.recv()).token_ids == []
         while True:
-            hidden = new.encode(front.run([tokens[-1]]))
+            hidden = new.encode(boundary(front, [tokens[-1]]))
             await new.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
             msg = await new.recv()
             tokens += msg.token_ids
@@ -422,3 +423,90 @@ def test_a_reconnect_takes_over_a_session_whose_old_link_is_not_yet_seen_dead(se
     w2, close, tokens = asyncio.run(main())
     assert w2.resumed and close.code == 1000 and "replaced" in close.reason
     assert tokens == greedy_reference(tiny_lm.model, prompt, 6, [2, 3])
+
+
+def test_the_edge_link_takes_the_base_url_and_names_a_missing_endpoint(server, tiny_bundle):
+    from edge_client.config import RetryPolicy
+    from edge_client.transport import HandshakeRefused, Link
+
+    hello = P.Hello(bundle_id=Manifest.load(tiny_bundle).bundle_id, codecs=["fp16"])
+    base = server.ws_url.removesuffix("/v1/split")
+
+    async def main():
+        link = Link(base, None, RetryPolicy())
+        welcome = await link.connect(hello)
+        await link.send(P.Close())
+        await link.close()
+        with pytest.raises(HandshakeRefused) as refused:
+            await Link(base + "/v2/split", None, RetryPolicy()).connect(hello)
+        return link.url, welcome, refused.value
+
+    url, welcome, refused = asyncio.run(main())
+    assert url == server.ws_url and isinstance(welcome, P.Welcome)
+    assert refused.code == "no_split_endpoint" and f"no split endpoint at {base}/v2/split" in str(refused)
+    assert "API key" not in str(refused)
+
+
+def test_answers_do_not_depend_on_who_warmed_the_caches(tiny_bundle, tiny_glm4_int8_bundle, tmp_path):
+    """The same request (int8 edge, int8-b32 wire) on a fresh server, and after an fp32 edge and other codecs
+    warmed both caches (one shared edge cache directory): the same tokens, and no block of theirs reused."""
+    from edge_client.client import EdgeClient
+    from edge_client.config import RetryPolicy
+
+    assert Manifest.load(tiny_bundle).bundle_id == Manifest.load(tiny_glm4_int8_bundle).bundle_id  # one split
+    prompt = [int(t) for t in torch.randint(4, 512, (40,), generator=torch.Generator().manual_seed(9))]
+    retry = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, max_retries=2)
+
+    def run(srv, bundle, codec, cache_dir):
+        with EdgeClient(bundle, srv.ws_url, codec=codec, cache_dir=cache_dir, retry=retry) as c:
+            return c.complete(prompt_ids=prompt, max_tokens=12)
+
+    fresh = _serve(tiny_bundle, engine={"block_size": 16})
+    try:
+        ref = run(fresh, tiny_glm4_int8_bundle, "int8-b32", tmp_path / "fresh")
+    finally:
+        _stop(fresh)
+    warm = _serve(tiny_bundle, engine={"block_size": 16})
+    shared_dir = tmp_path / "shared"
+    try:
+        for bundle, codec in ((tiny_bundle, "fp16"), (tiny_bundle, "int8-b32"), (tiny_glm4_int8_bundle, "fp16")):
+            assert run(warm, bundle, codec, shared_dir).token_ids  # the others warm both caches
+        got = run(warm, tiny_glm4_int8_bundle, "int8-b32", shared_dir)
+        again = run(warm, tiny_glm4_int8_bundle, "int8-b32", shared_dir)
+    finally:
+        _stop(warm)
+    assert got.token_ids == ref.token_ids and again.token_ids == ref.token_ids
+    # the int8 front's own raw states (from its fp16 run) are reused on the edge: they are what it computes
+    assert got.stats.cached_tokens == 32
+    # but no cloud block made from another front's or another codec's states
+    assert got.stats.cloud_cached_tokens == 0 and got.stats.prefix_misses == 1
+    assert again.stats.cloud_cached_tokens == 32 and again.stats.prefix_misses == 0  # its own blocks are
+
+
+def test_a_tenant_cannot_plant_prefix_blocks_for_another(server, tiny_bundle, tiny_lm, loaded_front):
+    prompt = _prompts(1, seed=10, lo=18, hi=19)[0]  # 4 full blocks of 4 + 2
+    keys = [f"system-{i}" for i in range(4)]
+    ref = greedy_reference(tiny_lm.model, prompt, 8, [2, 3])
+
+    async def main():
+        mallory = _edge(server, tiny_bundle, loaded_front, api_key="sk-mallory")
+        await mallory.connect()
+        poison = P.EncodedTensor(codec="fp16", shape=(len(prompt), 64), data=bytes(2 * 64 * len(prompt)))
+        await mallory.send(P.Prefill(request_id="m", start=0, hidden=poison, prefix_keys=keys,
+                                     params=P.SamplingParams(max_tokens=1)))
+        await mallory.recv()  # its token: the blocks are published in mallory's namespace
+        alice = _edge(server, tiny_bundle, loaded_front, api_key="sk-alice")
+        welcome = await alice.connect()
+        hit = await alice.generate("a1", prompt, 8, start=16, keys=keys)  # asks for the "system prompt" blocks
+        full = await alice.generate("a2", prompt, 8, keys=keys)
+        own = await alice.generate("a3", prompt, 8, start=16, keys=keys)  # now its own blocks exist
+        mallory_hit = await mallory.generate("m2", prompt, 8, start=16, keys=keys)
+        await alice.close()
+        await mallory.close()
+        return welcome, hit, full, own, mallory_hit
+
+    welcome, hit, full, own, mallory_hit = asyncio.run(main())
+    assert not set(keys) & set(welcome.cached_prefixes)  # another tenant's keys are not even listed
+    assert hit[1] == "error:prefix_miss"  # mallory's states were never served to alice
+    assert full[0] == ref and own[0] == ref and own[2].usage.cached_tokens == 16
+    assert mallory_hit[2].usage.cached_tokens == 16 and mallory_hit[0] != ref  # mallory gets its own poison

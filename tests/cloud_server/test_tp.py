@@ -1,59 +1,63 @@
-"""Tensor parallel over two ranks (gloo on CPU): the same tokens as one rank."""
+"""Tensor parallel over two ranks (gloo on CPU): the same tokens as one rank, through the library's layers and
+through the GLM fast path, at the engine and through ``autoglm-cloud serve --tp 2``."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
 import torch.distributed as dist
-from cloud_support import OnnxFront, Phone, drive
+from cloud_support import EdgeSim, Phone, ServerThread, drive, edge_front, greedy_reference
 
 from cloud_server import tp
 from cloud_server.config import ConfigError, EngineConfig
 from cloud_server.engine.llm_engine import LLMEngine
+from cloud_server.engine.model_runner import ModelRunner
+from cloud_server.fast.runner import FastGlmRunner, fast_runner_factory
 from cloud_server.model import load_split_model
-from cloud_server.runtime import free_port
 
 
 def _phones(bundle, n=4):
     g = torch.Generator().manual_seed(11)
-    return [Phone(f"p{i}", torch.randint(4, 512, (5 + 3 * i,), generator=g).tolist(), OnnxFront(bundle),
+    return [Phone(f"p{i}", torch.randint(4, 512, (5 + 3 * i,), generator=g).tolist(), edge_front(bundle),
                   max_tokens=10, arrive=i) for i in range(n)]
 
 
-def test_tp2_over_gloo_gives_the_same_tokens_as_tp1(tiny_bundle):
-    cfg = EngineConfig(num_blocks=64, block_size=4)
-    single = LLMEngine.from_models(cfg, {"fp32": load_split_model(tiny_bundle, "fp32")})
+@pytest.mark.parametrize("fast_path, runner_type", [(False, ModelRunner), (True, FastGlmRunner)])
+def test_tp2_over_gloo_gives_the_same_tokens_as_tp1(tiny_bundle, fast_path, runner_type):
+    """Four staggered sessions on one engine: rank 0 schedules and samples, rank 1 (a subprocess) runs its
+    shard of every step; the tokens equal the unsharded engine's with the same runner."""
+    cfg = EngineConfig(num_blocks=64, block_size=4, fast_path=fast_path)
+    single = LLMEngine.from_models(cfg, {"fp32": load_split_model(tiny_bundle, "fp32")},
+                                   make_runner=fast_runner_factory(cfg))
+    assert isinstance(single.runners["fp32"], runner_type)
     ref = _phones(tiny_bundle)
     drive(single, ref)
 
-    port = free_port()
-    workers = tp.launch_workers(2, "127.0.0.1", port, "bundle", str(tiny_bundle), ["fp32"], "cpu",
-                                cfg.num_blocks, cfg.block_size)
+    store, port = tp.open_group(2, "cpu")
+    workers = tp.launch_workers(2, "127.0.0.1", port, "bundle", str(tiny_bundle), ["fp32"], cfg)
     try:
-        tp.init_group(0, 2, "127.0.0.1", port, "cpu")
+        tp.join_group(store, 2, "cpu")
         [model] = tp.load_models("bundle", str(tiny_bundle), ["fp32"], "cpu", 0, 2)
         assert model.num_kv_heads == 1 and model.layers[0].self_attn.k_proj.out_features == 16  # half of 2 x 16
-        dist.barrier()
-        runner = None
-
-        def make_runner(i, m, pool):
-            nonlocal runner
-            runner = tp.TPModelRunner(m, pool, variant_idx=i)
-            return runner
-
-        sharded = LLMEngine.from_models(cfg, {"fp32": model}, make_runner=make_runner)
+        assert model.lm_head.weight.shape[0] == 256  # half the vocabulary
+        make_runner = fast_runner_factory(cfg)
+        sharded = LLMEngine.from_models(cfg, {"fp32": model}, make_runner=lambda i, m, pool: tp.BroadcastingRunner(
+            make_runner(i, m, pool), i, tp.comm_device("cpu", 0)))
+        assert isinstance(sharded.runners["fp32"].runner, runner_type)
+        dist.barrier()  # the worker has built its runner
         got = _phones(tiny_bundle)
         drive(sharded, got)
-        runner.stop_workers()
+        tp.stop_workers(tp.comm_device("cpu", 0))
+        for w in workers:
+            assert w.wait(timeout=60) == 0
     finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
-        for w in workers:
-            try:
-                assert w.wait(timeout=60) == 0
-            finally:
-                if w.poll() is None:
-                    w.kill()
     assert [p.tokens for p in got] == [p.tokens for p in ref]
     assert all(len(p.tokens) > 0 for p in got)
 
@@ -64,33 +68,47 @@ def test_shapes_that_do_not_divide_are_refused(tiny_bundle):
         tp.shard_model(model, 0, 3)
 
 
-def test_server_with_tp2_serves_the_split_endpoint(tiny_bundle, tiny_lm):
-    """``autoglm-cloud serve --tp 2``: rank 0 owns the network and the scheduler, rank 1 runs its shard."""
-    import asyncio
-
-    from cloud_support import EdgeSim, ServerThread, greedy_reference
-
+def _serve_and_generate(argv: list[str], bundle, prompts: list[list[int]], max_tokens: int):
+    """``autoglm-cloud serve BUNDLE *argv`` (the CLI's config, the real runtime and app); one edge connection per
+    prompt, all generating at once. Returns (tokens per prompt, rank 0's runner, the worker processes)."""
     from cloud_server.app import create_app
-    from cloud_server.config import ServerConfig
+    from cloud_server.cli import build_parser, resolve
     from cloud_server.runtime import CloudRuntime
     from shared.manifest import Manifest
 
-    rt = CloudRuntime(ServerConfig(bundle=tiny_bundle, engine=EngineConfig(tp=2, num_blocks=32, block_size=4)))
-    rt.start()
+    config = resolve(build_parser().parse_args(["serve", str(bundle), "--device", "cpu", *argv]), environ={})
+    rt = CloudRuntime(config).start()
+    workers = list(rt._workers)
     try:
-        assert len(rt._workers) == 1 and rt._workers[0].poll() is None
-        prompt = [7, 99, 300, 12, 5, 41]
+        runner = rt.engine.llm.runners["fp32"]
         with ServerThread(create_app(rt)) as srv:
-            async def main():
-                edge = EdgeSim(srv.ws_url, tiny_bundle, Manifest.load(tiny_bundle).bundle_id)
+            async def one(i, prompt):
+                edge = EdgeSim(srv.ws_url, bundle, Manifest.load(bundle).bundle_id)
                 await edge.connect()
-                out = await edge.generate("r", prompt, 8)
+                tokens, _, _ = await edge.generate(f"r{i}", prompt, max_tokens)
                 await edge.close()
-                return out
+                return tokens
 
-            tokens, _, _ = asyncio.run(main())
-        assert tokens == greedy_reference(tiny_lm.model, prompt, 8, [2, 3])
+            async def main():
+                return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+            tokens = asyncio.run(main())
     finally:
-        workers = list(rt._workers)
         rt.stop()
-    assert all(w.poll() == 0 for w in workers)  # stopped cleanly
+    return tokens, runner, workers
+
+
+def test_serve_tp2_on_the_fast_path_gives_the_tokens_of_tp1(tiny_bundle, tiny_lm):
+    """``serve --tp 2 --fast-path`` (gloo, fp32): rank 0 owns the network, the scheduler and the sampler and
+    runs the GLM fast path over its shard, rank 1 its own; three concurrent sessions get exactly the greedy
+    tokens of ``serve --tp 1 --fast-path`` and of the unsplit model."""
+    prompts = [[7, 99, 300, 12, 5, 41], [3, 18, 200, 77], [450, 2, 9, 61, 130, 8, 400, 17, 5]]
+    common = ["--num-blocks", "48", "--block-size", "4", "--fast-path"]
+    one, runner1, _ = _serve_and_generate(["--tp", "1", *common], tiny_bundle, prompts, 8)
+    two, runner2, workers = _serve_and_generate(["--tp", "2", *common], tiny_bundle, prompts, 8)
+    assert isinstance(runner1, FastGlmRunner) and runner1.fast.tp is None
+    assert isinstance(runner2, tp.BroadcastingRunner) and isinstance(runner2.runner, FastGlmRunner)
+    assert runner2.runner.fast.tp.world == 2 and runner2.runner.fast.local_kv_heads == 1
+    assert len(workers) == 1 and all(w.poll() == 0 for w in workers)  # stopped cleanly
+    assert two == one
+    assert one == [greedy_reference(tiny_lm.model, p, 8, [2, 3]) for p in prompts]

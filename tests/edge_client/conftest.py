@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-# the test helpers (edge_fake_cloud.py, edge_tcp_proxy.py) import as top-level modules under any import mode
+# the test helper edge_fake_cloud.py imports as a top-level module under any import mode
 sys.path.insert(0, str(Path(__file__).parent))
 
 

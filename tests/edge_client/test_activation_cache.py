@@ -7,13 +7,14 @@ import logging
 import numpy as np
 import pytest
 
-from edge_client.activation_cache import MAGIC, ActivationCache, block_keys
+from edge_client.activation_cache import MAGIC, ActivationCache
 from edge_client.front import FrontRuntime
 
 B = 16
 
 
 def _cache(rt: FrontRuntime, **kw) -> ActivationCache:
+    kw.setdefault("edge_variant", rt.manifest.edge_quant)
     return ActivationCache(rt.manifest.bundle_id, rt.n_layers, rt.kv_heads, rt.head_dim, rt.hidden_size,
                            block_tokens=B, **kw)
 
@@ -32,14 +33,12 @@ def _fill(rt, cache, ids=IDS):
     return cache.insert(ids, rt.kv_slice, h), h
 
 
-def test_keys_form_a_chain():
-    k = block_keys(IDS, "b1", B)
-    assert len(k) == 4 and len(set(k)) == 4
-    assert block_keys(IDS[:40], "b1", B) == k[:2]  # a key names its whole prefix...
-    other = list(IDS)
-    other[3] += 1
-    assert all(a != b for a, b in zip(block_keys(other, "b1", B), k))  # ...so a change early changes all
-    assert block_keys(IDS, "b2", B)[0] != k[0]  # and the bundle
+def test_keys_are_the_shared_derivation_in_the_cache_scope(rt):
+    from shared.prefix_keys import KeyScope, block_keys
+
+    scope = KeyScope(rt.manifest.bundle_id, rt.manifest.edge_quant, "cache-float32")
+    assert _cache(rt).keys_for(IDS) == block_keys(IDS, scope, B)
+    assert _cache(rt, dtype="float16").keys_for(IDS)[0] != block_keys(IDS, scope, B)[0]
 
 
 def test_hit_restores_the_same_state_as_recomputing(rt):
@@ -92,8 +91,21 @@ def test_persisted_entries_survive_a_restart(rt, tmp_path):
 def test_other_bundle_does_not_see_entries(rt, tmp_path):
     _fill(rt, _cache(rt, cache_dir=tmp_path))
     other = ActivationCache("another-bundle", rt.n_layers, rt.kv_heads, rt.head_dim, rt.hidden_size,
-                            block_tokens=B, cache_dir=tmp_path)
+                            block_tokens=B, cache_dir=tmp_path, edge_variant=rt.manifest.edge_quant)
     assert len(other) == 0 and other.lookup(IDS) is None
+
+
+def test_other_edge_variants_and_dtypes_share_a_directory_without_sharing_blocks(rt, tmp_path):
+    mine = _cache(rt, cache_dir=tmp_path)
+    _fill(rt, mine)
+    files = sorted((tmp_path / rt.manifest.bundle_id).glob("*.blk"))
+    for kw in ({"edge_variant": "int8"}, {"dtype": "float16"}):
+        other = _cache(rt, cache_dir=tmp_path, **kw)  # an int8 front of the same bundle; a float16 cache
+        assert len(other) == 0 and other.lookup(IDS) is None and other.stats.rejected_files == 0
+        _fill(rt, other)
+    assert set(files) < set((tmp_path / rt.manifest.bundle_id).glob("*.blk"))  # each kept the others' files
+    again = _cache(rt, cache_dir=tmp_path)
+    assert again.lookup(IDS).tokens == 64 and again.stats.rejected_files == 0
 
 
 @pytest.mark.parametrize("damage", ["payload", "truncate", "magic", "header", "garbage"])
@@ -101,7 +113,7 @@ def test_corrupt_file_is_rejected_and_removed(rt, tmp_path, caplog, damage):
     cache = _cache(rt, cache_dir=tmp_path)
     _fill(rt, cache)
     d = tmp_path / rt.manifest.bundle_id
-    victim = d / f"{block_keys(IDS, rt.manifest.bundle_id, B)[1]}.blk"
+    victim = d / f"{cache.keys_for(IDS)[1]}.blk"
     data = bytearray(victim.read_bytes())
     if damage == "payload":
         data[-5] ^= 0xFF

@@ -1,4 +1,5 @@
-"""edge_client.front: the ONNX front matches the torch layers, chunked or not, and its KV cache edits."""
+"""edge_client.front: the ONNX front matches the torch layers, chunked or not, and its KV cache edits, on both
+edge graphs (fused: in-place KV buffer through IO binding; plain: the traced portable fallback)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,23 @@ import torch
 
 from edge_client.front import FrontError, FrontRuntime
 from shared.manifest import BundleError
+
+
+@pytest.fixture(scope="module")
+def plain_bundle(tmp_path_factory, tiny_glm4_lm):
+    """tiny-glm4 split at 2 with the plain traced graph (the conftest bundles get the fused one)."""
+    from partition_tools.split import SplitConfig, split
+
+    out = tmp_path_factory.mktemp("tiny-glm4-plain") / "b"
+    split(tiny_glm4_lm, SplitConfig(layer=2, out=out, edge_quant="fp32", edge_graph="plain"))
+    return out
+
+
+@pytest.fixture(params=["fused", "plain"])
+def bundle(request, tiny_bundle, plain_bundle):
+    path = tiny_bundle if request.param == "fused" else plain_bundle
+    assert FrontRuntime(path, threads=1).graph_kind == request.param
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +39,9 @@ def reference_hidden(tiny_reference):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_prefill_matches_torch_for_any_chunking(tiny_bundle, reference_hidden, chunk):
+def test_prefill_matches_torch_for_any_chunking(bundle, reference_hidden, chunk):
     ids, ref = reference_hidden
-    rt = FrontRuntime(tiny_bundle, threads=1, chunk=chunk)
+    rt = FrontRuntime(bundle, threads=1, chunk=chunk)
     h = rt.prefill(ids[:30])
     steps = [rt.decode(int(t)) for t in ids[30:]]
     got = np.concatenate([h, *steps])
@@ -32,9 +50,9 @@ def test_prefill_matches_torch_for_any_chunking(tiny_bundle, reference_hidden, c
     assert rt.stats.tokens == len(ids) and rt.stats.forward_calls == -(-30 // chunk) + 10
 
 
-def test_truncate_and_restore_prefix(tiny_bundle, reference_hidden):
+def test_truncate_and_restore_prefix(bundle, reference_hidden):
     ids, ref = reference_hidden
-    rt = FrontRuntime(tiny_bundle, threads=1)
+    rt = FrontRuntime(bundle, threads=1, capacity=4)  # restoring 16 rows grows the fused buffer
     rt.prefill(ids)
     rt.truncate(16)
     np.testing.assert_allclose(rt.prefill(ids[16:]), ref[16:], atol=2e-5)
@@ -46,16 +64,28 @@ def test_truncate_and_restore_prefix(tiny_bundle, reference_hidden):
     np.testing.assert_allclose(rt.prefill(ids[16:], start_pos=16), ref[16:], atol=2e-5)
 
 
-def test_bad_input_is_refused(tiny_bundle):
-    rt = FrontRuntime(tiny_bundle, threads=1)
+def test_bad_input_is_refused(bundle):
+    rt = FrontRuntime(bundle, threads=1)
     with pytest.raises(FrontError, match="out of range"):
         rt.prefill([1, 99999])
     with pytest.raises(FrontError, match="position"):
         rt.decode(5, pos=3)
     with pytest.raises(FrontError):
         rt.truncate(1)
+    with pytest.raises(FrontError, match="KV block"):
+        rt.extend_kv([[np.zeros((rt.kv_heads, 2, rt.head_dim), np.float32)]])
     with pytest.raises(ValueError):
-        FrontRuntime(tiny_bundle, threads=0)
+        FrontRuntime(bundle, threads=0)
+
+
+def test_fork_runs_an_independent_sequence(bundle, reference_hidden):
+    ids, ref = reference_hidden
+    rt = FrontRuntime(bundle, threads=1)
+    rt.prefill(ids[:5])
+    other = rt.fork()
+    assert other.length == 0 and other.session is rt.session
+    np.testing.assert_allclose(other.prefill(ids[:20]), ref[:20], atol=2e-5)
+    np.testing.assert_allclose(rt.prefill(ids[5:20]), ref[5:20], atol=2e-5)
 
 
 def test_tampered_graph_is_refused(tiny_bundle, tmp_path):

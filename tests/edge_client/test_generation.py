@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 from edge_fake_cloud import FakeCloud
-from edge_tcp_proxy import CuttableProxy
 
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
 from edge_client.errors import EdgeClientError
+from rig.link import LinkEmulator
 
 PROMPT = [int(t) for t in np.random.RandomState(0).randint(4, 512, 40)]
 N_NEW = 12
@@ -95,7 +95,7 @@ def test_lost_session_is_replayed(client, cloud, reference):
 
 def test_cut_tcp_connection_repeatedly(tiny_bundle, cloud, reference):
     cloud.drop_after_tokens, cloud.forget_sessions = None, False
-    with CuttableProxy(cloud.port) as proxy, \
+    with LinkEmulator(cloud.port) as proxy, \
             EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=FAST_RETRY) as c:
         gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
         for i, (_token, _) in enumerate(gen.iter_tokens()):
@@ -213,3 +213,21 @@ def test_persistent_cache_survives_restart_and_corruption(tiny_bundle, cloud, re
     with EdgeClient(tiny_bundle, cloud.url, **kw) as c:
         gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
         assert gen.token_ids == reference and c.cache.stats.rejected_files == 1
+
+
+def test_the_server_base_url_works_like_the_endpoint_url(tiny_bundle, cloud, reference):
+    cloud.drop_after_tokens, cloud.forget_sessions = None, False
+    for url in (cloud.base_url, cloud.base_url + "/", cloud.base_url + "/v1"):
+        with EdgeClient(tiny_bundle, url, codec="fp16", retry=FAST_RETRY) as c:
+            assert c.config.url == cloud.url
+            assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == reference
+
+
+def test_a_url_without_a_split_endpoint_says_so(tiny_bundle, cloud):
+    url = cloud.base_url + "/v2/nothing"
+    t0 = time.monotonic()
+    with EdgeClient(tiny_bundle, url, retry=FAST_RETRY) as c, \
+            pytest.raises(EdgeClientError, match=f"no split endpoint at {url}") as ei:
+        c.complete(prompt_ids=PROMPT, max_tokens=2)
+    assert ei.value.code == "no_split_endpoint" and "API key" not in str(ei.value)
+    assert time.monotonic() - t0 < 5  # refused, not retried

@@ -63,6 +63,8 @@ class _ScriptedClient:
         self.fail = False
 
     def agenerate(self, prompt=None, **kw):
+        if not prompt.strip():  # what EdgeClient does with a prompt that tokenizes to nothing
+            raise ValueError("empty prompt")
         g = _ScriptedGeneration(self, prompt, kw)
         self.calls.append(g)
         return g
@@ -153,6 +155,9 @@ def test_bad_requests_get_openai_errors(server):
     assert "temperature" in str(ei.value)
     r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "   "})
+    assert r.status_code == 400 and r.json()["error"] == {"message": "empty prompt", "type": "invalid_request_error",
+                                                          "param": "prompt", "code": "invalid_request_error"}
 
 
 def test_upstream_failure_is_a_clear_error(server):

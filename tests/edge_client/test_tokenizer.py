@@ -1,4 +1,5 @@
-"""edge_client.tokenizer: tokenizers + jinja2 give what transformers gives; streaming decode is exact."""
+"""edge_client.tokenizer: tokenizers + jinja2 give what transformers gives; streaming decode (shared.detokenizer
+over EdgeTokenizer.decode) is exact."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_client.tokenizer import ByteTokenizer, EdgeTokenizer, StreamDecoder
+from edge_client.tokenizer import ByteTokenizer, EdgeTokenizer
+from shared.detokenizer import StreamDecoder
 
 # A GLM-style template with a thinking switch (what GLM-4.1V / Qwen3 templates do with enable_thinking).
 TEMPLATE = (
@@ -70,11 +72,24 @@ def test_decode_hides_special_tokens_but_keeps_thinking_tags(tok_dir):
 def test_stream_decoder_reassembles_text(tok_dir, text):
     edge = _edge(tok_dir)
     ids = edge.encode(text)
-    d = StreamDecoder(edge)
+    d = StreamDecoder(edge.decode)
     deltas = [d.push(i) for i in ids]
     out = "".join(deltas) + d.flush()
     assert out == edge.decode(ids)
     assert all("\ufffd" not in x for x in deltas)  # never a half character mid-stream
+
+
+def test_stream_decoder_on_smollm2_multibyte_text(smollm2_lm, tmp_path):
+    # the phone's tokenizer over SmolLM2's real vocabulary: streamed text equals a full decode
+    smollm2_lm.tokenizer.save_pretrained(str(tmp_path))
+    edge = EdgeTokenizer(tmp_path / "tokenizer.json", {}, None, [smollm2_lm.tokenizer.eos_token_id])
+    text = "手机助手：打开设置 😀🎉👍🏽，然后点击 Wi-Fi ✨。Ünïcödé 日本語 한국어"
+    ids = edge.encode(text)
+    assert ids == smollm2_lm.tokenizer(text, add_special_tokens=False).input_ids
+    d = StreamDecoder(edge.decode)
+    deltas = [d.push(i) for i in ids]
+    assert "".join(deltas) + d.flush() == edge.decode(ids) == text
+    assert all("\ufffd" not in x for x in deltas)
 
 
 def test_byte_fallback_roundtrip_and_template():
@@ -82,7 +97,7 @@ def test_byte_fallback_roundtrip_and_template():
     ids = bt.encode("héllo 世界")
     assert all(4 <= i < 260 for i in ids) and bt.decode(ids) == "héllo 世界"
     assert bt.decode([300, *ids]) == "héllo 世界"  # ids without text are skipped
-    d = StreamDecoder(bt)
+    d = StreamDecoder(bt.decode)
     assert "".join(d.push(i) for i in ids) == "héllo 世界"
     assert bt.apply_chat_template([{"role": "user", "content": "x"}]) == "<|user|>\nx\n<|assistant|>\n"
     with pytest.raises(Exception, match="too small"):

@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from edge_client.front import open_session
 from partition_tools.adapters import ModelAdapter
-from partition_tools.evaluate import front_session
 from partition_tools.export import export_front
 from partition_tools.models import load_model
 from partition_tools.quantize import (
@@ -49,13 +49,13 @@ def front(request, fronts):
 def _feeds(path, ids: np.ndarray) -> dict[str, np.ndarray]:
     """Prefill of ``ids [S]`` from an empty cache (shapes read from the graph's inputs)."""
     feeds = {"input_ids": ids[None].astype(np.int64), "position_ids": np.arange(ids.size, dtype=np.int64)[None]}
-    for inp in front_session(path).get_inputs()[2:]:
+    for inp in open_session(path).get_inputs()[2:]:
         feeds[inp.name] = np.zeros((1, inp.shape[1], 0, inp.shape[3]), np.float32)  # [1, KVH, 0, D]
     return feeds
 
 
 def _hidden(path, ids: np.ndarray) -> np.ndarray:
-    return front_session(path).run(["hidden_states"], _feeds(path, ids))[0]  # [1, S, H]
+    return open_session(path).run(["hidden_states"], _feeds(path, ids))[0]  # [1, S, H]
 
 
 def _ids(lm, n: int = 24, seed: int = 3) -> np.ndarray:
@@ -171,7 +171,7 @@ def test_embedding_table_matches_numpy_dequantization(bits, block, tmp_path):
                             embedding_block_size=block)
     assert report["embedding"] == f"int{bits} GatherBlockQuantized block {block}"
     ids = np.arange(37, dtype=np.int64)
-    got = front_session(tmp_path / "q.onnx").run(None, {"input_ids": ids})[0]  # [V, H]
+    got = open_session(tmp_path / "q.onnx").run(None, {"input_ids": ids})[0]  # [V, H]
     codes, scales = quantize_table(table, bits, block)
     want = (codes.astype(np.float32) - (1 << (bits - 1))) * np.repeat(scales, block, axis=1)[:, :48]
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
@@ -238,20 +238,22 @@ def test_smollm2_int8_front_decode_is_faster_than_fp32(smollm2_l8):
     """
     import time
 
+    from edge_client.front import FrontRuntime
+
     manifest, bundle, int8 = smollm2_l8
-    fp32 = bundle / "edge" / "front.onnx"
     rng = np.random.default_rng(0)
-    feeds = {"input_ids": np.array([[42]]), "position_ids": np.array([[256]])}
-    for i in range(8):
-        for kind in ("key", "value"):  # [1, KVH, 256, D]
-            feeds[f"past_{kind}.{i}"] = rng.standard_normal((1, manifest.num_kv_heads, 256, 64)).astype(np.float32)
-    sessions = [front_session(fp32, threads=1), front_session(int8, threads=1)]
+    kv = [rng.standard_normal((manifest.num_kv_heads, 256, 64)).astype(np.float32) for _ in range(16)]
+    fronts = [FrontRuntime(bundle, threads=1, verify=False, graph=g) for g in (bundle / "edge" / "front.onnx", int8)]
+    for f in fronts:
+        f.extend_kv([kv])  # 256 cached positions; each step is rolled back to them
     times: list[list[float]] = [[], []]
     for _ in range(20):  # alternating blocks of 10 steps (after one warm-up step): same load for both
-        for s, t in zip(sessions, times):
-            s.run(None, feeds)
+        for f, t in zip(fronts, times):
+            f.decode(42)
+            f.truncate(256)
             for _ in range(10):
                 start = time.perf_counter()
-                s.run(None, feeds)
+                f.decode(42)
                 t.append(time.perf_counter() - start)
+                f.truncate(256)
     assert np.median(times[0]) / np.median(times[1]) >= 1.5

@@ -1,13 +1,11 @@
 import json
 
-import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
-from cloud_server.back_half import BackHalf
+from edge_client.front import FrontRuntime
 from partition_tools.adapters import ModelAdapter
-from partition_tools.export import input_names
+from partition_tools.cloud_half import CloudModel
 from partition_tools.models import load_model
 from partition_tools.split import SplitConfig, split
 from shared.manifest import BundleError, Manifest
@@ -15,16 +13,13 @@ from shared.manifest import BundleError, Manifest
 
 def _split_matches_unsplit(source: str, layer: int, out, quant: str = "fp32") -> None:
     lm = load_model(source)
-    m = split(lm, SplitConfig(layer=layer, out=out, edge_quant=quant))
+    split(lm, SplitConfig(layer=layer, out=out, edge_quant=quant))
     ad = ModelAdapter(lm.model)
     ids = torch.randint(4, ad.vocab_size, (1, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = lm.model(input_ids=ids).logits[0]  # [S, V]
-    sess = ort.InferenceSession(str(out / "edge" / "front.onnx"))
-    empty = np.zeros((1, m.num_kv_heads, 0, m.head_dim), np.float32)
-    feeds = dict(zip(input_names(layer), [ids.numpy(), np.arange(11)[None], *[empty] * (2 * layer)]))
-    hidden = torch.from_numpy(sess.run(["hidden_states"], feeds)[0])  # [1, S, H]
-    logits = BackHalf.from_bundle(out)(hidden, torch.arange(11)[None])[0]
+    hidden = torch.from_numpy(FrontRuntime(out).prefill(ids[0].numpy()))[None]  # [1, S, H]
+    logits = CloudModel.from_bundle(out)(hidden, torch.arange(11)[None])[0]
     assert torch.allclose(logits, ref, atol=1e-4), float((logits - ref).abs().max())
 
 

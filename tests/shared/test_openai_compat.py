@@ -130,6 +130,7 @@ def test_response_shapes():
     u = usage(5, 3, cached_tokens=4)
     assert u == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                  "prompt_tokens_details": {"cached_tokens": 4}}
+    assert usage(5, 3) == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}  # no hits, no details
     c = chat_chunk("id", "m", 1, {"content": "x"})
     assert c["choices"][0]["delta"] == {"content": "x"} and c["choices"][0]["finish_reason"] is None
     last = chat_chunk("id", "m", 1, None, usage_obj=u)

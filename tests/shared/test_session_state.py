@@ -1,4 +1,5 @@
-"""shared.session_state: the server-side state machine accepts a correct session and refuses misbehaviour."""
+"""shared.session_state: the rulebook both ends run accepts a correct session, refuses misbehaviour, and ignores
+what crosses in flight."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ def ready(**limits) -> SessionState:
     return s
 
 
-def refused(s, msg, code):
+def refused(s, msg, code, frame_bytes=None):
     with pytest.raises(SessionError) as e:
-        s.on_client(msg)
+        s.on_client(msg, frame_bytes)
     assert e.value.code == code
     err = e.value.to_error()
     assert isinstance(err, P.Error) and err.code == code
@@ -60,9 +61,12 @@ def test_order_violations():
     s = ready()
     assert refused(s, P.Hello(bundle_id="b", codecs=[]), "bad_state").fatal
     refused(s, P.DecodeStep(request_id="r1", position=0, hidden=hidden(1)), "unknown_request")
-    refused(s, prefill(params=False), "bad_state")  # opening without sampling params
+    refused(s, prefill(params=False), "unknown_request")  # a continuation of nothing (opening needs params)
+    s.on_client(prefill(rid="r0", n=4, last=False))
+    refused(s, P.DecodeStep(request_id="r0", position=4, hidden=hidden(1)), "bad_state")  # prompt not complete
     s.on_client(prefill(n=4))
     refused(s, prefill(start=4, params=False), "bad_state")  # prompt already complete
+    refused(s, prefill(start=4), "duplicate_request")  # params again on an open request
     refused(s, P.DecodeStep(request_id="r1", position=4, hidden=hidden(1)), "bad_state")  # no token yet
     s.on_server(P.Tokens(request_id="r1", index=0, token_ids=[7]))
     refused(s, P.DecodeStep(request_id="r1", position=5, hidden=hidden(1)), "bad_position")
@@ -72,8 +76,9 @@ def test_order_violations():
 
 def test_positions_limits_and_codecs():
     s = ready(max_context=10, max_prefill_chunk_tokens=6, max_concurrent_requests=1, prefix_block_tokens=4)
-    refused(s, prefill(n=7), "too_large")
-    refused(s, prefill(start=4, n=2), "bad_position")  # a prefix without keys
+    refused(s, prefill(rid="big", n=7), "too_large")
+    refused(s, prefill(rid="nokeys", start=4, n=2), "bad_position")  # a prefix without keys
+    refused(s, prefill(rid="big", n=1), "duplicate_request")  # a refused request's id stays used
     s.on_client(prefill(start=4, n=2, last=False, keys=["k1"]))  # prefix of one block
     refused(s, prefill(start=7, n=1, params=False), "bad_position")  # gap
     refused(s, prefill(start=6, n=5, params=False), "context_full")
@@ -108,3 +113,45 @@ def test_drain_errors_and_cancel():
     assert s.open_requests == 0
     s.on_server(P.Error(code="internal", fatal=True))
     assert s.phase == CLOSED
+
+
+def test_frames_over_the_limit_fail_their_request_only():
+    s = ready(max_frame_bytes=2048)
+    e = refused(s, prefill(), "too_large", frame_bytes=4096)
+    assert not e.fatal and e.request_id == "r1"
+    s.on_client(prefill(rid="r2"))  # the session goes on
+    assert s.on_client(prefill(rid="r1", start=4, params=False)) is None  # late chunk of the refused one
+    assert refused(s, P.Close(), "too_large", frame_bytes=4096).fatal  # no request to blame
+
+
+def test_late_messages_of_a_finished_request_are_ignored():
+    s = ready()
+    s.on_client(prefill(n=2, last=False))
+    s.on_server(P.Error(code="prefix_miss", request_id="r1"))  # the server closed it; the client still sends
+    assert s.on_client(prefill(start=2, n=2, params=False)) is None
+    assert s.on_client(P.DecodeStep(request_id="r1", position=4, hidden=hidden(1))) is None
+    assert s.on_client(P.Cancel(request_id="r1")) is None
+    refused(s, prefill(), "duplicate_request")  # but the id stays used
+
+
+def test_resumed_resyncs_positions_after_a_lost_link():
+    s = ready(max_prefill_chunk_tokens=4)
+    s.on_client(prefill(n=4, last=False))
+    s.on_client(prefill(start=4, n=2, params=False))  # the last chunk: sent, but lost with the link
+    s.reconnect()
+    s.on_client(P.Hello(bundle_id="b", codecs=["fp16"], resume_token="t"))
+    s.on_server(P.Welcome(session_id="s", resume_token="t", resumed=True, codecs=["fp16"]))
+    s.on_client(P.Resume(request_id="r1", have_tokens=0))
+    s.on_server(P.Resumed(request_id="r1", received=4, index=0))
+    s.on_client(prefill(start=4, n=2, params=False))  # resent: allowed again
+    s.on_server(P.Tokens(request_id="r1", index=0, token_ids=[3], finish_reason="stop"))
+    track = s.on_client(P.Resume(request_id="r1", have_tokens=0))  # finished, still resumable (kept track)
+    assert track.finish == "stop" and track.tokens == 1
+
+
+def test_close_finishes_open_requests():
+    s = ready()
+    s.on_client(prefill())
+    track = s.requests["r1"]
+    s.close()
+    assert track.finish == "cancelled" and s.open_requests == 0 and s.phase == CLOSED

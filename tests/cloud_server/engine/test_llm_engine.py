@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cloud_support import OnnxFront, Phone, drive, greedy_reference, greedy_reference_batch
+from cloud_support import Phone, boundary, drive, edge_front, greedy_reference, greedy_reference_batch
 
 from cloud_server.config import EngineConfig
 from cloud_server.engine.llm_engine import LLMEngine
@@ -27,7 +27,7 @@ def _prompts(n: int, vocab: int, seed: int = 0, lo: int = 3, hi: int = 20) -> li
 def test_tiny_single_session_matches_unsplit(tiny_bundle, tiny_lm):
     eng = _engine(tiny_bundle)
     [prompt] = _prompts(1, 512, seed=1)
-    phone = Phone("a", prompt, OnnxFront(tiny_bundle), max_tokens=16)
+    phone = Phone("a", prompt, edge_front(tiny_bundle), max_tokens=16)
     drive(eng, [phone])
     assert phone.tokens == greedy_reference(tiny_lm.model, prompt, 16, [2, 3])
     assert eng.num_used_blocks() == 0
@@ -37,7 +37,7 @@ def test_tiny_eight_staggered_sessions_match_unsplit(tiny_bundle, tiny_lm):
     eng = _engine(tiny_bundle)
     prompts = _prompts(8, 512, seed=2)
     # Phones arrive at different steps and answer their tokens after different delays (slow links).
-    phones = [Phone(f"p{i}", pr, OnnxFront(tiny_bundle), max_tokens=12, arrive=3 * i, delay=i % 3)
+    phones = [Phone(f"p{i}", pr, edge_front(tiny_bundle), max_tokens=12, arrive=3 * i, delay=i % 3)
               for i, pr in enumerate(prompts)]
     steps = drive(eng, phones)
     for p in phones:
@@ -55,11 +55,11 @@ def test_smollm2_one_and_eight_sessions_match_unsplit(smol_bundle, smol_lm):
     prompts = [tok(t).input_ids for t in texts]
     eos = eng.eos_token_ids
     refs = greedy_reference_batch(smol_lm.model, prompts, 8, eos)
-    session = OnnxFront(smol_bundle).session  # one onnxruntime session shared by the phones
-    alone = Phone("solo", prompts[0], OnnxFront(smol_bundle, session), max_tokens=8)
+    front = edge_front(smol_bundle)  # one loaded graph, forked per phone
+    alone = Phone("solo", prompts[0], front.fork(), max_tokens=8)
     drive(eng, [alone])
     assert alone.tokens == refs[0]
-    phones = [Phone(f"p{i}", p, OnnxFront(smol_bundle, session), max_tokens=8, arrive=2 * i, delay=i % 2)
+    phones = [Phone(f"p{i}", p, front.fork(), max_tokens=8, arrive=2 * i, delay=i % 2)
               for i, p in enumerate(prompts)]
     drive(eng, phones)
     assert [p.tokens for p in phones] == refs
@@ -86,8 +86,8 @@ def test_prefill_in_chunks_then_continue_equals_one_shot(tiny_bundle, tiny_lm):
     """A long history replayed as several prefill chunks (Resume after the server lost a session)."""
     eng = _engine(tiny_bundle, max_num_batched_tokens=64)
     prompt = _prompts(1, 512, seed=4, lo=40, hi=41)[0]
-    front = OnnxFront(tiny_bundle)
-    hidden = front.run(prompt)  # [S, H]
+    front = edge_front(tiny_bundle)
+    hidden = boundary(front, prompt)  # [S, H]
     eng.add_request("r", InputChunk(0, hidden=hidden[:16], last=False), SamplingParams(0.0, max_tokens=6))
     eng.add_input("r", InputChunk(16, hidden=hidden[16:30], last=False))
     eng.add_input("r", InputChunk(30, hidden=hidden[30:], last=True))
@@ -97,14 +97,14 @@ def test_prefill_in_chunks_then_continue_equals_one_shot(tiny_bundle, tiny_lm):
             if o.token_id is not None:
                 tokens.append(o.token_id)
                 if not o.finished:
-                    eng.add_input("r", InputChunk(len(prompt) + len(tokens) - 1, hidden=front.run([o.token_id])))
+                    eng.add_input("r", InputChunk(len(prompt) + len(tokens) - 1, hidden=boundary(front, [o.token_id])))
     assert tokens == greedy_reference(tiny_lm.model, prompt, 6, [2, 3])
 
 
 def test_token_budget_splits_a_long_prompt_into_chunks(tiny_bundle, tiny_lm):
     eng = _engine(tiny_bundle, max_num_batched_tokens=8, max_num_seqs=4)
     prompt = _prompts(1, 512, seed=5, lo=30, hi=31)[0]
-    phone = Phone("a", prompt, OnnxFront(tiny_bundle), max_tokens=5)
+    phone = Phone("a", prompt, edge_front(tiny_bundle), max_tokens=5)
     steps = drive(eng, [phone])
     assert steps >= 30 // 8 + 5
     assert phone.tokens == greedy_reference(tiny_lm.model, prompt, 5, [2, 3])

@@ -30,7 +30,7 @@ def _run(sched, batches):
     """Pretend the forward ran: mark the scheduled positions computed."""
     for b in batches:
         for it in b.items:
-            it.seq.num_computed = it.chunk.end
+            it.seq.update_from_output(it.chunk.end)
             sched.publish_prefix(it.seq)
 
 
@@ -87,7 +87,7 @@ def test_youngest_running_sequence_is_the_victim_when_the_pool_is_exhausted():
     young.push(InputChunk(2, hidden=_h(1)))
     batches, victims = s.schedule()
     assert batches == [] and victims == [young]
-    s.remove(young)
+    s.remove(young, "abort")
     [batch], victims = s.schedule()
     assert [it.seq.request_id for it in batch.items] == ["old"] and not victims
 

@@ -1,0 +1,340 @@
+"""Edge front speed, side by side: fused graph (int8 / int4 / fp32) vs the plain traced graph vs llama.cpp.
+
+For one model split at layer N (default SmolLM2-135M at 8) this
+
+1. splits the model once per variant into ``--work`` (reused when the source matches): ``fused-{fp32,int8,
+   int4}`` (``partition_tools.graph_builder``, the shipped recipes) and ``plain-{fp32,int8}`` (the traced
+   graph, the old default);
+2. times a one-token decode step of every variant through ``edge_client.front.FrontRuntime`` (what the
+   phone runs) over a cache of P positions, P in ``--contexts``, with 1 and 2 intra-op threads. The cache
+   is filled with stored rows (``extend_kv``, no compute) and each timed step is rolled back with
+   ``truncate(P)`` outside the timed region, so every step sees exactly P cached positions. Variants run
+   *interleaved* in blocks of ``--block`` steps (round robin), so load from other jobs on a shared machine
+   hits all of them alike; ratios are taken within the run;
+3. times a ``--prefill``-token prefill from an empty cache (tokens/s) the same way;
+4. with ``llama-cpp-python`` importable, the same model through llama.cpp: the GGUF re-quantized to Q8_0
+   (and the shipped Q4_1), whole-model decode step at the same contexts and threads; its per-layer time is
+   (step - lm_head share) / layers, the lm_head share estimated by its share of the weight bytes;
+5. profiles one decode step series per graph with onnxruntime's profiler (per-op-type time and kernel
+   count per step) and writes everything to ``--json``.
+
+Usage::
+
+    python bench/edge_front_bench.py --json docs/results/edge_front.json
+    python bench/edge_front_bench.py --contexts 16,256 --runs 40 --no-llama   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+VARIANTS = {  # name -> (edge_graph, edge_quant)
+    "fused-int8": ("fused", "int8"),
+    "fused-int4": ("fused", "int4"),
+    "fused-fp32": ("fused", "fp32"),
+    "plain-int8": ("plain", "int8"),
+    "plain-fp32": ("plain", "fp32"),
+}
+
+
+def build_bundles(lm, layer: int, work: Path, names: list[str]) -> dict[str, Path]:
+    from partition_tools.split import SplitConfig, split
+    from shared.manifest import BundleError, Manifest
+
+    out = {}
+    for name in names:
+        graph, quant = VARIANTS[name]
+        path = work / name
+        try:
+            m = Manifest.load(path)
+            fresh = m.source_identity == lm.identity and m.split_layer == layer
+        except BundleError:
+            fresh = False
+        if not fresh:
+            split(lm, SplitConfig(layer=layer, out=path, edge_quant=quant, edge_graph=graph))
+        out[name] = path
+    return out
+
+
+def filled_runtime(bundle: Path, threads: int, past: int, rng: np.random.Generator):
+    """A FrontRuntime whose cache holds ``past`` stored positions (random rows of the right shape)."""
+    from edge_client.front import FrontRuntime
+
+    rt = FrontRuntime(bundle, threads=threads, chunk=512, verify=False, capacity=past + 64)
+    if past:
+        block = [rng.standard_normal((rt.kv_heads, past, rt.head_dim)).astype(np.float32)
+                 for _ in range(2 * rt.n_layers)]
+        rt.extend_kv([block])
+    return rt
+
+
+def time_decode(runtimes: dict, past: int, runs: int, block: int) -> dict[str, np.ndarray]:
+    """ms per decode step of each runtime, interleaved in blocks of ``block`` steps: name -> [runs]."""
+    times = {n: [] for n in runtimes}
+    for rt in runtimes.values():  # warm-up
+        for _ in range(3):
+            rt.decode(7)
+            rt.truncate(past)
+    for _ in range(max(1, runs // block)):
+        for name, rt in runtimes.items():
+            rt.decode(7)  # untimed: the other graph's threads and caches are still warm
+            rt.truncate(past)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                rt.decode(11)
+                times[name].append(1000 * (time.perf_counter() - t0))
+                rt.truncate(past)
+    return {n: np.asarray(t) for n, t in times.items()}
+
+
+def time_prefill(runtimes: dict, n_tokens: int, runs: int) -> dict[str, np.ndarray]:
+    """ms per ``n_tokens``-token prefill from an empty cache, interleaved: name -> [runs]."""
+    ids = np.random.default_rng(1).integers(4, 40000, n_tokens)
+    times = {n: [] for n in runtimes}
+    for _ in range(runs + 1):
+        for name, rt in runtimes.items():
+            rt.reset()
+            t0 = time.perf_counter()
+            rt.prefill(ids)
+            times[name].append(1000 * (time.perf_counter() - t0))
+    return {n: np.asarray(t[1:]) for n, t in times.items()}
+
+
+def summary(ms: np.ndarray) -> dict:
+    return {"median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),
+            "p90_ms": float(np.percentile(ms, 90)), "n": int(ms.size)}
+
+
+def profile_ops(bundle: Path, past: int, steps: int, threads: int) -> dict:
+    """onnxruntime profiler over ``steps`` decode steps: per op type, mean µs per step and kernels per step."""
+    from edge_client.front import FrontRuntime
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rt = FrontRuntime(bundle, threads=threads, verify=False, capacity=past + 64,
+                          profile_prefix=str(Path(tmp) / "prof"))
+        rng = np.random.default_rng(0)
+        if past:
+            rt.extend_kv([[rng.standard_normal((rt.kv_heads, past, rt.head_dim)).astype(np.float32)
+                           for _ in range(2 * rt.n_layers)]])
+        for _ in range(steps):
+            rt.decode(11)
+            rt.truncate(past)
+        path = rt.session.end_profiling()
+        events = json.loads(Path(path).read_text())
+    per_op, count = defaultdict(float), defaultdict(int)
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            op = e.get("args", {}).get("op_name", "?")
+            per_op[op] += e["dur"]
+            count[op] += 1
+    n = max(1, len(runs))
+    total = sum(per_op.values()) / n
+    ops = {op: {"us_per_step": per_op[op] / n, "kernels_per_step": count[op] / n,
+                "share": per_op[op] / n / total if total else 0.0}
+           for op in sorted(per_op, key=per_op.get, reverse=True)}
+    model_run_us = float(np.median([e["dur"] for e in runs])) if runs else None
+    return {"past": past, "threads": threads, "steps": n, "kernel_us_per_step": total,
+            "model_run_us_median": model_run_us, "kernels_per_step": sum(count.values()) / n, "ops": ops}
+
+
+# ------------------------------------------------------------------------------------------------
+# llama.cpp
+
+
+def llama_cpp_gguf(src: Path, work: Path) -> dict[str, Path]:
+    """The shipped GGUF and a Q8_0 re-quantization of it (llama.cpp's own quantizer)."""
+    import llama_cpp
+
+    q8 = work / (src.stem.split(".")[0] + ".Q8_0.gguf")
+    if not q8.is_file():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+        params.allow_requantize = True
+        params.nthread = 2
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(q8).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize returned {rc}")
+    return {"Q8_0": q8, src.stem.split(".")[-1]: src}
+
+
+def llama_cpp_decode(gguf: Path, contexts: list[int], threads: int, runs: int) -> dict:
+    """ms per decode step (whole model, last-token logits) at each context, and prefill tokens/s."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(gguf), n_ctx=max(contexts) + 64, n_threads=threads, n_threads_batch=threads,
+                n_batch=512, verbose=False)
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(4, 40000, max(contexts))]
+    out = {}
+    for past in contexts:
+        llm.reset()
+        llm.eval(prompt[:past])
+        for _ in range(3):
+            llm.n_tokens = past
+            llm.eval([11])
+        ms = []
+        for _ in range(runs):
+            llm.n_tokens = past
+            t0 = time.perf_counter()
+            llm.eval([11])
+            ms.append(1000 * (time.perf_counter() - t0))
+        out[str(past)] = summary(np.asarray(ms))
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt[:128])
+    out["prefill128_tok_s"] = 128 / (time.perf_counter() - t0)
+    llm.close()
+    return out
+
+
+def lm_head_share(adapter) -> float:
+    """lm_head's share of the decoder's weight bytes (llama.cpp stores them at one type): its step share."""
+    layer = sum(p.numel() for p in adapter.layers[0].parameters())
+    head = adapter.lm_head.weight.numel()
+    return head / (head + layer * adapter.num_layers)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--layer", type=int, default=8)
+    p.add_argument("--work", type=Path, default=Path("/tmp/edge_front_bench"))
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--contexts", default="16,256,1024,2048")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--runs", type=int, default=100, help="timed decode steps per variant, context and threads")
+    p.add_argument("--block", type=int, default=10)
+    p.add_argument("--prefill", type=int, default=128, help="tokens of the timed prefill")
+    p.add_argument("--prefill-runs", type=int, default=5)
+    p.add_argument("--profile-steps", type=int, default=50)
+    p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    args.names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.names if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    args.context_list = [int(c) for c in args.contexts.split(",")]
+    args.thread_list = [int(t) for t in args.threads.split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from partition_tools.adapters import ModelAdapter
+    from partition_tools.models import load_model
+
+    started = time.perf_counter()
+    load = {"before": os.getloadavg()}
+    lm = load_model(args.model)
+    adapter = ModelAdapter(lm.model)
+    args.work.mkdir(parents=True, exist_ok=True)
+    bundles = build_bundles(lm, args.layer, args.work, args.names)
+    rng = np.random.default_rng(0)
+    decode: dict = {}
+    prefill: dict = {}
+    load["timing_start"] = os.getloadavg()
+    for threads in args.thread_list:
+        for past in args.context_list:
+            rts = {n: filled_runtime(b, threads, past, rng) for n, b in bundles.items()}
+            ms = time_decode(rts, past, args.runs, args.block)
+            decode[f"t{threads}/p{past}"] = {n: summary(v) for n, v in ms.items()}
+            line = " ".join(f"{n} {np.median(v):.2f}" for n, v in ms.items())
+            print(f"threads {threads} past {past}: {line} ms", file=sys.stderr, flush=True)
+            del rts
+        rts = {n: filled_runtime(b, threads, 0, rng) for n, b in bundles.items()}
+        pm = time_prefill(rts, args.prefill, args.prefill_runs)
+        prefill[f"t{threads}"] = {n: {**summary(v), "tok_s": args.prefill / (np.median(v) / 1000)}
+                                  for n, v in pm.items()}
+        del rts
+    load["timing_end"] = os.getloadavg()
+
+    ratios = {}
+    for key, row in decode.items():
+        r = {}
+        for a, b in (("fused-fp32", "fused-int8"), ("fused-fp32", "fused-int4"), ("plain-fp32", "fused-int8"),
+                     ("plain-int8", "fused-int8"), ("plain-fp32", "plain-int8")):
+            if a in row and b in row:
+                r[f"{b} vs {a}"] = row[a]["median_ms"] / row[b]["median_ms"]
+        ratios[key] = r
+    growth = {}
+    for threads in args.thread_list:
+        lo, hi = f"t{threads}/p{min(args.context_list)}", f"t{threads}/p{max(args.context_list)}"
+        growth[f"t{threads}"] = {n: decode[hi][n]["median_ms"] / decode[lo][n]["median_ms"] for n in decode[lo]}
+
+    profiles = {}
+    for name in ("fused-int8", "plain-int8", "fused-fp32"):
+        if name in bundles:
+            profiles[name] = profile_ops(bundles[name], 256, args.profile_steps, 2)
+
+    llama = None
+    if not args.no_llama:
+        try:
+            from partition_tools.models import smollm2_gguf_path
+
+            ggufs = llama_cpp_gguf(smollm2_gguf_path(), args.work)
+            share = lm_head_share(adapter)
+            llama = {"lm_head_share": share, "layers": adapter.num_layers,
+                     "version": __import__("llama_cpp").__version__, "models": {}}
+            for qname, path in ggufs.items():
+                llama["models"][qname] = {f"t{t}": llama_cpp_decode(path, args.context_list, t, args.runs)
+                                          for t in args.thread_list}
+            for qname, per_t in llama["models"].items():
+                for t, rows in per_t.items():
+                    for past in args.context_list:
+                        row = rows[str(past)]
+                        row["per_layer_ms"] = row["median_ms"] * (1 - share) / adapter.num_layers
+        except ImportError as e:
+            llama = {"error": f"llama-cpp-python not importable: {e}"}
+    load["after"] = os.getloadavg()
+
+    per_layer = {k: {n: v["median_ms"] / args.layer for n, v in row.items()} for k, row in decode.items()}
+    result = {
+        "command": "python bench/edge_front_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "model": lm.source, "identity": lm.identity, "split_layer": args.layer, "layers_total": adapter.num_layers,
+        "contexts": args.context_list, "threads": args.thread_list, "runs": args.runs, "block": args.block,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "loadavg": load, "cpu_model": _cpu_model(),
+                    "note": "2 cores shared with other jobs: loadavg above is the noise; ratios are within one "
+                            "interleaved run, p10/p90 show the spread"},
+        "onnxruntime": __import__("onnxruntime").__version__,
+        "bundles": {n: json.loads((b / "manifest.json").read_text()).get("quant_report") for n, b in bundles.items()},
+        "decode": decode, "decode_ratios": ratios, "decode_growth_max_over_min_context": growth,
+        "per_layer_ms": per_layer, "prefill": prefill, "prefill_tokens": args.prefill,
+        "profiles_decode_p256_t2": profiles, "llama_cpp": llama,
+        "seconds": time.perf_counter() - started,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"decode_ratios": ratios, "growth": growth}, indent=1))
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,645 @@
+"""The served path under load: many simulated edges over real WebSockets against ``autoglm-cloud serve``.
+
+What an operator gets is not the engine's loop but phones on WebSockets: every token crosses msgpack, a
+codec, the event loop and the engine's input queue twice. This bench measures that path. Simulated edges run
+in worker processes spread over the host's cores (``--procs``), each holding many asyncio sessions, and
+speak the real protocol with its own encoder and decoder (``shared.protocol``, ``shared.chunking``,
+``shared.codecs``; nothing re-implemented):
+
+    Hello(bundle_id, codecs) -> Welcome(limits, codecs)
+    Prefill chunks of the prompt's boundary states, sized by shared.chunking.prefill_messages within the
+    negotiated frame limit, coded with a realistic codec (int8-outlier by default)
+    <- Tokens(index 0) ; DecodeStep(position, hidden [1, H]) ; <- Tokens(index 1) ; ... until finish_reason
+
+Hidden states are random but scaled like a real boundary (per-channel absmax from the bundle's calibration,
+its outlier channels large, the first prompt row an attention sink above ``sink_threshold``), or recorded ones
+from ``--states FILE.npy`` ([N, H] float32, e.g. saved from a real front). They are coded once per worker
+before the clock starts (a phone codes each state once too; the server's decode cost is what is measured).
+
+Per level of S concurrent sessions (all start together, greedy, ``ignore_eos``, exactly ``--gen`` tokens):
+
+* ``served_tokens_per_s``: tokens received by all sessions in the steady window (from the moment every
+  session has its first token to the moment the first one finishes) per second, the figure comparable with
+  ``bench/cloud_gpu_bench.py --through-engine``'s lockstep decode (``engine_tokens_per_s``,
+  ``direct_tokens_per_s``, read from its JSON with ``--engine-json``); ``served_tokens_per_s_overall`` counts
+  every token from the first Prefill to the last token;
+* ``ttft_*_ms``: first Prefill sent -> first Tokens received, per session; ``itl_*_ms``: gaps between a
+  session's consecutive Tokens (a round trip: Tokens out, DecodeStep back, one engine step);
+* ``server_cpu_s`` / ``client_cpu_s``: CPU seconds the server process and the load generator's workers used
+  during the level (a generator that saturates its cores would measure itself).
+
+Server: an already running one (``--url`` + ``--bundle``), one spawned from a bundle (``--serve BUNDLE``), or
+a random-weight full-size one (``--preset glm4v-9b-random --layer 12``, ``bench/random_weight_server.py``).
+``--py-spy FILE`` samples the server during the largest level (``py-spy record --nonblocking``, collapsed
+stacks) to show where the served path spends its time.
+
+CPU smoke run (tiny bundle)::
+
+    autoglm-partition split --preset tiny-glm4 --layer 2 --out /tmp/b
+    python bench/served_load.py --serve /tmp/b --sessions 1,8 --prompt 32 --gen 16 --out /tmp/served.json
+
+``--attach-engine ENGINE_JSON --to SERVED_JSON`` fills the engine/direct figures into a finished served run
+afterwards (the GPU session measures the served path first, then the engine).
+
+GPU (one H200, the issue's workload): ``bench/gpu_session.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared import protocol as P  # noqa: E402 - after the path fix, so the bench runs from a checkout
+from shared.chunking import prefill_messages  # noqa: E402
+from shared.codecs import available_codecs  # noqa: E402
+from shared.manifest import Manifest  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DECODE_BANK = 64  # distinct coded decode states per worker, reused round-robin
+PROMPT_BANK = 4  # distinct prompts per worker
+PY_SPY_RATE = 200  # samples per second of the server profile
+DEFAULT_CODECS = ("int8-outlier", "int8-b32", "fp16")  # the outlier codec where the bundle is calibrated
+
+
+@dataclass(slots=True)
+class LoadConfig:
+    """One bench run: which server, which load levels, what each simulated edge sends."""
+
+    url: str | None = None  # ws://HOST:PORT/v1/split of a running server (needs bundle)
+    bundle: Path | None = None  # the served bundle: bundle id, hidden size, calibration
+    serve: Path | None = None  # spawn `autoglm-cloud serve BUNDLE` on a free port
+    preset: str | None = None  # spawn a random-weight server of this preset (bench/random_weight_server.py)
+    layer: int = 12  # split layer of the random-weight preset
+    server_args: list[str] = field(default_factory=list)  # extra `autoglm-cloud serve` options (win over ours)
+    sessions: tuple[int, ...] = (1, 8, 64, 256)
+    prompt: int = 512  # prompt positions per session (the engine bench's default)
+    gen: int = 128  # tokens per session
+    codecs: tuple[str, ...] = DEFAULT_CODECS  # preference order sent in Hello
+    procs: int = 0  # worker processes; 0 = half the cores (the server needs the rest), at most one per session
+    api_key: str | None = None
+    states: Path | None = None  # recorded boundary states [N, H] float32 (.npy) instead of synthetic ones
+    seed: int = 0
+    ready_timeout_s: float = 900.0  # a 9B random model builds and tunes on the GPU before /ready
+    level_timeout_s: float = 600.0
+    engine_json: Path | None = None  # cloud_gpu_bench --through-engine output: engine/direct tokens/s per S
+    py_spy: Path | None = None  # collapsed stacks of the server during the largest level
+    out: Path | None = None
+
+    def __post_init__(self):
+        spawners = sum(x is not None for x in (self.url, self.serve, self.preset))
+        if spawners != 1:
+            raise ValueError("give exactly one of --url (with --bundle), --serve BUNDLE, --preset NAME")
+        if self.url is not None and self.bundle is None:
+            raise ValueError("--url needs --bundle (the served bundle's manifest and calibration)")
+        if self.serve is not None:
+            self.bundle = self.serve
+        if not self.sessions or min(self.sessions) < 1:
+            raise ValueError("--sessions: positive session counts")
+        for name in ("prompt", "gen"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1")
+        if self.procs < 0:
+            raise ValueError("--procs must be >= 0")
+
+
+# ------------------------------------------------------------------------------------------------
+# what an edge sends
+
+
+def boundary_states(n: int, hidden: int, calibration: dict | None, rng: np.random.Generator,
+                    sink_first: bool) -> np.ndarray:
+    """Synthetic boundary hidden states [n, hidden] float32, scaled like the bundle's calibration: channel c
+    ~ N(0, (absmax_c / 4)^2) (outlier channels are the ones with a large absmax), and with ``sink_first`` row 0
+    an attention sink (a few channels at 2x ``sink_threshold``, which the outlier codecs send as float16)."""
+    calib = calibration or {}
+    absmax = np.asarray(calib.get("channel_absmax") or [4.0] * hidden, np.float32)  # [H]
+    if absmax.shape != (hidden,):
+        raise ValueError(f"calibration channel_absmax has {absmax.size} channels, the bundle {hidden}")
+    x = rng.standard_normal((n, hidden), dtype=np.float32) * (absmax / 4.0)  # [n, H]
+    x = np.clip(x, -absmax, absmax)
+    threshold = calib.get("sink_threshold")
+    if sink_first and threshold:
+        outliers = set(calib.get("outlier_channels") or [])
+        regular = [c for c in range(hidden) if c not in outliers]
+        x[0, regular[: max(1, hidden // 64)]] = 2.0 * float(threshold)
+    return x
+
+
+@dataclass(slots=True)
+class EdgeInputs:
+    """A worker's coded inputs: Prefill templates per prompt (request id filled in per session) and a bank
+    of coded decode states, all coded before the clock starts."""
+
+    codec: str
+    prompts: list[list[P.Prefill]]
+    decode: list[P.EncodedTensor]
+
+
+def edge_inputs(spec: dict, welcome: P.Welcome, codec_name: str) -> EdgeInputs:
+    calib = spec["calibration"]
+    codec = available_codecs(calib)[codec_name]
+    rng = np.random.default_rng(spec["seed"])
+    h, prompt = spec["hidden"], spec["prompt"]
+    recorded = np.load(spec["states"]).astype(np.float32) if spec["states"] else None
+    params = P.SamplingParams(max_tokens=spec["gen"], temperature=0.0, ignore_eos=True)
+
+    def states(n: int, sink_first: bool) -> np.ndarray:
+        if recorded is None:
+            return boundary_states(n, h, calib, rng, sink_first)
+        start = int(rng.integers(0, max(1, len(recorded) - n)))
+        return np.resize(recorded[start:start + n], (n, h))
+
+    prompts = [prefill_messages("template", states(prompt, True), codec, welcome.limits, params=params)
+               for _ in range(PROMPT_BANK)]
+    decode = [codec.encode(states(1, False)) for _ in range(DECODE_BANK)]  # [1, H] each
+    return EdgeInputs(codec_name, prompts, decode)
+
+
+# ------------------------------------------------------------------------------------------------
+# worker process: many sessions on one event loop
+
+
+class Edge:
+    """One simulated phone: a WebSocket, its Welcome, and one request's timeline."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.ws = None
+        self.welcome: P.Welcome | None = None
+        self.start = 0.0  # monotonic time of the first Prefill
+        self.token_times: list[float] = []
+        self.finish: str | None = None
+        self.completion_tokens: int | None = None
+        self.error: str | None = None
+        self.up_bytes = 0
+
+    async def connect(self, spec: dict) -> None:
+        from websockets.asyncio.client import connect
+
+        headers = {"Authorization": f"Bearer {spec['api_key']}"} if spec["api_key"] else {}
+        self.ws = await connect(spec["url"], additional_headers=headers, compression=None, max_size=64 << 20,
+                                open_timeout=60, ping_interval=None, user_agent_header="autoglm-served-load")
+        await self.ws.send(P.encode_message(P.Hello(bundle_id=spec["bundle_id"], codecs=list(spec["codecs"]),
+                                                    hints=P.ClientHints(device_class="sim", client="served_load"))))
+        reply = P.decode_message(await asyncio.wait_for(self.ws.recv(), 60))
+        if not isinstance(reply, P.Welcome):
+            raise RuntimeError(f"session {self.index}: expected Welcome, got {reply}")
+        self.welcome = reply
+
+    async def run(self, inputs: EdgeInputs, prompt: int, gen: int, timeout: float) -> None:
+        rid = f"r{self.index}"
+        frames = [P.encode_message(dataclasses.replace(m, request_id=rid))
+                  for m in inputs.prompts[self.index % len(inputs.prompts)]]
+        try:
+            await asyncio.wait_for(self._generate(rid, frames, inputs, prompt, gen), timeout)
+        except Exception as e:  # noqa: BLE001 - every failure is recorded; the level reports it
+            self.error = self.error or f"{type(e).__name__}: {e}"
+        finally:
+            try:
+                await self.ws.send(P.encode_message(P.Close(reason="done")))
+                await asyncio.wait_for(self.ws.close(), 5)
+            except Exception:  # noqa: BLE001 - the link may be gone already
+                pass
+
+    async def _generate(self, rid: str, frames: list[bytes], inputs: EdgeInputs, prompt: int, gen: int) -> None:
+        ws = self.ws
+        self.start = time.monotonic()
+        for f in frames:
+            await ws.send(f)
+            self.up_bytes += len(f)
+        bank = inputs.decode
+        while True:
+            msg = P.decode_message(await ws.recv())
+            now = time.monotonic()
+            if isinstance(msg, P.Error):
+                raise RuntimeError(f"server error {msg.code}: {msg.message}")
+            if not isinstance(msg, P.Tokens) or msg.request_id != rid:
+                raise RuntimeError(f"unexpected {type(msg).__name__}")
+            if msg.index != len(self.token_times) or len(msg.token_ids) > 1:
+                raise RuntimeError(f"token index {msg.index} with {len(msg.token_ids)} ids after "
+                                   f"{len(self.token_times)} tokens")
+            self.token_times.extend([now] * len(msg.token_ids))
+            if msg.finish_reason is not None:
+                self.finish = msg.finish_reason
+                self.completion_tokens = msg.usage.completion_tokens if msg.usage else None
+                return
+            k = len(self.token_times)
+            frame = P.encode_message(P.DecodeStep(request_id=rid, position=prompt + k - 1,
+                                                  hidden=bank[(self.index + k) % len(bank)]))
+            await ws.send(frame)
+            self.up_bytes += len(frame)
+
+    def result(self) -> dict:
+        return {"index": self.index, "start": self.start, "token_times": self.token_times, "finish": self.finish,
+                "completion_tokens": self.completion_tokens, "error": self.error, "up_bytes": self.up_bytes}
+
+
+async def worker_main(spec: dict) -> dict:
+    """Connect ``spec['count']`` sessions, say ready, wait for ``go`` on stdin, run them all, return results."""
+    loop = asyncio.get_running_loop()
+    edges = [Edge(spec["first"] + i) for i in range(spec["count"])]
+    await asyncio.gather(*(e.connect(spec) for e in edges))
+    codec = next((c for c in spec["codecs"] if c in edges[0].welcome.codecs), None)
+    if codec is None:
+        raise RuntimeError(f"no codec of {spec['codecs']} accepted (server: {edges[0].welcome.codecs})")
+    inputs = edge_inputs(spec, edges[0].welcome, codec)
+    print(json.dumps({"ready": len(edges), "codec": codec}), flush=True)
+    line = await loop.run_in_executor(None, sys.stdin.readline)
+    if line.strip() != "go":
+        raise RuntimeError(f"expected 'go' from the parent, got {line!r}")
+    cpu0 = sum(os.times()[:2])
+    await asyncio.gather(*(e.run(inputs, spec["prompt"], spec["gen"], spec["timeout"]) for e in edges))
+    return {"sessions": [e.result() for e in edges], "cpu_s": sum(os.times()[:2]) - cpu0, "codec": codec}
+
+
+def worker_entry() -> int:
+    """``served_load.py --worker``: one JSON spec line on stdin, JSON lines out (never pickle)."""
+    spec = json.loads(sys.stdin.readline())
+    result = asyncio.run(worker_main(spec))
+    print(json.dumps({"result": result}), flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the server
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_sizing(cfg: LoadConfig) -> list[str]:
+    """Server options that let the largest level run as one decode batch (user options come after, and win)."""
+    smax = max(cfg.sessions)
+    per_seq = -(-(cfg.prompt + cfg.gen + 1) // 16)
+    return ["--max-sessions", str(smax + 16), "--max-num-seqs", str(smax), "--block-size", "16",
+            "--num-blocks", str((smax + 2) * per_seq + 16), "--max-num-batched-tokens", str(max(2048, smax)),
+            "--max-model-len", str(max(8192, cfg.prompt + cfg.gen + 16)), "--session-grace-s", "5"]
+
+
+class ServerProcess:
+    """A spawned server (bundle or random-weight preset) on a free port; ``stop`` drains it (SIGTERM)."""
+
+    def __init__(self, cfg: LoadConfig, workdir: Path):
+        self.port = _free_port()
+        common = ["--host", "127.0.0.1", "--port", str(self.port), *server_sizing(cfg), "--log-level", "warning",
+                  *(["--api-key", cfg.api_key] if cfg.api_key else []), *cfg.server_args]
+        if cfg.preset is not None:
+            stub = workdir / "stub-bundle"
+            self.cmd = [sys.executable, str(HERE / "random_weight_server.py"), "--preset", cfg.preset, "--layer",
+                        str(cfg.layer), "--stub", str(stub), "--seed", str(cfg.seed), "--", *common]
+            self.bundle = stub
+        else:
+            self.cmd = [sys.executable, "-m", "cloud_server.cli", "serve", str(cfg.serve), *common]
+            self.bundle = cfg.serve
+        self.log_path = workdir / "server.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=HERE.parent)
+        self.url = f"ws://127.0.0.1:{self.port}/v1/split"
+        self.http = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.http + "/ready", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 6000) -> str:
+        self.log.flush()
+        return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------------------------------------
+# one level: S sessions over W workers
+
+
+def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict | None, s: int,
+              server_pid: int | None, py_spy_out: Path | None) -> dict:
+    procs = min(s, cfg.procs or max(1, (os.cpu_count() or 2) // 2))  # the other half: the server's threads
+    share = [s // procs + (i < s % procs) for i in range(procs)]
+    workers, first = [], 0
+    for w, count in enumerate(share):
+        spec = {"url": url, "api_key": cfg.api_key, "bundle_id": manifest.bundle_id, "hidden": manifest.hidden_size,
+                "calibration": calibration, "codecs": list(cfg.codecs), "first": first, "count": count,
+                "prompt": cfg.prompt, "gen": cfg.gen, "seed": cfg.seed * 1000 + w,
+                "states": str(cfg.states) if cfg.states else None, "timeout": cfg.level_timeout_s}
+        first += count
+        p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+        p.stdin.write(json.dumps(spec) + "\n")
+        p.stdin.flush()
+        workers.append(p)
+    try:
+        codecs = {_read_line(p, "ready", cfg.level_timeout_s)["codec"] for p in workers}
+        spy = None
+        if py_spy_out is not None and server_pid is not None:
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(server_pid), "--nonblocking", "--threads",
+                                    "--format", "raw", "--rate", str(PY_SPY_RATE), "-o", str(py_spy_out)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # attached before the load starts
+        cpu0 = cpu_seconds(server_pid) if server_pid else None
+        t0 = time.monotonic()
+        for p in workers:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = [_read_line(p, "result", cfg.level_timeout_s + 60) for p in workers]
+        wall = time.monotonic() - t0
+        server_cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=60)
+    finally:
+        for p in workers:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    rec = summarize(s, [x for r in results for x in r["sessions"]], cfg)
+    if spy is not None and py_spy_out.is_file():
+        rec["profile_s"] = profile_summary(py_spy_out, PY_SPY_RATE)
+    rec.update(procs=procs, codec=",".join(sorted(codecs)), wall_s=wall, server_cpu_s=server_cpu,
+               client_cpu_s=sum(r["cpu_s"] for r in results))
+    return rec
+
+
+def _read_line(p: subprocess.Popen, key: str, timeout: float) -> dict:
+    """The next JSON line of worker ``p`` carrying ``key`` (a worker that dies or stalls is an error)."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not sel.select(left):
+            raise RuntimeError(f"worker {p.pid}: no '{key}' within {timeout:.0f} s")
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {p.pid} exited ({p.wait()}) before '{key}'")
+        msg = json.loads(line)
+        if key in msg:
+            return msg if key == "ready" else msg[key]
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def summarize(s: int, sessions: list[dict], cfg: LoadConfig) -> dict:
+    """Throughput, TTFT and ITL of one level from every session's token timeline (monotonic seconds)."""
+    ok = [x for x in sessions if x["error"] is None and len(x["token_times"]) == cfg.gen
+          and x["completion_tokens"] == cfg.gen and x["finish"] == "length"]
+    errors = [f"session {x['index']}: {x['error'] or 'finish ' + str(x['finish'])}, {len(x['token_times'])} tokens"
+              for x in sessions if x not in ok]
+    rec: dict = {"sessions": s, "completed": len(ok), "errors": errors[:8], "prompt": cfg.prompt, "gen": cfg.gen,
+                 "tokens": sum(len(x["token_times"]) for x in sessions)}
+    if not ok:
+        return rec | {"served_tokens_per_s": None}
+    ttft = [1e3 * (x["token_times"][0] - x["start"]) for x in ok]
+    itl = [1e3 * g for x in ok for g in np.diff(x["token_times"]).tolist()]
+    all_first = max(x["token_times"][0] for x in ok)  # every session is decoding from here...
+    first_done = min(x["token_times"][-1] for x in ok)  # ...until the first one finishes
+    window = first_done - all_first
+    steady = sum(1 for x in ok for t in x["token_times"] if all_first < t <= first_done)
+    begin, end = min(x["start"] for x in ok), max(x["token_times"][-1] for x in ok)
+    rec.update(served_tokens_per_s=steady / window if window > 0 else None,
+               served_tokens_per_s_overall=rec["tokens"] / (end - begin), steady_window_s=window,
+               ttft_p50_ms=_pct(ttft, 50), ttft_p99_ms=_pct(ttft, 99), itl_p50_ms=_pct(itl, 50),
+               itl_p99_ms=_pct(itl, 99), itl_mean_ms=float(np.mean(itl)) if itl else None,
+               uplink_bytes_per_session=float(np.mean([x["up_bytes"] for x in ok])))
+    return rec
+
+
+# (category, substrings of a frame); a sample goes to the first category that matches, leaf frame first
+PROFILE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("idle: event loop waiting", ("select (selectors.py",)),
+    ("codec decode", ("(shared/codec",)),
+    ("msgpack decode + validation", ("decode_message (shared/wire.py", "(shared/messages.py", "(shared/tensors.py")),
+    ("msgpack encode", ("encode_message (shared/wire.py",)),
+    ("metrics", ("(prometheus_client/",)),
+    ("websocket frames", ("(websockets/", "(uvicorn/protocols/")),
+    ("model forward", ("(torch/nn/modules/", "(cloud_server/fast/", "(cloud_server/attention.py",
+                       "(transformers/models/")),
+    ("engine: batch build + host->device", ("(cloud_server/engine/model_runner.py",)),
+    ("engine: scheduler", ("(cloud_server/engine/scheduler.py", "(cloud_server/engine/block_manager.py")),
+    ("engine: other", ("(cloud_server/engine/",)),
+    ("split endpoint", ("(cloud_server/split",)),
+    ("asyncio", ("(asyncio/",)),
+)
+
+
+def profile_summary(path: Path, rate: int) -> dict:
+    """Seconds per thread and category from ``py-spy record --format raw`` collapsed stacks (see
+    :data:`PROFILE_RULES`); a thread's busy time is every sample but the event loop's idle wait."""
+    threads: dict[str, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1]
+        cat = next((name for f in reversed(frames[1:]) for name, keys in PROFILE_RULES if any(k in f for k in keys)),
+                   "other")
+        per = threads.setdefault(thread, {})
+        per[cat] = per.get(cat, 0.0) + int(count) / rate
+    return {t: dict(sorted(c.items(), key=lambda kv: -kv[1])) for t, c in threads.items()}
+
+
+def engine_figures(path: Path | None) -> dict[str, dict]:
+    """Per S, the engine and direct-loop tokens/s of a ``cloud_gpu_bench.py --through-engine`` JSON."""
+    if path is None:
+        return {}
+    if not path.is_file():
+        raise FileNotFoundError(f"--engine-json {path}: no such file")
+    return json.loads(path.read_text()).get("engine", {}).get("summary", {})
+
+
+def attach_engine(res: dict, engine_json: Path) -> dict:
+    """Fill each record's ``engine_tokens_per_s`` / ``direct_tokens_per_s`` (and the served/engine ratio) from
+    the engine bench of the same run; the served figures are untouched."""
+    engine = engine_figures(engine_json)
+    for rec in res["records"]:
+        e = engine.get(str(rec["sessions"]), {})
+        rec["engine_tokens_per_s"] = e.get("engine_tokens_per_s")
+        rec["direct_tokens_per_s"] = e.get("direct_tokens_per_s")
+        rec["served_vs_engine"] = (rec["served_tokens_per_s"] / rec["engine_tokens_per_s"]
+                                   if rec.get("served_tokens_per_s") and rec["engine_tokens_per_s"] else None)
+    res["engine_json"] = str(engine_json)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+
+
+def run(cfg: LoadConfig, command: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="served-load-") as tmp:
+        server = None
+        try:
+            if cfg.url is None:
+                server = ServerProcess(cfg, Path(tmp))
+                print(f"[served_load] server: {shlex.join(server.cmd)}", flush=True)
+                ready_s = server.wait_ready(cfg.ready_timeout_s)
+                url, bundle, pid = server.url, server.bundle, server.proc.pid
+                print(f"[served_load] ready after {ready_s:.1f} s", flush=True)
+            else:
+                url, bundle, pid, ready_s = cfg.url, cfg.bundle, None, None
+            manifest = Manifest.load(bundle)
+            calib_path = Path(bundle) / "calibration.json"
+            calibration = json.loads(calib_path.read_text()) if calib_path.is_file() else None
+            res = {"command": command, "config": _jsonable(asdict(cfg)),
+                   "env": {"python": platform.python_version(), "host_cpus": os.cpu_count(),
+                           "machine": platform.machine()},
+                   "server": {"command": shlex.join(server.cmd) if server else None, "url": url,
+                              "ready_s": ready_s, "bundle_id": manifest.bundle_id, "hidden": manifest.hidden_size,
+                              "source": manifest.source},
+                   "records": []}
+            run_level(cfg, url, manifest, calibration, 1, None, None)  # warm-up: first-call costs off the clock
+            for s in cfg.sessions:
+                spy = cfg.py_spy if cfg.py_spy is not None and s == max(cfg.sessions) else None
+                rec = run_level(cfg, url, manifest, calibration, s, pid, spy)
+                rec.update(engine_tokens_per_s=None, direct_tokens_per_s=None, served_vs_engine=None)
+                res["records"].append(rec)
+                if cfg.engine_json is not None:
+                    attach_engine(res, cfg.engine_json)
+                print(_row(rec), flush=True)
+                if cfg.out is not None:
+                    _write(cfg.out, res)
+            return res
+        except Exception:
+            if server is not None:
+                print(f"[served_load] server log (tail):\n{server.tail()}", file=sys.stderr, flush=True)
+            raise
+        finally:
+            if server is not None:
+                server.stop()
+
+
+def _row(r: dict) -> str:
+    def f(v, fmt=".1f"):
+        return "-" if v is None else format(v, fmt)
+    return (f"[served_load] S={r['sessions']:4d} completed {r['completed']}/{r['sessions']} "
+            f"served {f(r.get('served_tokens_per_s'), '.0f')} tok/s (overall {f(r.get('served_tokens_per_s_overall'), '.0f')})"
+            f" TTFT p50 {f(r.get('ttft_p50_ms'))} ms, ITL p50 {f(r.get('itl_p50_ms'), '.2f')} / p99 "
+            f"{f(r.get('itl_p99_ms'), '.2f')} ms, server CPU {f(r.get('server_cpu_s'), '.1f')} s, "
+            f"client CPU {f(r.get('client_cpu_s'), '.1f')} s over {f(r.get('wall_s'), '.1f')} s")
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+def _write(path: Path, res: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def parse_args(argv: list[str] | None = None) -> LoadConfig:
+    d = LoadConfig.__dataclass_fields__
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    src = ap.add_argument_group("server (one of)")
+    src.add_argument("--url", help="ws://HOST:PORT/v1/split of a running server (with --bundle)")
+    src.add_argument("--serve", type=Path, help="spawn `autoglm-cloud serve BUNDLE` on a free port")
+    src.add_argument("--preset", help="spawn a random-weight server: tiny-glm4 | tiny-glm4v | glm4v-9b-random")
+    ap.add_argument("--bundle", type=Path, help="the bundle a --url server serves")
+    ap.add_argument("--layer", type=int, default=d["layer"].default, help="split layer of --preset")
+    ap.add_argument("--server-arg", action="append", default=[], dest="server_args",
+                    help="extra `autoglm-cloud serve` option, repeatable (e.g. --server-arg=--variants=bf16)")
+    ap.add_argument("--sessions", default="1,8,64,256", help="concurrent sessions per level")
+    ap.add_argument("--prompt", type=int, default=d["prompt"].default, help="prompt positions per session")
+    ap.add_argument("--gen", type=int, default=d["gen"].default, help="tokens per session")
+    ap.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="codec preference order (Hello)")
+    ap.add_argument("--procs", type=int, default=0, help="worker processes (0: half the cores)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--states", type=Path, help="recorded boundary states [N, H] float32 .npy")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ready-timeout-s", type=float, default=d["ready_timeout_s"].default)
+    ap.add_argument("--level-timeout-s", type=float, default=d["level_timeout_s"].default)
+    ap.add_argument("--engine-json", type=Path, help="cloud_gpu_bench --through-engine JSON of the same run")
+    ap.add_argument("--py-spy", type=Path, help="collapsed-stack profile of the server at the largest level")
+    ap.add_argument("--out", type=Path, help="result JSON (rewritten after every level)")
+    a = ap.parse_args(argv)
+    try:
+        return LoadConfig(url=a.url, bundle=a.bundle, serve=a.serve, preset=a.preset, layer=a.layer,
+                          server_args=a.server_args, sessions=tuple(int(x) for x in a.sessions.split(",") if x),
+                          prompt=a.prompt, gen=a.gen, codecs=tuple(c for c in a.codecs.split(",") if c),
+                          procs=a.procs, api_key=a.api_key, states=a.states, seed=a.seed,
+                          ready_timeout_s=a.ready_timeout_s, level_timeout_s=a.level_timeout_s,
+                          engine_json=a.engine_json, py_spy=a.py_spy, out=a.out)
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--worker"]:
+        return worker_entry()
+    if argv and argv[0] == "--attach-engine":  # --attach-engine ENGINE_JSON --to SERVED_JSON
+        if len(argv) != 4 or argv[2] != "--to":
+            print("usage: served_load.py --attach-engine ENGINE_JSON --to SERVED_JSON", file=sys.stderr)
+            return 2
+        served = Path(argv[3])
+        _write(served, attach_engine(json.loads(served.read_text()), Path(argv[1])))
+        for r in json.loads(served.read_text())["records"]:
+            print(_row(r) + f", engine {r['engine_tokens_per_s']}, direct {r['direct_tokens_per_s']}")
+        return 0
+    cfg = parse_args(argv)
+    res = run(cfg, shlex.join(["python", "bench/served_load.py", *argv]))
+    bad = [r for r in res["records"] if r["completed"] != r["sessions"]]
+    if cfg.out is not None:
+        _write(cfg.out, res)
+    for r in bad:
+        print(f"[served_load] S={r['sessions']}: {r['sessions'] - r['completed']} sessions failed: {r['errors']}",
+              file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""Protocol messages -> engine inputs, engine outputs -> protocol messages, for split sessions.
+
+The split endpoint (``cloud_server.split_endpoint``) hands this module only messages the session's state
+machine has accepted (``shared.session_state``), with the request's track; what is left here is translation:
+
+* a request's first ``Prefill`` -> ``AsyncEngine.add_request`` (sampling parameters, compute variant chosen by
+  the precision policy unless the edge named one, prefix keys in the session's tenant namespace:
+  ``shared.prefix_keys.tenant_scoped``), later chunks and ``DecodeStep``\\ s ->
+  ``add_input``, ``Cancel`` -> ``abort``, ``Resume`` -> ``Resumed`` from the server's record;
+* coded hidden states -> float32 tensors ``[n, H]`` checked against the engine's fixed facts (width, RoPE);
+* engine outputs (on the event-loop thread, via ``call_soon_threadsafe``) -> ``Tokens`` / ``Error``, with the
+  engine's error codes mapped to wire codes of the same meaning (:data:`WIRE_CODES`).
+
+Every message goes out through ``Session.send``, so the state machine records it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from cloud_server.engine.llm_engine import RequestOutput
+from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
+from cloud_server.engine.sequence import InputChunk
+from cloud_server.engine_facts import EngineFacts
+from cloud_server.precision_select import request_compute
+from cloud_server.session_store import RequestRecord, Session
+from shared import protocol as P
+from shared.prefix_keys import tenant_scoped
+from shared.session_state import RequestTrack
+
+# engine error code -> wire code (shared.errors.SESSION_ERROR_CODES); each keeps its meaning
+WIRE_CODES = {"too_long": "context_full", "kv_cache_full": "overloaded", "engine_error": "internal",
+              "timeout": "timeout", "bad_input": "bad_input", "unknown_request": "unknown_request",
+              "duplicate_request": "duplicate_request", "prefix_miss": "prefix_miss"}
+# engine finish reason -> wire finish reason
+WIRE_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "cancelled": "cancelled"}
+RETRY_AFTER_MS = {"overloaded": 500, "draining": 5000}  # request-level refusals worth retrying
+
+
+def engine_params(p: P.SamplingParams, max_context: int) -> SamplingParams:
+    """The engine's sampling parameters for a request's wire ``params`` (raises ``SamplingParamsError``)."""
+    want_lp = p.logprobs or p.top_logprobs > 0
+    return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                          max_tokens=min(p.max_tokens, max_context), stop_token_ids=list(p.stop_token_ids),
+                          ignore_eos=p.ignore_eos, logprobs=p.top_logprobs if want_lp else None,
+                          presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                          repetition_penalty=p.repetition_penalty)
+
+
+class BadInput(Exception):
+    """A message the state machine accepted whose contents the model cannot take; ``code`` is the wire code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class SplitTranslator:
+    """One per endpoint. ``codecs``: name -> codec able to decode; ``load()``: the server's busy fraction."""
+
+    def __init__(self, runtime, codecs: dict, wire_limits: P.Limits, load: Callable[[], float]):
+        self.rt = runtime
+        self.codecs = codecs
+        self.wire_limits = wire_limits
+        self.load = load
+
+    @property
+    def facts(self) -> EngineFacts:
+        return self.rt.facts
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def _inputs(self, msg: P.Prefill | P.DecodeStep, start: int, last: bool) -> InputChunk:
+        """The message's hidden states [n, H] float32 and 3-D RoPE positions [3, n], as an engine chunk."""
+        try:
+            arr = self.codecs[msg.hidden.codec].decode(msg.hidden, self.wire_limits)  # [n, H] float32
+        except P.ProtocolError as e:
+            raise BadInput(e.code, e.message) from None
+        if arr.shape[1] != self.facts.hidden_size:
+            raise BadInput("bad_input", f"hidden states of width {arr.shape[1]}; the model takes "
+                                        f"{self.facts.hidden_size}")
+        rope = None
+        if msg.rope_positions is not None:
+            if not self.facts.mrope:
+                raise BadInput("bad_input", "rope_positions sent to a model without multimodal RoPE")
+            rope = torch.from_numpy(msg.rope_positions.to_numpy().astype(np.int64))  # [3, n]
+        hidden = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        return InputChunk(start, hidden=hidden, last=last, rope_positions=rope)
+
+    def open(self, session: Session, track: RequestTrack, msg: P.Prefill, nbytes: int) -> None:
+        """A request's first Prefill: admit it to the engine."""
+        rid = msg.request_id
+        try:
+            chunk = self._inputs(msg, msg.start, msg.last)
+            params = engine_params(msg.params, self.facts.max_context)
+        except BadInput as e:
+            self.fail(session, rid, e.code, e.message)
+            return
+        except SamplingParamsError as e:
+            self.fail(session, rid, "bad_value", str(e))
+            return
+        self.rt.metrics.on_uplink(nbytes, msg.hidden.codec, msg.n_tokens)
+        end = msg.start + msg.n_tokens
+        # The prompt's length is known when its first message is also its last; else it is at least a chunk.
+        prompt_guess = end if msg.last else max(end, session.state.limits.max_prefill_chunk_tokens)
+        planned = msg.compute or request_compute(self.facts, self.load(), session.codecs, prompt_guess,
+                                                 msg.rope_positions is not None)
+        rec = RequestRecord(track, f"{session.session_id}/{rid}", msg.hidden.codec,
+                            self.facts.resolve_variant(planned), prompt_tokens=end)
+        track.owner = rec
+        loop = asyncio.get_running_loop()
+
+        def sink(out: RequestOutput, s=session, r=rec) -> None:  # engine thread -> event loop
+            loop.call_soon_threadsafe(self.on_output, s, r, out)
+
+        keys = [tenant_scoped(session.tenant, k) for k in msg.prefix_keys]  # a tenant reuses only its own blocks
+        self.rt.engine.add_request(rec.engine_id, sink, chunk, params, rec.compute, keys)
+
+    def more_input(self, session: Session, track: RequestTrack, msg: P.Prefill | P.DecodeStep, nbytes: int) -> None:
+        """A later Prefill chunk or a DecodeStep of an admitted request."""
+        rec: RequestRecord = track.owner
+        is_step = isinstance(msg, P.DecodeStep)
+        start, n = (msg.position, 1) if is_step else (msg.start, msg.n_tokens)
+        try:
+            chunk = self._inputs(msg, start, True if is_step else msg.last)
+        except BadInput as e:
+            self.fail(session, track.request_id, e.code, e.message)
+            return
+        self.rt.metrics.on_uplink(nbytes, msg.hidden.codec, n)
+        rec.last_input = time.monotonic()
+        if not is_step:
+            rec.prompt_tokens = start + n
+        self.rt.engine.add_input(rec.engine_id, chunk)
+
+    def cancel(self, track: RequestTrack) -> None:
+        self.rt.engine.abort(track.owner.engine_id, "cancelled")
+
+    def resume(self, session: Session, track: RequestTrack, msg: P.Resume) -> None:
+        rec: RequestRecord | None = track.owner
+        if rec is None:  # refused before the engine saw it: nothing to resume
+            session.send(P.Error(code="resume_failed", message=f"request {track.request_id} was never admitted",
+                                 request_id=track.request_id))
+            return
+        have = msg.have_tokens
+        session.send(P.Resumed(request_id=track.request_id, received=track.received, index=have,
+                               token_ids=rec.tokens[have:], finish_reason=track.finish))
+
+    def fail(self, session: Session, rid: str, code: str, message: str) -> None:
+        """Close request ``rid`` with ``Error(code)``: the engine drops it, the state machine records it."""
+        rec = session.record(rid)
+        if rec is not None and rec.active:
+            self.rt.engine.abort(rec.engine_id, "error")
+        session.send(P.Error(code=code, message=message, request_id=rid, retry_after_ms=RETRY_AFTER_MS.get(code)))
+
+    # -- engine outputs (event loop thread) -------------------------------------------------------
+    def on_output(self, session: Session, rec: RequestRecord, out: RequestOutput) -> None:
+        if not rec.active:
+            return  # the edge was already told (an error, a cancel, the session closed) and raced the engine
+        if out.error_code is not None and out.token_id is None:
+            code = WIRE_CODES.get(out.error_code, "internal")
+            session.send(P.Error(code=code, message=out.error_message or out.error_code, request_id=rec.request_id,
+                                 retry_after_ms=1000 if code == "overloaded" else None))
+            return
+        rec.cached_tokens = out.num_cached_tokens
+        if out.token_id is None:  # finished without a token: cancelled, aborted
+            session.send(self._tokens(rec, [], out, WIRE_FINISH.get(out.finish_reason or "", "error")))
+            return
+        rec.tokens.append(out.token_id)
+        finish = WIRE_FINISH.get(out.finish_reason or "", "error") if out.finished else None
+        session.send(self._tokens(rec, [out.token_id], out, finish))
+
+    @staticmethod
+    def _tokens(rec: RequestRecord, ids: list[int], out: RequestOutput, finish: str | None) -> P.Tokens:
+        total_ms = (time.monotonic() - rec.last_input) * 1000
+        msg = P.Tokens(
+            request_id=rec.request_id, index=len(rec.tokens) - len(ids), token_ids=ids,
+            logprobs=[max(-1e4, out.logprob)] if ids and out.logprob is not None else None,
+            top_logprobs=[[P.TopLogprob(token_id=t, logprob=max(-1e4, lp)) for t, lp in out.top_logprobs]]
+            if ids and out.top_logprobs is not None else None,
+            finish_reason=finish,
+            usage=P.Usage(prompt_tokens=rec.prompt_tokens, completion_tokens=len(rec.tokens),
+                          cached_tokens=rec.cached_tokens) if finish is not None else None,
+            timings=P.ServerTimings(total_ms=max(0.0, total_ms)),
+            plan=None if rec.plan_sent else P.PrecisionPlan(codec=rec.codec, compute=rec.compute))
+        rec.plan_sent = True
+        return msg

@@ -1,0 +1,294 @@
+"""The phone's image path for GLM-4.1V: decode, preprocess exactly as the model's processor, run the tower.
+
+Preprocessing mirrors transformers' ``Glm4vImageProcessor`` (PIL backend) step by step:
+
+1. decode (PIL), transparency composited onto white, RGB;
+2. ``smart_resize``: height and width rounded to multiples of ``patch x merge`` (28), scaled so that
+   ``temporal_patch x h x w`` stays within ``[min_pixels, max_pixels]``, then a bicubic resize;
+3. rescale by 1/255, normalise with the CLIP mean/std;
+4. patchify: ``[C, H, W]`` -> ``[N, C*T*P*P]`` patches in merge-block-major order (the 2x2 patches that
+   become one visual token are adjacent), the single frame repeated ``T = 2`` times (temporal patch).
+
+The tower's data-dependent inputs (``partition_tools.export_vision``'s interface) are computed here too:
+per-patch axial 2-D rotary angles and the bicubic sampling grid of the learned position table.
+
+:class:`VisionEncoder` opens ``edge/vision.onnx`` on first use (a text-only app never pays its memory),
+``warmup()`` loads and runs it once on request. Bad input raises :class:`MediaError` (a 4xx for the HTTP
+endpoint, an ``EdgeClientError`` for the Python API); nothing here can take the process down.
+
+Only numpy, PIL and onnxruntime: this module runs on the phone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+VISION = "edge/vision.onnx"
+VISION_CONFIG = "edge/vision.json"
+VISION_INPUTS = ("pixel_values", "rope_cos", "rope_sin", "pos_grid")
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")  # decoded by PIL on every platform we ship
+MAX_IMAGE_BYTES = 20 << 20  # an encoded image larger than this is refused before decoding
+MAX_INPUT_PIXELS = 40_000_000  # decoded width x height above this is refused (decompression bombs)
+
+
+class MediaError(ValueError):
+    """An image or audio input the edge refuses; ``code`` is a stable machine-readable reason."""
+
+    def __init__(self, message: str, code: str = "bad_media"):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """``edge/vision.json`` (written by ``partition_tools.export_vision``)."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    in_channels: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    min_pixels: int
+    max_pixels: int  # the model's default pixel budget (smart_resize's max_pixels)
+    head_dim: int
+    rope_theta: float
+    pos_table_side: int
+    out_hidden_size: int
+    image_token_id: int
+    image_start_token_id: int
+    image_end_token_id: int
+    quant: str
+    quant_report: dict = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, bundle_dir: str | Path) -> VisionSpec:
+        path = Path(bundle_dir) / VISION_CONFIG
+        if not path.is_file():
+            raise MediaError(f"{path}: this bundle has no vision encoder (not a GLM-4.1V split)", "no_encoder")
+        raw = json.loads(path.read_text())
+        raw["image_mean"], raw["image_std"] = tuple(raw["image_mean"]), tuple(raw["image_std"])
+        return cls(**raw)
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedImage:
+    """One image ready for the tower: what the model's processor returns, plus a content digest."""
+
+    pixel_values: np.ndarray  # float32 [N, C*T*P*P], N = grid_h * grid_w
+    grid_thw: tuple[int, int, int]  # (1, grid_h, grid_w) in patches
+    digest: bytes  # sha256 of the resized pixels and the grid: the image's identity in every cache
+    source_size: tuple[int, int]  # decoded (height, width)
+    merge_size: int
+
+    @property
+    def n_tokens(self) -> int:
+        """Visual tokens in the prompt: patches / merge^2."""
+        return self.pixel_values.shape[0] // self.merge_size ** 2
+
+
+# ------------------------------------------------------------------------------------------------
+# the processor's steps
+
+
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 112 * 112,
+                 max_pixels: int = 28 * 28 * 15000, temporal_factor: int = 2) -> tuple[int, int]:
+    """transformers' ``glm4v.smart_resize`` for one image (``num_frames = temporal_factor``), exactly."""
+    num_frames = temporal_factor
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise MediaError(f"image aspect ratio {max(height, width) / min(height, width):.0f}:1 exceeds 200:1",
+                         "bad_image")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def decode_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INPUT_PIXELS):
+    """Encoded bytes -> a PIL RGB image (transparency on white, as the processor's ``convert_to_rgb``)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise MediaError("empty image (0 bytes)", "bad_image")
+    if len(data) > max_bytes:
+        raise MediaError(f"image of {len(data)} bytes exceeds the {max_bytes}-byte limit", "image_too_large")
+    try:
+        img = Image.open(io.BytesIO(data))
+        fmt = img.format
+        if fmt not in IMAGE_FORMATS:
+            raise MediaError(f"unsupported image format {fmt!r} (accepted: {', '.join(IMAGE_FORMATS)})",
+                             "unsupported_format")
+        w, h = img.size
+        if w * h == 0:
+            raise MediaError(f"zero-size image ({w}x{h})", "bad_image")
+        if w * h > max_pixels:
+            raise MediaError(f"image of {w}x{h} pixels exceeds the {max_pixels}-pixel limit", "image_too_large")
+        img.load()  # decode now: truncated or corrupt data fails here, not later
+    except MediaError:
+        raise
+    except UnidentifiedImageError:
+        raise MediaError("not a recognised image (corrupt, or an unsupported format)", "bad_image") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise MediaError(f"cannot decode the image: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                         "bad_image") from None
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
+    """[C, H, W] float32 -> [grid_h * grid_w, C*T*P*P] in merge-block-major order (the processor's layout)."""
+    c, h, w = image.shape
+    gh, gw = h // patch, w // patch
+    x = image.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, P, P]
+    x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], temporal, *x.shape[5:]))  # T copies of the frame
+    return np.ascontiguousarray(x.reshape(gh * gw, c * temporal * patch * patch), dtype=np.float32)
+
+
+def preprocess(img, spec: VisionSpec, max_pixels: int | None = None) -> PreparedImage:
+    """A PIL RGB image -> :class:`PreparedImage` at pixel budget ``max_pixels`` (default: the model's)."""
+    from PIL import Image
+
+    budget = spec.max_pixels if max_pixels is None else int(max_pixels)
+    if budget < spec.min_pixels:
+        raise MediaError(f"pixel budget {budget} is below the model's minimum {spec.min_pixels}", "bad_budget")
+    w, h = img.size
+    rh, rw = smart_resize(h, w, spec.factor, spec.min_pixels, budget, spec.temporal_patch_size)
+    resized = np.asarray(img.resize((rw, rh), resample=Image.Resampling.BICUBIC), dtype=np.uint8)  # [H, W, 3]
+    digest = hashlib.sha256(b"image/v1" + np.array([rh, rw], np.int64).tobytes() + resized.tobytes()).digest()
+    x = resized.astype(np.float64) * (1 / 255)  # the processor rescales in float64, then works in float32
+    x = x.astype(np.float32).transpose(2, 0, 1)  # [3, H, W]
+    mean = np.asarray(spec.image_mean, np.float32)[:, None, None]
+    std = np.asarray(spec.image_std, np.float32)[:, None, None]
+    x = (x - mean) / std
+    pixels = patchify(x, spec.patch_size, spec.merge_size, spec.temporal_patch_size)
+    return PreparedImage(pixels, (1, rh // spec.patch_size, rw // spec.patch_size), digest, (h, w),
+                         spec.merge_size)
+
+
+def visual_tokens(height: int, width: int, spec: VisionSpec, max_pixels: int | None = None) -> int:
+    """Visual tokens of an image of ``height x width`` at a pixel budget, without decoding it."""
+    rh, rw = smart_resize(height, width, spec.factor, spec.min_pixels,
+                          spec.max_pixels if max_pixels is None else max_pixels, spec.temporal_patch_size)
+    return (rh // spec.factor) * (rw // spec.factor)
+
+
+# ------------------------------------------------------------------------------------------------
+# the tower's data-dependent inputs
+
+
+def patch_positions(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
+    """(h, w) of each patch in merge-block-major order: int64 [N, 2] (transformers' get_vision_position_ids)."""
+    hpos, wpos = np.meshgrid(np.arange(grid_h), np.arange(grid_w), indexing="ij")
+    shape = (grid_h // merge, merge, grid_w // merge, merge)
+    hpos = hpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+    wpos = wpos.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+    return np.stack([hpos, wpos], axis=-1)
+
+
+def vision_rotary(grid_h: int, grid_w: int, merge: int, head_dim: int, theta: float):
+    """The tower's axial rope: cos/sin float32 [N, head_dim] (h angles, w angles, then both again)."""
+    spatial = head_dim // 2
+    inv_freq = (1.0 / (theta ** (np.arange(0, spatial, 2, dtype=np.float32) / spatial))).astype(np.float32)
+    pos = patch_positions(grid_h, grid_w, merge).astype(np.float32)  # [N, 2]
+    freqs = pos[:, :, None] * inv_freq  # [N, 2, Dh/4]
+    hw = freqs.reshape(freqs.shape[0], -1)  # [N, Dh/2]: h frequencies then w frequencies
+    full = np.concatenate([hw, hw], axis=-1)  # [N, Dh]
+    return np.cos(full).astype(np.float32), np.sin(full).astype(np.float32)
+
+
+def position_grid(grid_h: int, grid_w: int, merge: int) -> np.ndarray:
+    """Sampling grid of the learned position table: float32 [1, N, 1, 2], (w, h) patch centres in [-1, 1]."""
+    pos = patch_positions(grid_h, grid_w, merge).astype(np.float32)
+    norm_h = ((pos[:, 0] + 0.5) / np.float32(grid_h)) * 2 - 1
+    norm_w = ((pos[:, 1] + 0.5) / np.float32(grid_w)) * 2 - 1
+    return np.stack([norm_w, norm_h], axis=-1)[None, :, None, :].astype(np.float32)
+
+
+def tower_feeds(image: PreparedImage, spec: VisionSpec) -> dict[str, np.ndarray]:
+    """The vision graph's four inputs for one prepared image."""
+    _, gh, gw = image.grid_thw
+    cos, sin = vision_rotary(gh, gw, spec.merge_size, spec.head_dim, spec.rope_theta)
+    return {"pixel_values": image.pixel_values, "rope_cos": cos, "rope_sin": sin,
+            "pos_grid": position_grid(gh, gw, spec.merge_size)}
+
+
+# ------------------------------------------------------------------------------------------------
+# the encoder
+
+
+class VisionEncoder:
+    """``edge/vision.onnx`` of a bundle, opened on first use; one image per ``encode`` call."""
+
+    def __init__(self, bundle_dir: str | Path, threads: int = 2, graph: str | Path | None = None):
+        self.bundle_dir = Path(bundle_dir)
+        self.spec = VisionSpec.load(self.bundle_dir)
+        self.path = Path(graph) if graph is not None else self.bundle_dir / VISION
+        self.threads = threads
+        self._session = None
+        self._lock = threading.Lock()
+        self.seconds = 0.0  # cumulative encode time
+        self.images = 0
+
+    @property
+    def loaded(self) -> bool:
+        return self._session is not None
+
+    def _open(self):
+        with self._lock:
+            if self._session is None:
+                from .front import open_session
+
+                if not self.path.is_file():
+                    raise MediaError(f"{self.path}: missing (bundle without a vision encoder)", "no_encoder")
+                self._session = open_session(self.path, self.threads)
+        return self._session
+
+    def prepare(self, data: bytes, max_pixels: int | None = None) -> PreparedImage:
+        """Encoded image bytes -> :class:`PreparedImage` (decode + preprocess)."""
+        return preprocess(decode_image(data), self.spec, max_pixels)
+
+    def encode(self, image: PreparedImage) -> np.ndarray:
+        """Visual embeddings float32 [n_tokens, H] of one prepared image."""
+        session = self._open()
+        t0 = time.perf_counter()
+        out = session.run(["image_embeds"], tower_feeds(image, self.spec))[0]
+        self.seconds += time.perf_counter() - t0
+        self.images += 1
+        return out
+
+    def warmup(self) -> float:
+        """Load the graph and run one small image; returns the seconds it took."""
+        from PIL import Image
+
+        t0 = time.perf_counter()
+        side = self.spec.factor * 2
+        self.encode(preprocess(Image.new("RGB", (side, side), (128, 128, 128)), self.spec))
+        return time.perf_counter() - t0

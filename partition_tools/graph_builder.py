@@ -1,0 +1,296 @@
+"""Build the edge front's *fused* ONNX graph directly from the model's weights (no tracing).
+
+The graph is written node by node with ``onnx.helper``, the way ONNX Runtime GenAI's model builder writes
+its decoders, out of onnxruntime's fused contrib ops (domain ``com.microsoft``):
+
+* ``Gather`` on the embedding table;
+* per layer ``SimplifiedLayerNormalization`` (layer 0's input norm) / ``SkipSimplifiedLayerNormalization``
+  (every later norm: residual add + RMSNorm in one kernel, its 4th output is the new residual);
+* one packed q|k|v ``MatMul`` (+ ``Add`` for a bias), ``GroupQueryAttention`` with the KV cache updated in
+  place, one ``MatMul`` for o_proj, a packed gate|up ``MatMul`` + ``Split`` + SiLU gate + down ``MatMul``.
+  Every weight MatMul is named by its module path (``layers.3.mlp.gate_up_proj``), so
+  ``partition_tools.quantize`` turns them into ``MatMulNBits`` with the same patterns as the traced graph.
+
+Interface (``edge_client.front.FUSED_INPUTS`` tells the two graphs apart; ``FrontRuntime`` runs both)::
+
+    inputs   input_ids              int64   [1, S]
+             seqlens_k              int32   [1]            P + S - 1 (tokens in the cache after the step, - 1)
+             total_sequence_length  int32   []             P + S
+             past_key.{i}           float32 [1, KVH, C, D] the KV buffer (C = capacity >= P + S)
+             past_value.{i}         float32 [1, KVH, C, D]
+             rope_cos, rope_sin     float32 [S, R/2]       mrope families only (see below)
+    outputs  hidden_states          float32 [1, S, H]
+             present_key.{i}, present_value.{i}  [1, KVH, C, D]: the same buffer when bound to the same
+             OrtValue (GroupQueryAttention's past_present_share_buffer: the step writes S rows in place)
+
+Rotary: for 1-D rope families the op rotates q/k itself (``do_rotary=1``) from cos/sin caches stored in the
+graph (``[max_positions, R/2]``, computed by the model's own rotary module, so scaling types come along)
+at positions ``P + s``. GLM-4.1V's 3-D multimodal rope gives each token a (t, h, w) position and
+interleaves sections of the frequency axis from the three axes; neither the fused op nor a position
+cache can express that, so for ``mrope`` families the *caller* computes each token's cos/sin
+(``edge_client.rope``) and passes them in, the graph rotates q and k with the ``RotaryEmbedding`` contrib op
+(row s of the inputs is token s's angle) and GroupQueryAttention runs with ``do_rotary=0``. Text tokens
+have t = h = w, where this equals 1-D rope; images only change the positions the caller sends.
+
+Families: Llama layout (SmolLM2, Qwen2, Mistral) and GLM-4 / GLM / GLM-4.1V (partial interleaved rotary,
+fused gate_up_proj, GLM-4's post-attention and post-MLP norms). Anything else (q/k norms, non-SiLU MLPs,
+sliding windows) raises :class:`GraphBuildError`; ``partition_tools.export`` then writes the traced graph.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from edge_client.front import MAX_POSITIONS_KEY, MROPE_KEY, ROPE_INPUTS
+
+from .adapters import ModelAdapter
+
+MS = "com.microsoft"
+GRAPH_KIND_KEY = "autoglm.edge_graph"  # model metadata: "fused-gqa"
+MAX_CACHED_POSITIONS = 32768  # rotary cache rows at most (SmolLM2: 8,192 -> 2 MB of cos/sin)
+OPSET = 17
+_INTERLEAVED = {"glm", "glm4", "glm4v"}  # families whose rotary pairs adjacent channels (2i, 2i+1)
+
+
+class GraphBuildError(ValueError):
+    """The model does not fit the fused graph; the message says what (the traced graph still works)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One decoder layer's fp32 weights, MatMul weights transposed to [in, out]."""
+
+    input_norm: np.ndarray  # [H]
+    qkv: np.ndarray  # [H, (NH + 2 KVH) D]
+    qkv_bias: np.ndarray | None  # [(NH + 2 KVH) D]
+    o: np.ndarray  # [NH D, H]
+    post_attn_norm: np.ndarray | None  # [H]  GLM-4: on the attention output, before the residual add
+    mlp_norm: np.ndarray  # [H]  post_attention_layernorm: the MLP's input norm
+    gate_up: np.ndarray  # [H, 2 I]  gate columns first
+    down: np.ndarray  # [I, H]
+    post_mlp_norm: np.ndarray | None  # [H]  GLM-4: on the MLP output, before the residual add
+    eps: float
+    scaling: float  # softmax scale
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().float().cpu().numpy()
+
+
+def _linear(mod: torch.nn.Linear) -> tuple[np.ndarray, np.ndarray | None]:
+    return _np(mod.weight).T, None if mod.bias is None else _np(mod.bias)  # [in, out], [out]
+
+
+def layer_weights(adapter: ModelAdapter, i: int) -> LayerWeights:
+    """Read layer ``i``'s weights, refusing any layout the fused graph would compute differently."""
+    layer = adapter.layers[i]
+    attn, mlp = layer.self_attn, layer.mlp
+    for name in ("q_norm", "k_norm"):
+        if getattr(attn, name, None) is not None:
+            raise GraphBuildError(f"layer {i}: attention has {name} (not built by the fused graph)")
+    if getattr(attn, "sliding_window", None):
+        raise GraphBuildError(f"layer {i}: sliding-window attention (not built by the fused graph)")
+    act = getattr(adapter.config, "hidden_act", "silu")
+    if act != "silu":
+        raise GraphBuildError(f"MLP activation {act!r}: the fused graph builds SiLU-gated MLPs only")
+    parts = [_linear(getattr(attn, p)) for p in ("q_proj", "k_proj", "v_proj")]
+    biases = [b for _, b in parts]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        raise GraphBuildError(f"layer {i}: bias on some of q/k/v only")
+    qkv = np.concatenate([w for w, _ in parts], axis=1)
+    qkv_bias = None if biases[0] is None else np.concatenate(biases)
+    o, o_bias = _linear(attn.o_proj)
+    if hasattr(mlp, "gate_up_proj"):
+        gate_up, gu_bias = _linear(mlp.gate_up_proj)
+    else:
+        (g, gb), (u, ub) = _linear(mlp.gate_proj), _linear(mlp.up_proj)
+        gate_up, gu_bias = np.concatenate([g, u], axis=1), gb if gb is None else np.concatenate([gb, ub])
+    down, d_bias = _linear(mlp.down_proj)
+    if o_bias is not None or gu_bias is not None or d_bias is not None:
+        raise GraphBuildError(f"layer {i}: bias on o_proj or the MLP (not built by the fused graph)")
+
+    def norm(name: str) -> np.ndarray | None:
+        mod = getattr(layer, name, None)
+        return None if mod is None else _np(mod.weight)
+
+    eps = getattr(layer.input_layernorm, "variance_epsilon", None) or getattr(layer.input_layernorm, "eps", 1e-6)
+    scaling = float(getattr(attn, "scaling", adapter.head_dim ** -0.5))
+    return LayerWeights(norm("input_layernorm"), qkv, qkv_bias, o, norm("post_self_attn_layernorm"),
+                        norm("post_attention_layernorm"), gate_up, down, norm("post_mlp_layernorm"),
+                        float(eps), scaling)
+
+
+def rotary_dim(adapter: ModelAdapter) -> int:
+    """Rotated channels per head (R): head_dim x partial_rotary_factor."""
+    return int(adapter.head_dim * adapter.rope_settings()["partial_rotary_factor"])
+
+
+@torch.no_grad()
+def rotary_caches(adapter: ModelAdapter, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [n_positions, R/2] from the model's own rotary module (its scaling included)."""
+    pos = torch.arange(n_positions)[None]  # [1, P]
+    probe = torch.zeros(1, 1, adapter.hidden_size)
+    cos, sin = adapter.rotary_emb(probe, pos)  # [1, P, R] (halves repeated)
+    half = rotary_dim(adapter) // 2
+    if cos.shape[-1] != 2 * half:
+        raise GraphBuildError(f"rotary module returns {cos.shape[-1]} channels, expected {2 * half}")
+    return _np(cos[0, :, :half]), _np(sin[0, :, :half])
+
+
+class _Graph:
+    """Accumulates nodes and initializers; ``op`` returns the output names."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], outputs: list[str], name: str, domain: str = "", **attrs):
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=domain or None, **attrs))
+        return outputs
+
+
+def build_fused_front(adapter: ModelAdapter, n_layers: int, out_path: Path,
+                      max_positions: int | None = None) -> Path:
+    """Write the fused fp32 front graph for layers [0, n_layers) of ``adapter`` (interface: module docstring)."""
+    if adapter.family.name not in _INTERLEAVED and adapter.family.name != "llama":
+        raise GraphBuildError(f"family {adapter.family.name!r}: no fused graph recipe")
+    if getattr(adapter.config, "sliding_window", None) and getattr(adapter.config, "use_sliding_window", True):
+        raise GraphBuildError("sliding-window attention: not built by the fused graph")
+    nh, kvh, d, hsz = adapter.num_heads, adapter.num_kv_heads, adapter.head_dim, adapter.hidden_size
+    if d % 8:
+        raise GraphBuildError(f"head_dim {d}: GroupQueryAttention needs a multiple of 8")
+    rot = rotary_dim(adapter)
+    mrope = adapter.family.mrope
+    if mrope and (adapter.rope_settings()["type"] != "default" or not adapter.rope_settings()["mrope_section"]):
+        raise GraphBuildError("3-D rope with scaling or without mrope_section: edge_client.rope computes "
+                              "default-type angles only")
+    interleaved = int(adapter.family.name in _INTERLEAVED)
+    layers = [layer_weights(adapter, i) for i in range(n_layers)]
+    n_pos = max_positions or min(int(getattr(adapter.config, "max_position_embeddings", 4096)),
+                                 MAX_CACHED_POSITIONS)
+
+    g = _Graph()
+    cap = "capacity"
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "S"]),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "S", hsz])]
+    for i in range(n_layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", TensorProto.FLOAT, [1, kvh, cap, d]))
+            outputs.append(helper.make_tensor_value_info(f"present_{kind}.{i}", TensorProto.FLOAT,
+                                                         [1, kvh, cap, d]))
+    # Rotary: inside GroupQueryAttention when the op can (1-D rope, R/2 a multiple of 8), else the
+    # RotaryEmbedding op on q and k before it, indexed by position ids computed here.
+    fused_rotary = not mrope and (rot // 2) % 8 == 0
+    if mrope:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["S", rot // 2]) for n in ROPE_INPUTS]
+        cos_name, sin_name = ROPE_INPUTS
+    else:
+        cos, sin = rotary_caches(adapter, n_pos)
+        cos_name, sin_name = g.const("rope.cos_cache", cos), g.const("rope.sin_cache", sin)
+    if not fused_rotary:
+        # position ids [1, S]: row s of the rope inputs (mrope), or absolute position P + s (cache)
+        g.op("Shape", ["input_ids"], ["rope.shape"], "rope.shape", start=1, end=2)
+        g.op("Squeeze", ["rope.shape"], ["rope.len"], "rope.len")
+        if mrope:
+            start = g.const("rope.zero", np.array(0, np.int64))
+        else:  # P = total - S
+            g.op("Cast", ["total_sequence_length"], ["rope.total"], "rope.total", to=TensorProto.INT64)
+            start = g.op("Sub", ["rope.total", "rope.len"], ["rope.start"], "rope.start")[0]
+            g.op("Add", [start, "rope.len"], ["rope.end"], "rope.end")
+        end = "rope.len" if mrope else "rope.end"
+        g.op("Range", [start, end, g.const("rope.one", np.array(1, np.int64))], ["rope.range"], "rope.range")
+        g.op("Unsqueeze", ["rope.range", g.const("rope.axis0", np.array([0], np.int64))], ["rope.pos"], "rope.pos")
+
+    g.const("embed_tokens.weight", _np(adapter.embed_tokens.weight))  # [V, H]
+    hidden = g.op("Gather", ["embed_tokens.weight", "input_ids"], ["embed.out"], "embed_tokens")[0]  # [1, S, H]
+    residual = None  # the running residual stream; None: ``hidden`` itself (layer 0)
+    for i, w in enumerate(layers):
+        p = f"layers.{i}"
+
+        def skip_norm(x: str, weight: np.ndarray, tag: str) -> tuple[str, str]:
+            """RMSNorm(x + residual) -> (normed, new residual); plain RMSNorm of x when no residual yet."""
+            wname = g.const(f"{p}.{tag}.weight", weight)
+            if residual is None:
+                return g.op("SimplifiedLayerNormalization", [x, wname], [f"{p}.{tag}.out"], f"{p}.{tag}",
+                            axis=-1, epsilon=w.eps, stash_type=1)[0], x
+            out = g.op("SkipSimplifiedLayerNormalization", [x, residual, wname],
+                       [f"{p}.{tag}.out", "", "", f"{p}.{tag}.sum"], f"{p}.{tag}", domain=MS, epsilon=w.eps)
+            return out[0], out[3]
+
+        def plain_norm(x: str, weight: np.ndarray, tag: str) -> str:
+            wname = g.const(f"{p}.{tag}.weight", weight)
+            return g.op("SimplifiedLayerNormalization", [x, wname], [f"{p}.{tag}.out"], f"{p}.{tag}",
+                        axis=-1, epsilon=w.eps, stash_type=1)[0]
+
+        def matmul(x: str, weight: np.ndarray, module: str, bias: np.ndarray | None = None) -> str:
+            y = g.op("MatMul", [x, g.const(f"{module}.weight", weight)], [f"{module}.out"], module)[0]
+            if bias is not None:
+                y = g.op("Add", [y, g.const(f"{module}.bias", bias)], [f"{module}.biased"], f"{module}.bias")[0]
+            return y
+
+        x, residual = skip_norm(hidden, w.input_norm, "input_layernorm")  # [1, S, H]
+        qkv = matmul(x, w.qkv, f"{p}.self_attn.qkv_proj", w.qkv_bias)  # [1, S, (NH + 2 KVH) D]
+        gqa_attrs = dict(num_heads=nh, kv_num_heads=kvh, scale=w.scaling, local_window_size=-1)
+        cache = [f"past_key.{i}", f"past_value.{i}"]
+        present = [f"present_key.{i}", f"present_value.{i}"]
+        lens = ["seqlens_k", "total_sequence_length"]
+        if not fused_rotary:
+            q, k, v = g.op("Split", [qkv, g.const(f"{p}.qkv_split", np.array([nh * d, kvh * d, kvh * d], np.int64))],
+                           [f"{p}.q", f"{p}.k", f"{p}.v"], f"{p}.self_attn.qkv_split", axis=-1)
+            rope = dict(interleaved=interleaved, rotary_embedding_dim=rot)
+            q = g.op("RotaryEmbedding", [q, "rope.pos", cos_name, sin_name], [f"{p}.q_rot"],
+                     f"{p}.self_attn.q_rotary", domain=MS, num_heads=nh, **rope)[0]
+            k = g.op("RotaryEmbedding", [k, "rope.pos", cos_name, sin_name], [f"{p}.k_rot"],
+                     f"{p}.self_attn.k_rotary", domain=MS, num_heads=kvh, **rope)[0]
+            attn = g.op("GroupQueryAttention", [q, k, v, *cache, *lens], [f"{p}.attn", *present],
+                        f"{p}.self_attn.attention", domain=MS, do_rotary=0, **gqa_attrs)[0]
+        else:  # packed q|k|v; the op rotates q and k at positions P + s
+            attn = g.op("GroupQueryAttention", [qkv, "", "", *cache, *lens, cos_name, sin_name],
+                        [f"{p}.attn", *present], f"{p}.self_attn.attention", domain=MS, do_rotary=1,
+                        rotary_interleaved=interleaved, **gqa_attrs)[0]  # [1, S, NH D]
+        o = matmul(attn, w.o, f"{p}.self_attn.o_proj")  # [1, S, H]
+        if w.post_attn_norm is not None:
+            o = plain_norm(o, w.post_attn_norm, "post_self_attn_layernorm")
+        x, residual = skip_norm(o, w.mlp_norm, "post_attention_layernorm")
+        gu = matmul(x, w.gate_up, f"{p}.mlp.gate_up_proj")  # [1, S, 2I]
+        gate, up = g.op("Split", [gu, g.const(f"{p}.mlp.split", np.array([w.down.shape[0]] * 2, np.int64))],
+                        [f"{p}.mlp.gate", f"{p}.mlp.up"], f"{p}.mlp.split", axis=-1)
+        sig = g.op("Sigmoid", [gate], [f"{p}.mlp.sigmoid"], f"{p}.mlp.sigmoid")[0]
+        silu = g.op("Mul", [gate, sig], [f"{p}.mlp.silu"], f"{p}.mlp.silu")[0]
+        act = g.op("Mul", [silu, up], [f"{p}.mlp.act"], f"{p}.mlp.act")[0]  # [1, S, I]
+        hidden = matmul(act, w.down, f"{p}.mlp.down_proj")  # [1, S, H]
+        if w.post_mlp_norm is not None:
+            hidden = plain_norm(hidden, w.post_mlp_norm, "post_mlp_layernorm")
+    g.op("Add", [hidden, residual], ["hidden_states"], "final_residual")
+
+    graph = helper.make_graph(g.nodes, "edge_front_fused", inputs, outputs, g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+                              producer_name="autoglm-split graph_builder")
+    model.ir_version = 8
+    props = {GRAPH_KIND_KEY: "fused-gqa", MAX_POSITIONS_KEY: str(n_pos)}
+    if mrope:  # what edge_client.rope needs to compute the rope inputs
+        rope = adapter.rope_settings()
+        props[MROPE_KEY] = json.dumps({"theta": rope["theta"], "rotary_dim": rot,
+                                       "mrope_section": rope["mrope_section"]})
+    helper.set_model_props(model, props)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    weight_bytes = sum(len(t.raw_data) for t in g.inits)
+    if weight_bytes > (1 << 31) - (1 << 26):
+        onnx.save(model, str(out_path), save_as_external_data=True, location=out_path.name + ".data")
+    else:
+        onnx.save(model, str(out_path))
+    return out_path

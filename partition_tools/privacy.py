@@ -1,0 +1,279 @@
+"""What the cloud can learn from the boundary: inversion attacks on the hidden states, and the measured figures.
+
+The cloud half receives the hidden states after layers [0, N) of every prompt token. It also holds the model,
+so it can run the front over any text of its own and learn the map from boundary states back to tokens. The
+attacks here are that attacker; each maps boundary states ``[T, H]`` to token ids ``[T]`` (top-1):
+
+* :func:`embedding_match` - the nearest row of the input embedding table (cosine). The trivial attack: exact
+  where the states are the embeddings (N = 0) and still strong while the residual stream is mostly embedding.
+* :func:`nearest_neighbour` - the token of the nearest training state (cosine after per-channel
+  standardisation, so the few massive-activation channels do not decide every comparison).
+* :func:`train_inverter` - a learned inverter: per-channel standardisation, then a 2-layer MLP classifier over
+  the tokens of the training corpus; with ``context=c`` it also sees the ``c`` neighbouring states on each side
+  (attention has mixed each token into its successors' states).
+
+:func:`boundary_states` collects the states the edge would upload (an fp32 front: the edge's int8 weights add
+noise of their own). ``bench/inversion_bench.py`` runs the attacks on SmolLM2 and writes
+``docs/results/privacy_inversion.json``; :func:`recovered_fraction` reads that file, so the split planner can show
+the figure beside each candidate N. Threat model and figures: docs/security.md.
+
+References: split-inference inversion, arXiv:2602.16760 (an inversion attack recovers ~59 % of input tokens at a
+2-layer split, ~35 % at 8 layers); massive activations, Sun et al. 2024, arXiv:2402.17762.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from .adapters import ModelAdapter, call_layer
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "privacy_inversion.json"
+NO_CODEC = "none"  # the figures' key for states attacked as the front computed them (fp32)
+
+
+# -- collecting the boundary ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class BoundaryStates:
+    """Boundary states of a set of windows (independent sequences, each starting at position 0), concatenated."""
+
+    ids: torch.Tensor  # [T] int64 token ids
+    position: torch.Tensor  # [T] int64 position of each token in its window
+    states: dict[int, torch.Tensor]  # N -> [T, H] float32: the hidden states after layers [0, N)
+
+    def __post_init__(self):
+        t = self.ids.shape[0]
+        if self.position.shape != (t,) or any(s.ndim != 2 or s.shape[0] != t for s in self.states.values()):
+            raise ValueError("BoundaryStates: ids [T], position [T] and every state [T, H] must agree on T")
+
+
+def windows(token_ids: Sequence[Sequence[int]], max_len: int) -> list[torch.Tensor]:
+    """Cut each document's ids into windows of at most ``max_len`` tokens (empty documents are dropped)."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    out = []
+    for ids in token_ids:
+        for i in range(0, len(ids), max_len):
+            out.append(torch.tensor(list(ids[i:i + max_len]), dtype=torch.long))  # [S]
+    return out
+
+
+@torch.no_grad()
+def boundary_states(adapter: ModelAdapter, wins: Sequence[torch.Tensor], layers: Sequence[int]) -> BoundaryStates:
+    """Run the first ``max(layers)`` decoder layers over each window and keep the states after layers [0, N)
+    for every N in ``layers`` (N = 0: the embeddings). Each window is its own sequence (positions from 0)."""
+    layers = sorted(set(layers))
+    if not wins:
+        raise ValueError("no windows to collect")
+    if not layers or layers[0] < 0 or layers[-1] > adapter.num_layers:
+        raise ValueError(f"layers {layers}: each must be in [0, {adapter.num_layers}]")
+    got: dict[int, list[torch.Tensor]] = {n: [] for n in layers}
+    for ids in wins:
+        hidden = adapter.embed_tokens(ids[None]).float()  # [1, S, H]
+        pos = torch.arange(ids.shape[0])[None]  # [1, S]
+        cos_sin = adapter.position_embeddings(hidden, pos)
+        for i in range(layers[-1] + 1):
+            if i in got:
+                got[i].append(hidden[0].clone())  # [S, H]
+            if i < layers[-1]:
+                hidden = call_layer(adapter.layers[i], hidden, attention_mask=None, position_ids=pos,
+                                    position_embeddings=cos_sin)
+    return BoundaryStates(
+        ids=torch.cat(list(wins)),
+        position=torch.cat([torch.arange(w.shape[0]) for w in wins]),
+        states={n: torch.cat(v).float() for n, v in got.items()},
+    )
+
+
+def through_codec(states: torch.Tensor, position: torch.Tensor, codec) -> torch.Tensor:
+    """``states`` [T, H] as the cloud sees them after ``codec`` (a ``shared.codecs.BoundaryCodec``): each window
+    encoded as one message and decoded."""
+    starts = torch.nonzero(position == 0).flatten().tolist() + [states.shape[0]]
+    out = []
+    for a, b in zip(starts[:-1], starts[1:]):
+        x = states[a:b].numpy()  # [S, H]
+        out.append(torch.from_numpy(codec.decode(codec.encode(x))))
+    return torch.cat(out)
+
+
+# -- attacks --------------------------------------------------------------------------------------------------
+
+def _cosine_argmax(queries: torch.Tensor, keys: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Index of the key [K, H] most cosine-similar to each query [T, H]: [T]."""
+    keys = torch.nn.functional.normalize(keys, dim=-1)
+    out = []
+    for q in queries.split(chunk):
+        out.append((torch.nn.functional.normalize(q, dim=-1) @ keys.T).argmax(dim=-1))  # [chunk]
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+@torch.no_grad()
+def embedding_match(states: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+    """The trivial attack: for each state [T, H] the id of the nearest embedding row [V, H] (cosine): [T]."""
+    return _cosine_argmax(states.float(), embedding.float())
+
+
+@dataclass(frozen=True, slots=True)
+class Standardizer:
+    """Per-channel z-scores with the training states' statistics."""
+
+    mean: torch.Tensor  # [H]
+    std: torch.Tensor  # [H]
+
+    @classmethod
+    def fit(cls, states: torch.Tensor) -> Standardizer:
+        return cls(states.mean(dim=0), states.std(dim=0).clamp_min(1e-6))
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        return (states - self.mean) / self.std
+
+
+@torch.no_grad()
+def nearest_neighbour(train_states: torch.Tensor, train_ids: torch.Tensor, test_states: torch.Tensor) -> torch.Tensor:
+    """For each test state [T, H] the token of the nearest training state [K, H] (cosine of z-scores): [T]."""
+    z = Standardizer.fit(train_states)
+    return train_ids[_cosine_argmax(z(test_states), z(train_states))]
+
+
+@dataclass(slots=True)
+class InverterConfig:
+    hidden: int = 1024  # MLP width
+    context: int = 0  # neighbouring states seen on each side (0: the token's own state only)
+    epochs: int = 6
+    batch: int = 256
+    lr: float = 2e-3  # AdamW
+    weight_decay: float = 0.01
+    dropout: float = 0.1  # on the input: a training corpus of ~10^4 tokens overfits quickly
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("hidden", "epochs", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"InverterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.context < 0:
+            raise ValueError(f"InverterConfig.context must be >= 0, got {self.context}")
+
+
+def with_context(states: torch.Tensor, position: torch.Tensor, context: int) -> torch.Tensor:
+    """Each state [T, H] followed by its neighbours at offsets -context..context within its window (zeros past
+    the window's ends): [T, (2 * context + 1) * H]."""
+    if context == 0:
+        return states
+    t = states.shape[0]
+    parts = []
+    for k in range(-context, context + 1):
+        idx = torch.arange(t) + k  # [T]
+        inside = (idx >= 0) & (idx < t)
+        idx = idx.clamp(0, t - 1)
+        same = inside & (position[idx] == position + k)  # neighbour in the same window
+        parts.append(states[idx] * same[:, None])
+    return torch.cat(parts, dim=-1)
+
+
+class Inverter(torch.nn.Module):
+    """Boundary states -> token ids: z-scores, (neighbours), Linear, GELU, Linear over the training vocabulary."""
+
+    def __init__(self, cfg: InverterConfig, z: Standardizer, vocab: torch.Tensor):
+        super().__init__()
+        self.cfg, self.z = cfg, z
+        self.register_buffer("vocab", vocab)  # [V'] the token ids it can name
+        width = (2 * cfg.context + 1) * z.mean.shape[0]
+        self.net = torch.nn.Sequential(
+            torch.nn.Dropout(cfg.dropout), torch.nn.Linear(width, cfg.hidden), torch.nn.GELU(),
+            torch.nn.Linear(cfg.hidden, vocab.shape[0]),
+        )
+
+    def features(self, states: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return with_context(self.z(states), position, self.cfg.context)  # [T, (2c+1) H]
+
+    @torch.no_grad()
+    def predict(self, states: torch.Tensor, position: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+        """Token ids [T] for states [T, H] with their window positions [T]."""
+        self.eval()
+        x = self.features(states, position)
+        return torch.cat([self.vocab[self.net(c).argmax(dim=-1)] for c in x.split(chunk)])
+
+
+def train_inverter(states: torch.Tensor, ids: torch.Tensor, position: torch.Tensor, cfg: InverterConfig) -> Inverter:
+    """Fit an :class:`Inverter` on training states [T, H], their ids [T] and window positions [T] (seeded)."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # weight initialisation and dropout
+    vocab, target = torch.unique(ids, return_inverse=True)  # [V'], [T] indices into vocab
+    model = Inverter(cfg, Standardizer.fit(states), vocab)
+    x = model.features(states, position)  # [T, (2c+1) H]
+    opt = torch.optim.AdamW(model.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    steps = cfg.epochs * -(-x.shape[0] // cfg.batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps)
+    model.train()
+    for _ in range(cfg.epochs):
+        for b in torch.randperm(x.shape[0], generator=gen).split(cfg.batch):
+            loss = torch.nn.functional.cross_entropy(model.net(x[b]), target[b])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    return model.eval()
+
+
+def recovered(predicted: torch.Tensor, truth: torch.Tensor) -> float:
+    """Fraction of tokens whose top-1 guess is the input token."""
+    if predicted.shape != truth.shape or truth.numel() == 0:
+        raise ValueError(f"predicted {tuple(predicted.shape)} and truth {tuple(truth.shape)}: same non-empty shape")
+    return float((predicted == truth).float().mean())
+
+
+# -- the measured figures -------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=4)
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def recovered_fraction(layer: int, codec: str = NO_CODEC, path: Path = RESULTS) -> float | None:
+    """The fraction of held-out input tokens the strongest attack recovered from the boundary after ``layer``
+    decoder layers of SmolLM2-135M (``bench/inversion_bench.py``), for states sent through ``codec``
+    (``"none"``: as computed). Between two measured layers the figure is interpolated linearly; outside the
+    measured range, for an unmeasured codec, or without the results file: ``None``."""
+    data = _load(Path(path))
+    if data is None:
+        return None
+    best = data.get("best", {}).get(codec)
+    if not best:
+        return None
+    points = sorted((int(n), float(v)) for n, v in best.items())
+    if not points[0][0] <= layer <= points[-1][0]:
+        return None
+    for (n0, v0), (n1, v1) in zip(points, points[1:] + points[-1:]):
+        if layer == n0:
+            return v0
+        if n0 < layer < n1:
+            return v0 + (v1 - v0) * (layer - n0) / (n1 - n0)
+    return points[-1][1]
+
+
+__all__ = [
+    "NO_CODEC",
+    "RESULTS",
+    "BoundaryStates",
+    "Inverter",
+    "InverterConfig",
+    "Standardizer",
+    "boundary_states",
+    "embedding_match",
+    "nearest_neighbour",
+    "recovered",
+    "recovered_fraction",
+    "through_codec",
+    "train_inverter",
+    "windows",
+    "with_context",
+]

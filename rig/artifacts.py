@@ -1,0 +1,67 @@
+"""What the rig runs on, built once and cached: the split bundle and the whole-model export (all-edge).
+
+Both live under ``$AUTOGLM_CACHE`` (default ``~/.cache/autoglm-split``): the bundle through
+``edge_client.demo.ensure_bundle``, the export under ``whole/<source>-<quant>``. Building imports the
+partition tools (torch): the developer machine's job, done before any phone starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+from edge_client.demo import cache_root, ensure_bundle
+from shared.whole_model import WHOLE_GRAPH, WHOLE_META
+
+__all__ = ["ensure_bundle", "ensure_whole", "quiet_build_logs"]
+
+
+def quiet_build_logs() -> None:
+    """Keep library chatter (torch's exporter warnings, transformers' GGUF progress bars) off the terminal;
+    the partition tools' own step lines stay."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # a phone-only install: nothing to build here anyway
+        pass
+    for name in ("torch.onnx", "torch.onnx._internal.exporter._registration", "onnxscript", "onnx_ir",
+                 "transformers", "onnxruntime"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def ensure_whole(source: str = "smollm2", quant: str = "int8", out: Path | None = None, quiet: bool = False) -> Path:
+    """The cached whole-model ONNX export of ``source`` at ``quant`` (built if absent or incomplete)."""
+    out = Path(out) if out is not None else cache_root() / "whole" / f"{source}-{quant}"
+    meta = out / WHOLE_META
+    if meta.is_file() and (out / WHOLE_GRAPH).is_file():
+        try:
+            m = json.loads(meta.read_text())
+            if m.get("source") == source and m.get("quant") == quant:
+                return out
+        except json.JSONDecodeError:
+            pass
+    if not quiet:
+        print(f"exporting the whole {source} model ({quant}) for the all-edge baseline in {out} - once", flush=True)
+    quiet_build_logs()
+    from partition_tools.export_whole import export_whole
+    from partition_tools.models import load_model
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then swap in
+        staged = Path(tmp) / "whole"
+        export_whole(load_model(source), staged, quant)
+        if out.exists():
+            shutil.rmtree(out)
+        staged.rename(out)
+    return out

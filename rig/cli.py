@@ -1,0 +1,108 @@
+"""``autoglm-rig``: the simulated-mobile test rig.
+
+    autoglm-rig run SCENARIO.yaml [--out DIR]     run a scenario; writes DIR/report.json and DIR/*.png
+    autoglm-rig demo [--profile 4g]               the whole split on localhost over an emulated 4G link,
+                                                  a streamed answer, then split vs all-cloud vs all-edge
+
+Every flag has an environment twin ``AUTOGLM_RIG_<FLAG>``. A bad scenario ends in one line on stderr and
+exit status 2; a failed phone or server in exit status 1 (with the log file to read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _env(name: str, default=None):
+    return os.environ.get(f"AUTOGLM_RIG_{name}", default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autoglm-rig", description="The simulated-mobile test rig: emulated "
+                                "links, simulated phones, split vs all-cloud vs all-edge.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run a scenario file (YAML or JSON)")
+    r.add_argument("scenario", help="scenario file (docs/rig.md describes the keys)")
+    r.add_argument("--out", default=_env("OUT"), help="report directory (default rig-report/<scenario name>) "
+                                                      "[env AUTOGLM_RIG_OUT]")
+    r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+    d = sub.add_parser("demo", help="the split, all-cloud and all-edge on localhost over an emulated link")
+    d.add_argument("--profile", default=_env("PROFILE", "4g"), help="link profile (default 4g) "
+                                                                    "[env AUTOGLM_RIG_PROFILE]")
+    d.add_argument("--threads", type=int, default=int(_env("THREADS", 1)),
+                   help="onnxruntime threads of the simulated phone (default 1) [env AUTOGLM_RIG_THREADS]")
+    d.add_argument("--out", default=_env("OUT"), help="report directory (default: a temporary one) "
+                                                      "[env AUTOGLM_RIG_OUT]")
+    d.add_argument("--rebuild", action="store_true", help="rebuild the cached bundle and whole-model export")
+    return p
+
+
+def write_report(report: dict, out: Path, plots: bool = True) -> list[Path]:
+    """``out/report.json`` (+ ``out/rig_<workload>.png``); returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    files = [path]
+    if plots:
+        from .plots import plot_report
+
+        files += plot_report(report["summary"], out, prefix="rig")
+    return files
+
+
+def _cmd_run(args) -> int:
+    from .report import format_table
+    from .runner import Progress, run_scenario
+    from .scenario import load_scenario
+
+    sc = load_scenario(args.scenario)
+    out = Path(args.out or Path("rig-report") / sc.name)
+    report = run_scenario(sc, out, Progress())
+    report["command"] = f"autoglm-rig run {args.scenario}" + (f" --out {args.out}" if args.out else "")
+    if sc.plan_check:
+        from .plan_check import check_plan, format_check
+
+        print("checking the planner's predictions (measuring its costs on the same cores)", file=sys.stderr)
+        report["plan_check"] = check_plan(report, sc, Path(report["bundle"]))
+    files = write_report(report, out, plots=not args.no_plots)
+    print(format_table(report["summary"]))
+    if "plan_check" in report:
+        print("\n" + format_check(report["plan_check"]))
+    print("report: " + ", ".join(str(f) for f in files))
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(profile=args.profile, threads=args.threads, out=Path(args.out) if args.out else None,
+             rebuild=args.rebuild)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .profiles import LinkProfileError
+    from .runner import RigError
+    from .scenario import ScenarioError
+
+    try:
+        return {"run": _cmd_run, "demo": _cmd_demo}[args.command](args)
+    except (ScenarioError, LinkProfileError, FileNotFoundError) as e:
+        print(f"autoglm-rig {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except RigError as e:
+        print(f"autoglm-rig {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

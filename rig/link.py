@@ -1,0 +1,344 @@
+"""The project's one link emulator: a TCP proxy that makes a loopback connection behave like a mobile link.
+
+    with LinkEmulator(server_port, get_profile("4g"), seed=1) as link:
+        client connects to 127.0.0.1:<link.port> ...
+        link.cut()                       # every connection through it dies now (RST both ways)
+
+Each direction of each connection is a :class:`LinkModel`: a FIFO bottleneck of the profile's bandwidth (a
+byte leaves only after the bytes before it: serialization delay = size / bandwidth, so a burst queues),
+then one-way propagation delay with uniform jitter, then a retransmission delay (one RTO) on a seeded
+fraction of TCP segments. TCP delivers in order, so a late segment holds back every byte behind it
+(head-of-line blocking): what a loss looks like to an application. A new connection waits one RTT before its
+first byte moves (the TCP handshake). ``disconnects`` cut every connection at given times and refuse new ones
+for a while (a tunnel, a handover).
+
+Reproducible: the random draws (jitter, loss) of connection ``i`` in direction ``up``/``down`` come from a
+generator seeded by ``(seed, i, direction)``, one per TCP segment in stream order. Segments are cut as TCP
+cuts them: full MSS-sized segments while the link is busy, and a new segment for a write that finds the link
+idle. So the same seed gives the same delay for the same byte whatever the read boundaries of the run
+(a message that waits for an answer always starts a segment).
+
+Not modelled: TCP congestion control (slow start, cwnd), bufferbloat beyond ``max_queue_bytes``, reordering.
+The kernel's ``tc qdisc ... netem`` does the same job in a real lab (docs/rig.md says how).
+
+References: Linux netem (delay/jitter/loss/rate semantics); RFC 6298 (RTO); Neurosurgeon (Kang et al.,
+ASPLOS 2017) for why the link, not the GPU, decides where to split.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import socket
+import threading
+from dataclasses import dataclass, field
+
+from shared.link_profiles import MSS, LinkProfile
+
+# a link that adds nothing: the pass-through proxy the reliability tests cut
+IDEAL = LinkProfile("ideal", rtt_ms=0.0, jitter_ms=0.0, down_mbps=1e6, up_mbps=1e6, loss=0.0,
+                    source="no emulation: loopback speed")
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    at_s: float  # seconds after the link starts
+    down_s: float = 0.0  # new connections are refused for this long after the cut
+
+
+@dataclass(slots=True)
+class DirectionStats:
+    bytes: int = 0
+    segments: int = 0
+    retransmitted: int = 0  # segments that drew a loss (each delayed by one RTO)
+
+
+class LinkModel:
+    """Delay model of one direction of one connection (no I/O: tests drive it with explicit times).
+
+    ``send(now, n)`` hands ``n`` bytes to the link at time ``now`` and returns ``[(arrival_time, nbytes)]``
+    pieces in stream order; arrival times never decrease."""
+
+    def __init__(self, profile: LinkProfile, direction: str, rng: random.Random, mss: int = MSS):
+        if direction not in ("up", "down"):
+            raise ValueError(f"direction {direction!r}: expected 'up' or 'down'")
+        self.bits_per_s = (profile.up_mbps if direction == "up" else profile.down_mbps) * 1e6
+        self.one_way_s = profile.one_way_s
+        self.jitter_s = profile.jitter_ms / 1000.0
+        self.loss = profile.loss
+        self.rto_s = profile.rto_ms / 1000.0
+        self.mss = mss
+        self.rng = rng
+        self.segment = 0  # index of the TCP segment being filled
+        self.segment_left = mss  # its room left: a busy link packs back-to-back writes into full segments
+        self.free_at = 0.0  # when the bottleneck finishes serializing what it holds
+        self.last_arrival = 0.0
+        self.draws: list[float] = []  # extra delay (propagation + jitter + loss) of segment k of the stream
+        self.stats = DirectionStats()
+
+    def _segment_delay(self, k: int) -> float:
+        while len(self.draws) <= k:
+            jitter = self.rng.uniform(-self.jitter_s, self.jitter_s)  # always drawn: the stream stays aligned
+            lost = self.rng.random() < self.loss
+            self.draws.append(self.one_way_s + jitter + (self.rto_s if lost else 0.0))
+            self.stats.segments += 1
+            self.stats.retransmitted += int(lost)
+        return self.draws[k]
+
+    def send(self, now: float, nbytes: int) -> list[tuple[float, int]]:
+        out: list[tuple[float, int]] = []
+        if now >= self.free_at and self.segment_left < self.mss:
+            # an idle link: the sender's next write starts a new TCP segment (a 1-byte ping is its own segment)
+            self.segment += 1
+            self.segment_left = self.mss
+        left = nbytes
+        while left > 0:
+            piece = min(left, self.segment_left)
+            start = max(self.free_at, now)
+            self.free_at = start + piece * 8.0 / self.bits_per_s  # serialization: queued behind earlier bytes
+            arrival = max(self.free_at + self._segment_delay(self.segment), self.last_arrival)  # in order
+            self.last_arrival = arrival
+            out.append((arrival, piece))
+            self.segment_left -= piece
+            if self.segment_left == 0:
+                self.segment += 1
+                self.segment_left = self.mss
+            left -= piece
+        self.stats.bytes += nbytes
+        return out
+
+
+@dataclass(slots=True)
+class _Connection:
+    index: int
+    transports: list = field(default_factory=list)
+    tasks: list = field(default_factory=list)
+    models: dict = field(default_factory=dict)
+
+
+class LinkEmulator:
+    """Forward ``127.0.0.1:<port>`` to ``target_host:target_port`` through an emulated link.
+
+    Runs on its own thread and event loop, so it works from sync tests and from the rig alike. ``bytes_up``
+    / ``bytes_down`` count application bytes that crossed it; ``connections`` the connections accepted;
+    ``cuts`` the cuts made (by :meth:`cut` or a scheduled disconnect); ``refused`` the connections refused
+    while the link was down."""
+
+    def __init__(self, target_port: int, profile: LinkProfile | None = None, seed: int = 0,
+                 disconnects: list[Disconnect] | tuple[Disconnect, ...] = (), target_host: str = "127.0.0.1",
+                 port: int = 0, max_queue_bytes: int = 4 << 20):
+        self.target = (target_host, target_port)
+        self.profile = profile or IDEAL
+        self.seed = seed
+        self.disconnects = sorted(disconnects, key=lambda d: d.at_s)
+        self.max_queue_bytes = max_queue_bytes  # the bottleneck's buffer: reading pauses above it
+        self.port = port or _free_port()
+        self.connections = 0
+        self.cuts = 0
+        self.refused = 0
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._conns: dict[int, _Connection] = {}
+        self._closed: list[_Connection] = []
+        self._down_until = 0.0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"link-{self.profile.name}", daemon=True)
+        self._server: asyncio.AbstractServer | None = None
+        self._started_at = 0.0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> LinkEmulator:
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("link emulator did not start")
+        if self._error is not None:
+            raise RuntimeError(f"link emulator could not listen on port {self.port}: {self._error}")
+        return self
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+        try:
+            fut.result(5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    def __enter__(self) -> LinkEmulator:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        except OSError as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._started_at = self._loop.time()
+        for d in self.disconnects:
+            self._loop.call_at(self._started_at + d.at_s, self._cut_now, d.down_s)
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        tasks = [t for c in self._conns.values() for t in c.tasks]
+        self._cut_all()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- control ----------------------------------------------------------------------------------
+    def cut(self, down_s: float = 0.0) -> None:
+        """Abort every connection now (RST, no close handshake); refuse new ones for ``down_s`` seconds.
+        Returns once the connections are gone."""
+        asyncio.run_coroutine_threadsafe(self._cut_async(down_s), self._loop).result(5)
+
+    async def _cut_async(self, down_s: float) -> None:
+        self._cut_now(down_s)
+
+    def _cut_now(self, down_s: float) -> None:
+        self._cut_all()
+        self.cuts += 1
+        self._down_until = max(self._down_until, self._loop.time() + down_s)
+
+    def _cut_all(self) -> None:
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+
+    def _drop(self, conn: _Connection) -> None:
+        for t in conn.transports:
+            t.abort()
+        try:
+            me = asyncio.current_task()
+        except RuntimeError:  # the loop is closing
+            me = None
+        for task in conn.tasks:
+            if task is not me:
+                task.cancel()
+        if self._conns.pop(conn.index, None) is not None:
+            self._closed.append(conn)
+
+    @property
+    def retransmitted(self) -> int:
+        """Segments that drew a loss so far, over every connection and both directions."""
+        conns = list(self._conns.values()) + self._closed
+        return sum(m.stats.retransmitted for c in conns for m in c.models.values())
+
+    def segment_delays(self, connection: int, direction: str) -> list[float]:
+        """The per-segment extra delays drawn so far for one direction of one connection (reproducibility)."""
+        for conn in list(self._conns.values()) + self._closed:
+            if conn.index == connection:
+                return list(conn.models[direction].draws)
+        raise KeyError(f"no connection {connection}")
+
+    # -- the proxy --------------------------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._down_until:  # the link is down: the connect fails
+            self.refused += 1
+            writer.transport.abort()
+            return
+        index = self.connections
+        self.connections += 1
+        conn = _Connection(index)
+        conn.models = {d: LinkModel(self.profile, d, random.Random(f"{self.seed}:{index}:{d}"))
+                       for d in ("up", "down")}
+        conn.transports.append(writer.transport)
+        self._conns[index] = conn
+        conn.tasks.append(asyncio.current_task())
+        try:
+            if self.profile.rtt_ms > 0:
+                await asyncio.sleep(self.profile.rtt_ms / 1000.0)  # SYN / SYN-ACK before the first byte
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except (OSError, asyncio.CancelledError):
+            writer.transport.abort()
+            self._drop(conn)
+            return
+        conn.transports.append(up_writer.transport)
+        if index not in self._conns:  # cut while connecting
+            up_writer.transport.abort()
+            return
+        up = asyncio.ensure_future(self._pump(reader, up_writer, conn.models["up"], "up"))
+        down = asyncio.ensure_future(self._pump(up_reader, writer, conn.models["down"], "down"))
+        conn.tasks += [up, down]
+        try:
+            await asyncio.gather(up, down, return_exceptions=True)
+        finally:
+            self._drop(conn)
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, model: LinkModel,
+                    direction: str) -> None:
+        loop = asyncio.get_running_loop()
+        queue: collections.deque[tuple[float, bytes]] = collections.deque()
+        state = {"queued": 0, "eof": False}
+        wake = asyncio.Event()
+        room = asyncio.Event()
+        room.set()
+
+        async def deliver() -> None:
+            while True:
+                if not queue:
+                    if state["eof"]:
+                        return
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                wait = queue[0][0] - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    continue
+                horizon = loop.time() + 0.0005  # what is due within half a millisecond goes in one write
+                batch = []
+                while queue and queue[0][0] <= horizon:
+                    batch.append(queue.popleft()[1])
+                data = b"".join(batch)
+                state["queued"] -= len(data)
+                if state["queued"] <= self.max_queue_bytes:
+                    room.set()
+                dst.write(data)
+                await dst.drain()
+
+        sender = asyncio.ensure_future(deliver())
+        try:
+            while True:
+                await room.wait()
+                data = await src.read(65536)
+                if not data:
+                    break
+                if direction == "up":
+                    self.bytes_up += len(data)
+                else:
+                    self.bytes_down += len(data)
+                pos = 0
+                for arrival, n in model.send(loop.time(), len(data)):
+                    queue.append((arrival, data[pos:pos + n]))
+                    pos += n
+                state["queued"] += len(data)
+                if state["queued"] > self.max_queue_bytes:
+                    room.clear()
+                wake.set()
+            state["eof"] = True
+            wake.set()
+            await sender  # everything in flight arrives before the close
+            dst.close()
+        except (ConnectionError, OSError):
+            dst.transport.abort()
+        finally:
+            sender.cancel()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

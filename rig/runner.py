@@ -1,0 +1,248 @@
+"""Run a scenario: cloud servers, simulated phones behind emulated links, every (profile, workload, mode).
+
+The flow (``run_scenario``):
+
+1. artifacts: the split bundle and, for all-edge, the whole-model export (built once, cached);
+2. for each link profile: fresh cloud processes (the split server with the bundle's back half, the
+   full-model server for all-cloud; pinned to ``cloud_cores``; cold prefix caches, so no profile inherits
+   another's), then for each workload and mode one :class:`~rig.link.LinkEmulator` per phone in front of the
+   right server and ``phones`` phone processes (``python -m rig.phone``) pinned to ``phone_cores``; all
+   phones warm up, then start together (a burst) and run their requests one after another;
+3. all-edge has no link: it runs once per workload and its rows repeat under every profile;
+4. the report: per-request records, the summary rows, link statistics, the scenario, the machine.
+
+Progress goes to ``progress`` (one updating line on a terminal, one line per finished run otherwise);
+server and phone logs go to files under the output directory, never to the terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import queue
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+from collections.abc import Callable
+
+from .link import LinkEmulator
+from .report import summarize
+from .scenario import Scenario
+from .servers import CloudProcess
+from .workloads import build
+
+
+class RigError(RuntimeError):
+    """A phone or a server failed; the message says which and where its log is."""
+
+
+@dataclass(slots=True)
+class Progress:
+    """The progress line: rewritten in place on a terminal, one line per finished run otherwise.
+    ``before_output`` runs before anything is written (the demo ends its streamed answer there)."""
+
+    out: TextIO = field(default_factory=lambda: sys.stderr)
+    before_output: Callable[[], None] | None = None
+    tty: bool = False
+    _width: int = 0
+
+    def __post_init__(self):
+        self.tty = bool(getattr(self.out, "isatty", lambda: False)())
+
+    def update(self, text: str) -> None:
+        if self.tty:
+            if self.before_output is not None:
+                self.before_output()
+            pad = max(0, self._width - len(text))
+            self.out.write("\r" + text + " " * pad)
+            self.out.flush()
+            self._width = len(text)
+
+    def line(self, text: str) -> None:
+        if self.before_output is not None:
+            self.before_output()
+        if self.tty and self._width:
+            self.out.write("\r" + " " * self._width + "\r")
+            self._width = 0
+        self.out.write(text + "\n")
+        self.out.flush()
+
+
+@dataclass(slots=True)
+class Targets:
+    bundle: Path  # the split bundle (the edge half; also the tokenizer for all-edge)
+    whole: Path | None  # the whole-model export (all-edge)
+
+
+def _phone_job(sc: Scenario, targets: Targets, mode: str, phone: int, port: int | None, requests: list[dict],
+               stream_first: bool) -> dict:
+    url = None
+    if mode == "split":
+        url = f"ws://127.0.0.1:{port}/v1/split"
+    elif mode == "all-cloud":
+        url = f"http://127.0.0.1:{port}"
+    cores = None
+    if sc.phone_cores:
+        cores = [sc.phone_cores[phone % len(sc.phone_cores)]] if sc.phones > 1 else list(sc.phone_cores)
+    return {"phone": phone, "mode": mode, "bundle": str(targets.bundle),
+            "whole": str(targets.whole) if targets.whole else None, "url": url, "threads": sc.edge_threads,
+            "cores": cores, "requests": requests, "stream_first": stream_first}
+
+
+def _reader(proc: subprocess.Popen, phone: int, events: queue.Queue) -> None:
+    for line in proc.stdout:
+        line = line.strip()
+        if line:
+            try:
+                events.put((phone, json.loads(line)))
+            except json.JSONDecodeError:
+                events.put((phone, {"event": "noise", "text": line}))
+    events.put((phone, {"event": "exit", "code": proc.wait()}))
+
+
+def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[int | None], log_dir: Path,
+               tag: str, progress: Progress, on_delta=None, timeout_s: float = 1800.0) -> list[dict]:
+    """Start ``sc.phones`` phone processes for one (workload, mode, link), release them together, collect
+    their request records. ``ports[i]`` is phone i's link port (None for all-edge)."""
+    events: queue.Queue = queue.Queue()
+    procs = []
+    env = dict(os.environ, OMP_NUM_THREADS=str(sc.edge_threads), PYTHONWARNINGS="ignore")
+    for i in range(sc.phones):
+        reqs = [r.to_dict() for r in build(workload.kind, workload.requests, workload.max_tokens, offset=i)]
+        job = _phone_job(sc, targets, mode, i, ports[i], reqs, stream_first=on_delta is not None and i == 0)
+        log = open(log_dir / f"phone-{tag}-{i}.log", "ab")
+        p = subprocess.Popen([sys.executable, "-m", "rig.phone"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=log, env=env, text=True, cwd=str(Path(__file__).resolve().parent.parent))
+        log.close()
+        p.stdin.write(json.dumps(job) + "\n")
+        p.stdin.flush()
+        procs.append(p)
+        threading.Thread(target=_reader, args=(p, i, events), daemon=True).start()
+    records: list[dict] = []
+    ready, exited = set(), set()
+    total = sc.phones * workload.requests
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(exited) < len(procs):
+            try:
+                phone, ev = events.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RigError(f"[{tag}] phones did not finish within {timeout_s:.0f} s") from None
+            kind = ev.get("event")
+            if kind == "ready":
+                ready.add(phone)
+                if len(ready) == len(procs):  # the burst: every phone starts at once
+                    for p in procs:
+                        p.stdin.write("go\n")
+                        p.stdin.flush()
+            elif kind == "delta" and on_delta is not None:
+                on_delta(ev["text"])
+            elif kind == "request":
+                records.append(ev)
+                progress.update(f"[{tag}] {len(records)}/{total} requests | last: TTFT "
+                                f"{1000 * ev['ttft_s']:.0f} ms, {ev['tokens_per_s']:.1f} tok/s, "
+                                f"{ev['completion_tokens']} tokens")
+            elif kind == "error":
+                raise RigError(f"[{tag}] phone {phone}: {ev['message']} (log: {log_dir}/phone-{tag}-{phone}.log)")
+            elif kind == "exit":
+                exited.add(phone)
+                if ev["code"] != 0:
+                    raise RigError(f"[{tag}] phone {phone} exited with code {ev['code']} "
+                                   f"(log: {log_dir}/phone-{tag}-{phone}.log)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    return records
+
+
+def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, on_delta=None,
+                 bundle: Path | None = None, whole: Path | None = None) -> dict:
+    """Run every (workload, mode, profile) of ``sc``; returns the report dict (also the JSON written by the
+    CLI). ``on_delta`` receives the first phone's first answer text of the first run, as it streams."""
+    from .artifacts import ensure_bundle, ensure_whole, quiet_build_logs
+
+    progress = progress or Progress()
+    out_dir = Path(out_dir)
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    quiet_build_logs()
+    bundle = Path(bundle or sc.bundle or ensure_bundle(None, source=sc.model, layer=sc.split_layer,
+                                                       edge_quant=sc.edge_quant))
+    if "all-edge" in sc.modes:
+        whole = Path(whole or sc.whole or ensure_whole(sc.model, sc.edge_quant))
+    records: list[dict] = []
+    links_report: list[dict] = []
+    state = {"stream": on_delta}
+
+    def take_stream():
+        cb, state["stream"] = state["stream"], None
+        return cb
+
+    def finished(tag: str, recs: list[dict]) -> None:
+        ttft = sorted(r["ttft_s"] for r in recs)
+        progress.line(f"[{tag}] {len(recs)} requests, TTFT p50 {1000 * ttft[len(ttft) // 2]:.0f} ms, "
+                      f"{sum(r['tokens_per_s'] for r in recs) / len(recs):.1f} tok/s")
+
+    # 1. over each link profile: fresh cloud servers (cold prefix caches, so no profile inherits another's)
+    networked = [m for m in sc.modes if m != "all-edge"]
+    for prof in sc.profiles if networked else []:
+        servers = {}
+        try:
+            progress.line(f"[{prof.name}] starting the cloud server(s): {', '.join(networked)}")
+            if "split" in networked:
+                servers["split"] = CloudProcess(bundle=bundle, cores=sc.cloud_cores, extra_args=sc.cloud_args,
+                                                log_path=log_dir / f"cloud-split-{prof.name}.log").launch()
+            if "all-cloud" in networked:
+                servers["all-cloud"] = CloudProcess(full=sc.model, cores=sc.cloud_cores, extra_args=sc.cloud_args,
+                                                    log_path=log_dir / f"cloud-full-{prof.name}.log").launch()
+            for srv in servers.values():
+                srv.wait_ready()
+            for workload in sc.workloads:
+                for mode in networked:
+                    tag = f"{prof.name}/{workload.kind}/{mode}"
+                    links = [LinkEmulator(servers[mode].port, prof, seed=sc.seed + 1000 * i,
+                                          disconnects=sc.disconnects) for i in range(sc.phones)]
+                    for link in links:
+                        link.start()
+                    try:
+                        targets = Targets(bundle, whole)
+                        recs = run_phones(sc, targets, mode, workload, [lk.port for lk in links], log_dir,
+                                          tag.replace("/", "-"), progress, take_stream())
+                    finally:
+                        for link in links:
+                            link.stop()
+                    links_report.append({"profile": prof.name, "workload": workload.kind, "mode": mode,
+                                         "bytes_up": sum(lk.bytes_up for lk in links),
+                                         "bytes_down": sum(lk.bytes_down for lk in links),
+                                         "retransmitted_segments": sum(lk.retransmitted for lk in links),
+                                         "connections": sum(lk.connections for lk in links),
+                                         "cuts": sum(lk.cuts for lk in links)})
+                    records += [dict(r, profile=prof.name, workload=workload.kind) for r in recs]
+                    finished(tag, recs)
+        finally:
+            for srv in servers.values():
+                srv.stop()
+    # 2. all-edge: no network, so one run per workload; its rows repeat under every profile
+    if "all-edge" in sc.modes:
+        for workload in sc.workloads:
+            tag = f"no-link/{workload.kind}/all-edge"
+            recs = run_phones(sc, Targets(bundle, whole), "all-edge", workload, [None] * sc.phones, log_dir,
+                              tag.replace("/", "-"), progress, take_stream())
+            for p in sc.profiles:
+                records += [dict(r, profile=p.name, workload=workload.kind) for r in recs]
+            finished(tag, recs)
+    return {
+        "scenario": sc.to_dict(), "created_unix": started, "wall_s": time.time() - started,
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0))},
+        "bundle": str(bundle), "whole": str(whole) if whole else None,
+        "summary": summarize(records), "links": links_report, "records": records,
+    }

@@ -1,0 +1,160 @@
+"""A rig scenario: which model, which links, which execution modes, which workloads, how many phones.
+
+    name: smollm2-mobile
+    model: smollm2            # preset / checkpoint dir / .gguf: the bundle, the full server and the all-edge export
+    split_layer: 8
+    edge_quant: int8
+    profiles: [wifi, 4g, 3g-poor]   # names, or mappings (see rig.profiles.resolve_profile)
+    modes: [split, all-cloud, all-edge]
+    phones: 1                 # concurrent phones (a burst: all start at once)
+    edge_threads: 1           # onnxruntime intra-op threads per phone
+    phone_cores: [1]          # pin phones here (null: no pinning)
+    cloud_cores: [0]          # pin the cloud servers here
+    seed: 0                   # the links' random draws
+    plan_check: false         # then predict every row with the planner and compare (rig.plan_check)
+    disconnects: []           # [{at_s: 3.0, down_s: 0.5}]: cuts on every split/all-cloud link
+    workloads:
+      - {kind: chat, requests: 6, max_tokens: 48}
+      - {kind: agent, requests: 8, max_tokens: 24}
+
+``load_scenario(path)`` reads YAML (or JSON) into a validated :class:`Scenario`; an unknown key or a bad value
+is a :class:`ScenarioError` naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .link import Disconnect
+from .profiles import LinkProfile, LinkProfileError, resolve_profile
+
+MODES = ("split", "all-cloud", "all-edge")
+
+
+class ScenarioError(ValueError):
+    """The scenario file is malformed; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    kind: str  # chat | agent
+    requests: int = 6  # requests per phone (agent: steps)
+    max_tokens: int = 48
+
+    def __post_init__(self):
+        if self.kind not in ("chat", "agent"):
+            raise ScenarioError(f"workload kind {self.kind!r}: expected chat or agent")
+        if self.requests < 1 or self.max_tokens < 1:
+            raise ScenarioError(f"workload {self.kind}: requests and max_tokens must be >= 1")
+
+
+@dataclass(slots=True)
+class Scenario:
+    name: str = "rig"
+    model: str = "smollm2"
+    split_layer: int = 8
+    edge_quant: str = "int8"
+    bundle: str | None = None  # an existing bundle instead of building one (its source must be `model`)
+    whole: str | None = None  # an existing whole-model export for all-edge
+    profiles: list[LinkProfile] = field(default_factory=lambda: [resolve_profile("4g")])
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    phones: int = 1
+    edge_threads: int = 1  # one core of a 2-core box; phones give the edge 1-2 big cores
+    phone_cores: list[int] | None = None
+    cloud_cores: list[int] | None = None
+    seed: int = 0
+    disconnects: list[Disconnect] = field(default_factory=list)
+    workloads: list[Workload] = field(default_factory=lambda: [Workload("chat")])
+    cloud_args: list[str] = field(default_factory=list)  # extra `autoglm-cloud serve` flags (e.g. --num-blocks)
+    plan_check: bool = False  # after the run: the planner's predictions vs these measurements (rig.plan_check)
+
+    def __post_init__(self):
+        if not self.modes or any(m not in MODES for m in self.modes):
+            raise ScenarioError(f"modes {self.modes}: each must be one of {', '.join(MODES)}")
+        if len(set(self.modes)) != len(self.modes):
+            raise ScenarioError(f"modes {self.modes}: listed twice")
+        if self.phones < 1 or self.edge_threads < 1:
+            raise ScenarioError("phones and edge_threads must be >= 1")
+        if self.split_layer < 1:
+            raise ScenarioError("split_layer must be >= 1")
+        if not self.profiles or not self.workloads:
+            raise ScenarioError("a scenario needs at least one profile and one workload")
+        names = [p.name for p in self.profiles]
+        if len(set(names)) != len(names):
+            raise ScenarioError(f"profiles {names}: names must be unique")
+        for key in ("phone_cores", "cloud_cores"):
+            cores = getattr(self, key)
+            if cores is not None and (not cores or any(not isinstance(c, int) or c < 0 for c in cores)):
+                raise ScenarioError(f"{key} {cores}: a non-empty list of CPU ids, or null")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Scenario:
+        if not isinstance(data, dict):
+            raise ScenarioError("a scenario is a mapping of keys")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ScenarioError(f"unknown scenario key(s): {', '.join(unknown)}")
+        values = dict(data)
+        try:
+            if "profiles" in values:
+                values["profiles"] = [resolve_profile(p) for p in _list(values["profiles"], "profiles")]
+            if "workloads" in values:
+                values["workloads"] = [Workload(**_map(w, "workloads")) for w in _list(values["workloads"],
+                                                                                     "workloads")]
+            if "disconnects" in values:
+                values["disconnects"] = [Disconnect(**_map(d, "disconnects"))
+                                         for d in _list(values["disconnects"] or [], "disconnects")]
+            if "cloud_args" in values:
+                values["cloud_args"] = [str(a) for a in _list(values["cloud_args"], "cloud_args")]
+            return cls(**values)
+        except (LinkProfileError, TypeError) as e:
+            raise ScenarioError(str(e)) from None
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "model": self.model, "split_layer": self.split_layer, "edge_quant": self.edge_quant,
+            "bundle": self.bundle, "whole": self.whole, "profiles": [p.to_dict() for p in self.profiles],
+            "modes": list(self.modes), "phones": self.phones, "edge_threads": self.edge_threads,
+            "phone_cores": self.phone_cores, "cloud_cores": self.cloud_cores, "seed": self.seed,
+            "disconnects": [{"at_s": d.at_s, "down_s": d.down_s} for d in self.disconnects],
+            "workloads": [{"kind": w.kind, "requests": w.requests, "max_tokens": w.max_tokens}
+                          for w in self.workloads],
+            "cloud_args": list(self.cloud_args), "plan_check": self.plan_check,
+        }
+
+
+def _list(value, key: str) -> list:
+    if not isinstance(value, list):
+        raise ScenarioError(f"{key}: expected a list, got {type(value).__name__}")
+    return value
+
+
+def _map(value, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise ScenarioError(f"{key}: each item must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read a YAML (``.yaml``/``.yml``) or JSON scenario file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ScenarioError(f"{path}: no such scenario file")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ScenarioError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    else:
+        import json
+
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ScenarioError(f"{path}: not valid JSON ({e})") from None
+    return Scenario.from_dict(data or {})

@@ -1,0 +1,99 @@
+"""Cloud server processes for the rig: ``autoglm-cloud serve BUNDLE`` (split) and ``autoglm-cloud serve --full
+SOURCE`` (the all-cloud baseline), optionally pinned to CPU cores with the thread count to match.
+
+Like ``edge_client.demo.LocalCloud`` (which the edge tests use) but with the rig's needs: either mode,
+core pinning (``os.sched_setaffinity`` in the child before torch starts its thread pool) and a log file per
+server so that library output never reaches the rig's terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from edge_client.demo import free_port
+
+
+class CloudProcess:
+    """One ``autoglm-cloud serve`` subprocess on localhost. ``bundle`` serves a split bundle's back half;
+    ``full`` serves a whole model OpenAI-compatibly (exactly one of the two)."""
+
+    def __init__(self, *, bundle: Path | None = None, full: str | None = None, cores: list[int] | None = None,
+                 log_path: Path, extra_args: list[str] | None = None):
+        if (bundle is None) == (full is None):
+            raise ValueError("give exactly one of bundle= (split mode) or full= (full-model mode)")
+        self.bundle, self.full = bundle, full
+        self.cores = list(cores) if cores else None
+        self.log_path = Path(log_path)
+        self.extra_args = list(extra_args or [])
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def mode(self) -> str:
+        return "split" if self.bundle is not None else "full"
+
+    def start(self, timeout: float = 300.0) -> CloudProcess:
+        """Launch and wait until ``/ready``."""
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> CloudProcess:
+        """Start the process without waiting (start several, then :meth:`wait_ready` on each)."""
+        target = [str(self.bundle)] if self.bundle is not None else ["--full", str(self.full)]
+        cmd = [sys.executable, "-c", "import sys; from cloud_server.cli import main; sys.exit(main())", "serve",
+               *target, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
+               "--log-level", "warning", *self.extra_args]
+        env = dict(os.environ)
+        if self.cores:
+            for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch's pool: one thread per pinned core
+                env[var] = str(len(self.cores))
+        cores = self.cores
+        preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, preexec_fn=preexec, start_new_session=True)
+        finally:
+            log.close()
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> CloudProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.mode} cloud server exited with code {self.proc.returncode} before it "
+                                   f"was ready (log: {self.log_path})")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ready", timeout=2.0) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"{self.mode} cloud server not ready after {timeout:.0f} s (log: {self.log_path})")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGINT, 15.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            try:
+                proc.send_signal(sig)
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def __enter__(self) -> CloudProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

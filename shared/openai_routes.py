@@ -1,0 +1,184 @@
+"""The OpenAI-compatible text routes, written once: ``POST /v1/chat/completions`` and ``POST /v1/completions``
+over a :class:`TextBackend`. The edge's local endpoint (``edge_client.local_api``) and the cloud's full-model
+mode (``cloud_server.full_api``) are adapters that supply the backend; parsing (:mod:`shared.openai_compat`),
+the ``<think>`` split for ``return_reasoning``, JSON or SSE (``data: {chunk}`` lines, then ``data: [DONE]``;
+``stream_options.include_usage`` adds a usage-only chunk), usage and errors are here. No torch.
+
+Contract:
+
+* ``check_ready()``, ``render_chat(req)`` (the chat template's prompt text) and ``start(req, prompt)`` (a
+  running :class:`TextStream`) refuse by raising :class:`~shared.openai_compat.OpenAIRequestError`.
+* A :class:`TextStream` yields text deltas with stop strings applied (the text ends before the stop string),
+  raises :class:`GenerationError` when the generation fails, and at its end has ``finish_reason`` and
+  ``usage()``. The routes ``aclose()`` every stream they start, however it ends (client gone included), and
+  may call it more than once; an unfinished generation must be cancelled then.
+* Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and one set of statuses on
+  both ends: 400 a request refused, 401 a wrong key (the app's auth), 503 not ready, draining or overloaded,
+  504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here. Once a stream has started
+  (HTTP 200 sent), an error is one ``data: {"error": ...}`` event, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from shared import openai_compat as oc
+
+# Generation error codes (engine or wire) whose status is not "the server failed".
+_STATUS_BY_CODE = {"context_full": 400, "too_long": 400, "bad_input": 400, "overloaded": 503,
+                   "draining": 503, "timeout": 504}
+
+
+class GenerationError(Exception):
+    """A generation that failed after it started. ``code`` is the engine's or the wire's error code;
+    ``upstream`` says the failure is a peer's (the edge reports its cloud's errors so)."""
+
+    def __init__(self, message: str, code: str, upstream: bool = False):
+        super().__init__(message)
+        self.message, self.code, self.upstream = message, code, upstream
+
+    @property
+    def status(self) -> int:
+        return _STATUS_BY_CODE.get(self.code, 502 if self.upstream else 500)
+
+    def to_dict(self) -> dict[str, Any]:
+        return oc.OpenAIRequestError(self.message, None, self.code, self.status).to_dict()
+
+
+class TextStream(Protocol):
+    finish_reason: str | None  # "stop" | "length" once the stream has ended
+
+    def __aiter__(self) -> AsyncIterator[str]: ...
+    def usage(self) -> dict[str, Any]: ...
+    async def aclose(self) -> None: ...
+
+
+class TextBackend(Protocol):
+    model_name: str  # reported when the request names no model
+
+    def check_ready(self) -> None: ...
+    def render_chat(self, req: oc.ChatRequest) -> str: ...
+    def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> TextStream: ...
+
+
+def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
+    return JSONResponse(e.to_dict(), status_code=e.status)
+
+
+def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()) -> None:
+    """Add the two routes to ``app``; ``dependencies`` (e.g. an API-key check) run before each."""
+
+    async def serve(request: Request, chat: bool):
+        try:
+            backend.check_ready()
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise oc.OpenAIRequestError("request body is not valid JSON") from None
+            req = oc.parse_chat_request(body) if chat else oc.parse_completion_request(body)
+            prompt = backend.render_chat(req) if chat else req.prompt
+            stream = backend.start(req, prompt)
+        except oc.OpenAIRequestError as e:
+            return error_response(e)
+        reply = _Reply(req, prompt, req.model or backend.model_name)
+        return (await _whole(stream, reply)) if not req.stream else _streamed(stream, reply)
+
+    async def chat(request: Request):
+        return await serve(request, chat=True)
+
+    async def completions(request: Request):
+        return await serve(request, chat=False)
+
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"], dependencies=list(dependencies))
+    app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=list(dependencies))
+
+
+async def _whole(stream: TextStream, reply: _Reply) -> JSONResponse:
+    try:
+        async for delta in stream:
+            reply.add(delta)
+    except GenerationError as e:
+        return error_response(e)
+    finally:
+        await stream.aclose()
+    return JSONResponse(reply.response(stream.finish_reason or "stop", stream.usage()))
+
+
+def _streamed(stream: TextStream, reply: _Reply) -> StreamingResponse:
+    async def events():
+        try:
+            for chunk in reply.opening():
+                yield oc.sse(chunk)
+            async for delta in stream:
+                for chunk in reply.chunks(delta):
+                    yield oc.sse(chunk)
+            for chunk in reply.chunks(None):
+                yield oc.sse(chunk)
+            yield oc.sse(reply.chunk({} if reply.chat else "", stream.finish_reason or "stop"))
+            if reply.include_usage:
+                yield oc.sse(reply.chunk(None, usage=stream.usage()))
+        except GenerationError as e:
+            yield oc.sse(e.to_dict())
+        finally:
+            await stream.aclose()  # also when the client went away: cancels the generation
+        yield oc.SSE_DONE
+
+    # The background close also covers a client gone before the first event (events() never started).
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             background=BackgroundTask(stream.aclose),
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Reply:
+    """The wire shapes of one chat or completion response; with ``return_reasoning`` the text goes through a
+    :class:`~shared.openai_compat.ThinkingSplitter` (in the think block from the start when the prompt
+    opened it)."""
+
+    def __init__(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str, model: str):
+        self.chat = isinstance(req, oc.ChatRequest)
+        self.model, self.created = model, int(time.time())
+        self.rid = oc.new_id() if self.chat else oc.new_id("cmpl")
+        self.include_usage = req.include_usage
+        self.thinking = (oc.ThinkingSplitter(in_thinking=prompt.rstrip().endswith("<think>"))
+                         if self.chat and req.return_reasoning else None)
+        self.echo = req.prompt if not self.chat and req.echo else ""
+        self.parts: dict[str, list[str]] = {"content": [], "reasoning": []}
+
+    def pieces(self, delta: str | None) -> list[tuple[str, str]]:
+        """``(kind, text)`` pieces of ``delta``; ``None`` marks the end (the splitter's held tail)."""
+        if self.thinking is not None:
+            return self.thinking.flush() if delta is None else self.thinking.feed(delta)
+        return [("content", delta)] if delta else []
+
+    def add(self, delta: str | None) -> None:
+        for kind, text in self.pieces(delta):
+            self.parts[kind].append(text)
+
+    def chunk(self, body: Any, finish_reason: str | None = None, usage: dict | None = None) -> dict:
+        make = oc.chat_chunk if self.chat else oc.completion_chunk
+        return make(self.rid, self.model, self.created, body, finish_reason, usage_obj=usage)
+
+    def opening(self) -> list[dict]:
+        if self.chat:
+            return [self.chunk({"role": "assistant", "content": ""})]
+        return [self.chunk(self.echo)] if self.echo else []
+
+    def chunks(self, delta: str | None) -> list[dict]:
+        return [self.chunk({"reasoning_content" if kind == "reasoning" else "content": text} if self.chat
+                           else text) for kind, text in self.pieces(delta)]
+
+    def response(self, finish_reason: str, usage: dict) -> dict:
+        self.add(None)
+        content = "".join(self.parts["content"])
+        if not self.chat:
+            return oc.completion_response(self.rid, self.model, self.created, self.echo + content,
+                                          finish_reason, usage)
+        reasoning = "".join(self.parts["reasoning"]) if self.thinking is not None else None
+        return oc.chat_response(self.rid, self.model, self.created, content, finish_reason, usage, reasoning)

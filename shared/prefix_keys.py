@@ -1,0 +1,105 @@
+"""Prefix-block keys: the one derivation behind the edge's activation cache and the cloud's prefix cache.
+
+A key names one full block of ``B`` prompt tokens *together with everything before it and everything that
+produced its states*, so two requests share a cached block only when sharing cannot change an answer.
+Version 2 (docs/protocol.md, "Prefix keys")::
+
+    seed   = sha256("autoglm-prefix-key" 0x00 || u32le(2) || lp(bundle_id) || lp(edge_variant) || lp(encoding))
+    k_0    = sha256(seed    || int64le(ids of block 0) || c_0)
+    k_i    = sha256(k_{i-1} || int64le(ids of block i) || c_i)        key_i = hex(k_i)
+
+``lp(s)`` is ``u32le(len) || utf-8 bytes``. The scope (:class:`KeyScope`) says what produced the states:
+the bundle (``Manifest.bundle_id``: the model and the split), the edge front's weights (``edge_variant``:
+``Manifest.edge_quant``, since an int8 front's states differ from an fp32 one's) and how the states were
+carried (``encoding``: the wire codec for the cloud's blocks, the storage dtype for the edge's own cache).
+``c_i`` is block i's 32-byte content digest: all zeros for text, else a digest of the non-text inputs
+(image, audio) whose placeholder tokens fall in the block (:func:`content_digests`), because every image
+token has the same id and two screenshots must never share a block.
+
+The cloud never sees token ids, so it cannot check a key; it therefore keeps every tenant's blocks apart
+(:func:`tenant_scoped`): a client can only ever be served states that its own tenant uploaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+PREFIX_KEY_VERSION = 2  # 1: sha256(k_{i-1} || ids || bundle_id), no scope, no content, no tenant
+NO_CONTENT = bytes(32)  # c_i of a text-only block
+PUBLIC_TENANT = "public"  # the tenant of clients that present no API key
+
+
+def _lp(s: str) -> bytes:
+    b = s.encode()
+    return struct.pack("<I", len(b)) + b
+
+
+@dataclass(frozen=True, slots=True)
+class KeyScope:
+    """What produced a block's states; blocks are shared only within one scope (see the module docstring)."""
+
+    bundle_id: str
+    edge_variant: str  # the edge front's weights: Manifest.edge_quant (fp32, int8, int4)
+    encoding: str  # the wire codec of the uploaded states (cloud), or the edge cache's storage ("cache-float32")
+
+    def seed(self) -> bytes:
+        return hashlib.sha256(b"autoglm-prefix-key\x00" + struct.pack("<I", PREFIX_KEY_VERSION) + _lp(self.bundle_id)
+                              + _lp(self.edge_variant) + _lp(self.encoding)).digest()
+
+
+def chain_key(parent: bytes, block_ids: Sequence[int], content: bytes | None = None) -> bytes:
+    """``k_i`` from ``parent`` (``k_{i-1}``, or the scope's seed for block 0), the block's ids and its content
+    digest (None: text only)."""
+    digest = NO_CONTENT if content is None else content
+    if len(digest) != 32:
+        raise ValueError(f"a content digest is 32 bytes, got {len(digest)}")
+    return hashlib.sha256(parent + np.asarray(block_ids, dtype="<i8").tobytes() + digest).digest()
+
+
+def block_keys(ids: Sequence[int], scope: KeyScope, block_tokens: int,
+               content: Sequence[bytes | None] | None = None) -> list[str]:
+    """Keys (hex) of every full block of ``ids``; ``content[i]``: block i's content digest (None: text)."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    arr = np.asarray(ids, dtype="<i8").reshape(-1)  # [S]
+    n = arr.size // block_tokens
+    if content is not None and len(content) < n:
+        raise ValueError(f"{len(content)} content digests for {n} blocks")
+    keys, prev = [], scope.seed()
+    for i in range(n):
+        prev = chain_key(prev, arr[i * block_tokens:(i + 1) * block_tokens], None if content is None else content[i])
+        keys.append(prev.hex())
+    return keys
+
+
+def content_digests(n_tokens: int, block_tokens: int, spans: Sequence[tuple[int, int, bytes]]) -> list[bytes | None]:
+    """Per full block of a ``n_tokens`` prompt, the digest of the non-text spans that overlap it.
+
+    ``spans``: ``(start, end, digest)`` per image/audio input, positions ``[start, end)`` of its placeholder
+    tokens and a digest of its content (e.g. sha256 of the encoder's input). A block's digest folds in every
+    overlapping span's digest and extent, in order; a block with none gets None (text)."""
+    out: list[bytes | None] = []
+    for i in range(n_tokens // block_tokens):
+        a, b = i * block_tokens, (i + 1) * block_tokens
+        parts = [struct.pack("<qq", s, e) + d for s, e, d in spans if s < b and e > a]
+        out.append(hashlib.sha256(b"".join(parts)).digest() if parts else None)
+    return out
+
+
+def tenant_of(authorization: str | None) -> str:
+    """The tenant a client's ``Authorization`` header names: a digest of its bearer token (never the token
+    itself), or :data:`PUBLIC_TENANT` without one."""
+    if not authorization or not authorization.startswith("Bearer ") or not authorization[7:].strip():
+        return PUBLIC_TENANT
+    token = authorization[7:].strip().encode()
+    return "t" + hashlib.sha256(b"autoglm-tenant\x00" + token).hexdigest()[:24]
+
+
+def tenant_scoped(tenant: str, key: str) -> str:
+    """The cloud's name for a client's key within its tenant's namespace (what its prefix cache stores)."""
+    return f"{tenant}/{key}"

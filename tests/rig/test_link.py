@@ -1,0 +1,230 @@
+"""rig.link: the delay model (queueing, propagation, jitter, loss, in-order delivery, seeding) and the proxy
+measured end to end: RTT and throughput of every built-in profile within a tolerance, scheduled disconnects,
+the same seed giving the same delays."""
+
+from __future__ import annotations
+
+import random
+import socket
+import statistics
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from rig.link import Disconnect, LinkEmulator, LinkModel
+from rig.profiles import MSS, PROFILES, LinkProfile, get_profile
+
+FLAT = LinkProfile("flat", rtt_ms=40.0, jitter_ms=0.0, down_mbps=8.0, up_mbps=1.0, loss=0.0)
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+
+def test_bytes_queue_behind_each_other():
+    m = LinkModel(FLAT, "up", random.Random(0))  # 1 Mbps: 1448 B take 11.584 ms
+    first = m.send(0.0, MSS)
+    second = m.send(0.0, MSS)  # handed over at the same instant: waits for the first to serialize
+    assert first == [(pytest.approx(0.011584 + 0.020), MSS)]
+    assert second == [(pytest.approx(2 * 0.011584 + 0.020), MSS)]
+    later = m.send(1.0, 100)  # an idle link: no queue left
+    assert later[0][0] == pytest.approx(1.0 + 100 * 8 / 1e6 + 0.020)
+
+
+def test_down_direction_uses_the_downlink_rate():
+    m = LinkModel(FLAT, "down", random.Random(0))
+    (arrival, n), = m.send(0.0, 1000)
+    assert n == 1000 and arrival == pytest.approx(1000 * 8 / 8e6 + 0.020)
+
+
+def test_a_lost_segment_holds_back_the_bytes_behind_it():
+    lossy = replace(FLAT, loss=0.5, rto_ms=200.0)
+    m = LinkModel(lossy, "up", random.Random(3))
+    pieces = m.send(0.0, 40 * MSS)
+    arrivals = [a for a, _ in pieces]
+    assert arrivals == sorted(arrivals)  # in order, always
+    lost = [k for k, d in enumerate(m.draws) if d > 0.1]
+    assert 10 <= len(lost) <= 30 and m.stats.retransmitted == len(lost)
+    k = lost[0]
+    assert arrivals[k] >= (k + 1) * MSS * 8 / 1e6 + 0.020 + 0.200 - 1e-9
+    if k + 1 < len(arrivals):
+        assert arrivals[k + 1] >= arrivals[k]  # head-of-line blocking
+
+
+def test_jitter_stays_within_its_bounds_and_the_stream_is_seeded():
+    jittery = replace(FLAT, jitter_ms=10.0)
+    a = LinkModel(jittery, "down", random.Random("s"))
+    b = LinkModel(jittery, "down", random.Random("s"))
+    a.send(0.0, 50 * MSS)
+    for _ in range(50):  # the same bytes in other read sizes: the same draw per segment of the stream
+        b.send(0.0, MSS // 2)
+        b.send(0.0, MSS - MSS // 2)
+    assert a.draws == b.draws
+    assert all(0.010 - 1e-12 <= d <= 0.030 + 1e-12 for d in a.draws)
+    assert len(set(a.draws)) > 40
+    n = len(a.draws)
+    a.send(10.0, 1)  # the link went idle: a new write is a new segment with its own draw
+    a.send(20.0, 1)
+    assert len(a.draws) == n + 2
+    c = LinkModel(jittery, "down", random.Random("other"))
+    c.send(0.0, 50 * MSS)
+    assert c.draws != a.draws
+
+
+# -- the proxy, measured --------------------------------------------------------------------------
+
+
+class _Peer:
+    """A loopback server: ``e`` echoes one byte; ``s<N>\\n`` sends N bytes; ``r<N>\\n`` reads N, answers 1."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    @staticmethod
+    def _serve(c: socket.socket):
+        f = c.makefile("rb")
+        try:
+            while cmd := f.read(1):
+                if cmd == b"e":
+                    c.sendall(b"e")
+                elif cmd in (b"s", b"r"):
+                    n = int(f.readline())
+                    if cmd == b"s":
+                        c.sendall(b"x" * n)
+                    else:
+                        f.read(n)
+                        c.sendall(b"k")
+        except OSError:
+            pass
+        finally:
+            c.close()
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = _Peer()
+    yield p
+    p.close()
+
+
+def _recv_exact(s: socket.socket, n: int) -> float:
+    """Read n bytes; return the time the first one arrived."""
+    first = None
+    got = 0
+    while got < n:
+        chunk = s.recv(min(1 << 20, n - got))
+        if not chunk:
+            raise ConnectionError("closed")
+        first = first or time.perf_counter()
+        got += len(chunk)
+    return first
+
+
+def _ping_ms(s: socket.socket) -> float:
+    t0 = time.perf_counter()
+    s.sendall(b"e")
+    _recv_exact(s, 1)
+    return 1000 * (time.perf_counter() - t0)
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_profile_rtt_and_throughput_match(peer, name):
+    prof = replace(get_profile(name), loss=0.0)  # loss is measured apart: an RTO would swamp the tolerance
+    with LinkEmulator(peer.port, prof, seed=1) as link, socket.create_connection(("127.0.0.1", link.port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pings = [_ping_ms(s) for _ in range(5 if prof.rtt_ms > 100 else 9)]
+    rtt = statistics.median(pings)
+    assert abs(rtt - prof.rtt_ms) <= max(4.0, 0.10 * prof.rtt_ms), (name, pings)
+
+    steady = replace(prof, jitter_ms=0.0)  # bandwidth alone: jitter on the first and last byte is noise here
+    with LinkEmulator(peer.port, steady, seed=1) as link, socket.create_connection(("127.0.0.1", link.port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # downlink: the first byte to the last takes (n - 1 segment) / bandwidth
+        n = int(prof.down_mbps * 1e6 / 8 * 0.4)  # ~0.4 s of serialization
+        s.sendall(f"s{n}\n".encode())
+        first = _recv_exact(s, n)
+        down_mbps = (n - MSS) * 8 / (time.perf_counter() - first) / 1e6
+        # uplink: n bytes up, a 1-byte answer down: n / bandwidth + one RTT
+        n_up = int(prof.up_mbps * 1e6 / 8 * 0.4)
+        t0 = time.perf_counter()
+        s.sendall(f"r{n_up}\n".encode() + b"x" * n_up)
+        _recv_exact(s, 1)
+        up_mbps = n_up * 8 / (time.perf_counter() - t0 - prof.rtt_ms / 1000) / 1e6
+    print(f"\n{name}: rtt {rtt:.1f} ms (profile {prof.rtt_ms}), down {down_mbps:.2f} Mbps "
+          f"({prof.down_mbps}), up {up_mbps:.2f} Mbps ({prof.up_mbps})")
+    assert down_mbps == pytest.approx(prof.down_mbps, rel=0.15)
+    assert up_mbps == pytest.approx(prof.up_mbps, rel=0.15)
+    assert link.bytes_up >= n_up and link.bytes_down >= n
+
+
+def test_loss_shows_as_rto_delay_spikes(peer):
+    lossy = LinkProfile("lossy", rtt_ms=10.0, jitter_ms=0.0, down_mbps=100.0, up_mbps=100.0, loss=0.3,
+                        rto_ms=100.0)
+    with LinkEmulator(peer.port, lossy, seed=5) as link, socket.create_connection(("127.0.0.1", link.port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        pings = [_ping_ms(s) for _ in range(20)]
+    slow = [p for p in pings if p > 60]
+    fast = [p for p in pings if p < 30]
+    assert len(slow) + len(fast) == len(pings)  # each ping is either clean or one RTO late (or two)
+    assert 2 <= len(slow) <= 16 and link.retransmitted >= len(slow)
+
+
+def test_same_seed_same_delays(peer):
+    prof = get_profile("3g-poor")
+    draws = []
+    for seed in (7, 7, 8):
+        with LinkEmulator(peer.port, replace(prof, rtt_ms=10.0, jitter_ms=5.0, down_mbps=50.0, up_mbps=50.0),
+                          seed=seed) as link, socket.create_connection(("127.0.0.1", link.port)) as s:
+            s.sendall(b"s200000\n")
+            _recv_exact(s, 200000)
+            draws.append(link.segment_delays(0, "down"))
+    assert len(draws[0]) >= 200000 // MSS
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+
+
+def test_scheduled_disconnect_cuts_and_refuses(peer):
+    with LinkEmulator(peer.port, seed=0, disconnects=[Disconnect(at_s=0.3, down_s=0.3)]) as link:
+        s = socket.create_connection(("127.0.0.1", link.port))
+        assert _ping_ms(s) < 50
+        time.sleep(0.4)  # the cut happened at 0.3 s
+        with pytest.raises(OSError):
+            s.sendall(b"e")
+            if not s.recv(1):
+                raise ConnectionResetError("closed")
+        s.close()
+        with socket.create_connection(("127.0.0.1", link.port)) as s2:  # still down: accepted, then reset
+            with pytest.raises(OSError):
+                s2.sendall(b"e")
+                if not s2.recv(1):
+                    raise ConnectionResetError("closed")
+        time.sleep(0.35)
+        with socket.create_connection(("127.0.0.1", link.port)) as s3:  # back up
+            assert _ping_ms(s3) < 50
+        assert link.cuts == 1 and link.refused == 1 and link.connections == 2
+
+
+def test_manual_cut_aborts_live_connections(peer):
+    with LinkEmulator(peer.port) as link:
+        s = socket.create_connection(("127.0.0.1", link.port))
+        _ping_ms(s)
+        link.cut()
+        with pytest.raises(OSError):
+            s.sendall(b"e")
+            if not s.recv(1):
+                raise ConnectionResetError("closed")
+        s.close()
+        assert link.cuts == 1 and link.connections == 1

@@ -1,0 +1,73 @@
+"""rig.scenario / rig.profiles / rig.workloads: parsing, validation with clear errors, the workloads' shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from rig.link import Disconnect
+from rig.profiles import LinkProfileError, resolve_profile
+from rig.scenario import Scenario, ScenarioError, load_scenario
+from rig.workloads import agent_requests, chat_requests, system_prompt
+
+
+def test_yaml_scenario_round_trip(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("""
+name: t
+profiles: [wifi, {base: 4g, loss: 0.0}, {name: sat, rtt_ms: 600, down_mbps: 50, up_mbps: 5}]
+modes: [split, all-cloud]
+phones: 3
+disconnects: [{at_s: 2.0, down_s: 0.5}]
+workloads:
+  - {kind: agent, requests: 5, max_tokens: 16}
+""")
+    sc = load_scenario(path)
+    assert [p.name for p in sc.profiles] == ["wifi", "4g*", "sat"]
+    assert sc.profiles[1].loss == 0.0 and sc.profiles[1].rtt_ms == 60.0 and sc.profiles[2].jitter_ms == 0.0
+    assert sc.disconnects == [Disconnect(2.0, 0.5)] and sc.workloads[0].kind == "agent"
+    assert Scenario.from_dict(sc.to_dict() | {"profiles": [p["name"] for p in sc.to_dict()["profiles"][:1]]})
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"modes": ["split", "edge"]}, "modes"),
+    ({"colour": "red"}, "unknown scenario key"),
+    ({"profiles": ["6g"]}, "unknown link profile"),
+    ({"profiles": [{"name": "x", "rtt_ms": 10}]}, "missing field"),
+    ({"profiles": [{"base": "4g", "loss": 1.5}]}, "loss"),
+    ({"workloads": [{"kind": "poetry"}]}, "workload kind"),
+    ({"workloads": [{"kind": "chat", "requests": 0}]}, "requests"),
+    ({"phone_cores": []}, "phone_cores"),
+    ({"profiles": "4g"}, "expected a list"),
+])
+def test_bad_scenarios_name_the_problem(data, match):
+    with pytest.raises(ScenarioError, match=match):
+        Scenario.from_dict(data)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ScenarioError, match="no such"):
+        load_scenario(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("profiles: [wifi\n")
+    with pytest.raises(ScenarioError, match="YAML"):
+        load_scenario(bad)
+
+
+def test_profile_validation():
+    with pytest.raises(LinkProfileError, match="jitter"):
+        resolve_profile({"name": "j", "rtt_ms": 10, "jitter_ms": 6, "down_mbps": 1, "up_mbps": 1})
+    with pytest.raises(LinkProfileError, match="up_mbps"):
+        resolve_profile({"base": "wifi", "up_mbps": 0})
+
+
+def test_workloads():
+    chat = chat_requests(14, 32, offset=3)
+    assert len(chat) == 14 and chat[0].label == "chat/3" and chat[-1].label == "chat/4"  # wraps around
+    steps = agent_requests(8, 24)
+    sp = system_prompt()
+    assert 2400 <= len(sp.encode()) <= 3000
+    assert all(s.messages[0] == {"role": "system", "content": sp} for s in steps)
+    assert steps[0].label == "agent/0/0" and steps[6].label == "agent/1/0"
+    assert "Previous actions: none" in steps[0].messages[1]["content"]
+    assert "step 1:" in steps[1].messages[1]["content"]
+    assert steps[3].to_dict()["max_tokens"] == 24

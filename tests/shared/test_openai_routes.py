@@ -1,0 +1,164 @@
+"""shared.openai_routes over a scripted backend: JSON and SSE shapes, the thinking split, echo, usage, one
+set of error statuses, and that every started stream is closed (cancelled) whatever happens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from shared import openai_compat as oc
+from shared.openai_routes import GenerationError, install
+
+SCRIPT = ["<think>I gr", "eet.</thi", "nk>Hel", "lo!"]
+
+
+class ScriptedStream:
+    def __init__(self, pieces: list[str], error: GenerationError | None):
+        self.pieces, self.error = pieces, error
+        self.finish_reason: str | None = None
+        self.closed = False
+
+    async def __aiter__(self):
+        for p in self.pieces:
+            yield p
+        if self.error is not None:
+            raise self.error
+        self.finish_reason = "length"
+
+    def usage(self):
+        return oc.usage(3, len(self.pieces))
+
+    async def aclose(self):
+        self.closed = True
+
+
+class ScriptedBackend:
+    model_name = "scripted"
+
+    def __init__(self):
+        self.prompt_suffix = ""
+        self.script = SCRIPT
+        self.not_ready: oc.OpenAIRequestError | None = None
+        self.error: GenerationError | None = None
+        self.started: list[tuple[object, str, ScriptedStream]] = []
+
+    def check_ready(self):
+        if self.not_ready is not None:
+            raise self.not_ready
+
+    def render_chat(self, req):
+        if req.messages[-1]["content"] == "refuse":
+            raise oc.OpenAIRequestError("the template refused", "messages")
+        return "PROMPT:" + req.messages[-1]["content"] + self.prompt_suffix
+
+    def start(self, req, prompt):
+        stream = ScriptedStream(self.script, self.error)
+        self.started.append((req, prompt, stream))
+        return stream
+
+
+@pytest.fixture
+def api():
+    backend = ScriptedBackend()
+    app = FastAPI()
+    install(app, backend)
+    with TestClient(app) as client:
+        yield client, backend
+
+
+def _chat(**kw):
+    return {"messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def _events(client, path, body) -> list:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def test_chat_json_with_reasoning_split(api):
+    client, backend = api
+    r = client.post("/v1/chat/completions", json=_chat(return_reasoning=True, max_tokens=9))
+    body = r.json()
+    msg = body["choices"][0]["message"]
+    assert r.status_code == 200 and body["object"] == "chat.completion" and body["model"] == "scripted"
+    assert msg == {"role": "assistant", "content": "Hello!", "reasoning_content": "I greet."}
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 4
+    req, prompt, stream = backend.started[-1]
+    assert prompt == "PROMPT:hi" and req.sampling.max_tokens == 9 and stream.closed
+    # without return_reasoning the text passes unchanged and there is no reasoning_content
+    msg = client.post("/v1/chat/completions", json=_chat(model="m2")).json()["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": "".join(SCRIPT)}
+
+
+def test_a_prompt_that_opens_think_starts_in_reasoning(api):
+    client, backend = api
+    backend.prompt_suffix, backend.script = "<think>", ["I gr", "eet.</thi", "nk>Hel", "lo!"]
+    msg = client.post("/v1/chat/completions", json=_chat(return_reasoning=True)).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == "I greet." and msg["content"] == "Hello!"
+
+
+def test_chat_stream_chunks_in_order(api):
+    client, backend = api
+    events = _events(client, "/v1/chat/completions",
+                     _chat(return_reasoning=True, stream_options={"include_usage": True}))
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    deltas = [e["choices"][0]["delta"] for e in events[1:-2]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "I greet."
+    assert "".join(d.get("content", "") for d in deltas) == "Hello!"
+    assert events[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 7
+    assert {e["object"] for e in events} == {"chat.completion.chunk"} and len({e["id"] for e in events}) == 1
+    assert backend.started[-1][2].closed
+
+
+def test_completions_json_and_stream_with_echo(api):
+    client, backend = api
+    body = client.post("/v1/completions", json={"prompt": "Once", "echo": True}).json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Once" + "".join(SCRIPT)
+    assert backend.started[-1][1] == "Once"
+    events = _events(client, "/v1/completions", {"prompt": "Once", "echo": True})
+    assert [e["choices"][0]["text"] for e in events] == ["Once", *SCRIPT, ""]
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and backend.started[-1][2].closed
+
+
+@pytest.mark.parametrize("error, status", [
+    (GenerationError("engine died", "engine_error"), 500),
+    (GenerationError("cloud error bundle_mismatch", "bundle_mismatch", upstream=True), 502),
+    (GenerationError("cloud error internal", "internal", upstream=True), 502),
+    (GenerationError("no reply in time", "timeout", upstream=True), 504),
+    (GenerationError("too busy", "overloaded", upstream=True), 503),
+    (GenerationError("too long for the context", "context_full", upstream=True), 400),
+])
+def test_generation_errors_have_one_shape_and_status(api, error, status):
+    client, backend = api
+    backend.error = error
+    for path, body in (("/v1/chat/completions", _chat()), ("/v1/completions", {"prompt": "x"})):
+        r = client.post(path, json=body)
+        err = r.json()["error"]
+        assert r.status_code == status and set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == error.code and err["message"] == error.message
+        assert err["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+        assert backend.started[-1][2].closed
+        # streamed: the text so far, then the same error body as an event, then [DONE]
+        events = _events(client, path, body)
+        assert events[-1] == r.json() and backend.started[-1][2].closed
+
+
+def test_refusals_before_any_generation(api):
+    client, backend = api
+    r = client.post("/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json=_chat(temperature=7))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "refuse"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    backend.not_ready = oc.OpenAIRequestError("server is draining", None, "draining", 503)
+    r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    assert backend.started == []  # nothing was started, so nothing needs closing
