@@ -28,7 +28,9 @@ Measured, in one process:
 * ``breakdown``: each op class over all layers in its own CUDA graph: where a step's time goes.
 
 ``--tp`` (under ``torchrun --nproc-per-node 2``): TP = 1 on rank 0, then TP = 2 on both ranks: step latency
-at S = 1 and throughput at S = 64, with NCCL and with the symmetric-memory one-shot all-reduce.
+at S = 1 and throughput at S = 64, with NCCL and with the symmetric-memory one-shot all-reduce (the latter
+only here: the served runner all-reduces through NCCL). The model is sharded by the served code
+(``cloud_server.tp.shard_model``, then fused into a FastGLM); the sessions are driven directly.
 
 ``--through-engine --tp`` (under ``torchrun --nproc-per-node 2``): the *served* tensor-parallel path, as
 ``autoglm-cloud serve --tp 1`` and ``--tp 2`` build it (``LLMEngine`` + ``FastGlmRunner`` over the

@@ -4,11 +4,12 @@
 #   bench/gpu_session.sh served     # 1. the served path: phones over WebSockets into `autoglm-cloud serve`
 #   bench/gpu_session.sh engine     # 2. the engine and the direct loop, same machine, same S (cloud_gpu_bench)
 #   bench/gpu_session.sh attach     # 3. engine/direct tokens/s into the served records (no GPU work)
-#   bench/gpu_session.sh all        # 1 + 2 + 3 (longer than one 10-minute command: run the stages as
-#                                   #   separate commands of one lease on the device machine)
+#   bench/gpu_session.sh all        # 1 + 2 + 3
 #
 # Workload: glm4v-9b-random split at 12 (28 cloud layers, bf16, random weights built on the GPU), 512-token
-# prompts, 128 greedy tokens per session, S = 1 / 8 / 64 / 256 (SESSIONS to change). Outputs:
+# prompts, 128 greedy tokens per session, S = 1 / 8 / 64 / 256 (SESSIONS to change), the served levels once
+# per wire codec (CODECS, default int8-outlier,bf16: the realistic codec and the cheapest one to decode).
+# All three stages took about 4 minutes on an H200 (the served one 2.5); outputs:
 #   $OUT/cloud_served.json   bench/served_load.py records (docs/results/cloud_served.json is this file)
 #   $OUT/served_spy.txt      py-spy collapsed stacks of the server at the largest S (summary in the JSON)
 #   $OUT/cloud_gpu_engine.json  cloud_gpu_bench --through-engine (engine.summary: engine/direct tokens/s)
@@ -26,7 +27,7 @@ served() {
     if command -v py-spy >/dev/null 2>&1; then spy=(--py-spy "$OUT/served_spy.txt")
     else echo "gpu_session.sh: no py-spy on PATH: the served run goes without a profile"; fi
     timeout 580 python3 bench/served_load.py --preset glm4v-9b-random --layer 12 --sessions "$SESSIONS" \
-        --prompt 512 --gen 128 "${spy[@]}" --out "$OUT/cloud_served.json" 2>&1 | tee "$OUT/served.log"
+        --prompt 512 --gen 128 --sweep-codecs "${CODECS:-int8-outlier,bf16}" "${spy[@]}" --out "$OUT/cloud_served.json" 2>&1 | tee "$OUT/served.log"
 }
 
 engine() {

@@ -38,7 +38,8 @@ CPU smoke run (tiny bundle)::
     autoglm-partition split --preset tiny-glm4 --layer 2 --out /tmp/b
     python bench/served_load.py --serve /tmp/b --sessions 1,8 --prompt 32 --gen 16 --out /tmp/served.json
 
-``--attach-engine ENGINE_JSON --to SERVED_JSON`` fills the engine/direct figures into a finished served run
+``--sweep-codecs int8-outlier,bf16`` runs every level once per wire codec (what the server's codec decode
+costs, side by side). ``--attach-engine ENGINE_JSON --to SERVED_JSON`` fills the engine/direct figures into a finished served run
 afterwards (the GPU session measures the served path first, then the engine).
 
 GPU (one H200, the issue's workload): ``bench/gpu_session.sh``.
@@ -92,6 +93,7 @@ class LoadConfig:
     prompt: int = 512  # prompt positions per session (the engine bench's default)
     gen: int = 128  # tokens per session
     codecs: tuple[str, ...] = DEFAULT_CODECS  # preference order sent in Hello
+    sweep_codecs: tuple[str, ...] = ()  # run every level once per codec named here (Hello offers only it)
     procs: int = 0  # worker processes; 0 = half the cores (the server needs the rest), at most one per session
     api_key: str | None = None
     states: Path | None = None  # recorded boundary states [N, H] float32 (.npy) instead of synthetic ones
@@ -359,13 +361,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict | None, s: int,
-              server_pid: int | None, py_spy_out: Path | None) -> dict:
+              codecs: tuple[str, ...], server_pid: int | None, py_spy_out: Path | None) -> dict:
     procs = min(s, cfg.procs or max(1, (os.cpu_count() or 2) // 2))  # the other half: the server's threads
     share = [s // procs + (i < s % procs) for i in range(procs)]
     workers, first = [], 0
     for w, count in enumerate(share):
         spec = {"url": url, "api_key": cfg.api_key, "bundle_id": manifest.bundle_id, "hidden": manifest.hidden_size,
-                "calibration": calibration, "codecs": list(cfg.codecs), "first": first, "count": count,
+                "calibration": calibration, "codecs": list(codecs), "first": first, "count": count,
                 "prompt": cfg.prompt, "gen": cfg.gen, "seed": cfg.seed * 1000 + w,
                 "states": str(cfg.states) if cfg.states else None, "timeout": cfg.level_timeout_s}
         first += count
@@ -375,7 +377,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
         p.stdin.flush()
         workers.append(p)
     try:
-        codecs = {_read_line(p, "ready", cfg.level_timeout_s)["codec"] for p in workers}
+        used = {_read_line(p, "ready", cfg.level_timeout_s)["codec"] for p in workers}
         spy = None
         if py_spy_out is not None and server_pid is not None:
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(server_pid), "--nonblocking", "--threads",
@@ -401,7 +403,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
     rec = summarize(s, [x for r in results for x in r["sessions"]], cfg)
     if spy is not None and py_spy_out.is_file():
         rec["profile_s"] = profile_summary(py_spy_out, PY_SPY_RATE)
-    rec.update(procs=procs, codec=",".join(sorted(codecs)), wall_s=wall, server_cpu_s=server_cpu,
+    rec.update(procs=procs, codec=",".join(sorted(used)), wall_s=wall, server_cpu_s=server_cpu,
                client_cpu_s=sum(r["cpu_s"] for r in results))
     return rec
 
@@ -538,17 +540,20 @@ def run(cfg: LoadConfig, command: str) -> dict:
                               "ready_s": ready_s, "bundle_id": manifest.bundle_id, "hidden": manifest.hidden_size,
                               "source": manifest.source},
                    "records": []}
-            run_level(cfg, url, manifest, calibration, 1, None, None)  # warm-up: first-call costs off the clock
-            for s in cfg.sessions:
-                spy = cfg.py_spy if cfg.py_spy is not None and s == max(cfg.sessions) else None
-                rec = run_level(cfg, url, manifest, calibration, s, pid, spy)
-                rec.update(engine_tokens_per_s=None, direct_tokens_per_s=None, served_vs_engine=None)
-                res["records"].append(rec)
-                if cfg.engine_json is not None:
-                    attach_engine(res, cfg.engine_json)
-                print(_row(rec), flush=True)
-                if cfg.out is not None:
-                    _write(cfg.out, res)
+            run_level(cfg, url, manifest, calibration, 1, cfg.codecs, None, None)  # warm-up: first-call costs
+            sweep = [(c,) for c in cfg.sweep_codecs] or [cfg.codecs]
+            for codecs in sweep:
+                for s in cfg.sessions:
+                    # the profile: the first codec's largest level
+                    spy = cfg.py_spy if codecs == sweep[0] and s == max(cfg.sessions) else None
+                    rec = run_level(cfg, url, manifest, calibration, s, codecs, pid, spy)
+                    rec.update(engine_tokens_per_s=None, direct_tokens_per_s=None, served_vs_engine=None)
+                    res["records"].append(rec)
+                    if cfg.engine_json is not None:
+                        attach_engine(res, cfg.engine_json)
+                    print(_row(rec), flush=True)
+                    if cfg.out is not None:
+                        _write(cfg.out, res)
             return res
         except Exception:
             if server is not None:
@@ -562,7 +567,7 @@ def run(cfg: LoadConfig, command: str) -> dict:
 def _row(r: dict) -> str:
     def f(v, fmt=".1f"):
         return "-" if v is None else format(v, fmt)
-    return (f"[served_load] S={r['sessions']:4d} completed {r['completed']}/{r['sessions']} "
+    return (f"[served_load] {r.get('codec', '?')} S={r['sessions']:4d} completed {r['completed']}/{r['sessions']} "
             f"served {f(r.get('served_tokens_per_s'), '.0f')} tok/s (overall {f(r.get('served_tokens_per_s_overall'), '.0f')})"
             f" TTFT p50 {f(r.get('ttft_p50_ms'))} ms, ITL p50 {f(r.get('itl_p50_ms'), '.2f')} / p99 "
             f"{f(r.get('itl_p99_ms'), '.2f')} ms, server CPU {f(r.get('server_cpu_s'), '.1f')} s, "
@@ -596,6 +601,7 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     ap.add_argument("--prompt", type=int, default=d["prompt"].default, help="prompt positions per session")
     ap.add_argument("--gen", type=int, default=d["gen"].default, help="tokens per session")
     ap.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="codec preference order (Hello)")
+    ap.add_argument("--sweep-codecs", default="", help="run every level once per codec (e.g. int8-outlier,bf16)")
     ap.add_argument("--procs", type=int, default=0, help="worker processes (0: half the cores)")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--states", type=Path, help="recorded boundary states [N, H] float32 .npy")
@@ -610,6 +616,7 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
         return LoadConfig(url=a.url, bundle=a.bundle, serve=a.serve, preset=a.preset, layer=a.layer,
                           server_args=a.server_args, sessions=tuple(int(x) for x in a.sessions.split(",") if x),
                           prompt=a.prompt, gen=a.gen, codecs=tuple(c for c in a.codecs.split(",") if c),
+                          sweep_codecs=tuple(c for c in a.sweep_codecs.split(",") if c),
                           procs=a.procs, api_key=a.api_key, states=a.states, seed=a.seed,
                           ready_timeout_s=a.ready_timeout_s, level_timeout_s=a.level_timeout_s,
                           engine_json=a.engine_json, py_spy=a.py_spy, out=a.out)

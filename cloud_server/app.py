@@ -10,8 +10,11 @@ Routes:
 * ``WS  /v1/split`` split mode: the edge's session (``cloud_server.split_endpoint``);
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: full-model mode (``cloud_server.full_api``).
 
-With an API key configured every route but ``/health``, ``/ready`` and ``/metrics`` needs
-``Authorization: Bearer <key>`` (a WebSocket presents it in the handshake headers).
+With a keys file or an API key configured (``cloud_server.auth``) every route but ``/health``, ``/ready`` and
+``/metrics`` needs ``Authorization: Bearer <key>`` (a WebSocket presents it in the handshake headers, never in
+the URL); ``open_probes=False`` puts those three behind the key too. The key's :class:`~cloud_server.auth.Principal`
+is on ``websocket.state.principal`` for the split endpoint (its tenant scopes the prefix cache). HTTP ``/v1``
+requests beyond ``max_http_requests`` in flight get 429 with ``Retry-After`` (``cloud_server.limits``).
 
 Graceful drain (:func:`drain`, on the first SIGTERM via :class:`DrainingServer`, and at shutdown): the app
 stops admitting (``/ready`` -> 503, new sessions closed with 1013, new HTTP requests 503), sends ``Drain`` to
@@ -21,7 +24,6 @@ connected edges, waits up to ``drain_timeout_s`` for open requests to finish, th
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -30,17 +32,11 @@ import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 
+from cloud_server.auth import Authenticator
+from cloud_server.limits import HttpConcurrencyLimit
 from shared import openai_compat as oc
 
 log = logging.getLogger("autoglm.cloud")
-
-
-def _key_ok(expected: str | None, header: str | None) -> bool:
-    if expected is None:
-        return True
-    if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header.removeprefix("Bearer ").strip().encode(), expected.encode())
 
 
 async def drain(app: FastAPI) -> None:
@@ -107,12 +103,15 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
 
     app = FastAPI(title="autoglm-split cloud server", lifespan=lifespan)
     app.state.runtime = runtime
+    app.state.auth = authn = Authenticator(cfg.keys_file, cfg.api_key)
+    app.add_middleware(HttpConcurrencyLimit, limit=cfg.max_http_requests)
 
     async def require_key(request: Request):
-        if not _key_ok(cfg.api_key, request.headers.get("authorization")):
+        if authn.authenticate(request.headers.get("authorization")) is None:
             raise HTTPException(401, detail="missing or wrong API key (Authorization: Bearer <key>)")
 
     auth = Depends(require_key)
+    probe = [] if cfg.open_probes else [auth]
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
@@ -120,11 +119,11 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         err = oc.OpenAIRequestError(str(exc.detail), None, code, exc.status_code)
         return JSONResponse(err.to_dict(), status_code=exc.status_code)
 
-    @app.get("/health")
+    @app.get("/health", dependencies=probe)
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", dependencies=probe)
     async def ready():
         body = {"ready": runtime.ready, "mode": cfg.mode, "model": runtime.model_name,
                 "draining": runtime.draining, "bundle_id": runtime.bundle_id}
@@ -132,7 +131,7 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
             body["error"] = runtime.engine.dead
         return JSONResponse(body, status_code=200 if runtime.ready else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=probe)
     async def metrics():
         if runtime.metrics is None:
             return Response(b"", media_type="text/plain")
@@ -155,7 +154,8 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
 
         @app.websocket("/v1/split")
         async def split(ws: WebSocket):
-            if not _key_ok(cfg.api_key, ws.headers.get("authorization")):
+            principal = authn.authenticate(ws.headers.get("authorization"))
+            if principal is None:
                 err = oc.OpenAIRequestError("missing or wrong API key (Authorization: Bearer <key>)", None,
                                             "unauthorized", 401)
                 try:  # an HTTP 401 before the upgrade, where the server supports denial responses
@@ -163,6 +163,7 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
                 except RuntimeError:
                     await ws.close(code=1008, reason="missing or wrong API key")  # HTTP 403
                 return
+            ws.state.principal = principal
             await endpoint.serve(ws)
 
     return app

@@ -54,6 +54,16 @@ OPTIONS = (
                                               "(default 120)"),
     Option("drain_timeout_s", float, "server", "on shutdown, seconds open requests may finish (default 30)"),
     Option("model_name", str, "server", "model id reported by /v1/models (default: bundle or source name)"),
+    Option("keys_file", str, "server", "API keys file of hashes, one entry per key and tenant (`autoglm-cloud "
+                                       "keys add`); reloaded on change and on SIGHUP"),
+    Option("open_probes", bool, "server", "serve /health, /ready and /metrics without a key (default true)"),
+    Option("ssl_certfile", str, "server", "TLS certificate chain (PEM): serve https:// and wss://"),
+    Option("ssl_keyfile", str, "server", "TLS private key (PEM), with --ssl-certfile"),
+    Option("handshake_timeout_s", float, "server", "close a WebSocket that sends no Hello within this "
+                                                   "(default 30)"),
+    Option("max_connections", int, "server", "open connections before uvicorn answers 503 (default 2048)"),
+    Option("max_http_requests", int, "server", "HTTP /v1 requests in flight before 429 + Retry-After "
+                                               "(default 256)"),
     Option("tp", int, "engine", "tensor-parallel ranks: 1 or 2 (default 1)"),
     Option("device", str, "engine", "cpu or cuda (default: cuda if available)"),
     Option("variants", str, "engine", "compute variants to load, comma-separated: auto, fp32, bf16, fp16, int8 "
@@ -98,6 +108,7 @@ def _load_file(path: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoglm-cloud", description="The autoglm-split cloud server.")
     sub = ap.add_subparsers(dest="command", required=True)
+    sub.add_parser("keys", help="manage the API keys file: `autoglm-cloud keys add FILE --tenant NAME`")
     s = sub.add_parser("serve", help="serve a bundle's cloud half (split mode) or a whole model (--full)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("bundle", nargs="?", help="bundle directory written by `autoglm-partition split` "
@@ -169,13 +180,24 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
     from cloud_server.app import DrainingServer, create_app
     from cloud_server.runtime import CloudRuntime
 
+    from cloud_server.auth import install_sighup
+
     app = create_app(CloudRuntime(config), owns_runtime=True)
+    install_sighup(app.state.auth.store)  # `kill -HUP` reloads the keys file
+    tls = {"ssl_certfile": str(config.ssl_certfile), "ssl_keyfile": str(config.ssl_keyfile)} if config.ssl_certfile \
+        else {}
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                          timeout_graceful_shutdown=5), app)
+                                          timeout_graceful_shutdown=5, limit_concurrency=config.max_connections,
+                                          **tls), app)
     server.run()
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keys"]:  # `autoglm-cloud keys add FILE --tenant T`: the keys file's own small CLI
+        from cloud_server.auth import keys_main
+
+        return keys_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -186,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     if config.bundle is not None and not (Path(config.bundle) / "manifest.json").is_file():
         print(f"autoglm-cloud: error: {config.bundle}: not a bundle (no manifest.json)", file=sys.stderr)
         return 2
+    for name in ("ssl_certfile", "ssl_keyfile", "keys_file"):
+        path = getattr(config, name)
+        if path is not None and not Path(path).is_file():
+            print(f"autoglm-cloud: error: --{name.replace('_', '-')} {path}: no such file", file=sys.stderr)
+            return 2
     serve(config, args.log_level)
     return 0
 

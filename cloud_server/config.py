@@ -95,6 +95,15 @@ class ServerConfig:
     # On shutdown: stop admitting, then let open requests finish for up to this long.
     drain_timeout_s: float = 30.0
     model_name: str | None = None  # served model id (/v1/models); default: the bundle's or source's name
+    # API keys file of hashes, one entry per key naming its tenant (cloud_server.auth); excludes api_key.
+    keys_file: Path | None = None
+    open_probes: bool = True  # /health, /ready and /metrics without a key (probes on an internal network)
+    ssl_certfile: Path | None = None  # TLS: serve https:// and wss:// with this certificate chain (PEM)
+    ssl_keyfile: Path | None = None  # TLS: its private key (PEM)
+    # A WebSocket that sends no Hello within this is closed: a flood of idle sockets frees itself quickly.
+    handshake_timeout_s: float = 30.0  # docs/protocol.md hello_timeout_ms
+    max_connections: int = 2048  # open connections of any kind; beyond, uvicorn answers 503 (limit_concurrency)
+    max_http_requests: int = 256  # HTTP /v1 requests in flight; beyond, 429 with Retry-After (never queued)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -111,6 +120,17 @@ class ServerConfig:
         _positive("step_timeout_s", self.step_timeout_s)
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0 (got {self.drain_timeout_s})")
+        if self.keys_file is not None:
+            self.keys_file = Path(self.keys_file)
+            if self.api_key is not None:
+                raise ConfigError("keys_file and api_key: give one (the keys file holds every tenant's key)")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ConfigError("ssl_certfile and ssl_keyfile go together (TLS needs the certificate and its key)")
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            if getattr(self, name) is not None:
+                setattr(self, name, Path(getattr(self, name)))
+        for name in ("handshake_timeout_s", "max_connections", "max_http_requests"):
+            _positive(name, getattr(self, name))
 
     @property
     def mode(self) -> str:

@@ -65,7 +65,9 @@ class CloudRuntime:
             models = {v: self._load(source_kind, source, lm, v, ecfg.device) for v in variants}
         engine = LLMEngine.from_models(ecfg, models, metrics=self.metrics, make_runner=make_runner)
         if ecfg.tp > 1:
-            torch.distributed.barrier()  # every rank has built its runners (CUDA graphs captured together)
+            from cloud_server import tp
+
+            tp.await_ready(self._tp_store, self._workers)  # every rank has built its runners
         self.facts = EngineFacts.of(engine)  # before the engine thread runs: handlers read only this
         idle_hook = self._heartbeat if self._tp_comm is not None else None
         self.engine = AsyncEngine(engine, idle_timeout_s=cfg.step_timeout_s, idle_hook=idle_hook).start()
@@ -88,7 +90,7 @@ class CloudRuntime:
         world = ecfg.tp
         self._tp_store, port = tp.open_group(world, ecfg.device)
         self._workers = tp.launch_workers(world, "127.0.0.1", port, source_kind, source, variants, ecfg)
-        tp.join_group(self._tp_store, world, ecfg.device)
+        tp.join_group(self._tp_store, world, ecfg.device, self._workers)
         self._tp_comm = tp.comm_device(ecfg.device, 0)
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
         device = tp.rank_device(ecfg.device, 0)

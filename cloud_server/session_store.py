@@ -50,7 +50,9 @@ class Session:
     def __init__(self, session_id: str, resume_token: str, codecs: list[str], plan, tenant: str):
         self.session_id = session_id
         self.resume_token = resume_token
-        self.tenant = tenant  # shared.prefix_keys.tenant_of(its API key): the namespace of its prefix blocks
+        self.tenant = tenant  # cloud_server.auth.Principal.tenant of its API key: the namespace of its prefix blocks
+        self.principal = None  # cloud_server.auth.Principal: its key (per-key session cap, usage label)
+        self.usage = None  # cloud_server.usage.TenantUsage: per-tenant counters and the trace log
         self.codecs = codecs  # negotiated codec names
         self.plan = plan  # shared.precision.PrecisionPlan: the session's default
         self.state = SessionState()
@@ -68,8 +70,11 @@ class Session:
         """Record ``msg`` in the protocol state and queue it for the attached link. Dropped while detached:
         the state still advances, and ``Resume`` recovers the tokens."""
         self.state.on_server(msg)
+        frame = P.encode_message(msg) if self.outq is not None else b""
+        if self.usage is not None:
+            self.usage.on_sent(self, msg, len(frame))
         if self.outq is not None:
-            self.outq.put_nowait(P.encode_message(msg))
+            self.outq.put_nowait(frame)
 
     def record(self, request_id: str) -> RequestRecord | None:
         """The server's record of an open or recently finished request (None: unknown, or not admitted)."""

@@ -35,13 +35,16 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from cloud_server.config import ServerConfig
+from cloud_server.auth import principal_of
 from cloud_server.engine.async_engine import EngineDeadError
+from cloud_server.limits import session_cap_refusal
 from cloud_server.precision_select import load_fraction, session_plan
 from cloud_server.session_store import Session, SessionRegistry
 from cloud_server.split_translate import SplitTranslator
+from cloud_server.usage import TenantUsage
 from shared import protocol as P
 from shared.codecs import available_codecs
-from shared.prefix_keys import tenant_of, tenant_scoped
+from shared.prefix_keys import tenant_scoped
 from shared.session_state import SessionError, SessionState
 from shared.version import __version__
 
@@ -118,7 +121,7 @@ class SplitEndpoint:
         rt, metrics = self.rt, self.rt.metrics
         first = SessionState()  # the rulebook from the first frame on: only a Hello opens a session
         try:
-            frame = await asyncio.wait_for(ws.receive(), HELLO_TIMEOUT_S)
+            frame = await asyncio.wait_for(ws.receive(), rt.config.handshake_timeout_s)
             if frame.get("type") == "websocket.disconnect":
                 return None
             if frame.get("bytes") is None:
@@ -126,7 +129,7 @@ class SplitEndpoint:
             hello = P.decode_message(frame["bytes"], self.wire_limits)
             first.on_client(hello, len(frame["bytes"]))
         except asyncio.TimeoutError:
-            await self._refuse(ws, "bad_state", f"no Hello within {HELLO_TIMEOUT_S:g} s", CLOSE_PROTOCOL)
+            await self._refuse(ws, "bad_state", f"no Hello within {rt.config.handshake_timeout_s:g} s", CLOSE_PROTOCOL)
             return None
         except P.ProtocolError as e:
             close = CLOSE_POLICY if e.code == "version" else CLOSE_PROTOCOL
@@ -155,7 +158,8 @@ class SplitEndpoint:
                                                            f"supported (server: {sorted(self.codecs)})",
                                CLOSE_POLICY)
             return None
-        tenant = tenant_of(ws.headers.get("authorization"))
+        principal = principal_of(ws)  # cloud_server.auth: who the key says this is; its tenant scopes the cache
+        tenant = principal.tenant
         session = self.registry.for_resume(hello.resume_token, tenant)
         resumed = session is not None
         if not resumed:
@@ -164,8 +168,15 @@ class SplitEndpoint:
                 await self._refuse(ws, "overloaded", f"server at its limit of {self.registry.max_sessions} "
                                                      "sessions; retry later", CLOSE_TRY_LATER, retry_after_ms=1000)
                 return None
+            capped = session_cap_refusal(self.registry, principal)
+            if capped is not None:
+                metrics.refused.labels(rt.model_name, "key_session_cap").inc()
+                await self._refuse(ws, "overloaded", capped, CLOSE_TRY_LATER, retry_after_ms=1000)
+                return None
             session = self.registry.create(codecs, session_plan(hello, codecs, rt.facts, self._load()), tenant)
             session.state = first
+            session.principal, session.usage = principal, TenantUsage.of(metrics)
+            session.usage.on_open(session)
         else:
             session.codecs = codecs
             session.state.reconnect()
@@ -237,6 +248,7 @@ class SplitEndpoint:
         for rec in session.active_requests():
             self.rt.engine.abort(rec.engine_id)
         self.registry.remove(session)  # the state closes: late engine outputs are dropped
+        session.usage.on_close(session)
         self.rt.metrics.sessions.labels(self.rt.model_name).set(len(self.registry))
 
     # -- messages ---------------------------------------------------------------------------------
@@ -258,6 +270,7 @@ class SplitEndpoint:
                     raise P.ProtocolError("bad_frame", "frames are binary msgpack, got a text frame")
                 msg = P.decode_message(data, self.wire_limits)
                 track = session.state.on_client(msg, len(data))
+                session.usage.on_received(session, msg, len(data))
             except P.ProtocolError as e:
                 session.send(P.Error(code=e.code, message=e.message, fatal=True))
                 await self._close(ws, CLOSE_TOO_BIG if e.code == "too_large" else CLOSE_PROTOCOL, e.message)

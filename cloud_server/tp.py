@@ -26,8 +26,11 @@ from the same :class:`~cloud_server.config.EngineConfig` (sent as JSON on their 
 takes the same path through a step and issues the same collectives (CUDA graphs included).
 
 Process group. Rank 0 opens the group's TCP store on a port the OS assigns while binding it (never a port
-probed free and bound later, which another process may take in between) and passes it to the workers. NCCL
-on CUDA, gloo on CPU; under ``torchrun`` (the benchmark) :func:`init_from_env` joins torchrun's group.
+probed free and bound later, which another process may take in between) and passes it to the workers. Each
+worker marks its progress there (joined, runners built); rank 0 waits on those keys while watching the
+processes, so a worker that dies at start fails the server's start at once instead of leaving it blocked in
+a collective. NCCL on CUDA, gloo on CPU; under ``torchrun`` (the benchmark) :func:`init_from_env` joins
+torchrun's group.
 On multi-GPU H200 hosts keep ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off).
 
 References: Shoeybi et al., "Megatron-LM" (2019); gpt-fast ``tp.py``.
@@ -53,6 +56,7 @@ from cloud_server.engine.model_runner import Batch
 HEADER = 8  # [cmd, T, B, block entries, S, flags (1: token ids, 2: rope positions), variant index, H]
 F_IDS, F_ROPE = 1, 2
 CMD_STOP, CMD_RUN, CMD_NOOP = 0, 1, 2
+_KEY = "autoglm/tp"  # the worker ranks' progress keys in the group's store
 # Long: an idle server's workers wait in a broadcast (rank 0 also sends heartbeats).
 GROUP_TIMEOUT = timedelta(minutes=30)
 
@@ -300,9 +304,35 @@ def open_group(world: int, device: str, host: str = "127.0.0.1") -> tuple[dist.T
     return store, store.port
 
 
-def join_group(store: dist.TCPStore, world: int, device: str) -> None:
+def _await_workers(store: dist.TCPStore, procs: list[subprocess.Popen], key: str, what: str) -> None:
+    """Wait until every worker rank has set ``key`` in the store; a worker that exits first fails the wait
+    (and the others are stopped) instead of leaving rank 0 blocked for the group's timeout."""
+    for rank, proc in enumerate(procs, start=1):
+        while True:
+            try:
+                store.wait([f"{_KEY}/{key}/{rank}"], timedelta(seconds=1))
+                break
+            except RuntimeError:  # not set yet (DistStoreError on timeout): is the worker still there?
+                code = proc.poll()
+                if code is not None:
+                    for other in procs:
+                        if other.poll() is None:
+                            other.kill()
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {code}) before {what}; "
+                                       f"its error is in the log above") from None
+
+
+def join_group(store: dist.TCPStore, world: int, device: str, procs: list[subprocess.Popen]) -> None:
     """Rank 0, step 2 (after the workers are started): join the group; returns when every rank has."""
+    _await_workers(store, procs, "joined", "joining the group")
     _join(store, 0, world, device)
+
+
+def await_ready(store: dist.TCPStore, procs: list[subprocess.Popen]) -> None:
+    """Rank 0, step 3 (its own runners built): wait for the workers' (raises if one has exited), then meet them
+    at a barrier."""
+    _await_workers(store, procs, "ready", "its runners were built")
+    dist.barrier()
 
 
 def init_from_env(device_type: str) -> tuple[int, int]:
@@ -368,12 +398,14 @@ def worker_main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // a.world))
     device = rank_device(ecfg.device, a.rank)
     store = dist.TCPStore(a.master_addr, a.master_port, a.world, is_master=False, timeout=GROUP_TIMEOUT)
+    store.set(f"{_KEY}/joined/{a.rank}", "1")
     _join(store, a.rank, a.world, ecfg.device)
     kind, source = ("bundle", a.bundle) if a.bundle else ("full", a.full)
     models = load_models(kind, source, a.variants.split(","), device, a.rank, a.world)
     make_runner = fast_runner_factory(ecfg)
     runners = [make_runner(i, m, KVCachePool(m.num_layers, ecfg.num_blocks, ecfg.block_size, m.num_kv_heads,
                                              m.head_dim, m.dtype, device)) for i, m in enumerate(models)]
+    store.set(f"{_KEY}/ready/{a.rank}", "1")
     dist.barrier()  # runners built on every rank
     serve_batches(runners, comm_device(ecfg.device, a.rank))
     try:

@@ -22,8 +22,11 @@ def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
     g = p.add_argument_group("edge runtime (env: AUTOGLM_EDGE_<FIELD>)")
     g.add_argument("--bundle", type=Path, help="bundle directory (env AUTOGLM_BUNDLE)")
     if need_url:
-        g.add_argument("--url", help="cloud split endpoint, ws://host:port/v1/split (env AUTOGLM_URL)")
+        g.add_argument("--url", help="the cloud's base URL ws://host:port, or its split endpoint "
+                                     "ws://host:port/v1/split (env AUTOGLM_URL)")
         g.add_argument("--api-key", help="cloud API key (env AUTOGLM_API_KEY)")
+        g.add_argument("--ca-file", type=Path, help="wss://: trust the CAs in this PEM file (default: the system "
+                                                    "store or SSL_CERT_FILE; env AUTOGLM_EDGE_CA_FILE)")
     g.add_argument("--threads", type=int, help="onnxruntime threads for the front layers (default 2)")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per front forward (default 128)")
     g.add_argument("--codec", help="wire codec for hidden states (default: the server's precision plan)")
@@ -37,7 +40,8 @@ def _config(args):
     from .config import EdgeConfig
 
     return EdgeConfig.from_env(bundle=args.bundle, url=getattr(args, "url", None),
-                               api_key=getattr(args, "api_key", None), threads=args.threads,
+                               api_key=getattr(args, "api_key", None), ca_file=getattr(args, "ca_file", None),
+                               threads=args.threads,
                                prefill_chunk=args.prefill_chunk, codec=args.codec, cache_dir=args.cache_dir,
                                cache_max_bytes=args.cache_max_bytes)
 

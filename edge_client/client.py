@@ -39,7 +39,9 @@ from .errors import EdgeClientError
 from .request import RequestSpec, RequestStats
 from .front import FrontRuntime
 from .generation import Session
+from .media import MediaEncoders, MediaPart, MediaPolicy, assemble, extract_parts
 from .tokenizer import EdgeTokenizer
+from .vision import MediaError
 
 __all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "RequestStats"]
 
@@ -50,7 +52,8 @@ class EdgeClient:
     """The edge runtime, tokenizer, activation cache and cloud session of one bundle."""
 
     def __init__(self, bundle: str | Path | EdgeConfig, url: str | None = None, api_key: str | None = None,
-                 **overrides: Any):
+                 media_policy: MediaPolicy | None = None, **overrides: Any):
+        """``media_policy``: limits on fetching images/audio (default: http(s) allowed, no local paths)."""
         if isinstance(bundle, EdgeConfig):
             cfg = replace(bundle, **({"url": url} if url else {}), **({"api_key": api_key} if api_key else {}),
                           **overrides)
@@ -70,6 +73,8 @@ class EdgeClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="autoglm-edge-loop", daemon=True)
         self._thread.start()
         self.session = Session(cfg, self.manifest, self.runtime, self.cache, self.tokenizer)
+        self.media = MediaEncoders(cfg.bundle, cfg.threads)  # opened on the first image / audio clip
+        self.media_policy = media_policy or MediaPolicy()
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -101,13 +106,34 @@ class EdgeClient:
     def _call(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
+    def warmup_encoders(self, kinds: tuple[str, ...] = ("image", "audio")) -> dict[str, float]:
+        """Load the bundle's encoders of ``kinds`` now and run each once; kind -> seconds taken."""
+        return self.media.warmup(kinds)
+
     # -- requests -----------------------------------------------------------------------------
     def _spec(self, prompt: str | None, messages: list[dict] | None, prompt_ids: list[int] | None,
-              enable_thinking: bool | None, chat_template_kwargs: dict | None, **sampling: Any) -> RequestSpec:
+              enable_thinking: bool | None, chat_template_kwargs: dict | None, images: list | None = None,
+              audio: list | None = None, **sampling: Any) -> RequestSpec:
+        """The request; media (message parts, ``images=`` / ``audio=`` for placeholders in ``prompt`` /
+        ``prompt_ids``) are loaded, checked and encoded here: a bad one raises EdgeClientError before any
+        network traffic."""
+        try:
+            return self._media_spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs,
+                                    images, audio, **sampling)
+        except MediaError as e:
+            raise EdgeClientError(str(e), e.code) from None
+
+    def _placeholder(self, kind: str) -> str:
+        return self.tokenizer.decode(self.media.placeholder_ids(kind))
+
+    def _media_spec(self, prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs, images, audio,
+                    **sampling: Any) -> RequestSpec:
         given = sum(x is not None for x in (prompt, messages, prompt_ids))
         if given != 1:
             raise ValueError("pass exactly one of prompt=, messages= or prompt_ids=")
+        parts: list[MediaPart] = []
         if messages is not None:
+            messages, parts = extract_parts(messages, self._placeholder)
             kw = dict(chat_template_kwargs or {})
             if enable_thinking is not None:
                 kw["enable_thinking"] = enable_thinking
@@ -115,34 +141,48 @@ class EdgeClient:
         ids = list(prompt_ids) if prompt_ids is not None else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
-        return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)
+        parts += [MediaPart("image", x) for x in images or []] + [MediaPart("audio", x) for x in audio or []]
+        if not parts:
+            return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)
+        items = self.media.items(parts, self.media_policy)
+        media = assemble([int(t) for t in ids], items, self.runtime.hidden_size, self.media.merge_size)
+        return RequestSpec(prompt_ids=media.ids, media=media, **sampling)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  prompt_ids: list[int] | None = None, max_tokens: int = 256, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
                  precision: str | None = None, enable_thinking: bool | None = None,
-                 chat_template_kwargs: dict | None = None) -> Generation:
+                 chat_template_kwargs: dict | None = None, images: list | None = None,
+                 audio: list | None = None) -> Generation:
         """Start a request; iterate the result for text deltas. Exactly one of ``prompt`` (raw text),
         ``messages`` (rendered by the bundle's chat template) or ``prompt_ids`` (token ids).
 
+        Media: ``messages`` may hold OpenAI ``image_url`` / ``input_audio`` parts (and ``{"type": "image",
+        "image": bytes}``); ``images`` / ``audio`` (bytes or URLs) fill the image / audio placeholder tokens
+        of ``prompt`` / ``prompt_ids`` in order. They are encoded on the phone; only hidden states leave it.
+
         ``temperature=0`` is greedy. ``precision`` overrides the server's choice of wire codec for this
         request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included)."""
-        spec = self._spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs,
+        t0 = self.media.seconds
+        spec = self._spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs, images, audio,
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                           stop=list(stop or []), precision=precision)
         q: queue.Queue = queue.Queue()
         gen = Generation(self, spec, q)
+        gen._media_stats(self.media.seconds - t0)
         gen._future = asyncio.run_coroutine_threadsafe(self.session.run(spec, q.put, gen.stats), self._loop)
         return gen
 
     def agenerate(self, prompt: str | None = None, **kwargs: Any) -> AsyncGeneration:
         """The async twin of :meth:`generate` (same arguments); call it inside a running event loop."""
         caller = asyncio.get_running_loop()
+        t0 = self.media.seconds
         spec = self._spec(prompt, kwargs.pop("messages", None), kwargs.pop("prompt_ids", None),
                           kwargs.pop("enable_thinking", None), kwargs.pop("chat_template_kwargs", None),
-                          **_sampling_defaults(kwargs))
+                          kwargs.pop("images", None), kwargs.pop("audio", None), **_sampling_defaults(kwargs))
         aq: asyncio.Queue = asyncio.Queue()
         gen = AsyncGeneration(self, spec, aq)
+        gen._media_stats(self.media.seconds - t0)
         def sink(item):
             return caller.call_soon_threadsafe(aq.put_nowait, item)
         gen._future = asyncio.run_coroutine_threadsafe(self.session.run(spec, sink, gen.stats), self._loop)
@@ -223,6 +263,13 @@ class _GenerationBase:
         self.finish_reason: str | None = None
         self._future: concurrent.futures.Future | None = None
         self._done = False
+
+    def _media_stats(self, encode_s: float) -> None:
+        media = self.spec.media
+        if media is not None:
+            self.stats.image_tokens = media.tokens_by_kind.get("image", 0)
+            self.stats.audio_tokens = media.tokens_by_kind.get("audio", 0)
+            self.stats.media_encode_s = encode_s
 
     def cancel(self) -> None:
         """Stop generating: the cloud is told to drop the request; iteration ends with finish_reason

@@ -81,6 +81,8 @@ class EdgeConfig:
     bundle: Path  # a bundle directory written by `autoglm-partition split` (only edge/ files are read)
     url: str = "ws://127.0.0.1:8000"  # the cloud's base URL, or its split endpoint (split_url)
     api_key: str | None = None  # sent as "Authorization: Bearer <key>"
+    # wss://: trust only the CAs in this PEM file (a private CA); None: the system store or SSL_CERT_FILE
+    ca_file: Path | None = None
     # onnxruntime intra-op threads. Phones have 2-4 big cores; using all of them starves the UI thread.
     threads: int = 2
     # Prompt tokens per front-layer forward. Bounds peak edge memory (attention is S x P) and lets the first
@@ -102,6 +104,8 @@ class EdgeConfig:
         self.bundle = Path(self.bundle)
         if self.cache_dir is not None:
             self.cache_dir = Path(self.cache_dir)
+        if self.ca_file is not None:
+            self.ca_file = Path(self.ca_file)
         self.url = split_url(self.url)
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")

@@ -117,6 +117,7 @@ class _ConcatKV:
         feeds = {"input_ids": ids[None], "position_ids": np.arange(p, p + s, dtype=np.int64)[None]}  # [1, S]
         for i in range(n):
             feeds[f"past_key.{i}"], feeds[f"past_value.{i}"] = self.kv[2 * i], self.kv[2 * i + 1]  # [1, KVH, P, D]
+        feeds.update(extra)  # the embeddings inputs, when the graph has them
         names = ["hidden_states"] + [f"present_{kv}.{i}" for i in range(n) for kv in ("key", "value")]
         out = session.run(names, feeds)
         self.kv = out[1:]  # [1, KVH, P+S, D] each
@@ -246,7 +247,7 @@ class FrontRuntime:
             expected = kv_names | {"input_ids", *FUSED_INPUTS, *(ROPE_INPUTS if self.mrope else ()),
                                    *(EMBEDS_INPUTS if self.embeds_input else ())}
         else:
-            expected = kv_names | {"input_ids", "position_ids"}
+            expected = kv_names | {"input_ids", "position_ids", *(EMBEDS_INPUTS if self.embeds_input else ())}
         if names != expected:
             raise BundleError(f"{path}: inputs {sorted(names)[:4]}... do not match a {self.n_layers}-layer "
                               f"front graph")
@@ -364,25 +365,35 @@ class FrontRuntime:
         outs = [self._run(arr[i:i + self.chunk]) for i in range(0, arr.size, self.chunk)]
         return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)  # [S, H]
 
-    def prefill_media(self, ids, positions: np.ndarray, embeds: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """``prefill`` of a prompt span holding media tokens (GLM-4.1V images): ``positions`` int [3, S] are
-        its 3-D rope positions (``edge_client.mrope``), ``embeds`` float32 [S, H] replace the token embeddings
-        where ``mask`` [S] is True (the visual embeddings at the image tokens). Needs a 3-D rope graph with the
-        embeddings input (``partition_tools.front_embeds``); returns boundary hidden states [S, H]."""
+    def prefill_media(self, ids, positions: np.ndarray | None, embeds: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """``prefill`` of a prompt span holding media tokens (images, audio): ``embeds`` float32 [S, H] replace
+        the token embeddings where ``mask`` [S] is True (the encoders' rows at their placeholder tokens);
+        ``positions`` int [3, S]: the span's 3-D rope positions (GLM-4.1V, ``edge_client.mrope``), or None for
+        text positions. Needs a graph with the embeddings input (``partition_tools.front_embeds``); returns
+        boundary hidden states [S, H]."""
+        outs = [h for _, h in self.prefill_media_chunks(ids, positions, embeds, mask)]
+        if not outs:
+            return np.zeros((0, self.hidden_size), dtype=np.float32)
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)  # [S, H]
+
+    def prefill_media_chunks(self, ids, positions: np.ndarray | None, embeds: np.ndarray, mask: np.ndarray):
+        """``prefill_media`` yielding ``(start_pos, hidden [n, H])`` per chunk (as ``prefill_chunks``)."""
         arr = self._check_ids(ids)
         s = arr.size
-        if not (self.mrope and self.embeds_input):
-            raise FrontError("this edge graph takes no media (needs 3-D rope and the embeddings input)")
-        if np.shape(positions) != (3, s) or np.shape(embeds) != (s, self.hidden_size) or np.shape(mask) != (s,):
+        if not self.embeds_input:
+            raise FrontError("this edge graph takes no media (split without an encoder)")
+        if positions is not None and not self.mrope:
+            raise FrontError("3-D rope positions for a graph without multimodal RoPE")
+        if (positions is not None and np.shape(positions) != (3, s)) or np.shape(embeds) != (s, self.hidden_size) \
+                or np.shape(mask) != (s,):
             raise FrontError(f"prefill_media: positions [3, {s}], embeds [{s}, {self.hidden_size}] and mask "
                              f"[{s}] expected, got {np.shape(positions)}, {np.shape(embeds)}, {np.shape(mask)}")
-        outs = []
         for i in range(0, s, self.chunk):
             j = min(i + self.chunk, s)
             media = bool(np.any(mask[i:j]))
-            outs.append(self._run(arr[i:j], positions[:, i:j], embeds[i:j] if media else None,
-                                  mask[i:j] if media else None))
-        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)  # [S, H]
+            start = self.length
+            yield start, self._run(arr[i:j], None if positions is None else positions[:, i:j],
+                                   embeds[i:j] if media else None, mask[i:j] if media else None)
 
     def prefill_chunks(self, ids):
         """Like ``prefill`` but yields ``(start_pos, hidden [n, H])`` per chunk, so sending can overlap."""

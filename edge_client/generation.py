@@ -54,6 +54,7 @@ from shared.openai_compat import StopMatcher
 from shared.precision import PrecisionError, PrecisionOverride, RequestFeatures, choose_precision
 from shared.prefix_keys import KeyScope, block_keys
 from shared.session_state import SessionError, SessionState
+from shared.tensors import WireArray
 
 from .activation_cache import ActivationCache
 from .config import EdgeConfig
@@ -75,6 +76,7 @@ class _Sent:
     start: int
     n: int
     tensor: object  # shared.codecs EncodedTensor, as sent
+    rope: object = None  # WireArray int32 [3, n]: 3-D rope positions sent with it (prompts with images)
 
 
 class _Request:
@@ -130,7 +132,7 @@ class Session:
         self.runtime = runtime
         self.cache = cache
         self.tokenizer = tokenizer
-        self.link = Link(config.url, config.api_key, config.retry)
+        self.link = Link(config.url, config.api_key, config.retry, ca_file=config.ca_file)
         self.codecs = C.available_codecs(_calibration(config.bundle))  # name -> BoundaryCodec
         self.welcome = None
         self.resume_token: str | None = None
@@ -247,6 +249,8 @@ class Session:
         override (or the config's codec) winning. Both ends run the same policy (shared.precision)."""
         w = self.welcome
         features = RequestFeatures(prompt_tokens=len(spec.prompt_ids), server_load=w.server.load,
+                                   images=spec.media.count("image") if spec.media is not None else 0,
+                                   audio=spec.media.count("audio") if spec.media is not None else 0,
                                    hidden_size=self.runtime.hidden_size)
         try:
             override = PrecisionOverride.parse(spec.precision)
@@ -329,7 +333,8 @@ class Session:
         params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
                                   top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
         scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_quant, req.codec)  # what produces the states
-        return {"params": params, "prefix_keys": block_keys(spec.prompt_ids, scope, self.block_size),
+        content = spec.media.content(self.block_size) if spec.media is not None else None  # image/audio digests
+        return {"params": params, "prefix_keys": block_keys(spec.prompt_ids, scope, self.block_size, content),
                 "compute": req.compute}
 
     async def _send_span(self, req: _Request, start: int, hidden: np.ndarray, stats: RequestStats,
@@ -339,10 +344,11 @@ class Session:
         first = {} if req.opened else self._open_fields(req)
         msgs = prefill_messages(req.rid, np.ascontiguousarray(hidden), self.codecs[req.codec], self.limits,
                                 start=start, last=start + hidden.shape[0] == req.context_len,
-                                zstd=self.config.wire_zstd, **first)
+                                zstd=self.config.wire_zstd, rope_positions=self._rope(req, start, hidden.shape[0]),
+                                **first)
         for m in msgs:
             if record:
-                req.sent.append(_Sent(m.start, m.n_tokens, m.hidden))
+                req.sent.append(_Sent(m.start, m.n_tokens, m.hidden, m.rope_positions))
             stats.prefill_bytes_up += await self._send(m)
 
     def _prefill_msg(self, req: _Request, span: _Sent):
@@ -350,14 +356,25 @@ class Session:
         request's fields, and the one that completes the context is ``last`` (the cloud samples after it)."""
         first = {} if req.opened else self._open_fields(req)
         last = span.start + span.n == req.context_len
-        return P.Prefill(request_id=req.rid, start=span.start, hidden=span.tensor, last=last, **first)
+        return P.Prefill(request_id=req.rid, start=span.start, hidden=span.tensor, last=last, rope_positions=span.rope,
+                         **first)
+
+    def _rope(self, req: _Request, start: int, n: int) -> np.ndarray | None:
+        """3-D rope positions int32 [3, n] of positions [start, start + n) when the prompt has images (the
+        cloud's default, index on all axes, is wrong after an image); None otherwise."""
+        media = req.spec.media
+        if media is None or not self.runtime.mrope or not media.has_images:
+            return None
+        return media.rope_positions(start, n).astype(np.int32)
 
     async def _prefill(self, req: _Request, stats: RequestStats) -> None:
         spec, rt = req.spec, self.runtime
         ids = spec.prompt_ids
         # 1. the activation cache: skip the front for [0, h)
         rt.reset()
-        hit = self.cache.lookup(ids) if self.cache is not None else None
+        media = spec.media
+        content = media.content(self.cache.block_tokens) if media is not None and self.cache is not None else None
+        hit = self.cache.lookup(ids, content=content) if self.cache is not None else None
         h = hit.tokens if hit is not None else 0
         if hit is not None:
             rt.extend_kv(hit.kv_blocks)
@@ -370,7 +387,11 @@ class Session:
         if h > c:
             await self._guarded(req, stats, self._send_span(req, c, hit.hidden[c:h], stats))
         # 3. front layers over [h, L), each chunk sent as soon as it is computed
-        chunks = rt.prefill_chunks(ids[h:])
+        if media is None:
+            chunks = rt.prefill_chunks(ids[h:])
+        else:  # encoder rows at their placeholders, 3-D rope positions (edge_client.media)
+            chunks = rt.prefill_media_chunks(ids[h:], media.positions[:, h:] if rt.mrope else None,
+                                             media.embeds[h:], media.mask[h:])
         while True:
             item = await _compute(next, chunks, None)
             if item is None:
@@ -382,7 +403,9 @@ class Session:
         if self.config.cache_prompts and self.cache is not None:
             all_hidden = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]  # [L, H]
             start_block = h // self.cache.block_tokens
-            await _compute(self.cache.insert, ids, rt.kv_slice, all_hidden, start_block)
+            await _compute(self.cache.insert, ids, rt.kv_slice, all_hidden, start_block, content)
+        if media is not None:
+            rt.rope_delta = media.rope_delta  # decode steps sit at index + delta
 
     async def _guarded(self, req: _Request, stats: RequestStats, coro) -> None:
         """Await a send; on a dropped link, recover (the recovery resends what the cloud lacks)."""
@@ -451,11 +474,15 @@ class Session:
         codec = self.codecs[req.codec]
         for t in new:
             hidden = await _compute(self.runtime.decode, t)  # [1, H]
-            req.sent.append(_Sent(self.runtime.length - 1, 1, codec.encode(hidden, zstd=self.config.wire_zstd)))
+            pos = self.runtime.length - 1
+            rope = self._rope(req, pos, 1)
+            req.sent.append(_Sent(pos, 1, codec.encode(hidden, zstd=self.config.wire_zstd),
+                                  None if rope is None else WireArray.from_numpy(rope)))
         await self._send_decode(req, req.sent[-1])
 
     async def _send_decode(self, req: _Request, span: _Sent) -> None:
-        await self._send(P.DecodeStep(request_id=req.rid, position=span.start, hidden=span.tensor))
+        await self._send(P.DecodeStep(request_id=req.rid, position=span.start, hidden=span.tensor,
+                                      rope_positions=span.rope))
 
     async def _recover(self, req: _Request, stats: RequestStats, cause: Exception) -> None:
         """After a drop: resume the cloud's request if it survived, else replay the context (docstring)."""

@@ -17,6 +17,7 @@ class RequestSpec:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     precision: str | None = None  # override: a codec ("int8-b32"), a compute variant ("bf16") or both ("fp16")
+    media: object | None = None  # edge_client.media.MediaPrompt: images / audio; prompt_ids are its ids
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -29,6 +30,8 @@ class RequestSpec:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.media is not None and list(self.media.ids) != list(self.prompt_ids):
+            raise ValueError("prompt_ids must be the media prompt's (placeholders expanded)")
         if self.precision is not None:
             PrecisionOverride.parse(self.precision)  # a codec or compute name; PrecisionError (a ValueError)
 
@@ -54,6 +57,9 @@ class RequestStats:
     resumes: int = 0  # the cloud session survived a drop
     replays: int = 0  # the cloud lost the session; the context was replayed
     prefix_misses: int = 0
+    image_tokens: int = 0  # prompt tokens that are visual embeddings (usage)
+    audio_tokens: int = 0
+    media_encode_s: float = 0.0  # edge encoder time for this request's images and audio
 
     @property
     def mean_itl_s(self) -> float | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import ssl
 
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
@@ -31,6 +32,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from shared import protocol as P
 
+from . import tls
 from .config import RetryPolicy, split_url
 
 # Refusals at Hello that say "not now" rather than "never": reconnecting later may succeed.
@@ -56,9 +58,11 @@ class GarbageFromServer(Exception):
 class Link:
     """One WebSocket session to the cloud (see the module docstring)."""
 
-    def __init__(self, url: str, api_key: str | None, retry: RetryPolicy, max_frame_bytes: int = 64 << 20):
+    def __init__(self, url: str, api_key: str | None, retry: RetryPolicy, max_frame_bytes: int = 64 << 20,
+                 ca_file=None):
         self.url = split_url(url)
         self.api_key = api_key
+        self.ca_file = ca_file  # wss://: trust only this CA file (else the system store / SSL_CERT_FILE)
         self.retry = retry
         self.max_frame_bytes = max_frame_bytes  # the largest frame we accept; the server's limit is in Welcome
         self.ws: ClientConnection | None = None
@@ -76,8 +80,13 @@ class Link:
         await self.close()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
+            context = tls.client_context(self.url, self.ca_file)
+        except FileNotFoundError as e:
+            raise HandshakeRefused("tls_error", str(e)) from None
+        try:
             self.ws = await asyncio.wait_for(
-                connect(self.url, additional_headers=headers, compression=None, max_size=self.max_frame_bytes,
+                connect(self.url, ssl=context, additional_headers=headers, compression=None,
+                        max_size=self.max_frame_bytes,
                         open_timeout=self.retry.connect_timeout_s, ping_interval=self.retry.keepalive_interval_s,
                         ping_timeout=self.retry.keepalive_timeout_s, close_timeout=2.0,
                         user_agent_header="autoglm-edge"),
@@ -99,7 +108,12 @@ class Link:
         except InvalidURI as e:
             raise HandshakeRefused("bad_url", f"{self.url}: {e}") from None
         except InvalidHandshake as e:
+            why = await asyncio.to_thread(tls.explain, self.url, e, self.ca_file)  # ws:// to a TLS server?
+            if why is not None:
+                raise HandshakeRefused(*why) from None
             raise GarbageFromServer(f"{self.url}: not a WebSocket server ({type(e).__name__}: {e})") from None
+        except ssl.SSLError as e:  # an unverifiable certificate, or no TLS behind wss://: retrying will not help
+            raise HandshakeRefused(*tls.explain(self.url, e, self.ca_file)) from None
         except (OSError, asyncio.TimeoutError, ConnectionClosed) as e:
             raise LinkDown(f"{self.url}: cannot connect ({type(e).__name__}: {e or 'timed out'})") from None
         await self.send(hello)

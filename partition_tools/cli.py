@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vision-quant", choices=("int8", "fp32", "none"), default=_env("VISION_QUANT"),
                    help="GLM-4.1V: the edge vision tower's weights (default: int8, fp32 with an fp32 front; "
                         "none: no vision tower)")
+    s.add_argument("--audio-encoder", default=_env("AUDIO_ENCODER"),
+                   help="attach an audio encoder: a Whisper checkpoint dir with projector.json/.safetensors, "
+                        "or the random preset tiny-whisper (GLM-4.1V ships none)")
     s.add_argument("--seed", type=int, default=int(_env("SEED", 0)), help="seed for random-weight presets")
 
     v = sub.add_parser("verify", help="check a bundle against the unsplit model on real text")
@@ -73,7 +76,7 @@ def _cmd_split(args) -> int:
     if args.layer is None or args.out is None:
         raise UsageError("split needs --layer N and --out DIR")
     cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant,
-                      vision_quant=args.vision_quant)
+                      vision_quant=args.vision_quant, audio_encoder=args.audio_encoder)
     t0 = time.perf_counter()
     lm = load_model(source, seed=args.seed)
     m = split(lm, cfg)

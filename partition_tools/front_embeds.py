@@ -1,4 +1,4 @@
-"""An optional input-embeddings path into an edge front graph: where images' visual embeddings enter.
+"""An input-embeddings path into an edge front graph: where images' visual embeddings enter.
 
 GLM-4.1V places the vision tower's output at the image-token positions *instead of* the token embeddings
 (``inputs_embeds.masked_scatter(image_mask, image_embeds)``). The front graph embeds token ids itself, so

@@ -20,7 +20,10 @@ uplink -> cloud compute; decode pays one round trip per token):
     per-token(N) = edge_decode(N) + up(bytes/token) + cloud_decode(L - N) + head + RTT + down + overhead
 
 and the baselines: all-cloud (text up, every layer in the cloud, tokens stream down without a round trip
-per token) and all-edge (every layer + lm_head on the phone, no link). The pick minimises the agent step
+per token) and all-edge (every layer + lm_head on the phone, no link; timed on the whole-model graph when
+``whole`` is given, else projected from the front's per-layer time). ``overhead`` is the software cost the
+layer timings miss (asyncio, msgpack, the engine's step); a fixed guess unless calibrated (the rig measures
+it on a loopback link: ``rig.plan_check``). The pick minimises the agent step
 (TTFT + output tokens x per-token) among the splits that fit the edge memory budget.
 
 Reference: Kang et al., "Neurosurgeon: Collaborative Intelligence Between the Cloud and Mobile Edge"
@@ -82,7 +85,11 @@ class PlanConfig:
     edge_memory_mb: float = 1024.0  # budget for the front's weights + KV + cached prompt on the phone
     prefill_chunk: int = 128  # the edge's prefill chunk (EdgeConfig.prefill_chunk)
     probe_layers: int = 2  # layers of the probe front exported when no bundle is given
-    overhead_ms: float = 3.0  # software cost per round trip (msgpack, asyncio, engine step): not modelled
+    overhead_ms: float = 3.0  # software cost per round trip (msgpack, asyncio, engine step) when not calibrated
+    # calibrated software overheads, seconds: {"split" | "all-cloud": (ttft_s, per_token_s)}, e.g. measured by
+    # the rig on a loopback link (rig.plan_check); they replace overhead_ms for that mode
+    overheads: dict = field(default_factory=dict)
+    whole: Path | None = None  # a whole-model export (partition_tools.export_whole): all-edge timed on it
     chat: Shape = field(default_factory=lambda: Shape(48, 0, 48, 200))
     agent: Shape = field(default_factory=lambda: Shape(780, 660, 24, 3100))
     candidates: list[int] | None = None  # split layers to evaluate (default: a spread over [1, L))
@@ -148,6 +155,39 @@ def edge_layer_times(bundle: Path, threads: int, chunk: int, contexts: list[int]
 
         decode[ctx] = _median_time(step, 10) / n
     return {"prefill_per_token": prefill, "decode": decode, "graph": rt.graph_kind}
+
+
+def whole_model_times(whole_dir: Path, threads: int, chunk: int, contexts: list[int]) -> dict:
+    """Seconds of the whole-model graph (``export_whole``'s interface): prefill per token, one decode step
+    (all layers + lm_head) at each context."""
+    import onnxruntime as ort
+
+    from shared.whole_model import WHOLE_GRAPH, WHOLE_META
+
+    meta = json.loads((Path(whole_dir) / WHOLE_META).read_text())
+    n, kvh, d = int(meta["num_layers"]), int(meta["num_kv_heads"]), int(meta["head_dim"])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(str(Path(whole_dir) / WHOLE_GRAPH), opts, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    vocab = min(int(meta["vocab_size"]), 1000)
+
+    def feeds(s: int, p: int) -> dict:
+        f = {"input_ids": rng.integers(4, vocab, (1, s)).astype(np.int64),
+             "position_ids": np.arange(p, p + s, dtype=np.int64)[None]}
+        for i in range(n):
+            for kv in ("key", "value"):
+                f[f"past_{kv}.{i}"] = rng.standard_normal((1, kvh, p, d)).astype(np.float32)  # [1, KVH, P, D]
+        return f
+
+    pre = feeds(chunk, 0)
+    out = {"prefill_per_token": _median_time(lambda: sess.run(None, pre), 3) / chunk, "decode": {}}
+    for ctx in contexts:
+        dec = feeds(1, ctx)
+        out["decode"][ctx] = _median_time(lambda d=dec: sess.run(None, d), 10)
+    return out
 
 
 def _probe_bundle(lm: LoadedModel, k: int, tmp: Path) -> Path:
@@ -248,9 +288,10 @@ class Costs:
     codec_bytes: dict[int, dict[str, float]]
     layer_weight_bytes: float  # int8 front layer on the phone (weights + block scales)
     embed_weight_bytes: float
-    head_edge_s: float  # the lm_head on the phone, per step (all-edge)
+    head_edge_s: float  # the lm_head on the phone, per step (all-edge projected from the front's layers)
     kv_bytes_per_token_layer: int
     hidden_size: int
+    whole: dict | None = None  # all-edge timed on the whole-model graph: prefill_per_token, decode{ctx}
 
 
 def _pipeline(chunks: list[int], edge_tok: float, up_tok_s: float, up_msg_s: float, cloud_tok: float,
@@ -276,19 +317,24 @@ def predict(costs: Costs, cfg: PlanConfig, n: int | str, shape: Shape) -> dict:
     link, L = cfg.link, costs.num_layers
     ow = link.one_way_s
     ctx = shape.prompt_tokens + shape.output_tokens // 2
-    over = cfg.overhead_ms / 1000.0
+    mode = "split" if isinstance(n, int) else n
+    over_ttft, over_tok = cfg.overheads.get(mode, (cfg.overhead_ms / 1000.0, cfg.overhead_ms / 1000.0))
     chunks = [min(cfg.prefill_chunk, shape.uncached - i) for i in range(0, shape.uncached, cfg.prefill_chunk)]
     cloud_dec = _ctx_time(costs.cloud["decode"], ctx)
     edge_dec = _ctx_time(costs.edge["decode"], ctx)
     if n == "all-edge":
+        if costs.whole is not None:  # timed on the whole-model graph itself
+            w = costs.whole
+            return {"ttft_s": shape.uncached * w["prefill_per_token"] + _ctx_time(w["decode"], ctx),
+                    "per_token_s": _ctx_time(w["decode"], ctx), "up_bytes": 0.0}
         ttft = shape.uncached * costs.edge["prefill_per_token"] * L + costs.head_edge_s
         return {"ttft_s": ttft, "per_token_s": edge_dec * L + costs.head_edge_s, "up_bytes": 0.0}
     if n == "all-cloud":
         up = shape.text_bytes + HTTP_REQUEST_OVERHEAD
         segs = math.ceil(up / MSS)
         ttft = (link.up_seconds(up) + ow + shape.uncached * costs.cloud["prefill_per_token"] * L
-                + costs.cloud["head"] + ow + link.down_seconds(SSE_PER_TOKEN) + link.expected_extra_s(segs) + over)
-        per_tok = max(cloud_dec * L + costs.cloud["head"], link.down_seconds(SSE_PER_TOKEN))
+                + costs.cloud["head"] + ow + link.down_seconds(SSE_PER_TOKEN) + link.expected_extra_s(segs) + over_ttft)
+        per_tok = max(cloud_dec * L + costs.cloud["head"] + over_tok, link.down_seconds(SSE_PER_TOKEN))
         return {"ttft_s": ttft, "per_token_s": per_tok + link.loss * link.rto_ms / 1000.0,
                 "up_bytes": float(up)}
     b = costs.codec_bytes[n][cfg.codec]
@@ -297,10 +343,10 @@ def predict(costs: Costs, cfg: PlanConfig, n: int | str, shape: Shape) -> dict:
     ttft = (_pipeline(chunks, costs.edge["prefill_per_token"] * n, up_tok_s, up_msg_s,
                       costs.cloud["prefill_per_token"] * (L - n), ow)
             + costs.cloud["head"] + ow + link.down_seconds(DOWN_PER_TOKEN)
-            + link.expected_extra_s(math.ceil(shape.uncached * b / MSS)) + over)
+            + link.expected_extra_s(math.ceil(shape.uncached * b / MSS)) + over_ttft)
     per_tok = (edge_dec * n + link.up_seconds(b + UP_MSG_OVERHEAD) + cloud_dec * (L - n) + costs.cloud["head"]
                + 2 * ow + link.down_seconds(DOWN_PER_TOKEN) + link.expected_extra_s(math.ceil(b / MSS))
-               + link.expected_extra_s(1) + over)
+               + link.expected_extra_s(1) + over_tok)
     up_bytes = shape.uncached * b + len(chunks) * UP_MSG_OVERHEAD + (shape.output_tokens - 1) * (b + UP_MSG_OVERHEAD)
     return {"ttft_s": ttft, "per_token_s": per_tok, "up_bytes": up_bytes}
 
@@ -327,6 +373,8 @@ def measure_costs(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) 
         timed = Path(bundle) if bundle is not None else _probe_bundle(lm, min(cfg.probe_layers, L - 1), Path(tmp))
         edge = edge_layer_times(timed, cfg.edge_threads, cfg.prefill_chunk, contexts)
         edge["front"] = str(timed) if bundle is not None else f"probe bundle split at {cfg.probe_layers} (int8)"
+        whole = (whole_model_times(cfg.whole, cfg.edge_threads, cfg.prefill_chunk, contexts)
+                 if cfg.whole is not None else None)
     with _Pinned(cfg.cloud_cores):
         cloud = (cloud_gpu_times(cfg.cloud_results, adapter, contexts) if cfg.cloud_results is not None
                  else cloud_layer_times(adapter, cfg.cloud_threads, cfg.prefill_chunk, contexts))
@@ -341,7 +389,7 @@ def measure_costs(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) 
         embed_weight_bytes=adapter.vocab_size * adapter.hidden_size * (1 + 4 / 32),
         head_edge_s=decode_ref * head_params / layer_params,  # memory-bound: time scales with weight bytes
         kv_bytes_per_token_layer=2 * adapter.num_kv_heads * adapter.head_dim * 4,
-        hidden_size=adapter.hidden_size,
+        hidden_size=adapter.hidden_size, whole=whole,
     )
 
 
@@ -379,6 +427,9 @@ def _costs_dict(c: Costs) -> dict:
           "cloud_prefill_ms_per_token_layer": 1000 * c.cloud["prefill_per_token"],
           "cloud_decode_ms_per_layer": {str(k): 1000 * v for k, v in c.cloud["decode"].items()},
           "cloud_head_ms": 1000 * c.cloud["head"], "edge_head_ms": 1000 * c.head_edge_s,
+          "whole_model": None if c.whole is None else {
+              "prefill_ms_per_token": 1000 * c.whole["prefill_per_token"],
+              "decode_ms": {str(k): 1000 * v for k, v in c.whole["decode"].items()}},
           "edge_front_timed": c.edge.get("front"), "cloud_source": c.cloud.get("source", "torch on this CPU"),
           "codec_bytes_per_token": {str(k): v for k, v in c.codec_bytes.items()}, "num_layers": c.num_layers}
     return ms

@@ -8,9 +8,10 @@ attacks here are that attacker; each maps boundary states ``[T, H]`` to token id
   where the states are the embeddings (N = 0) and still strong while the residual stream is mostly embedding.
 * :func:`nearest_neighbour` - the token of the nearest training state (cosine after per-channel
   standardisation, so the few massive-activation channels do not decide every comparison).
-* :func:`train_inverter` - a learned inverter: per-channel standardisation, then a 2-layer MLP classifier over
-  the tokens of the training corpus; with ``context=c`` it also sees the ``c`` neighbouring states on each side
-  (attention has mixed each token into its successors' states).
+* :func:`train_inverter` - a learned linear inverter: ridge regression from the (standardised) states into the
+  embedding space, then the nearest embedding row, so it can name tokens the training corpus never had; with
+  ``context=c`` it also sees the ``c`` neighbouring states on each side (attention has mixed each token into
+  its successors' states).
 
 :func:`boundary_states` collects the states the edge would upload (an fp32 front: the edge's int8 weights add
 noise of their own). ``bench/inversion_bench.py`` runs the attacks on SmolLM2 and writes
@@ -65,29 +66,44 @@ def windows(token_ids: Sequence[Sequence[int]], max_len: int) -> list[torch.Tens
 
 
 @torch.no_grad()
-def boundary_states(adapter: ModelAdapter, wins: Sequence[torch.Tensor], layers: Sequence[int]) -> BoundaryStates:
+def boundary_states(adapter: ModelAdapter, wins: Sequence[torch.Tensor], layers: Sequence[int],
+                    batch_tokens: int = 4096) -> BoundaryStates:
     """Run the first ``max(layers)`` decoder layers over each window and keep the states after layers [0, N)
-    for every N in ``layers`` (N = 0: the embeddings). Each window is its own sequence (positions from 0)."""
+    for every N in ``layers`` (N = 0: the embeddings). Each window is its own sequence (positions from 0).
+
+    Windows of similar length run together, right-padded: under the causal mask no real token sees a pad, so
+    each window's states are those of the window alone."""
     layers = sorted(set(layers))
-    if not wins:
-        raise ValueError("no windows to collect")
+    if not wins or any(w.ndim != 1 or w.numel() == 0 for w in wins):
+        raise ValueError("boundary_states needs one or more non-empty 1-D windows of token ids")
     if not layers or layers[0] < 0 or layers[-1] > adapter.num_layers:
         raise ValueError(f"layers {layers}: each must be in [0, {adapter.num_layers}]")
-    got: dict[int, list[torch.Tensor]] = {n: [] for n in layers}
-    for ids in wins:
-        hidden = adapter.embed_tokens(ids[None]).float()  # [1, S, H]
-        pos = torch.arange(ids.shape[0])[None]  # [1, S]
+    order = sorted(range(len(wins)), key=lambda i: -wins[i].numel())
+    per_window: dict[int, dict[int, torch.Tensor]] = {}
+    i = 0
+    while i < len(order):
+        longest = wins[order[i]].numel()
+        group = order[i:i + max(1, batch_tokens // longest)]
+        i += len(group)
+        ids = torch.zeros(len(group), longest, dtype=torch.long)  # [B, S] right-padded with id 0
+        for row, w in enumerate(group):
+            ids[row, :wins[w].numel()] = wins[w]
+        hidden = adapter.embed_tokens(ids).float()  # [B, S, H]
+        pos = torch.arange(longest)[None].expand(len(group), -1)  # [B, S]
         cos_sin = adapter.position_embeddings(hidden, pos)
-        for i in range(layers[-1] + 1):
-            if i in got:
-                got[i].append(hidden[0].clone())  # [S, H]
-            if i < layers[-1]:
-                hidden = call_layer(adapter.layers[i], hidden, attention_mask=None, position_ids=pos,
+        kept = {}
+        for n in range(layers[-1] + 1):
+            if n in layers:
+                kept[n] = hidden.clone()
+            if n < layers[-1]:
+                hidden = call_layer(adapter.layers[n], hidden, attention_mask=None, position_ids=pos,
                                     position_embeddings=cos_sin)
+        for row, w in enumerate(group):
+            per_window[w] = {n: h[row, :wins[w].numel()] for n, h in kept.items()}  # [S, H]
     return BoundaryStates(
         ids=torch.cat(list(wins)),
-        position=torch.cat([torch.arange(w.shape[0]) for w in wins]),
-        states={n: torch.cat(v).float() for n, v in got.items()},
+        position=torch.cat([torch.arange(w.numel()) for w in wins]),
+        states={n: torch.cat([per_window[w][n] for w in range(len(wins))]).float() for n in layers},
     )
 
 
@@ -143,21 +159,14 @@ def nearest_neighbour(train_states: torch.Tensor, train_ids: torch.Tensor, test_
 
 @dataclass(slots=True)
 class InverterConfig:
-    hidden: int = 1024  # MLP width
     context: int = 0  # neighbouring states seen on each side (0: the token's own state only)
-    epochs: int = 6
-    batch: int = 256
-    lr: float = 2e-3  # AdamW
-    weight_decay: float = 0.01
-    dropout: float = 0.1  # on the input: a training corpus of ~10^4 tokens overfits quickly
-    seed: int = 0
+    ridge: float = 1e-3  # L2 penalty, as a fraction of the mean feature energy (z-scores: ~1 per token)
 
     def __post_init__(self):
-        for name in ("hidden", "epochs", "batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"InverterConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
             raise ValueError(f"InverterConfig.context must be >= 0, got {self.context}")
+        if self.ridge <= 0:
+            raise ValueError(f"InverterConfig.ridge must be > 0, got {self.ridge}")
 
 
 def with_context(states: torch.Tensor, position: torch.Tensor, context: int) -> torch.Tensor:
@@ -171,54 +180,49 @@ def with_context(states: torch.Tensor, position: torch.Tensor, context: int) -> 
         idx = torch.arange(t) + k  # [T]
         inside = (idx >= 0) & (idx < t)
         idx = idx.clamp(0, t - 1)
-        same = inside & (position[idx] == position + k)  # neighbour in the same window
+        same = inside & (position[idx] == position + k)  # the neighbour is in the same window
         parts.append(states[idx] * same[:, None])
     return torch.cat(parts, dim=-1)
 
 
-class Inverter(torch.nn.Module):
-    """Boundary states -> token ids: z-scores, (neighbours), Linear, GELU, Linear over the training vocabulary."""
+@dataclass(frozen=True, slots=True)
+class Inverter:
+    """A linear map from boundary states (z-scores, with neighbours) into the input-embedding space; a state's
+    token is the embedding row nearest (cosine) to its image. It names any token of the vocabulary, also ones
+    the training corpus never had."""
 
-    def __init__(self, cfg: InverterConfig, z: Standardizer, vocab: torch.Tensor):
-        super().__init__()
-        self.cfg, self.z = cfg, z
-        self.register_buffer("vocab", vocab)  # [V'] the token ids it can name
-        width = (2 * cfg.context + 1) * z.mean.shape[0]
-        self.net = torch.nn.Sequential(
-            torch.nn.Dropout(cfg.dropout), torch.nn.Linear(width, cfg.hidden), torch.nn.GELU(),
-            torch.nn.Linear(cfg.hidden, vocab.shape[0]),
-        )
+    cfg: InverterConfig
+    z: Standardizer
+    weight: torch.Tensor  # [(2c+1) H + 1, E] (last row: bias)
+    embedding: torch.Tensor  # [V, E] the model's input embedding table
 
-    def features(self, states: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        return with_context(self.z(states), position, self.cfg.context)  # [T, (2c+1) H]
+    def project(self, states: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Images in the embedding space [T, E] of states [T, H] with their window positions [T]."""
+        return _features(self.z, states, position, self.cfg.context) @ self.weight
 
     @torch.no_grad()
-    def predict(self, states: torch.Tensor, position: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
+    def predict(self, states: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Token ids [T] for states [T, H] with their window positions [T]."""
-        self.eval()
-        x = self.features(states, position)
-        return torch.cat([self.vocab[self.net(c).argmax(dim=-1)] for c in x.split(chunk)])
+        return _cosine_argmax(self.project(states, position), self.embedding)
 
 
-def train_inverter(states: torch.Tensor, ids: torch.Tensor, position: torch.Tensor, cfg: InverterConfig) -> Inverter:
-    """Fit an :class:`Inverter` on training states [T, H], their ids [T] and window positions [T] (seeded)."""
-    gen = torch.Generator().manual_seed(cfg.seed)
-    torch.manual_seed(cfg.seed)  # weight initialisation and dropout
-    vocab, target = torch.unique(ids, return_inverse=True)  # [V'], [T] indices into vocab
-    model = Inverter(cfg, Standardizer.fit(states), vocab)
-    x = model.features(states, position)  # [T, (2c+1) H]
-    opt = torch.optim.AdamW(model.net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    steps = cfg.epochs * -(-x.shape[0] // cfg.batch)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps)
-    model.train()
-    for _ in range(cfg.epochs):
-        for b in torch.randperm(x.shape[0], generator=gen).split(cfg.batch):
-            loss = torch.nn.functional.cross_entropy(model.net(x[b]), target[b])
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-    return model.eval()
+def _features(z: Standardizer, states: torch.Tensor, position: torch.Tensor, context: int) -> torch.Tensor:
+    x = with_context(z(states), position, context)  # [T, (2c+1) H]
+    return torch.cat([x, torch.ones(x.shape[0], 1)], dim=-1)  # [T, (2c+1) H + 1]
+
+
+@torch.no_grad()
+def train_inverter(states: torch.Tensor, ids: torch.Tensor, position: torch.Tensor, embedding: torch.Tensor,
+                   cfg: InverterConfig) -> Inverter:
+    """Fit an :class:`Inverter` in closed form (ridge regression of the tokens' embedding rows on the states)
+    from training states [T, H], their ids [T] and window positions [T]. Deterministic."""
+    embedding = embedding.float()
+    z = Standardizer.fit(states)
+    x = _features(z, states, position, cfg.context).double()  # [T, D]
+    gram = x.T @ x  # [D, D]
+    penalty = cfg.ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+    weight = torch.linalg.solve(gram + penalty, x.T @ embedding[ids].double())  # [D, E]
+    return Inverter(cfg, z, weight.float(), embedding)
 
 
 def recovered(predicted: torch.Tensor, truth: torch.Tensor) -> float:

@@ -35,6 +35,7 @@ class SplitConfig:
     calib_tokens: int = 512  # tokens of built-in text used to find the boundary's outlier channels
     outlier_channels: int = 8  # channels kept in fp16 by the outlier-aware codec
     vision_quant: str | None = None  # GLM-4.1V's edge vision tower: int8 | fp32 | none (None: as the front)
+    audio_encoder: str | None = None  # a Whisper + projector directory (or "tiny-whisper"): partition_tools.export_audio
 
     def __post_init__(self):
         if self.edge_quant not in QUANT_MODES:
@@ -86,13 +87,11 @@ def calibrate(adapter: ModelAdapter, ids: torch.Tensor, layer: int, k: int) -> d
     }
 
 
-def _export_vision(lm: LoadedModel, adapter: ModelAdapter, cfg: SplitConfig) -> dict:
-    """GLM-4.1V: the vision tower as ``edge/vision.onnx`` and an embeddings input on the front for its output
-    (``partition_tools.export_vision``, ``partition_tools.front_embeds``); returns the tower's quant report."""
+def _export_vision(lm: LoadedModel, cfg: SplitConfig) -> dict:
+    """GLM-4.1V: the vision tower as ``edge/vision.onnx`` (``partition_tools.export_vision``); returns the
+    tower's quant report."""
     from .export_vision import export_vision
-    from .front_embeds import add_embeds_input_file
 
-    add_embeds_input_file(cfg.out / FRONT, adapter.hidden_size)
     quant = cfg.vision_quant or ("fp32" if cfg.edge_quant == "fp32" else "int8")
     spec = export_vision(lm.model, cfg.out, quant)
     return {"mode": spec.quant, **{k: v for k, v in spec.quant_report.items() if k != "mode"}}
@@ -127,8 +126,20 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
             recipe = recipe_for(adapter, cfg.layer, cfg.edge_quant, lm.tokenizer)
             quant_report = quantize_front(fp32, out / FRONT, cfg.edge_quant, **recipe)
     quant_report["edge_graph"] = graph_kind
-    if hasattr(getattr(lm.model, "model", None), "visual") and cfg.vision_quant != "none":
-        quant_report["vision"] = _export_vision(lm, adapter, cfg)
+    has_vision = hasattr(getattr(lm.model, "model", None), "visual") and cfg.vision_quant != "none"
+    if has_vision or cfg.audio_encoder:  # encoder rows enter the front in place of token embeddings
+        from .front_embeds import add_embeds_input_file
+
+        add_embeds_input_file(out / FRONT, adapter.hidden_size)
+    if has_vision:
+        quant_report["vision"] = _export_vision(lm, cfg)
+    if cfg.audio_encoder:
+        from dataclasses import asdict
+
+        from .export_audio import export_audio
+
+        quant_report["audio"] = {"mode": "fp32", "encoder": str(cfg.audio_encoder),
+                                 **asdict(export_audio(cfg.audio_encoder, adapter.hidden_size, out))}
 
     # 2. cloud half -> safetensors + config
     steps.next(f"write layers [{cfg.layer}, {L}) + norm + lm_head")

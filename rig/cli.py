@@ -68,7 +68,8 @@ def _cmd_run(args) -> int:
         from .plan_check import check_plan, format_check
 
         print("checking the planner's predictions (measuring its costs on the same cores)", file=sys.stderr)
-        report["plan_check"] = check_plan(report, sc, Path(report["bundle"]))
+        report["plan_check"] = check_plan(report, sc, Path(report["bundle"]),
+                                          Path(report["whole"]) if report["whole"] else None)
     files = write_report(report, out, plots=not args.no_plots)
     print(format_table(report["summary"]))
     if "plan_check" in report:

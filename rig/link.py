@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from shared.link_profiles import MSS, LinkProfile
 
 # a link that adds nothing: the pass-through proxy the reliability tests cut
-IDEAL = LinkProfile("ideal", rtt_ms=0.0, jitter_ms=0.0, down_mbps=1e6, up_mbps=1e6, loss=0.0,
+IDEAL = LinkProfile("loopback", rtt_ms=0.0, jitter_ms=0.0, down_mbps=1e6, up_mbps=1e6, loss=0.0,
                     source="no emulation: loopback speed")
 
 

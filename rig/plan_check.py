@@ -1,69 +1,103 @@
 """Check the planner against the rig: predicted vs measured TTFT and per-token latency, per profile and mode.
 
-The planner (``partition_tools.plan``) measures its costs on the same cores the rig pinned its phone and its
-cloud servers to (the edge at the phone's threads, the cloud at one torch thread per cloud core), then
-predicts each measured (profile, workload, mode) row from the request shapes the rig saw (mean prompt tokens,
-mean tokens served by the edge cache, mean output tokens). A prediction passes when it is within
-``tolerance`` (25 %) of the measured median.
+1. The planner (``partition_tools.plan``) measures its costs on the cores the rig pinned its phone and its
+   cloud servers to: the edge front (the scenario's bundle) and the whole-model graph at the phone's
+   threads, the cloud's decoder layer in torch at one thread per cloud core.
+2. Calibration on the loopback link (the runner adds it to a ``plan_check`` scenario): the software cost the
+   layer timings miss (asyncio, msgpack, HTTP/SSE, the engine's Python step) is the measured minus the
+   predicted latency there, per (workload, mode) for TTFT and per token. It is the only thing taken from the
+   rig; the link's share of every other profile is the planner's own model.
+3. Every other (profile, workload, mode) row: each request predicted from its own shape (prompt tokens, the
+   tokens the caches served, output tokens); the medians compared with the measured medians. A row passes
+   when both are within ``tolerance`` (25 %).
 """
 
 from __future__ import annotations
 
 import statistics
 
+from .link import IDEAL
+
 TOLERANCE = 0.25
 
 
-def _shape(records: list[dict]):
+def _shape(r: dict):
     from partition_tools.plan import Shape
 
-    prompt = statistics.mean(r["prompt_tokens"] for r in records)
-    cached = statistics.mean(r["edge_cached_tokens"] if r["mode"] != "all-cloud" else r["cloud_cached_tokens"]
-                             for r in records)
-    out = statistics.mean(r["completion_tokens"] for r in records)
-    return Shape(round(prompt), round(cached), max(1, round(out)), round(4 * prompt))  # ~4 bytes per BPE token
+    cached = r["cloud_cached_tokens"] if r["mode"] == "all-cloud" else r["edge_cached_tokens"]
+    text = max(0, r["bytes_up"] - 300) if r["mode"] == "all-cloud" else 4 * r["prompt_tokens"]
+    return Shape(r["prompt_tokens"], cached, max(1, r["completion_tokens"]), text)
 
 
-def check_plan(report: dict, scenario, bundle, tolerance: float = TOLERANCE) -> dict:
+def _predict_group(costs, cfg, n, recs: list[dict]) -> tuple[float, float]:
+    from partition_tools.plan import predict
+
+    preds = [predict(costs, cfg, n, _shape(r)) for r in recs]
+    return (statistics.median(p["ttft_s"] for p in preds), statistics.median(p["per_token_s"] for p in preds))
+
+
+def _measured(recs: list[dict]) -> tuple[float, float | None]:
+    gaps = [g for r in recs for g in r["itl_s"]]
+    return statistics.median(r["ttft_s"] for r in recs), (statistics.median(gaps) if gaps else None)
+
+
+def check_plan(report: dict, scenario, bundle, whole=None, tolerance: float = TOLERANCE) -> dict:
     """Predict every measured row of ``report`` with the planner; returns rows of predicted vs measured."""
     from partition_tools.models import load_model
-    from partition_tools.plan import PlanConfig, measure_costs, predict
+    from partition_tools.plan import PlanConfig, _costs_dict, measure_costs
 
     from .profiles import resolve_profile
 
-    profiles = {p["name"]: resolve_profile({k: v for k, v in p.items()}) for p in report["scenario"]["profiles"]}
-    base = PlanConfig(link=next(iter(profiles.values())), edge_threads=scenario.edge_threads,
-                      cloud_threads=len(scenario.cloud_cores or [0]), edge_cores=scenario.phone_cores,
-                      cloud_cores=scenario.cloud_cores, candidates=[scenario.split_layer])
+    profiles = {p["name"]: resolve_profile(dict(p)) for p in report["scenario"]["profiles"]}
+    profiles[IDEAL.name] = IDEAL
     groups: dict[tuple, list[dict]] = {}
     for r in report["records"]:
         groups.setdefault((r["profile"], r["workload"], r["mode"]), []).append(r)
-    shapes = {k: _shape(v) for k, v in groups.items()}
-    chat = next((s for (_, w, _), s in shapes.items() if w == "chat"), base.chat)
-    agent = next((s for (_, w, _), s in shapes.items() if w == "agent"), base.agent)
-    base.chat, base.agent = chat, agent
+    ctx = {w: max(r["prompt_tokens"] + r["completion_tokens"] // 2 for (_, w2, _), rs in groups.items()
+                  if w2 == w for r in rs) for (_, w, _) in groups}
+    shapes = {w: _shape(next(rs[0] for (_, w2, _), rs in groups.items() if w2 == w)) for w in ctx}
+    base = PlanConfig(link=IDEAL, edge_threads=scenario.edge_threads, cloud_threads=len(scenario.cloud_cores or [0]),
+                      edge_cores=scenario.phone_cores, cloud_cores=scenario.cloud_cores,
+                      candidates=[scenario.split_layer], whole=whole,
+                      chat=shapes.get("chat", PlanConfig.__dataclass_fields__["chat"].default_factory()),
+                      agent=shapes.get("agent", PlanConfig.__dataclass_fields__["agent"].default_factory()))
     costs = measure_costs(load_model(scenario.model), base, bundle)
+
+    def config(prof: str, mode: str, overheads: dict) -> PlanConfig:
+        cfg = PlanConfig(link=profiles[prof], edge_threads=base.edge_threads, candidates=base.candidates,
+                         codec=_codec(groups.get((prof, "chat", mode), []) + groups.get((prof, "agent", mode), [])),
+                         overheads=overheads)
+        return cfg
+
+    # 2. calibration: loopback, zero assumed overhead -> the overhead is what is left
+    calibration = {}
+    for (prof, workload, mode), recs in groups.items():
+        if prof != IDEAL.name or mode == "all-edge":
+            continue
+        n = scenario.split_layer if mode == "split" else mode
+        zero = config(prof, mode, {mode: (0.0, 0.0)})
+        p_ttft, p_tok = _predict_group(costs, zero, n, recs)
+        m_ttft, m_tok = _measured(recs)
+        calibration[(workload, mode)] = (max(0.0, m_ttft - p_ttft), max(0.0, (m_tok or p_tok) - p_tok))
+    # 3. every other row
     rows = []
     for (prof, workload, mode), recs in groups.items():
-        cfg = PlanConfig(link=profiles[prof], edge_threads=base.edge_threads, codec=_codec(recs),
-                         candidates=base.candidates)
+        if prof == IDEAL.name:
+            continue
         n = scenario.split_layer if mode == "split" else mode
-        pred = predict(costs, cfg, n, shapes[(prof, workload, mode)])
-        ttft = statistics.median(r["ttft_s"] for r in recs)
-        gaps = [g for r in recs for g in r["itl_s"]]
-        itl = statistics.median(gaps) if gaps else None
+        over = {mode: calibration.get((workload, mode), (0.0, 0.0))}
+        p_ttft, p_tok = _predict_group(costs, config(prof, mode, over), n, recs)
+        m_ttft, m_tok = _measured(recs)
         row = {"profile": prof, "workload": workload, "mode": mode,
-               "ttft_ms_predicted": 1000 * pred["ttft_s"], "ttft_ms_measured": 1000 * ttft,
-               "per_token_ms_predicted": 1000 * pred["per_token_s"],
-               "per_token_ms_measured": None if itl is None else 1000 * itl}
-        row["ttft_error"] = pred["ttft_s"] / ttft - 1
-        row["per_token_error"] = None if itl is None else pred["per_token_s"] / itl - 1
+               "ttft_ms_predicted": 1000 * p_ttft, "ttft_ms_measured": 1000 * m_ttft,
+               "per_token_ms_predicted": 1000 * p_tok, "per_token_ms_measured": None if m_tok is None else 1000 * m_tok,
+               "ttft_error": p_ttft / m_ttft - 1, "per_token_error": None if m_tok is None else p_tok / m_tok - 1}
         row["within_tolerance"] = abs(row["ttft_error"]) <= tolerance and (
             row["per_token_error"] is None or abs(row["per_token_error"]) <= tolerance)
         rows.append(row)
-    from partition_tools.plan import _costs_dict
-
     return {"tolerance": tolerance, "costs": _costs_dict(costs), "rows": rows,
+            "calibration_ms": {f"{w}/{m}": {"ttft": 1000 * a, "per_token": 1000 * b}
+                               for (w, m), (a, b) in calibration.items()},
             "passed": sum(r["within_tolerance"] for r in rows), "total": len(rows)}
 
 
@@ -73,7 +107,9 @@ def _codec(records: list[dict]) -> str:
 
 
 def format_check(check: dict) -> str:
-    lines = [f"{'profile':<8} {'workload':<6} {'mode':<9} {'TTFT pred':>10} {'meas':>7} {'err':>6} "
+    cal = ", ".join(f"{k} +{v['ttft']:.0f}/{v['per_token']:.1f} ms" for k, v in check["calibration_ms"].items())
+    lines = [f"software overhead calibrated on loopback (TTFT/per token): {cal or 'none'}",
+             f"{'profile':<8} {'workload':<6} {'mode':<9} {'TTFT pred':>10} {'meas':>7} {'err':>6} "
              f"{'tok pred':>9} {'meas':>7} {'err':>6}"]
     for r in check["rows"]:
         pt = "-" if r["per_token_ms_measured"] is None else f"{r['per_token_ms_measured']:.1f}"

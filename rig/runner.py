@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TextIO
 from collections.abc import Callable
 
-from .link import LinkEmulator
+from .link import IDEAL, LinkEmulator
 from .report import summarize
 from .scenario import Scenario
 from .servers import CloudProcess
@@ -191,9 +191,11 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
         progress.line(f"[{tag}] {len(recs)} requests, TTFT p50 {1000 * ttft[len(ttft) // 2]:.0f} ms, "
                       f"{sum(r['tokens_per_s'] for r in recs) / len(recs):.1f} tok/s")
 
-    # 1. over each link profile: fresh cloud servers (cold prefix caches, so no profile inherits another's)
+    # 1. over each link profile: fresh cloud servers (cold prefix caches, so no profile inherits another's);
+    # a plan check first calibrates the planner's software overhead on a loopback link
     networked = [m for m in sc.modes if m != "all-edge"]
-    for prof in sc.profiles if networked else []:
+    link_profiles = ([IDEAL] if sc.plan_check else []) + list(sc.profiles)
+    for prof in link_profiles if networked else []:
         servers = {}
         try:
             progress.line(f"[{prof.name}] starting the cloud server(s): {', '.join(networked)}")
@@ -236,7 +238,7 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
             tag = f"no-link/{workload.kind}/all-edge"
             recs = run_phones(sc, Targets(bundle, whole), "all-edge", workload, [None] * sc.phones, log_dir,
                               tag.replace("/", "-"), progress, take_stream())
-            for p in sc.profiles:
+            for p in link_profiles:
                 records += [dict(r, profile=p.name, workload=workload.kind) for r in recs]
             finished(tag, recs)
     return {

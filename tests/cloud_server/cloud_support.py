@@ -118,9 +118,10 @@ def drive(engine, phones: list[Phone], max_steps: int = 10_000, prefix_keys=None
 
 
 class ServerThread:
-    """A real uvicorn server for ``app`` on a free port, in a background thread (``with`` block)."""
+    """A real uvicorn server for ``app`` on a free port, in a background thread (``with`` block).
+    ``uvicorn_kw`` go to ``uvicorn.Config`` (``ssl_certfile``/``ssl_keyfile``: https:// and wss://)."""
 
-    def __init__(self, app, host: str = "127.0.0.1"):
+    def __init__(self, app, host: str = "127.0.0.1", **uvicorn_kw):
         import socket
 
         import uvicorn
@@ -131,17 +132,18 @@ class ServerThread:
             s.bind((host, 0))
             self.port = s.getsockname()[1]
         self.host = host
+        self.tls = "ssl_certfile" in uvicorn_kw
         self.server = DrainingServer(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
-                                                    ws_ping_interval=None), app)
+                                                    **{"ws_ping_interval": None, **uvicorn_kw}), app)
         self.thread = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def ws_url(self) -> str:
-        return f"ws://{self.host}:{self.port}/v1/split"
+        return f"{'wss' if self.tls else 'ws'}://{self.host}:{self.port}/v1/split"
 
     def __enter__(self):
         import threading

@@ -4,6 +4,7 @@ through the GLM fast path, at the engine and through ``autoglm-cloud serve --tp 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -24,6 +25,23 @@ def _phones(bundle, n=4):
                   max_tokens=10, arrive=i) for i in range(n)]
 
 
+@contextlib.contextmanager
+def _rank0(bundle: str, cfg: EngineConfig):
+    """This process as rank 0 of a 2-rank gloo group whose worker (a subprocess) serves ``bundle``; yields
+    (store, workers) once both joined, and leaves no worker or group behind."""
+    store, port = tp.open_group(2, "cpu")
+    workers = tp.launch_workers(2, "127.0.0.1", port, "bundle", bundle, ["fp32"], cfg)
+    try:
+        tp.join_group(store, 2, "cpu", workers)
+        yield store, workers
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("fast_path, runner_type", [(False, ModelRunner), (True, FastGlmRunner)])
 def test_tp2_over_gloo_gives_the_same_tokens_as_tp1(tiny_bundle, fast_path, runner_type):
     """Four staggered sessions on one engine: rank 0 schedules and samples, rank 1 (a subprocess) runs its
@@ -35,10 +53,7 @@ def test_tp2_over_gloo_gives_the_same_tokens_as_tp1(tiny_bundle, fast_path, runn
     ref = _phones(tiny_bundle)
     drive(single, ref)
 
-    store, port = tp.open_group(2, "cpu")
-    workers = tp.launch_workers(2, "127.0.0.1", port, "bundle", str(tiny_bundle), ["fp32"], cfg)
-    try:
-        tp.join_group(store, 2, "cpu")
+    with _rank0(str(tiny_bundle), cfg) as (store, workers):
         [model] = tp.load_models("bundle", str(tiny_bundle), ["fp32"], "cpu", 0, 2)
         assert model.num_kv_heads == 1 and model.layers[0].self_attn.k_proj.out_features == 16  # half of 2 x 16
         assert model.lm_head.weight.shape[0] == 256  # half the vocabulary
@@ -46,20 +61,22 @@ def test_tp2_over_gloo_gives_the_same_tokens_as_tp1(tiny_bundle, fast_path, runn
         sharded = LLMEngine.from_models(cfg, {"fp32": model}, make_runner=lambda i, m, pool: tp.BroadcastingRunner(
             make_runner(i, m, pool), i, tp.comm_device("cpu", 0)))
         assert isinstance(sharded.runners["fp32"].runner, runner_type)
-        dist.barrier()  # the worker has built its runner
+        tp.await_ready(store, workers)  # the worker has built its runner
         got = _phones(tiny_bundle)
         drive(sharded, got)
         tp.stop_workers(tp.comm_device("cpu", 0))
         for w in workers:
             assert w.wait(timeout=60) == 0
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
     assert [p.tokens for p in got] == [p.tokens for p in ref]
     assert all(len(p.tokens) > 0 for p in got)
+
+
+def test_a_worker_that_exits_fails_the_start_instead_of_hanging(tmp_path):
+    """Rank 0 waits for each worker through the group's store and checks the process meanwhile: a worker that
+    cannot load its shard (here: no bundle) fails rank 0's wait with its exit code within seconds."""
+    with _rank0(str(tmp_path / "no-bundle"), EngineConfig()) as (store, workers):  # it joins, then fails to load
+        with pytest.raises(RuntimeError, match=r"worker rank 1 exited \(code 1\) before its runners were built"):
+            tp.await_ready(store, workers)
 
 
 def test_shapes_that_do_not_divide_are_refused(tiny_bundle):

@@ -21,12 +21,12 @@ import torch
 from conftest import Replica, Router
 from websockets.asyncio.client import connect
 
-from edge_client.activation_cache import block_keys
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
 from shared import protocol as P
 from shared.codecs import get_codec
 from shared.manifest import Manifest
+from shared.prefix_keys import KeyScope, block_keys
 
 RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, max_retries=20, backoff_initial_s=0.1,
                     backoff_max_s=0.5)
@@ -90,7 +90,7 @@ def test_replica_killed_mid_generation_every_session_completes_on_the_other(
 
 async def _request(url: str, manifest: Manifest, ids: list[int], route: bool) -> None:
     """One new session through the router: the whole prompt (start 0) with its prefix keys, 2 tokens."""
-    keys = block_keys(ids, manifest.bundle_id, 16)
+    keys = block_keys(ids, KeyScope(manifest.bundle_id, manifest.edge_quant, "fp16"), 16)
     headers = {"X-Autoglm-Prefix-Key": keys[0]} if route else {}
     codec = get_codec("fp16")
     hidden = np.random.default_rng(len(ids)).standard_normal((len(ids), manifest.hidden_size), np.float32)
@@ -119,7 +119,7 @@ def _hit_rate(replicas, url, manifest, system_prompts, route: bool, per_prompt: 
 
     h0, q0 = counters()
     rng = np.random.RandomState(5)
-    for k in range(per_prompt):
+    for _ in range(per_prompt):
         for sp in system_prompts:  # interleaved, as phones arrive
             user = [int(t) for t in rng.randint(4, 512, 8)]
             asyncio.run(_request(url, manifest, sp + user, route))

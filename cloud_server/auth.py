@@ -1,0 +1,270 @@
+"""API keys: a keys file of hashes, one entry per key, each naming its tenant; constant-time checks.
+
+The keys file (JSON, written by ``autoglm-cloud keys add``)::
+
+    {"version": 1, "keys": [
+      {"key_id": "k3f9a1c2", "tenant": "acme", "hash": "sha256:<hex of sha256(key)>", "max_sessions": 8}
+    ]}
+
+* The file holds hashes only: a leaked file does not let anyone in. Keys are 32 random bytes (``agk_`` +
+  base64url), so an unsalted SHA-256 is enough (there is no dictionary to try); ``hash`` names its algorithm
+  so a slower one can be added later without a format change.
+* A presented key is hashed and compared with *every* stored hash by ``hmac.compare_digest`` (no early exit),
+  so the time taken says nothing about which bytes matched or which entry did.
+* Keys come from the ``Authorization: Bearer <key>`` header only (an HTTP request's or the WebSocket
+  handshake's), never from a query string: URLs end up in proxy and access logs.
+* Reloadable: the file is re-read when its mtime changes (checked at most once per :data:`STAT_EVERY_S` on the
+  request path) and on SIGHUP (:func:`install_sighup`). A reload that fails to parse keeps the keys already
+  loaded and logs why: a typo in an edit must not lock every tenant out.
+
+:class:`Authenticator` is what the app asks: ``authenticate(header) -> Principal | None`` (None: refuse with
+401). Without a keys file or ``--api-key`` every client is let in; its tenant is then the digest of whatever
+bearer token it sent (``shared.prefix_keys.tenant_of``), so clients still do not share prefix blocks by
+accident. ``Principal.tenant`` is the namespace of the session's prefix cache and the ``tenant`` label of the
+usage metrics (``cloud_server.usage``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.prefix_keys import tenant_of
+
+log = logging.getLogger("autoglm.cloud.auth")
+
+KEY_PREFIX = "agk_"
+STAT_EVERY_S = 1.0  # the request path looks at the file's mtime at most this often
+_TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+class KeysFileError(ValueError):
+    """The keys file is missing, unreadable or malformed; the message names the file and the entry."""
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request is from. ``tenant``: prefix-cache namespace and metrics label; ``key_id``: the key's public
+    id (None: no key store, an open server); ``max_sessions``: this key's cap on open split sessions (None:
+    only the server's)."""
+
+    tenant: str
+    key_id: str | None = None
+    max_sessions: int | None = None
+    metered: bool = False  # a key of the store: usage is recorded under its tenant (bounded label set)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyEntry:
+    key_id: str
+    tenant: str
+    digest: bytes  # sha256 of the key
+    max_sessions: int | None
+
+
+def hash_key(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
+
+
+def _bearer(header: str | None) -> str | None:
+    if not header or not header.startswith("Bearer "):
+        return None
+    token = header[7:].strip()
+    return token or None
+
+
+def parse_keys(text: str, source: str) -> list[KeyEntry]:
+    """The entries of a keys file's text; raises :class:`KeysFileError` naming ``source`` and the entry."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise KeysFileError(f"{source}: not JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("keys"), list):
+        raise KeysFileError(f"{source}: expected {{\"version\": 1, \"keys\": [...]}}")
+    out: list[KeyEntry] = []
+    seen: set[str] = set()
+    for i, e in enumerate(data["keys"]):
+        where = f"{source}: keys[{i}]"
+        if not isinstance(e, dict):
+            raise KeysFileError(f"{where}: expected an object")
+        key_id, tenant, digest, cap = e.get("key_id"), e.get("tenant"), e.get("hash"), e.get("max_sessions")
+        if not isinstance(key_id, str) or not key_id or key_id in seen:
+            raise KeysFileError(f"{where}: key_id must be a unique non-empty string")
+        if not isinstance(tenant, str) or not tenant or not set(tenant) <= _TENANT_CHARS or len(tenant) > 64:
+            raise KeysFileError(f"{where}: tenant must be 1-64 characters of [A-Za-z0-9._-]")
+        if not isinstance(digest, str) or not digest.startswith("sha256:") or len(digest) != 7 + 64:
+            raise KeysFileError(f"{where}: hash must be 'sha256:<64 hex digits>'")
+        try:
+            raw = bytes.fromhex(digest[7:])
+        except ValueError:
+            raise KeysFileError(f"{where}: hash is not hex") from None
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise KeysFileError(f"{where}: max_sessions must be a positive integer or absent")
+        seen.add(key_id)
+        out.append(KeyEntry(key_id, tenant, raw, cap))
+    return out
+
+
+class KeyStore:
+    """The keys of one file, reloaded when it changes (see the module docstring). Thread-safe."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._entries: list[KeyEntry] = []
+        self._mtime: float | None = None
+        self._checked = 0.0
+        self.reloads = 0  # successful loads after the first (tests, logs)
+        self._load(strict=True)
+
+    def _load(self, strict: bool) -> None:
+        try:
+            st = self.path.stat()
+            entries = parse_keys(self.path.read_text(encoding="utf-8"), str(self.path))
+        except (OSError, KeysFileError) as e:
+            if strict:
+                raise KeysFileError(str(e) if isinstance(e, KeysFileError) else f"{self.path}: {e}") from None
+            log.error("keys file not reloaded, keeping %d keys: %s", len(self._entries), e)
+            return
+        with self._lock:
+            first = self._mtime is None
+            self._entries, self._mtime = entries, st.st_mtime
+        if not first:
+            self.reloads += 1
+            log.info("keys file %s reloaded: %d keys", self.path, len(entries))
+
+    def reload(self) -> None:
+        """Re-read the file now (SIGHUP); a broken file keeps the current keys."""
+        self._load(strict=False)
+
+    def _maybe_reload(self) -> None:
+        now = time.monotonic()
+        if now - self._checked < STAT_EVERY_S:
+            return
+        self._checked = now
+        try:
+            mtime = self.path.stat().st_mtime
+        except OSError:
+            return
+        if mtime != self._mtime:
+            self._load(strict=False)
+
+    def lookup(self, key: str) -> KeyEntry | None:
+        """The entry whose hash matches ``key``, comparing against every entry in constant time each."""
+        self._maybe_reload()
+        digest = hashlib.sha256(key.encode()).digest()
+        with self._lock:
+            entries = self._entries
+        found = None
+        for e in entries:  # no early exit: the time does not depend on which entry matched
+            if hmac.compare_digest(digest, e.digest):
+                found = e
+        return found
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Authenticator:
+    """``authenticate(Authorization header) -> Principal | None``: a keys file, a single ``--api-key``, or open."""
+
+    def __init__(self, keys_file: str | Path | None = None, api_key: str | None = None):
+        if keys_file is not None and api_key is not None:
+            raise KeysFileError("give either a keys file or --api-key, not both")
+        self.store = KeyStore(keys_file) if keys_file is not None else None
+        self._api_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
+
+    @property
+    def required(self) -> bool:
+        return self.store is not None or self._api_digest is not None
+
+    def authenticate(self, header: str | None) -> Principal | None:
+        token = _bearer(header)
+        if self.store is not None:
+            entry = self.store.lookup(token) if token is not None else None
+            if entry is None:
+                return None
+            return Principal(f"tenant:{entry.tenant}", entry.key_id, entry.max_sessions, metered=True)
+        if self._api_digest is not None:
+            ok = token is not None and hmac.compare_digest(hashlib.sha256(token.encode()).digest(),
+                                                           self._api_digest)
+            return Principal(tenant_of(header), "api-key", metered=False) if ok else None
+        return Principal(tenant_of(header))
+
+
+def principal_of(ws) -> Principal:
+    """The :class:`Principal` the app authenticated for this WebSocket (``ws.state.principal``); an endpoint
+    served without the app's check (tests) gets the open server's: the digest of its bearer token."""
+    p = getattr(ws.state, "principal", None)
+    return p if isinstance(p, Principal) else Principal(tenant_of(ws.headers.get("authorization")))
+
+
+def install_sighup(store: KeyStore | None) -> bool:
+    """Reload ``store`` on SIGHUP (main thread only; returns whether the handler is installed)."""
+    if store is None or not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGHUP, lambda *_: store.reload())
+    return True
+
+
+# -- `autoglm-cloud keys add` -------------------------------------------------------------------------
+def add_key(path: str | Path, tenant: str, max_sessions: int | None = None) -> tuple[str, str]:
+    """Append a new key for ``tenant`` to the keys file (created if absent, mode 0600); returns
+    ``(key_id, key)``. The key itself is not stored: this is the only time it is seen."""
+    path = Path(path)
+    data = {"version": 1, "keys": []}
+    if path.exists():
+        text = path.read_text(encoding="utf-8")
+        parse_keys(text, str(path))  # refuse to append to a broken file
+        data = json.loads(text)
+    key, key_id = new_key(), "k" + secrets.token_hex(4)
+    entry = {"key_id": key_id, "tenant": tenant, "hash": hash_key(key),
+             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if max_sessions is not None:
+        entry["max_sessions"] = max_sessions
+    data["keys"].append(entry)
+    parse_keys(json.dumps(data), str(path))  # the new entry is valid (tenant name, cap)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)  # atomic: a server reloading meanwhile sees the old or the new file, whole
+    return key_id, key
+
+
+def keys_main(argv: list[str] | None = None) -> int:
+    """``autoglm-cloud keys add FILE --tenant NAME [--max-sessions N]``: prints the new key once."""
+    ap = argparse.ArgumentParser(prog="autoglm-cloud keys", description="Manage the API keys file.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add = sub.add_parser("add", help="add a key for a tenant; prints the key once (the file keeps its hash)")
+    add.add_argument("file", type=Path, help="keys file (created if absent)")
+    add.add_argument("--tenant", required=True, help="tenant name ([A-Za-z0-9._-], 1-64 characters)")
+    add.add_argument("--max-sessions", type=int, help="open split sessions this key may hold (default: "
+                                                      "only the server's --max-sessions)")
+    args = ap.parse_args(argv)
+    try:
+        key_id, key = add_key(args.file, args.tenant, args.max_sessions)
+    except (KeysFileError, OSError) as e:
+        print(f"autoglm-cloud keys: error: {e}", file=sys.stderr)
+        return 2
+    print(key)
+    print(f"added key {key_id} for tenant {args.tenant} to {args.file}; the key is shown only now",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,70 @@
+"""Admission limits that refuse quickly instead of queueing: per-key session caps, HTTP concurrency.
+
+Every limit here answers at once with a "try later" and never parks work in an unbounded queue:
+
+* split sessions: the server's ``max_sessions`` (``SessionRegistry.full``) and, per API key, the key's
+  ``max_sessions`` from the keys file (:func:`session_cap_refusal`), both refused at Hello with
+  ``Error(overloaded, retry_after_ms)`` and close code 1013;
+* HTTP ``/v1`` requests (full-model mode's OpenAI routes, ``/v1/models``): at most ``max_http_requests`` in
+  flight (:class:`HttpConcurrencyLimit`); the next gets ``429`` with ``Retry-After`` and an OpenAI error body;
+* connections of any kind: uvicorn's ``limit_concurrency`` (``ServerConfig.max_connections``), which answers
+  503 to the excess, and the handshake timeout, which closes a WebSocket that sends no Hello.
+
+Frame sizes, context length and timeouts are the session's ``Welcome.limits`` (``cloud_server.split_endpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+
+RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After / retry_after_ms)
+
+
+def session_cap_refusal(registry, principal) -> str | None:
+    """Why ``principal`` may not open another split session (None: it may). Counts the sessions its key holds,
+    attached or within their resume grace (both hold KV)."""
+    cap = getattr(principal, "max_sessions", None)
+    if cap is None:
+        return None
+    held = sum(1 for s in registry.by_id.values()
+               if getattr(s, "principal", None) is not None and s.principal.key_id == principal.key_id)
+    if held >= cap:
+        return f"API key {principal.key_id} holds its limit of {cap} sessions; retry later"
+    return None
+
+
+class HttpConcurrencyLimit:
+    """ASGI middleware: at most ``limit`` HTTP requests under ``prefix`` in flight; beyond, 429 + Retry-After.
+
+    Probes (``/health``, ``/ready``, ``/metrics``) and WebSockets are not counted: a probe must answer under
+    load, and sessions have their own caps. A streamed response holds its slot until its last byte."""
+
+    def __init__(self, app, limit: int, prefix: str = "/v1/"):
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1 (got {limit})")
+        self.app, self.limit, self.prefix = app, limit, prefix
+        self.in_flight = 0  # event-loop thread only
+        self.refused = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            self.refused += 1
+            await _too_many(send, self.limit)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+async def _too_many(send, limit: int) -> None:
+    body = json.dumps({"error": {"message": f"server at its limit of {limit} concurrent requests; retry later",
+                                 "type": "rate_limit_error", "param": None, "code": "overloaded"}}).encode()
+    await send({"type": "http.response.start", "status": 429,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode()),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,96 @@
+"""Per-key accounting and request tracing for split sessions.
+
+Usage is counted from the messages a session exchanges, so it is what the tenant actually sent and received:
+
+* ``autoglm:tenant_sessions_total{tenant}`` sessions opened; ``autoglm:tenant_sessions_open{tenant}``;
+* ``autoglm:tenant_prompt_tokens_total{tenant}`` positions uploaded in ``Prefill`` messages;
+* ``autoglm:tenant_generation_tokens_total{tenant}`` tokens sampled for it (``Tokens.token_ids``);
+* ``autoglm:tenant_uplink_bytes_total{tenant}`` / ``autoglm:tenant_downlink_bytes_total{tenant}`` frame bytes.
+
+All carry ``model_name`` as well, like the rest of ``cloud_server.metrics``. The ``tenant`` label is the keys
+file's tenant name for a key of the store (a set the operator bounds); every other client is counted under
+``unkeyed``, so an open server cannot be made to grow a label per invented bearer token.
+
+Tracing: a request's trace id is the ``request_id`` the edge chose for it (the edge logs the same id; a
+replayed request keeps its first id as the trace, ``edge_client.generation``). The cloud logs one line when a
+request opens (``trace=<id> session=<id> tenant=<t> open``) and one when it finishes (``... finish=<reason>
+tokens=<n>``), on the ``autoglm.cloud.trace`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Counter, Gauge
+
+from shared import protocol as P
+
+trace_log = logging.getLogger("autoglm.cloud.trace")
+UNKEYED = "unkeyed"
+
+
+def tenant_label(principal) -> str:
+    if principal is None or not principal.metered:
+        return UNKEYED
+    return principal.tenant.removeprefix("tenant:")
+
+
+class TenantUsage:
+    """The per-tenant counters, registered on the server's metrics registry."""
+
+    def __init__(self, metrics):
+        r, lab = metrics.registry, ["model_name", "tenant"]
+        self.model_name = metrics.model_name
+        self.sessions = Counter("autoglm:tenant_sessions", "Split sessions opened, by tenant", lab, registry=r)
+        self.sessions_open = Gauge("autoglm:tenant_sessions_open", "Split sessions open, by tenant", lab,
+                                   registry=r)
+        self.prompt_tokens = Counter("autoglm:tenant_prompt_tokens", "Prompt positions uploaded, by tenant", lab,
+                                     registry=r)
+        self.generation_tokens = Counter("autoglm:tenant_generation_tokens", "Tokens generated, by tenant", lab,
+                                         registry=r)
+        self.uplink = Counter("autoglm:tenant_uplink_bytes", "Frame bytes received, by tenant", lab, registry=r)
+        self.downlink = Counter("autoglm:tenant_downlink_bytes", "Frame bytes sent, by tenant", lab, registry=r)
+
+    @classmethod
+    def of(cls, metrics) -> TenantUsage:
+        """The one instance on ``metrics`` (created with the first session: metrics exist once the runtime runs)."""
+        usage = getattr(metrics, "_tenant_usage", None)
+        if usage is None:
+            usage = metrics._tenant_usage = cls(metrics)
+        return usage
+
+    def _l(self, session):
+        return (self.model_name, tenant_label(getattr(session, "principal", None)))
+
+    # -- hooks (event-loop thread) ---------------------------------------------------------------
+    def on_open(self, session) -> None:
+        self.sessions.labels(*self._l(session)).inc()
+        self.sessions_open.labels(*self._l(session)).inc()
+
+    def on_close(self, session) -> None:
+        self.sessions_open.labels(*self._l(session)).dec()
+
+    def on_received(self, session, msg, nbytes: int) -> None:
+        lab = self._l(session)
+        self.uplink.labels(*lab).inc(nbytes)
+        if isinstance(msg, P.Prefill):
+            self.prompt_tokens.labels(*lab).inc(msg.n_tokens)
+            if msg.params is not None:  # a request's first message
+                trace_log.info("trace=%s session=%s tenant=%s open start=%d", msg.request_id, session.session_id,
+                               lab[1], msg.start)
+
+    def on_sent(self, session, msg, nbytes: int) -> None:
+        lab = self._l(session)
+        if nbytes:
+            self.downlink.labels(*lab).inc(nbytes)
+        if isinstance(msg, P.Tokens):
+            if msg.token_ids:
+                self.generation_tokens.labels(*lab).inc(len(msg.token_ids))
+            if msg.finish_reason is not None:
+                rec = session.record(msg.request_id)
+                n = len(rec.tokens) if rec is not None else 0
+                trace_log.info("trace=%s session=%s tenant=%s finish=%s tokens=%d", msg.request_id,
+                               session.session_id, lab[1], msg.finish_reason, n)
+        elif isinstance(msg, P.Error) and msg.request_id:
+            trace_log.info("trace=%s session=%s tenant=%s error=%s", msg.request_id, session.session_id, lab[1],
+                           msg.code)

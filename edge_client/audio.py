@@ -1,0 +1,202 @@
+"""The phone's audio path: WAV decode, Whisper log-mel features in numpy, the attached encoder's ONNX.
+
+GLM-4.1V has no audio encoder; a bundle carries one only when ``split --audio-encoder`` attached it
+(``partition_tools.export_audio``), and answers about audio are only as good as that encoder and its
+projector. Features follow Whisper's (transformers' ``WhisperFeatureExtractor``): 16 kHz mono, 25 ms
+periodic-Hann frames every 10 ms (reflect-padded, centred), power spectrum, Slaney mel filter bank,
+``log10`` floored at 1e-10, clipped to 8 below the maximum, ``(x + 4) / 4``; the clip is zero-padded to the
+encoder's window first, and only the rows that cover the clip become prompt tokens.
+
+Bad input (empty, silent, not 16 kHz, not a PCM WAV, longer than the window) raises ``MediaError``.
+Only numpy and onnxruntime: this module runs on the phone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import threading
+import time
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .vision import MediaError
+
+AUDIO = "edge/audio.onnx"
+AUDIO_CONFIG = "edge/audio.json"
+SILENCE_PEAK = 1e-4  # a clip whose samples all stay below this (of full scale) is silence
+MAX_AUDIO_BYTES = 16 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class AudioSpec:
+    """``edge/audio.json`` (written by ``partition_tools.export_audio``)."""
+
+    sample_rate: int
+    n_fft: int
+    hop_length: int
+    n_mels: int
+    window_frames: int  # mel frames of one encoder window (Whisper: 3000 = 30 s)
+    pool: int  # encoder frames stacked per audio token by the projector
+    hidden_size: int
+    audio_token_id: int
+
+    @classmethod
+    def load(cls, bundle_dir: str | Path) -> AudioSpec:
+        path = Path(bundle_dir) / AUDIO_CONFIG
+        if not path.is_file():
+            raise MediaError("this bundle has no audio encoder (split with --audio-encoder to attach one)",
+                             "no_encoder")
+        return cls(**json.loads(path.read_text()))
+
+    @property
+    def max_samples(self) -> int:
+        return self.window_frames * self.hop_length
+
+    def tokens_for(self, n_samples: int) -> int:
+        """Audio tokens of a clip of ``n_samples``: the rows covering it after the 2x conv and the pool."""
+        frames = math.ceil(n_samples / self.hop_length)
+        return math.ceil(math.ceil(frames / 2) / self.pool)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedAudio:
+    features: np.ndarray  # float32 [1, n_mels, window_frames]
+    n_tokens: int
+    digest: bytes  # sha256 of the samples: the clip's identity in every cache
+    seconds: float
+
+
+# ------------------------------------------------------------------------------------------------
+# features
+
+
+def _hz_to_mel(f: np.ndarray) -> np.ndarray:  # Slaney: linear below 1 kHz, logarithmic above
+    f = np.asarray(f, np.float64)
+    mel = 3.0 * f / 200.0
+    log_region = f >= 1000.0
+    return np.where(log_region, 15.0 + np.log(np.maximum(f, 1e-10) / 1000.0) * (27.0 / np.log(6.4)), mel)
+
+
+def _mel_to_hz(m: np.ndarray) -> np.ndarray:
+    m = np.asarray(m, np.float64)
+    f = 200.0 * m / 3.0
+    return np.where(m >= 15.0, 1000.0 * np.exp(np.log(6.4) / 27.0 * (m - 15.0)), f)
+
+
+def mel_filters(sample_rate: int, n_fft: int, n_mels: int, f_max: float = 8000.0) -> np.ndarray:
+    """Slaney-normalised triangular filters float64 [n_fft/2 + 1, n_mels] (transformers' mel_filter_bank)."""
+    fft_freqs = np.linspace(0, sample_rate // 2, n_fft // 2 + 1)
+    filter_freqs = _mel_to_hz(np.linspace(_hz_to_mel(0.0), _hz_to_mel(f_max), n_mels + 2))
+    diff = np.diff(filter_freqs)
+    slopes = filter_freqs[None, :] - fft_freqs[:, None]  # [F, n_mels + 2]
+    down = -slopes[:, :-2] / diff[:-1]
+    up = slopes[:, 2:] / diff[1:]
+    bank = np.maximum(0.0, np.minimum(down, up))
+    return bank * (2.0 / (filter_freqs[2:n_mels + 2] - filter_freqs[:n_mels]))[None, :]
+
+
+def log_mel(samples: np.ndarray, spec: AudioSpec) -> np.ndarray:
+    """Whisper log-mel of ``samples`` float [n] zero-padded to the window: float32 [1, n_mels, window_frames]."""
+    x = np.zeros(spec.max_samples, np.float64)
+    x[: samples.size] = samples
+    n_fft, hop = spec.n_fft, spec.hop_length
+    padded = np.pad(x, n_fft // 2, mode="reflect")
+    n_frames = 1 + (padded.size - n_fft) // hop
+    idx = np.arange(n_fft)[None, :] + hop * np.arange(n_frames)[:, None]  # [frames, n_fft]
+    window = np.hanning(n_fft + 1)[:-1]  # periodic Hann
+    power = np.abs(np.fft.rfft(padded[idx] * window, n=n_fft, axis=-1)) ** 2  # [frames, F]
+    mel = np.maximum(mel_filters(spec.sample_rate, n_fft, spec.n_mels).T @ power.T, 1e-10)  # [n_mels, frames]
+    log = np.log10(mel)[:, :-1]  # Whisper drops the last frame
+    log = np.maximum(log, log.max() - 8.0)
+    return ((log + 4.0) / 4.0).astype(np.float32)[None]
+
+
+# ------------------------------------------------------------------------------------------------
+# decoding
+
+
+def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarray, int]:
+    """A PCM WAV file -> (mono float32 samples in [-1, 1], sample rate)."""
+    if not data:
+        raise MediaError("empty audio (0 bytes)", "bad_audio")
+    if len(data) > max_bytes:
+        raise MediaError(f"audio of {len(data)} bytes exceeds the {max_bytes}-byte limit", "audio_too_large")
+    try:
+        with wave.open(io.BytesIO(data)) as w:
+            rate, width, channels, n = w.getframerate(), w.getsampwidth(), w.getnchannels(), w.getnframes()
+            raw = w.readframes(n)
+    except (wave.Error, EOFError) as e:
+        raise MediaError(f"not a PCM WAV file ({e})", "bad_audio") from None
+    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}.get(width)
+    if dtype is None:
+        raise MediaError(f"unsupported WAV sample width {width * 8} bits", "unsupported_format")
+    pcm = np.frombuffer(raw[: len(raw) - len(raw) % (width * channels)], dtype=dtype)
+    x = (pcm.astype(np.float32) - 128) / 128 if width == 1 else pcm.astype(np.float32) / float(1 << (8 * width - 1))
+    return x.reshape(-1, channels).mean(axis=1), rate
+
+
+def prepare_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> PreparedAudio:
+    """Samples -> :class:`PreparedAudio`; refuses empty, silent, wrongly sampled or too long clips."""
+    x = np.asarray(samples, np.float32).reshape(-1)
+    if sample_rate != spec.sample_rate:
+        raise MediaError(f"audio at {sample_rate} Hz: the encoder takes {spec.sample_rate} Hz (resample first)",
+                         "bad_sample_rate")
+    if x.size == 0:
+        raise MediaError("empty audio (no samples)", "bad_audio")
+    if not np.isfinite(x).all():
+        raise MediaError("audio samples are not finite", "bad_audio")
+    if float(np.abs(x).max()) < SILENCE_PEAK:
+        raise MediaError("the audio is silent", "silent_audio")
+    if x.size > spec.max_samples:
+        raise MediaError(f"audio of {x.size / spec.sample_rate:.1f} s exceeds the encoder's "
+                         f"{spec.max_samples / spec.sample_rate:.1f} s window", "audio_too_long")
+    digest = hashlib.sha256(b"audio/v1" + x.astype("<f4").tobytes()).digest()
+    return PreparedAudio(log_mel(x, spec), spec.tokens_for(x.size), digest, x.size / spec.sample_rate)
+
+
+class AudioEncoder:
+    """``edge/audio.onnx`` of a bundle, opened on first use; one clip per ``encode`` call."""
+
+    def __init__(self, bundle_dir: str | Path, threads: int = 2):
+        self.bundle_dir = Path(bundle_dir)
+        self.spec = AudioSpec.load(self.bundle_dir)
+        self.threads = threads
+        self._session = None
+        self._lock = threading.Lock()
+        self.seconds = 0.0
+
+    @property
+    def loaded(self) -> bool:
+        return self._session is not None
+
+    def _open(self):
+        with self._lock:
+            if self._session is None:
+                from .front import open_session
+
+                self._session = open_session(self.bundle_dir / AUDIO, self.threads)
+        return self._session
+
+    def prepare(self, data: bytes) -> PreparedAudio:
+        samples, rate = decode_wav(data)
+        return prepare_audio(samples, rate, self.spec)
+
+    def encode(self, clip: PreparedAudio) -> np.ndarray:
+        """Audio embeddings float32 [n_tokens, H] of one clip."""
+        session = self._open()
+        t0 = time.perf_counter()
+        out = session.run(["audio_embeds"], {"input_features": clip.features})[0]  # [window tokens, H]
+        self.seconds += time.perf_counter() - t0
+        return out[: clip.n_tokens]
+
+    def warmup(self) -> float:
+        t0 = time.perf_counter()
+        tone = 0.1 * np.sin(np.arange(self.spec.sample_rate // 10) * 0.05)
+        self.encode(prepare_audio(tone, self.spec.sample_rate, self.spec))
+        return time.perf_counter() - t0

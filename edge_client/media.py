@@ -1,0 +1,309 @@
+"""A prompt with media: placeholder tokens expanded, encoder outputs placed, positions and content digests.
+
+The chat template writes one placeholder token per image (``<|begin_of_image|><|image|><|end_of_image|>``)
+or audio clip; the model needs one placeholder *per embedding row*. :func:`assemble` expands them, runs the
+encoders, and returns what the front and the wire need:
+
+* ``embeds [S, H]`` / ``mask [S]``: the encoder rows at their placeholder positions (the front's embeddings
+  input, ``FrontRuntime.prefill_media``); text rows are unused;
+* ``positions [3, S]`` and ``rope_delta``: GLM-4.1V's 3-D rope positions (``edge_client.mrope``); audio
+  tokens count like text;
+* ``spans``: ``(start, end, digest)`` per input, folded into the prefix-key chain of the blocks they overlap
+  (``shared.prefix_keys.content_digests``): every image token has the same id, so without the digest two
+  screenshots would share cached activations on the phone and in the cloud.
+
+Only numpy: this module runs on the phone.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shared.prefix_keys import content_digests
+
+from .mrope import ImageSpan, rope_index, text_positions
+from .vision import MAX_IMAGE_BYTES, MediaError
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """One encoded input: its placeholder token, its embedding rows and its content digest."""
+
+    kind: str  # "image" | "audio"
+    token_id: int  # the placeholder token the template writes once and the model expects once per row
+    embeds: np.ndarray  # float32 [n, H]
+    digest: bytes  # 32 bytes: the content's identity (edge_client.vision.PreparedImage.digest, audio's)
+    grid_thw: tuple[int, int, int] | None = None  # images: the patch grid (3-D rope positions)
+
+
+@dataclass(slots=True)
+class MediaPrompt:
+    ids: list[int]  # placeholders expanded: one per embedding row
+    embeds: np.ndarray  # float32 [S, H]; rows where ``mask`` is False are unused
+    mask: np.ndarray  # bool [S]
+    positions: np.ndarray  # int64 [3, S]
+    rope_delta: int  # a later token's position = its index + rope_delta
+    spans: list[tuple[int, int, bytes]] = field(default_factory=list)  # (start, end, digest) per item
+    tokens_by_kind: dict[str, int] = field(default_factory=dict)  # usage: image / audio tokens
+    items_by_kind: dict[str, int] = field(default_factory=dict)  # images / audio clips
+
+    def count(self, kind: str) -> int:
+        return self.items_by_kind.get(kind, 0)
+
+    @property
+    def has_images(self) -> bool:
+        return self.count("image") > 0
+
+    def rope_positions(self, start: int, n: int) -> np.ndarray:
+        """3-D rope positions int64 [3, n] of indices [start, start + n): the prompt's, then generated tokens'
+        (index + rope delta)."""
+        s = len(self.ids)
+        head = self.positions[:, start:min(start + n, s)]
+        tail = text_positions(max(start, s), max(0, start + n - max(start, s)), self.rope_delta)
+        return np.concatenate([head, tail], axis=1)
+
+    def content(self, block_tokens: int, n_tokens: int | None = None) -> list[bytes | None]:
+        """Per full block of the first ``n_tokens`` (default: all) tokens, its content digest (None: text)."""
+        return content_digests(len(self.ids) if n_tokens is None else n_tokens, block_tokens, self.spans)
+
+
+def expand(ids: Sequence[int], items: Sequence[MediaItem]) -> tuple[list[int], list[MediaItem], list[int]]:
+    """Replace each single placeholder by its item's rows (the k-th placeholder of a token by the k-th item
+    of that token) -> (ids, items in prompt order, their starts)."""
+    queues: dict[int, list[MediaItem]] = {}
+    for it in items:
+        queues.setdefault(it.token_id, []).append(it)
+    out: list[int] = []
+    ordered: list[MediaItem] = []
+    starts: list[int] = []
+    for t in ids:
+        q = queues.get(int(t))
+        if q is None:
+            out.append(int(t))
+            continue
+        if not q:
+            raise MediaError("the prompt has more media placeholders than media inputs", "bad_media")
+        it = q.pop(0)
+        ordered.append(it)
+        starts.append(len(out))
+        out += [int(t)] * it.embeds.shape[0]
+    left = sum(len(q) for q in queues.values())
+    if left:
+        raise MediaError(f"{left} media input(s) without a placeholder in the prompt", "bad_media")
+    return out, ordered, starts
+
+
+def assemble(ids: Sequence[int], items: Sequence[MediaItem], hidden_size: int, merge: int = 2) -> MediaPrompt:
+    """The prompt of ``ids`` (one placeholder per item) with ``items`` placed (see the module docstring)."""
+    full, items, starts = expand(ids, items)
+    s = len(full)
+    embeds = np.zeros((s, hidden_size), np.float32)
+    mask = np.zeros(s, np.bool_)
+    spans, images, kinds, counts = [], [], {}, {}
+    for it, a in zip(items, starts):
+        n = it.embeds.shape[0]
+        if it.embeds.shape != (n, hidden_size):
+            raise MediaError(f"{it.kind} embeddings {list(it.embeds.shape)}: expected [n, {hidden_size}]", "bad_media")
+        embeds[a:a + n] = it.embeds
+        mask[a:a + n] = True
+        spans.append((a, a + n, it.digest))
+        kinds[it.kind] = kinds.get(it.kind, 0) + n
+        counts[it.kind] = counts.get(it.kind, 0) + 1
+        if it.grid_thw is not None:
+            images.append(ImageSpan(a, it.grid_thw))
+    positions, delta = rope_index(s, images, merge)
+    return MediaPrompt(full, embeds, mask, positions, delta, spans, kinds, counts)
+
+
+
+
+# ------------------------------------------------------------------------------------------------
+# where media come from (OpenAI content parts, raw bytes) and the encoders that turn them into rows
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPolicy:
+    """Limits on fetching media; one per endpoint."""
+
+    max_bytes: int = MAX_IMAGE_BYTES  # an input larger than this is refused (downloads stop there)
+    fetch_timeout_s: float = 10.0  # an http(s) image must arrive within this (the phone's link may be slow)
+    allow_http: bool = True  # fetch http(s) image URLs on the phone
+    local_dir: Path | None = None  # local paths are served only from inside this folder (None: refused)
+    max_pixels: int | None = None  # the pixel budget (None: the model's default, smart_resize's max_pixels)
+
+
+def load_source(src: bytes | str, policy: MediaPolicy) -> bytes:
+    """Raw bytes as given; a ``data:`` URL decoded; ``http(s)`` fetched within the policy's size and time
+    limits; a local path (or ``file://``) only from inside ``policy.local_dir``."""
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        data = bytes(src)
+    elif not isinstance(src, str) or not src:
+        raise MediaError("a media source is bytes or a URL string", "bad_media")
+    elif src.startswith("data:"):
+        head, _, payload = src.partition(",")
+        if ";base64" not in head:
+            raise MediaError("data URL without base64 encoding", "bad_media")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise MediaError("data URL: invalid base64", "bad_media") from None
+    elif src.startswith(("http://", "https://")):
+        data = _fetch(src, policy)
+    else:
+        data = _local(src.removeprefix("file://"), policy)
+    if len(data) > policy.max_bytes:
+        raise MediaError(f"media of {len(data)} bytes exceeds the {policy.max_bytes}-byte limit", "image_too_large")
+    return data
+
+
+def _fetch(url: str, policy: MediaPolicy) -> bytes:
+    import urllib.error
+    import urllib.request
+
+    if not policy.allow_http:
+        raise MediaError("fetching media URLs is disabled on this endpoint", "url_refused")
+    try:
+        with urllib.request.urlopen(url, timeout=policy.fetch_timeout_s) as r:  # noqa: S310 - http(s) checked above
+            data = r.read(policy.max_bytes + 1)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise MediaError(f"cannot fetch {url[:80]}: {getattr(e, 'reason', e)}", "fetch_failed") from None
+    if len(data) > policy.max_bytes:
+        raise MediaError(f"{url[:80]}: larger than the {policy.max_bytes}-byte limit", "image_too_large")
+    return data
+
+
+def _local(path: str, policy: MediaPolicy) -> bytes:
+    if policy.local_dir is None:
+        raise MediaError("local file paths are not accepted here (no allow-listed media folder)", "path_refused")
+    root = Path(policy.local_dir).resolve()
+    p = (root / path).resolve() if not Path(path).is_absolute() else Path(path).resolve()
+    if not p.is_relative_to(root):
+        raise MediaError(f"{path}: outside the allow-listed media folder", "path_refused")
+    if not p.is_file():
+        raise MediaError(f"{path}: no such file in the media folder", "bad_media")
+    if p.stat().st_size > policy.max_bytes:
+        raise MediaError(f"{path}: larger than the {policy.max_bytes}-byte limit", "image_too_large")
+    return p.read_bytes()
+
+
+@dataclass(frozen=True, slots=True)
+class MediaPart:
+    """One media input of a request, in prompt order."""
+
+    kind: str  # "image" | "audio"
+    source: bytes | str  # raw bytes or a URL / path (load_source)
+
+
+def extract_parts(messages: list[dict], placeholder: Callable[[str], str]) -> tuple[list[dict], list[MediaPart]]:
+    """OpenAI chat messages -> (messages with string content, the media parts in order). An ``image_url``
+    part (``{"url": ...}``), an ``image`` part (raw bytes, the Python API) or an ``input_audio`` part
+    (``{"data": base64 WAV, "format": "wav"}``) becomes ``placeholder(kind)`` in the text."""
+    out, parts = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        text = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                text.append(str(part.get("text", "")))
+                continue
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                parts.append(MediaPart("image", url))
+            elif kind == "image":
+                parts.append(MediaPart("image", part.get("image")))
+            elif kind == "input_audio":
+                a = part.get("input_audio") or {}
+                if a.get("format", "wav") != "wav":
+                    raise MediaError(f"messages[{i}].content[{j}]: audio format {a.get('format')!r} (accepted: wav)",
+                                     "unsupported_format")
+                try:
+                    parts.append(MediaPart("audio", base64.b64decode(a.get("data") or "", validate=True)))
+                except (binascii.Error, ValueError, TypeError):
+                    raise MediaError(f"messages[{i}].content[{j}]: input_audio.data is not base64", "bad_audio") \
+                        from None
+            else:
+                raise MediaError(f"messages[{i}].content[{j}]: part type {kind!r} is not supported", "bad_media")
+            text.append(placeholder(parts[-1].kind))
+        out.append({**m, "content": "".join(text)})
+    return out, parts
+
+
+class MediaEncoders:
+    """A bundle's encoders, each opened on first use: a text-only app never loads them."""
+
+    def __init__(self, bundle_dir: str | Path, threads: int = 2):
+        self.bundle_dir = Path(bundle_dir)
+        self.threads = threads
+        self._vision = None
+        self._audio = None
+
+    @property
+    def vision(self):
+        if self._vision is None:
+            from .vision import VisionEncoder
+
+            self._vision = VisionEncoder(self.bundle_dir, self.threads)
+        return self._vision
+
+    @property
+    def audio(self):
+        if self._audio is None:
+            from .audio import AudioEncoder
+
+            self._audio = AudioEncoder(self.bundle_dir, self.threads)
+        return self._audio
+
+    def placeholder_ids(self, kind: str) -> list[int]:
+        """The token ids the template writes for one input of ``kind`` (image: begin, image, end)."""
+        if kind == "image":
+            sp = self.vision.spec
+            return [sp.image_start_token_id, sp.image_token_id, sp.image_end_token_id]
+        return [self.audio.spec.audio_token_id]
+
+    def warmup(self, kinds: Sequence[str] = ("image", "audio")) -> dict[str, float]:
+        """Load and run each available encoder of ``kinds`` once; kind -> seconds (absent: none in the bundle)."""
+        out = {}
+        for kind in kinds:
+            try:
+                enc = self.vision if kind == "image" else self.audio
+            except MediaError:
+                continue
+            out[kind] = enc.warmup()
+        return out
+
+    def items(self, parts: Sequence[MediaPart], policy: MediaPolicy) -> list[MediaItem]:
+        """Load, check, preprocess and encode every part (MediaError on the first bad one)."""
+        items = []
+        for p in parts:
+            data = load_source(p.source, policy)
+            if p.kind == "image":
+                enc = self.vision
+                img = enc.prepare(data, policy.max_pixels)
+                items.append(MediaItem("image", enc.spec.image_token_id, enc.encode(img), img.digest, img.grid_thw))
+            elif p.kind == "audio":
+                enc = self.audio
+                clip = enc.prepare(data)
+                items.append(MediaItem("audio", enc.spec.audio_token_id, enc.encode(clip), clip.digest))
+            else:
+                raise MediaError(f"media kind {p.kind!r}: expected image or audio", "bad_media")
+        return items
+
+    @property
+    def seconds(self) -> float:
+        """Cumulative encode time of the encoders opened so far."""
+        return sum(e.seconds for e in (self._vision, self._audio) if e is not None)
+
+    @property
+    def merge_size(self) -> int:
+        return self.vision.spec.merge_size if self._vision is not None else 2

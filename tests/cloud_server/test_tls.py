@@ -1,0 +1,186 @@
+"""TLS end to end: a server with a test certificate serves https:// and wss://; the edge client streams over
+wss:// trusting the test CA (explicit ``ca_file`` and ``SSL_CERT_FILE``), and is refused with a clear error when
+it trusts another CA, when it speaks plain ws:// to the TLS server, or wss:// to a plain one."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from cloud_support import ServerThread
+
+from cloud_server.app import create_app
+from cloud_server.config import EngineConfig, ServerConfig
+from cloud_server.runtime import CloudRuntime
+from edge_client.client import EdgeClient
+from edge_client.config import RetryPolicy
+from edge_client.demo import free_port
+from edge_client.errors import EdgeClientError
+
+RETRY = RetryPolicy(connect_timeout_s=5.0, max_retries=1, backoff_initial_s=0.05)
+PROMPT = [5, 17, 99, 4, 250, 31, 8]
+
+
+def _ca(tmp, name: str):
+    """A self-signed CA: (key, certificate), the certificate written to ``tmp/<name>-ca.pem``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} test CA")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    path = tmp / f"{name}-ca.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key, cert, path
+
+
+def _server_cert(tmp, ca_key, ca_cert):
+    """A certificate for 127.0.0.1 / localhost signed by the CA: (cert path, key path)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    cert_path, key_path = tmp / "server.pem", tmp / "server.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pki")
+    ca_key, ca_cert, ca_path = _ca(tmp, "good")
+    _, _, other_ca = _ca(tmp, "other")
+    cert, key = _server_cert(tmp, ca_key, ca_cert)
+    return {"ca": ca_path, "other_ca": other_ca, "cert": cert, "key": key}
+
+
+@pytest.fixture(scope="module")
+def tls_server(tiny_bundle, pki, tmp_path_factory):
+    """A real ``autoglm-cloud serve --ssl-certfile F --ssl-keyfile F`` process."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("tls-log") / "serve.log"
+    cmd = [sys.executable, "-c", "import sys; from cloud_server.cli import main; sys.exit(main())", "serve",
+           str(tiny_bundle), "--port", str(port), "--ssl-certfile", str(pki["cert"]), "--ssl-keyfile", str(pki["key"]),
+           "--num-blocks", "64", "--block-size", "4", "--device", "cpu"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    srv = SimpleNamespace(url=f"https://127.0.0.1:{port}", ws_url=f"wss://127.0.0.1:{port}/v1/split", proc=proc)
+    trust = ssl.create_default_context(cafile=str(pki["ca"]))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(srv.url + "/ready", verify=trust, timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    yield srv
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle, tls_server):
+    """The same request over plain ws:// to a second, plain server (the output TLS must not change)."""
+    rt = CloudRuntime(ServerConfig(bundle=tiny_bundle, engine=EngineConfig(num_blocks=64, block_size=4))).start()
+    with ServerThread(create_app(rt)) as plain:
+        with EdgeClient(tiny_bundle, plain.ws_url, codec="fp16", retry=RETRY) as c:
+            tokens = c.complete(prompt_ids=PROMPT, max_tokens=8).token_ids
+        plain_url = plain.ws_url
+    rt.stop()
+    return tokens, plain_url
+
+
+def test_edge_streams_over_wss_with_the_test_ca(tiny_bundle, tls_server, pki, reference):
+    assert tls_server.ws_url.startswith("wss://")
+    with EdgeClient(tiny_bundle, tls_server.ws_url, codec="fp16", retry=RETRY, ca_file=pki["ca"]) as c:
+        gen = c.generate(prompt_ids=PROMPT, max_tokens=8)
+        streamed = [token for token, _ in gen.iter_tokens()]  # token by token, as they arrive
+        assert streamed == gen.token_ids == reference[0] and gen.finish_reason == "length"
+    ready = httpx.get(tls_server.url + "/ready", verify=ssl.create_default_context(cafile=str(pki["ca"])))
+    assert tls_server.url.startswith("https://") and ready.status_code == 200
+
+
+def test_ssl_cert_file_is_the_trust_store_when_no_ca_file_is_given(tiny_bundle, tls_server, pki, reference):
+    """OpenSSL reads SSL_CERT_FILE when the default context loads the system store: run in a fresh process,
+    since the variable is read when a context is created."""
+    code = (f"from edge_client.client import EdgeClient; from edge_client.config import RetryPolicy\n"
+            f"with EdgeClient({str(tiny_bundle)!r}, {tls_server.ws_url!r}, codec='fp16', "
+            f"retry=RetryPolicy(connect_timeout_s=5.0, max_retries=0)) as c:\n"
+            f"    print(c.complete(prompt_ids={PROMPT}, max_tokens=8).token_ids)\n")
+    env = {"SSL_CERT_FILE": str(pki["ca"]), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(reference[0])
+
+
+def test_a_client_trusting_another_ca_is_refused_clearly(tiny_bundle, tls_server, pki):
+    with EdgeClient(tiny_bundle, tls_server.ws_url, codec="fp16", retry=RETRY, ca_file=pki["other_ca"]) as c:
+        with pytest.raises(EdgeClientError) as e:
+            c.complete(prompt_ids=PROMPT, max_tokens=4)
+    assert e.value.code == "tls_verify_failed"
+    assert "certificate does not verify" in str(e.value) and str(pki["other_ca"]) in str(e.value)
+
+
+def test_plain_ws_to_a_tls_server_says_use_wss(tiny_bundle, tls_server):
+    plain_url = tls_server.ws_url.replace("wss://", "ws://")
+    with EdgeClient(tiny_bundle, plain_url, codec="fp16", retry=RETRY) as c:
+        with pytest.raises(EdgeClientError) as e:
+            c.complete(prompt_ids=PROMPT, max_tokens=4)
+    assert e.value.code == "tls_required" and "use wss://" in str(e.value)
+
+
+def test_wss_to_a_plain_server_is_a_tls_error(tiny_bundle, reference, pki):
+    _, plain_url = reference  # that server is gone: start another plain one on the same terms
+    rt = CloudRuntime(ServerConfig(bundle=tiny_bundle, engine=EngineConfig(num_blocks=16, block_size=4))).start()
+    try:
+        with ServerThread(create_app(rt)) as plain:
+            url = plain.ws_url.replace("ws://", "wss://")
+            with EdgeClient(tiny_bundle, url, codec="fp16", retry=RETRY, ca_file=pki["ca"]) as c:
+                with pytest.raises(EdgeClientError) as e:
+                    c.complete(prompt_ids=PROMPT, max_tokens=4)
+    finally:
+        rt.stop()
+    assert e.value.code == "tls_error" and "ws://" in str(e.value)
+
+
+def test_the_certificate_needs_its_key(tiny_bundle, pki, capsys):
+    from cloud_server import cli
+
+    assert cli.main(["serve", str(tiny_bundle), "--ssl-certfile", str(pki["cert"])]) == 2
+    assert "ssl_certfile and ssl_keyfile go together" in capsys.readouterr().err

@@ -1,0 +1,52 @@
+"""partition_tools.export_whole: the whole model as one ONNX graph (the all-edge baseline) equals the torch
+model, through prefill and KV-cached decode; the int8 export quantizes every projection, the lm_head too."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from partition_tools.export_whole import export_whole
+from partition_tools.quantize import QuantizationError
+from rig.all_edge import WholeModelRunner
+
+
+@pytest.fixture(scope="module")
+def whole_fp32(tmp_path_factory, tiny_glm4_lm):
+    out = tmp_path_factory.mktemp("whole") / "fp32"
+    export_whole(tiny_glm4_lm, out, "fp32")
+    return out
+
+
+def test_fp32_whole_graph_greedy_equals_torch(whole_fp32, tiny_glm4_lm):
+    ids = [int(t) for t in np.random.RandomState(3).randint(4, 500, 40)]
+    with torch.no_grad():
+        ref = tiny_glm4_lm.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    runner = WholeModelRunner(whole_fp32, threads=1, chunk=16)  # 40 prompt tokens: three prefill chunks
+    runner.eos = set()  # random weights: compare the full 12 tokens
+    run = runner.generate(ids, 12)
+    assert run.token_ids == ref and len(run.itl_s) == 11 and run.cached_tokens == 0
+    again = runner.generate(ids + ref[:5], 4)  # the previous request's KV is reused for the common prefix
+    assert again.cached_tokens == len(ids) + 5 - 1 and again.token_ids == ref[5:9]
+    meta = json.loads((whole_fp32 / "whole.json").read_text())
+    assert meta["num_layers"] == 4 and meta["quant"] == "fp32"
+
+
+def test_int8_whole_graph_quantizes_the_lm_head(tmp_path, tiny_glm4_lm):
+    meta = export_whole(tiny_glm4_lm, tmp_path / "int8", "int8")
+    model = onnx.load(str(tmp_path / "int8" / "model.onnx"))
+    ops = [n.op_type for n in model.graph.node]
+    assert "Gemm" not in ops and ops.count("MatMulNBits") == meta["quant_report"]["quantized_matmuls"]
+    assert meta["quant_report"]["quantized_matmuls"] == 4 * 7 + 1  # 7 projections per layer + the lm_head
+    run = WholeModelRunner(tmp_path / "int8", threads=1).generate([5, 6, 7, 8], 3)
+    assert len(run.token_ids) <= 3
+
+
+def test_bad_quant_mode(tmp_path, tiny_glm4_lm):
+    with pytest.raises(QuantizationError, match="int5"):
+        export_whole(tiny_glm4_lm, tmp_path / "x", "int5")
