@@ -1005,7 +1005,6 @@ def run_engine_tp(bc: BenchConfig) -> dict:
                 print(f"{k:40s} {res[k]:.3f}")
         if out["errors"]:
             print("errors in:", ", ".join(out["errors"]))
-    dist.destroy_process_group()
     return res
 
 
@@ -1182,7 +1181,6 @@ def run_tp(bc: BenchConfig) -> dict:
         summarize(res)
         save(bc, res)
     dist.barrier()
-    dist.destroy_process_group()
     return res
 
 
@@ -1291,17 +1289,22 @@ def print_table(res: dict) -> None:
 
 def main(argv=None) -> int:
     bc = parse_args(argv)
-    if bc.through_engine and bc.tp:
-        run_engine_tp(bc)
-        return 0
+    if bc.tp:  # under torchrun; each rank leaves its group through tp.exit_rank (no gloo teardown abort)
+        from cloud_server import tp
+
+        if bc.through_engine:
+            run_engine_tp(bc)
+        else:
+            res = run_tp(bc)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print_table(res)
+        tp.exit_rank(0)
     if bc.through_engine:
         res = run_engine(bc)
         if res["engine"].get("errors"):
             print("errors in:", ", ".join(res["engine"]["errors"]))
         return 0
-    res = run_tp(bc) if bc.tp else run_single(bc)
-    if not bc.tp or int(os.environ.get("RANK", "0")) == 0:
-        print_table(res)
+    print_table(run_single(bc))
     return 0
 
 

@@ -222,6 +222,9 @@ TEST_CHINESE = [
     "请帮我把这份合同翻译成英文，客户希望在下周三之前收到，价格和付款方式不要改动。",
     "最近公司的销售额比去年同期增长了百分之十二，主要是因为新产品在南方市场卖得很好。",
     "我的银行卡好像丢了，我需要马上挂失，然后重新办一张新卡，请问需要带什么证件？",
+    "妈妈让我下班以后顺路买一些牛奶、鸡蛋和青菜，晚上家里要来客人吃饭。",
+    "老师说这次考试的成绩下周一公布，没有通过的同学可以在暑假参加补考。",
+    "他在地铁上捡到一个钱包，里面有身份证和几张名片，就交给了车站的工作人员。",
 ]
 
 TEST_PROSE = [
@@ -239,6 +242,12 @@ TEST_PROSE = [
     "Our hike started early in the morning at the foot of the mountain. The trail climbed through a pine "
     "forest, crossed two wooden bridges and ended at a small lake, still and cold, where we ate our "
     "sandwiches and watched the clouds gather over the ridge before heading back down.",
+    "Dear landlord, the heating in flat 4B has not worked since Sunday and the nights are getting cold. My "
+    "daughter has a fever and we cannot keep the bedroom warm. Could someone come tomorrow? I work from home, "
+    "so any time after ten is fine. Kind regards, Maria Lindqvist.",
+    "I have been thinking about leaving my job. The pay is fine, but my manager keeps changing the plan every "
+    "week and I have not had a proper weekend since March. My partner says I should talk to HR first, but I "
+    "am worried it will only make things worse.",
 ]
 
 
@@ -299,7 +308,7 @@ def training_corpus(tokenizer) -> list[Document]:
     docs += [Document("code", t) for t in stdlib_code()]
     docs += [Document("chat", _chat(tokenizer, s, turns)) for s, turns in TRAIN_CHATS]
     docs += [Document("chinese", t) for t in TRAIN_CHINESE]
-    docs += [Document("numbers", t) for t in _group(number_records(seed=1, count=120), 6)]
+    docs += [Document("numbers", t) for t in _group(number_records(seed=1, count=60), 6)]
     return docs
 
 
@@ -308,7 +317,7 @@ def test_corpus(tokenizer) -> list[Document]:
     docs = [Document("chat", _chat(tokenizer, s, turns)) for s, turns in TEST_CHATS]
     docs += [Document("code", t) for t in TEST_CODE]
     docs += [Document("chinese", t) for t in TEST_CHINESE]
-    docs += [Document("numbers", t) for t in _group(number_records(seed=2, count=40), 5)]
+    docs += [Document("numbers", t) for t in _group(number_records(seed=2, count=15), 5)]
     docs += [Document("prose", t) for t in TEST_PROSE]
     return docs
 

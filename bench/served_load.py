@@ -30,8 +30,10 @@ Per level of S concurrent sessions (all start together, greedy, ``ignore_eos``, 
 
 Server: an already running one (``--url`` + ``--bundle``), one spawned from a bundle (``--serve BUNDLE``), or
 a random-weight full-size one (``--preset glm4v-9b-random --layer 12``, ``bench/random_weight_server.py``).
-``--py-spy FILE`` samples the server during the largest level (``py-spy record --nonblocking``, collapsed
-stacks) to show where the served path spends its time.
+``--py-spy FILE`` samples the server during the largest level of the first codec (``py-spy record
+--nonblocking``, collapsed stacks) and records seconds per thread and category (``profile_s``: codec decode,
+msgpack, websocket frames, asyncio, model forward, batch build, ...) to show where the served path spends
+its time.
 
 CPU smoke run (tiny bundle)::
 
@@ -39,8 +41,8 @@ CPU smoke run (tiny bundle)::
     python bench/served_load.py --serve /tmp/b --sessions 1,8 --prompt 32 --gen 16 --out /tmp/served.json
 
 ``--sweep-codecs int8-outlier,bf16`` runs every level once per wire codec (what the server's codec decode
-costs, side by side). ``--attach-engine ENGINE_JSON --to SERVED_JSON`` fills the engine/direct figures into a finished served run
-afterwards (the GPU session measures the served path first, then the engine).
+costs, side by side). ``--attach-engine ENGINE_JSON --to SERVED_JSON`` fills the engine/direct figures into a
+finished served run afterwards (the GPU session measures the served path first, then the engine).
 
 GPU (one H200, the issue's workload): ``bench/gpu_session.sh``.
 """
@@ -159,14 +161,17 @@ def edge_inputs(spec: dict, welcome: P.Welcome, codec_name: str) -> EdgeInputs:
     codec = available_codecs(calib)[codec_name]
     rng = np.random.default_rng(spec["seed"])
     h, prompt = spec["hidden"], spec["prompt"]
-    recorded = np.load(spec["states"]).astype(np.float32) if spec["states"] else None
+    recorded = np.load(spec["states"]).astype(np.float32) if spec["states"] else None  # [N, H]
+    if recorded is not None and (recorded.ndim != 2 or recorded.shape[1] != h or not len(recorded)):
+        raise ValueError(f"--states {spec['states']}: expected [N, {h}] boundary states, got "
+                         f"{list(recorded.shape)}")
     params = P.SamplingParams(max_tokens=spec["gen"], temperature=0.0, ignore_eos=True)
 
     def states(n: int, sink_first: bool) -> np.ndarray:
         if recorded is None:
             return boundary_states(n, h, calib, rng, sink_first)
         start = int(rng.integers(0, max(1, len(recorded) - n)))
-        return np.resize(recorded[start:start + n], (n, h))
+        return np.resize(recorded[start:start + n], (n, h))  # rows repeat when the recording is shorter
 
     prompts = [prefill_messages("template", states(prompt, True), codec, welcome.limits, params=params)
                for _ in range(PROMPT_BANK)]

@@ -35,6 +35,7 @@ class ServerMetrics:
 
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
+        self._engine = None  # the engine whose pool and queues the gauges read (bound at its first step)
         lab = ["model_name"]
         self.model_name = model_name
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", lab,
@@ -95,9 +96,11 @@ class ServerMetrics:
 
     def on_step(self, engine, num_tokens: int) -> None:
         m = self.model_name
-        self.running.labels(m).set(engine.scheduler.num_running)
-        self.waiting.labels(m).set(engine.scheduler.num_waiting)
-        self.kv_usage.labels(m).set(engine.kv_usage())
+        if self._engine is not engine:  # read at scrape time: an abort frees KV without a step after it
+            self._engine = engine
+            self.running.labels(m).set_function(lambda: engine.scheduler.num_running)
+            self.waiting.labels(m).set_function(lambda: engine.scheduler.num_waiting)
+            self.kv_usage.labels(m).set_function(engine.kv_usage)
         if num_tokens:
             self.batched_tokens.labels(m).inc(num_tokens)
 

@@ -4,7 +4,7 @@ Per connection::
 
     Hello  -> checks (version, bundle id, draining, max sessions, codecs) -> Welcome | Error + close
     loop:  frame -> decode -> the session's state machine (shared.session_state: every protocol rule)
-                 -> dispatch: Prefill / DecodeStep / Cancel / Resume to the translator (cloud_server.split_translate)
+                 -> dispatch: Prefill / DecodeStep / SpecStep / Cancel / Resume to the translator (cloud_server.split_translate)
            Close -> free everything, close 1000
     engine outputs -> Tokens | Error(request_id), by the translator
 
@@ -37,6 +37,7 @@ from starlette.websockets import WebSocketDisconnect
 from cloud_server.config import ServerConfig
 from cloud_server.auth import principal_of
 from cloud_server.engine.async_engine import EngineDeadError
+from cloud_server.engine.speculation import MAX_DRAFTS
 from cloud_server.limits import session_cap_refusal
 from cloud_server.precision_select import load_fraction, session_plan
 from cloud_server.session_store import Session, SessionRegistry
@@ -210,7 +211,7 @@ class SplitEndpoint:
 
     def _server_info(self) -> P.ServerInfo:
         return P.ServerInfo(version=__version__, compute_variants=list(self.rt.facts.variants),
-                            load=float(self._load()))
+                            load=float(self._load()), max_draft_tokens=MAX_DRAFTS)
 
     async def _cached_keys(self, tenant: str, limit: int = 256) -> list[str]:
         """Prefix keys the default variant holds for ``tenant`` (advisory: the edge may skip uploading those
@@ -304,7 +305,7 @@ class SplitEndpoint:
             return
         elif isinstance(msg, P.Prefill) and track.owner is None:
             self.translate.open(session, track, msg, nbytes)
-        elif isinstance(msg, (P.Prefill, P.DecodeStep)):
+        elif isinstance(msg, (P.Prefill, P.DecodeStep, P.SpecStep)):
             self.translate.more_input(session, track, msg, nbytes)
         elif isinstance(msg, P.Cancel):
             self.translate.cancel(track)

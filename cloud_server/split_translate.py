@@ -5,8 +5,8 @@ machine has accepted (``shared.session_state``), with the request's track; what 
 
 * a request's first ``Prefill`` -> ``AsyncEngine.add_request`` (sampling parameters, compute variant chosen by
   the precision policy unless the edge named one, prefix keys in the session's tenant namespace:
-  ``shared.prefix_keys.tenant_scoped``), later chunks and ``DecodeStep``\\ s ->
-  ``add_input``, ``Cancel`` -> ``abort``, ``Resume`` -> ``Resumed`` from the server's record;
+  ``shared.prefix_keys.tenant_scoped``), later chunks, ``DecodeStep``\\ s and ``SpecStep``\\ s (their drafts
+  on the engine chunk: ``cloud_server.engine.speculation`` verifies them) -> ``add_input``, ``Cancel`` -> ``abort``, ``Resume`` -> ``Resumed`` from the server's record;
 * coded hidden states -> float32 tensors ``[n, H]`` checked against the engine's fixed facts (width, RoPE);
 * engine outputs (on the event-loop thread, via ``call_soon_threadsafe``) -> ``Tokens`` / ``Error``, with the
   engine's error codes mapped to wire codes of the same meaning (:data:`WIRE_CODES`).
@@ -74,7 +74,7 @@ class SplitTranslator:
         return self.rt.facts
 
     # -- inputs -----------------------------------------------------------------------------------
-    def _inputs(self, msg: P.Prefill | P.DecodeStep, start: int, last: bool) -> InputChunk:
+    def _inputs(self, msg: P.Prefill | P.DecodeStep | P.SpecStep, start: int, last: bool) -> InputChunk:
         """The message's hidden states [n, H] float32 and 3-D RoPE positions [3, n], as an engine chunk."""
         try:
             arr = self.codecs[msg.hidden.codec].decode(msg.hidden, self.wire_limits)  # [n, H] float32
@@ -89,7 +89,8 @@ class SplitTranslator:
                 raise BadInput("bad_input", "rope_positions sent to a model without multimodal RoPE")
             rope = torch.from_numpy(msg.rope_positions.to_numpy().astype(np.int64))  # [3, n]
         hidden = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-        return InputChunk(start, hidden=hidden, last=last, rope_positions=rope)
+        drafts = list(msg.draft_ids) if isinstance(msg, P.SpecStep) else None
+        return InputChunk(start, hidden=hidden, last=last, rope_positions=rope, draft_ids=drafts)
 
     def open(self, session: Session, track: RequestTrack, msg: P.Prefill, nbytes: int) -> None:
         """A request's first Prefill: admit it to the engine."""
@@ -120,11 +121,12 @@ class SplitTranslator:
         keys = [tenant_scoped(session.tenant, k) for k in msg.prefix_keys]  # a tenant reuses only its own blocks
         self.rt.engine.add_request(rec.engine_id, sink, chunk, params, rec.compute, keys)
 
-    def more_input(self, session: Session, track: RequestTrack, msg: P.Prefill | P.DecodeStep, nbytes: int) -> None:
-        """A later Prefill chunk or a DecodeStep of an admitted request."""
+    def more_input(self, session: Session, track: RequestTrack, msg: P.Prefill | P.DecodeStep | P.SpecStep,
+                   nbytes: int) -> None:
+        """A later Prefill chunk, a DecodeStep or a SpecStep (k + 1 positions to verify) of an admitted request."""
         rec: RequestRecord = track.owner
-        is_step = isinstance(msg, P.DecodeStep)
-        start, n = (msg.position, 1) if is_step else (msg.start, msg.n_tokens)
+        is_step = isinstance(msg, (P.DecodeStep, P.SpecStep))
+        start, n = (msg.position, getattr(msg, "n_tokens", 1)) if is_step else (msg.start, msg.n_tokens)
         try:
             chunk = self._inputs(msg, start, True if is_step else msg.last)
         except BadInput as e:
@@ -169,9 +171,10 @@ class SplitTranslator:
         if out.token_id is None:  # finished without a token: cancelled, aborted
             session.send(self._tokens(rec, [], out, WIRE_FINISH.get(out.finish_reason or "", "error")))
             return
-        rec.tokens.append(out.token_id)
+        ids = out.token_ids  # one, or a speculative step's accepted drafts and the model's next token
+        rec.tokens.extend(ids)
         finish = WIRE_FINISH.get(out.finish_reason or "", "error") if out.finished else None
-        session.send(self._tokens(rec, [out.token_id], out, finish))
+        session.send(self._tokens(rec, ids, out, finish))
 
     @staticmethod
     def _tokens(rec: RequestRecord, ids: list[int], out: RequestOutput, finish: str | None) -> P.Tokens:

@@ -408,15 +408,21 @@ def worker_main(argv: list[str] | None = None) -> int:
     store.set(f"{_KEY}/ready/{a.rank}", "1")
     dist.barrier()  # runners built on every rank
     serve_batches(runners, comm_device(ecfg.device, a.rank))
+    exit_rank(0)
+
+
+def exit_rank(code: int = 0) -> None:
+    """End a rank process that is done with its group: leave the group, then exit *without* interpreter
+    teardown. At teardown gloo's C++ threads may still be joinable, and their destructors call
+    ``std::terminate`` ("terminate called without an active exception", SIGABRT, exit -6): a rank whose work
+    succeeded then fails now and then, more often on a loaded machine (the flaky torchrun test had this)."""
     try:
         dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 - rank 0 (the store's host) may already be gone
-        print(f"tp worker {a.rank}: destroy_process_group: {e}", file=sys.stderr)
-    # Leave without interpreter teardown: gloo's C++ threads may still be joinable then, and their
-    # destructors call std::terminate (SIGABRT) when rank 0 has closed the store first.
+    except Exception as e:  # noqa: BLE001 - a peer (or the store's host) may already be gone
+        print(f"tp rank: destroy_process_group: {e}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

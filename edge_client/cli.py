@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def cmd_serve(args) -> int:
     from .local_api import create_app
 
     client = _client(args)
-    app = create_app(client, model_name=args.model_name, api_key=args.local_api_key)
+    app = create_app(client, model_name=args.model_name, api_key=args.local_api_key, media_dir=args.media_dir)
     print(f"autoglm-edge: OpenAI-compatible endpoint on http://{args.host}:{args.port}/v1 "
           f"(cloud {client.config.url})", file=sys.stderr)
     try:
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="local OpenAI-compatible endpoint (/v1/chat/completions)")
     _config_flags(serve)
     serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--media-dir", default=os.environ.get("AUTOGLM_EDGE_MEDIA_DIR"),
+                       help="the one folder whose images image_url parts may name by local path (default: none)")
     serve.add_argument("--port", type=int, default=8001)
     serve.add_argument("--model-name", help="model id reported by /v1/models (default: from the bundle id)")
     serve.add_argument("--local-api-key", help="require this Bearer key from local apps (default: none)")

@@ -153,7 +153,7 @@ class EdgeClient:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
                  precision: str | None = None, enable_thinking: bool | None = None,
                  chat_template_kwargs: dict | None = None, images: list | None = None,
-                 audio: list | None = None) -> Generation:
+                 audio: list | None = None, speculate: bool = False) -> Generation:
         """Start a request; iterate the result for text deltas. Exactly one of ``prompt`` (raw text),
         ``messages`` (rendered by the bundle's chat template) or ``prompt_ids`` (token ids).
 
@@ -162,11 +162,15 @@ class EdgeClient:
         of ``prompt`` / ``prompt_ids`` in order. They are encoded on the phone; only hidden states leave it.
 
         ``temperature=0`` is greedy. ``precision`` overrides the server's choice of wire codec for this
-        request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included)."""
+        request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included).
+
+        ``speculate``: the phone drafts tokens by prompt lookup (the prompt, this answer, earlier answers) and
+        the cloud verifies several per round trip (``edge_client.drafting``); greedy output is unchanged and
+        sampled output keeps the model's distribution."""
         t0 = self.media.seconds
         spec = self._spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs, images, audio,
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          stop=list(stop or []), precision=precision)
+                          stop=list(stop or []), precision=precision, speculate=speculate)
         q: queue.Queue = queue.Queue()
         gen = Generation(self, spec, q)
         gen._media_stats(self.media.seconds - t0)
@@ -220,7 +224,8 @@ class EdgeClient:
 
 
 def _sampling_defaults(kw: dict) -> dict:
-    out = dict(max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, precision=None)
+    out = dict(max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, precision=None,
+               speculate=False)
     unknown = set(kw) - set(out)
     if unknown:
         raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")

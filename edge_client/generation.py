@@ -58,6 +58,7 @@ from shared.tensors import WireArray
 
 from .activation_cache import ActivationCache
 from .config import EdgeConfig
+from .drafting import DraftSizer, PromptLookupDrafter
 from .errors import EdgeClientError
 from .request import RequestSpec, RequestStats
 from .front import FrontRuntime
@@ -79,12 +80,27 @@ class _Sent:
     rope: object = None  # WireArray int32 [3, n]: 3-D rope positions sent with it (prompts with images)
 
 
+@dataclass(slots=True)
+class _Spec:
+    """A SpecStep in flight: the fed token and ``drafts`` at positions [position, position + k + 1)."""
+
+    position: int
+    drafts: list[int]
+    hidden: np.ndarray  # [k + 1, H] raw boundary states (the accepted rows are coded again for the record)
+    msg: object  # the SpecStep as sent (a resume resends it as is)
+    sent_at: float  # perf_counter when sent (the step's round trip)
+    row_s: float  # front compute per row of the chunk
+
+
 class _Request:
     """Everything needed to resend or replay a request: its spec, coded inputs, received tokens."""
 
     def __init__(self, spec: RequestSpec, codec: str, compute: str | None = None):
         self.spec = spec
         self.rid = uuid.uuid4().hex[:16]
+        # The trace id in both ends' logs (the cloud logs request ids as trace=<id>); a replay's new request
+        # id starts with it, so one grep finds every attempt.
+        self.trace_id = self.rid
         self.codec = codec
         self.compute = compute
         self.prompt_len = len(spec.prompt_ids)
@@ -95,6 +111,9 @@ class _Request:
         self.opened = False  # the current request id's first Prefill (params, keys) has been sent
         self.pending: list = []  # token messages received during recovery, to process in order
         self.finish: str | None = None
+        self.spec_step: _Spec | None = None  # the speculative step awaiting its verdict
+        # drafting over image placeholders would need their 3-D rope rows: media prompts decode plainly
+        self.speculate = spec.speculate and spec.media is None
 
     @property
     def context_len(self) -> int:
@@ -138,6 +157,9 @@ class Session:
         self.resume_token: str | None = None
         self.state = SessionState()  # the protocol's rules, as the cloud enforces them
         self._lock: asyncio.Lock | None = None
+        # prompt lookup over the context and earlier outputs (agent steps repeat actions); remembered across requests
+        self.drafter = PromptLookupDrafter()
+        self.sizer = DraftSizer(self.drafter.config.max_drafts)
 
     # -- connection -----------------------------------------------------------------------------
     @property
@@ -273,7 +295,8 @@ class Session:
             await self._connect_with_retry(stats)
             plan = self._plan_for(spec)
             req = _Request(spec, plan.codec, plan.compute)
-            stats.codec, stats.compute = plan.codec, plan.compute
+            stats.codec, stats.compute, stats.trace_id = plan.codec, plan.compute, req.trace_id
+            log.info("trace=%s start: %d prompt tokens, codec %s", req.trace_id, len(spec.prompt_ids), plan.codec)
             decoder = StreamDecoder(self.tokenizer.decode) if self.tokenizer is not None else None
             stop = StopMatcher(spec.stop)
             await self._prefill(req, stats)
@@ -296,6 +319,7 @@ class Session:
                 tail = stop.feed(decoder.flush())[0] + stop.flush()
                 if tail:
                     sink(("token", -1, tail))
+            self.drafter.remember(req.tokens)  # later requests (the next agent step) draft from it
             return req.finish or "stop"
         except asyncio.CancelledError:
             if req is not None and req.opened:
@@ -332,7 +356,8 @@ class Session:
         req.opened = True
         params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
                                   top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
-        scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_quant, req.codec)  # what produces the states
+        scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_quant, req.codec,  # what produces the states
+                         secret=spec.prefix_secret)  # private levels: the cloud cannot recompute the keys
         content = spec.media.content(self.block_size) if spec.media is not None else None  # image/audio digests
         return {"params": params, "prefix_keys": block_keys(spec.prompt_ids, scope, self.block_size, content),
                 "compute": req.compute}
@@ -416,7 +441,9 @@ class Session:
 
     async def _resend_all(self, req: _Request, stats: RequestStats) -> None:
         """Open a fresh request with everything recorded: the cached prefix (coded now) and every span."""
-        req.rid = uuid.uuid4().hex[:16]
+        req.rid = f"{req.trace_id}.r{uuid.uuid4().hex[:6]}"
+        log.info("trace=%s replayed as request %s", req.trace_id, req.rid)
+        self._abandon_spec(req)
         req.opened = False
         req.index_base = len(req.tokens)  # the new request's token 0 is the next one we lack
         if req.prefix_raw is not None and len(req.prefix_raw):
@@ -453,10 +480,12 @@ class Session:
             if isinstance(msg, P.Tokens) and msg.usage is not None:
                 stats.cloud_cached_tokens = msg.usage.cached_tokens
             new = self._accept(req, msg.index, msg.token_ids, msg.finish_reason)
+            if req.spec_step is not None and (new or req.finish is not None):
+                self._settle_spec(req, new, stats)
             for t in new:
                 yield t
             if new and req.finish is None:
-                await self._guarded(req, stats, self._decode_and_send(req, new))
+                await self._guarded(req, stats, self._decode_and_send(req, new, stats))
 
     def _accept(self, req: _Request, index: int, token_ids: list[int], finish: str | None) -> list[int]:
         """Append the tokens we do not have yet (indices are the cloud's, offset by ``index_base``)."""
@@ -469,16 +498,89 @@ class Session:
             req.finish = finish
         return new
 
-    async def _decode_and_send(self, req: _Request, new: list[int]) -> None:
-        """Front decode of each new token (the edge KV needs them all); a DecodeStep for the last one."""
+    async def _decode_and_send(self, req: _Request, new: list[int], stats: RequestStats | None = None) -> None:
+        """Front decode of each new token the front lacks (accepted drafts are in it already); a DecodeStep
+        for the last one, or a SpecStep with drafts when the request speculates."""
         codec = self.codecs[req.codec]
-        for t in new:
+        todo = [t for j, t in enumerate(req.tokens) if req.prompt_len + j >= self.runtime.length]
+        if stats is not None and self._drafts_wanted(req):
+            drafts = self._drafts(req)
+            if drafts:
+                await self._send_spec(req, todo, drafts, stats)
+                return
+        for t in todo:
             hidden = await _compute(self.runtime.decode, t)  # [1, H]
             pos = self.runtime.length - 1
             rope = self._rope(req, pos, 1)
             req.sent.append(_Sent(pos, 1, codec.encode(hidden, zstd=self.config.wire_zstd),
                                   None if rope is None else WireArray.from_numpy(rope)))
+        if stats is not None:
+            stats.decode_round_trips += 1
         await self._send_decode(req, req.sent[-1])
+
+    # -- speculation ----------------------------------------------------------------------------
+    def _drafts_wanted(self, req: _Request) -> bool:
+        w = self.welcome
+        return req.speculate and req.spec_step is None and w is not None and w.server.max_draft_tokens > 0
+
+    def _drafts(self, req: _Request) -> list[int]:
+        """Drafts to follow the context (k from the sizer, capped by what the request and the server allow:
+        the step emits at most k + 1 tokens and needs k + 1 positions)."""
+        room = min(req.spec.max_tokens - len(req.tokens) - 1, self.welcome.server.max_draft_tokens,
+                   self.limits.max_context - req.context_len - 1)
+        k = self.sizer.choose(room)
+        if k <= 0:
+            return []
+        # the private levels: only tokens the cloud produced itself may go up as drafts
+        context = req.tokens if req.spec.drafts_from_outputs_only else [*req.spec.prompt_ids, *req.tokens]
+        return self.drafter.propose(context, k)
+
+    async def _send_spec(self, req: _Request, todo: list[int], drafts: list[int], stats: RequestStats) -> None:
+        """Run the tokens the front lacks (the last emitted one) and the drafts as one chunk; one SpecStep up."""
+        rt, codec = self.runtime, self.codecs[req.codec]
+        if len(todo) > 1:  # tokens before the last one (never after a verdict; after a resume or replay)
+            for t in todo[:-1]:
+                hidden = await _compute(rt.decode, t)
+                pos = rt.length - 1
+                req.sent.append(_Sent(pos, 1, codec.encode(hidden, zstd=self.config.wire_zstd)))
+        pos = rt.length
+        t0 = time.perf_counter()
+        hidden = await _compute(rt.prefill, [todo[-1], *drafts])  # [k + 1, H]
+        row_s = (time.perf_counter() - t0) / (len(drafts) + 1)
+        msg = P.SpecStep(request_id=req.rid, position=pos, hidden=codec.encode(hidden, zstd=self.config.wire_zstd),
+                         draft_ids=list(drafts))
+        req.spec_step = _Spec(pos, list(drafts), hidden, msg, time.perf_counter(), row_s)
+        stats.draft_tokens += len(drafts)
+        await self._send(msg)
+
+    def _settle_spec(self, req: _Request, new: list[int], stats: RequestStats) -> None:
+        """The verdict on the SpecStep in flight: ``new`` = the accepted drafts and the cloud's next token
+        (fewer if the request stopped). Keep the fed token's and the accepted drafts' front KV, record their
+        coded rows for a replay, and feed the sizer."""
+        spec, req.spec_step = req.spec_step, None
+        if not new:  # finished without a verdict (cancelled): nothing to keep
+            return
+        accepted = len(new) - 1 if new[-1] != (spec.drafts + [None])[len(new) - 1] else len(new)
+        if new[:accepted] != spec.drafts[:accepted]:
+            raise EdgeClientError(f"the cloud's verdict {new} does not extend the drafts {spec.drafts}", "bad_server")
+        keep = min(len(new), len(spec.drafts) + 1)  # rows kept: the fed token and the accepted drafts
+        self.runtime.truncate(spec.position + keep)
+        codec = self.codecs[req.codec]
+        req.sent.append(_Sent(spec.position, keep, codec.encode(np.ascontiguousarray(spec.hidden[:keep]),
+                                                                zstd=self.config.wire_zstd)))
+        stats.decode_round_trips += 1
+        stats.accepted_draft_tokens += min(accepted, len(spec.drafts))
+        self.sizer.observe(len(spec.drafts), min(accepted, len(spec.drafts)),
+                           round_s=time.perf_counter() - spec.sent_at, row_s=spec.row_s)
+
+    def _abandon_spec(self, req: _Request) -> None:
+        """A replay while a SpecStep is unanswered: keep only its fed token (the replay's last position)."""
+        spec, req.spec_step = req.spec_step, None
+        if spec is None:
+            return
+        self.runtime.truncate(spec.position + 1)
+        req.sent.append(_Sent(spec.position, 1, self.codecs[req.codec].encode(
+            np.ascontiguousarray(spec.hidden[:1]), zstd=self.config.wire_zstd)))
 
     async def _send_decode(self, req: _Request, span: _Sent) -> None:
         await self._send(P.DecodeStep(request_id=req.rid, position=span.start, hidden=span.tensor,
@@ -513,6 +615,8 @@ class Session:
         received = msg.received
         if any(s.start < received < s.start + s.n for s in req.sent):
             return False  # the cloud holds part of a span: cannot resend it exactly, replay instead
+        if any(s.start >= max(received, req.prompt_len) and s.n > 1 for s in req.sent):
+            return False  # it lacks a verified speculative span: no message resends one, replay instead
         stats.resumes += 1
         for span in req.sent:
             if span.start >= received:
@@ -520,7 +624,10 @@ class Session:
                     await self._send_decode(req, span)
                 else:
                     stats.prefill_bytes_up += await self._send(self._prefill_msg(req, span))
-        req.pending.append(msg)
+        spec = req.spec_step
+        if spec is not None and spec.position >= received:  # the SpecStep in flight never arrived: resend it
+            await self._send(spec.msg)
+        req.pending.append(msg)  # its tokens (a verdict on the SpecStep, if the cloud had it) come next
         return True
 
     # -- preload ----------------------------------------------------------------------------------

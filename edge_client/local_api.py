@@ -12,6 +12,8 @@ codec. Requests run one at a time (the edge runtime holds one sequence); later o
 from __future__ import annotations
 
 import hmac
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -48,14 +50,26 @@ class _EdgeStream:
 
     def usage(self) -> dict[str, Any]:
         st = self.gen.stats
-        return oc.usage(st.prompt_tokens, st.completion_tokens, st.cached_tokens)
+        out = oc.usage(st.prompt_tokens, st.completion_tokens, st.cached_tokens)
+        image, audio = getattr(st, "image_tokens", 0), getattr(st, "audio_tokens", 0)
+        if image or audio:  # of prompt_tokens: encoder rows (images, audio clips)
+            out.setdefault("prompt_tokens_details", {}).update(image_tokens=image, audio_tokens=audio)
+        return out
 
     async def aclose(self) -> None:
         await self.gen.aclose()  # cancels the cloud request if it has not finished
 
 
+def _has_media(req) -> bool:
+    return isinstance(req, oc.ChatRequest) and any(isinstance(m["content"], list) for m in req.messages)
+
+
 class _EdgeBackend:
-    """The :class:`shared.openai_routes.TextBackend` of one :class:`EdgeClient`."""
+    """The :class:`shared.openai_routes.TextBackend` of one :class:`EdgeClient`. Chat messages may carry
+    ``image_url`` / ``input_audio`` parts (encoded here on the device, ``edge_client.media``); a bad one is a
+    400 with the media error's code."""
+
+    accepts_media = True
 
     def __init__(self, client: EdgeClient, model_name: str):
         self.client, self.model_name = client, model_name
@@ -64,6 +78,8 @@ class _EdgeBackend:
         """Always ready: the client connects (and reconnects) to the cloud per request."""
 
     def render_chat(self, req: oc.ChatRequest) -> str:
+        if _has_media(req):
+            return ""  # rendered in start(), where the media parts become placeholder tokens
         try:
             return self.client.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
                                                              **req.template_kwargs())
@@ -72,17 +88,25 @@ class _EdgeBackend:
 
     def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EdgeStream:
         s = req.sampling
+        source = ({"messages": req.messages, "chat_template_kwargs": req.template_kwargs()} if _has_media(req)
+                  else {"prompt": prompt})
         try:
             return _EdgeStream(self.client.agenerate(
-                prompt=prompt, max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, temperature=s.temperature,
+                **source, max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, temperature=s.temperature,
                 top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop, precision=req.precision))
+        except EdgeClientError as e:  # a bad image / audio clip, refused before any network traffic
+            raise oc.OpenAIRequestError(str(e), "messages", e.code) from None
         except ValueError as e:  # e.g. a prompt that tokenizes to nothing
             param = "messages" if isinstance(req, oc.ChatRequest) else "prompt"
             raise oc.OpenAIRequestError(str(e), param) from None
 
 
-def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``client``; ``api_key`` (optional) is required as a Bearer token."""
+def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None,
+               media_dir: str | Path | None = None) -> FastAPI:
+    """The FastAPI app serving ``client``; ``api_key`` (optional) is required as a Bearer token.
+    ``media_dir``: the one folder whose files ``image_url`` may name by local path (default: none)."""
+    if media_dir is not None:
+        client.media_policy = replace(client.media_policy, local_dir=Path(media_dir))
     app = FastAPI(title="autoglm-edge", docs_url=None, redoc_url=None)
     model_id = model_name or f"autoglm-split-{client.manifest.bundle_id[:12]}"
 

@@ -18,6 +18,13 @@ class RequestSpec:
     stop: list[str] = field(default_factory=list)
     precision: str | None = None  # override: a codec ("int8-b32"), a compute variant ("bf16") or both ("fp16")
     media: object | None = None  # edge_client.media.MediaPrompt: images / audio; prompt_ids are its ids
+    # speculative decoding across the split (edge_client.drafting): drafts by prompt lookup, verified in one step
+    speculate: bool = False
+    # drafts may come only from tokens the cloud has already seen (its own outputs): the private levels
+    # (shared.exec_mode) never let a prompt n-gram leave the phone as a draft
+    drafts_from_outputs_only: bool = False
+    # the private levels: prefix keys keyed with this secret (shared.prefix_keys.KeyScope.secret)
+    prefix_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -38,6 +45,7 @@ class RequestSpec:
 
 @dataclass(slots=True)
 class RequestStats:
+    trace_id: str | None = None  # the request's id in the edge's and the cloud's logs (``trace=<id>``)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose front layers the activation cache skipped
@@ -57,6 +65,11 @@ class RequestStats:
     resumes: int = 0  # the cloud session survived a drop
     replays: int = 0  # the cloud lost the session; the context was replayed
     prefix_misses: int = 0
+    decode_round_trips: int = 0  # DecodeSteps and SpecSteps answered (the first token comes with the prompt)
+    draft_tokens: int = 0  # drafts sent in SpecSteps
+    accepted_draft_tokens: int = 0  # of those, accepted by the cloud
+    exec_mode: str = ""  # shared.exec_mode: split | all-cloud | edge-only (and why, below)
+    exec_reason: str = ""
     image_tokens: int = 0  # prompt tokens that are visual embeddings (usage)
     audio_tokens: int = 0
     media_encode_s: float = 0.0  # edge encoder time for this request's images and audio

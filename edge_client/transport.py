@@ -111,6 +111,8 @@ class Link:
             why = await asyncio.to_thread(tls.explain, self.url, e, self.ca_file)  # ws:// to a TLS server?
             if why is not None:
                 raise HandshakeRefused(*why) from None
+            if isinstance(e.__cause__, EOFError):  # closed before any reply: a proxy with its backend down
+                raise LinkDown(f"{self.url}: connection closed before the HTTP upgrade was answered") from None
             raise GarbageFromServer(f"{self.url}: not a WebSocket server ({type(e).__name__}: {e})") from None
         except ssl.SSLError as e:  # an unverifiable certificate, or no TLS behind wss://: retrying will not help
             raise HandshakeRefused(*tls.explain(self.url, e, self.ca_file)) from None

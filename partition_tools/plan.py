@@ -359,6 +359,15 @@ def edge_memory_mb(costs: Costs, n: int, cfg: PlanConfig) -> float:
     return (weights + kv + cached) / 2**20
 
 
+def _phone_memory_mb(costs: Costs, n: int | str, cfg: PlanConfig) -> float:
+    """Phone memory of split ``n``; all-edge adds the lm_head (an int8 vocab x hidden table); all-cloud: 0."""
+    if n == "all-cloud":
+        return 0.0
+    if n == "all-edge":
+        return edge_memory_mb(costs, costs.num_layers, cfg) + costs.embed_weight_bytes / 2**20
+    return edge_memory_mb(costs, n, cfg)
+
+
 def default_candidates(num_layers: int) -> list[int]:
     picks = {1, 2, 4, 8, 12, 16, 24, num_layers // 2, num_layers - 1}
     return sorted(n for n in picks if 1 <= n < num_layers)
@@ -400,8 +409,7 @@ def plan(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) -> dict:
     rows = []
     for n in [*(cfg.candidates or default_candidates(L)), "all-cloud", "all-edge"]:
         chat, agent = predict(costs, cfg, n, cfg.chat), predict(costs, cfg, n, cfg.agent)
-        mem = (edge_memory_mb(costs, n, cfg) if isinstance(n, int)
-               else edge_memory_mb(costs, L, cfg) + costs.embed_weight_bytes / 2**20 if n == "all-edge" else 0.0)
+        mem = _phone_memory_mb(costs, n, cfg)
         rows.append({
             "n": n, "chat_ttft_ms": 1000 * chat["ttft_s"], "chat_per_token_ms": 1000 * chat["per_token_s"],
             "agent_ttft_ms": 1000 * agent["ttft_s"], "agent_per_token_ms": 1000 * agent["per_token_s"],
@@ -413,10 +421,10 @@ def plan(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) -> dict:
     pick = min(splits, key=lambda r: r["agent_step_ms"])["n"] if splits else None
     return {"link": cfg.link.to_dict(), "edge_threads": cfg.edge_threads, "codec": cfg.codec,
             "overhead_ms": cfg.overhead_ms, "costs": _costs_dict(costs), "rows": rows, "pick": pick,
-            "chat": vars_of(cfg.chat), "agent": vars_of(cfg.agent)}
+            "chat": _shape_dict(cfg.chat), "agent": _shape_dict(cfg.agent)}
 
 
-def vars_of(shape: Shape) -> dict:
+def _shape_dict(shape: Shape) -> dict:
     return {"prompt_tokens": shape.prompt_tokens, "cached_tokens": shape.cached_tokens,
             "output_tokens": shape.output_tokens, "text_bytes": shape.text_bytes}
 

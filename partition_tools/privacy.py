@@ -218,11 +218,11 @@ def train_inverter(states: torch.Tensor, ids: torch.Tensor, position: torch.Tens
     from training states [T, H], their ids [T] and window positions [T]. Deterministic."""
     embedding = embedding.float()
     z = Standardizer.fit(states)
-    x = _features(z, states, position, cfg.context).double()  # [T, D]
-    gram = x.T @ x  # [D, D]
-    penalty = cfg.ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
-    weight = torch.linalg.solve(gram + penalty, x.T @ embedding[ids].double())  # [D, E]
-    return Inverter(cfg, z, weight.float(), embedding)
+    x = _features(z, states, position, cfg.context)  # [T, D]
+    gram = x.T @ x  # [D, D]; z-scores keep it well scaled, the ridge keeps it well conditioned
+    penalty = cfg.ridge * gram.diagonal().mean() * torch.eye(gram.shape[0])
+    weight = torch.linalg.solve(gram + penalty, x.T @ embedding[ids])  # [D, E]
+    return Inverter(cfg, z, weight, embedding)
 
 
 def recovered(predicted: torch.Tensor, truth: torch.Tensor) -> float:
@@ -242,13 +242,17 @@ def _load(path: Path) -> dict | None:
         return None
 
 
-def recovered_fraction(layer: int, codec: str = NO_CODEC, path: Path = RESULTS) -> float | None:
+def recovered_fraction(layer: int, codec: str = NO_CODEC, model: str | None = None,
+                       path: Path = RESULTS) -> float | None:
     """The fraction of held-out input tokens the strongest attack recovered from the boundary after ``layer``
-    decoder layers of SmolLM2-135M (``bench/inversion_bench.py``), for states sent through ``codec``
-    (``"none"``: as computed). Between two measured layers the figure is interpolated linearly; outside the
-    measured range, for an unmeasured codec, or without the results file: ``None``."""
+    decoder layers (``bench/inversion_bench.py``), for states sent through ``codec`` (``"none"``: as computed).
+
+    The figures are one model's (SmolLM2-135M in the committed file): pass ``model`` (a
+    ``LoadedModel.identity``) to get ``None`` for any other model. Between two measured layers the figure is
+    interpolated linearly; outside the measured range, for an unmeasured codec, or without the results file:
+    ``None``."""
     data = _load(Path(path))
-    if data is None:
+    if data is None or (model is not None and data.get("model") != model):
         return None
     best = data.get("best", {}).get(codec)
     if not best:

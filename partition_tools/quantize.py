@@ -251,6 +251,18 @@ def calibration_tokens(tokenizer, vocab_size: int, n: int = CALIBRATION_TOKENS) 
     return ids[-n:]
 
 
+def kv_calibration_tokens(tokenizer, vocab_size: int, n: int = CALIBRATION_TOKENS) -> np.ndarray:
+    """int8-KV calibration ids: the smoothing text split into two chat turns (``calibration_tokens``'s
+    text, disjoint from every evaluation) so the chat template's special tokens - whose keys and values
+    are the cache's largest - are in the calibration; random ids for a model without a tokenizer."""
+    text_ids = calibration_tokens(tokenizer, vocab_size, n)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return text_ids
+    half = tokenizer.decode(text_ids[: n // 2]), tokenizer.decode(text_ids[n // 2:])
+    chat = [{"role": "user", "content": half[0]}, {"role": "assistant", "content": half[1]}]
+    return np.asarray(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False), np.int64).reshape(-1)
+
+
 def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) -> dict:
     """The default recipe for ``mode`` (kwargs of :func:`quantize_front`); docs/quality.md has the numbers.
 

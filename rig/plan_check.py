@@ -3,10 +3,11 @@
 1. The planner (``partition_tools.plan``) measures its costs on the cores the rig pinned its phone and its
    cloud servers to: the edge front (the scenario's bundle) and the whole-model graph at the phone's
    threads, the cloud's decoder layer in torch at one thread per cloud core.
-2. Calibration on the loopback link (the runner adds it to a ``plan_check`` scenario): the software cost the
-   layer timings miss (asyncio, msgpack, HTTP/SSE, the engine's Python step) is the measured minus the
-   predicted latency there, per (workload, mode) for TTFT and per token. It is the only thing taken from the
-   rig; the link's share of every other profile is the planner's own model.
+2. Calibration on the loopback link (the runner adds it to a ``plan_check`` scenario): what the layer
+   timings miss (asyncio, msgpack, HTTP/SSE, the engine's Python step; or, when negative, what they
+   overstate) is the measured minus the predicted latency there, per (workload, mode) for TTFT and per
+   token. It is the only thing taken from the rig; the link's share of every other profile is the planner's
+   own model.
 3. Every other (profile, workload, mode) row: each request predicted from its own shape (prompt tokens, the
    tokens the caches served, output tokens); the medians compared with the measured medians. A row passes
    when both are within ``tolerance`` (25 %).
@@ -78,7 +79,8 @@ def check_plan(report: dict, scenario, bundle, whole=None, tolerance: float = TO
         zero = config(prof, mode, {mode: (0.0, 0.0)})
         p_ttft, p_tok = _predict_group(costs, zero, n, recs)
         m_ttft, m_tok = _measured(recs)
-        calibration[(workload, mode)] = (max(0.0, m_ttft - p_ttft), max(0.0, (m_tok or p_tok) - p_tok))
+        # signed: a negative residual means the layer timings overestimate (e.g. the engine batches better)
+        calibration[(workload, mode)] = (m_ttft - p_ttft, (m_tok or p_tok) - p_tok)
     # 3. every other row
     rows = []
     for (prof, workload, mode), recs in groups.items():
@@ -107,7 +109,7 @@ def _codec(records: list[dict]) -> str:
 
 
 def format_check(check: dict) -> str:
-    cal = ", ".join(f"{k} +{v['ttft']:.0f}/{v['per_token']:.1f} ms" for k, v in check["calibration_ms"].items())
+    cal = ", ".join(f"{k} {v['ttft']:+.0f}/{v['per_token']:+.1f} ms" for k, v in check["calibration_ms"].items())
     lines = [f"software overhead calibrated on loopback (TTFT/per token): {cal or 'none'}",
              f"{'profile':<8} {'workload':<6} {'mode':<9} {'TTFT pred':>10} {'meas':>7} {'err':>6} "
              f"{'tok pred':>9} {'meas':>7} {'err':>6}"]

@@ -30,6 +30,7 @@ PROTOCOL_VERSION = 1  # major version; bumped only for incompatible changes (doc
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 MAX_POSITION = (1 << 31) - 1
 MAX_TOKEN_ID = (1 << 31) - 1
+MAX_DRAFT_TOKENS = 32  # drafts per SpecStep the protocol allows at all (a server announces its own cap)
 _IDENT = re.compile(r"[A-Za-z0-9._:\-]+")  # ids and tokens: no spaces or control characters (log-safe)
 
 
@@ -125,6 +126,9 @@ class ServerInfo:
     version: str = ""
     compute_variants: list[str] = field(default_factory=lambda: ["bf16"])  # what this deployment can run
     load: float = 0.0  # busy fraction in [0, 1] at the time of the Welcome (the policy's load input)
+    # drafts one SpecStep may carry (its hidden states: max_draft_tokens + 1 rows); 0: this server takes no
+    # SpecStep (servers from before the message omit the field, so it decodes as 0)
+    max_draft_tokens: int = 0
 
     def __post_init__(self):
         _text(self.name, "server.name", 64)
@@ -134,6 +138,7 @@ class ServerInfo:
             if c not in COMPUTE_VARIANTS:
                 raise ProtocolError(BAD_VALUE, f"server.compute_variants: {c!r} not in {COMPUTE_VARIANTS}")
         _float(self.load, "server.load", 0.0, 1.0)
+        _int(self.max_draft_tokens, "server.max_draft_tokens", 0, MAX_DRAFT_TOKENS)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -341,6 +346,41 @@ class DecodeStep:
 
 
 @dataclass(slots=True, kw_only=True)
+class SpecStep:
+    """C->S: a speculative decode step. Row 0 of ``hidden`` is the boundary state of the token the server sent
+    last (at ``position``, as a DecodeStep's), rows 1..k those of the edge's draft tokens ``draft_ids`` at the
+    positions after it. The server verifies all k+1 positions in one engine step, keeps the longest prefix of
+    drafts its own sampling accepts, and answers one ``Tokens`` with the accepted drafts plus its own next
+    token; both sides then roll their KV back past the first rejected draft (docs/protocol.md, "SpecStep")."""
+
+    TYPE: ClassVar[int] = 12
+    request_id: str
+    position: int
+    hidden: EncodedTensor  # [k + 1, H]
+    draft_ids: list[int]  # [k], k >= 1
+    rope_positions: WireArray | None = None  # int32 [3, k + 1] (GLM-4V); None: 1-D positions
+
+    def __post_init__(self):
+        _ident(self.request_id, "request_id")
+        _int(self.position, "position")
+        _list(self.draft_ids, "draft_ids", MAX_DRAFT_TOKENS)
+        if not self.draft_ids:
+            raise ProtocolError(BAD_VALUE, "SpecStep with no drafts (send a DecodeStep)")
+        for t in self.draft_ids:
+            _int(t, "draft_ids[]", 0, MAX_TOKEN_ID)
+        if self.hidden.shape[0] != len(self.draft_ids) + 1:
+            raise ProtocolError(BAD_VALUE, f"SpecStep with {len(self.draft_ids)} drafts carries "
+                                           f"{len(self.draft_ids) + 1} rows, got {self.hidden.shape[0]}")
+        if self.position + len(self.draft_ids) + 1 > MAX_POSITION:
+            raise ProtocolError(BAD_VALUE, "SpecStep positions overflow")
+        _check_rope(self.rope_positions, len(self.draft_ids) + 1)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.draft_ids) + 1
+
+
+@dataclass(slots=True, kw_only=True)
 class Tokens:
     """S->C: generated tokens ``index, index + 1, ...`` of a request (index counts from 0)."""
 
@@ -475,7 +515,8 @@ def _check_rope(rope: WireArray | None, n: int) -> None:
         raise ProtocolError(BAD_VALUE, f"rope_positions: expected int32 [3, {n}], got {rope.dtype}{list(rope.shape)}")
 
 
-Message = Hello | Welcome | Prefill | DecodeStep | Tokens | Cancel | Resume | Resumed | Error | Drain | Close
+Message = (Hello | Welcome | Prefill | DecodeStep | SpecStep | Tokens | Cancel | Resume | Resumed | Error | Drain
+           | Close)
 MESSAGE_TYPES: dict[int, type] = {cls.TYPE: cls for cls in
-                                  (Hello, Welcome, Prefill, DecodeStep, Tokens, Cancel, Resume, Resumed, Error,
-                                   Drain, Close)}
+                                  (Hello, Welcome, Prefill, DecodeStep, SpecStep, Tokens, Cancel, Resume, Resumed,
+                                   Error, Drain, Close)}

@@ -151,7 +151,12 @@ def _sampling(body: dict) -> SamplingOptions:
     )
 
 
-def _flatten_content(content: Any, where: str) -> str:
+MEDIA_PARTS = ("image_url", "input_audio")  # content parts a media-capable backend takes (accepts_media)
+
+
+def _flatten_content(content: Any, where: str, media: bool = False) -> str | list[dict[str, Any]]:
+    """A message's content as text; with ``media``, a list holding image/audio parts is kept as parts (the
+    backend places them: edge_client.media)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -161,6 +166,9 @@ def _flatten_content(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict) or "type" not in part:
                 raise OpenAIRequestError(f"{where}.content[{i}]: expected an object with a 'type'", "messages")
+        if media and any(part["type"] in MEDIA_PARTS for part in content):
+            return list(content)
+        for i, part in enumerate(content):
             if part["type"] != "text":
                 raise OpenAIRequestError(f"{where}.content[{i}]: part type {part['type']!r} is not supported "
                                          "by this endpoint (text only)", "messages")
@@ -180,8 +188,9 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, include_usage and stream
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
-    """Validate a decoded ``/v1/chat/completions`` body (see the module docstring)."""
+def parse_chat_request(body: Any, media: bool = False) -> ChatRequest:
+    """Validate a decoded ``/v1/chat/completions`` body (see the module docstring); ``media``: keep
+    ``image_url`` / ``input_audio`` parts (the message's content stays a list of parts)."""
     if not isinstance(body, dict):
         raise OpenAIRequestError("request body must be a JSON object")
     model = _get(body, "model", str, "")
@@ -196,7 +205,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         role = m.get("role")
         if role not in ROLES:
             raise OpenAIRequestError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}", "messages")
-        msg: dict[str, Any] = {"role": role, "content": _flatten_content(m.get("content"), where)}
+        msg: dict[str, Any] = {"role": role, "content": _flatten_content(m.get("content"), where, media)}
         if role == "assistant" and isinstance(m.get("reasoning_content"), str):
             msg["reasoning_content"] = m["reasoning_content"]
         parsed.append(msg)

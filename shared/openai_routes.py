@@ -82,7 +82,8 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
                 body = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise oc.OpenAIRequestError("request body is not valid JSON") from None
-            req = oc.parse_chat_request(body) if chat else oc.parse_completion_request(body)
+            req = (oc.parse_chat_request(body, media=getattr(backend, "accepts_media", False)) if chat
+                   else oc.parse_completion_request(body))
             prompt = backend.render_chat(req) if chat else req.prompt
             stream = backend.start(req, prompt)
         except oc.OpenAIRequestError as e:

@@ -16,16 +16,19 @@ carried (``encoding``: the wire codec for the cloud's blocks, the storage dtype 
 (image, audio) whose placeholder tokens fall in the block (:func:`content_digests`), because every image
 token has the same id and two screenshots must never share a block.
 
-The cloud never sees token ids, so it cannot check a key; it therefore keeps every tenant's blocks apart
+Unsalted keys let whoever holds them test a guess: hash a candidate prompt and compare. The private levels
+therefore key the chain with a per-tenant secret (:attr:`KeyScope.secret`): an HMAC seed the cloud cannot
+recompute. The cloud never sees token ids, so it cannot check a key; it therefore keeps every tenant's blocks apart
 (:func:`tenant_scoped`): a client can only ever be served states that its own tenant uploaded.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -46,10 +49,19 @@ class KeyScope:
     bundle_id: str
     edge_variant: str  # the edge front's weights: Manifest.edge_quant (fp32, int8, int4)
     encoding: str  # the wire codec of the uploaded states (cloud), or the edge cache's storage ("cache-float32")
+    # the private levels (shared.exec_mode): a per-tenant secret the cloud never sees. The seed becomes
+    # HMAC-SHA256(secret, the seed's input), so the chain cannot be recomputed - and a guessed prompt cannot be
+    # confirmed - without it; blocks are then shared only among devices that hold the same secret.
+    secret: bytes | None = field(default=None, repr=False)
 
     def seed(self) -> bytes:
-        return hashlib.sha256(b"autoglm-prefix-key\x00" + struct.pack("<I", PREFIX_KEY_VERSION) + _lp(self.bundle_id)
-                              + _lp(self.edge_variant) + _lp(self.encoding)).digest()
+        material = (b"autoglm-prefix-key\x00" + struct.pack("<I", PREFIX_KEY_VERSION) + _lp(self.bundle_id)
+                    + _lp(self.edge_variant) + _lp(self.encoding))
+        if self.secret is not None:
+            if len(self.secret) < 16:
+                raise ValueError(f"a prefix-key secret needs at least 16 bytes, got {len(self.secret)}")
+            return hmac.new(self.secret, material, hashlib.sha256).digest()
+        return hashlib.sha256(material).digest()
 
 
 def chain_key(parent: bytes, block_ids: Sequence[int], content: bytes | None = None) -> bytes:

@@ -22,6 +22,12 @@ known once the Prefill with ``last`` arrived)::
     [server samples] --Tokens--> AWAIT_STEP ... --Tokens(finish_reason) / Error(request_id)--> FINISHED
     Cancel: any time, idempotent (a request that already finished ignores it).
 
+A ``SpecStep`` stands where a DecodeStep may (AWAIT_STEP, ``position = received``) and carries k + 1
+positions, at most ``Welcome.server.max_draft_tokens`` drafts. The server keeps only the accepted ones: its
+``Tokens`` answer (a + 1 tokens: a accepted drafts and its own next one) sets ``received`` back to
+``prompt_len + tokens - 1`` (the KV of the k - a rejected drafts is dropped on both sides). One SpecStep is in
+flight at a time, as one DecodeStep is.
+
 Messages cross in flight, so the rules only forbid what a correct client can never send: a second Hello,
 a DecodeStep nobody asked for, positions that skip or repeat, a request opened without sampling parameters
 or under a used id, more open requests, tokens per chunk, frame bytes or context than ``Welcome.limits``
@@ -49,6 +55,7 @@ from .messages import (
     Resume,
     Resumed,
     SessionLimits,
+    SpecStep,
     Tokens,
     Welcome,
 )
@@ -81,6 +88,7 @@ class RequestTrack:
     cancelled: bool = False
     finish: str | None = None  # finish reason ("stop", ..., "error") once finished
     owner: object = None
+    spec_position: int | None = None  # a SpecStep at this position awaits its Tokens (received is provisional)
 
     @property
     def prompt_done(self) -> bool:
@@ -96,6 +104,7 @@ class SessionState:
     def __init__(self):
         self.phase = AWAIT_HELLO
         self.limits = SessionLimits()
+        self.max_draft_tokens = 0  # Welcome.server.max_draft_tokens: 0 refuses every SpecStep
         self.codecs: set[str] = set()
         self.requests: dict[str, RequestTrack] = {}  # open requests
         self.finished: OrderedDict[str, RequestTrack | None] = OrderedDict()  # the latest FINISHED_KEPT keep tracks
@@ -147,7 +156,7 @@ class SessionState:
             return None
         if isinstance(msg, Prefill):
             return self._prefill(msg, frame_bytes)
-        if isinstance(msg, DecodeStep):
+        if isinstance(msg, (DecodeStep, SpecStep)):
             return self._decode_step(msg, frame_bytes)
         if isinstance(msg, Cancel):
             req = self.requests.get(rid)
@@ -235,8 +244,9 @@ class SessionState:
         if msg.last:
             req.prompt_len = req.received
 
-    def _decode_step(self, msg: DecodeStep, frame_bytes: int | None) -> RequestTrack | None:
-        rid = msg.request_id
+    def _decode_step(self, msg: DecodeStep | SpecStep, frame_bytes: int | None) -> RequestTrack | None:
+        rid, spec = msg.request_id, isinstance(msg, SpecStep)
+        what = "SpecStep" if spec else "DecodeStep"
         req = self.requests.get(rid)
         if req is None:
             if rid in self.finished:
@@ -244,13 +254,20 @@ class SessionState:
             raise SessionError("unknown_request", f"request {rid} is not open", rid)
         self._check_frame(rid, frame_bytes)
         if not req.prompt_done:
-            raise SessionError("bad_state", "DecodeStep before the Prefill with last=true", rid)
-        if not req.awaits_step:
-            raise SessionError("bad_state", "DecodeStep without a token to feed (one per generated token)", rid)
+            raise SessionError("bad_state", f"{what} before the Prefill with last=true", rid)
+        if req.spec_position is not None or not req.awaits_step:
+            raise SessionError("bad_state", f"{what} without a token to feed (one per generated token)", rid)
         if msg.position != req.received:
-            raise SessionError("bad_position", f"DecodeStep at {msg.position}, the server holds {req.received}", rid)
-        self._check_tensor(msg, msg.position + 1)
-        req.received += 1
+            raise SessionError("bad_position", f"{what} at {msg.position}, the server holds {req.received}", rid)
+        n = 1
+        if spec:
+            n = msg.n_tokens
+            if len(msg.draft_ids) > self.max_draft_tokens:
+                raise SessionError(TOO_LARGE, f"{len(msg.draft_ids)} drafts in one SpecStep (the server takes "
+                                              f"{self.max_draft_tokens})", rid)
+            req.spec_position = msg.position
+        self._check_tensor(msg, msg.position + n)
+        req.received += n
         return req
 
     # -- server -> client -----------------------------------------------------------------------------------
@@ -259,11 +276,15 @@ class SessionState:
         if isinstance(msg, Welcome):
             self.phase = READY
             self.limits, self.codecs = msg.limits, set(msg.codecs)
+            self.max_draft_tokens = msg.server.max_draft_tokens
         elif isinstance(msg, Tokens):
             req = self.requests.get(msg.request_id)
             if req is None:
                 return
             req.tokens = max(req.tokens, msg.index + len(msg.token_ids))
+            if req.spec_position is not None and msg.token_ids:  # the verdict: the rejected drafts' KV is gone
+                req.spec_position = None
+                req.received = req.prompt_len + req.tokens - 1
             if msg.finish_reason is not None:
                 self._finish(req, msg.finish_reason)
         elif isinstance(msg, Resumed):
@@ -272,6 +293,7 @@ class SessionState:
                 return
             req.tokens = max(req.tokens, msg.index + len(msg.token_ids))
             req.received = msg.received  # the server's word: what it holds (a lost link may have eaten some)
+            req.spec_position = None
             if req.prompt_len is not None and msg.received < req.prompt_len:
                 req.prompt_len = None  # the prompt's last chunk never arrived: it is resent
             if msg.finish_reason is not None and req.finish is None:

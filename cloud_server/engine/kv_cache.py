@@ -137,6 +137,14 @@ class BlockManager:
         table.extend(self.allocate(need))
         return True
 
+    def truncate(self, table: list[int], num_tokens: int) -> None:
+        """Shrink ``table`` in place to the blocks covering ``num_tokens`` positions, releasing the rest (the
+        rejected drafts of a speculative step). Slots of a kept block beyond ``num_tokens`` are rewritten later."""
+        keep = self.blocks_for(num_tokens)
+        if keep < len(table):
+            self.release(table[keep:])
+            del table[keep:]
+
     def release(self, table: list[int]) -> None:
         """Drop one reference on every block of ``table`` (a finished, cancelled or dropped sequence)."""
         for b in table:

@@ -13,7 +13,7 @@ any exception out of the model runner is fatal for the engine and propagates fro
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,7 @@ from cloud_server.engine.sampler import Sampler
 from cloud_server.engine.sampling_params import SamplingParams
 from cloud_server.engine.scheduler import RequestError, ScheduledBatch, Scheduler
 from cloud_server.engine.sequence import InputChunk, Sequence
+from cloud_server.engine.speculation import verify
 from cloud_server.model import CloudModel
 
 
@@ -39,6 +40,13 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt positions served from the prefix cache
     num_output_tokens: int = 0
+    # a speculative step: the edge's drafts accepted before ``token_id`` (they were emitted in this order)
+    accepted_ids: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token this output emits, in order (accepted drafts, then ``token_id``)."""
+        return [*self.accepted_ids, self.token_id] if self.token_id is not None else []
 
     @property
     def finished(self) -> bool:
@@ -119,6 +127,8 @@ class LLMEngine:
             if chunk.end > self.config.max_model_len:
                 raise RequestError("too_long", f"position {chunk.end} exceeds max_model_len "
                                                f"{self.config.max_model_len}")
+            if chunk.is_spec and seq.params.logprobs is not None:
+                raise RequestError("bad_input", "speculative steps do not report logprobs: send DecodeSteps")
             seq.push(chunk)
         except (RequestError, ValueError) as e:
             code = e.code if isinstance(e, RequestError) else "bad_input"
@@ -172,13 +182,17 @@ class LLMEngine:
     def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
         """Sample the rows that end an input turn, then advance every scheduled sequence
         (:meth:`Sequence.update_from_output`), publish its full prefix blocks, and stop or continue it."""
-        to_sample = [it.seq for it in batch.items if it.sample]
+        spec_rows, logits = self._split_spec_rows(batch, logits)
+        to_sample = [it.seq for it in batch.items if it.sample and not it.chunk.is_spec]
         sampled = iter(self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
                                     [s.output_ids for s in to_sample]) if to_sample else ())
         now = time.monotonic()
         outputs = []
         for it in batch.items:
             seq = it.seq
+            if it.chunk.is_spec:
+                outputs.append(self._after_verdict(seq, it.chunk, spec_rows.pop(0), now))
+                continue
             tok = next(sampled) if it.sample else None
             if tok is not None and self.metrics is not None:
                 self.metrics.on_token(seq, now)  # reads the previous token's time: before the update
@@ -188,6 +202,51 @@ class LLMEngine:
             if tok is not None:
                 outputs.append(self._after_token(seq, tok))
         return outputs
+
+    @staticmethod
+    def _split_spec_rows(batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Separate the logits rows of speculative steps (k + 1 each, ``[k + 1, V]`` per step, in item order)
+        from the plain sampled rows (``[S, V]``, one per sampled item)."""
+        if not any(it.chunk.is_spec for it in batch.items):
+            return [], logits
+        spec, plain, row = [], [], 0
+        for it in batch.items:
+            if not it.sample:
+                continue
+            if it.chunk.is_spec:
+                spec.append(logits[row:row + it.chunk.n])
+                row += it.chunk.n
+            else:
+                plain.append(row)
+                row += 1
+        return spec, logits[torch.tensor(plain, dtype=torch.long, device=logits.device)]
+
+    def _after_verdict(self, seq: Sequence, chunk: InputChunk, rows: torch.Tensor, now: float) -> RequestOutput:
+        """A verified speculative step: emit the accepted drafts and the model's next token (cut at the first
+        that stops the request), keep only their positions' KV (the rejected drafts' blocks go back to the
+        pool), then stop or continue as after a plain token."""
+        gen = seq.generator or self.sampler.generator
+        tokens = [t.token_id for t in verify(rows, chunk.draft_ids, seq.params, gen, seq.output_ids)]
+        reason = None
+        for j, t in enumerate(tokens):  # the stop rules of _stop_reason, for the j-th emitted token
+            p = seq.params
+            if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_token_ids):
+                reason = "stop"
+            elif len(seq.output_ids) + j + 1 >= p.max_tokens or chunk.start + j + 2 >= self.config.max_model_len:
+                reason = "length"
+            if reason is not None:
+                tokens = tokens[:j + 1]
+                break
+        if self.metrics is not None:
+            self.metrics.on_token(seq, now)
+        seq.accept_speculation(chunk.start, tokens, now)
+        self.block_managers[seq.variant].truncate(seq.block_table, seq.num_computed)
+        out = RequestOutput(seq.request_id, tokens[-1], finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
+                            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=len(seq.output_ids),
+                            accepted_ids=tokens[:-1])
+        if reason is not None:
+            self._release(seq, reason)
+        return out
 
     def _after_token(self, seq: Sequence, tok) -> RequestOutput:
         """The output for a freshly sampled token; finishes ``seq`` if it stops, feeds the token back in

@@ -30,7 +30,7 @@ class Batch:
     query_lens: list[int]  # [B] tokens per sequence this step
     context_lens: list[int]  # [B] cached tokens per sequence after this step
     block_tables: list[list[int]]  # [B] block ids in position order
-    logits_indices: torch.Tensor  # [S] int64 rows (of T) whose logits are wanted
+    logits_indices: torch.Tensor  # [S] int64 rows (of T) whose logits are wanted (all of a speculative chunk's)
     hidden: torch.Tensor | None = None  # [T, H] float32 boundary hidden states (split mode)
     input_ids: torch.Tensor | None = None  # [T] int64 token ids (full-model mode)
     rope_positions: torch.Tensor | None = None  # [3, T] int64 multimodal RoPE positions (GLM-4.1V)
@@ -98,7 +98,10 @@ def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: 
         c_lens.append(end)
         t += n
         if want:
-            rows.append(t - 1)
+            if chunk.draft_ids is not None:  # a speculative step: every position is verified
+                rows.extend(range(t - n, t))
+            else:
+                rows.append(t - 1)
         if any_rope:  # text positions ride on all three axes
             r = chunk.rope_positions
             ropes.append(r if r is not None else torch.arange(start, end).expand(3, -1))

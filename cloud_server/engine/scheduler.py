@@ -4,7 +4,8 @@ Scheduling is decided per iteration; one step is one forward pass per compute va
 at different times, so the scheduler never waits for anyone: it takes whatever is *ready* now (a sequence
 whose next input chunk starts where its KV ends), in this order:
 
-1. running sequences with a one-position chunk (decode steps: latency-critical, cheap);
+1. running sequences with a one-position chunk (decode steps: latency-critical, cheap) or a speculative
+   step (the last token and the edge's drafts, verified together: never split across steps);
 2. running sequences with a longer chunk (prefill continuing), oldest first;
 3. waiting sequences (not yet holding KV), first come first served: admission stops at the first one that
    does not fit, so a long prompt is not starved by later short ones.
@@ -109,12 +110,13 @@ class Scheduler:
         blocked_running = False
         # (seq, ready positions): each sequence's readiness is read once per step
         ready = [(s, n) for s in self.running if (n := s.num_ready_tokens)]
-        ready.sort(key=lambda p: (p[1] > 1, p[0].arrival_time))  # stable: decode steps first, oldest first
+        # stable: decode steps (speculative ones too) first, oldest first
+        ready.sort(key=lambda p: (p[1] > 1 and not p[0].pending[0].is_spec, p[0].arrival_time))
         for seq, n in ready:
             if budget == 0 or slots == 0:
                 break
             k = self._fit(seq, budget, n)
-            if k == 0:
+            if k == 0 or (k < n and seq.pending[0].is_spec):  # a speculative step runs whole or waits
                 blocked_running = True
                 continue
             items = chosen.get(seq.variant)

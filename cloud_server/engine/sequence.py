@@ -36,6 +36,9 @@ class InputChunk:
     last: bool = True  # sample a token after this chunk
     # [3, n] int64 multimodal RoPE positions (GLM-4.1V images); None: the sequence positions on all axes
     rope_positions: torch.Tensor | None = None
+    # a speculative step (cloud_server.engine.speculation): the edge's n - 1 draft tokens at positions
+    # [start + 1, end); logits of all n positions are sampled, and the chunk runs whole (never split)
+    draft_ids: list[int] | None = None
     # positions carried and the first position after them; derived once here (the scheduler and
     # build_batch read them many times per step), so a chunk's fields are not reassigned after construction
     n: int = field(init=False, repr=False, compare=False)
@@ -56,9 +59,18 @@ class InputChunk:
             raise ValueError("empty input chunk")
         if self.rope_positions is not None and tuple(self.rope_positions.shape) != (3, self.n):
             raise ValueError(f"rope positions must be [3, {self.n}], got {tuple(self.rope_positions.shape)}")
+        if self.draft_ids is not None and (len(self.draft_ids) != self.n - 1 or not self.draft_ids or not self.last):
+            raise ValueError(f"a speculative chunk of {self.n} positions carries {self.n - 1} >= 1 drafts and "
+                             f"is last; got {len(self.draft_ids)} drafts, last={self.last}")
+
+    @property
+    def is_spec(self) -> bool:
+        return self.draft_ids is not None
 
     def split(self, k: int) -> tuple[InputChunk, InputChunk]:
         """The first ``k`` positions (never ``last``) and the rest."""
+        if self.draft_ids is not None:
+            raise ValueError("a speculative chunk runs whole")
         h, t, r = self.hidden, self.token_ids, self.rope_positions
         head = InputChunk(self.start, None if h is None else h[:k], None if t is None else t[:k], last=False,
                           rope_positions=None if r is None else r[:, :k])
@@ -154,6 +166,18 @@ class Sequence:
             self.output_ids.append(token)
             self.last_token_time = now
             self.waiting_since = now  # the edge now runs its front layers on the token
+
+    def accept_speculation(self, start: int, tokens: list[int], now: float | None = None) -> None:
+        """A speculative chunk at ``start`` was verified: ``tokens`` are the accepted drafts and the next
+        token. Only positions ``[0, start + len(tokens))`` stay (the fed token and the accepted drafts); the KV
+        of the rejected drafts is dropped (the block manager trims ``block_table`` to match)."""
+        if self.pending:
+            raise ValueError("input arrived behind a speculative step before its verdict")
+        now = time.monotonic() if now is None else now
+        self.output_ids.extend(tokens)
+        self.num_computed = self.num_received = start + len(tokens)
+        self.last_token_time = now
+        self.waiting_since = now
 
     def mark_published(self, num_blocks: int) -> None:
         """Its first ``num_blocks`` prefix blocks are in the prefix cache."""

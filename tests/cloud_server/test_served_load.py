@@ -110,3 +110,18 @@ def test_config_refuses_ambiguous_servers():
         served_load.LoadConfig(serve=Path("b"), preset="tiny-glm4")
     with pytest.raises(ValueError, match="--bundle"):
         served_load.LoadConfig(url="ws://127.0.0.1:1/v1/split")
+
+
+def test_recorded_states_are_used_and_checked(tmp_path):
+    h = 64
+    rec = np.random.default_rng(2).standard_normal((30, h), dtype=np.float32)  # [30, H]
+    np.save(tmp_path / "states.npy", rec)
+    welcome = served_load.P.Welcome(session_id="s", resume_token="t")
+    spec = {"calibration": None, "seed": 0, "hidden": h, "prompt": 40, "gen": 4, "states": str(tmp_path / "states.npy")}
+    inputs = served_load.edge_inputs(spec, welcome, "fp16")
+    codec = get_codec("fp16")
+    prompt = np.concatenate([codec.decode(m.hidden) for m in inputs.prompts[0]])  # [40, H]: 30 rows, repeated
+    assert prompt.shape == (40, h) and np.allclose(prompt[:30], rec, atol=1e-2)
+    np.save(tmp_path / "wide.npy", np.zeros((5, h + 1), np.float32))
+    with pytest.raises(ValueError, match=r"\[N, 64\]"):
+        served_load.edge_inputs(spec | {"states": str(tmp_path / "wide.npy")}, welcome, "fp16")

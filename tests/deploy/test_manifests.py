@@ -16,7 +16,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import DEPLOY, Replica, Router, http_get
+from deploy_support import DEPLOY, Replica, Router, http_get
 
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 NOT_RESOURCES = {"prometheus-adapter-values.yaml"}  # Helm values, not a Kubernetes object

@@ -11,26 +11,25 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import Replica, Router
-from websockets.asyncio.client import connect
+from deploy_support import Replica, Router, hit_rate, metric_sum
 
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
-from shared import protocol as P
-from shared.codecs import get_codec
+from rig.link import LinkEmulator
+from shared.link_profiles import LinkProfile
 from shared.manifest import Manifest
-from shared.prefix_keys import KeyScope, block_keys
 
 RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, max_retries=20, backoff_initial_s=0.1,
                     backoff_max_s=0.5)
-N_NEW = 120  # long enough that the kill lands mid-generation for every session
+N_NEW = 120
+# Phones 20 ms from the router: a token's round trip takes >= 20 ms, so 120 tokens take >= 2.4 s and the kill
+# lands mid-generation for every session however loaded the test machine is.
+PHONE_LINK = LinkProfile("test-20ms", rtt_ms=20.0, jitter_ms=0.0, down_mbps=1000.0, up_mbps=1000.0, loss=0.0)
 
 
 @pytest.fixture
@@ -41,10 +40,6 @@ def replicas(tiny_glm4_fp32_bundle, tmp_path):
     finally:
         for r in reps:
             r.stop()
-
-
-def _gauge(text: str, name: str) -> float:
-    return sum(float(m) for m in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M))
 
 
 def _greedy(model, ids: list[int], n: int) -> list[int]:
@@ -59,16 +54,19 @@ def test_replica_killed_mid_generation_every_session_completes_on_the_other(
     rng = np.random.RandomState(3)
     prompts = [[int(t) for t in rng.randint(4, 512, 20 + 3 * i)] for i in range(4)]
     want = [_greedy(tiny_glm4_lm.model, p, N_NEW) for p in prompts]
-    with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router:
-        clients = [EdgeClient(tiny_glm4_fp32_bundle, router.ws_url, codec="fp16", retry=RETRY) for _ in prompts]
+    with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router, \
+            LinkEmulator(router.port, PHONE_LINK) as phones:
+        url = f"ws://127.0.0.1:{phones.port}/v1/split"
+        clients = [EdgeClient(tiny_glm4_fp32_bundle, url, codec="fp16", retry=RETRY) for _ in prompts]
         try:
             gens = [c.generate(prompt_ids=p, max_tokens=N_NEW) for c, p in zip(clients, prompts)]
             streams = [g.iter_tokens() for g in gens]
             for s in streams:  # every session is generating...
                 for _ in range(3):
                     next(s)
-            open_on = [_gauge(r.metrics(), "autoglm:sessions_open") for r in replicas]
+            open_on = [metric_sum(r.metrics(), "autoglm:sessions_open") for r in replicas]
             assert open_on == [2, 2], open_on  # no header: nginx's hash falls back to round-robin
+            assert metric_sum(replicas[0].metrics(), "vllm:num_requests_running") == 2  # both mid-generation
             replicas[0].kill()  # ...when one replica dies with its sessions and their KV
             for s in streams:
                 for _ in s:
@@ -82,51 +80,11 @@ def test_replica_killed_mid_generation_every_session_completes_on_the_other(
         assert g == w  # every token, in order, none lost or repeated
     assert sum(replays) == 2 and sorted(replays) == [0, 0, 1, 1]  # the killed replica's two sessions replayed
     # the replays continued where the edges were (prompt + tokens held as the new prompt), not from token 0
-    survivor = _gauge(replicas[1].metrics(), "vllm:generation_tokens_total")
-    assert 2 * N_NEW + 2 <= survivor < 4 * N_NEW - 2 * 3
+    survivor = metric_sum(replicas[1].metrics(), "vllm:generation_tokens_total")
+    assert 2 * N_NEW + 2 <= survivor <= 4 * N_NEW - 2 * 3  # each replayed session held >= 3 tokens
 
 
 # -- prefix-aware routing -------------------------------------------------------------------------------------
-
-async def _request(url: str, manifest: Manifest, ids: list[int], route: bool) -> None:
-    """One new session through the router: the whole prompt (start 0) with its prefix keys, 2 tokens."""
-    keys = block_keys(ids, KeyScope(manifest.bundle_id, manifest.edge_quant, "fp16"), 16)
-    headers = {"X-Autoglm-Prefix-Key": keys[0]} if route else {}
-    codec = get_codec("fp16")
-    hidden = np.random.default_rng(len(ids)).standard_normal((len(ids), manifest.hidden_size), np.float32)
-    async with connect(url, additional_headers=headers, compression=None) as ws:
-        await ws.send(P.encode_message(P.Hello(bundle_id=manifest.bundle_id, codecs=["fp16"])))
-        assert isinstance(P.decode_message(await ws.recv()), P.Welcome)
-        await ws.send(P.encode_message(P.Prefill(
-            request_id="r", start=0, hidden=codec.encode(hidden), last=True, prefix_keys=keys,
-            params=P.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))))
-        while True:
-            msg = P.decode_message(await ws.recv())
-            assert isinstance(msg, P.Tokens), msg
-            if msg.finish_reason is not None:
-                break
-            step = hidden[-1:]  # any [1, H] state: the token's own boundary state does not matter here
-            await ws.send(P.encode_message(P.DecodeStep(request_id="r", position=len(ids) + msg.index,
-                                                        hidden=codec.encode(step))))
-        await ws.send(P.encode_message(P.Close()))
-
-
-def _hit_rate(replicas, url, manifest, system_prompts, route: bool, per_prompt: int) -> float:
-    def counters():
-        texts = [r.metrics() for r in replicas]
-        return (sum(_gauge(t, "vllm:prefix_cache_hits_total") for t in texts),
-                sum(_gauge(t, "vllm:prefix_cache_queries_total") for t in texts))
-
-    h0, q0 = counters()
-    rng = np.random.RandomState(5)
-    for _ in range(per_prompt):
-        for sp in system_prompts:  # interleaved, as phones arrive
-            user = [int(t) for t in rng.randint(4, 512, 8)]
-            asyncio.run(_request(url, manifest, sp + user, route))
-    time.sleep(0.2)
-    h1, q1 = counters()
-    return (h1 - h0) / (q1 - q0)
-
 
 def test_prefix_hash_routing_beats_round_robin(tiny_glm4_fp32_bundle, replicas, nginx_bin, tmp_path):
     manifest = Manifest.load(tiny_glm4_fp32_bundle)
@@ -136,8 +94,8 @@ def test_prefix_hash_routing_beats_round_robin(tiny_glm4_fp32_bundle, replicas, 
     prompts_rr = [[int(t) for t in rng.randint(4, 512, 64)] for _ in range(3)]  # fresh keys: no carry-over
     per_prompt = 6
     with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router:
-        hashed = _hit_rate(replicas, router.ws_url, manifest, prompts_hash, True, per_prompt)
-        rr = _hit_rate(replicas, router.ws_url, manifest, prompts_rr, False, per_prompt)
+        hashed = hit_rate(replicas, router.ws_url, manifest, prompts_hash, True, per_prompt)
+        rr = hit_rate(replicas, router.ws_url, manifest, prompts_rr, False, per_prompt)
         log = router.access_log()
     print(f"\nprefix-cache hit rate over 2 replicas, {len(prompts_hash)} system prompts x {per_prompt} sessions: "
           f"hash on X-Autoglm-Prefix-Key {hashed:.3f}, round-robin {rr:.3f}")

@@ -88,7 +88,7 @@ def test_screenshots_through_the_real_server(lm, bundle, cloud):
         assert st.image_tokens == 24 and st.prompt_tokens == len(PROMPT) - 1 + 24 and st.media_encode_s > 0
         again = c.complete(prompt_ids=PROMPT, images=[a], max_tokens=N_NEW)
         assert again.token_ids == first.token_ids
-        assert again.stats.cached_tokens == 32 and again.stats.cloud_cached_tokens == 32  # past the image
+        assert again.stats.cached_tokens == 48 and again.stats.cloud_cached_tokens == 48  # past the image
         other = c.complete(prompt_ids=PROMPT, images=[b], max_tokens=N_NEW)
         assert other.stats.cached_tokens == 16 and other.stats.cloud_cached_tokens == 16  # text before it only
         assert other.token_ids == _reference(lm.model, bundle, b)
@@ -99,3 +99,37 @@ def test_screenshots_through_the_real_server(lm, bundle, cloud):
             c.complete(prompt_ids=PROMPT, images=[a, b], max_tokens=4)
         assert e.value.code == "bad_media"
         assert c.complete(prompt_ids=PROMPT, images=[a], max_tokens=N_NEW).token_ids == first.token_ids
+
+
+def test_local_openai_endpoint_takes_image_parts(bundle, cloud, tmp_path):
+    """image_url parts (data URL, allow-listed local path) through the local OpenAI endpoint; usage counts
+    the image tokens; bad input is a 400 with the reason, and the next request is served."""
+    import base64
+
+    from fastapi.testclient import TestClient
+
+    from edge_client.local_api import create_app
+
+    a = _png(1)
+    (tmp_path / "shot.png").write_bytes(a)
+    data_url = "data:image/png;base64," + base64.b64encode(a).decode()
+
+    def body(url: str) -> dict:
+        return {"model": "m", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "tap the button "},
+                                                          {"type": "image_url", "image_url": {"url": url}}]}]}
+
+    with EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        http = TestClient(create_app(c, media_dir=tmp_path))
+        ok = http.post("/v1/chat/completions", json=body(data_url))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["prompt_tokens_details"]["image_tokens"] == 24
+        bad = http.post("/v1/chat/completions", json=body("data:image/png;base64," + base64.b64encode(a[:300]).decode()))
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_image"
+        outside = http.post("/v1/chat/completions", json=body("/etc/hostname"))
+        assert outside.status_code == 400 and outside.json()["error"]["code"] == "path_refused"
+        local = http.post("/v1/chat/completions", json=body("shot.png"))
+        assert local.status_code == 200 and local.json()["choices"][0]["message"]["content"] is not None
+        u, first = local.json()["usage"], ok.json()["usage"]
+        assert u["prompt_tokens"] == first["prompt_tokens"] and u["prompt_tokens_details"]["image_tokens"] == 24
+        assert u["prompt_tokens_details"]["cached_tokens"] > 0  # the same picture, by path this time: a cache hit

@@ -156,3 +156,21 @@ def test_split_matches_unsplit_greedy(lm, fp32_bundle, parts):
           f"{DECODE_STEPS + 1} steps")
     assert tokens == ref_tokens
     assert err <= 1e-4
+
+
+def test_int8_front_takes_media_rows(lm, tmp_path):
+    """The default int8 split: the embeddings input survives quantization; without media rows the front
+    computes exactly its text output, with them the rows change it."""
+    out = tmp_path / "b"
+    split(lm, SplitConfig(layer=2, out=out))
+    assert json.loads((out / VISION_CONFIG).read_text())["quant"] == "int8"
+    ids = [int(t) for t in np.random.default_rng(5).integers(20, 500, 12)]
+    text = FrontRuntime(out, threads=1).prefill(ids)
+    rows = np.random.default_rng(6).standard_normal((12, 64)).astype(np.float32)
+    none = FrontRuntime(out, threads=1).prefill_media(ids, None, rows, np.zeros(12, np.bool_))
+    np.testing.assert_array_equal(none, text)
+    mask = np.zeros(12, np.bool_)
+    mask[4:8] = True
+    some = FrontRuntime(out, threads=1).prefill_media(ids, None, rows, mask)
+    np.testing.assert_array_equal(some[:4], text[:4])  # causal: rows before the media are untouched
+    assert np.abs(some[4:] - text[4:]).max() > 1e-3

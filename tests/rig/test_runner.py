@@ -40,3 +40,23 @@ def test_small_rig_run(tiny_glm4_fp32_bundle, tiny_whole, tmp_path, capsys):
     assert [f.name for f in files[1:]] == ["rig_chat.png"] and files[1].stat().st_size > 10_000
     print(format_table(report["summary"]))
     assert "split" in capsys.readouterr().out
+
+
+def test_plan_check_calibrates_on_loopback_and_predicts(tiny_glm4_fp32_bundle, tiny_whole, tmp_path):
+    from rig.plan_check import check_plan, format_check
+
+    sc = Scenario.from_dict({
+        "name": "tiny-plan", "model": "tiny-glm4", "split_layer": 2, "edge_quant": "fp32", "profiles": ["4g"],
+        "modes": ["split", "all-edge"], "plan_check": True, "edge_threads": 1,
+        "workloads": [{"kind": "chat", "requests": 2, "max_tokens": 6}],
+    })
+    report = run_scenario(sc, tmp_path, Progress(), bundle=tiny_glm4_fp32_bundle, whole=tiny_whole)
+    assert {r["profile"] for r in report["records"]} == {"loopback", "4g"}  # the calibration run came first
+    check = check_plan(report, sc, tiny_glm4_fp32_bundle, tiny_whole)
+    rows = {(r["profile"], r["mode"]): r for r in check["rows"]}
+    assert set(rows) == {("4g", "split"), ("4g", "all-edge")} and "chat/split" in check["calibration_ms"]
+    split = rows[("4g", "split")]
+    # the link dominates a tiny model's step: the planner's link model must land near the measurement
+    assert split["per_token_ms_predicted"] > 60 and abs(split["per_token_error"]) < 0.5
+    assert abs(split["ttft_error"]) < 0.5
+    assert "planner vs rig" in format_check(check)

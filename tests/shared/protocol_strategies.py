@@ -34,7 +34,7 @@ plan = st.builds(P.PrecisionPlan, codec=codec_name, compute=st.sampled_from(COMP
                  reason=st.text(max_size=40))
 server = st.builds(P.ServerInfo, name=small_text, version=small_text,
                    compute_variants=st.lists(st.sampled_from(COMPUTE_VARIANTS), max_size=4, unique=True),
-                   load=finite(0, 1))
+                   load=finite(0, 1), max_draft_tokens=st.integers(0, 32))
 sampling = st.builds(P.SamplingParams, max_tokens=st.integers(1, 1 << 20), temperature=finite(0, 100),
                      top_p=finite(1e-9, 1), top_k=st.integers(0, 1 << 20), seed=st.none() | st.integers(0, 2**63 - 1),
                      stop_token_ids=st.lists(token, max_size=8), ignore_eos=st.booleans(), logprobs=st.booleans(),
@@ -75,6 +75,14 @@ def decode_step(draw):
 
 
 @st.composite
+def spec_step(draw):
+    drafts = draw(st.lists(token, min_size=1, max_size=8))
+    return P.SpecStep(request_id=draw(ident), position=draw(st.integers(0, 1 << 30)),
+                      hidden=draw(encoded(rows=len(drafts) + 1)), draft_ids=drafts,
+                      rope_positions=draw(rope(len(drafts) + 1)))
+
+
+@st.composite
 def tokens(draw):
     ids = draw(st.lists(token, min_size=0, max_size=6))
     lps = draw(st.none() | st.lists(finite(-1e4, 0), min_size=len(ids), max_size=len(ids)))
@@ -97,6 +105,7 @@ messages = st.one_of(
               requests=st.lists(st.builds(P.RequestState, request_id=ident, received=pos, tokens=pos), max_size=3)),
     prefill(),
     decode_step(),
+    spec_step(),
     tokens(),
     st.builds(P.Cancel, request_id=ident),
     st.builds(P.Resume, request_id=ident, have_tokens=pos),

@@ -1,0 +1,180 @@
+"""Speculative decoding across the split on the rig: tokens per round trip and tokens/s, plain vs speculative.
+
+SmolLM2-135M-Instruct (real weights) split at layer 8, fp32 edge (so the runs are bit-comparable), a real
+``autoglm-cloud serve`` process, and the rig's link emulator (``rig.link.LinkEmulator``) between them at an
+RTT of 20, 80 and 150 ms (4G-like bandwidth: 21 Mbit/s down, 6.3 up, no jitter or loss so that the modes
+differ only by what they do). Greedy decoding; every request runs plain (``split``) and speculative
+(``split+spec``), and the tokens must be identical.
+
+Workloads, fixed before measuring:
+
+* ``chat``: the rig's held-out single-turn questions (``rig.workloads.CHAT_PROMPTS``), each a fresh
+  conversation; the drafter's memory is cleared before each one (it drafts from the prompt and the answer
+  so far only).
+* ``agent``: the AutoGLM agent loop (``rig.workloads``): the fixed 2.7 KB system prompt, the task, the
+  transcript of the agent's previous actions (its own earlier outputs, as a real loop re-sends them) and the
+  scripted current screen, step after step. The drafter's memory is cleared before each task, so it never
+  saw the task's transcripts; within a task it drafts from the prompt and the task's earlier steps, as it
+  would on a phone.
+
+Per record: ``tokens_per_s`` (decode rate after the first token, all requests pooled), ``tokens_per_round_trip``
+(tokens emitted by decode steps per decode round trip; 1 for plain decoding), ``ttft_ms`` (mean),
+``bytes_up_per_token`` (uplink of the decode phase per generated token: rejected drafts' rows included),
+``identical_to_plain``, and the drafting's acceptance.
+
+    python bench/speculation_bench.py [--rtts 20,80,150] [--chat 4] [--agent-tasks 3] [--max-tokens 48]
+
+Writes ``docs/results/speculation.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edge_client.client import EdgeClient  # noqa: E402
+from edge_client.config import RetryPolicy  # noqa: E402
+from edge_client.demo import LocalCloud  # noqa: E402
+from rig.link import LinkEmulator  # noqa: E402
+from rig.workloads import AGENT_TASKS, CHAT_PROMPTS, system_prompt  # noqa: E402
+from shared.link_profiles import LinkProfile  # noqa: E402
+
+SPLIT_LAYER = 8
+RETRY = RetryPolicy(connect_timeout_s=10.0, reply_timeout_s=120.0, max_retries=5)
+
+
+def build_bundle(out: Path) -> Path:
+    if (out / "manifest.json").is_file():
+        return out
+    from partition_tools.models import load_model
+    from partition_tools.split import SplitConfig, split
+
+    split(load_model("smollm2"), SplitConfig(layer=SPLIT_LAYER, out=out, edge_quant="fp32"))
+    return out
+
+
+def chat_workload(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}] for i in range(n)]
+
+
+def agent_user_turn(task: str, actions: list[str], screen: str) -> str:
+    history = "\n".join(f"Step {i + 1}: {a}" for i, a in enumerate(actions)) or "none"
+    return f"Task: {task}\nPrevious actions:\n{history}\nCurrent screen: {screen}\nWhat is the next action?"
+
+
+def _run(client: EdgeClient, messages: list[dict], max_tokens: int, speculate: bool):
+    gen = client.complete(messages=messages, max_tokens=max_tokens, speculate=speculate)
+    return gen
+
+
+class Tally:
+    def __init__(self):
+        self.tokens = self.decode_tokens = self.round_trips = self.decode_bytes_up = 0
+        self.decode_s = 0.0
+        self.ttft: list[float] = []
+        self.drafts = self.accepted = 0
+        self.identical = True
+        self.requests = 0
+
+    def add(self, gen) -> None:
+        st = gen.stats
+        n = len(gen.token_ids)
+        self.requests += 1
+        self.tokens += n
+        self.decode_tokens += max(0, n - 1)
+        self.round_trips += st.decode_round_trips
+        self.decode_s += sum(st.itl_s)
+        self.decode_bytes_up += st.bytes_up - st.prefill_bytes_up
+        self.ttft.append((st.ttft_s or 0.0) * 1000)
+        self.drafts += st.draft_tokens
+        self.accepted += st.accepted_draft_tokens
+
+    def record(self, workload: str, rtt: float, mode: str) -> dict:
+        return {"workload": workload, "rtt_ms": rtt, "mode": mode, "requests": self.requests,
+                "tokens": self.tokens,
+                "tokens_per_s": round(self.decode_tokens / self.decode_s, 2) if self.decode_s else None,
+                "tokens_per_round_trip": round(self.decode_tokens / self.round_trips, 3) if self.round_trips else None,
+                "ttft_ms": round(sum(self.ttft) / len(self.ttft), 1) if self.ttft else None,
+                "bytes_up_per_token": round(self.decode_bytes_up / max(1, self.tokens), 1),
+                "identical_to_plain": self.identical,
+                "draft_tokens": self.drafts, "accepted_draft_tokens": self.accepted,
+                "acceptance": round(self.accepted / self.drafts, 3) if self.drafts else None}
+
+
+def measure(bundle: Path, cloud: LocalCloud, rtt: float, args) -> list[dict]:
+    profile = LinkProfile(f"rtt{int(rtt)}", rtt_ms=rtt, jitter_ms=0.0, down_mbps=21.0, up_mbps=6.3, loss=0.0,
+                          source="4G-like bandwidth (rig profile 4g), no jitter or loss: modes differ only by protocol")
+    out = []
+    with LinkEmulator(cloud.port, profile, seed=1) as link, \
+            EdgeClient(bundle, f"ws://127.0.0.1:{link.port}/v1/split", retry=RETRY, codec="fp16") as client:
+        # warm-up: the system prompt into both prefix caches, the graphs into memory (not measured)
+        client.complete(messages=[{"role": "system", "content": system_prompt()},
+                                  {"role": "user", "content": "warm-up"}], max_tokens=2)
+        # chat
+        plain, spec = Tally(), Tally()
+        for msgs in chat_workload(args.chat):
+            client.session.drafter.forget()
+            a = _run(client, msgs, args.max_tokens, False)
+            client.session.drafter.forget()
+            b = _run(client, msgs, args.max_tokens, True)
+            plain.add(a)
+            spec.add(b)
+            spec.identical &= a.token_ids == b.token_ids
+        out += [plain.record("chat", rtt, "split"), spec.record("chat", rtt, "split+spec")]
+        # agent: each task's steps in order; plain and speculative runs of a task are separate loops
+        plain, spec = Tally(), Tally()
+        for task, screens in AGENT_TASKS[:args.agent_tasks]:
+            outs: dict[bool, list[list[int]]] = {False: [], True: []}
+            for speculate, tally in ((False, plain), (True, spec)):
+                client.session.drafter.forget()  # it never saw this task's transcripts
+                actions: list[str] = []
+                for screen in screens:
+                    msgs = [{"role": "system", "content": system_prompt()},
+                            {"role": "user", "content": agent_user_turn(task, actions, screen)}]
+                    g = _run(client, msgs, args.max_tokens, speculate)
+                    tally.add(g)
+                    outs[speculate].append(g.token_ids)
+                    actions.append(g.text.strip().replace("\n", " "))
+            spec.identical &= outs[False] == outs[True]
+        out += [plain.record("agent", rtt, "split"), spec.record("agent", rtt, "split+spec")]
+    for r in out:
+        print(json.dumps(r), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", type=Path, default=Path("/tmp/autoglm-spec-bench/smollm2-split8"))
+    ap.add_argument("--rtts", default="20,80,150")
+    ap.add_argument("--chat", type=int, default=4)
+    ap.add_argument("--agent-tasks", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "speculation.json")
+    args = ap.parse_args(argv)
+    bundle = build_bundle(args.bundle)
+    t0 = time.time()
+    records = []
+    with LocalCloud(bundle, log_path=Path("/tmp/autoglm-spec-bench/cloud.log")) as cloud:
+        for rtt in (float(x) for x in args.rtts.split(",")):
+            records += measure(bundle, cloud, rtt, args)
+    result = {"command": "python bench/speculation_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "model": f"SmolLM2-135M-Instruct split at layer {SPLIT_LAYER}, fp32 edge, fp16 wire, greedy",
+              "host": platform.platform(), "seconds": round(time.time() - t0, 1),
+              "goals_at_80ms": {"agent_tokens_per_round_trip": 2.5, "agent_speedup_tokens_per_s": 2.0,
+                                "chat_tokens_per_round_trip": 1.5},
+              "records": records}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

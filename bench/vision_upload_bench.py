@@ -1,0 +1,323 @@
+"""Screenshots on the phone: visual tokens, vision-encode time and uplink bytes per agent step, split vs
+all-cloud (docs/performance.md, "Edge: screenshots"; raw numbers in docs/results/vision_upload.json).
+
+1. **Upload table**: a synthetic 1080x2400 and 720x1600 phone screenshot (status bar, app bar, list rows of
+   text, buttons, icons, a photo-like banner), their PNG and JPEG (quality 90) sizes, and per pixel budget
+   (smart_resize's ``max_pixels``: the model's default and smaller ones): visual tokens and the bytes of
+   their hidden states on the wire per codec at GLM-4.1V's hidden size 4096 (Prefill frames as the edge
+   sends them, 3-D rope positions included; fixed-rate codecs, so the values do not change the size).
+2. **Vision encode time**: the full-size GLM-4.1V vision tower (hidden 1536, 12 heads, patch 14, merge 2,
+   merger 4096 / 13696) with random weights, exported by ``partition_tools.export_vision``, int8 and fp32,
+   2 threads. A 24-layer export (3.6 GB fp32) does not fit this shared 2-core box's time, so the graph is
+   built with 1 and with 2 blocks, each timed, and the 24-block time is ``t1 + 23 (t2 - t1)`` (the
+   blocks are identical in shape, so the scaling is exact up to timing noise). Budgets whose image would take
+   minutes per block are skipped (``--max-patches``) and marked so.
+3. **Agent loop** (``--agent``): the AutoGLM-shaped loop through a real ``autoglm-cloud serve`` on
+   loopback - the long system prompt (edge_client/data/autoglm_system_prompt.txt as token ids), then per
+   step a new screenshot + a short instruction, a short action output. The model is a GLM-4.1V-shaped
+   random one at hidden 4096 (so the bytes are the real model's) with 2 thin text layers, split at 1, and a
+   1-block vision tower (so the loop runs on this box; part 2 has the full tower's time). Per step: prompt
+   tokens, tokens uploaded, bytes up, edge encode ms, TTFT; and the bytes per step against the JPEG.
+
+Trained GLM-4.1V weights are not available here: these are bytes and times, not answer quality.
+
+    python bench/vision_upload_bench.py [--agent] [--out docs/results/vision_upload.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SCREENS = {"1080x2400": (2400, 1080), "720x1600": (1600, 720)}  # name -> (height, width)
+DEFAULT_BUDGET = 28 * 28 * 15000  # transformers' Glm4vImageProcessor default (smart_resize max_pixels)
+BUDGETS = [DEFAULT_BUDGET, 2_000_000, 1_000_000, 500_000, 250_000, 125_000]
+HIDDEN = 4096
+WIRE_CODECS = ("bf16", "fp16", "int8-b32", "int8-b64", "int4-b32")
+
+
+def screenshot(height: int, width: int, seed: int = 0):
+    """A phone-UI-like RGB image: flat panels, rows of text, buttons, round icons, one photo-like banner."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    img = Image.new("RGB", (width, height), (250, 250, 252))
+    d = ImageDraw.Draw(img)
+    s = width / 1080
+    font = ImageFont.load_default(size=max(12, int(34 * s)))
+    small = ImageFont.load_default(size=max(10, int(26 * s)))
+    d.rectangle([0, 0, width, int(70 * s)], fill=(30, 30, 36))  # status bar
+    d.text((int(30 * s), int(18 * s)), "9:41", fill=(255, 255, 255), font=small)
+    d.rectangle([0, int(70 * s), width, int(200 * s)], fill=(33, 110, 220))  # app bar
+    d.text((int(40 * s), int(110 * s)), "Settings  >  Network & internet", fill=(255, 255, 255), font=font)
+    y = int(230 * s)
+    # a photo-like banner: smooth gradient + noise (what JPEG is good at)
+    gy, gx = np.mgrid[0:int(420 * s), 0:width]
+    banner = np.stack([120 + 80 * np.sin(gx / (90 * s)), 140 + 60 * np.cos(gy / (70 * s)),
+                       160 + 50 * np.sin((gx + gy) / (120 * s))], -1) + rng.normal(0, 6, (*gy.shape, 3))
+    img.paste(Image.fromarray(np.clip(banner, 0, 255).astype(np.uint8)), (0, y))
+    y += int(450 * s)
+    words = ["Wi-Fi", "Mobile network", "Airplane mode", "Hotspot & tethering", "Data saver", "VPN",
+             "Private DNS", "Bluetooth", "Connected devices", "Battery", "Display", "Sound & vibration"]
+    while y < height - int(220 * s):
+        d.ellipse([int(40 * s), y + int(20 * s), int(110 * s), y + int(90 * s)],
+                  fill=tuple(int(c) for c in rng.integers(40, 220, 3)))
+        d.text((int(140 * s), y + int(18 * s)), str(rng.choice(words)), fill=(20, 20, 24), font=font)
+        d.text((int(140 * s), y + int(66 * s)), f"{rng.integers(1, 99)} items - updated {rng.integers(1, 59)} min ago",
+               fill=(110, 110, 120), font=small)
+        d.rounded_rectangle([width - int(200 * s), y + int(30 * s), width - int(50 * s), y + int(80 * s)],
+                            radius=int(25 * s), fill=(33, 110, 220) if rng.random() > 0.5 else (200, 200, 205))
+        d.line([int(140 * s), y + int(118 * s), width, y + int(118 * s)], fill=(225, 225, 230), width=2)
+        y += int(120 * s)
+    d.rectangle([0, height - int(160 * s), width, height], fill=(245, 245, 247))  # nav bar
+    for k in range(3):
+        cx = int(width * (k + 1) / 4)
+        d.ellipse([cx - int(30 * s), height - int(110 * s), cx + int(30 * s), height - int(50 * s)],
+                  outline=(60, 60, 70), width=3)
+    return img
+
+
+def encoded_sizes(img) -> dict:
+    out = {}
+    for fmt, kw in (("png", {"format": "PNG", "optimize": True}), ("jpeg_q90", {"format": "JPEG", "quality": 90})):
+        buf = io.BytesIO()
+        img.save(buf, **kw)
+        out[fmt] = buf.tell()
+    return out
+
+
+def wire_bytes(n_tokens: int, codec_name: str, hidden: int = HIDDEN) -> int:
+    """Bytes of the Prefill frames carrying ``n_tokens`` hidden states [n, hidden] (3-D rope positions too)."""
+    from shared.chunking import prefill_messages
+    from shared.codecs import get_codec
+    from shared.protocol import SessionLimits, encode_message
+
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+    rope = np.zeros((3, n_tokens), np.int32)
+    msgs = prefill_messages("r" * 16, h, get_codec(codec_name), SessionLimits(), start=64, last=False,
+                            rope_positions=rope)
+    return sum(len(encode_message(m)) for m in msgs)
+
+
+def upload_table(spec) -> list[dict]:
+    from edge_client.vision import smart_resize, visual_tokens
+
+    rows = []
+    for name, (h, w) in SCREENS.items():
+        img = screenshot(h, w)
+        sizes = encoded_sizes(img)
+        for budget in BUDGETS:
+            rh, rw = smart_resize(h, w, spec.factor, spec.min_pixels, budget, spec.temporal_patch_size)
+            n = visual_tokens(h, w, spec, budget)
+            rows.append({"screen": name, "budget_max_pixels": budget, "default_budget": budget == DEFAULT_BUDGET,
+                         "resized": f"{rw}x{rh}", "visual_tokens": n, "patches": n * spec.merge_size ** 2,
+                         **sizes, "wire_bytes": {c: wire_bytes(n, c) for c in WIRE_CODECS}})
+            print(f"{name} budget {budget:>9}: {rw}x{rh} -> {n:5d} tokens; "
+                  + ", ".join(f"{c} {b / 1e6:.2f} MB" for c, b in rows[-1]["wire_bytes"].items())
+                  + f"; PNG {sizes['png'] / 1e3:.0f} kB, JPEG {sizes['jpeg_q90'] / 1e3:.0f} kB", flush=True)
+    return rows
+
+
+def full_size_vision(depth: int):
+    """GLM-4.1V-9B's vision tower dimensions with ``depth`` blocks, random weights, inside a tiny LM."""
+    import torch
+    from transformers import Glm4vForConditionalGeneration
+
+    from partition_tools.models import glm4v_9b_text_config, tiny_glm4v_config
+
+    cfg = tiny_glm4v_config(num_layers=2)
+    full = glm4v_9b_text_config().vision_config.to_dict()
+    full["depth"] = depth
+    cfg.vision_config = type(cfg.vision_config)(**full)
+    torch.manual_seed(0)
+    return Glm4vForConditionalGeneration._from_config(cfg, dtype=torch.float32).eval()
+
+
+def encode_times(spec_rows: list[dict], threads: int, max_patches: int, repeats: int) -> dict:
+    """Median seconds of one image through the 1- and 2-block towers, int8 and fp32, per (screen, budget)."""
+    from PIL import Image  # noqa: F401  (the screenshots)
+
+    from edge_client.vision import VisionEncoder, preprocess
+    from partition_tools.export_vision import export_vision
+
+    out: dict = {"threads": threads, "method": "t(24) = t1 + 23 (t2 - t1)", "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        bundles = {}
+        for depth in (1, 2):
+            model = full_size_vision(depth)
+            for quant in ("fp32", "int8"):
+                d = Path(tmp) / f"d{depth}-{quant}"
+                t0 = time.perf_counter()
+                spec = export_vision(model, d, quant)
+                print(f"exported {depth}-block tower {spec.quant} in {time.perf_counter() - t0:.0f} s "
+                      f"({spec.quant_report.get('probe_max_rel_error', '-')})", flush=True)
+                out.setdefault("int8_probe_max_rel_error", {})[str(depth)] = spec.quant_report.get(
+                    "probe_max_rel_error")
+                bundles[(depth, quant)] = VisionEncoder(d, threads)
+            del model
+        images = {name: screenshot(h, w) for name, (h, w) in SCREENS.items()}
+        timed: dict[str, dict] = {}  # resized size -> its record (both screens resize alike at small budgets)
+        for row in spec_rows:
+            rec = {"screen": row["screen"], "budget_max_pixels": row["budget_max_pixels"],
+                   "visual_tokens": row["visual_tokens"], "patches": row["patches"]}
+            if row["patches"] > max_patches:
+                rec["skipped"] = f"{row['patches']} patches > --max-patches {max_patches} (minutes per block here)"
+                out["rows"].append(rec)
+                print(f"{row['screen']} {row['budget_max_pixels']}: skipped ({row['patches']} patches)", flush=True)
+                continue
+            if row["resized"] in timed:
+                out["rows"].append({**timed[row["resized"]], **rec, "same_as": row["resized"]})
+                continue
+            for quant in ("fp32", "int8"):
+                t = {}
+                for depth in (1, 2):
+                    enc = bundles[(depth, quant)]
+                    img = preprocess(images[row["screen"]], enc.spec, row["budget_max_pixels"])
+                    enc.encode(img)  # warm
+                    runs = []
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        enc.encode(img)
+                        runs.append(time.perf_counter() - t0)
+                    t[depth] = float(np.median(runs))
+                rec[quant] = {"t1_s": round(t[1], 4), "t2_s": round(t[2], 4),
+                              "per_block_s": round(t[2] - t[1], 4), "t24_s": round(t[1] + 23 * (t[2] - t[1]), 3)}
+            rec["int8_speedup"] = round(rec["fp32"]["t24_s"] / rec["int8"]["t24_s"], 2)
+            timed[row["resized"]] = rec
+            out["rows"].append(rec)
+            print(f"{row['screen']} {row['budget_max_pixels']}: {row['visual_tokens']} tokens, 24-block "
+                  f"fp32 {rec['fp32']['t24_s']:.2f} s, int8 {rec['int8']['t24_s']:.2f} s", flush=True)
+    return out
+
+
+def agent_model():
+    """GLM-4.1V-shaped random model for the loop: text hidden 4096 (32 heads, 2 KV heads of 128, 3-D rope
+    sections 8/12/12) with 2 thin layers (MLP 1024) and a 2,048-token vocabulary; a 1-block vision tower
+    whose merger outputs 4096. Bytes on the wire are the real model's; compute is not."""
+    import torch
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    text = dict(vocab_size=2048, hidden_size=HIDDEN, intermediate_size=1024, num_hidden_layers=2,
+                num_attention_heads=32, num_key_value_heads=2, max_position_embeddings=8192, attention_bias=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12],
+                                 "partial_rotary_factor": 0.5}, pad_token_id=0, bos_token_id=1, eos_token_id=[2, 3])
+    vision = dict(depth=1, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=HIDDEN,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    cfg = Glm4vConfig(text_config=text, vision_config=vision, image_token_id=10, video_token_id=11,
+                      image_start_token_id=12, image_end_token_id=13, video_start_token_id=14,
+                      video_end_token_id=15, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Glm4vForConditionalGeneration._from_config(cfg, dtype=torch.float32).eval()
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def agent_loop(budget: int, threads: int, steps: int = 5, memory_steps: int = 100) -> dict:
+    """The AutoGLM-shaped loop through a real server (see the module docstring, part 3)."""
+    from edge_client.client import EdgeClient
+    from edge_client.demo import LocalCloud
+    from partition_tools.models import LoadedModel
+    from partition_tools.split import SplitConfig, split
+
+    rng = np.random.default_rng(1)
+    system_chars = len((ROOT / "edge_client" / "data" / "autoglm_system_prompt.txt").read_text())
+    system = [int(t) for t in rng.integers(20, 2000, system_chars // 4)]  # ~4 characters per token
+    task = [int(t) for t in rng.integers(20, 2000, 24)]
+    h, w = SCREENS["1080x2400"]
+    out: dict = {"budget_max_pixels": budget, "screen": "1080x2400", "system_prompt_tokens": len(system),
+                 "model": "GLM-4.1V-shaped random: hidden 4096, 2 thin text layers (split at 1), 1-block tower",
+                 "steps": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        lm = LoadedModel(agent_model(), None, "bench:vision-agent@seed0", "bench:vision-agent")
+        bundle = Path(tmp) / "b"
+        split(lm, SplitConfig(layer=1, out=bundle, edge_quant="int8", vision_quant="fp32"))
+        del lm
+        with LocalCloud(bundle, log_path=Path(tmp) / "cloud.log") as cloud, \
+                EdgeClient(bundle, cloud.ws_url, threads=threads) as c:
+            from edge_client.media import MediaPolicy
+
+            c.media_policy = MediaPolicy(max_pixels=budget)
+            c.warmup_encoders(("image",))
+            history: list[int] = []
+            for step in range(steps + memory_steps):
+                img = screenshot(h, w, seed=step)
+                buf = io.BytesIO()
+                img.save(buf, format="PNG")
+                jpeg = encoded_sizes(img)["jpeg_q90"]
+                instruction = [int(t) for t in rng.integers(20, 2000, 12)]
+                ids = system + task + history + [12, 10, 13] + instruction
+                gen = c.complete(prompt_ids=ids, images=[buf.getvalue()], max_tokens=8)
+                history += gen.token_ids[:8]  # the action taken, in the next step's prompt
+                st = gen.stats
+                if step < steps:
+                    rec = {"step": step + 1, "prompt_tokens": st.prompt_tokens, "image_tokens": st.image_tokens,
+                           "uploaded_prompt_tokens": st.uploaded_prompt_tokens, "cached_tokens": st.cached_tokens,
+                           "cloud_cached_tokens": st.cloud_cached_tokens, "bytes_up": st.bytes_up,
+                           "prefill_bytes_up": st.prefill_bytes_up, "bytes_down": st.bytes_down,
+                           "codec": st.codec, "edge_encode_ms": round(1e3 * st.media_encode_s, 1),
+                           "edge_prefill_ms": round(1e3 * st.edge_prefill_s, 1),
+                           "ttft_ms": round(1e3 * st.ttft_s, 1), "jpeg_q90_bytes": jpeg,
+                           "bytes_up_over_jpeg": round(st.bytes_up / jpeg, 2)}
+                    out["steps"].append(rec)
+                    print(f"step {step + 1}: {rec}", flush=True)
+                if step + 1 in (steps, steps + 10, steps + memory_steps // 2, steps + memory_steps):
+                    out.setdefault("rss_mb_after_steps", {})[str(step + 1)] = round(_rss_mb(), 1)
+                    print(f"after {step + 1} steps: edge process RSS {_rss_mb():.0f} MB", flush=True)
+    later = out["steps"][1:]
+    out["mean_bytes_up_after_step_1"] = int(np.mean([r["bytes_up"] for r in later]))
+    out["mean_jpeg_q90_bytes"] = int(np.mean([r["jpeg_q90_bytes"] for r in later]))
+    out["split_over_jpeg"] = round(out["mean_bytes_up_after_step_1"] / out["mean_jpeg_q90_bytes"], 2)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-patches", type=int, default=4096, help="skip timing budgets with more patches")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-encode", action="store_true", help="skip part 2 (encode times)")
+    ap.add_argument("--agent", action="store_true", help="also run part 3, the agent loop (minutes)")
+    ap.add_argument("--agent-budget", type=int, default=250_000, help="pixel budget of the agent loop")
+    ap.add_argument("--agent-memory-steps", type=int, default=100, help="further steps for the memory check")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "vision_upload.json"))
+    args = ap.parse_args()
+
+    from edge_client.vision import VisionSpec
+    from partition_tools.export_vision import vision_spec
+    from partition_tools.models import glm4v_9b_text_config
+
+    from dataclasses import asdict
+
+    raw = asdict(vision_spec(glm4v_9b_text_config(), "fp32"))
+    spec = VisionSpec(**{**raw, "image_mean": tuple(raw["image_mean"]), "image_std": tuple(raw["image_std"])})
+    result: dict = {"command": "python " + " ".join(["bench/vision_upload_bench.py", *sys.argv[1:]]),
+                    "hidden_size": HIDDEN, "default_budget_max_pixels": DEFAULT_BUDGET,
+                    "note": "random weights: bytes and times only; the budgets' effect on answers is unmeasured"}
+    result["upload"] = upload_table(spec)
+    if not args.no_encode:
+        result["encode"] = encode_times(result["upload"], args.threads, args.max_patches, args.repeats)
+    if args.agent:
+        result["agent"] = agent_loop(args.agent_budget, args.threads, memory_steps=args.agent_memory_steps)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Draft tokens for speculative decoding across the split: prompt lookup, and how many drafts to send.
+
+The phone holds what the cloud never sees: the prompt, the conversation and the outputs of earlier agent
+steps. Agent actions and chat answers copy long spans from them (an element's coordinates, a name on the
+screen, the previous step's action), so the tokens after the longest earlier occurrence of the context's last
+n-gram are a good guess at what comes next: *prompt lookup decoding* (Saxena 2023; "n-gram lookahead" in
+arXiv 2602.16760 on a split Mistral-7B). :class:`PromptLookupDrafter` proposes them from the current context
+first (most recent occurrence wins) and then from a bounded memory of earlier outputs
+(:meth:`PromptLookupDrafter.remember`).
+
+:class:`DraftSizer` picks k per step. A draft is accepted with a probability ``alpha`` (measured: accepted
+drafts over drafts that were tried), so a step with k drafts emits ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens
+in expectation and costs one round trip plus k marginal positions (front compute and uplink of one row each,
+measured). It picks the k that maximises tokens per second; on a long RTT that is a larger k, on a fast
+link or with poor acceptance a smaller one (k = 0: a plain DecodeStep).
+
+Nothing here imports torch; all inputs are token id lists.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class DraftConfig:
+    max_ngram: int = 4  # longest context suffix looked up (longer matches predict better but are rarer)
+    min_ngram: int = 1  # a one-token match still pays off on agent transcripts (", element=[" ...)
+    max_drafts: int = 8  # drafts per step at most (the server's cap applies too)
+    memory_tokens: int = 1 << 16  # tokens of earlier outputs kept for lookup (~256 KB as int32)
+
+    def __post_init__(self):
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        if self.max_drafts < 0:
+            raise ValueError(f"max_drafts must be >= 0, got {self.max_drafts}")
+        if self.memory_tokens < 0:
+            raise ValueError(f"memory_tokens must be >= 0, got {self.memory_tokens}")
+
+
+_SEP = -1  # between remembered outputs: a match never spans two of them
+
+
+def _lookup(text: np.ndarray, suffix: np.ndarray, k: int, exclude_tail: bool) -> list[int]:
+    """Up to ``k`` tokens following the last occurrence of ``suffix`` in ``text`` [L] (not the suffix at the
+    very end of ``text`` itself when ``exclude_tail``); [] if none."""
+    n = suffix.size
+    end = text.size - (1 if exclude_tail else 0)  # a match must leave at least one token after it
+    if end < n + (0 if exclude_tail else 1):
+        return []
+    windows = np.lib.stride_tricks.sliding_window_view(text[:end], n)  # [end - n + 1, n]
+    hits = np.flatnonzero((windows == suffix).all(axis=1))
+    for i in hits[::-1]:  # most recent first
+        cont = text[i + n:i + n + k]
+        cont = cont[:np.argmax(cont == _SEP)] if (cont == _SEP).any() else cont
+        if cont.size:
+            return [int(t) for t in cont]
+    return []
+
+
+class PromptLookupDrafter:
+    """Proposes drafts by n-gram lookup over the context and the remembered outputs (module docstring)."""
+
+    def __init__(self, config: DraftConfig | None = None):
+        self.config = config or DraftConfig()
+        self._memory: deque[int] = deque(maxlen=self.config.memory_tokens or 1)
+        self._memory_arr: np.ndarray | None = None  # cached array of the memory (rebuilt after remember)
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """Keep an output (an earlier agent step's action, an answer) for later lookups."""
+        if not self.config.memory_tokens or not tokens:
+            return
+        self._memory.extend(int(t) for t in tokens)
+        self._memory.append(_SEP)
+        self._memory_arr = None
+
+    def forget(self) -> None:
+        self._memory.clear()
+        self._memory_arr = None
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``context`` (the tokens so far, ending with the last emitted one)."""
+        cfg = self.config
+        k = min(k, cfg.max_drafts)
+        if k <= 0 or not context:
+            return []
+        text = np.asarray(context, dtype=np.int64)  # [L]
+        if self._memory_arr is None:
+            self._memory_arr = np.asarray(self._memory, dtype=np.int64)
+        for n in range(min(cfg.max_ngram, text.size), cfg.min_ngram - 1, -1):
+            suffix = text[-n:]
+            found = _lookup(text, suffix, k, exclude_tail=True)
+            if not found and self._memory_arr.size:
+                found = _lookup(self._memory_arr, suffix, k, exclude_tail=False)
+            if found:
+                return found
+        return []
+
+
+@dataclass(slots=True)
+class SizerConfig:
+    prior_alpha: float = 0.6  # acceptance assumed before any step is measured
+    prior_weight: float = 4.0  # pseudo-trials behind the prior
+    decay: float = 0.9  # per-step weight of old observations: acceptance drifts within an answer
+    default_round_s: float = 0.08  # a step's round trip before one is measured
+
+
+class DraftSizer:
+    """Chooses k per step from measured acceptance and costs (module docstring)."""
+
+    def __init__(self, max_drafts: int, config: SizerConfig | None = None):
+        self.max_drafts = max_drafts
+        self.config = cfg = config or SizerConfig()
+        self._accepted = cfg.prior_alpha * cfg.prior_weight  # decayed accepted drafts
+        self._tried = cfg.prior_weight  # decayed drafts whose verdict was known (accepted or the rejected one)
+        self.round_s = cfg.default_round_s  # a step: send -> Tokens (RTT + server step + the fed row)
+        self.row_s = 0.0  # marginal cost of one more draft row: front compute + uplink
+
+    @property
+    def alpha(self) -> float:
+        return min(0.99, self._accepted / self._tried)
+
+    def observe(self, drafts: int, accepted: int, round_s: float | None = None, row_s: float | None = None) -> None:
+        """One verified step: ``accepted`` of ``drafts`` drafts; its measured round trip and per-row cost."""
+        d = self.config.decay
+        self._accepted = d * self._accepted + accepted
+        self._tried = d * self._tried + accepted + (1 if accepted < drafts else 0)
+        if round_s is not None:
+            self.round_s = 0.7 * self.round_s + 0.3 * round_s
+        if row_s is not None:
+            self.row_s = 0.7 * self.row_s + 0.3 * row_s
+
+    def expected_tokens(self, k: int) -> float:
+        a = self.alpha
+        return (1 - a ** (k + 1)) / (1 - a)
+
+    def choose(self, limit: int | None = None) -> int:
+        """The k in [0, min(max_drafts, limit)] with the most expected tokens per second."""
+        top = self.max_drafts if limit is None else max(0, min(self.max_drafts, limit))
+        return max(range(top + 1), key=lambda k: self.expected_tokens(k) / (self.round_s + k * self.row_s))

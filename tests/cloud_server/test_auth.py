@@ -1,0 +1,159 @@
+"""API keys (cloud_server.auth) and per-key limits and usage over a real server: the keys file holds hashes
+only, every entry is compared in constant time, reloads follow the file, the WebSocket and /v1 need the
+header (never the query string), per-key session caps, per-tenant usage in /metrics, trace ids in the log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import stat
+import time
+
+import httpx
+import pytest
+import websockets
+from cloud_support import EdgeSim, ServerThread
+
+from cloud_server import auth
+from cloud_server.app import create_app
+from cloud_server.config import ConfigError, EngineConfig, ServerConfig
+from cloud_server.runtime import CloudRuntime
+from shared import protocol as P
+from shared.manifest import Manifest
+
+
+# -- the keys file ------------------------------------------------------------------------------------
+def test_keys_cli_prints_the_key_once_and_stores_only_its_hash(tmp_path, capsys):
+    path = tmp_path / "keys.json"
+    assert auth.keys_main(["add", str(path), "--tenant", "acme", "--max-sessions", "3"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert key.startswith("agk_") and len(key) > 40
+    text = path.read_text()
+    assert key not in text and auth.hash_key(key) in text
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    (entry,) = json.loads(text)["keys"]
+    assert entry["tenant"] == "acme" and entry["max_sessions"] == 3
+    assert auth.keys_main(["add", str(path), "--tenant", "bad name!"]) == 2  # refused, file unchanged
+    assert json.loads(path.read_text())["keys"] == [entry]
+
+
+def test_lookup_compares_every_entry_in_constant_time(tmp_path, monkeypatch):
+    path = tmp_path / "keys.json"
+    keys = [auth.add_key(path, f"t{i}")[1] for i in range(5)]
+    store = auth.KeyStore(path)
+    calls = []
+    real = auth.hmac.compare_digest
+    monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    assert store.lookup(keys[0]).tenant == "t0"  # a match on the first entry still compares all five
+    assert len(calls) == 5
+    assert store.lookup("agk_wrong") is None and store.lookup(keys[0][:-1]) is None
+
+
+def test_the_store_reloads_on_change_and_on_sighup_and_keeps_keys_over_a_broken_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(auth, "STAT_EVERY_S", 0.0)
+    path = tmp_path / "keys.json"
+    _, alice = auth.add_key(path, "alice")
+    store = auth.KeyStore(path)
+    _, bob = auth.add_key(path, "bob")
+    os.utime(path, (time.time() + 5, time.time() + 5))  # a new mtime even on a coarse clock
+    assert store.lookup(bob).tenant == "bob" and store.reloads == 1
+    good = path.read_text()
+    path.write_text("{not json")
+    os.utime(path, (time.time() + 10, time.time() + 10))
+    assert store.lookup(alice).tenant == "alice"  # the broken edit did not lock anyone out
+    path.write_text(good)
+    old = signal.getsignal(signal.SIGHUP)
+    try:
+        assert auth.install_sighup(store)
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert store.reloads == 2
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    with pytest.raises(auth.KeysFileError, match="keys\\[0\\]: hash"):
+        auth.parse_keys('{"version": 1, "keys": [{"key_id": "a", "tenant": "x", "hash": "md5:00"}]}', "f")
+    with pytest.raises(ConfigError, match="give one"):
+        ServerConfig(bundle=tmp_path, keys_file=path, api_key="k")
+
+
+# -- over a server ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def keyed(tiny_bundle, tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    _, alice = auth.add_key(path, "alice", max_sessions=2)
+    _, bob = auth.add_key(path, "bob")
+    rt = CloudRuntime(ServerConfig(bundle=tiny_bundle, keys_file=path, open_probes=False, model_name="tiny",
+                                   engine=EngineConfig(num_blocks=64, block_size=4))).start()
+    app = create_app(rt)
+    with ServerThread(app) as srv:
+        srv.runtime, srv.app, srv.keys_path, srv.alice, srv.bob = rt, app, path, alice, bob
+        yield srv
+    rt.stop()
+
+
+def _edge(srv, bundle, key):
+    return EdgeSim(srv.ws_url, bundle, Manifest.load(bundle).bundle_id, api_key=key)
+
+
+def _bearer(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_http_needs_the_header_and_probes_can_be_closed(keyed):
+    assert httpx.get(keyed.url + "/v1/models").status_code == 401
+    assert httpx.get(keyed.url + "/v1/models", headers=_bearer("agk_guess")).status_code == 401
+    assert httpx.get(keyed.url + f"/v1/models?api_key={keyed.alice}").status_code == 401  # never the URL
+    assert httpx.get(keyed.url + "/v1/models", headers=_bearer(keyed.alice)).status_code == 200
+    body = httpx.get(keyed.url + "/metrics").json()
+    assert body["error"]["code"] == "invalid_api_key"  # open_probes=False
+    assert httpx.get(keyed.url + "/ready", headers=_bearer(keyed.bob)).status_code == 200
+
+
+def test_websocket_keys_caps_usage_and_trace(keyed, tiny_bundle, caplog):
+    async def main():
+        with pytest.raises(websockets.InvalidStatus) as nokey:
+            await _edge(keyed, tiny_bundle, None).connect()
+        query = EdgeSim(keyed.ws_url + f"?api_key={keyed.alice}", tiny_bundle,
+                        Manifest.load(tiny_bundle).bundle_id)
+        with pytest.raises(websockets.InvalidStatus) as inquery:
+            await query.connect()
+        a1, a2, a3 = (_edge(keyed, tiny_bundle, keyed.alice) for _ in range(3))
+        await a1.connect()
+        await a2.connect()
+        refused = await a3.connect()  # alice's key holds 2 sessions at most
+        b = _edge(keyed, tiny_bundle, keyed.bob)
+        await b.connect()  # bob is not affected by alice's cap
+        tokens, finish, _ = await a1.generate("trace-me-1", [5, 6, 7, 8, 9], 4)
+        sessions = {s.principal.tenant for s in keyed.app.state.split.registry.by_id.values()}
+        for e in (a1, a2, b):
+            await e.close()
+        return nokey.value.response.status_code, inquery.value.response.status_code, refused, tokens, finish, \
+            sessions
+
+    with caplog.at_level(logging.INFO, logger="autoglm.cloud.trace"):
+        nokey, inquery, refused, tokens, finish, tenants = asyncio.run(main())
+    assert nokey == 401 and inquery == 401
+    assert isinstance(refused, P.Error) and refused.code == "overloaded" and refused.retry_after_ms
+    assert "holds its limit of 2 sessions" in refused.message
+    assert len(tokens) == 4 and finish == "length"
+    assert tenants == {"tenant:alice", "tenant:bob"}  # Session.principal.tenant: the prefix-cache namespace
+    text = httpx.get(keyed.url + "/metrics", headers=_bearer(keyed.bob)).text
+    assert 'autoglm:tenant_generation_tokens_total{model_name="tiny",tenant="alice"} 4.0' in text
+    assert 'autoglm:tenant_prompt_tokens_total{model_name="tiny",tenant="alice"} 5.0' in text
+    assert 'autoglm:tenant_sessions_total{model_name="tiny",tenant="alice"} 2.0' in text
+    assert 'autoglm:tenant_sessions_total{model_name="tiny",tenant="bob"} 1.0' in text
+    assert 'autoglm:sessions_refused_total{model_name="tiny",reason="key_session_cap"} 1.0' in text
+    assert 'tenant_uplink_bytes_total{model_name="tiny",tenant="alice"}' in text
+    lines = [r.getMessage() for r in caplog.records if "trace=trace-me-1" in r.getMessage()]
+    assert any("open" in m for m in lines) and any("finish=length tokens=4" in m for m in lines), lines
+
+
+def test_a_key_added_to_the_file_works_without_a_restart(keyed, tiny_bundle):
+    _, carol = auth.add_key(keyed.keys_path, "carol")
+    os.utime(keyed.keys_path, (time.time() + 5, time.time() + 5))
+    deadline = time.monotonic() + 5
+    while httpx.get(keyed.url + "/v1/models", headers=_bearer(carol)).status_code != 200:
+        assert time.monotonic() < deadline, "the new key was not picked up"
+        time.sleep(0.2)

@@ -1,0 +1,254 @@
+"""The catalogue of bad inputs over the WebSocket (docs/reliability.md): each case is answered with its documented
+error (docs/protocol.md's codes and close codes, HTTP 401) while a bystander session on the same server streams
+its tokens exactly as it does alone. One server for the module; ``-s`` prints the table.
+
+    python -m pytest -s tests/cloud_server/test_bad_inputs.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import numpy as np
+import pytest
+import websockets
+import zstandard
+from cloud_support import EdgeSim, ServerThread, edge_front
+from websockets.exceptions import ConnectionClosed
+
+from cloud_server import auth
+from cloud_server.app import create_app
+from cloud_server.config import EngineConfig, ServerConfig
+from cloud_server.runtime import CloudRuntime
+from shared import codecs as C
+from shared import protocol as P
+from shared.manifest import Manifest
+
+H = 64  # tiny-glm4's hidden size
+MAX_CONTEXT = 64
+HANDSHAKE_S = 1.0
+BYSTANDER = [17, 200, 31, 5, 99, 140, 7, 63, 250]
+FLOOD_TCP, FLOOD_WS = 200, 50
+
+
+@pytest.fixture(scope="module")
+def server(tiny_bundle, tmp_path_factory):
+    keys = tmp_path_factory.mktemp("cat-keys") / "keys.json"
+    _, key = auth.add_key(keys, "catalogue")
+    engine = EngineConfig(num_blocks=256, block_size=4, max_model_len=MAX_CONTEXT, max_num_batched_tokens=256)
+    rt = CloudRuntime(ServerConfig(bundle=tiny_bundle, engine=engine, keys_file=keys,
+                                   handshake_timeout_s=HANDSHAKE_S, session_grace_s=0.5)).start()
+    app = create_app(rt)
+    srv = ServerThread(app).__enter__()
+    srv.runtime, srv.key, srv.bundle_id = rt, key, Manifest.load(tiny_bundle).bundle_id
+    yield srv
+    srv.__exit__(None, None, None)
+    rt.stop()
+
+
+@pytest.fixture(scope="module")
+def front(tiny_bundle):
+    return edge_front(tiny_bundle)
+
+
+def _h(n: int, width: int = H) -> P.EncodedTensor:
+    return C.get_codec("fp16").encode(np.zeros((n, width), np.float32))
+
+
+def _params(n: int = 4) -> P.SamplingParams:
+    return P.SamplingParams(max_tokens=n, temperature=0.0)
+
+
+class Probe:
+    """A raw WebSocket to the server: send anything, read what comes back (an Error, then the close code)."""
+
+    def __init__(self, server, key: str | None = "default"):
+        self.server = server
+        self.key = server.key if key == "default" else key
+        self.ws = None
+
+    async def open(self, hello: bool = True, **hello_kw):
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        self.ws = await websockets.connect(self.server.ws_url, additional_headers=headers, max_size=None)
+        if hello:
+            await self.send(P.Hello(bundle_id=hello_kw.pop("bundle_id", self.server.bundle_id),
+                                    codecs=hello_kw.pop("codecs", ["fp16"])))
+            return await self.recv()
+        return None
+
+    async def send(self, msg) -> None:
+        await self.ws.send(msg if isinstance(msg, (bytes, str)) else P.encode_message(msg))
+
+    async def recv(self, timeout: float = 30.0):
+        return P.decode_message(await asyncio.wait_for(self.ws.recv(), timeout))
+
+    async def answer(self) -> tuple[str | None, int | None]:
+        """(error code of the next Error, or None; close code if the server then closed, else None)."""
+        code = None
+        try:
+            msg = await self.recv()
+            code = msg.code if isinstance(msg, P.Error) else type(msg).__name__
+            await asyncio.wait_for(self.ws.recv(), 0.5)  # the close follows a fatal Error
+        except ConnectionClosed as e:
+            return code, e.rcvd.code if e.rcvd else None
+        except asyncio.TimeoutError:
+            pass
+        return code, None
+
+
+async def _fatal_first_frame(server, frame) -> tuple:
+    p = Probe(server)
+    await p.open(hello=False)
+    await p.send(frame)
+    return await p.answer()
+
+
+async def _per_request(server, msg) -> tuple:
+    """Send ``msg`` on an open session: a request's fault fails that request and the session stays open (a
+    Close then ends it cleanly); a frame that does not decode ends the session."""
+    p = Probe(server)
+    await p.open()
+    await p.send(msg)
+    out = await p.answer()
+    if out[1] is None:
+        await p.send(P.Close())
+    return out
+
+
+def _bomb() -> P.EncodedTensor:
+    payload = zstandard.ZstdCompressor().compress(b"\0" * (256 << 20))  # 256 MiB of zeros in ~8 KiB
+    return P.EncodedTensor(codec="fp16", shape=(4, H), data=payload, zstd=True)
+
+
+def _nonfinite(value: float) -> P.EncodedTensor:
+    """fp16 hidden states with one ``value`` (NaN, Inf) in them, written into the bytes (the encoder refuses)."""
+    t = _h(4)
+    data = bytearray(t.data)
+    data[2:4] = np.array([value], np.float16).tobytes()
+    return P.EncodedTensor(codec="fp16", shape=t.shape, data=bytes(data))
+
+
+async def _http_status(server, key: str | None) -> tuple:
+    with pytest.raises(websockets.InvalidStatus) as e:
+        await Probe(server, key).open()
+    return "http", e.value.response.status_code
+
+
+async def _oversize(server, extra: int) -> tuple:
+    p = Probe(server)
+    await p.open()
+    limit = P.SessionLimits().max_frame_bytes
+    rows = (limit + extra) // (2 * H) + 1
+    await p.send(P.Prefill(request_id="big", start=0, hidden=_h(rows), params=_params()))
+    out = await p.answer()
+    if out[1] is None:
+        await p.send(P.Close())
+    return out
+
+
+# name -> (coroutine factory, documented answer: (Error code, close code or None = session stays open))
+CATALOGUE = {
+    "malformed msgpack": (lambda s: _fatal_first_frame(s, b"\xc1\x93\xff\x00garbage"), ("bad_frame", 1002)),
+    "text frame": (lambda s: _fatal_first_frame(s, "hello"), ("bad_frame", 1002)),
+    "wrong order: Prefill before Hello": (
+        lambda s: _fatal_first_frame(s, P.encode_message(P.Prefill(request_id="r", start=0, hidden=_h(2),
+                                                                   params=_params()))), ("bad_state", 1002)),
+    "wrong order: DecodeStep of no request": (
+        lambda s: _per_request(s, P.DecodeStep(request_id="nope", position=3, hidden=_h(1))),
+        ("unknown_request", None)),
+    "frame over max_frame_bytes (within slack)": (lambda s: _oversize(s, 1024), ("too_large", None)),
+    "frame over max_frame_bytes + 1 MiB": (lambda s: _oversize(s, 2 << 20), (None, 1009)),
+    "zstd decompression bomb": (
+        lambda s: _per_request(s, P.Prefill(request_id="z", start=0, hidden=_bomb(), params=_params())),
+        ("decompress", 1002)),  # the frame's zstd header is checked before any allocation: fatal
+    "NaN in hidden states": (
+        lambda s: _per_request(s, P.Prefill(request_id="n", start=0, hidden=_nonfinite(np.nan), params=_params())),
+        ("bad_tensor", None)),
+    "Inf in hidden states": (
+        lambda s: _per_request(s, P.Prefill(request_id="i", start=0, hidden=_nonfinite(np.inf), params=_params())),
+        ("bad_tensor", None)),
+    "wrong-shape hidden states": (
+        lambda s: _per_request(s, P.Prefill(request_id="w", start=0, hidden=_h(3, width=H // 2), params=_params())),
+        ("bad_input", None)),
+    "unknown codec (Hello)": (lambda s: _hello_refusal(s, codecs=["fp7"]), ("codec_not_negotiated", 1008)),
+    "codec not negotiated (Prefill)": (
+        lambda s: _per_request(s, P.Prefill(request_id="c", start=0, hidden=C.get_codec("int8-b32").encode(
+            np.zeros((4, H), np.float32)), params=_params())), ("codec_not_negotiated", None)),
+    "wrong bundle id": (lambda s: _hello_refusal(s, bundle_id="b" * 16), ("bundle_mismatch", 1008)),
+    "missing API key": (lambda s: _http_status(s, None), ("http", 401)),
+    "invalid API key": (lambda s: _http_status(s, "agk_" + "x" * 43), ("http", 401)),
+    "prompt over max_context": (
+        lambda s: _per_request(s, P.Prefill(request_id="long", start=0, hidden=_h(MAX_CONTEXT + 1),
+                                            params=_params())), ("context_full", None)),
+}
+
+
+async def _hello_refusal(server, **hello_kw) -> tuple:
+    p = Probe(server)
+    first = await p.open(**hello_kw)
+    try:
+        await asyncio.wait_for(p.ws.recv(), 2.0)
+    except ConnectionClosed as e:
+        return (first.code if isinstance(first, P.Error) else type(first).__name__), e.rcvd.code if e.rcvd else None
+    return first.code, None
+
+
+async def _bystander(server, front, tiny_bundle, pause: float) -> list[int]:
+    edge = EdgeSim(server.ws_url, tiny_bundle, server.bundle_id, front=front, api_key=server.key)
+    await edge.connect()
+    front_fork = edge.front.fork()
+    await edge.prefill("b", front_fork, BYSTANDER, P.SamplingParams(max_tokens=24, temperature=0.0,
+                                                                    ignore_eos=True))
+    tokens: list[int] = []
+    while True:
+        msg = await edge.recv()
+        assert isinstance(msg, P.Tokens), msg
+        tokens += msg.token_ids
+        if msg.finish_reason:
+            break
+        await asyncio.sleep(pause)  # a slow phone: its session spans the whole catalogue
+        from cloud_support import boundary
+
+        await edge.send(P.DecodeStep(request_id="b", position=len(BYSTANDER) + len(tokens) - 1,
+                                     hidden=edge.encode(boundary(front_fork, [tokens[-1]]))))
+    await edge.close()
+    return tokens
+
+
+def test_every_bad_input_gets_its_documented_answer_while_a_bystander_streams(server, front, tiny_bundle):
+    async def main():
+        alone = await _bystander(server, front, tiny_bundle, 0.0)
+        beside = asyncio.create_task(_bystander(server, front, tiny_bundle, 0.1))
+        seen = {name: await make(server) for name, (make, _) in CATALOGUE.items()}
+        return alone, await beside, seen
+
+    alone, beside, seen = asyncio.run(main())
+    print(f"\n{'case':45s} {'answer':32s} documented")
+    for name, (_, want) in CATALOGUE.items():
+        print(f"{name:45s} {str(seen[name]):32s} {'yes' if seen[name] == want else 'NO: ' + str(want)}")
+    assert {n: seen[n] for n in CATALOGUE} == {n: w for n, (_, w) in CATALOGUE.items()}
+    assert beside == alone and len(alone) == 24  # the bystander's tokens did not change
+    print(f"{len(CATALOGUE)} cases, each answered as documented; bystander: {len(beside)} tokens, identical")
+
+
+def test_a_flood_of_idle_and_half_open_sockets_is_shed_and_a_session_still_serves(server, front, tiny_bundle):
+    """Raw TCP sockets that never speak, half-sent HTTP upgrades, and WebSockets that never send Hello: the
+    honest session is served through it, the WebSockets are closed at the handshake timeout (bad_state)."""
+    async def main():
+        tcp = [socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) for _ in range(FLOOD_TCP)]
+        for s in tcp[: FLOOD_TCP // 2]:  # half-open upgrades: a request line and no end of headers
+            s.sendall(b"GET /v1/split HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n")
+        idle = [Probe(server) for _ in range(FLOOD_WS)]
+        await asyncio.gather(*(p.open(hello=False) for p in idle))
+        served = await _bystander(server, front, tiny_bundle, 0.0)
+        answers = await asyncio.gather(*(p.answer() for p in idle))
+        for s in tcp:
+            s.close()
+        return served, answers
+
+    served, answers = asyncio.run(main())
+    assert len(served) == 24
+    assert answers == [("bad_state", 1002)] * FLOOD_WS  # closed at the handshake timeout
+    print(f"\nflood: {FLOOD_TCP} idle/half-open TCP sockets + {FLOOD_WS} silent WebSockets; honest session served "
+          f"{len(served)} tokens; silent WebSockets closed after {HANDSHAKE_S:g} s")

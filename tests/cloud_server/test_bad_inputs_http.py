@@ -1,0 +1,100 @@
+"""The catalogue of bad inputs over HTTP ``/v1`` (full-model mode, docs/reliability.md): malformed JSON, wrong
+types, a prompt over the context, a missing or wrong key, a key in the query string, and overload (429 with
+``Retry-After``, answered at once, never queued) - each with its documented status while a streaming
+request on the same server produces exactly what it produces alone. One server for the module.
+
+    python -m pytest -s tests/cloud_server/test_bad_inputs_http.py
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import httpx
+import pytest
+from cloud_support import ServerThread
+
+from cloud_server.app import create_app
+from cloud_server.config import EngineConfig, ServerConfig
+from cloud_server.runtime import CloudRuntime
+
+KEY = "sk-http-catalogue"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_LEN = 128
+STREAM = {"model": "tiny", "prompt": "a b c", "max_tokens": 24, "temperature": 0.0, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def server(smol_lm):
+    cfg = ServerConfig(full="smollm2", api_key=KEY, model_name="tiny", max_http_requests=1,
+                       engine=EngineConfig(num_blocks=64, block_size=4, max_model_len=MAX_LEN))
+    rt = CloudRuntime(cfg, loaded=copy.copy(smol_lm)).start()  # the runtime sets fields of its model
+    with ServerThread(create_app(rt)) as srv:
+        yield srv
+    rt.stop()
+
+
+def _post(server, path: str, body=None, headers=AUTH, content: bytes | None = None):
+    return httpx.post(server.url + path, json=body if content is None else None, content=content,
+                      headers={**headers, **({"content-type": "application/json"} if content else {})}, timeout=30)
+
+
+def _stream_text(server, pace: float = 0.0) -> str:
+    """A streamed completion's text; ``pace`` slows the reader (the request holds its slot longer)."""
+    out = []
+    with httpx.stream("POST", server.url + "/v1/completions", json=STREAM, headers=AUTH, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                import json
+
+                out.append(json.loads(line[6:])["choices"][0]["text"])
+                time.sleep(pace)
+    return "".join(out)
+
+
+CASES = {  # name -> (request, documented status)
+    "malformed JSON": (lambda s: _post(s, "/v1/completions", content=b"{not json"), 400),
+    "wrong type (max_tokens a string)": (
+        lambda s: _post(s, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}), 400),
+    "missing messages": (lambda s: _post(s, "/v1/chat/completions", {"model": "tiny"}), 400),
+    "prompt over the context": (
+        lambda s: _post(s, "/v1/completions", {"model": "tiny", "prompt": "a " * (4 * MAX_LEN)}), 400),
+    "missing API key": (lambda s: _post(s, "/v1/completions", {"model": "tiny", "prompt": "x"}, headers={}), 401),
+    "invalid API key": (
+        lambda s: _post(s, "/v1/completions", {"model": "tiny", "prompt": "x"}, headers={"Authorization": "Bearer no"}),
+        401),
+    "API key in the query string": (
+        lambda s: httpx.get(s.url + f"/v1/models?api_key={KEY}", timeout=10), 401),
+}
+
+
+def test_every_bad_http_input_gets_its_documented_status(server):
+    alone = _stream_text(server)
+    seen = {name: make(server).status_code for name, (make, _) in CASES.items()}
+    print(f"\n{'case':40s} status documented")
+    for name, (_, want) in CASES.items():
+        print(f"{name:40s} {seen[name]:6d} {'yes' if seen[name] == want else 'NO: ' + str(want)}")
+    assert seen == {n: w for n, (_, w) in CASES.items()}
+    assert _stream_text(server) == alone and alone
+
+
+def test_overload_is_refused_at_once_with_429_and_retry_after(server):
+    alone = _stream_text(server)
+    result = {}
+    busy = threading.Thread(target=lambda: result.update(text=_stream_text(server, pace=0.05)))
+    busy.start()
+    time.sleep(0.5)  # the slow stream holds the only slot (max_http_requests=1)
+    t0 = time.monotonic()
+    refused = _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+    waited = time.monotonic() - t0
+    probe = httpx.get(server.url + "/ready", timeout=5)  # probes are not counted: they answer under load
+    busy.join(60)
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert waited < 1.0 and probe.status_code == 200
+    assert result["text"] == alone  # the request holding the slot was not disturbed
+    assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+    print(f"\noverload: 429 + Retry-After in {waited * 1000:.0f} ms; the streaming request's text unchanged")

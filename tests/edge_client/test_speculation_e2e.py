@@ -1,0 +1,123 @@
+"""Speculative decoding across the split, end to end: a real `autoglm-cloud serve`, the edge client, the rig's
+link emulator.
+
+* greedy output with speculation equals plain split decoding (tiny GLM-4 and SmolLM2, fp32 edge, fp16 wire),
+  with fewer round trips than tokens;
+* a cut of the link while a SpecStep is in flight - the step lost on the way up, or its verdict lost on the
+  way down - still gives the same tokens (resume, no replay);
+* a restart of the cloud while a SpecStep is in flight replays and still gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from edge_client.client import EdgeClient
+from edge_client.config import RetryPolicy
+from edge_client.demo import LocalCloud
+from rig.link import LinkEmulator
+from shared import protocol as P
+from shared.link_profiles import LinkProfile
+
+RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=60.0, max_retries=40, backoff_initial_s=0.1,
+                    backoff_max_s=0.5)
+# a prompt that repeats itself, as agent prompts do: drafts from prompt lookup get accepted
+_rng = np.random.RandomState(3)
+_PHRASE = [int(t) for t in _rng.randint(4, 512, 12)]
+PROMPT = [int(t) for t in _rng.randint(4, 512, 10)] + _PHRASE + [7, 9] + _PHRASE + [11] + _PHRASE[:5]
+N_NEW = 24
+# slow enough that a frame is still inside the emulated link when the test cuts it
+SLOW = LinkProfile("slow-test", rtt_ms=400.0, jitter_ms=0.0, down_mbps=100.0, up_mbps=100.0, loss=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_cloud(tiny_bundle, tmp_path_factory):
+    log = tmp_path_factory.mktemp("cloud-log") / "tiny-spec.log"
+    with LocalCloud(tiny_bundle, log_path=log) as cloud:
+        yield cloud
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(tiny_bundle, tiny_cloud):
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        return c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids
+
+
+def test_tiny_speculative_greedy_equals_plain(tiny_bundle, tiny_cloud, plain_tokens):
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True)
+    st = gen.stats
+    assert gen.token_ids == plain_tokens
+    assert st.draft_tokens > 0 and st.accepted_draft_tokens > 0
+    assert st.decode_round_trips < len(gen.token_ids) - 1  # more than one token per round trip
+    assert st.decode_round_trips + st.accepted_draft_tokens == len(gen.token_ids) - 1
+
+
+def _cut_after_spec(client: EdgeClient, proxy: LinkEmulator, which: int, delay_s: float) -> list[int]:
+    """Cut ``proxy`` ``delay_s`` after the ``which``-th SpecStep leaves the edge; returns a list that gets the
+    positions of the SpecSteps sent."""
+    session = client.session
+    sent_positions: list[int] = []
+    real_send = session._send
+
+    async def send(msg):
+        n = await real_send(msg)
+        if isinstance(msg, P.SpecStep):
+            sent_positions.append(msg.position)
+            if len(sent_positions) == which:
+                asyncio.get_running_loop().call_later(delay_s, proxy.cut)
+        return n
+
+    session._send = send
+    return sent_positions
+
+
+@pytest.mark.parametrize("delay_s,lost", [(0.0, "the SpecStep"), (0.3, "the verdict")])
+def test_cut_mid_speculative_step_keeps_parity(tiny_bundle, tiny_cloud, plain_tokens, delay_s, lost):
+    with LinkEmulator(tiny_cloud.port, SLOW) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY) as c:
+        positions = _cut_after_spec(c, proxy, 2, delay_s)
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True)
+    assert gen.token_ids == plain_tokens, lost
+    assert proxy.cuts == 1 and gen.stats.reconnects >= 1 and gen.stats.resumes >= 1 and gen.stats.replays == 0
+    if lost == "the SpecStep":  # it was sent again at the same position after the resume
+        assert len(positions) != len(set(positions))
+
+
+def test_cloud_restart_mid_speculative_step_replays_with_parity(tiny_bundle, tmp_path, plain_tokens):
+    with LocalCloud(tiny_bundle, log_path=tmp_path / "cloud.log") as cloud, \
+            EdgeClient(tiny_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        session = c.session
+        real_send = session._send
+        seen = []
+
+        async def send(msg):
+            if isinstance(msg, P.SpecStep) and not seen:
+                seen.append(msg.position)
+                await asyncio.to_thread(cloud.kill)  # the server dies as the SpecStep goes out...
+                await asyncio.to_thread(cloud.start)  # ...and a fresh one comes up on the same port
+                return await real_send(msg)  # on the dead connection: lost
+            return await real_send(msg)
+
+        session._send = send
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True)
+    assert seen and gen.token_ids == plain_tokens
+    assert gen.stats.replays == 1
+
+
+# -- SmolLM2: real weights ------------------------------------------------------------------------------------
+
+
+def test_smollm2_speculative_greedy_equals_plain(smollm2_bundle, tmp_path):
+    chat = [{"role": "system", "content": "You copy the user's list exactly."},
+            {"role": "user", "content": "Repeat this list twice: apples, pears, plums, cherries, grapes."}]
+    with LocalCloud(smollm2_bundle, log_path=tmp_path / "cloud.log") as cloud, \
+            EdgeClient(smollm2_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        plain = c.complete(messages=chat, max_tokens=32)
+        spec = c.complete(messages=chat, max_tokens=32, speculate=True)
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert spec.stats.accepted_draft_tokens > 0
+    assert spec.stats.decode_round_trips < plain.stats.decode_round_trips
