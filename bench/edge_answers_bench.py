@@ -80,13 +80,16 @@ ARMS: dict[str, dict | str | None] = {
     "int8-gate_up-fp32": {**I8, "keep_float": ["layers.*.mlp.gate_up_proj"]},
     "int8-down-fp32": {**I8, "keep_float": ["layers.*.mlp.down_proj"]},
     "int8-down-acc1": {**I8, "precise": ["layers.*.mlp.down_proj"]},
+    "int8-had-down": {**I8, "rotate": ["layers.*.mlp.down_proj"]},
+    "int8-had-all": {**I8, "rotate": ["layers.*"]},
+    "int8-had-all-kv8": {**I8, "rotate": ["layers.*"], "kv_cache": "int8"},
     "int8-layer0-fp32": {**I8, "keep_float": ["layers.0.*"]},
     "int8-layer7-fp32": {**I8, "keep_float": ["layers.7.*"]},
 }
 
 
 def build_arm(name: str, fp32: Path, out_dir: Path, adapter, layer: int, tokenizer) -> tuple[Path, dict]:
-    from partition_tools.quantize import calibration_tokens, quantize_front, recipe_for
+    from partition_tools.quantize import calibration_tokens, kv_calibration_tokens, quantize_front, recipe_for
 
     spec = ARMS[name]
     if spec is None:
@@ -96,8 +99,10 @@ def build_arm(name: str, fp32: Path, out_dir: Path, adapter, layer: int, tokeniz
         mode = "int8" if spec == "recipe" else "int4"
         return dst, quantize_front(fp32, dst, mode, **recipe_for(adapter, layer, mode, tokenizer))
     kwargs = {k: v for k, v in spec.items() if v is not None}
-    if "smooth_alpha" in kwargs or "kv_cache" in kwargs:
+    if "smooth_alpha" in kwargs:
         kwargs["calibration_ids"] = calibration_tokens(tokenizer, adapter.vocab_size)
+    if "kv_cache" in kwargs:
+        kwargs["kv_calibration_ids"] = kv_calibration_tokens(tokenizer, adapter.vocab_size)
     return dst, quantize_front(fp32, dst, kwargs.pop("mode"), **kwargs)
 
 

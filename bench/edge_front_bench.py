@@ -12,9 +12,10 @@ For one model split at layer N (default SmolLM2-135M at 8) this
    *interleaved* in blocks of ``--block`` steps (round robin), so load from other jobs on a shared machine
    hits all of them alike; ratios are taken within the run;
 3. times a ``--prefill``-token prefill from an empty cache (tokens/s) the same way;
-4. with ``llama-cpp-python`` importable, the same model through llama.cpp: the GGUF re-quantized to Q8_0
-   (and the shipped Q4_1), whole-model decode step at the same contexts and threads; its per-layer time is
-   (step - lm_head share) / layers, the lm_head share estimated by its share of the weight bytes;
+4. with ``llama-cpp-python`` importable, the same model through llama.cpp, *in the same interleaved loops*:
+   the GGUF re-quantized to Q8_0 (and the shipped Q4_1), whole-model decode step at the same contexts and
+   threads; its per-layer time is (step - lm_head share) / layers, the lm_head share estimated by its
+   share of the weights;
 5. profiles one decode step series per graph with onnxruntime's profiler (per-op-type time and kernel
    count per step) and writes everything to ``--json``.
 
@@ -169,34 +170,32 @@ def llama_cpp_gguf(src: Path, work: Path) -> dict[str, Path]:
     return {"Q8_0": q8, src.stem.split(".")[-1]: src}
 
 
-def llama_cpp_decode(gguf: Path, contexts: list[int], threads: int, runs: int) -> dict:
-    """ms per decode step (whole model, last-token logits) at each context, and prefill tokens/s."""
-    from llama_cpp import Llama
+class LlamaStepper:
+    """llama.cpp (whole model, last-token logits) behind the runtime's decode / truncate / reset / prefill,
+    so the timing loops interleave it with the fronts."""
 
-    llm = Llama(str(gguf), n_ctx=max(contexts) + 64, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
-    rng = np.random.default_rng(0)
-    prompt = [int(t) for t in rng.integers(4, 40000, max(contexts))]
-    out = {}
-    for past in contexts:
-        llm.reset()
-        llm.eval(prompt[:past])
-        for _ in range(3):
-            llm.n_tokens = past
-            llm.eval([11])
-        ms = []
-        for _ in range(runs):
-            llm.n_tokens = past
-            t0 = time.perf_counter()
-            llm.eval([11])
-            ms.append(1000 * (time.perf_counter() - t0))
-        out[str(past)] = summary(np.asarray(ms))
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(prompt[:128])
-    out["prefill128_tok_s"] = 128 / (time.perf_counter() - t0)
-    llm.close()
-    return out
+    def __init__(self, gguf: Path, threads: int, n_ctx: int, past: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                         verbose=False)
+        if past:
+            self.llm.eval([int(t) for t in np.random.default_rng(0).integers(4, 40000, past)])
+
+    def decode(self, token: int) -> None:
+        self.llm.eval([token])
+
+    def truncate(self, n: int) -> None:
+        self.llm.n_tokens = n  # eval drops the cache rows past n before its next batch
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def prefill(self, ids) -> None:
+        self.llm.eval([int(t) for t in ids])
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 def lm_head_share(adapter) -> float:
@@ -249,15 +248,26 @@ def main(argv=None) -> int:
     decode: dict = {}
     prefill: dict = {}
     load["timing_start"] = os.getloadavg()
+    ggufs: dict[str, Path] = {}
+    if not args.no_llama:
+        try:
+            from partition_tools.models import smollm2_gguf_path
+
+            ggufs = llama_cpp_gguf(smollm2_gguf_path(), args.work)
+        except ImportError as e:
+            print(f"llama.cpp skipped: {e}", file=sys.stderr)
+    n_ctx = max(args.context_list) + 64
     for threads in args.thread_list:
         for past in args.context_list:
             rts = {n: filled_runtime(b, threads, past, rng) for n, b in bundles.items()}
+            rts.update({f"llama.cpp-{q}": LlamaStepper(g, threads, n_ctx, past) for q, g in ggufs.items()})
             ms = time_decode(rts, past, args.runs, args.block)
             decode[f"t{threads}/p{past}"] = {n: summary(v) for n, v in ms.items()}
             line = " ".join(f"{n} {np.median(v):.2f}" for n, v in ms.items())
             print(f"threads {threads} past {past}: {line} ms", file=sys.stderr, flush=True)
             del rts
         rts = {n: filled_runtime(b, threads, 0, rng) for n, b in bundles.items()}
+        rts.update({f"llama.cpp-{q}": LlamaStepper(g, threads, n_ctx, 0) for q, g in ggufs.items()})
         pm = time_prefill(rts, args.prefill, args.prefill_runs)
         prefill[f"t{threads}"] = {n: {**summary(v), "tok_s": args.prefill / (np.median(v) / 1000)}
                                   for n, v in pm.items()}
@@ -270,12 +280,14 @@ def main(argv=None) -> int:
         for a, b in (("fused-fp32", "fused-int8"), ("fused-fp32", "fused-int4"), ("plain-fp32", "fused-int8"),
                      ("plain-int8", "fused-int8"), ("plain-fp32", "plain-int8")):
             if a in row and b in row:
-                r[f"{b} vs {a}"] = row[a]["median_ms"] / row[b]["median_ms"]
+                r[f"{b} vs {a}"] = {"median": row[a]["median_ms"] / row[b]["median_ms"],
+                                    "p10": row[a]["p10_ms"] / row[b]["p10_ms"]}
         ratios[key] = r
     growth = {}
     for threads in args.thread_list:
         lo, hi = f"t{threads}/p{min(args.context_list)}", f"t{threads}/p{max(args.context_list)}"
-        growth[f"t{threads}"] = {n: decode[hi][n]["median_ms"] / decode[lo][n]["median_ms"] for n in decode[lo]}
+        growth[f"t{threads}"] = {n: {"median": decode[hi][n]["median_ms"] / decode[lo][n]["median_ms"],
+                                     "p10": decode[hi][n]["p10_ms"] / decode[lo][n]["p10_ms"]} for n in decode[lo]}
 
     profiles = {}
     for name in ("fused-int8", "plain-int8", "fused-fp32"):
@@ -283,27 +295,22 @@ def main(argv=None) -> int:
             profiles[name] = profile_ops(bundles[name], 256, args.profile_steps, 2)
 
     llama = None
-    if not args.no_llama:
-        try:
-            from partition_tools.models import smollm2_gguf_path
-
-            ggufs = llama_cpp_gguf(smollm2_gguf_path(), args.work)
-            share = lm_head_share(adapter)
-            llama = {"lm_head_share": share, "layers": adapter.num_layers,
-                     "version": __import__("llama_cpp").__version__, "models": {}}
-            for qname, path in ggufs.items():
-                llama["models"][qname] = {f"t{t}": llama_cpp_decode(path, args.context_list, t, args.runs)
-                                          for t in args.thread_list}
-            for qname, per_t in llama["models"].items():
-                for t, rows in per_t.items():
-                    for past in args.context_list:
-                        row = rows[str(past)]
-                        row["per_layer_ms"] = row["median_ms"] * (1 - share) / adapter.num_layers
-        except ImportError as e:
-            llama = {"error": f"llama-cpp-python not importable: {e}"}
+    if ggufs:
+        share = lm_head_share(adapter)
+        llama = {"lm_head_share": share, "layers": adapter.num_layers, "models": list(ggufs),
+                 "version": __import__("llama_cpp").__version__,
+                 "per_layer_ms": {k: {n: v["median_ms"] * (1 - share) / adapter.num_layers
+                                      for n, v in row.items() if n.startswith("llama.cpp")}
+                                  for k, row in decode.items()},
+                 "per_layer_p10_ms": {k: {n: v["p10_ms"] * (1 - share) / adapter.num_layers
+                                          for n, v in row.items() if n.startswith("llama.cpp")}
+                                      for k, row in decode.items()}}
     load["after"] = os.getloadavg()
 
-    per_layer = {k: {n: v["median_ms"] / args.layer for n, v in row.items()} for k, row in decode.items()}
+    per_layer = {k: {n: v["median_ms"] / args.layer for n, v in row.items() if not n.startswith("llama")}
+                 for k, row in decode.items()}
+    per_layer_p10 = {k: {n: v["p10_ms"] / args.layer for n, v in row.items() if not n.startswith("llama")}
+                     for k, row in decode.items()}
     result = {
         "command": "python bench/edge_front_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "model": lm.source, "identity": lm.identity, "split_layer": args.layer, "layers_total": adapter.num_layers,
@@ -315,7 +322,7 @@ def main(argv=None) -> int:
         "onnxruntime": __import__("onnxruntime").__version__,
         "bundles": {n: json.loads((b / "manifest.json").read_text()).get("quant_report") for n, b in bundles.items()},
         "decode": decode, "decode_ratios": ratios, "decode_growth_max_over_min_context": growth,
-        "per_layer_ms": per_layer, "prefill": prefill, "prefill_tokens": args.prefill,
+        "per_layer_ms": per_layer, "per_layer_p10_ms": per_layer_p10, "prefill": prefill, "prefill_tokens": args.prefill,
         "profiles_decode_p256_t2": profiles, "llama_cpp": llama,
         "seconds": time.perf_counter() - started,
     }

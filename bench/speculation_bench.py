@@ -3,8 +3,9 @@
 SmolLM2-135M-Instruct (real weights) split at layer 8, fp32 edge (so the runs are bit-comparable), a real
 ``autoglm-cloud serve`` process, and the rig's link emulator (``rig.link.LinkEmulator``) between them at an
 RTT of 20, 80 and 150 ms (4G-like bandwidth: 21 Mbit/s down, 6.3 up, no jitter or loss so that the modes
-differ only by what they do). Greedy decoding; every request runs plain (``split``) and speculative
-(``split+spec``), and the tokens must be identical.
+differ only by what they do). Greedy decoding; every request runs plain (``split``) on one simulated phone and
+speculative (``split+spec``) on another - each its own tenant and activation cache, so neither warms the
+other's prefix caches - and the tokens must be identical.
 
 Workloads, fixed before measuring:
 
@@ -112,40 +113,51 @@ def measure(bundle: Path, cloud: LocalCloud, rtt: float, args) -> list[dict]:
     profile = LinkProfile(f"rtt{int(rtt)}", rtt_ms=rtt, jitter_ms=0.0, down_mbps=21.0, up_mbps=6.3, loss=0.0,
                           source="4G-like bandwidth (rig profile 4g), no jitter or loss: modes differ only by protocol")
     out = []
-    with LinkEmulator(cloud.port, profile, seed=1) as link, \
-            EdgeClient(bundle, f"ws://127.0.0.1:{link.port}/v1/split", retry=RETRY, codec="fp16") as client:
-        # warm-up: the system prompt into both prefix caches, the graphs into memory (not measured)
-        client.complete(messages=[{"role": "system", "content": system_prompt()},
-                                  {"role": "user", "content": "warm-up"}], max_tokens=2)
-        # chat
-        plain, spec = Tally(), Tally()
-        for msgs in chat_workload(args.chat):
-            client.session.drafter.forget()
-            a = _run(client, msgs, args.max_tokens, False)
-            client.session.drafter.forget()
-            b = _run(client, msgs, args.max_tokens, True)
-            plain.add(a)
-            spec.add(b)
-            spec.identical &= a.token_ids == b.token_ids
-        out += [plain.record("chat", rtt, "split"), spec.record("chat", rtt, "split+spec")]
-        # agent: each task's steps in order; plain and speculative runs of a task are separate loops
-        plain, spec = Tally(), Tally()
-        for task, screens in AGENT_TASKS[:args.agent_tasks]:
-            outs: dict[bool, list[list[int]]] = {False: [], True: []}
-            for speculate, tally in ((False, plain), (True, spec)):
-                client.session.drafter.forget()  # it never saw this task's transcripts
-                actions: list[str] = []
-                for screen in screens:
-                    msgs = [{"role": "system", "content": system_prompt()},
-                            {"role": "user", "content": agent_user_turn(task, actions, screen)}]
-                    g = _run(client, msgs, args.max_tokens, speculate)
-                    tally.add(g)
-                    outs[speculate].append(g.token_ids)
-                    actions.append(g.text.strip().replace("\n", " "))
-            spec.identical &= outs[False] == outs[True]
-        out += [plain.record("agent", rtt, "split"), spec.record("agent", rtt, "split+spec")]
+    with LinkEmulator(cloud.port, profile, seed=1) as link:
+        url = f"ws://127.0.0.1:{link.port}/v1/split"
+        # one phone per mode, each its own tenant (API key) and activation cache: the prefix caches of one
+        # never warm the other's requests, so TTFT and uplink compare like with like
+        with EdgeClient(bundle, url, api_key=f"plain-{int(rtt)}", retry=RETRY, codec="fp16") as plain_c, \
+                EdgeClient(bundle, url, api_key=f"spec-{int(rtt)}", retry=RETRY, codec="fp16") as spec_c:
+            out += _measure_pair(plain_c, spec_c, rtt, args)
     for r in out:
         print(json.dumps(r), flush=True)
+    return out
+
+
+def _measure_pair(plain_c: EdgeClient, spec_c: EdgeClient, rtt: float, args) -> list[dict]:
+    out = []
+    clients = {False: plain_c, True: spec_c}
+    for c in clients.values():  # warm-up: the system prompt into both prefix caches (not measured)
+        c.complete(messages=[{"role": "system", "content": system_prompt()}, {"role": "user", "content": "warm-up"}],
+                   max_tokens=2)
+    # chat
+    plain, spec = Tally(), Tally()
+    for msgs in chat_workload(args.chat):
+        spec_c.session.drafter.forget()
+        a = _run(plain_c, msgs, args.max_tokens, False)
+        b = _run(spec_c, msgs, args.max_tokens, True)
+        plain.add(a)
+        spec.add(b)
+        spec.identical &= a.token_ids == b.token_ids
+    out += [plain.record("chat", rtt, "split"), spec.record("chat", rtt, "split+spec")]
+    # agent: each task's steps in order; plain and speculative runs of a task are separate loops
+    plain, spec = Tally(), Tally()
+    for task, screens in AGENT_TASKS[:args.agent_tasks]:
+        outs: dict[bool, list[list[int]]] = {False: [], True: []}
+        for speculate, tally in ((False, plain), (True, spec)):
+            client = clients[speculate]
+            client.session.drafter.forget()  # it never saw this task's transcripts
+            actions: list[str] = []
+            for screen in screens:
+                msgs = [{"role": "system", "content": system_prompt()},
+                        {"role": "user", "content": agent_user_turn(task, actions, screen)}]
+                g = _run(client, msgs, args.max_tokens, speculate)
+                tally.add(g)
+                outs[speculate].append(g.token_ids)
+                actions.append(g.text.strip().replace("\n", " "))
+        spec.identical &= outs[False] == outs[True]
+    out += [plain.record("agent", rtt, "split"), spec.record("agent", rtt, "split+spec")]
     return out
 
 

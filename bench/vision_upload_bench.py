@@ -228,9 +228,10 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def agent_loop(budget: int, threads: int, steps: int = 5, memory_steps: int = 100) -> dict:
-    """The AutoGLM-shaped loop through a real server (see the module docstring, part 3)."""
-    from edge_client.client import EdgeClient
+def agent_loop(budget: int, threads: int, steps: int = 5, memory_steps: int = 100,
+               codecs: tuple[str | None, ...] = (None, "int4-b32")) -> dict:
+    """The AutoGLM-shaped loop through a real server (see the module docstring, part 3), once per wire codec
+    (None: the precision policy's choice); the memory check continues the first loop."""
     from edge_client.demo import LocalCloud
     from partition_tools.models import LoadedModel
     from partition_tools.split import SplitConfig, split
@@ -239,51 +240,63 @@ def agent_loop(budget: int, threads: int, steps: int = 5, memory_steps: int = 10
     system_chars = len((ROOT / "edge_client" / "data" / "autoglm_system_prompt.txt").read_text())
     system = [int(t) for t in rng.integers(20, 2000, system_chars // 4)]  # ~4 characters per token
     task = [int(t) for t in rng.integers(20, 2000, 24)]
-    h, w = SCREENS["1080x2400"]
     out: dict = {"budget_max_pixels": budget, "screen": "1080x2400", "system_prompt_tokens": len(system),
                  "model": "GLM-4.1V-shaped random: hidden 4096, 2 thin text layers (split at 1), 1-block tower",
-                 "steps": []}
+                 "loops": []}
     with tempfile.TemporaryDirectory() as tmp:
         lm = LoadedModel(agent_model(), None, "bench:vision-agent@seed0", "bench:vision-agent")
         bundle = Path(tmp) / "b"
         split(lm, SplitConfig(layer=1, out=bundle, edge_quant="int8", vision_quant="fp32"))
         del lm
-        with LocalCloud(bundle, log_path=Path(tmp) / "cloud.log") as cloud, \
-                EdgeClient(bundle, cloud.ws_url, threads=threads) as c:
-            from edge_client.media import MediaPolicy
-
-            c.media_policy = MediaPolicy(max_pixels=budget)
-            c.warmup_encoders(("image",))
-            history: list[int] = []
-            for step in range(steps + memory_steps):
-                img = screenshot(h, w, seed=step)
-                buf = io.BytesIO()
-                img.save(buf, format="PNG")
-                jpeg = encoded_sizes(img)["jpeg_q90"]
-                instruction = [int(t) for t in rng.integers(20, 2000, 12)]
-                ids = system + task + history + [12, 10, 13] + instruction
-                gen = c.complete(prompt_ids=ids, images=[buf.getvalue()], max_tokens=8)
-                history += gen.token_ids[:8]  # the action taken, in the next step's prompt
-                st = gen.stats
-                if step < steps:
-                    rec = {"step": step + 1, "prompt_tokens": st.prompt_tokens, "image_tokens": st.image_tokens,
-                           "uploaded_prompt_tokens": st.uploaded_prompt_tokens, "cached_tokens": st.cached_tokens,
-                           "cloud_cached_tokens": st.cloud_cached_tokens, "bytes_up": st.bytes_up,
-                           "prefill_bytes_up": st.prefill_bytes_up, "bytes_down": st.bytes_down,
-                           "codec": st.codec, "edge_encode_ms": round(1e3 * st.media_encode_s, 1),
-                           "edge_prefill_ms": round(1e3 * st.edge_prefill_s, 1),
-                           "ttft_ms": round(1e3 * st.ttft_s, 1), "jpeg_q90_bytes": jpeg,
-                           "bytes_up_over_jpeg": round(st.bytes_up / jpeg, 2)}
-                    out["steps"].append(rec)
-                    print(f"step {step + 1}: {rec}", flush=True)
-                if step + 1 in (steps, steps + 10, steps + memory_steps // 2, steps + memory_steps):
-                    out.setdefault("rss_mb_after_steps", {})[str(step + 1)] = round(_rss_mb(), 1)
-                    print(f"after {step + 1} steps: edge process RSS {_rss_mb():.0f} MB", flush=True)
-    later = out["steps"][1:]
-    out["mean_bytes_up_after_step_1"] = int(np.mean([r["bytes_up"] for r in later]))
-    out["mean_jpeg_q90_bytes"] = int(np.mean([r["jpeg_q90_bytes"] for r in later]))
-    out["split_over_jpeg"] = round(out["mean_bytes_up_after_step_1"] / out["mean_jpeg_q90_bytes"], 2)
+        with LocalCloud(bundle, log_path=Path(tmp) / "cloud.log") as cloud:
+            for k, codec in enumerate(codecs):
+                loop = _one_loop(cloud.ws_url, bundle, codec, budget, threads, system, task, steps,
+                                 memory_steps if k == 0 else 0, out, rng)
+                out["loops"].append(loop)
     return out
+
+
+def _one_loop(url, bundle, codec, budget, threads, system, task, steps, memory_steps, out, rng) -> dict:
+    from edge_client.client import EdgeClient
+    from edge_client.media import MediaPolicy
+
+    h, w = SCREENS["1080x2400"]
+    loop: dict = {"codec": codec or "policy", "steps": []}
+    with EdgeClient(bundle, url, threads=threads, codec=codec,
+                    media_policy=MediaPolicy(max_pixels=budget)) as c:
+        c.warmup_encoders(("image",))
+        if memory_steps:
+            out["edge_cache_max_bytes"] = c.config.cache_max_bytes
+        history: list[int] = []
+        for step in range(steps + memory_steps):
+            img = screenshot(h, w, seed=step)
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            jpeg = encoded_sizes(img)["jpeg_q90"]
+            instruction = [int(t) for t in rng.integers(20, 2000, 12)]
+            ids = system + task + history + [12, 10, 13] + instruction
+            gen = c.complete(prompt_ids=ids, images=[buf.getvalue()], max_tokens=8)
+            history += gen.token_ids[:8]  # the action taken, in the next step's prompt
+            st = gen.stats
+            if step < steps:
+                rec = {"step": step + 1, "prompt_tokens": st.prompt_tokens, "image_tokens": st.image_tokens,
+                       "uploaded_prompt_tokens": st.uploaded_prompt_tokens, "cached_tokens": st.cached_tokens,
+                       "cloud_cached_tokens": st.cloud_cached_tokens, "bytes_up": st.bytes_up,
+                       "prefill_bytes_up": st.prefill_bytes_up, "bytes_down": st.bytes_down,
+                       "codec": st.codec, "edge_encode_ms": round(1e3 * st.media_encode_s, 1),
+                       "edge_prefill_ms": round(1e3 * st.edge_prefill_s, 1),
+                       "ttft_ms": round(1e3 * st.ttft_s, 1), "jpeg_q90_bytes": jpeg,
+                       "bytes_up_over_jpeg": round(st.bytes_up / jpeg, 2)}
+                loop["steps"].append(rec)
+                print(f"step {step + 1}: {rec}", flush=True)
+            if memory_steps and step + 1 in (steps, steps + 10, steps + memory_steps // 2, steps + memory_steps):
+                out.setdefault("rss_mb_after_steps", {})[str(step + 1)] = round(_rss_mb(), 1)
+                print(f"after {step + 1} steps: edge process RSS {_rss_mb():.0f} MB", flush=True)
+    later = loop["steps"][1:]
+    loop["mean_bytes_up_after_step_1"] = int(np.mean([r["bytes_up"] for r in later]))
+    loop["mean_jpeg_q90_bytes"] = int(np.mean([r["jpeg_q90_bytes"] for r in later]))
+    loop["split_over_jpeg"] = round(loop["mean_bytes_up_after_step_1"] / loop["mean_jpeg_q90_bytes"], 2)
+    return loop
 
 
 def main() -> int:
@@ -306,7 +319,9 @@ def main() -> int:
 
     raw = asdict(vision_spec(glm4v_9b_text_config(), "fp32"))
     spec = VisionSpec(**{**raw, "image_mean": tuple(raw["image_mean"]), "image_std": tuple(raw["image_std"])})
-    result: dict = {"command": "python " + " ".join(["bench/vision_upload_bench.py", *sys.argv[1:]]),
+    import os
+
+    result: dict = {"load_average_at_start": [round(x, 1) for x in os.getloadavg()], "command": "python " + " ".join(["bench/vision_upload_bench.py", *sys.argv[1:]]),
                     "hidden_size": HIDDEN, "default_budget_max_pixels": DEFAULT_BUDGET,
                     "note": "random weights: bytes and times only; the budgets' effect on answers is unmeasured"}
     result["upload"] = upload_table(spec)

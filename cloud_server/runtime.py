@@ -88,7 +88,7 @@ class CloudRuntime:
 
         ecfg = self.config.engine
         world = ecfg.tp
-        self._tp_store, port = tp.open_group(world, ecfg.device)
+        self._tp_store, port = tp.open_group(world)
         self._workers = tp.launch_workers(world, "127.0.0.1", port, source_kind, source, variants, ecfg)
         tp.join_group(self._tp_store, world, ecfg.device, self._workers)
         self._tp_comm = tp.comm_device(ecfg.device, 0)

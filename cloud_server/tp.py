@@ -298,7 +298,7 @@ def _join(store: dist.Store, rank: int, world: int, device: str) -> None:
                             world_size=world, timeout=GROUP_TIMEOUT)
 
 
-def open_group(world: int, device: str, host: str = "127.0.0.1") -> tuple[dist.TCPStore, int]:
+def open_group(world: int, host: str = "127.0.0.1") -> tuple[dist.TCPStore, int]:
     """Rank 0, step 1: the group's store, listening on a port the OS picks; returns (store, port)."""
     store = dist.TCPStore(host, 0, world, is_master=True, timeout=GROUP_TIMEOUT, wait_for_workers=False)
     return store, store.port

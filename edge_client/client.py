@@ -25,12 +25,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import queue
 import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from shared.detokenizer import StreamDecoder
+from shared.exec_mode import Deployment, ExecModeError, LinkState, ModeDecision, RequestShape, choose_mode
 from shared.manifest import Manifest
 
 from .activation_cache import ActivationCache
@@ -52,8 +55,16 @@ class EdgeClient:
     """The edge runtime, tokenizer, activation cache and cloud session of one bundle."""
 
     def __init__(self, bundle: str | Path | EdgeConfig, url: str | None = None, api_key: str | None = None,
-                 media_policy: MediaPolicy | None = None, **overrides: Any):
-        """``media_policy``: limits on fetching images/audio (default: http(s) allowed, no local paths)."""
+                 media_policy: MediaPolicy | None = None, *, whole_model: Any = None, all_cloud: Any = None,
+                 prefix_secret: bytes | None = None, **overrides: Any):
+        """``media_policy``: limits on fetching images/audio (default: http(s) allowed, no local paths).
+
+        Execution modes besides ``split`` (``shared.exec_mode``): ``whole_model`` runs the whole model on the
+        phone (``edge-only``; e.g. ``rig.all_edge.WholeModelRunner``), ``all_cloud`` calls a full-model
+        endpoint (``all-cloud``); each is an object whose ``generate(prompt_ids, max_tokens)`` returns a
+        result with ``token_ids`` (greedy). ``prefix_secret``: the tenant secret that keys prefix keys in the
+        private levels (>= 16 bytes; share it among a tenant's devices to share their cloud prefix blocks);
+        None: a random one per client (private requests then share blocks only within this client)."""
         if isinstance(bundle, EdgeConfig):
             cfg = replace(bundle, **({"url": url} if url else {}), **({"api_key": api_key} if api_key else {}),
                           **overrides)
@@ -75,6 +86,9 @@ class EdgeClient:
         self.session = Session(cfg, self.manifest, self.runtime, self.cache, self.tokenizer)
         self.media = MediaEncoders(cfg.bundle, cfg.threads)  # opened on the first image / audio clip
         self.media_policy = media_policy or MediaPolicy()
+        self.whole_model, self.all_cloud = whole_model, all_cloud
+        self.prefix_secret = prefix_secret if prefix_secret is not None else os.urandom(32)
+        self.link_up = True  # False: the caller knows the link is down (the policy then keeps the request here)
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -153,7 +167,8 @@ class EdgeClient:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
                  precision: str | None = None, enable_thinking: bool | None = None,
                  chat_template_kwargs: dict | None = None, images: list | None = None,
-                 audio: list | None = None, speculate: bool = False) -> Generation:
+                 audio: list | None = None, speculate: bool = False, privacy: str = "standard",
+                 mode: str | None = None) -> Generation:
         """Start a request; iterate the result for text deltas. Exactly one of ``prompt`` (raw text),
         ``messages`` (rendered by the bundle's chat template) or ``prompt_ids`` (token ids).
 
@@ -166,16 +181,64 @@ class EdgeClient:
 
         ``speculate``: the phone drafts tokens by prompt lookup (the prompt, this answer, earlier answers) and
         the cloud verifies several per round trip (``edge_client.drafting``); greedy output is unchanged and
-        sampled output keeps the model's distribution."""
+        sampled output keeps the model's distribution.
+
+        ``privacy`` (``standard`` | ``private`` | ``output-private``) and ``mode`` (an override: ``split``,
+        ``all-cloud``, ``edge-only``) pick where the request runs (``shared.exec_mode``); the choice and why are
+        in ``stats.exec_mode`` / ``stats.exec_reason``. An impossible combination raises EdgeClientError."""
         t0 = self.media.seconds
         spec = self._spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs, images, audio,
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                           stop=list(stop or []), precision=precision, speculate=speculate)
+        decision = self._decide(spec, privacy, mode)
         q: queue.Queue = queue.Queue()
         gen = Generation(self, spec, q)
         gen._media_stats(self.media.seconds - t0)
-        gen._future = asyncio.run_coroutine_threadsafe(self.session.run(spec, q.put, gen.stats), self._loop)
+        gen.stats.exec_mode, gen.stats.exec_reason = decision.mode, decision.reason
+        gen._future = asyncio.run_coroutine_threadsafe(self._execute(decision, spec, q.put, gen.stats), self._loop)
         return gen
+
+    # -- execution mode ---------------------------------------------------------------------------
+    def _decide(self, spec: RequestSpec, privacy: str, mode: str | None) -> ModeDecision:
+        """The request's mode (``shared.exec_mode``) from what this client can run and what it measured; a
+        private level also restricts drafts to the cloud's own outputs and keys prefixes with the secret."""
+        sizer = self.session.sizer
+        dep = Deployment(split=True, all_cloud=self.all_cloud is not None, edge_only=self.whole_model is not None,
+                         boundary_bytes_per_token=2.0 * self.runtime.hidden_size,
+                         split_tokens_per_round_trip=sizer.expected_tokens(sizer.choose()) if spec.speculate else 1.0)
+        link = LinkState(connected=self.link_up, rtt_ms=sizer.round_s * 1000)
+        shape = RequestShape(len(spec.prompt_ids), spec.max_tokens,
+                             images=spec.media.count("image") if spec.media is not None else 0)
+        try:
+            decision = choose_mode(shape, privacy, link, dep, mode)
+        except ExecModeError as e:
+            raise EdgeClientError(str(e), "exec_mode") from None
+        if decision.drafts_from_outputs_only:
+            spec.drafts_from_outputs_only = True
+            spec.prefix_secret = self.prefix_secret
+        return decision
+
+    async def _execute(self, decision: ModeDecision, spec: RequestSpec, sink, stats: RequestStats) -> None:
+        if decision.mode == "split":
+            await self.session.run(spec, sink, stats)
+            return
+        runner = self.whole_model if decision.mode == "edge-only" else self.all_cloud
+        t0 = asyncio.get_running_loop().time()
+        try:
+            result = await asyncio.to_thread(runner.generate, list(spec.prompt_ids), spec.max_tokens)
+        except Exception as e:  # noqa: BLE001 - the runner's failure is this request's
+            sink(("error", EdgeClientError(f"{decision.mode}: {type(e).__name__}: {e}", "internal")))
+            return
+        stats.total_s = asyncio.get_running_loop().time() - t0
+        stats.completion_tokens = len(result.token_ids)
+        decoder = StreamDecoder(self.tokenizer.decode)
+        for t in result.token_ids:
+            sink(("token", int(t), decoder.push(int(t))))
+        tail = decoder.flush()
+        if tail:
+            sink(("token", -1, tail))
+        self.session.drafter.remember(result.token_ids)
+        sink(("end", "length" if len(result.token_ids) >= spec.max_tokens else "stop"))
 
     def agenerate(self, prompt: str | None = None, **kwargs: Any) -> AsyncGeneration:
         """The async twin of :meth:`generate` (same arguments); call it inside a running event loop."""

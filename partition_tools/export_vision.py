@@ -68,7 +68,6 @@ class VisionTower(torch.nn.Module):
         cfg = visual.config
         self.merge = int(cfg.spatial_merge_size)
         self.heads = int(cfg.num_heads)
-        self.out = int(cfg.out_hidden_size)
 
     def attention(self, attn: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         n = x.shape[1]

@@ -10,6 +10,8 @@
   uses integer dot products (VNNI / ARM dotprod: the fast path), 1 dequantizes the weights and computes in
   fp32 (exact activations, but slower than a plain fp32 MatMul on x86). MatMuls whose module path matches
   a ``precise`` pattern get level 1; those matching ``keep_float`` stay fp32 ``MatMul``;
+* ``rotate``: module-path patterns of MatMuls whose input is rotated per activation block by a Hadamard
+  matrix folded into the weights (``partition_tools.rotation``), after smoothing;
 * with ``kv_cache="int8"`` (fused graph only) the KV cache is stored as int8 with calibrated per-channel
   scales (``partition_tools.kv_quant``);
 * with ``embedding="int8"|"int4"`` the embedding table (the ``Gather`` that starts the graph, half of a
@@ -142,7 +144,8 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
                    precise: tuple[str, ...] | list[str] = (), keep_float: tuple[str, ...] | list[str] = (),
                    embedding: str = "fp32", embedding_block_size: int | None = None, symmetric: bool = True,
                    smooth_alpha: float | None = None, calibration_ids: np.ndarray | None = None,
-                   kv_cache: str = "fp32") -> dict:
+                   kv_cache: str = "fp32", kv_calibration_ids: np.ndarray | None = None,
+                   rotate: tuple[str, ...] | list[str] = ()) -> dict:
     """Quantize the fp32 edge graph ``src`` into ``dst``; returns the report recorded in the manifest.
 
     mode: int8 | int4 (fp32 is a plain copy). ``precise`` / ``keep_float``: module-path patterns run at
@@ -166,15 +169,16 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         raise QuantizationError("smoothing needs calibration_ids (token ids of calibration text)")
     if kv_cache not in KV_MODES:
         raise QuantizationError(f"KV cache {kv_cache!r}: expected one of {', '.join(KV_MODES)}")
-    if kv_cache != "fp32" and calibration_ids is None:
-        raise QuantizationError("an int8 KV cache needs calibration_ids (token ids of calibration text)")
+    kv_ids = kv_calibration_ids if kv_calibration_ids is not None else calibration_ids
+    if kv_cache != "fp32" and kv_ids is None:
+        raise QuantizationError("an int8 KV cache needs calibration ids (kv_calibration_ids or calibration_ids)")
     model = onnx.load(str(src))
     kv_report = {}
     if kv_cache == "int8":
         from .kv_quant import quantize_kv
 
         try:
-            kv_report = quantize_kv(model, np.asarray(calibration_ids, dtype=np.int64).reshape(-1))
+            kv_report = quantize_kv(model, np.asarray(kv_ids, dtype=np.int64).reshape(-1))
         except ValueError as e:
             raise QuantizationError(str(e)) from None
     if mode == "fp32":
@@ -188,8 +192,13 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
 
         smoothed = smooth_norm_inputs(model, np.asarray(calibration_ids, dtype=np.int64).reshape(-1), smooth_alpha)
 
+    rotated: list[str] = []
+    if rotate:
+        from .rotation import rotate_matmul_inputs
+
+        rotated = rotate_matmul_inputs(model, rotate, block_size)
     paths = weight_matmuls(model)  # node name -> module path
-    floats = _matching(paths, keep_float)
+    floats = _matching(paths, list(keep_float) + (["*.rot.hadamard"] if rotated else []))
     precise_nodes = [n for n in _matching(paths, precise) if n not in floats]
     bits = 8 if mode == "int8" else 4
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
@@ -216,7 +225,8 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         "smoothing": None if smooth_alpha is None else {
             "alpha": smooth_alpha, "groups": len(smoothed), "calibration_tokens": int(np.size(calibration_ids))},
         "precise_matmuls": sorted(paths[n] for n in precise_nodes),
-        "float_matmuls": sorted(paths[n] for n in floats), "embedding": "fp32",
+        "float_matmuls": sorted(paths[n] for n in floats if not n.endswith(".rot.hadamard")),
+        "rotated_matmuls": sorted(rotated), "embedding": "fp32",
     }
     if embedding != "fp32":
         gathers = embedding_gathers(model)

@@ -184,7 +184,8 @@ class LLMEngine:
         (:meth:`Sequence.update_from_output`), publish its full prefix blocks, and stop or continue it."""
         spec_rows, logits = self._split_spec_rows(batch, logits)
         to_sample = [it.seq for it in batch.items if it.sample and not it.chunk.is_spec]
-        sampled = iter(self.sampler(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
+        generators = [it.seq.generator_at(it.chunk.end) for it in batch.items if it.sample and not it.chunk.is_spec]
+        sampled = iter(self.sampler(logits, [s.params for s in to_sample], generators,
                                     [s.output_ids for s in to_sample]) if to_sample else ())
         now = time.monotonic()
         outputs = []

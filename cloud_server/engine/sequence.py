@@ -154,6 +154,14 @@ class Sequence:
         self.pending.popleft()
         return chunk, chunk.last
 
+    def generator_at(self, position: int) -> torch.Generator | None:
+        """The request's generator for sampling the token at ``position``, reseeded from (seed, position): a
+        seeded request replayed from its context (after a server restart, on another replica) draws the same
+        tokens as the original, whatever came before. None: no seed (the sampler's shared generator)."""
+        if self.generator is not None:
+            self.generator.manual_seed((self.params.seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
+        return self.generator
+
     def start_running(self) -> None:
         """Admitted to a step: from now on it holds KV blocks of its own."""
         self.status = SequenceStatus.RUNNING

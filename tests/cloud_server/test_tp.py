@@ -29,7 +29,7 @@ def _phones(bundle, n=4):
 def _rank0(bundle: str, cfg: EngineConfig):
     """This process as rank 0 of a 2-rank gloo group whose worker (a subprocess) serves ``bundle``; yields
     (store, workers) once both joined, and leaves no worker or group behind."""
-    store, port = tp.open_group(2, "cpu")
+    store, port = tp.open_group(2)
     workers = tp.launch_workers(2, "127.0.0.1", port, "bundle", bundle, ["fp32"], cfg)
     try:
         tp.join_group(store, 2, "cpu", workers)

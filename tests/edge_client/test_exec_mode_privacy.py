@@ -1,0 +1,165 @@
+"""The privacy levels, checked on the wire: a recording TCP proxy between the edge client and a real cloud
+server parses every WebSocket frame both ways.
+
+* ``private`` (split, speculating): no byte of the raw prompt goes up, every draft the phone sends is a token
+  the cloud itself produced, and the prefix keys are not the unsalted ones anyone could recompute for a
+  guessed prompt;
+* ``output-private``: the request runs on the phone (``edge-only``): not one frame - so no token id - crosses
+  the link; without a whole model on the phone it is refused before any traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from edge_client.client import EdgeClient
+from edge_client.config import RetryPolicy
+from edge_client.demo import LocalCloud, free_port
+from edge_client.errors import EdgeClientError
+from shared import protocol as P
+from shared.prefix_keys import KeyScope, block_keys
+
+RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=60.0, max_retries=3)
+SECRET = "The launch code is 4417-ZEBRA-OCTOPUS and the vault is behind the painting."
+PROMPT = " ".join([SECRET] * 4)
+
+
+class RecordingProxy:
+    """A TCP proxy on its own thread that keeps every byte, per direction."""
+
+    def __init__(self, target_port: int):
+        self.target_port, self.port = target_port, free_port()
+        self.up, self.down = bytearray(), bytearray()
+        self.connections = 0
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RecordingProxy:
+        self._thread.start()
+        self._started.wait(5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", self.port))
+        self._started.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader, writer) -> None:
+        self.connections += 1
+        r2, w2 = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pump(src, dst, sink):
+            try:
+                while data := await src.read(65536):
+                    sink.extend(data)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pump(reader, w2, self.up), pump(r2, writer, self.down))
+
+
+def ws_messages(stream: bytes) -> list[bytes]:
+    """The binary WebSocket messages of one direction of a connection (after the HTTP upgrade), unmasked
+    (RFC 6455: client frames are masked)."""
+    i = stream.index(b"\r\n\r\n") + 4
+    out, partial = [], b""
+    while i + 2 <= len(stream):
+        b0, b1 = stream[i], stream[i + 1]
+        n, i = b1 & 0x7F, i + 2
+        if n == 126:
+            n, i = int.from_bytes(stream[i:i + 2], "big"), i + 2
+        elif n == 127:
+            n, i = int.from_bytes(stream[i:i + 8], "big"), i + 8
+        mask = None
+        if b1 & 0x80:
+            mask, i = stream[i:i + 4], i + 4
+        payload = stream[i:i + n]
+        i += n
+        if mask is not None:
+            payload = bytes(c ^ mask[j % 4] for j, c in enumerate(payload))
+        opcode = b0 & 0x0F
+        if opcode in (0x2, 0x0):
+            partial += payload
+            if b0 & 0x80:
+                out.append(partial)
+                partial = b""
+    return out
+
+
+@pytest.fixture(scope="module")
+def cloud(tiny_bundle, tmp_path_factory):
+    with LocalCloud(tiny_bundle, log_path=tmp_path_factory.mktemp("cloud-log") / "privacy.log") as c:
+        yield c
+
+
+def test_private_split_sends_no_raw_text_and_no_prompt_drafts(tiny_bundle, cloud):
+    with RecordingProxy(cloud.port) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY) as c:
+        gen = c.complete(prompt=PROMPT, max_tokens=24, speculate=True, privacy="private")
+        prompt_ids = c.tokenizer.encode(PROMPT)
+    assert gen.stats.exec_mode == "split" and "private" in gen.stats.exec_reason
+    up = bytes(proxy.up)
+    for needle in (SECRET, "4417-ZEBRA", "OCTOPUS", "painting", "launch code"):
+        assert needle.encode() not in up and needle.encode("utf-16-le") not in up
+    sent = [P.decode_message(m) for m in ws_messages(up)]
+    got = [P.decode_message(m) for m in ws_messages(bytes(proxy.down))]
+    kinds = {type(m).__name__ for m in sent}
+    assert {"Hello", "Prefill"} <= kinds  # the parser really saw the session
+    produced = [t for m in got if isinstance(m, P.Tokens) for t in m.token_ids]
+    assert produced == gen.token_ids
+    drafts = [t for m in sent if isinstance(m, P.SpecStep) for t in m.draft_ids]
+    assert drafts and set(drafts) <= set(produced)  # only tokens the cloud itself sent down
+    assert gen.stats.draft_tokens == len(drafts)
+    # the keys the cloud got are not the unsalted chain anyone can compute for a guessed prompt
+    keys = [k for m in sent if isinstance(m, P.Prefill) for k in m.prefix_keys]
+    assert keys
+    guess = block_keys(prompt_ids, KeyScope(c.manifest.bundle_id, c.manifest.edge_quant, "fp16"), 16)
+    assert not set(keys) & set(guess)
+
+
+def test_the_privacy_level_changes_what_leaves_not_the_answer(tiny_bundle, cloud):
+    with EdgeClient(tiny_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        gen = c.complete(prompt=PROMPT, max_tokens=24, speculate=True)
+        private = c.complete(prompt=PROMPT, max_tokens=24, speculate=True, privacy="private")
+    assert gen.token_ids == private.token_ids  # the level changes what leaves, not the answer
+    assert gen.stats.exec_mode == "split"
+
+
+@pytest.fixture(scope="module")
+def whole_model(tiny_glm4_lm, tmp_path_factory):
+    from partition_tools.export_whole import export_whole
+    from rig.all_edge import WholeModelRunner
+
+    out = tmp_path_factory.mktemp("whole")
+    export_whole(tiny_glm4_lm, out, "fp32")
+    return WholeModelRunner(out, threads=1)
+
+
+def test_output_private_runs_on_the_phone_and_sends_nothing(tiny_bundle, cloud, whole_model):
+    with RecordingProxy(cloud.port) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", retry=RETRY,
+                       whole_model=whole_model) as c:
+        gen = c.complete(prompt=PROMPT, max_tokens=12, privacy="output-private")
+    assert gen.stats.exec_mode == "edge-only" and gen.token_ids
+    assert proxy.connections == 0 and not proxy.up and not proxy.down
+
+
+def test_output_private_without_a_whole_model_is_refused_before_any_traffic(tiny_bundle, cloud):
+    with RecordingProxy(cloud.port) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", retry=RETRY) as c:
+        with pytest.raises(EdgeClientError, match="output-private") as e:
+            c.generate(prompt=PROMPT, max_tokens=4, privacy="output-private")
+    assert e.value.code == "exec_mode" and proxy.connections == 0
