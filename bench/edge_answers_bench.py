@@ -121,16 +121,20 @@ def references(lm, prompts: list[str], new: int) -> list[tuple[list[int], list[i
 
 
 @torch.no_grad()
-def first_divergence(front, back, codec, prompt: list[int], answer: list[int]) -> int:
-    """Index of the first answer token the split would not produce greedily (len(answer): identical)."""
+def first_divergences(front, back, codecs: list, prompt: list[int], answer: list[int]) -> list[int]:
+    """Per codec: index of the first answer token the split would not produce greedily (len(answer):
+    identical). The edge runs once; each codec's boundary goes through the cloud half."""
     seq = np.asarray(prompt + answer[:-1], np.int64)  # the last answer token is predicted, never fed
     front.reset()
-    hidden = codec(front.prefill(seq))  # [T, H]
+    edge = front.prefill(seq)  # [T, H]
     pos = torch.arange(seq.size)[None]
-    logits = back(torch.from_numpy(hidden)[None], pos)[0]  # [T, V]
-    pred = logits[len(prompt) - 1:].argmax(-1).numpy()  # predictions of answer[0..]
-    miss = np.nonzero(pred != np.asarray(answer))[0]
-    return int(miss[0]) if miss.size else len(answer)
+    out = []
+    for codec in codecs:
+        logits = back(torch.from_numpy(codec(edge))[None], pos)[0]  # [T, V]
+        pred = logits[len(prompt) - 1:].argmax(-1).numpy()  # predictions of answer[0..]
+        miss = np.nonzero(pred != np.asarray(answer))[0]
+        out.append(int(miss[0]) if miss.size else len(answer))
+    return out
 
 
 def codec_fn(name: str, bundle: Path):
@@ -186,16 +190,23 @@ def main(argv=None) -> int:
     fp32 = bundle / "edge" / "front.onnx"
     (args.work / "arms").mkdir(parents=True, exist_ok=True)
     prompts = HELD_OUT[:args.prompts]
-    refs = references(lm, prompts, args.new)
+    cached = args.work / f"references-{args.new}.json"  # the unsplit answers do not depend on the arms
+    known = json.loads(cached.read_text()) if cached.is_file() else {}
+    missing = [q for q in prompts if q not in known]
+    for q, ref in zip(missing, references(lm, missing, args.new)):
+        known[q] = ref
+    cached.write_text(json.dumps(known))
+    refs = [tuple(known[q]) for q in prompts]
     print(f"references: {len(refs)} prompts, {sum(len(a) for _, a in refs)} answer tokens", file=sys.stderr)
     back = CloudModel.from_bundle(bundle)
     rows = []
     for arm in args.arm_list:
         path, report = build_arm(arm, fp32, args.work / "arms", adapter, args.layer, lm.tokenizer)
         front = FrontRuntime(bundle, threads=args.threads, chunk=512, verify=False, graph=path)
-        for cname in args.codec_list:
-            codec = codec_fn(cname, bundle)
-            div = [first_divergence(front, back, codec, p, a) for p, a in refs]
+        codecs = [codec_fn(c, bundle) for c in args.codec_list]
+        per_prompt = [first_divergences(front, back, codecs, p, a) for p, a in refs]  # [prompt][codec]
+        for ci, cname in enumerate(args.codec_list):
+            div = [d[ci] for d in per_prompt]
             same = [d == len(a) for d, (_, a) in zip(div, refs)]
             row = {"arm": arm, "codec": cname, "identical": float(np.mean(same)),
                    "identical_count": int(sum(same)), "prompts": len(refs),
@@ -206,6 +217,12 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{arm} + {cname}: {row['identical_count']}/{len(refs)} identical, "
                   f"{row['tokens_before_divergence']:.3f} of tokens before divergence", file=sys.stderr, flush=True)
+        write(args, lm, prompts, rows, started, argv)
+    return 0
+
+
+def write(args, lm, prompts: list[str], rows: list[dict], started: float, argv) -> None:
+    """The report so far (rewritten after every arm, so a long run leaves its finished arms behind)."""
     result = {
         "command": "python bench/edge_answers_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "model": lm.source, "identity": lm.identity, "split_layer": args.layer, "new_tokens": args.new,
@@ -216,7 +233,6 @@ def main(argv=None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

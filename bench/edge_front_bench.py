@@ -3,8 +3,9 @@
 For one model split at layer N (default SmolLM2-135M at 8) this
 
 1. splits the model once per variant into ``--work`` (reused when the source matches): ``fused-{fp32,int8,
-   int4}`` (``partition_tools.graph_builder``, the shipped recipes) and ``plain-{fp32,int8}`` (the traced
-   graph, the old default);
+   int4}`` (``partition_tools.graph_builder``, the shipped recipes), ``fused-int8-kv8`` (the int8 recipe
+   plus an int8 KV cache, ``partition_tools.kv_quant``) and ``plain-{fp32,int8}`` (the traced graph, the
+   old default);
 2. times a one-token decode step of every variant through ``edge_client.front.FrontRuntime`` (what the
    phone runs) over a cache of P positions, P in ``--contexts``, with 1 and 2 intra-op threads. The cache
    is filled with stored rows (``extend_kv``, no compute) and each timed step is rolled back with
@@ -40,39 +41,51 @@ from pathlib import Path
 
 import numpy as np
 
-VARIANTS = {  # name -> (edge_graph, edge_quant)
-    "fused-int8": ("fused", "int8"),
-    "fused-int4": ("fused", "int4"),
-    "fused-fp32": ("fused", "fp32"),
-    "plain-int8": ("plain", "int8"),
-    "plain-fp32": ("plain", "fp32"),
+VARIANTS = {  # name -> (edge_graph, edge_quant, int8 KV cache: built from the fused fp32 front)
+    "fused-int8": ("fused", "int8", False),
+    "fused-int8-kv8": ("fused", "int8", True),
+    "fused-int4": ("fused", "int4", False),
+    "fused-fp32": ("fused", "fp32", False),
+    "plain-int8": ("plain", "int8", False),
+    "plain-fp32": ("plain", "fp32", False),
 }
 
 
-def build_bundles(lm, layer: int, work: Path, names: list[str]) -> dict[str, Path]:
+def build_bundles(lm, layer: int, work: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
+    """name -> (bundle, edge graph): one split per (graph, quant); int8-KV graphs beside the fp32 bundle."""
+    from partition_tools.adapters import ModelAdapter
+    from partition_tools.quantize import kv_calibration_tokens, quantize_front, recipe_for
     from partition_tools.split import SplitConfig, split
     from shared.manifest import BundleError, Manifest
 
     out = {}
     for name in names:
-        graph, quant = VARIANTS[name]
-        path = work / name
+        graph, quant, kv8 = VARIANTS[name]
+        path = work / (f"{graph}-fp32" if kv8 else name)
         try:
             m = Manifest.load(path)
             fresh = m.source_identity == lm.identity and m.split_layer == layer
         except BundleError:
             fresh = False
         if not fresh:
-            split(lm, SplitConfig(layer=layer, out=path, edge_quant=quant, edge_graph=graph))
-        out[name] = path
+            split(lm, SplitConfig(layer=layer, out=path, edge_quant="fp32" if kv8 else quant, edge_graph=graph))
+        front = path / "edge" / "front.onnx"
+        if kv8:
+            adapter = ModelAdapter(lm.model)
+            front = work / f"{name}.onnx"
+            recipe = recipe_for(adapter, layer, quant, lm.tokenizer) if quant != "fp32" else {}
+            quantize_front(path / "edge" / "front.onnx", front, quant, kv_cache="int8",
+                           kv_calibration_ids=kv_calibration_tokens(lm.tokenizer, adapter.vocab_size), **recipe)
+        out[name] = (path, front)
     return out
 
 
-def filled_runtime(bundle: Path, threads: int, past: int, rng: np.random.Generator):
+def filled_runtime(variant: tuple[Path, Path], threads: int, past: int, rng: np.random.Generator):
     """A FrontRuntime whose cache holds ``past`` stored positions (random rows of the right shape)."""
     from edge_client.front import FrontRuntime
 
-    rt = FrontRuntime(bundle, threads=threads, chunk=512, verify=False, capacity=past + 64)
+    bundle, graph = variant
+    rt = FrontRuntime(bundle, threads=threads, chunk=512, verify=False, capacity=past + 64, graph=graph)
     if past:
         block = [rng.standard_normal((rt.kv_heads, past, rt.head_dim)).astype(np.float32)
                  for _ in range(2 * rt.n_layers)]
@@ -117,12 +130,13 @@ def summary(ms: np.ndarray) -> dict:
             "p90_ms": float(np.percentile(ms, 90)), "n": int(ms.size)}
 
 
-def profile_ops(bundle: Path, past: int, steps: int, threads: int) -> dict:
+def profile_ops(variant: tuple[Path, Path], past: int, steps: int, threads: int) -> dict:
     """onnxruntime profiler over ``steps`` decode steps: per op type, mean µs per step and kernels per step."""
     from edge_client.front import FrontRuntime
 
+    bundle, graph = variant
     with tempfile.TemporaryDirectory() as tmp:
-        rt = FrontRuntime(bundle, threads=threads, verify=False, capacity=past + 64,
+        rt = FrontRuntime(bundle, threads=threads, verify=False, capacity=past + 64, graph=graph,
                           profile_prefix=str(Path(tmp) / "prof"))
         rng = np.random.default_rng(0)
         if past:
@@ -278,7 +292,8 @@ def main(argv=None) -> int:
     for key, row in decode.items():
         r = {}
         for a, b in (("fused-fp32", "fused-int8"), ("fused-fp32", "fused-int4"), ("plain-fp32", "fused-int8"),
-                     ("plain-int8", "fused-int8"), ("plain-fp32", "plain-int8")):
+                     ("plain-int8", "fused-int8"), ("plain-fp32", "plain-int8"), ("fused-int8", "fused-int8-kv8"),
+                     ("llama.cpp-Q8_0", "fused-int8")):
             if a in row and b in row:
                 r[f"{b} vs {a}"] = {"median": row[a]["median_ms"] / row[b]["median_ms"],
                                     "p10": row[a]["p10_ms"] / row[b]["p10_ms"]}
@@ -290,9 +305,10 @@ def main(argv=None) -> int:
                                      "p10": decode[hi][n]["p10_ms"] / decode[lo][n]["p10_ms"]} for n in decode[lo]}
 
     profiles = {}
-    for name in ("fused-int8", "plain-int8", "fused-fp32"):
-        if name in bundles:
-            profiles[name] = profile_ops(bundles[name], 256, args.profile_steps, 2)
+    for past in sorted({256, max(args.context_list)}):
+        for name in ("fused-int8", "fused-int8-kv8", "plain-int8", "fused-fp32"):
+            if name in bundles:
+                profiles[f"{name}/p{past}"] = profile_ops(bundles[name], past, args.profile_steps, 2)
 
     llama = None
     if ggufs:
@@ -320,10 +336,10 @@ def main(argv=None) -> int:
                     "note": "2 cores shared with other jobs: loadavg above is the noise; ratios are within one "
                             "interleaved run, p10/p90 show the spread"},
         "onnxruntime": __import__("onnxruntime").__version__,
-        "bundles": {n: json.loads((b / "manifest.json").read_text()).get("quant_report") for n, b in bundles.items()},
+        "bundles": {n: {"bundle": str(b), "graph": str(g)} for n, (b, g) in bundles.items()},
         "decode": decode, "decode_ratios": ratios, "decode_growth_max_over_min_context": growth,
         "per_layer_ms": per_layer, "per_layer_p10_ms": per_layer_p10, "prefill": prefill, "prefill_tokens": args.prefill,
-        "profiles_decode_p256_t2": profiles, "llama_cpp": llama,
+        "profiles_decode_t2": profiles, "llama_cpp": llama,
         "seconds": time.perf_counter() - started,
     }
     if args.json:

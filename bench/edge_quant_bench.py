@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_client.front import open_session
+from edge_client.front import FrontRuntime
 from partition_tools.evaluate import SplitEvaluator, fp16_round_trip
 from partition_tools.quantize import calibration_tokens, quantize_front, recipe_for
 
@@ -274,7 +274,7 @@ def main(argv=None) -> int:
         reuse = False
     if not reuse:
         split(lm, SplitConfig(layer=args.layer, out=bundle, edge_quant="fp32", edge_graph=args.edge_graph))
-    manifest = Manifest.load(bundle)
+    Manifest.load(bundle)  # the split is complete
     fp32 = bundle / "edge" / "front.onnx"
     vdir = args.work / "variants"
     vdir.mkdir(parents=True, exist_ok=True)

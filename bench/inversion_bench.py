@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     from shared.codecs import available_codecs
 
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)  # nothing here draws random numbers; set so that stays true if something starts to
+    torch.manual_seed(0)  # no step draws random numbers today; seeded so one that starts to stays deterministic
     layers = sorted({int(x) for x in args.layers.split(",") if x.strip()})
     codec_names = [c for c in args.codecs.split(",") if c.strip()]
     timings: dict[str, float] = {}

@@ -323,8 +323,8 @@ def test_corpus(tokenizer) -> list[Document]:
 
 
 def check_disjoint(train: list[Document], test: list[Document], span: int = 40) -> None:
-    """Raise ``ValueError`` if any ``span``-character piece of a test document (other than chat-template
-    markup) occurs in the training text."""
+    """Raise ``ValueError`` if a ``span``-character piece of a test document, taken every ``span // 2``
+    characters (pieces with chat-template markup skipped), occurs in the training text."""
     haystack = "\n".join(d.text for d in train)
     for d in test:
         body = d.text

@@ -26,7 +26,15 @@ Per level of S concurrent sessions (all start together, greedy, ``ignore_eos``, 
 * ``ttft_*_ms``: first Prefill sent -> first Tokens received, per session; ``itl_*_ms``: gaps between a
   session's consecutive Tokens (a round trip: Tokens out, DecodeStep back, one engine step);
 * ``server_cpu_s`` / ``client_cpu_s``: CPU seconds the server process and the load generator's workers used
-  during the level (a generator that saturates its cores would measure itself).
+  during the level (a generator that saturates its cores would measure itself);
+* ``server_loop_cpu_s``: CPU seconds of the server's main thread, where uvicorn runs the event loop (every
+  frame's WebSocket, msgpack, codec and dispatch work; the engine has its own thread), and
+  ``loop_us_per_token``: that per generated token (the prompt's handling included), the cost that caps the
+  served path when the loop saturates.
+
+``--server-root DIR`` spawns the server from another checkout (e.g. a copy of the tree before a change) with
+this bench's load generator, so two trees can be measured side by side: ``--compare-root DIR`` runs every
+level against DIR's server first, then against this checkout's, in one run (records carry ``tree``).
 
 Server: an already running one (``--url`` + ``--bundle``), one spawned from a bundle (``--serve BUNDLE``), or
 a random-weight full-size one (``--preset glm4v-9b-random --layer 12``, ``bench/random_weight_server.py``).
@@ -103,7 +111,10 @@ class LoadConfig:
     ready_timeout_s: float = 900.0  # a 9B random model builds and tunes on the GPU before /ready
     level_timeout_s: float = 600.0
     engine_json: Path | None = None  # cloud_gpu_bench --through-engine output: engine/direct tokens/s per S
+    engine_cpu: bool = False  # also measure the engine alone in this process (CPU runs: the served/engine ratio)
     py_spy: Path | None = None  # collapsed stacks of the server during the largest level
+    server_root: Path = HERE.parent  # the checkout whose server is spawned (its cloud_server, shared, bench)
+    compare_root: Path | None = None  # also measure this checkout's server, before server_root's, in one run
     out: Path | None = None
 
     def __post_init__(self):
@@ -121,6 +132,10 @@ class LoadConfig:
                 raise ValueError(f"--{name} must be >= 1")
         if self.procs < 0:
             raise ValueError("--procs must be >= 0")
+        if self.engine_cpu and self.bundle is None:
+            raise ValueError("--engine-cpu needs the bundle (--serve BUNDLE, or --url with --bundle)")
+        if self.compare_root is not None and self.url is not None:
+            raise ValueError("--compare-root spawns both servers: give --serve or --preset, not --url")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,7 +329,7 @@ class ServerProcess:
                   *(["--api-key", cfg.api_key] if cfg.api_key else []), *cfg.server_args]
         if cfg.preset is not None:
             stub = workdir / "stub-bundle"
-            self.cmd = [sys.executable, str(HERE / "random_weight_server.py"), "--preset", cfg.preset, "--layer",
+            self.cmd = [sys.executable, str(Path(cfg.server_root) / "bench" / "random_weight_server.py"), "--preset", cfg.preset, "--layer",
                         str(cfg.layer), "--stub", str(stub), "--seed", str(cfg.seed), "--", *common]
             self.bundle = stub
         else:
@@ -322,7 +337,8 @@ class ServerProcess:
             self.bundle = cfg.serve
         self.log_path = workdir / "server.log"
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=HERE.parent)
+        # `-m cloud_server.cli` and the script resolve in the server root (the cwd comes first on sys.path)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=cfg.server_root)
         self.url = f"ws://127.0.0.1:{self.port}/v1/split"
         self.http = f"http://127.0.0.1:{self.port}"
 
@@ -355,9 +371,10 @@ class ServerProcess:
         self.log.close()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), or of its thread ``tid``, from /proc."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -390,6 +407,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # attached before the load starts
         cpu0 = cpu_seconds(server_pid) if server_pid else None
+        loop0 = cpu_seconds(server_pid, server_pid) if server_pid else None  # the main thread: the event loop
         t0 = time.monotonic()
         for p in workers:
             p.stdin.write("go\n")
@@ -397,6 +415,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
         results = [_read_line(p, "result", cfg.level_timeout_s + 60) for p in workers]
         wall = time.monotonic() - t0
         server_cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
+        loop_cpu = cpu_seconds(server_pid, server_pid) - loop0 if server_pid else None
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(timeout=60)
@@ -409,6 +428,8 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
     if spy is not None and py_spy_out.is_file():
         rec["profile_s"] = profile_summary(py_spy_out, PY_SPY_RATE)
     rec.update(procs=procs, codec=",".join(sorted(used)), wall_s=wall, server_cpu_s=server_cpu,
+               server_loop_cpu_s=loop_cpu,
+               loop_us_per_token=1e6 * loop_cpu / rec["tokens"] if loop_cpu is not None and rec["tokens"] else None,
                client_cpu_s=sum(r["cpu_s"] for r in results))
     return rec
 
@@ -496,6 +517,61 @@ def profile_summary(path: Path, rate: int) -> dict:
     return {t: dict(sorted(c.items(), key=lambda kv: -kv[1])) for t, c in threads.items()}
 
 
+def engine_direct_cpu(cfg: LoadConfig, bundle: Path, s: int) -> dict:
+    """The engine alone on this host (``--engine-cpu``): S sessions fed through ``AsyncEngine`` as the server
+    feeds them (a prompt chunk, then one [1, H] state per returned token, from the engine's output callback),
+    with no sockets, msgpack or codecs; the same steady-window tokens/s as the served levels (:func:`summarize`).
+    The CPU counterpart of ``cloud_gpu_bench --through-engine``'s figure, for the served/engine ratio."""
+    import threading
+
+    import torch
+
+    from cloud_server.config import EngineConfig, ServerConfig
+    from cloud_server.engine.sampling_params import SamplingParams
+    from cloud_server.engine.sequence import InputChunk
+    from cloud_server.runtime import CloudRuntime
+
+    smax = max(cfg.sessions)
+    per_seq = -(-(cfg.prompt + cfg.gen + 1) // 16)
+    ecfg = EngineConfig(block_size=16, num_blocks=(smax + 2) * per_seq + 16, max_num_seqs=smax,
+                        max_num_batched_tokens=max(2048, smax), max_model_len=max(8192, cfg.prompt + cfg.gen + 16))
+    rt = CloudRuntime(ServerConfig(bundle=bundle, engine=ecfg)).start()
+    try:
+        h = rt.facts.hidden_size
+        g = torch.Generator().manual_seed(cfg.seed)
+        prompt = torch.randn(cfg.prompt, h, generator=g)  # [P, H]
+        step = torch.randn(1, h, generator=g)  # [1, H]
+        done = threading.Event()
+        sessions = [{"index": i, "start": 0.0, "token_times": [], "finish": None, "completion_tokens": None,
+                     "error": None, "up_bytes": 0} for i in range(s)]
+        left = [s]
+
+        def sink(out, x) -> None:  # engine thread
+            if out.error_code is not None:
+                x["error"] = out.error_code
+            elif out.token_id is not None:
+                x["token_times"].append(time.monotonic())
+            if out.finished or out.error_code is not None:
+                x["finish"], x["completion_tokens"] = out.finish_reason, len(x["token_times"])
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+                return
+            rt.engine.add_input(f"e{x['index']}", InputChunk(cfg.prompt + len(x["token_times"]) - 1, hidden=step))
+
+        params = SamplingParams(max_tokens=cfg.gen, temperature=0.0, ignore_eos=True)
+        for x in sessions:
+            x["start"] = time.monotonic()
+            rt.engine.add_request(f"e{x['index']}", lambda out, x=x: sink(out, x),
+                                  InputChunk(0, hidden=prompt, last=True), params)
+        if not done.wait(cfg.level_timeout_s):
+            raise RuntimeError(f"engine-direct S={s}: not finished within {cfg.level_timeout_s:.0f} s")
+    finally:
+        rt.stop()
+    rec = summarize(s, sessions, cfg)
+    return {"sessions": s, "engine_tokens_per_s": rec.get("served_tokens_per_s"), "completed": rec["completed"]}
+
+
 def engine_figures(path: Path | None) -> dict[str, dict]:
     """Per S, the engine and direct-loop tokens/s of a ``cloud_gpu_bench.py --through-engine`` JSON."""
     if path is None:
@@ -524,6 +600,34 @@ def attach_engine(res: dict, engine_json: Path) -> dict:
 
 
 def run(cfg: LoadConfig, command: str) -> dict:
+    """Every level against the server (``--compare-root``: first against that tree's, then this one's; records
+    carry ``tree``), then ``--engine-cpu``'s engine-alone figures beside them."""
+    res = None
+    for root in ([cfg.compare_root] if cfg.compare_root is not None else []) + [cfg.server_root]:
+        one = _run_server(dataclasses.replace(cfg, server_root=root, compare_root=None, out=None), command)
+        for rec in one["records"]:
+            rec["tree"] = str(root)
+        if res is None:
+            res = one | {"servers": [one["server"]]}
+        else:
+            res["records"] += one["records"]
+            res["servers"].append(one["server"])
+        if cfg.out is not None:
+            _write(cfg.out, res)
+    res["config"] = _jsonable(asdict(cfg))
+    if cfg.engine_cpu:
+        engine = {s: engine_direct_cpu(cfg, cfg.bundle, s) for s in cfg.sessions}
+        res["engine_cpu"] = list(engine.values())
+        for rec in res["records"]:
+            e = engine[rec["sessions"]]["engine_tokens_per_s"]
+            rec["engine_tokens_per_s"] = e
+            rec["served_vs_engine"] = rec["served_tokens_per_s"] / e if rec.get("served_tokens_per_s") and e else None
+            print(_row(rec) + f", engine {e:.0f} tok/s, served/engine {rec['served_vs_engine'] or 0:.2f}"
+                  + (f" [{rec['tree']}]" if cfg.compare_root else ""), flush=True)
+    return res
+
+
+def _run_server(cfg: LoadConfig, command: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="served-load-") as tmp:
         server = None
         try:
@@ -575,7 +679,8 @@ def _row(r: dict) -> str:
     return (f"[served_load] {r.get('codec', '?')} S={r['sessions']:4d} completed {r['completed']}/{r['sessions']} "
             f"served {f(r.get('served_tokens_per_s'), '.0f')} tok/s (overall {f(r.get('served_tokens_per_s_overall'), '.0f')})"
             f" TTFT p50 {f(r.get('ttft_p50_ms'))} ms, ITL p50 {f(r.get('itl_p50_ms'), '.2f')} / p99 "
-            f"{f(r.get('itl_p99_ms'), '.2f')} ms, server CPU {f(r.get('server_cpu_s'), '.1f')} s, "
+            f"{f(r.get('itl_p99_ms'), '.2f')} ms, server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
+            f"{f(r.get('loop_us_per_token'), '.0f')} us/token), "
             f"client CPU {f(r.get('client_cpu_s'), '.1f')} s over {f(r.get('wall_s'), '.1f')} s")
 
 
@@ -615,6 +720,11 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     ap.add_argument("--level-timeout-s", type=float, default=d["level_timeout_s"].default)
     ap.add_argument("--engine-json", type=Path, help="cloud_gpu_bench --through-engine JSON of the same run")
     ap.add_argument("--py-spy", type=Path, help="collapsed-stack profile of the server at the largest level")
+    ap.add_argument("--engine-cpu", action="store_true",
+                    help="also measure the engine alone in this process (needs the bundle): served/engine")
+    ap.add_argument("--server-root", type=Path, default=d["server_root"].default,
+                    help="the checkout whose server is spawned (default: this one)")
+    ap.add_argument("--compare-root", type=Path, help="also measure this checkout's server, first, in one run")
     ap.add_argument("--out", type=Path, help="result JSON (rewritten after every level)")
     a = ap.parse_args(argv)
     try:
@@ -624,7 +734,8 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
                           sweep_codecs=tuple(c for c in a.sweep_codecs.split(",") if c),
                           procs=a.procs, api_key=a.api_key, states=a.states, seed=a.seed,
                           ready_timeout_s=a.ready_timeout_s, level_timeout_s=a.level_timeout_s,
-                          engine_json=a.engine_json, py_spy=a.py_spy, out=a.out)
+                          engine_json=a.engine_json, py_spy=a.py_spy, out=a.out, engine_cpu=a.engine_cpu,
+                          server_root=a.server_root, compare_root=a.compare_root)
     except ValueError as e:
         ap.error(str(e))
 

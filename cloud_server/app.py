@@ -8,6 +8,8 @@ Routes:
 * ``GET /metrics``  Prometheus text (``cloud_server.metrics``), unauthenticated like vLLM's;
 * ``GET /v1/models`` the served model;
 * ``WS  /v1/split`` split mode: the edge's session (``cloud_server.split_endpoint``);
+* ``GET /v1/bundles[/{id}/manifest | /{id}/files/{path}]`` split mode: the served bundle's edge half, for
+  phones to download or update (``cloud_server.bundle_files``);
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: full-model mode (``cloud_server.full_api``).
 
 With a keys file or an API key configured (``cloud_server.auth``) every route but ``/health``, ``/ready`` and
@@ -43,16 +45,27 @@ async def drain(app: FastAPI) -> None:
     """Stop admitting, tell connected edges (``Drain``), and wait up to ``drain_timeout_s`` for open requests
     to finish. Idempotent; runs on the first SIGTERM (:class:`DrainingServer`) and again at shutdown."""
     runtime = app.state.runtime
+    runtimes = _runtimes(app)
+
+    def active() -> int:
+        return sum(rt.num_active_requests() for rt in runtimes)
+
     timeout = runtime.config.drain_timeout_s
     if not runtime.draining:
         runtime.draining = True
         split = getattr(app.state, "split", None)
         if split is not None:
             split.drain(int(timeout * 1000))
-        log.info("draining: %d open requests, up to %.0f s", runtime.num_active_requests(), timeout)
+        log.info("draining: %d open requests, up to %.0f s", active(), timeout)
     deadline = time.monotonic() + timeout
-    while runtime.num_active_requests() and time.monotonic() < deadline:
+    while active() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+
+
+def _runtimes(app: FastAPI) -> list:
+    """Every runtime the app serves: the primary one, and one per further bundle (``cloud_server.bundle_set``)."""
+    bundles = getattr(app.state, "split", None)
+    return bundles.all_runtimes if hasattr(bundles, "all_runtimes") else [app.state.runtime]
 
 
 class DrainingServer(uvicorn.Server):
@@ -92,14 +105,18 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
+        extra = _runtimes(app)[1:]  # further bundles' runtimes: always the app's own
         if owns_runtime:
-            await asyncio.get_running_loop().run_in_executor(None, runtime.start)
+            await loop.run_in_executor(None, runtime.start)
+        for rt in extra:
+            await loop.run_in_executor(None, rt.start)
         try:
             yield
         finally:
             await drain(app)
-            if owns_runtime:
-                await asyncio.get_running_loop().run_in_executor(None, runtime.stop)
+            for rt in [*extra, *([runtime] if owns_runtime else [])]:
+                await loop.run_in_executor(None, rt.stop)
 
     app = FastAPI(title="autoglm-split cloud server", lifespan=lifespan)
     app.state.runtime = runtime
@@ -125,21 +142,28 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
 
     @app.get("/ready", dependencies=probe)
     async def ready():
-        body = {"ready": runtime.ready, "mode": cfg.mode, "model": runtime.model_name,
+        runtimes = _runtimes(app)
+        is_ready = all(rt.ready for rt in runtimes)
+        body = {"ready": is_ready, "mode": cfg.mode, "model": runtime.model_name,
                 "draining": runtime.draining, "bundle_id": runtime.bundle_id}
-        if runtime.engine is not None and runtime.engine.dead:
-            body["error"] = runtime.engine.dead
-        return JSONResponse(body, status_code=200 if runtime.ready else 503)
+        if len(runtimes) > 1:
+            body["bundle_ids"] = [rt.bundle_id for rt in runtimes]
+        dead = [rt.engine.dead for rt in runtimes if rt.engine is not None and rt.engine.dead]
+        if dead:
+            body["error"] = "; ".join(dead)
+        return JSONResponse(body, status_code=200 if is_ready else 503)
 
     @app.get("/metrics", dependencies=probe)
     async def metrics():
         if runtime.metrics is None:
             return Response(b"", media_type="text/plain")
+        if len(_runtimes(app)) > 1:  # several bundles: their registries in one exposition
+            return Response(app.state.split.render_metrics(), media_type=runtime.metrics.content_type)
         return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)
 
     @app.get("/v1/models", dependencies=[auth])
     async def models():
-        return oc.model_list([runtime.model_name] if runtime.model_name else [])
+        return oc.model_list([rt.model_name for rt in _runtimes(app) if rt.model_name])
 
     if cfg.mode == "full":
         from cloud_server import full_api
@@ -147,9 +171,14 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         full_api.install(app, runtime, auth)
 
     else:
-        from cloud_server.split_endpoint import SplitEndpoint
+        from cloud_server import bundle_files
+        from cloud_server.bundle_set import BundleSet
 
-        endpoint = SplitEndpoint(runtime)
+        # the edge halves of the served bundles, for phones to download or update (GET /v1/bundles/...)
+        catalog = bundle_files.BundleCatalog([cfg.bundle, *cfg.more_bundles], cfg.model_name)
+        bundle_files.install(app, catalog, auth)
+        bundles = BundleSet(runtime, catalog)  # one engine per bundle id; the Hello's id picks one
+        endpoint = bundles if len(bundles.endpoints) > 1 else bundles.default
         app.state.split = endpoint
 
         @app.websocket("/v1/split")

@@ -111,8 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("keys", help="manage the API keys file: `autoglm-cloud keys add FILE --tenant NAME`")
     s = sub.add_parser("serve", help="serve a bundle's cloud half (split mode) or a whole model (--full)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("bundle", nargs="?", help="bundle directory written by `autoglm-partition split` "
-                                             f"[env {ENV_PREFIX}BUNDLE]")
+    s.add_argument("bundle", nargs="*", help="bundle directory written by `autoglm-partition split`; further "
+                                             "directories are edge variants of it (same bundle id, another edge "
+                                             "quantization) offered for download at /v1/bundles "
+                                             f"[env {ENV_PREFIX}BUNDLE: one directory]")
     s.add_argument("--config", help=f"JSON or TOML file of options [env {ENV_PREFIX}CONFIG]")
     for o in OPTIONS:
         flag = "--" + o.name.replace("_", "-")
@@ -153,9 +155,12 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             return value
         return None
 
-    bundle = pick("bundle", str, args.bundle)
-    if bundle is not None:
-        server["bundle"] = bundle
+    bundles = list(args.bundle or [])
+    if not bundles:
+        first = pick("bundle", str, None)
+        bundles = [first] if first is not None else []
+    if bundles:
+        server["bundle"], server["more_bundles"] = bundles[0], tuple(bundles[1:])
     for o in OPTIONS:
         value = pick(o.name, o.kind, getattr(args, o.name))
         if value is not None:
@@ -205,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"autoglm-cloud: error: {e}", file=sys.stderr)
         return 2
-    if config.bundle is not None and not (Path(config.bundle) / "manifest.json").is_file():
-        print(f"autoglm-cloud: error: {config.bundle}: not a bundle (no manifest.json)", file=sys.stderr)
-        return 2
+    for bundle in [config.bundle, *config.more_bundles] if config.bundle is not None else []:
+        if not (Path(bundle) / "manifest.json").is_file():
+            print(f"autoglm-cloud: error: {bundle}: not a bundle (no manifest.json)", file=sys.stderr)
+            return 2
     for name in ("ssl_certfile", "ssl_keyfile", "keys_file"):
         path = getattr(config, name)
         if path is not None and not Path(path).is_file():

@@ -71,6 +71,13 @@ class ServerMetrics:
                   self.prefix_hits, self.prompt_tokens, self.generation_tokens, self.batched_tokens,
                   self.downlink, self.sessions):
             m.labels(model_name)
+        # Bound children for the per-token hooks: ``labels()`` costs a lock and a dict lookup per call, and
+        # these run once per token (engine thread) or per frame (event loop).
+        self._ttft, self._itl, self._e2e = (m.labels(model_name) for m in (self.ttft, self.itl, self.e2e))
+        self._generation_tokens = self.generation_tokens.labels(model_name)
+        self._batched_tokens = self.batched_tokens.labels(model_name)
+        self._downlink = self.downlink.labels(model_name)
+        self._uplink_by_codec: dict[str, tuple] = {}  # codec -> (uplink child, bytes_per_token child)
 
     # -- engine hooks (called from the engine thread) ------------------------------------------
     def on_admit(self, seq) -> None:
@@ -82,17 +89,15 @@ class ServerMetrics:
         self.variant_requests.labels(m, seq.variant).inc()
 
     def on_token(self, seq, now: float) -> None:
-        m = self.model_name
-        self.generation_tokens.labels(m).inc()
+        self._generation_tokens.inc()
         if seq.last_token_time is None:
-            self.ttft.labels(m).observe(now - seq.arrival_time)
+            self._ttft.observe(now - seq.arrival_time)
         else:
-            self.itl.labels(m).observe(now - seq.last_token_time)
+            self._itl.observe(now - seq.last_token_time)
 
     def on_finish(self, seq) -> None:
-        m = self.model_name
-        self.e2e.labels(m).observe(time.monotonic() - seq.arrival_time)
-        self.success.labels(m, seq.finish_reason or "abort").inc()
+        self._e2e.observe(time.monotonic() - seq.arrival_time)
+        self.success.labels(self.model_name, seq.finish_reason or "abort").inc()
 
     def on_step(self, engine, num_tokens: int) -> None:
         m = self.model_name
@@ -102,16 +107,20 @@ class ServerMetrics:
             self.waiting.labels(m).set_function(lambda: engine.scheduler.num_waiting)
             self.kv_usage.labels(m).set_function(engine.kv_usage)
         if num_tokens:
-            self.batched_tokens.labels(m).inc(num_tokens)
+            self._batched_tokens.inc(num_tokens)
 
     # -- network hooks ----------------------------------------------------------------------------
     def on_uplink(self, nbytes: int, codec: str, tokens: int) -> None:
-        self.uplink.labels(self.model_name, codec).inc(nbytes)
+        children = self._uplink_by_codec.get(codec)
+        if children is None:  # codecs are a handful of known names (negotiated), so this stays small
+            children = self._uplink_by_codec[codec] = (self.uplink.labels(self.model_name, codec),
+                                                       self.bytes_per_token.labels(self.model_name, codec))
+        children[0].inc(nbytes)
         if tokens:
-            self.bytes_per_token.labels(self.model_name, codec).observe(nbytes / tokens)
+            children[1].observe(nbytes / tokens)
 
     def on_downlink(self, nbytes: int) -> None:
-        self.downlink.labels(self.model_name).inc(nbytes)
+        self._downlink.inc(nbytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

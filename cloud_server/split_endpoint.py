@@ -38,6 +38,7 @@ from cloud_server.config import ServerConfig
 from cloud_server.auth import principal_of
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.engine.speculation import MAX_DRAFTS
+from cloud_server.idle_deadline import IdleDeadline
 from cloud_server.limits import session_cap_refusal
 from cloud_server.precision_select import load_fraction, session_plan
 from cloud_server.session_store import Session, SessionRegistry
@@ -89,14 +90,19 @@ class SplitEndpoint:
         self.max_message_bytes = transport_max_frame_bytes(self.limits)
         self.wire_limits = P.Limits(max_frame_bytes=self.max_message_bytes)
         self.translate = SplitTranslator(runtime, self.codecs, self.wire_limits, self._load)
+        self.served_bundle_ids: list[str] = []  # every bundle this process serves (set by cloud_server.bundle_set)
+        self.translate.on_engine_dead = self._engine_dead
 
     def _load(self) -> float:
         return load_fraction(self.registry.open_requests(), self.rt.facts)
 
     # -- connection -------------------------------------------------------------------------------
-    async def serve(self, ws: WebSocket) -> None:
-        await ws.accept()
-        session = await self._handshake(ws)
+    async def serve(self, ws: WebSocket, first: dict | None = None) -> None:
+        """One connection. ``first``: its first frame, already read off an accepted socket by a router that
+        picked this endpoint by the Hello's bundle id (``cloud_server.bundle_set``)."""
+        if first is None:
+            await ws.accept()
+        session = await self._handshake(ws, first)
         if session is None:
             return
         generation = session.generation
@@ -110,19 +116,21 @@ class SplitEndpoint:
             await asyncio.gather(writer, return_exceptions=True)  # the link is gone either way
 
     async def _refuse(self, ws: WebSocket, code: str, message: str, close_code: int,
-                      retry_after_ms: int | None = None) -> None:
+                      retry_after_ms: int | None = None, bundle_ids: list[str] | None = None) -> None:
         try:
             await ws.send_bytes(P.encode_message(P.Error(code=code, message=message, fatal=True,
-                                                         retry_after_ms=retry_after_ms)))
+                                                         retry_after_ms=retry_after_ms,
+                                                         bundle_ids=list(bundle_ids or []))))
             await ws.close(code=close_code, reason=message[:120])
         except Exception:  # the peer may already be gone
             log.debug("refusal not delivered", exc_info=True)
 
-    async def _handshake(self, ws: WebSocket) -> Session | None:
+    async def _handshake(self, ws: WebSocket, first_frame: dict | None = None) -> Session | None:
         rt, metrics = self.rt, self.rt.metrics
         first = SessionState()  # the rulebook from the first frame on: only a Hello opens a session
         try:
-            frame = await asyncio.wait_for(ws.receive(), rt.config.handshake_timeout_s)
+            frame = first_frame if first_frame is not None else await asyncio.wait_for(
+                ws.receive(), rt.config.handshake_timeout_s)
             if frame.get("type") == "websocket.disconnect":
                 return None
             if frame.get("bytes") is None:
@@ -142,7 +150,8 @@ class SplitEndpoint:
         if hello.bundle_id != rt.bundle_id:
             metrics.refused.labels(rt.model_name, "bundle_mismatch").inc()
             await self._refuse(ws, "bundle_mismatch", f"this server serves bundle {rt.bundle_id}, the edge has "
-                                                      f"{hello.bundle_id}", CLOSE_POLICY)
+                                                      f"{hello.bundle_id}", CLOSE_POLICY,
+                               bundle_ids=self.served_bundle_ids or [rt.bundle_id])  # GET /v1/bundles has them
             return None
         if rt.draining:
             metrics.refused.labels(rt.model_name, "draining").inc()
@@ -189,12 +198,14 @@ class SplitEndpoint:
         if session.expiry is not None:
             session.expiry.cancel()
             session.expiry = None
+        # read before attaching: an engine output queued during this await would reach the edge before Welcome
+        cached = await self._cached_keys(tenant)
         session.generation += 1
         session.outq, session.ws = asyncio.Queue(), ws
         metrics.sessions.labels(rt.model_name).set(len(self.registry))
         session.send(P.Welcome(
             session_id=session.session_id, resume_token=session.resume_token, resumed=resumed, limits=self.limits,
-            plan=session.plan, codecs=codecs, server=self._server_info(), cached_prefixes=await self._cached_keys(tenant),
+            plan=session.plan, codecs=codecs, server=self._server_info(), cached_prefixes=cached,
             requests=[P.RequestState(request_id=t.request_id, received=t.received, tokens=t.tokens)
                       for t in session.state.requests.values()] if resumed else []))
         return session
@@ -254,17 +265,24 @@ class SplitEndpoint:
 
     # -- messages ---------------------------------------------------------------------------------
     async def _read_loop(self, ws: WebSocket, session: Session) -> None:
-        idle = max(1.0, self.limits.idle_timeout_ms / 1000)
+        loop = asyncio.get_running_loop()
+        # a quiet link is closed (the session stays resumable); receive() then returns the disconnect
+        deadline = IdleDeadline(max(1.0, self.limits.idle_timeout_ms / 1000),
+                                lambda: loop.create_task(self._close(ws, CLOSE_NORMAL, "idle", flush=False)))
+        try:
+            await self._read_frames(ws, session, deadline)
+        finally:
+            deadline.cancel()
+
+    async def _read_frames(self, ws: WebSocket, session: Session, deadline: IdleDeadline) -> None:
         while True:
             try:
-                frame = await asyncio.wait_for(ws.receive(), idle)
-            except asyncio.TimeoutError:
-                await self._close(ws, CLOSE_NORMAL, "idle", flush=False)
-                return
+                frame = await ws.receive()
             except WebSocketDisconnect:
                 return
             if frame.get("type") == "websocket.disconnect":
                 return
+            deadline.touch()
             data = frame.get("bytes")
             try:
                 if data is None:
@@ -296,6 +314,12 @@ class SplitEndpoint:
                 session.send(P.Error(code="internal", message=str(e), fatal=True))
                 await self._close(ws, CLOSE_INTERNAL, "engine stopped")
                 return
+
+    def _engine_dead(self, session: Session, e: EngineDeadError) -> None:
+        """The engine stopped while the translator handed it held steps: as in the read loop, tell and close."""
+        session.send(P.Error(code="internal", message=str(e), fatal=True))
+        if session.ws is not None:
+            asyncio.get_running_loop().create_task(self._close(session.ws, CLOSE_INTERNAL, "engine stopped"))
 
     def _dispatch(self, session: Session, msg, track, nbytes: int) -> None:
         """Act on a message the state machine accepted; ``track`` None: nothing to do (a late message)."""

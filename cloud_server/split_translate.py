@@ -8,6 +8,10 @@ machine has accepted (``shared.session_state``), with the request's track; what 
   ``shared.prefix_keys.tenant_scoped``), later chunks, ``DecodeStep``\\ s and ``SpecStep``\\ s (their drafts
   on the engine chunk: ``cloud_server.engine.speculation`` verifies them) -> ``add_input``, ``Cancel`` -> ``abort``, ``Resume`` -> ``Resumed`` from the server's record;
 * coded hidden states -> float32 tensors ``[n, H]`` checked against the engine's fixed facts (width, RoPE);
+  ``DecodeStep`` states are decoded together: the steps that arrive in one turn of the event loop (one per
+  decoding session) are held until the loop's next turn and decoded in one pass per codec
+  (``BoundaryCodec.decode_rows``), then handed to the engine in arrival order. Anything else the translator
+  does first hands over the steps it holds, so a request's messages reach the engine in the order they came;
 * engine outputs (on the event-loop thread, via ``call_soon_threadsafe``) -> ``Tokens`` / ``Error``, with the
   engine's error codes mapped to wire codes of the same meaning (:data:`WIRE_CODES`).
 
@@ -23,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 from cloud_server.engine.sequence import InputChunk
@@ -68,18 +73,25 @@ class SplitTranslator:
         self.codecs = codecs
         self.wire_limits = wire_limits
         self.load = load
+        self._steps: list[tuple[Session, RequestTrack, P.DecodeStep, int]] = []  # held until flush_steps
+        self._flush_scheduled = False
+        # what to do when the engine has stopped while handing over held steps (the endpoint closes the link)
+        self.on_engine_dead: Callable[[Session, EngineDeadError], None] | None = None
 
     @property
     def facts(self) -> EngineFacts:
         return self.rt.facts
 
     # -- inputs -----------------------------------------------------------------------------------
-    def _inputs(self, msg: P.Prefill | P.DecodeStep | P.SpecStep, start: int, last: bool) -> InputChunk:
-        """The message's hidden states [n, H] float32 and 3-D RoPE positions [3, n], as an engine chunk."""
-        try:
-            arr = self.codecs[msg.hidden.codec].decode(msg.hidden, self.wire_limits)  # [n, H] float32
-        except P.ProtocolError as e:
-            raise BadInput(e.code, e.message) from None
+    def _inputs(self, msg: P.Prefill | P.DecodeStep | P.SpecStep, start: int, last: bool,
+                arr: np.ndarray | None = None) -> InputChunk:
+        """The message's hidden states [n, H] float32 (``arr`` if already decoded) and 3-D RoPE positions
+        [3, n], as an engine chunk."""
+        if arr is None:
+            try:
+                arr = self.codecs[msg.hidden.codec].decode(msg.hidden, self.wire_limits)  # [n, H] float32
+            except P.ProtocolError as e:
+                raise BadInput(e.code, e.message) from None
         if arr.shape[1] != self.facts.hidden_size:
             raise BadInput("bad_input", f"hidden states of width {arr.shape[1]}; the model takes "
                                         f"{self.facts.hidden_size}")
@@ -94,6 +106,7 @@ class SplitTranslator:
 
     def open(self, session: Session, track: RequestTrack, msg: P.Prefill, nbytes: int) -> None:
         """A request's first Prefill: admit it to the engine."""
+        self.flush_steps()
         rid = msg.request_id
         try:
             chunk = self._inputs(msg, msg.start, msg.last)
@@ -123,12 +136,56 @@ class SplitTranslator:
 
     def more_input(self, session: Session, track: RequestTrack, msg: P.Prefill | P.DecodeStep | P.SpecStep,
                    nbytes: int) -> None:
-        """A later Prefill chunk, a DecodeStep or a SpecStep (k + 1 positions to verify) of an admitted request."""
+        """A later Prefill chunk, a DecodeStep or a SpecStep (k + 1 positions to verify) of an admitted request.
+        A DecodeStep is held for :meth:`flush_steps` (at the event loop's next turn at the latest)."""
+        if isinstance(msg, P.DecodeStep):
+            self._steps.append((session, track, msg, nbytes))
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self.flush_steps)
+            return
+        self.flush_steps()
+        self._add_input(session, track, msg, nbytes)
+
+    def flush_steps(self) -> None:
+        """Decode the held DecodeSteps' states, one ``decode_rows`` pass per codec, and hand them to the engine
+        in arrival order. A batch that fails to decode is decoded step by step, so only a bad step fails."""
+        self._flush_scheduled = False
+        steps, self._steps = self._steps, []
+        if not steps:
+            return
+        by_codec: dict[str, list[int]] = {}
+        for i, (_, _, msg, _) in enumerate(steps):
+            by_codec.setdefault(msg.hidden.codec, []).append(i)
+        rows: list[np.ndarray | None] = [None] * len(steps)  # [1, H] each, decoded in a batch
+        for name, idx in by_codec.items():
+            codec = self.codecs.get(name)
+            if codec is None or len(idx) < 2:
+                continue  # decoded (or refused) one by one below
+            try:
+                arr = codec.decode_rows([steps[i][2].hidden for i in idx], self.wire_limits)  # [N, H]
+            except P.ProtocolError:
+                continue
+            for j, i in enumerate(idx):
+                rows[i] = arr[j:j + 1]
+        for (session, track, msg, nbytes), arr in zip(steps, rows):
+            rec: RequestRecord = track.owner
+            if session.closed or not rec.active:  # closed or failed while held: the engine has let it go
+                continue
+            try:
+                self._add_input(session, track, msg, nbytes, arr)
+            except EngineDeadError as e:
+                if self.on_engine_dead is None:
+                    raise
+                self.on_engine_dead(session, e)
+
+    def _add_input(self, session: Session, track: RequestTrack, msg: P.Prefill | P.DecodeStep | P.SpecStep,
+                   nbytes: int, arr: np.ndarray | None = None) -> None:
         rec: RequestRecord = track.owner
         is_step = isinstance(msg, (P.DecodeStep, P.SpecStep))
         start, n = (msg.position, getattr(msg, "n_tokens", 1)) if is_step else (msg.start, msg.n_tokens)
         try:
-            chunk = self._inputs(msg, start, True if is_step else msg.last)
+            chunk = self._inputs(msg, start, True if is_step else msg.last, arr)
         except BadInput as e:
             self.fail(session, track.request_id, e.code, e.message)
             return
@@ -139,9 +196,11 @@ class SplitTranslator:
         self.rt.engine.add_input(rec.engine_id, chunk)
 
     def cancel(self, track: RequestTrack) -> None:
+        self.flush_steps()
         self.rt.engine.abort(track.owner.engine_id, "cancelled")
 
     def resume(self, session: Session, track: RequestTrack, msg: P.Resume) -> None:
+        self.flush_steps()
         rec: RequestRecord | None = track.owner
         if rec is None:  # refused before the engine saw it: nothing to resume
             session.send(P.Error(code="resume_failed", message=f"request {track.request_id} was never admitted",
@@ -153,6 +212,7 @@ class SplitTranslator:
 
     def fail(self, session: Session, rid: str, code: str, message: str) -> None:
         """Close request ``rid`` with ``Error(code)``: the engine drops it, the state machine records it."""
+        self.flush_steps()
         rec = session.record(rid)
         if rec is not None and rec.active:
             self.rt.engine.abort(rec.engine_id, "error")

@@ -3,6 +3,7 @@
     autoglm-edge chat  --bundle B --url ws://HOST:PORT/v1/split [--api-key K] [--thinking]
     autoglm-edge serve --bundle B --url ws://... [--port 8001] [--preload prompts.txt]
     autoglm-edge preload --bundle B --cache-dir D prompts.txt
+    autoglm-edge preload --bundle B --url ws://... --update      (download the server's bundle if it moved)
     autoglm-edge demo
 
 Flags mirror :class:`~edge_client.config.EdgeConfig` fields and have environment twins
@@ -28,6 +29,9 @@ def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
         g.add_argument("--api-key", help="cloud API key (env AUTOGLM_API_KEY)")
         g.add_argument("--ca-file", type=Path, help="wss://: trust the CAs in this PEM file (default: the system "
                                                     "store or SSL_CERT_FILE; env AUTOGLM_EDGE_CA_FILE)")
+        g.add_argument("--auto-update", action=argparse.BooleanOptionalAction, default=None,
+                       help="when the cloud serves another bundle of this model, download it and switch "
+                            "(default off; env AUTOGLM_EDGE_AUTO_UPDATE)")
     g.add_argument("--threads", type=int, help="onnxruntime threads for the front layers (default 2)")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per front forward (default 128)")
     g.add_argument("--codec", help="wire codec for hidden states (default: the server's precision plan)")
@@ -42,6 +46,7 @@ def _config(args):
 
     return EdgeConfig.from_env(bundle=args.bundle, url=getattr(args, "url", None),
                                api_key=getattr(args, "api_key", None), ca_file=getattr(args, "ca_file", None),
+                               auto_update=getattr(args, "auto_update", None),
                                threads=args.threads,
                                prefill_chunk=args.prefill_chunk, codec=args.codec, cache_dir=args.cache_dir,
                                cache_max_bytes=args.cache_max_bytes)
@@ -110,6 +115,10 @@ def cmd_preload(args) -> int:
     from .client import EdgeClient
 
     cfg = _config(args)
+    if args.update:
+        _update(cfg)
+    if not [*args.preload, *args.files]:
+        return 0
     if cfg.cache_dir is None:
         raise ValueError("preload needs --cache-dir (or AUTOGLM_EDGE_CACHE_DIR): a memory cache dies with the process")
     client = EdgeClient(cfg)
@@ -119,6 +128,56 @@ def cmd_preload(args) -> int:
     finally:
         client.close()
     return 0
+
+
+def _update(cfg) -> None:
+    """Bring the bundle to the one the server serves (edge_client.bundle_sync), with a progress bar."""
+    from shared.manifest import Manifest
+
+    from . import bundle_sync
+    from .errors import EdgeClientError
+
+    current = Manifest.load(cfg.bundle)
+    bar = _Bar()
+    try:
+        new = bundle_sync.update(cfg, current, progress=bar)
+    except bundle_sync.BundleSyncError as e:
+        raise EdgeClientError(f"update: {e}", e.code) from None
+    finally:
+        bar.close()
+    if new is None:
+        print(f"{cfg.bundle}: up to date (bundle {current.bundle_id})", file=sys.stderr)
+    else:
+        print(f"{cfg.bundle}: updated to bundle {new.bundle_id} (split layer {new.split_layer}, "
+              f"{new.edge_quant} edge); the previous one is kept beside it", file=sys.stderr)
+
+
+class _Bar:
+    """tqdm over a download's (done, total) callbacks; a plain line per 10 % when stderr is no terminal."""
+
+    def __init__(self):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        self._tqdm = tqdm if tqdm is not None and sys.stderr.isatty() else None
+        self._bar = None
+        self._next = 0.1
+
+    def __call__(self, done: int, total: int) -> None:
+        if self._tqdm is not None:
+            if self._bar is None:
+                self._bar = self._tqdm(total=total, unit="B", unit_scale=True, desc="bundle", file=sys.stderr)
+            self._bar.n = done
+            self._bar.refresh()
+        elif total and done >= self._next * total:
+            print(f"bundle download: {100 * done / total:.0f} % of {total / 1e6:.1f} MB", file=sys.stderr)
+            while self._next * total <= done:
+                self._next += 0.1
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def cmd_demo(args) -> int:
@@ -158,8 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     pre = sub.add_parser("preload", help="fill the persistent activation cache with common prompts")
-    _config_flags(pre, need_url=False)
+    _config_flags(pre)
     pre.add_argument("files", nargs="*", type=Path, help="prompt files (.txt, .jsonl, .json)")
+    pre.add_argument("--update", action="store_true",
+                     help="first bring the bundle to the one the server at --url serves (same model; resumable "
+                          "download, verified, switched atomically, the previous version kept)")
     pre.set_defaults(func=cmd_preload)
 
     demo = sub.add_parser("demo", help="build the SmolLM2 bundle once, start a local cloud, stream an answer")

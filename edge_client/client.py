@@ -36,6 +36,7 @@ from shared.detokenizer import StreamDecoder
 from shared.exec_mode import Deployment, ExecModeError, LinkState, ModeDecision, RequestShape, choose_mode
 from shared.manifest import Manifest
 
+from . import bundle_sync
 from .activation_cache import ActivationCache
 from .config import EdgeConfig
 from .errors import EdgeClientError
@@ -72,24 +73,48 @@ class EdgeClient:
             kw = {"url": url} if url else {}
             cfg = EdgeConfig(bundle=Path(bundle), api_key=api_key, **kw, **overrides)
         self.config = cfg
-        self.manifest = Manifest.load(cfg.bundle)
-        self.runtime = FrontRuntime(cfg.bundle, threads=cfg.threads, chunk=cfg.prefill_chunk,
-                                    verify=cfg.verify_bundle)
-        self.tokenizer = EdgeTokenizer.from_bundle(cfg.bundle, self.manifest)
-        self.cache = ActivationCache(
-            self.manifest.bundle_id, self.runtime.n_layers, self.runtime.kv_heads, self.runtime.head_dim,
-            self.runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
-            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=self.manifest.edge_quant)
+        bundle_sync.recover(cfg.bundle)  # a bundle switch that a crash interrupted
+        self.manifest, self.runtime, self.tokenizer, self.cache = self._open_bundle()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="autoglm-edge-loop", daemon=True)
         self._thread.start()
         self.session = Session(cfg, self.manifest, self.runtime, self.cache, self.tokenizer)
+        if cfg.auto_update:  # on bundle_mismatch: download the server's bundle and carry on with it
+            self.session.on_bundle_mismatch = self._update_bundle
         self.media = MediaEncoders(cfg.bundle, cfg.threads)  # opened on the first image / audio clip
         self.media_policy = media_policy or MediaPolicy()
         self.whole_model, self.all_cloud = whole_model, all_cloud
         self.prefix_secret = prefix_secret if prefix_secret is not None else os.urandom(32)
         self.link_up = True  # False: the caller knows the link is down (the policy then keeps the request here)
         self._closed = False
+
+    def _open_bundle(self) -> tuple[Manifest, FrontRuntime, EdgeTokenizer, ActivationCache]:
+        """The configured bundle's manifest, front runtime, tokenizer and activation cache."""
+        cfg = self.config
+        manifest = Manifest.load(cfg.bundle)
+        runtime = FrontRuntime(cfg.bundle, threads=cfg.threads, chunk=cfg.prefill_chunk, verify=cfg.verify_bundle)
+        tokenizer = EdgeTokenizer.from_bundle(cfg.bundle, manifest)
+        cache = ActivationCache(
+            manifest.bundle_id, runtime.n_layers, runtime.kv_heads, runtime.head_dim,
+            runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
+            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.edge_quant)
+        return manifest, runtime, tokenizer, cache
+
+    async def _update_bundle(self, bundle_ids: list[str]) -> bool:
+        """The cloud refused this bundle (``bundle_ids``: what it serves): download its bundle of the same model,
+        switch to it (``edge_client.bundle_sync``) and reopen everything over it. True when switched."""
+        try:
+            new = await asyncio.to_thread(bundle_sync.update, self.config, self.manifest, bundle_ids,
+                                          bundle_sync.LogProgress())
+            if new is None:
+                return False
+            opened = await asyncio.to_thread(self._open_bundle)
+        except bundle_sync.BundleSyncError as e:
+            raise EdgeClientError(f"the cloud serves another bundle and updating to it failed: {e}", e.code) from None
+        self.manifest, self.runtime, self.tokenizer, self.cache = opened
+        self.media = MediaEncoders(self.config.bundle, self.config.threads)
+        self.session.use_bundle(self.manifest, self.runtime, self.cache, self.tokenizer)
+        return True
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property

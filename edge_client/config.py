@@ -98,6 +98,10 @@ class EdgeConfig:
     cache_dtype: str = "float32"  # float32 keeps cached == recomputed bit for bit; float16 halves the bytes
     cache_prompts: bool = True  # also cache the full blocks of every request's prompt (not only preloads)
     verify_bundle: bool = True  # re-hash edge/ artifacts at load: a tampered graph is refused
+    # On bundle_mismatch, download the server's bundle of the same model and switch to it
+    # (edge_client.bundle_sync). Off by default: a new edge half is tens of MB to GBs, which an app may
+    # want to fetch on Wi-Fi only (`autoglm-edge preload --update` does it on demand).
+    auto_update: bool = False
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self):
@@ -138,7 +142,7 @@ class EdgeConfig:
 
 def _coerce(name: str, raw: str):
     ints = {"threads", "prefill_chunk", "cache_max_bytes", "cache_block_tokens"}
-    bools = {"cache_prompts", "verify_bundle", "wire_zstd"}
+    bools = {"cache_prompts", "verify_bundle", "wire_zstd", "auto_update"}
     try:
         if name in ints:
             return int(raw)

@@ -10,9 +10,11 @@ first (most recent occurrence wins) and then from a bounded memory of earlier ou
 
 :class:`DraftSizer` picks k per step. A draft is accepted with a probability ``alpha`` (measured: accepted
 drafts over drafts that were tried), so a step with k drafts emits ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens
-in expectation and costs one round trip plus k marginal positions (front compute and uplink of one row each,
-measured). It picks the k that maximises tokens per second; on a long RTT that is a larger k, on a fast
-link or with poor acceptance a smaller one (k = 0: a plain DecodeStep).
+in expectation and costs one plain step's round trip plus k marginal positions. Both are measured from the
+steps themselves: the round trip of plain steps, and what each draft adds to a speculative step's round trip
+(front compute, uplink of its row, the cloud's extra position). It picks the k that maximises tokens per
+second; on a long RTT that is a larger k, on a fast link or with poor acceptance a smaller one (k = 0: a
+plain DecodeStep).
 
 Nothing here imports torch; all inputs are token id lists.
 """
@@ -106,7 +108,9 @@ class SizerConfig:
     prior_alpha: float = 0.6  # acceptance assumed before any step is measured
     prior_weight: float = 4.0  # pseudo-trials behind the prior
     decay: float = 0.9  # per-step weight of old observations: acceptance drifts within an answer
-    default_round_s: float = 0.08  # a step's round trip before one is measured
+    default_round_s: float = 0.08  # a plain step's round trip before one is measured
+    default_row_s: float = 0.004  # a draft's marginal cost before one is measured
+    smoothing: float = 0.3  # weight of a new cost measurement
 
 
 class DraftSizer:
@@ -117,22 +121,32 @@ class DraftSizer:
         self.config = cfg = config or SizerConfig()
         self._accepted = cfg.prior_alpha * cfg.prior_weight  # decayed accepted drafts
         self._tried = cfg.prior_weight  # decayed drafts whose verdict was known (accepted or the rejected one)
-        self.round_s = cfg.default_round_s  # a step: send -> Tokens (RTT + server step + the fed row)
-        self.row_s = 0.0  # marginal cost of one more draft row: front compute + uplink
+        self.round_s = cfg.default_round_s  # a plain step: send -> Tokens (RTT + the server's step)
+        self.row_s = cfg.default_row_s  # what one more draft adds to a step: front + uplink + cloud position
+        self._round_measured = False  # row_s is measured against a measured plain step only
 
     @property
     def alpha(self) -> float:
         return min(0.99, self._accepted / self._tried)
 
-    def observe(self, drafts: int, accepted: int, round_s: float | None = None, row_s: float | None = None) -> None:
-        """One verified step: ``accepted`` of ``drafts`` drafts; its measured round trip and per-row cost."""
-        d = self.config.decay
+    def observe(self, drafts: int, accepted: int, step_s: float | None = None) -> None:
+        """One answered step with ``drafts`` drafts (0: a plain DecodeStep), ``accepted`` of them accepted,
+        ``step_s`` from sending it to its Tokens (the edge's front work for it included)."""
+        cfg = self.config
+        w, d = cfg.smoothing, cfg.decay
+        if drafts == 0:
+            if step_s is not None:
+                self.round_s = self.round_s + w * (step_s - self.round_s) if self._round_measured else step_s
+                self._round_measured = True
+            # no verdict: the acceptance estimate drifts back to the prior, so a k = 0 phase (a chat answer
+            # that copies nothing) does not stop drafting for good once the text starts repeating
+            self._accepted = d * self._accepted + (1 - d) * cfg.prior_alpha * cfg.prior_weight
+            self._tried = d * self._tried + (1 - d) * cfg.prior_weight
+            return
         self._accepted = d * self._accepted + accepted
         self._tried = d * self._tried + accepted + (1 if accepted < drafts else 0)
-        if round_s is not None:
-            self.round_s = 0.7 * self.round_s + 0.3 * round_s
-        if row_s is not None:
-            self.row_s = 0.7 * self.row_s + 0.3 * row_s
+        if step_s is not None and self._round_measured:  # a draft's cost: what it adds to a plain step
+            self.row_s += w * (max(0.0, (step_s - self.round_s) / drafts) - self.row_s)
 
     def expected_tokens(self, k: int) -> float:
         a = self.alpha

@@ -63,7 +63,7 @@ from .errors import EdgeClientError
 from .request import RequestSpec, RequestStats
 from .front import FrontRuntime
 from .tokenizer import EdgeTokenizer
-from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown
+from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown, route_key
 
 from shared.version import __version__ as CLIENT_VERSION
 
@@ -88,8 +88,7 @@ class _Spec:
     drafts: list[int]
     hidden: np.ndarray  # [k + 1, H] raw boundary states (the accepted rows are coded again for the record)
     msg: object  # the SpecStep as sent (a resume resends it as is)
-    sent_at: float  # perf_counter when sent (the step's round trip)
-    row_s: float  # front compute per row of the chunk
+    started: float  # perf_counter when its front work began (the step's cost runs from here to the verdict)
 
 
 class _Request:
@@ -112,8 +111,10 @@ class _Request:
         self.pending: list = []  # token messages received during recovery, to process in order
         self.finish: str | None = None
         self.spec_step: _Spec | None = None  # the speculative step awaiting its verdict
+        self.plain_started: float | None = None  # when the DecodeStep in flight began (the sizer's timing)
         # drafting over image placeholders would need their 3-D rope rows: media prompts decode plainly
         self.speculate = spec.speculate and spec.media is None
+        self.bundle_gen = 0  # Session.bundle_gen its inputs were computed under
 
     @property
     def context_len(self) -> int:
@@ -160,6 +161,16 @@ class Session:
         # prompt lookup over the context and earlier outputs (agent steps repeat actions); remembered across requests
         self.drafter = PromptLookupDrafter()
         self.sizer = DraftSizer(self.drafter.config.max_drafts)
+        # async (server's bundle ids) -> bool: the client's bundle update on bundle_mismatch (EdgeConfig.auto_update)
+        self.on_bundle_mismatch = None
+        self.bundle_gen = 0  # bumped by use_bundle: a request opened under an older bundle is rebuilt
+
+    def use_bundle(self, manifest: Manifest, runtime: FrontRuntime, cache: ActivationCache,
+                   tokenizer: EdgeTokenizer | None) -> None:
+        """Carry on with another bundle of the same model (after an update): its front, cache and codecs."""
+        self.manifest, self.runtime, self.cache, self.tokenizer = manifest, runtime, cache, tokenizer
+        self.codecs = C.available_codecs(_calibration(self.config.bundle))
+        self.bundle_gen += 1
 
     # -- connection -----------------------------------------------------------------------------
     @property
@@ -182,13 +193,18 @@ class Session:
 
     async def ensure_connected(self, resume: bool = False) -> dict:
         if not self.connected:
-            hello = self._hello(resume)
-            try:
-                w = await self.link.connect(hello)
-            except HandshakeRefused as e:
-                raise EdgeClientError(str(e), e.code) from None
-            except GarbageFromServer as e:
-                raise EdgeClientError(str(e), "bad_server") from None
+            for attempt in (0, 1):  # a second Hello after a bundle update
+                hello = self._hello(resume and attempt == 0)
+                try:
+                    w = await self.link.connect(hello)
+                    break
+                except HandshakeRefused as e:
+                    if attempt == 0 and e.code == "bundle_mismatch" and self.on_bundle_mismatch is not None \
+                            and await self.on_bundle_mismatch(e.bundle_ids):
+                        continue
+                    raise EdgeClientError(str(e), e.code) from None
+                except GarbageFromServer as e:
+                    raise EdgeClientError(str(e), "bad_server") from None
             if self.config.cache_block_tokens != w.limits.prefix_block_tokens:
                 log.warning("the cloud names prefixes per %d tokens, the edge cache per %d: cloud prefix reuse "
                             "is limited to whole cloud blocks", w.limits.prefix_block_tokens,
@@ -295,6 +311,7 @@ class Session:
             await self._connect_with_retry(stats)
             plan = self._plan_for(spec)
             req = _Request(spec, plan.codec, plan.compute)
+            req.bundle_gen = self.bundle_gen
             stats.codec, stats.compute, stats.trace_id = plan.codec, plan.compute, req.trace_id
             log.info("trace=%s start: %d prompt tokens, codec %s", req.trace_id, len(spec.prompt_ids), plan.codec)
             decoder = StreamDecoder(self.tokenizer.decode) if self.tokenizer is not None else None
@@ -411,6 +428,8 @@ class Session:
         parts: list[np.ndarray] = [hit.hidden] if hit is not None else []
         if h > c:
             await self._guarded(req, stats, self._send_span(req, c, hit.hidden[c:h], stats))
+            if req.bundle_gen != self.bundle_gen:  # the cloud moved to another bundle: _rebuild sent it all
+                return
         # 3. front layers over [h, L), each chunk sent as soon as it is computed
         if media is None:
             chunks = rt.prefill_chunks(ids[h:])
@@ -424,6 +443,8 @@ class Session:
             start, hidden = item  # hidden: [n, H]
             parts.append(hidden)
             await self._guarded(req, stats, self._send_span(req, start, hidden, stats))
+            if req.bundle_gen != self.bundle_gen:  # the cloud moved to another bundle: _rebuild sent it all
+                return
         # 4. remember the prompt's full blocks for next time (front KV + boundary hidden states)
         if self.config.cache_prompts and self.cache is not None:
             all_hidden = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]  # [L, H]
@@ -482,6 +503,9 @@ class Session:
             new = self._accept(req, msg.index, msg.token_ids, msg.finish_reason)
             if req.spec_step is not None and (new or req.finish is not None):
                 self._settle_spec(req, new, stats)
+            elif new and req.plain_started is not None:  # a plain step answered: the sizer's base cost
+                self.sizer.observe(0, 0, time.perf_counter() - req.plain_started)
+                req.plain_started = None
             for t in new:
                 yield t
             if new and req.finish is None:
@@ -508,6 +532,7 @@ class Session:
             if drafts:
                 await self._send_spec(req, todo, drafts, stats)
                 return
+        req.plain_started = time.perf_counter()
         for t in todo:
             hidden = await _compute(self.runtime.decode, t)  # [1, H]
             pos = self.runtime.length - 1
@@ -546,10 +571,9 @@ class Session:
         pos = rt.length
         t0 = time.perf_counter()
         hidden = await _compute(rt.prefill, [todo[-1], *drafts])  # [k + 1, H]
-        row_s = (time.perf_counter() - t0) / (len(drafts) + 1)
         msg = P.SpecStep(request_id=req.rid, position=pos, hidden=codec.encode(hidden, zstd=self.config.wire_zstd),
                          draft_ids=list(drafts))
-        req.spec_step = _Spec(pos, list(drafts), hidden, msg, time.perf_counter(), row_s)
+        req.spec_step = _Spec(pos, list(drafts), hidden, msg, t0)
         stats.draft_tokens += len(drafts)
         await self._send(msg)
 
@@ -570,8 +594,7 @@ class Session:
                                                                 zstd=self.config.wire_zstd)))
         stats.decode_round_trips += 1
         stats.accepted_draft_tokens += min(accepted, len(spec.drafts))
-        self.sizer.observe(len(spec.drafts), min(accepted, len(spec.drafts)),
-                           round_s=time.perf_counter() - spec.sent_at, row_s=spec.row_s)
+        self.sizer.observe(len(spec.drafts), min(accepted, len(spec.drafts)), time.perf_counter() - spec.started)
 
     def _abandon_spec(self, req: _Request) -> None:
         """A replay while a SpecStep is unanswered: keep only its fed token (the replay's last position)."""
@@ -591,6 +614,9 @@ class Session:
         while True:
             resumed = await self._reconnect(req, stats, cause)
             try:
+                if req.bundle_gen != self.bundle_gen:  # reconnected with another bundle (an update)
+                    await self._rebuild(req, stats)
+                    return
                 if resumed and req.opened and await self._resume(req, stats):
                     return
                 if req.rid in self.state.requests:  # the cloud holds part of a span: drop its copy, replay ours
@@ -600,6 +626,25 @@ class Session:
                 return
             except LinkDown as e:  # dropped again while recovering: start over
                 cause = e
+
+    async def _rebuild(self, req: _Request, stats: RequestStats) -> None:
+        """The bundle changed under an open request: the new front computes the whole context so far (prompt +
+        tokens received) and a fresh request id carries it to the cloud; token indices continue (as a replay).
+        A link drop midway makes the next recovery start this over."""
+        if req.spec.media is not None:
+            raise EdgeClientError("the cloud changed bundles during a request with images or audio; send it "
+                                  "again", "bundle_changed")
+        req.rid = f"{req.trace_id}.b{uuid.uuid4().hex[:6]}"
+        log.info("trace=%s rebuilt on bundle %s as request %s", req.trace_id, self.manifest.bundle_id, req.rid)
+        req.spec_step, req.opened, req.sent, req.prefix_raw, req.pending = None, False, [], None, []
+        req.index_base = len(req.tokens)
+        stats.replays += 1
+        self.runtime.reset()
+        chunks = self.runtime.prefill_chunks([*req.spec.prompt_ids, *req.tokens])
+        while (item := await _compute(next, chunks, None)) is not None:
+            start, hidden = item  # hidden: [n, H]
+            await self._send_span(req, start, hidden, stats)
+        req.bundle_gen = self.bundle_gen
 
     async def _resume(self, req: _Request, stats: RequestStats) -> bool:
         """Ask the surviving session where the request stands; resend what it lacks. False: replay instead."""
@@ -613,6 +658,7 @@ class Session:
             if isinstance(msg, P.Tokens) and msg.request_id == req.rid:
                 req.pending.append(msg)  # sent just before the Resumed: still ours, in order
         received = msg.received
+        req.plain_started = None  # the outage is no step cost
         if any(s.start < received < s.start + s.n for s in req.sent):
             return False  # the cloud holds part of a span: cannot resend it exactly, replay instead
         if any(s.start >= max(received, req.prompt_len) and s.n > 1 for s in req.sent):
@@ -632,7 +678,12 @@ class Session:
 
     # -- preload ----------------------------------------------------------------------------------
     async def preload(self, ids: list[int]) -> int:
-        """Run the front over ``ids`` and cache its full blocks (no network); returns tokens cached."""
+        """Run the front over ``ids`` and cache its full blocks (no network); returns tokens cached. The first
+        preloaded prompt of at least a block also names the link's routing key (``transport.route_key``: its
+        first prefix key, in the edge's block size and first codec, scoped by the API key's tenant)."""
+        if self.link.route_key is None:
+            scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_quant, next(iter(self.codecs)))
+            self.link.route_key = route_key(ids, scope, self.config.cache_block_tokens, self.config.api_key)
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:

@@ -16,6 +16,12 @@ The URL may be the server's base URL (``ws://host:port``, as an OpenAI client ta
 endpoint itself (``ws://host:port/v1/split``); :func:`~edge_client.config.split_url` resolves the first to
 the second. A URL with no split endpoint behind it (HTTP 403/404 on the upgrade) says so.
 
+Routing: with :attr:`Link.route_key` set (the first prefix key of the system prompt the edge preloaded, scoped
+by tenant: :func:`route_key`), every upgrade carries it in :data:`ROUTE_HEADER`, so a proxy that hashes on it
+(deploy/nginx/autoglm-split.conf) sends phones that share a system prompt to the replica that caches it. The
+key is a hash chain over the prompt's token ids and the bundle id, never the ids; without a preloaded prompt
+no header is sent (the proxy balances round-robin).
+
 Byte counters include every frame in both directions, so the client's "bytes up/down" are what the link
 carried, not what the payloads weighed.
 """
@@ -31,12 +37,23 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from shared import protocol as P
+from shared.prefix_keys import KeyScope, block_keys, tenant_of, tenant_scoped
 
 from . import tls
 from .config import RetryPolicy, split_url
 
 # Refusals at Hello that say "not now" rather than "never": reconnecting later may succeed.
 RETRYABLE_REFUSALS = ("draining", "overloaded", "internal")
+ROUTE_HEADER = "X-Autoglm-Prefix-Key"  # the upgrade header a prefix-aware proxy hashes on
+
+
+def route_key(ids, scope: KeyScope, block_tokens: int, api_key: str | None) -> str | None:
+    """The routing key of a system prompt ``ids``: its first prefix key (``shared.prefix_keys.block_keys``) in
+    the namespace of the API key's tenant (``tenant_scoped``); None when the prompt is shorter than a block."""
+    keys = block_keys(ids, scope, block_tokens)
+    if not keys:
+        return None
+    return tenant_scoped(tenant_of(f"Bearer {api_key}" if api_key else None), keys[0])
 
 
 class LinkDown(Exception):
@@ -44,11 +61,13 @@ class LinkDown(Exception):
 
 
 class HandshakeRefused(Exception):
-    """The server refused the session; ``code`` is the wire error code (or the HTTP status)."""
+    """The server refused the session; ``code`` is the wire error code (or the HTTP status). ``bundle_ids``:
+    for ``bundle_mismatch``, the bundles the server serves (``Error.bundle_ids``)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, bundle_ids: list[str] | None = None):
         super().__init__(message)
         self.code = code
+        self.bundle_ids = list(bundle_ids or [])
 
 
 class GarbageFromServer(Exception):
@@ -70,6 +89,7 @@ class Link:
         self.bytes_down = 0
         self.frames_up = 0
         self.frames_down = 0
+        self.route_key: str | None = None  # sent as ROUTE_HEADER on every upgrade when set (:func:`route_key`)
 
     @property
     def open(self) -> bool:
@@ -79,6 +99,8 @@ class Link:
         """Open the WebSocket and run Hello -> Welcome; raises LinkDown / HandshakeRefused / GarbageFromServer."""
         await self.close()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if self.route_key is not None:
+            headers[ROUTE_HEADER] = self.route_key
         try:
             context = tls.client_context(self.url, self.ca_file)
         except FileNotFoundError as e:
@@ -124,7 +146,8 @@ class Link:
             await self.close()
             if reply.code in RETRYABLE_REFUSALS:  # another attempt (or replica) may be accepted
                 raise LinkDown(f"server busy: {reply.code}: {reply.message}")
-            raise HandshakeRefused(reply.code, f"server refused the session: {reply.code}: {reply.message}")
+            raise HandshakeRefused(reply.code, f"server refused the session: {reply.code}: {reply.message}",
+                                   reply.bundle_ids)
         if not isinstance(reply, P.Welcome):
             await self.close()
             raise GarbageFromServer(f"{self.url}: expected Welcome, got {type(reply).__name__}")

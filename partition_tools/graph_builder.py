@@ -159,6 +159,28 @@ class _Graph:
         self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=domain or None, **attrs))
         return outputs
 
+    def norm(self, x: str, weight: np.ndarray, name: str, eps: float) -> str:
+        """RMSNorm(x) * weight."""
+        w = self.const(f"{name}.weight", weight)
+        return self.op("SimplifiedLayerNormalization", [x, w], [f"{name}.out"], name, axis=-1, epsilon=eps,
+                       stash_type=1)[0]
+
+    def skip_norm(self, x: str, residual: str | None, weight: np.ndarray, name: str, eps: float) -> tuple[str, str]:
+        """RMSNorm(x + residual) * weight -> (normed, x + residual); no residual yet: (RMSNorm(x), x)."""
+        if residual is None:
+            return self.norm(x, weight, name, eps), x
+        w = self.const(f"{name}.weight", weight)
+        out = self.op("SkipSimplifiedLayerNormalization", [x, residual, w],
+                      [f"{name}.out", "", "", f"{name}.sum"], name, domain=MS, epsilon=eps)
+        return out[0], out[3]
+
+    def matmul(self, x: str, weight: np.ndarray, module: str, bias: np.ndarray | None = None) -> str:
+        """x @ weight [K, N] (+ bias), the node named by its module path."""
+        y = self.op("MatMul", [x, self.const(f"{module}.weight", weight)], [f"{module}.out"], module)[0]
+        if bias is not None:
+            y = self.op("Add", [y, self.const(f"{module}.bias", bias)], [f"{module}.biased"], f"{module}.bias")[0]
+        return y
+
 
 def build_fused_front(adapter: ModelAdapter, n_layers: int, out_path: Path,
                       max_positions: int | None = None) -> Path:
@@ -220,29 +242,8 @@ def build_fused_front(adapter: ModelAdapter, n_layers: int, out_path: Path,
     for i, w in enumerate(layers):
         p = f"layers.{i}"
 
-        def skip_norm(x: str, weight: np.ndarray, tag: str) -> tuple[str, str]:
-            """RMSNorm(x + residual) -> (normed, new residual); plain RMSNorm of x when no residual yet."""
-            wname = g.const(f"{p}.{tag}.weight", weight)
-            if residual is None:
-                return g.op("SimplifiedLayerNormalization", [x, wname], [f"{p}.{tag}.out"], f"{p}.{tag}",
-                            axis=-1, epsilon=w.eps, stash_type=1)[0], x
-            out = g.op("SkipSimplifiedLayerNormalization", [x, residual, wname],
-                       [f"{p}.{tag}.out", "", "", f"{p}.{tag}.sum"], f"{p}.{tag}", domain=MS, epsilon=w.eps)
-            return out[0], out[3]
-
-        def plain_norm(x: str, weight: np.ndarray, tag: str) -> str:
-            wname = g.const(f"{p}.{tag}.weight", weight)
-            return g.op("SimplifiedLayerNormalization", [x, wname], [f"{p}.{tag}.out"], f"{p}.{tag}",
-                        axis=-1, epsilon=w.eps, stash_type=1)[0]
-
-        def matmul(x: str, weight: np.ndarray, module: str, bias: np.ndarray | None = None) -> str:
-            y = g.op("MatMul", [x, g.const(f"{module}.weight", weight)], [f"{module}.out"], module)[0]
-            if bias is not None:
-                y = g.op("Add", [y, g.const(f"{module}.bias", bias)], [f"{module}.biased"], f"{module}.bias")[0]
-            return y
-
-        x, residual = skip_norm(hidden, w.input_norm, "input_layernorm")  # [1, S, H]
-        qkv = matmul(x, w.qkv, f"{p}.self_attn.qkv_proj", w.qkv_bias)  # [1, S, (NH + 2 KVH) D]
+        x, residual = g.skip_norm(hidden, residual, w.input_norm, f"{p}.input_layernorm", w.eps)  # [1, S, H]
+        qkv = g.matmul(x, w.qkv, f"{p}.self_attn.qkv_proj", w.qkv_bias)  # [1, S, (NH + 2 KVH) D]
         gqa_attrs = dict(num_heads=nh, kv_num_heads=kvh, scale=w.scaling, local_window_size=-1)
         cache = [f"past_key.{i}", f"past_value.{i}"]
         present = [f"present_key.{i}", f"present_value.{i}"]
@@ -261,19 +262,19 @@ def build_fused_front(adapter: ModelAdapter, n_layers: int, out_path: Path,
             attn = g.op("GroupQueryAttention", [qkv, "", "", *cache, *lens, cos_name, sin_name],
                         [f"{p}.attn", *present], f"{p}.self_attn.attention", domain=MS, do_rotary=1,
                         rotary_interleaved=interleaved, **gqa_attrs)[0]  # [1, S, NH D]
-        o = matmul(attn, w.o, f"{p}.self_attn.o_proj")  # [1, S, H]
+        o = g.matmul(attn, w.o, f"{p}.self_attn.o_proj")  # [1, S, H]
         if w.post_attn_norm is not None:
-            o = plain_norm(o, w.post_attn_norm, "post_self_attn_layernorm")
-        x, residual = skip_norm(o, w.mlp_norm, "post_attention_layernorm")
-        gu = matmul(x, w.gate_up, f"{p}.mlp.gate_up_proj")  # [1, S, 2I]
+            o = g.norm(o, w.post_attn_norm, f"{p}.post_self_attn_layernorm", w.eps)
+        x, residual = g.skip_norm(o, residual, w.mlp_norm, f"{p}.post_attention_layernorm", w.eps)
+        gu = g.matmul(x, w.gate_up, f"{p}.mlp.gate_up_proj")  # [1, S, 2I]
         gate, up = g.op("Split", [gu, g.const(f"{p}.mlp.split", np.array([w.down.shape[0]] * 2, np.int64))],
                         [f"{p}.mlp.gate", f"{p}.mlp.up"], f"{p}.mlp.split", axis=-1)
         sig = g.op("Sigmoid", [gate], [f"{p}.mlp.sigmoid"], f"{p}.mlp.sigmoid")[0]
         silu = g.op("Mul", [gate, sig], [f"{p}.mlp.silu"], f"{p}.mlp.silu")[0]
         act = g.op("Mul", [silu, up], [f"{p}.mlp.act"], f"{p}.mlp.act")[0]  # [1, S, I]
-        hidden = matmul(act, w.down, f"{p}.mlp.down_proj")  # [1, S, H]
+        hidden = g.matmul(act, w.down, f"{p}.mlp.down_proj")  # [1, S, H]
         if w.post_mlp_norm is not None:
-            hidden = plain_norm(hidden, w.post_mlp_norm, "post_mlp_layernorm")
+            hidden = g.norm(hidden, w.post_mlp_norm, f"{p}.post_mlp_layernorm", w.eps)
     g.op("Add", [hidden, residual], ["hidden_states"], "final_residual")
 
     graph = helper.make_graph(g.nodes, "edge_front_fused", inputs, outputs, g.inits)

@@ -5,7 +5,8 @@ so it can run the front over any text of its own and learn the map from boundary
 attacks here are that attacker; each maps boundary states ``[T, H]`` to token ids ``[T]`` (top-1):
 
 * :func:`embedding_match` - the nearest row of the input embedding table (cosine). The trivial attack: exact
-  where the states are the embeddings (N = 0) and still strong while the residual stream is mostly embedding.
+  where the states are the embeddings (N = 0). On SmolLM2 it fails from N = 1, where layer 0 has added a large
+  token-dependent vector; the linear inverter below undoes that.
 * :func:`nearest_neighbour` - the token of the nearest training state (cosine after per-channel
   standardisation, so the few massive-activation channels do not decide every comparison).
 * :func:`train_inverter` - a learned linear inverter: ridge regression from the (standardised) states into the
@@ -257,15 +258,14 @@ def recovered_fraction(layer: int, codec: str = NO_CODEC, model: str | None = No
     best = data.get("best", {}).get(codec)
     if not best:
         return None
-    points = sorted((int(n), float(v)) for n, v in best.items())
-    if not points[0][0] <= layer <= points[-1][0]:
-        return None
-    for (n0, v0), (n1, v1) in zip(points, points[1:] + points[-1:]):
-        if layer == n0:
-            return v0
+    measured = {int(n): float(v) for n, v in best.items()}
+    if layer in measured:
+        return measured[layer]
+    points = sorted(measured.items())
+    for (n0, v0), (n1, v1) in zip(points, points[1:]):
         if n0 < layer < n1:
             return v0 + (v1 - v0) * (layer - n0) / (n1 - n0)
-    return points[-1][1]
+    return None  # outside the measured layers
 
 
 __all__ = [

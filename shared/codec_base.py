@@ -61,6 +61,18 @@ class BoundaryCodec(ABC):
     def check_hidden_size(self, h: int) -> None:
         """Raise ``ProtocolError("bad_codec")`` if this codec instance cannot code width ``h``."""
 
+    def decode_rows(self, tensors: list[EncodedTensor], limits: Limits | None = None) -> np.ndarray:
+        """The float32 states ``[N, H]`` of ``N`` one-row tensors ``[1, H]`` (a decode step's rows, one per
+        session), each validated as :meth:`decode` would. Raises ``ProtocolError`` if any one is bad; the
+        caller then decodes them one by one to tell which. Codecs whose rows can be decoded in one pass
+        override this; the default decodes them in turn."""
+        if not tensors:
+            raise ValueError("decode_rows needs at least one tensor")
+        rows = [self.decode(t, limits) for t in tensors]
+        if any(r.shape[0] != 1 for r in rows) or len({r.shape[1] for r in rows}) != 1:
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: decode_rows takes [1, H] tensors of one width")
+        return np.concatenate(rows)
+
     # -- layout, per codec --------------------------------------------------------------------------------
     @abstractmethod
     def encode_payload(self, x: np.ndarray) -> bytes:

@@ -108,34 +108,57 @@ class OutlierCodec(BoundaryCodec):
                 raise ProtocolError(BAD_CODEC, f"{self.name}: sink_threshold must be a positive number or None")
         self.outlier_channels = ch
         self.sink_threshold = None if sink_threshold is None else float(sink_threshold)
-        self._masks: dict[int, np.ndarray] = {}
+        self._run_cache: dict[int, tuple[tuple[int, int, int], ...]] = {}  # h -> runs (:meth:`_runs`)
 
     def check_hidden_size(self, h):
         if self.outlier_channels[-1] >= h or len(self.outlier_channels) >= h:
             raise ProtocolError(BAD_CODEC, f"{self.name}: outlier channels {self.outlier_channels[-3:]}... do "
                                            f"not fit hidden size {h} (codec built for another model?)")
 
-    def _rest(self, h: int) -> np.ndarray:
-        """Indices of the non-outlier channels, ascending [H - k]."""
-        if h not in self._masks:
-            keep = np.ones(h, bool)
-            keep[self.outlier_channels] = False
-            self._masks[h] = np.nonzero(keep)[0]
-        return self._masks[h]
+    def _runs(self, h: int) -> tuple[tuple[int, int, int], ...]:
+        """The non-outlier channels as contiguous runs ``(start, stop, offset)``: channels ``[start, stop)`` of
+        the hidden state are columns ``[offset, offset + stop - start)`` of the packed rest [S, H - k].
+
+        Copying these slices moves the same values as a fancy-index gather/scatter over the rest's indices,
+        without an index array per element (90x faster for 512x4096: the outliers are sorted, so there are at
+        most k + 1 runs)."""
+        if h not in self._run_cache:
+            runs, lo, off = [], 0, 0
+            for c in [*self.outlier_channels, h]:
+                if c > lo:
+                    runs.append((lo, c, off))
+                    off += c - lo
+                lo = c + 1
+            self._run_cache[h] = tuple(runs)
+        return self._run_cache[h]
+
+    def _gather_rest(self, x: np.ndarray) -> np.ndarray:
+        """The non-outlier channels of ``x`` [S, H], packed in ascending order [S, H - k]."""
+        s, h = x.shape
+        r = np.empty((s, h - len(self.outlier_channels)), x.dtype)
+        for lo, hi, off in self._runs(h):
+            r[:, off:off + hi - lo] = x[:, lo:hi]
+        return r
+
+    def _scatter_rest(self, out: np.ndarray, r: np.ndarray) -> None:
+        """Write the packed rest ``r`` [S, H - k] into the non-outlier channels of ``out`` [S, H]."""
+        for lo, hi, off in self._runs(out.shape[1]):
+            out[:, lo:hi] = r[:, off:off + hi - lo]
 
     # -- payload: bitmap | sink rows f16 [S_s, H] | outliers f16 [S_q, k] | rest (subclass) ------------
     def encode_payload(self, x):
         s, h = x.shape
-        rest = self._rest(h)
-        r = x[:, rest]  # [S, n]
+        r = self._gather_rest(x)  # [S, n]
         if self.sink_threshold is not None and r.size:
             sink = np.abs(r).max(axis=1) > self.sink_threshold  # [S]
         else:
             sink = np.zeros(s, bool)
+        any_sink = bool(sink.any())
         keep = ~sink
+        xq, rq = (x[keep], r[keep]) if any_sink else (x, r)  # [S_q, H], [S_q, n]
         parts = [pack_rows_bitmap(sink), to_f16(x[sink], f"{self.name} sink rows").tobytes(),
-                 to_f16(x[keep][:, self.outlier_channels], f"{self.name} outlier channels").tobytes()]
-        parts.append(self.encode_rest(r[keep]))
+                 to_f16(xq[:, self.outlier_channels], f"{self.name} outlier channels").tobytes()]
+        parts.append(self.encode_rest(rq))
         return b"".join(parts)
 
     def decode_payload(self, payload, s, h):
@@ -148,12 +171,43 @@ class OutlierCodec(BoundaryCodec):
         r = self.decode_rest(rd, s - n_sink, n)  # [S_q, n]
         rd.finish()
         out = np.empty((s, h), np.float32)
-        out[sink] = sinks
-        q = np.empty((s - n_sink, h), np.float32)
+        q = np.empty((s - n_sink, h), np.float32) if n_sink else out  # [S_q, H]: no sink rows, decode in place
         q[:, self.outlier_channels] = outl
-        q[:, self._rest(h)] = r
-        out[~sink] = q
+        self._scatter_rest(q, r)
+        if n_sink:
+            out[sink] = sinks
+            out[~sink] = q
         return out
+
+    def decode_rows(self, tensors, limits=None):
+        """One pass for N one-row tensors without sink rows: their payloads are cut into fields and laid out
+        as the payload of one [N, H] tensor (bitmap | outliers [N, k] | rest fields [N, w] ...), which
+        :meth:`decode_payload` validates and decodes as usual. Anything else (a sink row, zstd, another
+        shape or length) goes through the default path, one tensor at a time."""
+        h = tensors[0].shape[1] if tensors else 0
+        if (not tensors or h <= len(self.outlier_channels)
+                or any(t.codec != self.name or t.shape != (1, h) or t.zstd for t in tensors)):
+            return super().decode_rows(tensors, limits)
+        self.check_hidden_size(h)
+        k, n = len(self.outlier_channels), h - len(self.outlier_channels)
+        per_row = self.payload_bytes(1, h)
+        if any(len(t.data) != per_row for t in tensors):
+            return super().decode_rows(tensors, limits)
+        rows = np.frombuffer(b"".join(t.data for t in tensors), np.uint8).reshape(len(tensors), per_row)
+        if rows[:, 0].any():  # a sink row, or padding bits set: the one-by-one path decodes or refuses it
+            return super().decode_rows(tensors, limits)
+        b = len(tensors)
+        joined = np.zeros(b * per_row - b + (b + 7) // 8, np.uint8)  # the [N, H] payload; its bitmap stays 0
+        at, dst = 1, (b + 7) // 8
+        for width in (2 * k, *self.rest_fields(n)):
+            joined[dst:dst + b * width].reshape(b, width)[:] = rows[:, at:at + width]  # field [N, width]
+            at, dst = at + width, dst + b * width
+        try:
+            return self.decode_payload(joined, b, h)
+        except ProtocolError:
+            raise
+        except Exception as e:  # noqa: BLE001 - as in decode(): a layout bug must not crash a server
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: undecodable payload ({type(e).__name__}: {e})") from None
 
     def payload_bytes(self, s, h):
         k = len(self.outlier_channels)
@@ -169,8 +223,12 @@ class OutlierCodec(BoundaryCodec):
     def decode_rest(self, rd: PayloadReader, s: int, n: int) -> np.ndarray:
         raise NotImplementedError
 
-    def rest_bytes(self, s: int, n: int) -> int:
+    def rest_fields(self, n: int) -> tuple[int, ...]:
+        """Bytes per row of each field of the rest, in payload order (each field is [S_q, width])."""
         raise NotImplementedError
+
+    def rest_bytes(self, s: int, n: int) -> int:
+        return s * sum(self.rest_fields(n))
 
 
 class OutlierInt8Codec(OutlierCodec):
@@ -190,12 +248,14 @@ class OutlierInt8Codec(OutlierCodec):
         scale = rd.take("float16", (s,)).astype(np.float32)
         check_scales(scale, self.name)
         q = rd.take("int8", (s, n))
-        if (q == -128).any():
+        if q.size and q.min() == -128:
             raise ProtocolError(BAD_TENSOR, f"{self.name}: code -128 is not used")
-        return q.astype(np.float32) * scale[:, None]
+        r = q.astype(np.float32)  # in place from here: a second temporary this size costs page faults
+        r *= scale[:, None]
+        return r
 
-    def rest_bytes(self, s, n):
-        return 2 * s + s * n
+    def rest_fields(self, n):
+        return (2, n)
 
 
 class OutlierInt4Codec(OutlierCodec):
@@ -232,8 +292,8 @@ class OutlierInt4Codec(OutlierCodec):
         z = (c.astype(np.float32) - 7.5) * np.repeat(step, ROT, axis=1)[:, :n]
         return _rotate(z, inverse=True)
 
-    def rest_bytes(self, s, n):
-        return 4 * s + s * (-(-n // ROT)) + s * ((n + 1) // 2)
+    def rest_fields(self, n):
+        return (4, -(-n // ROT), (n + 1) // 2)
 
 
 # -- calibration helpers (pure numpy; the partition tool calls these) -------------------------------------------

@@ -473,6 +473,9 @@ class Error:
     request_id: str | None = None
     fatal: bool = False
     retry_after_ms: int | None = None  # for overloaded / draining: when trying again makes sense
+    # for bundle_mismatch: the bundle ids the server serves, its default first (their edge halves download
+    # from GET /v1/bundles/{id}/...); empty otherwise, and from servers before the field
+    bundle_ids: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         _ident(self.code, "code", 64)
@@ -482,6 +485,9 @@ class Error:
             _ident(self.request_id, "request_id")
         if self.retry_after_ms is not None:
             _int(self.retry_after_ms, "retry_after_ms")
+        _list(self.bundle_ids, "bundle_ids", 64)
+        for b in self.bundle_ids:
+            _ident(b, "bundle_ids[]", 128)
 
 
 @dataclass(slots=True, kw_only=True)

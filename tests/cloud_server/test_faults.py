@@ -1,9 +1,10 @@
 """Faults against a real ``autoglm-cloud serve`` process, through the rig's link emulator (``rig.link``):
 connection drops, a server killed (SIGKILL) and restarted mid-generation, a phone that vanishes. Every request
 ends with its full output, equal to the same request without the fault - greedy and seeded sampling alike
-(tokens lost: 0) - and the vanished phone's KV is reclaimed. ``-s`` prints the table for docs/reliability.md.
+(tokens lost: 0) - and the vanished phone's KV is reclaimed. ``-s`` prints the table for docs/reliability.md
+(the restarts are slow-marked; ``-m "slow or not slow"`` runs them too; SIGTERM drain: test_drain.py).
 
-    python -m pytest -s tests/cloud_server/test_faults.py
+    python -m pytest -s -m "slow or not slow" tests/cloud_server/test_faults.py
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def test_connection_drops_resume_without_losing_a_token(tiny_bundle, link, refer
     assert tokens == reference[mode] and stats.reconnects >= 3 and stats.resumes >= 3
 
 
+@pytest.mark.slow  # two server restarts (~15 s each on a busy 2-core box)
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_a_server_killed_and_restarted_mid_generation_is_replayed(tiny_bundle, link, cloud, reference, mode):
     def kill_and_restart():

@@ -105,11 +105,32 @@ def test_summary_counts_the_steady_window_and_reports_short_sessions_as_failures
     assert "RuntimeError" in bad["errors"][1]
 
 
+def test_compare_root_measures_both_trees_and_engine_cpu_fills_the_ratio(tiny_bundle, tmp_path):
+    out = tmp_path / "served.json"
+    root = BENCH.parent
+    rc = served_load.main(["--serve", str(tiny_bundle), "--sessions", "2", "--prompt", "20", "--gen", "6",
+                           "--procs", "1", "--compare-root", str(root), "--engine-cpu", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [r["tree"] for r in res["records"]] == [str(root), str(root)] and len(res["servers"]) == 2
+    (eng,) = res["engine_cpu"]
+    assert eng["sessions"] == 2 and eng["completed"] == 2 and eng["engine_tokens_per_s"] > 0
+    for rec in res["records"]:
+        assert rec["completed"] == 2 and rec["engine_tokens_per_s"] == eng["engine_tokens_per_s"]
+        assert rec["served_vs_engine"] == pytest.approx(rec["served_tokens_per_s"] / eng["engine_tokens_per_s"])
+        assert 0 <= rec["server_loop_cpu_s"] <= rec["server_cpu_s"]  # the loop thread is part of the process
+        assert rec["loop_us_per_token"] == pytest.approx(1e6 * rec["server_loop_cpu_s"] / rec["tokens"])
+
+
 def test_config_refuses_ambiguous_servers():
     with pytest.raises(ValueError, match="exactly one"):
         served_load.LoadConfig(serve=Path("b"), preset="tiny-glm4")
     with pytest.raises(ValueError, match="--bundle"):
         served_load.LoadConfig(url="ws://127.0.0.1:1/v1/split")
+    with pytest.raises(ValueError, match="--engine-cpu"):
+        served_load.LoadConfig(preset="tiny-glm4", engine_cpu=True)
+    with pytest.raises(ValueError, match="--compare-root"):
+        served_load.LoadConfig(url="ws://127.0.0.1:1/v1/split", bundle=Path("b"), compare_root=Path("/tmp"))
 
 
 def test_recorded_states_are_used_and_checked(tmp_path):

@@ -20,9 +20,11 @@ from deploy_support import Replica, Router, hit_rate, metric_sum
 
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
+from edge_client.transport import route_key
 from rig.link import LinkEmulator
 from shared.link_profiles import LinkProfile
 from shared.manifest import Manifest
+from shared.prefix_keys import KeyScope
 
 RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, max_retries=20, backoff_initial_s=0.1,
                     backoff_max_s=0.5)
@@ -110,3 +112,44 @@ def test_prefix_hash_routing_beats_round_robin(tiny_glm4_fp32_bundle, replicas, 
         if m and m.group(2) != "-":
             pinned.setdefault(m.group(2), set()).add(m.group(1))
     assert len(pinned) == len(prompts_hash) and all(len(v) == 1 for v in pinned.values()), pinned
+
+
+def test_the_real_edge_sends_its_preloaded_prompts_route_key_and_lands_where_it_is_cached(
+        tiny_glm4_fp32_bundle, replicas, nginx_bin, tmp_path):
+    """EdgeClient end to end: a phone that preloaded a system prompt sends its route key on the upgrade
+    (edge_client.transport.route_key), nginx pins that key to one replica, and every phone after the first
+    with that prompt reuses the blocks the first one left there."""
+    manifest = Manifest.load(tiny_glm4_fp32_bundle)
+    rng = np.random.RandomState(11)
+    systems = [[int(t) for t in rng.randint(4, 512, 32)] for _ in range(3)]  # 2 blocks of 16 each
+    per_prompt = 3
+
+    def counters() -> tuple[float, float]:
+        texts = [r.metrics() for r in replicas]
+        return (sum(metric_sum(t, "vllm:prefix_cache_hits_total") for t in texts),
+                sum(metric_sum(t, "vllm:prefix_cache_queries_total") for t in texts))
+
+    with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router:
+        h0, q0 = counters()
+        for _ in range(per_prompt):
+            for sp in systems:  # interleaved, as phones arrive; each a new phone with a new session
+                client = EdgeClient(tiny_glm4_fp32_bundle, router.ws_url, codec="fp16", retry=RETRY)
+                try:
+                    client._call(client.session.preload(sp))  # what preload_prompts does after tokenizing
+                    gen = client.generate(prompt_ids=sp + [int(t) for t in rng.randint(4, 512, 5)], max_tokens=2)
+                    list(gen.iter_tokens())
+                    codec0 = next(iter(client.session.codecs))
+                finally:
+                    client.close()
+        log = router.access_log()
+    h1, q1 = counters()
+    want = {route_key(sp, KeyScope(manifest.bundle_id, manifest.edge_quant, codec0), 16, None) for sp in systems}
+    pinned: dict[str, set[str]] = {}
+    for line in log:
+        m = re.search(r"upstream=(\S+) prefix=(\S+)", line)
+        if m and "/v1/split" in line:
+            pinned.setdefault(m.group(2), set()).add(m.group(1))
+    assert set(pinned) == want, (sorted(pinned), sorted(want))  # every upgrade carried its prompt's key
+    assert all(len(v) == 1 for v in pinned.values()), pinned  # ...and each key stayed on one replica
+    # the first phone per prompt misses; every later one finds its 32 system-prompt tokens cached
+    assert h1 - h0 == (per_prompt - 1) * len(systems) * 32 and q1 > q0

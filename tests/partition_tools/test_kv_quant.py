@@ -28,8 +28,8 @@ def test_int8_cache_stays_close_to_fp32(tiny_glm4_fp32_bundle, kv8):
     assert rt._cache.buffers[0].dtype == np.int8  # a quarter of the fp32 cache's bytes
     rel = np.abs(got - ref).max() / np.abs(ref).max()
     assert 0 < rel < 0.1, rel
-    # the rows the op stored are the fp32 rows on the int8 grid of the graph's scales (within one step)
-    for j, (a, b) in enumerate(zip(ref_rt.kv_slice(0, 40), rt.kv_slice(0, 40))):
+    # layer 0's rows (its input is exact) are the fp32 rows on the int8 grid of the graph's scales
+    for j, (a, b) in enumerate(zip(ref_rt.kv_slice(0, 40)[:2], rt.kv_slice(0, 40)[:2])):
         scale = rt.kv_scales[j]  # [KVH, 1, D]
         assert b.dtype == np.float32
         assert np.abs(b - np.clip(np.rint(a / scale), -128, 127) * scale).max() <= scale.max() + 1e-6

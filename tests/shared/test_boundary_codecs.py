@@ -89,6 +89,40 @@ def test_rows_are_coded_independently(name):
 
 
 @pytest.mark.parametrize("name", C.CODEC_NAMES)
+def test_decode_rows_equals_decoding_each_row(name):
+    """decode_rows (a decode step's rows in one pass) gives exactly what decode gives row by row, sink rows and
+    zstd included (those take the one-by-one path)."""
+    c = codec(name)
+    x = hidden(2, s=7)  # row 0 is a sink row for the outlier codecs
+    ts = [c.encode(x[i:i + 1], zstd=(i == 3)) for i in range(7)]
+    rows = c.decode_rows(ts)
+    assert rows.shape == (7, 64) and rows.dtype == np.float32
+    assert np.array_equal(rows, np.concatenate([c.decode(t) for t in ts]))
+    plain = ts[1:3] + ts[4:]  # no sink, no zstd: the outlier codecs' one-pass layout
+    assert np.array_equal(c.decode_rows(plain), np.concatenate([c.decode(t) for t in plain]))
+
+
+@pytest.mark.parametrize("name", ["int8-outlier", "int4-outlier", "bf16"])
+def test_decode_rows_refuses_a_bad_row_among_good_ones(name):
+    c = codec(name)
+    ts = [c.encode(hidden(3 + i, s=1, massive=False)) for i in range(4)]
+    bad = bytearray(ts[2].data)
+    if name == "int8-outlier":
+        bad[1 + 2 * len(CALIB["outlier_channels"]) + 2] = 0x80  # code -128 in the rest
+    elif name == "int4-outlier":
+        bad[0] |= 0x02  # bitmap padding bit of a one-row tensor
+    else:
+        bad = bad[:-1]  # one byte short
+    ts[2] = P.EncodedTensor(codec=name, shape=(1, 64), data=bytes(bad))
+    with pytest.raises(P.ProtocolError):
+        c.decode_rows(ts)
+    with pytest.raises(P.ProtocolError):
+        c.decode_rows([ts[0], c.encode(hidden(9, s=2))])  # a two-row tensor is not a decode-step row
+    with pytest.raises(ValueError):
+        c.decode_rows([])
+
+
+@pytest.mark.parametrize("name", C.CODEC_NAMES)
 def test_payload_sizes(name):
     c = codec(name)
     x = hidden(2, s=5, h=64, massive=False)  # no sink rows

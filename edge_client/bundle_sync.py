@@ -1,0 +1,359 @@
+"""Keep the edge's bundle in step with its cloud: download the server's edge half, resumably and verified, and
+switch to it atomically.
+
+When the cloud moves to a new bundle (another split layer, a re-export), a phone holding the old one is
+refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.auto_update`` (or
+``autoglm-edge preload --update``) the edge instead:
+
+1. asks ``GET /v1/bundles`` what the server hosts and picks the bundle of *the same model* (same
+   ``source_identity``; an update never changes the model), preferring the ids the Error named and the edge
+   variant (``edge_quant``) it has now;
+2. downloads that bundle's ``manifest.json`` and every ``edge``/``shared`` artifact into a staging directory
+   next to the old bundle. A file grows as ``<name>.part``; an interrupted download (a killed app, a dropped
+   link) continues where it stopped with ``Range: bytes=<have>-`` and ``If-Range: <etag>`` (a file that
+   changed on the server starts over). Each file is checked against the manifest's sha256 and size before it
+   takes its name; the manifest's bundle id must re-derive from its hashes (``Manifest.load``);
+3. switches atomically: the configured bundle path becomes (or already is) a symbolic link into
+   ``.<name>.versions/<bundle id>-<edge quant>/``, replaced by one ``rename(2)`` of a new link over it. A
+   plain directory there (the first update) is moved into the versions folder first; a crash between that
+   move and the link's rename is finished by :func:`recover` at the next start. The previous version is kept
+   (rollback: point the link back); older ones are removed.
+
+Errors are :class:`BundleSyncError` with a code: ``no_bundle_endpoint`` (the server hosts no bundles:
+an older server, or full-model mode), ``not_served`` / ``other_model`` (nothing to update to),
+``hash_mismatch`` (a file that does not verify, after one fresh download), ``truncated`` (the transfer kept
+stopping short; the part file stays, run again to resume), ``unauthorized``, ``unreachable``, ``http_error``,
+``bad_manifest``.
+
+HTTP is the standard library's ``urllib`` (nothing more to install on a phone); the base URL is the split
+endpoint's with ``ws`` -> ``http``. References: RFC 9110 (Range, If-Range, ETag).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.client import HTTPException
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from shared.manifest import MANIFEST_NAME, Artifact, BundleError, Manifest
+
+from . import tls
+from .config import DEFAULT_SPLIT_PATH, EdgeConfig, split_url
+
+log = logging.getLogger("edge_client.bundle_sync")
+
+SYNCED_ROLES = ("edge", "shared")  # what the server hosts (never the cloud half)
+CHUNK_BYTES = 1 << 20  # read per step of a download
+MAX_ATTEMPTS = 5  # transfers of one file that stop short before giving up (each resumes the last)
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total) over the whole bundle
+
+
+class BundleSyncError(Exception):
+    """Updating the bundle failed; ``code`` says why (see the module docstring)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def http_base(url: str) -> str:
+    """The server's HTTP base URL from its split URL: ``ws://h:p/v1/split`` -> ``http://h:p`` (``wss`` ->
+    ``https``; a path prefix before ``/v1/split``, as a proxy adds, is kept)."""
+    parts = urlsplit(split_url(url))
+    path = parts.path.removesuffix(DEFAULT_SPLIT_PATH)
+    return urlunsplit(("https" if parts.scheme == "wss" else "http", parts.netloc, path, "", ""))
+
+
+@dataclass(slots=True)
+class _Response:
+    status: int
+    headers: dict[str, str]
+    body: object  # a file-like HTTP response
+
+
+class BundleServer:
+    """The ``/v1/bundles`` routes of one server (see cloud_server.bundle_files)."""
+
+    def __init__(self, url: str, api_key: str | None = None, ca_file: Path | None = None, timeout_s: float = 60.0):
+        self.base = http_base(url)
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self._ssl = tls.client_context(split_url(url), ca_file)
+        self.bytes_received = 0  # body bytes of file downloads (what a resume saved shows here)
+
+    def _open(self, path: str, headers: dict[str, str] | None = None) -> _Response:
+        req = urllib.request.Request(self.base + path, headers=dict(headers or {}))
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        try:
+            r = urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl)
+        except urllib.error.HTTPError as e:
+            if e.code in (206, 304, 416):  # urllib treats these as errors; they are answers here
+                return _Response(e.code, {k.lower(): v for k, v in e.headers.items()}, e)
+            detail = e.read(300).decode("utf-8", "replace").strip()
+            e.close()
+            if e.code == 401:
+                raise BundleSyncError("unauthorized", f"{self.base}{path}: HTTP 401: API key refused") from None
+            if e.code == 404 and path == "/v1/bundles":
+                raise BundleSyncError("no_bundle_endpoint", f"{self.base} hosts no bundles (GET /v1/bundles: HTTP "
+                                      "404): a server from before bundle downloads, or one in full-model mode") from None
+            raise BundleSyncError("http_error", f"{self.base}{path}: HTTP {e.code}" + (f" ({detail})" if detail
+                                                                                   else "")) from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise BundleSyncError("unreachable", f"{self.base}{path}: cannot connect ({reason})") from None
+        return _Response(r.status, {k.lower(): v for k, v in r.headers.items()}, r)
+
+    def _json(self, path: str):
+        r = self._open(path)
+        with r.body:
+            data = r.body.read()
+        try:
+            return json.loads(data)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BundleSyncError("http_error", f"{self.base}{path}: not JSON ({data[:80]!r})") from None
+
+    def listing(self) -> list[dict]:
+        """``GET /v1/bundles``: the bundles the server hosts."""
+        body = self._json("/v1/bundles")
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            raise BundleSyncError("http_error", f"{self.base}/v1/bundles: no bundle list in the answer")
+        return data
+
+    def manifest_bytes(self, bundle_id: str, edge: str) -> bytes:
+        r = self._open(f"/v1/bundles/{quote(bundle_id)}/manifest?edge={quote(edge)}")
+        with r.body:
+            return r.body.read()
+
+    def download(self, bundle_id: str, edge: str, rel: str, part: Path, art: Artifact,
+                 on_bytes: Callable[[int], None]) -> None:
+        """Bring ``part`` to the whole file ``rel`` (``art.bytes`` long), continuing what it holds. Raises
+        BundleSyncError("truncated") when this transfer stops short (``part`` keeps what came)."""
+        have = part.stat().st_size if part.exists() else 0
+        if have > art.bytes:
+            part.unlink()
+            have = 0
+        if have == art.bytes:
+            return
+        etag = f'"{art.sha256}"'
+        headers = {"Range": f"bytes={have}-", "If-Range": etag} if have else {}
+        r = self._open(f"/v1/bundles/{quote(bundle_id)}/files/{quote(rel)}?edge={quote(edge)}", headers)
+        with r.body:
+            if r.status == 416:  # what we hold is no prefix of the file: start over
+                part.unlink()
+                raise BundleSyncError("truncated", f"{rel}: the server refused the resume range; starting over")
+            if r.headers.get("etag") not in (None, etag):
+                raise BundleSyncError("hash_mismatch", f"{rel}: the server's copy has ETag {r.headers['etag']}, "
+                                                       f"its manifest says sha256 {art.sha256}")
+            if r.status == 200 and have:  # the server sent the whole file (it ignored the range)
+                on_bytes(-have)
+                have = 0
+            elif r.status not in (200, 206):
+                raise BundleSyncError("http_error", f"{rel}: HTTP {r.status}")
+            with open(part, "ab" if have else "wb") as f:
+                while True:
+                    try:
+                        chunk = r.body.read(CHUNK_BYTES)
+                    except (HTTPException, OSError, ssl.SSLError):  # OSError covers timeouts
+                        chunk = b""  # the connection broke: what arrived is kept
+                    if not chunk:
+                        break
+                    f.write(chunk)
+                    self.bytes_received += len(chunk)
+                    on_bytes(len(chunk))
+        got = part.stat().st_size
+        if got < art.bytes:
+            raise BundleSyncError("truncated", f"{rel}: the transfer stopped at {got} of {art.bytes} bytes; run "
+                                               "again to resume")
+
+
+def choose(current: Manifest, listing: list[dict], preferred_ids: list[str] = ()) -> tuple[str, str] | None:
+    """The (bundle id, edge variant) to update to; None when the server already serves ``current``.
+
+    Candidates are the server's bundles of the same model (``source_identity`` and ``architecture``), the
+    ids in ``preferred_ids`` (the refusal's ``bundle_ids``) first; the edge variant is the one held now when
+    offered, else the server's first."""
+    if any(b.get("id") == current.bundle_id for b in listing):
+        return None
+    same = [b for b in listing if b.get("source_identity") == current.source_identity
+            and b.get("architecture") == current.architecture]
+    if not same:
+        models = ", ".join(sorted({str(b.get("source")) for b in listing})) or "nothing"
+        code = "other_model" if listing else "not_served"
+        raise BundleSyncError(code, f"the server hosts {models}; this edge holds {current.source}: an update "
+                                    "never changes the model")
+    rank = {bid: i for i, bid in enumerate(preferred_ids)}
+    best = min(same, key=lambda b: rank.get(b["id"], len(rank)))
+    variants = [v.get("edge_quant") for v in best.get("edge_variants", [])]
+    if not variants:
+        raise BundleSyncError("not_served", f"bundle {best['id']} offers no edge half for download")
+    return best["id"], current.edge_quant if current.edge_quant in variants else variants[0]
+
+
+# -- layout ------------------------------------------------------------------------------------------------
+
+def versions_dir(bundle: Path) -> Path:
+    """Where the versions of the bundle at ``bundle`` live: ``.<name>.versions`` beside it."""
+    return bundle.parent / f".{bundle.name}.versions"
+
+
+def _link_tmp(bundle: Path) -> Path:
+    return bundle.parent / f".{bundle.name}.link-tmp"
+
+
+def recover(bundle: Path) -> None:
+    """Finish a switch a crash interrupted (the old directory moved away, the new link not yet in place)."""
+    bundle, tmp = Path(bundle), _link_tmp(Path(bundle))
+    if not bundle.exists() and not bundle.is_symlink() and tmp.is_symlink():
+        os.replace(tmp, bundle)
+        log.info("%s: finished an interrupted bundle switch", bundle)
+
+
+def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None = None) -> Path:
+    """Download the edge half of ``bundle_id`` (variant ``edge``) beside ``bundle``; returns its verified
+    directory ``.<name>.versions/<id>-<edge>``. Resumes a staging directory an earlier call left."""
+    final = versions_dir(bundle) / f"{bundle_id}-{edge}"
+    if final.is_dir():  # complete from an earlier run (verified before it took this name)
+        return final
+    stage = final.with_name(final.name + ".partial")
+    stage.mkdir(parents=True, exist_ok=True)
+    raw = server.manifest_bytes(bundle_id, edge)
+    (stage / MANIFEST_NAME).write_bytes(raw)
+    try:
+        m = Manifest.load(stage)
+    except BundleError as e:
+        raise BundleSyncError("bad_manifest", f"the server's manifest for {bundle_id}: {e}") from None
+    if m.bundle_id != bundle_id or m.edge_quant != edge:
+        raise BundleSyncError("bad_manifest", f"asked for bundle {bundle_id} ({edge} edge), the server sent "
+                                              f"{m.bundle_id} ({m.edge_quant})")
+    todo = sorted((rel, a) for rel, a in m.artifacts.items() if a.role in SYNCED_ROLES)
+    total = sum(a.bytes for _, a in todo)
+    done = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    for rel, art in todo:
+        dest = stage / rel
+        if not _safe(stage, dest):
+            raise BundleSyncError("bad_manifest", f"artifact path {rel!r} leaves the bundle directory")
+        if dest.is_file() and dest.stat().st_size == art.bytes:  # verified when it took its name
+            on_bytes(art.bytes)
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _download_verified(server, bundle_id, edge, rel, dest, art, on_bytes)
+    os.replace(stage, final)
+    log.info("bundle %s (%s edge): %d files, %d bytes, verified", bundle_id, edge, len(todo), total)
+    return final
+
+
+def _safe(root: Path, path: Path) -> bool:
+    return path.resolve().is_relative_to(root.resolve())
+
+
+def _download_verified(server: BundleServer, bundle_id: str, edge: str, rel: str, dest: Path, art: Artifact,
+                       on_bytes: Callable[[int], None]) -> None:
+    """One file into ``dest`` via ``dest.part``: resumed up to MAX_ATTEMPTS times, then hashed; a file that
+    does not verify is fetched once more from scratch (a corrupt part) before failing."""
+    part = dest.with_name(dest.name + ".part")
+    if part.exists():
+        on_bytes(min(part.stat().st_size, art.bytes))
+    for fresh in (False, True):
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                server.download(bundle_id, edge, rel, part, art, on_bytes)
+                break
+            except BundleSyncError as e:
+                if e.code != "truncated" or attempt == MAX_ATTEMPTS - 1:
+                    raise
+                log.info("%s; resuming (%d/%d)", e, attempt + 1, MAX_ATTEMPTS - 1)
+                time.sleep(min(2.0, 0.1 * 2 ** attempt))
+        if _sha256(part) == art.sha256:
+            os.replace(part, dest)
+            return
+        on_bytes(-part.stat().st_size)
+        part.unlink()
+        if fresh:
+            break
+    raise BundleSyncError("hash_mismatch", f"{rel}: the downloaded file does not match the manifest's sha256 "
+                                           f"{art.sha256} (twice); the server's copy is damaged")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK_BYTES), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def switch(bundle: Path, new: Path) -> None:
+    """Make ``bundle`` point at the verified version ``new`` (one rename of a link over it; see the module
+    docstring). The version it pointed at stays; older ones are removed."""
+    bundle = Path(bundle)
+    versions = versions_dir(bundle)
+    previous: Path | None = None
+    if bundle.is_symlink():
+        previous = (bundle.parent / os.readlink(bundle)).resolve()
+    elif bundle.is_dir():  # the first update: the plain directory becomes a version
+        m = Manifest.load(bundle)
+        previous = versions / f"{m.bundle_id}-{m.edge_quant}"
+        if previous.exists():
+            shutil.rmtree(previous)
+    tmp = _link_tmp(bundle)
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(os.path.relpath(new, bundle.parent))
+    if previous is not None and not bundle.is_symlink():
+        os.replace(bundle, previous)  # a crash right here is what recover() finishes
+    os.replace(tmp, bundle)
+    keep = {new.resolve(), previous.resolve() if previous is not None else None}
+    for old in versions.iterdir():
+        if old.resolve() not in keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
+           progress: Progress | None = None) -> Manifest | None:
+    """Bring ``config.bundle`` to the server's bundle of the same model; returns the new manifest, or None
+    when the server serves ``current`` already. Raises BundleSyncError."""
+    server = BundleServer(config.url, config.api_key, config.ca_file, timeout_s=config.retry.reply_timeout_s)
+    pick = choose(current, server.listing(), list(preferred_ids))
+    if pick is None:
+        return None
+    bundle_id, edge = pick
+    log.info("updating %s: bundle %s -> %s (%s edge) from %s", config.bundle, current.bundle_id, bundle_id, edge,
+             server.base)
+    new = fetch(server, bundle_id, edge, Path(config.bundle), progress)
+    switch(Path(config.bundle), new)
+    return Manifest.load(config.bundle)
+
+
+class LogProgress:
+    """A progress callback that logs every ``step`` (fraction) of a long download, and its end."""
+
+    def __init__(self, step: float = 0.1, min_bytes: int = 8 << 20):
+        self.step, self.min_bytes, self._next = step, min_bytes, step
+
+    def __call__(self, done: int, total: int) -> None:
+        if total < self.min_bytes or done < self._next * total:
+            return
+        log.info("bundle download: %.0f %% of %.1f MB", 100 * done / total, total / 1e6)
+        while self._next * total <= done:
+            self._next += self.step

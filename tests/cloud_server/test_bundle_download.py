@@ -1,0 +1,147 @@
+"""The bundle download routes (cloud_server/bundle_files.py): listing, manifest, files with ETag and Range,
+nothing but the edge half, behind the API key."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cloud_server.app import create_app
+from cloud_server.bundle_files import BundleCatalog, RangeNotSatisfiable, parse_range
+from cloud_server.config import EngineConfig, ServerConfig
+from cloud_server.runtime import CloudRuntime
+from shared.manifest import BundleError, Manifest
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+FRONT = "edge/front.onnx"
+
+
+def _client(bundle, *more) -> TestClient:
+    cfg = ServerConfig(bundle=bundle, more_bundles=more, api_key=KEY, engine=EngineConfig(device="cpu"))
+    return TestClient(create_app(CloudRuntime(cfg)))  # the routes read files only: no engine needed
+
+
+@pytest.fixture(scope="module")
+def http(tiny_glm4_fp32_bundle, tiny_glm4_int8_bundle):
+    with _client(tiny_glm4_fp32_bundle, tiny_glm4_int8_bundle) as c:
+        yield c
+
+
+def test_listing_names_the_bundle_and_its_edge_variants(http, tiny_glm4_fp32_bundle):
+    m = Manifest.load(tiny_glm4_fp32_bundle)
+    body = http.get("/v1/bundles", headers=AUTH).json()
+    [entry] = body["data"]
+    assert entry["id"] == m.bundle_id and entry["split_layer"] == 2 and entry["model"] == tiny_glm4_fp32_bundle.name
+    assert [v["edge_quant"] for v in entry["edge_variants"]] == ["fp32", "int8"]
+    edge_bytes = sum(a.bytes for a in m.artifacts.values() if a.role != "cloud")
+    assert entry["edge_variants"][0]["bytes"] == edge_bytes
+
+
+def test_manifest_is_served_byte_for_byte_per_variant(http, tiny_glm4_fp32_bundle, tiny_glm4_int8_bundle):
+    bid = Manifest.load(tiny_glm4_fp32_bundle).bundle_id
+    r = http.get(f"/v1/bundles/{bid}/manifest", headers=AUTH)
+    assert r.status_code == 200 and r.content == (tiny_glm4_fp32_bundle / "manifest.json").read_bytes()
+    r8 = http.get(f"/v1/bundles/{bid}/manifest", params={"edge": "int8"}, headers=AUTH)
+    assert json.loads(r8.content)["edge_quant"] == "int8"
+    assert http.get(f"/v1/bundles/{bid}/manifest", params={"edge": "int4"}, headers=AUTH).status_code == 404
+    assert http.get("/v1/bundles/" + "0" * 32 + "/manifest", headers=AUTH).status_code == 404
+
+
+def test_a_file_whole_and_by_range(http, tiny_glm4_fp32_bundle):
+    m = Manifest.load(tiny_glm4_fp32_bundle)
+    data = (tiny_glm4_fp32_bundle / FRONT).read_bytes()
+    url = f"/v1/bundles/{m.bundle_id}/files/{FRONT}"
+    whole = http.get(url, headers=AUTH)
+    assert whole.status_code == 200 and whole.content == data
+    assert whole.headers["etag"] == f'"{m.artifacts[FRONT].sha256}"' == f'"{hashlib.sha256(data).hexdigest()}"'
+    assert whole.headers["accept-ranges"] == "bytes"
+    part = http.get(url, headers={**AUTH, "Range": "bytes=100-1099"})
+    assert part.status_code == 206 and part.content == data[100:1100]
+    assert part.headers["content-range"] == f"bytes 100-1099/{len(data)}"
+    tail = http.get(url, headers={**AUTH, "Range": f"bytes={len(data) - 10}-"})
+    assert tail.status_code == 206 and tail.content == data[-10:]
+    suffix = http.get(url, headers={**AUTH, "Range": "bytes=-7"})
+    assert suffix.status_code == 206 and suffix.content == data[-7:]
+    past = http.get(url, headers={**AUTH, "Range": f"bytes={len(data)}-"})
+    assert past.status_code == 416 and past.headers["content-range"] == f"bytes */{len(data)}"
+    # If-Range with another ETag: the file changed since the partial copy, so all of it comes back
+    stale = http.get(url, headers={**AUTH, "Range": "bytes=100-", "If-Range": '"0000"'})
+    assert stale.status_code == 200 and stale.content == data
+    fresh = http.get(url, headers={**AUTH, "Range": "bytes=100-", "If-Range": whole.headers["etag"]})
+    assert fresh.status_code == 206 and fresh.content == data[100:]
+    assert http.get(url, headers={**AUTH, "If-None-Match": whole.headers["etag"]}).status_code == 304
+    head = http.head(url, headers=AUTH)
+    assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) == len(data)
+
+
+def test_shared_files_are_served(http, tiny_glm4_fp32_bundle):
+    m = Manifest.load(tiny_glm4_fp32_bundle)
+    r = http.get(f"/v1/bundles/{m.bundle_id}/files/calibration.json", headers=AUTH)
+    assert r.status_code == 200 and r.content == (tiny_glm4_fp32_bundle / "calibration.json").read_bytes()
+
+
+def test_cloud_weights_and_unlisted_paths_are_not_served(http, tiny_glm4_fp32_bundle):
+    m = Manifest.load(tiny_glm4_fp32_bundle)
+    cloud = [rel for rel, a in m.artifacts.items() if a.role == "cloud"]
+    assert "cloud/back.safetensors" in cloud
+    base = f"/v1/bundles/{m.bundle_id}/files/"
+    for rel in [*cloud, "manifest.json", "edge", "edge/", "nonexistent.bin", "../manifest.json",
+                "edge/../cloud/back.safetensors", "%2e%2e/%2e%2e/etc/passwd", "..%2F..%2Fetc%2Fpasswd",
+                "/etc/passwd", "edge/%2e%2e/cloud/config.json"]:
+        r = http.get(base + rel, headers=AUTH)
+        assert r.status_code == 404, (rel, r.status_code)
+        assert len(r.content) < 1024  # an error body, never the file
+
+
+def test_a_symlink_out_of_the_bundle_is_not_served(tmp_path, tiny_glm4_fp32_bundle):
+    b = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, b)
+    m = Manifest.load(b)
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes((b / FRONT).read_bytes())  # same bytes, same size: only the location is wrong
+    (b / FRONT).unlink()
+    (b / FRONT).symlink_to(outside)
+    with _client(b) as c:
+        assert c.get(f"/v1/bundles/{m.bundle_id}/files/{FRONT}", headers=AUTH).status_code == 404
+
+
+def test_a_file_changed_on_disk_is_refused(tmp_path, tiny_glm4_fp32_bundle):
+    b = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, b)
+    m = Manifest.load(b)
+    with open(b / FRONT, "ab") as f:
+        f.write(b"x")
+    with _client(b) as c:
+        r = c.get(f"/v1/bundles/{m.bundle_id}/files/{FRONT}", headers=AUTH)
+        assert r.status_code == 500 and "differs from its manifest" in r.text
+
+
+def test_the_routes_need_the_api_key(http, tiny_glm4_fp32_bundle):
+    bid = Manifest.load(tiny_glm4_fp32_bundle).bundle_id
+    for url in ("/v1/bundles", f"/v1/bundles/{bid}/manifest", f"/v1/bundles/{bid}/files/{FRONT}"):
+        assert http.get(url).status_code == 401
+        assert http.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+def test_two_edges_of_one_variant_are_refused(tiny_glm4_fp32_bundle):
+    with pytest.raises(BundleError, match="a second fp32 edge"):
+        BundleCatalog([tiny_glm4_fp32_bundle, tiny_glm4_fp32_bundle])
+
+
+@pytest.mark.parametrize("header,size,want", [
+    (None, 10, None), ("bytes=0-", 10, (0, 9)), ("bytes=2-4", 10, (2, 4)), ("bytes=5-100", 10, (5, 9)),
+    ("bytes=-3", 10, (7, 9)), ("bytes=-30", 10, (0, 9)), ("bytes=0-1,4-5", 10, None), ("items=0-1", 10, None),
+])
+def test_parse_range(header, size, want):
+    assert parse_range(header, size) == want
+
+
+@pytest.mark.parametrize("header,size", [("bytes=10-", 10), ("bytes=5-2", 10), ("bytes=-0", 10), ("bytes=0-", 0)])
+def test_parse_range_unsatisfiable(header, size):
+    with pytest.raises(RangeNotSatisfiable):
+        parse_range(header, size)

@@ -1,0 +1,285 @@
+"""The edge updating its bundle from the server it talks to (edge_client/bundle_sync.py), over a real uvicorn:
+
+* a download killed midway resumes with Range and verifies; a transfer the server cuts resumes by itself;
+* a file that does not verify, and a server without the endpoint, fail clearly and leave the old bundle;
+* an edge holding tiny-glm4 split at 2, against a server moved to the split at 1: with ``auto_update`` it
+  downloads the new edge half, switches (the old kept), and generates the unsplit model's tokens - at
+  connect, and when the server changes bundles in the middle of a generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from cloud_server.app import create_app
+from cloud_server.config import EngineConfig, ServerConfig
+from cloud_server.runtime import CloudRuntime
+from edge_client import bundle_sync
+from edge_client.bundle_sync import BundleServer, BundleSyncError
+from edge_client.client import EdgeClient
+from edge_client.config import EdgeConfig, RetryPolicy
+from edge_client.demo import free_port
+from edge_client.errors import EdgeClientError
+from edge_client.transport import HandshakeRefused, Link
+from shared import protocol as P
+from shared.manifest import Manifest
+
+PROMPT = [int(t) for t in np.random.RandomState(7).randint(4, 512, 40)]
+N_NEW = 12
+RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, max_retries=40, backoff_initial_s=0.1,
+                    backoff_max_s=0.5)
+FRONT = "edge/front.onnx"
+
+
+class Serving:
+    """``app`` on a real uvicorn in a thread (``with`` block); ``port`` to come back on the same one."""
+
+    def __init__(self, app, port: int | None = None):
+        self.port = port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    ws_ping_interval=None, timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Serving:
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def _app(bundle: Path, engine: bool = False, **cfg):
+    """The split app over ``bundle``; ``engine``: load the cloud half and run it (else only the file routes)."""
+    config = ServerConfig(bundle=bundle, drain_timeout_s=0.1, engine=EngineConfig(device="cpu"), **cfg)
+    return create_app(CloudRuntime(config), owns_runtime=engine)
+
+
+@pytest.fixture(scope="module")
+def bundle_l1(tmp_path_factory, tiny_glm4_lm) -> Path:
+    """tiny-glm4 split at layer 1, fp32 edge: the bundle the server moves to."""
+    from partition_tools.split import SplitConfig, split
+
+    out = tmp_path_factory.mktemp("tiny-glm4-l1") / "b"
+    split(tiny_glm4_lm, SplitConfig(layer=1, out=out, edge_quant="fp32"))
+    return out
+
+
+@pytest.fixture
+def edge_l2(tmp_path, tiny_bundle) -> Path:
+    """The phone's copy of tiny-glm4 split at layer 2 (edge half only: what a phone holds)."""
+    dest = tmp_path / "phone" / "bundle"
+    shutil.copytree(tiny_bundle, dest, ignore=shutil.ignore_patterns("cloud"))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_reference):
+    with torch.no_grad():
+        out = tiny_reference.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False,
+                                      eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+def _served_bytes(m: Manifest) -> int:
+    return sum(a.bytes for a in m.artifacts.values() if a.role in ("edge", "shared"))
+
+
+def _assert_edge_half(directory: Path, m: Manifest) -> None:
+    Manifest.load(directory).verify_files(directory, roles=("edge", "shared"))
+    assert not (directory / "cloud").exists()  # the cloud weights never come down
+    assert not list(directory.rglob("*.part"))
+
+
+# -- downloads --------------------------------------------------------------------------------------------
+
+def test_a_killed_download_resumes_with_range_and_verifies(monkeypatch, bundle_l1, edge_l2):
+    m1 = Manifest.load(bundle_l1)
+    total = _served_bytes(m1)
+    monkeypatch.setattr(bundle_sync, "CHUNK_BYTES", 8192)  # many progress calls per file
+
+    class Killed(Exception):
+        pass
+
+    def kill_midway(done, all_bytes):
+        assert all_bytes == total
+        if done > total // 2:
+            raise Killed  # the app dies here: the part file stays
+
+    with Serving(_app(bundle_l1)) as srv:
+        with pytest.raises(Killed):
+            bundle_sync.fetch(BundleServer(srv.ws_url), m1.bundle_id, "fp32", edge_l2, kill_midway)
+        stage = bundle_sync.versions_dir(edge_l2) / f"{m1.bundle_id}-fp32.partial"
+        part = stage / (FRONT + ".part")
+        assert 0 < part.stat().st_size < m1.artifacts[FRONT].bytes
+        seen = []
+        again = BundleServer(srv.ws_url)
+        new = bundle_sync.fetch(again, m1.bundle_id, "fp32", edge_l2, lambda d, t: seen.append((d, t)))
+    assert again.bytes_received < total * 0.6  # only the rest came down the second time
+    assert seen[-1] == (total, total)
+    _assert_edge_half(new, m1)
+    assert Manifest.load(edge_l2).split_layer == 2  # fetching alone switches nothing
+
+
+class CutFirstTransfer:
+    """ASGI wrapper: the first download of the front graph breaks after ``after`` bytes of body."""
+
+    def __init__(self, app, after: int):
+        self.app, self.after, self.ranges = app, after, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].endswith(FRONT):
+            return await self.app(scope, receive, send)
+        self.ranges.append(dict(scope["headers"]).get(b"range"))
+        if len(self.ranges) > 1:
+            return await self.app(scope, receive, send)
+        sent = 0
+
+        async def short(msg):
+            nonlocal sent
+            if msg["type"] == "http.response.body":
+                body = msg.get("body", b"")[: self.after - sent]
+                sent += len(body)
+                await send({**msg, "body": body, "more_body": True})
+                if sent >= self.after:
+                    raise ConnectionResetError("link cut mid-transfer (test)")
+                return
+            await send(msg)
+
+        await self.app(scope, receive, short)
+
+
+def test_a_cut_transfer_resumes_by_itself(bundle_l1, edge_l2):
+    m1 = Manifest.load(bundle_l1)
+    cut = CutFirstTransfer(_app(bundle_l1), after=5000)
+    with Serving(cut) as srv:
+        server = BundleServer(srv.ws_url, timeout_s=10)
+        new = bundle_sync.fetch(server, m1.bundle_id, "fp32", edge_l2)
+    assert cut.ranges == [None, b"bytes=5000-"]
+    assert server.bytes_received == _served_bytes(m1)  # nothing came twice
+    _assert_edge_half(new, m1)
+
+
+def test_a_file_that_does_not_verify_is_refused_and_the_old_bundle_stays(tmp_path, bundle_l1, edge_l2):
+    bad = tmp_path / "bad"
+    shutil.copytree(bundle_l1, bad)
+    data = bytearray((bad / FRONT).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: the server cannot tell, the hash can
+    (bad / FRONT).write_bytes(bytes(data))
+    with Serving(_app(bad)) as srv:
+        cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
+        with pytest.raises(BundleSyncError, match="sha256") as ei:
+            bundle_sync.update(cfg, Manifest.load(edge_l2))
+    assert ei.value.code == "hash_mismatch"
+    assert not edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 2
+
+
+def test_a_server_without_the_endpoint_says_so(edge_l2):
+    with Serving(FastAPI()) as srv:
+        cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
+        with pytest.raises(BundleSyncError, match="hosts no bundles") as ei:
+            bundle_sync.update(cfg, Manifest.load(edge_l2))
+    assert ei.value.code == "no_bundle_endpoint"
+
+
+def test_an_update_never_changes_the_model(edge_l2):
+    listing = [{"id": "x" * 32, "source": "smollm2", "source_identity": "other", "architecture": "llama",
+                "edge_variants": [{"edge_quant": "fp32"}]}]
+    with pytest.raises(BundleSyncError, match="never changes the model") as ei:
+        bundle_sync.choose(Manifest.load(edge_l2), listing)
+    assert ei.value.code == "other_model"
+
+
+def test_an_interrupted_switch_is_finished_at_the_next_start(bundle_l1, edge_l2, tmp_path):
+    m1 = Manifest.load(bundle_l1)
+    new = bundle_sync.versions_dir(edge_l2) / f"{m1.bundle_id}-fp32"
+    shutil.copytree(bundle_l1, new, ignore=shutil.ignore_patterns("cloud"))
+    # the state a crash between the two renames leaves: the old directory moved away, the link not in place
+    tmp = edge_l2.parent / f".{edge_l2.name}.link-tmp"
+    tmp.symlink_to(Path(bundle_sync.versions_dir(edge_l2).name) / new.name)
+    shutil.move(edge_l2, bundle_sync.versions_dir(edge_l2) / "old")
+    bundle_sync.recover(edge_l2)
+    assert edge_l2.is_symlink() and Manifest.load(edge_l2).bundle_id == m1.bundle_id
+
+
+# -- the client ---------------------------------------------------------------------------------------------
+
+def test_the_refusal_names_the_served_bundle(bundle_l1, edge_l2):
+    m1, m2 = Manifest.load(bundle_l1), Manifest.load(edge_l2)
+    with Serving(_app(bundle_l1, engine=True)) as srv:
+        link = Link(srv.ws_url, None, RETRY)
+        with pytest.raises(HandshakeRefused) as ei:
+            asyncio.run(link.connect(P.Hello(bundle_id=m2.bundle_id, codecs=["fp16"])))
+        assert ei.value.code == "bundle_mismatch" and ei.value.bundle_ids == [m1.bundle_id]
+        with EdgeClient(edge_l2, srv.ws_url, codec="fp16", retry=RETRY) as c, \
+                pytest.raises(EdgeClientError) as ei:  # auto_update is off by default
+            c.complete(prompt_ids=PROMPT, max_tokens=2)
+        assert ei.value.code == "bundle_mismatch"
+
+
+def test_the_edge_updates_from_split_2_to_split_1_and_generates(bundle_l1, edge_l2, reference_tokens):
+    m1, m2 = Manifest.load(bundle_l1), Manifest.load(edge_l2)
+    with Serving(_app(bundle_l1, engine=True)) as srv, \
+            EdgeClient(edge_l2, srv.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+        assert gen.token_ids == reference_tokens and gen.finish_reason == "length"
+        assert c.manifest.bundle_id == m1.bundle_id and c.runtime.n_layers == 1
+    assert edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 1
+    kept = bundle_sync.versions_dir(edge_l2) / f"{m2.bundle_id}-fp32"
+    assert Manifest.load(kept).split_layer == 2  # the previous version stays for a rollback
+    # a new client over the same path starts on the new bundle: nothing to download
+    with Serving(_app(bundle_l1, engine=True)) as srv, \
+            EdgeClient(edge_l2, srv.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
+        assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == reference_tokens
+
+
+def test_the_server_moving_bundles_mid_generation_is_followed(monkeypatch, tiny_bundle, bundle_l1, edge_l2,
+                                                              reference_tokens):
+    from edge_client.generation import Session
+
+    switched = threading.Event()
+    decode_and_send = Session._decode_and_send
+
+    async def after_the_switch(self, req, new, stats=None):  # hold the 5th token's step until the roll-over
+        if len(req.tokens) == 5:
+            await asyncio.to_thread(switched.wait, 60)
+        return await decode_and_send(self, req, new, stats)
+
+    monkeypatch.setattr(Session, "_decode_and_send", after_the_switch)
+    port = free_port()
+    old = Serving(_app(tiny_bundle, engine=True), port).__enter__()
+    new = None
+    try:
+        with EdgeClient(edge_l2, old.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
+            gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
+            for i, _ in enumerate(gen.iter_tokens()):
+                if i == 4:  # the operator rolls the server over to the split at layer 1
+                    old.__exit__(None, None, None)
+                    new = Serving(_app(bundle_l1, engine=True), port).__enter__()
+                    switched.set()
+            assert gen.token_ids == reference_tokens
+            assert gen.stats.replays == 1 and c.runtime.n_layers == 1
+    finally:
+        switched.set()
+        old.__exit__(None, None, None)
+        if new is not None:
+            new.__exit__(None, None, None)
