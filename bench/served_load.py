@@ -604,7 +604,9 @@ def run(cfg: LoadConfig, command: str) -> dict:
     carry ``tree``), then ``--engine-cpu``'s engine-alone figures beside them."""
     res = None
     for root in ([cfg.compare_root] if cfg.compare_root is not None else []) + [cfg.server_root]:
-        one = _run_server(dataclasses.replace(cfg, server_root=root, compare_root=None, out=None), command)
+        # one tree: its levels are written as they finish (a run cut short keeps them); two: after each tree
+        out = cfg.out if cfg.compare_root is None else None
+        one = _run_server(dataclasses.replace(cfg, server_root=root, compare_root=None, out=out), command)
         for rec in one["records"]:
             rec["tree"] = str(root)
         if res is None:
@@ -622,7 +624,7 @@ def run(cfg: LoadConfig, command: str) -> dict:
             e = engine[rec["sessions"]]["engine_tokens_per_s"]
             rec["engine_tokens_per_s"] = e
             rec["served_vs_engine"] = rec["served_tokens_per_s"] / e if rec.get("served_tokens_per_s") and e else None
-            print(_row(rec) + f", engine {e:.0f} tok/s, served/engine {rec['served_vs_engine'] or 0:.2f}"
+            print(_row(rec) + f", engine {e or 0:.0f} tok/s, served/engine {rec['served_vs_engine'] or 0:.2f}"
                   + (f" [{rec['tree']}]" if cfg.compare_root else ""), flush=True)
     return res
 

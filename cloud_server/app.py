@@ -8,9 +8,13 @@ Routes:
 * ``GET /metrics``  Prometheus text (``cloud_server.metrics``), unauthenticated like vLLM's;
 * ``GET /v1/models`` the served model;
 * ``WS  /v1/split`` split mode: the edge's session (``cloud_server.split_endpoint``);
-* ``GET /v1/bundles[/{id}/manifest | /{id}/files/{path}]`` split mode: the served bundle's edge half, for
+* ``GET /v1/bundles[/{id}/manifest | /{id}/files/{path}]`` split mode: the served bundles' edge halves, for
   phones to download or update (``cloud_server.bundle_files``);
 * ``POST /v1/chat/completions``, ``POST /v1/completions``: full-model mode (``cloud_server.full_api``).
+
+Split mode over several bundles (``ServerConfig.more_bundles`` with other ids): one runtime per bundle id, the
+Hello's id picking its endpoint (``cloud_server.bundle_set``); the app starts and stops the further runtimes
+itself, ``/ready`` needs them all, ``/metrics`` merges them, ``/v1/models`` lists them.
 
 With a keys file or an API key configured (``cloud_server.auth``) every route but ``/health``, ``/ready`` and
 ``/metrics`` needs ``Authorization: Bearer <key>`` (a WebSocket presents it in the handshake headers, never in

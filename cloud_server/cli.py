@@ -1,7 +1,8 @@
 """``autoglm-cloud``: the cloud server's command line.
 
-``autoglm-cloud serve BUNDLE`` serves a bundle's cloud half (split mode); ``autoglm-cloud serve --full SOURCE``
-serves a whole model OpenAI-compatibly (preset, checkpoint directory or .gguf).
+``autoglm-cloud serve BUNDLE [BUNDLE ...]`` serves bundles' cloud halves (split mode; several: one engine per
+bundle id); ``autoglm-cloud serve --full SOURCE`` serves a whole model OpenAI-compatibly (preset, checkpoint
+directory or .gguf).
 
 Every option has an environment twin ``AUTOGLM_CLOUD_<NAME>`` (``--max-sessions`` ->
 ``AUTOGLM_CLOUD_MAX_SESSIONS``; the bundle is ``AUTOGLM_CLOUD_BUNDLE``) and may also come from a config
@@ -111,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("keys", help="manage the API keys file: `autoglm-cloud keys add FILE --tenant NAME`")
     s = sub.add_parser("serve", help="serve a bundle's cloud half (split mode) or a whole model (--full)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("bundle", nargs="*", help="bundle directory written by `autoglm-partition split`; further "
-                                             "directories are edge variants of it (same bundle id, another edge "
-                                             "quantization) offered for download at /v1/bundles "
+    s.add_argument("bundle", nargs="*", help="bundle directory written by `autoglm-partition split`; several: "
+                                             "each bundle id gets its own engine (the first is the default), a "
+                                             "repeated id is an edge variant offered for download at /v1/bundles "
                                              f"[env {ENV_PREFIX}BUNDLE: one directory]")
     s.add_argument("--config", help=f"JSON or TOML file of options [env {ENV_PREFIX}CONFIG]")
     for o in OPTIONS:

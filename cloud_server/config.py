@@ -83,8 +83,8 @@ class EngineConfig:
 @dataclass(slots=True)
 class ServerConfig:
     bundle: Path | None = None  # split mode: the bundle whose cloud half we serve
-    # split mode: further bundle directories whose edge halves phones may download (GET /v1/bundles): edge
-    # variants of ``bundle`` (same bundle id, another edge quantization)
+    # split mode: further bundle directories (cloud_server.bundle_set). Another bundle id: another bundle,
+    # served by its own engine; the id of one before: an edge variant of it, offered for download only
     more_bundles: tuple[Path, ...] = ()
     full: str | None = None  # full-model mode: a load_model source (preset, checkpoint dir, .gguf)
     host: str = "127.0.0.1"
@@ -116,7 +116,7 @@ class ServerConfig:
             self.bundle = Path(self.bundle)
         self.more_bundles = tuple(Path(b) for b in self.more_bundles)
         if self.more_bundles and self.bundle is None:
-            raise ConfigError("more_bundles: edge variants are served beside a BUNDLE (split mode)")
+            raise ConfigError("more_bundles: further bundles are served beside a BUNDLE (split mode)")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port")
         if self.api_key is not None and not self.api_key:

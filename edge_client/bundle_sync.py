@@ -226,11 +226,17 @@ def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progres
     """Download the edge half of ``bundle_id`` (variant ``edge``) beside ``bundle``; returns its verified
     directory ``.<name>.versions/<id>-<edge>``. Resumes a staging directory an earlier call left."""
     final = versions_dir(bundle) / f"{bundle_id}-{edge}"
-    if final.is_dir():  # complete from an earlier run (verified before it took this name)
-        return final
     stage = final.with_name(final.name + ".partial")
-    stage.mkdir(parents=True, exist_ok=True)
     raw = server.manifest_bytes(bundle_id, edge)
+    # An edge file may change under one bundle id (the id covers the cloud half only): what an earlier run left
+    # counts only if it was made for this very manifest.
+    if final.is_dir():
+        if _same_manifest(final, raw):  # complete from an earlier run (verified before it took this name)
+            return final
+        shutil.rmtree(final)
+    if stage.is_dir() and not _same_manifest(stage, raw):
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True, exist_ok=True)
     (stage / MANIFEST_NAME).write_bytes(raw)
     try:
         m = Manifest.load(stage)
@@ -261,6 +267,11 @@ def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progres
     os.replace(stage, final)
     log.info("bundle %s (%s edge): %d files, %d bytes, verified", bundle_id, edge, len(todo), total)
     return final
+
+
+def _same_manifest(directory: Path, raw: bytes) -> bool:
+    path = directory / MANIFEST_NAME
+    return path.is_file() and path.read_bytes() == raw
 
 
 def _safe(root: Path, path: Path) -> bool:

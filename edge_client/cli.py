@@ -153,27 +153,23 @@ def _update(cfg) -> None:
 
 
 class _Bar:
-    """tqdm over a download's (done, total) callbacks; a plain line per 10 % when stderr is no terminal."""
+    """tqdm over a download's (done, total) callbacks on a terminal; quiet otherwise."""
 
     def __init__(self):
         try:
             from tqdm import tqdm
-        except ImportError:
+        except ImportError:  # not an edge dependency
             tqdm = None
         self._tqdm = tqdm if tqdm is not None and sys.stderr.isatty() else None
         self._bar = None
-        self._next = 0.1
 
     def __call__(self, done: int, total: int) -> None:
-        if self._tqdm is not None:
-            if self._bar is None:
-                self._bar = self._tqdm(total=total, unit="B", unit_scale=True, desc="bundle", file=sys.stderr)
-            self._bar.n = done
-            self._bar.refresh()
-        elif total and done >= self._next * total:
-            print(f"bundle download: {100 * done / total:.0f} % of {total / 1e6:.1f} MB", file=sys.stderr)
-            while self._next * total <= done:
-                self._next += 0.1
+        if self._tqdm is None:
+            return
+        if self._bar is None:
+            self._bar = self._tqdm(total=total, unit="B", unit_scale=True, desc="bundle", file=sys.stderr)
+        self._bar.n = done
+        self._bar.refresh()
 
     def close(self) -> None:
         if self._bar is not None:

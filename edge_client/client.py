@@ -262,7 +262,8 @@ class EdgeClient:
         tail = decoder.flush()
         if tail:
             sink(("token", -1, tail))
-        self.session.drafter.remember(result.token_ids)
+        if decision.mode == "all-cloud":  # the cloud produced it: a draft source; an edge-only answer never is
+            self.session.drafter.remember(result.token_ids)
         sink(("end", "length" if len(result.token_ids) >= spec.max_tokens else "stop"))
 
     def agenerate(self, prompt: str | None = None, **kwargs: Any) -> AsyncGeneration:

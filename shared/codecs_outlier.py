@@ -45,6 +45,7 @@ from .codec_base import (
 )
 from .errors import BAD_CODEC, BAD_TENSOR, ProtocolError
 from .tensors import PayloadReader
+from .wire import DEFAULT_LIMITS
 
 MAX_OUTLIER_CHANNELS = 256
 ROT = 16  # rotation and scale block of int4-outlier
@@ -191,7 +192,7 @@ class OutlierCodec(BoundaryCodec):
         self.check_hidden_size(h)
         k, n = len(self.outlier_channels), h - len(self.outlier_channels)
         per_row = self.payload_bytes(1, h)
-        if any(len(t.data) != per_row for t in tensors):
+        if per_row > (limits or DEFAULT_LIMITS).max_decoded_tensor_bytes or any(len(t.data) != per_row for t in tensors):
             return super().decode_rows(tensors, limits)
         rows = np.frombuffer(b"".join(t.data for t in tensors), np.uint8).reshape(len(tensors), per_row)
         if rows[:, 0].any():  # a sink row, or padding bits set: the one-by-one path decodes or refuses it

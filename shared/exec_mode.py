@@ -56,10 +56,12 @@ class Deployment:
     edge_only: bool = False  # the whole model on the phone
     u_shape: bool = False
     boundary_bytes_per_token: float = 2 * 4096  # one coded hidden row on the wire (fp16, hidden 4096)
-    edge_front_token_s: float = 0.01  # the front layers, per prompt token (prefill) on the phone
+    edge_front_token_s: float = 0.01  # the front layers per decoded token on the phone
+    edge_front_prefill_token_s: float = 0.002  # per prompt token, in chunks (one pass over the weights per chunk)
     edge_whole_token_s: float = 0.5  # the whole model per decoded token on the phone
     edge_whole_prefill_token_s: float = 0.05
     cloud_token_s: float = 0.03  # the cloud's decode step
+    cloud_prefill_token_s: float = 0.0005  # the cloud's prefill per uncached prompt token (whole model; GPU)
     split_tokens_per_round_trip: float = 1.0  # > 1 with speculation (measured acceptance)
 
 
@@ -67,6 +69,7 @@ class Deployment:
 class RequestShape:
     prompt_tokens: int
     max_tokens: int
+    cached_tokens: int = 0  # prompt tokens both prefix caches hold (the agent's system prompt): split skips them
     images: int = 0
     raw_bytes_per_token: float = 4.0  # raw text per token (UTF-8); images add image_bytes each
     image_bytes: float = 150_000.0
@@ -91,11 +94,13 @@ def estimate_s(mode: str, req: RequestShape, link: LinkState, dep: Deployment) -
     rtt, up = link.rtt_ms / 1000.0, max(1e-3, link.up_kbps) * 1000 / 8  # s, bytes/s
     if mode == "edge-only":
         return req.prompt_tokens * dep.edge_whole_prefill_token_s + req.max_tokens * dep.edge_whole_token_s
+    fresh = max(0, req.prompt_tokens - req.cached_tokens)
     if mode == "all-cloud":
         raw = req.prompt_tokens * req.raw_bytes_per_token + req.images * req.image_bytes
-        return rtt + raw / up + req.max_tokens * dep.cloud_token_s  # streamed: no round trip per token
+        prefill = fresh * dep.cloud_prefill_token_s
+        return rtt + raw / up + prefill + req.max_tokens * dep.cloud_token_s  # streamed: no round trip per token
     if mode in ("split", "u-shape"):
-        ttft = req.prompt_tokens * (dep.edge_front_token_s + dep.boundary_bytes_per_token / up) + rtt
+        ttft = fresh * (dep.edge_front_prefill_token_s + dep.boundary_bytes_per_token / up) + rtt
         step = rtt + dep.cloud_token_s + dep.edge_front_token_s + dep.boundary_bytes_per_token / up
         return ttft + req.max_tokens * step / max(1.0, dep.split_tokens_per_round_trip)
     raise ExecModeError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")

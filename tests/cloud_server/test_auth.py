@@ -157,3 +157,12 @@ def test_a_key_added_to_the_file_works_without_a_restart(keyed, tiny_bundle):
     while httpx.get(keyed.url + "/v1/models", headers=_bearer(carol)).status_code != 200:
         assert time.monotonic() < deadline, "the new key was not picked up"
         time.sleep(0.2)
+
+
+def test_autoglm_cloud_keys_add_is_the_cli_entry(tmp_path, capsys):
+    from cloud_server import cli
+
+    path = tmp_path / "k.json"
+    assert cli.main(["keys", "add", str(path), "--tenant", "ops"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert auth.KeyStore(path).lookup(key).tenant == "ops"

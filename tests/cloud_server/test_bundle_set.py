@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 from cloud_support import ServerThread
+from prometheus_client.parser import text_string_to_metric_families
 
 from cloud_server.app import create_app
 from cloud_server.config import ConfigError, EngineConfig, ServerConfig
@@ -84,6 +85,8 @@ def test_ready_models_listing_and_one_merged_metrics_page(two_bundles, tiny_bund
     text = httpx.get(f"{base}/metrics").text
     helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
     assert "vllm:generation_tokens_total" in helps and len(helps) == len(set(helps))  # each family once
+    families = {f.name for f in text_string_to_metric_families(text)}  # a valid exposition
+    assert "vllm:generation_tokens" in families
     for name in names:
         assert f'vllm:generation_tokens_total{{model_name="{name}"}}' in text
 
@@ -92,3 +95,12 @@ def test_tensor_parallel_serves_one_bundle_per_process(tiny_bundle, bundle_l1):
     cfg = ServerConfig(bundle=tiny_bundle, more_bundles=(bundle_l1,), engine=EngineConfig(device="cpu", tp=2))
     with pytest.raises(ConfigError, match="tensor parallelism"):
         create_app(CloudRuntime(cfg))
+
+
+def test_serve_takes_several_bundle_directories(tmp_path, tiny_bundle, bundle_l1, capsys):
+    from cloud_server.cli import build_parser, main, resolve
+
+    cfg = resolve(build_parser().parse_args(["serve", str(tiny_bundle), str(bundle_l1), "--device", "cpu"]), {})
+    assert cfg.bundle == tiny_bundle and cfg.more_bundles == (bundle_l1,)
+    assert main(["serve", str(tiny_bundle), str(tmp_path)]) == 2
+    assert f"{tmp_path}: not a bundle" in capsys.readouterr().err

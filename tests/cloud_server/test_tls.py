@@ -98,7 +98,8 @@ def tls_server(tiny_bundle, pki, tmp_path_factory):
            "--num-blocks", "64", "--block-size", "4", "--device", "cpu"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    srv = SimpleNamespace(url=f"https://127.0.0.1:{port}", ws_url=f"wss://127.0.0.1:{port}/v1/split", proc=proc)
+    srv = SimpleNamespace(url=f"https://127.0.0.1:{port}", ws_url=f"wss://127.0.0.1:{port}/v1/split", proc=proc,
+                          log=log)
     trust = ssl.create_default_context(cafile=str(pki["ca"]))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -126,12 +127,21 @@ def reference(tiny_bundle, tls_server):
     return tokens, plain_url
 
 
-def test_edge_streams_over_wss_with_the_test_ca(tiny_bundle, tls_server, pki, reference):
+def test_edge_streams_over_wss_with_the_test_ca(tiny_bundle, tls_server, pki, reference, caplog):
     assert tls_server.ws_url.startswith("wss://")
-    with EdgeClient(tiny_bundle, tls_server.ws_url, codec="fp16", retry=RETRY, ca_file=pki["ca"]) as c:
+    with caplog.at_level("INFO", logger="edge_client.generation"), \
+            EdgeClient(tiny_bundle, tls_server.ws_url, codec="fp16", retry=RETRY, ca_file=pki["ca"]) as c:
         gen = c.generate(prompt_ids=PROMPT, max_tokens=8)
         streamed = [token for token, _ in gen.iter_tokens()]  # token by token, as they arrive
         assert streamed == gen.token_ids == reference[0] and gen.finish_reason == "length"
+    # one trace id for the request, in the edge's log and in the cloud's
+    trace = gen.stats.trace_id
+    assert any(f"trace={trace} start" in r.getMessage() for r in caplog.records)
+    deadline = time.monotonic() + 5
+    while f"trace={trace} " not in tls_server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    cloud_log = tls_server.log.read_text()
+    assert f"trace={trace} session=" in cloud_log and "finish=length tokens=8" in cloud_log
     ready = httpx.get(tls_server.url + "/ready", verify=ssl.create_default_context(cafile=str(pki["ca"])))
     assert tls_server.url.startswith("https://") and ready.status_code == 200
 
@@ -184,3 +194,14 @@ def test_the_certificate_needs_its_key(tiny_bundle, pki, capsys):
 
     assert cli.main(["serve", str(tiny_bundle), "--ssl-certfile", str(pki["cert"])]) == 2
     assert "ssl_certfile and ssl_keyfile go together" in capsys.readouterr().err
+
+
+def test_the_ca_file_reaches_the_edge_config_from_the_flag_and_the_environment(tiny_bundle, pki, monkeypatch):
+    from edge_client import cli
+    from edge_client.config import EdgeConfig
+
+    args = cli.build_parser().parse_args(["chat", "--bundle", str(tiny_bundle), "--url", "wss://h:1",
+                                          "--ca-file", str(pki["ca"])])
+    assert cli._config(args).ca_file == pki["ca"]
+    monkeypatch.setenv("AUTOGLM_EDGE_CA_FILE", str(pki["other_ca"]))
+    assert EdgeConfig.from_env(bundle=tiny_bundle).ca_file == pki["other_ca"]

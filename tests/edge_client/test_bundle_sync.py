@@ -104,7 +104,7 @@ def _served_bytes(m: Manifest) -> int:
     return sum(a.bytes for a in m.artifacts.values() if a.role in ("edge", "shared"))
 
 
-def _assert_edge_half(directory: Path, m: Manifest) -> None:
+def _assert_edge_half(directory: Path) -> None:
     Manifest.load(directory).verify_files(directory, roles=("edge", "shared"))
     assert not (directory / "cloud").exists()  # the cloud weights never come down
     assert not list(directory.rglob("*.part"))
@@ -136,7 +136,7 @@ def test_a_killed_download_resumes_with_range_and_verifies(monkeypatch, bundle_l
         new = bundle_sync.fetch(again, m1.bundle_id, "fp32", edge_l2, lambda d, t: seen.append((d, t)))
     assert again.bytes_received < total * 0.6  # only the rest came down the second time
     assert seen[-1] == (total, total)
-    _assert_edge_half(new, m1)
+    _assert_edge_half(new)
     assert Manifest.load(edge_l2).split_layer == 2  # fetching alone switches nothing
 
 
@@ -176,7 +176,25 @@ def test_a_cut_transfer_resumes_by_itself(bundle_l1, edge_l2):
         new = bundle_sync.fetch(server, m1.bundle_id, "fp32", edge_l2)
     assert cut.ranges == [None, b"bytes=5000-"]
     assert server.bytes_received == _served_bytes(m1)  # nothing came twice
-    _assert_edge_half(new, m1)
+    _assert_edge_half(new)
+
+
+def test_an_edge_re_export_under_the_same_id_is_fetched_again(tmp_path, bundle_l1, edge_l2):
+    served = tmp_path / "served"
+    shutil.copytree(bundle_l1, served)
+    m1 = Manifest.load(served)
+    with Serving(_app(served)) as srv:
+        first = bundle_sync.fetch(BundleServer(srv.ws_url), m1.bundle_id, "fp32", edge_l2)
+    data = bytearray((served / FRONT).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a re-exported edge graph of the same size: the bundle id (cloud half) stays
+    (served / FRONT).write_bytes(bytes(data))
+    m1.add_artifact(served, FRONT, "edge")
+    m1.save(served)
+    assert Manifest.load(served).bundle_id == m1.bundle_id
+    with Serving(_app(served)) as srv:
+        again = bundle_sync.fetch(BundleServer(srv.ws_url), m1.bundle_id, "fp32", edge_l2)
+    assert again == first and (again / FRONT).read_bytes() == bytes(data)
+    _assert_edge_half(again)
 
 
 def test_a_file_that_does_not_verify_is_refused_and_the_old_bundle_stays(tmp_path, bundle_l1, edge_l2):
@@ -219,6 +237,21 @@ def test_an_interrupted_switch_is_finished_at_the_next_start(bundle_l1, edge_l2,
     shutil.move(edge_l2, bundle_sync.versions_dir(edge_l2) / "old")
     bundle_sync.recover(edge_l2)
     assert edge_l2.is_symlink() and Manifest.load(edge_l2).bundle_id == m1.bundle_id
+
+
+def test_preload_update_on_the_command_line(bundle_l1, edge_l2, capsys):
+    from edge_client.cli import main
+
+    m1 = Manifest.load(bundle_l1)
+    with Serving(_app(bundle_l1)) as srv:
+        assert main(["preload", "--bundle", str(edge_l2), "--url", srv.ws_url, "--update"]) == 0
+        assert f"updated to bundle {m1.bundle_id} (split layer 1" in capsys.readouterr().err
+        assert main(["preload", "--bundle", str(edge_l2), "--url", srv.ws_url, "--update"]) == 0
+        assert "up to date" in capsys.readouterr().err
+    with Serving(FastAPI()) as srv:
+        assert main(["preload", "--bundle", str(edge_l2), "--url", srv.ws_url, "--update"]) == 1
+        assert "hosts no bundles" in capsys.readouterr().err
+    assert Manifest.load(edge_l2).bundle_id == m1.bundle_id
 
 
 # -- the client ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 from websockets.asyncio.server import serve
 
 from edge_client.config import RetryPolicy
-from edge_client.transport import ROUTE_HEADER, Link, route_key
+from edge_client.transport import ROUTE_HEADER, HandshakeRefused, Link, route_key
 from shared import protocol as P
 from shared.prefix_keys import KeyScope, block_keys, tenant_of, tenant_scoped
 
@@ -40,7 +40,7 @@ def test_the_upgrade_carries_the_route_key_only_when_there_is_one(key):
             port = server.sockets[0].getsockname()[1]
             link = Link(f"ws://127.0.0.1:{port}/v1/split", None, RETRY)
             link.route_key = key
-            with pytest.raises(Exception):  # the test server refuses the session; only the upgrade matters
+            with pytest.raises(HandshakeRefused):  # the test server refuses the session; the upgrade is the point
                 await link.connect(P.Hello(bundle_id="bundle-1", codecs=["fp16"]))
             await link.close()
         return seen
