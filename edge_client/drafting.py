@@ -119,11 +119,18 @@ class DraftSizer:
     def __init__(self, max_drafts: int, config: SizerConfig | None = None):
         self.max_drafts = max_drafts
         self.config = cfg = config or SizerConfig()
-        self._accepted = cfg.prior_alpha * cfg.prior_weight  # decayed accepted drafts
-        self._tried = cfg.prior_weight  # decayed drafts whose verdict was known (accepted or the rejected one)
+        self._accepted = self._tried = 0.0
+        self.new_request()
         self.round_s = cfg.default_round_s  # a plain step: send -> Tokens (RTT + the server's step)
         self.row_s = cfg.default_row_s  # what one more draft adds to a step: front + uplink + cloud position
         self._round_measured = False  # row_s is measured against a measured plain step only
+
+    def new_request(self) -> None:
+        """A new request: acceptance starts again from the prior (a chat answer that copies nothing says little
+        about the next agent step), the link's costs carry over."""
+        cfg = self.config
+        self._accepted = cfg.prior_alpha * cfg.prior_weight  # decayed accepted drafts
+        self._tried = cfg.prior_weight  # decayed drafts whose verdict was known (accepted or the rejected one)
 
     @property
     def alpha(self) -> float:

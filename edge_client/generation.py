@@ -311,6 +311,7 @@ class Session:
             await self._connect_with_retry(stats)
             plan = self._plan_for(spec)
             req = _Request(spec, plan.codec, plan.compute)
+            self.sizer.new_request()
             req.bundle_gen = self.bundle_gen
             stats.codec, stats.compute, stats.trace_id = plan.codec, plan.compute, req.trace_id
             log.info("trace=%s start: %d prompt tokens, codec %s", req.trace_id, len(spec.prompt_ids), plan.codec)

@@ -66,3 +66,13 @@ def test_sizer_tries_again_after_a_phase_without_drafts():
     for _ in range(20):  # plain steps only: no verdicts; the estimate drifts back to the prior
         s.observe(0, 0, 0.15)
     assert s.choose() > 0
+
+
+def test_a_new_request_restarts_acceptance_but_keeps_the_link_costs():
+    s = DraftSizer(8)
+    for _ in range(30):
+        s.observe(0, 0, 0.15)
+        s.observe(3, 0, 0.30)
+    round_s, row_s = s.round_s, s.row_s
+    s.new_request()
+    assert s.alpha == pytest.approx(s.config.prior_alpha) and (s.round_s, s.row_s) == (round_s, row_s)
