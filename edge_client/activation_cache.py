@@ -195,8 +195,10 @@ class ActivationCache:
                 if i < start_block:
                     break  # the caller's claim is stale: an earlier block is gone, so later ones are unreachable
                 a, b = i * self.block_tokens, (i + 1) * self.block_tokens
-                arrays = [np.ascontiguousarray(x, dtype=self.dtype) for x in kv_slice(a, b)]
-                arrays.append(np.ascontiguousarray(hidden[a:b], dtype=self.dtype))
+                # copies, never views: a view of the caller's [L, H] prompt array would keep all of it alive
+                # while the byte bound counts one block (the agent loop's RSS grew ~15 MB a step that way)
+                arrays = [np.array(x, dtype=self.dtype, order="C") for x in kv_slice(a, b)]
+                arrays.append(np.array(hidden[a:b], dtype=self.dtype, order="C"))
                 self._check_shapes(arrays)
                 e = _Entry(key, keys[i - 1] if i else "", i, ids[a:b], None if content is None else content[i],
                            sum(x.nbytes for x in arrays), arrays)

@@ -153,7 +153,10 @@ class DraftSizer:
         self._accepted = d * self._accepted + accepted
         self._tried = d * self._tried + accepted + (1 if accepted < drafts else 0)
         if step_s is not None and self._round_measured:  # a draft's cost: what it adds to a plain step
-            self.row_s += w * (max(0.0, (step_s - self.round_s) / drafts) - self.row_s)
+            # one slow step (a busy CPU, a retransmission) must not price drafts out for good: the k + 1 rows
+            # run in one pass, so a sample is capped at half a round trip
+            marginal = min(max(0.0, (step_s - self.round_s) / drafts), 0.5 * self.round_s)
+            self.row_s += w * (marginal - self.row_s)
 
     def expected_tokens(self, k: int) -> float:
         a = self.alpha
