@@ -307,8 +307,12 @@ def _one_loop(url, bundle, codec, budget, threads, system, task, steps, memory_s
                 loop["steps"].append(rec)
                 print(f"step {step + 1}: {rec}", flush=True)
             if memory_steps and step + 1 in (steps, steps + 10, steps + memory_steps // 2, steps + memory_steps):
-                out.setdefault("rss_mb_after_steps", {})[str(step + 1)] = round(_rss_mb(), 1)
-                print(f"after {step + 1} steps: edge process RSS {_rss_mb():.0f} MB", flush=True)
+                rss, cached = _rss_mb(), c.cache.nbytes / 2**20  # the cache may grow to its cap; the rest may not
+                out.setdefault("rss_mb_after_steps", {})[str(step + 1)] = round(rss, 1)
+                out.setdefault("edge_cache_mb_after_steps", {})[str(step + 1)] = round(cached, 1)
+                out.setdefault("rss_less_cache_mb_after_steps", {})[str(step + 1)] = round(rss - cached, 1)
+                print(f"after {step + 1} steps: edge process RSS {rss:.0f} MB, of it activation cache "
+                      f"{cached:.0f} MB", flush=True)
     later = loop["steps"][1:]
     loop["mean_bytes_up_after_step_1"] = int(np.mean([r["bytes_up"] for r in later]))
     loop["mean_jpeg_q90_bytes"] = int(np.mean([r["jpeg_q90_bytes"] for r in later]))

@@ -48,6 +48,7 @@ from shared.link_profiles import MSS, LinkProfile
 
 from .adapters import ModelAdapter, call_layer
 from .models import LoadedModel
+from .privacy import recovered_fraction
 
 UP_MSG_OVERHEAD = 90  # bytes: a DecodeStep's msgpack header + WebSocket frame around the coded hidden state
 DOWN_PER_TOKEN = 60  # bytes: one token message (id, text delta, framing) down the WebSocket
@@ -415,13 +416,23 @@ def plan(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) -> dict:
             "agent_ttft_ms": 1000 * agent["ttft_s"], "agent_per_token_ms": 1000 * agent["per_token_s"],
             "agent_step_ms": 1000 * (agent["ttft_s"] + (cfg.agent.output_tokens - 1) * agent["per_token_s"]),
             "edge_memory_mb": mem, "chat_upload_bytes": chat["up_bytes"], "agent_upload_bytes": agent["up_bytes"],
-            "fits": mem <= cfg.edge_memory_mb,
+            "fits": mem <= cfg.edge_memory_mb, "recovered_fraction": _exposure(lm, cfg, n),
         })
     splits = [r for r in rows if isinstance(r["n"], int) and r["fits"]]
     pick = min(splits, key=lambda r: r["agent_step_ms"])["n"] if splits else None
     return {"link": cfg.link.to_dict(), "edge_threads": cfg.edge_threads, "codec": cfg.codec,
             "overhead_ms": cfg.overhead_ms, "costs": _costs_dict(costs), "rows": rows, "pick": pick,
             "chat": _shape_dict(cfg.chat), "agent": _shape_dict(cfg.agent)}
+
+
+def _exposure(lm: LoadedModel, cfg: PlanConfig, n) -> float | None:
+    """The fraction of prompt tokens the cloud can read: measured inversion figures for a split
+    (``partition_tools.privacy``; ``None`` where unmeasured), all of them for all-cloud, none for all-edge."""
+    if n == "all-cloud":
+        return 1.0
+    if n == "all-edge":
+        return 0.0
+    return recovered_fraction(n, cfg.codec, model=lm.identity)
 
 
 def _shape_dict(shape: Shape) -> dict:
@@ -443,6 +454,10 @@ def _costs_dict(c: Costs) -> dict:
     return ms
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
 def format_plan(result: dict) -> str:
     c = result["costs"]
     link = result["link"]
@@ -460,13 +475,15 @@ def format_plan(result: dict) -> str:
         f"{result['agent']['output_tokens']} tokens",
         "",
         f"{'N':>9} {'chat TTFT':>10} {'chat/tok':>9} {'agent TTFT':>11} {'agent/tok':>10} {'agent step':>11} "
-        f"{'edge MB':>8} {'up chat':>9} {'up agent':>9}",
+        f"{'edge MB':>8} {'up chat':>9} {'up agent':>9} {'recovered':>9}",
     ]
     for r in result["rows"]:
         mark = " <- pick" if r["n"] == result["pick"] else ("" if r["fits"] else " (over memory)")
         lines.append(f"{r['n']!s:>9} {r['chat_ttft_ms']:>8.0f}ms {r['chat_per_token_ms']:>7.1f}ms "
                      f"{r['agent_ttft_ms']:>9.0f}ms {r['agent_per_token_ms']:>8.1f}ms {r['agent_step_ms']:>9.0f}ms "
                      f"{r['edge_memory_mb']:>8.1f} {r['chat_upload_bytes'] / 1024:>8.1f}K "
-                     f"{r['agent_upload_bytes'] / 1024:>8.1f}K{mark}")
+                     f"{r['agent_upload_bytes'] / 1024:>8.1f}K {_pct(r['recovered_fraction']):>9}{mark}")
     lines.append(f"pick: N = {result['pick']} (fastest agent step within the edge memory budget)")
+    lines.append("recovered: prompt tokens an inversion attack recovered from the boundary states "
+                 "(docs/security.md; '-' where unmeasured for this model and codec)")
     return "\n".join(lines)

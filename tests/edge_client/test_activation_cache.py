@@ -146,3 +146,21 @@ def test_float16_store_halves_bytes(rt):
     assert c16.block_bytes * 2 == c32.block_bytes
     _, h = _fill(rt, c16)
     np.testing.assert_allclose(c16.lookup(IDS).hidden, h[:64], rtol=1e-3, atol=1e-3)
+
+
+def test_cached_blocks_do_not_keep_the_callers_arrays_alive(rt):
+    """The byte bound counts one block per entry, so an entry must own its bytes: a view of the caller's
+    [L, H] prompt states (or of its KV) would keep the whole array alive (the agent loop's unbounded RSS)."""
+    import gc
+    import weakref
+
+    cache = _cache(rt)
+    rt.reset()
+    hidden = rt.prefill(IDS)  # [75, H]
+    kv = [np.array(x) for x in rt.kv_slice(0, len(IDS))]  # 2N [KVH, 75, D]
+    refs = [weakref.ref(hidden), *(weakref.ref(x) for x in kv)]
+    assert cache.insert(IDS, lambda a, b: [x[:, a:b] for x in kv], hidden) == 4
+    del hidden, kv
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert cache.lookup(IDS).tokens == 64  # and the blocks are still served

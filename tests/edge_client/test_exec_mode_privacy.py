@@ -108,6 +108,7 @@ def cloud(tiny_bundle, tmp_path_factory):
 def test_private_split_sends_no_raw_text_and_no_prompt_drafts(tiny_bundle, cloud):
     with RecordingProxy(cloud.port) as proxy, \
             EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY) as c:
+        c.session.sizer.choose = lambda limit=None: 4 if limit is None else min(4, limit)  # always draft
         gen = c.complete(prompt=PROMPT, max_tokens=24, speculate=True, privacy="private")
         prompt_ids = c.tokenizer.encode(PROMPT)
     assert gen.stats.exec_mode == "split" and "private" in gen.stats.exec_reason

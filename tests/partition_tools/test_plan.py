@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,17 @@ def test_plan_cli_on_a_bundle(tiny_glm4_int8_bundle, capsys):
     assert mem == sorted(mem)  # more layers on the phone, more memory
     assert main(["plan", "tiny-glm4", "--link", "6g"]) == 2
     assert "unknown link profile" in capsys.readouterr().err
+
+
+def test_plan_rows_show_what_the_cloud_can_read():
+    from types import SimpleNamespace
+
+    from partition_tools.plan import _exposure
+
+    smollm2 = SimpleNamespace(identity=json.loads((Path(__file__).parents[2] / "docs/results/privacy_inversion.json").read_text())["model"])
+    other = SimpleNamespace(identity="preset:tiny-glm4@seed0")
+    cfg = _cfg("4g")
+    assert _exposure(smollm2, cfg, "all-cloud") == 1.0 and _exposure(smollm2, cfg, "all-edge") == 0.0
+    deep, shallow = _exposure(smollm2, cfg, 16), _exposure(smollm2, cfg, 2)
+    assert deep is not None and shallow is not None and 0 < deep < shallow < 1  # deeper splits leak less
+    assert _exposure(other, cfg, 2) is None  # the figures are SmolLM2's only
