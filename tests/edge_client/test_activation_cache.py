@@ -159,7 +159,7 @@ def test_cached_blocks_do_not_keep_the_callers_arrays_alive(rt):
     hidden = rt.prefill(IDS)  # [75, H]
     kv = [np.array(x) for x in rt.kv_slice(0, len(IDS))]  # 2N [KVH, 75, D]
     refs = [weakref.ref(hidden), *(weakref.ref(x) for x in kv)]
-    assert cache.insert(IDS, lambda a, b: [x[:, a:b] for x in kv], hidden) == 4
+    assert cache.insert(IDS, lambda a, b, kv=kv: [x[:, a:b] for x in kv], hidden) == 4  # views of kv
     del hidden, kv
     gc.collect()
     assert all(r() is None for r in refs)
