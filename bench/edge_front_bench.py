@@ -333,7 +333,7 @@ def main(argv=None) -> int:
         "contexts": args.context_list, "threads": args.thread_list, "runs": args.runs, "block": args.block,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "loadavg": load, "cpu_model": _cpu_model(),
-                    "note": "2 cores shared with other jobs: loadavg above is the noise; ratios are within one "
+                    "note": "loadavg above is the noise from other jobs (vs cores); ratios are within one "
                             "interleaved run, p10/p90 show the spread"},
         "onnxruntime": __import__("onnxruntime").__version__,
         "bundles": {n: {"bundle": str(b), "graph": str(g)} for n, (b, g) in bundles.items()},
