@@ -165,4 +165,7 @@ class DraftSizer:
     def choose(self, limit: int | None = None) -> int:
         """The k in [0, min(max_drafts, limit)] with the most expected tokens per second."""
         top = self.max_drafts if limit is None else max(0, min(self.max_drafts, limit))
-        return max(range(top + 1), key=lambda k: self.expected_tokens(k) / (self.round_s + k * self.row_s))
+        # the same cap as a measured sample's: before any draft is priced, the default row cost must not
+        # exceed half a (fast, e.g. loopback) round trip, or k = 0 would be chosen forever and never measured
+        row_s = min(self.row_s, 0.5 * self.round_s)
+        return max(range(top + 1), key=lambda k: self.expected_tokens(k) / (self.round_s + k * row_s))
