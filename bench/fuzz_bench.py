@@ -25,7 +25,6 @@ slow-marked there and is this command.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -40,6 +39,8 @@ import zstandard
 from shared import codecs as C
 from shared import protocol as P
 from shared.session_state import SessionError, SessionState
+
+from results_io import emit  # bench/ is on sys.path when a bench script runs
 
 H = 64
 CODECS = C.available_codecs(None)
@@ -278,12 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the JSON result here (e.g. docs/results/fuzz.json)")
     args = ap.parse_args(argv)
     result = fuzz(args.iterations, args.seed)
-    result["command"] = "python bench/fuzz_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(result, args.out, "fuzz_bench.py", argv)
     return 0 if result["unexpected_exceptions"] == 0 else 1
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import re
 import signal
@@ -41,6 +40,8 @@ import numpy as np
 from shared import codecs as C
 from shared import protocol as P
 from shared.manifest import Manifest
+
+from results_io import emit  # bench/ is on sys.path when a bench script runs
 
 
 @dataclass(slots=True)
@@ -206,12 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = Manifest.load(args.serve)
     result["model"] = manifest.bundle_id
     result["kv_pool_blocks"] = args.num_blocks
-    result["command"] = "python bench/load_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(result, args.out, "load_bench.py", argv)
     ok = result["errors"] == 0 and result["mismatches"] == 0 and result["all_full_length"]
     return 0 if ok else 1
 

@@ -235,24 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from shared.cli_exit import run_command
     from shared.manifest import BundleError
 
     from .config import ConfigError
 
-    try:
-        return args.func(args)
-    except (ConfigError, BundleError, ValueError, FileNotFoundError) as e:
-        print(f"autoglm-edge: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:
-        from .errors import EdgeClientError
+    from .errors import EdgeClientError
 
-        if isinstance(e, EdgeClientError):
-            print(f"autoglm-edge: error: {e}", file=sys.stderr)
-            return 1
-        raise
+    return run_command("autoglm-edge", args.command, args.func, args,
+                       (ConfigError, BundleError, ValueError, FileNotFoundError), (EdgeClientError,))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen, ready_url: str, timeout: float, what: str) -> None:
+    """Poll ``ready_url`` until it answers 200; ``RuntimeError`` naming ``what`` if ``proc`` exits or time runs out
+    (the caller stops the process)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(ready_url, timeout=2.0) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{what} not ready after {timeout:.0f} s")
+
+
+def stop_gracefully(proc: subprocess.Popen | None, drain_s: float = 15.0) -> None:
+    """SIGINT (the server drains), then SIGTERM, then SIGKILL, each given its time to work."""
+    if proc is None or proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGINT, drain_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            proc.send_signal(sig)
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 class LocalCloud:
     """A cloud server subprocess (``autoglm-cloud serve``) on localhost."""
 
@@ -101,32 +131,18 @@ class LocalCloud:
             self._log = open(self.log_path, "ab")
         out = self._log if self._log is not None else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"cloud server exited with code {self.proc.returncode} before it was ready"
-                                   + (f" (log: {self.log_path})" if self.log_path else ""))
-            try:
-                with urllib.request.urlopen(f"{self.http_url}/ready", timeout=2.0) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"cloud server not ready after {timeout:.0f} s")
+        try:
+            wait_ready(self.proc, f"{self.http_url}/ready", timeout,
+                       "cloud server" + (f" (log: {self.log_path})" if self.log_path else ""))
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """Graceful stop: SIGINT (drain), then SIGTERM, then SIGKILL; returns the exit code."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-                try:
-                    proc.send_signal(sig)
-                    proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        stop_gracefully(proc, timeout)
         if self._log is not None:
             self._log.close()
             self._log = None

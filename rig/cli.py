@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from shared.cli_exit import run_command
+
 
 def _env(name: str, default=None):
     return os.environ.get(f"AUTOGLM_RIG_{name}", default)
@@ -92,17 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     from .runner import RigError
     from .scenario import ScenarioError
 
-    try:
-        return {"run": _cmd_run, "demo": _cmd_demo}[args.command](args)
-    except (ScenarioError, LinkProfileError, FileNotFoundError) as e:
-        print(f"autoglm-rig {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except RigError as e:
-        print(f"autoglm-rig {args.command}: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    handler = {"run": _cmd_run, "demo": _cmd_demo}[args.command]
+    return run_command("autoglm-rig", args.command, handler, args,
+                       (ScenarioError, LinkProfileError, FileNotFoundError), (RigError,))
 
 
 if __name__ == "__main__":

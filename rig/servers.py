@@ -9,15 +9,11 @@ server so that library output never reaches the rig's terminal.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-from edge_client.demo import free_port
+from edge_client.demo import free_port, stop_gracefully, wait_ready
 
 
 class CloudProcess:
@@ -65,32 +61,17 @@ class CloudProcess:
         return self
 
     def wait_ready(self, timeout: float = 300.0) -> CloudProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.mode} cloud server exited with code {self.proc.returncode} before it "
-                                   f"was ready (log: {self.log_path})")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ready", timeout=2.0) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"{self.mode} cloud server not ready after {timeout:.0f} s (log: {self.log_path})")
+        try:
+            wait_ready(self.proc, f"http://127.0.0.1:{self.port}/ready", timeout,
+                       f"{self.mode} cloud server (log: {self.log_path})")
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        for sig, wait in ((signal.SIGINT, 15.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            try:
-                proc.send_signal(sig)
-                proc.wait(wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        stop_gracefully(proc)
 
     def __enter__(self) -> CloudProcess:
         return self.start()

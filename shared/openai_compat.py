@@ -351,17 +351,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     return out
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None = None,
-               finish_reason: str | None = None, usage_obj: dict | None = None) -> dict[str, Any]:
-    """One ``chat.completion.chunk``; ``delta=None`` with ``usage_obj`` is the final usage-only chunk."""
-    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    if delta is None and usage_obj is not None:
+def _chunk(obj: str, rid: str, model: str, created: int, choice: dict[str, Any] | None,
+           finish_reason: str | None, usage_obj: dict | None) -> dict[str, Any]:
+    """One streamed chunk: ``choice`` (its content field) as choice 0, or, for ``choice=None``, the final
+    usage-only chunk (no choices)."""
+    chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model}
+    if choice is None:
         chunk["choices"] = []
         chunk["usage"] = usage_obj
     else:
-        chunk["choices"] = [{"index": 0, "delta": delta or {}, "logprobs": None,
-                             "finish_reason": _finish(finish_reason)}]
+        chunk["choices"] = [{"index": 0, **choice, "logprobs": None, "finish_reason": _finish(finish_reason)}]
     return chunk
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any] | None = None,
+               finish_reason: str | None = None, usage_obj: dict | None = None) -> dict[str, Any]:
+    """One ``chat.completion.chunk``; ``delta=None`` with ``usage_obj`` is the final usage-only chunk."""
+    usage_only = delta is None and usage_obj is not None
+    return _chunk("chat.completion.chunk", rid, model, created, None if usage_only else {"delta": delta or {}},
+                  finish_reason, usage_obj)
 
 
 def chat_response(rid: str, model: str, created: int, content: str, finish_reason: str,
@@ -377,14 +385,9 @@ def chat_response(rid: str, model: str, created: int, content: str, finish_reaso
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None,
                      finish_reason: str | None = None, usage_obj: dict | None = None) -> dict[str, Any]:
-    chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model}
-    if text is None and usage_obj is not None:
-        chunk["choices"] = []
-        chunk["usage"] = usage_obj
-    else:
-        chunk["choices"] = [{"index": 0, "text": text or "", "logprobs": None,
-                             "finish_reason": _finish(finish_reason)}]
-    return chunk
+    usage_only = text is None and usage_obj is not None
+    return _chunk("text_completion", rid, model, created, None if usage_only else {"text": text or ""},
+                  finish_reason, usage_obj)
 
 
 def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str,

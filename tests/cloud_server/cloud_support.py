@@ -3,6 +3,8 @@ that plays several phones against an engine (staggered arrivals, slow decode rep
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,6 +163,23 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+@contextmanager
+def serving(config, **uvicorn_kw) -> Iterator[ServerThread]:
+    """``autoglm-cloud serve`` in-process for ``config`` (a ``ServerConfig``): the runtime started, its app on a
+    real uvicorn server; ``srv.runtime`` and ``srv.app`` are set. Stops both on exit."""
+    from cloud_server.app import create_app
+    from cloud_server.runtime import CloudRuntime
+
+    rt = CloudRuntime(config).start()
+    try:
+        app = create_app(rt)
+        with ServerThread(app, **uvicorn_kw) as srv:
+            srv.runtime, srv.app = rt, app
+            yield srv
+    finally:
+        rt.stop()
 
 
 class EdgeSim:

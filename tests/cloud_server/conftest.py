@@ -14,21 +14,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-@pytest.fixture(scope="session")
-def tiny_lm(tiny_glm4_lm):
-    return tiny_glm4_lm
+def _alias(shared_fixture: str):
+    """A session fixture that is ``shared_fixture`` of tests/conftest.py under this folder's name."""
+
+    @pytest.fixture(scope="session")
+    def fixture(request):
+        return request.getfixturevalue(shared_fixture)
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_bundle(tiny_glm4_fp32_bundle) -> Path:
-    return tiny_glm4_fp32_bundle
-
-
-@pytest.fixture(scope="session")
-def smol_lm(smollm2_lm):
-    return smollm2_lm
-
-
-@pytest.fixture(scope="session")
-def smol_bundle(smollm2_fp32_bundle) -> Path:
-    return smollm2_fp32_bundle
+tiny_lm = _alias("tiny_glm4_lm")
+tiny_bundle = _alias("tiny_glm4_fp32_bundle")
+smol_lm = _alias("smollm2_lm")
+smol_bundle = _alias("smollm2_fp32_bundle")

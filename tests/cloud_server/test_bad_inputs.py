@@ -14,19 +14,18 @@ import numpy as np
 import pytest
 import websockets
 import zstandard
-from cloud_support import EdgeSim, ServerThread, edge_front
+from cloud_support import EdgeSim, edge_front, serving
 from websockets.exceptions import ConnectionClosed
 
 from cloud_server import auth
-from cloud_server.app import create_app
 from cloud_server.config import EngineConfig, ServerConfig
-from cloud_server.runtime import CloudRuntime
 from shared import codecs as C
 from shared import protocol as P
 from shared.manifest import Manifest
 
 H = 64  # tiny-glm4's hidden size
 MAX_CONTEXT = 64
+MAX_PROMPT = 48  # --max-prompt-tokens: below the context, so a prompt may be refused while generation goes on
 HANDSHAKE_S = 1.0
 BYSTANDER = [17, 200, 31, 5, 99, 140, 7, 63, 250]
 FLOOD_TCP, FLOOD_WS = 200, 50
@@ -37,14 +36,10 @@ def server(tiny_bundle, tmp_path_factory):
     keys = tmp_path_factory.mktemp("cat-keys") / "keys.json"
     _, key = auth.add_key(keys, "catalogue")
     engine = EngineConfig(num_blocks=256, block_size=4, max_model_len=MAX_CONTEXT, max_num_batched_tokens=256)
-    rt = CloudRuntime(ServerConfig(bundle=tiny_bundle, engine=engine, keys_file=keys,
-                                   handshake_timeout_s=HANDSHAKE_S, session_grace_s=0.5)).start()
-    app = create_app(rt)
-    srv = ServerThread(app).__enter__()
-    srv.runtime, srv.key, srv.bundle_id = rt, key, Manifest.load(tiny_bundle).bundle_id
-    yield srv
-    srv.__exit__(None, None, None)
-    rt.stop()
+    with serving(ServerConfig(bundle=tiny_bundle, engine=engine, keys_file=keys, handshake_timeout_s=HANDSHAKE_S,
+                              session_grace_s=0.5, max_prompt_tokens=MAX_PROMPT)) as srv:
+        srv.key, srv.bundle_id = key, Manifest.load(tiny_bundle).bundle_id
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +176,9 @@ CATALOGUE = {
     "prompt over max_context": (
         lambda s: _per_request(s, P.Prefill(request_id="long", start=0, hidden=_h(MAX_CONTEXT + 1),
                                             params=_params())), ("context_full", None)),
+    "prompt over max_prompt_tokens": (
+        lambda s: _per_request(s, P.Prefill(request_id="prompt", start=0, hidden=_h(MAX_PROMPT + 1),
+                                            params=_params())), ("prompt_too_long", None)),
 }
 
 

@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 import pytest
-import torch
+from model_support import hf_greedy
 from cloud_support import ServerThread
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -27,12 +27,8 @@ RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, max_retries=2, 
 
 
 @pytest.fixture(scope="module")
-def bundle_l1(tmp_path_factory, tiny_lm):
-    from partition_tools.split import SplitConfig, split
-
-    out = tmp_path_factory.mktemp("tiny-glm4-l1") / "b"
-    split(tiny_lm, SplitConfig(layer=1, out=out, edge_quant="fp32"))
-    return out
+def bundle_l1(split_bundle, tiny_lm):
+    return split_bundle("tiny-glm4-l1", tiny_lm, 1, "fp32")
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +41,7 @@ def two_bundles(tiny_bundle, bundle_l1, tiny_glm4_int8_bundle):
 
 @pytest.fixture(scope="module")
 def reference(tiny_lm):
-    with torch.no_grad():
-        out = tiny_lm.model.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return hf_greedy(tiny_lm.model, PROMPT, N_NEW)
 
 
 def test_each_bundle_has_its_engine_and_the_right_tokens(two_bundles, tiny_bundle, bundle_l1, tiny_glm4_int8_bundle,

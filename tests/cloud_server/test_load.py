@@ -5,29 +5,20 @@ the 256-session run against a real ``autoglm-cloud serve`` process is slow-marke
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
+import bench_support
 from cloud_support import ServerThread
 
 from cloud_server.app import create_app
 from cloud_server.config import EngineConfig, ServerConfig
 from cloud_server.runtime import CloudRuntime
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "load_bench.py"
-
-
 @pytest.fixture(scope="module")
 def load_bench():
-    spec = importlib.util.spec_from_file_location("load_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["load_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_support.load_bench("load_bench")
 
 
 def test_sixteen_concurrent_sessions_equal_their_single_session_output(load_bench, tiny_bundle):

@@ -11,11 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import websockets
-from cloud_support import EdgeSim, ServerThread, edge_front, greedy_reference
+from cloud_support import EdgeSim, edge_front, greedy_reference, serving
 
-from cloud_server.app import create_app
 from cloud_server.config import EngineConfig, ServerConfig
-from cloud_server.runtime import CloudRuntime
 from cloud_server.split_endpoint import HELLO_TIMEOUT_S, OVERSIZE_SLACK, session_limits
 from shared import codecs as C
 from shared import protocol as P
@@ -31,14 +29,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 def server(tiny_bundle):
     engine = EngineConfig(num_blocks=256, block_size=4, max_model_len=MAX_CONTEXT, max_num_batched_tokens=MAX_CHUNK,
                           max_num_seqs=MAX_SEQS)
-    rt = CloudRuntime(ServerConfig(bundle=tiny_bundle, engine=engine, step_timeout_s=STEP_TIMEOUT_S,
-                                   session_grace_s=0.5)).start()
-    app = create_app(rt)
-    srv = ServerThread(app).__enter__()
-    srv.runtime, srv.app = rt, app
-    yield srv
-    srv.__exit__(None, None, None)
-    rt.stop()
+    with serving(ServerConfig(bundle=tiny_bundle, engine=engine, step_timeout_s=STEP_TIMEOUT_S,
+                              session_grace_s=0.5)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

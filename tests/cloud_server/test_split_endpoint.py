@@ -56,6 +56,17 @@ def _prompts(n, seed=0, lo=3, hi=20):
     return [torch.randint(4, 512, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
 
 
+async def _decode_to_end(edge, front, prompt_len: int, tokens: list[int]) -> None:
+    """Feed request "r" one decode step per returned token until it finishes; ``tokens`` grows in place."""
+    while True:
+        hidden = edge.encode(boundary(front, [tokens[-1]]))
+        await edge.send(P.DecodeStep(request_id="r", position=prompt_len + len(tokens) - 1, hidden=hidden))
+        msg = await edge.recv()
+        tokens += msg.token_ids
+        if msg.finish_reason:
+            return
+
+
 async def _settle(rt, timeout=10.0):
     """Wait until the engine holds no request and no KV block (aborts are asynchronous)."""
     deadline = time.monotonic() + timeout
@@ -260,13 +271,7 @@ def test_resume_after_a_dropped_link_continues_without_losing_tokens(server, tin
         resumed = await again.recv()
         tokens += resumed.token_ids
         assert resumed.received == len(prompt) + 3 and resumed.index == 3
-        while True:
-            hidden = again.encode(boundary(front, [tokens[-1]]))
-            await again.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
-            msg = await again.recv()
-            tokens += msg.token_ids
-            if msg.finish_reason:
-                break
+        await _decode_to_end(again, front, len(prompt), tokens)
         await again.send(P.Resume(request_id="zz", have_tokens=0))
         unknown = await again.recv()
         await again.close()
@@ -372,13 +377,7 @@ def test_sigterm_drains_open_requests_refuses_new_sessions_then_exits(tiny_bundl
             late = _edge(srv, tiny_bundle, loaded_front)
             refused = await late.connect()
             tokens = list(first.token_ids)
-            while True:  # the open request still runs to its end
-                hidden = edge.encode(boundary(front, [tokens[-1]]))
-                await edge.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
-                msg = await edge.recv()
-                tokens += msg.token_ids
-                if msg.finish_reason:
-                    break
+            await _decode_to_end(edge, front, len(prompt), tokens)  # the open request still runs to its end
             return drain, ready, refused, tokens
 
         drain, ready, refused, tokens = asyncio.run(main())
@@ -410,13 +409,7 @@ def test_a_reconnect_takes_over_a_session_whose_old_link_is_not_yet_seen_dead(se
         tokens = list(first.token_ids)
         await new.send(P.Resume(request_id="r", have_tokens=1))
         assert (await new.recv()).token_ids == []
-        while True:
-            hidden = new.encode(boundary(front, [tokens[-1]]))
-            await new.send(P.DecodeStep(request_id="r", position=len(prompt) + len(tokens) - 1, hidden=hidden))
-            msg = await new.recv()
-            tokens += msg.token_ids
-            if msg.finish_reason:
-                break
+        await _decode_to_end(new, front, len(prompt), tokens)
         await new.close()
         return w2, closed.value.rcvd, tokens
 

@@ -3,22 +3,13 @@ that starts `autoglm-cloud serve` replicas as real processes and nginx in front 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from bench_support import load_bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-def _load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-routing_bench = _load_bench("routing_bench")
+routing_bench = load_bench("routing_bench")
 DEPLOY = routing_bench.DEPLOY
 Replica = routing_bench.Replica
 Router = routing_bench.Router

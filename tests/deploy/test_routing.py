@@ -15,7 +15,7 @@ import re
 
 import numpy as np
 import pytest
-import torch
+from model_support import hf_greedy
 from deploy_support import Replica, Router, hit_rate, metric_sum
 
 from edge_client.client import EdgeClient
@@ -44,18 +44,11 @@ def replicas(tiny_glm4_fp32_bundle, tmp_path):
             r.stop()
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 def test_replica_killed_mid_generation_every_session_completes_on_the_other(
         tiny_glm4_fp32_bundle, tiny_glm4_lm, replicas, nginx_bin, tmp_path):
     rng = np.random.RandomState(3)
     prompts = [[int(t) for t in rng.randint(4, 512, 20 + 3 * i)] for i in range(4)]
-    want = [_greedy(tiny_glm4_lm.model, p, N_NEW) for p in prompts]
+    want = [hf_greedy(tiny_glm4_lm.model, p, N_NEW) for p in prompts]
     with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router, \
             LinkEmulator(router.port, PHONE_LINK) as phones:
         url = f"ws://127.0.0.1:{phones.port}/v1/split"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from model_support import hf_greedy
 import uvicorn
 from fastapi import FastAPI
 
@@ -94,10 +94,7 @@ def edge_l2(tmp_path, tiny_bundle) -> Path:
 
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_reference):
-    with torch.no_grad():
-        out = tiny_reference.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return hf_greedy(tiny_reference, PROMPT, N_NEW)
 
 
 def _served_bytes(m: Manifest) -> int:

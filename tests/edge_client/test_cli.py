@@ -15,7 +15,7 @@ from edge_client.cli import build_parser, main
 def test_bad_input_is_one_line(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert needle in err and err.count("\n") == 1 and err.startswith("autoglm-edge: error:")
+    assert needle in err and err.count("\n") == 1 and err.startswith(f"autoglm-edge {argv[0]}: error:")
 
 
 def test_help_lists_every_command():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from model_support import hf_greedy
 
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
@@ -32,13 +32,6 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
         {"role": "user", "content": "Name three primary colors."}]
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def tiny_cloud(tiny_bundle, tmp_path_factory):
     log = tmp_path_factory.mktemp("cloud-log") / "tiny.log"
@@ -48,7 +41,7 @@ def tiny_cloud(tiny_bundle, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_reference_tokens(tiny_reference):
-    return _greedy(tiny_reference, PROMPT, N_NEW)
+    return hf_greedy(tiny_reference, PROMPT, N_NEW)
 
 
 def test_tiny_split_equals_unsplit(tiny_bundle, tiny_cloud, tiny_reference_tokens):
@@ -72,7 +65,7 @@ def test_tiny_int8_edge_agreement_is_measured(tiny_int8_bundle, tiny_cloud, tiny
     agree = total = 0
     with EdgeClient(tiny_int8_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
         for p in prompts:
-            ref = _greedy(tiny_reference, p, 8)
+            ref = hf_greedy(tiny_reference, p, 8)
             got = c.complete(prompt_ids=p, max_tokens=8).token_ids
             # agreement up to the first divergence (after it the contexts differ)
             k = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
@@ -130,7 +123,7 @@ def test_smollm2_split_equals_unsplit(smollm2_lm, smollm2_bundle, smollm2_cloud)
     text = tok.apply_chat_template(CHAT)
     ids = tok.encode(text)
     assert ids == smollm2_lm.tokenizer(text, add_special_tokens=False).input_ids  # as transformers tokenizes
-    ref = _greedy(smollm2_lm.model, ids, 24)
+    ref = hf_greedy(smollm2_lm.model, ids, 24)
     with EdgeClient(smollm2_bundle, smollm2_cloud.ws_url, codec="fp16", retry=RETRY) as c:
         gen = c.complete(messages=CHAT, max_tokens=24)
     eos = set(tok.eos_token_ids)

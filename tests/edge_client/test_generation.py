@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-import torch
+from model_support import hf_greedy
 from edge_fake_cloud import FakeCloud
 
 from edge_client.client import EdgeClient
@@ -27,10 +27,7 @@ FAST_RETRY = RetryPolicy(connect_timeout_s=2.0, reply_timeout_s=10.0, max_retrie
 
 @pytest.fixture(scope="module")
 def reference(tiny_reference):
-    with torch.no_grad():
-        out = tiny_reference.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False,
-                                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+    return hf_greedy(tiny_reference, PROMPT, N_NEW)
 
 
 @pytest.fixture(scope="module")

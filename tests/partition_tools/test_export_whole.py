@@ -8,7 +8,7 @@ import json
 import numpy as np
 import onnx
 import pytest
-import torch
+from model_support import hf_greedy
 
 from partition_tools.export_whole import export_whole
 from partition_tools.quantize import QuantizationError
@@ -24,9 +24,7 @@ def whole_fp32(tmp_path_factory, tiny_glm4_lm):
 
 def test_fp32_whole_graph_greedy_equals_torch(whole_fp32, tiny_glm4_lm):
     ids = [int(t) for t in np.random.RandomState(3).randint(4, 500, 40)]
-    with torch.no_grad():
-        ref = tiny_glm4_lm.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    ref = hf_greedy(tiny_glm4_lm.model, ids, 12)
     runner = WholeModelRunner(whole_fp32, threads=1, chunk=16)  # 40 prompt tokens: three prefill chunks
     runner.eos = set()  # random weights: compare the full 12 tokens
     run = runner.generate(ids, 12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
 import pytest
@@ -35,16 +37,14 @@ def llama16_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fused(llama16_dir, tmp_path_factory):
     """family -> (adapter, fused fp32 bundle split at N), built once per module on first use."""
-    cache: dict[str, tuple] = {}
 
+    @functools.cache
     def get(family: str):
-        if family not in cache:
-            lm = load_model(str(llama16_dir) if family == "llama" else family)
-            out = tmp_path_factory.mktemp(f"fused-{family}") / "b"
-            m = split(lm, SplitConfig(layer=N, out=out, edge_quant="fp32", edge_graph="fused"))
-            assert m.quant_report["edge_graph"] == "fused"
-            cache[family] = (ModelAdapter(lm.model), out)
-        return cache[family]
+        lm = load_model(str(llama16_dir) if family == "llama" else family)
+        out = tmp_path_factory.mktemp(f"fused-{family}") / "b"
+        m = split(lm, SplitConfig(layer=N, out=out, edge_quant="fp32", edge_graph="fused"))
+        assert m.quant_report["edge_graph"] == "fused"
+        return ModelAdapter(lm.model), out
 
     return get
 

@@ -4,22 +4,13 @@ both must end with zero unexpected exceptions."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "fuzz_bench.py"
-
+from bench_support import load_bench
 
 @pytest.fixture(scope="module")
 def fuzz_bench():
-    spec = importlib.util.spec_from_file_location("fuzz_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("fuzz_bench")
 
 
 def _check(result: dict, iterations: int) -> None:

@@ -1,0 +1,29 @@
+"""How every console script ends: one rule for exit codes and error lines.
+
+``run_command`` calls the chosen subcommand's handler and turns what it raises into the exit status users and scripts
+rely on: 2 and ``<prog> <command>: error: <message>`` for bad input (``usage_errors``: a wrong argument, a
+missing or broken file), 1 and ``<prog> <command>: <message>`` for a run that failed (``failure_errors``),
+130 on Ctrl-C. Anything else is a bug and propagates with its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+def run_command(prog: str, command: str, handler: Callable[[object], int], args,
+                usage_errors: tuple[type[BaseException], ...],
+                failure_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run ``handler(args)`` (the subcommand ``command``) and return its exit status (see the module docstring)."""
+    try:
+        return handler(args)
+    except usage_errors as e:
+        print(f"{prog} {command}: error: {e}", file=sys.stderr)
+        return 2
+    except failure_errors as e:
+        print(f"{prog} {command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
