@@ -41,9 +41,13 @@ TP = 2 in one run: ``tp2_served_step_speedup_s1``, ``tp2_served_tokens_per_s_s64
 builds it (``LLMEngine.from_models`` + ``fast_runner_factory``; a random-weight back half made on the GPU by
 ``cloud_server.model.random_split_model``) fed S sessions through the engine's public API: ``add_request``
 with the prompt's hidden states, then per decode step one ``add_input`` per session and one ``step()``.
-Per S: tokens/s, step latency split into add_input / runner / the engine's host work, the runner's graph
-replay alone, and the roofline fraction, beside the direct figures; written under the ``engine`` key of the
-``--merge`` JSON (other keys kept).
+Per S, with overlap scheduling (``engine.sessions``) and without it (``engine.sessions_sync``), side by side:
+tokens/s, step latency split into add_input / the step() calls / the host time inside the runner's ``run``,
+the runner's graph replay alone, and the roofline fraction, beside the direct figures; written under the
+``engine`` key of the ``--merge`` JSON (other keys kept). With ``--sampling``: max(S) sessions sampled
+(temperature 0.7, top-p 0.9) vs greedy (``engine.summary_sampling``); with ``--prefill-stall``: a
+``--stall-prompt``-position prompt arriving while max(S) - 1 sessions decode, per prefill chunk cap
+(``engine.summary_prefill_stall``). The workloads are ``bench/engine_workloads.py``.
 
 Runs on CPU too with a tiny preset (``--preset tiny-glm4v``): the same code without graphs or Triton.
 Reproducing commands: docs/performance.md, "Cloud engine on GPU".
@@ -104,6 +108,13 @@ class BenchConfig:
     out: Path | None = None
     merge: Path | None = None  # an earlier result JSON to extend (the TP run adds to the single-GPU one)
     through_engine: bool = False  # drive LLMEngine with S sessions (and the direct path): the "engine" key
+    sampling: bool = False  # with through_engine: S = max(sessions) sampled (T 0.7, top-p 0.9) vs greedy
+    prefill_stall: bool = False  # with through_engine: a long prompt arriving while max(sessions) - 1 decode
+    stall_prompt: int = 4096  # positions of the arriving prompt
+    stall_chunks: tuple[int, ...] = (0, 2048, 512, 256)  # prefill_chunk_while_decoding values (0 = no cap)
+    stall_steps: int = 64  # decode steps per phase (steady, then with the arrival at step 8)
+    kv_cache_dtype: str = "auto"  # with through_engine: the engine's KV pool (int8 / fp8: the generic runner)
+    generic_runner: bool = False  # with through_engine: the engine on the library's layers, not the fast path
 
     def __post_init__(self):
         for name in ("split", "prompt", "gen", "max_context", "pool_sessions", "block_size",
@@ -116,6 +127,10 @@ class BenchConfig:
             raise ValueError("prompt + gen exceeds max_context")
         if self.prompt > self.prefill_chunk_tokens:
             raise ValueError("prefill_chunk_tokens must hold at least one prompt")
+        if self.prefill_stall and (self.stall_prompt + 1 > self.max_context or self.stall_steps <= 8
+                                   or max(self.sessions) < 2 or min(self.stall_chunks) < 0):
+            raise ValueError("--prefill-stall needs stall_prompt < max_context, stall_steps > 8, S >= 2 and "
+                             "chunk caps >= 0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,6 +139,16 @@ class BenchConfig:
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def attempt(errors: dict, key: str, fn):
+    """``fn()``, or None with its traceback recorded under ``errors[key]``: one run must yield all it can."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - recorded and logged
+        errors[key] = traceback.format_exc()
+        log(f"{key} FAILED: {e}")
+        return None
 
 
 def sync(dev: torch.device) -> None:
@@ -730,11 +755,14 @@ def build_engine(bc: BenchConfig, hf_full, dev, variant: str, sessions: tuple[in
     from cloud_server.model import random_split_model
 
     smax = max(sessions or bc.sessions)
-    per_seq = -(-(bc.prompt + bc.gen + 1) // bc.block_size)
+    per_seq = -(-(bc.prompt + max(bc.gen, 2 * bc.stall_steps + 16) + 1) // bc.block_size)
+    num_blocks = (smax + 1) * per_seq + 2 + (-(-(bc.stall_prompt + 1) // bc.block_size) if bc.prefill_stall else 0)
     ecfg = EngineConfig(device=str(dev), variants=(variant,), block_size=bc.block_size,
-                        num_blocks=(smax + 1) * per_seq + 2, max_num_seqs=smax,
+                        num_blocks=num_blocks, max_num_seqs=smax,
                         max_num_batched_tokens=max(bc.prefill_chunk_tokens, smax), max_model_len=bc.max_context,
-                        tp=tp_size, enable_prefix_cache=False, fast_path=True if dev.type == "cpu" else None)
+                        tp=tp_size, enable_prefix_cache=False, kv_cache_dtype=bc.kv_cache_dtype,
+                        fast_path=False if bc.generic_runner or bc.kv_cache_dtype != "auto"
+                        else True if dev.type == "cpu" else None)
     t0 = time.perf_counter()
     model = random_split_model(hf_full, bc.split, variant, str(dev), seed=bc.seed)
     if tp_size > 1:
@@ -752,7 +780,9 @@ def build_engine(bc: BenchConfig, hf_full, dev, variant: str, sessions: tuple[in
     runner = engine.runners[variant]
     runner = getattr(runner, "runner", runner)  # rank 0 under TP: the runner inside the broadcasting one
     info = {"engine_config": {k: getattr(ecfg, k) for k in ("block_size", "num_blocks", "max_num_seqs",
-                                                           "max_num_batched_tokens", "max_model_len")},
+                                                           "max_num_batched_tokens", "max_model_len",
+                                                           "kv_cache_dtype")},
+            "kv_pool_bytes": runner.pool.nbytes, "kv_pool_bytes_per_block": runner.pool.bytes_per_block,
             "model_build_s": t_model, "runner_build_s": time.perf_counter() - t0 - t_model,
             "runner": type(runner).__name__}
     if isinstance(runner, FastGlmRunner):
@@ -762,96 +792,6 @@ def build_engine(bc: BenchConfig, hf_full, dev, variant: str, sessions: tuple[in
                     attention_configs={str(b): [c.split, c.block_n, c.num_warps, c.num_stages]
                                        for b, c in runner.graphs.workspace.configs.items()})
     return engine, runner, info
-
-
-class _TimedRun:
-    """Wraps ``runner.run``: wall time of each forward until its logits are on the device (the sampler syncs
-    on them right after anyway), so a step splits into runner time and the engine's own host work."""
-
-    def __init__(self, runner, dev):
-        self.runner, self.dev, self.inner, self.total = runner, dev, runner.run, 0.0
-        runner.run = self
-
-    def __call__(self, batch):
-        t0 = time.perf_counter()
-        out = self.inner(batch)
-        sync(self.dev)
-        self.total += time.perf_counter() - t0
-        return out
-
-    def remove(self) -> None:
-        self.runner.run = self.inner
-
-
-def engine_sessions(engine, s: int, bc: BenchConfig, prompts: list[torch.Tensor], steps_in: list[torch.Tensor],
-                    dev, gen: int, tag: str, tokens: list[list[int]] | None = None) -> dict:
-    """Admit ``s`` sessions (each a ``prompt``-position hidden-state chunk), step until each has its first token,
-    then ``gen`` lockstep decode steps: every session's one-position hidden state goes in through
-    ``add_input`` and one ``step()`` returns one token per session. Timed per step. ``tokens`` (a list), if
-    given, receives each session's sampled ids in order."""
-    from cloud_server.engine.sampling_params import SamplingParams
-    from cloud_server.engine.sequence import InputChunk
-
-    params = SamplingParams(temperature=0.0, max_tokens=gen + 1, ignore_eos=True)
-    ids = [f"{tag}-{i}" for i in range(s)]
-    got: dict[str, list[int]] = {rid: [] for rid in ids}
-
-    def check(outs):
-        bad = [o for o in outs if o.error_code is not None]
-        if bad:
-            raise RuntimeError(f"engine refused {bad[0].request_id}: {bad[0].error_code}: {bad[0].error_message}")
-        for o in outs:
-            if o.token_id is not None:
-                got[o.request_id].append(o.token_id)
-        return outs
-
-    sync(dev)
-    t0 = time.perf_counter()
-    for i, rid in enumerate(ids):
-        check(engine.add_request(rid, InputChunk(0, hidden=prompts[i % len(prompts)]), params))
-    first: set[str] = set()
-    prefill_steps = 0
-    while len(first) < s:
-        first |= {o.request_id for o in check(engine.step()) if o.token_id is not None}
-        prefill_steps += 1
-    sync(dev)
-    t_prefill = time.perf_counter() - t0
-    timer = _TimedRun(engine.runners[engine.default_variant], dev)
-    feed, step_t, runner_t = [], [], []
-    pos = bc.prompt
-    t_start = time.perf_counter()
-    try:
-        for k in range(gen):
-            t0 = time.perf_counter()
-            for i, rid in enumerate(ids):  # the phones' boundary states for this position: [1, H] float32 each
-                check(engine.add_input(rid, InputChunk(pos, hidden=steps_in[(k + i) % len(steps_in)])))
-            t1 = time.perf_counter()
-            r0 = timer.total
-            outs = check(engine.step())
-            t2 = time.perf_counter()
-            if sum(o.token_id is not None for o in outs) != s:
-                raise RuntimeError(f"step {k}: {len(outs)} outputs for {s} sessions")
-            feed.append(t1 - t0)
-            step_t.append(t2 - t1)
-            runner_t.append(timer.total - r0)
-            pos += 1
-    finally:
-        timer.remove()
-    total = time.perf_counter() - t_start
-    if engine.seqs:
-        raise RuntimeError(f"{len(engine.seqs)} sessions still active after their last token")
-    if tokens is not None:
-        tokens.extend(got[rid] for rid in ids)
-
-    def ms(xs):
-        return 1e3 * statistics.mean(xs)
-
-    return {"sessions": s, "steps": gen, "total_s": total, "tokens_per_s": s * gen / total,
-            "step_ms_mean": 1e3 * total / gen, "step_ms_median": 1e3 * statistics.median(
-                [a + b for a, b in zip(feed, step_t, strict=True)]),
-            "add_input_ms_mean": ms(feed), "engine_step_ms_mean": ms(step_t), "runner_ms_mean": ms(runner_t),
-            "engine_host_ms_mean": ms(step_t) - ms(runner_t), "prefill_s": t_prefill,
-            "prefill_steps": prefill_steps, "prefill_tokens_per_s": s * bc.prompt / t_prefill}
 
 
 def run_engine(bc: BenchConfig) -> dict:
@@ -869,58 +809,83 @@ def run_engine(bc: BenchConfig) -> dict:
     out["bandwidth"] = bw
     log(f"copy bandwidth: {bw['gb_per_s']:.0f} GB/s")
     # 1. the fast path driven directly (tuned by the same cloud_server.fast.tuning code)
-    try:
+    def direct() -> dict:
         t0 = time.perf_counter()
         tune: dict = {}
         model, kv, alloc, graphs, _ = build_fast(cfg, hf_full, bc, dev, dtype, tune=tune if bc.tune_linear else None)
         out["direct_build_s"] = time.perf_counter() - t0
-        out["direct"] = sweep(model, kv, alloc, graphs, bc, bc.sessions, dev, dtype, bw["gb_per_s"],
-                              side=bc.sessions)
-        del model, kv, alloc, graphs
-    except Exception as e:  # noqa: BLE001 - record and go on: one run must yield all it can
-        out["errors"]["direct"] = traceback.format_exc()
-        log(f"direct FAILED: {e}")
+        return sweep(model, kv, alloc, graphs, bc, bc.sessions, dev, dtype, bw["gb_per_s"], side=bc.sessions)
+
+    out["direct"] = attempt(out["errors"], "direct", direct) or {}
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     save(bc, res)
     # 2. the engine: LLMEngine + FastGlmRunner (self-tuned), S sessions through the public API
-    try:
-        engine, runner, info = build_engine(bc, hf_full, dev, variant)
-        out["build"] = info
-        log(f"engine ready: {info}")
-        h = cfg.hidden_size
-        gen = torch.Generator().manual_seed(bc.seed + 3)
-        prompts = [torch.randn(bc.prompt, h, generator=gen) for _ in range(4)]  # [P, H] float32, as decoded
-        steps_in = [torch.randn(1, h, generator=gen) for _ in range(16)]  # [1, H] float32 per decode step
-        engine_sessions(engine, 1, bc, prompts, steps_in, dev, 4, "warm")  # first-call costs out of the way
-        out["sessions"] = {}
-        for s in bc.sessions:
-            r = engine_sessions(engine, s, bc, prompts, steps_in, dev, bc.gen, f"s{s}")
-            r["roofline"] = roofline(cfg, s, bc.prompt, bc.gen, r["step_ms_mean"], bw["gb_per_s"])
-            if dev.type == "cuda" and getattr(runner, "graphs", None) is not None and runner.graphs.use_graphs:
-                r["graph_replay_ms"] = gpu_step_ms(runner.graphs, s)  # the runner's own graph, back to back
-            d = out.get("direct", {}).get(str(s))
-            if d:
-                r["direct_step_ms_mean"] = d["step_ms_mean"]
-                r["overhead_ms_vs_direct"] = r["step_ms_mean"] - d["step_ms_mean"]
-                r["throughput_vs_direct"] = r["tokens_per_s"] / d["tokens_per_s"]
-            if "graph_replay_ms" in r:
-                r["overhead_ms_vs_replay"] = r["step_ms_mean"] - r["graph_replay_ms"]
-            out["sessions"][str(s)] = r
-            log(f"  engine S={s:3d}: step {r['step_ms_mean']:.3f} ms (add_input {r['add_input_ms_mean']:.3f}, "
-                f"engine.step {r['engine_step_ms_mean']:.3f} of which runner {r['runner_ms_mean']:.3f}), "
-                f"{r['tokens_per_s']:.0f} tok/s, roofline {100 * r['roofline']['fraction']:.1f} %"
-                + (f", direct {d['step_ms_mean']:.3f} ms" if d else "")
-                + (f", replay {r['graph_replay_ms']:.3f} ms" if "graph_replay_ms" in r else ""))
-            save(bc, res)
-        del engine, runner
-    except Exception as e:  # noqa: BLE001
-        out["errors"]["engine"] = traceback.format_exc()
-        log(f"engine FAILED: {e}")
+    attempt(out["errors"], "engine", lambda: measure_engine(bc, res, cfg, hf_full, dev, variant))
     summarize_engine(out)
     save(bc, res)
     return res
+
+
+def measure_engine(bc: BenchConfig, res: dict, cfg, hf_full, dev, variant: str) -> None:
+    """The engine at each S (overlap scheduling on, then off, side by side), then the ``--sampling`` and
+    ``--prefill-stall`` workloads on the same engine (``bench/engine_workloads.py``)."""
+    from engine_workloads import lockstep, prefill_stall, sampled_vs_greedy
+
+    out, bw = res["engine"], res["engine"]["bandwidth"]["gb_per_s"]
+    engine, runner, info = build_engine(bc, hf_full, dev, variant)
+    out["build"] = info
+    log(f"engine ready: {info}")
+    h = cfg.hidden_size
+    gen = torch.Generator().manual_seed(bc.seed + 3)
+    prompts = [torch.randn(bc.prompt, h, generator=gen) for _ in range(4)]  # [P, H] float32, as decoded
+    steps_in = [torch.randn(1, h, generator=gen) for _ in range(16)]  # [1, H] float32 per decode step
+
+    def sync():
+        return torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+
+    lockstep(engine, 1, prompts, steps_in, 4, "warm", sync)  # first-call costs out of the way
+    out["sessions"], out["sessions_sync"] = {}, {}
+    for s in bc.sessions:
+        engine.config.async_scheduling = False  # the synchronous engine, same S, same engine, just before
+        out["sessions_sync"][str(s)] = r0 = lockstep(engine, s, prompts, steps_in, bc.gen, f"sync{s}", sync)
+        engine.config.async_scheduling = True
+        r = lockstep(engine, s, prompts, steps_in, bc.gen, f"s{s}", sync)
+        r["roofline"] = roofline(cfg, s, bc.prompt, bc.gen, r["step_ms_mean"], bw)
+        if dev.type == "cuda" and getattr(runner, "graphs", None) is not None and runner.graphs.use_graphs:
+            r["graph_replay_ms"] = gpu_step_ms(runner.graphs, s)  # the runner's own graph, back to back
+            r["overhead_ms_vs_replay"] = r["step_ms_mean"] - r["graph_replay_ms"]
+        d = out["direct"].get(str(s))
+        if d:
+            r["direct_step_ms_mean"] = d["step_ms_mean"]
+            r["overhead_ms_vs_direct"] = r["step_ms_mean"] - d["step_ms_mean"]
+            r["throughput_vs_direct"] = r["tokens_per_s"] / d["tokens_per_s"]
+            r0["throughput_vs_direct"] = r0["tokens_per_s"] / d["tokens_per_s"]
+        out["sessions"][str(s)] = r
+        log(f"  engine S={s:3d}: step {r['step_ms_mean']:.3f} ms (sync engine {r0['step_ms_mean']:.3f}; add_input "
+            f"{r['add_input_ms_mean']:.3f}, engine.step {r['engine_step_ms_mean']:.3f}, runner host "
+            f"{r['runner_host_ms_mean']:.3f}), {r['tokens_per_s']:.0f} tok/s, roofline "
+            f"{100 * r['roofline']['fraction']:.1f} %" + (f", direct {d['step_ms_mean']:.3f} ms" if d else "")
+            + (f", replay {r['graph_replay_ms']:.3f} ms" if "graph_replay_ms" in r else ""))
+        save(bc, res)
+    smax = max(bc.sessions)
+    if bc.sampling:
+        out["sampling"] = attempt(out["errors"], "sampling", lambda: sampled_vs_greedy(
+            engine, smax, prompts, steps_in, bc.gen, sync))
+        if out["sampling"]:
+            log(f"  sampled vs greedy S={smax}: {out['sampling']['sampled_over_greedy']:.3f} "
+                f"({out['sampling']['sampled_tokens_per_s']:.0f} / {out['sampling']['greedy_tokens_per_s']:.0f} tok/s)")
+        save(bc, res)
+    if bc.prefill_stall:
+        long_prompt = torch.randn(bc.stall_prompt, h, generator=gen)  # [P, H]
+        out["prefill_stall"] = attempt(out["errors"], "prefill_stall", lambda: prefill_stall(
+            engine, smax - 1, prompts, steps_in, long_prompt, list(bc.stall_chunks), bc.stall_steps, 8, sync))
+        for b, r in ((out["prefill_stall"] or {}).get("chunks") or {}).items():
+            log(f"  prefill stall, chunk cap {b}: ITL p99 {r['arrival']['itl_p99_ms']:.2f} ms vs steady "
+                f"{r['steady']['itl_p99_ms']:.2f} ({r['p99_over_steady_p99']:.2f}x), long prompt TTFT "
+                f"{r['arrival']['long_ttft_ms']} ms in {r['arrival']['long_ttft_steps']} steps")
+        save(bc, res)
 
 
 def run_engine_tp(bc: BenchConfig) -> dict:
@@ -929,9 +894,10 @@ def run_engine_tp(bc: BenchConfig) -> dict:
     TP = 1: rank 0 alone runs the engine as ``serve --tp 1`` does. TP = 2: both ranks build the engine over their
     shard (``build_engine``); rank 0 feeds S sessions through it and its runner broadcasts every step, rank 1
     runs the broadcast batches as a ``serve --tp 2`` worker does (``cloud_server.tp.serve_batches``). Per S in
-    ``--tp-sessions``: the ``engine_sessions`` figures; recorded under ``engine_tp`` with
+    ``--tp-sessions``: the ``engine_workloads.lockstep`` figures; recorded under ``engine_tp`` with
     ``tp2_served_step_speedup_s1`` and ``tp2_served_tokens_per_s_s64`` (and TP = 1's) at the top level."""
     import torch.distributed as dist
+    from engine_workloads import lockstep
 
     from cloud_server import tp
 
@@ -950,13 +916,13 @@ def run_engine_tp(bc: BenchConfig) -> dict:
     tokens: dict[str, dict[int, list[list[int]]]] = {"tp1": {}, "tp2": {}}  # greedy ids per S, per session
 
     def measure(engine, key: str) -> None:
-        engine_sessions(engine, 1, bc, prompts, steps_in, dev, 4, f"{key}-warm")
+        lockstep(engine, 1, prompts, steps_in, 4, f"{key}-warm", lambda: sync(dev))
         for s in bc.tp_sessions:
             tokens[key][s] = []
-            r = engine_sessions(engine, s, bc, prompts, steps_in, dev, bc.gen, f"{key}-s{s}", tokens[key][s])
+            r = lockstep(engine, s, prompts, steps_in, bc.gen, f"{key}-s{s}", lambda: sync(dev), tokens=tokens[key][s])
             out[key][str(s)] = r
             log(f"[served {key}] S={s:3d}: step {r['step_ms_mean']:.3f} ms, {r['tokens_per_s']:.0f} tok/s "
-                f"(runner {r['runner_ms_mean']:.3f} ms)")
+                f"(runner host {r['runner_host_ms_mean']:.3f} ms)")
 
     if rank == 0:
         try:
@@ -1019,8 +985,19 @@ def summarize_engine(out: dict) -> None:
                    "direct_roofline_fraction": d.get("roofline", {}).get("fraction"),
                    "graph_replay_ms": r.get("graph_replay_ms"),
                    "engine_overhead_ms_vs_replay": r.get("overhead_ms_vs_replay"),
-                   "engine_overhead_ms_vs_direct": r.get("overhead_ms_vs_direct")}
+                   "engine_overhead_ms_vs_direct": r.get("overhead_ms_vs_direct"),
+                   "engine_over_direct": r.get("throughput_vs_direct"),
+                   "sync_engine_over_direct": out.get("sessions_sync", {}).get(s, {}).get("throughput_vs_direct")}
     out["summary"] = rows
+    if out.get("sampling"):
+        out["summary_sampling"] = {k: out["sampling"][k] for k in ("sessions", "greedy_tokens_per_s",
+                                                                   "sampled_tokens_per_s", "sampled_over_greedy")}
+    if (out.get("prefill_stall") or {}).get("chunks"):
+        out["summary_prefill_stall"] = {b: {"steady_itl_p99_ms": r["steady"]["itl_p99_ms"],
+                                            "itl_p99_ms": r["arrival"]["itl_p99_ms"],
+                                            "p99_over_steady_p99": r["p99_over_steady_p99"],
+                                            "long_ttft_ms": r["arrival"]["long_ttft_ms"]}
+                                        for b, r in out["prefill_stall"]["chunks"].items()}
     if rows:
         print("\n== engine vs direct ==")
         print(f"{'S':>4} {'engine ms':>10} {'direct ms':>10} {'replay ms':>10} {'eng tok/s':>10} {'dir tok/s':>10} "
@@ -1032,6 +1009,9 @@ def summarize_engine(out: dict) -> None:
                   f"{f(r['graph_replay_ms'], '10.3f')} {f(r['engine_tokens_per_s'], '10.0f')} "
                   f"{f(r['direct_tokens_per_s'], '10.0f')} {f(r['engine_roofline_fraction'], '9.3f')} "
                   f"{f(r['direct_roofline_fraction'], '9.3f')}")
+    for key in ("summary_sampling", "summary_prefill_stall"):
+        if key in out:
+            print(f"{key}: {json.dumps(out[key])}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1098,11 +1078,7 @@ def run_single(bc: BenchConfig) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     if not bc.skip_hf:
-        try:
-            res["transformers"] = hf_baseline(cfg, bc, dev, dtype)
-        except Exception as e:  # noqa: BLE001
-            res["errors"]["transformers"] = traceback.format_exc()
-            log(f"transformers baseline FAILED: {e}")
+        res["transformers"] = attempt(res["errors"], "transformers", lambda: hf_baseline(cfg, bc, dev, dtype))
     summarize(res)
     save(bc, res)
     return res
@@ -1259,6 +1235,18 @@ def parse_args(argv=None) -> BenchConfig:
     p.add_argument("--merge", type=Path, default=None, help="earlier result JSON to extend (TP / engine run)")
     p.add_argument("--through-engine", action="store_true",
                    help="S sessions through LLMEngine + FastGlmRunner beside the direct path ('engine' key)")
+    p.add_argument("--sampling", action="store_true",
+                   help="with --through-engine: max(S) sessions sampled (T 0.7, top-p 0.9) vs greedy")
+    p.add_argument("--prefill-stall", action="store_true",
+                   help="with --through-engine: a long prompt arriving while max(S) - 1 sessions decode")
+    p.add_argument("--stall-prompt", type=int, default=d.stall_prompt, help="positions of the arriving prompt")
+    p.add_argument("--stall-chunks", default=",".join(map(str, d.stall_chunks)),
+                   help="prefill_chunk_while_decoding values the stall is measured at (0 = no cap)")
+    p.add_argument("--stall-steps", type=int, default=d.stall_steps, help="decode steps per stall phase")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("auto", "int8", "fp8"),
+                   help="with --through-engine: the engine's KV pool (int8 / fp8 run on the generic runner)")
+    p.add_argument("--generic-runner", action="store_true",
+                   help="with --through-engine: the engine on the library's layers (the 16-bit pool beside int8)")
     a = p.parse_args(argv)
 
     def ints(s):
@@ -1271,7 +1259,9 @@ def parse_args(argv=None) -> BenchConfig:
                        tp_sessions=ints(a.tp_sessions), tp=a.tp,
                        allreduce=tuple(x for x in a.allreduce.split(",") if x), seed=a.seed, skip_hf=a.skip_hf,
                        skip_checks=a.skip_checks, tune_linear=not a.no_tune_linear, out=a.out, merge=a.merge,
-                       through_engine=a.through_engine)
+                       through_engine=a.through_engine, sampling=a.sampling, prefill_stall=a.prefill_stall,
+                       stall_prompt=a.stall_prompt, stall_chunks=ints(a.stall_chunks), stall_steps=a.stall_steps,
+                       kv_cache_dtype=a.kv_cache_dtype, generic_runner=a.generic_runner)
 
 
 def print_table(res: dict) -> None:

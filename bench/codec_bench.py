@@ -6,8 +6,9 @@ For SmolLM2-135M split at layers 4, 8 and 16, with an fp32 edge (so the codec al
    text (each window a fresh sequence starting at position 0, so every window has its attention sink), keeping
    the boundary hidden states after layers [0, N) and the reference log-probabilities;
 2. calibrates the outlier-aware codecs from the *last* ``--calib-tokens`` tokens of the same text (disjoint from
-   the evaluation windows) with :func:`shared.codecs.find_outlier_channels` / ``find_sink_threshold``, exactly as
-   the partition tool does at split time;
+   the evaluation windows) with :func:`shared.codecs.find_outlier_channels` / ``find_sink_threshold``, and the
+   PCA codecs from the text after its first 1,024 tokens (``partition_tools.codec_calibration``: the windows,
+   targets and fit the partition tool writes into the bundle), exactly as the partition tool does at split time;
 3. for every codec and layer: codes the boundary in prefill chunks of ``--chunk`` tokens, decodes it, runs layers
    [N, L) + norm + lm_head, and compares with the reference: top-1 agreement, mean KL(ref || split) and the split
    model's perplexity on the next tokens (every codec here codes rows independently, so single-token decode
@@ -21,11 +22,15 @@ For SmolLM2-135M split at layers 4, 8 and 16, with an fp32 edge (so the codec al
 6. optionally (``--ablations``) judges the variants tried on the way to ``int4-outlier`` (fake quantization at
    one layer: outlier channels, Hadamard rotation, midrise vs NF4 levels, channel pre-scaling, block and
    scale formats, k);
-7. prints markdown tables and writes ``--json`` (one record per codec and layer).
+7. times encode + decode per token at GLM's hidden size 4096 (synthetic states, a 4096-wide orthonormal basis:
+   the speed does not depend on the values) for ``int8-outlier`` and the PCA codecs (``--speed-hidden``; 128-token
+   chunks, 16 single-token messages, median of 5);
+8. prints markdown tables and writes ``--json`` (one record per codec and layer).
 
 Usage (the numbers in docs/quality.md)::
 
     python bench/codec_bench.py --compute --ablations --json docs/results/codecs.json
+    python bench/codec_bench.py --codecs fp16,int8-outlier,pca-fine,pca-compact --json docs/results/codecs.json --merge
 
 References: docs/quality.md ("Boundary codecs"); Petals (Borzunov et al., 2023) for the blockwise-int8 anchor.
 """
@@ -53,6 +58,9 @@ from shared import protocol as P  # noqa: E402
 GOALS = {  # docs/quality.md: judged with an fp32 edge
     "near_lossless": {"bytes_per_element": 1.05, "top1_agreement": 0.995, "mean_kl": 0.001},
     "compact": {"bytes_per_element": 0.6, "top1_agreement": 0.97, "mean_kl": 0.01},
+    # issue 14's codec moonshot: the same quality at fewer bytes
+    "near_lossless_0.8": {"bytes_per_element": 0.8, "top1_agreement": 0.995, "mean_kl": 0.001},
+    "compact_0.3": {"bytes_per_element": 0.3, "top1_agreement": 0.97, "mean_kl": 0.01},
 }
 BUCKETS = ((0, 128), (128, 512), (512, 1 << 30))  # prompt positions, matching the policy's thresholds
 
@@ -76,7 +84,11 @@ def parse_args(argv=None):
     p.add_argument("--compute-window-tokens", type=int, default=1024, help="one window, from the text's start")
     p.add_argument("--ablations", action="store_true", help="also judge the variants tried on the way (step 6)")
     p.add_argument("--ablation-layer", type=int, default=16)
+    p.add_argument("--speed-hidden", type=int, default=4096, help="hidden size of the synthetic timing (0: skip)")
     p.add_argument("--json", type=Path, default=None, help="write the records here")
+    p.add_argument("--merge", action="store_true",
+                   help="keep --json's other records: this run's (codec, layer) records replace theirs, and its "
+                        "command is added to the file's merged_commands")
     return p.parse_args(argv)
 
 
@@ -310,6 +322,58 @@ def ablations(calib: np.ndarray, k: int) -> dict:
     }
 
 
+# -- PCA codecs: calibration as the partition tool does it, and timing at a large hidden size (step 7) ---------
+
+def pca_calibration(sm, lm, layers) -> dict:
+    """layer -> PcaBasis, from the partition tool's codec calibration windows (disjoint from the evaluation)."""
+    from partition_tools.codec_calibration import TARGETS, codec_calibration_windows
+    from shared.codecs_pca import calibrate_pca
+
+    states = {}
+    for w in codec_calibration_windows(lm, lm.model.config.vocab_size):
+        got, _ = sm.front(w[0], set(layers), logprobs=False)
+        for n, b in got.items():
+            states.setdefault(n, []).append(b)
+    return {n: calibrate_pca(np.concatenate(v), TARGETS) for n, v in states.items()}
+
+
+def large_hidden_times(h: int, chunk: int, n_decode: int, repeats: int) -> dict:
+    """Encode + decode seconds per token at hidden size ``h`` for int8-outlier and the PCA codecs, on synthetic
+    states with a decaying spectrum in a Hadamard basis (orthonormal; the codecs' cost does not depend on
+    which basis), levels fitted to the calibration targets as ``calibrate_pca`` does."""
+    from partition_tools.codec_calibration import TARGETS
+    from shared.codecs_outlier import hadamard
+    from shared.codecs_pca import PcaBasis, fit_levels
+
+    rng = np.random.default_rng(0)
+    sd = 4.0 / np.sqrt(1 + np.arange(h))  # [H] component spreads
+    coef = rng.standard_normal((2 * chunk, h)) * sd  # [T, H]
+    basis = hadamard(h)
+    pca = PcaBasis(np.zeros(h, np.float32), basis, fit_levels(coef[chunk:], TARGETS))
+    x = (coef[:chunk] @ basis.T).astype(np.float32)
+    x[:, 7] += 300.0  # a massive channel for int8-outlier's outlier list
+    codecs = {"fp16": C.get_codec("fp16"),
+              "int8-outlier": C.get_codec("int8-outlier", outlier_channels=list(range(7, 7 + 8 * 16, 16))),
+              **{name: C.get_codec(name, basis=pca) for name in C.BASIS_CODECS}}
+    return coding_times(codecs, x, chunk, n_decode, repeats)  # [chunk, H] float64 GEMMs: minutes at 4096
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """``old`` with ``new``'s records in place of the same (codec, layer), its timing at a large hidden size,
+    and its command in ``merged_commands`` (the rest of ``old`` - compute variants, ablations - stays)."""
+    for key in ("model", "windows", "window_tokens", "chunk"):
+        if old.get(key) != new[key]:
+            sys.exit(f"--merge: {key} differs ({old.get(key)!r} in the file, {new[key]!r} now): run the full command")
+    mine = {(r["codec"], r["layer"]) for r in new["records"]}
+    out = dict(old)
+    out["records"] = [r for r in old["records"] if (r["codec"], r["layer"]) not in mine] + new["records"]
+    out["goals"] = new["goals"]
+    out["speed_large_hidden"] = new["speed_large_hidden"]
+    out["merged_commands"] = [*old.get("merged_commands", []), {"command": new["command"], "wall_s": new["wall_s"],
+                                                                "records": sorted(f"{c}@{n}" for c, n in mine)}]
+    return out
+
+
 # -- main -------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -332,6 +396,11 @@ def main(argv=None) -> int:
     W, nw = args.window_tokens, args.windows
     if nw * W + args.calib_tokens > ids.numel():
         sys.exit(f"text has {ids.numel()} tokens; need {nw * W} for evaluation + {args.calib_tokens} for calibration")
+    from partition_tools.codec_calibration import EVAL_TOKENS
+
+    if any(n in C.BASIS_CODECS for n in names) and nw * W > EVAL_TOKENS:
+        sys.exit(f"the PCA codecs calibrate on the text after its first {EVAL_TOKENS} tokens: evaluate on at most "
+                 f"{EVAL_TOKENS} tokens (windows x window tokens)")
     windows = [ids[i * W:(i + 1) * W] for i in range(nw)]
     calib_ids = ids[-args.calib_tokens:]
     sm = SplitModel(model, torch)
@@ -359,6 +428,7 @@ def main(argv=None) -> int:
             for n, b in got.items():
                 calib.setdefault(n, []).append(b)
         calib = {n: np.concatenate(v) for n, v in calib.items()}  # [T_cal, H]
+        bases = pca_calibration(sm, lm, layers) if any(n in C.BASIS_CODECS for n in names) else {}
         print(f"# reference perplexity {ref_ppl:.3f}; setup {time.perf_counter() - t_start:.0f} s", file=sys.stderr)
 
         records = []
@@ -367,7 +437,8 @@ def main(argv=None) -> int:
             thr = C.find_sink_threshold(calib[n], ch)
             codecs = {}
             for name in names:
-                kw = {"outlier_channels": ch, "sink_threshold": thr} if name in C.CALIBRATED_CODECS else {}
+                kw = ({"outlier_channels": ch, "sink_threshold": thr} if name in C.OUTLIER_CODECS
+                      else {"basis": bases[n]} if name in C.BASIS_CODECS else {})
                 codecs[name] = C.get_codec(name, **kw)
             layer_records = []
             for name, codec in codecs.items():
@@ -392,8 +463,11 @@ def main(argv=None) -> int:
                     "payload_bytes_per_element_decode": sizes["decode_payload"],
                     "payload_bytes_per_element_decode_zstd": sizes["decode_payload_zstd"],
                 })
-                if name in C.CALIBRATED_CODECS:
+                if name in C.OUTLIER_CODECS:
                     rec["outlier_channels"], rec["sink_threshold"] = ch, thr
+                if name in C.BASIS_CODECS:
+                    lv = bases[n].levels[name]
+                    rec["pca"] = {"step": lv.step, "components": lv.r, "digest": bases[n].digest[:16]}
                 # goals judge the codec: payload bytes of prefill chunks and of single-token messages
                 worst = max(rec["payload_bytes_per_element"], rec["payload_bytes_per_element_decode"])
                 rec["goals_met"] = [g for g, lim in GOALS.items() if worst <= lim["bytes_per_element"]
@@ -443,7 +517,12 @@ def main(argv=None) -> int:
                 print(f"# ablation {label:48s} top1 {ablation[-1]['top1_agreement']:.4f} "
                       f"KL {ablation[-1]['mean_kl']:.5f} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
 
-    # 7. report
+    speed = {}
+    if args.speed_hidden:
+        speed = large_hidden_times(args.speed_hidden, min(args.chunk, 128), min(args.decode_messages, 16),
+                                   min(args.repeats, 5))
+
+    # 8. report
     print(f"\n{nw} windows x {W} tokens of partition_tools/data/sample.txt, fp32 edge and cloud; reference "
           f"perplexity {ref_ppl:.3f}\n")
     print("| layer | codec | B/el prefill | +zstd | B/el decode msg | +zstd | payload B/el decode "
@@ -469,6 +548,12 @@ def main(argv=None) -> int:
         for r in ablation:
             print(f"| {r['variant']} | {r['bytes_per_element']:.3f} | {r['top1_agreement']:.4f} | "
                   f"{r['mean_kl']:.5f} | {r['perplexity']:.3f} |")
+    if speed:
+        print(f"\n| codec at H = {args.speed_hidden} (synthetic) | encode+decode µs/token, {args.chunk}-token chunk "
+              "| µs per single-token message |")
+        print("|---|---:|---:|")
+        for name, t in speed.items():
+            print(f"| {name} | {t['prefill_s_per_token'] * 1e6:.1f} | {t['decode_s_per_token'] * 1e6:.1f} |")
     print("\nGoals (fp32 edge; bytes = codec payload, the larger of prefill chunks and single-token messages):")
     for g, lim in GOALS.items():
         met = sorted({(r["codec"]) for r in records if g in r["goals_met"]})
@@ -484,7 +569,10 @@ def main(argv=None) -> int:
             "chunk": args.chunk, "threads": args.threads, "edge": "fp32", "cloud": "fp32",
             "reference_perplexity": ref_ppl, "goals": GOALS, "machine": platform.platform(),
             "wall_s": round(wall, 1), "records": records, "compute_variants": compute, "ablations": ablation,
+            "speed_large_hidden": {"hidden": args.speed_hidden, "codecs": speed},
         }
+        if args.merge and args.json.is_file():
+            doc = merge_results(json.loads(args.json.read_text()), doc)
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0

@@ -1,26 +1,34 @@
 """Sequence-level fidelity of edge graphs: are greedy chat answers of the split identical to the unsplit model's?
 
-For SmolLM2 split at N (default 8) and ``HELD_OUT`` chat prompts (written for this bench; no calibration or
-tuning text: the recipes calibrate on the last 512 tokens of ``partition_tools/data/sample.txt``):
+SmolLM2 split at N (default 8); chat prompts rendered by the bundle's chat template; the reference is the unsplit
+fp32 model's greedy answer of up to ``--new`` tokens (transformers ``generate``). Two modes:
 
-1. reference: the unsplit fp32 model's greedy answer, up to ``--new`` tokens (``generate``, chat template);
-2. for each arm (an edge graph x a boundary codec) the split's greedy answer *teacher-forced*: the prompt plus
-   the reference answer go through the edge graph (``FrontRuntime``, what the phone runs), the boundary
-   through the codec (per token row, as the wire does it), and the cloud half (fp32 torch); the split's
-   greedy answer equals the reference up to the first position where its argmax differs, so one forward
-   per prompt gives "identical" and "tokens before the first divergence" exactly (every op here treats
-   tokens independently of how they are batched: per-token activation quantization, per-row codecs);
-3. writes per-arm: identical answers (share), mean share of reference tokens before the first divergence,
-   and the prompts that diverge.
+* ``--mode served`` (default), the path users run: per edge arm a bundle (the fp32 bundle with that arm's edge
+  graph: same cloud half, same bundle id) behind its own ``autoglm-cloud serve`` on loopback, and per codec arm
+  a fresh :class:`edge_client.client.EdgeClient` asking each prompt greedily (``complete``), the cloud computing
+  in fp32 (the CPU server's variant);
+* ``--mode teacher``, offline screening: the prompt plus the reference answer go once through the edge graph
+  (``FrontRuntime``), the boundary through the codec(s) per token row, and the fp32 cloud half
+  (``CloudModel``); the split's greedy answer equals the reference up to the first position whose argmax
+  differs, so one forward per prompt gives both measures exactly (every op treats tokens independently of
+  batching: per-token activation quantization, per-row codecs). Cheap enough to screen many arms.
 
-Arms: ``fp32`` / ``int8`` (the default recipe) / ``int4`` / int8 with an int8 KV cache / sensitivity arms
-(one MatMul kind or one layer kept in fp32) / candidate fixes, each with the ``fp16`` wire and the default
-``int8-outlier`` codec.
+Prompt sets: ``HELD_OUT`` (60 everyday questions: the evaluation, seen by no calibration and no tuning) and
+``TUNING`` (80 others, disjoint: for choosing among arms, ``--prompt-set tuning``). The recipes calibrate on
+the last 512 tokens of ``partition_tools/data/sample.txt``, prose that is in neither set.
+
+Codec arms: ``policy`` (served only: the precision policy's choice per message, what users get by default), a
+codec name (every message in it), or ``PROMPT/STEP`` (teacher only: prompt rows in PROMPT, answer rows - the
+decode steps - in STEP, e.g. ``int8-outlier/fp16``).
+
+Per arm and codec: identical answers (share and count), tokens before the first divergence (share of reference
+tokens and mean per answer), the diverging prompts; served also bytes up per answer and the codecs used.
 
 Usage::
 
-    python bench/edge_answers_bench.py --json docs/results/edge_answers.json
-    python bench/edge_answers_bench.py --arms fp32,int8 --codecs fp16 --prompts 20   # quick look
+    python bench/edge_answers_bench.py --arms fp32,int8 --codecs fp16,policy --json docs/results/edge_answers.json
+    python bench/edge_answers_bench.py --mode teacher --prompt-set tuning --arms int8,int8-down-acc1 \\
+        --codecs fp16,int8-outlier/fp16        # screening
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from split_bundles import cached_split, choices, common_args, variant_bundle
 
 HELD_OUT = [
     "What is the boiling point of water at sea level?", "Give me three tips for learning a new language.",
@@ -65,79 +75,139 @@ HELD_OUT = [
     "Explain why we have seasons.", "Write a thank-you note to a teacher.",
 ]
 
+TUNING = [  # for choosing among arms; disjoint from HELD_OUT (checked at start)
+    "What is the freezing point of water in Fahrenheit?", "Give me two tips for a job interview.",
+    "Explain how a refrigerator keeps food cold.", "Write a short poem about the moon.",
+    "How do antibiotics work?", "What are the main causes of air pollution?",
+    "Suggest a quick lunch for a busy day.", "What is the difference between a lake and a pond?",
+    "How many bones are in the human body?", "Explain the rules of soccer briefly.",
+    "Why do dogs wag their tails?", "What is a neural network?", "Describe how a volcano erupts.",
+    "Give me a recipe for pancakes.", "What is the longest river in the world?",
+    "How can I sleep better at night?", "Write a two-sentence science fiction story.",
+    "What does RAM do in a computer?", "List three kinds of clouds.", "Why is drinking water important?",
+    "Translate 'thank you' into German and Italian.", "What is the area of a circle?",
+    "How do birds migrate?", "Explain supply and demand in simple terms.",
+    "What should I bring to a picnic?", "Who painted the Mona Lisa?", "How does thunder happen?",
+    "Give me a proverb and explain it.", "What is the speed of sound?", "How do I tie a tie?",
+    "What are even numbers?", "Describe the smell of fresh bread.", "Why does ice float on water?",
+    "What is the capital of Italy, and what is it famous for?", "How can I stay focused while studying?",
+    "Explain what an atom is.", "Write a riddle about a clock.", "What is the difference between a frog and a toad?",
+    "How does a compass work?", "What are the benefits of learning music?",
+    "What is the boiling point of milk?", "Give me three ideas for a birthday gift.",
+    "Explain how a bicycle gear works.", "Write a short poem about the rain.", "How do plants drink water?",
+    "What are the main causes of traffic jams?", "Suggest a dinner idea with rice.",
+    "What is the difference between a hill and a mountain?", "How many players are on a basketball team?",
+    "Explain the rules of tennis briefly.", "Why do owls hunt at night?", "What is a computer program?",
+    "Describe how a seed grows into a plant.", "Give me a recipe for lemonade.",
+    "What is the deepest ocean on Earth?", "How can I make friends in a new city?",
+    "Write a two-sentence fairy tale.", "What does a keyboard do?", "List three types of triangles.",
+    "Why is sleep important for children?", "Translate 'see you later' into French.",
+    "What is a fraction?", "How do fish breathe underwater?", "Explain interest on a savings account.",
+    "What should I do on a long train ride?", "Who invented the telephone?", "How does snow form?",
+    "Give me a short joke about computers.", "What is the temperature of the sun?",
+    "How do I plant a tree?", "What are odd numbers?", "Describe the sound of the ocean.",
+    "Why do we have day and night?", "What is the capital of Spain?", "How can I be more patient?",
+    "Explain what a cell is in biology.", "Write a riddle about the wind.",
+    "What is the difference between a lion and a tiger?", "How does a lighthouse help ships?",
+    "What are the benefits of walking every day?",
+]
+PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING}
+
 I8 = {"mode": "int8", "block_size": 32, "accuracy_level": 4, "embedding": "int8", "smooth_alpha": 0.5}
-# arm -> quantize_front kwargs on the fused fp32 graph (None: the fp32 graph itself); "recipe": recipe_for
-ARMS: dict[str, dict | str | None] = {
-    "fp32": None,
-    "int8": "recipe",
-    "int4": "recipe-int4",
-    "int8-kv8": {**I8, "kv_cache": "int8"},
-    "fp32-kv8": {"mode": "fp32", "kv_cache": "int8"},
-    "int8-nosmooth": {**I8, "smooth_alpha": None},
-    "int8-acc1": {**I8, "accuracy_level": 1},
-    "int8-qkv-fp32": {**I8, "keep_float": ["layers.*.self_attn.qkv_proj"]},
-    "int8-o-fp32": {**I8, "keep_float": ["layers.*.self_attn.o_proj"]},
-    "int8-gate_up-fp32": {**I8, "keep_float": ["layers.*.mlp.gate_up_proj"]},
-    "int8-down-fp32": {**I8, "keep_float": ["layers.*.mlp.down_proj"]},
-    "int8-down-acc1": {**I8, "precise": ["layers.*.mlp.down_proj"]},
-    "int8-had-down": {**I8, "rotate": ["layers.*.mlp.down_proj"]},
-    "int8-had-all": {**I8, "rotate": ["layers.*"]},
-    "int8-had-all-kv8": {**I8, "rotate": ["layers.*"], "kv_cache": "int8"},
-    "int8-layer0-fp32": {**I8, "keep_float": ["layers.0.*"]},
-    "int8-layer7-fp32": {**I8, "keep_float": ["layers.7.*"]},
+DOWN = ["layers.*.mlp.down_proj"]
+# arm -> (manifest edge_quant, quantize_front kwargs on the fused fp32 graph); None: the fp32 graph itself;
+# "recipe": recipe_for(mode) - the shipped default of `autoglm-partition split --edge-quant mode`
+ARMS: dict[str, tuple[str, dict | str | None]] = {
+    "fp32": ("fp32", None),
+    "int8": ("int8", "recipe"),
+    "int8-prev": ("int8", I8),  # the default recipe before the fp32 down_proj (float_outliers=2)
+    "int4": ("int4", "recipe"),
+    "int8-kv8": ("int8", {**I8, "kv_cache": "int8"}),
+    "int8-nosmooth": ("int8", {**I8, "smooth_alpha": None}),
+    "int8-acc1": ("int8", {**I8, "accuracy_level": 1}),
+    "int8-acc1-nosmooth": ("int8", {**I8, "accuracy_level": 1, "smooth_alpha": None}),
+    "int8-acc1-nosmooth-asym": ("int8", {**I8, "accuracy_level": 1, "smooth_alpha": None, "symmetric": False}),
+    "int8-asym": ("int8", {**I8, "symmetric": False}),
+    "int8-b16": ("int8", {**I8, "block_size": 16}),
+    "int8-b128": ("int8", {**I8, "block_size": 128}),
+    "int8-qkv-fp32": ("int8", {**I8, "keep_float": ["layers.*.self_attn.qkv_proj"]}),
+    "int8-o-fp32": ("int8", {**I8, "keep_float": ["layers.*.self_attn.o_proj"]}),
+    "int8-gate_up-fp32": ("int8", {**I8, "keep_float": ["layers.*.mlp.gate_up_proj"]}),
+    "int8-down-fp32": ("int8", {**I8, "keep_float": DOWN}),
+    "int8-down-acc1": ("int8", {**I8, "precise": DOWN}),
+    "int8-down12-fp32": ("int8", {**I8, "keep_float": ["layers.1.mlp.down_proj", "layers.2.mlp.down_proj"]}),
+    "int8-down-top2": ("int8", {**I8, "float_outliers": 2}),  # the same two, chosen by calibration
+    "int8-down-top3": ("int8", {**I8, "float_outliers": 3}),
+    "int8-had-down": ("int8", {**I8, "rotate": DOWN}),
+    "int8-had-all": ("int8", {**I8, "rotate": ["layers.*"]}),
+    "int8-had-all-kv8": ("int8", {**I8, "rotate": ["layers.*"], "kv_cache": "int8"}),
+    "int8-layer0-fp32": ("int8", {**I8, "keep_float": ["layers.0.*"]}),
+    "int8-layer7-fp32": ("int8", {**I8, "keep_float": ["layers.7.*"]}),
 }
 
 
 def build_arm(name: str, fp32: Path, out_dir: Path, adapter, layer: int, tokenizer) -> tuple[Path, dict]:
+    """The arm's edge graph (built once into ``out_dir``, reused while the fp32 graph is unchanged) and its
+    quant report."""
     from partition_tools.quantize import calibration_tokens, kv_calibration_tokens, quantize_front, recipe_for
 
-    spec = ARMS[name]
+    edge_quant, spec = ARMS[name]
     if spec is None:
         return fp32, {"mode": "fp32"}
-    dst = out_dir / f"{name}.onnx"
-    if spec in ("recipe", "recipe-int4"):
-        mode = "int8" if spec == "recipe" else "int4"
-        return dst, quantize_front(fp32, dst, mode, **recipe_for(adapter, layer, mode, tokenizer))
-    kwargs = {k: v for k, v in spec.items() if v is not None}
-    if "smooth_alpha" in kwargs:
-        kwargs["calibration_ids"] = calibration_tokens(tokenizer, adapter.vocab_size)
-    if "kv_cache" in kwargs:
-        kwargs["kv_calibration_ids"] = kv_calibration_tokens(tokenizer, adapter.vocab_size)
-    return dst, quantize_front(fp32, dst, kwargs.pop("mode"), **kwargs)
+    dst, meta = out_dir / f"{name}.onnx", out_dir / f"{name}.json"
+    kwargs = recipe_for(adapter, layer, edge_quant, tokenizer) if spec == "recipe" else dict(spec)
+    stamp = {"fp32_graph_bytes": fp32.stat().st_size, "fp32_graph_mtime": fp32.stat().st_mtime,
+             "spec": repr({k: v for k, v in kwargs.items() if k != "calibration_ids"})}
+    if dst.is_file() and meta.is_file():
+        saved = json.loads(meta.read_text())
+        if saved["stamp"] == stamp:
+            return dst, saved["report"]
+    if spec == "recipe":
+        report = quantize_front(fp32, dst, edge_quant, **kwargs)
+    else:
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if "smooth_alpha" in kwargs or "float_outliers" in kwargs:
+            kwargs["calibration_ids"] = calibration_tokens(tokenizer, adapter.vocab_size)
+        if "kv_cache" in kwargs:
+            kwargs["kv_calibration_ids"] = kv_calibration_tokens(tokenizer, adapter.vocab_size)
+        report = quantize_front(fp32, dst, kwargs.pop("mode"), **kwargs)
+    report = {k: v for k, v in report.items() if k != "calibration_ids"}
+    meta.write_text(json.dumps({"stamp": stamp, "report": report}))
+    return dst, report
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text).input_ids
 
 
 @torch.no_grad()
 def references(lm, prompts: list[str], new: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy answer ids) of the unsplit model for each prompt."""
+    """(prompt ids, greedy answer ids through the first EOS) of the unsplit fp32 model for each prompt."""
     out = []
     for q in prompts:
-        text = lm.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                add_generation_prompt=True)
-        ids = lm.tokenizer(text, return_tensors="pt").input_ids  # [1, P]
+        ids = torch.tensor([chat_ids(lm.tokenizer, q)])  # [1, P]
         gen = lm.model.generate(ids, max_new_tokens=new, do_sample=False, num_beams=1,
                                 pad_token_id=lm.tokenizer.eos_token_id)
         out.append((ids[0].tolist(), gen[0, ids.shape[1]:].tolist()))
     return out
 
 
-@torch.no_grad()
-def first_divergences(front, back, codecs: list, prompt: list[int], answer: list[int]) -> list[int]:
-    """Per codec: index of the first answer token the split would not produce greedily (len(answer):
-    identical). The edge runs once; each codec's boundary goes through the cloud half."""
-    seq = np.asarray(prompt + answer[:-1], np.int64)  # the last answer token is predicted, never fed
-    front.reset()
-    edge = front.prefill(seq)  # [T, H]
-    pos = torch.arange(seq.size)[None]
-    out = []
-    for codec in codecs:
-        logits = back(torch.from_numpy(codec(edge))[None], pos)[0]  # [T, V]
-        pred = logits[len(prompt) - 1:].argmax(-1).numpy()  # predictions of answer[0..]
-        miss = np.nonzero(pred != np.asarray(answer))[0]
-        out.append(int(miss[0]) if miss.size else len(answer))
-    return out
+def through_eos(ids: list[int], eos: set[int]) -> list[int]:
+    return ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))]
 
+
+def agreement(got: list[int], ref: list[int]) -> int:
+    """Reference tokens before the first divergence (len(ref): identical)."""
+    n = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    return len(ref) if got == ref else n
+
+
+# -- teacher-forced ---------------------------------------------------------------------------------------
 
 def codec_fn(name: str, bundle: Path):
+    """Round trip through the wire codec ``name`` (rows independently, as the wire does it)."""
     from partition_tools.evaluate import fp16_round_trip
     from shared.codecs import available_codecs
 
@@ -147,88 +217,171 @@ def codec_fn(name: str, bundle: Path):
     return lambda x: codec.decode(codec.encode(x))
 
 
+def coded(edge: np.ndarray, n_prompt: int, codec: str, bundle: Path) -> np.ndarray:
+    """The boundary [T, H] as the cloud receives it: prompt rows in the prompt codec, later rows (decode
+    steps) in the step codec (``PROMPT/STEP``; one name: both)."""
+    prompt_codec, _, step_codec = codec.partition("/")
+    step_codec = step_codec or prompt_codec
+    if step_codec == prompt_codec:
+        return codec_fn(prompt_codec, bundle)(edge)
+    return np.concatenate([codec_fn(prompt_codec, bundle)(edge[:n_prompt]),
+                           codec_fn(step_codec, bundle)(edge[n_prompt:])])
+
+
+@torch.no_grad()
+def first_divergences(front, back, codecs: list[str], bundle: Path, prompt: list[int], answer: list[int]) -> list[int]:
+    """Per codec arm: index of the first answer token the split would not produce greedily (len(answer):
+    identical). The edge runs once; each codec's boundary goes through the cloud half."""
+    seq = np.asarray(prompt + answer[:-1], np.int64)  # the last answer token is predicted, never fed
+    front.reset()
+    edge = front.prefill(seq)  # [T, H]
+    pos = torch.arange(seq.size)[None]
+    out = []
+    for codec in codecs:
+        logits = back(torch.from_numpy(coded(edge, len(prompt), codec, bundle))[None], pos)[0]  # [T, V]
+        pred = logits[len(prompt) - 1:].argmax(-1).numpy()  # predictions of answer[0..]
+        miss = np.nonzero(pred != np.asarray(answer))[0]
+        out.append(int(miss[0]) if miss.size else len(answer))
+    return out
+
+
+def teacher_arm(bundle: Path, graph: Path, codecs: list[str], refs, threads: int, back) -> list[list[dict]]:
+    """[codec][prompt] -> {"agree", "identical"} for one edge graph, teacher-forced."""
+    from edge_client.front import FrontRuntime
+
+    front = FrontRuntime(bundle, threads=threads, chunk=512, verify=False, graph=graph)
+    per_prompt = [first_divergences(front, back, codecs, bundle, p, a) for p, a in refs]  # [prompt][codec]
+    return [[{"agree": d[ci], "identical": d[ci] == len(a)} for d, (_, a) in zip(per_prompt, refs)]
+            for ci in range(len(codecs))]
+
+
+# -- served -----------------------------------------------------------------------------------------------
+
+def served_arm(bundle: Path, codecs: list[str], prompts: list[str], refs, new: int, threads: int, log: Path,
+               eos: set[int]) -> list[list[dict]]:
+    """[codec][prompt] -> {"agree", "identical", "bytes_up", "codec"}: one server for the bundle, a fresh
+    EdgeClient per codec arm (``policy``: the precision policy's choice), greedy ``complete`` per prompt."""
+    from edge_client.client import EdgeClient
+    from edge_client.config import RetryPolicy
+    from edge_client.demo import LocalCloud
+
+    retry = RetryPolicy(connect_timeout_s=10.0, reply_timeout_s=120.0, max_retries=20)
+    out = []
+    with LocalCloud(bundle, log_path=log) as cloud:
+        for codec in codecs:
+            rows = []
+            with EdgeClient(bundle, cloud.ws_url, retry=retry, threads=threads,
+                            codec=None if codec == "policy" else codec) as client:
+                for q, (prompt, ref) in zip(prompts, refs):
+                    msgs = [{"role": "user", "content": q}]
+                    ids = client.tokenizer.encode(client.tokenizer.apply_chat_template(msgs))
+                    if ids != prompt:
+                        raise RuntimeError(f"the edge tokenizes {q!r} differently from the reference")
+                    gen = client.complete(messages=msgs, max_tokens=new, temperature=0.0)
+                    got = through_eos(list(gen.token_ids), eos)
+                    rows.append({"agree": agreement(got, ref), "identical": got == ref,
+                                 "bytes_up": gen.stats.bytes_up,
+                                 "codec": f"{gen.stats.codec}/{gen.stats.step_codec}"})
+            out.append(rows)
+    return out
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--layer", type=int, default=8)
-    p.add_argument("--work", type=Path, default=Path("/tmp/edge_answers_bench"))
-    p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--codecs", default="fp16,int8-outlier")
-    p.add_argument("--prompts", type=int, default=len(HELD_OUT))
+    p = common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), "/tmp/edge_answers_bench")
+    p.add_argument("--mode", choices=("served", "teacher"), default="served")
+    p.add_argument("--prompt-set", choices=tuple(PROMPT_SETS), default="held-out")
+    p.add_argument("--arms", default="fp32,int8")
+    p.add_argument("--codecs", default="fp16,policy", help="codec arms: policy, a codec, or PROMPT/STEP (teacher)")
+    p.add_argument("--prompts", type=int, default=None, help="the first N prompts of the set (default: all)")
     p.add_argument("--new", type=int, default=48, help="greedy answer tokens")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    args.arm_list = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in args.arm_list if a not in ARMS]
-    if bad:
-        p.error(f"unknown arm(s) {bad}; choose from {list(ARMS)}")
+    args.arm_list = choices(p, args.arms, ARMS, "arm")
     args.codec_list = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    if args.mode == "served" and any("/" in c for c in args.codec_list):
+        p.error("PROMPT/STEP codec arms are teacher-mode only (served: 'policy' or one codec)")
+    if args.mode == "teacher" and "policy" in args.codec_list:
+        p.error("'policy' needs the served path (--mode served)")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from edge_client.front import FrontRuntime
     from partition_tools.adapters import ModelAdapter
-    from partition_tools.cloud_half import CloudModel
     from partition_tools.models import load_model
-    from partition_tools.split import SplitConfig, split
-    from shared.manifest import BundleError, Manifest
 
+    if set(HELD_OUT) & set(TUNING):
+        raise SystemExit(f"prompt sets overlap: {sorted(set(HELD_OUT) & set(TUNING))}")
     started = time.perf_counter()
     lm = load_model(args.model)
     adapter = ModelAdapter(lm.model)
-    bundle = args.work / "bundle-fp32"
-    try:
-        m = Manifest.load(bundle)
-        fresh = m.source_identity == lm.identity and m.split_layer == args.layer
-    except BundleError:
-        fresh = False
-    if not fresh:
-        split(lm, SplitConfig(layer=args.layer, out=bundle, edge_quant="fp32", edge_graph="fused"))
+    eos = set(adapter.eos_token_ids())
+    bundle = cached_split(lm, args.layer, args.work / "bundle-fp32")
     fp32 = bundle / "edge" / "front.onnx"
-    (args.work / "arms").mkdir(parents=True, exist_ok=True)
-    prompts = HELD_OUT[:args.prompts]
+    for sub in ("arms", "bundles", "logs"):
+        (args.work / sub).mkdir(parents=True, exist_ok=True)
+    prompts = PROMPT_SETS[args.prompt_set][:args.prompts]
     cached = args.work / f"references-{args.new}.json"  # the unsplit answers do not depend on the arms
     known = json.loads(cached.read_text()) if cached.is_file() else {}
     missing = [q for q in prompts if q not in known]
     for q, ref in zip(missing, references(lm, missing, args.new)):
         known[q] = ref
     cached.write_text(json.dumps(known))
-    refs = [tuple(known[q]) for q in prompts]
+    refs = [(known[q][0], through_eos(known[q][1], eos)) for q in prompts]
     print(f"references: {len(refs)} prompts, {sum(len(a) for _, a in refs)} answer tokens", file=sys.stderr)
-    back = CloudModel.from_bundle(bundle)
+    back = None
+    if args.mode == "teacher":
+        from partition_tools.cloud_half import CloudModel
+
+        back = CloudModel.from_bundle(bundle)
     rows = []
     for arm in args.arm_list:
-        path, report = build_arm(arm, fp32, args.work / "arms", adapter, args.layer, lm.tokenizer)
-        front = FrontRuntime(bundle, threads=args.threads, chunk=512, verify=False, graph=path)
-        codecs = [codec_fn(c, bundle) for c in args.codec_list]
-        per_prompt = [first_divergences(front, back, codecs, p, a) for p, a in refs]  # [prompt][codec]
-        for ci, cname in enumerate(args.codec_list):
-            div = [d[ci] for d in per_prompt]
-            same = [d == len(a) for d, (_, a) in zip(div, refs)]
-            row = {"arm": arm, "codec": cname, "identical": float(np.mean(same)),
-                   "identical_count": int(sum(same)), "prompts": len(refs),
-                   "tokens_before_divergence": float(sum(div) / sum(len(a) for _, a in refs)),
-                   "diverging": [{"prompt": prompts[i], "at": div[i], "of": len(refs[i][1])}
-                                 for i in range(len(refs)) if not same[i]],
-                   "report": {k: v for k, v in report.items() if k != "calibration_ids"}}
-            rows.append(row)
-            print(f"{arm} + {cname}: {row['identical_count']}/{len(refs)} identical, "
-                  f"{row['tokens_before_divergence']:.3f} of tokens before divergence", file=sys.stderr, flush=True)
+        graph, report = build_arm(arm, fp32, args.work / "arms", adapter, args.layer, lm.tokenizer)
+        t0 = time.perf_counter()
+        if args.mode == "teacher":
+            results = teacher_arm(bundle, graph, args.codec_list, refs, args.threads, back)
+        else:
+            arm_bundle = bundle if graph == fp32 else variant_bundle(bundle, graph, ARMS[arm][0], report,
+                                                                     args.work / "bundles" / arm)
+            results = served_arm(arm_bundle, args.codec_list, prompts, refs, args.new, args.threads,
+                                 args.work / "logs" / f"{arm}.log", eos)
+        for cname, res in zip(args.codec_list, results):
+            rows.append(summarize(arm, cname, prompts, refs, res, report, time.perf_counter() - t0))
+            r = rows[-1]
+            print(f"{arm} + {cname}: {r['identical_count']}/{r['prompts']} identical, "
+                  f"{r['tokens_before_divergence']:.3f} of tokens before divergence", file=sys.stderr, flush=True)
         write(args, lm, prompts, rows, started, argv)
     return 0
 
 
+def summarize(arm: str, codec: str, prompts: list[str], refs, res: list[dict], report: dict, seconds: float) -> dict:
+    agree = [r["agree"] for r in res]
+    same = [r["identical"] for r in res]
+    row = {"arm": arm, "codec": codec, "identical": float(np.mean(same)), "identical_count": int(sum(same)),
+           "prompts": len(refs), "tokens_before_divergence": float(sum(agree) / sum(len(a) for _, a in refs)),
+           "mean_tokens_before_divergence": float(np.mean(agree)),
+           "mean_answer_tokens": float(np.mean([len(a) for _, a in refs])),
+           "diverging": [{"prompt": prompts[i], "at": agree[i], "of": len(refs[i][1])}
+                         for i in range(len(refs)) if not same[i]],
+           "report": report, "seconds": seconds}
+    if "bytes_up" in res[0]:
+        row["mean_bytes_up"] = float(np.mean([r["bytes_up"] for r in res]))
+        row["codecs_used"] = sorted({r["codec"] for r in res})
+    return row
+
+
 def write(args, lm, prompts: list[str], rows: list[dict], started: float, argv) -> None:
     """The report so far (rewritten after every arm, so a long run leaves its finished arms behind)."""
+    method = {"served": "real autoglm-cloud serve (fp32 compute) on loopback per edge arm + EdgeClient, greedy",
+              "teacher": "teacher-forced greedy comparison through FrontRuntime + codec + fp32 cloud half (offline)"}
     result = {
         "command": "python bench/edge_answers_bench.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "model": lm.source, "identity": lm.identity, "split_layer": args.layer, "new_tokens": args.new,
-        "method": "teacher-forced greedy comparison through FrontRuntime + codec + fp32 cloud half (offline, "
-                  "no server)", "prompts": prompts, "seconds": time.perf_counter() - started,
-        "loadavg": os.getloadavg(), "arms": rows,
+        "mode": args.mode, "method": method[args.mode], "prompt_set": args.prompt_set, "prompts": prompts,
+        "seconds": time.perf_counter() - started, "loadavg": os.getloadavg(), "arms": rows,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

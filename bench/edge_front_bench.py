@@ -41,6 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
+from split_bundles import cached_split, choices, common_args
+
 VARIANTS = {  # name -> (edge_graph, edge_quant, int8 KV cache: built from the fused fp32 front)
     "fused-int8": ("fused", "int8", False),
     "fused-int8-kv8": ("fused", "int8", True),
@@ -55,20 +57,11 @@ def build_bundles(lm, layer: int, work: Path, names: list[str]) -> dict[str, tup
     """name -> (bundle, edge graph): one split per (graph, quant); int8-KV graphs beside the fp32 bundle."""
     from partition_tools.adapters import ModelAdapter
     from partition_tools.quantize import kv_calibration_tokens, quantize_front, recipe_for
-    from partition_tools.split import SplitConfig, split
-    from shared.manifest import BundleError, Manifest
 
     out = {}
     for name in names:
         graph, quant, kv8 = VARIANTS[name]
-        path = work / (f"{graph}-fp32" if kv8 else name)
-        try:
-            m = Manifest.load(path)
-            fresh = m.source_identity == lm.identity and m.split_layer == layer
-        except BundleError:
-            fresh = False
-        if not fresh:
-            split(lm, SplitConfig(layer=layer, out=path, edge_quant="fp32" if kv8 else quant, edge_graph=graph))
+        path = cached_split(lm, layer, work / (f"{graph}-fp32" if kv8 else name), "fp32" if kv8 else quant, graph)
         front = path / "edge" / "front.onnx"
         if kv8:
             adapter = ModelAdapter(lm.model)
@@ -223,10 +216,7 @@ def lm_head_share(adapter) -> float:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--layer", type=int, default=8)
-    p.add_argument("--work", type=Path, default=Path("/tmp/edge_front_bench"))
+    p = common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), "/tmp/edge_front_bench")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--contexts", default="16,256,1024,2048")
     p.add_argument("--threads", default="1,2")
@@ -238,10 +228,7 @@ def parse_args(argv=None):
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    args.names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.names if v not in VARIANTS]
-    if unknown:
-        p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    args.names = choices(p, args.variants, VARIANTS, "variant")
     args.context_list = [int(c) for c in args.contexts.split(",")]
     args.thread_list = [int(t) for t in args.threads.split(",")]
     return args

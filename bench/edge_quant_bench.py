@@ -168,11 +168,11 @@ def speed(paths: dict[str, Path], bundle: Path, past: int, runs: int, threads: i
     the median over blocks of the same ratio within one block pair (robust to load that changes over the
     run: another job starting on a shared machine slows both sides of a block alike).
     """
-    base = front(paths["fp32"], bundle, threads, past)
     out, base_decode = {}, []
     for name, path in paths.items():
         if name == "fp32":
             continue
+        base = front(paths["fp32"], bundle, threads, past)  # afresh: the prefill pairing below empties its cache
         rt = front(path, bundle, threads, past)
         b, d = time_paired(base, rt, past, runs)
         bp, p = time_paired(base, rt, past, max(4, runs // 10), block=2, prefill=128)

@@ -4,7 +4,10 @@ The engine runs against a stub runner whose ``run(batch)`` returns precomputed l
 timed is only the engine's own host work per step: ``add_input`` for every session (a ``[1, H]`` float32
 state each, as the split endpoint feeds it), then ``step()``: schedule, ``build_batch``, greedy sampling of
 S rows, postprocess. S sessions first prefill a short prompt; the timed steps are pure decode steps with all
-S sequences ready.
+S sequences ready. Each step's host time is also split at the moment the runner is called (the launch):
+``prelaunch_us`` (``add_input`` x S, schedule, ``build_batch``: the device idles through it) and
+``after_launch_us`` (sampling, postprocess: with ``async_scheduling`` it runs while the device computes, and
+for a step's own bookkeeping even in lockstep). Both engine modes are measured (``overlap`` on and off).
 
 Usage::
 
@@ -50,6 +53,7 @@ class _StubModel:
         self.eos_token_ids = [0]
         self.embed_tokens = None
         self.mrope = False
+        self.returns_states = False  # a model ending at the cloud's last layer: logits, not hidden states
 
 
 class _StubRunner:
@@ -64,15 +68,16 @@ class _StubRunner:
 
     def run(self, batch) -> torch.Tensor:
         self.calls += 1
+        self.launched_at = time.perf_counter()
         return self.logits[: int(batch.logits_indices.shape[0])]  # [S, V]
 
 
-def _engine(sessions: int, prompt: int, steps: int, hidden: int, vocab: int, block_size: int):
+def _engine(sessions: int, prompt: int, steps: int, hidden: int, vocab: int, block_size: int, overlap: bool = True):
     max_len = prompt + steps + 8
     num_blocks = sessions * (-(-max_len // block_size)) + 1
     cfg = EngineConfig(max_num_seqs=max(sessions, 1), max_num_batched_tokens=max(2048, sessions * prompt),
                        max_model_len=max_len, num_blocks=num_blocks, block_size=block_size,
-                       enable_prefix_cache=False)
+                       enable_prefix_cache=False, **_overlap_kw(overlap))
     runner = _StubRunner(hidden, vocab, max(sessions, 1), num_blocks, block_size)
     eng = LLMEngine(cfg, {"fp32": runner}, sampler_seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
@@ -83,13 +88,22 @@ def _engine(sessions: int, prompt: int, steps: int, hidden: int, vocab: int, blo
     got = 0
     while got < sessions:
         got += sum(1 for o in eng.step() if o.token_id is not None)
+    while getattr(eng, "has_work", lambda: False)():
+        eng.step()
     return eng
 
 
-def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Tensor) -> tuple[list[float], list[float]]:
-    """Run ``steps`` decode steps; per-step host seconds of the add_input loop and of step()."""
+def _overlap_kw(overlap: bool) -> dict:
+    """``async_scheduling`` for the engine config, where the measured code has it (--compare runs older code)."""
+    return {"async_scheduling": overlap} if "async_scheduling" in EngineConfig.__dataclass_fields__ else {}
+
+
+def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Tensor) -> tuple[list, list, list]:
+    """Run ``steps`` decode steps; per-step host seconds of the add_input loop, of the step() calls until every
+    session has its token, and from the start of the step to its launch (the runner's ``run`` call)."""
     ids = [f"r{i}" for i in range(sessions)]
-    t_add, t_step = [], []
+    runner = eng.runners["fp32"]
+    t_add, t_step, t_pre = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         for j, rid in enumerate(ids):
@@ -99,27 +113,32 @@ def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Ten
                 raise RuntimeError(f"add_input failed: {out[0].error_message}")
         t1 = time.perf_counter()
         outs = eng.step()
+        if not outs:  # overlap: the step was launched; the next call postprocesses it
+            outs = eng.step()
         t2 = time.perf_counter()
         if len(outs) != sessions or any(o.token_id != 7 for o in outs):
             raise RuntimeError(f"expected one token 7 per session, got {len(outs)} outputs")
         t_add.append(t1 - t0)
         t_step.append(t2 - t1)
-    return t_add, t_step
+        t_pre.append(runner.launched_at - t0)
+    return t_add, t_step, t_pre
 
 
 def measure(sessions: int, steps: int, repeats: int, prompt: int, hidden: int, vocab: int,
-            block_size: int) -> dict:
+            block_size: int, overlap: bool = True) -> dict:
     states = torch.randn(sessions, hidden)  # [S, H]
-    adds, stepss = [], []
+    adds, stepss, pres = [], [], []
     for _ in range(repeats):
-        eng = _engine(sessions, prompt, steps + 10, hidden, vocab, block_size)
+        eng = _engine(sessions, prompt, steps + 10, hidden, vocab, block_size, overlap)
         _decode_steps(eng, sessions, 10, hidden, states)  # warm-up
-        a, s = _decode_steps(eng, sessions, steps, hidden, states)
+        a, s, pre = _decode_steps(eng, sessions, steps, hidden, states)
         adds.append(statistics.median(a))
         stepss.append(statistics.median(s))
-    add_us, step_us = min(adds) * 1e6, min(stepss) * 1e6
-    return {"sessions": sessions, "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
-            "total_us": round(add_us + step_us, 1), "per_session_us": round((add_us + step_us) / sessions, 2)}
+        pres.append(statistics.median(pre))
+    add_us, step_us, pre_us = min(adds) * 1e6, min(stepss) * 1e6, min(pres) * 1e6
+    return {"sessions": sessions, "overlap": overlap, "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
+            "total_us": round(add_us + step_us, 1), "per_session_us": round((add_us + step_us) / sessions, 2),
+            "prelaunch_us": round(pre_us, 1), "after_launch_us": round(add_us + step_us - pre_us, 1)}
 
 
 def main() -> None:
@@ -161,17 +180,20 @@ def main() -> None:
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return
-    rows = []
+    rows, rows_sync = [], []
+    modes = (True, False) if _overlap_kw(True) else (True,)
     for s in (int(x) for x in args.sessions.split(",")):
-        r = measure(s, args.steps, args.repeats, args.prompt, args.hidden, args.vocab, args.block_size)
-        rows.append(r)
-        print(f"[{args.label}] S={s:4d}  add_input x S {r['add_input_us']:9.1f} us  step {r['step_us']:9.1f} us  "
-              f"total {r['total_us']:9.1f} us  ({r['per_session_us']:.2f} us/session)", flush=True)
+        for overlap in modes:
+            r = measure(s, args.steps, args.repeats, args.prompt, args.hidden, args.vocab, args.block_size, overlap)
+            (rows if overlap else rows_sync).append(r)
+            print(f"[{args.label}{'' if overlap else ', sync'}] S={s:4d}  add_input x S {r['add_input_us']:9.1f} us  "
+                  f"step {r['step_us']:9.1f} us  total {r['total_us']:9.1f} us  ({r['per_session_us']:.2f} us/session)"
+                  f"  before launch {r['prelaunch_us']:9.1f} us, after {r['after_launch_us']:9.1f} us", flush=True)
     if args.out:
         data = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
         import cloud_server
 
-        data[args.label] = {"rows": rows, "code": str(Path(cloud_server.__file__).parent.parent), "torch": torch.__version__, "python": platform.python_version(),
+        data[args.label] = {"rows": rows, "rows_sync": rows_sync, "code": str(Path(cloud_server.__file__).parent.parent), "torch": torch.__version__, "python": platform.python_version(),
                             "cpu": platform.processor() or platform.machine(), "threads": 1,
                             "config": {"steps": args.steps, "repeats": args.repeats, "prompt": args.prompt,
                                        "hidden": args.hidden, "vocab": args.vocab, "block_size": args.block_size}}

@@ -33,16 +33,28 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PRESETS = ("tiny-glm4", "tiny-glm4v", "glm4v-9b-random")
+PRESETS = ("tiny-glm4", "tiny-glm4v", "glm4v-9b-random", "wide-cpu")
 OUTLIER_CHANNELS = 8  # as many as the real calibrations pick (partition_tools.split)
 
 
+def wide_cpu_config():
+    """The served path's CPU proxy: the 9B model's boundary (hidden 4096, so every decode state on the wire
+    and through the codec is full size) on a back half that costs little (2 layers, split at 1: one cloud
+    layer with 2 narrow heads, a 256-wide MLP and a 512-token vocabulary). It isolates the front end:
+    sockets, msgpack, codecs, the event loop and the hand-off to the engine thread."""
+    from transformers import Glm4Config
+
+    return Glm4Config(vocab_size=512, hidden_size=4096, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=8192,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=[2, 3], tie_word_embeddings=False)
+
+
 def preset_config(preset: str):
-    """The HF config of a random-weight preset (``partition_tools.models``)."""
+    """The HF config of a random-weight preset (``partition_tools.models``, or :func:`wide_cpu_config`)."""
     from partition_tools import models
 
     builders = {"tiny-glm4": models.tiny_glm4_config, "tiny-glm4v": models.tiny_glm4v_config,
-                "glm4v-9b-random": models.glm4v_9b_text_config}
+                "glm4v-9b-random": models.glm4v_9b_text_config, "wide-cpu": wide_cpu_config}
     if preset not in builders:
         raise ValueError(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     return builders[preset]()
@@ -113,7 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layer", type=int, required=True, help="split layer N: the cloud runs [N, L)")
     ap.add_argument("--stub", type=Path, required=True, help="directory for the stub bundle (written)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gather-max-ms", type=float, default=None,
+                    help="the engine's decode-cohort gather window cap (AsyncEngine.gather_max_s; 0: off)")
     a = ap.parse_args(argv)
+    if a.gather_max_ms is not None:  # a bench knob: the served path measured with and without the gather
+        from cloud_server.engine import async_engine
+
+        async_engine.GATHER_MAX_S = a.gather_max_ms / 1000
     write_stub_bundle(a.stub, a.preset, a.layer, a.seed)
     install_random_weights(a.preset, a.layer, a.seed)
     from cloud_server import cli

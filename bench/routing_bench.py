@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 sys.path.insert(0, str(ROOT))
 
+from child_process import stop_gracefully  # noqa: E402 - bench/, beside this script
 from shared import protocol as P  # noqa: E402 - after the path fix, so the bench runs from a checkout
 from shared.codecs import get_codec  # noqa: E402
 from shared.manifest import Manifest  # noqa: E402
@@ -101,13 +102,7 @@ class Replica:
         self.log.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_gracefully(self.proc, 30)
         self.log.close()
 
 

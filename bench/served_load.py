@@ -37,7 +37,8 @@ this bench's load generator, so two trees can be measured side by side: ``--comp
 level against DIR's server first, then against this checkout's, in one run (records carry ``tree``).
 
 Server: an already running one (``--url`` + ``--bundle``), one spawned from a bundle (``--serve BUNDLE``), or
-a random-weight full-size one (``--preset glm4v-9b-random --layer 12``, ``bench/random_weight_server.py``).
+a random-weight one (``--preset glm4v-9b-random --layer 12``, ``bench/random_weight_server.py``; ``--preset
+wide-cpu --layer 1`` is the CPU proxy: the 9B boundary width on a back half that costs little).
 ``--py-spy FILE`` samples the server during the largest level of the first codec (``py-spy record
 --nonblocking``, collapsed stacks) and records seconds per thread and category (``profile_s``: codec decode,
 msgpack, websocket frames, asyncio, model forward, batch build, ...) to show where the served path spends
@@ -49,7 +50,8 @@ CPU smoke run (tiny bundle)::
     python bench/served_load.py --serve /tmp/b --sessions 1,8 --prompt 32 --gen 16 --out /tmp/served.json
 
 ``--sweep-codecs int8-outlier,bf16`` runs every level once per wire codec (what the server's codec decode
-costs, side by side). ``--attach-engine ENGINE_JSON --to SERVED_JSON`` fills the engine/direct figures into a
+costs, side by side). ``--gather-max-ms 0`` runs a ``--preset`` server with the engine's decode-cohort
+gather window off (``AsyncEngine.gather_max_s``), for an A/B of it. ``--attach-engine ENGINE_JSON --to SERVED_JSON`` fills the engine/direct figures into a
 finished served run afterwards (the GPU session measures the served path first, then the engine).
 
 GPU (one H200, the issue's workload): ``bench/gpu_session.sh``.
@@ -77,6 +79,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from child_process import stop_gracefully  # noqa: E402 - bench/, beside this script
 from shared import protocol as P  # noqa: E402 - after the path fix, so the bench runs from a checkout
 from shared.chunking import prefill_messages  # noqa: E402
 from shared.codecs import available_codecs  # noqa: E402
@@ -98,6 +101,7 @@ class LoadConfig:
     serve: Path | None = None  # spawn `autoglm-cloud serve BUNDLE` on a free port
     preset: str | None = None  # spawn a random-weight server of this preset (bench/random_weight_server.py)
     layer: int = 12  # split layer of the random-weight preset
+    gather_max_ms: float | None = None  # the random-weight server's engine gather window cap (None: its default)
     server_args: list[str] = field(default_factory=list)  # extra `autoglm-cloud serve` options (win over ours)
     sessions: tuple[int, ...] = (1, 8, 64, 256)
     prompt: int = 512  # prompt positions per session (the engine bench's default)
@@ -111,7 +115,7 @@ class LoadConfig:
     ready_timeout_s: float = 900.0  # a 9B random model builds and tunes on the GPU before /ready
     level_timeout_s: float = 600.0
     engine_json: Path | None = None  # cloud_gpu_bench --through-engine output: engine/direct tokens/s per S
-    engine_cpu: bool = False  # also measure the engine alone in this process (CPU runs: the served/engine ratio)
+    engine_cpu: bool = False  # also measure the engine alone, per tree in a child process (CPU: served/engine)
     py_spy: Path | None = None  # collapsed stacks of the server during the largest level
     server_root: Path = HERE.parent  # the checkout whose server is spawned (its cloud_server, shared, bench)
     compare_root: Path | None = None  # also measure this checkout's server, before server_root's, in one run
@@ -132,8 +136,8 @@ class LoadConfig:
                 raise ValueError(f"--{name} must be >= 1")
         if self.procs < 0:
             raise ValueError("--procs must be >= 0")
-        if self.engine_cpu and self.bundle is None:
-            raise ValueError("--engine-cpu needs the bundle (--serve BUNDLE, or --url with --bundle)")
+        if self.gather_max_ms is not None and self.preset is None:
+            raise ValueError("--gather-max-ms sets the random-weight server's engine: give --preset")
         if self.compare_root is not None and self.url is not None:
             raise ValueError("--compare-root spawns both servers: give --serve or --preset, not --url")
 
@@ -330,7 +334,9 @@ class ServerProcess:
         if cfg.preset is not None:
             stub = workdir / "stub-bundle"
             self.cmd = [sys.executable, str(Path(cfg.server_root) / "bench" / "random_weight_server.py"), "--preset", cfg.preset, "--layer",
-                        str(cfg.layer), "--stub", str(stub), "--seed", str(cfg.seed), "--", *common]
+                        str(cfg.layer), "--stub", str(stub), "--seed", str(cfg.seed),
+                        *([] if cfg.gather_max_ms is None else ["--gather-max-ms", str(cfg.gather_max_ms)]),
+                        "--", *common]
             self.bundle = stub
         else:
             self.cmd = [sys.executable, "-m", "cloud_server.cli", "serve", str(cfg.serve), *common]
@@ -361,13 +367,7 @@ class ServerProcess:
         return self.log_path.read_bytes()[-n:].decode("utf-8", "replace")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_gracefully(self.proc, 60)
         self.log.close()
 
 
@@ -517,11 +517,12 @@ def profile_summary(path: Path, rate: int) -> dict:
     return {t: dict(sorted(c.items(), key=lambda kv: -kv[1])) for t, c in threads.items()}
 
 
-def engine_direct_cpu(cfg: LoadConfig, bundle: Path, s: int) -> dict:
+def engine_direct_cpu(cfg: LoadConfig, s: int) -> dict:
     """The engine alone on this host (``--engine-cpu``): S sessions fed through ``AsyncEngine`` as the server
     feeds them (a prompt chunk, then one [1, H] state per returned token, from the engine's output callback),
     with no sockets, msgpack or codecs; the same steady-window tokens/s as the served levels (:func:`summarize`).
-    The CPU counterpart of ``cloud_gpu_bench --through-engine``'s figure, for the served/engine ratio."""
+    The CPU counterpart of ``cloud_gpu_bench --through-engine``'s figure, for the served/engine ratio. With
+    ``--preset`` the engine is the random-weight server's (a stub bundle, the same seeded back half)."""
     import threading
 
     import torch
@@ -535,7 +536,15 @@ def engine_direct_cpu(cfg: LoadConfig, bundle: Path, s: int) -> dict:
     per_seq = -(-(cfg.prompt + cfg.gen + 1) // 16)
     ecfg = EngineConfig(block_size=16, num_blocks=(smax + 2) * per_seq + 16, max_num_seqs=smax,
                         max_num_batched_tokens=max(2048, smax), max_model_len=max(8192, cfg.prompt + cfg.gen + 16))
-    rt = CloudRuntime(ServerConfig(bundle=bundle, engine=ecfg)).start()
+    with tempfile.TemporaryDirectory(prefix="served-load-engine-") as tmp:
+        bundle = cfg.bundle
+        if cfg.preset is not None:
+            import random_weight_server as rws  # bench/, beside this script
+
+            bundle = Path(tmp) / "stub-bundle"
+            rws.write_stub_bundle(bundle, cfg.preset, cfg.layer, cfg.seed)
+            rws.install_random_weights(cfg.preset, cfg.layer, cfg.seed)
+        rt = CloudRuntime(ServerConfig(bundle=bundle, engine=ecfg)).start()
     try:
         h = rt.facts.hidden_size
         g = torch.Generator().manual_seed(cfg.seed)
@@ -570,6 +579,33 @@ def engine_direct_cpu(cfg: LoadConfig, bundle: Path, s: int) -> dict:
         rt.stop()
     rec = summarize(s, sessions, cfg)
     return {"sessions": s, "engine_tokens_per_s": rec.get("served_tokens_per_s"), "completed": rec["completed"]}
+
+
+def engine_cpu_of_tree(cfg: LoadConfig, root: Path, s: int) -> dict:
+    """:func:`engine_direct_cpu` in a child process that imports the engine from checkout ``root`` (so each
+    tree of a ``--compare-root`` run is divided by its own engine: ``served_vs_engine`` per tree)."""
+    spec = {"root": str(root), "s": s, "preset": cfg.preset, "layer": cfg.layer,
+            "bundle": str(cfg.bundle) if cfg.bundle is not None else None, "sessions": list(cfg.sessions),
+            "prompt": cfg.prompt, "gen": cfg.gen, "seed": cfg.seed, "timeout": cfg.level_timeout_s}
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--engine-worker"], input=json.dumps(spec),
+                       capture_output=True, text=True, cwd=root, timeout=cfg.level_timeout_s + 300)
+    if p.returncode != 0:
+        raise RuntimeError(f"engine-direct S={s} in {root} failed:\n{p.stderr[-4000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def engine_worker_entry() -> int:
+    """``served_load.py --engine-worker``: one JSON spec on stdin (:func:`engine_cpu_of_tree`), the engine
+    imported from the spec's checkout, one JSON result line out."""
+    spec = json.loads(sys.stdin.read())
+    sys.path.insert(0, spec["root"])  # ahead of this checkout: cloud_server and partition_tools come from root
+    bundle = Path(spec["bundle"]) if spec["bundle"] else None
+    cfg = LoadConfig(serve=bundle if spec["preset"] is None else None, preset=spec["preset"], layer=spec["layer"],
+                     sessions=tuple(spec["sessions"]), prompt=spec["prompt"], gen=spec["gen"], seed=spec["seed"],
+                     level_timeout_s=spec["timeout"], engine_cpu=True)
+    engine_direct_cpu(dataclasses.replace(cfg, gen=min(cfg.gen, 8)), 1)  # warm-up: a fresh process's first calls
+    print(json.dumps(engine_direct_cpu(cfg, spec["s"])), flush=True)
+    return 0
 
 
 def engine_figures(path: Path | None) -> dict[str, dict]:
@@ -618,10 +654,11 @@ def run(cfg: LoadConfig, command: str) -> dict:
             _write(cfg.out, res)
     res["config"] = _jsonable(asdict(cfg))
     if cfg.engine_cpu:
-        engine = {s: engine_direct_cpu(cfg, cfg.bundle, s) for s in cfg.sessions}
-        res["engine_cpu"] = list(engine.values())
+        roots = [cfg.server_root] if cfg.compare_root is None else [cfg.compare_root, cfg.server_root]
+        engine = {(str(r), s): engine_cpu_of_tree(cfg, r, s) for r in roots for s in cfg.sessions}
+        res["engine_cpu"] = [e | {"tree": r} for (r, _), e in engine.items()]
         for rec in res["records"]:
-            e = engine[rec["sessions"]]["engine_tokens_per_s"]
+            e = engine[(rec["tree"], rec["sessions"])]["engine_tokens_per_s"]
             rec["engine_tokens_per_s"] = e
             rec["served_vs_engine"] = rec["served_tokens_per_s"] / e if rec.get("served_tokens_per_s") and e else None
             print(_row(rec) + f", engine {e or 0:.0f} tok/s, served/engine {rec['served_vs_engine'] or 0:.2f}"
@@ -707,6 +744,8 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     src.add_argument("--preset", help="spawn a random-weight server: tiny-glm4 | tiny-glm4v | glm4v-9b-random")
     ap.add_argument("--bundle", type=Path, help="the bundle a --url server serves")
     ap.add_argument("--layer", type=int, default=d["layer"].default, help="split layer of --preset")
+    ap.add_argument("--gather-max-ms", type=float, default=None,
+                    help="--preset server: cap of the engine's decode-cohort gather window (0: off)")
     ap.add_argument("--server-arg", action="append", default=[], dest="server_args",
                     help="extra `autoglm-cloud serve` option, repeatable (e.g. --server-arg=--variants=bf16)")
     ap.add_argument("--sessions", default="1,8,64,256", help="concurrent sessions per level")
@@ -723,7 +762,7 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     ap.add_argument("--engine-json", type=Path, help="cloud_gpu_bench --through-engine JSON of the same run")
     ap.add_argument("--py-spy", type=Path, help="collapsed-stack profile of the server at the largest level")
     ap.add_argument("--engine-cpu", action="store_true",
-                    help="also measure the engine alone in this process (needs the bundle): served/engine")
+                    help="also measure the engine alone (per tree, a child process): served/engine")
     ap.add_argument("--server-root", type=Path, default=d["server_root"].default,
                     help="the checkout whose server is spawned (default: this one)")
     ap.add_argument("--compare-root", type=Path, help="also measure this checkout's server, first, in one run")
@@ -731,6 +770,7 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     a = ap.parse_args(argv)
     try:
         return LoadConfig(url=a.url, bundle=a.bundle, serve=a.serve, preset=a.preset, layer=a.layer,
+                          gather_max_ms=a.gather_max_ms,
                           server_args=a.server_args, sessions=tuple(int(x) for x in a.sessions.split(",") if x),
                           prompt=a.prompt, gen=a.gen, codecs=tuple(c for c in a.codecs.split(",") if c),
                           sweep_codecs=tuple(c for c in a.sweep_codecs.split(",") if c),
@@ -746,6 +786,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--worker"]:
         return worker_entry()
+    if argv == ["--engine-worker"]:
+        return engine_worker_entry()
     if argv and argv[0] == "--attach-engine":  # --attach-engine ENGINE_JSON --to SERVED_JSON
         if len(argv) != 4 or argv[2] != "--to":
             print("usage: served_load.py --attach-engine ENGINE_JSON --to SERVED_JSON", file=sys.stderr)

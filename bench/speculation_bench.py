@@ -18,10 +18,23 @@ Workloads, fixed before measuring:
   saw the task's transcripts; within a task it drafts from the prompt and the task's earlier steps, as it
   would on a phone.
 
+Drafts (``split+spec``): prompt lookup first (``edge_client.drafting``); where it has none, the bundle's draft
+head (``edge_client.draft_head``: a ridge "tuned lens" from the boundary state at layer 8 onto the lm_head,
+int8), fit on the tail of ``partition_tools/data/sample.txt`` - encyclopedic prose that shares no prompt,
+question or transcript with either workload. The head's held-out agreement lands in the manifest.
+
+U-shape (``--ushape``, on by default): the same model split at layer 8 with a tail of 4 layers
+(``split --tail 4``: layers [26, 30) + norm + lm_head on the phone too), served by its own ``autoglm-cloud
+serve``, measured in ``u-shape`` and ``u-shape+spec`` modes on two more phones behind the same emulated link;
+``identical_to_plain`` compares their tokens with the plain split's of the same run.
+
 Per record: ``tokens_per_s`` (decode rate after the first token, all requests pooled), ``tokens_per_round_trip``
 (tokens emitted by decode steps per decode round trip; 1 for plain decoding), ``ttft_ms`` (mean),
 ``bytes_up_per_token`` (uplink of the decode phase per generated token: rejected drafts' rows included),
-``identical_to_plain``, and the drafting's acceptance.
+``identical_to_plain``, the drafting's acceptance, ``bytes_down_per_token`` (all downlink of the requests per
+generated token: u-shape brings a hidden row down for every prompt position and every step) and
+``edge_ms_per_token`` (the phone's decode-phase compute per generated token: the front, plus the tail and the
+lm_head in u-shape).
 
     python bench/speculation_bench.py [--rtts 20,80,150] [--chat 4] [--agent-tasks 3] [--max-tokens 48]
 
@@ -33,6 +46,7 @@ rig's link profiles at each privacy level, speculation's gain taken from ``specu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -50,16 +64,26 @@ from rig.workloads import AGENT_TASKS, CHAT_PROMPTS, system_prompt  # noqa: E402
 from shared.link_profiles import LinkProfile  # noqa: E402
 
 SPLIT_LAYER = 8
+TAIL_LAYERS = 4  # u-shape: layers [26, 30) + norm + lm_head on the phone
 RETRY = RetryPolicy(connect_timeout_s=10.0, reply_timeout_s=120.0, max_retries=5)
 
 
-def build_bundle(out: Path) -> Path:
-    if (out / "manifest.json").is_file():
-        return out
-    from partition_tools.models import load_model
-    from partition_tools.split import SplitConfig, split
+def build_bundle(out: Path, tail: int = 0) -> Path:
+    """The SmolLM2 split (``tail``: u-shape); the plain split also gets its draft head (``autoglm-partition
+    draft-head``: calibrated on the tail of the built-in sample text, which shares nothing with the workloads)."""
+    from edge_client.draft_head import DRAFT_HEAD
+    from shared.manifest import Manifest
 
-    split(load_model("smollm2"), SplitConfig(layer=SPLIT_LAYER, out=out, edge_quant="fp32"))
+    if not (out / "manifest.json").is_file():
+        from partition_tools.models import load_model
+        from partition_tools.split import SplitConfig, split
+
+        split(load_model("smollm2"), SplitConfig(layer=SPLIT_LAYER, out=out, edge_quant="fp32", tail=tail))
+    if not tail and DRAFT_HEAD not in Manifest.load(out).artifacts:
+        from partition_tools.draft_head import add_draft_head
+        from partition_tools.models import load_model
+
+        print(json.dumps({"draft_head": add_draft_head(load_model("smollm2"), out)}), flush=True)
     return out
 
 
@@ -83,8 +107,12 @@ class Tally:
         self.decode_s = 0.0
         self.ttft: list[float] = []
         self.drafts = self.accepted = 0
+        self.head_drafts = self.head_accepted = 0  # of those, the draft head's (the rest: prompt lookup)
         self.identical = True
         self.requests = 0
+        self.outputs: list[list[int]] = []  # each request's tokens (u-shape's are compared with them)
+        self.bytes_down = 0
+        self.edge_decode_s = 0.0
 
     def add(self, gen) -> None:
         st = gen.stats
@@ -98,6 +126,11 @@ class Tally:
         self.ttft.append((st.ttft_s or 0.0) * 1000)
         self.drafts += st.draft_tokens
         self.accepted += st.accepted_draft_tokens
+        self.head_drafts += st.head_draft_tokens
+        self.head_accepted += st.accepted_head_draft_tokens
+        self.outputs.append(list(gen.token_ids))
+        self.bytes_down += st.bytes_down
+        self.edge_decode_s += (st.edge_compute_s - st.edge_prefill_s) + (st.edge_tail_s - st.edge_tail_prefill_s)
 
     def record(self, workload: str, rtt: float, mode: str) -> dict:
         return {"workload": workload, "rtt_ms": rtt, "mode": mode, "requests": self.requests,
@@ -108,10 +141,17 @@ class Tally:
                 "bytes_up_per_token": round(self.decode_bytes_up / max(1, self.tokens), 1),
                 "identical_to_plain": self.identical,
                 "draft_tokens": self.drafts, "accepted_draft_tokens": self.accepted,
-                "acceptance": round(self.accepted / self.drafts, 3) if self.drafts else None}
+                "acceptance": round(self.accepted / self.drafts, 3) if self.drafts else None,
+                "head_draft_tokens": self.head_drafts, "accepted_head_draft_tokens": self.head_accepted,
+                "bytes_down_per_token": round(self.bytes_down / max(1, self.tokens), 1),
+                "edge_ms_per_token": round(1000 * self.edge_decode_s / self.decode_tokens, 2)
+                if self.decode_tokens else None}
 
 
-def measure(bundle: Path, cloud: LocalCloud, rtt: float, args) -> list[dict]:
+def measure(bundle: Path, cloud: LocalCloud, rtt: float, args, ushape: tuple[Path, LocalCloud] | None = None
+            ) -> list[dict]:
+    """The split pair at ``rtt``, then (``ushape``: its bundle and server) the u-shape pair behind the same link
+    profile, checked against the split's plain tokens."""
     profile = LinkProfile(f"rtt{int(rtt)}", rtt_ms=rtt, jitter_ms=0.0, down_mbps=21.0, up_mbps=6.3, loss=0.0,
                           source="4G-like bandwidth (rig profile 4g), no jitter or loss: modes differ only by protocol")
     out = []
@@ -121,14 +161,25 @@ def measure(bundle: Path, cloud: LocalCloud, rtt: float, args) -> list[dict]:
         # never warm the other's requests, so TTFT and uplink compare like with like
         with EdgeClient(bundle, url, api_key=f"plain-{int(rtt)}", retry=RETRY, codec="fp16") as plain_c, \
                 EdgeClient(bundle, url, api_key=f"spec-{int(rtt)}", retry=RETRY, codec="fp16") as spec_c:
-            out += _measure_pair(plain_c, spec_c, rtt, args)
+            records, reference = _measure_pair(plain_c, spec_c, rtt, args)
+            out += records
+    if ushape is not None:
+        u_bundle, u_cloud = ushape
+        with LinkEmulator(u_cloud.port, profile, seed=1) as link:
+            url = f"ws://127.0.0.1:{link.port}/v1/split"
+            with EdgeClient(u_bundle, url, api_key=f"u-{int(rtt)}", retry=RETRY, codec="fp16") as plain_c, \
+                    EdgeClient(u_bundle, url, api_key=f"u-spec-{int(rtt)}", retry=RETRY, codec="fp16") as spec_c:
+                out += _measure_pair(plain_c, spec_c, rtt, args, ("u-shape", "u-shape+spec"), reference)[0]
     for r in out:
         print(json.dumps(r), flush=True)
     return out
 
 
-def _measure_pair(plain_c: EdgeClient, spec_c: EdgeClient, rtt: float, args) -> list[dict]:
-    out = []
+def _measure_pair(plain_c: EdgeClient, spec_c: EdgeClient, rtt: float, args, modes=("split", "split+spec"),
+                  reference: dict[str, list[list[int]]] | None = None) -> tuple[list[dict], dict]:
+    """Records of the pair's plain and speculative runs (``modes``) and the plain runs' tokens per workload; with
+    ``reference`` (the plain split's tokens), both runs must equal it to be ``identical_to_plain``."""
+    out, outputs = [], {}
     clients = {False: plain_c, True: spec_c}
     for c in clients.values():  # warm-up: the system prompt into both prefix caches (not measured)
         c.complete(messages=[{"role": "system", "content": system_prompt()}, {"role": "user", "content": "warm-up"}],
@@ -142,7 +193,8 @@ def _measure_pair(plain_c: EdgeClient, spec_c: EdgeClient, rtt: float, args) -> 
         plain.add(a)
         spec.add(b)
         spec.identical &= a.token_ids == b.token_ids
-    out += [plain.record("chat", rtt, "split"), spec.record("chat", rtt, "split+spec")]
+    _against(reference, "chat", plain, spec, outputs)
+    out += [plain.record("chat", rtt, modes[0]), spec.record("chat", rtt, modes[1])]
     # agent: each task's steps in order; plain and speculative runs of a task are separate loops
     plain, spec = Tally(), Tally()
     for task, screens in AGENT_TASKS[:args.agent_tasks]:
@@ -159,8 +211,17 @@ def _measure_pair(plain_c: EdgeClient, spec_c: EdgeClient, rtt: float, args) -> 
                 outs[speculate].append(g.token_ids)
                 actions.append(g.text.strip().replace("\n", " "))
         spec.identical &= outs[False] == outs[True]
-    out += [plain.record("agent", rtt, "split"), spec.record("agent", rtt, "split+spec")]
-    return out
+    _against(reference, "agent", plain, spec, outputs)
+    out += [plain.record("agent", rtt, modes[0]), spec.record("agent", rtt, modes[1])]
+    return out, outputs
+
+
+def _against(reference: dict | None, workload: str, plain: Tally, spec: Tally, outputs: dict) -> None:
+    """Record the plain run's tokens; against a reference run (u-shape vs split) both runs must match it."""
+    outputs[workload] = plain.outputs
+    if reference is not None:
+        plain.identical = plain.outputs == reference[workload]
+        spec.identical &= spec.outputs == reference[workload]
 
 
 def policy_table(spec_json: Path) -> dict:
@@ -179,7 +240,7 @@ def policy_table(spec_json: Path) -> dict:
     for name, prof in PROFILES.items():
         link = LinkState(rtt_ms=prof.rtt_ms, up_kbps=prof.up_mbps * 1000, down_kbps=prof.down_mbps * 1000)
         for workload, shape in shapes.items():
-            dep = Deployment(all_cloud=True, edge_only=True, split_tokens_per_round_trip=gain[workload])
+            dep = Deployment(all_cloud=True, edge_only=True, u_shape=True, split_tokens_per_round_trip=gain[workload])
             for privacy in ("standard", "private", "output-private"):
                 try:
                     d = choose_mode(shape, privacy, link, dep)
@@ -189,7 +250,9 @@ def policy_table(spec_json: Path) -> dict:
                                  "reason": str(e)})
     return {"deployment": "9B-class split (fp16 boundary rows of 8 KB, front 2 ms/token prefill and 10 ms/token "
                           "decode, 30 ms cloud step, 0.5 s/token whole model on the phone); agent: 640 of 900 "
-                          "prompt tokens in both prefix caches; split gain = measured tokens per round trip at 80 ms", "split_tokens_per_round_trip": gain, "choices": rows}
+                          "prompt tokens in both prefix caches; split gain = measured tokens per round trip at 80 ms (u-shape takes "
+                          "the same gain, its tail costs as the front, no prefix cache); the phone holds a plain "
+                          "and a --tail bundle", "split_tokens_per_round_trip": gain, "choices": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "speculation.json")
     ap.add_argument("--policy-table", action="store_true", help="write the policy's choices, measure nothing")
+    ap.add_argument("--no-ushape", dest="ushape", action="store_false",
+                    help="measure split and split+spec only (no u-shape bundle, no second server)")
     args = ap.parse_args(argv)
     if args.policy_table:
         result = {"command": "python bench/speculation_bench.py --policy-table", **policy_table(args.out)}
@@ -209,13 +274,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
     bundle = build_bundle(args.bundle)
+    u_bundle = build_bundle(args.bundle.with_name(args.bundle.name + f"-tail{TAIL_LAYERS}"), TAIL_LAYERS) \
+        if args.ushape else None
     t0 = time.time()
     records = []
-    with LocalCloud(bundle, log_path=Path("/tmp/autoglm-spec-bench/cloud.log")) as cloud:
+    with contextlib.ExitStack() as stack:
+        cloud = stack.enter_context(LocalCloud(bundle, log_path=Path("/tmp/autoglm-spec-bench/cloud.log")))
+        ushape = None if u_bundle is None else (u_bundle, stack.enter_context(
+            LocalCloud(u_bundle, log_path=Path("/tmp/autoglm-spec-bench/cloud-ushape.log"))))
         for rtt in (float(x) for x in args.rtts.split(",")):
-            records += measure(bundle, cloud, rtt, args)
+            records += measure(bundle, cloud, rtt, args, ushape)
     result = {"command": "python bench/speculation_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "model": f"SmolLM2-135M-Instruct split at layer {SPLIT_LAYER}, fp32 edge, fp16 wire, greedy",
+              "model": f"SmolLM2-135M-Instruct split at layer {SPLIT_LAYER}, fp32 edge, fp16 wire, greedy"
+                       + (f"; u-shape: the same split with a tail of {TAIL_LAYERS} layers (fp16 both ways)"
+                          if args.ushape else ""),
               "host": platform.platform(), "seconds": round(time.time() - t0, 1),
               "goals_at_80ms": {"agent_tokens_per_round_trip": 2.5, "agent_speedup_tokens_per_s": 2.0,
                                 "chat_tokens_per_round_trip": 1.5},

@@ -8,20 +8,28 @@ all-cloud (docs/performance.md, "Edge: screenshots"; raw numbers in docs/results
    sends them, 3-D rope positions included; fixed-rate codecs, so the values do not change the size).
 2. **Vision encode time**: the full-size GLM-4.1V vision tower (hidden 1536, 12 heads, patch 14, merge 2,
    merger 4096 / 13696) with random weights, exported by ``partition_tools.export_vision``, int8 and fp32,
-   2 threads. A 24-layer export (3.6 GB fp32) does not fit this shared 2-core box's time, so the graph is
-   built with 1 and with 2 blocks, each timed, and the 24-block time is ``t1 + 23 (t2 - t1)`` (the
-   blocks are identical in shape, so the scaling is exact up to timing noise). Budgets whose image would take
+   2 threads. A 24-block export (892 M parameters, 3.3 GiB fp32; ~3x that while exporting) does not fit
+   this shared box, so the graph is built with 1 and with 2 blocks, each timed, and the 24-block time is
+   ``t1 + 23 (t2 - t1)`` (the blocks are identical in shape, so the scaling is exact up to timing noise). Budgets whose image would take
    minutes per block are skipped (``--max-patches``) and marked so.
 3. **Agent loop** (``--agent``): the AutoGLM-shaped loop through a real ``autoglm-cloud serve`` on
    loopback - the long system prompt (edge_client/data/autoglm_system_prompt.txt as token ids), then per
    step a new screenshot + a short instruction, a short action output. The model is a GLM-4.1V-shaped
    random one at hidden 4096 (so the bytes are the real model's) with 2 thin text layers, split at 1, and a
    1-block vision tower (so the loop runs on this box; part 2 has the full tower's time). Per step: prompt
-   tokens, tokens uploaded, bytes up, edge encode ms, TTFT; and the bytes per step against the JPEG.
+   tokens, tokens uploaded, bytes up, edge encode ms, TTFT; and the bytes per step against the JPEG. The
+   first loop then runs ``--agent-memory-steps`` more steps with the activation cache capped at
+   ``--agent-cache-mb`` (reached within the run) and records the process's RSS after every step, its peak and
+   its growth per step from step 50 on (``agent.memory``).
+4. **Delta coding** (``delta``): consecutive scripted screens (a base screenshot, then a toggle, a text
+   change, a dialog or a scroll), both steps' boundary states in two prompt layouts (the actions before the
+   screenshot, AutoGLM's; the screenshot before them), and step 2's upload coded directly, as the residual
+   against step 1's reconstructed rows, or skipping rows that barely changed: bytes and the cloud half's
+   logit error against the uncoded states (:func:`delta_coding`).
 
 Trained GLM-4.1V weights are not available here: these are bytes and times, not answer quality.
 
-    python bench/vision_upload_bench.py [--parts upload,encode,agent] [--out docs/results/vision_upload.json]
+    python bench/vision_upload_bench.py [--parts upload,encode,agent,delta] [--out docs/results/vision_upload.json]
 
 ``--parts`` runs a subset and keeps the other parts of an existing ``--out`` (each part records its command).
 """
@@ -29,6 +37,7 @@ Trained GLM-4.1V weights are not available here: these are bytes and times, not 
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import sys
@@ -98,18 +107,22 @@ def encoded_sizes(img) -> dict:
     return out
 
 
-def wire_bytes(n_tokens: int, codec_name: str, hidden: int = HIDDEN) -> int:
-    """Bytes of the Prefill frames carrying ``n_tokens`` hidden states [n, hidden] (3-D rope positions too)."""
+def frames_bytes(hidden: np.ndarray, codec_name: str, zstd: bool = False) -> int:
+    """Bytes of the Prefill frames carrying ``hidden`` [n, H] (3-D rope positions too), ``zstd`` on the payload."""
     from shared.chunking import prefill_messages
     from shared.codecs import get_codec
     from shared.protocol import SessionLimits, encode_message
 
-    rng = np.random.default_rng(0)
-    h = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
-    rope = np.zeros((3, n_tokens), np.int32)
-    msgs = prefill_messages("r" * 16, h, get_codec(codec_name), SessionLimits(), start=64, last=False,
-                            rope_positions=rope)
+    rope = np.zeros((3, hidden.shape[0]), np.int32)
+    msgs = prefill_messages("r" * 16, np.ascontiguousarray(hidden, np.float32), get_codec(codec_name),
+                            SessionLimits(), start=64, last=False, rope_positions=rope, zstd=zstd)
     return sum(len(encode_message(m)) for m in msgs)
+
+
+def wire_bytes(n_tokens: int, codec_name: str, hidden: int = HIDDEN) -> int:
+    """Bytes of the Prefill frames carrying ``n_tokens`` hidden states [n, hidden] (fixed-rate codecs: the
+    values do not change the size)."""
+    return frames_bytes(np.random.default_rng(0).standard_normal((n_tokens, hidden)), codec_name)
 
 
 def upload_table(spec) -> list[dict]:
@@ -238,6 +251,180 @@ def agent_model():
     return Glm4vForConditionalGeneration._from_config(cfg, dtype=torch.float32).eval()
 
 
+def changed_screen(base, change: str, seed: int = 0):
+    """``base`` (a :func:`screenshot`) after one scripted agent action: ``toggle`` (one switch flips colour),
+    ``text`` (one list row's subtitle changes), ``dialog`` (a modal box over the middle third), ``scroll``
+    (the list moves up by one row: every row below the app bar changes)."""
+    from PIL import ImageDraw, ImageFont
+
+    img = base.copy()
+    width, height = img.size
+    s = width / 1080
+    d = ImageDraw.Draw(img)
+    row = lambda k: int(680 * s) + k * int(120 * s)  # noqa: E731 - the top of list row k (as screenshot draws)
+    if change == "toggle":
+        y = row(3)
+        d.rounded_rectangle([width - int(200 * s), y + int(30 * s), width - int(50 * s), y + int(80 * s)],
+                            radius=int(25 * s), fill=(20, 160, 90))
+    elif change == "text":
+        y = row(5)
+        d.rectangle([int(140 * s), y + int(60 * s), width - int(220 * s), y + int(105 * s)], fill=(250, 250, 252))
+        d.text((int(140 * s), y + int(66 * s)), "Connecting... tap to cancel", fill=(110, 110, 120),
+               font=ImageFont.load_default(size=max(10, int(26 * s))))
+    elif change == "dialog":
+        d.rounded_rectangle([int(90 * s), int(800 * s), width - int(90 * s), int(1500 * s)], radius=int(30 * s),
+                            fill=(255, 255, 255), outline=(200, 200, 205), width=3)
+        font = ImageFont.load_default(size=max(12, int(40 * s)))
+        d.text((int(140 * s), int(860 * s)), "Turn on Wi-Fi?", fill=(20, 20, 24), font=font)
+        for k, label in enumerate(("Cancel", "Turn on")):
+            x0 = int((560 + 230 * k) * s)
+            d.rounded_rectangle([x0, int(1380 * s), x0 + int(200 * s), int(1460 * s)], radius=int(20 * s),
+                                fill=(33, 110, 220) if k else (230, 230, 235))
+            d.text((x0 + int(30 * s), int(1400 * s)), label, fill=(255, 255, 255) if k else (20, 20, 24), font=font)
+    elif change == "scroll":
+        top, bottom, step = int(200 * s), height - int(160 * s), int(120 * s)
+        img.paste(base.crop((0, top + step, width, bottom)), (0, top))
+        d.rectangle([0, bottom - step, width, bottom], fill=(250, 250, 252))
+        d.text((int(140 * s), bottom - step + int(18 * s)), "Accessibility", fill=(20, 20, 24),
+               font=ImageFont.load_default(size=max(12, int(34 * s))))
+    else:
+        raise ValueError(f"change {change!r}: expected toggle, text, dialog or scroll")
+    return img
+
+
+DELTA_CHANGES = ("toggle", "text", "dialog", "scroll")
+DELTA_SKIP_TAUS = (0.05, 0.2)
+
+
+def _row_rel_change(new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """Per row [n]: max abs difference over the new row's max abs value."""
+    return np.abs(new - old).max(axis=1) / np.maximum(np.abs(new).max(axis=1), 1e-12)
+
+
+def delta_coding(budget: int, threads: int) -> dict:
+    """Delta coding of a step's visual states against the previous step's, measured on the edge side: for
+    consecutive scripted screens (a base screenshot, then one action), the boundary states of both agent steps
+    (the same model as the agent loop; step 2's context has the step-1 action in it), then per codec the
+    uploaded rows coded (a) directly, (b) as the residual against step 1's rows as the cloud reconstructed
+    them, (c) skipping rows whose relative change is under tau (the cloud would reuse step 1's row; a bitmask
+    says which). Bytes: Prefill frames of the upload (the image and the text after the cached prefix);
+    error: the cloud half's logits over the uploaded positions against the uncoded (fp32) states."""
+    import torch
+
+    from edge_client.front import FrontRuntime
+    from edge_client.media import MediaEncoders, MediaPart, MediaPolicy, assemble
+    from partition_tools.cloud_half import CloudModel
+    from partition_tools.models import LoadedModel
+    from partition_tools.split import SplitConfig, split
+
+    rng = np.random.default_rng(1)
+    system = [int(t) for t in rng.integers(20, 2000, 682)]  # the agent loop's system prompt length
+    task = [int(t) for t in rng.integers(20, 2000, 24)]
+    action = [int(t) for t in rng.integers(20, 2000, 8)]  # step 1's output, in step 2's prompt
+    instruction = [int(t) for t in rng.integers(20, 2000, 12)]
+    block = 16  # the edge's and the cloud's prefix block: step 2 uploads from the block holding the image on
+    h, w = SCREENS["1080x2400"]
+    base = screenshot(h, w, seed=0)
+    out: dict = {"budget_max_pixels": budget, "screen": "1080x2400", "block_tokens": block,
+                 "model": "the agent loop's (hidden 4096, split at 1, int8 front, 1-block fp32 tower)",
+                 "skip_taus": list(DELTA_SKIP_TAUS), "changes": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        lm = LoadedModel(agent_model(), None, "bench:vision-agent@seed0", "bench:vision-agent")
+        bundle = Path(tmp) / "b"
+        split(lm, SplitConfig(layer=1, out=bundle, edge_quant="int8", vision_quant="fp32"))
+        del lm
+        media, front = MediaEncoders(bundle, threads), FrontRuntime(bundle, threads=threads)
+        cloud = CloudModel.from_bundle(bundle)
+        policy = MediaPolicy(max_pixels=budget)
+
+        def states(img, ids):
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            items = media.items([MediaPart("image", buf.getvalue())], policy)
+            mp = assemble(ids, items, front.hidden_size, media.merge_size)
+            front.reset()
+            return mp, front.prefill_media(mp.ids, mp.positions, mp.embeds, mp.mask), \
+                media.vision.prepare(buf.getvalue(), budget).pixel_values  # [S, H], [N, 1176]
+
+        def logits(hidden, mp, c):  # the cloud half's logits [U, V] over the uploaded positions
+            x = torch.from_numpy(np.ascontiguousarray(hidden, np.float32))[None]
+            pos = torch.from_numpy(mp.positions.astype(np.int64))[:, None]  # [3, 1, T]
+            with torch.no_grad():
+                return cloud(x, torch.arange(x.shape[1])[None], pos)[0, c:].numpy()
+
+        image = [12, 10, 13]
+        layouts = {  # history -> the step's prompt
+            "history-then-image": lambda hist: system + task + hist + image + instruction,  # AutoGLM's order
+            "image-then-history": lambda hist: system + task + image + hist + instruction}
+        for layout, prompt in layouts.items():
+            mp1, h1, px1 = states(base, prompt([]))
+            rows1 = h1[mp1.mask]  # [n, H] step 1's visual states at the boundary
+            for change in DELTA_CHANGES:
+                mp2, h2, px2 = states(changed_screen(base, change), prompt(action))
+                m2 = mp2.mask
+                c = (int(np.argmax(m2)) // block) * block
+                up, img = h2[c:], m2[c:]  # [U, H] the upload; bool [U]: its image rows
+                rows2 = h2[m2]
+                patch_changed = np.abs(px2 - px1).max(axis=1) > 0  # [N]
+                rec: dict = {"layout": layout, "change": change, "visual_tokens": int(m2.sum()),
+                             "uploaded_tokens": int(up.shape[0]), "patches_changed": round(float(patch_changed.mean()), 3),
+                             "tokens_with_a_changed_patch": round(float(
+                                 patch_changed.reshape(-1, media.merge_size ** 2).any(axis=1).mean()), 3),
+                             "encoder_rows_rel_change_median": round(float(np.median(_row_rel_change(
+                                 mp2.embeds[m2], mp1.embeds[mp1.mask]))), 4),
+                             "boundary_rows_rel_change_median": round(float(np.median(_row_rel_change(rows2, rows1))),
+                                                                      4),
+                             "codecs": {}}
+                score = functools.partial(_scored, logits=logits, head=h2[:c], mp=mp2, c=c, ref=logits(h2, mp2, c))
+                for name in ("int8-b32", "int4-b32"):
+                    rec["codecs"][name] = _delta_variants(name, up, img, rows1, rows2, score)
+                out["changes"].append(rec)
+                print(f"delta {layout} {change}: " + json.dumps(rec), flush=True)
+    return out
+
+
+
+def _scored(rows_up: np.ndarray, nbytes: int, *, logits, head: np.ndarray, mp, c: int, ref: np.ndarray) -> dict:
+    """Bytes and the logit error of one variant: the uploaded rows [U, H] after the cached ``head`` [c, H]
+    through the cloud half (``logits``), against ``ref`` (the uncoded states' logits [U, V])."""
+    got = logits(np.concatenate([head, rows_up]), mp, c)
+    return {"bytes": int(nbytes), "max_abs_logit_error": round(float(np.abs(got - ref).max()), 5),
+            "top1_agreement": round(float((got.argmax(1) == ref.argmax(1)).mean()), 4)}
+
+
+def _delta_variants(name: str, up: np.ndarray, img: np.ndarray, rows1: np.ndarray, rows2: np.ndarray,
+                    score) -> dict:
+    """One codec's variants (see :func:`delta_coding`): ``up`` [U, H] the upload, ``img`` bool [U] its image
+    rows, ``rows1`` / ``rows2`` [n, H] the two steps' uncoded visual states, ``score(rows, bytes)``."""
+    from shared.codecs import get_codec
+
+    codec = get_codec(name)
+
+    def dec(x: np.ndarray) -> np.ndarray:  # what the cloud reconstructs from x sent with this codec
+        return codec.decode(codec.encode(np.ascontiguousarray(x, np.float32)))
+
+    prev = dec(rows1)  # step 1's visual states as the cloud reconstructed them
+    direct = dec(up)
+    out = {"direct": score(direct, frames_bytes(up, name))}
+    resid = up.copy()
+    resid[img] = rows2 - prev
+    rows_up = direct.copy()
+    rows_up[img] = prev + dec(resid)[img]
+    out["residual"] = score(rows_up, frames_bytes(resid, name))
+    out["direct+zstd"] = {"bytes": frames_bytes(up, name, zstd=True)}
+    out["residual+zstd"] = {"bytes": frames_bytes(resid, name, zstd=True)}
+    rel = _row_rel_change(rows2, prev)  # [n]
+    for tau in DELTA_SKIP_TAUS:
+        keep = rel < tau  # rows the cloud would take from step 1
+        rows_up = direct.copy()
+        rows_up[img] = np.where(keep[:, None], prev, direct[img])
+        sent = np.concatenate([up[~img], rows2[~keep]])
+        nbytes = frames_bytes(sent, name) + (len(keep) + 7) // 8
+        scored = score(rows_up, nbytes) if keep.any() else {**out["direct"], "bytes": nbytes}  # none skipped
+        out[f"skip<{tau:g}"] = {**scored, "rows_skipped": round(float(keep.mean()), 3)}
+    return out
+
+
 def _rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -245,7 +432,8 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def agent_loop(budget: int, threads: int, steps: int = 5, memory_steps: int = 100,
+def agent_loop(budget: int, threads: int, steps: int = 5, memory_steps: int = 100, cache_mb: int = 128,
+               history_steps: int = 0,
                codecs: tuple[str | None, ...] = (None, "int4-b32")) -> dict:
     """The AutoGLM-shaped loop through a real server (see the module docstring, part 3), once per wire codec
     (None: the precision policy's choice); the memory check continues the first loop."""
@@ -268,18 +456,19 @@ def agent_loop(budget: int, threads: int, steps: int = 5, memory_steps: int = 10
         with LocalCloud(bundle, log_path=Path(tmp) / "cloud.log") as cloud:
             for k, codec in enumerate(codecs):
                 loop = _one_loop(cloud.ws_url, bundle, codec, budget, threads, system, task, steps,
-                                 memory_steps if k == 0 else 0, out, rng)
+                                 memory_steps if k == 0 else 0, out, rng, cache_mb, history_steps)
                 out["loops"].append(loop)
     return out
 
 
-def _one_loop(url, bundle, codec, budget, threads, system, task, steps, memory_steps, out, rng) -> dict:
+def _one_loop(url, bundle, codec, budget, threads, system, task, steps, memory_steps, out, rng, cache_mb,
+              history_steps: int = 0) -> dict:
     from edge_client.client import EdgeClient
     from edge_client.media import MediaPolicy
 
     h, w = SCREENS["1080x2400"]
     loop: dict = {"codec": codec or "policy", "steps": []}
-    with EdgeClient(bundle, url, threads=threads, codec=codec,
+    with EdgeClient(bundle, url, threads=threads, codec=codec, cache_max_bytes=cache_mb << 20,
                     media_policy=MediaPolicy(max_pixels=budget)) as c:
         c.warmup_encoders(("image",))
         if memory_steps:
@@ -294,6 +483,8 @@ def _one_loop(url, bundle, codec, budget, threads, system, task, steps, memory_s
             ids = system + task + history + [12, 10, 13] + instruction
             gen = c.complete(prompt_ids=ids, images=[buf.getvalue()], max_tokens=8)
             history += gen.token_ids[:8]  # the action taken, in the next step's prompt
+            if history_steps:  # an agent's context budget: the last history_steps actions only
+                history = history[-8 * history_steps:]
             st = gen.stats
             if step < steps:
                 rec = {"step": step + 1, "prompt_tokens": st.prompt_tokens, "image_tokens": st.image_tokens,
@@ -306,13 +497,14 @@ def _one_loop(url, bundle, codec, budget, threads, system, task, steps, memory_s
                        "bytes_up_over_jpeg": round(st.bytes_up / jpeg, 2)}
                 loop["steps"].append(rec)
                 print(f"step {step + 1}: {rec}", flush=True)
-            if memory_steps and step + 1 in (steps, steps + 10, steps + memory_steps // 2, steps + memory_steps):
+            if memory_steps:
                 rss, cached = _rss_mb(), c.cache.nbytes / 2**20  # the cache may grow to its cap; the rest may not
-                out.setdefault("rss_mb_after_steps", {})[str(step + 1)] = round(rss, 1)
-                out.setdefault("edge_cache_mb_after_steps", {})[str(step + 1)] = round(cached, 1)
-                out.setdefault("rss_less_cache_mb_after_steps", {})[str(step + 1)] = round(rss - cached, 1)
+                out.setdefault("rss_mb_per_step", []).append(round(rss, 1))
+                out.setdefault("edge_cache_mb_per_step", []).append(round(cached, 1))
                 print(f"after {step + 1} steps: edge process RSS {rss:.0f} MB, of it activation cache "
                       f"{cached:.0f} MB", flush=True)
+    if memory_steps:
+        out["memory"] = _memory_summary(out["rss_mb_per_step"], out["edge_cache_mb_per_step"])
     later = loop["steps"][1:]
     loop["mean_bytes_up_after_step_1"] = int(np.mean([r["bytes_up"] for r in later]))
     loop["mean_jpeg_q90_bytes"] = int(np.mean([r["jpeg_q90_bytes"] for r in later]))
@@ -320,15 +512,33 @@ def _one_loop(url, bundle, codec, budget, threads, system, task, steps, memory_s
     return loop
 
 
+def _memory_summary(rss: list[float], cache: list[float], from_step: int = 50) -> dict:
+    """Peak RSS and the growth per step (least-squares slope) from ``from_step`` on, of the RSS and of the
+    RSS less the activation cache."""
+    steps = np.arange(1, len(rss) + 1)
+    tail = steps >= from_step
+    less = np.asarray(rss) - np.asarray(cache)
+    slope = lambda y: round(float(np.polyfit(steps[tail], np.asarray(y)[tail], 1)[0]), 3)  # noqa: E731
+    return {"steps": len(rss), "peak_rss_mb": max(rss), "peak_step": int(np.argmax(rss)) + 1,
+            f"rss_mb_per_step_from_{from_step}": slope(rss),
+            f"rss_less_cache_mb_per_step_from_{from_step}": slope(less),
+            "rss_less_cache_mb_at": {str(k): round(float(less[k - 1]), 1) for k in (5, 25, 50, 75, len(rss))
+                                     if k <= len(rss)}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-patches", type=int, default=4096, help="skip timing budgets with more patches")
     ap.add_argument("--repeats", type=int, default=4)
-    ap.add_argument("--parts", default="upload,encode,agent",
-                    help="which parts to run (upload, encode, agent); the others are kept from --out if it exists")
+    ap.add_argument("--parts", default="upload,encode,agent,delta",
+                    help="which parts to run (upload, encode, agent, delta); the others are kept from --out if it exists")
     ap.add_argument("--agent-budget", type=int, default=250_000, help="pixel budget of the agent loop")
     ap.add_argument("--agent-memory-steps", type=int, default=100, help="further steps for the memory check")
+    ap.add_argument("--agent-cache-mb", type=int, default=128,
+                    help="the edge activation cache's cap in the loop (small enough to be reached within the run)")
+    ap.add_argument("--agent-history-steps", type=int, default=0,
+                    help="keep only the last K actions in the prompt (an agent's context window); 0: all")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "vision_upload.json"))
     args = ap.parse_args()
 
@@ -348,7 +558,7 @@ def main() -> int:
     result: dict = {"command": command, "hidden_size": HIDDEN, "default_budget_max_pixels": DEFAULT_BUDGET,
                     "note": "random weights: bytes and times only; the budgets' effect on answers is unmeasured"}
     result["upload"] = upload_table(spec)  # deterministic: always recomputed
-    for part in ("encode", "agent"):
+    for part in ("encode", "agent", "delta"):
         if part not in parts and part in prev:
             result[part] = {"command": prev.get("command"), **prev[part]}  # as that run recorded it
     if "encode" in parts:
@@ -356,7 +566,12 @@ def main() -> int:
                             **encode_times(result["upload"], args.threads, args.max_patches, args.repeats)}
     if "agent" in parts:
         result["agent"] = {"command": command, "load_average_at_start": load,
-                           **agent_loop(args.agent_budget, args.threads, memory_steps=args.agent_memory_steps)}
+                           **agent_loop(args.agent_budget, args.threads, memory_steps=args.agent_memory_steps,
+                                       cache_mb=args.agent_cache_mb, history_steps=args.agent_history_steps),
+                           "history_window_steps": args.agent_history_steps or None}
+    if "delta" in parts:
+        result["delta"] = {"command": command, "load_average_at_start": load,
+                           **delta_coding(args.agent_budget, args.threads)}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

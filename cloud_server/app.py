@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from contextlib import asynccontextmanager
 
@@ -43,6 +44,7 @@ from cloud_server.limits import HttpConcurrencyLimit
 from shared import openai_compat as oc
 
 log = logging.getLogger("autoglm.cloud")
+GIL_SWITCH_S = 0.0005  # sys.setswitchinterval while serving (see DrainingServer.serve)
 
 
 async def drain(app: FastAPI) -> None:
@@ -87,6 +89,10 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
+        # The event loop and the engine thread share the GIL. A thread that wants it waits for the holder's
+        # switch interval (5 ms by default), so an engine step finishing while the loop parses frames would
+        # wait up to 5 ms to deliver and launch the next; hand the GIL over 10x sooner.
+        sys.setswitchinterval(GIL_SWITCH_S)
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:  # may be called from any thread

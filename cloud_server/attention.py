@@ -9,6 +9,10 @@ calls the registered function :func:`paged_attention_forward` (``config._attn_im
 2. attends each sequence's queries over that sequence's cached keys/values (its earlier steps + this one),
    causally: query ``i`` of a chunk of ``n`` sits at position ``ctx - n + i`` and sees keys ``[0, ctx - n + i]``.
 
+An 8-bit pool (``kv_cache_dtype`` int8 / fp8, ``cloud_server.kv_quant``) is quantized on the write and its
+gathered slots dequantized to the compute dtype on the read; its heads are stored Hadamard-rotated, so this
+step's queries are rotated in and the outputs rotated back (``kv_quant.rotation``).
+
 The per-step metadata (slot mapping, per-sequence query lengths, context lengths and slot lists) comes from
 an :class:`AttentionContext` that the model runner installs around the forward pass. Outside such a context
 the function delegates to the library's SDPA attention, so the same modules keep working as a plain model
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cloud_server.kv_quant import as_bytes, dequantize, quantize, rotation
+
 ATTN_IMPL = "autoglm_paged"
 
 
@@ -41,6 +47,8 @@ class AttentionContext:
     context_lens: list[int]  # [B] cached tokens of each sequence after this step's writes
     seq_slots: list[torch.Tensor]  # [B] x [context_len] int64: slots of each sequence's tokens, in order
     batch_invariant: bool = True
+    k_scale: torch.Tensor | None = None  # [layers, slots, KVH] float32: an 8-bit pool's scales (None: 16/32-bit)
+    v_scale: torch.Tensor | None = None
 
 
 _local = threading.local()
@@ -77,9 +85,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise ValueError(f"paged attention expects a flattened batch [1, T, ...], got batch {query.shape[0]}")
     layer = module.layer_idx
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]  # [slots, KVH, D]
+    k_scale = None if ctx.k_scale is None else ctx.k_scale[layer]  # [slots, KVH]
+    v_scale = None if ctx.v_scale is None else ctx.v_scale[layer]
+    rot = None if k_scale is None else rotation(query.shape[-1], query.device, query.dtype)  # [D, D] or None
+    if rot is not None:  # an 8-bit pool holds rotated heads: attend in that basis (kv_quant.rotation)
+        query, key, value = query @ rot, key @ rot, value @ rot
     # 1. this step's K/V into the pool
-    k_cache.index_copy_(0, ctx.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))  # [T, KVH, D]
-    v_cache.index_copy_(0, ctx.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    _store(k_cache, k_scale, ctx.slot_mapping, key[0].transpose(0, 1))  # [T, KVH, D]
+    _store(v_cache, v_scale, ctx.slot_mapping, value[0].transpose(0, 1))
     q_all = query[0]  # [Hq, T, D]
     hq, t, d = q_all.shape
     rep = hq // k_cache.shape[1]  # GQA: query head h reads KV head h // rep
@@ -93,24 +106,45 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if not ctx.batch_invariant:
         decodes = [i for i in todo if ctx.query_lens[i] == 1]
         if len(decodes) > 1:
-            _batched_decode(q_all, k_cache, v_cache, ctx, decodes, starts, rep, scaling, out)
+            _batched_decode(q_all, (k_cache, k_scale), (v_cache, v_scale), ctx, decodes, starts, rep, scaling,
+                            out)
             todo = [i for i in todo if ctx.query_lens[i] != 1]
     for i in todo:
         a, b, n, c = starts[i], starts[i + 1], ctx.query_lens[i], ctx.context_lens[i]
         slots = ctx.seq_slots[i]  # [c]
-        k = k_cache.index_select(0, slots).transpose(0, 1).to(query.dtype)  # [KVH, c, D]
-        v = v_cache.index_select(0, slots).transpose(0, 1).to(query.dtype)
+        k = _load(k_cache, k_scale, slots, query.dtype).transpose(0, 1)  # [KVH, c, D]
+        v = _load(v_cache, v_scale, slots, query.dtype).transpose(0, 1)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)  # [Hq, c, D]
         q = q_all[:, a:b]  # [Hq, n, D]
         mask = None if n == 1 else _causal_mask(n, c, query.device)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # [Hq, n, D]
         out[a:b] = o.transpose(0, 1)
+    if rot is not None:
+        out = out @ rot  # back from the rotated basis (H is its own inverse)
     return out[None], None
 
 
-def _batched_decode(q_all, k_cache, v_cache, ctx, rows, starts, rep, scaling, out):
-    """One padded SDPA call for sequences with a single query token each."""
+def _store(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Write x [T, KVH, D] into one layer's ``cache`` [slots, KVH, D] at ``slots`` [T] (quantized if ``scale``)."""
+    if scale is None:
+        cache.index_copy_(0, slots, x.to(cache.dtype))
+        return
+    q, s = quantize(x, cache.dtype)  # [T, KVH, D], [T, KVH]
+    as_bytes(cache).index_copy_(0, slots, as_bytes(q))
+    scale.index_copy_(0, slots, s)
+
+
+def _load(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``dtype`` keys or values at ``slots`` (any shape [...]) of one layer: [..., KVH, D]."""
+    if scale is None:
+        return cache[slots].to(dtype)
+    return dequantize(as_bytes(cache)[slots], scale[slots], dtype)
+
+
+def _batched_decode(q_all, k_pool, v_pool, ctx, rows, starts, rep, scaling, out):
+    """One padded SDPA call for sequences with a single query token each; ``k_pool`` / ``v_pool`` are one
+    layer's (cache, scale or None)."""
     lens = [ctx.context_lens[i] for i in rows]
     width = max(lens)
     dev = q_all.device
@@ -118,8 +152,8 @@ def _batched_decode(q_all, k_cache, v_cache, ctx, rows, starts, rep, scaling, ou
     for j, i in enumerate(rows):
         slots[j, : lens[j]] = ctx.seq_slots[i]
     valid = torch.arange(width, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]  # [B, Lmax]
-    k = k_cache[slots].permute(0, 2, 1, 3).to(q_all.dtype)  # [B, KVH, Lmax, D]
-    v = v_cache[slots].permute(0, 2, 1, 3).to(q_all.dtype)
+    k = _load(*k_pool, slots, q_all.dtype).permute(0, 2, 1, 3)  # [B, KVH, Lmax, D]
+    v = _load(*v_pool, slots, q_all.dtype).permute(0, 2, 1, 3)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, Hq, Lmax, D]
     idx = torch.tensor([starts[i] for i in rows], device=dev)

@@ -3,7 +3,8 @@
 The keys file (JSON, written by ``autoglm-cloud keys add``)::
 
     {"version": 1, "keys": [
-      {"key_id": "k3f9a1c2", "tenant": "acme", "hash": "sha256:<hex of sha256(key)>", "max_sessions": 8}
+      {"key_id": "k3f9a1c2", "tenant": "acme", "hash": "sha256:<hex of sha256(key)>", "max_sessions": 8},
+      {"key_id": "k0c4e7d1", "tenant": "ops", "hash": "sha256:<hex>", "role": "operator"}
     ]}
 
 * The file holds hashes only: a leaked file does not let anyone in. Keys are 32 random bytes (``agk_`` +
@@ -13,6 +14,9 @@ The keys file (JSON, written by ``autoglm-cloud keys add``)::
   so the time taken says nothing about which bytes matched or which entry did.
 * Keys come from the ``Authorization: Bearer <key>`` header only (an HTTP request's or the WebSocket
   handshake's), never from a query string: URLs end up in proxy and access logs.
+* ``role`` (default ``tenant``): an ``operator`` key's sessions publish their prompt blocks into the shared
+  prefix scope (``shared.prefix_keys.SHARED_SCOPE``) that every tenant's lookups fall back to - the one way
+  in; no other key, and no client of an open server, can write there (docs/security.md, "Shared prefixes").
 * Reloadable: the file is re-read when its mtime changes (checked at most once per :data:`STAT_EVERY_S` on the
   request path) and on SIGHUP (:func:`install_sighup`). A reload that fails to parse keeps the keys already
   loaded and logs why: a typo in an edit must not lock every tenant out.
@@ -21,7 +25,7 @@ The keys file (JSON, written by ``autoglm-cloud keys add``)::
 401). Without a keys file or ``--api-key`` every client is let in; its tenant is then the digest of whatever
 bearer token it sent (``shared.prefix_keys.tenant_of``), so clients still do not share prefix blocks by
 accident. ``Principal.tenant`` is the namespace of the session's prefix cache and the ``tenant`` label of the
-usage metrics (``cloud_server.usage``).
+usage metrics (``cloud_server.usage``); ``Principal.prefix_scope`` is where its sessions publish prefix blocks.
 """
 
 from __future__ import annotations
@@ -41,13 +45,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.prefix_keys import tenant_of
+from shared.prefix_keys import SHARED_SCOPE, tenant_of
 
 log = logging.getLogger("autoglm.cloud.auth")
 
 KEY_PREFIX = "agk_"
 STAT_EVERY_S = 1.0  # the request path looks at the file's mtime at most this often
 _TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+ROLES = ("tenant", "operator")  # operator: publishes into the shared prefix scope
 
 
 class KeysFileError(ValueError):
@@ -58,12 +63,19 @@ class KeysFileError(ValueError):
 class Principal:
     """Who a request is from. ``tenant``: prefix-cache namespace and metrics label; ``key_id``: the key's public
     id (None: no key store, an open server); ``max_sessions``: this key's cap on open split sessions (None:
-    only the server's)."""
+    only the server's); ``role``: :data:`ROLES`."""
 
     tenant: str
     key_id: str | None = None
     max_sessions: int | None = None
     metered: bool = False  # a key of the store: usage is recorded under its tenant (bounded label set)
+    role: str = "tenant"
+
+    @property
+    def prefix_scope(self) -> str:
+        """The namespace its sessions publish prefix blocks in: the shared scope for an operator, else its
+        tenant's (lookups fall back from a tenant's scope to the shared one: ``cloud_server.engine.kv_cache``)."""
+        return SHARED_SCOPE if self.role == "operator" else self.tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +84,7 @@ class KeyEntry:
     tenant: str
     digest: bytes  # sha256 of the key
     max_sessions: int | None
+    role: str = "tenant"
 
 
 def hash_key(key: str) -> str:
@@ -104,6 +117,7 @@ def parse_keys(text: str, source: str) -> list[KeyEntry]:
         if not isinstance(e, dict):
             raise KeysFileError(f"{where}: expected an object")
         key_id, tenant, digest, cap = e.get("key_id"), e.get("tenant"), e.get("hash"), e.get("max_sessions")
+        role = e.get("role", "tenant")
         if not isinstance(key_id, str) or not key_id or key_id in seen:
             raise KeysFileError(f"{where}: key_id must be a unique non-empty string")
         if not isinstance(tenant, str) or not tenant or not set(tenant) <= _TENANT_CHARS or len(tenant) > 64:
@@ -116,8 +130,10 @@ def parse_keys(text: str, source: str) -> list[KeyEntry]:
             raise KeysFileError(f"{where}: hash is not hex") from None
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
             raise KeysFileError(f"{where}: max_sessions must be a positive integer or absent")
+        if role not in ROLES:
+            raise KeysFileError(f"{where}: role must be one of {', '.join(ROLES)} (got {role!r})")
         seen.add(key_id)
-        out.append(KeyEntry(key_id, tenant, raw, cap))
+        out.append(KeyEntry(key_id, tenant, raw, cap, role))
     return out
 
 
@@ -200,7 +216,8 @@ class Authenticator:
             entry = self.store.lookup(token) if token is not None else None
             if entry is None:
                 return None
-            return Principal(f"tenant:{entry.tenant}", entry.key_id, entry.max_sessions, metered=True)
+            return Principal(f"tenant:{entry.tenant}", entry.key_id, entry.max_sessions, metered=True,
+                             role=entry.role)
         if self._api_digest is not None:
             ok = token is not None and hmac.compare_digest(hashlib.sha256(token.encode()).digest(),
                                                            self._api_digest)
@@ -224,9 +241,10 @@ def install_sighup(store: KeyStore | None) -> bool:
 
 
 # -- `autoglm-cloud keys add` -------------------------------------------------------------------------
-def add_key(path: str | Path, tenant: str, max_sessions: int | None = None) -> tuple[str, str]:
-    """Append a new key for ``tenant`` to the keys file (created if absent, mode 0600); returns
-    ``(key_id, key)``. The key itself is not stored: this is the only time it is seen."""
+def add_key(path: str | Path, tenant: str, max_sessions: int | None = None,
+            role: str = "tenant") -> tuple[str, str]:
+    """Append a new key for ``tenant`` with ``role`` (:data:`ROLES`) to the keys file (created if absent, mode
+    0600); returns ``(key_id, key)``. The key itself is not stored: this is the only time it is seen."""
     path = Path(path)
     data = {"version": 1, "keys": []}
     if path.exists():
@@ -238,6 +256,8 @@ def add_key(path: str | Path, tenant: str, max_sessions: int | None = None) -> t
              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if max_sessions is not None:
         entry["max_sessions"] = max_sessions
+    if role != "tenant":
+        entry["role"] = role
     data["keys"].append(entry)
     parse_keys(json.dumps(data), str(path))  # the new entry is valid (tenant name, cap)
     tmp = path.with_name(path.name + ".tmp")
@@ -250,7 +270,8 @@ def add_key(path: str | Path, tenant: str, max_sessions: int | None = None) -> t
 
 
 def keys_main(argv: list[str] | None = None) -> int:
-    """``autoglm-cloud keys add FILE --tenant NAME [--max-sessions N]``: prints the new key once."""
+    """``autoglm-cloud keys add FILE --tenant NAME [--max-sessions N] [--role operator]``: prints the new key
+    once."""
     ap = argparse.ArgumentParser(prog="autoglm-cloud keys", description="Manage the API keys file.")
     sub = ap.add_subparsers(dest="command", required=True)
     add = sub.add_parser("add", help="add a key for a tenant; prints the key once (the file keeps its hash)")
@@ -258,13 +279,16 @@ def keys_main(argv: list[str] | None = None) -> int:
     add.add_argument("--tenant", required=True, help="tenant name ([A-Za-z0-9._-], 1-64 characters)")
     add.add_argument("--max-sessions", type=int, help="open split sessions this key may hold (default: "
                                                       "only the server's --max-sessions)")
+    add.add_argument("--role", choices=ROLES, default="tenant",
+                     help="operator: the key's sessions publish their prompt blocks for every tenant to reuse "
+                          "(trusted system prompts; docs/security.md); default tenant")
     args = ap.parse_args(argv)
     try:
-        key_id, key = add_key(args.file, args.tenant, args.max_sessions)
+        key_id, key = add_key(args.file, args.tenant, args.max_sessions, args.role)
     except (KeysFileError, OSError) as e:
         print(f"autoglm-cloud keys: error: {e}", file=sys.stderr)
         return 2
     print(key)
-    print(f"added key {key_id} for tenant {args.tenant} to {args.file}; the key is shown only now",
+    print(f"added {args.role} key {key_id} for tenant {args.tenant} to {args.file}; the key is shown only now",
           file=sys.stderr)
     return 0

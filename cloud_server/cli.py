@@ -13,6 +13,7 @@ environment > config file > built-in default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -42,41 +43,46 @@ class Option:
     help: str
 
 
-OPTIONS = (
+# the helps too long for a table row (one row per option: the table stays a plain list)
+_VARIANTS_HELP = ("compute variants, comma-separated: auto, fp32, bf16, fp16, int8; the first is the default "
+                  "(default auto = fp32 on CPU, bf16 on CUDA)")
+_CHUNK_WHILE_DECODING_HELP = "prompt positions per step while sequences decode; 0: the whole budget"
+_FAST_PATH_HELP = ("the hand-written GLM layers for GLM float variants, tp 1 or 2 (default: on CUDA; --fast-path: "
+                   "on the CPU too; --no-fast-path: never)")
+_KV_CACHE_DTYPE_HELP = ("KV pool storage: auto (the compute dtype), int8 or fp8 (8-bit, a scale per token and head; "
+                        "the generic runner only)")
+
+OPTIONS = (  # help without "(default ...)" gets the dataclass default appended (build_parser)
     Option("full", str, "server", "full-model mode: serve this model whole (preset, checkpoint dir or .gguf)"),
-    Option("host", str, "server", "listen address (default 127.0.0.1)"),
-    Option("port", int, "server", "listen port (default 8000)"),
+    Option("host", str, "server", "listen address"),
+    Option("port", int, "server", "listen port"),
     Option("api_key", str, "server", "require 'Authorization: Bearer KEY' on the API and the WebSocket"),
-    Option("max_sessions", int, "server", "open split sessions before new ones are refused with 1013 "
-                                          "(default 64)"),
-    Option("session_grace_s", float, "server", "seconds a disconnected session keeps its KV for Resume "
-                                               "(default 30)"),
-    Option("step_timeout_s", float, "server", "abort a request whose edge sends nothing for this long "
-                                              "(default 120)"),
-    Option("drain_timeout_s", float, "server", "on shutdown, seconds open requests may finish (default 30)"),
+    Option("max_sessions", int, "server", "open split sessions before new ones are refused with 1013"),
+    Option("session_grace_s", float, "server", "seconds a disconnected session keeps its KV for Resume"),
+    Option("step_timeout_s", float, "server", "abort a request whose edge sends nothing for this long"),
+    Option("drain_timeout_s", float, "server", "on shutdown, seconds open requests may finish"),
     Option("model_name", str, "server", "model id reported by /v1/models (default: bundle or source name)"),
-    Option("keys_file", str, "server", "API keys file of hashes, one entry per key and tenant (`autoglm-cloud "
-                                       "keys add`); reloaded on change and on SIGHUP"),
-    Option("open_probes", bool, "server", "serve /health, /ready and /metrics without a key (default true)"),
+    Option("keys_file", str, "server", "API keys file (`autoglm-cloud keys add`): hashes, reloaded on change"),
+    Option("open_probes", bool, "server", "serve /health, /ready and /metrics without a key"),
     Option("ssl_certfile", str, "server", "TLS certificate chain (PEM): serve https:// and wss://"),
     Option("ssl_keyfile", str, "server", "TLS private key (PEM), with --ssl-certfile"),
-    Option("handshake_timeout_s", float, "server", "close a WebSocket that sends no Hello within this "
-                                                   "(default 30)"),
-    Option("max_connections", int, "server", "open connections before uvicorn answers 503 (default 2048)"),
-    Option("max_http_requests", int, "server", "HTTP /v1 requests in flight before 429 + Retry-After "
-                                               "(default 256)"),
-    Option("tp", int, "engine", "tensor-parallel ranks: 1 or 2 (default 1)"),
+    Option("handshake_timeout_s", float, "server", "close a WebSocket that sends no Hello within this"),
+    Option("max_connections", int, "server", "open connections before uvicorn answers 503"),
+    Option("max_http_requests", int, "server", "HTTP /v1 requests in flight before 429 + Retry-After"),
+    Option("max_prompt_tokens", int, "server", "prompt positions per request (default: --max-model-len)"),
+    Option("tp", int, "engine", "tensor-parallel ranks: 1 or 2"),
     Option("device", str, "engine", "cpu or cuda (default: cuda if available)"),
-    Option("variants", str, "engine", "compute variants to load, comma-separated: auto, fp32, bf16, fp16, int8 "
-                                      "(default auto = fp32 on CPU, bf16 on CUDA; the first is the default)"),
-    Option("num_blocks", int, "engine", "KV blocks per variant, preallocated (default 1024)"),
-    Option("block_size", int, "engine", "tokens per KV block and prefix-cache granularity (default 16)"),
-    Option("max_num_seqs", int, "engine", "sequences per forward pass (default 64)"),
-    Option("max_num_batched_tokens", int, "engine", "token budget of one engine step (default 2048)"),
-    Option("max_model_len", int, "engine", "positions per sequence (default 8192)"),
-    Option("enable_prefix_cache", bool, "engine", "share KV of common prefixes across sessions (default true)"),
-    Option("fast_path", bool, "engine", "the hand-written GLM layers for GLM float variants, tp 1 or 2 "
-                                        "(default: on CUDA; --fast-path: on the CPU too; --no-fast-path: never)"),
+    Option("variants", str, "engine", _VARIANTS_HELP),
+    Option("num_blocks", int, "engine", "KV blocks per variant, preallocated"),
+    Option("block_size", int, "engine", "tokens per KV block and prefix-cache granularity"),
+    Option("max_num_seqs", int, "engine", "sequences per forward pass"),
+    Option("max_num_batched_tokens", int, "engine", "token budget of one engine step"),
+    Option("prefill_chunk_while_decoding", int, "engine", _CHUNK_WHILE_DECODING_HELP),
+    Option("max_model_len", int, "engine", "positions per sequence: prompt + generated"),
+    Option("enable_prefix_cache", bool, "engine", "share KV of common prefixes across sessions"),
+    Option("async_scheduling", bool, "engine", "launch each engine step before postprocessing the last one"),
+    Option("fast_path", bool, "engine", _FAST_PATH_HELP),
+    Option("kv_cache_dtype", str, "engine", _KV_CACHE_DTYPE_HELP),
 )
 
 
@@ -106,6 +112,16 @@ def _load_file(path: str) -> dict:
     return data
 
 
+def _help(o: Option) -> str:
+    """``o.help`` with its dataclass field's default appended, unless the help states its own or there is none."""
+    field = {f.name: f for f in dataclasses.fields(ServerConfig if o.target == "server" else EngineConfig)}[o.name]
+    if "(default" in o.help or field.default in (None, dataclasses.MISSING):
+        return o.help
+    value = field.default
+    text = str(value).lower() if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) else value
+    return f"{o.help} (default {text})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoglm-cloud", description="The autoglm-split cloud server.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -122,9 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         env = ENV_PREFIX + o.name.upper()
         if o.kind is bool:
             s.add_argument(flag, dest=o.name, action=argparse.BooleanOptionalAction, default=None,
-                           help=f"{o.help} [env {env}]")
+                           help=f"{_help(o)} [env {env}]")
         else:
-            s.add_argument(flag, dest=o.name, type=o.kind, default=None, help=f"{o.help} [env {env}]")
+            s.add_argument(flag, dest=o.name, type=o.kind, default=None, help=f"{_help(o)} [env {env}]")
     s.add_argument("--log-level", default=os.environ.get(ENV_PREFIX + "LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"], help=f"[env {ENV_PREFIX}LOG_LEVEL]")
     return ap

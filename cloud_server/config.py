@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 COMPUTE_VARIANTS = ("fp32", "bf16", "fp16", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # cloud_server.kv_quant: the same names (config imports no torch)
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,9 @@ class EngineConfig:
     # Token budget of one step: every ready decode step first, then prefill chunks fill the rest.
     # Large enough for a phone's typical prompt in one chunk, small enough to bound a step's latency.
     max_num_batched_tokens: int = 2048
+    # While any sequence is decoding, prompt positions per step are capped at this (0 = no cap: the budget), so
+    # a long prompt is prefilled in chunks between decode steps and their inter-token latency stays bounded.
+    prefill_chunk_while_decoding: int = 256
     max_model_len: int = 8192  # positions per sequence (prompt + generated)
     tp: int = 1  # tensor-parallel ranks (1 or 2; GLM-4.1V's 2 KV heads split exactly over 2)
     enable_prefix_cache: bool = True
@@ -45,6 +49,14 @@ class EngineConfig:
     # None: on CUDA (Triton kernels, CUDA graphs); True: on the CPU too (the same layers in plain torch: the
     # tests' check of the served GPU path); False: never. Elsewhere the library's layers run (paged attention).
     fast_path: bool | None = None
+    # Overlap scheduling: step() launches step t + 1 on the device before it postprocesses step t, so the
+    # host's work for one step runs while the device computes the other (vLLM's async scheduling).
+    async_scheduling: bool = True
+    # KV pool storage (vLLM's --kv-cache-dtype, cloud_server.kv_quant): "auto" = the compute dtype; "int8" / "fp8"
+    # = 8-bit keys and values with a float32 scale per token and KV head (-48 % KV bytes at head_dim 128 vs bf16).
+    # The 8-bit pool is read by the library's layers (paged attention) only: it turns an unset fast_path off and
+    # is refused with fast_path=True.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.variants, str):
@@ -60,6 +72,8 @@ class EngineConfig:
             raise ConfigError(f"device: expected 'cpu' or 'cuda[:i]' (got {self.device!r})")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             _positive(name, getattr(self, name))
+        if self.prefill_chunk_while_decoding < 0:
+            raise ConfigError(f"prefill_chunk_while_decoding must be >= 0 (got {self.prefill_chunk_while_decoding})")
         if self.tp not in (1, 2):
             raise ConfigError(f"tp: tensor parallel size must be 1 or 2 (got {self.tp})")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -67,6 +81,14 @@ class EngineConfig:
                               "must fit in one step)")
         if self.batch_invariant is None:
             self.batch_invariant = self.device == "cpu"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: unknown {self.kv_cache_dtype!r} (choose from "
+                              f"{', '.join(KV_CACHE_DTYPES)})")
+        if self.kv_cache_dtype != "auto":
+            if self.fast_path:
+                raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype} needs the generic runner: the fast path "
+                                  f"reads a 16/32-bit pool only (drop fast_path, or kv_cache_dtype auto)")
+            self.fast_path = False
 
     def resolved_variants(self) -> tuple[str, ...]:
         """``auto`` expanded for this device; order kept, duplicates dropped; the first is the default."""
@@ -107,6 +129,9 @@ class ServerConfig:
     handshake_timeout_s: float = 30.0  # docs/protocol.md hello_timeout_ms
     max_connections: int = 2048  # open connections of any kind; beyond, uvicorn answers 503 (limit_concurrency)
     max_http_requests: int = 256  # HTTP /v1 requests in flight; beyond, 429 with Retry-After (never queued)
+    # Prompt positions per request (TGI's max_input_tokens), beside engine.max_model_len for prompt + generated;
+    # a longer prompt fails at its Prefill (prompt_too_long) or HTTP request (400). None: engine.max_model_len.
+    max_prompt_tokens: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -137,6 +162,16 @@ class ServerConfig:
                 setattr(self, name, Path(getattr(self, name)))
         for name in ("handshake_timeout_s", "max_connections", "max_http_requests"):
             _positive(name, getattr(self, name))
+        if self.max_prompt_tokens is not None:
+            _positive("max_prompt_tokens", self.max_prompt_tokens)
+            if self.max_prompt_tokens > self.engine.max_model_len:
+                raise ConfigError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be <= max_model_len "
+                                  f"({self.engine.max_model_len}): a prompt also has to fit the context")
+
+    @property
+    def prompt_limit(self) -> int:
+        """Prompt positions a request may fill: ``max_prompt_tokens``, else the engine's ``max_model_len``."""
+        return self.engine.max_model_len if self.max_prompt_tokens is None else self.max_prompt_tokens
 
     @property
     def mode(self) -> str:

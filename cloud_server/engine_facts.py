@@ -27,6 +27,7 @@ class EngineFacts:
     max_context: int  # positions per sequence (prompt + generated)
     max_num_seqs: int  # sequences the engine runs at once (the load figure's denominator)
     max_num_batched_tokens: int  # tokens per engine step
+    returns_states: bool = False  # u-shape: the model ends at its middle layers (States, never tokens)
 
     @property
     def default_variant(self) -> str:
@@ -46,4 +47,5 @@ class EngineFacts:
                    hidden_size=int(model.hidden_size), vocab_size=int(engine.vocab_size), mrope=bool(model.mrope),
                    eos_token_ids=tuple(int(t) for t in engine.eos_token_ids), block_size=int(cfg.block_size),
                    max_context=int(cfg.max_model_len), max_num_seqs=int(cfg.max_num_seqs),
-                   max_num_batched_tokens=int(cfg.max_num_batched_tokens))
+                   max_num_batched_tokens=int(cfg.max_num_batched_tokens),
+                   returns_states=bool(engine.output_states))

@@ -11,6 +11,10 @@ It is applied at three points:
   (the first ``Tokens`` reports the plan used);
 * :func:`compute_variant` - a full-model request's variant, with the OpenAI ``precision`` override.
 
+Decode steps and SpecSteps may travel in another negotiated codec than the prompt (``shared.precision.
+step_codec``: fp16 by default; the plan's reason says "steps fp16"): the cloud decodes every message by the
+codec it names, so nothing here has to agree beyond the negotiated set.
+
 The load-dependent choice (int8 compute on a busy server for short prompts) is the one way a request's
 answer can depend on other clients; a client that needs reproducible answers pins the compute variant
 (``Prefill.compute``, the OpenAI ``precision`` field), which always wins over the policy.

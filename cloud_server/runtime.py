@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from cloud_server.config import ServerConfig
+from cloud_server.config import ConfigError, ServerConfig
 from cloud_server.engine.async_engine import AsyncEngine
 from cloud_server.engine.llm_engine import LLMEngine
 from cloud_server.engine_facts import EngineFacts
@@ -48,6 +48,9 @@ class CloudRuntime:
             from shared.manifest import Manifest
 
             self.manifest = Manifest.load(cfg.bundle)
+            if self.manifest.tail_layers and ecfg.tp > 1:
+                raise ConfigError("a u-shape bundle (split with --tail) is served at --tp 1 only: the tensor-parallel "
+                                  "pass shards an lm_head its middle layers do not have")
             self.model_name = self.model_name or f"{Path(cfg.bundle).name}"
             source_kind, source = "bundle", str(cfg.bundle)
         else:

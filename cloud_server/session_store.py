@@ -66,6 +66,12 @@ class Session:
     def attached(self) -> bool:
         return self.outq is not None
 
+    @property
+    def prefix_scope(self) -> str:
+        """Where its prompt blocks are published: its tenant's namespace, or the shared one for an operator's key
+        (``cloud_server.auth.Principal.prefix_scope``)."""
+        return self.tenant if self.principal is None else self.principal.prefix_scope
+
     def send(self, msg) -> None:
         """Record ``msg`` in the protocol state and queue it for the attached link. Dropped while detached:
         the state still advances, and ``Resume`` recovers the tokens."""

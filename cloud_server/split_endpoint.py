@@ -28,7 +28,6 @@ resent on ``Resume``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from fastapi import WebSocket
@@ -45,8 +44,8 @@ from cloud_server.session_store import Session, SessionRegistry
 from cloud_server.split_translate import SplitTranslator
 from cloud_server.usage import TenantUsage
 from shared import protocol as P
-from shared.codecs import available_codecs
-from shared.prefix_keys import tenant_scoped
+from shared.codecs import available_codecs, load_calibration
+from shared.prefix_keys import SHARED_SCOPE, tenant_scoped
 from shared.session_state import SessionError, SessionState
 from shared.version import __version__
 
@@ -69,7 +68,8 @@ def session_limits(cfg: ServerConfig) -> P.SessionLimits:
         max_concurrent_requests=max(1, min(ecfg.max_num_seqs, DEFAULTS.max_concurrent_requests)),
         prefix_block_tokens=ecfg.block_size,
         idle_timeout_ms=int(max(cfg.step_timeout_s, IDLE_FLOOR_S) * 1000),
-        resume_window_ms=int(cfg.session_grace_s * 1000))
+        resume_window_ms=int(cfg.session_grace_s * 1000),
+        max_prompt_tokens=cfg.max_prompt_tokens or 0)  # 0: max_context bounds the prompt
 
 
 def transport_max_frame_bytes(limits: P.SessionLimits) -> int:
@@ -82,9 +82,7 @@ class SplitEndpoint:
         self.rt = runtime
         cfg = runtime.config
         self.registry = SessionRegistry(cfg.max_sessions)
-        calib = None
-        if cfg.bundle is not None and (cfg.bundle / "calibration.json").is_file():
-            calib = json.loads((cfg.bundle / "calibration.json").read_text())
+        calib = load_calibration(cfg.bundle) if cfg.bundle is not None else None
         self.codecs = available_codecs(calib)  # name -> codec able to decode
         self.limits = session_limits(cfg)
         self.max_message_bytes = transport_max_frame_bytes(self.limits)
@@ -199,7 +197,7 @@ class SplitEndpoint:
             session.expiry.cancel()
             session.expiry = None
         # read before attaching: an engine output queued during this await would reach the edge before Welcome
-        cached = await self._cached_keys(tenant)
+        cached = await self._cached_keys(session.prefix_scope)
         session.generation += 1
         session.outq, session.ws = asyncio.Queue(), ws
         metrics.sessions.labels(rt.model_name).set(len(self.registry))
@@ -224,14 +222,15 @@ class SplitEndpoint:
         return P.ServerInfo(version=__version__, compute_variants=list(self.rt.facts.variants),
                             load=float(self._load()), max_draft_tokens=MAX_DRAFTS)
 
-    async def _cached_keys(self, tenant: str, limit: int = 256) -> list[str]:
-        """Prefix keys the default variant holds for ``tenant`` (advisory: the edge may skip uploading those
-        blocks), read on the engine thread."""
-        ns = tenant_scoped(tenant, "")
+    async def _cached_keys(self, scope: str, limit: int = 256) -> list[str]:
+        """Prefix keys the default variant holds that a session of prefix ``scope`` can hit: its own and the
+        shared scope's (advisory: the edge may skip uploading those blocks), read on the engine thread."""
+        spaces = (tenant_scoped(scope, ""), tenant_scoped(SHARED_SCOPE, ""))
 
         def held(engine) -> list[str]:
-            keys = (k[len(ns):] for k in engine.block_managers[engine.default_variant].block_of_key if k.startswith(ns))
-            return [k for _, k in zip(range(limit), keys)]
+            keys = (k.partition("/")[2] for k in engine.block_managers[engine.default_variant].block_of_key
+                    if k.startswith(spaces))
+            return list(dict.fromkeys(k for _, k in zip(range(limit), keys)))
 
         try:
             fut = self.rt.engine.call(held)
@@ -329,7 +328,7 @@ class SplitEndpoint:
             return
         elif isinstance(msg, P.Prefill) and track.owner is None:
             self.translate.open(session, track, msg, nbytes)
-        elif isinstance(msg, (P.Prefill, P.DecodeStep, P.SpecStep)):
+        elif isinstance(msg, (P.Prefill, P.DecodeStep, P.SpecStep, P.StatesStep)):
             self.translate.more_input(session, track, msg, nbytes)
         elif isinstance(msg, P.Cancel):
             self.translate.cancel(track)

@@ -4,16 +4,20 @@ The split endpoint (``cloud_server.split_endpoint``) hands this module only mess
 machine has accepted (``shared.session_state``), with the request's track; what is left here is translation:
 
 * a request's first ``Prefill`` -> ``AsyncEngine.add_request`` (sampling parameters, compute variant chosen by
-  the precision policy unless the edge named one, prefix keys in the session's tenant namespace:
-  ``shared.prefix_keys.tenant_scoped``), later chunks, ``DecodeStep``\\ s and ``SpecStep``\\ s (their drafts
-  on the engine chunk: ``cloud_server.engine.speculation`` verifies them) -> ``add_input``, ``Cancel`` -> ``abort``, ``Resume`` -> ``Resumed`` from the server's record;
+  the precision policy unless the edge named one, prefix keys in the session's tenant namespace - the shared
+  one for an operator's key: ``shared.prefix_keys.tenant_scoped``), later chunks, ``DecodeStep``\\ s and
+  ``SpecStep``\\ s (their drafts on the engine chunk: ``cloud_server.engine.speculation`` verifies them) ->
+  ``add_input``, ``Cancel`` -> ``abort``, ``Resume`` -> ``Resumed`` from the server's record;
 * coded hidden states -> float32 tensors ``[n, H]`` checked against the engine's fixed facts (width, RoPE);
   ``DecodeStep`` states are decoded together: the steps that arrive in one turn of the event loop (one per
   decoding session) are held until the loop's next turn and decoded in one pass per codec
-  (``BoundaryCodec.decode_rows``), then handed to the engine in arrival order. Anything else the translator
-  does first hands over the steps it holds, so a request's messages reach the engine in the order they came;
-* engine outputs (on the event-loop thread, via ``call_soon_threadsafe``) -> ``Tokens`` / ``Error``, with the
-  engine's error codes mapped to wire codes of the same meaning (:data:`WIRE_CODES`).
+  (``BoundaryCodec.decode_rows``), on a worker thread when there are many (``cloud_server.step_pipeline``),
+  then handed to the engine in arrival order as one command (``AsyncEngine.add_inputs``: one wakeup of the
+  engine thread per turn). Anything else the translator does waits behind the steps held or decoding before
+  it, so a request's messages reach the engine in the order they came;
+* engine outputs (on the event-loop thread, through one :class:`~cloud_server.loop_inbox.LoopInbox`: one
+  loop wakeup per engine step, not per token) -> ``Tokens`` / ``Error``, with the engine's error codes
+  mapped to wire codes of the same meaning (:data:`WIRE_CODES`).
 
 Every message goes out through ``Session.send``, so the state machine records it.
 """
@@ -32,8 +36,10 @@ from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 from cloud_server.engine.sequence import InputChunk
 from cloud_server.engine_facts import EngineFacts
+from cloud_server.loop_inbox import LoopInbox
 from cloud_server.precision_select import request_compute
 from cloud_server.session_store import RequestRecord, Session
+from cloud_server.step_pipeline import StepPipeline
 from shared import protocol as P
 from shared.prefix_keys import tenant_scoped
 from shared.session_state import RequestTrack
@@ -73,8 +79,9 @@ class SplitTranslator:
         self.codecs = codecs
         self.wire_limits = wire_limits
         self.load = load
-        self._steps: list[tuple[Session, RequestTrack, P.DecodeStep, int]] = []  # held until flush_steps
-        self._flush_scheduled = False
+        # DecodeSteps (session, track, msg, nbytes), decoded a loop turn's worth at a time off the loop
+        self._pipeline = StepPipeline(self._decode_steps, self._hand_over_steps, self._dead)
+        self._outputs: LoopInbox | None = None  # engine outputs -> on_output, made on the loop at first use
         # what to do when the engine has stopped while handing over held steps (the endpoint closes the link)
         self.on_engine_dead: Callable[[Session, EngineDeadError], None] | None = None
 
@@ -106,7 +113,13 @@ class SplitTranslator:
 
     def open(self, session: Session, track: RequestTrack, msg: P.Prefill, nbytes: int) -> None:
         """A request's first Prefill: admit it to the engine."""
-        self.flush_steps()
+        if self._pipeline.defer(self.open, session, track, msg, nbytes):
+            return
+        if track.finish is not None:  # failed while this waited behind decoding steps: nothing to admit
+            return
+        if track.owner is not None:  # a later chunk, dispatched while the first one waited: admitted by now
+            self._add_input(session, track, msg, nbytes)
+            return
         rid = msg.request_id
         try:
             chunk = self._inputs(msg, msg.start, msg.last)
@@ -117,6 +130,11 @@ class SplitTranslator:
         except SamplingParamsError as e:
             self.fail(session, rid, "bad_value", str(e))
             return
+        if msg.return_states != self.facts.returns_states:  # u-shape: the bundle decides what the cloud returns
+            self.fail(session, rid, "bad_input", "this server's bundle ends at its middle layers (split with --tail): "
+                      "open requests with return_states" if self.facts.returns_states else
+                      "this server samples (a bundle split without --tail): it cannot return states")
+            return
         self.rt.metrics.on_uplink(nbytes, msg.hidden.codec, msg.n_tokens)
         end = msg.start + msg.n_tokens
         # The prompt's length is known when its first message is also its last; else it is at least a chunk.
@@ -126,81 +144,124 @@ class SplitTranslator:
         rec = RequestRecord(track, f"{session.session_id}/{rid}", msg.hidden.codec,
                             self.facts.resolve_variant(planned), prompt_tokens=end)
         track.owner = rec
-        loop = asyncio.get_running_loop()
+        inbox = self._inbox()
 
         def sink(out: RequestOutput, s=session, r=rec) -> None:  # engine thread -> event loop
-            loop.call_soon_threadsafe(self.on_output, s, r, out)
+            inbox.put((s, r, out))
 
-        keys = [tenant_scoped(session.tenant, k) for k in msg.prefix_keys]  # a tenant reuses only its own blocks
+        # a tenant reuses its own blocks and the operator's shared ones, and publishes only into its own scope
+        # (none for u-shape: a cached block's positions would be skipped, and the edge's tail needs their states)
+        keys = [] if msg.return_states else [tenant_scoped(session.prefix_scope, k) for k in msg.prefix_keys]
         self.rt.engine.add_request(rec.engine_id, sink, chunk, params, rec.compute, keys)
+
+    def _inbox(self) -> LoopInbox:
+        loop = asyncio.get_running_loop()
+        if self._outputs is None or self._outputs.loop is not loop:  # a new loop (tests restart apps)
+            self._outputs = LoopInbox(loop, lambda item: self.on_output(*item))
+        return self._outputs
 
     def more_input(self, session: Session, track: RequestTrack, msg: P.Prefill | P.DecodeStep | P.SpecStep,
                    nbytes: int) -> None:
         """A later Prefill chunk, a DecodeStep or a SpecStep (k + 1 positions to verify) of an admitted request.
-        A DecodeStep is held for :meth:`flush_steps` (at the event loop's next turn at the latest)."""
+        A DecodeStep is held for the pipeline (``cloud_server.step_pipeline``: decoded with the others of this
+        loop turn, off the loop when there are many)."""
         if isinstance(msg, P.DecodeStep):
-            self._steps.append((session, track, msg, nbytes))
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self.flush_steps)
+            self._pipeline.hold((session, track, msg, nbytes))
             return
-        self.flush_steps()
-        self._add_input(session, track, msg, nbytes)
+        if self._pipeline.defer(self.more_input, session, track, msg, nbytes):
+            return
+        if track.finish is None and track.owner is not None:  # else it failed while this waited
+            self._add_input(session, track, msg, nbytes)
 
-    def flush_steps(self) -> None:
-        """Decode the held DecodeSteps' states, one ``decode_rows`` pass per codec, and hand them to the engine
-        in arrival order. A batch that fails to decode is decoded step by step, so only a bad step fails."""
-        self._flush_scheduled = False
-        steps, self._steps = self._steps, []
-        if not steps:
-            return
+    def _decode_steps(self, steps: list) -> list[np.ndarray | BadInput | None]:
+        """The held steps' states [1, H] each, one ``decode_rows`` pass per codec (a batch that fails is decoded
+        step by step, so only a bad step fails: its entry is the ``BadInput``; None: an unknown codec, refused on
+        the loop). Runs on the pipeline's worker thread for large batches: it reads only the messages."""
         by_codec: dict[str, list[int]] = {}
         for i, (_, _, msg, _) in enumerate(steps):
             by_codec.setdefault(msg.hidden.codec, []).append(i)
-        rows: list[np.ndarray | None] = [None] * len(steps)  # [1, H] each, decoded in a batch
+        rows: list[np.ndarray | BadInput | None] = [None] * len(steps)
         for name, idx in by_codec.items():
             codec = self.codecs.get(name)
-            if codec is None or len(idx) < 2:
-                continue  # decoded (or refused) one by one below
-            try:
-                arr = codec.decode_rows([steps[i][2].hidden for i in idx], self.wire_limits)  # [N, H]
-            except P.ProtocolError:
+            if codec is None:
                 continue
-            for j, i in enumerate(idx):
-                rows[i] = arr[j:j + 1]
+            if len(idx) > 1:
+                try:
+                    arr = codec.decode_rows([steps[i][2].hidden for i in idx], self.wire_limits)  # [N, H]
+                    for j, i in enumerate(idx):
+                        rows[i] = arr[j:j + 1]
+                    continue
+                except P.ProtocolError:
+                    pass  # one by one: which step is bad
+            for i in idx:
+                try:
+                    rows[i] = codec.decode(steps[i][2].hidden, self.wire_limits)  # [1, H]
+                except P.ProtocolError as e:
+                    rows[i] = BadInput(e.code, e.message)
+        return rows
+
+    def _hand_over_steps(self, steps: list, rows: list[np.ndarray | BadInput | None]) -> None:
+        """Decoded steps to the engine in arrival order, as one command (``AsyncEngine.add_inputs``)."""
+        batch: list[tuple[str, InputChunk]] = []
         for (session, track, msg, nbytes), arr in zip(steps, rows):
             rec: RequestRecord = track.owner
-            if session.closed or not rec.active:  # closed or failed while held: the engine has let it go
+            if session.closed or rec is None or not rec.active:  # closed or failed while held: let go
                 continue
             try:
-                self._add_input(session, track, msg, nbytes, arr)
-            except EngineDeadError as e:
-                if self.on_engine_dead is None:
-                    raise
+                if isinstance(arr, BadInput):
+                    raise arr
+                batch.append((rec.engine_id, self._chunk_for(track, msg, nbytes, arr)))
+            except BadInput as e:  # the steps before it go first: each request's inputs stay in order
+                self._hand_over(batch, steps)
+                batch = []
+                self.fail(session, track.request_id, e.code, e.message)
+        self._hand_over(batch, steps)
+
+    def _dead(self, session: Session, e: EngineDeadError) -> None:
+        if self.on_engine_dead is None:
+            raise e
+        self.on_engine_dead(session, e)
+
+    def _hand_over(self, batch: list[tuple[str, InputChunk]], steps: list) -> None:
+        try:
+            self.rt.engine.add_inputs(batch)
+        except EngineDeadError as e:
+            if self.on_engine_dead is None:
+                raise
+            for session in {id(st[0]): st[0] for st in steps}.values():
                 self.on_engine_dead(session, e)
 
     def _add_input(self, session: Session, track: RequestTrack, msg: P.Prefill | P.DecodeStep | P.SpecStep,
-                   nbytes: int, arr: np.ndarray | None = None) -> None:
-        rec: RequestRecord = track.owner
-        is_step = isinstance(msg, (P.DecodeStep, P.SpecStep))
-        start, n = (msg.position, getattr(msg, "n_tokens", 1)) if is_step else (msg.start, msg.n_tokens)
+                   nbytes: int) -> None:
         try:
-            chunk = self._inputs(msg, start, True if is_step else msg.last, arr)
+            chunk = self._chunk_for(track, msg, nbytes)
         except BadInput as e:
             self.fail(session, track.request_id, e.code, e.message)
             return
+        self.rt.engine.add_input(track.owner.engine_id, chunk)
+
+    def _chunk_for(self, track: RequestTrack, msg: P.Prefill | P.DecodeStep | P.SpecStep, nbytes: int,
+                   arr: np.ndarray | None = None) -> InputChunk:
+        """The engine chunk of a later input of an admitted request, recorded (raises ``BadInput``)."""
+        rec: RequestRecord = track.owner
+        is_step = isinstance(msg, (P.DecodeStep, P.SpecStep, P.StatesStep))
+        start, n = (msg.position, getattr(msg, "n_tokens", 1)) if is_step else (msg.start, msg.n_tokens)
+        chunk = self._inputs(msg, start, True if is_step else msg.last, arr)
         self.rt.metrics.on_uplink(nbytes, msg.hidden.codec, n)
         rec.last_input = time.monotonic()
         if not is_step:
             rec.prompt_tokens = start + n
-        self.rt.engine.add_input(rec.engine_id, chunk)
+        return chunk
 
     def cancel(self, track: RequestTrack) -> None:
-        self.flush_steps()
-        self.rt.engine.abort(track.owner.engine_id, "cancelled")
+        if self._pipeline.defer(self.cancel, track):
+            return
+        if track.owner is not None:  # None: refused before the engine saw it
+            self.rt.engine.abort(track.owner.engine_id, "cancelled")
 
     def resume(self, session: Session, track: RequestTrack, msg: P.Resume) -> None:
-        self.flush_steps()
+        if self._pipeline.defer(self.resume, session, track, msg):
+            return
         rec: RequestRecord | None = track.owner
         if rec is None:  # refused before the engine saw it: nothing to resume
             session.send(P.Error(code="resume_failed", message=f"request {track.request_id} was never admitted",
@@ -212,7 +273,8 @@ class SplitTranslator:
 
     def fail(self, session: Session, rid: str, code: str, message: str) -> None:
         """Close request ``rid`` with ``Error(code)``: the engine drops it, the state machine records it."""
-        self.flush_steps()
+        if self._pipeline.defer(self.fail, session, rid, code, message):
+            return
         rec = session.record(rid)
         if rec is not None and rec.active:
             self.rt.engine.abort(rec.engine_id, "error")
@@ -228,6 +290,9 @@ class SplitTranslator:
                                  retry_after_ms=1000 if code == "overloaded" else None))
             return
         rec.cached_tokens = out.num_cached_tokens
+        if out.states is not None:  # u-shape: the middle's hidden states, coded as the request's uplink
+            session.send(self._states(rec, out))
+            return
         if out.token_id is None:  # finished without a token: cancelled, aborted
             session.send(self._tokens(rec, [], out, WIRE_FINISH.get(out.finish_reason or "", "error")))
             return
@@ -235,6 +300,15 @@ class SplitTranslator:
         rec.tokens.extend(ids)
         finish = WIRE_FINISH.get(out.finish_reason or "", "error") if out.finished else None
         session.send(self._tokens(rec, ids, out, finish))
+
+    def _states(self, rec: RequestRecord, out: RequestOutput) -> P.States:
+        """u-shape: ``out.states`` [n, H] as a States message in the codec of the request's first Prefill."""
+        hidden = self.codecs[rec.codec].encode(np.ascontiguousarray(out.states.numpy(), dtype=np.float32))
+        msg = P.States(request_id=rec.request_id, start=out.states_start, hidden=hidden,
+                       timings=P.ServerTimings(total_ms=max(0.0, (time.monotonic() - rec.last_input) * 1000)),
+                       plan=None if rec.plan_sent else P.PrecisionPlan(codec=rec.codec, compute=rec.compute))
+        rec.plan_sent = True
+        return msg
 
     @staticmethod
     def _tokens(rec: RequestRecord, ids: list[int], out: RequestOutput, finish: str | None) -> P.Tokens:

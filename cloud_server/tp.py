@@ -404,7 +404,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     models = load_models(kind, source, a.variants.split(","), device, a.rank, a.world)
     make_runner = fast_runner_factory(ecfg)
     runners = [make_runner(i, m, KVCachePool(m.num_layers, ecfg.num_blocks, ecfg.block_size, m.num_kv_heads,
-                                             m.head_dim, m.dtype, device)) for i, m in enumerate(models)]
+                                             m.head_dim, m.dtype, device, ecfg.kv_cache_dtype))
+               for i, m in enumerate(models)]
     store.set(f"{_KEY}/ready/{a.rank}", "1")
     dist.barrier()  # runners built on every rank
     serve_batches(runners, comm_device(ecfg.device, a.rank))

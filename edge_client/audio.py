@@ -17,7 +17,6 @@ import hashlib
 import io
 import json
 import math
-import threading
 import time
 import wave
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .encoder_session import LazyEncoder, LazySession
 from .vision import MediaError
 
 AUDIO = "edge/audio.onnx"
@@ -160,28 +160,13 @@ def prepare_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> Pre
     return PreparedAudio(log_mel(x, spec), spec.tokens_for(x.size), digest, x.size / spec.sample_rate)
 
 
-class AudioEncoder:
+class AudioEncoder(LazyEncoder):
     """``edge/audio.onnx`` of a bundle, opened on first use; one clip per ``encode`` call."""
 
     def __init__(self, bundle_dir: str | Path, threads: int = 2):
         self.bundle_dir = Path(bundle_dir)
         self.spec = AudioSpec.load(self.bundle_dir)
-        self.threads = threads
-        self._session = None
-        self._lock = threading.Lock()
-        self.seconds = 0.0
-
-    @property
-    def loaded(self) -> bool:
-        return self._session is not None
-
-    def _open(self):
-        with self._lock:
-            if self._session is None:
-                from .front import open_session
-
-                self._session = open_session(self.bundle_dir / AUDIO, self.threads)
-        return self._session
+        self.graph = LazySession(self.bundle_dir / AUDIO, threads, "an audio encoder")
 
     def prepare(self, data: bytes) -> PreparedAudio:
         samples, rate = decode_wav(data)
@@ -189,10 +174,7 @@ class AudioEncoder:
 
     def encode(self, clip: PreparedAudio) -> np.ndarray:
         """Audio embeddings float32 [n_tokens, H] of one clip."""
-        session = self._open()
-        t0 = time.perf_counter()
-        out = session.run(["audio_embeds"], {"input_features": clip.features})[0]  # [window tokens, H]
-        self.seconds += time.perf_counter() - t0
+        out = self.graph.run("audio_embeds", {"input_features": clip.features})  # [window tokens, H]
         return out[: clip.n_tokens]
 
     def warmup(self) -> float:

@@ -209,7 +209,7 @@ class EdgeClient:
         sampled output keeps the model's distribution.
 
         ``privacy`` (``standard`` | ``private`` | ``output-private``) and ``mode`` (an override: ``split``,
-        ``all-cloud``, ``edge-only``) pick where the request runs (``shared.exec_mode``); the choice and why are
+        ``u-shape`` (a bundle split with ``--tail``), ``all-cloud``, ``edge-only``) pick where the request runs (``shared.exec_mode``); the choice and why are
         in ``stats.exec_mode`` / ``stats.exec_reason``. An impossible combination raises EdgeClientError."""
         t0 = self.media.seconds
         spec = self._spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs, images, audio,
@@ -228,8 +228,9 @@ class EdgeClient:
         """The request's mode (``shared.exec_mode``) from what this client can run and what it measured; a
         private level also restricts drafts to the cloud's own outputs and keys prefixes with the secret."""
         sizer = self.session.sizer
-        dep = Deployment(split=True, all_cloud=self.all_cloud is not None, edge_only=self.whole_model is not None,
-                         boundary_bytes_per_token=2.0 * self.runtime.hidden_size,
+        tail = self.session.ushape is not None  # a bundle split with --tail: its cloud returns states, never samples
+        dep = Deployment(split=not tail, u_shape=tail, all_cloud=self.all_cloud is not None,
+                         edge_only=self.whole_model is not None, boundary_bytes_per_token=2.0 * self.runtime.hidden_size,
                          split_tokens_per_round_trip=sizer.expected_tokens(sizer.choose()) if spec.speculate else 1.0)
         link = LinkState(connected=self.link_up, rtt_ms=sizer.round_s * 1000)
         shape = RequestShape(len(spec.prompt_ids), spec.max_tokens,
@@ -240,11 +241,13 @@ class EdgeClient:
             raise EdgeClientError(str(e), "exec_mode") from None
         if decision.drafts_from_outputs_only:
             spec.drafts_from_outputs_only = True
+        if decision.secret_prefix_keys:
             spec.prefix_secret = self.prefix_secret
+        spec.ushape = decision.mode == "u-shape"
         return decision
 
     async def _execute(self, decision: ModeDecision, spec: RequestSpec, sink, stats: RequestStats) -> None:
-        if decision.mode == "split":
+        if decision.mode in ("split", "u-shape"):
             await self.session.run(spec, sink, stats)
             return
         runner = self.whole_model if decision.mode == "edge-only" else self.all_cloud
@@ -273,6 +276,7 @@ class EdgeClient:
         spec = self._spec(prompt, kwargs.pop("messages", None), kwargs.pop("prompt_ids", None),
                           kwargs.pop("enable_thinking", None), kwargs.pop("chat_template_kwargs", None),
                           kwargs.pop("images", None), kwargs.pop("audio", None), **_sampling_defaults(kwargs))
+        spec.ushape = self.session.ushape is not None  # a bundle with a tail runs u-shape
         aq: asyncio.Queue = asyncio.Queue()
         gen = AsyncGeneration(self, spec, aq)
         gen._media_stats(self.media.seconds - t0)

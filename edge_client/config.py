@@ -102,6 +102,9 @@ class EdgeConfig:
     # (edge_client.bundle_sync). Off by default: a new edge half is tens of MB to GBs, which an app may
     # want to fetch on Wi-Fi only (`autoglm-edge preload --update` does it on demand).
     auto_update: bool = False
+    # Drafts per speculative step: None lets edge_client.drafting.DraftSizer choose k from the measured
+    # acceptance and link; an int pins it (deterministic tests and benchmarks).
+    draft_k: int | None = None
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self):
@@ -119,6 +122,8 @@ class EdgeConfig:
             raise ConfigError(f"cache_max_bytes must be >= 0, got {self.cache_max_bytes}")
         if self.cache_block_tokens < 1:
             raise ConfigError(f"cache_block_tokens must be >= 1, got {self.cache_block_tokens}")
+        if self.draft_k is not None and self.draft_k < 0:
+            raise ConfigError(f"draft_k must be >= 0, got {self.draft_k}")
         if self.cache_dtype not in ("float32", "float16"):
             raise ConfigError(f"cache_dtype {self.cache_dtype!r}: expected float32 or float16")
 
@@ -141,7 +146,7 @@ class EdgeConfig:
 
 
 def _coerce(name: str, raw: str):
-    ints = {"threads", "prefill_chunk", "cache_max_bytes", "cache_block_tokens"}
+    ints = {"threads", "prefill_chunk", "cache_max_bytes", "cache_block_tokens", "draft_k"}
     bools = {"cache_prompts", "verify_bundle", "wire_zstd", "auto_update"}
     try:
         if name in ints:

@@ -14,7 +14,10 @@ in expectation and costs one plain step's round trip plus k marginal positions. 
 steps themselves: the round trip of plain steps, and what each draft adds to a speculative step's round trip
 (front compute, uplink of its row, the cloud's extra position). It picks the k that maximises tokens per
 second; on a long RTT that is a larger k, on a fast link or with poor acceptance a smaller one (k = 0: a
-plain DecodeStep).
+plain DecodeStep). ``SizerConfig.fixed_k`` (``EdgeConfig.draft_k``) pins k instead, for tests and benchmarks
+that must not depend on timing. Drafts of the bundle's draft head (``edge_client.draft_head``, used where
+prompt lookup finds nothing) get their own sizer (:data:`HEAD_SIZER`'s prior): their acceptance and their cost
+(one front step per draft) differ from a lookup's.
 
 Nothing here imports torch; all inputs are token id lists.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -111,6 +114,20 @@ class SizerConfig:
     default_round_s: float = 0.08  # a plain step's round trip before one is measured
     default_row_s: float = 0.004  # a draft's marginal cost before one is measured
     smoothing: float = 0.3  # weight of a new cost measurement
+    fixed_k: int | None = None  # pin k (tests, benchmarks that need determinism); None: chosen per step
+
+    def __post_init__(self):
+        if self.fixed_k is not None and self.fixed_k < 0:
+            raise ValueError(f"fixed_k must be >= 0, got {self.fixed_k}")
+
+
+    def with_fixed_k(self, k: int | None) -> SizerConfig:
+        return replace(self, fixed_k=k)
+
+
+# the draft head's sizer: a calibrated lens at an early layer agrees with the model far less often than a
+# matching n-gram (SmolLM2 at N = 8: ~30-40 % top-1 on held-out text), and each of its drafts costs a front step
+HEAD_SIZER = SizerConfig(prior_alpha=0.35)
 
 
 class DraftSizer:
@@ -163,8 +180,11 @@ class DraftSizer:
         return (1 - a ** (k + 1)) / (1 - a)
 
     def choose(self, limit: int | None = None) -> int:
-        """The k in [0, min(max_drafts, limit)] with the most expected tokens per second."""
+        """The k in [0, min(max_drafts, limit)] with the most expected tokens per second (``fixed_k``, capped
+        the same way, when the config pins it)."""
         top = self.max_drafts if limit is None else max(0, min(self.max_drafts, limit))
+        if self.config.fixed_k is not None:
+            return min(self.config.fixed_k, top)
         # the same cap as a measured sample's: before any draft is priced, the default row cost must not
         # exceed half a (fast, e.g. loopback) round trip, or k = 0 would be chosen forever and never measured
         row_s = min(self.row_s, 0.5 * self.round_s)

@@ -62,6 +62,12 @@ class FrontStats:
     def snapshot(self) -> FrontStats:
         return FrontStats(self.forward_calls, self.tokens, self.seconds)
 
+    def count(self, started: float, tokens: int) -> None:
+        """One graph call over ``tokens`` positions that began at ``started`` (``time.perf_counter()``)."""
+        self.seconds += time.perf_counter() - started
+        self.forward_calls += 1
+        self.tokens += tokens
+
 
 def open_session(path: str | Path, threads: int = 2, profile_prefix: str | None = None) -> ort.InferenceSession:
     """An onnxruntime CPU session over an edge graph with ``threads`` intra-op threads (as the phone opens it).
@@ -343,9 +349,7 @@ class FrontRuntime:
             extra["embeds_mask"] = np.ascontiguousarray(mask, np.bool_).reshape(1, -1, 1)  # [1, S, 1]
         t0 = time.perf_counter()
         hidden = self._cache.run(self.session, ids, extra)  # [S, H]
-        self.stats.seconds += time.perf_counter() - t0
-        self.stats.forward_calls += 1
-        self.stats.tokens += ids.shape[0]
+        self.stats.count(t0, ids.shape[0])
         return hidden
 
     def _check_ids(self, ids) -> np.ndarray:

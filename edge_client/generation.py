@@ -35,7 +35,6 @@ cloud would refuse is caught here, as a bug, before it leaves.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -51,19 +50,22 @@ from shared.chunking import prefill_messages
 from shared.detokenizer import StreamDecoder
 from shared.manifest import Manifest
 from shared.openai_compat import StopMatcher
-from shared.precision import PrecisionError, PrecisionOverride, RequestFeatures, choose_precision
+from shared.precision import PrecisionError, PrecisionOverride, RequestFeatures, choose_precision, step_codec
 from shared.prefix_keys import KeyScope, block_keys
 from shared.session_state import SessionError, SessionState
 from shared.tensors import WireArray
 
 from .activation_cache import ActivationCache
 from .config import EdgeConfig
-from .drafting import DraftSizer, PromptLookupDrafter
+from .draft_head import open_draft_head
+from .drafting import HEAD_SIZER, DraftSizer, PromptLookupDrafter, SizerConfig
 from .errors import EdgeClientError
-from .request import RequestSpec, RequestStats
+from .request import RequestSpec, RequestStats, mark_token
 from .front import FrontRuntime
+from .tail import TailRuntime
 from .tokenizer import EdgeTokenizer
 from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown, route_key
+from .ushape import UShape
 
 from shared.version import __version__ as CLIENT_VERSION
 
@@ -89,18 +91,20 @@ class _Spec:
     hidden: np.ndarray  # [k + 1, H] raw boundary states (the accepted rows are coded again for the record)
     msg: object  # the SpecStep as sent (a resume resends it as is)
     started: float  # perf_counter when its front work began (the step's cost runs from here to the verdict)
+    from_head: bool = False  # drafted by the bundle's draft head (its own sizer), not by prompt lookup
 
 
 class _Request:
     """Everything needed to resend or replay a request: its spec, coded inputs, received tokens."""
 
-    def __init__(self, spec: RequestSpec, codec: str, compute: str | None = None):
+    def __init__(self, spec: RequestSpec, codec: str, compute: str | None = None, step_codec: str | None = None):
         self.spec = spec
         self.rid = uuid.uuid4().hex[:16]
         # The trace id in both ends' logs (the cloud logs request ids as trace=<id>); a replay's new request
         # id starts with it, so one grep finds every attempt.
         self.trace_id = self.rid
-        self.codec = codec
+        self.codec = codec  # prompt chunks (and the prefix keys)
+        self.step_codec = step_codec or codec  # decode steps and SpecSteps (shared.precision.step_codec)
         self.compute = compute
         self.prompt_len = len(spec.prompt_ids)
         self.prefix_raw: np.ndarray | None = None  # [c, H] hidden of the prefix not uploaded (from the cache)
@@ -134,12 +138,8 @@ async def _compute(fn, *args):
 
 
 def _calibration(bundle: Path) -> dict | None:
-    """The bundle's boundary calibration (outlier channels for the outlier-aware codecs), if any."""
-    path = Path(bundle) / "calibration.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    """The bundle's boundary calibration (outlier channels, the PCA codecs' artifact), if any."""
+    return C.load_calibration(bundle)
 
 
 class Session:
@@ -160,10 +160,14 @@ class Session:
         self._lock: asyncio.Lock | None = None
         # prompt lookup over the context and earlier outputs (agent steps repeat actions); remembered across requests
         self.drafter = PromptLookupDrafter()
-        self.sizer = DraftSizer(self.drafter.config.max_drafts)
+        self.sizer = DraftSizer(self.drafter.config.max_drafts, SizerConfig(fixed_k=config.draft_k))
+        # the bundle's draft head (edge_client.draft_head), when it has one: drafts where prompt lookup has none
+        self.head = open_draft_head(config.bundle, manifest, config.threads)
+        self.head_sizer = DraftSizer(self.drafter.config.max_drafts, HEAD_SIZER.with_fixed_k(config.draft_k))
         # async (server's bundle ids) -> bool: the client's bundle update on bundle_mismatch (EdgeConfig.auto_update)
         self.on_bundle_mismatch = None
         self.bundle_gen = 0  # bumped by use_bundle: a request opened under an older bundle is rebuilt
+        self.ushape = self._open_ushape()  # a bundle split with --tail: its tail and the u-shape loop
 
     def use_bundle(self, manifest: Manifest, runtime: FrontRuntime, cache: ActivationCache,
                    tokenizer: EdgeTokenizer | None) -> None:
@@ -171,6 +175,15 @@ class Session:
         self.manifest, self.runtime, self.cache, self.tokenizer = manifest, runtime, cache, tokenizer
         self.codecs = C.available_codecs(_calibration(self.config.bundle))
         self.bundle_gen += 1
+        self.ushape = self._open_ushape()
+        self.head = open_draft_head(self.config.bundle, manifest, self.config.threads)
+
+    def _open_ushape(self) -> UShape | None:
+        if not self.manifest.tail_layers:
+            return None
+        cfg = self.config
+        return UShape(self, TailRuntime(cfg.bundle, threads=cfg.threads, chunk=cfg.prefill_chunk,
+                                        verify=cfg.verify_bundle))
 
     # -- connection -----------------------------------------------------------------------------
     @property
@@ -282,9 +295,10 @@ class Session:
             log.exception("edge request failed")
             sink(("error", EdgeClientError(f"internal error: {type(e).__name__}: {e}", "internal")))
 
-    def _plan_for(self, spec: RequestSpec) -> P.PrecisionPlan:
+    def _plan_for(self, spec: RequestSpec) -> tuple[P.PrecisionPlan, str]:
         """The request's precision: the shared policy over what this session negotiated, with the request's
-        override (or the config's codec) winning. Both ends run the same policy (shared.precision)."""
+        override (or the config's codec) winning, and the codec of its decode steps. Both ends run the same policy
+        (shared.precision)."""
         w = self.welcome
         features = RequestFeatures(prompt_tokens=len(spec.prompt_ids), server_load=w.server.load,
                                    images=spec.media.count("image") if spec.media is not None else 0,
@@ -297,8 +311,9 @@ class Session:
             if (override is not None and override.codec is not None and override.compute is not None
                     and override.compute not in w.server.compute_variants):
                 override = PrecisionOverride(codec=override.codec)  # "fp16" names both; this server computes otherwise
-            return choose_precision(features, override, available_codecs=w.codecs,
+            plan = choose_precision(features, override, available_codecs=w.codecs,
                                     available_compute=w.server.compute_variants)
+            return plan, step_codec(plan, override, available_codecs=w.codecs)
         except PrecisionError as e:
             raise EdgeClientError(f"precision: {e}", "codec_not_negotiated") from None
 
@@ -309,24 +324,23 @@ class Session:
         req: _Request | None = None
         try:
             await self._connect_with_retry(stats)
-            plan = self._plan_for(spec)
-            req = _Request(spec, plan.codec, plan.compute)
+            plan, steps = self._plan_for(spec)
+            req = _Request(spec, plan.codec, plan.compute, steps)
             self.sizer.new_request()
+            self.head_sizer.new_request()
             req.bundle_gen = self.bundle_gen
-            stats.codec, stats.compute, stats.trace_id = plan.codec, plan.compute, req.trace_id
+            stats.codec, stats.step_codec, stats.compute = plan.codec, req.step_codec, plan.compute
+            stats.trace_id = req.trace_id
             log.info("trace=%s start: %d prompt tokens, codec %s", req.trace_id, len(spec.prompt_ids), plan.codec)
             decoder = StreamDecoder(self.tokenizer.decode) if self.tokenizer is not None else None
             stop = StopMatcher(spec.stop)
             await self._prefill(req, stats)
             stats.edge_prefill_s = self.runtime.stats.seconds - compute0
             last_t = None
-            async for token in self._tokens(req, stats):
-                now = time.perf_counter()
-                if last_t is None:
-                    stats.ttft_s = now - t0
-                else:
-                    stats.itl_s.append(now - last_t)
-                last_t = now
+            if spec.ushape and self.ushape is None:
+                raise EdgeClientError("u-shape needs a bundle split with --tail", "exec_mode")
+            async for token in (self.ushape.tokens(req, stats) if spec.ushape else self._tokens(req, stats)):
+                last_t = mark_token(stats, t0, last_t)
                 stats.completion_tokens += 1
                 text, stopped = stop.feed(decoder.push(token) if decoder is not None else "")
                 sink(("token", token, text))
@@ -372,6 +386,9 @@ class Session:
         """What a request's first Prefill carries (and no other): sampling params, prefix keys, compute."""
         spec = req.spec
         req.opened = True
+        if spec.ushape:  # the phone samples: only the length goes up; no prefix keys (no cloud prefix reuse)
+            return {"params": P.SamplingParams(max_tokens=spec.max_tokens), "compute": req.compute,
+                    "return_states": True}
         params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
                                   top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
         scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_quant, req.codec,  # what produces the states
@@ -423,7 +440,7 @@ class Session:
             rt.extend_kv(hit.kv_blocks)
         stats.cached_tokens = h
         # 2. optimistic: the cloud has [0, c) under the same keys, so those positions are not uploaded
-        c = (h // self.block_size) * self.block_size
+        c = 0 if spec.ushape else (h // self.block_size) * self.block_size  # u-shape: the tail needs every position
         req.prefix_raw = hit.hidden[:c] if hit is not None else None
         stats.uploaded_prompt_tokens = len(ids) - c
         parts: list[np.ndarray] = [hit.hidden] if hit is not None else []
@@ -474,23 +491,29 @@ class Session:
             stats.prefill_bytes_up += await self._send(self._prefill_msg(req, span))
 
     # -- tokens ---------------------------------------------------------------------------------
+    async def _next_message(self, req: _Request, stats: RequestStats):
+        """The next message for ``req`` (messages held during a recovery first), or None after recovering from a
+        dropped link or for a late Error about a request id it abandoned."""
+        if req.pending:
+            return req.pending.pop(0)
+        try:
+            msg = await self._recv(self.config.retry.reply_timeout_s)
+        except LinkDown as e:
+            await self._recover(req, stats, e)
+            return None
+        except GarbageFromServer as e:
+            raise EdgeClientError(str(e), "bad_server") from None
+        if isinstance(msg, P.Error) and getattr(msg, "request_id", None) not in (None, req.rid):
+            return None
+        return msg
+
     async def _tokens(self, req: _Request, stats: RequestStats):
         """Yield new tokens in order; drives decode steps, prefix misses and recovery."""
-        timeout = self.config.retry.reply_timeout_s
         while req.finish is None:
-            if req.pending:
-                msg = req.pending.pop(0)
-            else:
-                try:
-                    msg = await self._recv(timeout)
-                except LinkDown as e:
-                    await self._recover(req, stats, e)
-                    continue
-                except GarbageFromServer as e:
-                    raise EdgeClientError(str(e), "bad_server") from None
+            msg = await self._next_message(req, stats)
+            if msg is None:
+                continue
             if isinstance(msg, P.Error):
-                if getattr(msg, "request_id", None) not in (None, req.rid):
-                    continue  # a late error about a request id we abandoned
                 if msg.code == "prefix_miss":
                     stats.prefix_misses += 1
                     stats.uploaded_prompt_tokens = req.prompt_len
@@ -504,8 +527,9 @@ class Session:
             new = self._accept(req, msg.index, msg.token_ids, msg.finish_reason)
             if req.spec_step is not None and (new or req.finish is not None):
                 self._settle_spec(req, new, stats)
-            elif new and req.plain_started is not None:  # a plain step answered: the sizer's base cost
-                self.sizer.observe(0, 0, time.perf_counter() - req.plain_started)
+            elif new and req.plain_started is not None:  # a plain step answered: the sizers' base cost
+                for sizer in (self.sizer, self.head_sizer):
+                    sizer.observe(0, 0, time.perf_counter() - req.plain_started)
                 req.plain_started = None
             for t in new:
                 yield t
@@ -526,12 +550,16 @@ class Session:
     async def _decode_and_send(self, req: _Request, new: list[int], stats: RequestStats | None = None) -> None:
         """Front decode of each new token the front lacks (accepted drafts are in it already); a DecodeStep
         for the last one, or a SpecStep with drafts when the request speculates."""
-        codec = self.codecs[req.codec]
+        codec = self.codecs[req.step_codec]
         todo = [t for j, t in enumerate(req.tokens) if req.prompt_len + j >= self.runtime.length]
         if stats is not None and self._drafts_wanted(req):
             drafts = self._drafts(req)
             if drafts:
                 await self._send_spec(req, todo, drafts, stats)
+                return
+            k = self._head_k(req)
+            if k:
+                await self._send_head_spec(req, todo, k, stats)
                 return
         req.plain_started = time.perf_counter()
         for t in todo:
@@ -552,31 +580,60 @@ class Session:
     def _drafts(self, req: _Request) -> list[int]:
         """Drafts to follow the context (k from the sizer, capped by what the request and the server allow:
         the step emits at most k + 1 tokens and needs k + 1 positions)."""
-        room = min(req.spec.max_tokens - len(req.tokens) - 1, self.welcome.server.max_draft_tokens,
-                   self.limits.max_context - req.context_len - 1)
-        k = self.sizer.choose(room)
+        k = self.sizer.choose(self._room(req))
         if k <= 0:
             return []
         # the private levels: only tokens the cloud produced itself may go up as drafts
         context = req.tokens if req.spec.drafts_from_outputs_only else [*req.spec.prompt_ids, *req.tokens]
         return self.drafter.propose(context, k)
 
+    def _room(self, req: _Request) -> int:
+        """Drafts the request and the server allow: the step emits at most k + 1 tokens, needs k + 1 positions."""
+        return min(req.spec.max_tokens - len(req.tokens) - 1, self.welcome.server.max_draft_tokens,
+                   self.limits.max_context - req.context_len - 1)
+
+    def _head_k(self, req: _Request) -> int:
+        """Drafts the draft head should propose this step (0: none, or no head). The head drafts from boundary
+        states the cloud receives anyway, so the private levels allow it."""
+        return self.head_sizer.choose(self._room(req)) if self.head is not None else 0
+
+    async def _front_before_last(self, req: _Request, todo: list[int]) -> None:
+        """Front decode of the tokens before the last one the front lacks (never after a verdict; after a
+        resume or replay), recorded as sent."""
+        codec = self.codecs[req.step_codec]
+        for t in todo[:-1]:
+            hidden = await _compute(self.runtime.decode, t)
+            req.sent.append(_Sent(self.runtime.length - 1, 1, codec.encode(hidden, zstd=self.config.wire_zstd)))
+
     async def _send_spec(self, req: _Request, todo: list[int], drafts: list[int], stats: RequestStats) -> None:
         """Run the tokens the front lacks (the last emitted one) and the drafts as one chunk; one SpecStep up."""
-        rt, codec = self.runtime, self.codecs[req.codec]
-        if len(todo) > 1:  # tokens before the last one (never after a verdict; after a resume or replay)
-            for t in todo[:-1]:
-                hidden = await _compute(rt.decode, t)
-                pos = rt.length - 1
-                req.sent.append(_Sent(pos, 1, codec.encode(hidden, zstd=self.config.wire_zstd)))
-        pos = rt.length
-        t0 = time.perf_counter()
-        hidden = await _compute(rt.prefill, [todo[-1], *drafts])  # [k + 1, H]
-        msg = P.SpecStep(request_id=req.rid, position=pos, hidden=codec.encode(hidden, zstd=self.config.wire_zstd),
-                         draft_ids=list(drafts))
-        req.spec_step = _Spec(pos, list(drafts), hidden, msg, t0)
-        stats.draft_tokens += len(drafts)
-        await self._send(msg)
+        await self._front_before_last(req, todo)
+        pos, t0 = self.runtime.length, time.perf_counter()
+        hidden = await _compute(self.runtime.prefill, [todo[-1], *drafts])  # [k + 1, H]
+        await self._spec_up(req, _Spec(pos, list(drafts), hidden, None, t0), stats)
+
+    async def _send_head_spec(self, req: _Request, todo: list[int], k: int, stats: RequestStats) -> None:
+        """Self-speculative drafts: the front runs the last emitted token, the head proposes d1 from its
+        boundary state, the front runs d1, the head proposes d2, ... The k + 1 states are the SpecStep's rows."""
+        await self._front_before_last(req, todo)
+        pos, t0 = self.runtime.length, time.perf_counter()
+        rows = [await _compute(self.runtime.decode, todo[-1])]  # each [1, H]
+        drafts: list[int] = []
+        for _ in range(k):
+            drafts.append(self.head.next_token(rows[-1]))
+            rows.append(await _compute(self.runtime.decode, drafts[-1]))
+        spec = _Spec(pos, drafts, np.concatenate(rows, axis=0), None, t0, from_head=True)  # hidden [k + 1, H]
+        await self._spec_up(req, spec, stats)
+
+    async def _spec_up(self, req: _Request, spec: _Spec, stats: RequestStats) -> None:
+        """Send ``spec``'s rows and drafts as one SpecStep and keep it as the step in flight."""
+        spec.msg = P.SpecStep(request_id=req.rid, position=spec.position, draft_ids=list(spec.drafts),
+                              hidden=self.codecs[req.step_codec].encode(spec.hidden, zstd=self.config.wire_zstd))
+        req.spec_step = spec
+        stats.draft_tokens += len(spec.drafts)
+        if spec.from_head:
+            stats.head_draft_tokens += len(spec.drafts)
+        await self._send(spec.msg)
 
     def _settle_spec(self, req: _Request, new: list[int], stats: RequestStats) -> None:
         """The verdict on the SpecStep in flight: ``new`` = the accepted drafts and the cloud's next token
@@ -590,12 +647,15 @@ class Session:
             raise EdgeClientError(f"the cloud's verdict {new} does not extend the drafts {spec.drafts}", "bad_server")
         keep = min(len(new), len(spec.drafts) + 1)  # rows kept: the fed token and the accepted drafts
         self.runtime.truncate(spec.position + keep)
-        codec = self.codecs[req.codec]
+        codec = self.codecs[req.step_codec]
         req.sent.append(_Sent(spec.position, keep, codec.encode(np.ascontiguousarray(spec.hidden[:keep]),
                                                                 zstd=self.config.wire_zstd)))
         stats.decode_round_trips += 1
         stats.accepted_draft_tokens += min(accepted, len(spec.drafts))
-        self.sizer.observe(len(spec.drafts), min(accepted, len(spec.drafts)), time.perf_counter() - spec.started)
+        if spec.from_head:
+            stats.accepted_head_draft_tokens += min(accepted, len(spec.drafts))
+        sizer = self.head_sizer if spec.from_head else self.sizer
+        sizer.observe(len(spec.drafts), min(accepted, len(spec.drafts)), time.perf_counter() - spec.started)
 
     def _abandon_spec(self, req: _Request) -> None:
         """A replay while a SpecStep is unanswered: keep only its fed token (the replay's last position)."""
@@ -603,7 +663,7 @@ class Session:
         if spec is None:
             return
         self.runtime.truncate(spec.position + 1)
-        req.sent.append(_Sent(spec.position, 1, self.codecs[req.codec].encode(
+        req.sent.append(_Sent(spec.position, 1, self.codecs[req.step_codec].encode(
             np.ascontiguousarray(spec.hidden[:1]), zstd=self.config.wire_zstd)))
 
     async def _send_decode(self, req: _Request, span: _Sent) -> None:
@@ -618,7 +678,7 @@ class Session:
                 if req.bundle_gen != self.bundle_gen:  # reconnected with another bundle (an update)
                     await self._rebuild(req, stats)
                     return
-                if resumed and req.opened and await self._resume(req, stats):
+                if resumed and req.opened and not req.spec.ushape and await self._resume(req, stats):
                     return
                 if req.rid in self.state.requests:  # the cloud holds part of a span: drop its copy, replay ours
                     await self._send(P.Cancel(request_id=req.rid))

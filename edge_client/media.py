@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,9 +139,10 @@ class MediaPolicy:
     max_pixels: int | None = None  # the pixel budget (None: the model's default, smart_resize's max_pixels)
 
 
-def load_source(src: bytes | str, policy: MediaPolicy) -> bytes:
+def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> bytes:
     """Raw bytes as given; a ``data:`` URL decoded; ``http(s)`` fetched within the policy's size and time
-    limits; a local path (or ``file://``) only from inside ``policy.local_dir``."""
+    limits (``kind``: the content type it must serve, ``image`` or ``audio``); a local path (or ``file://``)
+    only from inside ``policy.local_dir``."""
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
     elif not isinstance(src, str) or not src:
@@ -154,7 +156,7 @@ def load_source(src: bytes | str, policy: MediaPolicy) -> bytes:
         except (binascii.Error, ValueError):
             raise MediaError("data URL: invalid base64", "bad_media") from None
     elif src.startswith(("http://", "https://")):
-        data = _fetch(src, policy)
+        data = _fetch(src, policy, kind)
     else:
         data = _local(src.removeprefix("file://"), policy)
     if len(data) > policy.max_bytes:
@@ -162,20 +164,52 @@ def load_source(src: bytes | str, policy: MediaPolicy) -> bytes:
     return data
 
 
-def _fetch(url: str, policy: MediaPolicy) -> bytes:
+FETCH_CHUNK = 64 << 10  # bytes read per socket read while fetching (the deadline is checked between reads)
+
+
+def _fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
+    """GET ``url`` within ``policy``: the whole download within ``fetch_timeout_s`` (checked after every socket
+    read, each of which itself times out after ``fetch_timeout_s``: a trickling server is cut off), at
+    most ``max_bytes`` (a larger Content-Length is refused before the body), a content type of ``kind/*`` (or
+    none / octet-stream). Each failure is a MediaError with its own code."""
+    import http.client
     import urllib.error
     import urllib.request
 
     if not policy.allow_http:
         raise MediaError("fetching media URLs is disabled on this endpoint", "url_refused")
+    shown = url[:80]
+    deadline = time.monotonic() + policy.fetch_timeout_s
     try:
         with urllib.request.urlopen(url, timeout=policy.fetch_timeout_s) as r:  # noqa: S310 - http(s) checked above
-            data = r.read(policy.max_bytes + 1)
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise MediaError(f"cannot fetch {url[:80]}: {getattr(e, 'reason', e)}", "fetch_failed") from None
-    if len(data) > policy.max_bytes:
-        raise MediaError(f"{url[:80]}: larger than the {policy.max_bytes}-byte limit", "image_too_large")
-    return data
+            ctype = (r.headers.get_content_type() if r.headers.get("Content-Type") else "").lower()
+            if ctype and not ctype.startswith(f"{kind}/") and ctype != "application/octet-stream":
+                raise MediaError(f"{shown}: serves {ctype}, not {'an image' if kind == 'image' else kind}",
+                                 f"bad_{kind}")
+            length = r.headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > policy.max_bytes:
+                raise MediaError(f"{shown}: {length} bytes exceeds the {policy.max_bytes}-byte limit",
+                                 "image_too_large")
+            buf = bytearray()
+            while chunk := r.read1(min(FETCH_CHUNK, policy.max_bytes + 1 - len(buf))):  # one socket read each
+                buf += chunk
+                if len(buf) > policy.max_bytes:
+                    raise MediaError(f"{shown}: larger than the {policy.max_bytes}-byte limit", "image_too_large")
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+    except MediaError:  # a ValueError: raised above, with its own code
+        raise
+    except urllib.error.HTTPError as e:
+        raise MediaError(f"cannot fetch {shown}: HTTP {e.code} {e.reason}", "fetch_failed") from None
+    except TimeoutError:
+        raise MediaError(f"{shown}: not fetched within {policy.fetch_timeout_s:g} s", "fetch_timeout") from None
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, TimeoutError):
+            raise MediaError(f"{shown}: not fetched within {policy.fetch_timeout_s:g} s", "fetch_timeout") from None
+        raise MediaError(f"cannot fetch {shown}: {e.reason}", "fetch_failed") from None
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        raise MediaError(f"cannot fetch {shown}: {e}", "fetch_failed") from None
+    return bytes(buf)
 
 
 def _local(path: str, policy: MediaPolicy) -> bytes:
@@ -286,7 +320,7 @@ class MediaEncoders:
         """Load, check, preprocess and encode every part (MediaError on the first bad one)."""
         items = []
         for p in parts:
-            data = load_source(p.source, policy)
+            data = load_source(p.source, policy, p.kind)
             if p.kind == "image":
                 enc = self.vision
                 img = enc.prepare(data, policy.max_pixels)

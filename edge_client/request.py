@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from shared.precision import PrecisionOverride
@@ -25,6 +26,8 @@ class RequestSpec:
     drafts_from_outputs_only: bool = False
     # the private levels: prefix keys keyed with this secret (shared.prefix_keys.KeyScope.secret)
     prefix_secret: bytes | None = field(default=None, repr=False)
+    # u-shape (shared.exec_mode): the cloud runs the middle layers only, the phone's tail samples (edge_client.ushape)
+    ushape: bool = False
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -43,6 +46,18 @@ class RequestSpec:
             PrecisionOverride.parse(self.precision)  # a codec or compute name; PrecisionError (a ValueError)
 
 
+def mark_token(stats, t0: float, last: float | None) -> float:
+    """Record one token's arrival on ``stats`` (anything with ``ttft_s`` and ``itl_s``): the first token sets
+    ``ttft_s = now - t0``, every later one appends its gap to ``itl_s``. ``last``: the previous token's time or
+    None; returns now (the next call's ``last``)."""
+    now = time.perf_counter()
+    if last is None:
+        stats.ttft_s = now - t0
+    else:
+        stats.itl_s.append(now - last)
+    return now
+
+
 @dataclass(slots=True)
 class RequestStats:
     trace_id: str | None = None  # the request's id in the edge's and the cloud's logs (``trace=<id>``)
@@ -56,19 +71,24 @@ class RequestStats:
     total_s: float = 0.0
     edge_compute_s: float = 0.0  # front-layer time for this request (prefill + decode steps)
     edge_prefill_s: float = 0.0
+    edge_tail_s: float = 0.0  # u-shape: the tail's time (middle states -> logits) for this request
+    edge_tail_prefill_s: float = 0.0  # of it: the prompt's positions, up to the first token
     bytes_up: int = 0  # WebSocket frames, both ways, this request
     bytes_down: int = 0
     prefill_bytes_up: int = 0  # of bytes_up: the prompt's hidden states
-    codec: str = ""  # wire codec of the hidden states
+    codec: str = ""  # wire codec of the prompt's hidden states
+    step_codec: str = ""  # wire codec of the decode steps' (and SpecSteps') hidden states
     compute: str = ""  # compute variant asked of the cloud
     reconnects: int = 0
     resumes: int = 0  # the cloud session survived a drop
     replays: int = 0  # the cloud lost the session; the context was replayed
     prefix_misses: int = 0
-    decode_round_trips: int = 0  # DecodeSteps and SpecSteps answered (the first token comes with the prompt)
+    decode_round_trips: int = 0  # DecodeSteps, SpecSteps (u-shape: StatesSteps) answered (the first token comes with the prompt)
     draft_tokens: int = 0  # drafts sent in SpecSteps
     accepted_draft_tokens: int = 0  # of those, accepted by the cloud
-    exec_mode: str = ""  # shared.exec_mode: split | all-cloud | edge-only (and why, below)
+    head_draft_tokens: int = 0  # of the drafts, those the bundle's draft head proposed (the rest: prompt lookup)
+    accepted_head_draft_tokens: int = 0
+    exec_mode: str = ""  # shared.exec_mode: split | u-shape | all-cloud | edge-only (and why, below)
     exec_reason: str = ""
     image_tokens: int = 0  # prompt tokens that are visual embeddings (usage)
     audio_tokens: int = 0

@@ -25,12 +25,13 @@ import hashlib
 import io
 import json
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .encoder_session import LazyEncoder, LazySession
 
 VISION = "edge/vision.onnx"
 VISION_CONFIG = "edge/vision.json"
@@ -244,32 +245,14 @@ def tower_feeds(image: PreparedImage, spec: VisionSpec) -> dict[str, np.ndarray]
 # the encoder
 
 
-class VisionEncoder:
+class VisionEncoder(LazyEncoder):
     """``edge/vision.onnx`` of a bundle, opened on first use; one image per ``encode`` call."""
 
     def __init__(self, bundle_dir: str | Path, threads: int = 2, graph: str | Path | None = None):
         self.bundle_dir = Path(bundle_dir)
         self.spec = VisionSpec.load(self.bundle_dir)
         self.path = Path(graph) if graph is not None else self.bundle_dir / VISION
-        self.threads = threads
-        self._session = None
-        self._lock = threading.Lock()
-        self.seconds = 0.0  # cumulative encode time
-        self.images = 0
-
-    @property
-    def loaded(self) -> bool:
-        return self._session is not None
-
-    def _open(self):
-        with self._lock:
-            if self._session is None:
-                from .front import open_session
-
-                if not self.path.is_file():
-                    raise MediaError(f"{self.path}: missing (bundle without a vision encoder)", "no_encoder")
-                self._session = open_session(self.path, self.threads)
-        return self._session
+        self.graph = LazySession(self.path, threads, "a vision encoder")
 
     def prepare(self, data: bytes, max_pixels: int | None = None) -> PreparedImage:
         """Encoded image bytes -> :class:`PreparedImage` (decode + preprocess)."""
@@ -277,12 +260,7 @@ class VisionEncoder:
 
     def encode(self, image: PreparedImage) -> np.ndarray:
         """Visual embeddings float32 [n_tokens, H] of one prepared image."""
-        session = self._open()
-        t0 = time.perf_counter()
-        out = session.run(["image_embeds"], tower_feeds(image, self.spec))[0]
-        self.seconds += time.perf_counter() - t0
-        self.images += 1
-        return out
+        return self.graph.run("image_embeds", tower_feeds(image, self.spec))
 
     def warmup(self) -> float:
         """Load the graph and run one small image; returns the seconds it took."""

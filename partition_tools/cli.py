@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from shared.cli_exit import run_command
+
 
 def _env(name: str, default=None):
     return os.environ.get(f"AUTOGLM_PARTITION_{name}", default)
@@ -35,7 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--audio-encoder", default=_env("AUDIO_ENCODER"),
                    help="attach an audio encoder: a Whisper checkpoint dir with projector.json/.safetensors, "
                         "or the random preset tiny-whisper (GLM-4.1V ships none)")
+    s.add_argument("--tail", type=int, default=int(_env("TAIL", 0)),
+                   help="M > 0: a u-shape bundle, the last M layers + norm + lm_head on the edge too (the cloud "
+                        "runs the middle and never sees an output token)")
     s.add_argument("--seed", type=int, default=int(_env("SEED", 0)), help="seed for random-weight presets")
+
+    d = sub.add_parser("draft-head", help="add a calibrated draft head to a bundle (self-speculative drafts)")
+    d.add_argument("bundle")
+    d.add_argument("--source", default=_env("SOURCE"), help="the model it was split from (default: the manifest's)")
+    d.add_argument("--text", default=_env("TEXT"), help="calibration text, UTF-8 (default: built-in sample's tail)")
+    d.add_argument("--vocab", type=int, default=_env("VOCAB"),
+                   help="K: propose only the K most frequent calibration tokens (default: the whole vocabulary)")
+    d.add_argument("--quant", choices=("int8", "fp32"), default=_env("QUANT", "int8"), help="head weights")
 
     v = sub.add_parser("verify", help="check a bundle against the unsplit model on real text")
     v.add_argument("bundle")
@@ -76,7 +89,7 @@ def _cmd_split(args) -> int:
     if args.layer is None or args.out is None:
         raise UsageError("split needs --layer N and --out DIR")
     cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant,
-                      vision_quant=args.vision_quant, audio_encoder=args.audio_encoder)
+                      vision_quant=args.vision_quant, audio_encoder=args.audio_encoder, tail=args.tail)
     t0 = time.perf_counter()
     lm = load_model(source, seed=args.seed)
     m = split(lm, cfg)
@@ -86,8 +99,28 @@ def _cmd_split(args) -> int:
         sizes[a.role] += a.bytes
     print(f"bundle {m.bundle_id} -> {cfg.out}")
     print(f"  edge  : embeddings + layers [0, {m.split_layer}) {m.edge_quant} ONNX, {sizes['edge'] / 1e6:.2f} MB")
-    print(f"  cloud : layers [{m.split_layer}, {m.num_layers}) + norm + lm_head, {sizes['cloud'] / 1e6:.2f} MB")
+    lo, hi = m.cloud_layers
+    if m.tail_layers:
+        print(f"  tail  : layers [{hi}, {m.num_layers}) + norm + lm_head {m.edge_quant} ONNX (on the edge, "
+              "in the edge size above)")
+    print(f"  cloud : layers [{lo}, {hi})" + ("" if m.tail_layers else " + norm + lm_head")
+          + f", {sizes['cloud'] / 1e6:.2f} MB")
     print(f"  took  : {seconds:.1f} s (load + export + quantize + write)")
+    return 0
+
+
+def _cmd_draft_head(args) -> int:
+    from shared.manifest import Manifest
+
+    from .draft_head import DraftHeadConfig, add_draft_head
+    from .models import load_model
+
+    cfg = DraftHeadConfig(text=Path(args.text) if args.text else None,
+                          vocab=int(args.vocab) if args.vocab is not None else None, quant=args.quant)
+    lm = load_model(args.source or Manifest.load(args.bundle).source)
+    r = add_draft_head(lm, Path(args.bundle), cfg)
+    print(f"draft head -> {args.bundle}: {r['vocab']} tokens, {r['quant']}, calibrated on {r['calibration_tokens']} "
+          f"tokens; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on {r['held_out_tokens']} held-out")
     return 0
 
 
@@ -113,6 +146,9 @@ def _cmd_verify(args) -> int:
         print(f"  perplexity        reference {r['ppl_reference']:.3f}  split {r['ppl_split']:.3f}")
         print(f"  boundary error    max {r['boundary_max_abs_err']:.3e}  mean {r['boundary_mean_abs_err']:.3e}")
         print(f"  incremental error {r['incremental_rel_err']:.2e} (decode steps vs full sequence, relative)")
+        if r.get("tail_layers"):
+            print(f"  u-shape greedy    {r['ushape_matching_prefix']} of {len(r['reference_tokens'])} tokens equal "
+                  "the unsplit model's (front + middle + tail, step by step)")
         print("  PASSED" if r["passed"] else "  FAILED: " + "; ".join(r["failures"]))
     return 0 if r["passed"] else 1
 
@@ -157,15 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
     expected = (UsageError, BundleError, ModelLoadError, UnsupportedArchitecture, FileNotFoundError,
                 PermissionError, IsADirectoryError)
-    try:
-        return {"split": _cmd_split, "verify": _cmd_verify, "inspect": _cmd_inspect,
-                "plan": _cmd_plan}[args.command](args)
-    except expected as e:
-        print(f"autoglm-partition {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    handlers = {"split": _cmd_split, "draft-head": _cmd_draft_head, "verify": _cmd_verify, "inspect": _cmd_inspect, "plan": _cmd_plan}
+    return run_command("autoglm-partition", args.command, handlers[args.command], args, expected)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The cloud half of a bundle: its on-disk format, and :class:`CloudModel`, the one module that runs it.
 
 A bundle stores the source's full config (``cloud/config.json``) and the back-half weights
-(``cloud/back.safetensors``: ``layers.{i}.*`` renumbered from 0, ``norm.*``, ``lm_head.weight``).
+(``cloud/back.safetensors``: ``layers.{i}.*`` renumbered from 0, ``norm.*``, ``lm_head.weight``). A u-shape
+bundle's (``Manifest.tail_layers`` M > 0) holds the middle layers [N, L - M) alone: no norm, no lm_head, and
+its :class:`CloudModel` returns hidden states (the phone runs the tail and samples).
 ``partition_tools.split`` writes them with :func:`back_state_dict`; :meth:`CloudModel.from_bundle` reads
 them back into the family's own decoder-layer classes (the text model built with ``num_hidden_layers =
 L - N`` on the meta device, exactly those weights loaded, the embedding table dropped: the cloud never
@@ -29,12 +31,15 @@ BACK_WEIGHTS = "cloud/back.safetensors"
 BACK_CONFIG = "cloud/config.json"
 
 
-def back_state_dict(adapter: ModelAdapter, split_layer: int) -> dict[str, torch.Tensor]:
-    """The tensors the cloud half needs, with layer indices renumbered from 0."""
+def back_state_dict(adapter: ModelAdapter, split_layer: int, tail_layers: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors the cloud half needs, with layer indices renumbered from 0: layers [N, L) + norm + lm_head,
+    or with a u-shape tail of M layers on the edge, layers [N, L - M) alone."""
     sd: dict[str, torch.Tensor] = {}
-    for i, layer in enumerate(list(adapter.layers)[split_layer:]):
+    for i, layer in enumerate(list(adapter.layers)[split_layer:adapter.num_layers - tail_layers]):
         for k, v in layer.state_dict().items():
             sd[f"layers.{i}.{k}"] = v.detach().contiguous()
+    if tail_layers:
+        return sd
     for k, v in adapter.norm.state_dict().items():
         sd[f"norm.{k}"] = v.detach().contiguous()
     sd["lm_head.weight"] = adapter.lm_head.weight.detach().clone().contiguous()  # clone: may be tied
@@ -57,13 +62,16 @@ def back_config(config, split_layer: int, num_layers: int):
 class CloudModel(torch.nn.Module):
     """Decoder layers + final norm + lm_head + rotary embedding (+ token embeddings for the full model).
 
+    ``norm`` and ``lm_head`` are None for a u-shape bundle's middle (:attr:`returns_states`): it ends at the
+    hidden states the phone's tail takes.
+
     ``config`` is the text config of exactly these layers. The rotary embedding is always built fresh from
     it, in fp32: casting a module to bf16/fp16 would round ``inv_freq`` too. ``dtype`` is the weights'
     (and activations') dtype. Sizes are plain attributes: tensor parallelism (``cloud_server.tp``) divides
     ``num_heads`` / ``num_kv_heads`` by the world size when it shards the layers.
     """
 
-    def __init__(self, *, layers: torch.nn.ModuleList, norm: torch.nn.Module, lm_head: torch.nn.Linear,
+    def __init__(self, *, layers: torch.nn.ModuleList, norm: torch.nn.Module | None, lm_head: torch.nn.Linear | None,
                  rotary_type: type, config, mrope: bool, eos_token_ids: list[int],
                  embed_tokens: torch.nn.Embedding | None = None, manifest: Manifest | None = None):
         super().__init__()
@@ -74,7 +82,7 @@ class CloudModel(torch.nn.Module):
         self.eos_token_ids = list(eos_token_ids)
         self.manifest = manifest  # the bundle's, when built from one
         self.variant: str | None = None  # the serving engine's compute variant, once it prepares this model
-        self.dtype = lm_head.weight.dtype
+        self.dtype = (lm_head.weight if lm_head is not None else next(layers.parameters())).dtype
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
         self.num_heads = int(config.num_attention_heads)
@@ -94,16 +102,19 @@ class CloudModel(torch.nn.Module):
         if verify:
             manifest.verify_files(bundle_dir, roles=("cloud", "shared"))
         source_config = AutoConfig.for_model(**json.loads((bundle_dir / BACK_CONFIG).read_text()))
-        config = back_config(source_config, manifest.split_layer, manifest.num_layers)
+        config = back_config(source_config, *manifest.cloud_layers)
+        middle = manifest.tail_layers > 0  # u-shape: no norm, no lm_head
         with torch.device("meta"):
             decoder = AutoModel.from_config(config)
-            lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        weights = torch.nn.ModuleDict({"layers": decoder.layers, "norm": decoder.norm, "lm_head": lm_head})
+            lm_head = None if middle else torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        norm = None if middle else decoder.norm
+        weights = torch.nn.ModuleDict({"layers": decoder.layers, **({} if middle else
+                                                                     {"norm": norm, "lm_head": lm_head})})
         sd = {k: v.to(dtype) for k, v in load_file(str(bundle_dir / BACK_WEIGHTS), device=str(device)).items()}
         missing, unexpected = weights.load_state_dict(sd, strict=False, assign=True)
         if missing or unexpected:
             raise BundleError(f"{bundle_dir / BACK_WEIGHTS}: missing {missing[:3]} unexpected {unexpected[:3]}")
-        model = cls(layers=decoder.layers, norm=decoder.norm, lm_head=lm_head, rotary_type=type(decoder.rotary_emb),
+        model = cls(layers=decoder.layers, norm=norm, lm_head=lm_head, rotary_type=type(decoder.rotary_emb),
                     config=config, mrope=adapter_for_config(source_config).mrope,
                     eos_token_ids=manifest.eos_token_ids, manifest=manifest)
         return model.to(device).eval()
@@ -152,6 +163,11 @@ class CloudModel(torch.nn.Module):
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def returns_states(self) -> bool:
+        """A u-shape middle: its output is hidden states [.., H], not logits."""
+        return self.lm_head is None
+
     def position_embeddings(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                             rope_positions: torch.Tensor | None = None):
         """cos/sin for ``position_ids`` [B, S] (GLM-4.1V: ``rope_positions`` [3, B, S]; see ``rope_cos_sin``)."""
@@ -161,10 +177,10 @@ class CloudModel(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor,
                 rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Full-sequence reference: boundary hidden [B, S, H] at positions [B, S] (GLM-4.1V with images: 3-D
-        ``rope_positions`` [3, B, S]) -> logits [B, S, V]."""
+        ``rope_positions`` [3, B, S]) -> logits [B, S, V] (a u-shape middle: hidden states [B, S, H])."""
         hidden = hidden.to(self.dtype)
         cos_sin = self.position_embeddings(hidden, position_ids, rope_positions)
         for layer in self.layers:  # attention_mask=None + sdpa = causal over the whole sequence
             hidden = call_layer(layer, hidden, attention_mask=None, position_ids=position_ids,
                                 position_embeddings=cos_sin)
-        return self.lm_head(self.norm(hidden))
+        return hidden if self.returns_states else self.lm_head(self.norm(hidden))

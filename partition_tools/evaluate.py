@@ -9,7 +9,9 @@ Contract of :func:`evaluate_split` (``autoglm-partition verify`` builds on it):
 3. split: the edge graph in the phone's own runtime (``edge_client.front.FrontRuntime``), prefilled in
    chunks of ``window`` tokens over its KV cache (P = 0, then the past of the previous chunks), each chunk's
    boundary passed through ``codec`` (what the wire does to it; identity = lossless fp32), then the cloud
-   half (``CloudModel.forward``, fp32 torch) over the whole sequence -> logits ``[T, V]``;
+   half (``CloudModel.forward``, fp32 torch) over the whole sequence -> logits ``[T, V]``; a u-shape bundle's
+   middle returns hidden states instead, which pass through ``codec`` again (the downlink) and the phone's
+   tail (``edge_client.tail.TailRuntime``, in chunks of ``window`` over its KV cache) -> logits ``[T, V]``;
 4. compare: top-1 next-token agreement, mean and max KL(ref || split) per position, perplexity of both on
    the text itself, and the boundary error the cloud receives (after the codec) against the fp32 boundary.
 
@@ -137,7 +139,9 @@ class SplitEvaluator:
         if boundary.shape != ref.boundary.shape:
             raise BundleError(f"{path}: boundary shape {boundary.shape}, expected {ref.boundary.shape}")
         pos = torch.arange(ref.ids.size)[None]  # [1, T]
-        logits = self.back(torch.from_numpy(boundary)[None], pos)[0].float()  # [T, V]
+        logits = self.back(torch.from_numpy(boundary)[None], pos)[0].float()  # [T, V] (u-shape: [T, H])
+        if self.back.returns_states:
+            logits = torch.from_numpy(self._tail_logits(logits.numpy(), codec))  # [T, V]
         err = np.abs(boundary - ref.boundary)
         return {
             **compare_logits(ref.logits, logits, ref.ids),
@@ -147,6 +151,16 @@ class SplitEvaluator:
             "boundary_absmax": float(np.abs(ref.boundary).max()),
             "seconds": time.perf_counter() - started,
         }
+
+
+    def _tail_logits(self, middle: np.ndarray, codec: Codec | None) -> np.ndarray:
+        """u-shape: the middle's states [T, H] down the wire (``codec``) and through the tail -> logits [T, V]."""
+        from edge_client.tail import TailRuntime
+
+        tail = TailRuntime(self.bundle_dir, threads=self.threads, chunk=self.window, verify=False)
+        rows = middle if codec is None else codec(middle)
+        return np.concatenate([tail.run(rows[i:i + self.window], len(rows[i:i + self.window]))
+                               for i in range(0, len(rows), self.window)])
 
 
 def evaluate_split(bundle_dir: str | Path, front_onnx_path: str | Path | None = None, text: str | None = None,

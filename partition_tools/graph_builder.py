@@ -32,6 +32,10 @@ cache can express that, so for ``mrope`` families the *caller* computes each tok
 (row s of the inputs is token s's angle) and GroupQueryAttention runs with ``do_rotary=0``. Text tokens
 have t = h = w, where this equals 1-D rope; images only change the positions the caller sends.
 
+The same builder writes the u-shape *tail* (``build_fused_layers`` with ``first > 0``, used by
+``partition_tools.export_tail``): the last M layers from the boundary states the cloud returns, then the final
+norm and the lm_head over the last ``logits_rows`` rows, with its own in-place KV buffer.
+
 Families: Llama layout (SmolLM2, Qwen2, Mistral) and GLM-4 / GLM / GLM-4.1V (partial interleaved rotary,
 fused gate_up_proj, GLM-4's post-attention and post-MLP norms). Anything else (q/k norms, non-SiLU MLPs,
 sliding windows) raises :class:`GraphBuildError`; ``partition_tools.export`` then writes the traced graph.
@@ -53,7 +57,8 @@ from edge_client.front import MAX_POSITIONS_KEY, MROPE_KEY, ROPE_INPUTS
 from .adapters import ModelAdapter
 
 MS = "com.microsoft"
-GRAPH_KIND_KEY = "autoglm.edge_graph"  # model metadata: "fused-gqa"
+GRAPH_KIND_KEY = "autoglm.edge_graph"  # model metadata: "fused-gqa" (front) | "fused-gqa-tail"
+TAIL_INPUT, TAIL_ROWS, TAIL_OUTPUT = "boundary_states", "logits_rows", "logits"  # the tail's own I/O
 MAX_CACHED_POSITIONS = 32768  # rotary cache rows at most (SmolLM2: 8,192 -> 2 MB of cos/sin)
 OPSET = 17
 _INTERLEAVED = {"glm", "glm4", "glm4v"}  # families whose rotary pairs adjacent channels (2i, 2i+1)
@@ -182,9 +187,40 @@ class _Graph:
         return y
 
 
+def _head(g: _Graph, adapter: ModelAdapter, hidden: str) -> str:
+    """The final norm and the lm_head over the last ``logits_rows`` rows of ``hidden`` [1, S, H] -> logits
+    [1, n, V]: prefill wants the last row only, a speculative step all k + 1."""
+    neg = g.op("Neg", [TAIL_ROWS], ["head.start"], "head.start")[0]  # [1] = -n
+    rows = g.op("Slice", [hidden, neg, g.const("head.end", np.array([np.iinfo(np.int64).max], np.int64)),
+                          g.const("head.axis", np.array([1], np.int64))], ["head.rows"], "head.rows")[0]  # [1, n, H]
+    norm = adapter.norm
+    eps = float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
+    x = g.norm(rows, _np(norm.weight), "norm", eps)  # [1, n, H]
+    w, b = _linear(adapter.lm_head)  # [H, V]
+    return g.op("Identity", [g.matmul(x, w, "lm_head", b)], [TAIL_OUTPUT], "logits")[0]  # [1, n, V]
+
+
 def build_fused_front(adapter: ModelAdapter, n_layers: int, out_path: Path,
                       max_positions: int | None = None) -> Path:
     """Write the fused fp32 front graph for layers [0, n_layers) of ``adapter`` (interface: module docstring)."""
+    return build_fused_layers(adapter, 0, n_layers, out_path, max_positions)
+
+
+def build_fused_layers(adapter: ModelAdapter, first: int, last: int, out_path: Path,
+                       max_positions: int | None = None) -> Path:
+    """Write the fused fp32 graph of decoder layers [first, last) of ``adapter``.
+
+    ``first == 0``: the front (token ids in, embeddings, boundary hidden states out: the module docstring).
+    ``first > 0``: the u-shape *tail* (``partition_tools.export_tail``), which must end at the last layer: input
+    ``boundary_states`` float32 [1, S, H] (the hidden states after layer ``first - 1``) instead of ``input_ids``,
+    ``logits_rows`` int64 [1] = n, and output ``logits`` float32 [1, n, V]: the final norm and the lm_head over
+    the last n of the S rows. KV inputs are numbered from 0 within the graph (``past_key.{j}`` is layer
+    ``first + j``); nodes keep the model's layer numbers (``layers.{first + j}.mlp.down_proj``)."""
+    n_layers = last - first
+    tail = first > 0
+    if not 0 <= first < last <= adapter.num_layers or (tail and last != adapter.num_layers):
+        raise GraphBuildError(f"layers [{first}, {last}): a front starts at 0, a tail ends at layer "
+                              f"{adapter.num_layers}")
     if adapter.family.name not in _INTERLEAVED and adapter.family.name != "llama":
         raise GraphBuildError(f"family {adapter.family.name!r}: no fused graph recipe")
     if getattr(adapter.config, "sliding_window", None) and getattr(adapter.config, "use_sliding_window", True):
@@ -198,16 +234,22 @@ def build_fused_front(adapter: ModelAdapter, n_layers: int, out_path: Path,
         raise GraphBuildError("3-D rope with scaling or without mrope_section: edge_client.rope computes "
                               "default-type angles only")
     interleaved = int(adapter.family.name in _INTERLEAVED)
-    layers = [layer_weights(adapter, i) for i in range(n_layers)]
+    layers = [layer_weights(adapter, i) for i in range(first, last)]
     n_pos = max_positions or min(int(getattr(adapter.config, "max_position_embeddings", 4096)),
                                  MAX_CACHED_POSITIONS)
 
     g = _Graph()
     cap = "capacity"
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "S"]),
+    seq_input = TAIL_INPUT if tail else "input_ids"  # the input whose dim 1 is S
+    inputs = [helper.make_tensor_value_info(TAIL_INPUT, TensorProto.FLOAT, [1, "S", hsz]) if tail else
+              helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "S"]),
               helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
               helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
-    outputs = [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "S", hsz])]
+    if tail:
+        inputs.append(helper.make_tensor_value_info(TAIL_ROWS, TensorProto.INT64, [1]))
+        outputs = [helper.make_tensor_value_info(TAIL_OUTPUT, TensorProto.FLOAT, [1, "n", adapter.vocab_size])]
+    else:
+        outputs = [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, [1, "S", hsz])]
     for i in range(n_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}.{i}", TensorProto.FLOAT, [1, kvh, cap, d]))
@@ -224,7 +266,7 @@ def build_fused_front(adapter: ModelAdapter, n_layers: int, out_path: Path,
         cos_name, sin_name = g.const("rope.cos_cache", cos), g.const("rope.sin_cache", sin)
     if not fused_rotary:
         # position ids [1, S]: row s of the rope inputs (mrope), or absolute position P + s (cache)
-        g.op("Shape", ["input_ids"], ["rope.shape"], "rope.shape", start=1, end=2)
+        g.op("Shape", [seq_input], ["rope.shape"], "rope.shape", start=1, end=2)
         g.op("Squeeze", ["rope.shape"], ["rope.len"], "rope.len")
         if mrope:
             start = g.const("rope.zero", np.array(0, np.int64))
@@ -236,11 +278,14 @@ def build_fused_front(adapter: ModelAdapter, n_layers: int, out_path: Path,
         g.op("Range", [start, end, g.const("rope.one", np.array(1, np.int64))], ["rope.range"], "rope.range")
         g.op("Unsqueeze", ["rope.range", g.const("rope.axis0", np.array([0], np.int64))], ["rope.pos"], "rope.pos")
 
-    g.const("embed_tokens.weight", _np(adapter.embed_tokens.weight))  # [V, H]
-    hidden = g.op("Gather", ["embed_tokens.weight", "input_ids"], ["embed.out"], "embed_tokens")[0]  # [1, S, H]
-    residual = None  # the running residual stream; None: ``hidden`` itself (layer 0)
+    if tail:
+        hidden = TAIL_INPUT  # [1, S, H]: the residual stream after layer first - 1
+    else:
+        g.const("embed_tokens.weight", _np(adapter.embed_tokens.weight))  # [V, H]
+        hidden = g.op("Gather", ["embed_tokens.weight", "input_ids"], ["embed.out"], "embed_tokens")[0]  # [1, S, H]
+    residual = None  # the running residual stream; None: ``hidden`` itself (the graph's first layer)
     for i, w in enumerate(layers):
-        p = f"layers.{i}"
+        p = f"layers.{first + i}"
 
         x, residual = g.skip_norm(hidden, residual, w.input_norm, f"{p}.input_layernorm", w.eps)  # [1, S, H]
         qkv = g.matmul(x, w.qkv, f"{p}.self_attn.qkv_proj", w.qkv_bias)  # [1, S, (NH + 2 KVH) D]
@@ -275,13 +320,16 @@ def build_fused_front(adapter: ModelAdapter, n_layers: int, out_path: Path,
         hidden = g.matmul(act, w.down, f"{p}.mlp.down_proj")  # [1, S, H]
         if w.post_mlp_norm is not None:
             hidden = g.norm(hidden, w.post_mlp_norm, f"{p}.post_mlp_layernorm", w.eps)
-    g.op("Add", [hidden, residual], ["hidden_states"], "final_residual")
+    if not tail:
+        g.op("Add", [hidden, residual], ["hidden_states"], "final_residual")
+    else:
+        _head(g, adapter, g.op("Add", [hidden, residual], ["final.hidden"], "final_residual")[0])
 
-    graph = helper.make_graph(g.nodes, "edge_front_fused", inputs, outputs, g.inits)
+    graph = helper.make_graph(g.nodes, "edge_tail_fused" if tail else "edge_front_fused", inputs, outputs, g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
                               producer_name="autoglm-split graph_builder")
     model.ir_version = 8
-    props = {GRAPH_KIND_KEY: "fused-gqa", MAX_POSITIONS_KEY: str(n_pos)}
+    props = {GRAPH_KIND_KEY: "fused-gqa-tail" if tail else "fused-gqa", MAX_POSITIONS_KEY: str(n_pos)}
     if mrope:  # what edge_client.rope needs to compute the rope inputs
         rope = adapter.rope_settings()
         props[MROPE_KEY] = json.dumps({"theta": rope["theta"], "rotary_dim": rot,

@@ -33,6 +33,7 @@ def inspect_bundle(bundle_dir: str | Path) -> dict:
         "model_type": m.model_type,
         "split_layer": m.split_layer,
         "num_layers": m.num_layers,
+        "tail_layers": m.tail_layers,
         "shape": {"hidden": m.hidden_size, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
                   "head_dim": m.head_dim, "vocab": m.vocab_size},
         "rope": m.rope,
@@ -46,12 +47,20 @@ def inspect_bundle(bundle_dir: str | Path) -> dict:
     }
 
 
+def _split_line(r: dict) -> str:
+    n, total, tail = r["split_layer"], r["num_layers"], r.get("tail_layers", 0)
+    if not tail:
+        return f"split      edge layers [0, {n})  |  cloud layers [{n}, {total})"
+    return (f"u-shape    edge layers [0, {n}) + [{total - tail}, {total}) + norm + lm_head  |  cloud layers "
+            f"[{n}, {total - tail}) (returns hidden states, never samples)")
+
+
 def format_report(r: dict) -> str:
     mb = lambda b: f"{b / 1e6:8.2f} MB"  # noqa: E731
     lines = [
         f"bundle {r['bundle_id']}  ({r['architecture']}, model_type {r['model_type']})",
         f"source     {r['source']}  [{r['source_identity']}]",
-        f"split      edge layers [0, {r['split_layer']})  |  cloud layers [{r['split_layer']}, {r['num_layers']})",
+        _split_line(r),
         "shape      " + ", ".join(f"{k} {v}" for k, v in r["shape"].items()),
         f"edge quant {r['edge_quant']}",
         f"sizes      edge {mb(r['bytes']['edge'])}   cloud {mb(r['bytes']['cloud'])}   shared {mb(r['bytes']['shared'])}",

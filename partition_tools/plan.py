@@ -260,7 +260,7 @@ def cloud_gpu_times(path: Path, adapter: ModelAdapter, contexts: list[int]) -> d
 def codec_bytes_per_token(lm: LoadedModel, adapter: ModelAdapter, layers: list[int], calibration_tokens: int = 128
                           ) -> dict[int, dict[str, float]]:
     """Wire bytes per boundary token, per codec, on the model's real boundary states at each split layer."""
-    from shared.codecs import CALIBRATED_CODECS, CODEC_NAMES, find_outlier_channels, find_sink_threshold, get_codec
+    from shared.codecs import BASIS_CODECS, CALIBRATED_CODECS, CODEC_NAMES, find_outlier_channels, find_sink_threshold, get_codec
 
     from .split import boundary_hidden, calibration_ids
 
@@ -271,6 +271,8 @@ def codec_bytes_per_token(lm: LoadedModel, adapter: ModelAdapter, layers: list[i
         channels = find_outlier_channels(hid, 8)
         row = {}
         for name in CODEC_NAMES:
+            if name in BASIS_CODECS:  # needs a bundle's codec artifact; sized by bench/codec_bench.py
+                continue
             params = ({"outlier_channels": channels, "sink_threshold": find_sink_threshold(hid, channels)}
                       if name in CALIBRATED_CODECS else {})
             row[name] = len(get_codec(name, **params).encode_payload(hid)) / hid.shape[0]

@@ -10,6 +10,10 @@
   uses integer dot products (VNNI / ARM dotprod: the fast path), 1 dequantizes the weights and computes in
   fp32 (exact activations, but slower than a plain fp32 MatMul on x86). MatMuls whose module path matches
   a ``precise`` pattern get level 1; those matching ``keep_float`` stay fp32 ``MatMul``;
+* ``float_outliers = k``: of the MatMuls matching ``outlier_patterns`` (down_proj), the k whose calibration
+  inputs have the largest max / median channel ratio stay fp32 - the layers where the massive activations
+  are written (SmolLM2: layers 2 and 1, ratios 139 and 31 against 7-18 elsewhere), whose int8 activation
+  blocks lose the most (:func:`outlier_matmuls`);
 * ``rotate``: module-path patterns of MatMuls whose input is rotated per activation block by a Hadamard
   matrix folded into the weights (``partition_tools.rotation``), after smoothing;
 * with ``kv_cache="int8"`` (fused graph only) the KV cache is stored as int8 with calibrated per-channel
@@ -83,6 +87,20 @@ def _matching(paths: dict[str, str], patterns: tuple[str, ...] | list[str]) -> l
     return [name for name, path in paths.items() if any(fnmatch.fnmatchcase(path, p) for p in patterns)]
 
 
+def outlier_matmuls(model: onnx.ModelProto, ids: np.ndarray, patterns: tuple[str, ...] | list[str],
+                    k: int) -> dict[str, float]:
+    """The ``k`` constant-weight MatMuls matching ``patterns`` whose inputs, over a prefill of the calibration
+    ids ``[T]``, have the largest ratio of the largest to the median per-channel max |x|: node name -> ratio."""
+    from .smoothing import matmul_input_absmax
+
+    nodes = {n.name: n for n in model.graph.node}
+    chosen = _matching(weight_matmuls(model), patterns)
+    absmax = matmul_input_absmax(model, ids, sorted({nodes[n].input[0] for n in chosen}))  # tensor -> [K]
+    ratio = {n: float(absmax[nodes[n].input[0]].max() / max(np.median(absmax[nodes[n].input[0]]), 1e-12))
+             for n in chosen}
+    return dict(sorted(ratio.items(), key=lambda kv: -kv[1])[:k])
+
+
 # ------------------------------------------------------------------------------------------------
 # embedding table -> GatherBlockQuantized
 
@@ -145,14 +163,16 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
                    embedding: str = "fp32", embedding_block_size: int | None = None, symmetric: bool = True,
                    smooth_alpha: float | None = None, calibration_ids: np.ndarray | None = None,
                    kv_cache: str = "fp32", kv_calibration_ids: np.ndarray | None = None,
-                   rotate: tuple[str, ...] | list[str] = ()) -> dict:
+                   rotate: tuple[str, ...] | list[str] = (), float_outliers: int = 0,
+                   outlier_patterns: tuple[str, ...] | list[str] = ("*.mlp.down_proj",)) -> dict:
     """Quantize the fp32 edge graph ``src`` into ``dst``; returns the report recorded in the manifest.
 
     mode: int8 | int4 (fp32 is a plain copy). ``precise`` / ``keep_float``: module-path patterns run at
     accuracy level 1 / left in fp32. ``embedding``: fp32 | int8 | int4 table (block ``embedding_block_size``,
     default ``block_size``). ``symmetric=False``: MatMul weights get zero points (asymmetric).
     ``smooth_alpha``: fold SmoothQuant scales into the RMSNorm weights first (``partition_tools.smoothing``),
-    calibrated on ``calibration_ids [T]``.
+    calibrated on ``calibration_ids [T]``. ``float_outliers``: that many of the ``outlier_patterns`` MatMuls,
+    those with the most extreme calibration inputs, stay fp32 (:func:`outlier_matmuls`).
     """
     if mode not in QUANT_MODES:
         raise QuantizationError(f"edge quantization {mode!r}: expected one of {', '.join(QUANT_MODES)}")
@@ -165,8 +185,10 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
     emb_block = embedding_block_size or block_size
     if emb_block < 16 or emb_block & (emb_block - 1):
         raise QuantizationError(f"embedding block size {emb_block}: must be a power of two >= 16")
-    if smooth_alpha is not None and calibration_ids is None:
-        raise QuantizationError("smoothing needs calibration_ids (token ids of calibration text)")
+    if (smooth_alpha is not None or float_outliers) and calibration_ids is None:
+        raise QuantizationError("smoothing and float_outliers need calibration_ids (token ids of calibration text)")
+    if float_outliers < 0:
+        raise QuantizationError(f"float_outliers {float_outliers}: must be >= 0")
     if kv_cache not in KV_MODES:
         raise QuantizationError(f"KV cache {kv_cache!r}: expected one of {', '.join(KV_MODES)}")
     kv_ids = kv_calibration_ids if kv_calibration_ids is not None else calibration_ids
@@ -186,6 +208,8 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         return {"mode": "fp32", **kv_report}
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
+    outliers = {} if not float_outliers else outlier_matmuls(
+        model, np.asarray(calibration_ids, dtype=np.int64).reshape(-1), outlier_patterns, float_outliers)
     smoothed: list[int] = []
     if smooth_alpha is not None:
         from .smoothing import smooth_norm_inputs
@@ -199,6 +223,7 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         rotated = rotate_matmul_inputs(model, rotate, block_size)
     paths = weight_matmuls(model)  # node name -> module path
     floats = _matching(paths, list(keep_float) + (["*.rot.hadamard"] if rotated else []))
+    floats += [n for n in outliers if n not in floats]
     precise_nodes = [n for n in _matching(paths, precise) if n not in floats]
     bits = 8 if mode == "int8" else 4
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
@@ -227,6 +252,7 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         "precise_matmuls": sorted(paths[n] for n in precise_nodes),
         "float_matmuls": sorted(paths[n] for n in floats if not n.endswith(".rot.hadamard")),
         "rotated_matmuls": sorted(rotated), "embedding": "fp32",
+        "float_outliers": {paths[n]: round(r, 1) for n, r in outliers.items()},
     }
     if embedding != "fp32":
         gathers = embedding_gathers(model)
@@ -276,10 +302,13 @@ def kv_calibration_tokens(tokenizer, vocab_size: int, n: int = CALIBRATION_TOKEN
 def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) -> dict:
     """The default recipe for ``mode`` (kwargs of :func:`quantize_front`); docs/quality.md has the numbers.
 
-    int8: every MatMul as MatMulNBits 8-bit, block 32, accuracy level 4 (int8 activations: the fast path);
-    SmoothQuant alpha 0.5 folded into the RMSNorm weights (free at run time; cuts the error of the norm-fed
-    q/k/v and gate/up MatMuls by about a third on SmolLM2); embedding table int8 block 32 (3/4 of its bytes
-    saved, no measurable loss). int4: the same with 4-bit MatMul weights; the table stays int8 (a 4-bit
+    int8: every MatMul as MatMulNBits 8-bit, block 32, accuracy level 4 (int8 activations: the fast path),
+    except the two down_proj with the most extreme inputs (``float_outliers=2``: the massive-activation
+    layers, SmolLM2's 1 and 2), which stay fp32 - the cheapest fix for the answers that int8 flips (+6 of 40
+    tuning answers for ~10 % of the decode speed-up); SmoothQuant alpha 0.5 folded into the RMSNorm weights
+    (free at run time; cuts the error of the norm-fed q/k/v and gate/up MatMuls by about a third on
+    SmolLM2); embedding table int8 block 32 (3/4 of its bytes saved, no measurable loss). int4: the same with
+    4-bit MatMul weights and no fp32 down_proj (a separate, smaller variant); the table stays int8 (a 4-bit
     table alone costs more KL than all 8-bit MatMuls together).
     """
     if mode not in ("int8", "int4"):
@@ -290,5 +319,6 @@ def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) ->
         "accuracy_level": 4,
         "embedding": "int8",
         "smooth_alpha": 0.5,
+        "float_outliers": 2 if mode == "int8" else 0,
         "calibration_ids": calibration_tokens(tokenizer, adapter.vocab_size),
     }

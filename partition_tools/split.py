@@ -36,12 +36,15 @@ class SplitConfig:
     outlier_channels: int = 8  # channels kept in fp16 by the outlier-aware codec
     vision_quant: str | None = None  # GLM-4.1V's edge vision tower: int8 | fp32 | none (None: as the front)
     audio_encoder: str | None = None  # a Whisper + projector directory (or "tiny-whisper"): partition_tools.export_audio
+    tail: int = 0  # M > 0: a u-shape bundle, layers [L - M, L) + norm + lm_head also on the edge (export_tail)
 
     def __post_init__(self):
         if self.edge_quant not in QUANT_MODES:
             raise BundleError(f"--edge-quant {self.edge_quant!r}: expected one of {', '.join(QUANT_MODES)}")
         if self.vision_quant not in (None, "int8", "fp32", "none"):
             raise BundleError(f"--vision-quant {self.vision_quant!r}: expected int8, fp32 or none")
+        if self.tail < 0:
+            raise BundleError(f"--tail {self.tail}: expected M >= 0 layers")
         self.out = Path(self.out)
 
 
@@ -102,6 +105,9 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     L = adapter.num_layers
     if not 0 < cfg.layer < L:
         raise BundleError(f"--layer {cfg.layer}: must be between 1 and {L - 1} (the model has {L} layers)")
+    if cfg.tail and cfg.layer + cfg.tail >= L:
+        raise BundleError(f"--tail {cfg.tail} with --layer {cfg.layer}: the cloud must keep at least one of the "
+                          f"{L} layers (layer + tail < {L})")
     started = time.perf_counter()
     out = cfg.out
     if out.exists() and any(out.iterdir()):
@@ -110,7 +116,7 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
         shutil.rmtree(out)
     (out / "edge").mkdir(parents=True, exist_ok=True)
     (out / "cloud").mkdir(parents=True, exist_ok=True)
-    steps = Steps(5 if cfg.edge_quant != "fp32" else 4, "split")
+    steps = Steps((5 if cfg.edge_quant != "fp32" else 4) + (1 if cfg.tail else 0), "split")
 
     # 1. edge front -> ONNX (fp32), then quantize
     steps.next(f"export layers [0, {cfg.layer}) to ONNX")
@@ -141,11 +147,17 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
         quant_report["audio"] = {"mode": "fp32", "encoder": str(cfg.audio_encoder),
                                  **asdict(export_audio(cfg.audio_encoder, adapter.hidden_size, out))}
 
+    if cfg.tail:  # u-shape: the tail on the edge as well
+        from .export_tail import TAIL, export_tail
+
+        steps.next(f"export the tail: layers [{L - cfg.tail}, {L}) + norm + lm_head to ONNX ({cfg.edge_quant})")
+        quant_report["tail"] = export_tail(adapter, cfg.tail, out / TAIL, cfg.edge_quant)
+
     # 2. cloud half -> safetensors + config
-    steps.next(f"write layers [{cfg.layer}, {L}) + norm + lm_head")
+    steps.next(f"write layers [{cfg.layer}, {L - cfg.tail})" + ("" if cfg.tail else " + norm + lm_head"))
     from safetensors.torch import save_file
 
-    save_file(back_state_dict(adapter, cfg.layer), str(out / BACK_WEIGHTS))
+    save_file(back_state_dict(adapter, cfg.layer, cfg.tail), str(out / BACK_WEIGHTS))
     (out / BACK_CONFIG).write_text(lm.model.config.to_json_string())
 
     # 3. tokenizer + chat template
@@ -161,6 +173,9 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
         shutil.rmtree(tmp_tok)
     ids = calibration_ids(lm, adapter, cfg.calib_tokens)
     (out / CALIBRATION).write_text(json.dumps(calibrate(adapter, ids, cfg.layer, cfg.outlier_channels)) + "\n")
+    from .codec_calibration import write_codec_calibration
+
+    write_codec_calibration(lm, adapter, out, cfg.layer)  # codec_pca.npz, recorded in calibration.json
 
     # 4. manifest with hashes
     steps.next("hash artifacts, write manifest")
@@ -171,7 +186,7 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
         num_kv_heads=adapter.num_kv_heads, head_dim=adapter.head_dim, vocab_size=adapter.vocab_size,
         rope=adapter.rope_settings(), eos_token_ids=adapter.eos_token_ids(), edge_quant=cfg.edge_quant,
         edge_dtype="float32", cloud_dtype=str(adapter.lm_head.weight.dtype).removeprefix("torch."),
-        quant_report=quant_report,
+        quant_report=quant_report, tail_layers=cfg.tail,
     )
     for p in sorted(out.rglob("*")):
         if p.is_file() and p.name != "manifest.json":

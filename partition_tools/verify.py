@@ -9,6 +9,11 @@ Two checks:
    (``edge_client.front.FrontRuntime``, what the phone runs) must reproduce the full-sequence boundary
    hidden states.
 
+A u-shape bundle (``--tail M``) is scored the same way through front + middle + tail (the middle's states
+pass the fp16 round trip again on their way down), and a third check generates greedily through the three
+parts as the phone and the cloud run them (the front's and the tail's KV caches, one step per token): with an
+fp32 edge its tokens must equal the unsplit model's greedy tokens.
+
 Thresholds depend on the edge quantization (``THRESHOLDS``); ``verify`` fails when any is missed.
 """
 
@@ -67,6 +72,36 @@ def incremental_check(bundle_dir: Path, ids: np.ndarray, prefill: int = 8, steps
     return float(np.abs(inc - full).max()) / scale
 
 
+def ushape_greedy_check(bundle_dir: Path, model, ids: np.ndarray, n_new: int = 16) -> dict:
+    """u-shape: greedy tokens after ``ids`` through front -> middle -> tail (fp16 round trips at both
+    boundaries, each new token one front step and one tail step on their KV caches) vs the unsplit ``model``'s."""
+    import torch
+
+    from edge_client.front import FrontRuntime
+    from edge_client.tail import TailRuntime
+
+    from .cloud_half import CloudModel
+    from .evaluate import fp16_round_trip
+
+    front = FrontRuntime(bundle_dir, verify=False)
+    tail = TailRuntime(bundle_dir, verify=False)
+    middle = CloudModel.from_bundle(bundle_dir, verify=False)
+    sent = [fp16_round_trip(front.prefill(ids))]  # [S, H] per step: what went up
+    logits = None
+    with torch.no_grad():
+        ref = model.generate(torch.from_numpy(ids)[None], max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, ids.size:].tolist()
+        got: list[int] = []
+        for _ in range(n_new):
+            boundary = np.concatenate(sent)  # [T, H]
+            states = middle(torch.from_numpy(boundary)[None], torch.arange(boundary.shape[0])[None])[0].numpy()
+            logits = tail.run(fp16_round_trip(states[tail.length:]), 1)  # the rows the tail lacks
+            got.append(int(np.argmax(logits[-1])))
+            sent.append(fp16_round_trip(front.decode(got[-1])))
+    same = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
+    return {"ushape_tokens": got, "reference_tokens": ref, "ushape_matching_prefix": same}
+
+
 def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str | None = None,
                   max_tokens: int = 1024) -> dict:
     """Run both checks; returns the report dict with a ``passed`` flag and the ``failures`` list."""
@@ -81,6 +116,11 @@ def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str |
     # The incremental check exercises the graph's KV plumbing; any ids will do.
     ids = np.random.default_rng(0).integers(4, manifest.vocab_size, 16)
     report["incremental_rel_err"] = incremental_check(bundle_dir, ids)
+    if manifest.tail_layers:  # u-shape: greedy generation through the phone's two ends and the cloud's middle
+        from .models import load_model as _load
+
+        model = (lm if lm is not None else _load(manifest.source)).model
+        report.update(ushape_greedy_check(bundle_dir, model, ids[:12].astype(np.int64)))
     untrained = is_untrained(report["ppl_reference"], manifest.vocab_size)
     th = (UNTRAINED_THRESHOLDS if untrained else THRESHOLDS)[manifest.edge_quant]
     failures = []
@@ -93,7 +133,11 @@ def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str |
         failures.append(f"perplexity ratio {ratio:.4f} > {th.max_ppl_ratio}")
     if report["incremental_rel_err"] > th.max_incremental_err:
         failures.append(f"incremental decode error {report['incremental_rel_err']:.2e} > {th.max_incremental_err}")
+    if manifest.tail_layers and manifest.edge_quant == "fp32" and report["ushape_tokens"] != report["reference_tokens"]:
+        failures.append(f"u-shape greedy tokens differ from the unsplit model's after "
+                        f"{report['ushape_matching_prefix']} of {len(report['reference_tokens'])}")
     report.update(weights="untrained" if untrained else "trained", edge_quant=manifest.edge_quant, split_layer=manifest.split_layer, bundle_id=manifest.bundle_id,
+                  tail_layers=manifest.tail_layers,
                   thresholds=asdict(th),
                   passed=not failures, failures=failures)
     return report

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from edge_client.request import mark_token
+
 
 class CloudAPIError(Exception):
     """The full-model endpoint answered with an error status or a malformed stream."""
@@ -128,12 +130,7 @@ class FullModelClient:
             if choice.get("finish_reason"):
                 run.finish_reason = choice["finish_reason"]
             if delta:
-                now = time.perf_counter()
-                if last is None:
-                    run.ttft_s = now - t0
-                else:
-                    run.itl_s.append(now - last)
-                last = now
+                last = mark_token(run, t0, last)
                 run.text += delta
                 if on_delta is not None:
                     on_delta(delta)

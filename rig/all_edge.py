@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edge_client.request import mark_token
 from shared.whole_model import WHOLE_GRAPH, WHOLE_META
 
 
@@ -95,17 +96,12 @@ class WholeModelRunner:
             compute += time.perf_counter() - c0
         tokens: list[int] = []
         run = EdgeRun(tokens, ttft_s=0.0, cached_tokens=common)
-        last = time.perf_counter()
+        last = None
         while len(tokens) < max_tokens:
             token = int(np.argmax(logits))
-            now = time.perf_counter()
             if token in self.eos:
                 break
-            if tokens:
-                run.itl_s.append(now - last)
-            else:
-                run.ttft_s = now - t0
-            last = now
+            last = mark_token(run, t0, last)
             tokens.append(token)
             if len(tokens) == max_tokens:
                 break

@@ -34,6 +34,7 @@ SESSION_ERROR_CODES = (
     "prefix_miss",  # Prefill referenced prefix_keys the server does not hold: resend from position 0
     "resume_failed",  # Resume for a request whose KV cache is gone: replay the context as a new request
     "context_full",  # the request would exceed Welcome.limits.max_context
+    "prompt_too_long",  # a prompt (its Prefills) beyond Welcome.limits.max_prompt_tokens
     "overloaded",  # too many requests; retry later (Error.retry_after_ms)
     "draining",  # server is draining; no new requests on this connection
     "codec_not_negotiated",  # a tensor whose codec is not in Welcome.codecs

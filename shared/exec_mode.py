@@ -8,7 +8,10 @@ Modes:
   trip per token);
 * ``edge-only`` - the whole model on the phone (a bundle with ``partition_tools.export_whole``'s graph): nothing
   leaves the device;
-* ``u-shape`` - head and tail on the phone, the middle in the cloud (not built yet: never available here).
+* ``u-shape`` - head and tail on the phone (a bundle split with ``--tail M``), the middle in the cloud: hidden
+  states go up *and* come down, the phone samples (``edge_client.ushape``), so no token id of the output
+  reaches the cloud; it costs a hidden row down per position and the tail's compute per token, and gives up the
+  cloud's prefix cache. Drafts never leave the phone as ids in this mode (the phone verifies them itself).
 
 Privacy levels:
 
@@ -16,7 +19,10 @@ Privacy levels:
 * ``private`` - raw input never leaves the phone: no ``all-cloud``; in ``split`` only hidden states go up, drafts
   come only from tokens the cloud itself produced, and prefix keys are keyed with a per-tenant secret
   (``shared.prefix_keys.KeyScope.secret``) so the cloud cannot confirm a guessed prompt from its keys;
-* ``output-private`` - neither input nor output tokens reach the cloud: only ``u-shape`` or ``edge-only``.
+* ``output-private`` - neither input nor output tokens reach the cloud: only ``u-shape`` or ``edge-only``. What
+  the cloud still sees in ``u-shape`` is hidden states - the front's, of the prompt *and* of every output token
+  fed back, and the middle's - so the inversion risk of docs/security.md applies to the output as it applies to
+  the input in ``private``.
 
 :func:`choose_mode` applies the privacy level (a hard filter, also on an override), then, among the modes left
 and available, picks the one with the lowest estimated time for the whole request - time to first token plus
@@ -54,15 +60,17 @@ class Deployment:
     split: bool = True  # a split bundle and a split endpoint
     all_cloud: bool = False  # a full-model endpoint the client may call
     edge_only: bool = False  # the whole model on the phone
-    u_shape: bool = False
+    u_shape: bool = False  # a bundle with a tail (``Manifest.tail_layers``)
     boundary_bytes_per_token: float = 2 * 4096  # one coded hidden row on the wire (fp16, hidden 4096)
     edge_front_token_s: float = 0.01  # the front layers per decoded token on the phone
     edge_front_prefill_token_s: float = 0.002  # per prompt token, in chunks (one pass over the weights per chunk)
+    edge_tail_token_s: float = 0.01  # u-shape: the tail layers + lm_head per decoded token on the phone
+    edge_tail_prefill_token_s: float = 0.002  # per prompt token (the tail needs every position's KV)
     edge_whole_token_s: float = 0.5  # the whole model per decoded token on the phone
     edge_whole_prefill_token_s: float = 0.05
     cloud_token_s: float = 0.03  # the cloud's decode step
     cloud_prefill_token_s: float = 0.0005  # the cloud's prefill per uncached prompt token (whole model; GPU)
-    split_tokens_per_round_trip: float = 1.0  # > 1 with speculation (measured acceptance)
+    split_tokens_per_round_trip: float = 1.0  # > 1 with speculation (measured acceptance; u-shape too)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +89,7 @@ class ModeDecision:
     privacy: str
     reason: str
     estimates_s: dict[str, float] = field(default_factory=dict)  # mode -> estimated request time
-    drafts_from_outputs_only: bool = False  # private levels: no prompt n-gram leaves as a draft
+    drafts_from_outputs_only: bool = False  # private levels in split: no prompt n-gram leaves as a draft
     secret_prefix_keys: bool = False  # private levels: prefix keys keyed with the tenant secret
 
     def to_dict(self) -> dict:
@@ -99,9 +107,16 @@ def estimate_s(mode: str, req: RequestShape, link: LinkState, dep: Deployment) -
         raw = req.prompt_tokens * req.raw_bytes_per_token + req.images * req.image_bytes
         prefill = fresh * dep.cloud_prefill_token_s
         return rtt + raw / up + prefill + req.max_tokens * dep.cloud_token_s  # streamed: no round trip per token
-    if mode in ("split", "u-shape"):
-        ttft = fresh * (dep.edge_front_prefill_token_s + dep.boundary_bytes_per_token / up) + rtt
-        step = rtt + dep.cloud_token_s + dep.edge_front_token_s + dep.boundary_bytes_per_token / up
+    row_up = dep.boundary_bytes_per_token / up
+    if mode == "split":
+        ttft = fresh * (dep.edge_front_prefill_token_s + row_up) + rtt
+        step = rtt + dep.cloud_token_s + dep.edge_front_token_s + row_up
+        return ttft + req.max_tokens * step / max(1.0, dep.split_tokens_per_round_trip)
+    if mode == "u-shape":  # every prompt position goes up and comes back (no cloud prefix cache); the tail runs here
+        row_down = dep.boundary_bytes_per_token / (max(1e-3, link.down_kbps) * 1000 / 8)
+        ttft = (fresh * dep.edge_front_prefill_token_s
+                + req.prompt_tokens * (row_up + row_down + dep.edge_tail_prefill_token_s) + rtt)
+        step = rtt + dep.cloud_token_s + dep.edge_front_token_s + dep.edge_tail_token_s + row_up + row_down
         return ttft + req.max_tokens * step / max(1.0, dep.split_tokens_per_round_trip)
     raise ExecModeError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
 
@@ -120,7 +135,11 @@ def choose_mode(req: RequestShape, privacy: str = "standard", link: LinkState | 
         raise ExecModeError(f"privacy {privacy!r}: expected one of {', '.join(PRIVACY_LEVELS)}")
     allowed = [m for m in MODES if m in _ALLOWED[privacy]]
     private = privacy != "standard"
-    common = {"privacy": privacy, "drafts_from_outputs_only": private, "secret_prefix_keys": private}
+
+    def common(mode: str) -> dict:  # u-shape sends no draft id and no prefix key at all
+        return {"privacy": privacy, "drafts_from_outputs_only": private and mode == "split",
+                "secret_prefix_keys": private}
+
     if override is not None:
         if override not in MODES:
             raise ExecModeError(f"mode {override!r}: expected one of {', '.join(MODES)}")
@@ -128,7 +147,7 @@ def choose_mode(req: RequestShape, privacy: str = "standard", link: LinkState | 
             raise ExecModeError(f"mode {override} would send what privacy level {privacy} keeps on the phone")
         if not _available(override, link, dep):
             raise ExecModeError(f"mode {override} is not available here (link {'up' if link.connected else 'down'})")
-        return ModeDecision(override, reason=f"client override ({privacy})", **common)
+        return ModeDecision(override, reason=f"client override ({privacy})", **common(override))
     live = [m for m in allowed if _available(m, link, dep)]
     if not live:
         why = "the link is down" if not link.connected else "this deployment runs none of them"
@@ -138,4 +157,4 @@ def choose_mode(req: RequestShape, privacy: str = "standard", link: LinkState | 
     others = ", ".join(f"{m} {est[m]:.2f} s" for m in live if m != best)
     reason = (f"{privacy}: {best} (est. {est[best]:.2f} s" + (f"; {others}" if others else "") + ")"
               + ("" if link.connected else "; link down"))
-    return ModeDecision(best, reason=reason, estimates_s=est, **common)
+    return ModeDecision(best, reason=reason, estimates_s=est, **common(best))

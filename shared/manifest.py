@@ -4,14 +4,20 @@ A bundle directory looks like::
 
     manifest.json
     edge/front.onnx            embeddings + layers [0, N), KV cache in/out (see partition_tools.export)
+    edge/tail.onnx             u-shape bundles only (``split --tail M``): layers [L - M, L), final norm, lm_head
+    edge/draft_head.onnx       optional (``autoglm-partition draft-head``): boundary state -> draft token
     edge/tokenizer.json ...    tokenizer files and chat_template.jinja (when the source has them)
-    cloud/back.safetensors     layers [N, L) renumbered from 0, final norm, lm_head
+    cloud/back.safetensors     layers [N, L) renumbered from 0, final norm, lm_head (u-shape: [N, L - M) only)
     cloud/config.json          the source's full HF config (the cloud rebuilds its modules from it)
     calibration.json           boundary statistics: outlier channels, attention-sink threshold
 
 ``bundle_id`` is a hash over the model description and the sha256 of every artifact *except* the edge
 graph's quantization variant, so an int8 and an fp32 edge of the same split talk to the same cloud half.
 The edge and the cloud each present it at connect time; a mismatch is refused.
+
+A *u-shape* bundle (``tail_layers`` M > 0) keeps the last M layers, the final norm and the lm_head on the
+phone too: its cloud half runs the middle layers [N, L - M) and returns hidden states, never a token
+(docs/protocol.md, "U-shape"). ``tail_layers`` is part of the id (a plain bundle's id is unchanged by it).
 
 Pure Python (json + hashlib): the phone reads manifests too.
 """
@@ -60,10 +66,15 @@ class Manifest:
     artifacts: dict[str, Artifact] = field(default_factory=dict)
     quant_report: dict = field(default_factory=dict)  # which ops stayed in float, and why
     bundle_id: str = ""
+    tail_layers: int = 0  # M: u-shape bundles run layers [L - M, L) + norm + lm_head on the edge too
 
     def __post_init__(self):
         if not 0 < self.split_layer < self.num_layers:
             raise BundleError(f"split layer {self.split_layer} must be in [1, {self.num_layers - 1}]")
+        if isinstance(self.tail_layers, bool) or not isinstance(self.tail_layers, int) or self.tail_layers < 0 \
+                or self.split_layer + self.tail_layers >= self.num_layers:
+            raise BundleError(f"tail of {self.tail_layers!r} layers: the cloud must keep at least one of layers "
+                              f"[{self.split_layer}, {self.num_layers})")
         self.artifacts = {k: v if isinstance(v, Artifact) else Artifact(**v) for k, v in self.artifacts.items()}
 
     # -- identity ---------------------------------------------------------------------------
@@ -77,11 +88,21 @@ class Manifest:
             "hidden_size": self.hidden_size,
             "cloud": {k: a.sha256 for k, a in sorted(self.artifacts.items()) if a.role != "edge"},
         }
+        if self.tail_layers:
+            desc["tail_layers"] = self.tail_layers
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
+
+    @property
+    def cloud_layers(self) -> tuple[int, int]:
+        """The layers the cloud runs: [N, L) for a split bundle, [N, L - M) for a u-shape one."""
+        return self.split_layer, self.num_layers - self.tail_layers
 
     # -- io ---------------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        d = asdict(self)
+        if not d["tail_layers"]:  # a plain bundle's manifest stays readable by clients from before u-shape
+            del d["tail_layers"]
+        return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
     def save(self, bundle_dir: Path) -> None:
         self.bundle_id = self.compute_bundle_id()

@@ -109,6 +109,9 @@ class SessionLimits:
     prefix_block_tokens: int = 16  # granularity of prefix_keys (one key per full block of the prompt)
     idle_timeout_ms: int = 300_000  # the server closes a session silent for this long
     resume_window_ms: int = 30_000  # a dropped session stays resumable this long
+    # positions a request's prompt may fill (its Prefills), beside max_context for prompt + generated; 0: no limit
+    # of its own (servers from before the field omit it, so it decodes as 0)
+    max_prompt_tokens: int = 0
 
     def __post_init__(self):
         _int(self.max_frame_bytes, "limits.max_frame_bytes", 1024, 1 << 30)
@@ -118,6 +121,12 @@ class SessionLimits:
         _int(self.prefix_block_tokens, "limits.prefix_block_tokens", 1, 1 << 16)
         _int(self.idle_timeout_ms, "limits.idle_timeout_ms", 0, MAX_POSITION)
         _int(self.resume_window_ms, "limits.resume_window_ms", 0, MAX_POSITION)
+        _int(self.max_prompt_tokens, "limits.max_prompt_tokens", 0, MAX_POSITION)
+
+    @property
+    def prompt_limit(self) -> int:
+        """Positions a prompt may fill: ``max_prompt_tokens``, or ``max_context`` when it is 0."""
+        return self.max_prompt_tokens or self.max_context
 
 
 @dataclass(slots=True, kw_only=True)
@@ -307,14 +316,14 @@ class Prefill:
     prefix_keys: list[str] = field(default_factory=list)  # one hash-chain key per full prompt block
     compute: str | None = None  # requested compute variant (None: the server's plan)
     rope_positions: WireArray | None = None  # int32 [3, n] multimodal RoPE positions (GLM-4V); None: 1-D
+    # first Prefill only: a u-shape request (a bundle split with --tail): the server runs the middle layers and
+    # answers every span with States (its hidden states) instead of sampling; steps are StatesSteps
+    return_states: bool = False
 
     def __post_init__(self):
         _ident(self.request_id, "request_id")
         _int(self.start, "start")
-        if self.hidden.shape[0] < 1:
-            raise ProtocolError(BAD_VALUE, "Prefill with no tokens")
-        if self.start + self.hidden.shape[0] > MAX_POSITION:
-            raise ProtocolError(BAD_VALUE, "Prefill positions overflow")
+        _rows(self.start, self.hidden.shape[0], "Prefill")
         _list(self.prefix_keys, "prefix_keys", 4096)
         for k in self.prefix_keys:
             _ident(k, "prefix_keys[]", 128)
@@ -378,6 +387,55 @@ class SpecStep:
     @property
     def n_tokens(self) -> int:
         return len(self.draft_ids) + 1
+
+
+@dataclass(slots=True, kw_only=True)
+class StatesStep:
+    """C->S, u-shape: the boundary states of positions ``[position, position + n)`` after the server returned
+    every position it holds. ``position`` may lie before the server's ``received`` (never before the prompt's
+    end): the server first drops its KV from ``position`` on, so the edge rolls back the rejected drafts of a
+    speculative step in the same message. One row: a plain decode step; k + 1 rows: the last sampled token and
+    k drafts (the drafts' ids stay on the phone: the edge verifies them against its own tail's logits)."""
+
+    TYPE: ClassVar[int] = 13
+    request_id: str
+    position: int
+    hidden: EncodedTensor  # [n, H], 1 <= n <= Welcome.server.max_draft_tokens + 1
+    rope_positions: WireArray | None = None  # int32 [3, n] (GLM-4V); None: 1-D positions
+
+    def __post_init__(self):
+        _ident(self.request_id, "request_id")
+        _int(self.position, "position")
+        _rows(self.position, self.hidden.shape[0], "StatesStep", MAX_DRAFT_TOKENS + 1)
+        _check_rope(self.rope_positions, self.hidden.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        return self.hidden.shape[0]
+
+
+@dataclass(slots=True, kw_only=True)
+class States:
+    """S->C, u-shape: the hidden states after the cloud's middle layers for positions ``[start, start + n)``, one
+    message per span the server computed (a prompt chunk, a StatesStep). Coded with the codec of the request's
+    first Prefill. The edge's tail turns them into logits; the server never samples, so no token id exists on
+    this side of the link."""
+
+    TYPE: ClassVar[int] = 14
+    request_id: str
+    start: int
+    hidden: EncodedTensor  # [n, H]
+    timings: ServerTimings | None = None
+    plan: PrecisionPlan | None = None  # on a request's first States: the plan actually used
+
+    def __post_init__(self):
+        _ident(self.request_id, "request_id")
+        _int(self.start, "start")
+        _rows(self.start, self.hidden.shape[0], "States")
+
+    @property
+    def n_tokens(self) -> int:
+        return self.hidden.shape[0]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -514,6 +572,14 @@ class Close:
         _text(self.reason, "reason", 256)
 
 
+def _rows(start: int, n: int, what: str, most: int = MAX_POSITION) -> None:
+    """A span of ``n`` rows at positions [start, start + n): 1 <= n <= ``most``, no position past the limit."""
+    if not 1 <= n <= most:
+        raise ProtocolError(BAD_VALUE, f"{what} carries 1..{most} rows, got {n}")
+    if start + n > MAX_POSITION:
+        raise ProtocolError(BAD_VALUE, f"{what} positions overflow")
+
+
 def _check_rope(rope: WireArray | None, n: int) -> None:
     if rope is None:
         return
@@ -521,8 +587,8 @@ def _check_rope(rope: WireArray | None, n: int) -> None:
         raise ProtocolError(BAD_VALUE, f"rope_positions: expected int32 [3, {n}], got {rope.dtype}{list(rope.shape)}")
 
 
-Message = (Hello | Welcome | Prefill | DecodeStep | SpecStep | Tokens | Cancel | Resume | Resumed | Error | Drain
-           | Close)
+Message = (Hello | Welcome | Prefill | DecodeStep | SpecStep | StatesStep | States | Tokens | Cancel | Resume
+           | Resumed | Error | Drain | Close)
 MESSAGE_TYPES: dict[int, type] = {cls.TYPE: cls for cls in
-                                  (Hello, Welcome, Prefill, DecodeStep, SpecStep, Tokens, Cancel, Resume, Resumed,
-                                   Error, Drain, Close)}
+                                  (Hello, Welcome, Prefill, DecodeStep, SpecStep, StatesStep, States, Tokens, Cancel,
+                                   Resume, Resumed, Error, Drain, Close)}

@@ -32,8 +32,8 @@ from starlette.background import BackgroundTask
 from shared import openai_compat as oc
 
 # Generation error codes (engine or wire) whose status is not "the server failed".
-_STATUS_BY_CODE = {"context_full": 400, "too_long": 400, "bad_input": 400, "overloaded": 503,
-                   "draining": 503, "timeout": 504}
+_STATUS_BY_CODE = {"context_full": 400, "prompt_too_long": 400, "too_long": 400, "bad_input": 400,
+                   "overloaded": 503, "draining": 503, "timeout": 504}
 
 
 class GenerationError(Exception):

@@ -13,6 +13,10 @@ prompts and images - but every tier rests on the numbers in docs/quality.md (Smo
   (~0.59 bytes/element, top-1 ~0.98, KL ~0.002-0.003) is used only when the uplink would make the upload slow.
   Multimodal requests use the calibration-free ``int8-b32``: image and audio tokens were not in the text
   calibration, and per-32-channel scales confine an unforeseen outlier channel to its own block.
+* per message type: the plan's codec carries the prompt chunks (bulk, and the codec the prefix keys name);
+  decode steps and SpecSteps (a row or a few, latency-bound) travel in ``step_codecs`` (fp16) when both ends
+  have it (:func:`step_codec`), for ~1 byte per element more on messages of one row (what it buys:
+  docs/quality.md, "Edge answers").
 * compute: fp16 is near-lossless (KL ~2e-5 at every measured prompt position, 0-1023) and is the default for
   text up to ``long_prompt_tokens`` = 1024, the longest context measured. bf16 is *lossier* on the same
   numbers (KL ~1e-3, flat over positions), so it is not chosen for quality: it is the safe choice where
@@ -42,6 +46,7 @@ __all__ = [
     "PrecisionPolicy",
     "RequestFeatures",
     "choose_precision",
+    "step_codec",
 ]
 
 CALIBRATION_FREE_CODECS = tuple(c for c in CODEC_NAMES if c not in CALIBRATED_CODECS)
@@ -119,6 +124,9 @@ class PrecisionPolicy:
     near_lossless_codecs: tuple[str, ...] = ("int8-outlier", "int8-b32", "fp16", "bf16")  # first available wins
     compact_codec: str = "int4-outlier"
     multimodal_codecs: tuple[str, ...] = ("int8-b32", "fp16", "bf16")  # calibration-free first
+    # decode-step and SpecStep states (one row or a few per message, latency-bound): first available wins;
+    # () sends them in the prompt's codec
+    step_codecs: tuple[str, ...] = ("fp16",)
 
     def __post_init__(self):
         if not 0 <= self.short_prompt_tokens <= self.long_prompt_tokens:
@@ -127,14 +135,15 @@ class PrecisionPolicy:
             raise ValueError("int8_min_load must be in [0, 1]")
         if not self.upload_budget_ms > 0:
             raise ValueError("upload_budget_ms must be > 0")
-        for name in (*self.near_lossless_codecs, self.compact_codec, *self.multimodal_codecs):
+        for name in (*self.near_lossless_codecs, self.compact_codec, *self.multimodal_codecs, *self.step_codecs):
             if name not in CODEC_NAMES:
                 raise ValueError(f"unknown codec {name!r} in the policy")
 
 
 DEFAULT_POLICY = PrecisionPolicy()
 NOMINAL_BYTES_PER_ELEMENT = {"fp16": 2.0, "bf16": 2.0, "int8-b32": 1.0625, "int8-b64": 1.031, "int4-b32": 0.5625,
-                             "int8-outlier": 1.02, "int4-outlier": 0.59}  # for upload-time estimates only
+                             "int8-outlier": 1.02, "int4-outlier": 0.59,
+                             "pca-fine": 0.75, "pca-compact": 0.29}  # for upload-time estimates only
 
 
 def upload_ms(features: RequestFeatures, codec: str) -> float | None:
@@ -193,4 +202,28 @@ def choose_precision(features: RequestFeatures, override=None, available_codecs=
         compute = _first(("fp16", "bf16", "fp32"), available_compute)
         why_compute = "default"
     compute = compute or available_compute[0]
-    return PrecisionPlan(codec=codec, compute=compute, reason=f"{why_codec}; {why_compute}"[:200])
+    plan = PrecisionPlan(codec=codec, compute=compute, reason=f"{why_codec}; {why_compute}")
+    steps = step_codec(plan, ov, available_codecs, policy)
+    if steps != codec:
+        plan.reason += f"; steps {steps}"
+    plan.reason = plan.reason[:200]
+    return plan
+
+
+def step_codec(plan: PrecisionPlan, override=None, available_codecs=CALIBRATION_FREE_CODECS,
+               policy: PrecisionPolicy = DEFAULT_POLICY) -> str:
+    """The codec of a request's decode-step and SpecStep states under ``plan``, whose ``codec`` carries the
+    prompt chunks (and is the one the prefix keys name: only prompt blocks are keyed).
+
+    A decode step is one row of H values on a latency-bound message, a prompt is bulk: the policy's
+    ``step_codecs`` (fp16) keep the steps lossless where both ends have them, at ~1 byte per element more
+    (docs/quality.md, "Edge answers"). A client override of the codec pins every message; a plan on the
+    compact codec (a slow link) keeps it on the steps too. Both ends compute it from the plan and the
+    negotiated codecs, and the cloud decodes each message by the codec it names.
+    """
+    ov = PrecisionOverride.parse(override)
+    if ov is not None and ov.codec is not None:
+        return ov.codec
+    if plan.codec == policy.compact_codec:
+        return plan.codec
+    return _first(policy.step_codecs, tuple(available_codecs)) or plan.codec

@@ -19,7 +19,10 @@ token has the same id and two screenshots must never share a block.
 Unsalted keys let whoever holds them test a guess: hash a candidate prompt and compare. The private levels
 therefore key the chain with a per-tenant secret (:attr:`KeyScope.secret`): an HMAC seed the cloud cannot
 recompute. The cloud never sees token ids, so it cannot check a key; it therefore keeps every tenant's blocks apart
-(:func:`tenant_scoped`): a client can only ever be served states that its own tenant uploaded.
+(:func:`tenant_scoped`): a client can only ever be served states that its own tenant uploaded - or states the
+operator published in the shared scope (:data:`SHARED_SCOPE`): a key of the keys file with the ``operator`` role
+publishes there, no other client can, and a tenant's lookup that misses its own scope falls back to it
+(:func:`shared_fallback`), so a system prompt the operator preloads serves every tenant.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import numpy as np
 PREFIX_KEY_VERSION = 2  # 1: sha256(k_{i-1} || ids || bundle_id), no scope, no content, no tenant
 NO_CONTENT = bytes(32)  # c_i of a text-only block
 PUBLIC_TENANT = "public"  # the tenant of clients that present no API key
+SHARED_SCOPE = "shared"  # the operator's prefix namespace; no tenant name maps to it (tenant_of, cloud_server.auth)
 
 
 def _lp(s: str) -> bytes:
@@ -115,3 +119,17 @@ def tenant_of(authorization: str | None) -> str:
 def tenant_scoped(tenant: str, key: str) -> str:
     """The cloud's name for a client's key within its tenant's namespace (what its prefix cache stores)."""
     return f"{tenant}/{key}"
+
+
+def shared_fallback(scoped_key: str) -> str | None:
+    """Where a lookup of a tenant's ``scoped_key`` (from :func:`tenant_scoped`) goes when its own scope misses:
+    the same key in :data:`SHARED_SCOPE`; None for a key already there or not scoped at all."""
+    scope, sep, key = scoped_key.partition("/")
+    if not sep or scope == SHARED_SCOPE:
+        return None
+    return tenant_scoped(SHARED_SCOPE, key)
+
+
+def is_shared(scoped_key: str) -> bool:
+    """Whether ``scoped_key`` names a block of the operator's shared scope."""
+    return scoped_key.startswith(SHARED_SCOPE + "/")

@@ -28,6 +28,14 @@ positions, at most ``Welcome.server.max_draft_tokens`` drafts. The server keeps 
 ``prompt_len + tokens - 1`` (the KV of the k - a rejected drafts is dropped on both sides). One SpecStep is in
 flight at a time, as one DecodeStep is.
 
+A **u-shape** request (first Prefill with ``return_states``) never gets tokens: the server answers every span
+it computes with ``States`` (``answered`` = positions returned). Its steps are ``StatesStep``\\ s (DecodeStep and
+SpecStep are refused), each allowed once the server has returned every position it holds (``answered =
+received``), at a ``position`` in ``[prompt_len, received]`` - the server drops its KV from ``position`` on
+first, which is how the edge rolls back rejected drafts - with at most ``max_draft_tokens + 1`` rows. The edge
+ends it with ``Cancel`` (it samples, so it alone knows when to stop). It is never resumed (``Resume`` is
+``resume_failed``): the edge replays it.
+
 Messages cross in flight, so the rules only forbid what a correct client can never send: a second Hello,
 a DecodeStep nobody asked for, positions that skip or repeat, a request opened without sampling parameters
 or under a used id, more open requests, tokens per chunk, frame bytes or context than ``Welcome.limits``
@@ -56,6 +64,8 @@ from .messages import (
     Resumed,
     SessionLimits,
     SpecStep,
+    States,
+    StatesStep,
     Tokens,
     Welcome,
 )
@@ -89,6 +99,8 @@ class RequestTrack:
     finish: str | None = None  # finish reason ("stop", ..., "error") once finished
     owner: object = None
     spec_position: int | None = None  # a SpecStep at this position awaits its Tokens (received is provisional)
+    states: bool = False  # u-shape: the server returns States, never tokens
+    answered: int = 0  # u-shape: positions [0, answered) whose States the server sent
 
     @property
     def prompt_done(self) -> bool:
@@ -96,8 +108,13 @@ class RequestTrack:
 
     @property
     def awaits_step(self) -> bool:
-        """The server sent a token whose DecodeStep it has not received yet."""
-        return self.finish is None and self.prompt_len is not None and self.received < self.prompt_len + self.tokens
+        """The server sent a token whose DecodeStep it has not received yet (u-shape: it returned the states of
+        every position it holds)."""
+        if self.finish is not None or self.prompt_len is None:
+            return False
+        if self.states:
+            return self.answered >= self.received
+        return self.received < self.prompt_len + self.tokens
 
 
 class SessionState:
@@ -158,6 +175,8 @@ class SessionState:
             return self._prefill(msg, frame_bytes)
         if isinstance(msg, (DecodeStep, SpecStep)):
             return self._decode_step(msg, frame_bytes)
+        if isinstance(msg, StatesStep):
+            return self._states_step(msg, frame_bytes)
         if isinstance(msg, Cancel):
             req = self.requests.get(rid)
             if req is not None:
@@ -167,6 +186,8 @@ class SessionState:
             req = self.track(rid)
             if req is None:
                 raise SessionError("resume_failed", f"request {rid} is not held here: replay it", rid)
+            if req.states:
+                raise SessionError("resume_failed", f"request {rid} is a u-shape request: replay it", rid)
             if msg.have_tokens > req.tokens:
                 raise SessionError("bad_position", f"client claims {msg.have_tokens} tokens, server sent "
                                                    f"{req.tokens}", rid)
@@ -212,8 +233,15 @@ class SessionState:
         if msg.start != req.received:
             raise SessionError("bad_position", f"Prefill starts at {msg.start}, the server holds {req.received}", rid)
         self._check_tensor(msg, msg.start + n)
+        self._check_prompt(msg)
         self._advance(req, msg)
         return req
+
+    def _check_prompt(self, msg: Prefill) -> None:
+        end, cap = msg.start + msg.n_tokens, self.limits.prompt_limit
+        if end > cap:
+            raise SessionError("prompt_too_long", f"prompt reaches position {end}, beyond max_prompt_tokens {cap}",
+                               msg.request_id)
 
     def _check_chunk(self, msg: Prefill) -> None:
         if msg.n_tokens > self.limits.max_prefill_chunk_tokens:
@@ -229,12 +257,17 @@ class SessionState:
             raise SessionError("overloaded", f"{len(self.requests)} requests open "
                                              f"(max_concurrent_requests {self.limits.max_concurrent_requests})", rid)
         self._check_chunk(msg)
+        if msg.return_states and msg.start:
+            raise SessionError("bad_position", f"a u-shape request starts at 0 (its tail needs every position's "
+                                               f"states), not {msg.start}", rid)
         block = self.limits.prefix_block_tokens
         if msg.start and (msg.start % block or msg.start > len(msg.prefix_keys) * block):
             raise SessionError("bad_position", f"start {msg.start}: a prefix must be whole blocks of {block} "
                                                f"covered by prefix_keys ({len(msg.prefix_keys)})", rid)
         self._check_tensor(msg, msg.start + msg.n_tokens)
-        req = self.requests[rid] = RequestTrack(rid, received=msg.start)
+        self._check_prompt(msg)
+        req = self.requests[rid] = RequestTrack(rid, received=msg.start, states=msg.return_states,
+                                                answered=msg.start)
         self._advance(req, msg)
         return req
 
@@ -255,6 +288,8 @@ class SessionState:
         self._check_frame(rid, frame_bytes)
         if not req.prompt_done:
             raise SessionError("bad_state", f"{what} before the Prefill with last=true", rid)
+        if req.states:
+            raise SessionError("bad_state", f"{what} for a u-shape request (send StatesStep)", rid)
         if req.spec_position is not None or not req.awaits_step:
             raise SessionError("bad_state", f"{what} without a token to feed (one per generated token)", rid)
         if msg.position != req.received:
@@ -270,6 +305,30 @@ class SessionState:
         req.received += n
         return req
 
+    def _states_step(self, msg: StatesStep, frame_bytes: int | None) -> RequestTrack | None:
+        rid = msg.request_id
+        req = self.requests.get(rid)
+        if req is None:
+            if rid in self.finished:
+                return None  # crossed the request's end in flight
+            raise SessionError("unknown_request", f"request {rid} is not open", rid)
+        self._check_frame(rid, frame_bytes)
+        if not req.states:
+            raise SessionError("bad_state", "StatesStep for a request that samples (send DecodeStep)", rid)
+        if not req.awaits_step:
+            raise SessionError("bad_state", f"StatesStep before the server returned every position (it returned "
+                                            f"{req.answered} of {req.received}, prompt done: {req.prompt_done})", rid)
+        if not req.prompt_len <= msg.position <= req.received:
+            raise SessionError("bad_position", f"StatesStep at {msg.position}: must be in [{req.prompt_len}, "
+                                               f"{req.received}] (the prompt's end .. the server's positions)", rid)
+        if msg.n_tokens > self.max_draft_tokens + 1:
+            raise SessionError(TOO_LARGE, f"{msg.n_tokens} rows in one StatesStep (the server takes "
+                                          f"{self.max_draft_tokens + 1})", rid)
+        self._check_tensor(msg, msg.position + msg.n_tokens)
+        req.received = msg.position + msg.n_tokens
+        req.answered = msg.position  # positions from here on are dropped and recomputed
+        return req
+
     # -- server -> client -----------------------------------------------------------------------------------
     def on_server(self, msg) -> None:
         """Record a message the server sends (it changes what the client may send next)."""
@@ -277,6 +336,10 @@ class SessionState:
             self.phase = READY
             self.limits, self.codecs = msg.limits, set(msg.codecs)
             self.max_draft_tokens = msg.server.max_draft_tokens
+        elif isinstance(msg, States):
+            req = self.requests.get(msg.request_id)
+            if req is not None:
+                req.answered = max(req.answered, msg.start + msg.n_tokens)
         elif isinstance(msg, Tokens):
             req = self.requests.get(msg.request_id)
             if req is None:

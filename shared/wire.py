@@ -4,9 +4,9 @@
 ``decode_message(frame, limits)`` is the only way bytes from the network become objects:
 
 1. the frame length is checked against ``limits.max_frame_bytes`` before anything is parsed;
-2. msgpack's ``Unpacker`` runs with explicit ``max_buffer_size`` / ``max_bin_len`` / ``max_str_len`` /
-   ``max_array_len`` / ``max_map_len`` and ``max_ext_len=0`` (no ext types, hence no msgpack timestamps);
-   exactly one value must fill the frame;
+2. ``msgpack.unpackb`` runs with explicit ``max_bin_len`` / ``max_str_len`` / ``max_array_len`` /
+   ``max_map_len`` and ``max_ext_len=0`` (no ext types, hence no msgpack timestamps); exactly one value
+   must fill the frame;
 3. the value is converted field by field against the message dataclass's annotations (no ``eval``, no
    pickle, no object hooks) and the dataclass validates ranges in ``__post_init__``;
 4. zstd-compressed tensors have their frame header checked here (declared size within what the tensor's
@@ -63,14 +63,24 @@ DEFAULT_LIMITS = Limits()
 
 # -- encoding ----------------------------------------------------------------------------------------------
 
+_SCALARS = frozenset((int, float, str, bool, bytes, type(None)))
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # message/struct class -> its field names, in wire order
+
+
 def _to_wire(v):
-    if dataclasses.is_dataclass(v):
-        return [_to_wire(getattr(v, f.name)) for f in dataclasses.fields(v)]
-    if isinstance(v, (list, tuple)):
-        return [_to_wire(x) for x in v]
-    if isinstance(v, (bytearray, memoryview)):
-        return bytes(v)
-    return v
+    t = type(v)
+    if t in _SCALARS:  # most values: checked first, one set lookup (a frame is encoded per token)
+        return v
+    names = _FIELD_NAMES.get(t)
+    if names is None:
+        if not dataclasses.is_dataclass(v):
+            if isinstance(v, (list, tuple)):
+                return [_to_wire(x) for x in v]
+            if isinstance(v, (bytearray, memoryview)):
+                return bytes(v)
+            return v
+        names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(v))
+    return [_to_wire(getattr(v, n)) for n in names]
 
 
 def encode_message(msg: Message, max_frame_bytes: int | None = None) -> bytes:
@@ -188,19 +198,17 @@ def decode_message(data: bytes, limits: Limits | None = None) -> Message:
         raise ProtocolError(TOO_LARGE, f"frame of {len(data)} bytes (limit {limits.max_frame_bytes})")
     if len(data) == 0:
         raise ProtocolError(BAD_FRAME, "empty frame")
-    unpacker = msgpack.Unpacker(
-        raw=False, use_list=True, strict_map_key=True,
-        max_buffer_size=max(len(data), 1), max_bin_len=limits.max_frame_bytes,
-        max_str_len=limits.max_str_len, max_array_len=limits.max_array_len,
-        max_map_len=limits.max_map_len, max_ext_len=0,
-    )
-    try:
-        unpacker.feed(data)
-        value = unpacker.unpack()
-    except msgpack.OutOfData:
-        raise ProtocolError(BAD_FRAME, "truncated frame") from None
+    try:  # one call, no Unpacker object: a frame is parsed per token
+        value = msgpack.unpackb(
+            data, raw=False, use_list=True, strict_map_key=True, max_bin_len=limits.max_frame_bytes,
+            max_str_len=limits.max_str_len, max_array_len=limits.max_array_len,
+            max_map_len=limits.max_map_len, max_ext_len=0)
+    except msgpack.ExtraData as e:
+        raise ProtocolError(BAD_FRAME, f"{len(e.extra)} trailing bytes after the message") from None
     except ValueError as e:  # msgpack reports limit violations (and StackError, FormatError) as ValueError
         text = str(e)
+        if "incomplete input" in text:
+            raise ProtocolError(BAD_FRAME, "truncated frame") from None
         if "max_ext_len" in text:
             raise ProtocolError(BAD_FRAME, "msgpack ext types (timestamps included) are not used") from None
         if "max_map_len" in text and limits.max_map_len == 0:
@@ -209,8 +217,6 @@ def decode_message(data: bytes, limits: Limits | None = None) -> Message:
         raise ProtocolError(code, f"msgpack: {type(e).__name__}: {text}") from None
     except Exception as e:  # noqa: BLE001 - FormatError, StackError, UnicodeDecodeError, ...
         raise ProtocolError(BAD_FRAME, f"msgpack: {type(e).__name__}: {e}") from None
-    if unpacker.tell() != len(data):
-        raise ProtocolError(BAD_FRAME, f"{len(data) - unpacker.tell()} trailing bytes after the message")
     if not isinstance(value, list) or not value or isinstance(value[0], bool) or not isinstance(value[0], int):
         raise ProtocolError(BAD_TYPE, "a frame is an array [type, fields...]")
     conv = _MESSAGE_CONVERTERS.get(value[0])

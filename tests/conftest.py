@@ -13,11 +13,20 @@ from pathlib import Path
 import pytest
 
 
-def _split(out: Path, lm, layer: int, quant: str) -> Path:
+def _split(out: Path, lm, layer: int, quant: str, **more) -> Path:
+    """``lm`` split at ``layer`` into ``out`` with an edge of ``quant``; ``more``: further SplitConfig fields."""
     from partition_tools.split import SplitConfig, split
 
-    split(lm, SplitConfig(layer=layer, out=out, edge_quant=quant))
+    split(lm, SplitConfig(layer=layer, out=out, edge_quant=quant, **more))
     return out
+
+
+@pytest.fixture(scope="session")
+def split_bundle(tmp_path_factory):
+    """``split_bundle(name, lm, layer, quant, **SplitConfig fields)`` -> a fresh bundle directory (for a test
+    module's own variant of a shared model)."""
+    return lambda name, lm, layer, quant, **more: _split(tmp_path_factory.mktemp(name) / "b", lm, layer, quant,
+                                                         **more)
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +49,28 @@ def tiny_glm4_int8_bundle(tmp_path_factory, tiny_glm4_lm) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4v_lm():
+    """tiny-glm4v: a random GLM-4.1V (text layers, vision tower), loaded once."""
+    from partition_tools.models import load_model
+
+    return load_model("tiny-glm4v")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4v_fp32_bundle(split_bundle, tiny_glm4v_lm) -> Path:
+    """tiny-glm4v split at layer 2, fp32 edge and fp32 vision tower: the split equals the unsplit model."""
+    return split_bundle("glm4v-fp32", tiny_glm4v_lm, 2, "fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4v_audio_bundle(split_bundle, tiny_glm4v_lm) -> Path:
+    """tiny-glm4v split at layer 2 (fp32 edge, no vision tower) with the tiny random audio encoder attached."""
+    from partition_tools.export_audio import TINY_PRESET
+
+    return split_bundle("glm4v-audio", tiny_glm4v_lm, 2, "fp32", vision_quant="none", audio_encoder=TINY_PRESET)
+
+
+@pytest.fixture(scope="session")
 def smollm2_lm():
     """The unsplit SmolLM2-135M-Instruct (real weights), loaded once."""
     from partition_tools.models import ModelLoadError, load_model, smollm2_gguf_path
@@ -57,3 +88,15 @@ def smollm2_lm():
 def smollm2_fp32_bundle(tmp_path_factory, smollm2_lm) -> Path:
     """SmolLM2 split at layer 4 with an fp32 edge, real tokenizer and chat template."""
     return _split(tmp_path_factory.mktemp("smollm2-fp32") / "b", smollm2_lm, 4, "fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_ushape_bundle(tmp_path_factory, tiny_glm4_lm) -> Path:
+    """tiny-glm4 split at layer 1 with a u-shape tail of 2 layers (fp32): the cloud runs layer 1 only."""
+    return _split(tmp_path_factory.mktemp("tiny-glm4-ushape") / "b", tiny_glm4_lm, 1, "fp32", tail=2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_ushape_bundle(tmp_path_factory, smollm2_lm) -> Path:
+    """SmolLM2 split at layer 4 with a u-shape tail of 4 layers (fp32 edge): the cloud runs layers [4, 26)."""
+    return _split(tmp_path_factory.mktemp("smollm2-ushape") / "b", smollm2_lm, 4, "fp32", tail=4)

@@ -1,10 +1,19 @@
 """Drive the engine from its own thread; sessions talk to it through a command queue and output sinks.
 
 Network handlers (asyncio) never touch the engine's state: they enqueue commands (``add_request``,
-``add_input``, ``abort``) and receive :class:`RequestOutput`s through a per-request *sink*, a callable that
-must not block (the app's sink hands the output to its event loop with ``call_soon_threadsafe``). The engine
+``add_input`` / ``add_inputs``, ``abort``) and receive :class:`RequestOutput`s through a per-request *sink*, a
+callable that must not block (the split endpoint's sinks hand outputs to its event loop through one
+``cloud_server.loop_inbox.LoopInbox``: one wakeup per step). The engine
 thread loops: apply every queued command, run one step if any sequence is ready, deliver the outputs; when
 nothing is ready it sleeps on the queue. So a slow or dead WebSocket never blocks a step.
+
+Decode cohorts (split mode): a decoding request's next input comes back from its edge only after its token
+went out, so the requests of one step return over a spread of time. Stepping on the first arrival would split
+them into small steps that each cost nearly a full one on a memory-bound GPU. So when some requests are ready
+and others that were handed a token are still *awaiting* their next input, the loop waits for those up to the
+*gather window* (the recent step time, at most ``gather_max_s``; 0 turns it off) and then steps on what has
+arrived. A request still awaiting when the window closes is late (a slow or stalled edge): it holds no
+further step until it sends an input again. With one request, or when all have arrived, nothing waits.
 
 A model-runner exception is fatal for the engine: every open request gets an ``engine_error`` output, the
 loop stops and ``dead`` says why (``/ready`` turns false). Requests idle longer than ``idle_timeout_s``
@@ -25,6 +34,7 @@ from cloud_server.engine.llm_engine import LLMEngine, RequestOutput
 log = logging.getLogger("autoglm.cloud.engine")
 
 Sink = Callable[[RequestOutput], None]
+GATHER_MAX_S = 0.02  # the longest a step waits for a decode cohort's awaited inputs
 
 
 class EngineDeadError(RuntimeError):
@@ -34,7 +44,10 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_timeout_s: float | None = None,
                  on_fatal: Callable[[str], None] | None = None, idle_hook: Callable[[], None] | None = None,
-                 idle_hook_every_s: float = 20.0):
+                 idle_hook_every_s: float = 20.0, gather_max_s: float | None = None):
+        gather_max_s = GATHER_MAX_S if gather_max_s is None else gather_max_s  # None: the module's default
+        if gather_max_s < 0:
+            raise ValueError(f"gather_max_s must be >= 0, got {gather_max_s}")
         self.llm = engine
         # Called on the engine thread after idle_hook_every_s without a step (tensor-parallel heartbeat:
         # the workers wait in a collective with a timeout).
@@ -47,6 +60,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="autoglm-engine", daemon=True)
         self.dead: str | None = None
         self.steps = 0
+        self.gather_max_s = gather_max_s
+        self._awaiting: set[str] = set()  # decoding requests handed a token whose next input has not come yet
+        self._step_s = 0.0  # moving average of the time in step() per step that delivered: the gather window
+        self._stepping_s = 0.0  # time in step() since the last step that delivered outputs
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -70,6 +87,12 @@ class AsyncEngine:
 
     def add_input(self, request_id: str, chunk) -> None:
         self._put(("input", request_id, chunk))
+
+    def add_inputs(self, inputs: list[tuple[str, object]]) -> None:
+        """Several ``(request_id, chunk)`` inputs (a decode step's, one per session) as one command: one
+        queue hand-off and one wakeup of the engine thread for all of them, applied in order."""
+        if inputs:
+            self._put(("inputs", inputs))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.dead is None:
@@ -100,8 +123,16 @@ class AsyncEngine:
                 return []
             return outs
         if kind == "input":
+            self._awaiting.discard(cmd[1])
             return self.llm.add_input(cmd[1], cmd[2])
+        if kind == "inputs":
+            outs = []
+            for rid, chunk in cmd[1]:
+                self._awaiting.discard(rid)
+                outs += self.llm.add_input(rid, chunk)
+            return outs
         if kind == "abort":
+            self._awaiting.discard(cmd[1])
             return self.llm.abort(cmd[1], cmd[2])
         if kind == "call":
             _, fn, fut = cmd
@@ -112,8 +143,17 @@ class AsyncEngine:
         return []
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
+        seqs = self.llm.seqs
         for o in outs:
-            sink = self._sinks.pop(o.request_id, None) if o.finished else self._sinks.get(o.request_id)
+            rid = o.request_id
+            if o.finished:
+                sink = self._sinks.pop(rid, None)
+                self._awaiting.discard(rid)
+            else:
+                sink = self._sinks.get(rid)
+                seq = seqs.get(rid)
+                if o.token_id is not None and seq is not None and not seq.pending:
+                    self._awaiting.add(rid)  # its edge now computes the next input
             if sink is None:
                 continue
             try:
@@ -121,23 +161,46 @@ class AsyncEngine:
             except Exception:
                 log.exception("output sink of %s failed", o.request_id)
 
+    def _take_commands(self) -> list[RequestOutput]:
+        """Apply the queued commands: sleep on the queue while nothing is ready, then take what is there, then
+        (some ready, some awaited) wait for the awaited inputs up to the gather window (module docstring)."""
+        outs: list[RequestOutput] = []
+        block = not self.llm.has_work()  # nothing ready and no step in flight
+        while True:
+            try:
+                cmd = self._cmds.get(timeout=0.25) if block else self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            block = False
+            outs += self._apply(cmd)
+        window = min(self.gather_max_s, self._step_s)
+        if not self._awaiting or window <= 0 or self.llm.has_in_flight() or not self.llm.has_ready():
+            return outs  # (a launched step's outputs are never held back for a gather)
+        deadline = time.monotonic() + window
+        while self._awaiting and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._awaiting.clear()  # late: they hold no further step until they send again
+                break
+            try:
+                outs += self._apply(self._cmds.get(timeout=left))
+            except queue.Empty:
+                continue
+        return outs
+
     def _loop(self) -> None:
         last_sweep = last_busy = time.monotonic()
         try:
             while not self._stop.is_set():
-                outs: list[RequestOutput] = []
-                block = not self.llm.has_ready()
-                while True:
-                    try:
-                        cmd = self._cmds.get(timeout=0.25) if block else self._cmds.get_nowait()
-                    except queue.Empty:
-                        break
-                    block = False
-                    outs += self._apply(cmd)
-                self._deliver(outs)
+                self._deliver(self._take_commands())
                 now = time.monotonic()
-                if self.llm.has_ready():
-                    self._deliver(self.llm.step())
+                if self.llm.has_work():
+                    outs = self.llm.step()
+                    self._stepping_s += time.monotonic() - now  # with overlap: a launch, then its postprocess
+                    if outs:
+                        self._step_s += (0.2 if self._step_s else 1.0) * (self._stepping_s - self._step_s)
+                        self._stepping_s = 0.0
+                    self._deliver(outs)
                     self.steps += 1
                     last_busy = now
                 elif self.idle_hook is not None and now - last_busy > self.idle_hook_every_s:

@@ -12,6 +12,10 @@ takes references to those blocks instead of recomputing (or even receiving) them
 written again, so sharing needs no copy-on-write. A cached block whose last reference goes stays cached but
 *evictable* (LRU); allocation evicts only when the free list is empty.
 
+Keys are scoped by tenant (``shared.prefix_keys.tenant_scoped``); a key that misses in its tenant's scope is
+looked up in the operator's shared scope (``shared_fallback``), and shared blocks are evicted only when no
+tenant's cached block is left to evict: a system prompt the operator published stays resident under load.
+
 Invariant checked by the tests: once every sequence is released, ``num_used_blocks == 0``.
 Reference: PagedAttention / vLLM's block manager and automatic prefix caching; nano-vLLM's block_manager.
 """
@@ -23,21 +27,41 @@ from collections import OrderedDict, deque
 
 import torch
 
+from cloud_server.kv_quant import SCALE_DTYPE, is_quantized, storage_dtype
+from shared.prefix_keys import is_shared, shared_fallback
+
 
 class KVCachePool:
-    """Preallocated K and V tensors for all cloud layers: each ``[layers, num_blocks * block_size, KVH, D]``."""
+    """Preallocated K and V tensors for all cloud layers: each ``[layers, num_blocks * block_size, KVH, D]``.
+
+    ``kv_cache_dtype`` (``cloud_server.kv_quant``): ``auto`` stores ``dtype``; ``int8`` / ``fp8`` store 8-bit
+    elements with float32 scales ``k_scale`` / ``v_scale`` ``[layers, slots, KVH]`` beside them (None for
+    ``auto``). Blocks are blocks either way: the block manager and the prefix cache do not see the difference."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype, device: str | torch.device = "cpu", kv_cache_dtype: str = "auto"):
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        store = storage_dtype(kv_cache_dtype, dtype)
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.k_scale = self.v_scale = None
+        if is_quantized(store):
+            self.k_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)  # [L, slots, KVH]
+            self.v_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+        self.kv_cache_dtype = kv_cache_dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes of the whole pool: keys, values and their scales."""
+        scales = 0 if self.k_scale is None else 2 * self.k_scale.numel() * self.k_scale.element_size()
+        return 2 * self.k.numel() * self.k.element_size() + scales
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes over all layers (what sizes the pool for a memory budget)."""
+        return self.nbytes // self.num_blocks
 
 
 class BlockManager:
@@ -53,6 +77,7 @@ class BlockManager:
         # unreferenced, holding nothing worth keeping
         self.free: deque[int] = deque(b for b in range(num_blocks) if b not in self.reserved)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced but cached (LRU first)
+        self.evictable_shared: OrderedDict[int, None] = OrderedDict()  # the same, of the shared scope: evicted last
         self.block_of_key: dict[str, int] = {}
         self.key_of_block: dict[int, str] = {}
         self.prefix_hits = 0  # blocks served from the cache
@@ -62,7 +87,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free + evictable cached)."""
-        return len(self.free) + len(self.evictable)
+        return len(self.free) + len(self.evictable) + len(self.evictable_shared)
 
     @property
     def num_used_blocks(self) -> int:
@@ -82,12 +107,15 @@ class BlockManager:
 
     # -- prefix cache -----------------------------------------------------------------------
     def lookup(self, keys: list[str]) -> list[int]:
-        """Blocks of the longest cached run of ``keys`` from the first (no references taken)."""
+        """Blocks of the longest cached run of ``keys`` from the first (no references taken); a key missing in
+        its tenant's scope may be served from the shared scope."""
         if not self.enable_prefix_cache:
             return []
         out = []
         for key in keys:
             block = self.block_of_key.get(key)
+            if block is None and (alt := shared_fallback(key)) is not None:
+                block = self.block_of_key.get(alt)
             if block is None:
                 break
             out.append(block)
@@ -100,6 +128,7 @@ class BlockManager:
         for b in blocks:
             if self.ref_count[b] == 0:
                 self.evictable.pop(b, None)
+                self.evictable_shared.pop(b, None)
             self.ref_count[b] += 1
 
     def publish(self, block: int, key: str) -> None:
@@ -120,8 +149,8 @@ class BlockManager:
         for _ in range(n):
             if self.free:
                 b = self.free.popleft()
-            else:  # evict the least recently released cached block
-                b, _ = self.evictable.popitem(last=False)
+            else:  # evict the least recently released cached block, a tenant's before a shared one
+                b, _ = (self.evictable or self.evictable_shared).popitem(last=False)
                 del self.block_of_key[self.key_of_block.pop(b)]
             self.ref_count[b] = 1
             out.append(b)
@@ -153,15 +182,15 @@ class BlockManager:
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
                 if b in self.key_of_block:
-                    self.evictable[b] = None
+                    (self.evictable_shared if is_shared(self.key_of_block[b]) else self.evictable)[b] = None
                 else:
                     self.free.append(b)
         table.clear()
 
     def check(self) -> None:
         """Consistency of the bookkeeping (used by tests and debug builds)."""
-        free, evict = set(self.free), set(self.evictable)
-        if free & evict or len(free) != len(self.free):
+        free, evict = set(self.free), set(self.evictable) | set(self.evictable_shared)
+        if free & evict or len(free) != len(self.free) or set(self.evictable) & set(self.evictable_shared):
             raise RuntimeError("block on two free lists")
         for b in range(len(self.ref_count)):
             if b in self.reserved:

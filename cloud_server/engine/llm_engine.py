@@ -20,10 +20,10 @@ import torch
 from cloud_server.config import EngineConfig
 from cloud_server.engine.kv_cache import BlockManager, KVCachePool
 from cloud_server.engine.model_runner import ModelRunner, build_batch
-from cloud_server.engine.sampler import Sampler
+from cloud_server.engine.sampler import PendingSample, Sampler
 from cloud_server.engine.sampling_params import SamplingParams
 from cloud_server.engine.scheduler import RequestError, ScheduledBatch, Scheduler
-from cloud_server.engine.sequence import InputChunk, Sequence
+from cloud_server.engine.sequence import InputChunk, Sequence, SequenceStatus
 from cloud_server.engine.speculation import verify
 from cloud_server.model import CloudModel
 
@@ -42,6 +42,10 @@ class RequestOutput:
     num_output_tokens: int = 0
     # a speculative step: the edge's drafts accepted before ``token_id`` (they were emitted in this order)
     accepted_ids: list[int] = field(default_factory=list)
+    # u-shape (a model that ends at the middle layers): the hidden states [n, H] float32 of positions
+    # [states_start, states_start + n) this step computed, in place of a token
+    states: torch.Tensor | None = None
+    states_start: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -51,6 +55,16 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step on the device: its batch, its speculative items' logits rows, its sampled ids on their way."""
+
+    batch: ScheduledBatch
+    spec_rows: list[torch.Tensor]  # [k + 1, V] per speculative item, in item order
+    sample: PendingSample | None  # the plain sampled rows, in item order
+    states: torch.Tensor | None = None  # u-shape: [T, H] hidden states of every scheduled position
 
 
 class LLMEngine:
@@ -69,8 +83,11 @@ class LLMEngine:
         self.sampler = Sampler(sampler_seed)
         self.metrics = metrics
         self.seqs: dict[str, Sequence] = {}
+        self._in_flight: list[_Launched] = []  # launched by the last step(), postprocessed by the next
         first = next(iter(runners.values())).model
         self._first_model = first  # input checks read its sizes on every add_input
+        # u-shape: the model ends at the middle layers; every computed position's hidden state is returned
+        self.output_states = first.returns_states
         self.eos_token_ids = list(first.eos_token_ids)
         self.vocab_size = first.vocab_size
 
@@ -83,7 +100,8 @@ class LLMEngine:
         runners = {}
         for i, (variant, model) in enumerate(models.items()):
             pool = KVCachePool(model.num_layers, config.num_blocks, config.block_size, model.num_kv_heads,
-                               model.head_dim, model.dtype, next(model.parameters()).device)
+                               model.head_dim, model.dtype, next(model.parameters()).device,
+                               config.kv_cache_dtype)
             runners[variant] = (make_runner(i, model, pool) if make_runner is not None
                                 else ModelRunner(model, pool, batch_invariant=config.batch_invariant))
         return cls(config, runners, metrics)
@@ -129,6 +147,9 @@ class LLMEngine:
                                                f"{self.config.max_model_len}")
             if chunk.is_spec and seq.params.logprobs is not None:
                 raise RequestError("bad_input", "speculative steps do not report logprobs: send DecodeSteps")
+            if self.output_states and chunk.start < seq.num_received:  # u-shape: the edge rolled back drafts
+                seq.rewind(chunk.start)
+                self.block_managers[seq.variant].truncate(seq.block_table, chunk.start)
             seq.push(chunk)
         except (RequestError, ValueError) as e:
             code = e.code if isinstance(e, RequestError) else "bad_input"
@@ -160,48 +181,108 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def has_ready(self) -> bool:
+        """A sequence is ready to be scheduled."""
         return any(s.ready for s in self.seqs.values())
 
+    def has_work(self) -> bool:
+        """:meth:`step` has something to do: a sequence is ready, or a launched step awaits its postprocess."""
+        return bool(self._in_flight) or self.has_ready()
+
+    def has_in_flight(self) -> bool:
+        """A launched step awaits its postprocess (the next :meth:`step` delivers its outputs)."""
+        return bool(self._in_flight)
+
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> run the model (one forward pass per variant) -> postprocess."""
-        batches, victims = self.scheduler.schedule()
+        """One iteration: schedule -> launch on the device (one forward pass per variant) -> postprocess.
+
+        With ``config.async_scheduling`` (the default) the step launched here is postprocessed by the next
+        call, after that call has launched its own: the host's scheduling, batch building and input copies
+        for step t + 1 and the postprocessing of step t overlap the device's work. A sequence whose token is
+        in flight is not scheduled again before it is postprocessed (its next input depends on the token), so
+        the outputs are the synchronous engine's, one call later; a call that launches nothing postprocesses
+        at once."""
+        batches, victims = self.scheduler.schedule(preempt=not self._in_flight)
         outputs = [self._finish(s, "error", "kv_cache_full", "the KV pool is exhausted; request aborted")
                    for s in victims]
-        for batch in batches:
-            outputs += self._postprocess(batch, self._run(batch))
+        launched = [self._launch(b) for b in batches]
+        done, self._in_flight = ((self._in_flight, launched) if self.config.async_scheduling
+                                 else (self._in_flight + launched, []))  # (switched off with a step in flight)
+        for step in done:
+            outputs += self._postprocess(step)
         if self.metrics is not None:
             self.metrics.on_step(self, sum(b.num_tokens for b in batches))
         return outputs
 
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
+        """Queue ``batch``'s forward pass and its sampling on the device (no host sync). Its positions count as
+        computed from here on (the device runs steps in order: a later step reads their KV after it is
+        written), so a prompt's next chunk can be scheduled before this one finishes; full prefix blocks are
+        published."""
+        items = batch.items
+        logits = self._run(batch)
+        if self.output_states:  # u-shape: the rows are hidden states [T, H]; nothing is sampled
+            for it in items:
+                it.seq.update_from_output(it.chunk.end)
+            return _Launched(batch, [], None, states=logits)
+        spec_rows, logits = self._split_spec_rows(batch, logits)
+        plain = [it for it in items if it.sample and not it.chunk.is_spec]
+        pending = self.sampler.launch(logits, [it.seq.params for it in plain], [it.chunk.end for it in plain],
+                                      [it.seq.output_ids for it in plain]) if plain else None
+        for it in items:
+            it.seq.update_from_output(it.chunk.end)
+            if it.seq.prefix_keys:
+                self.scheduler.publish_prefix(it.seq)
+        return _Launched(batch, spec_rows, pending)
+
     def _run(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The forward pass of ``batch``, queued on the device: float32 logits ``[S, V]`` of its sampled rows
+        (u-shape: the hidden states ``[T, H]`` of all its positions)."""
         items = batch.items
         flat = build_batch([it.chunk for it in items], [it.seq.block_table for it in items],
-                           self.config.block_size, [it.sample for it in items])
+                           self.config.block_size, [it.sample for it in items], all_rows=self.output_states)
         return self.runners[batch.variant].run(flat)
 
-    def _postprocess(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[RequestOutput]:
-        """Sample the rows that end an input turn, then advance every scheduled sequence
-        (:meth:`Sequence.update_from_output`), publish its full prefix blocks, and stop or continue it."""
-        spec_rows, logits = self._split_spec_rows(batch, logits)
-        to_sample = [it.seq for it in batch.items if it.sample and not it.chunk.is_spec]
-        generators = [it.seq.generator_at(it.chunk.end) for it in batch.items if it.sample and not it.chunk.is_spec]
-        sampled = iter(self.sampler(logits, [s.params for s in to_sample], generators,
-                                    [s.output_ids for s in to_sample]) if to_sample else ())
+    def _postprocess(self, step: _Launched) -> list[RequestOutput]:
+        """A launched step's tokens: each sampled sequence takes its token (:meth:`Sequence.update_from_output`)
+        or its speculative verdict, then stops or continues. A sequence finished while the step was in flight
+        (abort, timeout) is skipped: its final output went out then."""
+        if step.states is not None:
+            return self._states_outputs(step)
+        sampled = iter(step.sample.result() if step.sample is not None else ())
+        spec_rows = iter(step.spec_rows)
         now = time.monotonic()
         outputs = []
-        for it in batch.items:
-            seq = it.seq
-            if it.chunk.is_spec:
-                outputs.append(self._after_verdict(seq, it.chunk, spec_rows.pop(0), now))
+        for it in step.batch.items:
+            if not it.sample:
                 continue
-            tok = next(sampled) if it.sample else None
-            if tok is not None and self.metrics is not None:
+            seq = it.seq
+            rows = next(spec_rows) if it.chunk.is_spec else None
+            tok = next(sampled) if rows is None else None
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            if rows is not None:
+                outputs.append(self._after_verdict(seq, it.chunk, rows, now))
+                continue
+            if self.metrics is not None:
                 self.metrics.on_token(seq, now)  # reads the previous token's time: before the update
-            seq.update_from_output(it.chunk.end, None if tok is None else tok.token_id, now)
-            if seq.prefix_keys:
-                self.scheduler.publish_prefix(seq)
-            if tok is not None:
-                outputs.append(self._after_token(seq, tok))
+            seq.update_from_output(it.chunk.end, tok.token_id, now)
+            outputs.append(self._after_token(seq, tok))
+        return outputs
+
+    def _states_outputs(self, step: _Launched) -> list[RequestOutput]:
+        """u-shape: each scheduled chunk's hidden states go back to its edge (prompt chunks too: the edge's tail
+        needs every position's KV)."""
+        now, row, outputs = time.monotonic(), 0, []
+        states = step.states.cpu()  # [T, H]: one copy to the host per step
+        for it in step.batch.items:
+            n, seq = it.chunk.n, it.seq
+            rows = states[row:row + n]  # [n, H]
+            row += n
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq.returned_states(now)
+            outputs.append(RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens,
+                                         states=rows, states_start=it.chunk.start))
         return outputs
 
     @staticmethod

@@ -69,8 +69,10 @@ class _Int64Column:
         return self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
 
 
-def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: list[bool]) -> Batch:
+def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: list[bool],
+                all_rows: bool = False) -> Batch:
     """Flatten scheduled input chunks (``InputChunk`` list, same order as ``block_tables``) into a Batch.
+    ``all_rows``: every position's row is wanted (u-shape: the hidden states of all of them go back).
 
     Position ``p`` of a chunk goes to pool slot ``table[p // block_size] * block_size + p % block_size``."""
     if not chunks:
@@ -97,7 +99,9 @@ def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: 
         q_lens.append(n)
         c_lens.append(end)
         t += n
-        if want:
+        if all_rows:
+            rows.extend(range(t - n, t))
+        elif want:
             if chunk.draft_ids is not None:  # a speculative step: every position is verified
                 rows.extend(range(t - n, t))
             else:
@@ -140,7 +144,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
         """Forward ``batch``; returns float32 logits ``[S, V]`` for ``batch.logits_indices`` (on every
-        tensor-parallel rank: a sharded lm_head gathers the vocabulary)."""
+        tensor-parallel rank: a sharded lm_head gathers the vocabulary); a u-shape middle (no lm_head) returns
+        those rows' hidden states ``[S, H]`` instead."""
         m, dev = self.model, self.device
         if batch.hidden is not None:
             hidden = batch.hidden.to(device=dev, dtype=m.dtype)[None]  # [1, T, H]
@@ -153,10 +158,13 @@ class ModelRunner:
         cos_sin = m.position_embeddings(hidden, position_ids, rope)
         ctx = AttentionContext(k_cache=self.pool.k, v_cache=self.pool.v, slot_mapping=batch.slot_mapping.to(dev),
                                query_lens=batch.query_lens, context_lens=batch.context_lens,
-                               seq_slots=self._seq_slots(batch), batch_invariant=self.batch_invariant)
+                               seq_slots=self._seq_slots(batch), batch_invariant=self.batch_invariant,
+                               k_scale=self.pool.k_scale, v_scale=self.pool.v_scale)
         with attention_context(ctx):
             for layer in m.layers:
                 hidden = call_layer(layer, hidden, attention_mask=None, position_ids=position_ids,
                                     position_embeddings=cos_sin)
         last = hidden[0, batch.logits_indices.to(dev)]  # [S, H]
+        if m.returns_states:
+            return last.float()  # [S, H]
         return m.lm_head(m.norm(last)).float()  # [S, V]

@@ -61,6 +61,30 @@ class ScheduledBatch:
         return sum(it.chunk.n for it in self.items)
 
 
+class _PrefillAllowance:
+    """Prompt positions one step may still take. While any running sequence is decoding (has generated a
+    token), at most ``config.prefill_chunk_while_decoding`` per step (0 = no cap), so a long prompt arriving is
+    computed in chunks between decode steps instead of stalling them (Sarathi-Serve's chunked prefill);
+    otherwise the whole token budget. The decode check runs once, at the first prompt chunk of the step."""
+
+    __slots__ = ("scheduler", "left", "spent")
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler, self.left, self.spent = scheduler, None, False
+
+    def limit(self, budget: int) -> int:
+        if self.left is None:
+            cap = self.scheduler.config.prefill_chunk_while_decoding
+            decoding = cap > 0 and any(s.output_ids for s in self.scheduler.running)
+            self.left = cap if decoding else budget
+        return min(budget, self.left)
+
+    def take(self, k: int) -> None:
+        """``k`` prompt positions were scheduled (after :meth:`limit`)."""
+        self.left -= k
+        self.spent = self.left <= 0
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_managers: dict[str, BlockManager]):
         self.config = config
@@ -103,8 +127,9 @@ class Scheduler:
             pass
 
     # -- one step ---------------------------------------------------------------------------
-    def schedule(self) -> tuple[list[ScheduledBatch], list[Sequence]]:
-        """This step's batches (one per variant) and the sequences to abort because the pool is full."""
+    def schedule(self, preempt: bool = True) -> tuple[list[ScheduledBatch], list[Sequence]]:
+        """This step's batches (one per variant) and the sequences to abort because the pool is full (only when
+        ``preempt``: the engine passes False while a step is in flight, whose end may free blocks)."""
         budget, slots = self.config.max_num_batched_tokens, self.config.max_num_seqs
         chosen: dict[str, list[ScheduledChunk]] = {}
         blocked_running = False
@@ -112,10 +137,14 @@ class Scheduler:
         ready = [(s, n) for s in self.running if (n := s.num_ready_tokens)]
         # stable: decode steps (speculative ones too) first, oldest first
         ready.sort(key=lambda p: (p[1] > 1 and not p[0].pending[0].is_spec, p[0].arrival_time))
+        prefill = _PrefillAllowance(self)
         for seq, n in ready:
             if budget == 0 or slots == 0:
                 break
-            k = self._fit(seq, budget, n)
+            chunked = n > 1 and not seq.pending[0].is_spec
+            k = self._fit(seq, prefill.limit(budget) if chunked else budget, n)
+            if k == 0 and chunked and prefill.spent:
+                continue  # this step's prefill share is used up: not blocked by the pool
             if k == 0 or (k < n and seq.pending[0].is_spec):  # a speculative step runs whole or waits
                 blocked_running = True
                 continue
@@ -124,12 +153,14 @@ class Scheduler:
                 items = chosen[seq.variant] = []
             items.append(ScheduledChunk(seq, *seq.take(k)))
             budget, slots = budget - k, slots - 1
+            if chunked:
+                prefill.take(k)
         while self.waiting and budget > 0 and slots > 0:
             seq = self.waiting[0]
             n = seq.num_ready_tokens
             if not n:  # its first chunk is still arriving in pieces? (never: add() pushes one)
                 break
-            k = self._fit(seq, budget, n)
+            k = self._fit(seq, prefill.limit(budget), n)
             if k == 0:
                 break  # FCFS: later arrivals do not overtake a blocked one
             self.waiting.popleft()
@@ -137,9 +168,10 @@ class Scheduler:
             self.running.append(seq)
             chosen.setdefault(seq.variant, []).append(ScheduledChunk(seq, *seq.take(k)))
             budget, slots = budget - k, slots - 1
+            prefill.take(k)
         batches = [ScheduledBatch(v, items) for v, items in chosen.items()]
         victims: list[Sequence] = []
-        if not batches and blocked_running:
+        if preempt and not batches and blocked_running:
             victims.append(max(self.running, key=lambda s: s.arrival_time))
         return batches, victims
 

@@ -101,6 +101,7 @@ class Sequence:
         self.num_computed = 0  # positions whose K/V are in the pool
         self.num_received = 0  # positions received (computed + pending)
         self.num_prompt_tokens = 0  # positions of the first input turn (the prompt)
+        self.prompt_complete = False  # the chunk ending the first input turn arrived (u-shape steps never add to it)
         self.num_cached_tokens = 0  # prompt positions served by the prefix cache
         self.num_registered_blocks = 0  # prefix blocks already published to the cache
         self.block_table: list[int] = []
@@ -142,8 +143,9 @@ class Sequence:
         self.pending.append(chunk)
         self.num_received = chunk.end
         self.waiting_since = time.monotonic()  # input arrived: the edge is alive
-        if not self.output_ids:
+        if not self.output_ids and not self.prompt_complete:
             self.num_prompt_tokens = self.num_received
+        self.prompt_complete = self.prompt_complete or chunk.last
 
     def take(self, k: int) -> tuple[InputChunk, bool]:
         """Scheduled: pop up to ``k`` ready positions; returns the chunk and whether to sample after it."""
@@ -154,21 +156,16 @@ class Sequence:
         self.pending.popleft()
         return chunk, chunk.last
 
-    def generator_at(self, position: int) -> torch.Generator | None:
-        """The request's generator for sampling the token at ``position``, reseeded from (seed, position): a
-        seeded request replayed from its context (after a server restart, on another replica) draws the same
-        tokens as the original, whatever came before. None: no seed (the sampler's shared generator)."""
-        if self.generator is not None:
-            self.generator.manual_seed((self.params.seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
-        return self.generator
-
     def start_running(self) -> None:
         """Admitted to a step: from now on it holds KV blocks of its own."""
         self.status = SequenceStatus.RUNNING
 
     def update_from_output(self, computed_end: int, token: int | None = None, now: float | None = None) -> None:
-        """The step computed this sequence's positions up to ``computed_end`` and, if it sampled, ``token``."""
-        self.num_computed = computed_end
+        """The step computed this sequence's positions up to ``computed_end`` and, if it sampled, ``token``.
+
+        The engine calls it when a step is launched (positions only) and again when its token is back; a
+        later step already launched for the sequence (a prompt's next chunk) is never undone."""
+        self.num_computed = max(self.num_computed, computed_end)
         if token is not None:
             now = time.monotonic() if now is None else now
             self.output_ids.append(token)
@@ -186,6 +183,18 @@ class Sequence:
         self.num_computed = self.num_received = start + len(tokens)
         self.last_token_time = now
         self.waiting_since = now
+
+    def returned_states(self, now: float | None = None) -> None:
+        """u-shape: this step's hidden states went back to the edge, which now runs its tail and samples."""
+        self.waiting_since = time.monotonic() if now is None else now
+
+    def rewind(self, position: int) -> None:
+        """u-shape: the edge rejected drafts; keep positions [0, position) only (the block manager trims
+        ``block_table`` to match). Only between steps: nothing pending, and never into the prompt."""
+        if self.pending or not self.num_prompt_tokens <= position <= self.num_computed:
+            raise ValueError(f"rewind to {position}: the sequence holds [0, {self.num_computed}) with "
+                             f"{len(self.pending)} inputs pending (prompt {self.num_prompt_tokens})")
+        self.num_computed = self.num_received = position
 
     def mark_published(self, num_blocks: int) -> None:
         """Its first ``num_blocks`` prefix blocks are in the prefix cache."""

@@ -200,6 +200,7 @@ class DecodeWorkspace:
     max_tokens: int
     device: torch.device | str
     configs: dict[int, DecodeConfig] = field(default_factory=dict)
+    buckets: tuple[int, ...] = ()  # the decode graphs' batch sizes (ascending); empty: every batch is its own
     acc: torch.Tensor = field(init=False)
     ml: torch.Tensor = field(init=False)
 
@@ -207,6 +208,14 @@ class DecodeWorkspace:
         n = self.max_batch * self.num_heads * MAX_SPLITS
         self.acc = torch.empty(n * self.head_dim, dtype=torch.float32, device=self.device)
         self.ml = torch.empty(n * 2, dtype=torch.float32, device=self.device)
+
+    def config_for(self, batch: int, kv_heads: int, max_tokens: int) -> DecodeConfig:
+        """The launch config for ``batch`` rows: that of the smallest graph bucket holding them (tuned, or the
+        heuristic for the bucket). A mixed step's decode rows (any count) thus launch a kernel the graphs
+        already compiled, instead of JIT-compiling a new specialization (~0.5 s) mid-serving."""
+        bucket = next((b for b in self.buckets if b >= batch), batch)
+        cfg = self.configs.get(bucket)
+        return cfg if cfg is not None else DecodeConfig(decode_split_tokens(bucket, kv_heads, max_tokens))
 
 
 def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: float,
@@ -219,8 +228,8 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: 
         raise ValueError("decode attention needs unit-stride head_dim and contiguous caches")
     g = hq // kvh
     max_tokens = block_tables.shape[1] * bs
-    if config is None and workspace is not None:
-        config = workspace.configs.get(b)
+    if config is None and split is None and workspace is not None:
+        config = workspace.config_for(b, kvh, max_tokens)
     if config is None:
         config = DecodeConfig(split or decode_split_tokens(b, kvh, max_tokens))
     split = config.split

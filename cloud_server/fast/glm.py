@@ -63,16 +63,13 @@ class PrefillMeta:
     decode_rows: torch.Tensor | None = None  # [n] int64 rows of those tokens
     decode_seq_lens: torch.Tensor | None = None  # [n] int32
     workspace: DecodeWorkspace | None = None
+    decode_block_tables: torch.Tensor | None = None  # [n, MAXB] int32: those sequences' rows of block_tables
 
     def __post_init__(self):
         if len(self.query_lens) != len(self.context_lens):
             raise ValueError("query_lens and context_lens must have one entry per sequence")
         if any(q <= 0 or c < q for q, c in zip(self.query_lens, self.context_lens)):
             raise ValueError(f"need 0 < query_len <= context_len, got {self.query_lens} / {self.context_lens}")
-
-    @property
-    def decode_block_tables(self) -> torch.Tensor:
-        return self.block_tables[sorted(self.decode_seqs)]
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor | None,
@@ -87,7 +84,10 @@ class PrefillMeta:
         seqs = [i for i, q in enumerate(query_lens) if q == 1]
         rows = torch.tensor([starts[i] for i in seqs], dtype=torch.long, device=dev)
         lens = torch.tensor([context_lens[i] for i in seqs], dtype=torch.int32, device=dev)
-        return cls(list(query_lens), list(context_lens), block_tables, frozenset(seqs), rows, lens, workspace)
+        # gathered once per step, not per layer
+        dec_tables = block_tables[torch.tensor(seqs, dtype=torch.long, device=dev)]  # [n, MAXB]
+        return cls(list(query_lens), list(context_lens), block_tables, frozenset(seqs), rows, lens, workspace,
+                   dec_tables)
 
 
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:

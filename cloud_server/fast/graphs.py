@@ -48,11 +48,12 @@ class DecodeGraphs:
         self.block_tables = torch.full((max_batch, max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32,
                                        device=dev)  # [B, MAXB]
         self.workspace = DecodeWorkspace(max_batch, model.local_heads, model.cfg.head_dim,
-                                         max_blocks_per_seq * kv.block_size, dev)
+                                         max_blocks_per_seq * kv.block_size, dev, buckets=tuple(self.buckets))
         # 1 for live rows, 0 for padding: each step advances its live rows' position and length by this,
         # so an unchanged batch can run its next step with no metadata upload (:meth:`step_next`).
         self.advance = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self._live: tuple[int, int] | None = None  # (rows, bucket) the static buffers describe
+        self.steps = 0  # steps run so far (a caller can tell whether anyone else stepped since its last step)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -132,6 +133,7 @@ class DecodeGraphs:
         return self._run(n, self._live[1])
 
     def _run(self, n: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.steps += 1
         if not self.use_graphs:
             return self._step(n)
         self.graphs[b].replay()

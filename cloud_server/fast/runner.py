@@ -59,6 +59,9 @@ class FastGlmRunner:
                  tune_context: int = DEFAULT_CONTEXT):
         if getattr(model, "variant", None) == "int8":
             raise UnsupportedFastPath("the GLM fast path runs float variants (bf16/fp16/fp32), not int8")
+        if getattr(pool, "k_scale", None) is not None:
+            raise UnsupportedFastPath(f"kv_cache_dtype {pool.kv_cache_dtype} needs the generic runner: the fast "
+                                      f"path's attention reads a 16/32-bit KV pool")
         if max_batch <= 0 or max_model_len <= 0:
             raise ValueError("max_batch and max_model_len must be positive")
         self.model, self.pool = model, pool
@@ -76,6 +79,8 @@ class FastGlmRunner:
         # what the startup tuning measured and chose (None: not tuned, e.g. on the CPU)
         self.tuning = tune_for_device(self.fast, self.kv, self.graphs, tune_context) if tune else None
         self.graphs.capture()
+        # the last decode batch: (block tables, context lens, graphs.steps after it), for _continues
+        self._last_decode: tuple[list[list[int]], list[int], int] | None = None
 
     def _staged(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host buffer to fill and upload: page-locked on CUDA, so the copy is a true async DMA.
@@ -92,14 +97,26 @@ class FastGlmRunner:
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)
 
-    def _tables(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(1, max(len(t) for t in tables))
+    def _tables(self, tables: list[list[int]], width: int = 1) -> torch.Tensor:
+        """Block tables [B, W] int32 on the device, padded with the null block to at least ``width`` columns."""
+        width = max(width, max(len(t) for t in tables))
         staged = self._staged((len(tables), width), torch.int32)
         arr = staged.numpy()
         arr.fill(NULL_BLOCK)
         for i, t in enumerate(tables):
             arr[i, : len(t)] = t
         return staged.to(self.device, non_blocking=True)  # [B, W] int32
+
+    def _continues(self, batch) -> bool:
+        """``batch`` is the previous decode batch one position further on: the same rows, block tables unchanged,
+        every context one longer, and no other step of the graphs since. Their static buffers then already
+        describe it (each replay advances its rows' positions and lengths), so the step uploads only the hidden
+        states (vLLM's persistent batch)."""
+        if self._last_decode is None:
+            return False
+        tables, lens, steps = self._last_decode
+        return (steps == self.graphs.steps and len(lens) == len(batch.context_lens) and batch.block_tables == tables
+                and all(a == b + 1 for a, b in zip(batch.context_lens, lens)))
 
     @torch.inference_mode()
     def run(self, batch) -> torch.Tensor:
@@ -111,21 +128,28 @@ class FastGlmRunner:
             if self.model.embed_tokens is None:
                 raise ValueError("this model has no token embeddings (split mode expects hidden states)")
             hidden = self.model.embed_tokens(self._upload(batch.input_ids)).to(fast.dtype)  # [T, H]
-        tables = self._tables(batch.block_tables)
         nseq = len(batch.query_lens)
         num_rows = int(batch.logits_indices.shape[0])
         rope = getattr(batch, "rope_positions", None)  # [3, T] GLM-4.1V image positions, or None
         if rope is not None and bool((rope == batch.positions[None]).all()):
             rope = None  # text positions on all three axes: plain 1-D rope
-        positions = self._upload(batch.positions)  # [T]
         if rope is None and all(q == 1 for q in batch.query_lens) and nseq <= self.graphs.max_batch:
-            lens = self._staged((nseq,), torch.int32)
-            lens.numpy()[:] = batch.context_lens
-            logits, _ = self.graphs.step(hidden, positions, lens.to(dev, non_blocking=True), tables)  # [B, V]
+            if self._continues(batch):  # the last decode batch one position on: only the hidden states go up
+                logits, _ = self.graphs.step_next(hidden)  # [B, V]
+            else:
+                lens = self._staged((nseq,), torch.int32)
+                lens.numpy()[:] = batch.context_lens
+                logits, _ = self.graphs.step(hidden, self._upload(batch.positions), lens.to(dev, non_blocking=True),
+                                             self._tables(batch.block_tables))  # [B, V]
+            self._last_decode = (batch.block_tables, batch.context_lens, self.graphs.steps)
             if num_rows == nseq and batch.logits_indices.tolist() == list(range(nseq)):  # every row, in order
                 return logits.float() if logits.dtype != torch.float32 else logits.clone()
             return logits[self._upload(batch.logits_indices)].float()
         rows = self._upload(batch.logits_indices)  # [S]
+        # full-width tables [B, MAXB], as the graphs have: a mixed step's decode rows then launch the decode kernel
+        # the graphs compiled (its specialization depends on the table width); a table width growing with each
+        # prefill chunk made every chunk of a long prompt JIT-compile a new kernel (~0.6 s a step on the H200)
+        positions, tables = self._upload(batch.positions), self._tables(batch.block_tables, self.max_blocks)
         meta = PrefillMeta.build(batch.query_lens, batch.context_lens, tables, split_decode=True,
                                  workspace=self.graphs.workspace if nseq <= self.graphs.max_batch else None)
         x = fast.forward(hidden, positions, self._upload(batch.slot_mapping), self.kv, meta,
@@ -138,8 +162,8 @@ def fast_path_supported(model, device: str, fast_path: bool | None = None) -> bo
     (the plain-torch kernels); never when ``fast_path`` is False."""
     cfg = getattr(model, "config", None)
     where = str(device).startswith("cuda") if fast_path is None else fast_path
-    return (where and getattr(model, "variant", None) != "int8"
-            and getattr(cfg, "model_type", None) in FAST_MODEL_TYPES)
+    return (where and getattr(model, "variant", None) != "int8" and not getattr(model, "returns_states", False)
+            and getattr(cfg, "model_type", None) in FAST_MODEL_TYPES)  # a u-shape middle has no lm_head to fuse
 
 
 def fast_runner_factory(engine_config):

@@ -1,5 +1,5 @@
 """The catalogue of bad inputs over HTTP ``/v1`` (full-model mode, docs/reliability.md): malformed JSON, wrong
-types, a prompt over the context, a missing or wrong key, a key in the query string, and overload (429 with
+types, a prompt over the context or over ``max_prompt_tokens``, a missing or wrong key, a key in the query string, and overload (429 with
 ``Retry-After``, answered at once, never queued) - each with its documented status while a streaming
 request on the same server produces exactly what it produces alone. One server for the module.
 
@@ -23,12 +23,14 @@ from cloud_server.runtime import CloudRuntime
 KEY = "sk-http-catalogue"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_LEN = 128
+MAX_PROMPT = 64  # --max-prompt-tokens
 STREAM = {"model": "tiny", "prompt": "a b c", "max_tokens": 24, "temperature": 0.0, "stream": True}
 
 
 @pytest.fixture(scope="module")
 def server(smol_lm):
     cfg = ServerConfig(full="smollm2", api_key=KEY, model_name="tiny", max_http_requests=1,
+                       max_prompt_tokens=MAX_PROMPT,
                        engine=EngineConfig(num_blocks=64, block_size=4, max_model_len=MAX_LEN))
     rt = CloudRuntime(cfg, loaded=copy.copy(smol_lm)).start()  # the runtime sets fields of its model
     with ServerThread(create_app(rt)) as srv:
@@ -62,6 +64,8 @@ CASES = {  # name -> (request, documented status)
     "missing messages": (lambda s: _post(s, "/v1/chat/completions", {"model": "tiny"}), 400),
     "prompt over the context": (
         lambda s: _post(s, "/v1/completions", {"model": "tiny", "prompt": "a " * (4 * MAX_LEN)}), 400),
+    "prompt over max_prompt_tokens": (
+        lambda s: _post(s, "/v1/completions", {"model": "tiny", "prompt": "a " * (MAX_PROMPT + 8)}), 400),
     "missing API key": (lambda s: _post(s, "/v1/completions", {"model": "tiny", "prompt": "x"}, headers={}), 401),
     "invalid API key": (
         lambda s: _post(s, "/v1/completions", {"model": "tiny", "prompt": "x"}, headers={"Authorization": "Bearer no"}),
@@ -79,6 +83,15 @@ def test_every_bad_http_input_gets_its_documented_status(server):
         print(f"{name:40s} {seen[name]:6d} {'yes' if seen[name] == want else 'NO: ' + str(want)}")
     assert seen == {n: w for n, (_, w) in CASES.items()}
     assert _stream_text(server) == alone and alone
+
+
+def test_a_prompt_over_max_prompt_tokens_names_its_limit_and_generation_may_pass_it(server):
+    over = _post(server, "/v1/completions", {"model": "tiny", "prompt": "a " * (MAX_PROMPT + 8)})
+    assert over.status_code == 400 and over.json()["error"]["code"] == "prompt_too_long"
+    fits = _post(server, "/v1/completions", {"model": "tiny", "prompt": "a " * (MAX_PROMPT - 8), "max_tokens": 40,
+                                             "temperature": 0.0})
+    assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] <= MAX_PROMPT
+    assert fits.json()["usage"]["total_tokens"] > MAX_PROMPT  # the answer runs on past the prompt limit
 
 
 def test_overload_is_refused_at_once_with_429_and_retry_after(server):

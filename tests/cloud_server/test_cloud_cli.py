@@ -43,6 +43,16 @@ def test_every_option_has_an_environment_twin(tmp_path):
         assert f"AUTOGLM_CLOUD_{o.name.upper()}" in help_text
 
 
+def test_help_states_each_dataclass_default_and_the_prompt_limit_defaults_to_the_context(tmp_path):
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())
+    assert "refused with 1013 (default 64)" in help_text
+    assert "(default 30)" in help_text and "prefix-cache granularity (default 16)" in help_text
+    cfg = _resolve([str(tmp_path), "--device", "cpu", "--max-model-len", "1024"])
+    assert cfg.max_prompt_tokens is None and cfg.prompt_limit == 1024
+    cfg = _resolve([str(tmp_path), "--device", "cpu"], {"AUTOGLM_CLOUD_MAX_PROMPT_TOKENS": "300"})
+    assert cfg.prompt_limit == 300
+
+
 def test_precedence_cli_over_env_over_file(tmp_path):
     conf = tmp_path / "c.json"
     conf.write_text(json.dumps({"bundle": str(tmp_path), "port": 1111, "max_sessions": 9, "host": "0.0.0.0",
@@ -62,6 +72,9 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B", "--device", "cpu", "--variants", "bf16"], {}, None),  # validated when resolving variants
     (["B"], {"AUTOGLM_CLOUD_PORT": "eighty"}, "AUTOGLM_CLOUD_PORT"),
     (["B", "--device", "tpu"], {}, "device"),
+    (["B", "--device", "cpu", "--max-model-len", "512", "--max-prompt-tokens", "513"], {}, "max_prompt_tokens"),
+    (["B", "--device", "cpu", "--kv-cache-dtype", "int4"], {}, "kv_cache_dtype: unknown"),
+    (["B", "--device", "cpu", "--kv-cache-dtype", "int8", "--fast-path"], {}, "needs the generic runner"),
 ])
 def test_bad_configuration_is_a_one_line_error(argv, env, message):
     if message is None:

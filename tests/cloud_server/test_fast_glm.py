@@ -374,7 +374,8 @@ def test_tensor_parallel_two_ranks_equal_one(tmp_path):
 # the engine adapter
 
 
-def test_fast_runner_equals_the_engine_runner(tiny_bundle):
+def test_fast_runner_equals_the_engine_runner(tiny_bundle, monkeypatch):
+    import cloud_server.fast.glm as glm_module
     from cloud_server.engine.kv_cache import KVCachePool
     from cloud_server.engine.model_runner import Batch, ModelRunner
     from cloud_server.fast.runner import FastGlmRunner, fast_path_supported
@@ -404,11 +405,27 @@ def test_fast_runner_equals_the_engine_runner(tiny_bundle):
                      logits_indices=torch.tensor(q_lens).cumsum(0) - 1,
                      hidden=torch.randn(sum(q_lens), model.hidden_size, generator=g))
 
+    widths = []  # block-table widths the decode kernel sees (its compiled specialization depends on them)
+    real = glm_module.decode_attention
+    monkeypatch.setattr(glm_module, "decode_attention",
+                        lambda q, k, v, bt, *a: widths.append(bt.shape[1]) or real(q, k, v, bt, *a))
     for q_lens, starts in (([6, 3], [0, 0]), ([1, 2], [6, 3]), ([1, 1], [7, 5]), ([1, 1], [8, 6])):
         b = batch(q_lens, starts)
         a, f = ref.run(b), fast.run(b)
         assert f.dtype == torch.float32 and f.shape == a.shape
         assert torch.allclose(a, f, atol=1e-5), float((a - f).abs().max())
+    # the mixed step's decode row read full-width tables [n, MAXB], as the graphs' steps do
+    assert widths and set(widths) == {fast.max_blocks}
+
+
+def test_decode_config_of_a_mixed_step_is_its_graph_buckets():
+    from cloud_server.fast.attention import DecodeConfig, DecodeWorkspace, decode_split_tokens
+
+    ws = DecodeWorkspace(64, 4, 8, 8192, "cpu", buckets=(1, 2, 4, 8, 16, 32, 64))
+    ws.configs[64] = DecodeConfig(128, 32, 8, 3)
+    assert ws.config_for(63, 2, 8192) == ws.config_for(33, 2, 8192) == DecodeConfig(128, 32, 8, 3)
+    assert ws.config_for(3, 2, 8192) == DecodeConfig(decode_split_tokens(4, 2, 8192))  # bucket 4's heuristic
+    assert DecodeWorkspace(8, 4, 8, 512, "cpu").config_for(5, 2, 512) == DecodeConfig(decode_split_tokens(5, 2, 512))
 
 
 @pytest.mark.gpu
@@ -491,7 +508,8 @@ def test_engine_over_a_random_back_half_matches_the_library_runner():
     with pytest.raises(Exception, match="split layer"):
         random_split_model(cfg, 4, "fp32", "cpu")
     ecfg = EngineConfig(device="cpu", variants=("fp32",), block_size=BLOCK, num_blocks=64, max_num_seqs=4,
-                        max_num_batched_tokens=32, max_model_len=64, enable_prefix_cache=False)
+                        max_num_batched_tokens=32, max_model_len=64, enable_prefix_cache=False,
+                        async_scheduling=False)  # lockstep: each step() returns its own step's tokens
     engines = {"fast": LLMEngine.from_models(ecfg, {"fp32": a}, make_runner=lambda i, m, p: FastGlmRunner(
                    m, p, max_batch=4, max_model_len=64)),
                "library": LLMEngine.from_models(ecfg, {"fp32": b})}
@@ -499,6 +517,9 @@ def test_engine_over_a_random_back_half_matches_the_library_runner():
     prompts = [torch.randn(n, a.hidden_size, generator=g) for n in (9, 5, 12)]
     steps = [torch.randn(3, 1, a.hidden_size, generator=g) for _ in range(4)]
     tokens = {}
+    graphs = engines["fast"].runners["fp32"].graphs
+    continued, step_next = [], graphs.step_next
+    graphs.step_next = lambda h: continued.append(h.shape[0]) or step_next(h)  # steps that upload only states
     for name, eng in engines.items():
         params = SamplingParams(temperature=0.0, max_tokens=len(steps) + 1, ignore_eos=True)
         got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
@@ -518,6 +539,7 @@ def test_engine_over_a_random_back_half_matches_the_library_runner():
         tokens[name] = got
     assert tokens["fast"] == tokens["library"]
     assert isinstance(engines["fast"].runners["fp32"], FastGlmRunner)
+    assert continued == [3, 3]  # decode steps 2 and 3 continue step 1's batch; step 4 crosses a block
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--tp-worker":

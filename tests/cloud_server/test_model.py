@@ -71,7 +71,7 @@ def test_full_mode_glm4v_text_greedy_matches(glm4v):
 def test_multimodal_rope_positions_reach_the_rotary_embedding(glm4v):
     """3-D positions (as an image's tokens have) give the library's logits for those positions."""
     model = load_full_model(glm4v, "fp32")
-    eng = LLMEngine.from_models(EngineConfig(num_blocks=32, block_size=4), {"fp32": model})
+    eng = LLMEngine.from_models(EngineConfig(num_blocks=32, block_size=4, async_scheduling=False), {"fp32": model})
     ids = torch.tensor([5, 17, 99, 240, 31, 8])
     rope = torch.stack([torch.tensor([0, 1, 2, 2, 2, 5]), torch.tensor([0, 1, 2, 3, 3, 5]),
                         torch.tensor([0, 1, 2, 2, 3, 5])])  # [3, 6]: a 2x2 "image" at positions 2-4

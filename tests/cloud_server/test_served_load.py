@@ -7,13 +7,12 @@ failure rather than averaged in."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_support import load_bench
 
 from shared.codecs import get_codec
 from shared.manifest import Manifest
@@ -22,11 +21,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(name)
 
 
 served_load = _load("served_load")
@@ -113,8 +108,9 @@ def test_compare_root_measures_both_trees_and_engine_cpu_fills_the_ratio(tiny_bu
     assert rc == 0
     res = json.loads(out.read_text())
     assert [r["tree"] for r in res["records"]] == [str(root), str(root)] and len(res["servers"]) == 2
-    (eng,) = res["engine_cpu"]
-    assert eng["sessions"] == 2 and eng["completed"] == 2 and eng["engine_tokens_per_s"] > 0
+    (eng,) = res["engine_cpu"]  # one per tree, imported from that checkout (here both trees are the same one)
+    assert eng["tree"] == str(root) and eng["sessions"] == 2 and eng["completed"] == 2
+    assert eng["engine_tokens_per_s"] > 0
     for rec in res["records"]:
         assert rec["completed"] == 2 and rec["engine_tokens_per_s"] == eng["engine_tokens_per_s"]
         assert rec["served_vs_engine"] == pytest.approx(rec["served_tokens_per_s"] / eng["engine_tokens_per_s"])
@@ -127,8 +123,7 @@ def test_config_refuses_ambiguous_servers():
         served_load.LoadConfig(serve=Path("b"), preset="tiny-glm4")
     with pytest.raises(ValueError, match="--bundle"):
         served_load.LoadConfig(url="ws://127.0.0.1:1/v1/split")
-    with pytest.raises(ValueError, match="--engine-cpu"):
-        served_load.LoadConfig(preset="tiny-glm4", engine_cpu=True)
+    served_load.LoadConfig(preset="tiny-glm4", engine_cpu=True)  # the engine alone: the preset's random weights
     with pytest.raises(ValueError, match="--compare-root"):
         served_load.LoadConfig(url="ws://127.0.0.1:1/v1/split", bundle=Path("b"), compare_root=Path("/tmp"))
 

@@ -16,6 +16,7 @@ from cloud_support import EdgeSim, ServerThread, boundary, edge_front, greedy_re
 from cloud_server.app import create_app
 from cloud_server.config import EngineConfig, ServerConfig
 from cloud_server.runtime import CloudRuntime
+from cloud_server.step_pipeline import POOL_MIN_ROWS
 from shared import protocol as P
 from shared.manifest import Manifest
 
@@ -78,7 +79,20 @@ async def _settle(rt, timeout=10.0):
     return used
 
 
-def test_one_and_eight_staggered_sessions_match_the_unsplit_model(server, tiny_bundle, tiny_lm, loaded_front):
+@pytest.mark.parametrize("step_decode", ["inline", "worker"])
+def test_one_and_eight_staggered_sessions_match_the_unsplit_model(server, tiny_bundle, tiny_lm, loaded_front,
+                                                                 step_decode):
+    # "worker": every batch of decode steps is decoded on the pipeline's thread (cloud_server.step_pipeline),
+    # so the later sessions' Prefills wait behind the earlier ones' steps and must still keep their order
+    pipeline = server.server.app.state.split.translate._pipeline
+    pipeline.pool_min_rows = 1 if step_decode == "worker" else POOL_MIN_ROWS
+    try:
+        _staggered_sessions(server, tiny_bundle, tiny_lm, loaded_front)
+    finally:
+        pipeline.pool_min_rows = POOL_MIN_ROWS
+
+
+def _staggered_sessions(server, tiny_bundle, tiny_lm, loaded_front):
     prompts = _prompts(8, seed=1)
     refs = [greedy_reference(tiny_lm.model, p, 12, [2, 3]) for p in prompts]
 

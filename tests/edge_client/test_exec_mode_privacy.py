@@ -4,7 +4,11 @@ server parses every WebSocket frame both ways.
 * ``private`` (split, speculating): no byte of the raw prompt goes up, every draft the phone sends is a token
   the cloud itself produced, and the prefix keys are not the unsalted ones anyone could recompute for a
   guessed prompt;
-* ``output-private``: the request runs on the phone (``edge-only``): not one frame - so no token id - crosses
+* ``output-private`` with a u-shape bundle (``split --tail``): the request runs ``u-shape``, speculating; every
+  frame up is a Prefill, StatesStep, Cancel or Close carrying hidden states and no id field (no prefix key, no
+  draft, no stop id, no seed), and every frame down is States or an empty final Tokens: no token id of the
+  output crosses the link, in either direction;
+* ``output-private`` with a plain bundle: the request runs on the phone (``edge-only``): not one frame crosses
   the link; without a whole model on the phone it is refused before any traffic.
 """
 
@@ -99,10 +103,14 @@ def ws_messages(stream: bytes) -> list[bytes]:
     return out
 
 
+def _serve(bundle, tmp_path_factory, name: str):
+    with LocalCloud(bundle, log_path=tmp_path_factory.mktemp("cloud-log") / f"{name}.log") as c:
+        yield c
+
+
 @pytest.fixture(scope="module")
 def cloud(tiny_bundle, tmp_path_factory):
-    with LocalCloud(tiny_bundle, log_path=tmp_path_factory.mktemp("cloud-log") / "privacy.log") as c:
-        yield c
+    yield from _serve(tiny_bundle, tmp_path_factory, "privacy")
 
 
 def test_private_split_sends_no_raw_text_and_no_prompt_drafts(tiny_bundle, cloud):
@@ -137,6 +145,34 @@ def test_the_privacy_level_changes_what_leaves_not_the_answer(tiny_bundle, cloud
         private = c.complete(prompt=PROMPT, max_tokens=24, speculate=True, privacy="private")
     assert gen.token_ids == private.token_ids  # the level changes what leaves, not the answer
     assert gen.stats.exec_mode == "split"
+
+
+@pytest.fixture(scope="module")
+def ushape_cloud(tiny_glm4_ushape_bundle, tmp_path_factory):
+    yield from _serve(tiny_glm4_ushape_bundle, tmp_path_factory, "ushape")
+
+
+def test_output_private_runs_u_shape_and_no_token_id_reaches_the_cloud(tiny_glm4_ushape_bundle, ushape_cloud):
+    with RecordingProxy(ushape_cloud.port) as proxy, \
+            EdgeClient(tiny_glm4_ushape_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16",
+                       retry=RETRY) as c:
+        c.session.sizer.choose = lambda limit=None: 4 if limit is None else min(4, limit)  # always draft
+        prompt_ids = [int(t) for t in range(10, 60)] * 2  # repeats: drafts get accepted
+        gen = c.complete(prompt_ids=prompt_ids, max_tokens=24, speculate=True, seed=3, privacy="output-private")
+    assert gen.stats.exec_mode == "u-shape" and "output-private" in gen.stats.exec_reason
+    assert gen.token_ids and gen.stats.draft_tokens > 0
+    sent = [P.decode_message(m) for m in ws_messages(bytes(proxy.up))]
+    got = [P.decode_message(m) for m in ws_messages(bytes(proxy.down))]
+    assert {type(m).__name__ for m in sent} <= {"Hello", "Prefill", "StatesStep", "Cancel", "Close"}
+    assert {type(m).__name__ for m in got} <= {"Welcome", "States", "Tokens"}
+    assert any(isinstance(m, P.StatesStep) and m.n_tokens > 1 for m in sent)  # speculative steps went up
+    for m in sent:
+        if isinstance(m, P.Prefill):
+            assert m.return_states and not m.prefix_keys
+            if m.params is not None:
+                assert m.params.seed is None and not m.params.stop_token_ids and m.params.temperature == 1.0
+    assert all(not m.token_ids for m in got if isinstance(m, P.Tokens))  # only the empty final one
+    assert sum(m.n_tokens for m in got if isinstance(m, P.States)) >= len(prompt_ids) + len(gen.token_ids) - 1
 
 
 @pytest.fixture(scope="module")

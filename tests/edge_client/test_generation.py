@@ -54,6 +54,16 @@ def test_split_equals_unsplit_and_stats(client, reference):
     assert st.edge_compute_s > 0
 
 
+def test_the_policy_sends_the_prompt_in_its_codec_and_decode_steps_in_fp16(tiny_bundle, cloud):
+    """No codec pinned: prompt chunks in the plan's codec, decode steps in the policy's step codec (fp16)."""
+    cloud.drop_after_tokens, cloud.forget_sessions = None, False
+    with EdgeClient(tiny_bundle, cloud.url, retry=FAST_RETRY) as c:
+        st = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).stats
+    assert st.codec == "int8-outlier" and st.step_codec == "fp16"
+    # 11 decode steps of 64 halves, plus a prompt of 40 rows at about one byte per element, plus framing
+    assert 11 * 64 * 2 + 40 * 64 < st.bytes_up < (40 + 11) * 64 * 2
+
+
 def test_second_request_hits_both_caches(client, cloud, reference):
     client.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
     gen = client.complete(prompt_ids=PROMPT, max_tokens=N_NEW)

@@ -5,12 +5,17 @@ link emulator.
   with fewer round trips than tokens;
 * a cut of the link while a SpecStep is in flight - the step lost on the way up, or its verdict lost on the
   way down - still gives the same tokens (resume, no replay);
-* a restart of the cloud while a SpecStep is in flight replays and still gives the same tokens.
+* a restart of the cloud while a SpecStep is in flight replays and still gives the same tokens;
+* drafts from the bundle's draft head (where prompt lookup has none) keep greedy parity too.
+
+Speculative runs pin k (``EdgeConfig.draft_k``): the timing-driven DraftSizer would make the steps, and so
+what a cut hits, depend on the machine's load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import numpy as np
 import pytest
@@ -29,6 +34,7 @@ _rng = np.random.RandomState(3)
 _PHRASE = [int(t) for t in _rng.randint(4, 512, 12)]
 PROMPT = [int(t) for t in _rng.randint(4, 512, 10)] + _PHRASE + [7, 9] + _PHRASE + [11] + _PHRASE[:5]
 N_NEW = 24
+K = 4  # drafts per step, pinned
 # slow enough that a frame is still inside the emulated link when the test cuts it
 SLOW = LinkProfile("slow-test", rtt_ms=400.0, jitter_ms=0.0, down_mbps=100.0, up_mbps=100.0, loss=0.0)
 
@@ -47,7 +53,7 @@ def plain_tokens(tiny_bundle, tiny_cloud):
 
 
 def test_tiny_speculative_greedy_equals_plain(tiny_bundle, tiny_cloud, plain_tokens):
-    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, draft_k=K) as c:
         gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True)
     st = gen.stats
     assert gen.token_ids == plain_tokens
@@ -78,7 +84,8 @@ def _cut_after_spec(client: EdgeClient, proxy: LinkEmulator, which: int, delay_s
 @pytest.mark.parametrize("delay_s,lost", [(0.0, "the SpecStep"), (0.3, "the verdict")])
 def test_cut_mid_speculative_step_keeps_parity(tiny_bundle, tiny_cloud, plain_tokens, delay_s, lost):
     with LinkEmulator(tiny_cloud.port, SLOW) as proxy, \
-            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY) as c:
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY,
+                       draft_k=K) as c:
         positions = _cut_after_spec(c, proxy, 2, delay_s)
         gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True)
     assert gen.token_ids == plain_tokens, lost
@@ -89,7 +96,7 @@ def test_cut_mid_speculative_step_keeps_parity(tiny_bundle, tiny_cloud, plain_to
 
 def test_cloud_restart_mid_speculative_step_replays_with_parity(tiny_bundle, tmp_path, plain_tokens):
     with LocalCloud(tiny_bundle, log_path=tmp_path / "cloud.log") as cloud, \
-            EdgeClient(tiny_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+            EdgeClient(tiny_bundle, cloud.ws_url, codec="fp16", retry=RETRY, draft_k=K) as c:
         session = c.session
         real_send = session._send
         seen = []
@@ -108,6 +115,29 @@ def test_cloud_restart_mid_speculative_step_replays_with_parity(tiny_bundle, tmp
     assert gen.stats.replays == 1
 
 
+@pytest.fixture(scope="module")
+def head_bundle(tiny_bundle, tiny_glm4_lm, tmp_path_factory):
+    """The tiny bundle with a draft head (same cloud half, same bundle id)."""
+    from partition_tools.draft_head import DraftHeadConfig, add_draft_head
+
+    bundle = tmp_path_factory.mktemp("tiny-head") / "b"
+    shutil.copytree(tiny_bundle, bundle)
+    add_draft_head(tiny_glm4_lm, bundle, DraftHeadConfig(tokens=1024))
+    return bundle
+
+
+def test_draft_head_drafts_keep_greedy_parity(head_bundle, tiny_cloud):
+    prompt = [int(t) for t in np.random.RandomState(5).randint(4, 512, 20)]  # repeats nothing: no lookup drafts
+    with EdgeClient(head_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        plain = c.complete(prompt_ids=prompt, max_tokens=N_NEW).token_ids
+    with EdgeClient(head_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, draft_k=2) as c:
+        gen = c.complete(prompt_ids=prompt, max_tokens=N_NEW, speculate=True)
+    st = gen.stats
+    assert gen.token_ids == plain
+    assert st.head_draft_tokens > 0 and st.head_draft_tokens <= st.draft_tokens
+    assert st.decode_round_trips + st.accepted_draft_tokens == len(gen.token_ids) - 1
+
+
 # -- SmolLM2: real weights ------------------------------------------------------------------------------------
 
 
@@ -115,7 +145,7 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2_bundle, tmp_path):
     chat = [{"role": "system", "content": "You copy the user's list exactly."},
             {"role": "user", "content": "Repeat this list twice: apples, pears, plums, cherries, grapes."}]
     with LocalCloud(smollm2_bundle, log_path=tmp_path / "cloud.log") as cloud, \
-            EdgeClient(smollm2_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+            EdgeClient(smollm2_bundle, cloud.ws_url, codec="fp16", retry=RETRY, draft_k=K) as c:
         plain = c.complete(messages=chat, max_tokens=32)
         spec = c.complete(messages=chat, max_tokens=32, speculate=True)
     assert spec.token_ids == plain.token_ids and spec.text == plain.text

@@ -4,7 +4,8 @@ encoding screenshots on the device (vision ONNX, 3-D rope positions on the wire)
 * greedy tokens equal the unsplit ``Glm4vForConditionalGeneration`` fed the same pixel values;
 * the same screenshot again hits both prefix caches past the image; another screenshot with the same token
   ids does not (content digests in the keys), and still gets the unsplit model's answer;
-* a corrupt image is a clear EdgeClientError and the next request is served.
+* a corrupt image is a clear EdgeClientError and the next request is served;
+* ``http`` image URLs are fetched by the phone within its size and time limits (a local HTTP server).
 """
 
 from __future__ import annotations
@@ -30,19 +31,8 @@ PROMPT = [int(t) for t in np.random.RandomState(3).randint(20, 500, 20)] + [BOI,
 
 
 @pytest.fixture(scope="module")
-def lm():
-    from partition_tools.models import load_model
-
-    return load_model("tiny-glm4v")
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory, lm):
-    from partition_tools.split import SplitConfig, split
-
-    out = tmp_path_factory.mktemp("glm4v-e2e") / "b"
-    split(lm, SplitConfig(layer=2, out=out, edge_quant="fp32"))
-    return out
+def bundle(tiny_glm4v_fp32_bundle):
+    return tiny_glm4v_fp32_bundle
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +68,12 @@ def _reference(model, bundle, data: bytes) -> list[int]:
     return out
 
 
-def test_screenshots_through_the_real_server(lm, bundle, cloud):
+def test_screenshots_through_the_real_server(tiny_glm4v_lm, bundle, cloud):
     a, b = _png(1), _png(2)
     with EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY, cache_block_tokens=16) as c:
         assert not c.media._vision  # nothing loaded yet: a text-only app never pays for the tower
         first = c.complete(prompt_ids=PROMPT, images=[a], max_tokens=N_NEW)
-        assert first.token_ids == _reference(lm.model, bundle, a)
+        assert first.token_ids == _reference(tiny_glm4v_lm.model, bundle, a)
         st = first.stats
         assert st.image_tokens == 24 and st.prompt_tokens == len(PROMPT) - 1 + 24 and st.media_encode_s > 0
         again = c.complete(prompt_ids=PROMPT, images=[a], max_tokens=N_NEW)
@@ -91,7 +81,7 @@ def test_screenshots_through_the_real_server(lm, bundle, cloud):
         assert again.stats.cached_tokens == 48 and again.stats.cloud_cached_tokens == 48  # past the image
         other = c.complete(prompt_ids=PROMPT, images=[b], max_tokens=N_NEW)
         assert other.stats.cached_tokens == 16 and other.stats.cloud_cached_tokens == 16  # text before it only
-        assert other.token_ids == _reference(lm.model, bundle, b)
+        assert other.token_ids == _reference(tiny_glm4v_lm.model, bundle, b)
         with pytest.raises(EdgeClientError) as e:
             c.complete(prompt_ids=PROMPT, images=[a[: len(a) // 2]], max_tokens=4)
         assert e.value.code == "bad_image"
@@ -133,3 +123,98 @@ def test_local_openai_endpoint_takes_image_parts(bundle, cloud, tmp_path):
         u, first = local.json()["usage"], ok.json()["usage"]
         assert u["prompt_tokens"] == first["prompt_tokens"] and u["prompt_tokens_details"]["image_tokens"] == 24
         assert u["prompt_tokens_details"]["cached_tokens"] > 0  # the same picture, by path this time: a cache hit
+
+
+class _ImageServer:
+    """A local HTTP server (stdlib, in a thread) with one path per fetch outcome; ``url(name)``."""
+
+    def __init__(self, png: bytes, limit: int):
+        import http.server
+        import threading
+        import time
+
+        big = png + b"\0" * (2 * limit)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _reply(self, body: bytes, ctype: str, length: bool = True, pause: float = 0.0) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                if length:
+                    self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                step = max(1, len(body) // 8) if pause else len(body)
+                try:
+                    for i in range(0, len(body), step):
+                        self.wfile.write(body[i:i + step])
+                        self.wfile.flush()
+                        time.sleep(pause)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the phone gave up on it (over the size or time limit)
+
+            def do_GET(self):  # noqa: N802 - http.server's name
+                routes = {"/shot.png": lambda: self._reply(png, "image/png"),
+                          "/big.png": lambda: self._reply(big, "image/png"),  # refused by its Content-Length
+                          "/big-stream.png": lambda: self._reply(big, "image/png", length=False),  # while reading
+                          "/slow.png": lambda: self._reply(png, "image/png", pause=0.3),  # 8 x 0.3 s > 1 s
+                          "/page.html": lambda: self._reply(b"<html>not a picture</html>", "text/html")}
+                route = routes.get(self.path)
+                if route is None:
+                    self.send_error(404)
+                else:
+                    route()
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_http_image_urls_are_fetched_by_the_phone_within_limits(tiny_glm4v_lm, bundle, cloud):
+    """image_url http URLs, fetched on the phone: success (the same tokens as the bytes themselves); over the
+    size limit (by Content-Length and while streaming), a server slower than the time limit, a non-image
+    content type, a 404: each a clear EdgeClientError (a 400 on the local endpoint), the next request served."""
+    from fastapi.testclient import TestClient
+
+    from edge_client.local_api import create_app
+    from edge_client.media import MediaPolicy
+
+    a = _png(1)
+    policy = MediaPolicy(max_bytes=len(a) + 512, fetch_timeout_s=1.0)
+
+    def msgs(url: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "text", "text": "tap it "},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+
+    with _ImageServer(a, policy.max_bytes) as srv, \
+            EdgeClient(bundle, cloud.ws_url, media_policy=policy, codec="fp16", retry=RETRY) as c:
+        ok = c.complete(prompt_ids=PROMPT, images=[srv.url("shot.png")], max_tokens=N_NEW)
+        assert ok.token_ids == _reference(tiny_glm4v_lm.model, bundle, a)
+        for name, code in (("big.png", "image_too_large"), ("big-stream.png", "image_too_large"),
+                           ("slow.png", "fetch_timeout"), ("page.html", "bad_image"), ("missing.png", "fetch_failed")):
+            with pytest.raises(EdgeClientError) as e:
+                c.complete(messages=msgs(srv.url(name)), max_tokens=4)
+            assert e.value.code == code, (name, e.value)
+            assert name in str(e.value)  # the message names the URL
+        assert "HTTP 404" in str(e.value)
+        again = c.complete(prompt_ids=PROMPT, images=[srv.url("shot.png")], max_tokens=N_NEW)
+        assert again.token_ids == ok.token_ids  # the next request is served
+        http = TestClient(create_app(c))
+        body = {"model": "m", "max_tokens": 4, "temperature": 0}
+        for name, code in (("slow.png", "fetch_timeout"), ("page.html", "bad_image")):
+            r = http.post("/v1/chat/completions", json={**body, "messages": msgs(srv.url(name))})
+            assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+        r = http.post("/v1/chat/completions", json={**body, "messages": msgs(srv.url("shot.png"))})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["image_tokens"] == 24

@@ -4,12 +4,10 @@ steps) as a PyTorch reference of encoder + projector + the unsplit LM fed the sa
 
 from __future__ import annotations
 
-import io
-import wave
-
 import numpy as np
 import pytest
 import torch
+from media_support import audio_reference, tone, wav
 
 from edge_client.audio import AUDIO, AUDIO_CONFIG, AudioEncoder, log_mel, prepare_audio
 from edge_client.front import FrontRuntime
@@ -18,55 +16,24 @@ from edge_client.vision import MediaError
 from partition_tools.cloud_half import CloudModel
 from partition_tools.export_audio import (TINY_PRESET, AudioEncoderError, load_audio_encoder, save_audio_encoder,
                                           tiny_audio_encoder)
-from partition_tools.split import SplitConfig, split
 
 DECODE_STEPS = 16
 
 
-@pytest.fixture(scope="module")
-def lm():
-    from partition_tools.models import load_model
-
-    return load_model("tiny-glm4v")
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory, lm):
-    out = tmp_path_factory.mktemp("glm4v-audio") / "b"
-    split(lm, SplitConfig(layer=2, out=out, edge_quant="fp32", vision_quant="none", audio_encoder=TINY_PRESET))
-    return out
-
-
-def _tone(seconds: float, rate: int = 16000, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    return (0.3 * np.sin(2 * np.pi * 440 * t) + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
-
-
-def _wav(x: np.ndarray, rate: int = 16000) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
-    return buf.getvalue()
-
-
-def test_features_match_whisper_feature_extractor(bundle):
+def test_features_match_whisper_feature_extractor(tiny_glm4v_audio_bundle):
     from transformers import WhisperFeatureExtractor
 
-    spec = AudioEncoder(bundle).spec
-    x = _tone(1.3)
+    spec = AudioEncoder(tiny_glm4v_audio_bundle).spec
+    x = tone(1.3)
     ref = WhisperFeatureExtractor(feature_size=spec.n_mels, chunk_length=spec.max_samples // spec.sample_rate)(
         x, sampling_rate=16000, return_tensors="np").input_features
     assert np.abs(log_mel(x, spec) - ref).max() <= 1e-4
 
 
-def test_bundle_carries_the_encoder(bundle):
+def test_bundle_carries_the_encoder(tiny_glm4v_audio_bundle):
     import json
 
-    m = json.loads((bundle / "manifest.json").read_text())
+    m = json.loads((tiny_glm4v_audio_bundle / "manifest.json").read_text())
     assert m["artifacts"][AUDIO]["role"] == "edge" and m["artifacts"][AUDIO_CONFIG]["role"] == "edge"
     assert m["quant_report"]["audio"]["encoder"] == TINY_PRESET
 
@@ -90,10 +57,10 @@ def test_a_checkpoint_directory_round_trips(tmp_path):
 
 
 @torch.no_grad()
-def test_split_matches_reference(lm, bundle):
-    enc_edge = AudioEncoder(bundle)
+def test_split_matches_reference(tiny_glm4v_lm, tiny_glm4v_audio_bundle):
+    enc_edge = AudioEncoder(tiny_glm4v_audio_bundle)
     spec = enc_edge.spec
-    clip = enc_edge.prepare(_wav(_tone(0.9)))
+    clip = enc_edge.prepare(wav(tone(0.9)))
     rows = enc_edge.encode(clip)  # [n, H]
     assert rows.shape == (clip.n_tokens, 64) and clip.n_tokens == spec.tokens_for(int(0.9 * 16000))
     # the PyTorch reference: the same encoder + projector (the preset's seed) -> the unsplit LM
@@ -103,18 +70,9 @@ def test_split_matches_reference(lm, bundle):
     ids = [20, 21, 22, spec.audio_token_id, 23, 24]
     prompt = assemble(ids, [MediaItem("audio", spec.audio_token_id, rows, clip.digest)], 64)
     assert prompt.rope_delta == 0 and prompt.tokens_by_kind == {"audio": clip.n_tokens}
-    emb_table = lm.model.get_input_embeddings()
-    seq, ref_tokens, ref_logits = list(prompt.ids), [], []
-    for _ in range(DECODE_STEPS + 1):
-        x = emb_table(torch.tensor([seq]))
-        m = torch.tensor(prompt.mask.tolist() + [False] * (len(seq) - len(prompt.ids)))
-        x[0, m] = ref_rows
-        out = lm.model(inputs_embeds=x, use_cache=False).logits[0, -1]
-        ref_logits.append(out.numpy())
-        ref_tokens.append(int(out.argmax()))
-        seq.append(ref_tokens[-1])
+    ref_tokens, ref_logits = audio_reference(tiny_glm4v_lm.model, prompt.ids, prompt.mask, ref_rows, DECODE_STEPS)
     # the split
-    front, cloud = FrontRuntime(bundle, threads=1), CloudModel.from_bundle(bundle)
+    front, cloud = FrontRuntime(tiny_glm4v_audio_bundle, threads=1), CloudModel.from_bundle(tiny_glm4v_audio_bundle)
     hidden = [front.prefill_media(prompt.ids, None, prompt.embeds, prompt.mask)]
     tokens, logits = [], []
     for step in range(DECODE_STEPS + 1):
@@ -124,29 +82,29 @@ def test_split_matches_reference(lm, bundle):
         tokens.append(int(out.argmax()))
         if step < DECODE_STEPS:
             hidden.append(front.decode(tokens[-1]))
-    err = float(np.abs(np.stack(logits) - np.stack(ref_logits)).max())
+    err = float(np.abs(np.stack(logits) - ref_logits).max())
     print(f"audio ({clip.n_tokens} tokens): max abs logit error {err:.2e} over {DECODE_STEPS + 1} steps")
     assert tokens == ref_tokens and err <= 1e-4
 
 
 @pytest.mark.parametrize("make,code", [
-    (lambda: _wav(np.zeros(8000, np.float32)), "silent_audio"),
-    (lambda: _wav(np.zeros(0, np.float32)), "bad_audio"),
-    (lambda: _wav(_tone(0.5, 8000), 8000), "bad_sample_rate"),
-    (lambda: _wav(_tone(3.0)), "audio_too_long"),  # the tiny encoder's window is 2 s
+    (lambda: wav(np.zeros(8000, np.float32)), "silent_audio"),
+    (lambda: wav(np.zeros(0, np.float32)), "bad_audio"),
+    (lambda: wav(tone(0.5, 8000), 8000), "bad_sample_rate"),
+    (lambda: wav(tone(3.0)), "audio_too_long"),  # the tiny encoder's window is 2 s
     (lambda: b"RIFF\x00\x00\x00\x00WAVEjunk", "bad_audio"),
     (lambda: b"ID3\x03\x00" + bytes(100), "bad_audio"),  # an mp3: not a PCM WAV
 ])
-def test_bad_audio_is_refused_and_the_next_clip_is_served(bundle, make, code):
-    enc = AudioEncoder(bundle)
+def test_bad_audio_is_refused_and_the_next_clip_is_served(tiny_glm4v_audio_bundle, make, code):
+    enc = AudioEncoder(tiny_glm4v_audio_bundle)
     with pytest.raises(MediaError) as e:
         enc.prepare(make())
     assert e.value.code == code
-    assert enc.encode(enc.prepare(_wav(_tone(0.4)))).shape[1] == 64
+    assert enc.encode(enc.prepare(wav(tone(0.4)))).shape[1] == 64
 
 
-def test_encoders_load_on_first_use(bundle):
-    enc = AudioEncoder(bundle)
+def test_encoders_load_on_first_use(tiny_glm4v_audio_bundle):
+    enc = AudioEncoder(tiny_glm4v_audio_bundle)
     assert not enc.loaded
     assert enc.warmup() > 0 and enc.loaded
-    assert prepare_audio(_tone(0.2), 16000, enc.spec).n_tokens == enc.spec.tokens_for(3200)
+    assert prepare_audio(tone(0.2), 16000, enc.spec).n_tokens == enc.spec.tokens_for(3200)

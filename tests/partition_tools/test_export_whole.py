@@ -40,8 +40,10 @@ def test_int8_whole_graph_quantizes_the_lm_head(tmp_path, tiny_glm4_lm):
     model = onnx.load(str(tmp_path / "int8" / "model.onnx"))
     ops = [n.op_type for n in model.graph.node]
     assert "Gemm" not in ops and ops.count("MatMulNBits") == meta["quant_report"]["quantized_matmuls"]
-    # GLM-4: q, k, v, o, gate_up, down per layer, + the lm_head (a Gemm before the rewrite)
-    assert meta["quant_report"]["quantized_matmuls"] == 4 * 6 + 1
+    # GLM-4: q, k, v, o, gate_up, down per layer, + the lm_head (a Gemm before the rewrite), less the recipe's
+    # two fp32 down_proj (float_outliers)
+    assert meta["quant_report"]["quantized_matmuls"] == 4 * 6 + 1 - 2
+    assert len(meta["quant_report"]["float_outliers"]) == 2
     run = WholeModelRunner(tmp_path / "int8", threads=1).generate([5, 6, 7, 8], 3)
     assert len(run.token_ids) <= 3
 

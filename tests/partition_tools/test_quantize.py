@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
 import pytest
@@ -28,14 +30,11 @@ N_FRONT = 2  # front layers exported per family
 @pytest.fixture(scope="module")
 def fronts(llama_dir, tmp_path_factory):
     """family -> (loaded model, fp32 front graph path), exported once per module on first use."""
-    cache: dict[str, tuple] = {}
 
+    @functools.cache
     def get(family: str):
-        if family not in cache:
-            lm = load_model(str(llama_dir) if family == "llama" else family)
-            out = tmp_path_factory.mktemp(family) / "front.onnx"
-            cache[family] = (lm, export_front(ModelAdapter(lm.model), N_FRONT, out))
-        return cache[family]
+        lm = load_model(str(llama_dir) if family == "llama" else family)
+        return lm, export_front(ModelAdapter(lm.model), N_FRONT, tmp_path_factory.mktemp(family) / "front.onnx")
 
     return get
 
@@ -77,9 +76,11 @@ def test_int8_recipe_quantizes_every_weight_and_stays_close(front, tmp_path):
     report = quantize_front(fp32, dst, "int8", **recipe_for(ModelAdapter(lm.model), N_FRONT, "int8", lm.tokenizer))
     q = onnx.load(str(dst))
     inits = {i.name for i in q.graph.initializer}
-    assert not [n for n in q.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+    left = sorted(module_path(n) for n in q.graph.node if n.op_type == "MatMul" and n.input[1] in inits)
+    assert left == report["float_matmuls"] == sorted(report["float_outliers"])  # the recipe's fp32 down_proj
+    assert len(left) == min(2, N_FRONT) and all(p.endswith("mlp.down_proj") for p in left)
     nbits = _nodes(dst, "MatMulNBits")
-    assert len(nbits) == len(expected) == report["quantized_matmuls"]
+    assert len(nbits) == len(expected) - len(left) == report["quantized_matmuls"]
     assert {(_attr(n, "bits"), _attr(n, "block_size"), _attr(n, "accuracy_level")) for n in nbits} == {(8, 32, 4)}
     assert len(_nodes(dst, "GatherBlockQuantized")) == 1 and not embedding_gathers(q)
     assert report["smoothing"]["groups"] == 2 * N_FRONT  # q/k/v and the MLP input of every layer
@@ -182,6 +183,27 @@ def test_embedding_table_matches_numpy_dequantization(bits, block, tmp_path):
     assert all(scales[5, b] < 10 for b in clean)
 
 
+def test_float_outliers_keep_the_most_extreme_down_projections(fronts, tmp_path):
+    """float_outliers=k keeps fp32 exactly the k down_proj whose calibration inputs have the largest max /
+    median channel ratio, and reports their ratios."""
+    from partition_tools.smoothing import matmul_input_absmax
+
+    lm, fp32 = fronts("llama")
+    ids = _ids(lm, n=64, seed=5)
+    model = onnx.load(str(fp32))
+    nodes = {n.name: n for n in model.graph.node}
+    downs = {name: path for name, path in weight_matmuls(model).items() if path.endswith("mlp.down_proj")}
+    absmax = matmul_input_absmax(model, ids, [nodes[n].input[0] for n in downs])
+    ratio = {p: absmax[nodes[n].input[0]].max() / np.median(absmax[nodes[n].input[0]]) for n, p in downs.items()}
+    worst = max(ratio, key=ratio.get)
+    report = quantize_front(fp32, tmp_path / "q.onnx", "int8", float_outliers=1, calibration_ids=ids)
+    assert report["float_matmuls"] == [worst]
+    assert list(report["float_outliers"]) == [worst]
+    assert report["float_outliers"][worst] == pytest.approx(ratio[worst], abs=0.06)
+    q = onnx.load(str(tmp_path / "q.onnx"))
+    assert [module_path(n) for n in q.graph.node if n.op_type == "MatMul" and n.name in downs] == [worst]
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"mode": "int3"}, "edge quantization 'int3'"),
     ({"embedding": "int2"}, "embedding quantization"),
@@ -189,6 +211,7 @@ def test_embedding_table_matches_numpy_dequantization(bits, block, tmp_path):
     ({"block_size": 24}, "block size 24"),
     ({"embedding": "int8", "embedding_block_size": 8}, "embedding block size 8"),
     ({"smooth_alpha": 0.5}, "calibration_ids"),
+    ({"float_outliers": 2}, "calibration_ids"),
 ])
 def test_bad_arguments_raise_one_line_errors(kwargs, match, tmp_path):
     _gather_graph(np.ones((4, 32), np.float32), tmp_path / "g.onnx")

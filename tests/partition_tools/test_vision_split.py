@@ -27,20 +27,6 @@ IMG, BOI, EOI = 10, 12, 13
 DECODE_STEPS = 16
 
 
-@pytest.fixture(scope="module")
-def lm():
-    from partition_tools.models import load_model
-
-    return load_model("tiny-glm4v")
-
-
-@pytest.fixture(scope="module")
-def fp32_bundle(tmp_path_factory, lm):
-    out = tmp_path_factory.mktemp("glm4v-fp32") / "b"
-    split(lm, SplitConfig(layer=2, out=out, edge_quant="fp32"))
-    return out
-
-
 def _image(seed: int, h: int, w: int) -> Image.Image:
     """A screenshot-like picture: flat blocks and a few sharp bars (not noise)."""
     rng = np.random.default_rng(seed)
@@ -51,38 +37,38 @@ def _image(seed: int, h: int, w: int) -> Image.Image:
     return Image.fromarray(arr)
 
 
-def test_split_writes_the_tower_and_its_spec(fp32_bundle):
-    m = json.loads((fp32_bundle / "manifest.json").read_text())
+def test_split_writes_the_tower_and_its_spec(tiny_glm4v_fp32_bundle):
+    m = json.loads((tiny_glm4v_fp32_bundle / "manifest.json").read_text())
     assert m["artifacts"][VISION]["role"] == "edge" and m["artifacts"][VISION_CONFIG]["role"] == "edge"
-    spec = json.loads((fp32_bundle / VISION_CONFIG).read_text())
+    spec = json.loads((tiny_glm4v_fp32_bundle / VISION_CONFIG).read_text())
     assert spec["quant"] == "fp32" and spec["image_token_id"] == IMG and spec["merge_size"] == 2
-    front = onnx.load(str(fp32_bundle / FRONT), load_external_data=False)
+    front = onnx.load(str(tiny_glm4v_fp32_bundle / FRONT), load_external_data=False)
     assert {"inputs_embeds", "embeds_mask"} <= {i.name for i in front.graph.input}
 
 
 @pytest.mark.parametrize("hw", [(84, 112), (140, 56)])
-def test_fp32_tower_equals_the_library_tower(lm, fp32_bundle, hw):
-    enc = VisionEncoder(fp32_bundle)
+def test_fp32_tower_equals_the_library_tower(tiny_glm4v_lm, tiny_glm4v_fp32_bundle, hw):
+    enc = VisionEncoder(tiny_glm4v_fp32_bundle)
     assert not enc.loaded  # opened on first use
     p = preprocess(_image(1, *hw), enc.spec)
     got = enc.encode(p)
     with torch.no_grad():
-        ref = lm.model.model.get_image_features(torch.from_numpy(p.pixel_values),
+        ref = tiny_glm4v_lm.model.model.get_image_features(torch.from_numpy(p.pixel_values),
                                                 torch.tensor([p.grid_thw])).pooler_output[0].numpy()
     assert got.shape == ref.shape == (p.n_tokens, 64)
     assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
 
 
-def test_int8_tower_stays_close(lm, tmp_path):
+def test_int8_tower_stays_close(tiny_glm4v_lm, tmp_path):
     from partition_tools.export_vision import export_vision
 
-    spec = export_vision(lm.model, tmp_path, "int8")
+    spec = export_vision(tiny_glm4v_lm.model, tmp_path, "int8")
     assert spec.quant == "int8", spec.quant_report
     assert 0 < spec.quant_report["probe_max_rel_error"] <= INT8_MAX_REL_ERROR
     enc = VisionEncoder(tmp_path)
     p = preprocess(_image(2, 112, 112), enc.spec)
     with torch.no_grad():
-        ref = lm.model.model.get_image_features(torch.from_numpy(p.pixel_values),
+        ref = tiny_glm4v_lm.model.model.get_image_features(torch.from_numpy(p.pixel_values),
                                                 torch.tensor([p.grid_thw])).pooler_output[0].numpy()
     rel = np.abs(enc.encode(p) - ref).max() / np.abs(ref).max()
     print(f"int8 vision tower: max abs error / absmax = {rel:.4f}")
@@ -145,12 +131,12 @@ def _reference_run(model, ids, prepared, steps):
 
 
 @pytest.mark.parametrize("parts", [[7, "0", 5], [4, "0", 6, "1", 3]], ids=["one-image", "two-images"])
-def test_split_matches_unsplit_greedy(lm, fp32_bundle, parts):
+def test_split_matches_unsplit_greedy(tiny_glm4v_lm, tiny_glm4v_fp32_bundle, parts):
     images = [_image(3, 84, 140), _image(4, 112, 56)]
-    spec = VisionEncoder(fp32_bundle).spec
+    spec = VisionEncoder(tiny_glm4v_fp32_bundle).spec
     ids, prepared = _prompt(parts, images, spec)
-    ref_tokens, ref_logits = _reference_run(lm.model, ids, prepared, DECODE_STEPS)
-    tokens, logits = _split_run(fp32_bundle, ids, prepared, DECODE_STEPS)
+    ref_tokens, ref_logits = _reference_run(tiny_glm4v_lm.model, ids, prepared, DECODE_STEPS)
+    tokens, logits = _split_run(tiny_glm4v_fp32_bundle, ids, prepared, DECODE_STEPS)
     err = float(np.abs(logits - ref_logits).max())
     print(f"{len(prepared)} image(s), {len(ids)} prompt tokens: max abs logit error {err:.2e} over "
           f"{DECODE_STEPS + 1} steps")
@@ -158,11 +144,11 @@ def test_split_matches_unsplit_greedy(lm, fp32_bundle, parts):
     assert err <= 1e-4
 
 
-def test_int8_front_takes_media_rows(lm, tmp_path):
+def test_int8_front_takes_media_rows(tiny_glm4v_lm, tmp_path):
     """The default int8 split: the embeddings input survives quantization; without media rows the front
     computes exactly its text output, with them the rows change it."""
     out = tmp_path / "b"
-    split(lm, SplitConfig(layer=2, out=out))
+    split(tiny_glm4v_lm, SplitConfig(layer=2, out=out))
     assert json.loads((out / VISION_CONFIG).read_text())["quant"] == "int8"
     ids = [int(t) for t in np.random.default_rng(5).integers(20, 500, 12)]
     text = FrontRuntime(out, threads=1).prefill(ids)

@@ -50,6 +50,11 @@ GOLDEN: dict[str, P.Message] = {
     "decode_step": P.DecodeStep(request_id="r1", position=2, hidden=C.get_codec("int8-b32").encode(_ROW40[None])),
     "spec_step": P.SpecStep(request_id="r1", position=3, hidden=C.get_codec("fp16").encode(
         np.concatenate([_ROWS, _ROWS[::-1]])), draft_ids=[42, 7, 42]),
+    "prefill_states": P.Prefill(request_id="r3", start=0, hidden=C.get_codec("fp16").encode(_ROWS), last=True,
+                                params=P.SamplingParams(max_tokens=32), return_states=True),
+    "states_step": P.StatesStep(request_id="r3", position=2, hidden=C.get_codec("fp16").encode(_ROWS)),
+    "states": P.States(request_id="r3", start=0, hidden=C.get_codec("fp16").encode(_ROWS[::-1]),
+                       timings=P.ServerTimings(total_ms=2.5), plan=P.PrecisionPlan(codec="fp16", compute="bf16")),
     "tokens_spec": P.Tokens(request_id="r1", index=1, token_ids=[42, 7, 13], timings=P.ServerTimings(total_ms=5.0)),
     "tokens": P.Tokens(request_id="r1", index=0, token_ids=[42], logprobs=[-0.5],
                        top_logprobs=[[P.TopLogprob(token_id=42, logprob=-0.5), P.TopLogprob(token_id=7, logprob=-1.25)]],

@@ -29,7 +29,7 @@ hints = st.builds(P.ClientHints, link_kbps=st.none() | finite(0, 1e9), rtt_ms=st
 limits = st.builds(P.SessionLimits, max_frame_bytes=st.integers(1024, 1 << 30), max_context=st.integers(1, 1 << 20),
                    max_prefill_chunk_tokens=st.integers(1, 4096), max_concurrent_requests=st.integers(1, 64),
                    prefix_block_tokens=st.integers(1, 256), idle_timeout_ms=st.integers(0, 10**9),
-                   resume_window_ms=st.integers(0, 10**9))
+                   resume_window_ms=st.integers(0, 10**9), max_prompt_tokens=st.integers(0, 1 << 20))
 plan = st.builds(P.PrecisionPlan, codec=codec_name, compute=st.sampled_from(COMPUTE_VARIANTS),
                  reason=st.text(max_size=40))
 server = st.builds(P.ServerInfo, name=small_text, version=small_text,
@@ -65,7 +65,21 @@ def prefill(draw):
                      last=draw(st.booleans()), params=draw(st.none() | sampling),
                      prefix_keys=draw(st.lists(long_ident, max_size=4)),
                      compute=draw(st.none() | st.sampled_from(COMPUTE_VARIANTS)),
-                     rope_positions=draw(rope(hidden.shape[0])))
+                     rope_positions=draw(rope(hidden.shape[0])), return_states=draw(st.booleans()))
+
+
+@st.composite
+def states_step(draw):
+    hidden = draw(encoded(rows=draw(st.integers(1, 9))))
+    return P.StatesStep(request_id=draw(ident), position=draw(st.integers(0, 1 << 30)), hidden=hidden,
+                        rope_positions=draw(rope(hidden.shape[0])))
+
+
+@st.composite
+def states(draw):
+    return P.States(request_id=draw(ident), start=draw(st.integers(0, 1 << 30)), hidden=draw(encoded()),
+                    timings=draw(st.none() | st.builds(P.ServerTimings, total_ms=finite(0, 1e9))),
+                    plan=draw(st.none() | plan))
 
 
 @st.composite
@@ -106,6 +120,8 @@ messages = st.one_of(
     prefill(),
     decode_step(),
     spec_step(),
+    states_step(),
+    states(),
     tokens(),
     st.builds(P.Cancel, request_id=ident),
     st.builds(P.Resume, request_id=ident, have_tokens=pos),

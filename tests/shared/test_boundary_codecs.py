@@ -13,6 +13,7 @@ from shared import protocol as P
 from shared.codecs_outlier import hadamard
 
 CALIB = {"outlier_channels": [3, 17, 40], "sink_threshold": 30.0}
+NAMES = [n for n in C.CODEC_NAMES if n not in C.BASIS_CODECS]  # the PCA codecs: tests/shared/test_codecs_pca.py
 
 
 def codec(name: str):
@@ -40,14 +41,14 @@ finite_rows = hnp.arrays(np.float32, st.tuples(st.integers(1, 5), st.integers(1,
                          elements=st.floats(-6e4, 6e4, width=32, allow_nan=False, allow_infinity=False))
 
 
-@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(x=finite_rows, z=st.booleans())
 def test_round_trip_any_finite_input(name, x, z):
     h = x.shape[1]
-    c = C.get_codec(name, outlier_channels=[0, h - 1] if h > 2 else [0]) if name in C.CALIBRATED_CODECS else \
+    c = C.get_codec(name, outlier_channels=[0, h - 1] if h > 2 else [0]) if name in C.OUTLIER_CODECS else \
         C.get_codec(name)
-    if name in C.CALIBRATED_CODECS and h < 2:
+    if name in C.OUTLIER_CODECS and h < 2:
         with pytest.raises(P.ProtocolError):
             c.encode(x)
         return
@@ -66,19 +67,19 @@ def test_round_trip_any_finite_input(name, x, z):
     assert c.decode(c.encode(y)).shape == x.shape
 
 
-@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_error_bounds_on_activation_like_data(name):
     x = hidden()
     c = codec(name)
     y = c.decode(c.encode(x))
     assert max_rel_err(name, x, y) <= BOUNDS[name]
-    if name in C.CALIBRATED_CODECS:  # outlier channels and the sink row are float16-exact
+    if name in C.OUTLIER_CODECS:  # outlier channels and the sink row are float16-exact
         f16 = x.astype(np.float16).astype(np.float32)
         assert np.array_equal(y[:, CALIB["outlier_channels"]], f16[:, CALIB["outlier_channels"]])
         assert np.array_equal(y[0], f16[0])
 
 
-@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_rows_are_coded_independently(name):
     """Quality measured on prefill chunks holds for single-token decode messages (bench relies on it)."""
     x = hidden(1, s=6)
@@ -88,7 +89,7 @@ def test_rows_are_coded_independently(name):
     assert np.array_equal(whole, rows)
 
 
-@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_decode_rows_equals_decoding_each_row(name):
     """decode_rows (a decode step's rows in one pass) gives exactly what decode gives row by row, sink rows and
     zstd included (those take the one-by-one path)."""
@@ -122,13 +123,13 @@ def test_decode_rows_refuses_a_bad_row_among_good_ones(name):
         c.decode_rows([])
 
 
-@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_payload_sizes(name):
     c = codec(name)
     x = hidden(2, s=5, h=64, massive=False)  # no sink rows
     t = c.encode(x)
     assert len(t.data) == c.payload_bytes(5, 64) <= c.max_payload_bytes(5, 64)
-    if name in C.CALIBRATED_CODECS:
+    if name in C.OUTLIER_CODECS:
         xs = x.copy()
         xs[:, 0] = 1000.0  # every row a sink
         assert len(c.encode(xs).data) == c.max_payload_bytes(5, 64)
@@ -169,7 +170,7 @@ def test_bf16_rounds_to_nearest_even():
     assert list(y[0]) == [1.0, 1.0 + 4 * 2**-8, 1.0]
 
 
-@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_encode_refuses_nan_inf(name, bad):
     x = hidden()
@@ -179,7 +180,7 @@ def test_encode_refuses_nan_inf(name, bad):
     assert e.value.code == "bad_tensor"
 
 
-@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_decode_refuses_wrong_size_and_wrong_codec(name):
     c = codec(name)
     t = c.encode(hidden(3))
@@ -252,7 +253,7 @@ def test_decode_refuses_unused_codes_and_padding():
         co.decode(P.EncodedTensor(codec="int8-outlier", shape=(3, 64), data=bytes(data)))
 
 
-@pytest.mark.parametrize("name", C.CODEC_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.binary(max_size=600), s=st.integers(0, 4), h=st.integers(41, 80), z=st.booleans())
 def test_random_payloads_decode_or_refuse(name, data, s, h, z):
@@ -290,7 +291,7 @@ def test_outlier_codec_parameters_are_checked():
 
 def test_available_codecs_without_calibration():
     assert set(C.available_codecs()) == set(C.CODEC_NAMES) - set(C.CALIBRATED_CODECS)
-    assert set(C.available_codecs(CALIB)) == set(C.CODEC_NAMES)
+    assert set(C.available_codecs(CALIB)) == set(NAMES)
 
 
 def test_hadamard_is_orthonormal_and_symmetric():

@@ -36,7 +36,7 @@ def test_private_never_sends_raw_input_and_restricts_drafts_and_keys():
     for name in PROFILES:
         d = choose_mode(AGENT, "private", _link(name), EVERYTHING)
         assert d.mode in ("split", "edge-only") and "all-cloud" not in d.estimates_s
-        assert d.drafts_from_outputs_only and d.secret_prefix_keys
+        assert d.secret_prefix_keys and d.drafts_from_outputs_only == (d.mode == "split")
     with pytest.raises(ExecModeError, match="privacy level private"):
         choose_mode(AGENT, "private", _link("wifi"), EVERYTHING, override="all-cloud")
 
@@ -48,6 +48,32 @@ def test_output_private_needs_the_whole_model_or_u_shape():
         choose_mode(CHAT, "output-private", _link("wifi"), Deployment(all_cloud=True))
     with pytest.raises(ExecModeError):
         choose_mode(CHAT, "output-private", _link("wifi"), EVERYTHING, override="split")
+
+
+def test_output_private_runs_u_shape_on_a_bundle_with_a_tail():
+    tail = Deployment(split=False, u_shape=True, boundary_bytes_per_token=2 * 576)
+    for name in PROFILES:
+        d = choose_mode(CHAT, "output-private", _link(name), tail)
+        assert d.mode == "u-shape" and "output-private: u-shape" in d.reason and set(d.estimates_s) == {"u-shape"}
+        assert not d.drafts_from_outputs_only  # u-shape sends no draft id at all
+    # with the whole model on the phone too, the estimates decide; the reason names both
+    d = choose_mode(CHAT, "output-private", _link("5g"), Deployment(split=False, u_shape=True, edge_only=True))
+    assert d.mode == "u-shape" and "edge-only" in d.reason
+    # a tail bundle's cloud never samples: no split, even when the level would allow it
+    assert choose_mode(CHAT, "standard", _link("4g"), tail).mode == "u-shape"
+    with pytest.raises(ExecModeError, match="not available"):
+        choose_mode(CHAT, "standard", _link("4g"), tail, override="split")
+
+
+def test_u_shape_costs_the_downlink_and_the_tail():
+    split, u = Deployment(u_shape=True), Deployment(u_shape=True, edge_tail_token_s=0.0, edge_tail_prefill_token_s=0.0)
+    slow_down = LinkState(rtt_ms=60.0, up_kbps=6300.0, down_kbps=500.0)
+    assert estimate_s("u-shape", CHAT, _link("4g"), split) > estimate_s("split", CHAT, _link("4g"), split)
+    assert estimate_s("u-shape", CHAT, slow_down, u) > estimate_s("u-shape", CHAT, _link("4g"), u)
+    # no cloud prefix cache in u-shape: cached prompt tokens still cost their rows up and down
+    cached = RequestShape(prompt_tokens=900, max_tokens=40, cached_tokens=640)
+    assert (estimate_s("u-shape", AGENT, _link("4g"), u) - estimate_s("u-shape", cached, _link("4g"), u)
+            < estimate_s("split", AGENT, _link("4g"), u) - estimate_s("split", cached, _link("4g"), u))
 
 
 def test_link_down_keeps_the_request_on_the_phone():

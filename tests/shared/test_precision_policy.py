@@ -16,6 +16,7 @@ from shared.precision import (
     PrecisionPolicy,
     RequestFeatures,
     choose_precision,
+    step_codec,
 )
 
 ALL = C.CODEC_NAMES
@@ -102,6 +103,35 @@ def test_bad_features_and_policies():
         PrecisionPolicy(compact_codec="int2")
 
 
+def steps(tokens, **kw):
+    codecs = kw.get("codecs", ALL)
+    policy = kw.pop("policy", DEFAULT)
+    p = choose_precision(RequestFeatures(prompt_tokens=tokens, link_kbps=kw.get("link_kbps")), kw.get("override"),
+                         codecs, COMPUTE_VARIANTS, policy)
+    return p, step_codec(p, kw.get("override"), codecs, policy)
+
+
+DEFAULT = PrecisionPolicy()
+
+
+def test_decode_steps_travel_lossless_while_the_prompt_keeps_the_plan_codec():
+    p, s = steps(50)
+    assert (p.codec, s) == ("int8-outlier", "fp16") and "steps fp16" in p.reason
+    p, s = steps(50, codecs=("int8-outlier", "int8-b32"))  # no fp16 negotiated: the prompt's codec
+    assert s == p.codec == "int8-outlier" and "steps" not in p.reason
+    p, s = steps(50, policy=PrecisionPolicy(step_codecs=()))
+    assert s == p.codec == "int8-outlier"
+
+
+def test_a_pinned_codec_or_a_slow_link_keeps_one_codec_for_every_message():
+    assert steps(50, override="int8-b32")[1] == "int8-b32"
+    assert steps(50, override={"compute": "fp32"})[1] == "fp16"  # a compute override leaves the codec to the policy
+    p, s = steps(2000, link_kbps=10_000)
+    assert p.codec == s == "int4-outlier"
+    with pytest.raises(ValueError):
+        PrecisionPolicy(step_codecs=("fp8",))
+
+
 @settings(max_examples=300, deadline=None)
 @given(tokens=st.integers(0, 1 << 20), images=st.integers(0, 3), audio=st.integers(0, 2),
        link=st.none() | st.floats(1, 1e7), load=st.floats(0, 1),
@@ -112,3 +142,4 @@ def test_always_a_valid_available_plan(tokens, images, audio, link, load, codecs
     p = choose_precision(f, None, codecs, compute)
     assert p.codec in codecs and p.compute in compute
     assert p == choose_precision(f, None, codecs, compute)  # pure
+    assert step_codec(p, None, codecs) in codecs

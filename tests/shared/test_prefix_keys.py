@@ -9,10 +9,13 @@ import numpy as np
 
 from shared.prefix_keys import (
     PUBLIC_TENANT,
+    SHARED_SCOPE,
     KeyScope,
     block_keys,
     chain_key,
     content_digests,
+    is_shared,
+    shared_fallback,
     tenant_of,
     tenant_scoped,
 )
@@ -63,3 +66,12 @@ def test_tenants_are_digests_of_the_token():
     assert a != b and a == tenant_of("Bearer sk-a") and "sk-a" not in a
     assert tenant_of(None) == tenant_of("") == tenant_of("Basic xyz") == PUBLIC_TENANT
     assert tenant_scoped(a, "k") != tenant_scoped(b, "k")
+
+
+def test_a_tenants_key_falls_back_to_the_shared_scope_which_no_tenant_name_reaches():
+    a = tenant_of("Bearer sk-a")
+    assert shared_fallback(tenant_scoped(a, "k")) == tenant_scoped(SHARED_SCOPE, "k")
+    assert shared_fallback(tenant_scoped("tenant:acme", "k")) == tenant_scoped(SHARED_SCOPE, "k")
+    assert shared_fallback(tenant_scoped(SHARED_SCOPE, "k")) is None and shared_fallback("k") is None
+    assert is_shared(tenant_scoped(SHARED_SCOPE, "k")) and not is_shared(tenant_scoped(a, "k"))
+    assert SHARED_SCOPE not in {a, PUBLIC_TENANT, tenant_of("Bearer shared")}

@@ -22,7 +22,7 @@ def test_every_message_round_trips(msg):
 
 def test_every_message_type_is_covered():
     assert {cls.__name__ for cls in P.MESSAGE_TYPES.values()} == {
-        "Hello", "Welcome", "Prefill", "DecodeStep", "SpecStep", "Tokens", "Cancel", "Resume", "Resumed", "Error",
+        "Hello", "Welcome", "Prefill", "DecodeStep", "SpecStep", "StatesStep", "States", "Tokens", "Cancel", "Resume", "Resumed", "Error",
         "Drain", "Close"}
     assert len(set(P.MESSAGE_TYPES)) == len(P.MESSAGE_TYPES)
 

@@ -87,6 +87,20 @@ def test_positions_limits_and_codecs():
     refused(s, P.Prefill(request_id="r1", start=6, hidden=t), "codec_not_negotiated")
 
 
+def test_a_prompt_over_max_prompt_tokens_is_prompt_too_long_and_generation_may_go_beyond():
+    s = ready(max_context=20, max_prompt_tokens=8, max_prefill_chunk_tokens=10)
+    refused(s, prefill(rid="one", n=9), "prompt_too_long")  # in its first Prefill
+    s.on_client(prefill(rid="two", n=6, last=False))
+    refused(s, prefill(rid="two", start=6, n=3, params=False), "prompt_too_long")  # the chunk that crosses it
+    s.on_client(prefill(rid="ok", n=6, last=False))
+    s.on_client(prefill(rid="ok", start=6, n=2, params=False))  # exactly max_prompt_tokens
+    for i in range(4):  # the answer may run on past it, up to max_context
+        s.on_server(P.Tokens(request_id="ok", index=i, token_ids=[5]))
+        s.on_client(P.DecodeStep(request_id="ok", position=8 + i, hidden=hidden(1)))
+    assert P.SessionLimits(max_context=20).prompt_limit == 20  # 0: max_context bounds the prompt
+    assert P.SessionLimits(max_context=20, max_prompt_tokens=8).prompt_limit == 8
+
+
 def test_resume_and_reconnect():
     s = ready()
     s.on_client(prefill())

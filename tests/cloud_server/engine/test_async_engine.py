@@ -35,7 +35,8 @@ def _collect(q: queue.Queue, until, timeout=20.0):
     raise AssertionError(f"timed out; got {got}")
 
 
-def test_outputs_reach_their_sinks_and_decode_steps_come_back(engine):
+@pytest.mark.parametrize("as_one_command", [False, True])  # add_input per step, or add_inputs for all
+def test_outputs_reach_their_sinks_and_decode_steps_come_back(engine, as_one_command):
     ae = AsyncEngine(engine).start()
     try:
         q: queue.Queue = queue.Queue()
@@ -43,8 +44,14 @@ def test_outputs_reach_their_sinks_and_decode_steps_come_back(engine):
                                                                                            ignore_eos=True))
         [first] = _collect(q, lambda g: len(g) == 1)
         assert first.token_id is not None and not first.finished
-        ae.add_input("a", InputChunk(5, hidden=torch.randn(1, 64)))
-        ae.add_input("a", InputChunk(6, hidden=torch.randn(1, 64)))  # arrives before it is due: still fine
+        steps = [("a", InputChunk(5, hidden=torch.randn(1, 64))),
+                 ("a", InputChunk(6, hidden=torch.randn(1, 64))),  # arrives before it is due: still fine
+                 ("nobody", InputChunk(0, hidden=torch.randn(1, 64)))]  # unknown: refused, the others go on
+        if as_one_command:
+            ae.add_inputs(steps)
+        else:
+            for rid, chunk in steps:
+                ae.add_input(rid, chunk)
         rest = _collect(q, lambda g: g[-1].finished)
         assert [o.finish_reason for o in rest] == [None, "length"]
         assert ae.call(lambda e: e.num_used_blocks()).result(5) == 0
@@ -99,3 +106,64 @@ def test_the_idle_hook_runs_on_the_engine_thread_when_nothing_happens(engine):
     finally:
         ae.shutdown()
     assert len(calls) >= 2 and set(calls) == {"autoglm-engine"}  # e.g. the tensor-parallel heartbeat
+
+
+def _slow_steps(engine, step_s: float) -> list[int]:
+    """Make every forward pass take ``step_s`` (a slow device) and record its batch sizes (sequences)."""
+    runner = engine.runners["fp32"]
+    run, sizes = runner.run, []
+
+    def slow(batch):
+        sizes.append(len(batch.query_lens))
+        time.sleep(step_s)
+        return run(batch)
+
+    runner.run = slow
+    return sizes
+
+
+def _two_decoding(ae, q) -> None:
+    """Requests a and b, each with its first token delivered (both now await their next input)."""
+    params = SamplingParams(0.0, max_tokens=2, ignore_eos=True)
+    for rid in ("a", "b"):
+        ae.add_request(rid, q.put, InputChunk(0, hidden=torch.randn(3, 64)), params)
+    _collect(q, lambda g: {o.request_id for o in g if o.token_id is not None} == {"a", "b"})
+
+
+@pytest.mark.parametrize("gather_max_s, steps_after", [(2.0, [2]), (0.0, [1, 1])])
+def test_a_step_waits_for_the_awaited_inputs_of_its_decode_cohort_unless_the_window_is_off(engine, gather_max_s,
+                                                                                            steps_after):
+    sizes = _slow_steps(engine, 0.2)
+    ae = AsyncEngine(engine, gather_max_s=gather_max_s).start()  # the window: the recent step time (~0.2 s)
+    try:
+        q: queue.Queue = queue.Queue()
+        _two_decoding(ae, q)
+        before = len(sizes)
+        ae.add_inputs([("a", InputChunk(3, hidden=torch.randn(1, 64)))])
+        time.sleep(0.05)  # b's input is on its way: the step waits for it instead of running a alone
+        ae.add_input("b", InputChunk(3, hidden=torch.randn(1, 64)))
+        _collect(q, lambda g: sum(o.finished for o in g) == 2)
+        assert sizes[before:] == steps_after
+    finally:
+        ae.shutdown()
+
+
+def test_an_input_that_does_not_come_holds_one_step_for_at_most_the_window(engine):
+    sizes = _slow_steps(engine, 0.1)
+    ae = AsyncEngine(engine, gather_max_s=0.05).start()
+    try:
+        q: queue.Queue = queue.Queue()
+        _two_decoding(ae, q)
+        before = len(sizes)
+        t0 = time.monotonic()
+        ae.add_input("a", InputChunk(3, hidden=torch.randn(1, 64)))  # b never sends
+        [done] = _collect(q, lambda g: any(o.finished for o in g))
+        assert done.request_id == "a" and sizes[before:] == [1]
+        assert time.monotonic() - t0 < 0.05 + 0.1 + 1.0  # the window, one step, slack for a busy host
+    finally:
+        ae.shutdown()
+
+
+def test_a_negative_gather_window_is_refused(engine):
+    with pytest.raises(ValueError, match="gather_max_s"):
+        AsyncEngine(engine, gather_max_s=-1.0)

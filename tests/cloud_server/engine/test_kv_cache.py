@@ -31,12 +31,18 @@ def test_allocate_grow_release():
     bm.check()
 
 
+def _published(num_blocks: int, block_size: int, tokens: int, keys: dict[int, str]):
+    """A block manager holding one sequence of ``tokens`` tokens whose blocks ``keys`` names are published."""
+    bm = BlockManager(num_blocks=num_blocks, block_size=block_size)
+    table: list[int] = []
+    bm.ensure(table, tokens)
+    for i, key in keys.items():
+        bm.publish(table[i], key)
+    return bm, table
+
+
 def test_prefix_blocks_are_shared_and_stay_cached_after_release():
-    bm = BlockManager(num_blocks=4, block_size=4)
-    a: list[int] = []
-    bm.ensure(a, 8)
-    bm.publish(a[0], "k0")
-    bm.publish(a[1], "k1")
+    bm, a = _published(4, 4, 8, {0: "k0", 1: "k1"})
     hit = bm.lookup(["k0", "k1", "k2"])
     assert hit == a
     bm.acquire(hit, queried=3)
@@ -52,21 +58,13 @@ def test_prefix_blocks_are_shared_and_stay_cached_after_release():
 
 
 def test_lookup_stops_at_the_first_unknown_key():
-    bm = BlockManager(num_blocks=4, block_size=2)
-    t: list[int] = []
-    bm.ensure(t, 6)
-    bm.publish(t[0], "a")
-    bm.publish(t[2], "c")
+    bm, t = _published(4, 2, 6, {0: "a", 2: "c"})
     assert bm.lookup(["a", "b", "c"]) == [t[0]]
     assert bm.lookup(["x", "a"]) == []
 
 
 def test_cached_blocks_are_evicted_lru_only_when_the_free_list_is_empty():
-    bm = BlockManager(num_blocks=3, block_size=1)
-    t: list[int] = []
-    bm.ensure(t, 2)
-    bm.publish(t[0], "old")
-    bm.publish(t[1], "new")
+    bm, t = _published(3, 1, 2, {0: "old", 1: "new"})
     first, second = t
     bm.release([first])
     bm.release([second])  # released after: more recently used
@@ -123,3 +121,22 @@ def test_accounting_returns_to_zero_after_any_sequence_of_operations(ops):
         bm.release(t)
     bm.check()
     assert bm.num_used_blocks == 0
+
+
+def test_a_tenants_lookup_falls_back_to_the_shared_scope_whose_blocks_are_evicted_last():
+    bm = BlockManager(num_blocks=3, block_size=1)
+    t: list[int] = []
+    bm.ensure(t, 3)
+    bm.publish(t[0], "shared/sys")  # the operator's
+    bm.publish(t[1], "tenant:a/own")
+    bm.publish(t[2], "tenant:a/sys")  # tenant a's own copy shadows the shared one for a only
+    assert bm.lookup(["tenant:b/sys", "tenant:b/own"]) == [t[0]]  # b: the shared block, never a's
+    assert bm.lookup(["tenant:a/sys", "tenant:a/own"]) == [t[2], t[1]]
+    assert bm.lookup(["shared/own"]) == []  # the shared scope falls back to nothing
+    shared, *rest = t
+    bm.release([shared])  # released first: the least recently used ...
+    bm.release(list(rest))
+    assert bm.allocate(2) == rest  # ... yet the tenants' cached blocks go first
+    assert bm.lookup(["tenant:b/sys"]) == [shared]
+    assert bm.allocate(1) == [shared] and bm.lookup(["tenant:b/sys"]) == []  # then the shared one
+    bm.check()

@@ -178,7 +178,7 @@ def test_max_tokens_stop_ids_and_seeded_sampling(tiny_bundle):
 
 
 def test_int8_variant_batches_with_its_own_kind(tiny_bundle):
-    cfg = EngineConfig(num_blocks=64, block_size=4, variants=("fp32", "int8"))
+    cfg = EngineConfig(num_blocks=64, block_size=4, variants=("fp32", "int8"), async_scheduling=False)
     models = {v: load_split_model(tiny_bundle, v) for v in cfg.resolved_variants()}
     eng = LLMEngine.from_models(cfg, models)
     assert eng.resolve_variant("int8") == "int8" and eng.resolve_variant("bf16") == "fp32"
@@ -198,7 +198,7 @@ def test_int8_variant_batches_with_its_own_kind(tiny_bundle):
 @pytest.mark.parametrize("n", [1, 3])
 def test_same_tokens_whatever_the_batch(tiny_bundle, n):
     """Batch invariance: a sequence's logits are bitwise the same alone or batched (CPU attention path)."""
-    eng = _engine(tiny_bundle)
+    eng = _engine(tiny_bundle, async_scheduling=False)  # one step() call, one step's outputs
     g = torch.Generator().manual_seed(5)
     target = torch.randn(9, 64, generator=g)
     others = [torch.randn(int(k), 64, generator=g) for k in torch.randint(2, 12, (n,), generator=g)]
@@ -210,3 +210,44 @@ def test_same_tokens_whatever_the_batch(tiny_bundle, n):
     batched = next(o for o in eng.step() if o.request_id == "t")
     assert batched.token_id == alone.token_id
     assert abs(batched.logprob - alone.logprob) < 1e-5
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_overlap_scheduling_gives_the_synchronous_outputs(tiny_bundle, sampled):
+    """async_scheduling on and off: the same tokens (greedy, and seeded sampling), with staggered phones,
+    prompts split into chunks by a small token budget, and the pool released at the end."""
+    prompts = _prompts(6, 512, seed=7, lo=10, hi=30)
+
+    def params(p):
+        i = int(p.name[1:])
+        if not sampled:
+            return SamplingParams(temperature=0.0, max_tokens=p.max_tokens)
+        return SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=i, max_tokens=p.max_tokens)
+
+    runs = {}
+    for overlap in (False, True):
+        eng = _engine(tiny_bundle, max_num_batched_tokens=16, max_num_seqs=4, async_scheduling=overlap)
+        phones = [Phone(f"p{i}", pr, edge_front(tiny_bundle), max_tokens=9, arrive=2 * i, delay=i % 3)
+                  for i, pr in enumerate(prompts)]
+        drive(eng, phones, params=params)
+        runs[overlap] = [(p.tokens, p.finish) for p in phones]
+        assert eng.num_used_blocks() == 0 and not eng.has_work()
+        for bm in eng.block_managers.values():
+            bm.check()
+    assert runs[True] == runs[False]
+    assert all(len(t) == 9 for t, _ in runs[True])
+
+
+def test_a_request_aborted_while_its_step_is_in_flight_gets_no_token(tiny_bundle):
+    eng = _engine(tiny_bundle)
+    assert eng.config.async_scheduling
+    eng.add_request("a", InputChunk(0, hidden=torch.randn(6, 64)), SamplingParams(0.0, max_tokens=4))
+    eng.add_request("b", InputChunk(0, hidden=torch.randn(5, 64)), SamplingParams(0.0, max_tokens=4))
+    assert eng.step() == [] and eng.has_in_flight()  # launched, not postprocessed
+    [aborted] = eng.abort("a")
+    assert aborted.finish_reason == "abort" and aborted.token_id is None
+    outs = eng.step()  # nothing new to launch: the in-flight step is postprocessed now
+    assert [(o.request_id, o.token_id is not None) for o in outs] == [("b", True)]
+    assert not eng.has_in_flight() and "a" not in eng.seqs
+    eng.abort("b")
+    assert eng.num_used_blocks() == 0

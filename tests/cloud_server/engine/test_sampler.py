@@ -1,4 +1,4 @@
-"""Sampling: greedy, truncation, seeds independent of the batch, logprobs, parameter validation."""
+"""Sampling: greedy, truncation, seeds independent of the batch and replayable, logprobs, parameter validation."""
 
 from __future__ import annotations
 
@@ -7,13 +7,22 @@ import math
 import pytest
 import torch
 
-from cloud_server.engine.sampler import Sampler, _filtered
+import cloud_server.engine.sampler as sampler_module
+from cloud_server.engine.sampler import (
+    TRIES,
+    Sampler,
+    _filtered,
+    filtered_logits,
+    sample_rows,
+    sample_top_p,
+    uniform_of,
+)
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 def test_greedy_is_argmax_with_lowest_id_on_ties():
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 0.0, 0.0, 0.0]])
-    out = Sampler(0)(logits, [SamplingParams(0.0)] * 2, [None, None])
+    out = Sampler(0)(logits, [SamplingParams(0.0)] * 2, [0, 0])
     assert [o.token_id for o in out] == [1, 0]
 
 
@@ -35,30 +44,73 @@ def test_seeded_requests_do_not_depend_on_their_batch():
     params = SamplingParams(1.0, seed=42)
 
     def tokens(rows, n=20):
-        gens = [torch.Generator().manual_seed(42)]
-        out = []
-        for _ in range(n):
-            others = [SamplingParams(1.0)] * (len(rows) - 1)
-            out.append(sampler(logits[rows], [params, *others], gens + [None] * len(others))[0].token_id)
-        return out
+        others = [SamplingParams(0.7, top_p=0.9)] * (len(rows) - 1)
+        return [sampler(logits[rows], [params, *others], [pos] * len(rows))[0].token_id for pos in range(n)]
 
     assert tokens([0]) == tokens([0, 1, 2])
     assert len(set(tokens([0]))) > 1  # really sampling
+
+
+def test_a_seeded_request_replays_the_same_tokens_from_any_point():
+    """The noise of a position depends on (seed, position) only: a resume that replays positions 5.. draws
+    what the original run drew there, whichever sampler (a fresh one: another replica) does it."""
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(3))
+    p = SamplingParams(0.8, top_k=50, top_p=0.95, seed=11)
+    first = [Sampler(1)(logits, [p], [pos])[0].token_id for pos in range(20)]
+    again = [Sampler(2)(logits, [p], [pos])[0].token_id for pos in range(5, 20)]
+    assert again == first[5:] and len(set(first)) > 3
+    other = [Sampler(1)(logits, [SamplingParams(0.8, top_k=50, top_p=0.95, seed=12)], [pos])[0].token_id
+             for pos in range(20)]
+    assert other != first
+
+
+def test_seeded_uniforms_are_uniform_and_independent_of_each_other():
+    u = torch.tensor([[uniform_of(seed, pos) for pos in range(4000)] for seed in (1, 2)])  # [2, 4000]
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.02 and abs(float(u.var()) - 1 / 12) < 0.005
+    assert abs(float(torch.corrcoef(u)[0, 1])) < 0.05  # two seeds
+    assert abs(float(torch.corrcoef(torch.stack([u[0, :-1], u[0, 1:]]))[0, 1])) < 0.05  # neighbouring positions
+
+
+def test_inverse_cdf_sampling_never_picks_an_excluded_token():
+    x = torch.tensor([[float("-inf"), 1.0, float("-inf"), 1.0, float("-inf")]] * 3)
+    ids = sample_rows(x, torch.tensor([1e-7, 0.6, 1.0]))
+    assert ids.tolist() == [1, 3, 3]
+
+
+def test_batched_truncation_applies_each_rows_own_parameters():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0]] * 3)
+    x = filtered_logits(logits, torch.tensor([1.0, 1.0, 2.0]), torch.tensor([2, 0, 0]),
+                        torch.tensor([1.0, 0.5, 1.0]), 2, True)
+    assert torch.isinf(x[0, 2:]).all() and torch.isfinite(x[0, :2]).all()  # top-k 2
+    assert torch.isfinite(x[1]).tolist() == [True, False, False, False]  # top-p 0.5: the first token has 0.64
+    assert torch.equal(x[2], logits[2] / 2)  # temperature only
 
 
 def test_temperature_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     s = Sampler(0)
     counts = torch.zeros(3)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(2000):
-        counts[s(logits, [SamplingParams(1.0)], [gen])[0].token_id] += 1
+    for pos in range(2000):
+        counts[s(logits, [SamplingParams(1.0, seed=1)], [pos])[0].token_id] += 1
     assert torch.allclose(counts / 2000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+    counts.zero_()
+    for _ in range(2000):  # unseeded: fresh keys every draw
+        counts[s(logits, [SamplingParams(1.0)], [0])[0].token_id] += 1
+    assert torch.allclose(counts / 2000, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+
+
+def test_a_mixed_batch_samples_greedy_rows_by_argmax():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(0.0), SamplingParams(1.5), SamplingParams(0.0, logprobs=1), SamplingParams(1.0, seed=3)]
+    out = Sampler(0)(logits, params, [9] * 4)
+    assert out[0].token_id == int(logits[0].argmax()) and out[2].token_id == int(logits[2].argmax())
+    assert out[2].logprob is not None and out[0].logprob is None and len(out[2].top_logprobs) == 1
 
 
 def test_logprobs_are_the_raw_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0]])
-    [o] = Sampler(0)(logits, [SamplingParams(0.0, logprobs=2)], [None])
+    [o] = Sampler(0)(logits, [SamplingParams(0.0, logprobs=2)], [0])
     lp = torch.log_softmax(logits[0], -1)
     assert o.token_id == 0 and math.isclose(o.logprob, float(lp[0]), rel_tol=1e-6)
     assert [t for t, _ in o.top_logprobs] == [0, 1]
@@ -76,6 +128,40 @@ def test_all_greedy_batch_takes_the_device_argmax_path_with_the_same_tokens():
     # ties included: mixing in one logprobs request forces the per-row path for the same rows.
     logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 3.0, 3.0, 0.0], [-1.0, -2.0, -0.5, -0.5]])
     greedy = [SamplingParams(temperature=0.0) for _ in range(3)]
-    fast = Sampler(0)(logits, greedy, [None] * 3)
-    slow = Sampler(0)(logits, greedy[:2] + [SamplingParams(temperature=0.0, logprobs=0)], [None] * 3)
+    fast = Sampler(0)(logits, greedy, [0] * 3)
+    slow = Sampler(0)(logits, greedy[:2] + [SamplingParams(temperature=0.0, logprobs=0)], [0] * 3)
     assert [t.token_id for t in fast] == [t.token_id for t in slow] == [1, 0, 2]
+
+
+def test_top_p_rejection_sampling_keeps_exactly_the_sorted_cut():
+    """A try is accepted iff the sorted cut of filtered_logits keeps its token; the kept draws follow the
+    top-p distribution."""
+    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(7)) * 2  # [S, V]
+    top_p = torch.tensor([0.6, 1.0])
+    kept = torch.isfinite(filtered_logits(x, torch.ones(2), torch.zeros(2, dtype=torch.long), top_p, 0, True))
+    u = torch.rand(2, 4000, generator=torch.Generator().manual_seed(1)).double().clamp(1e-7, 1 - 1e-7)
+    counts = torch.zeros(2, 40)
+    for i in range(0, 4000, TRIES):
+        ids, missed = sample_top_p(x, top_p, u[:, i:i + TRIES].float())
+        assert kept.gather(1, ids[:, None]).all() and not missed[1]
+        counts[torch.arange(2)[~missed], ids[~missed]] += 1
+    want = torch.softmax(x.masked_fill(~kept, float("-inf")), -1)
+    assert torch.allclose(counts / counts.sum(-1, keepdim=True), want, atol=0.04)
+
+
+def test_a_row_that_rejects_every_try_is_redrawn_from_the_sorted_cut(monkeypatch):
+    v = 1000
+    logits = torch.zeros(2, v)  # row 0: 0.5 of the mass on token 3, the rest flat; top-p 0.5: only token 3
+    logits[0, 3] = math.log(v - 1)
+    logits[1, 7] = 30.0
+    params = [SamplingParams(1.0, top_p=0.5, seed=5), SamplingParams(1.0, top_p=0.9, seed=6)]
+    u = torch.tensor([[0.99] * TRIES, [0.5] * TRIES])  # row 0: every try lands in the flat tail
+    ids, missed = sample_top_p(logits, torch.tensor([0.5, 0.9]), u)
+    assert missed.tolist() == [True, False] and int(ids[1]) == 7
+    for pos in range(30):  # whatever the tries, the answer is token 3 (redrawn when all of them missed)
+        out = Sampler(0)(logits, params, [pos, pos])
+        assert [o.token_id for o in out] == [3, 7]
+    monkeypatch.setattr(sampler_module, "uniform_of", lambda seed, pos, draw=0: 0.99)  # every try misses
+    pending = Sampler(0).launch(logits, params, [0, 0])
+    assert pending._short.tolist() == [True, False]
+    assert [o.token_id for o in pending.result()] == [3, 7]

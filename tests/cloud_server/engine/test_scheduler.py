@@ -124,3 +124,27 @@ def test_too_long_prompts_are_refused():
         s.add(_seq("a"), InputChunk(0, hidden=_h(101)))
     with pytest.raises(RequestError, match="more KV blocks than the pool holds"):
         s.add(_seq("b"), InputChunk(0, hidden=_h(17)))
+
+
+@pytest.mark.parametrize("cap", [0, 6])
+def test_prompt_chunks_are_capped_while_a_sequence_decodes(cap):
+    """A long prompt arriving while another sequence decodes runs at most ``prefill_chunk_while_decoding``
+    positions per step (0: the whole budget); with nobody decoding it takes the whole budget."""
+    s = _sched(max_num_batched_tokens=32, max_num_seqs=8, prefill_chunk_while_decoding=cap)
+    alone = _seq("alone")
+    s.add(alone, InputChunk(0, hidden=_h(40)))
+    [b], _ = s.schedule()
+    assert [it.chunk.n for it in b.items] == [32]  # no decoder: the budget
+    s.remove(alone, "abort")
+    d, long = _seq("d"), _seq("long")
+    s.add(d, InputChunk(0, hidden=_h(3)))
+    [b], _ = s.schedule()
+    _run(s, [b])
+    d.update_from_output(3, token=5)  # d is decoding now
+    d.push(InputChunk(3, hidden=_h(1)))
+    s.add(long, InputChunk(0, hidden=_h(40)))
+    [b], _ = s.schedule()
+    assert [(it.seq.request_id, it.chunk.n) for it in b.items] == [("d", 1), ("long", 6 if cap else 31)]
+    _run(s, [b])
+    [b], _ = s.schedule()  # d awaits its next input; the prompt still gets only its share
+    assert [(it.seq.request_id, it.chunk.n) for it in b.items] == [("long", 6 if cap else 9)]

@@ -121,7 +121,7 @@ def test_speculative_step_batches_with_a_plain_request(tiny_bundle, tiny_lm):
     g = torch.Generator().manual_seed(5)
     pa, pb = (torch.randint(4, 512, (9,), generator=g).tolist() for _ in range(2))
     ref_a, ref_b = (greedy_reference(tiny_lm.model, p, 6, []) for p in (pa, pb))
-    eng = _engine(tiny_bundle)
+    eng = _engine(tiny_bundle, async_scheduling=False)  # one step() call, one step's outputs
     fa, fb = edge_front(tiny_bundle), edge_front(tiny_bundle)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     eng.add_request("a", InputChunk(0, hidden=boundary(fa, pa)), params)
@@ -134,7 +134,7 @@ def test_speculative_step_batches_with_a_plain_request(tiny_bundle, tiny_lm):
     eng.add_input("b", InputChunk(len(pb), hidden=boundary(fb, [ref_b[0]])))
     batches, _ = eng.scheduler.schedule()  # one step by hand: both sessions in one batch
     assert len(batches) == 1 and {it.seq.request_id for it in batches[0].items} == {"a", "b"}
-    outs = {o.request_id: o for o in eng._postprocess(batches[0], eng._run(batches[0]))}
+    outs = {o.request_id: o for o in eng._postprocess(eng._launch(batches[0]))}
     assert outs["a"].token_ids == ref_a[1:5] and not outs["a"].finished  # 3 accepted drafts + the model's token
     assert outs["b"].token_ids == [ref_b[1]]
     assert eng.seqs["b"].num_computed == len(pb) + 1
@@ -144,7 +144,7 @@ def test_speculative_step_batches_with_a_plain_request(tiny_bundle, tiny_lm):
 def test_speculative_sampling_matches_plain_sampling_on_the_tiny_model(tiny_bundle):
     """Chi-square: the first token after a speculative step's fed token, drafted by a fixed token, is
     distributed as plain sampling's (the same logits row, computed by the engine)."""
-    eng = _engine(tiny_bundle, num_blocks=64)
+    eng = _engine(tiny_bundle, num_blocks=64, async_scheduling=False)
     front = edge_front(tiny_bundle)
     prompt = torch.randint(4, 512, (7,), generator=torch.Generator().manual_seed(9)).tolist()
     params = SamplingParams(temperature=1.3, top_k=12, max_tokens=3, ignore_eos=True, seed=1)

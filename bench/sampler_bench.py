@@ -1,0 +1,69 @@
+"""Time of one sampling step (temperature 0.7, top-p 0.9) over S rows of a GLM-sized vocabulary: the
+whole-vocabulary sort (``filtered_logits`` + ``sample_rows``: the sampler before, now its rare fallback) vs
+the rejection sampler (``sample_top_p``: TRIES draws, the first inside the nucleus), on this machine's CPU (or
+``--device cuda``). Two logit spreads: a peaked, LM-like one and the flat one of a random-weight model.
+
+Usage::
+
+    python bench/sampler_bench.py                       # S = 64, V = 151,552, prints one JSON line
+    python bench/sampler_bench.py --rows 64 --device cuda --out /tmp/sampler.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cloud_server.engine.sampler import TRIES, filtered_logits, sample_rows, sample_top_p
+
+
+def _time_ms(fn, device: str, repeats: int) -> float:
+    fn()  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=151552)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", help="also write the record here (JSON)")
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(0)
+    s, dev = args.rows, args.device
+    temperature, top_p = torch.full((s,), 0.7, device=dev), torch.full((s,), 0.9, device=dev)
+    top_k = torch.zeros(s, dtype=torch.long, device=dev)
+    u = torch.rand(s, TRIES, generator=g).to(dev)
+    rec = {"rows": s, "vocab": args.vocab, "device": dev, "tries": TRIES, "torch_threads": torch.get_num_threads(),
+           "host": platform.machine(),
+           "command": f"python bench/sampler_bench.py --rows {s} --vocab {args.vocab} --device {dev}"}
+    for name, spread in (("peaked", 4.0), ("flat", 1.3)):
+        x = (spread * torch.randn(s, args.vocab, generator=g)).to(dev) / temperature[:, None]  # [S, V]
+        sort = _time_ms(lambda x=x: sample_rows(filtered_logits(x, temperature, top_k, top_p, 0, True), u[:, 0]),
+                        dev, args.repeats)
+        rej = _time_ms(lambda x=x: sample_top_p(x, top_p, u), dev, args.repeats)
+        rec[name] = {"logit_std": spread, "sort_ms": round(sort, 2), "rejection_ms": round(rej, 2),
+                     "speedup": round(sort / rej, 2), "rows_missed": int(sample_top_p(x, top_p, u)[1].sum())}
+    print(json.dumps(rec))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rec, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Compact KV storage: 8-bit keys and values with one scale per token and KV head.
+
+``kv_cache_dtype`` (vLLM's ``--kv-cache-dtype``) picks how the KV pool stores keys and values:
+
+* ``auto``: the compute dtype (fp32 on CPU, bf16 on CUDA), no scales;
+* ``int8``: symmetric int8, ``x ~= q * scale`` with ``scale = amax / 127`` over the head dimension;
+* ``fp8``: ``torch.float8_e4m3fn`` with ``scale = amax / 448`` (e4m3's largest finite value), so every
+  token's head vector uses the whole e4m3 range.
+
+Scales are float32, one per (token, KV head): ``head_dim + 4`` bytes per token, head and tensor instead of
+``2 * head_dim`` at bf16 (-48 % at ``head_dim`` 128). The pool stores the scales beside its blocks
+(:class:`~cloud_server.engine.kv_cache.KVCachePool`); writers call :func:`quantize`, readers :func:`dequantize`.
+This module is the one implementation of both. Reference: vLLM's fp8 KV cache (per-tensor scales there;
+per-token scales here, which need no calibration), KIVI / KVQuant (Liu et al., Hooper et al., 2024). Heads are
+stored in a Hadamard-rotated basis (:func:`rotation`) so that a channel outlier does not set a whole head's scale.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cloud_server.config import KV_CACHE_DTYPES
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+SCALE_DTYPE = torch.float32
+
+
+@functools.lru_cache(maxsize=16)  # built once per (size, device, dtype): every layer of every step asks
+def rotation(head_dim: int, device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The orthonormal Hadamard matrix [D, D] (Sylvester; symmetric, its own inverse) an 8-bit pool is stored in,
+    or None when ``head_dim`` is not a power of two (then the pool stores the plain basis).
+
+    A key or value head vector's few large channels (outliers) would set its one scale and flatten the rest to
+    a few levels; rotated, every channel carries a share of them (QuaRot, Ashkboos et al. 2024). Attention runs
+    in the rotated basis: ``(q H) . (k H) = q . k`` and ``sum p (v H) = (sum p v) H``, so only this step's
+    queries, keys, values and outputs are rotated, never the cached context."""
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        return None
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < head_dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / head_dim ** 0.5).to(device=device, dtype=dtype)
+
+
+def storage_dtype(kv_cache_dtype: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The element dtype the pool stores for ``kv_cache_dtype`` (``auto``: ``compute_dtype``)."""
+    if kv_cache_dtype == "auto":
+        return compute_dtype
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    if kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype: unknown {kv_cache_dtype!r} (choose from {', '.join(KV_CACHE_DTYPES)})")
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Storage of this dtype carries scales (int8, fp8)."""
+    return dtype in _QMAX
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, KVH, D] (any float dtype) -> (q [N, KVH, D] of ``dtype``, scale [N, KVH] float32), x ~= q * scale."""
+    qmax = _QMAX[dtype]
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp_min(1e-8) / qmax  # [N, KVH]
+    y = xf / scale[..., None]
+    if dtype == torch.int8:
+        y = y.round_().clamp_(-qmax, qmax)
+    return y.to(dtype), scale
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor seen as uint8 (same memory): index_copy_ / gathers are not implemented for float8 on every
+    device. Other dtypes are returned as they are."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [..., D] (int8, fp8 or fp8's bytes) with scale [...] -> ``dtype`` [..., D] (the inverse of :func:`quantize` up to rounding)."""
+    if q.dtype == torch.uint8:  # fp8 read through :func:`as_bytes`
+        q = q.view(torch.float8_e4m3fn)
+    return (q.float() * scale[..., None]).to(dtype)

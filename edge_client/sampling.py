@@ -1,0 +1,78 @@
+"""Sampling on the phone (u-shape: the phone holds the lm_head, so it picks the tokens): greedy, temperature,
+top-k, top-p, per-request seeds, and the speculative-sampling draws, in numpy.
+
+The distribution is the cloud sampler's (``cloud_server.engine.sampler``): logits / temperature, the tokens
+outside the top-k and the top-p mass removed, softmax; greedy is the argmax (lowest id on ties). A seeded
+request draws each token from a generator keyed by (seed, position), so a replay of the request from its
+context (after a reconnect) draws the same tokens; an unseeded one draws from fresh entropy. Speculative
+verification uses the shared rule (``shared.speculative_sampling``) through :class:`NumpyOps`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeSampler:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """logits [V] -> the sampling distribution [V] float64 (temperature, then top-k, then top-p)."""
+        x = np.asarray(logits, np.float64) / self.temperature
+        if 0 < self.top_k < x.size:
+            kth = np.partition(x, -self.top_k)[-self.top_k]
+            x = np.where(x < kth, -np.inf, x)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        if self.top_p < 1.0:
+            order = np.argsort(-p, kind="stable")
+            before = np.cumsum(p[order]) - p[order]  # mass of the better tokens
+            p[order[before >= self.top_p]] = 0.0  # keep the smallest prefix whose mass reaches top_p
+            p /= p.sum()
+        return p
+
+    def generator(self, position: int) -> np.random.Generator:
+        """The draws for the token at ``position`` (keyed by the seed, so a replay draws the same)."""
+        if self.seed is None:
+            return np.random.default_rng()
+        return np.random.default_rng([self.seed, position])
+
+    def sample(self, logits: np.ndarray, position: int) -> int:
+        """The token at ``position`` from its logits [V]."""
+        if self.greedy:
+            return int(np.argmax(logits))
+        return NumpyOps(self.generator(position)).sample(self.probs(logits), None)
+
+
+class NumpyOps:
+    """``shared.speculative_sampling.Ops`` over numpy rows."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def argmax(self, row: np.ndarray) -> int:
+        return int(np.argmax(row))
+
+    def prob(self, row: np.ndarray, token: int) -> float:
+        return float(row[token])
+
+    def uniform(self) -> float:
+        return float(self.rng.random())
+
+    def sample(self, row: np.ndarray, exclude: int | None) -> int:
+        p = np.asarray(row, np.float64)
+        if exclude is not None:
+            p = p.copy()
+            p[exclude] = 0.0
+        p = p / p.sum()
+        return int(self.rng.choice(p.size, p=p))

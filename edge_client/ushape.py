@@ -1,0 +1,171 @@
+"""The phone's side of a u-shape request: the tail turns the cloud's middle states into logits, the phone samples.
+
+A bundle split with ``--tail M`` keeps layers [0, N) *and* [L - M, L) + norm + lm_head on the phone; the cloud
+runs the middle and returns hidden states (``States``), never a token: no token id of the output crosses the
+link (docs/protocol.md, "U-shape")::
+
+    Prefill(return_states, start=0, front states [0, n)) ...   <- States(start=0, middle states [0, n)) ...
+    the tail over every prompt position (its own KV); the last row's logits -> sample t0 (on the phone)
+    StatesStep(position=L, front(t0))                          <- States(start=L, [1, H]) -> tail -> t1 ...
+    ... until a stop token, max_tokens or a stop string: Cancel (the phone alone knows when to stop)
+
+Speculation (``speculate``): the phone drafts k tokens (``edge_client.drafting``), runs the last token and the
+drafts through the front as one chunk and sends one StatesStep of k + 1 rows (no draft id leaves the phone);
+the cloud's k + 1 middle states come back, the tail turns them into k + 1 logits rows and the phone verifies
+them with the shared rule (``shared.speculative_sampling``: greedy output equals plain decoding, sampled output
+keeps the model's distribution). The front and the tail truncate their KV past the first rejected draft; the
+next StatesStep starts there, which rolls the cloud's KV back in the same message.
+
+Costs against split: the downlink carries a hidden row per position (prompt positions included) instead of a
+token id; the phone runs the tail (and the lm_head) per token; there is no cloud prefix cache (a cached
+block's middle states would not come back, and the tail needs every position's KV). A dropped link replays the
+request from the record (the cloud never resumes a u-shape request): the front states go up again, the cloud
+returns the middle states of the whole context, and the tail skips the positions it already holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from shared import protocol as P
+from shared.speculative_sampling import accept_drafts
+from shared.tensors import WireArray
+
+from .errors import EdgeClientError
+from .sampling import EdgeSampler, NumpyOps
+from .tail import TailRuntime
+
+
+class UShape:
+    """The u-shape token loop of one :class:`edge_client.generation.Session` (module docstring)."""
+
+    def __init__(self, session, tail: TailRuntime):
+        self.session = session
+        self.tail = tail
+
+    async def tokens(self, req, stats) -> AsyncIterator[int]:
+        """Yield the request's tokens in order (sampled here); drives the steps, verification and recovery."""
+        from .generation import _compute  # generation imports this module
+
+        s, tail = self.session, self.tail
+        spec = req.spec
+        sampler = EdgeSampler(spec.temperature, spec.top_p, spec.top_k, spec.seed)
+        stops = set(s.manifest.eos_token_ids)
+        tail.reset()
+        t_tail0 = tail.stats.seconds
+        try:
+            while req.finish is None:
+                msg = await s._next_message(req, stats)
+                if isinstance(msg, P.Error):
+                    raise EdgeClientError(f"cloud error {msg.code}: {msg.message}", msg.code)
+                if not isinstance(msg, P.States) or msg.request_id != req.rid:
+                    continue
+                rows = self._new_rows(req, msg)  # [n, H]: the positions the tail lacks
+                if rows is None:
+                    continue
+                if msg.start + msg.n_tokens < s.runtime.length:  # a prompt chunk: the tail's KV only
+                    await _compute(tail.run, rows, 1, s._rope(req, tail.length, rows.shape[0]))
+                    continue
+                new = await self._next_tokens(req, rows, sampler, stats)
+                if not req.tokens:  # the first token: the prompt's tail work ends here
+                    stats.edge_tail_prefill_s = tail.stats.seconds - t_tail0
+                new, req.finish = self._cut(req, new, stops)
+                req.tokens.extend(new)
+                for t in new:
+                    yield t
+                if req.finish is None:
+                    await s._guarded(req, stats, self._step(req, stats))
+        finally:
+            stats.edge_tail_s += tail.stats.seconds - t_tail0
+        await s._cancel(req)  # the end of the request: the cloud frees its KV
+
+    def _new_rows(self, req, msg: P.States) -> np.ndarray | None:
+        """The decoded rows of ``msg`` at positions the tail does not hold yet (a replay resends all)."""
+        s = self.session
+        skip = self.tail.length - msg.start
+        if skip < 0:
+            raise EdgeClientError(f"the cloud skipped positions [{self.tail.length}, {msg.start})", "bad_server")
+        if skip >= msg.n_tokens:
+            return None
+        try:
+            rows = s.codecs[req.codec].decode(msg.hidden)  # [n, H] float32
+        except P.ProtocolError as e:
+            raise EdgeClientError(f"undecodable States from the cloud: {e}", "bad_server") from None
+        if rows.shape[1] != self.tail.hidden_size:
+            raise EdgeClientError(f"States of width {rows.shape[1]}, the tail takes {self.tail.hidden_size}",
+                                  "bad_server")
+        return rows[skip:]
+
+    async def _next_tokens(self, req, rows: np.ndarray, sampler: EdgeSampler, stats) -> list[int]:
+        """The tail over the last span's rows; the sampled token (plain) or the verdict on the drafts in flight."""
+        from .generation import _compute, _Sent  # generation imports this module
+
+        s, step = self.session, req.spec_step
+        if step is not None and (self.tail.length != step.position or rows.shape[0] != len(step.drafts) + 1):
+            raise EdgeClientError(f"the cloud answered a {len(step.drafts) + 1}-row StatesStep at {step.position} "
+                                  f"with {rows.shape[0]} rows at {self.tail.length}", "bad_server")
+        if step is None:
+            logits = await _compute(self.tail.run, rows, 1, s._rope(req, self.tail.length, rows.shape[0]))  # [1, V]
+            position = self.tail.length
+            if req.plain_started is not None:  # a plain step answered: the sizer's base cost
+                s.sizer.observe(0, 0, time.perf_counter() - req.plain_started)
+                req.plain_started = None
+            return [sampler.sample(logits[-1], position)]
+        k = len(step.drafts)
+        logits = await _compute(self.tail.run, rows, k + 1)  # [k + 1, V]: row i after draft i
+
+        def row(i: int, _accepted: list[int]) -> np.ndarray:
+            return logits[i] if sampler.greedy else sampler.probs(logits[i])
+
+        new = accept_drafts(step.drafts, row, NumpyOps(sampler.generator(step.position + 1)), sampler.greedy)
+        req.spec_step = None
+        keep = len(new)  # positions kept: the fed token and the accepted drafts (len(new) - 1 of them)
+        s.runtime.truncate(step.position + keep)
+        self.tail.truncate(step.position + keep)
+        codec = s.codecs[req.codec]
+        req.sent.append(_Sent(step.position, keep, codec.encode(
+            np.ascontiguousarray(step.hidden[:keep]), zstd=s.config.wire_zstd)))
+        stats.decode_round_trips += 1
+        stats.accepted_draft_tokens += keep - 1
+        s.sizer.observe(k, keep - 1, time.perf_counter() - step.started)
+        return new
+
+    @staticmethod
+    def _cut(req, new: list[int], stops: set[int]) -> tuple[list[int], str | None]:
+        """``new`` up to the first token that ends the request, and the finish reason (None: it goes on)."""
+        for j, t in enumerate(new):
+            if t in stops:
+                return new[:j + 1], "stop"
+            if len(req.tokens) + j + 1 >= req.spec.max_tokens:
+                return new[:j + 1], "length"
+        return new, None
+
+    async def _step(self, req, stats) -> None:
+        """Feed the last token through the front (with drafts when the request speculates); one StatesStep."""
+        from .generation import _Sent, _Spec, _compute  # generation imports this module
+
+        s, rt = self.session, self.session.runtime
+        codec = s.codecs[req.codec]
+        last = req.tokens[-1]
+        drafts = s._drafts(req) if s._drafts_wanted(req) else []
+        pos = rt.length
+        if drafts:
+            t0 = time.perf_counter()
+            hidden = await _compute(rt.prefill, [last, *drafts])  # [k + 1, H]
+            msg = P.StatesStep(request_id=req.rid, position=pos,
+                               hidden=codec.encode(hidden, zstd=s.config.wire_zstd))
+            req.spec_step = _Spec(pos, list(drafts), hidden, msg, t0)
+            stats.draft_tokens += len(drafts)
+            await s._send(msg)
+            return
+        req.plain_started = time.perf_counter()
+        hidden = await _compute(rt.decode, last)  # [1, H]
+        rope = s._rope(req, pos, 1)  # after an image: index + rope delta on the three axes
+        span = _Sent(pos, 1, codec.encode(hidden, zstd=s.config.wire_zstd),
+                     None if rope is None else WireArray.from_numpy(rope))
+        req.sent.append(span)
+        stats.decode_round_trips += 1
+        await s._send(P.StatesStep(request_id=req.rid, position=pos, hidden=span.tensor, rope_positions=span.rope))

@@ -1,0 +1,136 @@
+"""U-shape end to end: a real `autoglm-cloud serve` of a bundle split with ``--tail``, the edge client, the rig's
+link emulator.
+
+* greedy u-shape output equals the unsplit model's (tiny GLM-4: front layer 0, cloud layer 1, tail layers 2-3;
+  SmolLM2: equal to plain split of the same model), plain and speculative (fp32 edge, fp16 wire both ways);
+* what comes down is hidden states, never a token: no Tokens message carries an id;
+* a cut of the link mid-generation (plain and speculative) replays the request and gives the same tokens;
+* seeded sampling on the phone is reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from test_speculation_e2e import N_NEW, PROMPT, RETRY, SLOW
+
+from edge_client.client import EdgeClient
+from edge_client.demo import LocalCloud
+from rig.link import LinkEmulator
+from shared import protocol as P
+
+
+@pytest.fixture(scope="module")
+def cloud(tiny_glm4_ushape_bundle, tmp_path_factory):
+    with LocalCloud(tiny_glm4_ushape_bundle, log_path=tmp_path_factory.mktemp("cloud-log") / "ushape.log") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_glm4_lm) -> list[int]:
+    with torch.no_grad():
+        out = tiny_glm4_lm.model.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False,
+                                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
+def _recording(client: EdgeClient) -> tuple[list, list]:
+    """Every message the client sends and receives, from now on."""
+    s = client.session
+    sent, got = [], []
+    real_send, real_recv = s._send, s._recv
+
+    async def send(msg):
+        sent.append(msg)
+        return await real_send(msg)
+
+    async def recv(timeout):
+        msg = await real_recv(timeout)
+        got.append(msg)
+        return msg
+
+    s._send, s._recv = send, recv
+    return sent, got
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_tiny_ushape_greedy_equals_unsplit(tiny_glm4_ushape_bundle, cloud, reference, speculate):
+    with EdgeClient(tiny_glm4_ushape_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        sent, got = _recording(c)
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=speculate)
+    st = gen.stats
+    assert gen.token_ids == reference and gen.finish_reason == "length"
+    assert st.exec_mode == "u-shape" and "u-shape" in st.exec_reason
+    assert not any(isinstance(m, P.Tokens) and m.token_ids for m in got)  # no token id came down
+    states = [m for m in got if isinstance(m, P.States)]
+    assert sum(m.n_tokens for m in states) >= len(PROMPT) + N_NEW - 1  # a middle row per position
+    assert {type(m).__name__ for m in sent} <= {"Prefill", "StatesStep", "Cancel", "Close"}
+    assert st.bytes_down > (len(PROMPT) + N_NEW - 1) * 64 * 2 and st.edge_tail_s > 0
+    if speculate:
+        assert st.accepted_draft_tokens > 0
+        assert st.decode_round_trips + st.accepted_draft_tokens == N_NEW - 1
+        assert st.decode_round_trips < N_NEW - 1
+        assert any(m.n_tokens > 1 for m in sent if isinstance(m, P.StatesStep))
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_cut_mid_generation_replays_with_parity(tiny_glm4_ushape_bundle, cloud, reference, speculate):
+    with LinkEmulator(cloud.port, SLOW) as proxy, \
+            EdgeClient(tiny_glm4_ushape_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16",
+                       retry=RETRY) as c:
+        s = c.session
+        real_send = s._send
+        steps = []
+
+        async def send(msg):
+            n = await real_send(msg)
+            if isinstance(msg, P.StatesStep):
+                steps.append(msg.position)
+                if len(steps) == 3:  # the third step is lost on the way up
+                    asyncio.get_running_loop().call_later(0.0, proxy.cut)
+            return n
+
+        s._send = send
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=speculate)
+    assert gen.token_ids == reference
+    assert proxy.cuts == 1 and gen.stats.reconnects >= 1 and gen.stats.replays >= 1 and gen.stats.resumes == 0
+
+
+def test_seeded_sampling_on_the_phone_is_reproducible(tiny_glm4_ushape_bundle, cloud):
+    with EdgeClient(tiny_glm4_ushape_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        a, b, other = (c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, temperature=1.5, seed=seed)
+                       for seed in (11, 11, 12))
+    assert a.token_ids == b.token_ids and a.token_ids != other.token_ids
+
+
+def test_smollm2_ushape_equals_plain_split(smollm2_bundle, smollm2_ushape_bundle, tmp_path):
+    chat = [{"role": "system", "content": "You copy the user's list exactly."},
+            {"role": "user", "content": "Repeat this list twice: apples, pears, plums, cherries, grapes."}]
+    with LocalCloud(smollm2_bundle, log_path=tmp_path / "split.log") as cloud, \
+            EdgeClient(smollm2_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        plain = c.complete(messages=chat, max_tokens=32)
+    with LocalCloud(smollm2_ushape_bundle, log_path=tmp_path / "ushape.log") as cloud, \
+            EdgeClient(smollm2_ushape_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        u = c.complete(messages=chat, max_tokens=32)
+        u_spec = c.complete(messages=chat, max_tokens=32, speculate=True)
+    assert plain.stats.exec_mode == "split" and u.stats.exec_mode == "u-shape"
+    assert u.token_ids == plain.token_ids and u.text == plain.text
+    assert u_spec.token_ids == plain.token_ids
+    assert u_spec.stats.accepted_draft_tokens > 0 and u_spec.stats.decode_round_trips < u.stats.decode_round_trips
+
+
+def test_screenshot_through_u_shape_equals_unsplit(tiny_glm4v_lm, split_bundle, tmp_path):
+    """GLM-4.1V (3-D rope): the image's positions travel with the states and feed the tail's rotary inputs."""
+    from test_vision_e2e import N_NEW as V_NEW
+    from test_vision_e2e import PROMPT as V_PROMPT
+    from test_vision_e2e import _png, _reference
+
+    bundle = split_bundle("glm4v-ushape", tiny_glm4v_lm, 2, "fp32", tail=1)
+    image = _png(1)
+    with LocalCloud(bundle, log_path=tmp_path / "cloud.log") as cloud, \
+            EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        gen = c.complete(prompt_ids=V_PROMPT, images=[image], max_tokens=V_NEW)
+    assert gen.stats.exec_mode == "u-shape" and gen.stats.image_tokens > 0
+    assert gen.token_ids == _reference(tiny_glm4v_lm.model, bundle, image)

@@ -1,0 +1,70 @@
+"""partition_tools.draft_head: the ridge lens is exact on a linear relation, the vocabulary is the most
+frequent calibration tokens, and a bundle gets an ONNX head the phone runs (manifest records it, the bundle
+id is unchanged: the cloud half is the same)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from edge_client.draft_head import DRAFT_HEAD, DraftHead, open_draft_head
+from partition_tools.draft_head import DraftHeadConfig, LensFit, add_draft_head, export, fit
+from shared.manifest import BundleError, Manifest
+
+
+def test_fit_recovers_a_linear_map_and_ranks_the_vocabulary():
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((400, 6)).astype(np.float32)  # [T, H]
+    w, b = rng.standard_normal((6, 6)), rng.standard_normal(6)
+    y = (h @ w + b).astype(np.float32)
+    nxt = np.array([3] * 200 + [1] * 150 + [7] * 50)
+    lm_head = rng.standard_normal((10, 6)).astype(np.float32)  # [V, H]
+    lens = fit(h, y, nxt, lm_head, DraftHeadConfig(ridge=0.0, vocab=2))
+    assert np.allclose(lens.weight, w, atol=1e-3) and np.allclose(lens.bias, b, atol=1e-3)
+    assert lens.vocab.tolist() == [1, 3] and np.array_equal(lens.head, lm_head[[1, 3]].T)
+    assert fit(h, y, nxt, lm_head, DraftHeadConfig()).vocab.size == 10  # None: the whole vocabulary
+
+
+@pytest.mark.parametrize("quant", ["fp32", "int8"])
+def test_exported_graph_proposes_the_argmax_of_its_vocabulary(tmp_path, quant):
+    rng = np.random.default_rng(1)
+    lens = LensFit(np.eye(8, dtype=np.float32), np.zeros(8, np.float32), np.array([5, 9, 11, 40]),
+                   np.eye(8, 4, dtype=np.float32))  # slot j scores channel j
+    export(lens, tmp_path / "h.onnx", quant)
+    hidden = rng.standard_normal((16, 8)).astype(np.float32)  # [S, H]
+    got = DraftHead(tmp_path / "h.onnx").next_tokens(hidden)
+    assert got.tolist() == lens.vocab[hidden[:, :4].argmax(1)].tolist()
+
+
+def test_add_draft_head_to_a_bundle(tiny_glm4_fp32_bundle, tiny_glm4_lm, tmp_path):
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, bundle)
+    before = Manifest.load(bundle)
+    assert open_draft_head(bundle, before) is None
+    report = add_draft_head(tiny_glm4_lm, bundle, DraftHeadConfig(tokens=1024, vocab=100))
+    after = Manifest.load(bundle)
+    assert after.bundle_id == before.bundle_id and DRAFT_HEAD in after.artifacts
+    assert after.quant_report["draft_head"] == report and report["vocab"] == 100
+    assert 0.0 <= report["held_out_top1_agreement"] <= 1.0
+    after.verify_files(bundle, roles=("edge",))
+    head = open_draft_head(bundle, after)
+    assert 0 <= head.next_token(np.zeros(after.hidden_size, np.float32)) < after.vocab_size
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(BundleError):
+        DraftHeadConfig(quant="int4")
+    with pytest.raises(BundleError):
+        DraftHeadConfig(vocab=0)
+
+
+def test_cli_adds_a_draft_head(tiny_glm4_fp32_bundle, tmp_path, capsys):
+    from partition_tools.cli import main
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, bundle)
+    assert main(["draft-head", str(bundle), "--vocab", "64", "--quant", "fp32"]) == 0
+    assert "64 tokens, fp32" in capsys.readouterr().out
+    assert Manifest.load(bundle).quant_report["draft_head"]["vocab"] == 64

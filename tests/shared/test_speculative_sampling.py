@@ -1,0 +1,40 @@
+"""shared.speculative_sampling: the verification rule both sides run. Greedy keeps the drafts while they are
+the argmax; with sampling, the first emitted token is distributed exactly as a plain draw (chi-square)."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.stats import chisquare
+
+from edge_client.sampling import EdgeSampler, NumpyOps
+from shared.speculative_sampling import accept_drafts
+
+
+def test_greedy_accepts_the_argmax_prefix_then_the_models_token():
+    rows = np.eye(6)[[2, 3, 1, 4]]  # argmax after each position: 2, 3, 1, 4
+    ops = NumpyOps(np.random.default_rng(0))
+    assert accept_drafts([2, 3, 5], lambda i, _: rows[i], ops, greedy=True) == [2, 3, 1]  # d3 rejected
+    assert accept_drafts([2, 3, 1], lambda i, _: rows[i], ops, greedy=True) == [2, 3, 1, 4]  # all + bonus
+    assert accept_drafts([0], lambda i, _: rows[i], ops, greedy=True) == [2]
+
+
+def test_speculative_sampling_keeps_the_models_distribution():
+    sampler = EdgeSampler(temperature=1.3, top_k=6)
+    logits = np.random.default_rng(1).normal(size=(2, 10)) * 2  # [k + 1, V]
+    p = sampler.probs(logits[0])
+    draft = int(np.argsort(p)[-2])  # a likely but not the likeliest token
+    n, rng = 20000, np.random.default_rng(2)
+    ops = NumpyOps(rng)
+    first = [accept_drafts([draft], lambda i, _: sampler.probs(logits[i]), ops, greedy=False)[0] for _ in range(n)]
+    counts = np.bincount(first, minlength=10)
+    kept = p > 0
+    assert counts[~kept].sum() == 0  # nothing outside top-k
+    assert chisquare(counts[kept], p[kept] * n).pvalue > 1e-3
+
+
+def test_seeded_edge_sampling_is_keyed_by_position():
+    s = EdgeSampler(temperature=1.0, seed=5)
+    logits = np.zeros(50)
+    draws = [s.sample(logits, pos) for pos in range(40)]
+    assert draws == [s.sample(logits, pos) for pos in range(40)] and len(set(draws)) > 5
+    assert EdgeSampler().sample(np.arange(5.0), 0) == 4  # greedy
