@@ -4,7 +4,6 @@ the argmax; with sampling, the first emitted token is distributed exactly as a p
 from __future__ import annotations
 
 import numpy as np
-from scipy.stats import chisquare
 
 from edge_client.sampling import EdgeSampler, NumpyOps
 from shared.speculative_sampling import accept_drafts
@@ -29,7 +28,10 @@ def test_speculative_sampling_keeps_the_models_distribution():
     counts = np.bincount(first, minlength=10)
     kept = p > 0
     assert counts[~kept].sum() == 0  # nothing outside top-k
-    assert chisquare(counts[kept], p[kept] * n).pvalue > 1e-3
+    expected = p[kept] * n
+    stat, dof = float(((counts[kept] - expected) ** 2 / expected).sum()), int(kept.sum()) - 1
+    # the chi-square test at p = 0.001: Wilson-Hilferty's 99.9th percentile (scipy is not a dependency)
+    assert stat < dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3, (stat, dof)
 
 
 def test_seeded_edge_sampling_is_keyed_by_position():
