@@ -231,6 +231,47 @@ def encode_times(spec_rows: list[dict], threads: int, max_patches: int, repeats:
     return out
 
 
+def full_tower_times(threads: int, budgets=(250_000, 125_000), repeats: int = 2) -> dict:
+    """The whole 24-block GLM-4.1V tower (892 M parameters, random weights), fp32 and int8, timed directly on
+    the 1080x2400 screenshot at ``budgets`` (min of ``repeats`` after a warm-up): the check on the scaled
+    estimates of :func:`encode_times`. Needs ~10 GB of RAM for the export."""
+    from edge_client.vision import VisionEncoder, preprocess
+    from partition_tools.export_vision import export_vision
+
+    h, w = SCREENS["1080x2400"]
+    image = screenshot(h, w)
+    out: dict = {"threads": threads, "repeats": repeats, "depth": 24, "screen": "1080x2400", "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = full_size_vision(24)
+        out["params"] = int(sum(p.numel() for p in model.model.visual.parameters()))
+        dirs = {}
+        for quant in ("fp32", "int8"):
+            t0 = time.perf_counter()
+            spec = export_vision(model, Path(tmp) / quant, quant)
+            out[f"export_{quant}_s"] = round(time.perf_counter() - t0, 1)
+            out[f"{quant}_probe_max_rel_error"] = spec.quant_report.get("probe_max_rel_error")
+            print(f"exported the 24-block tower {spec.quant} in {out[f'export_{quant}_s']} s", flush=True)
+            dirs[quant] = Path(tmp) / quant
+        del model
+        for budget in budgets:
+            rec: dict = {"budget_max_pixels": budget}
+            for quant, d in dirs.items():
+                enc = VisionEncoder(d, threads)
+                img = preprocess(image, enc.spec, budget)
+                enc.encode(img)  # warm
+                runs = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    enc.encode(img)
+                    runs.append(time.perf_counter() - t0)
+                rec[f"{quant}_s"] = round(float(np.min(runs)), 3)
+                del enc
+            rec["int8_speedup"] = round(rec["fp32_s"] / rec["int8_s"], 2)
+            out["rows"].append(rec)
+            print(f"24-block tower at {budget} pixels: {rec}", flush=True)
+    return out
+
+
 def agent_model():
     """GLM-4.1V-shaped random model for the loop: text hidden 4096 (32 heads, 2 KV heads of 128, 3-D rope
     sections 8/12/12) with 2 thin layers (MLP 1024) and a 2,048-token vocabulary; a 1-block vision tower
@@ -532,7 +573,7 @@ def main() -> int:
     ap.add_argument("--max-patches", type=int, default=4096, help="skip timing budgets with more patches")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--parts", default="upload,encode,agent,delta",
-                    help="which parts to run (upload, encode, agent, delta); the others are kept from --out if it exists")
+                    help="which parts to run (upload, encode, agent, delta, tower: the whole 24-block tower timed directly, ~10 GB RAM); the others are kept from --out if it exists")
     ap.add_argument("--agent-budget", type=int, default=250_000, help="pixel budget of the agent loop")
     ap.add_argument("--agent-memory-steps", type=int, default=100, help="further steps for the memory check")
     ap.add_argument("--agent-cache-mb", type=int, default=128,
@@ -558,7 +599,7 @@ def main() -> int:
     result: dict = {"command": command, "hidden_size": HIDDEN, "default_budget_max_pixels": DEFAULT_BUDGET,
                     "note": "random weights: bytes and times only; the budgets' effect on answers is unmeasured"}
     result["upload"] = upload_table(spec)  # deterministic: always recomputed
-    for part in ("encode", "agent", "delta"):
+    for part in ("encode", "agent", "delta", "tower"):
         if part not in parts and part in prev:
             result[part] = {"command": prev.get("command"), **prev[part]}  # as that run recorded it
     if "encode" in parts:
@@ -569,6 +610,8 @@ def main() -> int:
                            **agent_loop(args.agent_budget, args.threads, memory_steps=args.agent_memory_steps,
                                        cache_mb=args.agent_cache_mb, history_steps=args.agent_history_steps),
                            "history_window_steps": args.agent_history_steps or None}
+    if "tower" in parts:
+        result["tower"] = {"command": command, "load_average_at_start": load, **full_tower_times(args.threads)}
     if "delta" in parts:
         result["delta"] = {"command": command, "load_average_at_start": load,
                            **delta_coding(args.agent_budget, args.threads)}

@@ -37,8 +37,9 @@ class EngineConfig:
     # Large enough for a phone's typical prompt in one chunk, small enough to bound a step's latency.
     max_num_batched_tokens: int = 2048
     # While any sequence is decoding, prompt positions per step are capped at this (0 = no cap: the budget), so
-    # a long prompt is prefilled in chunks between decode steps and their inter-token latency stays bounded.
-    prefill_chunk_while_decoding: int = 256
+    # a long prompt is prefilled in chunks between decode steps. Off by default: on the H200 a capped mixed step
+    # still costs far more than a decode step, so a cap lengthened both the stall and TTFT (docs/performance.md).
+    prefill_chunk_while_decoding: int = 0
     max_model_len: int = 8192  # positions per sequence (prompt + generated)
     tp: int = 1  # tensor-parallel ranks (1 or 2; GLM-4.1V's 2 KV heads split exactly over 2)
     enable_prefix_cache: bool = True

@@ -48,5 +48,5 @@ def test_sampled_vs_greedy_and_the_prefill_stall_run():
     r = wl.prefill_stall(engine, 3, prompts, steps_in, long_prompt, [0, 8], 12, 2, lambda: None)
     assert r["chunks"]["0"]["arrival"]["long_ttft_steps"] <= 2  # 100 positions fit the budget of 64 in two steps
     assert r["chunks"]["8"]["arrival"]["long_ttft_steps"] >= 7  # 8 per step while the others decode
-    assert engine.config.prefill_chunk_while_decoding == 256  # restored
+    assert engine.config.prefill_chunk_while_decoding == EngineConfig().prefill_chunk_while_decoding  # restored
     assert not engine.seqs and engine.num_used_blocks() == 0
