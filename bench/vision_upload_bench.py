@@ -169,6 +169,18 @@ def tower_macs(n_patches: int, depth: int) -> float:
     return fixed + depth * block
 
 
+def encode_seconds(enc, img, repeats: int) -> float:
+    """One image through ``enc``: the least-disturbed (min) of ``repeats`` timed runs after a warm-up run
+    (other jobs share these cores)."""
+    enc.encode(img)
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        enc.encode(img)
+        runs.append(time.perf_counter() - t0)
+    return float(np.min(runs))
+
+
 def encode_times(spec_rows: list[dict], threads: int, max_patches: int, repeats: int) -> dict:
     """Seconds (min of ``repeats``) of one image through the 1- and 2-block towers, int8 and fp32, per (screen, budget)."""
     from PIL import Image  # noqa: F401  (the screenshots)
@@ -210,13 +222,7 @@ def encode_times(spec_rows: list[dict], threads: int, max_patches: int, repeats:
                 for depth in (1, 2):
                     enc = bundles[(depth, quant)]
                     img = preprocess(images[row["screen"]], enc.spec, row["budget_max_pixels"])
-                    enc.encode(img)  # warm
-                    runs = []
-                    for _ in range(repeats):
-                        t0 = time.perf_counter()
-                        enc.encode(img)
-                        runs.append(time.perf_counter() - t0)
-                    t[depth] = float(np.min(runs))  # the least-disturbed run: other jobs share these 2 cores
+                    t[depth] = encode_seconds(enc, img, repeats)
                 scale = tower_macs(row["patches"], 24) / tower_macs(row["patches"], 1)
                 rec[quant] = {"t1_s": round(t[1], 4), "t2_s": round(t[2], 4),
                               "per_block_s": round(t[2] - t[1], 4), "t24_s": round(t[1] + 23 * (t[2] - t[1]), 3),
@@ -257,14 +263,7 @@ def full_tower_times(threads: int, budgets=(250_000, 125_000), repeats: int = 2)
             rec: dict = {"budget_max_pixels": budget}
             for quant, d in dirs.items():
                 enc = VisionEncoder(d, threads)
-                img = preprocess(image, enc.spec, budget)
-                enc.encode(img)  # warm
-                runs = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    enc.encode(img)
-                    runs.append(time.perf_counter() - t0)
-                rec[f"{quant}_s"] = round(float(np.min(runs)), 3)
+                rec[f"{quant}_s"] = round(encode_seconds(enc, preprocess(image, enc.spec, budget), repeats), 3)
                 del enc
             rec["int8_speedup"] = round(rec["fp32_s"] / rec["int8_s"], 2)
             out["rows"].append(rec)
