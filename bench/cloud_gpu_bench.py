@@ -113,7 +113,7 @@ class BenchConfig:
     stall_prompt: int = 4096  # positions of the arriving prompt
     stall_chunks: tuple[int, ...] = (0, 2048, 512, 256)  # prefill_chunk_while_decoding values (0 = no cap)
     stall_steps: int = 64  # decode steps per phase (steady, then with the arrival at step 8)
-    kv_cache_dtype: str = "auto"  # with through_engine: the engine's KV pool (int8 / fp8: the generic runner)
+    kv_cache_dtype: str = "auto"  # with through_engine: the engine's KV pool (auto = the compute dtype, int8, fp8)
     generic_runner: bool = False  # with through_engine: the engine on the library's layers, not the fast path
 
     def __post_init__(self):
@@ -741,13 +741,14 @@ def hf_baseline(cfg: FastGLMConfig, bc: BenchConfig, dev, dtype) -> dict:
 
 
 def build_engine(bc: BenchConfig, hf_full, dev, variant: str, sessions: tuple[int, ...] | None = None,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, num_blocks: int | None = None, model=None):
     """An ``LLMEngine`` over a random-weight back half built on ``dev``, the way ``cloud_server.runtime`` builds
     one (``LLMEngine.from_models`` + ``fast_runner_factory``); the fast runner tunes itself at construction.
     On the CPU the fast path is switched on (``fast_path=True``; by default it runs on CUDA only) so the smoke
     run covers its code. Under TP (``tp_size`` 2, inside the group) the half is sharded by
     ``cloud_server.tp.shard_model`` and rank 0's runner broadcasts every batch, as ``serve --tp 2`` does; the
-    other rank's engine is only the holder of its runner and pool (``cloud_server.tp.serve_batches`` drives it)."""
+    other rank's engine is only the holder of its runner and pool (``cloud_server.tp.serve_batches`` drives it).
+    ``num_blocks``: the pool's size (default: what the sessions need); ``model``: a back half already built."""
     from cloud_server import tp
     from cloud_server.config import EngineConfig
     from cloud_server.engine.llm_engine import LLMEngine
@@ -756,15 +757,17 @@ def build_engine(bc: BenchConfig, hf_full, dev, variant: str, sessions: tuple[in
 
     smax = max(sessions or bc.sessions)
     per_seq = -(-(bc.prompt + max(bc.gen, 2 * bc.stall_steps + 16) + 1) // bc.block_size)
-    num_blocks = (smax + 1) * per_seq + 2 + (-(-(bc.stall_prompt + 1) // bc.block_size) if bc.prefill_stall else 0)
+    num_blocks = num_blocks or (smax + 1) * per_seq + 2 + (-(-(bc.stall_prompt + 1) // bc.block_size)
+                                                          if bc.prefill_stall else 0)
     ecfg = EngineConfig(device=str(dev), variants=(variant,), block_size=bc.block_size,
                         num_blocks=num_blocks, max_num_seqs=smax,
                         max_num_batched_tokens=max(bc.prefill_chunk_tokens, smax), max_model_len=bc.max_context,
                         tp=tp_size, enable_prefix_cache=False, kv_cache_dtype=bc.kv_cache_dtype,
-                        fast_path=False if bc.generic_runner or bc.kv_cache_dtype != "auto"
+                        fast_path=False if bc.generic_runner
                         else True if dev.type == "cpu" else None)
     t0 = time.perf_counter()
-    model = random_split_model(hf_full, bc.split, variant, str(dev), seed=bc.seed)
+    if model is None:
+        model = random_split_model(hf_full, bc.split, variant, str(dev), seed=bc.seed)
     if tp_size > 1:
         tp.shard_model(model, tp_rank, tp_size)
     sync(dev)
@@ -879,11 +882,16 @@ def measure_engine(bc: BenchConfig, res: dict, cfg, hf_full, dev, variant: str) 
         save(bc, res)
     if bc.prefill_stall:
         long_prompt = torch.randn(bc.stall_prompt, h, generator=gen)  # [P, H]
+        from cloud_server.config import EngineConfig
+
+        served = EngineConfig()  # what `autoglm-cloud serve` runs with unless told otherwise
         out["prefill_stall"] = attempt(out["errors"], "prefill_stall", lambda: prefill_stall(
-            engine, smax - 1, prompts, steps_in, long_prompt, list(bc.stall_chunks), bc.stall_steps, 8, sync))
+            engine, smax - 1, prompts, steps_in, long_prompt, list(bc.stall_chunks), bc.stall_steps, 8, sync,
+            served=(served.max_num_batched_tokens, served.prefill_chunk_while_decoding)))
         for b, r in ((out["prefill_stall"] or {}).get("chunks") or {}).items():
-            log(f"  prefill stall, chunk cap {b}: ITL p99 {r['arrival']['itl_p99_ms']:.2f} ms vs steady "
-                f"{r['steady']['itl_p99_ms']:.2f} ({r['p99_over_steady_p99']:.2f}x), long prompt TTFT "
+            log(f"  prefill stall, {b} (budget {r['budget']}, cap {r['cap']}): ITL p99 "
+                f"{r['arrival']['itl_p99_ms']:.2f} ms vs steady {r['steady']['itl_p99_ms']:.2f} "
+                f"({r['p99_over_steady_p99']:.2f}x), long prompt TTFT "
                 f"{r['arrival']['long_ttft_ms']} ms in {r['arrival']['long_ttft_steps']} steps")
         save(bc, res)
 
@@ -996,7 +1004,8 @@ def summarize_engine(out: dict) -> None:
         out["summary_prefill_stall"] = {b: {"steady_itl_p99_ms": r["steady"]["itl_p99_ms"],
                                             "itl_p99_ms": r["arrival"]["itl_p99_ms"],
                                             "p99_over_steady_p99": r["p99_over_steady_p99"],
-                                            "long_ttft_ms": r["arrival"]["long_ttft_ms"]}
+                                            "long_ttft_ms": r["arrival"]["long_ttft_ms"],
+                                            "budget": r.get("budget"), "cap": r.get("cap")}
                                         for b, r in out["prefill_stall"]["chunks"].items()}
     if rows:
         print("\n== engine vs direct ==")
@@ -1244,7 +1253,7 @@ def parse_args(argv=None) -> BenchConfig:
                    help="prefill_chunk_while_decoding values the stall is measured at (0 = no cap)")
     p.add_argument("--stall-steps", type=int, default=d.stall_steps, help="decode steps per stall phase")
     p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("auto", "int8", "fp8"),
-                   help="with --through-engine: the engine's KV pool (int8 / fp8 run on the generic runner)")
+                   help="with --through-engine: the engine's KV pool (auto: the compute dtype; int8 / fp8: 8-bit)")
     p.add_argument("--generic-runner", action="store_true",
                    help="with --through-engine: the engine on the library's layers (the 16-bit pool beside int8)")
     a = p.parse_args(argv)

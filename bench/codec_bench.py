@@ -30,7 +30,8 @@ For SmolLM2-135M split at layers 4, 8 and 16, with an fp32 edge (so the codec al
 Usage (the numbers in docs/quality.md)::
 
     python bench/codec_bench.py --compute --ablations --json docs/results/codecs.json
-    python bench/codec_bench.py --codecs fp16,int8-outlier,pca-fine,pca-compact --json docs/results/codecs.json --merge
+    python bench/codec_bench.py --codecs fp16,int8-outlier,pca-fine,pca-compact,pca-ans-compact \
+        --json docs/results/codecs.json --merge
 
 References: docs/quality.md ("Boundary codecs"); Petals (Borzunov et al., 2023) for the blockwise-int8 anchor.
 """

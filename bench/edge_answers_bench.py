@@ -115,13 +115,21 @@ PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING}
 
 I8 = {"mode": "int8", "block_size": 32, "accuracy_level": 4, "embedding": "int8", "smooth_alpha": 0.5}
 DOWN = ["layers.*.mlp.down_proj"]
+PF = {"prefill": "fp32"}  # precision by phase: the prompt through an fp32 graph, decode steps quantized
+RECIPE = "recipe"
 # arm -> (manifest edge_quant, quantize_front kwargs on the fused fp32 graph); None: the fp32 graph itself;
-# "recipe": recipe_for(mode) - the shipped default of `autoglm-partition split --edge-quant mode`
+# "recipe": recipe_for(mode) - the shipped default of `autoglm-partition split --edge-quant mode`; a dict with
+# "base": "recipe": that default with the dict's other keys changed
 ARMS: dict[str, tuple[str, dict | str | None]] = {
     "fp32": ("fp32", None),
-    "int8": ("int8", "recipe"),
+    "int8": ("int8", RECIPE),
+    "int8-pf32": ("int8", {"base": RECIPE, **PF}),  # the default + precision by phase (split --fp32-prefill)
+    "int8-pf32-gptq": ("int8", {"base": RECIPE, **PF, "gptq": True}),  # + GPTQ rounding of the int8 weights
+    "int8-gptq": ("int8", {"base": RECIPE, "gptq": True}),
     "int8-prev": ("int8", I8),  # the default recipe before the fp32 down_proj (float_outliers=2)
-    "int4": ("int4", "recipe"),
+    "int8-prev-pf32": ("int8", {**I8, **PF}),  # no fp32 down_proj, fp32 prompt
+    "int4": ("int4", RECIPE),
+    "int4-pf32": ("int4", {"base": RECIPE, **PF}),
     "int8-kv8": ("int8", {**I8, "kv_cache": "int8"}),
     "int8-nosmooth": ("int8", {**I8, "smooth_alpha": None}),
     "int8-acc1": ("int8", {**I8, "accuracy_level": 1}),
@@ -149,24 +157,30 @@ ARMS: dict[str, tuple[str, dict | str | None]] = {
 def build_arm(name: str, fp32: Path, out_dir: Path, adapter, layer: int, tokenizer) -> tuple[Path, dict]:
     """The arm's edge graph (built once into ``out_dir``, reused while the fp32 graph is unchanged) and its
     quant report."""
+    from edge_client.front import prefill_graph_path
     from partition_tools.quantize import calibration_tokens, kv_calibration_tokens, quantize_front, recipe_for
 
     edge_quant, spec = ARMS[name]
     if spec is None:
         return fp32, {"mode": "fp32"}
     dst, meta = out_dir / f"{name}.onnx", out_dir / f"{name}.json"
-    kwargs = recipe_for(adapter, layer, edge_quant, tokenizer) if spec == "recipe" else dict(spec)
+    from_recipe = spec == RECIPE or isinstance(spec, dict) and spec.get("base") == RECIPE
+    if from_recipe:
+        changes = {} if spec == RECIPE else {k: v for k, v in spec.items() if k != "base"}
+        kwargs = {**recipe_for(adapter, layer, edge_quant, tokenizer), **changes}
+    else:
+        kwargs = dict(spec)
     stamp = {"fp32_graph_bytes": fp32.stat().st_size, "fp32_graph_mtime": fp32.stat().st_mtime,
              "spec": repr({k: v for k, v in kwargs.items() if k != "calibration_ids"})}
-    if dst.is_file() and meta.is_file():
+    if dst.is_file() and meta.is_file() and (not kwargs.get("prefill") or prefill_graph_path(dst).is_file()):
         saved = json.loads(meta.read_text())
         if saved["stamp"] == stamp:
             return dst, saved["report"]
-    if spec == "recipe":
+    if from_recipe:
         report = quantize_front(fp32, dst, edge_quant, **kwargs)
     else:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        if "smooth_alpha" in kwargs or "float_outliers" in kwargs:
+        if "smooth_alpha" in kwargs or "float_outliers" in kwargs or kwargs.get("gptq"):
             kwargs["calibration_ids"] = calibration_tokens(tokenizer, adapter.vocab_size)
         if "kv_cache" in kwargs:
             kwargs["kv_calibration_ids"] = kv_calibration_tokens(tokenizer, adapter.vocab_size)
@@ -234,7 +248,9 @@ def first_divergences(front, back, codecs: list[str], bundle: Path, prompt: list
     identical). The edge runs once; each codec's boundary goes through the cloud half."""
     seq = np.asarray(prompt + answer[:-1], np.int64)  # the last answer token is predicted, never fed
     front.reset()
-    edge = front.prefill(seq)  # [T, H]
+    # the prompt as the edge prefills it, the answer's rows through the decode graph (as decode steps are;
+    # per-token activation quantization makes one call over them equal to one call per token)
+    edge = np.concatenate([front.prefill(prompt), front.step(answer[:-1])])  # [T, H]
     pos = torch.arange(seq.size)[None]
     out = []
     for codec in codecs:
@@ -245,11 +261,13 @@ def first_divergences(front, back, codecs: list[str], bundle: Path, prompt: list
     return out
 
 
-def teacher_arm(bundle: Path, graph: Path, codecs: list[str], refs, threads: int, back) -> list[list[dict]]:
-    """[codec][prompt] -> {"agree", "identical"} for one edge graph, teacher-forced."""
+def teacher_arm(bundle: Path, graph: Path, codecs: list[str], refs, threads: int, back,
+                prefill: Path | None) -> list[list[dict]]:
+    """[codec][prompt] -> {"agree", "identical"} for one edge graph (and its prompt-phase graph ``prefill``,
+    if any), teacher-forced."""
     from edge_client.front import FrontRuntime
 
-    front = FrontRuntime(bundle, threads=threads, chunk=512, verify=False, graph=graph)
+    front = FrontRuntime(bundle, threads=threads, chunk=512, verify=False, graph=graph, prefill_graph=prefill)
     per_prompt = [first_divergences(front, back, codecs, bundle, p, a) for p, a in refs]  # [prompt][codec]
     return [[{"agree": d[ci], "identical": d[ci] == len(a)} for d, (_, a) in zip(per_prompt, refs)]
             for ci in range(len(codecs))]
@@ -259,7 +277,7 @@ def teacher_arm(bundle: Path, graph: Path, codecs: list[str], refs, threads: int
 
 def served_arm(bundle: Path, codecs: list[str], prompts: list[str], refs, new: int, threads: int, log: Path,
                eos: set[int]) -> list[list[dict]]:
-    """[codec][prompt] -> {"agree", "identical", "bytes_up", "codec"}: one server for the bundle, a fresh
+    """[codec][prompt] -> {"agree", "identical", "bytes_up", "codec", "edge_variant"}: one server for the bundle, a fresh
     EdgeClient per codec arm (``policy``: the precision policy's choice), greedy ``complete`` per prompt."""
     from edge_client.client import EdgeClient
     from edge_client.config import RetryPolicy
@@ -281,7 +299,8 @@ def served_arm(bundle: Path, codecs: list[str], prompts: list[str], refs, new: i
                     got = through_eos(list(gen.token_ids), eos)
                     rows.append({"agree": agreement(got, ref), "identical": got == ref,
                                  "bytes_up": gen.stats.bytes_up,
-                                 "codec": f"{gen.stats.codec}/{gen.stats.step_codec}"})
+                                 "codec": f"{gen.stats.codec}/{gen.stats.step_codec}",
+                                 "edge_variant": gen.stats.edge_variant})
             out.append(rows)
     return out
 
@@ -310,6 +329,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from edge_client.front import prefill_graph_path
     from partition_tools.adapters import ModelAdapter
     from partition_tools.models import load_model
 
@@ -342,7 +362,8 @@ def main(argv=None) -> int:
         graph, report = build_arm(arm, fp32, args.work / "arms", adapter, args.layer, lm.tokenizer)
         t0 = time.perf_counter()
         if args.mode == "teacher":
-            results = teacher_arm(bundle, graph, args.codec_list, refs, args.threads, back)
+            prefill = prefill_graph_path(graph) if report.get("prefill") else None
+            results = teacher_arm(bundle, graph, args.codec_list, refs, args.threads, back, prefill)
         else:
             arm_bundle = bundle if graph == fp32 else variant_bundle(bundle, graph, ARMS[arm][0], report,
                                                                      args.work / "bundles" / arm)
@@ -370,6 +391,7 @@ def summarize(arm: str, codec: str, prompts: list[str], refs, res: list[dict], r
     if "bytes_up" in res[0]:
         row["mean_bytes_up"] = float(np.mean([r["bytes_up"] for r in res]))
         row["codecs_used"] = sorted({r["codec"] for r in res})
+        row["edge_variants_used"] = sorted({r["edge_variant"] for r in res})
     return row
 
 

@@ -78,7 +78,9 @@ def filled_runtime(variant: tuple[Path, Path], threads: int, past: int, rng: np.
     from edge_client.front import FrontRuntime
 
     bundle, graph = variant
-    rt = FrontRuntime(bundle, threads=threads, chunk=512, verify=False, capacity=past + 64, graph=graph)
+    own = graph == bundle / "edge" / "front.onnx"  # the bundle's own front: as the phone opens it (both phases)
+    rt = FrontRuntime(bundle, threads=threads, chunk=512, verify=False, capacity=past + 64,
+                      graph=None if own else graph)
     if past:
         block = [rng.standard_normal((rt.kv_heads, past, rt.head_dim)).astype(np.float32)
                  for _ in range(2 * rt.n_layers)]

@@ -57,7 +57,8 @@ class _StubModel:
 
 
 class _StubRunner:
-    """``run(batch)`` returns precomputed float32 logits [S, V] (greedy token 7) without computing anything."""
+    """``run(batch)`` (and ``continue_decode``) return precomputed float32 logits [S, V] (greedy token 7) without
+    computing anything."""
 
     def __init__(self, hidden_size: int, vocab_size: int, max_rows: int, num_blocks: int, block_size: int):
         self.model = _StubModel(hidden_size, vocab_size)
@@ -70,6 +71,16 @@ class _StubRunner:
         self.calls += 1
         self.launched_at = time.perf_counter()
         return self.logits[: int(batch.logits_indices.shape[0])]  # [S, V]
+
+    # what the fast runner adds (the engine uses them where the runner has them, as on the GPU): the buffer the
+    # batch's hidden states are concatenated into, and the steady decode step given only its hidden states
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def continue_decode(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.launched_at = time.perf_counter()
+        return self.logits[: hidden.shape[0]]  # [S, V]
 
 
 def _engine(sessions: int, prompt: int, steps: int, hidden: int, vocab: int, block_size: int, overlap: bool = True):

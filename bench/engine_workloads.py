@@ -30,21 +30,32 @@ GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 class TimedRun:
-    """Wraps ``runner.run``: host seconds spent inside it (building and launching the step; it does not wait
-    for the device, so the engine's overlap is kept)."""
+    """Wraps ``runner.run`` (and ``continue_decode``, the steady decode step the engine hands a fast runner
+    without a batch): host seconds spent inside them (building and launching the step; they do not wait for
+    the device, so the engine's overlap is kept)."""
 
     def __init__(self, runner):
-        self.runner, self.inner, self.total = runner, runner.run, 0.0
-        runner.run = self
+        self.runner, self.total = runner, 0.0
+        self.names = [n for n in ("run", "continue_decode") if hasattr(runner, n)]
+        self.own = {n: vars(runner)[n] for n in self.names if n in vars(runner)}  # instance attributes to put back
+        for name in self.names:
+            setattr(runner, name, self._timed(getattr(runner, name)))
 
-    def __call__(self, batch):
-        t0 = time.perf_counter()
-        out = self.inner(batch)
-        self.total += time.perf_counter() - t0
-        return out
+    def _timed(self, inner):
+        def call(*args):
+            t0 = time.perf_counter()
+            out = inner(*args)
+            self.total += time.perf_counter() - t0
+            return out
+
+        return call
 
     def remove(self) -> None:
-        self.runner.run = self.inner
+        for name in self.names:
+            if name in self.own:
+                setattr(self.runner, name, self.own[name])
+            else:
+                delattr(self.runner, name)  # the wrapper was an instance attribute: the class's method shows again
 
 
 def _params(base: SamplingParams, max_tokens: int, seed: int | None = None) -> SamplingParams:
@@ -175,18 +186,26 @@ def sampled_vs_greedy(engine, s: int, prompts, steps_in, gen: int, sync, rounds:
 
 
 def prefill_stall(engine, decoders: int, prompts, steps_in, long_prompt: torch.Tensor, chunks: list[int],
-                  steps: int, arrive: int, sync) -> dict:
+                  steps: int, arrive: int, sync, served: tuple[int, int] | None = None) -> dict:
     """Per prefill chunk cap: ``decoders`` sessions decode ``steps`` lockstep steps alone (steady), then ``steps``
     more during which ``long_prompt`` (``[P, H]``) arrives at step ``arrive``. Inter-token latency of the
     decoders (time from their inputs to their tokens, one sample per session per step) p50 / p99 / max in both
-    phases, and the long prompt's time to first token (wall and steps)."""
+    phases, and the long prompt's time to first token (wall and steps).
+
+    ``served`` = (step token budget, chunk cap) of the server's own defaults (``EngineConfig()``): measured first,
+    under the key ``"default"``, with the engine's budget set to it for that phase (the other caps keep the
+    engine's budget)."""
+    cfg = engine.config
     out = {"decoders": decoders, "long_prompt": int(long_prompt.shape[0]), "steps": steps, "arrive": arrive,
-           "budget": engine.config.max_num_batched_tokens, "chunks": {}}
-    saved = engine.config.prefill_chunk_while_decoding
+           "budget": cfg.max_num_batched_tokens, "chunks": {}}
+    runs = ([("default", *served)] if served is not None else []) + [(str(b), cfg.max_num_batched_tokens, b)
+                                                                     for b in chunks]
+    saved = cfg.prefill_chunk_while_decoding, cfg.max_num_batched_tokens
     try:
-        for b in chunks:
-            engine.config.prefill_chunk_while_decoding = b  # the scheduler reads the engine's config every step
-            phones = Phones(engine, f"stall{b}", decoders, steps_in)
+        for key, budget, b in runs:
+            # the scheduler reads the engine's config every step
+            cfg.prefill_chunk_while_decoding, cfg.max_num_batched_tokens = b, max(budget, decoders + 1)
+            phones = Phones(engine, f"stall{key}", decoders, steps_in)
             phones.admit(prompts, GREEDY, 2 * steps + arrive + 4)
             phases = {}
             for phase in ("steady", "arrival"):
@@ -195,13 +214,13 @@ def prefill_stall(engine, decoders: int, prompts, steps_in, long_prompt: torch.T
                 for k in range(steps):
                     if phase == "arrival" and k == arrive:
                         t_arrive = time.perf_counter()
-                        phones.check(engine.add_request(f"long{b}", InputChunk(0, hidden=long_prompt),
+                        phones.check(engine.add_request(f"long{key}", InputChunk(0, hidden=long_prompt),
                                                         _params(GREEDY, 1)))
                     sync()
                     t0 = time.perf_counter()
                     phones.feed(k)
 
-                    def seen(outs, k=k, rid=f"long{b}", first=first):
+                    def seen(outs, k=k, rid=f"long{key}", first=first):
                         for o in outs:
                             if o.request_id == rid and o.token_id is not None:
                                 first.update(t=time.perf_counter(), step=k)
@@ -213,10 +232,11 @@ def prefill_stall(engine, decoders: int, prompts, steps_in, long_prompt: torch.T
                 if phase == "arrival":  # None: no first token within the phase (a cap too small for it)
                     phases[phase]["long_ttft_ms"] = 1e3 * (first["t"] - t_arrive) if first else None  # [ms]
                     phases[phase]["long_ttft_steps"] = first["step"] - arrive + 1 if first else None
-            engine.abort(f"long{b}")
+            engine.abort(f"long{key}")
             phones.finish()
             steady, arr = phases["steady"], phases["arrival"]
-            out["chunks"][str(b)] = {**phases, "p99_over_steady_p99": arr["itl_p99_ms"] / steady["itl_p99_ms"]}
+            out["chunks"][key] = {**phases, "p99_over_steady_p99": arr["itl_p99_ms"] / steady["itl_p99_ms"],
+                                  "budget": cfg.max_num_batched_tokens, "cap": b}
     finally:
-        engine.config.prefill_chunk_while_decoding = saved
+        cfg.prefill_chunk_while_decoding, cfg.max_num_batched_tokens = saved
     return out

@@ -7,9 +7,17 @@
 #   bench/gpu_session.sh all        # 1 + 2 + 3
 #   bench/gpu_session.sh nogather   # 4. the served path at S = 8 / 64 with the engine's gather window off (A/B)
 #   bench/gpu_session.sh extras     # 5. S = 64 through the engine: sampled (T 0.7, top-p 0.9) vs greedy, and a
-#                                   #    4,096-token prompt arriving while 63 sessions decode (prefill stall)
-#   bench/gpu_session.sh kvpool     # 6. S = 64 / 256 through the engine on the generic runner: the bf16 KV pool,
-#                                   #    then the int8 one (--kv-cache-dtype int8), same workload, side by side
+#                                   #    4,096-token prompt arriving while 63 sessions decode (prefill stall: first
+#                                   #    with the server's default budget and chunk cap, then per cap)
+#   bench/gpu_session.sh kvpool     # 6. the fast path's 8-bit KV pool on CUDA (kernels and graphs vs the generic
+#                                   #    runner), then S = 64 / 256 through the engine, the bf16 pool vs the int8
+#                                   #    one in one process, and the sessions x 4,096 each pool holds (~4 minutes)
+#   bench/gpu_session.sh profile    # 7. torch.profiler (CPU + CUDA) of the engine's slow steps: a mixed step (256 and
+#                                   #    2,048 prompt positions beside 63 decode rows), S = 64 sampled vs greedy, the
+#                                   #    sampler alone, and the host phases of a lockstep decode step (~3 minutes)
+#   bench/gpu_session.sh served_mp  # 8. the served path with 1 front-end process vs WORKERS (default 6): one
+#                                   #    server each, same levels, side by side (`serve --workers N`)
+#   bench/gpu_session.sh mp         # 8 + 2 + attach to 8: the --workers comparison with the engine figures
 #   bench/gpu_session.sh all extras # several sections: run in the order given
 #
 # Workload: glm4v-9b-random split at 12 (28 cloud layers, bf16, random weights built on the GPU), 512-token
@@ -21,10 +29,15 @@
 #   $OUT/cloud_gpu_engine.json  cloud_gpu_bench --through-engine (engine.summary: engine/direct tokens/s, with
 #                            overlap scheduling and without it: engine.sessions / engine.sessions_sync)
 #   $OUT/cloud_gpu_extras.json  cloud_gpu_bench --through-engine --sampling --prefill-stall at S = 64
-#                            (engine.summary_sampling, engine.summary_prefill_stall; about 2 minutes)
+#                            (engine.summary_sampling, engine.summary_prefill_stall: "default" = EngineConfig()'s
+#                            budget and cap, then caps 0 / 2048 / 512 / 256; about 2 minutes)
 #   $OUT/sampler_cuda.json   bench/sampler_bench.py --device cuda: the sampler's sort vs rejection path, S = 64
-#   $OUT/cloud_gpu_kvpool_{bf16,int8}.json  cloud_gpu_bench --through-engine --generic-runner, bf16 pool vs
-#                            --kv-cache-dtype int8 (engine.sessions: tokens/s; engine.build: kv_pool_bytes_per_block)
+#   $OUT/cloud_gpu_kvpool.json  bench/kv_pool_gpu_bench.py: arms.{auto,int8}: sessions.<S>.tokens_per_s,
+#                            pool_bytes_per_block, capacity_sessions (x 4,096 at 0.9 of the GPU), peak memory;
+#                            arms.int8.vs_auto: the ratios. $OUT/kvpool_gpu_tests.log: the CUDA tests first
+#   $OUT/engine_profile.json bench/engine_profile.py: per workload the top ops by device and CPU time, the named
+#                            host ranges, step times without the profiler; $OUT/traces/*.json Chrome traces
+#   $OUT/cloud_served_mp.json  served_load.py --workers 1,$WORKERS (records carry `workers`), int8-outlier
 #   $OUT/*.log               each stage's console output
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +56,15 @@ served() {
     timeout 580 python3 bench/served_load.py --preset "${PRESET:-glm4v-9b-random}" --layer "${LAYER:-12}" \
         --sessions "$SESSIONS" --prompt "${PROMPT:-512}" --gen "${GEN:-128}" --sweep-codecs "${CODECS:-int8-outlier,bf16}" \
         "${spy[@]}" --out "$OUT/cloud_served.json" 2>&1 | tee "$OUT/served.log"
+}
+
+served_mp() {  # ~4 min on an H200: two server builds, S levels each, one codec (the realistic one)
+    # WORKERS front ends + the engine process + PROCS load-generator processes share the host's cores (16 on the
+    # H200 host: 6 + 2 + 8). CPU smoke test of this section:
+    #   OUT=/tmp/gs PRESET=wide-cpu LAYER=1 PROMPT=32 GEN=16 SESSIONS=1,8 WORKERS=2 PROCS=1 bench/gpu_session.sh served_mp
+    timeout 580 python3 bench/served_load.py --preset "${PRESET:-glm4v-9b-random}" --layer "${LAYER:-12}" \
+        --sessions "$SESSIONS" --prompt "${PROMPT:-512}" --gen "${GEN:-128}" --sweep-codecs "${MP_CODEC:-int8-outlier}" \
+        --workers "1,${WORKERS:-6}" --procs "${PROCS:-8}" --out "$OUT/cloud_served_mp.json" 2>&1 | tee "$OUT/served_mp.log"
 }
 
 engine() {
@@ -64,18 +86,32 @@ extras() {
         | tee -a "$OUT/extras.log"
 }
 
-kvpool() {  # the generic runner both times (the fast path reads a 16-bit pool only); the direct loop rides along
-    local kv
-    for kv in bf16 int8; do
-        local pool=(--generic-runner); [ "$kv" = int8 ] && pool=(--kv-cache-dtype int8)
-        timeout 580 python3 bench/cloud_gpu_bench.py --through-engine --sessions "${KV_SESSIONS:-64,256}" \
-            --pool-sessions 256 --skip-checks --skip-hf "${pool[@]}" --out "$OUT/cloud_gpu_kvpool_$kv.json" 2>&1 \
-            | tee "$OUT/kvpool_$kv.log"
-    done
+kvpool() {  # ~4 min on the H200: the CUDA tests ~40 s, then one process: model once, two engine builds (tuning
+    # and graphs each ~60 s), S = 64 / 256 on each. CPU smoke test of the bench (the tests skip without CUDA):
+    #   OUT=/tmp/gs KV_PRESET=tiny-glm4v KV_SPLIT=1 KV_SESSIONS=2,4 KV_PROMPT=16 KV_GEN=8 bench/gpu_session.sh kvpool
+    # (KV_ARMS=auto,int8,fp8 adds the fp8 pool: ~1 more minute)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k cuda tests/cloud_server/test_fast_kv_quant.py \
+        2>&1 | tee "$OUT/kvpool_gpu_tests.log" || true
+    timeout 420 python3 bench/kv_pool_gpu_bench.py --preset "${KV_PRESET:-glm4v-9b-random}" --split "${KV_SPLIT:-12}" \
+        --sessions "${KV_SESSIONS:-64,256}" --prompt "${KV_PROMPT:-512}" --gen "${KV_GEN:-128}" --kv "${KV_ARMS:-auto,int8}" \
+        --out "$OUT/cloud_gpu_kvpool.json" 2>&1 | tee "$OUT/kvpool.log"
+}
+
+profile() {  # ~3.5 min on the H200 (engine build + tuning ~70 s); CPU smoke: see engine_profile.py
+    # first the fast runner against the library runner on CUDA (prefill, a flat mixed step, decode graphs) and the
+    # sampler's Triton pass against its torch formula, ~40 s
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -k "cuda" tests/cloud_server/test_fast_glm.py \
+        tests/cloud_server/engine/test_sampler_kernels.py 2>&1 | tee "$OUT/profile_gpu_tests.log" || true
+    timeout 280 python3 bench/engine_profile.py --out "$OUT/engine_profile.json" --trace-dir "$OUT/traces" 2>&1 \
+        | tee "$OUT/profile.log"
 }
 
 attach() {
     python3 bench/served_load.py --attach-engine "$OUT/cloud_gpu_engine.json" --to "$OUT/cloud_served.json"
+}
+
+attach_mp() {
+    python3 bench/served_load.py --attach-engine "$OUT/cloud_gpu_engine.json" --to "$OUT/cloud_served_mp.json"
 }
 
 [ $# -gt 0 ] || set -- all
@@ -87,7 +123,12 @@ for section in "$@"; do
         nogather) nogather ;;
         extras) extras ;;
         kvpool) kvpool ;;
+        profile) profile ;;
+        served_mp) served_mp ;;
+        attach_mp) attach_mp ;;
+        mp) served_mp; engine; attach_mp ;;
         all) served; engine; attach ;;
-        *) echo "usage: $0 [served|engine|attach|all|nogather|extras|kvpool]..." >&2; exit 2 ;;
+        *) echo "usage: $0 [served|engine|attach|all|nogather|extras|kvpool|profile|served_mp|attach_mp|mp]..." >&2
+           exit 2 ;;
     esac
 done

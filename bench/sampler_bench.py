@@ -1,7 +1,10 @@
 """Time of one sampling step (temperature 0.7, top-p 0.9) over S rows of a GLM-sized vocabulary: the
 whole-vocabulary sort (``filtered_logits`` + ``sample_rows``: the sampler before, now its rare fallback) vs
-the rejection sampler (``sample_top_p``: TRIES draws, the first inside the nucleus), on this machine's CPU (or
-``--device cuda``). Two logit spreads: a peaked, LM-like one and the flat one of a random-weight model.
+the rejection sampler (``sample_top_p``: ``tries_for(0.9)`` draws over vocabulary chunks, the first inside the
+nucleus), and
+the engine's whole ``Sampler.launch`` + ``result`` for S seeded requests (uniforms, parameter table, sampling,
+the ids' copy back), on this machine's CPU (or ``--device cuda``). Two logit spreads: a peaked, LM-like one and
+the flat one of a random-weight model.
 
 Usage::
 
@@ -21,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cloud_server.engine.sampler import TRIES, filtered_logits, sample_rows, sample_top_p
+from cloud_server.engine.sampler import Sampler, filtered_logits, sample_rows, sample_top_p, tries_for
+from cloud_server.engine.sampling_params import SamplingParams
 
 
 def _time_ms(fn, device: str, repeats: int) -> float:
@@ -48,17 +52,23 @@ def main() -> None:
     s, dev = args.rows, args.device
     temperature, top_p = torch.full((s,), 0.7, device=dev), torch.full((s,), 0.9, device=dev)
     top_k = torch.zeros(s, dtype=torch.long, device=dev)
-    u = torch.rand(s, TRIES, generator=g).to(dev)
-    rec = {"rows": s, "vocab": args.vocab, "device": dev, "tries": TRIES, "torch_threads": torch.get_num_threads(),
+    tries = tries_for(0.9)  # the draws a top-p 0.9 row takes
+    u = torch.rand(s, tries, generator=g).to(dev)
+    rec = {"rows": s, "vocab": args.vocab, "device": dev, "tries": tries, "torch_threads": torch.get_num_threads(),
            "host": platform.machine(),
            "command": f"python bench/sampler_bench.py --rows {s} --vocab {args.vocab} --device {dev}"}
+    sampler = Sampler(0)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, seed=i) for i in range(s)]
+    inv_t = 1 / temperature
     for name, spread in (("peaked", 4.0), ("flat", 1.3)):
-        x = (spread * torch.randn(s, args.vocab, generator=g)).to(dev) / temperature[:, None]  # [S, V]
-        sort = _time_ms(lambda x=x: sample_rows(filtered_logits(x, temperature, top_k, top_p, 0, True), u[:, 0]),
+        raw = (spread * torch.randn(s, args.vocab, generator=g)).to(dev)  # [S, V] raw logits, std spread
+        sort = _time_ms(lambda x=raw: sample_rows(filtered_logits(x, temperature, top_k, top_p, 0, True), u[:, 0]),
                         dev, args.repeats)
-        rej = _time_ms(lambda x=x: sample_top_p(x, top_p, u), dev, args.repeats)
-        rec[name] = {"logit_std": spread, "sort_ms": round(sort, 2), "rejection_ms": round(rej, 2),
-                     "speedup": round(sort / rej, 2), "rows_missed": int(sample_top_p(x, top_p, u)[1].sum())}
+        rej = _time_ms(lambda x=raw: sample_top_p(x, top_p, u, inv_t), dev, args.repeats)
+        full = _time_ms(lambda x=raw: sampler.launch(x, params, list(range(s))).result(), dev, args.repeats)
+        rec[name] = {"logit_std": spread, "sort_ms": round(sort, 3), "rejection_ms": round(rej, 3),
+                     "sampler_step_ms": round(full, 3), "speedup": round(sort / rej, 2),
+                     "rows_missed": int(sample_top_p(raw, top_p, u, inv_t)[1].sum())}
     print(json.dumps(rec))
     if args.out:
         with open(args.out, "w") as f:

@@ -30,7 +30,12 @@ Per level of S concurrent sessions (all start together, greedy, ``ignore_eos``, 
 * ``server_loop_cpu_s``: CPU seconds of the server's main thread, where uvicorn runs the event loop (every
   frame's WebSocket, msgpack, codec and dispatch work; the engine has its own thread), and
   ``loop_us_per_token``: that per generated token (the prompt's handling included), the cost that caps the
-  served path when the loop saturates.
+  served path when the loop saturates. With ``--workers N`` (the server's front-end processes, recorded as
+  ``workers``) the loops are the workers' main threads, summed: each worker's share is about 1/N of it;
+  ``server_cpu_s`` then counts the engine process and its workers.
+
+``--workers 1,6`` measures every level against a one-process server, then against one with 6 front-end
+processes (one server per value, records carry ``workers``), side by side in one run.
 
 ``--server-root DIR`` spawns the server from another checkout (e.g. a copy of the tree before a change) with
 this bench's load generator, so two trees can be measured side by side: ``--compare-root DIR`` runs every
@@ -109,6 +114,8 @@ class LoadConfig:
     codecs: tuple[str, ...] = DEFAULT_CODECS  # preference order sent in Hello
     sweep_codecs: tuple[str, ...] = ()  # run every level once per codec named here (Hello offers only it)
     procs: int = 0  # worker processes; 0 = half the cores (the server needs the rest), at most one per session
+    # the server's front-end processes (`autoglm-cloud serve --workers N`); several: one server per value, in turn
+    workers: tuple[int, ...] = (1,)
     api_key: str | None = None
     states: Path | None = None  # recorded boundary states [N, H] float32 (.npy) instead of synthetic ones
     seed: int = 0
@@ -136,6 +143,10 @@ class LoadConfig:
                 raise ValueError(f"--{name} must be >= 1")
         if self.procs < 0:
             raise ValueError("--procs must be >= 0")
+        if not self.workers or min(self.workers) < 1:
+            raise ValueError("--workers: positive front-end process counts")
+        if self.url is not None and self.workers != (1,):
+            raise ValueError("--workers sets a spawned server: give --serve or --preset, not --url")
         if self.gather_max_ms is not None and self.preset is None:
             raise ValueError("--gather-max-ms sets the random-weight server's engine: give --preset")
         if self.compare_root is not None and self.url is not None:
@@ -329,7 +340,9 @@ class ServerProcess:
 
     def __init__(self, cfg: LoadConfig, workdir: Path):
         self.port = _free_port()
+        (workers,) = cfg.workers  # one server per value (_run_server's caller sweeps them)
         common = ["--host", "127.0.0.1", "--port", str(self.port), *server_sizing(cfg), "--log-level", "warning",
+                  *(["--workers", str(workers)] if workers > 1 else []),  # an older tree has no --workers
                   *(["--api-key", cfg.api_key] if cfg.api_key else []), *cfg.server_args]
         if cfg.preset is not None:
             stub = workdir / "stub-bundle"
@@ -378,6 +391,21 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def front_end_pids(pid: int) -> list[int]:
+    """The processes running the server's event loops: its front-end workers (``--workers N``: the children
+    started by multiprocessing's spawn; not its resource tracker), else the server itself."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    fronts = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sorted(fronts) or [pid]
+
+
+def loop_cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds of the main threads (the event loops) of ``pids``, summed."""
+    return sum(cpu_seconds(p, p) for p in pids)
+
+
 # ------------------------------------------------------------------------------------------------
 # one level: S sessions over W workers
 
@@ -406,16 +434,18 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
                                     "--format", "raw", "--rate", str(PY_SPY_RATE), "-o", str(py_spy_out)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # attached before the load starts
-        cpu0 = cpu_seconds(server_pid) if server_pid else None
-        loop0 = cpu_seconds(server_pid, server_pid) if server_pid else None  # the main thread: the event loop
+        fronts = front_end_pids(server_pid) if server_pid else []  # where the event loops run
+        everyone = sorted({server_pid, *fronts}) if server_pid else []
+        cpu0 = sum(cpu_seconds(p) for p in everyone) if server_pid else None
+        loop0 = loop_cpu_seconds(fronts) if server_pid else None
         t0 = time.monotonic()
         for p in workers:
             p.stdin.write("go\n")
             p.stdin.flush()
         results = [_read_line(p, "result", cfg.level_timeout_s + 60) for p in workers]
         wall = time.monotonic() - t0
-        server_cpu = cpu_seconds(server_pid) - cpu0 if server_pid else None
-        loop_cpu = cpu_seconds(server_pid, server_pid) - loop0 if server_pid else None
+        server_cpu = sum(cpu_seconds(p) for p in everyone) - cpu0 if server_pid else None
+        loop_cpu = loop_cpu_seconds(fronts) - loop0 if server_pid else None
         if spy is not None:
             spy.send_signal(signal.SIGINT)
             spy.wait(timeout=60)
@@ -427,8 +457,8 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
     rec = summarize(s, [x for r in results for x in r["sessions"]], cfg)
     if spy is not None and py_spy_out.is_file():
         rec["profile_s"] = profile_summary(py_spy_out, PY_SPY_RATE)
-    rec.update(procs=procs, codec=",".join(sorted(used)), wall_s=wall, server_cpu_s=server_cpu,
-               server_loop_cpu_s=loop_cpu,
+    rec.update(procs=procs, workers=cfg.workers[0], codec=",".join(sorted(used)), wall_s=wall,
+               server_cpu_s=server_cpu, server_loop_cpu_s=loop_cpu,
                loop_us_per_token=1e6 * loop_cpu / rec["tokens"] if loop_cpu is not None and rec["tokens"] else None,
                client_cpu_s=sum(r["cpu_s"] for r in results))
     return rec
@@ -637,12 +667,16 @@ def attach_engine(res: dict, engine_json: Path) -> dict:
 
 def run(cfg: LoadConfig, command: str) -> dict:
     """Every level against the server (``--compare-root``: first against that tree's, then this one's; records
-    carry ``tree``), then ``--engine-cpu``'s engine-alone figures beside them."""
+    carry ``tree``; several ``--workers``: one server per value, in turn), then ``--engine-cpu``'s engine-alone
+    figures beside them."""
     res = None
-    for root in ([cfg.compare_root] if cfg.compare_root is not None else []) + [cfg.server_root]:
-        # one tree: its levels are written as they finish (a run cut short keeps them); two: after each tree
-        out = cfg.out if cfg.compare_root is None else None
-        one = _run_server(dataclasses.replace(cfg, server_root=root, compare_root=None, out=out), command)
+    roots = ([cfg.compare_root] if cfg.compare_root is not None else []) + [cfg.server_root]
+    servers = [(root, w) for root in roots for w in cfg.workers]
+    for root, workers in servers:
+        # one server: its levels are written as they finish (a run cut short keeps them); several: after each
+        out = cfg.out if len(servers) == 1 else None
+        one = _run_server(dataclasses.replace(cfg, server_root=root, compare_root=None, out=out, workers=(workers,)),
+                          command)
         for rec in one["records"]:
             rec["tree"] = str(root)
         if res is None:
@@ -715,7 +749,7 @@ def _run_server(cfg: LoadConfig, command: str) -> dict:
 def _row(r: dict) -> str:
     def f(v, fmt=".1f"):
         return "-" if v is None else format(v, fmt)
-    return (f"[served_load] {r.get('codec', '?')} S={r['sessions']:4d} completed {r['completed']}/{r['sessions']} "
+    return (f"[served_load] {r.get('codec', '?')} workers={r.get('workers', 1)} S={r['sessions']:4d} completed {r['completed']}/{r['sessions']} "
             f"served {f(r.get('served_tokens_per_s'), '.0f')} tok/s (overall {f(r.get('served_tokens_per_s_overall'), '.0f')})"
             f" TTFT p50 {f(r.get('ttft_p50_ms'))} ms, ITL p50 {f(r.get('itl_p50_ms'), '.2f')} / p99 "
             f"{f(r.get('itl_p99_ms'), '.2f')} ms, server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
@@ -753,7 +787,9 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     ap.add_argument("--gen", type=int, default=d["gen"].default, help="tokens per session")
     ap.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="codec preference order (Hello)")
     ap.add_argument("--sweep-codecs", default="", help="run every level once per codec (e.g. int8-outlier,bf16)")
-    ap.add_argument("--procs", type=int, default=0, help="worker processes (0: half the cores)")
+    ap.add_argument("--procs", type=int, default=0, help="load-generator processes (0: half the cores)")
+    ap.add_argument("--workers", default="1", help="the server's front-end processes (`serve --workers`); several, "
+                                                  "comma-separated: one server per value, in turn")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--states", type=Path, help="recorded boundary states [N, H] float32 .npy")
     ap.add_argument("--seed", type=int, default=0)
@@ -774,7 +810,8 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
                           server_args=a.server_args, sessions=tuple(int(x) for x in a.sessions.split(",") if x),
                           prompt=a.prompt, gen=a.gen, codecs=tuple(c for c in a.codecs.split(",") if c),
                           sweep_codecs=tuple(c for c in a.sweep_codecs.split(",") if c),
-                          procs=a.procs, api_key=a.api_key, states=a.states, seed=a.seed,
+                          procs=a.procs, workers=tuple(int(x) for x in a.workers.split(",") if x),
+                          api_key=a.api_key, states=a.states, seed=a.seed,
                           ready_timeout_s=a.ready_timeout_s, level_timeout_s=a.level_timeout_s,
                           engine_json=a.engine_json, py_spy=a.py_spy, out=a.out, engine_cpu=a.engine_cpu,
                           server_root=a.server_root, compare_root=a.compare_root)

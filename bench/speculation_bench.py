@@ -18,10 +18,20 @@ Workloads, fixed before measuring:
   saw the task's transcripts; within a task it drafts from the prompt and the task's earlier steps, as it
   would on a phone.
 
-Drafts (``split+spec``): prompt lookup first (``edge_client.drafting``); where it has none, the bundle's draft
-head (``edge_client.draft_head``: a ridge "tuned lens" from the boundary state at layer 8 onto the lm_head,
-int8), fit on the tail of ``partition_tools/data/sample.txt`` - encyclopedic prose that shares no prompt,
-question or transcript with either workload. The head's held-out agreement lands in the manifest.
+Drafts (``split+spec``): prompt lookup first (``edge_client.drafting``); where it has none, the bundle's
+drafter (``edge_client.draft_head``), chosen by ``--drafter``:
+
+* ``layers`` (default): the layer-skipping drafter (``edge_client.draft_layers``): M of the cloud's layers
+  (``--draft-layers``: ``auto`` = the greedy search for ``--draft-budget`` layers, or a list), the final norm
+  and the lm_head, int8, continuing from the boundary state at layer 8, calibrated on the tail of
+  ``partition_tools/data/sample.txt`` and the model's answers to ``partition_tools/data/draft_prompts.txt``
+  (checked disjoint from both workloads by ``bench/draft_layers_bench.py``);
+* ``lens``: the ridge "tuned lens" from the boundary state at layer 8 onto the lm_head (int8), fit on the tail
+  of ``partition_tools/data/sample.txt``;
+* ``none``: prompt lookup only.
+
+Each lives in its own bundle directory (``--bundle`` + a suffix); its held-out agreement lands in the manifest
+and in the result's ``drafter``.
 
 U-shape (``--ushape``, on by default): the same model split at layer 8 with a tail of 4 layers
 (``split --tail 4``: layers [26, 30) + norm + lm_head on the phone too), served by its own ``autoglm-cloud
@@ -32,11 +42,13 @@ Per record: ``tokens_per_s`` (decode rate after the first token, all requests po
 (tokens emitted by decode steps per decode round trip; 1 for plain decoding), ``ttft_ms`` (mean),
 ``bytes_up_per_token`` (uplink of the decode phase per generated token: rejected drafts' rows included),
 ``identical_to_plain``, the drafting's acceptance, ``bytes_down_per_token`` (all downlink of the requests per
-generated token: u-shape brings a hidden row down for every prompt position and every step) and
+generated token: u-shape brings a hidden row down for every prompt position and every step),
 ``edge_ms_per_token`` (the phone's decode-phase compute per generated token: the front, plus the tail and the
-lm_head in u-shape).
+lm_head in u-shape) and ``draft_ms_per_token`` (the bundle drafter's compute per generated token, its catch-up
+over the prompt included).
 
-    python bench/speculation_bench.py [--rtts 20,80,150] [--chat 4] [--agent-tasks 3] [--max-tokens 48]
+    python bench/speculation_bench.py [--rtts 20,80,150] [--chat 4] [--agent-tasks 3] [--max-tokens 48] \
+        [--drafter layers|lens|none] [--draft-layers auto|8,12,...] [--draft-budget 6] [--only chat,agent]
 
 Writes ``docs/results/speculation.json``. ``--policy-table`` instead writes ``docs/results/exec_mode_policy.json``:
 the execution-mode policy's choice (``shared.exec_mode``) for the chat and agent request shapes on each of the
@@ -68,10 +80,11 @@ TAIL_LAYERS = 4  # u-shape: layers [26, 30) + norm + lm_head on the phone
 RETRY = RetryPolicy(connect_timeout_s=10.0, reply_timeout_s=120.0, max_retries=5)
 
 
-def build_bundle(out: Path, tail: int = 0) -> Path:
-    """The SmolLM2 split (``tail``: u-shape); the plain split also gets its draft head (``autoglm-partition
-    draft-head``: calibrated on the tail of the built-in sample text, which shares nothing with the workloads)."""
+def build_bundle(out: Path, tail: int = 0, drafter: str = "none", layers: str = "auto", budget: int = 6) -> Path:
+    """The SmolLM2 split (``tail``: u-shape) with the bundle drafter ``drafter`` (``autoglm-partition
+    draft-head [--layers]``: calibrated on data that shares nothing with the workloads); returns the bundle."""
     from edge_client.draft_head import DRAFT_HEAD
+    from edge_client.draft_layers import DRAFT_LAYERS
     from shared.manifest import Manifest
 
     if not (out / "manifest.json").is_file():
@@ -79,12 +92,33 @@ def build_bundle(out: Path, tail: int = 0) -> Path:
         from partition_tools.split import SplitConfig, split
 
         split(load_model("smollm2"), SplitConfig(layer=SPLIT_LAYER, out=out, edge_quant="fp32", tail=tail))
-    if not tail and DRAFT_HEAD not in Manifest.load(out).artifacts:
+    have = Manifest.load(out)
+    if drafter == "lens" and DRAFT_HEAD not in have.artifacts:
         from partition_tools.draft_head import add_draft_head
         from partition_tools.models import load_model
 
         print(json.dumps({"draft_head": add_draft_head(load_model("smollm2"), out)}), flush=True)
+    if drafter == "layers" and DRAFT_LAYERS not in have.artifacts:
+        from partition_tools.draft_layers import DraftLayersConfig, add_draft_layers
+        from partition_tools.models import load_model
+
+        chosen = None if layers == "auto" else tuple(int(x) for x in layers.split(","))
+        how = None if chosen is None else "given (--draft-layers)"
+        report = add_draft_layers(load_model("smollm2"), out, DraftLayersConfig(layers=chosen, budget=budget,
+                                                                                chosen_by=how))
+        print(json.dumps({"draft_layers": report}), flush=True)
     return out
+
+
+def drafter_summary(bundle: Path) -> dict | None:
+    """What the bundle drafts with (its manifest's record, without the search trace)."""
+    from shared.manifest import Manifest
+
+    report = Manifest.load(bundle).quant_report
+    for kind in ("draft_layers", "draft_head"):
+        if kind in report:
+            return {"kind": kind, **{k: v for k, v in report[kind].items() if k not in ("search", "weights")}}
+    return None
 
 
 def chat_workload(n: int) -> list[list[dict]]:
@@ -113,6 +147,7 @@ class Tally:
         self.outputs: list[list[int]] = []  # each request's tokens (u-shape's are compared with them)
         self.bytes_down = 0
         self.edge_decode_s = 0.0
+        self.draft_s = 0.0  # the bundle drafter's compute
 
     def add(self, gen) -> None:
         st = gen.stats
@@ -131,6 +166,7 @@ class Tally:
         self.outputs.append(list(gen.token_ids))
         self.bytes_down += st.bytes_down
         self.edge_decode_s += (st.edge_compute_s - st.edge_prefill_s) + (st.edge_tail_s - st.edge_tail_prefill_s)
+        self.draft_s += st.edge_draft_s
 
     def record(self, workload: str, rtt: float, mode: str) -> dict:
         return {"workload": workload, "rtt_ms": rtt, "mode": mode, "requests": self.requests,
@@ -145,6 +181,8 @@ class Tally:
                 "head_draft_tokens": self.head_drafts, "accepted_head_draft_tokens": self.head_accepted,
                 "bytes_down_per_token": round(self.bytes_down / max(1, self.tokens), 1),
                 "edge_ms_per_token": round(1000 * self.edge_decode_s / self.decode_tokens, 2)
+                if self.decode_tokens else None,
+                "draft_ms_per_token": round(1000 * self.draft_s / self.decode_tokens, 2)
                 if self.decode_tokens else None}
 
 
@@ -186,7 +224,7 @@ def _measure_pair(plain_c: EdgeClient, spec_c: EdgeClient, rtt: float, args, mod
                    max_tokens=2)
     # chat
     plain, spec = Tally(), Tally()
-    for msgs in chat_workload(args.chat):
+    for msgs in chat_workload(args.chat if "chat" in args.only else 0):
         spec_c.session.drafter.forget()
         a = _run(plain_c, msgs, args.max_tokens, False)
         b = _run(spec_c, msgs, args.max_tokens, True)
@@ -194,10 +232,11 @@ def _measure_pair(plain_c: EdgeClient, spec_c: EdgeClient, rtt: float, args, mod
         spec.add(b)
         spec.identical &= a.token_ids == b.token_ids
     _against(reference, "chat", plain, spec, outputs)
-    out += [plain.record("chat", rtt, modes[0]), spec.record("chat", rtt, modes[1])]
+    if "chat" in args.only:
+        out += [plain.record("chat", rtt, modes[0]), spec.record("chat", rtt, modes[1])]
     # agent: each task's steps in order; plain and speculative runs of a task are separate loops
     plain, spec = Tally(), Tally()
-    for task, screens in AGENT_TASKS[:args.agent_tasks]:
+    for task, screens in AGENT_TASKS[:args.agent_tasks if "agent" in args.only else 0]:
         outs: dict[bool, list[list[int]]] = {False: [], True: []}
         for speculate, tally in ((False, plain), (True, spec)):
             client = clients[speculate]
@@ -212,7 +251,8 @@ def _measure_pair(plain_c: EdgeClient, spec_c: EdgeClient, rtt: float, args, mod
                 actions.append(g.text.strip().replace("\n", " "))
         spec.identical &= outs[False] == outs[True]
     _against(reference, "agent", plain, spec, outputs)
-    out += [plain.record("agent", rtt, modes[0]), spec.record("agent", rtt, modes[1])]
+    if "agent" in args.only:
+        out += [plain.record("agent", rtt, modes[0]), spec.record("agent", rtt, modes[1])]
     return out, outputs
 
 
@@ -266,14 +306,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy-table", action="store_true", help="write the policy's choices, measure nothing")
     ap.add_argument("--no-ushape", dest="ushape", action="store_false",
                     help="measure split and split+spec only (no u-shape bundle, no second server)")
+    ap.add_argument("--drafter", choices=("layers", "lens", "none"), default="layers",
+                    help="the split bundle's drafter where prompt lookup has none (default: layers)")
+    ap.add_argument("--draft-layers", default="auto", help="layers drafter: 'auto' (greedy search) or a list")
+    ap.add_argument("--draft-budget", type=int, default=6, help="layers drafter: M for --draft-layers auto")
+    ap.add_argument("--only", default="chat,agent", help="workloads to record: chat, agent or both")
     args = ap.parse_args(argv)
+    args.only = set(args.only.split(","))
+    if not args.only <= {"chat", "agent"}:
+        ap.error(f"--only {sorted(args.only)}: chat and/or agent")
     if args.policy_table:
         result = {"command": "python bench/speculation_bench.py --policy-table", **policy_table(args.out)}
         out = args.out.with_name("exec_mode_policy.json")
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
         return 0
-    bundle = build_bundle(args.bundle)
+    layers = f"auto{args.draft_budget}" if args.draft_layers == "auto" else args.draft_layers.replace(",", "_")
+    suffix = {"layers": f"-layers-{layers}", "lens": "", "none": "-lookup"}[args.drafter]
+    bundle = build_bundle(args.bundle.with_name(args.bundle.name + suffix), drafter=args.drafter,
+                          layers=args.draft_layers, budget=args.draft_budget)
     u_bundle = build_bundle(args.bundle.with_name(args.bundle.name + f"-tail{TAIL_LAYERS}"), TAIL_LAYERS) \
         if args.ushape else None
     t0 = time.time()
@@ -288,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
               "model": f"SmolLM2-135M-Instruct split at layer {SPLIT_LAYER}, fp32 edge, fp16 wire, greedy"
                        + (f"; u-shape: the same split with a tail of {TAIL_LAYERS} layers (fp16 both ways)"
                           if args.ushape else ""),
+              "drafter": drafter_summary(bundle),
               "host": platform.platform(), "seconds": round(time.time() - t0, 1),
               "goals_at_80ms": {"agent_tokens_per_round_trip": 2.5, "agent_speedup_tokens_per_s": 2.0,
                                 "chat_tokens_per_round_trip": 1.5},

@@ -49,15 +49,19 @@ def cached_split(lm, layer: int, out: Path, edge_quant: str = "fp32", edge_graph
 
 def variant_bundle(fp32_bundle: Path, graph: Path, edge_quant: str, report: dict, out: Path) -> Path:
     """A bundle at ``out`` that is ``fp32_bundle`` with ``graph`` as its edge front (manifest: ``edge_quant``
-    and ``report`` as its quant report); rebuilt only when the graph or the fp32 bundle changed."""
-    from edge_client.front import FRONT
+    and ``report`` as its quant report; a report with ``prefill`` brings ``graph``'s prompt-phase graph along);
+    rebuilt only when the graph(s) or the fp32 bundle changed."""
+    from edge_client.front import FRONT, PREFILL_GRAPH, prefill_graph_path
     from shared.manifest import MANIFEST_NAME, BundleError, Manifest, sha256_file
 
     base = Manifest.load(fp32_bundle)
+    prefill = prefill_graph_path(graph) if report.get("prefill") else None  # precision by phase
     digest = sha256_file(graph)
     try:
         m = Manifest.load(out)
-        if m.bundle_id == base.bundle_id and m.artifacts[FRONT].sha256 == digest:
+        if (m.bundle_id == base.bundle_id and m.artifacts[FRONT].sha256 == digest
+                and (prefill is None) == (PREFILL_GRAPH not in m.artifacts)
+                and (prefill is None or m.artifacts[PREFILL_GRAPH].sha256 == sha256_file(prefill))):
             return out
     except (BundleError, KeyError):
         pass
@@ -75,5 +79,8 @@ def variant_bundle(fp32_bundle: Path, graph: Path, edge_quant: str, report: dict
     base.edge_quant = edge_quant
     base.quant_report = {**report, "edge_graph": base.quant_report.get("edge_graph", "fused-gqa")}
     base.add_artifact(out, FRONT, "edge")
+    if prefill is not None:
+        shutil.copyfile(prefill, out / PREFILL_GRAPH)
+        base.add_artifact(out, PREFILL_GRAPH, "edge")
     base.save(out)
     return out

@@ -16,6 +16,10 @@ Split mode over several bundles (``ServerConfig.more_bundles`` with other ids): 
 Hello's id picking its endpoint (``cloud_server.bundle_set``); the app starts and stops the further runtimes
 itself, ``/ready`` needs them all, ``/metrics`` merges them, ``/v1/models`` lists them.
 
+Front-end workers (``--workers N``, ``cloud_server.front_workers``): every worker serves every route over a
+:class:`~cloud_server.worker_runtime.WorkerRuntime`; ``/ready`` answers for the worker the connection reached
+(``worker`` in its body) and the engine; ``/metrics`` is every process's merged, by the engine process.
+
 With a keys file or an API key configured (``cloud_server.auth``) every route but ``/health``, ``/ready`` and
 ``/metrics`` needs ``Authorization: Bearer <key>`` (a WebSocket presents it in the handshake headers, never in
 the URL); ``open_probes=False`` puts those three behind the key too. The key's :class:`~cloud_server.auth.Principal`
@@ -40,6 +44,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 
 from cloud_server.auth import Authenticator
+from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.limits import HttpConcurrencyLimit
 from shared import openai_compat as oc
 
@@ -108,6 +113,15 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: self._loop.create_task(drain_then_exit()))
 
 
+def uvicorn_config(app: FastAPI, config, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's settings for ``app`` under ``autoglm-cloud serve`` (a :class:`~cloud_server.config.ServerConfig`):
+    address, TLS, the connection limit, a 5 s graceful shutdown after the drain."""
+    tls = {"ssl_certfile": str(config.ssl_certfile), "ssl_keyfile": str(config.ssl_keyfile)} \
+        if config.ssl_certfile else {}
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5,
+                          limit_concurrency=config.max_connections, **tls)
+
+
 def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
     """The app over ``runtime`` (a :class:`~cloud_server.runtime.CloudRuntime`). With ``owns_runtime`` the
     app starts it on startup and drains + stops it on shutdown; otherwise the caller does (tests)."""
@@ -156,6 +170,8 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         is_ready = all(rt.ready for rt in runtimes)
         body = {"ready": is_ready, "mode": cfg.mode, "model": runtime.model_name,
                 "draining": runtime.draining, "bundle_id": runtime.bundle_id}
+        if getattr(runtime, "worker", None) is not None:  # which front-end worker answered (--workers)
+            body["worker"] = runtime.worker
         if len(runtimes) > 1:
             body["bundle_ids"] = [rt.bundle_id for rt in runtimes]
         dead = [rt.engine.dead for rt in runtimes if rt.engine is not None and rt.engine.dead]
@@ -167,6 +183,13 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
     async def metrics():
         if runtime.metrics is None:
             return Response(b"", media_type="text/plain")
+        peers = getattr(runtime, "peers", None)
+        if peers is not None:  # a front-end worker (--workers): the engine process merges every process's
+            try:
+                body = await asyncio.wait_for(peers.metrics(), 10.0)
+            except (EngineDeadError, RuntimeError, asyncio.TimeoutError):
+                body = runtime.metrics.render()  # this worker's own, rather than nothing
+            return Response(body, media_type=runtime.metrics.content_type)
         if len(_runtimes(app)) > 1:  # several bundles: their registries in one exposition
             return Response(app.state.split.render_metrics(), media_type=runtime.metrics.content_type)
         return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)

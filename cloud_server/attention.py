@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cloud_server.kv_quant import as_bytes, dequantize, quantize, rotation
+from cloud_server.kv_quant import read, rotation, write
 
 ATTN_IMPL = "autoglm_paged"
 
@@ -91,8 +91,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if rot is not None:  # an 8-bit pool holds rotated heads: attend in that basis (kv_quant.rotation)
         query, key, value = query @ rot, key @ rot, value @ rot
     # 1. this step's K/V into the pool
-    _store(k_cache, k_scale, ctx.slot_mapping, key[0].transpose(0, 1))  # [T, KVH, D]
-    _store(v_cache, v_scale, ctx.slot_mapping, value[0].transpose(0, 1))
+    write(k_cache, k_scale, ctx.slot_mapping, key[0].transpose(0, 1))  # [T, KVH, D]
+    write(v_cache, v_scale, ctx.slot_mapping, value[0].transpose(0, 1))
     q_all = query[0]  # [Hq, T, D]
     hq, t, d = q_all.shape
     rep = hq // k_cache.shape[1]  # GQA: query head h reads KV head h // rep
@@ -112,8 +112,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     for i in todo:
         a, b, n, c = starts[i], starts[i + 1], ctx.query_lens[i], ctx.context_lens[i]
         slots = ctx.seq_slots[i]  # [c]
-        k = _load(k_cache, k_scale, slots, query.dtype).transpose(0, 1)  # [KVH, c, D]
-        v = _load(v_cache, v_scale, slots, query.dtype).transpose(0, 1)
+        k = read(k_cache, k_scale, slots, query.dtype).transpose(0, 1)  # [KVH, c, D]
+        v = read(v_cache, v_scale, slots, query.dtype).transpose(0, 1)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)  # [Hq, c, D]
         q = q_all[:, a:b]  # [Hq, n, D]
@@ -123,23 +123,6 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if rot is not None:
         out = out @ rot  # back from the rotated basis (H is its own inverse)
     return out[None], None
-
-
-def _store(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """Write x [T, KVH, D] into one layer's ``cache`` [slots, KVH, D] at ``slots`` [T] (quantized if ``scale``)."""
-    if scale is None:
-        cache.index_copy_(0, slots, x.to(cache.dtype))
-        return
-    q, s = quantize(x, cache.dtype)  # [T, KVH, D], [T, KVH]
-    as_bytes(cache).index_copy_(0, slots, as_bytes(q))
-    scale.index_copy_(0, slots, s)
-
-
-def _load(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The ``dtype`` keys or values at ``slots`` (any shape [...]) of one layer: [..., KVH, D]."""
-    if scale is None:
-        return cache[slots].to(dtype)
-    return dequantize(as_bytes(cache)[slots], scale[slots], dtype)
 
 
 def _batched_decode(q_all, k_pool, v_pool, ctx, rows, starts, rep, scaling, out):
@@ -152,8 +135,8 @@ def _batched_decode(q_all, k_pool, v_pool, ctx, rows, starts, rep, scaling, out)
     for j, i in enumerate(rows):
         slots[j, : lens[j]] = ctx.seq_slots[i]
     valid = torch.arange(width, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]  # [B, Lmax]
-    k = _load(*k_pool, slots, q_all.dtype).permute(0, 2, 1, 3)  # [B, KVH, Lmax, D]
-    v = _load(*v_pool, slots, q_all.dtype).permute(0, 2, 1, 3)
+    k = read(*k_pool, slots, q_all.dtype).permute(0, 2, 1, 3)  # [B, KVH, Lmax, D]
+    v = read(*v_pool, slots, q_all.dtype).permute(0, 2, 1, 3)
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, Hq, Lmax, D]
     idx = torch.tensor([starts[i] for i in rows], device=dev)

@@ -46,11 +46,14 @@ class Option:
 # the helps too long for a table row (one row per option: the table stays a plain list)
 _VARIANTS_HELP = ("compute variants, comma-separated: auto, fp32, bf16, fp16, int8; the first is the default "
                   "(default auto = fp32 on CPU, bf16 on CUDA)")
-_CHUNK_WHILE_DECODING_HELP = "prompt positions per step while sequences decode; 0: the whole budget"
+_CHUNK_WHILE_DECODING_HELP = ("while sequences decode, a step holds at most max-num-seqs + this many positions (prompt "
+                               "chunks get what the decode rows leave, at least this many); 0: the whole budget")
 _FAST_PATH_HELP = ("the hand-written GLM layers for GLM float variants, tp 1 or 2 (default: on CUDA; --fast-path: "
                    "on the CPU too; --no-fast-path: never)")
 _KV_CACHE_DTYPE_HELP = ("KV pool storage: auto (the compute dtype), int8 or fp8 (8-bit, a scale per token and head; "
-                        "the generic runner only)")
+                        "the fast path and the generic runner)")
+_WORKERS_HELP = ("WebSocket front-end processes feeding the one engine process (split mode; 1: one process "
+                 "serves both)")
 
 OPTIONS = (  # help without "(default ...)" gets the dataclass default appended (build_parser)
     Option("full", str, "server", "full-model mode: serve this model whole (preset, checkpoint dir or .gguf)"),
@@ -70,6 +73,7 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
     Option("max_connections", int, "server", "open connections before uvicorn answers 503"),
     Option("max_http_requests", int, "server", "HTTP /v1 requests in flight before 429 + Retry-After"),
     Option("max_prompt_tokens", int, "server", "prompt positions per request (default: --max-model-len)"),
+    Option("workers", int, "server", _WORKERS_HELP),
     Option("tp", int, "engine", "tensor-parallel ranks: 1 or 2"),
     Option("device", str, "engine", "cpu or cuda (default: cuda if available)"),
     Option("variants", str, "engine", _VARIANTS_HELP),
@@ -196,22 +200,20 @@ def _default_device() -> str:
         return "cpu"
 
 
-def serve(config: ServerConfig, log_level: str = "info") -> None:
-    import uvicorn
+def serve(config: ServerConfig, log_level: str = "info") -> int:
+    """Serve until drained; returns the exit status."""
+    if config.workers > 1:  # the engine here, the WebSocket front ends in worker processes
+        from cloud_server.front_workers import serve_workers
 
-    from cloud_server.app import DrainingServer, create_app
-    from cloud_server.runtime import CloudRuntime
-
+        return serve_workers(config, log_level)
+    from cloud_server.app import DrainingServer, create_app, uvicorn_config
     from cloud_server.auth import install_sighup
+    from cloud_server.runtime import CloudRuntime
 
     app = create_app(CloudRuntime(config), owns_runtime=True)
     install_sighup(app.state.auth.store)  # `kill -HUP` reloads the keys file
-    tls = {"ssl_certfile": str(config.ssl_certfile), "ssl_keyfile": str(config.ssl_keyfile)} if config.ssl_certfile \
-        else {}
-    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                          timeout_graceful_shutdown=5, limit_concurrency=config.max_connections,
-                                          **tls), app)
-    server.run()
+    DrainingServer(uvicorn_config(app, config, log_level), app).run()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None and not Path(path).is_file():
             print(f"autoglm-cloud: error: --{name.replace('_', '-')} {path}: no such file", file=sys.stderr)
             return 2
-    serve(config, args.log_level)
-    return 0
+    return serve(config, args.log_level)
 
 
 if __name__ == "__main__":

@@ -36,10 +36,12 @@ class EngineConfig:
     # Token budget of one step: every ready decode step first, then prefill chunks fill the rest.
     # Large enough for a phone's typical prompt in one chunk, small enough to bound a step's latency.
     max_num_batched_tokens: int = 2048
-    # While any sequence is decoding, prompt positions per step are capped at this (0 = no cap: the budget), so
-    # a long prompt is prefilled in chunks between decode steps. Off by default: on the H200 a capped mixed step
-    # still costs far more than a decode step, so a cap lengthened both the stall and TTFT (docs/performance.md).
-    prefill_chunk_while_decoding: int = 0
+    # While any sequence is decoding, a step holds at most max_num_seqs + this many positions (0 = no cap: the
+    # budget): prompts get what the decode rows leave, at least this many, so a long prompt is prefilled in chunks
+    # riding on the decode steps. 128: such a step replays a CUDA graph on the fast path (a flat step,
+    # cloud_server.fast.graphs); on the H200 a 256-position flat step beside 63 decode rows cost 1.9-2.4 decode
+    # steps, so 128 keeps it under 2 (docs/performance.md, prefill without stalls).
+    prefill_chunk_while_decoding: int = 128
     max_model_len: int = 8192  # positions per sequence (prompt + generated)
     tp: int = 1  # tensor-parallel ranks (1 or 2; GLM-4.1V's 2 KV heads split exactly over 2)
     enable_prefix_cache: bool = True
@@ -54,9 +56,8 @@ class EngineConfig:
     # host's work for one step runs while the device computes the other (vLLM's async scheduling).
     async_scheduling: bool = True
     # KV pool storage (vLLM's --kv-cache-dtype, cloud_server.kv_quant): "auto" = the compute dtype; "int8" / "fp8"
-    # = 8-bit keys and values with a float32 scale per token and KV head (-48 % KV bytes at head_dim 128 vs bf16).
-    # The 8-bit pool is read by the library's layers (paged attention) only: it turns an unset fast_path off and
-    # is refused with fast_path=True.
+    # = 8-bit keys and values with a float32 scale per token and KV head (-48 % KV bytes at head_dim 128 vs bf16),
+    # read by the fast path's Triton kernels and by the library's layers (paged attention) alike.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
@@ -85,11 +86,6 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype: unknown {self.kv_cache_dtype!r} (choose from "
                               f"{', '.join(KV_CACHE_DTYPES)})")
-        if self.kv_cache_dtype != "auto":
-            if self.fast_path:
-                raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype} needs the generic runner: the fast path "
-                                  f"reads a 16/32-bit pool only (drop fast_path, or kv_cache_dtype auto)")
-            self.fast_path = False
 
     def resolved_variants(self) -> tuple[str, ...]:
         """``auto`` expanded for this device; order kept, duplicates dropped; the first is the default."""
@@ -133,6 +129,9 @@ class ServerConfig:
     # Prompt positions per request (TGI's max_input_tokens), beside engine.max_model_len for prompt + generated;
     # a longer prompt fails at its Prefill (prompt_too_long) or HTTP request (400). None: engine.max_model_len.
     max_prompt_tokens: int | None = None
+    # WebSocket front-end processes (cloud_server.front_workers): with N > 1 the main process runs the engine and
+    # N spawned workers the split endpoint on one shared listening socket; 1: one process does both.
+    workers: int = 1
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -168,6 +167,16 @@ class ServerConfig:
             if self.max_prompt_tokens > self.engine.max_model_len:
                 raise ConfigError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be <= max_model_len "
                                   f"({self.engine.max_model_len}): a prompt also has to fit the context")
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1 (got {self.workers})")
+        if self.workers > 1:
+            if self.bundle is None:
+                raise ConfigError("workers > 1 serves split mode (a BUNDLE); full-model mode runs in one process")
+            if self.more_bundles:
+                raise ConfigError("workers > 1 serves one bundle; run one server per bundle (or --workers 1)")
+            if self.engine.tp > 1:
+                raise ConfigError("workers > 1 runs with tp 1 (front-end workers beside tensor parallelism are "
+                                  "not built)")
 
     @property
     def prompt_limit(self) -> int:

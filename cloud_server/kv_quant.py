@@ -9,8 +9,10 @@
 
 Scales are float32, one per (token, KV head): ``head_dim + 4`` bytes per token, head and tensor instead of
 ``2 * head_dim`` at bf16 (-48 % at ``head_dim`` 128). The pool stores the scales beside its blocks
-(:class:`~cloud_server.engine.kv_cache.KVCachePool`); writers call :func:`quantize`, readers :func:`dequantize`.
-This module is the one implementation of both. Reference: vLLM's fp8 KV cache (per-tensor scales there;
+(:class:`~cloud_server.engine.kv_cache.KVCachePool`); writers call :func:`quantize` (or :func:`write`), readers
+:func:`dequantize` (or :func:`read`). This module is the one implementation of the rule: the fast path's Triton
+kernels (``cloud_server.fast.kernels.rope_store``, ``cloud_server.fast.attention``) take :func:`qmax`,
+:data:`SCALE_MIN`, the scales' layout and the :func:`rotation` matrix from here and are tested against it. Reference: vLLM's fp8 KV cache (per-tensor scales there;
 per-token scales here, which need no calibration), KIVI / KVQuant (Liu et al., Hooper et al., 2024). Heads are
 stored in a Hadamard-rotated basis (:func:`rotation`) so that a channel outlier does not set a whole head's scale.
 """
@@ -24,6 +26,7 @@ import torch
 from cloud_server.config import KV_CACHE_DTYPES
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_DTYPE = torch.float32
+SCALE_MIN = 1e-8  # an all-zero head vector still gets a nonzero scale
 
 
 @functools.lru_cache(maxsize=16)  # built once per (size, device, dtype): every layer of every step asks
@@ -59,11 +62,18 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in _QMAX
 
 
+def qmax(dtype: torch.dtype) -> float:
+    """The largest stored magnitude of an 8-bit storage dtype: ``scale = amax / qmax(dtype)``."""
+    return _QMAX[dtype]
+
+
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, KVH, D] (any float dtype) -> (q [N, KVH, D] of ``dtype``, scale [N, KVH] float32), x ~= q * scale."""
+    """x [N, KVH, D] (any float dtype) -> (q [N, KVH, D] of ``dtype``, scale [N, KVH] float32), x ~= q * scale.
+
+    int8 rounds half to even (``torch.round``), then clamps to +-127; fp8 converts with round-to-nearest."""
     qmax = _QMAX[dtype]
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(1e-8) / qmax  # [N, KVH]
+    scale = xf.abs().amax(dim=-1).clamp_min(SCALE_MIN) / qmax  # [N, KVH]
     y = xf / scale[..., None]
     if dtype == torch.int8:
         y = y.round_().clamp_(-qmax, qmax)
@@ -81,3 +91,23 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     if q.dtype == torch.uint8:  # fp8 read through :func:`as_bytes`
         q = q.view(torch.float8_e4m3fn)
     return (q.float() * scale[..., None]).to(dtype)
+
+
+def write(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Store x [T, KVH, D] into one layer's ``cache`` [slots, KVH, D] at ``slots`` [T] int64: quantized, with its
+    scales into ``scale`` [slots, KVH], when ``scale`` is given (an 8-bit pool); cast to the cache's dtype otherwise.
+    ``x`` is already in the pool's basis (rotated by the caller where the pool is)."""
+    if scale is None:
+        cache.index_copy_(0, slots, x.to(cache.dtype))
+        return
+    q, s = quantize(x, cache.dtype)  # [T, KVH, D], [T, KVH]
+    as_bytes(cache).index_copy_(0, slots, as_bytes(q))
+    scale.index_copy_(0, slots, s)
+
+
+def read(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The ``dtype`` keys or values at ``slots`` (int64, any shape [...]) of one layer's ``cache`` [slots, KVH, D]
+    (dequantized with ``scale`` [slots, KVH] when given): [..., KVH, D]."""
+    if scale is None:
+        return cache[slots].to(dtype)
+    return dequantize(as_bytes(cache)[slots], scale[slots], dtype)

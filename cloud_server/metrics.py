@@ -10,6 +10,10 @@ Names follow vLLM's so existing dashboards work: ``vllm:time_to_first_token_seco
 In split mode the latencies are measured at the cloud between a request's arrival and its sampled tokens,
 so the inter-token latency includes the edge's round trip (what a user waits for); durations only, never
 timestamps of another machine.
+
+Several processes (``--workers N``): the engine process counts the engine's series, each front-end worker the
+network's (its own :class:`ServerMetrics`); :func:`render_merged` sums their samples into one exposition with
+the same names, so a dashboard reads one server.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
@@ -124,3 +130,40 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def render_merged(collections: list[list[Metric]]) -> bytes:
+    """One exposition of several processes' metric families (``registry.collect()`` of each): samples of the
+    same name and labels are summed (counters, histograms, and gauges such as open sessions, which each
+    process counts for its own part), ``*_created`` timestamps take the earliest."""
+    merged: dict[str, Metric] = {}
+    values: dict[str, dict[tuple, Sample]] = {}
+    for families in collections:
+        for fam in families:
+            if fam.name not in merged:
+                merged[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                values[fam.name] = {}
+            into = values[fam.name]
+            for smp in fam.samples:
+                key = (smp.name, tuple(sorted(smp.labels.items())))
+                old = into.get(key)
+                if old is None:
+                    into[key] = smp
+                else:
+                    both = (min if smp.name.endswith("_created") else sum)((old.value, smp.value))
+                    into[key] = old._replace(value=both)
+    for name, fam in merged.items():
+        fam.samples = list(values[name].values())
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)
+
+
+class _Families:
+    """A collector yielding fixed metric families (what :func:`render_merged` built)."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)

@@ -92,8 +92,11 @@ class Session:
 
 
 class SessionRegistry:
-    def __init__(self, max_sessions: int):
+    """``id_prefix``: what every session id starts with (a front-end worker's ``w<i>-``: which one holds it)."""
+
+    def __init__(self, max_sessions: int, id_prefix: str = ""):
         self.max_sessions = max_sessions
+        self.id_prefix = id_prefix
         self.by_id: dict[str, Session] = {}
         self.by_token: dict[str, Session] = {}
 
@@ -108,8 +111,16 @@ class SessionRegistry:
         """Requests open over every session (the server's load, as the network side counts it)."""
         return sum(s.state.open_requests for s in self.by_id.values())
 
-    def create(self, codecs: list[str], plan, tenant: str) -> Session:
-        s = Session(secrets.token_hex(8), secrets.token_urlsafe(24), codecs, plan, tenant)
+    def mint(self) -> tuple[str, str]:
+        """A new session id and resume token (what :meth:`create` takes; admission may need them first)."""
+        return self.id_prefix + secrets.token_hex(8), secrets.token_urlsafe(24)
+
+    def create(self, codecs: list[str], plan, tenant: str, session_id: str | None = None,
+               resume_token: str | None = None) -> Session:
+        """Register a new session; ``session_id`` / ``resume_token`` from :meth:`mint` (None: minted here)."""
+        if session_id is None or resume_token is None:
+            session_id, resume_token = self.mint()
+        s = Session(session_id, resume_token, codecs, plan, tenant)
         self.by_id[s.session_id] = s
         self.by_token[s.resume_token] = s
         return s

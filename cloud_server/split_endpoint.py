@@ -23,11 +23,17 @@ Disconnects: the session is detached, not dropped; its requests keep their KV fo
 (``limits.resume_window_ms``) and a reconnect with the resume token reattaches it (``Welcome.resumed``,
 ``Welcome.requests``). The engine never waits for a link: outputs for a detached session are recorded and
 resent on ``Resume``.
+
+Front-end workers (``--workers N``, ``cloud_server.front_workers``): the same endpoint runs in each worker over
+a ``RemoteEngine``; the runtime's ``peers`` count sessions over every worker (admission, release), session ids
+start with the worker's ``w<i>-``, and a resume token another worker holds opens a new session here (the edge
+replays) while that worker closes the old one (``cloud_server.session_ledger``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from fastapi import WebSocket
@@ -72,6 +78,14 @@ def session_limits(cfg: ServerConfig) -> P.SessionLimits:
         max_prompt_tokens=cfg.max_prompt_tokens or 0)  # 0: max_context bounds the prompt
 
 
+def held_prefix_keys(engine, spaces: tuple[str, ...], limit: int) -> list[str]:
+    """Up to ``limit`` prefix keys the default variant's pool holds in the namespaces ``spaces`` (namespace
+    stripped), on the engine thread; module-level so a front-end worker can send it (``engine.call``)."""
+    keys = (k.partition("/")[2] for k in engine.block_managers[engine.default_variant].block_of_key
+            if k.startswith(spaces))
+    return list(dict.fromkeys(k for _, k in zip(range(limit), keys)))
+
+
 def transport_max_frame_bytes(limits: P.SessionLimits) -> int:
     """The largest WebSocket message the server reads at all (the ASGI server's ``ws_max_size``)."""
     return limits.max_frame_bytes + OVERSIZE_SLACK
@@ -81,7 +95,9 @@ class SplitEndpoint:
     def __init__(self, runtime):
         self.rt = runtime
         cfg = runtime.config
-        self.registry = SessionRegistry(cfg.max_sessions)
+        # front-end workers (--workers): sessions are counted over every worker, their ids say which one
+        self.peers = getattr(runtime, "peers", None)
+        self.registry = SessionRegistry(cfg.max_sessions, "" if self.peers is None else f"w{self.peers.worker}-")
         calib = load_calibration(cfg.bundle) if cfg.bundle is not None else None
         self.codecs = available_codecs(calib)  # name -> codec able to decode
         self.limits = session_limits(cfg)
@@ -90,9 +106,14 @@ class SplitEndpoint:
         self.translate = SplitTranslator(runtime, self.codecs, self.wire_limits, self._load)
         self.served_bundle_ids: list[str] = []  # every bundle this process serves (set by cloud_server.bundle_set)
         self.translate.on_engine_dead = self._engine_dead
+        if self.peers is not None:
+            self.peers.on_reclaim = self._reclaimed
 
     def _load(self) -> float:
-        return load_fraction(self.registry.open_requests(), self.rt.facts)
+        n = self.registry.open_requests()
+        if self.peers is not None:  # every worker's, as the engine last counted them
+            n = max(n, self.peers.open_requests_all)
+        return load_fraction(n, self.rt.facts)
 
     # -- connection -------------------------------------------------------------------------------
     async def serve(self, ws: WebSocket, first: dict | None = None) -> None:
@@ -171,17 +192,18 @@ class SplitEndpoint:
         session = self.registry.for_resume(hello.resume_token, tenant)
         resumed = session is not None
         if not resumed:
-            if self.registry.full:
-                metrics.refused.labels(rt.model_name, "overloaded").inc()
-                await self._refuse(ws, "overloaded", f"server at its limit of {self.registry.max_sessions} "
-                                                     "sessions; retry later", CLOSE_TRY_LATER, retry_after_ms=1000)
+            session_id, token = self.registry.mint()
+            try:
+                refusal = await self._admit(principal, session_id, token, hello.resume_token)
+            except EngineDeadError as e:
+                await self._refuse(ws, "internal", str(e), CLOSE_INTERNAL)
                 return None
-            capped = session_cap_refusal(self.registry, principal)
-            if capped is not None:
-                metrics.refused.labels(rt.model_name, "key_session_cap").inc()
-                await self._refuse(ws, "overloaded", capped, CLOSE_TRY_LATER, retry_after_ms=1000)
+            if refusal is not None:
+                metrics.refused.labels(rt.model_name, refusal[0]).inc()
+                await self._refuse(ws, "overloaded", refusal[1], CLOSE_TRY_LATER, retry_after_ms=1000)
                 return None
-            session = self.registry.create(codecs, session_plan(hello, codecs, rt.facts, self._load()), tenant)
+            session = self.registry.create(codecs, session_plan(hello, codecs, rt.facts, self._load()), tenant,
+                                           session_id, token)
             session.state = first
             session.principal, session.usage = principal, TenantUsage.of(metrics)
             session.usage.on_open(session)
@@ -208,6 +230,29 @@ class SplitEndpoint:
                       for t in session.state.requests.values()] if resumed else []))
         return session
 
+    async def _admit(self, principal, session_id: str, token: str, presented: str | None) -> tuple[str, str] | None:
+        """Why a new session may not open (``(metric reason, message)``), or None. One process counts its own
+        sessions; front-end workers (``--workers``) ask the engine process, which counts them all
+        (``cloud_server.session_ledger``) and reclaims the session of ``presented``, a resume token this
+        worker does not hold, from the worker that does: the edge replays here."""
+        if self.peers is not None:
+            return await self.peers.admit(session_id, token, principal.tenant, principal, presented)
+        if self.registry.full:
+            return "overloaded", f"server at its limit of {self.registry.max_sessions} sessions; retry later"
+        capped = session_cap_refusal(self.registry, principal)
+        return None if capped is None else ("key_session_cap", capped)
+
+    def _reclaimed(self, session_id: str) -> None:
+        """(``--workers``) This session's edge reconnected to another worker, which serves it from now on."""
+        session = self.registry.by_id.get(session_id)
+        if session is None:
+            return
+        ws = session.ws
+        self._close_session(session)
+        if ws is not None:
+            asyncio.get_running_loop().create_task(self._close(ws, CLOSE_NORMAL, "resumed on another worker",
+                                                               flush=False))
+
     @staticmethod
     async def _close(ws: WebSocket, code: int, reason: str = "", flush: bool = True) -> None:
         """Close the link (after letting the writer flush a last Error); the peer may be gone already."""
@@ -226,14 +271,8 @@ class SplitEndpoint:
         """Prefix keys the default variant holds that a session of prefix ``scope`` can hit: its own and the
         shared scope's (advisory: the edge may skip uploading those blocks), read on the engine thread."""
         spaces = (tenant_scoped(scope, ""), tenant_scoped(SHARED_SCOPE, ""))
-
-        def held(engine) -> list[str]:
-            keys = (k.partition("/")[2] for k in engine.block_managers[engine.default_variant].block_of_key
-                    if k.startswith(spaces))
-            return list(dict.fromkeys(k for _, k in zip(range(limit), keys)))
-
         try:
-            fut = self.rt.engine.call(held)
+            fut = self.rt.engine.call(functools.partial(held_prefix_keys, spaces=spaces, limit=limit))
             return await asyncio.wait_for(asyncio.wrap_future(fut), 5.0)
         except (EngineDeadError, asyncio.TimeoutError):
             return []
@@ -259,6 +298,8 @@ class SplitEndpoint:
         for rec in session.active_requests():
             self.rt.engine.abort(rec.engine_id)
         self.registry.remove(session)  # the state closes: late engine outputs are dropped
+        if self.peers is not None:
+            self.peers.release(session.session_id)
         session.usage.on_close(session)
         self.rt.metrics.sessions.labels(self.rt.model_name).set(len(self.registry))
 

@@ -97,7 +97,7 @@ class EdgeClient:
         cache = ActivationCache(
             manifest.bundle_id, runtime.n_layers, runtime.kv_heads, runtime.head_dim,
             runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
-            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.edge_quant)
+            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.edge_variant)
         return manifest, runtime, tokenizer, cache
 
     async def _update_bundle(self, bundle_ids: list[str]) -> bool:
@@ -204,8 +204,9 @@ class EdgeClient:
         ``temperature=0`` is greedy. ``precision`` overrides the server's choice of wire codec for this
         request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included).
 
-        ``speculate``: the phone drafts tokens by prompt lookup (the prompt, this answer, earlier answers) and
-        the cloud verifies several per round trip (``edge_client.drafting``); greedy output is unchanged and
+        ``speculate``: the phone drafts tokens by prompt lookup (the prompt, this answer, earlier answers) and,
+        where lookup has none, with the bundle's drafter if it has one (``edge_client.draft_head``), and the
+        cloud verifies several per round trip (``edge_client.drafting``); greedy output is unchanged and
         sampled output keeps the model's distribution.
 
         ``privacy`` (``standard`` | ``private`` | ``output-private``) and ``mode`` (an override: ``split``,

@@ -15,9 +15,9 @@ steps themselves: the round trip of plain steps, and what each draft adds to a s
 (front compute, uplink of its row, the cloud's extra position). It picks the k that maximises tokens per
 second; on a long RTT that is a larger k, on a fast link or with poor acceptance a smaller one (k = 0: a
 plain DecodeStep). ``SizerConfig.fixed_k`` (``EdgeConfig.draft_k``) pins k instead, for tests and benchmarks
-that must not depend on timing. Drafts of the bundle's draft head (``edge_client.draft_head``, used where
-prompt lookup finds nothing) get their own sizer (:data:`HEAD_SIZER`'s prior): their acceptance and their cost
-(one front step per draft) differ from a lookup's.
+that must not depend on timing. Drafts of the bundle's drafter (``edge_client.draft_head``: its layer drafter
+or its lens, used where prompt lookup finds nothing) get their own sizer (:data:`DRAFTER_SIZERS`' prior for
+its kind): their acceptance and their cost (a front step and a drafter step per draft) differ from a lookup's.
 
 Nothing here imports torch; all inputs are token id lists.
 """
@@ -125,9 +125,10 @@ class SizerConfig:
         return replace(self, fixed_k=k)
 
 
-# the draft head's sizer: a calibrated lens at an early layer agrees with the model far less often than a
-# matching n-gram (SmolLM2 at N = 8: ~30-40 % top-1 on held-out text), and each of its drafts costs a front step
-HEAD_SIZER = SizerConfig(prior_alpha=0.35)
+# the bundle drafter's sizer, per kind (edge_client.draft_head): a calibrated lens at an early layer agrees
+# with the model far less often than a matching n-gram (SmolLM2 at N = 8: ~25-30 % top-1 on held-out text), a
+# few of the cloud's own layers more often; each of their drafts costs a front step and a drafter step
+DRAFTER_SIZERS = {"lens": SizerConfig(prior_alpha=0.35), "layers": SizerConfig(prior_alpha=0.5)}
 
 
 class DraftSizer:

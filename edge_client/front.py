@@ -20,6 +20,13 @@ Two edge graphs run here, told apart by their inputs:
 * the **plain** traced graph (``partition_tools.export``, the portable fallback): explicit past -> present
   concatenation, arrays in and out, the cache copied on every step.
 
+**Precision by phase.** A quantized bundle may carry a second graph for the prompt, ``edge/front_prefill.onnx``
+(``partition_tools.quantize``, ``prefill="fp32"``): the same layers, inputs and KV layout in fp32. ``prefill*``
+then run the prompt through it and ``decode`` / ``step`` (a speculative step's k + 1 tokens) through
+``edge/front.onnx``; both read and write the same KV buffers, so the prompt's states and KV are the fp32
+front's and only the answer's own rows carry the int8 error. (int8 buys nothing at prefill on a CPU - a
+compute-bound GEMM that fp32 MLAS batches well - and ~3x per decode step: docs/quality.md, "Edge answers".)
+
 Only numpy and onnxruntime: this module runs on the phone.
 """
 
@@ -38,6 +45,7 @@ from shared.manifest import BundleError, Manifest
 from .rope import rope_feeds
 
 FRONT = "edge/front.onnx"
+PREFILL_GRAPH = "edge/front_prefill.onnx"  # optional: the prompt-phase graph (precision by phase)
 FUSED_INPUTS = ("seqlens_k", "total_sequence_length")  # partition_tools.graph_builder's interface
 ROPE_INPUTS = ("rope_cos", "rope_sin")
 MAX_POSITIONS_KEY = "autoglm.max_positions"  # graph metadata: rows of the rotary caches
@@ -45,6 +53,12 @@ MROPE_KEY = "autoglm.mrope"  # graph metadata (3-D rope graphs): JSON {theta, ro
 EMBEDS_INPUTS = ("inputs_embeds", "embeds_mask")  # media rows in place of token embeddings (front_embeds)
 KV_SCALES_KEY = "autoglm.kv_scales"  # graph metadata (int8 KV graphs): JSON {"k", "v"}: per layer [KVH][D]
 INITIAL_CAPACITY = 256  # KV rows allocated up front (SmolLM2 split at 8: 3 MB); grows by doubling
+
+
+def prefill_graph_path(front: str | Path) -> Path:
+    """The prompt-phase graph written beside the edge graph ``front`` (``front.onnx`` -> ``front_prefill.onnx``)."""
+    front = Path(front)
+    return front.with_name(front.stem + "_prefill" + front.suffix)
 
 
 class FrontError(Exception):
@@ -134,16 +148,19 @@ class _SharedBufferKV:
     """The fused graph's cache: one buffer [1, KVH, C, D] per layer and tensor, bound once as past *and*
     present (GroupQueryAttention updates it in place); rows [0, length) are valid."""
 
-    def __init__(self, session: ort.InferenceSession, n_layers: int, kv_heads: int, head_dim: int,
+    def __init__(self, sessions: list[ort.InferenceSession], n_layers: int, kv_heads: int, head_dim: int,
                  capacity: int, max_positions: int, scales: list[np.ndarray] | None = None):
-        """``scales``: int8 cache (``partition_tools.kv_quant``): 2N arrays [KVH, 1, D] (K, V per layer)."""
+        """``sessions``: the graphs that share this cache (one, or the decode and the prompt graph of a
+        bundle with precision by phase), each with its own IO binding over the same buffers. ``scales``:
+        int8 cache (``partition_tools.kv_quant``): 2N arrays [KVH, 1, D] (K, V per layer)."""
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
         self.max_positions = max_positions
         self.scales = scales
         self.dtype = np.int8 if scales is not None else np.float32
-        self.hidden_size = int(session.get_outputs()[0].shape[-1])
-        self.binding = session.io_binding()
-        self._hidden: tuple[np.ndarray, ort.OrtValue] | None = None  # bound output [1, S, H] of the last S
+        self.hidden_size = int(sessions[0].get_outputs()[0].shape[-1])
+        self.bindings = {id(sess): sess.io_binding() for sess in sessions}
+        # per binding: the bound output [1, S, H] of the last S it ran
+        self._hidden: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}
         self.length = 0
         self.buffers: list[np.ndarray] = []
         self._values: list[ort.OrtValue] = []  # share memory with ``buffers``
@@ -160,11 +177,12 @@ class _SharedBufferKV:
         for new, prev in zip(self.buffers, old):
             new[:, :, :n] = prev[:, :, :n]
         self._values = [ort.OrtValue.ortvalue_from_numpy(b) for b in self.buffers]
-        for i in range(self.n_layers):
-            for k, kind in enumerate(("key", "value")):
-                value = self._values[2 * i + k]
-                self.binding.bind_ortvalue_input(f"past_{kind}.{i}", value)
-                self.binding.bind_ortvalue_output(f"present_{kind}.{i}", value)
+        for binding in self.bindings.values():
+            for i in range(self.n_layers):
+                for k, kind in enumerate(("key", "value")):
+                    value = self._values[2 * i + k]
+                    binding.bind_ortvalue_input(f"past_{kind}.{i}", value)
+                    binding.bind_ortvalue_output(f"present_{kind}.{i}", value)
 
     def reserve(self, total: int) -> None:
         """Make room for ``total`` positions (one copy of the valid rows when the buffer grows)."""
@@ -200,19 +218,20 @@ class _SharedBufferKV:
         s = ids.shape[0]
         total = self.length + s
         self.reserve(total)
-        b = self.binding
+        b = self.bindings[id(session)]
         b.bind_cpu_input("input_ids", ids[None])  # [1, S]
         b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))  # [1]
         b.bind_cpu_input("total_sequence_length", np.array(total, np.int32))  # []
         for name, value in extra.items():
             b.bind_cpu_input(name, value)
-        if self._hidden is None or self._hidden[0].shape[1] != s:  # decode steps reuse one binding
+        hidden = self._hidden.get(id(session))
+        if hidden is None or hidden[0].shape[1] != s:  # decode steps reuse one binding
             out = np.empty((1, s, self.hidden_size), np.float32)  # [1, S, H]
-            self._hidden = (out, ort.OrtValue.ortvalue_from_numpy(out))
-            b.bind_ortvalue_output("hidden_states", self._hidden[1])
+            hidden = self._hidden[id(session)] = (out, ort.OrtValue.ortvalue_from_numpy(out))
+            b.bind_ortvalue_output("hidden_states", hidden[1])
         session.run_with_iobinding(b)
         self.length = total
-        return self._hidden[0][0].copy()  # [S, H]: the bound buffer is overwritten by the next step
+        return hidden[0][0].copy()  # [S, H]: the bound buffer is overwritten by the next step
 
 
 class FrontRuntime:
@@ -220,11 +239,14 @@ class FrontRuntime:
 
     def __init__(self, bundle_dir: str | Path, threads: int = 2, chunk: int = 128, verify: bool = True,
                  graph: str | Path | None = None, capacity: int = INITIAL_CAPACITY,
-                 profile_prefix: str | None = None):
+                 profile_prefix: str | None = None, prefill_graph: str | Path | None = "auto"):
         """``verify``: check the bundle's edge files against the manifest's hashes first. ``graph``: another
         edge graph of this bundle's split in place of ``edge/front.onnx`` (how the partition tools score
         candidate quantizations of one split). ``capacity``: KV rows allocated up front by the fused graph.
-        ``profile_prefix``: onnxruntime profiling on (``session.end_profiling()`` writes the JSON)."""
+        ``profile_prefix``: onnxruntime profiling on (``session.end_profiling()`` writes the JSON).
+        ``prefill_graph``: the prompt-phase graph (module docstring, "Precision by phase"): ``"auto"`` = the
+        bundle's ``edge/front_prefill.onnx`` when its manifest lists one and ``graph`` is not given, a path =
+        that graph, None = one graph for every call."""
         if threads < 1 or chunk < 1 or capacity < 1:
             raise ValueError(f"threads ({threads}), chunk ({chunk}) and capacity ({capacity}) must be >= 1")
         self.bundle_dir = Path(bundle_dir)
@@ -243,6 +265,11 @@ class FrontRuntime:
         if not path.is_file():
             raise BundleError(f"{path}: missing (not an edge bundle?)")
         self.session = open_session(path, threads, profile_prefix)
+        if prefill_graph == "auto":
+            prefill_graph = self.bundle_dir / PREFILL_GRAPH if graph is None and PREFILL_GRAPH in m.artifacts else None
+        self.prefill_session = self.session  # the prompt's graph (the same one unless precision by phase)
+        if prefill_graph is not None:
+            self.prefill_session = self._phase_session(Path(prefill_graph), threads, profile_prefix)
         names = {i.name for i in self.session.get_inputs()}
         self.fused = set(FUSED_INPUTS) <= names
         self.mrope = set(ROPE_INPUTS) <= names
@@ -269,9 +296,31 @@ class FrontRuntime:
         self.stats = FrontStats()
         self._cache = self._new_cache()
 
+    def _phase_session(self, path: Path, threads: int, profile_prefix: str | None) -> ort.InferenceSession:
+        """The prompt-phase session over ``path``: it must take and return exactly what the decode graph does
+        (same inputs, same KV element types), since both run on one KV cache."""
+        if not path.is_file():
+            raise BundleError(f"{path}: missing (the prompt-phase graph)")
+        session = open_session(path, threads, profile_prefix and profile_prefix + "_prefill")
+
+        def io(s: ort.InferenceSession) -> set[tuple[str, str]]:
+            return {(a.name, a.type) for a in [*s.get_inputs(), *s.get_outputs()]}
+
+        if io(session) != io(self.session):
+            diff = sorted(io(session) ^ io(self.session))[:3]
+            raise BundleError(f"{path}: inputs/outputs differ from the edge graph's ({diff}...); both phases "
+                              "must share one KV cache")
+        return session
+
+    @property
+    def phased(self) -> bool:
+        """Whether the prompt runs through its own graph (precision by phase)."""
+        return self.prefill_session is not self.session
+
     def _new_cache(self) -> _ConcatKV | _SharedBufferKV:
         if self.fused:
-            return _SharedBufferKV(self.session, self.n_layers, self.kv_heads, self.head_dim, self.capacity,
+            sessions = [self.session] + ([self.prefill_session] if self.phased else [])
+            return _SharedBufferKV(sessions, self.n_layers, self.kv_heads, self.head_dim, self.capacity,
                                    self.max_positions, self.kv_scales)
         return _ConcatKV(self.n_layers, self.kv_heads, self.head_dim)
 
@@ -290,8 +339,8 @@ class FrontRuntime:
         """A runtime for another sequence over the same loaded graph: an empty cache and its own stats."""
         other = object.__new__(FrontRuntime)
         for name in ("bundle_dir", "manifest", "n_layers", "hidden_size", "kv_heads", "head_dim", "vocab_size",
-                     "chunk", "capacity", "session", "fused", "mrope", "max_positions", "mrope_params",
-                     "kv_scales", "embeds_input"):
+                     "chunk", "capacity", "session", "prefill_session", "fused", "mrope", "max_positions",
+                     "mrope_params", "kv_scales", "embeds_input"):
             setattr(other, name, getattr(self, name))
         other.rope_delta = 0
         other.stats = FrontStats()
@@ -337,9 +386,9 @@ class FrontRuntime:
         return rope_feeds(np.arange(self.length, self.length + s) + self.rope_delta, self.mrope_params)
 
     def _run(self, ids: np.ndarray, positions: np.ndarray | None = None,
-             embeds: np.ndarray | None = None, mask: np.ndarray | None = None) -> np.ndarray:
+             embeds: np.ndarray | None = None, mask: np.ndarray | None = None, prompt: bool = True) -> np.ndarray:
         """One graph call; ``positions`` [3, S] explicit 3-D rope positions, ``embeds`` [S, H] rows used where
-        ``mask`` [S] is True (see ``prefill_media``)."""
+        ``mask`` [S] is True (see ``prefill_media``); ``prompt``: the prompt-phase graph, else the decode one."""
         s = ids.shape[0]
         extra = self._rope_inputs(s) if positions is None else rope_feeds(positions, self.mrope_params)
         if self.embeds_input:
@@ -348,7 +397,7 @@ class FrontRuntime:
             extra["inputs_embeds"] = np.ascontiguousarray(embeds, np.float32)[None]  # [1, S, H] (or the no-op)
             extra["embeds_mask"] = np.ascontiguousarray(mask, np.bool_).reshape(1, -1, 1)  # [1, S, 1]
         t0 = time.perf_counter()
-        hidden = self._cache.run(self.session, ids, extra)  # [S, H]
+        hidden = self._cache.run(self.prefill_session if prompt else self.session, ids, extra)  # [S, H]
         self.stats.count(t0, ids.shape[0])
         return hidden
 
@@ -407,7 +456,16 @@ class FrontRuntime:
             yield start, self._run(arr[i:i + self.chunk])
 
     def decode(self, token: int, pos: int | None = None) -> np.ndarray:
-        """One token at position ``len``; returns its boundary hidden state [1, H]."""
+        """One token at position ``len`` through the decode graph; returns its boundary hidden state [1, H]."""
         if pos is not None and pos != self.length:
             raise FrontError(f"decode at position {pos}, but the cache holds {self.length}")
-        return self._run(self._check_ids([token]))
+        return self._run(self._check_ids([token]), prompt=False)
+
+    def step(self, ids) -> np.ndarray:
+        """Tokens at positions [len, len + S) through the *decode* graph in one call (a speculative step's
+        last token and k drafts; generated tokens): their boundary states [S, H]. Without a prompt-phase
+        graph this is ``prefill`` in one chunk."""
+        arr = self._check_ids(ids)
+        if arr.size == 0:
+            return np.zeros((0, self.hidden_size), dtype=np.float32)
+        return self._run(arr, prompt=False)

@@ -58,7 +58,7 @@ from shared.tensors import WireArray
 from .activation_cache import ActivationCache
 from .config import EdgeConfig
 from .draft_head import open_draft_head
-from .drafting import HEAD_SIZER, DraftSizer, PromptLookupDrafter, SizerConfig
+from .drafting import DRAFTER_SIZERS, DraftSizer, PromptLookupDrafter, SizerConfig
 from .errors import EdgeClientError
 from .request import RequestSpec, RequestStats, mark_token
 from .front import FrontRuntime
@@ -119,10 +119,19 @@ class _Request:
         # drafting over image placeholders would need their 3-D rope rows: media prompts decode plainly
         self.speculate = spec.speculate and spec.media is None
         self.bundle_gen = 0  # Session.bundle_gen its inputs were computed under
+        # the bundle's drafter mirrors the front's context: (start, ids, rows) notes not yet handed to it, and
+        # its catch-up over the prompt, running while the first token is on its way (Session._sync_head)
+        self.head_notes: list[tuple[int, list[int], np.ndarray]] = []
+        self.head_ready: asyncio.Future | None = None
 
     @property
     def context_len(self) -> int:
         return self.prompt_len + len(self.tokens)
+
+    def context_ids(self, start: int, n: int) -> list[int]:
+        """The tokens at positions [start, start + n) of the context (prompt, then the tokens received)."""
+        p = self.prompt_len
+        return [*self.spec.prompt_ids[start:p], *self.tokens[max(0, start - p):start + n - p]][:n]
 
 
 async def _compute(fn, *args):
@@ -161,9 +170,9 @@ class Session:
         # prompt lookup over the context and earlier outputs (agent steps repeat actions); remembered across requests
         self.drafter = PromptLookupDrafter()
         self.sizer = DraftSizer(self.drafter.config.max_drafts, SizerConfig(fixed_k=config.draft_k))
-        # the bundle's draft head (edge_client.draft_head), when it has one: drafts where prompt lookup has none
-        self.head = open_draft_head(config.bundle, manifest, config.threads)
-        self.head_sizer = DraftSizer(self.drafter.config.max_drafts, HEAD_SIZER.with_fixed_k(config.draft_k))
+        # the bundle's drafter (edge_client.draft_head: its layer drafter or its lens), when it has one: drafts
+        # where prompt lookup has none, priced by their own sizer
+        self._open_head()
         # async (server's bundle ids) -> bool: the client's bundle update on bundle_mismatch (EdgeConfig.auto_update)
         self.on_bundle_mismatch = None
         self.bundle_gen = 0  # bumped by use_bundle: a request opened under an older bundle is rebuilt
@@ -176,7 +185,13 @@ class Session:
         self.codecs = C.available_codecs(_calibration(self.config.bundle))
         self.bundle_gen += 1
         self.ushape = self._open_ushape()
-        self.head = open_draft_head(self.config.bundle, manifest, self.config.threads)
+        self._open_head()
+
+    def _open_head(self) -> None:
+        cfg = self.config
+        self.head = open_draft_head(cfg.bundle, self.manifest, cfg.threads)
+        prior = DRAFTER_SIZERS[self.head.kind if self.head is not None else "lens"]
+        self.head_sizer = DraftSizer(self.drafter.config.max_drafts, prior.with_fixed_k(cfg.draft_k))
 
     def _open_ushape(self) -> UShape | None:
         if not self.manifest.tail_layers:
@@ -321,6 +336,7 @@ class Session:
         t0 = time.perf_counter()
         up0, down0 = self.link.bytes_up, self.link.bytes_down
         compute0 = self.runtime.stats.seconds
+        draft0 = self.head.seconds if self.head is not None else 0.0
         req: _Request | None = None
         try:
             await self._connect_with_retry(stats)
@@ -330,12 +346,16 @@ class Session:
             self.head_sizer.new_request()
             req.bundle_gen = self.bundle_gen
             stats.codec, stats.step_codec, stats.compute = plan.codec, req.step_codec, plan.compute
+            stats.edge_variant = self.manifest.edge_variant
             stats.trace_id = req.trace_id
             log.info("trace=%s start: %d prompt tokens, codec %s", req.trace_id, len(spec.prompt_ids), plan.codec)
             decoder = StreamDecoder(self.tokenizer.decode) if self.tokenizer is not None else None
             stop = StopMatcher(spec.stop)
             await self._prefill(req, stats)
             stats.edge_prefill_s = self.runtime.stats.seconds - compute0
+            if self._head_drafts(req):  # the drafter over the prompt, while the first token is on its way
+                await self._sync_head(req)
+                req.head_ready = asyncio.ensure_future(_compute(self.head.catch_up))
             last_t = None
             if spec.ushape and self.ushape is None:
                 raise EdgeClientError("u-shape needs a bundle split with --tail", "exec_mode")
@@ -358,10 +378,13 @@ class Session:
                 await asyncio.shield(self._cancel(req))
             raise
         finally:
+            if req is not None and req.head_ready is not None:  # the next request must find the drafter idle
+                await asyncio.wait({req.head_ready})
             stats.total_s = time.perf_counter() - t0
             stats.bytes_up = self.link.bytes_up - up0
             stats.bytes_down = self.link.bytes_down - down0
             stats.edge_compute_s = self.runtime.stats.seconds - compute0
+            stats.edge_draft_s = (self.head.seconds - draft0) if self.head is not None else 0.0
 
     async def _connect_with_retry(self, stats: RequestStats) -> None:
         retry = self.config.retry
@@ -391,7 +414,7 @@ class Session:
                     "return_states": True}
         params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
                                   top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
-        scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_quant, req.codec,  # what produces the states
+        scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_variant, req.codec,  # what produces the states
                          secret=spec.prefix_secret)  # private levels: the cloud cannot recompute the keys
         content = spec.media.content(self.block_size) if spec.media is not None else None  # image/audio digests
         return {"params": params, "prefix_keys": block_keys(spec.prompt_ids, scope, self.block_size, content),
@@ -464,8 +487,9 @@ class Session:
             if req.bundle_gen != self.bundle_gen:  # the cloud moved to another bundle: _rebuild sent it all
                 return
         # 4. remember the prompt's full blocks for next time (front KV + boundary hidden states)
+        all_hidden = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]  # [L, H]
+        self._note(req, 0, list(ids), all_hidden)
         if self.config.cache_prompts and self.cache is not None:
-            all_hidden = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]  # [L, H]
             start_block = h // self.cache.block_tokens
             await _compute(self.cache.insert, ids, rt.kv_slice, all_hidden, start_block, content)
         if media is not None:
@@ -565,6 +589,7 @@ class Session:
         for t in todo:
             hidden = await _compute(self.runtime.decode, t)  # [1, H]
             pos = self.runtime.length - 1
+            self._note(req, pos, [t], hidden)
             rope = self._rope(req, pos, 1)
             req.sent.append(_Sent(pos, 1, codec.encode(hidden, zstd=self.config.wire_zstd),
                                   None if rope is None else WireArray.from_numpy(rope)))
@@ -593,9 +618,32 @@ class Session:
                    self.limits.max_context - req.context_len - 1)
 
     def _head_k(self, req: _Request) -> int:
-        """Drafts the draft head should propose this step (0: none, or no head). The head drafts from boundary
+        """Drafts the bundle's drafter should propose this step (0: none, or no drafter). It drafts from boundary
         states the cloud receives anyway, so the private levels allow it."""
-        return self.head_sizer.choose(self._room(req)) if self.head is not None else 0
+        return self.head_sizer.choose(self._room(req)) if self._head_drafts(req) else 0
+
+    def _head_drafts(self, req: _Request) -> bool:
+        """The bundle's drafter works for this request (the u-shape loop drafts by lookup only)."""
+        return self.head is not None and req.speculate and not req.spec.ushape
+
+    def _note(self, req: _Request, start: int, ids: list[int], rows: np.ndarray) -> None:
+        """The front's context from ``start`` on is ``ids`` with boundary ``rows`` [n, H]: for the drafter, at
+        once, or by :meth:`_sync_head` while its catch-up runs."""
+        if not self._head_drafts(req):
+            return
+        if req.head_ready is None and not req.head_notes:
+            self.head.note(start, ids, rows)
+        else:
+            req.head_notes.append((start, ids, rows))
+
+    async def _sync_head(self, req: _Request) -> None:
+        """Wait for the drafter's catch-up, then hand it the notes taken meanwhile."""
+        if req.head_ready is not None:
+            ready, req.head_ready = req.head_ready, None
+            await ready
+        for note in req.head_notes:
+            self.head.note(*note)
+        req.head_notes = []
 
     async def _front_before_last(self, req: _Request, todo: list[int]) -> None:
         """Front decode of the tokens before the last one the front lacks (never after a verdict; after a
@@ -603,24 +651,27 @@ class Session:
         codec = self.codecs[req.step_codec]
         for t in todo[:-1]:
             hidden = await _compute(self.runtime.decode, t)
+            self._note(req, self.runtime.length - 1, [t], hidden)
             req.sent.append(_Sent(self.runtime.length - 1, 1, codec.encode(hidden, zstd=self.config.wire_zstd)))
 
     async def _send_spec(self, req: _Request, todo: list[int], drafts: list[int], stats: RequestStats) -> None:
         """Run the tokens the front lacks (the last emitted one) and the drafts as one chunk; one SpecStep up."""
         await self._front_before_last(req, todo)
         pos, t0 = self.runtime.length, time.perf_counter()
-        hidden = await _compute(self.runtime.prefill, [todo[-1], *drafts])  # [k + 1, H]
+        hidden = await _compute(self.runtime.step, [todo[-1], *drafts])  # [k + 1, H]: a decode-phase call
         await self._spec_up(req, _Spec(pos, list(drafts), hidden, None, t0), stats)
 
     async def _send_head_spec(self, req: _Request, todo: list[int], k: int, stats: RequestStats) -> None:
-        """Self-speculative drafts: the front runs the last emitted token, the head proposes d1 from its
-        boundary state, the front runs d1, the head proposes d2, ... The k + 1 states are the SpecStep's rows."""
+        """Self-speculative drafts: the front runs the last emitted token, the drafter proposes d1 from its
+        boundary state, the front runs d1, the drafter proposes d2, ... The k + 1 states are the SpecStep's rows."""
         await self._front_before_last(req, todo)
         pos, t0 = self.runtime.length, time.perf_counter()
         rows = [await _compute(self.runtime.decode, todo[-1])]  # each [1, H]
+        await self._sync_head(req)
         drafts: list[int] = []
-        for _ in range(k):
-            drafts.append(self.head.next_token(rows[-1]))
+        for j in range(k):
+            self.head.note(pos + j, [drafts[-1] if j else todo[-1]], rows[-1])
+            drafts.append(await _compute(self.head.propose))
             rows.append(await _compute(self.runtime.decode, drafts[-1]))
         spec = _Spec(pos, drafts, np.concatenate(rows, axis=0), None, t0, from_head=True)  # hidden [k + 1, H]
         await self._spec_up(req, spec, stats)
@@ -647,6 +698,7 @@ class Session:
             raise EdgeClientError(f"the cloud's verdict {new} does not extend the drafts {spec.drafts}", "bad_server")
         keep = min(len(new), len(spec.drafts) + 1)  # rows kept: the fed token and the accepted drafts
         self.runtime.truncate(spec.position + keep)
+        self._note(req, spec.position, req.context_ids(spec.position, keep), spec.hidden[:keep])
         codec = self.codecs[req.step_codec]
         req.sent.append(_Sent(spec.position, keep, codec.encode(np.ascontiguousarray(spec.hidden[:keep]),
                                                                 zstd=self.config.wire_zstd)))
@@ -663,6 +715,7 @@ class Session:
         if spec is None:
             return
         self.runtime.truncate(spec.position + 1)
+        self._note(req, spec.position, req.context_ids(spec.position, 1), spec.hidden[:1])
         req.sent.append(_Sent(spec.position, 1, self.codecs[req.step_codec].encode(
             np.ascontiguousarray(spec.hidden[:1]), zstd=self.config.wire_zstd)))
 
@@ -699,11 +752,13 @@ class Session:
         log.info("trace=%s rebuilt on bundle %s as request %s", req.trace_id, self.manifest.bundle_id, req.rid)
         req.spec_step, req.opened, req.sent, req.prefix_raw, req.pending = None, False, [], None, []
         req.index_base = len(req.tokens)
+        req.head_notes, req.head_ready = [], None  # a new bundle, a new drafter (use_bundle): it starts empty
         stats.replays += 1
         self.runtime.reset()
         chunks = self.runtime.prefill_chunks([*req.spec.prompt_ids, *req.tokens])
         while (item := await _compute(next, chunks, None)) is not None:
             start, hidden = item  # hidden: [n, H]
+            self._note(req, start, req.context_ids(start, hidden.shape[0]), hidden)
             await self._send_span(req, start, hidden, stats)
         req.bundle_gen = self.bundle_gen
 
@@ -743,7 +798,7 @@ class Session:
         preloaded prompt of at least a block also names the link's routing key (``transport.route_key``: its
         first prefix key, in the edge's block size and first codec, scoped by the API key's tenant)."""
         if self.link.route_key is None:
-            scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_quant, next(iter(self.codecs)))
+            scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_variant, next(iter(self.codecs)))
             self.link.route_key = route_key(ids, scope, self.config.cache_block_tokens, self.config.api_key)
         if self._lock is None:
             self._lock = asyncio.Lock()

@@ -79,6 +79,7 @@ class RequestStats:
     codec: str = ""  # wire codec of the prompt's hidden states
     step_codec: str = ""  # wire codec of the decode steps' (and SpecSteps') hidden states
     compute: str = ""  # compute variant asked of the cloud
+    edge_variant: str = ""  # what computed the edge states (Manifest.edge_variant: int8+fp32-prefill, fp32, ...)
     reconnects: int = 0
     resumes: int = 0  # the cloud session survived a drop
     replays: int = 0  # the cloud lost the session; the context was replayed
@@ -88,6 +89,7 @@ class RequestStats:
     accepted_draft_tokens: int = 0  # of those, accepted by the cloud
     head_draft_tokens: int = 0  # of the drafts, those the bundle's draft head proposed (the rest: prompt lookup)
     accepted_head_draft_tokens: int = 0
+    edge_draft_s: float = 0.0  # the bundle's drafter's compute (edge_client.draft_head), beside edge_compute_s
     exec_mode: str = ""  # shared.exec_mode: split | u-shape | all-cloud | edge-only (and why, below)
     exec_reason: str = ""
     image_tokens: int = 0  # prompt tokens that are visual embeddings (usage)

@@ -13,7 +13,8 @@ Contract (one sequence at a time, positions absolute and contiguous, as :class:`
 
 The KV cache is the front's fused-graph buffer (``edge_client.front``: one ``[1, KVH, C, D]`` buffer per layer
 and tensor, bound as past *and* present so each step writes its rows in place; ``truncate`` only moves the
-length). Only numpy and onnxruntime: this module runs on the phone.
+length). :class:`StatesRuntime` is that runtime for any graph of the tail's interface (the layer-skipping
+drafter, ``edge_client.draft_layers``, is another). Only numpy and onnxruntime: this module runs on the phone.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class _TailKV(_SharedBufferKV):
         s = states.shape[0]
         total = self.length + s
         self.reserve(total)
-        b = self.binding
+        b = self.bindings[id(session)]
         b.bind_cpu_input(TAIL_INPUT, np.ascontiguousarray(states, np.float32)[None])  # [1, S, H]
         b.bind_cpu_input("seqlens_k", np.array([total - 1], np.int32))  # [1]
         b.bind_cpu_input("total_sequence_length", np.array(total, np.int32))  # []
@@ -63,23 +64,17 @@ class _TailKV(_SharedBufferKV):
         return out[0].copy()  # [rows, V]: the bound buffer is overwritten by the next call
 
 
-class TailRuntime:
-    """onnxruntime session over ``edge/tail.onnx`` plus the sequence's KV cache for layers [L - M, L)."""
+class StatesRuntime:
+    """onnxruntime session over a graph of the tail's interface (hidden states in, logits out: ``n_layers``
+    decoder layers + norm + lm_head) plus the sequence's KV cache for its layers. The u-shape tail is one
+    (:class:`TailRuntime`), the layer-skipping drafter another (``edge_client.draft_layers``)."""
 
-    def __init__(self, bundle_dir: str | Path, threads: int = 2, chunk: int = 128, verify: bool = True,
+    def __init__(self, path: Path, manifest: Manifest, n_layers: int, threads: int = 2, chunk: int = 128,
                  capacity: int = INITIAL_CAPACITY):
         if threads < 1 or chunk < 1 or capacity < 1:
             raise ValueError(f"threads ({threads}), chunk ({chunk}) and capacity ({capacity}) must be >= 1")
-        self.bundle_dir = Path(bundle_dir)
-        self.manifest = m = Manifest.load(self.bundle_dir)
-        if not m.tail_layers:
-            raise BundleError(f"{self.bundle_dir}: not a u-shape bundle (split without --tail)")
-        if verify:
-            m.verify_files(self.bundle_dir, roles=("edge",))
-        path = self.bundle_dir / TAIL
-        if not path.is_file():
-            raise BundleError(f"{path}: missing (the manifest says the bundle has a tail)")
-        self.n_layers, self.hidden_size, self.vocab_size = m.tail_layers, m.hidden_size, m.vocab_size
+        m = self.manifest = manifest
+        self.n_layers, self.hidden_size, self.vocab_size = n_layers, m.hidden_size, m.vocab_size
         self.chunk = chunk
         self.session = open_session(path, threads)
         names = {i.name for i in self.session.get_inputs()}
@@ -87,10 +82,10 @@ class TailRuntime:
         self.mrope = set(ROPE_INPUTS) <= names  # GLM-4.1V: the caller's 3-D positions -> cos/sin inputs
         if names != kv | {TAIL_INPUT, TAIL_ROWS, *FUSED_INPUTS, *(ROPE_INPUTS if self.mrope else ())}:
             raise BundleError(f"{path}: inputs {sorted(names)[:4]}... are not a {self.n_layers}-layer tail graph's")
-        meta = self.session.get_modelmeta().custom_metadata_map
+        self.meta = meta = self.session.get_modelmeta().custom_metadata_map
         self.mrope_params = json.loads(meta[MROPE_KEY]) if self.mrope else None
         self.stats = FrontStats()
-        self._cache = _TailKV(self.session, self.n_layers, m.num_kv_heads, m.head_dim, capacity,
+        self._cache = _TailKV([self.session], self.n_layers, m.num_kv_heads, m.head_dim, capacity,
                               int(meta.get(MAX_POSITIONS_KEY, 1 << 20)))
 
     @property
@@ -132,3 +127,20 @@ class TailRuntime:
         for i in range(0, last, self.chunk):  # every chunk but the last: its KV is what counts
             self.run(states[i:i + self.chunk], 1)
         return self.run(states[last:], 1)
+
+
+class TailRuntime(StatesRuntime):
+    """The u-shape tail of a bundle split with ``--tail M``: ``edge/tail.onnx``, layers [L - M, L)."""
+
+    def __init__(self, bundle_dir: str | Path, threads: int = 2, chunk: int = 128, verify: bool = True,
+                 capacity: int = INITIAL_CAPACITY):
+        self.bundle_dir = Path(bundle_dir)
+        m = Manifest.load(self.bundle_dir)
+        if not m.tail_layers:
+            raise BundleError(f"{self.bundle_dir}: not a u-shape bundle (split without --tail)")
+        if verify:
+            m.verify_files(self.bundle_dir, roles=("edge",))
+        path = self.bundle_dir / TAIL
+        if not path.is_file():
+            raise BundleError(f"{path}: missing (the manifest says the bundle has a tail)")
+        super().__init__(path, m, m.tail_layers, threads, chunk, capacity)

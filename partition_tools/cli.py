@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=_env("OUT"), help="bundle directory to write")
     s.add_argument("--edge-quant", choices=("int8", "int4", "fp32"), default=_env("EDGE_QUANT", "int8"),
                    help="edge weight precision (default int8)")
+    s.add_argument("--fp32-prefill", action="store_true",
+                   help="precision by phase (int8/int4 edge): also ship an fp32 copy of the front "
+                        "(edge/front_prefill.onnx) that runs the prompt, decode steps staying quantized; about "
+                        "3x the edge's memory, no measured gain in identical answers (docs/quality.md)")
     s.add_argument("--vision-quant", choices=("int8", "fp32", "none"), default=_env("VISION_QUANT"),
                    help="GLM-4.1V: the edge vision tower's weights (default: int8, fp32 with an fp32 front; "
                         "none: no vision tower)")
@@ -48,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--text", default=_env("TEXT"), help="calibration text, UTF-8 (default: built-in sample's tail)")
     d.add_argument("--vocab", type=int, default=_env("VOCAB"),
                    help="K: propose only the K most frequent calibration tokens (default: the whole vocabulary)")
-    d.add_argument("--quant", choices=("int8", "fp32"), default=_env("QUANT", "int8"), help="head weights")
+    d.add_argument("--quant", choices=("int8", "int4", "fp32"), default=_env("QUANT", "int8"),
+                   help="drafter weights (int4: --layers only)")
+    d.add_argument("--layers", default=_env("LAYERS"),
+                   help="a layer-skipping drafter instead of the lens: 'auto' (greedy search for --budget of the "
+                        "cloud's layers on calibration data) or the cloud layers, comma-separated (e.g. 8,12,29)")
+    d.add_argument("--budget", type=int, default=int(_env("BUDGET", 6)), help="M: layers --layers auto picks")
 
     v = sub.add_parser("verify", help="check a bundle against the unsplit model on real text")
     v.add_argument("bundle")
@@ -89,7 +98,8 @@ def _cmd_split(args) -> int:
     if args.layer is None or args.out is None:
         raise UsageError("split needs --layer N and --out DIR")
     cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant,
-                      vision_quant=args.vision_quant, audio_encoder=args.audio_encoder, tail=args.tail)
+                      vision_quant=args.vision_quant, audio_encoder=args.audio_encoder, tail=args.tail,
+                      fp32_prefill=args.fp32_prefill)
     t0 = time.perf_counter()
     lm = load_model(source, seed=args.seed)
     m = split(lm, cfg)
@@ -98,7 +108,9 @@ def _cmd_split(args) -> int:
     for a in m.artifacts.values():
         sizes[a.role] += a.bytes
     print(f"bundle {m.bundle_id} -> {cfg.out}")
-    print(f"  edge  : embeddings + layers [0, {m.split_layer}) {m.edge_quant} ONNX, {sizes['edge'] / 1e6:.2f} MB")
+    phases = " (prompt: an fp32 copy)" if "prefill" in m.quant_report else ""
+    print(f"  edge  : embeddings + layers [0, {m.split_layer}) {m.edge_quant} ONNX{phases}, "
+          f"{sizes['edge'] / 1e6:.2f} MB")
     lo, hi = m.cloud_layers
     if m.tail_layers:
         print(f"  tail  : layers [{hi}, {m.num_layers}) + norm + lm_head {m.edge_quant} ONNX (on the edge, "
@@ -115,12 +127,39 @@ def _cmd_draft_head(args) -> int:
     from .draft_head import DraftHeadConfig, add_draft_head
     from .models import load_model
 
-    cfg = DraftHeadConfig(text=Path(args.text) if args.text else None,
-                          vocab=int(args.vocab) if args.vocab is not None else None, quant=args.quant)
+    vocab = int(args.vocab) if args.vocab is not None else None
+    text = Path(args.text) if args.text else None
+    if args.layers is not None:
+        return _draft_layers(args, text, vocab)
+    if args.quant == "int4":
+        raise UsageError("--quant int4 is for --layers drafters (the lens head is int8 or fp32)")
+    cfg = DraftHeadConfig(text=text, vocab=vocab, quant=args.quant)
     lm = load_model(args.source or Manifest.load(args.bundle).source)
     r = add_draft_head(lm, Path(args.bundle), cfg)
     print(f"draft head -> {args.bundle}: {r['vocab']} tokens, {r['quant']}, calibrated on {r['calibration_tokens']} "
           f"tokens; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on {r['held_out_tokens']} held-out")
+    return 0
+
+
+def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
+    from shared.manifest import Manifest
+
+    from .draft_layers import DraftLayersConfig, add_draft_layers
+    from .models import load_model
+
+    if args.layers == "auto":
+        layers = None
+    else:
+        try:
+            layers = tuple(int(x) for x in args.layers.split(",") if x.strip())
+        except ValueError:
+            raise UsageError(f"--layers {args.layers!r}: 'auto' or comma-separated layer numbers") from None
+    cfg = DraftLayersConfig(layers=layers, budget=args.budget, text=text, vocab=vocab, quant=args.quant)
+    lm = load_model(args.source or Manifest.load(args.bundle).source)
+    r = add_draft_layers(lm, Path(args.bundle), cfg)
+    print(f"draft layers -> {args.bundle}: layers {r['layers']} ({r['chosen_by']}) + norm + lm_head, {r['quant']}, "
+          f"{r['vocab']} tokens, {r['bytes'] / 1e6:.1f} MB; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % "
+          f"on {r['held_out_tokens']} held-out")
     return 0
 
 

@@ -1,9 +1,9 @@
 """The PCA codecs' calibration artifact: boundary states of calibration text -> ``codec_pca.npz`` in the bundle.
 
 ``split`` calls :func:`write_codec_calibration` after ``calibration.json`` is written: it runs the fp32 front
-over the calibration windows, fits :func:`shared.codecs_pca.calibrate_pca` (basis, mean, one step and Rice
-table per level), writes the artifact and records it in ``calibration.json`` (``"pca_codec"``: file, sha256,
-content digest, levels). The manifest then hashes it like every other shared artifact, so it is part of
+over the calibration windows, fits :func:`shared.codecs_pca.calibrate_pca` (basis, mean, per level one step
+and its Rice parameters or rANS tables), writes the artifact and records it in ``calibration.json``
+(``"pca_codec"``: file, sha256, content digest, levels). The manifest then hashes it like every other shared artifact, so it is part of
 the bundle id: an edge and a cloud with the same bundle id hold the same basis.
 
 Calibration text: the built-in sample text *after* its first :data:`EVAL_TOKENS` tokens (``verify``,
@@ -31,8 +31,8 @@ ARTIFACT = "codec_pca.npz"
 EVAL_TOKENS = 1024  # the sample text's first tokens are the evaluation text of every quality bench
 WINDOW = 512
 CHAT_TOKENS = 800  # calibration text wrapped in the chat template (two turns of CHAT_TOKENS // 2)
-TARGETS = {"pca-fine": 0.62, "pca-compact": 0.25}  # bytes per element of the coefficients on the calibration
-#  (held-out text costs ~15 % more: docs/quality.md, "Boundary codecs")
+TARGETS = {"pca-fine": 0.62, "pca-compact": 0.25,  # bytes per element of the coefficients on the calibration
+           "pca-ans-compact": 0.27}  # (held-out text costs ~10-15 % more: docs/quality.md, "PCA codecs")
 
 
 def codec_calibration_windows(lm: LoadedModel, vocab_size: int) -> list[torch.Tensor]:

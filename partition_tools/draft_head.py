@@ -147,14 +147,20 @@ def export(lens: LensFit, path: Path, quant: str) -> None:
         shutil.move(str(Path(tmp) / "q.onnx"), path)
 
 
-def add_draft_head(lm: LoadedModel, bundle: Path, cfg: DraftHeadConfig | None = None) -> dict:
-    """Fit, export and register the draft head of ``bundle`` (split from ``lm``); returns its report."""
-    cfg = cfg or DraftHeadConfig()
-    bundle = Path(bundle)
+def bundle_of(lm: LoadedModel, bundle: Path) -> tuple[Manifest, ModelAdapter]:
+    """The manifest of ``bundle`` and the adapter of ``lm``, the model it must have been split from."""
     manifest = Manifest.load(bundle)
     adapter = ModelAdapter(lm.model)
     if adapter.hidden_size != manifest.hidden_size or adapter.num_layers != manifest.num_layers:
         raise BundleError(f"{bundle}: the bundle was not split from this model (hidden size / layers differ)")
+    return manifest, adapter
+
+
+def add_draft_head(lm: LoadedModel, bundle: Path, cfg: DraftHeadConfig | None = None) -> dict:
+    """Fit, export and register the draft head of ``bundle`` (split from ``lm``); returns its report."""
+    cfg = cfg or DraftHeadConfig()
+    bundle = Path(bundle)
+    manifest, adapter = bundle_of(lm, bundle)
     ids = _ids(lm, adapter, cfg)
     h, y, nxt = boundary_and_final(adapter, ids, manifest.split_layer)
     lm_head = adapter.lm_head.weight.detach().float().numpy()  # [V, H]

@@ -34,7 +34,9 @@ have t = h = w, where this equals 1-D rope; images only change the positions the
 
 The same builder writes the u-shape *tail* (``build_fused_layers`` with ``first > 0``, used by
 ``partition_tools.export_tail``): the last M layers from the boundary states the cloud returns, then the final
-norm and the lm_head over the last ``logits_rows`` rows, with its own in-place KV buffer.
+norm and the lm_head over the last ``logits_rows`` rows, with its own in-place KV buffer; and, with the same
+interface, any increasing subset of layers (``build_fused_stack``: the layer-skipping drafter of
+``partition_tools.draft_layers``).
 
 Families: Llama layout (SmolLM2, Qwen2, Mistral) and GLM-4 / GLM / GLM-4.1V (partial interleaved rotary,
 fused gate_up_proj, GLM-4's post-attention and post-MLP norms). Anything else (q/k norms, non-SiLU MLPs,
@@ -44,6 +46,7 @@ sliding windows) raises :class:`GraphBuildError`; ``partition_tools.export`` the
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,11 +219,28 @@ def build_fused_layers(adapter: ModelAdapter, first: int, last: int, out_path: P
     ``logits_rows`` int64 [1] = n, and output ``logits`` float32 [1, n, V]: the final norm and the lm_head over
     the last n of the S rows. KV inputs are numbered from 0 within the graph (``past_key.{j}`` is layer
     ``first + j``); nodes keep the model's layer numbers (``layers.{first + j}.mlp.down_proj``)."""
-    n_layers = last - first
-    tail = first > 0
-    if not 0 <= first < last <= adapter.num_layers or (tail and last != adapter.num_layers):
+    if not 0 <= first < last <= adapter.num_layers or (first > 0 and last != adapter.num_layers):
         raise GraphBuildError(f"layers [{first}, {last}): a front starts at 0, a tail ends at layer "
                               f"{adapter.num_layers}")
+    return build_fused_stack(adapter, range(first, last), out_path, max_positions)
+
+
+def build_fused_stack(adapter: ModelAdapter, layer_ids: Sequence[int], out_path: Path,
+                      max_positions: int | None = None) -> Path:
+    """Write the fused fp32 graph of the decoder layers ``layer_ids`` (strictly increasing), run in that order.
+
+    ``[0, n)``: the front. Not starting at 0: a stack over hidden states with the final norm and the lm_head,
+    the interface of the tail (``build_fused_layers``): the u-shape tail ``[L - M, L)``, or the layer-skipping
+    drafter's subset of the cloud's layers (``partition_tools.draft_layers``), whose first layer reads the
+    boundary states after layer N - 1 and whose skipped layers are simply absent. ``past_key.{j}`` is the KV of
+    ``layer_ids[j]``; nodes keep the model's layer numbers."""
+    layer_ids = [int(i) for i in layer_ids]
+    n_layers = len(layer_ids)
+    tail = bool(layer_ids) and layer_ids[0] > 0
+    if (not layer_ids or layer_ids[-1] >= adapter.num_layers or any(b <= a for a, b in zip(layer_ids, layer_ids[1:]))
+            or (not tail and layer_ids != list(range(n_layers)))):
+        raise GraphBuildError(f"layers {layer_ids}: a front is [0, n), a stack strictly increasing layers of "
+                              f"[1, {adapter.num_layers})")
     if adapter.family.name not in _INTERLEAVED and adapter.family.name != "llama":
         raise GraphBuildError(f"family {adapter.family.name!r}: no fused graph recipe")
     if getattr(adapter.config, "sliding_window", None) and getattr(adapter.config, "use_sliding_window", True):
@@ -234,7 +254,7 @@ def build_fused_layers(adapter: ModelAdapter, first: int, last: int, out_path: P
         raise GraphBuildError("3-D rope with scaling or without mrope_section: edge_client.rope computes "
                               "default-type angles only")
     interleaved = int(adapter.family.name in _INTERLEAVED)
-    layers = [layer_weights(adapter, i) for i in range(first, last)]
+    layers = [layer_weights(adapter, i) for i in layer_ids]
     n_pos = max_positions or min(int(getattr(adapter.config, "max_position_embeddings", 4096)),
                                  MAX_CACHED_POSITIONS)
 
@@ -285,7 +305,7 @@ def build_fused_layers(adapter: ModelAdapter, first: int, last: int, out_path: P
         hidden = g.op("Gather", ["embed_tokens.weight", "input_ids"], ["embed.out"], "embed_tokens")[0]  # [1, S, H]
     residual = None  # the running residual stream; None: ``hidden`` itself (the graph's first layer)
     for i, w in enumerate(layers):
-        p = f"layers.{first + i}"
+        p = f"layers.{layer_ids[i]}"
 
         x, residual = g.skip_norm(hidden, residual, w.input_norm, f"{p}.input_layernorm", w.eps)  # [1, S, H]
         qkv = g.matmul(x, w.qkv, f"{p}.self_attn.qkv_proj", w.qkv_bias)  # [1, S, (NH + 2 KVH) D]

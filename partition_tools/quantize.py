@@ -16,11 +16,18 @@
   blocks lose the most (:func:`outlier_matmuls`);
 * ``rotate``: module-path patterns of MatMuls whose input is rotated per activation block by a Hadamard
   matrix folded into the weights (``partition_tools.rotation``), after smoothing;
+* ``gptq``: the 8-bit codes rounded by GPTQ on the calibration inputs (``partition_tools.gptq``) instead of to
+  nearest;
 * with ``kv_cache="int8"`` (fused graph only) the KV cache is stored as int8 with calibrated per-channel
   scales (``partition_tools.kv_quant``);
 * with ``embedding="int8"|"int4"`` the embedding table (the ``Gather`` that starts the graph, half of a
   small model's bytes) becomes a ``GatherBlockQuantized`` node: blocks of ``block_size`` channels of one
-  token row share an fp32 scale, zero point 2^(bits-1) (symmetric).
+  token row share an fp32 scale, zero point 2^(bits-1) (symmetric);
+* ``prefill="fp32"`` (precision by phase) also writes the prompt-phase graph beside ``dst``
+  (``edge_client.front.prefill_graph_path``: ``front.onnx`` -> ``front_prefill.onnx``): the fp32 source
+  graph as it is - no smoothing, fp32 MatMuls - except its embedding table, which gets the same
+  quantization as the decode graph's. ``FrontRuntime`` runs the prompt through it and the decode steps
+  through ``dst``, on one KV cache: the prompt's KV and boundary states are then the fp32 front's.
 
 Nodes are addressed by the *module path* the torch exporter records on each node
 (``pkg.torch.onnx.name_scopes``: ``layers.3.mlp.down_proj``, ``embed_tokens``), matched with fnmatch
@@ -46,8 +53,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .gptq import DAMP, gptq_round, write_codes
+
 QUANT_MODES = ("fp32", "int8", "int4")
 EMBEDDING_MODES = ("fp32", "int8", "int4")
+PREFILL_MODES = ("fp32",)  # the prompt-phase graph's weights (precision by phase); None: no such graph
 KV_MODES = ("fp32", "int8")  # int8: the fused graph's GroupQueryAttention cache (partition_tools.kv_quant)
 ACCURACY_LEVELS = (1, 2, 3, 4)  # MatMulNBits: 1 fp32, 2 fp16, 3 bf16, 4 int8 activation compute
 CALIBRATION_TOKENS = 512  # smoothing statistics: enough to see every outlier channel, < 1 s to collect
@@ -164,7 +174,8 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
                    smooth_alpha: float | None = None, calibration_ids: np.ndarray | None = None,
                    kv_cache: str = "fp32", kv_calibration_ids: np.ndarray | None = None,
                    rotate: tuple[str, ...] | list[str] = (), float_outliers: int = 0,
-                   outlier_patterns: tuple[str, ...] | list[str] = ("*.mlp.down_proj",)) -> dict:
+                   outlier_patterns: tuple[str, ...] | list[str] = ("*.mlp.down_proj",),
+                   prefill: str | None = None, gptq: bool = False) -> dict:
     """Quantize the fp32 edge graph ``src`` into ``dst``; returns the report recorded in the manifest.
 
     mode: int8 | int4 (fp32 is a plain copy). ``precise`` / ``keep_float``: module-path patterns run at
@@ -172,8 +183,16 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
     default ``block_size``). ``symmetric=False``: MatMul weights get zero points (asymmetric).
     ``smooth_alpha``: fold SmoothQuant scales into the RMSNorm weights first (``partition_tools.smoothing``),
     calibrated on ``calibration_ids [T]``. ``float_outliers``: that many of the ``outlier_patterns`` MatMuls,
-    those with the most extreme calibration inputs, stay fp32 (:func:`outlier_matmuls`).
+    those with the most extreme calibration inputs, stay fp32 (:func:`outlier_matmuls`). ``prefill``: None,
+    or ``"fp32"`` to write the prompt-phase graph beside ``dst`` (module docstring; report key ``prefill``).
+    ``gptq``: round the 8-bit weights with GPTQ on the calibration inputs (``partition_tools.gptq``) instead of
+    to nearest.
     """
+    if prefill is not None and prefill not in PREFILL_MODES:
+        raise QuantizationError(f"prefill graph {prefill!r}: expected None or one of {', '.join(PREFILL_MODES)}")
+    if prefill is not None and (mode == "fp32" or kv_cache != "fp32"):
+        raise QuantizationError("a separate fp32 prefill graph is for a quantized front with the fp32 KV cache "
+                                f"(got {mode} weights, {kv_cache} KV)")
     if mode not in QUANT_MODES:
         raise QuantizationError(f"edge quantization {mode!r}: expected one of {', '.join(QUANT_MODES)}")
     if embedding not in EMBEDDING_MODES:
@@ -185,8 +204,11 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
     emb_block = embedding_block_size or block_size
     if emb_block < 16 or emb_block & (emb_block - 1):
         raise QuantizationError(f"embedding block size {emb_block}: must be a power of two >= 16")
-    if (smooth_alpha is not None or float_outliers) and calibration_ids is None:
-        raise QuantizationError("smoothing and float_outliers need calibration_ids (token ids of calibration text)")
+    if (smooth_alpha is not None or float_outliers or gptq) and calibration_ids is None:
+        raise QuantizationError("smoothing, float_outliers and gptq need calibration_ids (token ids of calibration "
+                                "text)")
+    if gptq and (mode != "int8" or not symmetric):
+        raise QuantizationError(f"gptq: symmetric int8 weights only (got {mode}, symmetric={symmetric})")
     if float_outliers < 0:
         raise QuantizationError(f"float_outliers {float_outliers}: must be >= 0")
     if kv_cache not in KV_MODES:
@@ -226,6 +248,8 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
     floats += [n for n in outliers if n not in floats]
     precise_nodes = [n for n in _matching(paths, precise) if n not in floats]
     bits = 8 if mode == "int8" else 4
+    codes = {} if not gptq else _gptq_codes(model, [n for n in paths if n not in floats],
+                                            np.asarray(calibration_ids, dtype=np.int64).reshape(-1), block_size)
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
                              accuracy_level=accuracy_level, nodes_to_exclude=floats)
@@ -237,6 +261,8 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
     if len(nbits) != len(paths) - len(floats) or not wanted <= set(nbits):
         raise QuantizationError(f"{src}: quantizer produced {len(nbits)} MatMulNBits for "
                                 f"{len(paths) - len(floats)} MatMuls; cannot apply per-node settings")
+    for name, (qc, sc) in codes.items():
+        write_codes(model, nbits[f"{name}_Q{bits}"], qc, sc, bits)
     for name in wanted:
         for attr in nbits[name].attribute:
             if attr.name == "accuracy_level":
@@ -253,6 +279,8 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         "float_matmuls": sorted(paths[n] for n in floats if not n.endswith(".rot.hadamard")),
         "rotated_matmuls": sorted(rotated), "embedding": "fp32",
         "float_outliers": {paths[n]: round(r, 1) for n, r in outliers.items()},
+        "rounding": "nearest" if not gptq else {
+            "method": "GPTQ", "damp": DAMP, "matmuls": len(codes), "calibration_tokens": int(np.size(calibration_ids))},
     }
     if embedding != "fp32":
         gathers = embedding_gathers(model)
@@ -263,8 +291,50 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         report["embedding_bytes"] = nbytes
     report.update(kv_report)
     _save(model, Path(dst))
-    report["bytes"] = sum(p.stat().st_size for p in Path(dst).parent.glob(Path(dst).name + "*"))
+    report["bytes"] = _graph_bytes(Path(dst))
+    if prefill is not None:
+        report["prefill"] = write_prefill_graph(Path(src), Path(dst), embedding, emb_block)
     return report
+
+
+def _gptq_codes(model: onnx.ModelProto, names: list[str], ids: np.ndarray,
+                block: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """GPTQ codes (``partition_tools.gptq``) of the named constant-weight MatMuls of ``model`` from one prefill
+    of the calibration ``ids [T]``: name -> (q [K, N], scales [K / block, N])."""
+    from .smoothing import probe_tensors
+
+    nodes = {n.name: n for n in model.graph.node}
+    inits = {i.name: i for i in model.graph.initializer}
+    xs = probe_tensors(model, ids, sorted({nodes[n].input[0] for n in names}))  # tensor -> [T, K]
+    out = {}
+    for name in names:
+        x = xs[nodes[name].input[0]].astype(np.float64)  # [T, K]
+        w = numpy_helper.to_array(inits[nodes[name].input[1]]).astype(np.float32)  # [K, N]
+        out[name] = gptq_round(w, x.T @ x, 8, block)
+    return out
+
+
+def _graph_bytes(path: Path) -> int:
+    """A graph's bytes on disk (with its external-data file, if any)."""
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*"))
+
+
+def write_prefill_graph(src: Path, dst: Path, embedding: str, block_size: int) -> dict:
+    """The prompt-phase graph of the decode graph ``dst``: the fp32 graph ``src`` with its embedding table
+    quantized as ``dst``'s (``embedding`` int8 | int4 | fp32, blocks of ``block_size``), written to
+    ``edge_client.front.prefill_graph_path(dst)``; returns its report entry."""
+    from edge_client.front import prefill_graph_path
+
+    model = onnx.load(str(src))
+    if embedding != "fp32":
+        gathers = embedding_gathers(model)
+        if len(gathers) != 1:
+            raise QuantizationError(f"{src}: expected one embedding Gather on a float table, found {len(gathers)}")
+        _quantize_embedding(model, gathers[0], 8 if embedding == "int8" else 4, block_size)
+    path = prefill_graph_path(dst)
+    _save(model, path)
+    return {"mode": "fp32", "graph": path.name, "embedding": embedding, "bytes": _graph_bytes(path),
+            "runs": "prompt chunks (decode steps and speculative steps run the quantized graph)"}
 
 
 def _save(model: onnx.ModelProto, dst: Path) -> None:

@@ -67,9 +67,9 @@ def calibration_feeds(model: onnx.ModelProto, ids: np.ndarray) -> dict[str, np.n
     return feeds
 
 
-def matmul_input_absmax(model: onnx.ModelProto, ids: np.ndarray, tensors: list[str],
-                        threads: int = 2) -> dict[str, np.ndarray]:
-    """Per-channel max |x| of each named graph tensor over a prefill of ``ids [T]``: name -> [K]."""
+def probe_tensors(model: onnx.ModelProto, ids: np.ndarray, tensors: list[str],
+                  threads: int = 2) -> dict[str, np.ndarray]:
+    """The values of the named graph tensors over a prefill of ``ids [T]``: name -> [T, K] (rows: tokens)."""
     import onnxruntime as ort
 
     probe = onnx.ModelProto()
@@ -86,7 +86,13 @@ def matmul_input_absmax(model: onnx.ModelProto, ids: np.ndarray, tensors: list[s
         onnx.save(probe, str(path), save_as_external_data=probe.ByteSize() > _PROTO_LIMIT)
         session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         outs = session.run(tensors, calibration_feeds(model, ids))
-    return {name: np.abs(o).reshape(-1, o.shape[-1]).max(0) for name, o in zip(tensors, outs)}  # [K]
+    return {name: o.reshape(-1, o.shape[-1]) for name, o in zip(tensors, outs)}  # [T, K]
+
+
+def matmul_input_absmax(model: onnx.ModelProto, ids: np.ndarray, tensors: list[str],
+                        threads: int = 2) -> dict[str, np.ndarray]:
+    """Per-channel max |x| of each named graph tensor over a prefill of ``ids [T]``: name -> [K]."""
+    return {name: np.abs(x).max(0) for name, x in probe_tensors(model, ids, tensors, threads).items()}  # [K]
 
 
 def norm_fed_groups(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, str, list[onnx.NodeProto]]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edge_client.front import FRONT
+from edge_client.front import FRONT, PREFILL_GRAPH
 from shared.manifest import FORMAT_VERSION, BundleError, Manifest
 
 from .adapters import ModelAdapter, call_layer
@@ -37,6 +37,13 @@ class SplitConfig:
     vision_quant: str | None = None  # GLM-4.1V's edge vision tower: int8 | fp32 | none (None: as the front)
     audio_encoder: str | None = None  # a Whisper + projector directory (or "tiny-whisper"): partition_tools.export_audio
     tail: int = 0  # M > 0: a u-shape bundle, layers [L - M, L) + norm + lm_head also on the edge (export_tail)
+    # precision by phase (--fp32-prefill): the prompt through an fp32 copy of the front (edge/front_prefill.onnx),
+    # decode steps through the quantized one; off by default (no gain on held-out answers, 3x the memory:
+    # docs/quality.md, "Edge answers")
+    fp32_prefill: bool = False
+    # MatMuls the int8 recipe keeps in fp32 (the most outlier-heavy down_proj); None: the recipe's own (2 for
+    # int8). A one-layer bench passes 0 to time the layer every other layer of a deep front is.
+    float_outliers: int | None = None
 
     def __post_init__(self):
         if self.edge_quant not in QUANT_MODES:
@@ -45,6 +52,10 @@ class SplitConfig:
             raise BundleError(f"--vision-quant {self.vision_quant!r}: expected int8, fp32 or none")
         if self.tail < 0:
             raise BundleError(f"--tail {self.tail}: expected M >= 0 layers")
+        if self.fp32_prefill and self.edge_quant == "fp32":
+            raise BundleError("--fp32-prefill is for a quantized edge (--edge-quant int8|int4)")
+        if self.float_outliers is not None and self.float_outliers < 0:
+            raise BundleError(f"float_outliers {self.float_outliers}: expected >= 0")
         self.out = Path(self.out)
 
 
@@ -130,13 +141,18 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
             from .quantize import recipe_for
 
             recipe = recipe_for(adapter, cfg.layer, cfg.edge_quant, lm.tokenizer)
-            quant_report = quantize_front(fp32, out / FRONT, cfg.edge_quant, **recipe)
+            if cfg.float_outliers is not None:
+                recipe["float_outliers"] = cfg.float_outliers
+            quant_report = quantize_front(fp32, out / FRONT, cfg.edge_quant, **recipe,
+                                          prefill="fp32" if cfg.fp32_prefill else None)
     quant_report["edge_graph"] = graph_kind
     has_vision = hasattr(getattr(lm.model, "model", None), "visual") and cfg.vision_quant != "none"
     if has_vision or cfg.audio_encoder:  # encoder rows enter the front in place of token embeddings
         from .front_embeds import add_embeds_input_file
 
-        add_embeds_input_file(out / FRONT, adapter.hidden_size)
+        for graph in (FRONT, PREFILL_GRAPH):
+            if (out / graph).is_file():
+                add_embeds_input_file(out / graph, adapter.hidden_size)
     if has_vision:
         quant_report["vision"] = _export_vision(lm, cfg)
     if cfg.audio_encoder:

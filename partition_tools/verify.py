@@ -63,7 +63,7 @@ def incremental_check(bundle_dir: Path, ids: np.ndarray, prefill: int = 8, steps
     from edge_client.front import FrontRuntime
 
     ids = ids[:prefill + steps].astype(np.int64)  # [T]
-    front = FrontRuntime(bundle_dir, chunk=ids.size, verify=False)
+    front = FrontRuntime(bundle_dir, chunk=ids.size, verify=False, prefill_graph=None)  # the decode graph's own
     full = front.prefill(ids)  # [T, H] in one forward pass
     front.reset()
     pieces = [front.prefill(ids[:prefill])] + [front.decode(int(t)) for t in ids[prefill:]]  # [k, H], [1, H]...

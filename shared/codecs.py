@@ -1,18 +1,19 @@
 """Boundary codecs by name: the registry both ends use after the handshake negotiated a name.
 
-=================  ==========================================  ==========================
-name               what                                        bytes/element (H=576, k=8)
-=================  ==========================================  ==========================
-``fp16``           IEEE half                                   2
-``bf16``           bfloat16                                    2
-``int8-b32``       int8, float16 scale per 32 channels         1.0625
-``int8-b64``       int8, float16 scale per 64 channels         1.031
-``int4-b32``       int4, float16 scale per 32 channels         0.5625
-``int8-outlier``   outliers + sinks fp16, int8 per-row scale   ~1.02
-``int4-outlier``   outliers + sinks fp16, rotated 4-bit        ~0.59
-``pca-fine``       bundle PCA basis, uniform step, Rice code   ~0.7 (data-dependent)
-``pca-compact``    the same, coarser step                      ~0.3 (data-dependent)
-=================  ==========================================  ==========================
+===================  ==========================================  ==========================
+name                 what                                        bytes/element (H=576, k=8)
+===================  ==========================================  ==========================
+``fp16``             IEEE half                                   2
+``bf16``             bfloat16                                    2
+``int8-b32``         int8, float16 scale per 32 channels         1.0625
+``int8-b64``         int8, float16 scale per 64 channels         1.031
+``int4-b32``         int4, float16 scale per 32 channels         0.5625
+``int8-outlier``     outliers + sinks fp16, int8 per-row scale   ~1.02
+``int4-outlier``     outliers + sinks fp16, rotated 4-bit        ~0.59
+``pca-fine``         bundle PCA basis, uniform step, Rice code   ~0.7 (data-dependent)
+``pca-compact``      the same, coarser step                      ~0.3 (data-dependent)
+``pca-ans-compact``  the basis, row-scale-context rANS code      ~0.3 (data-dependent)
+===================  ==========================================  ==========================
 
 ``get_codec(name, **params)`` builds one; the outlier codecs need the bundle's calibration
 (``outlier_channels``, optionally ``sink_threshold``), e.g. ``get_codec("int8-outlier",
@@ -29,6 +30,7 @@ from collections.abc import Callable
 from .codec_base import BoundaryCodec
 from .codecs_outlier import OutlierInt4Codec, OutlierInt8Codec, find_outlier_channels, find_sink_threshold
 from .codecs_pca import CodecArtifactError, PcaBasis, PcaCodec
+from .codecs_pca_ans import PcaAnsCodec
 from .codecs_plain import Bf16Codec, BlockwiseIntCodec, Fp16Codec
 from .errors import BAD_CODEC, ProtocolError
 
@@ -44,10 +46,11 @@ CODECS: dict[str, Callable[..., BoundaryCodec]] = {
     "int4-outlier": OutlierInt4Codec,
     "pca-fine": lambda basis: PcaCodec(basis, "pca-fine"),
     "pca-compact": lambda basis: PcaCodec(basis, "pca-compact"),
+    "pca-ans-compact": lambda basis: PcaAnsCodec(basis, "pca-ans-compact"),
 }
 CODEC_NAMES: tuple[str, ...] = tuple(CODECS)
 OUTLIER_CODECS: tuple[str, ...] = ("int8-outlier", "int4-outlier")  # need outlier_channels from calibration
-BASIS_CODECS: tuple[str, ...] = ("pca-fine", "pca-compact")  # need the bundle's codec artifact (PcaBasis)
+BASIS_CODECS: tuple[str, ...] = ("pca-fine", "pca-compact", "pca-ans-compact")  # need the bundle's codec artifact (PcaBasis)
 CALIBRATED_CODECS: tuple[str, ...] = OUTLIER_CODECS + BASIS_CODECS  # need the bundle's calibration
 
 _plain_cache: dict[str, BoundaryCodec] = {}

@@ -12,6 +12,9 @@ they sit in the mean and in the leading components. Decoded: ``x = (q * step) @ 
 * ``pca-fine``    - the near-lossless level (step chosen at calibration for ~0.75 bytes per element).
 * ``pca-compact`` - the compact level (~0.28 bytes per element).
 
+The same artifact can carry entropy-coded levels (``pca-ans-compact``: :mod:`shared.codecs_pca_ans`), which
+:class:`PcaBasis` stores and hashes alongside.
+
 Both levels come from one calibration artifact (:class:`PcaBasis`, ``codec_pca.npz`` in the bundle,
 written by ``partition_tools.codec_calibration``); both ends load it and check its sha256 against
 ``calibration.json``. Every payload starts with the first 4 bytes of the artifact's content digest, so a
@@ -32,15 +35,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .codec_base import BoundaryCodec, pack_rows_bitmap, to_f16, unpack_rows_bitmap
+from .codec_base import pack_rows_bitmap, to_f16, unpack_rows_bitmap
+from .codec_pca_base import FINGERPRINT_BYTES, BasisCodec
+from .codecs_pca_ans import ANS_LEVELS, AnsFit, AnsLevel, fit_ans_level
 from .errors import BAD_CODEC, BAD_TENSOR, ProtocolError
 from .tensors import PayloadReader
 
 LEVELS = ("pca-fine", "pca-compact")
 U_MAX = 64  # largest Rice quotient; a row needing more goes whole in float16
 K_MAX = 15  # largest Rice parameter
-ARTIFACT_VERSION = 1
-FINGERPRINT_BYTES = 4
+ARTIFACT_VERSION = 2  # 2: may carry entropy-coded levels (shared.codecs_pca_ans); version 1 artifacts still load
 
 
 class CodecArtifactError(ValueError):
@@ -70,8 +74,13 @@ class PcaBasis:
         if not (np.isfinite(mean).all() and np.isfinite(basis).all()):
             raise CodecArtifactError("pca basis: NaN or Inf in the artifact")
         for name, lv in levels.items():
-            if name not in LEVELS:
-                raise CodecArtifactError(f"pca basis: unknown level {name!r} (known: {', '.join(LEVELS)})")
+            if name in ANS_LEVELS and isinstance(lv, AnsLevel):
+                if lv.r > h:
+                    raise CodecArtifactError(f"pca basis: level {name} sends {lv.r} of {h} components")
+                continue
+            if name not in LEVELS or not isinstance(lv, PcaLevel):
+                raise CodecArtifactError(f"pca basis: unknown level {name!r} (known: "
+                                         f"{', '.join(LEVELS + ANS_LEVELS)})")
             k = lv.rice_k
             if (k.dtype != np.uint8 or k.ndim != 1 or not 1 <= k.size <= h or int(k.max()) > K_MAX
                     or not (np.isfinite(lv.step) and lv.step > 0)):
@@ -80,7 +89,9 @@ class PcaBasis:
         self.mean, self.basis, self.levels = mean, basis, dict(levels)
         d = hashlib.sha256(b"autoglm-codec-pca\0" + mean.tobytes() + basis.tobytes())
         for name in sorted(levels):
-            d.update(name.encode() + np.float64(levels[name].step).tobytes() + levels[name].rice_k.tobytes())
+            lv = levels[name]
+            d.update(name.encode() + (lv.digest_bytes() if isinstance(lv, AnsLevel)
+                                      else np.float64(lv.step).tobytes() + lv.rice_k.tobytes()))
         self.digest = d.hexdigest()
 
     @property
@@ -91,6 +102,9 @@ class PcaBasis:
     def to_bytes(self) -> bytes:
         arrays = {"version": np.array([ARTIFACT_VERSION], np.int32), "mean": self.mean, "basis": self.basis}
         for name, lv in self.levels.items():
+            if isinstance(lv, AnsLevel):
+                arrays.update({f"{name}.{key}": v for key, v in lv.arrays().items()})
+                continue
             arrays[f"{name}.step"] = np.array([lv.step], np.float64)
             arrays[f"{name}.rice_k"] = lv.rice_k
         buf = io.BytesIO()
@@ -107,9 +121,9 @@ class PcaBasis:
                 arrays = {k: z[k] for k in z.files}
         except Exception as e:  # noqa: BLE001 - zip / npy format errors of every kind
             raise CodecArtifactError(f"pca basis: not a codec artifact ({type(e).__name__}: {e})") from None
-        if arrays.get("version", np.zeros(1)).tolist() != [ARTIFACT_VERSION] or "mean" not in arrays \
+        if arrays.get("version", np.zeros(1)).tolist() not in ([1], [ARTIFACT_VERSION]) or "mean" not in arrays \
                 or "basis" not in arrays:
-            raise CodecArtifactError(f"pca basis: expected artifact version {ARTIFACT_VERSION} with mean and basis")
+            raise CodecArtifactError(f"pca basis: expected artifact version 1..{ARTIFACT_VERSION} with mean and basis")
         levels = {}
         for name in LEVELS:
             if f"{name}.step" in arrays:
@@ -117,6 +131,12 @@ class PcaBasis:
                 if step.shape != (1,) or f"{name}.rice_k" not in arrays:
                     raise CodecArtifactError(f"pca basis: level {name} is incomplete")
                 levels[name] = PcaLevel(float(step[0]), arrays[f"{name}.rice_k"])
+        for name in ANS_LEVELS:
+            if f"{name}.step" in arrays:
+                try:
+                    levels[name] = AnsLevel.from_arrays({key: arrays[f"{name}.{key}"] for key in AnsLevel.FIELDS})
+                except (KeyError, ValueError) as e:
+                    raise CodecArtifactError(f"pca basis: level {name}: {e}") from None
         return cls(arrays["mean"], arrays["basis"], levels)
 
     @classmethod
@@ -146,7 +166,7 @@ def _unpack(rd: PayloadReader, nbits: int, what: str) -> np.ndarray:
     return bits[:nbits]
 
 
-class PcaCodec(BoundaryCodec):
+class PcaCodec(BasisCodec):
     """One level of :class:`PcaBasis` (``pca-fine`` or ``pca-compact``)."""
 
     def __init__(self, basis: PcaBasis, level: str):
@@ -155,27 +175,14 @@ class PcaCodec(BoundaryCodec):
         if level not in basis.levels:
             raise ProtocolError(BAD_CODEC, f"{level}: the bundle's codec artifact has no such level "
                                            f"(has: {', '.join(sorted(basis.levels))})")
-        self.name = level
-        self.pca = basis
         lv = basis.levels[level]
-        self.step, self.k = lv.step, lv.rice_k.astype(np.int64)  # k [r]
-        self.r = lv.r
-        self.fingerprint = bytes.fromhex(basis.digest[:2 * FINGERPRINT_BYTES])
-        # float64 arithmetic: BLAS sums a one-row product in another order than a chunk's, and in float32 that
-        # moves codes across rounding boundaries; in float64 a chunk and its rows code and decode identically
-        self.analysis = basis.basis[:, :self.r].astype(np.float64)  # [H, r]
-        self.synthesis = np.ascontiguousarray(self.analysis.T)  # [r, H]
-        self.mean = basis.mean.astype(np.float64)  # [H]
+        super().__init__(basis, level, lv.step, lv.r)
+        self.k = lv.rice_k.astype(np.int64)  # k [r]
         kk = self.k[self.k > 0]
         self._rem_comp = np.repeat(np.flatnonzero(self.k > 0), kk)  # [K]: component of each remainder bit
         self._rem_bit = np.concatenate([np.arange(k) for k in kk]) if kk.size else np.zeros(0, np.int64)  # [K]
         self._rem_starts = np.concatenate([[0], np.cumsum(kk)[:-1]]).astype(np.int64)  # first bit per component
         self._rem_bits = int(kk.sum())  # K: remainder bits per row
-
-    def check_hidden_size(self, h):
-        if h != self.pca.hidden_size:
-            raise ProtocolError(BAD_CODEC, f"{self.name}: the codec artifact is for hidden size "
-                                           f"{self.pca.hidden_size}, not {h} (another model's bundle?)")
 
     # -- payload: fingerprint | bitmap | sink rows f16 | i32 unary bytes | unary | remainders | signs ------
     def encode_payload(self, x):
@@ -200,10 +207,7 @@ class PcaCodec(BoundaryCodec):
 
     def decode_payload(self, payload, s, h):
         rd = PayloadReader(payload, self.name)
-        got = bytes(rd.take("uint8", (FINGERPRINT_BYTES,)))
-        if got != self.fingerprint:
-            raise ProtocolError(BAD_CODEC, f"{self.name}: tensor coded with codec artifact {got.hex()}..., this "
-                                           f"side has {self.fingerprint.hex()}... (bundles differ)")
+        self.read_fingerprint(rd)
         sink = unpack_rows_bitmap(rd.take("uint8", ((s + 7) // 8,)), s, self.name)  # [S]
         n_sink = int(sink.sum())
         sinks = rd.take("float16", (n_sink, h), finite=True)
@@ -230,14 +234,7 @@ class PcaCodec(BoundaryCodec):
         rd.finish()
         coef = m.astype(np.float64)  # [S_q, r]
         coef[nz] = np.where(neg, -coef[nz], coef[nz])
-        coef *= self.step
-        rows = (coef @ self.synthesis + self.mean).astype(np.float32)  # [S_q, H]
-        if not n_sink:
-            return rows
-        out = np.empty((s, h), np.float32)
-        out[sink] = sinks
-        out[~sink] = rows
-        return out
+        return self.synthesize(coef * self.step, sink, sinks)
 
     def max_payload_bytes(self, s, h):
         coded = 4 + (s * self.r * (U_MAX + 1) + 7) // 8 + (s * self._rem_bits + 7) // 8 + (s * self.r + 7) // 8
@@ -268,7 +265,8 @@ def fit_level(coef: np.ndarray, step: float, drop: float = 0.5) -> tuple[PcaLeve
     return PcaLevel(float(step), k), float(cost.min(axis=0).sum() / h)
 
 
-def calibrate_pca(hidden: np.ndarray, targets: dict[str, float], sink_factor: float = 4.0) -> PcaBasis:
+def calibrate_pca(hidden: np.ndarray, targets: dict[str, float], sink_factor: float = 4.0,
+                  ans: AnsFit | None = None) -> PcaBasis:
     """A :class:`PcaBasis` from calibration boundary states ``hidden`` [T, H], with one level per entry of
     ``targets`` (level name -> bytes per element of the coded coefficients on this calibration, reached by
     bisection on the step). Rows with a norm above ``sink_factor`` x the median (attention sinks) are left out
@@ -278,23 +276,53 @@ def calibrate_pca(hidden: np.ndarray, targets: dict[str, float], sink_factor: fl
         raise ValueError(f"calibration hidden states: expected finite [T, H] with T >= 2, got {x.shape}")
     norms = np.linalg.norm(x, axis=1)
     x = x[norms <= sink_factor * np.median(norms)]
+    mean, basis = _principal_components(x)
+    coef = ((x - mean) @ basis).astype(np.float64)  # [T, H]
+    ans = ans or AnsFit()
+    sd = heldout_sd(x, ans.folds) if ans.folds > 1 and any(n in ANS_LEVELS for n in targets) else None
+    return PcaBasis(mean.astype(np.float32), basis, fit_levels(coef, targets, ans, sd))
+
+
+def _principal_components(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean [H] and orthonormal components [H, H] (float32, by decreasing variance) of rows ``x`` [T, H]."""
     mean = x.mean(axis=0)
     _, v = np.linalg.eigh(np.cov((x - mean).T).reshape(x.shape[1], x.shape[1]))
-    basis = v[:, ::-1].astype(np.float32)  # [H, H], leading component first
-    coef = ((x - mean) @ basis).astype(np.float64)  # [T, H]
-    return PcaBasis(mean.astype(np.float32), basis, fit_levels(coef, targets))
+    return mean, v[:, ::-1].astype(np.float32)
 
 
-def fit_levels(coef: np.ndarray, targets: dict[str, float]) -> dict[str, PcaLevel]:
-    """One :func:`fit_level` per target (level name -> bytes per element of ``coef`` [T, H]), the step found
-    by bisection."""
+def heldout_sd(x: np.ndarray, folds: int) -> np.ndarray:
+    """Standard deviation [H] of each principal component (by rank) on rows the basis did not see: the rows
+    ``x`` [T, H] cut into ``folds`` contiguous parts, each projected on the components of the others. A
+    sample covariance of a few thousand rows puts too little variance in its tail components (held-out
+    text has 2-4x more there, docs/quality.md), which would make the rANS tables too narrow."""
+    var = np.zeros(x.shape[1])
+    for part in np.array_split(np.arange(x.shape[0]), folds):
+        rest = np.setdiff1d(np.arange(x.shape[0]), part)
+        mean, basis = _principal_components(x[rest])
+        var += (((x[part] - mean) @ basis) ** 2).mean(axis=0) / folds
+    return np.sqrt(var)
+
+
+def fit_levels(coef: np.ndarray, targets: dict[str, float], ans: AnsFit | None = None,
+               sd: np.ndarray | None = None) -> dict[str, PcaLevel | AnsLevel]:
+    """One level per target (level name -> bytes per element of ``coef`` [T, H]), the step found by
+    bisection: a Rice level (:func:`fit_level`) for :data:`LEVELS`, an entropy-coded one
+    (:func:`shared.codecs_pca_ans.fit_ans_level`, options ``ans``, component spreads ``sd`` [H], by default
+    those of ``coef``) for :data:`ANS_LEVELS`."""
     levels = {}
     probe = coef[:: max(1, coef.shape[0] // 1024)]  # the bisection runs on <= ~1k rows, the final fit on all
+    sd = coef.std(axis=0) if sd is None else sd  # [H]
     for name, target in targets.items():
+        if name in ANS_LEVELS:
+            def fit(c, step):
+                return fit_ans_level(c, sd, step, ans or AnsFit())
+        else:
+            def fit(c, step):
+                return fit_level(c, step)
         lo, hi = np.log(1e-4 * coef.std() + 1e-12), np.log(4 * np.abs(coef).max() + 1e-12)
         for _ in range(30):  # bisection on log(step): bits decrease with the step
             mid = 0.5 * (lo + hi)
-            _, bits = fit_level(probe, float(np.exp(mid)))
+            _, bits = fit(probe, float(np.exp(mid)))
             lo, hi = (mid, hi) if bits > 8 * target else (lo, mid)
-        levels[name] = fit_level(coef, float(np.exp(hi)))[0]
+        levels[name] = fit(coef, float(np.exp(hi)))[0]
     return levels

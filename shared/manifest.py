@@ -93,6 +93,14 @@ class Manifest:
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:32]
 
     @property
+    def edge_variant(self) -> str:
+        """What produces the edge's prompt states, as the prefix keys name it (``shared.prefix_keys.KeyScope``):
+        ``edge_quant``, or e.g. ``int8+fp32-prefill`` when the bundle's prompt runs through an fp32 copy of the
+        front (``quant_report["prefill"]``: precision by phase, ``edge_client.front``)."""
+        prefill = self.quant_report.get("prefill")
+        return f"{self.edge_quant}+{prefill['mode']}-prefill" if prefill else self.edge_quant
+
+    @property
     def cloud_layers(self) -> tuple[int, int]:
         """The layers the cloud runs: [N, L) for a split bundle, [N, L - M) for a u-shape one."""
         return self.split_layer, self.num_layers - self.tail_layers

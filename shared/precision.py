@@ -143,7 +143,7 @@ class PrecisionPolicy:
 DEFAULT_POLICY = PrecisionPolicy()
 NOMINAL_BYTES_PER_ELEMENT = {"fp16": 2.0, "bf16": 2.0, "int8-b32": 1.0625, "int8-b64": 1.031, "int4-b32": 0.5625,
                              "int8-outlier": 1.02, "int4-outlier": 0.59,
-                             "pca-fine": 0.75, "pca-compact": 0.29}  # for upload-time estimates only
+                             "pca-fine": 0.75, "pca-compact": 0.29, "pca-ans-compact": 0.31}  # for upload-time estimates only
 
 
 def upload_ms(features: RequestFeatures, codec: str) -> float | None:

@@ -65,6 +65,7 @@ class _Launched:
     spec_rows: list[torch.Tensor]  # [k + 1, V] per speculative item, in item order
     sample: PendingSample | None  # the plain sampled rows, in item order
     states: torch.Tensor | None = None  # u-shape: [T, H] hidden states of every scheduled position
+    decodes: bool = True  # it holds decode steps (one-position or speculative chunks), not only prompt chunks
 
 
 class LLMEngine:
@@ -84,6 +85,9 @@ class LLMEngine:
         self.metrics = metrics
         self.seqs: dict[str, Sequence] = {}
         self._in_flight: list[_Launched] = []  # launched by the last step(), postprocessed by the next
+        # per variant, the last launched pure decode batch: (sequences, chunk ends, block-table lengths), for
+        # _continue_decode; dropped by any other launch of that variant
+        self._last_decode: dict[str, tuple[list[Sequence], list[int], list[int]]] = {}
         first = next(iter(runners.values())).model
         self._first_model = first  # input checks read its sizes on every add_input
         # u-shape: the model ends at the middle layers; every computed position's hidden state is returned
@@ -201,7 +205,9 @@ class LLMEngine:
         in flight is not scheduled again before it is postprocessed (its next input depends on the token), so
         the outputs are the synchronous engine's, one call later; a call that launches nothing postprocesses
         at once."""
-        batches, victims = self.scheduler.schedule(preempt=not self._in_flight)
+        # a prompt-only step queued behind in-flight decode rows would delay their next step by a whole chunk
+        prefill_alone = not any(step.decodes for step in self._in_flight)
+        batches, victims = self.scheduler.schedule(preempt=not self._in_flight, prefill_alone=prefill_alone)
         outputs = [self._finish(s, "error", "kv_cache_full", "the KV pool is exhausted; request aborted")
                    for s in victims]
         launched = [self._launch(b) for b in batches]
@@ -220,10 +226,11 @@ class LLMEngine:
         published."""
         items = batch.items
         logits = self._run(batch)
+        decodes = any(it.chunk.n == 1 or it.chunk.is_spec for it in items)
         if self.output_states:  # u-shape: the rows are hidden states [T, H]; nothing is sampled
             for it in items:
                 it.seq.update_from_output(it.chunk.end)
-            return _Launched(batch, [], None, states=logits)
+            return _Launched(batch, [], None, states=logits, decodes=decodes)
         spec_rows, logits = self._split_spec_rows(batch, logits)
         plain = [it for it in items if it.sample and not it.chunk.is_spec]
         pending = self.sampler.launch(logits, [it.seq.params for it in plain], [it.chunk.end for it in plain],
@@ -232,15 +239,41 @@ class LLMEngine:
             it.seq.update_from_output(it.chunk.end)
             if it.seq.prefix_keys:
                 self.scheduler.publish_prefix(it.seq)
-        return _Launched(batch, spec_rows, pending)
+        return _Launched(batch, spec_rows, pending, decodes=decodes)
 
     def _run(self, batch: ScheduledBatch) -> torch.Tensor:
         """The forward pass of ``batch``, queued on the device: float32 logits ``[S, V]`` of its sampled rows
         (u-shape: the hidden states ``[T, H]`` of all its positions)."""
         items = batch.items
+        runner = self.runners[batch.variant]
+        logits = self._continue_decode(batch, runner)
+        if logits is not None:
+            return logits
         flat = build_batch([it.chunk for it in items], [it.seq.block_table for it in items],
-                           self.config.block_size, [it.sample for it in items], all_rows=self.output_states)
-        return self.runners[batch.variant].run(flat)
+                           self.config.block_size, [it.sample for it in items], all_rows=self.output_states,
+                           host_buffer=getattr(runner, "host_buffer", None))
+        return runner.run(flat)
+
+    def _continue_decode(self, batch: ScheduledBatch, runner) -> torch.Tensor | None:
+        """The steady decode step without rebuilding its batch: when ``batch`` is the last launched decode batch
+        one position on (the same sequences in the same order, each one token further, every row sampled, no
+        block added to any table), a runner that keeps its last decode batch (``continue_decode``, the fast
+        runner's persistent batch) gets only the hidden states. Returns its logits, or None: run the full batch."""
+        items = batch.items
+        last = self._last_decode.pop(batch.variant, None)
+        if self.output_states or not all(it.sample and it.chunk.n == 1 and it.chunk.hidden is not None
+                                         and it.chunk.hidden.dtype == torch.float32 for it in items):
+            return None
+        seqs = [it.seq for it in items]
+        ends = [it.chunk.end for it in items]
+        lens = [len(s.block_table) for s in seqs]
+        self._last_decode[batch.variant] = (seqs, ends, lens)
+        cont = getattr(runner, "continue_decode", None)
+        if (cont is None or last is None or last[0] != seqs or last[2] != lens
+                or any(e != p + 1 for e, p in zip(ends, last[1]))):
+            return None
+        hidden = [it.chunk.hidden for it in items]  # [1, H] each
+        return cont(torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), torch.float32)))
 
     def _postprocess(self, step: _Launched) -> list[RequestOutput]:
         """A launched step's tokens: each sampled sequence takes its token (:meth:`Sequence.update_from_output`)

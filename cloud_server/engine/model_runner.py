@@ -70,9 +70,11 @@ class _Int64Column:
 
 
 def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: list[bool],
-                all_rows: bool = False) -> Batch:
+                all_rows: bool = False, host_buffer=None) -> Batch:
     """Flatten scheduled input chunks (``InputChunk`` list, same order as ``block_tables``) into a Batch.
     ``all_rows``: every position's row is wanted (u-shape: the hidden states of all of them go back).
+    ``host_buffer(shape, dtype)`` (a runner's, optional): the tensor the batch's hidden states are concatenated
+    into (e.g. page-locked memory the runner uploads from without another copy).
 
     Position ``p`` of a chunk goes to pool slot ``table[p // block_size] * block_size + p % block_size``."""
     if not chunks:
@@ -115,10 +117,16 @@ def build_batch(chunks, block_tables: list[list[int]], block_size: int, sample: 
             ids.append(chunk.token_ids)
     if hiddens and ids:
         raise ValueError("a batch mixes hidden-state and token-id inputs")
+    hidden = None
+    if hiddens:
+        if host_buffer is not None and all(h.dtype == torch.float32 for h in hiddens):
+            hidden = torch.cat(hiddens, out=host_buffer((t, hiddens[0].shape[1]), torch.float32))  # [T, H]
+        else:
+            hidden = torch.cat(hiddens).float()  # [T, H]
     return Batch(
         positions=positions.tensor(), slot_mapping=slots.tensor(), query_lens=q_lens, context_lens=c_lens,
         block_tables=[list(tb) for tb in block_tables], logits_indices=torch.tensor(rows, dtype=torch.long),
-        hidden=torch.cat(hiddens).float() if hiddens else None, input_ids=torch.cat(ids) if ids else None,
+        hidden=hidden, input_ids=torch.cat(ids) if ids else None,
         rope_positions=torch.cat(ropes, dim=1).long() if ropes else None,
     )
 

@@ -1,15 +1,19 @@
 """Token sampling from a step's logits: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
 
-All rows of a step are sampled together where the logits are (the device on a GPU): temperature and top-k
-truncate the logits of the whole batch in a few tensor ops; each row draws :data:`TRIES` tokens by inverting the
-cumulative distribution of that softmax at uniform numbers ``u`` (``searchsorted``) and keeps the first inside
-its top-p nucleus (:func:`sample_top_p`, rejection sampling: exactly a draw from the top-p distribution, with
-no sort of the vocabulary). A seeded request's ``u`` are counter-based hashes of ``(seed, position, try)``
-(:func:`uniform_of`), so it draws the
-same tokens batched or alone and when it is replayed from its context (a resume, another replica); rows without
-a seed take fresh uniforms from the sampler's generator. No per-row Python loop, no per-row sync: one copy of
-the S ids (and the logprobs asked for) to the host, and :meth:`Sampler.launch` only queues it, so the engine
-can overlap it with the next step (:meth:`PendingSample.result` waits).
+All rows of a step are sampled together where the logits are (the device on a GPU), in a fixed number of
+tensor ops over ``[S, V]`` whatever the batch, with no sort of the vocabulary and no full-vocabulary scan
+(:func:`sample_top_p`): top-k (only when a row sets it) masks the logits below each row's k-th largest; each row
+draws a few tokens (:func:`tries_for` its top_p: 4 at 0.9) from ``softmax(logits / temperature)`` by inverting its
+cumulative distribution at uniform numbers ``u`` and keeps the first inside its top-p nucleus (rejection
+sampling: exactly a draw from the top-p distribution; a row whose draws all miss, probability <= :data:`MISS`,
+is redrawn from the sorted cut). The vocabulary is cut into chunks of :data:`CHUNK` tokens: a draw first finds its chunk
+from the chunks' masses, then its token inside that chunk; whether a try is in the nucleus (the mass of the
+strictly better tokens is below top_p) is one masked sum per draw. A seeded request's ``u`` are
+counter-based hashes of ``(seed, position, try)`` (:func:`uniforms`), so it draws the same tokens batched or
+alone and when it is replayed from its context (a resume, another replica); rows without a seed take fresh
+uniforms from the sampler's generator. No per-row Python loop, no per-row sync: one copy of the S ids (and the
+logprobs asked for) to the host, and :meth:`Sampler.launch` only queues it, so the engine can overlap it with
+the next step (:meth:`PendingSample.result` waits).
 
 Greedy picks the argmax (lowest id on ties). Logprobs are those of the model's raw distribution (temperature
 1, no truncation, no penalties), as vLLM reports them. Presence / frequency / repetition penalties apply to the
@@ -18,10 +22,14 @@ generated tokens only (the one per-row step: only penalized rows take it).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
+from cloud_server.engine.sampler_kernels import better_mass
 from cloud_server.engine.sampling_params import SamplingParams
 
 
@@ -32,15 +40,33 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None  # (token, logprob), best first
 
 
+_M64 = (1 << 64) - 1
+
+
 def uniform_of(seed: int, position: int, draw: int = 0) -> float:
     """The uniform number in (0, 1) of try ``draw`` that samples the token at ``position`` of a request seeded
     ``seed``: a splitmix64 hash of the three, so it depends on nothing else (not the batch, not any generator's
-    state)."""
+    state). :func:`uniforms` computes the same numbers for a whole batch."""
     z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + draw * 0xD6E8FEB86659FD93
-         + 0x94D049BB133111EB) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+         + 0x94D049BB133111EB) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
     return (((z ^ (z >> 31)) >> 40) + 0.5) / (1 << 24)
+
+
+def uniforms(seeds: list[int], positions: list[int], tries: int) -> np.ndarray:
+    """``[len(seeds), tries]`` float64: ``uniform_of(seeds[i], positions[i], r)`` for every row and try, computed
+    in one vectorized pass (uint64 arithmetic wraps modulo 2**64 as the masks in :func:`uniform_of` do)."""
+    u64 = np.uint64
+    seed = np.array([s & _M64 for s in seeds], dtype=u64)[:, None]  # [S, 1]
+    pos = np.array([p & _M64 for p in positions], dtype=u64)[:, None]
+    draw = np.arange(tries, dtype=u64)[None, :]  # [1, R]
+    with np.errstate(over="ignore"):
+        z = (seed * u64(0x9E3779B97F4A7C15) + pos * u64(0xBF58476D1CE4E5B9) + draw * u64(0xD6E8FEB86659FD93)
+             + u64(0x94D049BB133111EB))  # [S, R]
+        z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
+    return (((z ^ (z >> u64(31))) >> u64(40)).astype(np.float64) + 0.5) / (1 << 24)
 
 
 def sample_rows(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -59,13 +85,8 @@ def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     cut-off are kept. ``kmax`` (the largest top_k in use, 0 = none) and ``any_top_p`` (a row has top_p < 1) are
     known on the host, so nothing here waits for the device."""
     x = logits / temperature[:, None]  # [S, V]
-    vocab = x.shape[-1]
-    kmax = min(kmax, vocab)
     if kmax > 0:
-        use_k = (top_k > 0) & (top_k < vocab)  # [S]
-        top = torch.topk(x, kmax, dim=-1).values  # [S, kmax], best first
-        kth = top.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])  # [S, 1]
-        x = x.masked_fill(use_k[:, None] & (x < kth), float("-inf"))
+        x = top_k_masked(x, top_k, kmax)
     if any_top_p:
         ordered = torch.sort(x, dim=-1, descending=True).values  # [S, V]
         probs = torch.softmax(ordered, dim=-1)
@@ -76,30 +97,85 @@ def filtered_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return x
 
 
-TRIES = 8  # draws per row of the top-p rejection sampler; all rejected with probability <= (1 - top_p) ** TRIES
+TRIES = 16  # most draws per row of the top-p rejection sampler (a row takes tries_for(top_p) of them)
+MISS = 1e-4  # a row's draws all fall outside its nucleus with probability <= MISS (it is then redrawn exactly)
+CHUNK = 512  # tokens per vocabulary chunk of :func:`sample_top_p` (151,552 = 296 x 512: no padding for GLM)
 
 
-def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tries_for(top_p: float) -> int:
+    """Draws a row with this ``top_p`` takes: each lands in the nucleus with probability >= top_p, so ``n`` draws
+    all miss with probability <= (1 - top_p) ** n; the smallest n with that <= :data:`MISS` (4 at top-p 0.9, 14
+    at 0.5), at most :data:`TRIES`. It depends on the row's own parameter only, so the batch never changes which
+    of its draws a row keeps."""
+    if top_p >= 1.0:
+        return 1
+    return max(1, min(TRIES, math.ceil(math.log(MISS) / math.log1p(-top_p) - 1e-9)))  # (1e-9: 2.0000000000000004)
+
+
+def top_k_masked(x: torch.Tensor, top_k: torch.Tensor, kmax: int) -> torch.Tensor:
+    """logits ``[S, V]`` with the tokens below each row's ``top_k``-th largest set to -inf (ties at the cut are
+    kept; ``top_k`` ``[S]`` int64, 0 = off). ``kmax`` is the largest ``top_k`` in use (> 0). The cut does not move
+    under a positive temperature, so the raw logits are cut."""
+    vocab = x.shape[-1]
+    kmax = min(kmax, vocab)
+    use_k = (top_k > 0) & (top_k < vocab)  # [S]
+    top = torch.topk(x, kmax, dim=-1).values  # [S, kmax], best first
+    kth = top.gather(1, (top_k.clamp(1, kmax) - 1)[:, None])  # [S, 1]
+    return x.masked_fill(use_k[:, None] & (x < kth), float("-inf"))
+
+
+def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temperature: torch.Tensor | None = None,
+                 tries: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-p sampling without sorting the vocabulary: rejection sampling.
 
-    ``x`` ``[S, V]`` tempered (top-k-truncated) logits, ``top_p`` ``[S]``, ``u`` ``[S, TRIES]`` uniforms. Each row
-    draws TRIES tokens from ``softmax(x)`` (inverse CDF) and keeps the first whose better tokens (strictly
-    larger logit) hold less than ``top_p`` of the mass: exactly the tokens the sorted cut of
-    :func:`filtered_logits` keeps, so the kept draw is exactly a draw from the top-p distribution. A try is
+    ``x`` ``[S, V]`` logits (-inf = excluded, e.g. by top-k), ``top_p`` ``[S]``, ``u`` ``[S, R]`` uniforms in (0, 1),
+    ``inv_temperature`` ``[S]`` (None: 1), ``tries`` ``[S]`` int64 (None: R): the draws each row takes. Each row
+    draws its tokens from ``p = softmax(x * inv_temperature)`` (inverse CDF: the first token whose cumulative
+    probability, in vocabulary order, reaches ``u * total``) and keeps the first whose strictly better tokens
+    (larger logit) hold less than ``top_p`` of the mass: exactly the tokens the sorted cut of
+    :func:`filtered_logits` keeps, so the kept draw is exactly a draw from the top-p distribution. A draw is
     accepted with probability >= top_p; a row where none is (``missed`` ``[S]`` bool) must be redrawn.
-    Returns (ids ``[S]``, missed ``[S]``). A few passes over ``[S, V]``, no sort, no host sync.
+    Returns (ids ``[S]``, missed ``[S]``).
+
+    Cost, a fixed number of tensor ops whatever the batch: the unnormalised probabilities
+    ``exp((x - max) * inv_temperature)`` once; the vocabulary cut into chunks of :data:`CHUNK` tokens (the last
+    padded with -inf), a draw finds its chunk from the chunks' cumulative masses and its token from that one
+    chunk's cumulative probabilities (no scan along the whole vocabulary: on CUDA one runs a thread block per
+    row); then the mass of each draw's better tokens, all draws in one pass on CUDA
+    (:func:`~cloud_server.engine.sampler_kernels.better_mass`).
     """
-    probs = torch.softmax(x, dim=-1)  # [S, V]
-    cum = torch.cumsum(probs, dim=-1)
-    tries = torch.searchsorted(cum, (u * cum[:, -1:]).contiguous()).clamp_(max=x.shape[-1] - 1)  # [S, R]
-    ids, missed = tries[:, 0], torch.ones_like(top_p, dtype=torch.bool)
-    for r in reversed(range(tries.shape[1])):  # the first accepted try wins
-        v = x.gather(1, tries[:, r:r + 1])  # [S, 1]
-        better = torch.where(x > v, probs, 0.0).sum(dim=-1)  # [S] mass of the strictly better tokens
-        ok = (top_p >= 1.0) | (better < top_p)
-        ids = torch.where(ok, tries[:, r], ids)
-        missed &= ~ok
-    return ids, missed
+    s, v = x.shape
+    r = u.shape[1]
+    w = min(CHUNK, 1 << max(v - 1, 0).bit_length())
+    c = -(-v // w)
+    xp = x if c * w == v else F.pad(x, (0, c * w - v), value=float("-inf"))  # [S, C * W]
+    m = x.amax(dim=-1, keepdim=True)  # [S, 1] the row's largest logit (finite: a row keeps its best token)
+    if inv_temperature is None:
+        e = (xp - m).exp_()  # [S, C * W]
+    else:
+        it = inv_temperature.to(x.dtype)[:, None]  # [S, 1]
+        e = torch.addcmul(-m * it, xp, it).exp_()  # [S, C * W] unnormalised probabilities
+    e3 = e.view(s, c, w)
+    cum = torch.cumsum(e3.sum(dim=-1), dim=-1)  # [S, C] cumulative chunk masses
+    total = cum[:, -1:]  # [S, 1] the row's mass
+    # the draws, in vocabulary order: the chunk holding u * total, then the token inside it
+    target = u.to(x.dtype) * total  # [S, R]
+    ci = torch.searchsorted(cum, target.contiguous()).clamp_(max=c - 1)  # [S, R]
+    before = torch.where(ci > 0, cum.gather(1, (ci - 1).clamp(min=0)), 0.0)  # [S, R] < target
+    local = torch.cumsum(e3.gather(1, ci[:, :, None].expand(s, r, w)), dim=-1)  # [S, R, W] the chosen chunks
+    rest = torch.minimum(target - before, local[:, :, -1])  # [S, R] in (0, the chunk's mass]
+    li = torch.searchsorted(local, rest[:, :, None].contiguous())[:, :, 0].clamp_(max=w - 1)  # [S, R]
+    drawn = ci * w + li  # [S, R] token ids; the first token to reach a positive target has positive probability
+    val = xp.gather(1, drawn)  # [S, R] their logits
+    bound = top_p.to(x.dtype)[:, None] * total  # [S, 1]
+    order = torch.arange(r, device=x.device)
+    ok = better_mass(xp, e, val) < bound  # [S, R] the strictly better tokens' mass, under top_p of the total
+    ok |= top_p[:, None] >= 1.0  # [S, R] the draw is in the nucleus
+    if tries is not None:
+        ok &= order[None, :] < tries[:, None]
+    first = torch.where(ok, order, r).amin(dim=1)  # [S] the first accepted draw (r: none)
+    ids = drawn.gather(1, first.clamp(max=r - 1)[:, None])[:, 0]
+    return ids, first == r
 
 
 def _device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
@@ -193,10 +269,10 @@ class Sampler:
         penalties). Queues the sampling where the logits are and the copy of the ids to the host."""
         if len(params) != logits.shape[0] or len(positions) != len(params):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(params)} params, {len(positions)} positions")
-        want_lp = any(p.logprobs is not None for p in params)
-        if all(p.greedy and not p.penalized for p in params) and not want_lp:
+        if all(p.plain_greedy for p in params):
             # plain greedy rows: argmax where the logits are (first maximum = lowest id on ties)
             return PendingSample(logits.argmax(dim=-1), None, None, params)
+        want_lp = any(p.logprobs is not None for p in params)
         dev = logits.device
         raw = logits.float()  # [S, V]
         x = raw
@@ -204,32 +280,42 @@ class Sampler:
             histories = histories or [[] for _ in params]
             x = torch.stack([_penalized(raw[r], p, h) if p.penalized else raw[r]
                              for r, (p, h) in enumerate(zip(params, histories, strict=True))])
-        ids = x.argmax(dim=-1)  # [S] the greedy rows' tokens
-        if not all(p.greedy for p in params):
-            fresh = torch.rand(len(params), TRIES, generator=self.generator, dtype=torch.float64)
-            fresh = fresh.clamp(1e-7, 1 - 1e-7).tolist()
-            u = [[uniform_of(p.seed, pos, r) for r in range(TRIES)] if p.seed is not None else f
-                 for p, pos, f in zip(params, positions, fresh, strict=True)]
-            # per row: temperature (1 for greedy rows, whose argmax is kept), top_p, top_k, greedy, u x TRIES
-            table = _device(torch.tensor([[p.temperature or 1.0, p.top_p, p.top_k, p.greedy, *r]
-                                          for p, r in zip(params, u, strict=True)]), dev)  # [S, 4 + TRIES]
-            sampled = [p for p in params if not p.greedy]
-            kmax = max((p.top_k for p in sampled), default=0)
-            temperature, top_p, top_k, greedy, u = table[:, 0], table[:, 1], table[:, 2].long(), table[:, 3] > 0, \
-                table[:, 4:]
-            y = filtered_logits(x, temperature, top_k, top_p, kmax, False)  # [S, V] temperature and top-k
-            picked, missed = sample_top_p(y, top_p, u)
+        if all(p.greedy for p in params):
+            return self._pending(raw, x.argmax(dim=-1), params, want_lp)
+        n = len(params)
+        tries = [1 if p.greedy else tries_for(p.top_p) for p in params]
+        r = max(tries)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        u = np.empty((n, r))  # [S, R] float64
+        if len(seeded) < n:  # unseeded rows: fresh keys from the sampler's generator
+            u[:] = torch.rand(n, r, generator=self.generator, dtype=torch.float64).clamp_(1e-7, 1 - 1e-7).numpy()
+        if seeded:
+            u[seeded] = uniforms([params[i].seed for i in seeded], [positions[i] for i in seeded], r)
+        # per row: 1 / temperature (1 for greedy rows, whose argmax is kept), top_p, top_k, greedy, its draws, u x R
+        table = np.empty((n, 5 + r), dtype=np.float32)
+        table[:, 0] = [1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params]
+        table[:, 1] = [p.top_p for p in params]
+        table[:, 2] = [p.top_k for p in params]
+        table[:, 3] = [p.greedy for p in params]
+        table[:, 4] = tries
+        table[:, 5:] = u
+        table = _device(torch.from_numpy(table), dev)  # [S, 5 + R]
+        inv_t, top_p, greedy, u = table[:, 0], table[:, 1], table[:, 3] > 0, table[:, 5:]
+        kmax = max((p.top_k for p in params if not p.greedy), default=0)
+        top_k = table[:, 2].long()
+        y = top_k_masked(x, top_k, kmax) if kmax > 0 else x  # [S, V]
+        ids, missed = sample_top_p(y, top_p, u, inv_t, table[:, 4].long())
+        if any(p.greedy for p in params):
+            ids = torch.where(greedy, x.argmax(dim=-1), ids)
             missed &= ~greedy
-            ids = torch.where(greedy, ids, picked)
 
-            def exact() -> torch.Tensor:  # the rows that missed: the sorted cut, inverse CDF at their first u
-                z = filtered_logits(x, temperature, top_k, top_p, kmax, True)  # [S, V]
-                return torch.where(missed, sample_rows(z, u[:, 0].contiguous()), ids)
+        def exact() -> torch.Tensor:  # the rows that missed: the sorted cut, inverse CDF at their first u
+            z = filtered_logits(x, 1.0 / inv_t, top_k, top_p, kmax, True)  # [S, V]
+            return torch.where(missed, sample_rows(z, u[:, 0].contiguous()), ids)
 
-            # a row that rejected every try (probability <= 0.1 ** TRIES at top-p 0.9) is redrawn once the host
-            # sees its flag (PendingSample.result): no sync here
-            return self._pending(raw, ids, params, want_lp, missed, exact)
-        return self._pending(raw, ids, params, want_lp)
+        # a row that rejected every draw (probability <= MISS) is redrawn once the host sees its flag
+        # (PendingSample.result): no sync here
+        return self._pending(raw, ids, params, want_lp, missed, exact)
 
     @staticmethod
     def _pending(raw: torch.Tensor, ids: torch.Tensor, params: list[SamplingParams], want_lp: bool,

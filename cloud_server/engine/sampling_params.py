@@ -23,6 +23,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: logit -= p if the token occurred
     frequency_penalty: float = 0.0  # OpenAI: logit -= f * count
     repetition_penalty: float = 1.0  # HF: positive logits / r, negative logits * r, for occurred tokens
+    plain_greedy: bool = field(init=False, repr=False, compare=False)  # greedy, no penalties, no logprobs
 
     def __post_init__(self):
         if not self.temperature >= 0.0:
@@ -40,6 +41,8 @@ class SamplingParams:
         if not self.repetition_penalty > 0:
             raise SamplingParamsError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        # the sampler's fast path (one argmax for the whole batch), read for every row of every step
+        self.plain_greedy = self.greedy and not self.penalized and self.logprobs is None
 
     @property
     def greedy(self) -> bool:

@@ -63,9 +63,11 @@ class ScheduledBatch:
 
 class _PrefillAllowance:
     """Prompt positions one step may still take. While any running sequence is decoding (has generated a
-    token), at most ``config.prefill_chunk_while_decoding`` per step (0 = no cap), so a long prompt arriving is
-    computed in chunks between decode steps instead of stalling them (Sarathi-Serve's chunked prefill);
-    otherwise the whole token budget. The decode check runs once, at the first prompt chunk of the step."""
+    token), a step holds at most ``max_num_seqs + prefill_chunk_while_decoding`` positions (0 = no cap): the
+    prompt chunks get what its decode rows leave of that, at least ``prefill_chunk_while_decoding``, so a long
+    prompt arriving is computed in chunks riding on the decode steps instead of stalling them (Sarathi-Serve's
+    chunked prefill under a token budget; on the fast path every such step fits the graphs of flat steps).
+    Otherwise the whole token budget. The decode check runs once, at the first prompt chunk of the step."""
 
     __slots__ = ("scheduler", "left", "spent")
 
@@ -73,10 +75,13 @@ class _PrefillAllowance:
         self.scheduler, self.left, self.spent = scheduler, None, False
 
     def limit(self, budget: int) -> int:
+        """``budget``: the step's token budget still free (what the decode rows scheduled so far left)."""
         if self.left is None:
-            cap = self.scheduler.config.prefill_chunk_while_decoding
+            cfg = self.scheduler.config
+            cap = cfg.prefill_chunk_while_decoding
             decoding = cap > 0 and any(s.output_ids for s in self.scheduler.running)
-            self.left = cap if decoding else budget
+            rows = cfg.max_num_batched_tokens - budget  # this step's positions so far: its decode rows
+            self.left = max(cap, cap + cfg.max_num_seqs - rows) if decoding else budget
         return min(budget, self.left)
 
     def take(self, k: int) -> None:
@@ -127,21 +132,31 @@ class Scheduler:
             pass
 
     # -- one step ---------------------------------------------------------------------------
-    def schedule(self, preempt: bool = True) -> tuple[list[ScheduledBatch], list[Sequence]]:
+    def schedule(self, preempt: bool = True,
+                 prefill_alone: bool = True) -> tuple[list[ScheduledBatch], list[Sequence]]:
         """This step's batches (one per variant) and the sequences to abort because the pool is full (only when
-        ``preempt``: the engine passes False while a step is in flight, whose end may free blocks)."""
+        ``preempt``: the engine passes False while a step is in flight, whose end may free blocks).
+
+        ``prefill_alone=False``: prompt chunks run only beside a decode step of this batch (the engine passes it
+        while a step with decode rows is in flight: a prompt-only step queued behind it would delay those
+        sequences' next step by a whole chunk; the chunk joins their next step instead)."""
         budget, slots = self.config.max_num_batched_tokens, self.config.max_num_seqs
         chosen: dict[str, list[ScheduledChunk]] = {}
         blocked_running = False
         # (seq, ready positions): each sequence's readiness is read once per step
         ready = [(s, n) for s in self.running if (n := s.num_ready_tokens)]
-        # stable: decode steps (speculative ones too) first, oldest first
-        ready.sort(key=lambda p: (p[1] > 1 and not p[0].pending[0].is_spec, p[0].arrival_time))
+        # stable: decode steps (speculative ones too) first, oldest first. One-position steps that all fit
+        # (max_num_batched_tokens >= max_num_seqs) keep the running order instead: the same rows step after step
+        # (the fast runner's persistent batch), and no sort is paid
+        if len(ready) > slots or any(n > 1 for _, n in ready):
+            ready.sort(key=lambda p: (p[1] > 1 and not p[0].pending[0].is_spec, p[0].arrival_time))
         prefill = _PrefillAllowance(self)
         for seq, n in ready:
             if budget == 0 or slots == 0:
                 break
             chunked = n > 1 and not seq.pending[0].is_spec
+            if chunked and not prefill_alone and not chosen:
+                break  # no decode step this time: the prompts wait for one (decode steps sort first)
             k = self._fit(seq, prefill.limit(budget) if chunked else budget, n)
             if k == 0 and chunked and prefill.spent:
                 continue  # this step's prefill share is used up: not blocked by the pool
@@ -155,7 +170,7 @@ class Scheduler:
             budget, slots = budget - k, slots - 1
             if chunked:
                 prefill.take(k)
-        while self.waiting and budget > 0 and slots > 0:
+        while self.waiting and budget > 0 and slots > 0 and (prefill_alone or chosen):
             seq = self.waiting[0]
             n = seq.num_ready_tokens
             if not n:  # its first chunk is still arriving in pieces? (never: add() pushes one)

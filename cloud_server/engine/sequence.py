@@ -39,10 +39,12 @@ class InputChunk:
     # a speculative step (cloud_server.engine.speculation): the edge's n - 1 draft tokens at positions
     # [start + 1, end); logits of all n positions are sampled, and the chunk runs whole (never split)
     draft_ids: list[int] | None = None
-    # positions carried and the first position after them; derived once here (the scheduler and
-    # build_batch read them many times per step), so a chunk's fields are not reassigned after construction
+    # positions carried, the first position after them, and whether it is a speculative step; derived once here
+    # (the scheduler, the engine and build_batch read them many times per step), so a chunk's fields are not
+    # reassigned after construction
     n: int = field(init=False, repr=False, compare=False)
     end: int = field(init=False, repr=False, compare=False)
+    is_spec: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if (self.hidden is None) == (self.token_ids is None):
@@ -55,6 +57,7 @@ class InputChunk:
             raise ValueError(f"token ids must be [n], got shape {tuple(self.token_ids.shape)}")
         self.n = int((self.hidden if self.hidden is not None else self.token_ids).shape[0])
         self.end = self.start + self.n
+        self.is_spec = self.draft_ids is not None
         if self.n == 0:
             raise ValueError("empty input chunk")
         if self.rope_positions is not None and tuple(self.rope_positions.shape) != (3, self.n):
@@ -62,10 +65,6 @@ class InputChunk:
         if self.draft_ids is not None and (len(self.draft_ids) != self.n - 1 or not self.draft_ids or not self.last):
             raise ValueError(f"a speculative chunk of {self.n} positions carries {self.n - 1} >= 1 drafts and "
                              f"is last; got {len(self.draft_ids)} drafts, last={self.last}")
-
-    @property
-    def is_spec(self) -> bool:
-        return self.draft_ids is not None
 
     def split(self, k: int) -> tuple[InputChunk, InputChunk]:
         """The first ``k`` positions (never ``last``) and the rest."""

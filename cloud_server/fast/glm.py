@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import kernels
-from .attention import DecodeWorkspace, decode_attention, prefill_attention
+from .attention import DecodeWorkspace, chunk_context_slots, decode_attention, prefill_attention
 from .config import FastGLMConfig
 from .kv import KVPool
 from .linear import LinearChooser
@@ -64,6 +64,8 @@ class PrefillMeta:
     decode_seq_lens: torch.Tensor | None = None  # [n] int32
     workspace: DecodeWorkspace | None = None
     decode_block_tables: torch.Tensor | None = None  # [n, MAXB] int32: those sequences' rows of block_tables
+    # pool slots [cl] of the context of each chunk that follows cached context (by sequence), once per step
+    context_slots: dict[int, torch.Tensor] | None = None
 
     def __post_init__(self):
         if len(self.query_lens) != len(self.context_lens):
@@ -73,10 +75,18 @@ class PrefillMeta:
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: torch.Tensor | None,
-              split_decode: bool = False, workspace: DecodeWorkspace | None = None) -> PrefillMeta:
-        """With ``split_decode`` (and more than one sequence), one-token sequences take the decode kernel."""
+              split_decode: bool = False, workspace: DecodeWorkspace | None = None,
+              block_size: int = 0) -> PrefillMeta:
+        """With ``split_decode`` (and more than one sequence), one-token sequences take the decode kernel.
+        ``block_size`` (the pool's): the context slots of chunks after cached context are found here, once for
+        all layers (0: each layer finds them)."""
+        def slots(skip=frozenset()):
+            if not block_size or block_tables is None:
+                return None
+            return chunk_context_slots(block_tables, block_size, query_lens, context_lens, skip)
+
         if not split_decode or block_tables is None or len(query_lens) < 2 or 1 not in query_lens:
-            return cls(list(query_lens), list(context_lens), block_tables)
+            return cls(list(query_lens), list(context_lens), block_tables, context_slots=slots())
         dev = block_tables.device
         starts = [0]
         for q in query_lens[:-1]:
@@ -87,7 +97,7 @@ class PrefillMeta:
         # gathered once per step, not per layer
         dec_tables = block_tables[torch.tensor(seqs, dtype=torch.long, device=dev)]  # [n, MAXB]
         return cls(list(query_lens), list(context_lens), block_tables, frozenset(seqs), rows, lens, workspace,
-                   dec_tables)
+                   dec_tables, slots(frozenset(seqs)))
 
 
 def _param(t: torch.Tensor | None) -> nn.Parameter | None:
@@ -218,21 +228,22 @@ class FastGLM(nn.Module):
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv.layer(i)  # [NB, BS, KVH, D]
+            sc = kv.scales(i)  # an 8-bit pool's scales and rotation (None: 16/32-bit)
             qkv = self.linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (nq + 2 nkv) D]
-            kernels.rope_store(qkv, rope_idx, cos, sin, k_cache, v_cache, slots, nq, nkv, d, cfg.rotary_dim, be)
+            kernels.rope_store(qkv, rope_idx, cos, sin, k_cache, v_cache, slots, nq, nkv, d, cfg.rotary_dim, be, sc)
             q = qkv[:, : nq * d].view(t, nq, d)  # [T, Hq, D] (strided view)
             if decode:
                 attn = decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, be,
-                                        meta.workspace)  # [T, Hq, D]
+                                        meta.workspace, sc)  # [T, Hq, D]
             else:
                 k_new = qkv[:, nq * d: (nq + nkv) * d].view(t, nkv, d)
                 v_new = qkv[:, (nq + nkv) * d:].view(t, nkv, d)
                 attn = prefill_attention(q, k_new, v_new, k_cache, v_cache, meta.query_lens, meta.context_lens,
-                                         meta.block_tables, scale, meta.decode_seqs)
+                                         meta.block_tables, scale, meta.decode_seqs, sc, meta.context_slots)
                 if meta.decode_rows is not None:  # a mixed step's decode rows: the paged decode kernel
                     attn[meta.decode_rows] = decode_attention(q[meta.decode_rows], k_cache, v_cache,
                                                               meta.decode_block_tables, meta.decode_seq_lens,
-                                                              scale, be, meta.workspace)
+                                                              scale, be, meta.workspace, sc)
             o = self._all_reduce(self.linear(attn.reshape(t, nq * d), layer.o_weight))  # [T, H]
             residual, x = kernels.add_norm_norm(o, residual, layer.post_self_attn_ln, layer.post_attention_ln,
                                                 eps, be)

@@ -14,26 +14,40 @@ reading the sampled ids. Each replay also advances its live rows' positions and 
 step carries the same sequences (the steady state of a decode batch) :meth:`DecodeGraphs.step_next` uploads
 only the new hidden states (vLLM v1's "persistent batch" idea).
 
+*Flat steps* (``flat_rows > 0``): a step that is not a pure decode step (a prompt chunk beside decode rows, as
+the engine's chunked prefill schedules it) runs through the same captured function too, with one row per
+position: a position ``p`` of a chunk is a query row whose context is ``[0, p]`` (its length ``p + 1``, its
+sequence's block table), and the paged decode kernel attends each row on its own. Every layer stores all the
+rows' keys before it attends, so a chunk's rows see each other causally. Graphs of up to ``max_batch +
+flat_rows`` rows (buckets of 64) replay such steps; their lm_head runs on the first ``max_batch`` rows only (the
+caller puts the rows it samples first). Eagerly, a mixed step of 28 layers is host-bound: its ~450 launches
+took ~45 ms on the H200 host against ~9 ms of GPU work.
+
 Off CUDA (or with ``use_graphs=False``) the same function runs eagerly, so the CPU tests cover the code
 that is captured. Reference: gpt-fast / vLLM ``CUDAGraphRunner``; ``torch.cuda.CUDAGraph``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .attention import DecodeWorkspace
+from .attention import BLOCK_N, MAX_SPLITS, DecodeConfig, DecodeWorkspace
 from .glm import DecodeMeta, FastGLM
 from .kv import NULL_BLOCK, KVPool
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+FLAT_BUCKET = 64  # rows between two flat-step graphs
+FLAT_SPLIT = 512  # tokens per split of a flat step's attention (its rows are many: few splits each suffice)
 
 
 class DecodeGraphs:
     def __init__(self, model: FastGLM, kv: KVPool, max_batch: int, max_blocks_per_seq: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, use_graphs: bool | None = None):
-        if max_batch <= 0 or max_blocks_per_seq <= 0:
-            raise ValueError("max_batch and max_blocks_per_seq must be positive")
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, use_graphs: bool | None = None, flat_rows: int = 0):
+        """``flat_rows``: rows beyond ``max_batch`` a flat step may have (0: no flat-step graphs)."""
+        if max_batch <= 0 or max_blocks_per_seq <= 0 or flat_rows < 0:
+            raise ValueError("max_batch and max_blocks_per_seq must be positive, flat_rows >= 0")
         self.model, self.kv = model, kv
         dev = model.device
         self.use_graphs = dev.type == "cuda" if use_graphs is None else bool(use_graphs)
@@ -41,17 +55,27 @@ class DecodeGraphs:
             raise ValueError("CUDA graphs need a CUDA device")
         self.buckets = sorted({b for b in buckets if 0 < b < max_batch} | {max_batch})
         self.max_batch = max_batch
+        self.max_rows = rows = max_batch + flat_rows  # the most rows a step (a flat one) may have
+        self.flat_buckets = sorted({min(max_batch + FLAT_BUCKET * k, rows)
+                                    for k in range(1, -(-flat_rows // FLAT_BUCKET) + 1)})
         h = model.cfg.hidden_size
-        self.hidden = torch.zeros(max_batch, h, dtype=model.dtype, device=dev)  # [B, H]
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)  # [B]
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)  # [B]
-        self.block_tables = torch.full((max_batch, max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32,
-                                       device=dev)  # [B, MAXB]
-        self.workspace = DecodeWorkspace(max_batch, model.local_heads, model.cfg.head_dim,
-                                         max_blocks_per_seq * kv.block_size, dev, buckets=tuple(self.buckets))
+        self.hidden = torch.zeros(rows, h, dtype=model.dtype, device=dev)  # [R, H]
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)  # [R]
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=dev)  # [R]
+        self.block_tables = torch.full((rows, max_blocks_per_seq), NULL_BLOCK, dtype=torch.int32,
+                                       device=dev)  # [R, MAXB]
+        max_tokens = max_blocks_per_seq * kv.block_size
+        self.workspace = DecodeWorkspace(max_batch, model.local_heads, model.cfg.head_dim, max_tokens, dev,
+                                         buckets=tuple(self.buckets))
+        self.flat_workspace = None  # flat steps: one (untuned) split size, scratch for its few splits per row
+        if self.flat_buckets:
+            split = max(FLAT_SPLIT, -(-max_tokens // (MAX_SPLITS * BLOCK_N)) * BLOCK_N)
+            self.flat_workspace = DecodeWorkspace(rows, model.local_heads, model.cfg.head_dim, max_tokens, dev,
+                                                  {b: DecodeConfig(split) for b in self.flat_buckets},
+                                                  tuple(self.flat_buckets), math.ceil(max_tokens / split))
         # 1 for live rows, 0 for padding: each step advances its live rows' position and length by this,
         # so an unchanged batch can run its next step with no metadata upload (:meth:`step_next`).
-        self.advance = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.advance = torch.zeros(rows, dtype=torch.int32, device=dev)
         self._live: tuple[int, int] | None = None  # (rows, bucket) the static buffers describe
         self.steps = 0  # steps run so far (a caller can tell whether anyone else stepped since its last step)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -63,21 +87,21 @@ class DecodeGraphs:
         pos = self.positions[:b]  # [b]
         tables = self.block_tables[:b]  # [b, MAXB]
         slots = tables.gather(1, (pos // bs)[:, None])[:, 0].long() * bs + pos % bs  # [b]
-        meta = DecodeMeta(tables, self.seq_lens[:b], self.workspace)
+        meta = DecodeMeta(tables, self.seq_lens[:b], self.workspace if b <= self.max_batch else self.flat_workspace)
         x = self.model.forward(self.hidden[:b], pos, slots, self.kv, meta)  # [b, H]
-        logits = self.model.compute_logits(x)  # [b, V]
-        ids = logits.argmax(dim=-1)  # [b] greedy; samplers with other settings read the logits
+        logits = self.model.compute_logits(x[: self.max_batch])  # [min(b, max_batch), V]: a flat step's first rows
+        ids = logits.argmax(dim=-1)  # greedy; samplers with other settings read the logits
         self.positions[:b] += self.advance[:b]  # the static buffers now describe the next step
         self.seq_lens[:b] += self.advance[:b]
         return logits, ids
 
     def capture(self) -> None:
-        """Capture every bucket (largest first, sharing one memory pool)."""
+        """Capture every bucket, the flat steps' too (largest first, sharing one memory pool)."""
         if not self.use_graphs:
             return
         pool = torch.cuda.graph_pool_handle()
         main = torch.cuda.current_stream()
-        for b in sorted(self.buckets, reverse=True):
+        for b in sorted(self.buckets + self.flat_buckets, reverse=True):
             side = torch.cuda.Stream()
             side.wait_stream(main)
             with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
@@ -88,27 +112,31 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[b] = self._step(b)
             self.graphs[b] = graph
+        for b in self.graphs:  # one replay each (the static buffers hold padding rows: only the null block is
+            self.graphs[b].replay()  # touched), so a bucket's first real step does not pay the graph's upload
         torch.cuda.synchronize()
 
     def bucket_for(self, n: int) -> int:
-        for b in self.buckets:
+        for b in self.buckets + self.flat_buckets:
             if b >= n:
                 return b
-        raise ValueError(f"decode batch {n} exceeds the largest bucket {self.max_batch}")
+        raise ValueError(f"a step of {n} rows exceeds the largest bucket {self.max_rows}")
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, hidden: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
              block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [n, H], positions [n], seq_lens [n] (context incl. the new token), block_tables [n, w].
+        """hidden [n, H], positions [n], seq_lens [n] (context incl. the new token), block_tables [n, w]; one row
+        per query token (``n`` up to ``max_rows``: beyond ``max_batch`` a flat step).
 
-        Returns device views ``(logits [n, V], greedy ids [n])``, valid until the next step.
+        Returns device views ``(logits [min(n, max_batch), V], greedy ids)`` of the first rows, valid until the
+        next step.
         """
         n, w = hidden.shape[0], block_tables.shape[1]
         if w > self.block_tables.shape[1]:
             raise ValueError(f"block table width {w} exceeds the captured {self.block_tables.shape[1]}")
+        if n > self.max_rows:
+            raise ValueError(f"a step of {n} rows exceeds max_rows {self.max_rows}")
         b = self.bucket_for(n) if self.use_graphs else n
-        if n > self.max_batch:
-            raise ValueError(f"decode batch {n} exceeds max_batch {self.max_batch}")
         self.hidden[:n].copy_(hidden, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)

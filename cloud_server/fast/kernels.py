@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from cloud_server import kv_quant
+
 try:  # Triton ships with CUDA builds of torch; the CPU-only CI has none.
     import triton
     import triton.language as tl
@@ -85,7 +87,7 @@ def _rotate_interleaved(x):
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-def rope_store_torch(qkv, positions, cos, sin, k_cache, v_cache, slots, nq, nkv, head_dim, rotary_dim):
+def rope_store_torch(qkv, positions, cos, sin, k_cache, v_cache, slots, nq, nkv, head_dim, rotary_dim, scales=None):
     t = qkv.shape[0]
     q = qkv[:, : nq * head_dim].view(t, nq, head_dim)  # [T, Hq, D] views into qkv
     k = qkv[:, nq * head_dim: (nq + nkv) * head_dim].view(t, nkv, head_dim)
@@ -95,8 +97,13 @@ def rope_store_torch(qkv, positions, cos, sin, k_cache, v_cache, slots, nq, nkv,
     for x in (q, k):
         xr = x[..., :rotary_dim]
         x[..., :rotary_dim] = xr * c + _rotate_interleaved(xr) * s
-    k_cache.view(-1, nkv, head_dim)[slots] = k
-    v_cache.view(-1, nkv, head_dim)[slots] = v
+    if scales is None:
+        k_cache.view(-1, nkv, head_dim)[slots] = k
+        v_cache.view(-1, nkv, head_dim)[slots] = v
+        return
+    rot = scales.rotation  # [D, D] or None: an 8-bit pool stores rotated heads (kv_quant.rotation)
+    for cache, scale, x in ((k_cache, scales.k, k), (v_cache, scales.v, v)):
+        kv_quant.write(cache.view(-1, nkv, head_dim), scale.view(-1, nkv), slots, x if rot is None else x @ rot)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,12 +158,9 @@ if HAVE_TRITON:
         tl.store(o_ptr + row * stride_o + offs, (u * act).to(dt), mask=mask)
 
     @triton.jit
-    def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, stride_qkv, stride_tab,
-                           NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr,
-                           HALF_D_PAD: tl.constexpr):
-        # One program per (token, head); heads [0, NQ) are q, [NQ, NQ+NKV) k, the rest v.
-        t = tl.program_id(0)
-        h = tl.program_id(1)
+    def _rope_head(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, stride_qkv, stride_tab, NQ: tl.constexpr,
+                   NKV: tl.constexpr, D: tl.constexpr, HALF_R: tl.constexpr, HALF_D_PAD: tl.constexpr):
+        """Head ``h`` of token ``t``: rotate it in place if it is a q or k head; returns its (even, odd) channels."""
         dt = qkv_ptr.dtype.element_ty
         i = tl.arange(0, HALF_D_PAD)  # pair index: channels (2i, 2i + 1)
         pmask = i < D // 2
@@ -175,14 +179,110 @@ if HAVE_TRITON:
         else:
             ye = xe
             yo = xo
-        if h >= NQ:  # k and v also go to the paged cache slot of this token
-            slot = tl.load(slot_ptr + t)
-            if h < NQ + NKV:
-                dst = k_ptr + (slot * NKV + (h - NQ)) * D
+        return ye, yo
+
+    @triton.jit
+    def _to_storage(y, scale, QMAX: tl.constexpr, INT8: tl.constexpr):
+        """kv_quant.quantize's rule on fp32 rows y [R, C] with their scales [R]: int8 rounds half to even (the
+        1.5 * 2**23 trick, exact for |x| < 2**22) and clamps; fp8 is rounded by the store's conversion."""
+        q = y / scale[:, None]
+        if INT8:
+            q = (q + 12582912.0) - 12582912.0
+            q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+        return q
+
+    @triton.jit
+    def _rope_quant_kv(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, rot_ptr, t, j,
+                       stride_qkv, stride_tab, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                       HALF_R: tl.constexpr, HALF_D_PAD: tl.constexpr, D_PAD: tl.constexpr, ROTATE: tl.constexpr,
+                       INT8: tl.constexpr, QMAX: tl.constexpr, SCALE_MIN: tl.constexpr, IEEE: tl.constexpr):
+        """KV head ``j`` of token ``t`` into an 8-bit pool: rope the key (in place in qkv too), rotate key and
+        value into the pool's basis, quantize each with its own scale, store both and their scales."""
+        dt = qkv_ptr.dtype.element_ty
+        r = tl.arange(0, 16)  # tile rows: 0 the key head, 1 the value head (a tensor-core-sized tile)
+        i = tl.arange(0, HALF_D_PAD)
+        pmask = i < D // 2
+        m2 = (r < 2)[:, None] & pmask[None, :]
+        base = qkv_ptr + t * stride_qkv + (NQ + j + r * NKV)[:, None] * D + 2 * i[None, :]  # [16, HALF]
+        xe = tl.load(base, mask=m2, other=0.0).to(tl.float32)
+        xo = tl.load(base + 1, mask=m2, other=0.0).to(tl.float32)
+        pos = tl.load(pos_ptr + t)
+        rmask = i < HALF_R
+        c = tl.load(cos_ptr + pos * stride_tab + i, mask=rmask, other=1.0).to(dt).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + pos * stride_tab + i, mask=rmask, other=0.0).to(dt).to(tl.float32)[None, :]
+        is_k = (r == 0)[:, None]
+        ye = tl.where(is_k, xe * c - xo * s, xe).to(dt)  # [16, HALF] as the 16-bit pool would store them
+        yo = tl.where(is_k, xo * c + xe * s, xo).to(dt)
+        tl.store(base, ye, mask=is_k & pmask[None, :])
+        tl.store(base + 1, yo, mask=is_k & pmask[None, :])
+        slot = tl.load(slot_ptr + t)
+        st = k_ptr.dtype.element_ty
+        zero = 0 * r[:, None]  # [16, 1]: every tile row addresses the same head row; masks pick the row
+        k_dst = k_ptr + (slot * NKV + j) * D + zero
+        v_dst = v_ptr + (slot * NKV + j) * D + zero
+        if ROTATE:  # y = x H over the pairs: even channels meet H's even rows, odd channels its odd rows
+            cols = tl.arange(0, D_PAD)
+            cmask = cols < D
+            hmask = pmask[:, None] & cmask[None, :]
+            he = tl.load(rot_ptr + (2 * i)[:, None] * D + cols[None, :], mask=hmask, other=0.0)  # [HALF, D]
+            ho = tl.load(rot_ptr + (2 * i + 1)[:, None] * D + cols[None, :], mask=hmask, other=0.0)
+            if IEEE:
+                y = tl.dot(ye, he, input_precision="ieee") + tl.dot(yo, ho, input_precision="ieee")
             else:
-                dst = v_ptr + (slot * NKV + (h - NQ - NKV)) * D
-            tl.store(dst + 2 * i, ye.to(dt), mask=pmask)
-            tl.store(dst + 2 * i + 1, yo.to(dt), mask=pmask)
+                y = tl.dot(ye, he) + tl.dot(yo, ho)  # [16, D_PAD] fp32
+            y = y.to(dt).to(tl.float32)  # the rotated head in the activation dtype, as the generic runner's x @ H
+            scale = tl.maximum(tl.max(tl.abs(y), axis=1), SCALE_MIN) / QMAX  # [16]
+            q = _to_storage(y, scale, QMAX, INT8).to(st)
+            tl.store(k_dst + cols[None, :], q, mask=is_k & cmask[None, :])
+            tl.store(v_dst + cols[None, :], q, mask=(r == 1)[:, None] & cmask[None, :])
+        else:  # the plain basis, pair by pair
+            yef = ye.to(tl.float32)
+            yof = yo.to(tl.float32)
+            scale = tl.maximum(tl.maximum(tl.max(tl.abs(yef), axis=1), tl.max(tl.abs(yof), axis=1)),
+                               SCALE_MIN) / QMAX
+            qe = _to_storage(yef, scale, QMAX, INT8).to(st)
+            qo = _to_storage(yof, scale, QMAX, INT8).to(st)
+            kmask = is_k & pmask[None, :]
+            vmask = (r == 1)[:, None] & pmask[None, :]
+            tl.store(k_dst + 2 * i[None, :], qe, mask=kmask)
+            tl.store(k_dst + 2 * i[None, :] + 1, qo, mask=kmask)
+            tl.store(v_dst + 2 * i[None, :], qe, mask=vmask)
+            tl.store(v_dst + 2 * i[None, :] + 1, qo, mask=vmask)
+        tl.store(ks_ptr + slot * NKV + j, tl.sum(tl.where(r == 0, scale, 0.0), axis=0))  # [slots, KVH] layout
+        tl.store(vs_ptr + slot * NKV + j, tl.sum(tl.where(r == 1, scale, 0.0), axis=0))
+
+    @triton.jit
+    def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, rot_ptr,
+                           stride_qkv, stride_tab, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
+                           HALF_R: tl.constexpr, HALF_D_PAD: tl.constexpr, QUANT: tl.constexpr,
+                           D_PAD: tl.constexpr, ROTATE: tl.constexpr, INT8: tl.constexpr, QMAX: tl.constexpr,
+                           SCALE_MIN: tl.constexpr, IEEE: tl.constexpr):
+        # 16/32-bit pool: one program per (token, head); heads [0, NQ) are q, [NQ, NQ+NKV) k, the rest v.
+        # 8-bit pool (QUANT): heads [0, NQ) are q; program NQ + j takes KV head j's key and value together.
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        if QUANT:
+            if h < NQ:
+                _rope_head(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, stride_qkv, stride_tab, NQ, NKV, D, HALF_R,
+                           HALF_D_PAD)
+            else:
+                _rope_quant_kv(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, rot_ptr,
+                               t, h - NQ, stride_qkv, stride_tab, NQ, NKV, D, HALF_R, HALF_D_PAD, D_PAD, ROTATE,
+                               INT8, QMAX, SCALE_MIN, IEEE)
+        else:
+            ye, yo = _rope_head(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, stride_qkv, stride_tab, NQ, NKV, D,
+                                HALF_R, HALF_D_PAD)
+            if h >= NQ:  # k and v also go to the paged cache slot of this token
+                dt = qkv_ptr.dtype.element_ty
+                i = tl.arange(0, HALF_D_PAD)
+                pmask = i < D // 2
+                slot = tl.load(slot_ptr + t)
+                if h < NQ + NKV:
+                    dst = k_ptr + (slot * NKV + (h - NQ)) * D
+                else:
+                    dst = v_ptr + (slot * NKV + (h - NQ - NKV)) * D
+                tl.store(dst + 2 * i, ye.to(dt), mask=pmask)
+                tl.store(dst + 2 * i + 1, yo.to(dt), mask=pmask)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,18 +352,30 @@ def silu_mul(gu: torch.Tensor, backend: str) -> torch.Tensor:
 
 
 def rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, nq: int, nkv: int, head_dim: int,
-               rotary_dim: int, backend: str) -> None:
+               rotary_dim: int, backend: str, scales=None) -> None:
     """Rotate q and k inside ``qkv`` [T, (nq + 2 nkv) D] in place and store k, v at ``slots`` [T].
 
     ``cos``/``sin``: fp32 tables [max_position, rotary_dim / 2]; ``k_cache``/``v_cache``: one layer's pool,
-    any shape whose flat view is [slots, nkv, D].
+    any shape whose flat view is [slots, nkv, D]. ``scales`` (:class:`~cloud_server.fast.kv.LayerScales`, an
+    8-bit pool's layer): k and v are stored as :func:`cloud_server.kv_quant.write` stores them, rotated by
+    ``scales.rotation`` and quantized with one scale per token and KV head (into ``scales.k`` / ``scales.v``).
     """
     if backend == "torch":
-        return rope_store_torch(qkv, positions, cos, sin, k_cache, v_cache, slots, nq, nkv, head_dim, rotary_dim)
+        return rope_store_torch(qkv, positions, cos, sin, k_cache, v_cache, slots, nq, nkv, head_dim, rotary_dim,
+                                scales)
     t = qkv.shape[0]
     if t == 0:
         return None
-    _rope_store_kernel[(t, nq + 2 * nkv)](qkv, positions, cos, sin, k_cache, v_cache, slots, qkv.stride(0),
-                                          cos.stride(0), NQ=nq, NKV=nkv, D=head_dim, HALF_R=rotary_dim // 2,
-                                          HALF_D_PAD=_pow2(head_dim // 2), num_warps=1)
+    quant = scales is not None
+    rot = None if not quant else scales.rotation
+    if rot is not None and rot.dtype != qkv.dtype:
+        raise ValueError(f"rope_store: the rotation must be in the activation dtype {qkv.dtype}, got {rot.dtype}")
+    qmax = kv_quant.qmax(k_cache.dtype) if quant else 1.0
+    dummy = qkv  # pointer arguments a specialization does not read
+    _rope_store_kernel[(t, nq + (nkv if quant else 2 * nkv))](
+        qkv, positions, cos, sin, k_cache, v_cache, slots, scales.k if quant else dummy,
+        scales.v if quant else dummy, dummy if rot is None else rot, qkv.stride(0), cos.stride(0), NQ=nq, NKV=nkv,
+        D=head_dim, HALF_R=rotary_dim // 2, HALF_D_PAD=_pow2(head_dim // 2) if not quant else max(16, _pow2(head_dim // 2)),
+        QUANT=quant, D_PAD=max(16, _pow2(head_dim)), ROTATE=rot is not None, INT8=k_cache.dtype == torch.int8,
+        QMAX=qmax, SCALE_MIN=kv_quant.SCALE_MIN, IEEE=qkv.dtype == torch.float32, num_warps=4 if quant else 1)
     return None

@@ -5,11 +5,14 @@ and calls ``runner.run(batch)``; this runner computes the same float32 logits ``
 :class:`FastGLM` instead of the library's modules:
 
 * steps where every sequence brings one token (pure decode) replay a CUDA graph (:mod:`.graphs`);
-* anything else (prefill chunks, mixed steps, GLM-4.1V 3-D image positions) runs eagerly: one pass over the
-  weights for all rows, SDPA for the chunks and the paged decode kernel for the one-token rows.
+* steps with prompt chunks of at most ``max_batch + flat_rows`` rows (a chunk beside the decode rows, as the
+  engine's ``prefill_chunk_while_decoding`` schedules them) replay a graph too, as *flat steps*: one row per
+  position, each attended by the paged decode kernel over its own context;
+* anything else (longer prefill, GLM-4.1V 3-D image positions) runs eagerly: one pass over the weights for all
+  rows, SDPA for the chunks and the paged decode kernel for the one-token rows.
 
 It shares the engine's KV pool tensors (``KVCachePool.k`` [L, NB * BS, KVH, D] is viewed as
-[L, NB, BS, KVH, D]: same memory) and reserves block 0 as the graphs' padding block
+[L, NB, BS, KVH, D]: same memory; an 8-bit pool's scales likewise, ``--kv-cache-dtype int8 | fp8``) and reserves block 0 as the graphs' padding block
 (:attr:`reserved_blocks`, which the engine's block manager never hands out). The library's q/k/v weights
 are re-pointed into the fused QKV tensor, so the fast path adds no weight memory.
 
@@ -25,6 +28,7 @@ otherwise.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .config import FAST_MODEL_TYPES, UnsupportedFastPath
@@ -56,12 +60,12 @@ class FastGlmRunner:
 
     def __init__(self, model, pool, max_batch: int = 64, max_model_len: int = 8192,
                  use_graphs: bool | None = None, backend: str | None = None, tune: bool = True,
-                 tune_context: int = DEFAULT_CONTEXT):
+                 tune_context: int = DEFAULT_CONTEXT, flat_rows: int = 0, flat_steps: bool | None = None):
+        """``flat_rows``: prompt positions a step beside up to ``max_batch`` decode rows may add and still replay a
+        graph (the engine's ``prefill_chunk_while_decoding``); ``flat_steps``: run steps that are not pure decode
+        steps, up to ``max_batch + flat_rows`` rows, as flat steps (:mod:`.graphs`); None: where graphs run."""
         if getattr(model, "variant", None) == "int8":
             raise UnsupportedFastPath("the GLM fast path runs float variants (bf16/fp16/fp32), not int8")
-        if getattr(pool, "k_scale", None) is not None:
-            raise UnsupportedFastPath(f"kv_cache_dtype {pool.kv_cache_dtype} needs the generic runner: the fast "
-                                      f"path's attention reads a 16/32-bit KV pool")
         if max_batch <= 0 or max_model_len <= 0:
             raise ValueError("max_batch and max_model_len must be positive")
         self.model, self.pool = model, pool
@@ -70,15 +74,23 @@ class FastGlmRunner:
         self.fast = FastGLM.from_modules(model.layers, model.norm, model.lm_head, model.config, dtype=model.dtype,
                                          device=self.device, backend=backend, tp=getattr(model, "tp", None))
         _alias_qkv(model.layers, self.fast)
-        self.kv = KVPool.view_of(pool)  # [L, NB, BS, KVH / tp, D]
+        self.kv = KVPool.view_of(pool, model.dtype)  # [L, NB, BS, KVH / tp, D] (+ an 8-bit pool's scales)
         if self.kv.k.shape[3] != self.fast.local_kv_heads:
             raise ValueError(f"the KV pool holds {self.kv.k.shape[3]} KV heads, this rank runs "
                              f"{self.fast.local_kv_heads}")
         self.max_blocks = -(-max_model_len // pool.block_size)
-        self.graphs = DecodeGraphs(self.fast, self.kv, max_batch, self.max_blocks, use_graphs=use_graphs)
+        graphs_on = self.device.type == "cuda" if use_graphs is None else bool(use_graphs)
+        self.flat_steps = graphs_on if flat_steps is None else bool(flat_steps)
+        self.graphs = DecodeGraphs(self.fast, self.kv, max_batch, self.max_blocks, use_graphs=use_graphs,
+                                   flat_rows=flat_rows if self.flat_steps else 0)
         # what the startup tuning measured and chose (None: not tuned, e.g. on the CPU)
         self.tuning = tune_for_device(self.fast, self.kv, self.graphs, tune_context) if tune else None
         self.graphs.capture()
+        if self._pin:  # page-locked staging of the largest graph step, once: its first use mid-serving then finds
+            rows = self.graphs.max_rows  # the blocks cached instead of paying a cudaHostAlloc
+            for shape, dtype in (((rows, self.fast.cfg.hidden_size), torch.float32), ((3, rows), torch.int64),
+                                 ((max_batch, self.max_blocks), torch.int32)):
+                self._staged(shape, dtype)
         # the last decode batch: (block tables, context lens, graphs.steps after it), for _continues
         self._last_decode: tuple[list[list[int]], list[int], int] | None = None
 
@@ -89,9 +101,15 @@ class FastGlmRunner:
         the block out again before the copy is done, so refilling next step is safe without a sync."""
         return torch.empty(shape, dtype=dtype, pin_memory=self._pin)
 
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Where the engine's ``build_batch`` concatenates a step's hidden states: the staging buffer itself, so
+        they go up without another host copy."""
+        return self._staged(shape, dtype)
+
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device (through a pinned staging buffer on CUDA); device tensors pass through."""
-        if t.device == self.device or not self._pin:
+        """A host tensor on the device (through a pinned staging buffer on CUDA, unless it is one); device
+        tensors pass through."""
+        if t.device == self.device or not self._pin or t.is_pinned():
             return t.to(self.device, non_blocking=True)
         staged = self._staged(tuple(t.shape), t.dtype)
         staged.copy_(t)
@@ -145,16 +163,52 @@ class FastGlmRunner:
             if num_rows == nseq and batch.logits_indices.tolist() == list(range(nseq)):  # every row, in order
                 return logits.float() if logits.dtype != torch.float32 else logits.clone()
             return logits[self._upload(batch.logits_indices)].float()
+        if (rope is None and self.flat_steps and hidden.shape[0] <= self.graphs.max_rows
+                and nseq <= self.graphs.max_batch and num_rows <= self.graphs.max_batch):
+            return self._run_flat(batch, hidden, num_rows)
         rows = self._upload(batch.logits_indices)  # [S]
         # full-width tables [B, MAXB], as the graphs have: a mixed step's decode rows then launch the decode kernel
         # the graphs compiled (its specialization depends on the table width); a table width growing with each
         # prefill chunk made every chunk of a long prompt JIT-compile a new kernel (~0.6 s a step on the H200)
         positions, tables = self._upload(batch.positions), self._tables(batch.block_tables, self.max_blocks)
         meta = PrefillMeta.build(batch.query_lens, batch.context_lens, tables, split_decode=True,
-                                 workspace=self.graphs.workspace if nseq <= self.graphs.max_batch else None)
+                                 workspace=self.graphs.workspace if nseq <= self.graphs.max_batch else None,
+                                 block_size=self.kv.block_size)
         x = fast.forward(hidden, positions, self._upload(batch.slot_mapping), self.kv, meta,
                          None if rope is None else self._upload(rope))  # [T, H]
         return fast.compute_logits(x[rows]).float()
+
+
+    @torch.inference_mode()
+    def continue_decode(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The engine's steady decode step: the rows of the last decode batch, each one position on (the caller
+        knows: the same sequences in the same order, block tables unchanged, every row sampled), given only
+        their hidden states [n, H] (host, float32). Float32 logits [n, V], or None when another step of the
+        graphs ran since (the caller then runs the full batch)."""
+        last = self._last_decode
+        if last is None or last[2] != self.graphs.steps or len(last[1]) != hidden.shape[0]:
+            return None
+        logits, _ = self.graphs.step_next(self._upload(hidden))  # [n, V]; the copy into the graph's input casts
+        self._last_decode = (last[0], [c + 1 for c in last[1]], self.graphs.steps)
+        return logits.float() if logits.dtype != torch.float32 else logits.clone()
+
+    def _run_flat(self, batch, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """A step with prompt chunks as a flat step (:mod:`.graphs`): one row per position, each attending to its
+        context ``[0, position]`` through its sequence's block table; the rows whose logits are wanted first, in
+        order. hidden [T, H] on the device -> float32 logits [S, V]."""
+        t = hidden.shape[0]
+        wanted = batch.logits_indices.numpy()  # [S] rows of the batch, in order
+        rest = np.ones(t, dtype=bool)
+        rest[wanted] = False
+        staged = self._staged((3, t), torch.int64)
+        meta = staged.numpy()
+        meta[0, :num_rows], meta[0, num_rows:] = wanted, np.flatnonzero(rest)  # graph row -> batch row
+        meta[1] = np.repeat(np.arange(len(batch.query_lens)), batch.query_lens)[meta[0]]  # each row's sequence
+        meta[2] = batch.positions.numpy()[meta[0]]  # each row's position
+        perm, seq, pos = staged.to(self.device, non_blocking=True)  # [T] each
+        tables = self._tables(batch.block_tables, self.max_blocks)[seq]  # [T, MAXB]
+        logits, _ = self.graphs.step(hidden[perm], pos, (pos + 1).to(torch.int32), tables)  # [min(T, B), V]
+        return logits[:num_rows].float()
 
 
 def fast_path_supported(model, device: str, fast_path: bool | None = None) -> bool:
@@ -175,7 +229,8 @@ def fast_runner_factory(engine_config):
     def make_runner(index, model, pool):
         if fast_path_supported(model, engine_config.device, engine_config.fast_path):
             return FastGlmRunner(model, pool, max_batch=engine_config.max_num_seqs,
-                                 max_model_len=engine_config.max_model_len)
+                                 max_model_len=engine_config.max_model_len,
+                                 flat_rows=engine_config.prefill_chunk_while_decoding)
         return ModelRunner(model, pool, batch_invariant=engine_config.batch_invariant)
 
     return make_runner

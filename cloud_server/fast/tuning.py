@@ -152,7 +152,8 @@ def tune_attention(model, kv, graphs, ctx: int = DEFAULT_CONTEXT,
                 cfg = DecodeConfig(split, bn, warps, stages)
                 try:
                     t = time_graph(lambda cfg=cfg, q=q, full=full, lens=lens: [
-                        decode_attention_triton(q, *kv.layer(i), full, lens, 0.088, ws, config=cfg)
+                        decode_attention_triton(q, *kv.layer(i), full, lens, 0.088, ws, config=cfg,
+                                                scales=kv.scales(i))
                         for i in range(model.cfg.num_layers)])
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is just not chosen
                     table.setdefault("errors", []).append(f"{cfg}: {e!r}"[:200])

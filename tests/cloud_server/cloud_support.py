@@ -119,6 +119,40 @@ def drive(engine, phones: list[Phone], max_steps: int = 10_000, prefix_keys=None
     return step
 
 
+def edge_generate(bundle: Path, url: str, prompt: list[int], max_tokens: int, retry, on_token=None,
+                  **sampling) -> tuple[list[int], object]:
+    """One request through a real ``EdgeClient`` (fp16 codec, ``retry`` policy) to the server at ``url``
+    (``ws://host:port``); ``on_token(n)`` runs when the n-th token arrives (a test injects its fault there).
+    Asserts the request ran to its length; returns its tokens and the client's stats."""
+    from edge_client.client import EdgeClient
+
+    with EdgeClient(bundle, url, codec="fp16", retry=retry) as c:
+        gen = c.generate(prompt_ids=prompt, max_tokens=max_tokens, **sampling)
+        tokens = []
+        for tok, _ in gen.iter_tokens():
+            tokens.append(tok)
+            if on_token is not None:
+                on_token(len(tokens))
+        assert gen.finish_reason == "length", gen.finish_reason
+        return tokens, gen.stats
+
+
+async def refused_hello(ws_url: str, bundle_id: str):
+    """A Hello on a new connection that the server refuses: its ``Error`` and the close code after it."""
+    import websockets
+
+    from shared import protocol as P
+
+    async with websockets.connect(ws_url) as ws:
+        await ws.send(P.encode_message(P.Hello(bundle_id=bundle_id, codecs=["fp16"])))
+        err = P.decode_message(await ws.recv())
+        try:
+            await ws.recv()
+        except websockets.ConnectionClosed as e:
+            return err, e.rcvd.code
+        raise AssertionError(f"the server answered {err} and kept the connection open")
+
+
 class ServerThread:
     """A real uvicorn server for ``app`` on a free port, in a background thread (``with`` block).
     ``uvicorn_kw`` go to ``uvicorn.Config`` (``ssl_certfile``/``ssl_keyfile``: https:// and wss://)."""

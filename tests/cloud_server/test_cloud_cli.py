@@ -74,7 +74,9 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B", "--device", "tpu"], {}, "device"),
     (["B", "--device", "cpu", "--max-model-len", "512", "--max-prompt-tokens", "513"], {}, "max_prompt_tokens"),
     (["B", "--device", "cpu", "--kv-cache-dtype", "int4"], {}, "kv_cache_dtype: unknown"),
-    (["B", "--device", "cpu", "--kv-cache-dtype", "int8", "--fast-path"], {}, "needs the generic runner"),
+    (["B", "--device", "cpu", "--workers", "0"], {}, "workers must be >= 1"),
+    (["--full", "tiny-glm4", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves split mode"),
+    (["B", "C", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves one bundle"),
 ])
 def test_bad_configuration_is_a_one_line_error(argv, env, message):
     if message is None:

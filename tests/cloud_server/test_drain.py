@@ -14,13 +14,11 @@ import time
 
 import httpx
 import pytest
-import websockets
+from cloud_support import edge_generate, refused_hello
 
-from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
 from edge_client.demo import LocalCloud, free_port
 from rig.link import IDEAL, LinkEmulator
-from shared import protocol as P
 from shared.manifest import Manifest
 
 pytestmark = pytest.mark.slow
@@ -34,24 +32,7 @@ ARGS = ["--num-blocks", "128", "--block-size", "4", "--variants", "fp32", "--dev
 
 
 def _generate(bundle, port, on_token, sampling) -> tuple[list[int], object]:
-    with EdgeClient(bundle, f"ws://127.0.0.1:{port}", codec="fp16", retry=RETRY) as c:
-        gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW, **sampling)
-        tokens = []
-        for tok, _ in gen.iter_tokens():
-            tokens.append(tok)
-            on_token(len(tokens))
-        assert gen.finish_reason == "length"
-        return tokens, gen.stats
-
-
-async def _late_hello(port, bundle_id):
-    async with websockets.connect(f"ws://127.0.0.1:{port}/v1/split") as ws:
-        await ws.send(P.encode_message(P.Hello(bundle_id=bundle_id, codecs=["fp16"])))
-        err = P.decode_message(await ws.recv())
-        try:
-            await ws.recv()
-        except websockets.ConnectionClosed as e:
-            return err, e.rcvd.code
+    return edge_generate(bundle, f"ws://127.0.0.1:{port}", PROMPT, N_NEW, RETRY, on_token, **sampling)
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 5}], ids=["greedy", "sampled"])
@@ -68,7 +49,7 @@ def test_sigterm_lets_the_request_in_flight_finish_then_exits(tiny_bundle, tmp_p
                 cloud.proc.send_signal(signal.SIGTERM)
                 time.sleep(0.3)
                 seen["ready"] = httpx.get(cloud.http_url + "/ready", timeout=5).status_code
-                seen["late"] = asyncio.run(_late_hello(port, bundle_id))
+                seen["late"] = asyncio.run(refused_hello(f"ws://127.0.0.1:{port}/v1/split", bundle_id))
 
         t0 = time.monotonic()
         tokens, _ = _generate(tiny_bundle, link.port, on_token, sampling)

@@ -45,8 +45,14 @@ def test_sampled_vs_greedy_and_the_prefill_stall_run():
     r = wl.sampled_vs_greedy(engine, 3, prompts, steps_in, 4, lambda: None, rounds=1)
     assert r["sampled_over_greedy"] > 0
     long_prompt = torch.randn(100, h)
-    r = wl.prefill_stall(engine, 3, prompts, steps_in, long_prompt, [0, 8], 12, 2, lambda: None)
+    r = wl.prefill_stall(engine, 3, prompts, steps_in, long_prompt, [0, 8], 16, 2, lambda: None, served=(32, 0))
+    assert list(r["chunks"]) == ["default", "0", "8"]
+    assert (r["chunks"]["default"]["budget"], r["chunks"]["default"]["cap"]) == (32, 0)
+    assert r["chunks"]["default"]["arrival"]["long_ttft_steps"] >= 4  # 100 positions, 32 - 3 per step at most
     assert r["chunks"]["0"]["arrival"]["long_ttft_steps"] <= 2  # 100 positions fit the budget of 64 in two steps
-    assert r["chunks"]["8"]["arrival"]["long_ttft_steps"] >= 7  # 8 per step while the others decode
+    # while the others decode a step holds max_num_seqs + 8 = 12 positions: 9 for the prompt beside their 3 rows,
+    # each chunk riding on their step (none runs between two of them)
+    assert r["chunks"]["8"]["arrival"]["long_ttft_steps"] == 12
     assert engine.config.prefill_chunk_while_decoding == EngineConfig().prefill_chunk_while_decoding  # restored
+    assert engine.config.max_num_batched_tokens == 64
     assert not engine.seqs and engine.num_used_blocks() == 0

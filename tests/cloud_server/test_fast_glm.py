@@ -125,13 +125,14 @@ def test_decode_equals_prefill_with_mixed_lengths(tiny):
     pos = torch.cat([torch.arange(lens[i], lens[i] + q) for i, q in enumerate(q_lens)])
     slots = torch.cat([slots_of(blocks[i], range(lens[i], lens[i] + q)) for i, q in enumerate(q_lens)])
     ctx = [n + q for n, q in zip(lens, q_lens)]
-    meta = PrefillMeta.build(q_lens, ctx, bt, split_decode=True)
-    assert meta.decode_seqs == {0, 1}
-    x = fast.forward(hid, pos, slots, kv, meta)
-    rows = torch.tensor(q_lens).cumsum(0) - 1
-    logits = fast.compute_logits(x[rows])
-    for i in range(3):
-        assert torch.allclose(logits[i], refs[i][ctx[i] - 1], atol=1e-5)
+    for block_size in (0, kv.block_size):  # context slots found by each layer, then once for the step
+        meta = PrefillMeta.build(q_lens, ctx, bt, split_decode=True, block_size=block_size)
+        assert meta.decode_seqs == {0, 1} and (meta.context_slots is None) == (block_size == 0)
+        x = fast.forward(hid, pos, slots, kv, meta)  # the same keys to the same slots both times
+        rows = torch.tensor(q_lens).cumsum(0) - 1
+        logits = fast.compute_logits(x[rows])
+        for i in range(3):
+            assert torch.allclose(logits[i], refs[i][ctx[i] - 1], atol=1e-5)
     lens = ctx  # [6, 10, 4]
 
     # 3. decode steps through the graph runner's code path (eager on CPU), all three at once
@@ -418,6 +419,48 @@ def test_fast_runner_equals_the_engine_runner(tiny_bundle, monkeypatch):
     assert widths and set(widths) == {fast.max_blocks}
 
 
+def test_flat_steps_equal_the_engine_runner(tiny_bundle):
+    """Prompt chunks (with and without cached context, sampled or not) beside decode rows, run as flat steps (one
+    row per position through the decode path, the sampled rows first) up to max_batch + flat_rows rows, and
+    eagerly beyond: the library runner's logits either way."""
+    from cloud_server.engine.kv_cache import KVCachePool
+    from cloud_server.engine.model_runner import Batch, ModelRunner
+    from cloud_server.fast.runner import FastGlmRunner
+    from cloud_server.model import load_split_model
+
+    model = load_split_model(tiny_bundle, "fp32", "cpu")
+
+    def pool():
+        return KVCachePool(model.num_layers, 24, BLOCK, model.num_kv_heads, model.head_dim, torch.float32)
+
+    ref = ModelRunner(model, pool())
+    fast = FastGlmRunner(model, pool(), max_batch=2, max_model_len=48, flat_rows=8, flat_steps=True)
+    assert fast.graphs.max_rows == 10 and fast.graphs.flat_buckets == [10]
+    g = torch.Generator().manual_seed(5)
+    tabs = [[3, 4, 5, 6], [7, 9, 2, 8]]
+
+    def batch(q_lens, starts, sample):
+        pos = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)])
+        slots = torch.cat([torch.tensor([t[p // BLOCK] * BLOCK + p % BLOCK for p in range(s, s + q)])
+                           for t, s, q in zip(tabs, starts, q_lens)])
+        ends = (torch.tensor(q_lens).cumsum(0) - 1).tolist()
+        return Batch(positions=pos, slot_mapping=slots, query_lens=q_lens,
+                     context_lens=[s + q for s, q in zip(starts, q_lens)], block_tables=tabs,
+                     logits_indices=torch.tensor([e for e, w in zip(ends, sample) if w], dtype=torch.long),
+                     hidden=torch.randn(sum(q_lens), model.hidden_size, generator=g))
+
+    steps = [([5, 3], [0, 0], [False, True], True),  # prompts, one chunk not sampled: flat (8 rows)
+             ([6, 1], [5, 3], [True, True], True),  # a chunk after cached context beside a decode row: flat
+             ([1, 1], [11, 4], [True, True], False),  # decode: the decode graph path
+             ([1, 11], [12, 5], [True, False], False)]  # 12 rows > max_rows: eager
+    for q_lens, starts, sample, flat in steps:
+        b = batch(q_lens, starts, sample)
+        before = fast.graphs.steps
+        a, f = ref.run(b), fast.run(b)
+        assert f.shape == a.shape and torch.allclose(a, f, atol=1e-5), float((a - f).abs().max())
+        assert (fast.graphs.steps > before) == (flat or sum(q_lens) == len(q_lens))
+
+
 def test_decode_config_of_a_mixed_step_is_its_graph_buckets():
     from cloud_server.fast.attention import DecodeConfig, DecodeWorkspace, decode_split_tokens
 
@@ -520,6 +563,9 @@ def test_engine_over_a_random_back_half_matches_the_library_runner():
     graphs = engines["fast"].runners["fp32"].graphs
     continued, step_next = [], graphs.step_next
     graphs.step_next = lambda h: continued.append(h.shape[0]) or step_next(h)  # steps that upload only states
+    fast_runner = engines["fast"].runners["fp32"]
+    shortcut, continue_decode = [], fast_runner.continue_decode
+    fast_runner.continue_decode = lambda h: shortcut.append(h.shape[0]) or continue_decode(h)  # no batch built
     for name, eng in engines.items():
         params = SamplingParams(temperature=0.0, max_tokens=len(steps) + 1, ignore_eos=True)
         got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
@@ -540,6 +586,7 @@ def test_engine_over_a_random_back_half_matches_the_library_runner():
     assert tokens["fast"] == tokens["library"]
     assert isinstance(engines["fast"].runners["fp32"], FastGlmRunner)
     assert continued == [3, 3]  # decode steps 2 and 3 continue step 1's batch; step 4 crosses a block
+    assert shortcut == [3, 3]  # and the engine handed those two steps over without building their batch
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--tp-worker":

@@ -16,8 +16,8 @@ import time
 import urllib.request
 
 import pytest
+from cloud_support import edge_generate
 
-from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
 from edge_client.demo import LocalCloud, free_port
 from rig.link import IDEAL, LinkEmulator
@@ -77,15 +77,8 @@ def link(cloud):
 def _run(bundle, link, mode: str, fault=None, at: tuple[int, ...] = ()) -> tuple[list[int], object]:
     """One request through the link; ``fault()`` is called when the k-th token arrives, for each k in ``at``."""
     sampling = SAMPLED if mode == "sampled" else {"temperature": 0.0}
-    with EdgeClient(bundle, f"ws://127.0.0.1:{link.port}", codec="fp16", retry=RETRY) as c:
-        gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW, **sampling)
-        tokens = []
-        for tok, _ in gen.iter_tokens():
-            tokens.append(tok)
-            if len(tokens) in at:
-                fault()
-        assert gen.finish_reason == "length", gen.finish_reason
-        return tokens, gen.stats
+    return edge_generate(bundle, f"ws://127.0.0.1:{link.port}", PROMPT, N_NEW, RETRY,
+                         lambda n: fault() if n in at else None, **sampling)
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,6 @@ from cloud_server.engine.kv_cache import KVCachePool
 from cloud_server.engine.llm_engine import LLMEngine
 from cloud_server.engine.model_runner import ModelRunner, build_batch
 from cloud_server.engine.sequence import InputChunk
-from cloud_server.fast import UnsupportedFastPath
-from cloud_server.fast.runner import FastGlmRunner
 from cloud_server.kv_quant import as_bytes, dequantize, quantize, rotation
 from cloud_server.model import load_split_model
 
@@ -64,15 +62,6 @@ def test_bf16_vs_int8_capacity_at_head_dim_128():
 def test_unknown_kv_cache_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         KVCachePool(1, 2, 4, 1, 8, torch.float32, kv_cache_dtype="int4")
-
-
-def test_fast_runner_refuses_an_8bit_pool(tiny_bundle):
-    model = load_split_model(tiny_bundle, "fp32")
-    pool = KVCachePool(model.num_layers, 8, 4, model.num_kv_heads, model.head_dim, model.dtype,
-                       kv_cache_dtype="int8")
-    with pytest.raises(UnsupportedFastPath, match="needs the generic runner"):
-        FastGlmRunner(model, pool, max_batch=2, max_model_len=32)
-    assert EngineConfig(kv_cache_dtype="int8").fast_path is False  # an unset fast path turns off
 
 
 def _logits(runner: ModelRunner, front, prompt: list[int], follow: list[int]) -> torch.Tensor:

@@ -39,3 +39,30 @@ def test_series_exist_before_the_first_request_and_count_afterwards():
     assert s[("autoglm:uplink_bytes_total", codec)] == 2048
     assert s[("autoglm:uplink_bytes_per_token_sum", codec)] == 128
     assert s[("autoglm:downlink_bytes_total", lab)] == 40
+
+
+def test_several_processes_metrics_merge_into_one_exposition_with_their_sums():
+    from prometheus_client.parser import text_string_to_metric_families as parse
+
+    from cloud_server.metrics import render_merged
+
+    engine, w0, w1 = ServerMetrics("glm"), ServerMetrics("glm"), ServerMetrics("glm")
+    seq = SimpleNamespace(num_prompt_tokens=4, num_cached_tokens=0, prefix_keys=[], variant="fp32",
+                          arrival_time=0.0, last_token_time=None, finish_reason="stop")
+    engine.on_admit(seq)
+    engine.on_token(seq, 0.25)
+    w0.on_downlink(40)
+    w1.on_downlink(60)
+    w0.sessions.labels("glm").set(2)
+    w1.sessions.labels("glm").set(1)
+    w1.on_uplink(512, "fp16", 4)  # a codec only one worker has seen
+    text = render_merged([list(m.registry.collect()) for m in (engine, w0, w1)]).decode()
+    s = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in parse(text) for x in f.samples}
+    lab = (("model_name", "glm"),)
+    assert s[("vllm:generation_tokens_total", lab)] == 1 and s[("vllm:time_to_first_token_seconds_count", lab)] == 1
+    assert s[("autoglm:downlink_bytes_total", lab)] == 100 and s[("autoglm:sessions_open", lab)] == 3
+    assert s[("autoglm:uplink_bytes_total", (("codec", "fp16"), ("model_name", "glm")))] == 512
+    created = [m.downlink.labels("glm")._created for m in (engine, w0, w1)]
+    assert s[("autoglm:downlink_bytes_created", lab)] == min(created)  # a timestamp: the earliest, not a sum
+    assert text.count("# TYPE vllm:generation_tokens_total") == 1
+    assert render_merged([list(engine.registry.collect())]) == engine.render()  # one process: unchanged

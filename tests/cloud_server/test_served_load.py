@@ -50,6 +50,21 @@ def test_four_sessions_against_a_real_server(tiny_bundle, tmp_path):
     assert res["server"]["bundle_id"] == Manifest.load(tiny_bundle).bundle_id
 
 
+def test_workers_sweep_measures_one_server_per_front_end_count(tiny_bundle, tmp_path):
+    out = tmp_path / "served.json"
+    rc = served_load.main(["--serve", str(tiny_bundle), "--sessions", "3", "--prompt", "20", "--gen", "6",
+                           "--procs", "1", "--workers", "1,2", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [r["workers"] for r in res["records"]] == [1, 2] and len(res["servers"]) == 2
+    assert "--workers 2" in res["servers"][1]["command"] and "--workers" not in res["servers"][0]["command"]
+    for rec in res["records"]:
+        assert rec["completed"] == 3 and rec["tokens"] == 3 * 6
+        assert 0 <= rec["server_loop_cpu_s"] <= rec["server_cpu_s"]  # the loops: the workers' main threads
+    with pytest.raises(ValueError, match="--workers"):
+        served_load.LoadConfig(url="ws://127.0.0.1:1/v1/split", bundle=Path("b"), workers=(2,))
+
+
 def test_random_weight_server_serves_a_stub_bundle(tmp_path):
     out = tmp_path / "served.json"
     rc = served_load.main(["--preset", "tiny-glm4", "--layer", "2", "--sessions", "2", "--prompt", "17",

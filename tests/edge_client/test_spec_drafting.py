@@ -79,13 +79,13 @@ def test_a_new_request_restarts_acceptance_but_keeps_the_link_costs():
 
 
 def test_fixed_k_pins_the_choice_within_the_limits():
-    from edge_client.drafting import HEAD_SIZER, SizerConfig
+    from edge_client.drafting import DRAFTER_SIZERS, SizerConfig
 
     s = DraftSizer(8, SizerConfig(fixed_k=3))
     for _ in range(30):
         s.observe(0, 0, 0.01)
         s.observe(3, 0, 0.5)  # drafts that fail and cost a lot would drive an adaptive sizer to k = 0
     assert s.choose() == 3 and s.choose(limit=1) == 1
-    assert DraftSizer(2, HEAD_SIZER.with_fixed_k(5)).choose() == 2
+    assert DraftSizer(2, DRAFTER_SIZERS["layers"].with_fixed_k(5)).choose() == 2
     with pytest.raises(ValueError):
         SizerConfig(fixed_k=-1)

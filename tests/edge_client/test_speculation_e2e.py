@@ -6,7 +6,8 @@ link emulator.
 * a cut of the link while a SpecStep is in flight - the step lost on the way up, or its verdict lost on the
   way down - still gives the same tokens (resume, no replay);
 * a restart of the cloud while a SpecStep is in flight replays and still gives the same tokens;
-* drafts from the bundle's draft head (where prompt lookup has none) keep greedy parity too.
+* drafts from the bundle's draft head (where prompt lookup has none) keep greedy parity too, and so do the
+  layer-skipping drafter's (tiny GLM-4, SmolLM2), whose KV mirror never keeps a rejected draft.
 
 Speculative runs pin k (``EdgeConfig.draft_k``): the timing-driven DraftSizer would make the steps, and so
 what a cut hits, depend on the machine's load.
@@ -151,3 +152,52 @@ def test_smollm2_speculative_greedy_equals_plain(smollm2_bundle, tmp_path):
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
     assert spec.stats.accepted_draft_tokens > 0
     assert spec.stats.decode_round_trips < plain.stats.decode_round_trips
+
+
+# -- the layer-skipping drafter (edge_client.draft_layers) ------------------------------------------------------
+
+
+def _layers_bundle(src, lm, out, **cfg):
+    from partition_tools.draft_layers import DraftLayersConfig, add_draft_layers
+
+    shutil.copytree(src, out)
+    add_draft_layers(lm, out, DraftLayersConfig(prose_tokens=512, answer_tokens=0, **cfg))
+    return out
+
+
+def _mirrors_the_context(client: EdgeClient, prompt: list[int], tokens: list[int]) -> bool:
+    """The drafter's mirror is a prefix of the context it drafted for (its KV never holds a rejected draft)."""
+    head = client.session.head
+    context = [*prompt, *tokens]
+    return 0 < head.length <= len(context) and head._ids == context[:head.length]
+
+
+@pytest.mark.parametrize("layers", [(2, 3), (3,)], ids=["every-cloud-layer", "layer-2-skipped"])
+def test_layer_drafter_keeps_greedy_parity(tiny_bundle, tiny_glm4_lm, tiny_cloud, tmp_path, layers):
+    bundle = _layers_bundle(tiny_bundle, tiny_glm4_lm, tmp_path / "b", layers=layers, quant="fp32")
+    prompt = [int(t) for t in np.random.RandomState(5).randint(4, 512, 20)]  # repeats nothing: no lookup drafts
+    with EdgeClient(bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        plain = c.complete(prompt_ids=prompt, max_tokens=N_NEW).token_ids
+    with EdgeClient(bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, draft_k=3) as c:
+        gen = c.complete(prompt_ids=prompt, max_tokens=N_NEW, speculate=True)
+        assert _mirrors_the_context(c, prompt, gen.token_ids)
+        again = c.complete(prompt_ids=prompt, max_tokens=N_NEW, speculate=True)  # the mirror reused, then cut
+        assert _mirrors_the_context(c, prompt, again.token_ids)
+    st = gen.stats
+    assert gen.token_ids == plain and again.token_ids == plain
+    assert st.head_draft_tokens > 0 and st.edge_draft_s > 0
+    assert st.decode_round_trips + st.accepted_draft_tokens == len(gen.token_ids) - 1
+    if layers == (2, 3):  # the drafter is the model's own cloud half: its drafts are the model's tokens
+        assert st.accepted_head_draft_tokens >= 0.9 * st.head_draft_tokens
+
+
+def test_smollm2_layer_drafter_keeps_greedy_parity(smollm2_bundle, smollm2_lm, tmp_path):
+    bundle = _layers_bundle(smollm2_bundle, smollm2_lm, tmp_path / "b", layers=(4, 5, 27, 28, 29))
+    chat = [{"role": "user", "content": "Tell me about the history of tea in a few sentences."}]
+    with LocalCloud(bundle, log_path=tmp_path / "cloud.log") as cloud, \
+            EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY) as plain_c, \
+            EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY, draft_k=3) as spec_c:
+        plain = plain_c.complete(messages=chat, max_tokens=24)
+        spec = spec_c.complete(messages=chat, max_tokens=24, speculate=True)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.head_draft_tokens > 0 and spec.stats.accepted_head_draft_tokens > 0

@@ -212,6 +212,8 @@ def test_float_outliers_keep_the_most_extreme_down_projections(fronts, tmp_path)
     ({"embedding": "int8", "embedding_block_size": 8}, "embedding block size 8"),
     ({"smooth_alpha": 0.5}, "calibration_ids"),
     ({"float_outliers": 2}, "calibration_ids"),
+    ({"gptq": True}, "calibration_ids"),
+    ({"mode": "int4", "gptq": True, "calibration_ids": np.arange(8)}, "symmetric int8 weights only"),
 ])
 def test_bad_arguments_raise_one_line_errors(kwargs, match, tmp_path):
     _gather_graph(np.ones((4, 32), np.float32), tmp_path / "g.onnx")
@@ -219,6 +221,54 @@ def test_bad_arguments_raise_one_line_errors(kwargs, match, tmp_path):
     with pytest.raises(QuantizationError, match=match) as e:
         quantize_front(tmp_path / "g.onnx", tmp_path / "q.onnx", kwargs.pop("mode"), **kwargs)
     assert "\n" not in str(e.value)
+
+
+def test_prefill_graph_is_the_fp32_front_with_the_decode_graphs_table(front, tmp_path):
+    """``prefill="fp32"``: the fp32 source graph (no smoothing, fp32 MatMuls) beside the int8 graph, its table
+    quantized exactly as the decode graph's, computing what the fp32 graph computes up to that table."""
+    from edge_client.front import prefill_graph_path
+
+    lm, fp32 = front
+    recipe = recipe_for(ModelAdapter(lm.model), N_FRONT, "int8", lm.tokenizer)
+    dst = tmp_path / "int8.onnx"
+    report = quantize_front(fp32, dst, "int8", prefill="fp32", **recipe)
+    pre = prefill_graph_path(dst)
+    assert report["prefill"]["graph"] == pre.name == "int8_prefill.onnx" and report["prefill"]["mode"] == "fp32"
+    assert report["prefill"]["bytes"] == pre.stat().st_size
+    assert not _nodes(pre, "MatMulNBits") and weight_matmuls(onnx.load(str(pre))) == weight_matmuls(onnx.load(str(fp32)))
+    tables = [{i.name: numpy_helper.to_array(i) for i in onnx.load(str(g)).graph.initializer if "embed" in i.name}
+              for g in (dst, pre)]
+    assert set(tables[0]) == set(tables[1]) and len(tables[0]) == 3  # codes, scales, zero points: the same
+    assert all(np.array_equal(tables[0][k], tables[1][k]) for k in tables[0])
+    ids = _ids(lm)
+    ref, out = _hidden(fp32, ids), _hidden(pre, ids)
+    assert np.abs(out - ref).max() < 0.02 * np.abs(ref).max()  # the int8 table's rounding only
+    assert np.abs(_hidden(dst, ids) - ref).max() > np.abs(out - ref).max()  # the int8 MatMuls add theirs
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"prefill": "int8"}, "prefill graph 'int8'"),
+    ({"prefill": "fp32", "kv_cache": "int8", "kv_calibration_ids": np.arange(8)}, "fp32 KV cache"),
+])
+def test_prefill_graph_arguments_are_checked(kwargs, match, tmp_path):
+    _gather_graph(np.ones((4, 32), np.float32), tmp_path / "g.onnx")
+    with pytest.raises(QuantizationError, match=match):
+        quantize_front(tmp_path / "g.onnx", tmp_path / "q.onnx", "int8", **kwargs)
+    with pytest.raises(QuantizationError, match="quantized front"):
+        quantize_front(tmp_path / "g.onnx", tmp_path / "q.onnx", "fp32", prefill="fp32")
+
+
+def test_gptq_rounding_keeps_the_front_at_least_as_close(front, tmp_path):
+    lm, fp32 = front
+    recipe = recipe_for(ModelAdapter(lm.model), N_FRONT, "int8", lm.tokenizer)
+    nearest = quantize_front(fp32, tmp_path / "rtn.onnx", "int8", **recipe)
+    report = quantize_front(fp32, tmp_path / "gptq.onnx", "int8", gptq=True, **recipe)
+    assert nearest["rounding"] == "nearest" and report["rounding"]["method"] == "GPTQ"
+    assert report["rounding"]["matmuls"] == report["quantized_matmuls"]
+    ids = _ids(lm, 64, seed=11)
+    ref = _hidden(fp32, ids)
+    errs = [np.mean((_hidden(tmp_path / f"{name}.onnx", ids) - ref) ** 2) for name in ("rtn", "gptq")]
+    assert errs[1] < 1.1 * errs[0], errs  # random tiny weights: no worse (SmolLM2's numbers: docs/quality.md)
 
 
 def test_recipe_is_only_for_quantized_modes(front):

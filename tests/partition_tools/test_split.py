@@ -68,3 +68,13 @@ def test_split_refuses_to_overwrite_a_non_bundle(tmp_path):
     (tmp_path / "precious.txt").write_text("x")
     with pytest.raises(BundleError, match="refusing to overwrite"):
         split(load_model("tiny-glm4"), SplitConfig(layer=2, out=tmp_path))
+
+
+def test_fp32_prefill_is_an_option_of_quantized_edges(tmp_path):
+    from partition_tools.cli import build_parser
+
+    args = build_parser().parse_args(["split", "--preset", "tiny-glm4", "--layer", "2", "--fp32-prefill"])
+    assert args.fp32_prefill and not build_parser().parse_args(["split", "--preset", "p"]).fp32_prefill
+    assert not SplitConfig(layer=2, out=tmp_path).fp32_prefill  # off by default
+    with pytest.raises(BundleError, match="--fp32-prefill is for a quantized edge"):
+        SplitConfig(layer=2, out=tmp_path, edge_quant="fp32", fp32_prefill=True)

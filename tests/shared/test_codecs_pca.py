@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from shared import codecs as C
 from shared import protocol as P
-from shared.codecs_pca import U_MAX, CodecArtifactError, PcaBasis, calibrate_pca
+from shared.codecs_pca import LEVELS, U_MAX, CodecArtifactError, PcaBasis, calibrate_pca
 
 H = 48
+TARGETS = {"pca-fine": 0.62, "pca-compact": 0.25, "pca-ans-compact": 0.3}  # every level of the artifact
 
 
 def states(seed: int, t: int) -> np.ndarray:
@@ -29,11 +30,17 @@ def states(seed: int, t: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def basis() -> PcaBasis:
-    return calibrate_pca(states(0, 2000), {"pca-fine": 0.62, "pca-compact": 0.25})
+    return calibrate_pca(states(0, 2000), TARGETS)
+
+
+@pytest.fixture(scope="module", params=LEVELS)
+def codec(request, basis):
+    """The Rice-coded levels (their layout; the rANS level: tests/shared/test_codecs_pca_ans.py)."""
+    return C.get_codec(request.param, basis=basis)
 
 
 @pytest.fixture(scope="module", params=C.BASIS_CODECS)
-def codec(request, basis):
+def any_codec(request, basis):
     return C.get_codec(request.param, basis=basis)
 
 
@@ -41,7 +48,7 @@ def test_calibration_orders_components_and_reaches_the_byte_targets(basis):
     assert np.allclose(basis.basis.T @ basis.basis, np.eye(H), atol=1e-4)
     fine, compact = basis.levels["pca-fine"], basis.levels["pca-compact"]
     assert compact.step > fine.step and compact.r <= fine.r
-    for name, target in (("pca-fine", 0.62), ("pca-compact", 0.25)):
+    for name, target in TARGETS.items():
         c = C.get_codec(name, basis=basis)
         x = states(1, 512)[1:]  # held-out rows, no sink
         assert abs(len(c.encode(x).data) / x.size - target) < 0.15 * target + 0.02
@@ -60,7 +67,8 @@ def test_round_trip_error_is_within_half_a_step_per_sent_component(codec, basis)
         P.Prefill(request_id="r", start=0, hidden=z))).hidden), y)
 
 
-def test_rows_are_coded_independently(codec):
+def test_rows_are_coded_independently(any_codec):
+    codec = any_codec
     x = states(3, 40)
     whole = codec.decode(codec.encode(x))
     rows = np.concatenate([codec.decode(codec.encode(x[i:i + 1])) for i in range(40)])
@@ -117,8 +125,9 @@ def test_decode_refuses_an_oversized_quotient(codec):
         codec.decode(_tensor(codec, bad, 1))
 
 
-def test_another_basis_is_refused_not_decoded(codec, basis):
-    other = calibrate_pca(states(7, 2000) * 1.5, {"pca-fine": 0.62, "pca-compact": 0.25})
+def test_another_basis_is_refused_not_decoded(any_codec, basis):
+    codec = any_codec
+    other = calibrate_pca(states(7, 2000) * 1.5, TARGETS)
     t = C.get_codec(codec.name, basis=other).encode(states(8, 4))
     with pytest.raises(P.ProtocolError) as e:
         codec.decode(t)

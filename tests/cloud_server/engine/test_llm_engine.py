@@ -251,3 +251,35 @@ def test_a_request_aborted_while_its_step_is_in_flight_gets_no_token(tiny_bundle
     assert not eng.has_in_flight() and "a" not in eng.seqs
     eng.abort("b")
     assert eng.num_used_blocks() == 0
+
+
+def test_overlap_never_queues_a_prompt_only_step_behind_decodes(tiny_bundle):
+    """Lockstep decoders (their next input waits for their token) and a long prompt arriving, overlap on: every
+    step launched while decode rows are in flight carries decode rows, so each prompt chunk rides on the
+    decoders' step instead of running between two of them (which would delay their token by a chunk)."""
+    eng = _engine(tiny_bundle, max_num_batched_tokens=64, max_num_seqs=4, prefill_chunk_while_decoding=5)
+    g = torch.Generator().manual_seed(0)
+    ids = ["d0", "d1"]
+    for rid in ids:
+        eng.add_request(rid, InputChunk(0, hidden=torch.randn(4, 64, generator=g)), SamplingParams(0.0, max_tokens=20))
+    while sum(1 for rid in ids if eng.seqs[rid].output_ids) < 2:
+        eng.step()
+    eng.add_request("long", InputChunk(0, hidden=torch.randn(23, 64, generator=g)), SamplingParams(0.0, max_tokens=1))
+    launched = []
+    real_launch = eng._launch
+
+    def launch(batch):
+        launched.append(sorted((it.seq.request_id, it.chunk.n) for it in batch.items))
+        return real_launch(batch)
+
+    eng._launch = launch
+    for _ in range(6):  # each decoder's next input, then step() until its token is back
+        for rid in ids:
+            seq = eng.seqs[rid]
+            eng.add_input(rid, InputChunk(seq.num_received, hidden=torch.randn(1, 64, generator=g)))
+        want = {rid: len(eng.seqs[rid].output_ids) + 1 for rid in ids}
+        while any(len(eng.seqs[rid].output_ids) < want[rid] for rid in ids):
+            eng.step()
+    # the step holds max_num_seqs + 5 = 9 positions: 7 for the prompt beside the 2 decode rows
+    assert launched[:4] == [[("d0", 1), ("d1", 1), ("long", 7)]] * 3 + [[("d0", 1), ("d1", 1), ("long", 2)]]
+    assert all(("d0", 1) in b for b in launched)  # no prompt-only step

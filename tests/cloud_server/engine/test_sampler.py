@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import cloud_server.engine.sampler as sampler_module
 from cloud_server.engine.sampler import (
+    MISS,
     TRIES,
     Sampler,
     _filtered,
     filtered_logits,
     sample_rows,
     sample_top_p,
+    tries_for,
     uniform_of,
+    uniforms,
 )
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -70,6 +74,52 @@ def test_seeded_uniforms_are_uniform_and_independent_of_each_other():
     assert abs(float(u.mean()) - 0.5) < 0.02 and abs(float(u.var()) - 1 / 12) < 0.005
     assert abs(float(torch.corrcoef(u)[0, 1])) < 0.05  # two seeds
     assert abs(float(torch.corrcoef(torch.stack([u[0, :-1], u[0, 1:]]))[0, 1])) < 0.05  # neighbouring positions
+
+
+def test_batched_uniforms_are_the_scalar_hash():
+    seeds, positions = [0, 1, 42, -3, 2**63 + 5], [0, 7, 4095, 1, 2**40]
+    u = uniforms(seeds, positions, TRIES)  # [5, TRIES]
+    want = [[uniform_of(s, p, r) for r in range(TRIES)] for s, p in zip(seeds, positions, strict=True)]
+    assert u.shape == (5, TRIES) and u.tolist() == want
+
+
+@pytest.mark.parametrize("vocab", [5, 40, 512, 1000, 1537])  # inside one chunk, exactly chunks, padded chunks
+def test_chunked_draws_follow_the_tempered_distribution_and_skip_excluded_tokens(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(2, vocab, generator=g) * 2  # [S, V]
+    x[:, ::3] = float("-inf")  # excluded tokens (e.g. by top-k)
+    inv_t = torch.tensor([1.0, 1 / 0.7])
+    n = 6000
+    u = torch.rand(2, n, generator=g).clamp(1e-7, 1 - 1e-7)
+    counts = torch.zeros(2, vocab)
+    for i in range(0, n, 2):
+        ids, missed = sample_top_p(x, torch.ones(2), u[:, i:i + 2], inv_t)  # top-p 1: the first draw is kept
+        assert not missed.any()
+        counts[torch.arange(2), ids] += 1
+    assert counts[:, ::3].sum() == 0
+    want = torch.softmax(x * inv_t[:, None], -1)
+    assert (counts / counts.sum(-1, keepdim=True) - want).abs().max() < 0.05
+
+
+def test_draws_per_row_follow_its_top_p_only():
+    assert [tries_for(p) for p in (1.0, 0.99, 0.95, 0.9, 0.5, 0.01)] == [1, 2, 4, 4, 14, TRIES]
+    assert all((1 - p) ** tries_for(p) <= MISS * (1 + 1e-9) for p in (0.99, 0.9, 0.7, 0.5))
+    # a row's draws beyond its own count are never kept: its result does not depend on its neighbours' top_p
+    x = torch.zeros(1, 100)
+    x[0, 3] = math.log(99.0)  # half the mass on token 3: top-p 0.5 keeps token 3 only
+    u = torch.tensor([[0.9, 0.9, 0.1]])  # the first two draws land in the flat half, the third on token 3
+    assert sample_top_p(x, torch.tensor([0.5]), u)[0].item() == 3
+    ids, missed = sample_top_p(x, torch.tensor([0.5]), u, tries=torch.tensor([2]))
+    assert missed.item()
+
+
+def test_top_k_cuts_before_the_temperature_and_keeps_ties():
+    logits = torch.tensor([[4.0, 3.0, 3.0, 1.0, 0.5]] * 2)
+    params = [SamplingParams(0.7, top_k=2, seed=1), SamplingParams(1.3, top_k=2, top_p=0.95, seed=2)]
+    seen = set()
+    for pos in range(300):
+        seen |= {o.token_id for o in Sampler(0)(logits, params, [pos, pos])}
+    assert seen == {0, 1, 2}  # the tie at the 2nd largest stays, the rest never comes
 
 
 def test_inverse_cdf_sampling_never_picks_an_excluded_token():
@@ -133,14 +183,15 @@ def test_all_greedy_batch_takes_the_device_argmax_path_with_the_same_tokens():
     assert [t.token_id for t in fast] == [t.token_id for t in slow] == [1, 0, 2]
 
 
-def test_top_p_rejection_sampling_keeps_exactly_the_sorted_cut():
+@pytest.mark.parametrize("vocab", [40, 1300])  # one padded chunk; three chunks, the last padded
+def test_top_p_rejection_sampling_keeps_exactly_the_sorted_cut(vocab):
     """A try is accepted iff the sorted cut of filtered_logits keeps its token; the kept draws follow the
     top-p distribution."""
-    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(7)) * 2  # [S, V]
+    x = torch.randn(2, vocab, generator=torch.Generator().manual_seed(7)) * (2 if vocab < 100 else 5)  # [S, V]
     top_p = torch.tensor([0.6, 1.0])
     kept = torch.isfinite(filtered_logits(x, torch.ones(2), torch.zeros(2, dtype=torch.long), top_p, 0, True))
     u = torch.rand(2, 4000, generator=torch.Generator().manual_seed(1)).double().clamp(1e-7, 1 - 1e-7)
-    counts = torch.zeros(2, 40)
+    counts = torch.zeros(2, vocab)
     for i in range(0, 4000, TRIES):
         ids, missed = sample_top_p(x, top_p, u[:, i:i + TRIES].float())
         assert kept.gather(1, ids[:, None]).all() and not missed[1]
@@ -161,7 +212,7 @@ def test_a_row_that_rejects_every_try_is_redrawn_from_the_sorted_cut(monkeypatch
     for pos in range(30):  # whatever the tries, the answer is token 3 (redrawn when all of them missed)
         out = Sampler(0)(logits, params, [pos, pos])
         assert [o.token_id for o in out] == [3, 7]
-    monkeypatch.setattr(sampler_module, "uniform_of", lambda seed, pos, draw=0: 0.99)  # every try misses
+    monkeypatch.setattr(sampler_module, "uniforms", lambda seeds, pos, tries: np.full((len(seeds), tries), 0.99))
     pending = Sampler(0).launch(logits, params, [0, 0])
     assert pending._short.tolist() == [True, False]
     assert [o.token_id for o in pending.result()] == [3, 7]

@@ -128,8 +128,9 @@ def test_too_long_prompts_are_refused():
 
 @pytest.mark.parametrize("cap", [0, 6])
 def test_prompt_chunks_are_capped_while_a_sequence_decodes(cap):
-    """A long prompt arriving while another sequence decodes runs at most ``prefill_chunk_while_decoding``
-    positions per step (0: the whole budget); with nobody decoding it takes the whole budget."""
+    """A long prompt arriving while another sequence decodes: the step holds at most max_num_seqs +
+    ``prefill_chunk_while_decoding`` positions, the decode rows' included (0: the whole budget); with nobody
+    decoding the prompt takes the whole budget."""
     s = _sched(max_num_batched_tokens=32, max_num_seqs=8, prefill_chunk_while_decoding=cap)
     alone = _seq("alone")
     s.add(alone, InputChunk(0, hidden=_h(40)))
@@ -144,7 +145,25 @@ def test_prompt_chunks_are_capped_while_a_sequence_decodes(cap):
     d.push(InputChunk(3, hidden=_h(1)))
     s.add(long, InputChunk(0, hidden=_h(40)))
     [b], _ = s.schedule()
-    assert [(it.seq.request_id, it.chunk.n) for it in b.items] == [("d", 1), ("long", 6 if cap else 31)]
+    assert [(it.seq.request_id, it.chunk.n) for it in b.items] == [("d", 1), ("long", 6 + 8 - 1 if cap else 31)]
     _run(s, [b])
     [b], _ = s.schedule()  # d awaits its next input; the prompt still gets only its share
-    assert [(it.seq.request_id, it.chunk.n) for it in b.items] == [("long", 6 if cap else 9)]
+    assert [(it.seq.request_id, it.chunk.n) for it in b.items] == [("long", 6 + 8 if cap else 9)]
+
+
+def test_prompts_wait_for_a_decode_step_when_told_to():
+    """``prefill_alone=False`` (a step with decode rows is in flight): a batch of prompt chunks alone is not
+    formed, waiting admissions included; beside a decode step the prompt runs as usual."""
+    s = _sched(max_num_batched_tokens=32, max_num_seqs=8, prefill_chunk_while_decoding=6)
+    d, long, new = _seq("d"), _seq("long"), _seq("new")
+    s.add(d, InputChunk(0, hidden=_h(3)))
+    _run(s, s.schedule()[0])
+    d.update_from_output(3, token=5)
+    s.add(long, InputChunk(0, hidden=_h(40)))
+    _run(s, s.schedule()[0])  # long is running now (6 + 8 positions), d awaits its input
+    s.add(new, InputChunk(0, hidden=_h(4)))
+    assert s.schedule(prefill_alone=False) == ([], [])
+    assert long.num_computed == 14 and new.status is SequenceStatus.WAITING  # nothing was taken
+    d.push(InputChunk(3, hidden=_h(1)))
+    [b], _ = s.schedule(prefill_alone=False)
+    assert [(it.seq.request_id, it.chunk.n) for it in b.items] == [("d", 1), ("long", 13)]

@@ -1,0 +1,117 @@
+"""The link between a front-end worker process and the engine process: framing and the batched messages.
+
+With ``autoglm-cloud serve --workers N`` (``cloud_server.front_workers``) the engine runs in the main process
+and N worker processes run the WebSocket endpoint; each worker talks to the engine over one duplex
+``multiprocessing`` pipe. Every frame on it is one pickled ``list`` of messages (tuples, the kind first), so a
+worker sends one frame per event-loop turn and the engine one per step per worker:
+
+worker -> engine
+    ``("add", rid, chunk, params, variant, prefix_keys)``    a request's first input (``AsyncEngine.add_request``)
+    ``("inputs", rids, chunks)``                             inputs in order (``AsyncEngine.add_inputs``): a loop
+                                                             turn's decode steps, their rows in one array
+    ``("abort", rid, reason)``
+    ``("ask", call_id, op, args)``                           a request answered by ``("reply", ...)``: ``op``
+                                                             ``"call"`` (``args``: a picklable ``fn(llm)``, run on
+                                                             the engine thread), ``"admit"``, ``"metrics"``
+    ``("release", session_id)``                              a session closed (the session ledger)
+    ``("rendered", token, families)``                        this worker's metric families, for a ``render``
+engine -> worker
+    ``("hello", facts, model_name)``                         first frame: the engine's fixed facts
+    ``("outputs", outs, open_requests)``                     a step's outputs for this worker's requests
+    ``("reply", call_id, ok, value)``                        ``ok`` False: ``value`` is the error text
+    ``("reclaim", session_id)``                              close this session: its edge resumed elsewhere
+    ``("render", token)``                                    send your metric families (a scrape elsewhere)
+    ``("dead", message)``                                    the engine stopped
+
+Hidden states cross as numpy arrays (raw bytes in the pickle, never torch's shared-memory reducers): the
+chunks of an ``inputs`` message share one ``[n, H]`` float32 array. :class:`Link` is the framing; the pure
+functions convert engine chunks and outputs to and from their wire form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+from types import MappingProxyType
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from cloud_server.engine.llm_engine import RequestOutput
+from cloud_server.engine.sequence import InputChunk
+from cloud_server.engine_facts import EngineFacts
+
+_OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput))
+_STATES = _OUTPUT_FIELDS.index("states")
+
+
+class Link:
+    """One end of a worker <-> engine pipe: ``send`` a list of messages as one frame (thread-safe), ``recv`` the
+    next frame's list (one reader thread; raises ``EOFError`` / ``OSError`` when the other end is gone)."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, messages: list[tuple]) -> None:
+        data = pickle.dumps(messages, protocol=5)
+        with self._lock:
+            self.conn.send_bytes(data)
+
+    def recv(self) -> list[tuple]:
+        return pickle.loads(self.conn.recv_bytes())
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+# -- inputs -------------------------------------------------------------------------------------------
+def pack_chunks(chunks: list[InputChunk]) -> tuple:
+    """Split-mode chunks as ``(rows [n_i], starts, lasts, hidden [sum n_i, H] float32, ropes, drafts)``."""
+    hidden = [c.hidden.numpy() for c in chunks]  # [n_i, H] float32 each
+    stacked = hidden[0] if len(hidden) == 1 else np.concatenate(hidden)  # [sum n_i, H]
+    ropes = [None if c.rope_positions is None else c.rope_positions.numpy() for c in chunks]  # [3, n_i] int64
+    drafts = [c.draft_ids for c in chunks]
+    return ([c.n for c in chunks], [c.start for c in chunks], [c.last for c in chunks],
+            np.ascontiguousarray(stacked, dtype=np.float32),
+            None if all(r is None for r in ropes) else ropes, None if all(d is None for d in drafts) else drafts)
+
+
+def unpack_chunks(packed: tuple) -> list[InputChunk]:
+    """:func:`pack_chunks`'s chunks again; their hidden states are row views of one tensor."""
+    rows, starts, lasts, stacked, ropes, drafts = packed
+    hidden = torch.from_numpy(stacked).split(rows)  # [n_i, H] views of one [sum n_i, H] tensor
+    return [InputChunk(start, hidden=h, last=last,
+                       rope_positions=None if ropes is None or ropes[i] is None else torch.from_numpy(ropes[i]),
+                       draft_ids=None if drafts is None else drafts[i])
+            for i, (h, start, last) in enumerate(zip(hidden, starts, lasts, strict=True))]
+
+
+# -- outputs ------------------------------------------------------------------------------------------
+def pack_output(out: RequestOutput) -> tuple:
+    """A :class:`RequestOutput` as a plain tuple of its fields (u-shape states as a numpy array)."""
+    t = [getattr(out, f) for f in _OUTPUT_FIELDS]
+    if t[_STATES] is not None:
+        t[_STATES] = t[_STATES].numpy()
+    return tuple(t)
+
+
+def unpack_output(t: tuple) -> RequestOutput:
+    out = RequestOutput(*t)
+    if out.states is not None:
+        out.states = torch.from_numpy(out.states)
+    return out
+
+
+# -- the engine's facts -------------------------------------------------------------------------------
+def facts_to_wire(facts: EngineFacts) -> dict:
+    """:class:`EngineFacts` as a picklable dict (its read-only mapping as a plain one)."""
+    d = {f.name: getattr(facts, f.name) for f in dataclasses.fields(facts)}
+    d["variant_for"] = dict(facts.variant_for)
+    return d
+
+
+def facts_from_wire(d: dict) -> EngineFacts:
+    return EngineFacts(**{**d, "variant_for": MappingProxyType(dict(d["variant_for"]))})

@@ -1,0 +1,191 @@
+"""``autoglm-cloud serve --workers N``: N WebSocket front-end processes feeding one engine process.
+
+One Python event loop spends ~230-280 us per decode token on the H200's host (WebSocket frame, msgpack, codec
+decode, asyncio); split decoding is lockstep per session, so at 64 sessions one loop needs ~15 ms per ~6.6 ms
+engine step. With N workers the loop work of a round is spread over N processes (docs/performance.md).
+
+    main process (this module's :func:`serve_workers`)
+        CloudRuntime: model, AsyncEngine, KV pool, prefix cache, engine metrics
+        EngineHost: per worker a reader thread, a writer thread and a sink  (cloud_server.engine_host)
+        one listening socket per worker on the same port (SO_REUSEPORT: the kernel spreads connections by
+        their hash), bound here and inherited by the workers
+    worker process i (:func:`worker_main`, multiprocessing spawn)
+        the FastAPI app on the inherited socket: /v1/split (handshake, state machine, codecs, translator),
+        /health, /ready, /metrics, /v1/models, /v1/bundles
+        WorkerRuntime + RemoteEngine over one pipe to the engine  (cloud_server.worker_runtime, remote_engine)
+
+The kernel hands each new connection to whichever worker accepts first, so a reconnect may reach another
+worker than before: that worker has not the session and the edge replays (``cloud_server.session_ledger``).
+
+Signals: SIGTERM / SIGINT to the main process is passed to every worker (each drains as a single server does:
+``/ready`` 503, ``Drain`` to its edges, open requests finish up to ``drain_timeout_s``); when they have all
+exited the engine stops. A second signal is passed on too (workers exit at once); SIGHUP (reload the keys
+file) is passed on as it is. Workers run in their own process group, so a terminal's Ctrl-C reaches the main
+process only and is passed on once. A worker that dies while serving has its requests aborted and is
+replaced; one that exits with an error within a minute of its start (a broken setup) stops the server
+(status 1). ``max_connections`` and ``max_http_requests`` are divided between the workers (each process
+enforces its share).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+
+from cloud_server.config import ServerConfig
+from cloud_server.engine_link import Link
+
+log = logging.getLogger("autoglm.cloud")
+POLL_S = 0.2  # how often the main process looks at its workers and the engine
+EARLY_EXIT_S = 60.0  # a worker erring out this soon after its start is not replaced: the server stops (status 1)
+STOP_SLACK_S = 15.0  # beyond drain_timeout_s, how long the main process waits for draining workers
+
+
+def worker_config(config: ServerConfig) -> ServerConfig:
+    """A worker's configuration: the connection and HTTP limits divided between the workers."""
+    n = config.workers
+    return dataclasses.replace(config, max_connections=-(-config.max_connections // n),
+                               max_http_requests=-(-config.max_http_requests // n))
+
+
+def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
+    """One bound (not yet listening) TCP socket per worker, all on one port with SO_REUSEPORT, so the kernel
+    spreads new connections over the workers by each connection's hash (nginx's ``reuseport``) instead of
+    letting whichever worker wakes first take them all. Port 0 picks one free port for all. Without
+    SO_REUSEPORT (not Linux/BSD) the workers share one socket (uvicorn's own multi-worker way). The engine
+    process keeps every socket open, so connections queued for a worker that died wait for its replacement."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    shared = not hasattr(socket, "SO_REUSEPORT")
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(1 if shared else n):
+            s = socket.socket(family, kind, proto)
+            socks.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if not shared:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind(addr)
+            addr = (addr[0], s.getsockname()[1], *addr[2:])  # port 0: the others join the port the first got
+            s.set_inheritable(True)
+    except OSError:
+        for s in socks:
+            s.close()
+        raise
+    return socks * n if shared else socks
+
+
+def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
+    """Run the engine here and ``config.workers`` front ends; returns when all have drained (exit status)."""
+    from cloud_server.app import GIL_SWITCH_S
+    from cloud_server.engine_host import EngineHost
+    from cloud_server.runtime import CloudRuntime
+
+    socks = listening_sockets(config.host, config.port, config.workers)  # one per worker, one port
+    runtime = CloudRuntime(config).start()
+    host = EngineHost(runtime)
+    ctx = mp.get_context("spawn")
+    wcfg = worker_config(config)
+
+    def spawn(index: int):
+        ours, theirs = ctx.Pipe(duplex=True)
+        proc = ctx.Process(target=worker_main, args=(wcfg, index, socks[index], theirs, log_level),
+                           name=f"autoglm-front-{index}", daemon=False)
+        proc.start()
+        theirs.close()
+        host.attach(index, Link(ours))
+        return proc
+
+    # the link threads wake on frames and need the GIL from the engine thread: hand it over soon (as the
+    # one-process server does for its event loop, cloud_server.app.DrainingServer)
+    sys.setswitchinterval(GIL_SWITCH_S)
+    procs = {i: spawn(i) for i in range(config.workers)}
+    started = {i: time.monotonic() for i in procs}
+    signals: list[int] = []
+    status = 0
+
+    def on_signal(sig, frame) -> None:
+        signals.append(sig)
+        # draining replaces no worker: let each socket live in its worker only, so that one that has drained
+        # and exits takes its socket out of the port's group and new connections (a probe, a late Hello) reach
+        # the workers still draining, which answer 503 / `draining`
+        for s in set(socks):
+            s.close()
+        for p in procs.values():
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    def pass_on(sig, frame) -> None:  # SIGHUP: every worker reloads its keys file (cloud_server.auth)
+        for p in procs.values():
+            if p.is_alive():
+                os.kill(p.pid, sig)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, pass_on)
+    log.info("serving with %d front-end workers on %s:%d", config.workers, config.host, config.port)
+    deadline = None
+    try:
+        while any(p.is_alive() for p in procs.values()):
+            host.check_engine()
+            if signals and deadline is None:
+                deadline = time.monotonic() + config.drain_timeout_s + STOP_SLACK_S
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("workers still draining past the drain timeout: killed")
+                for p in procs.values():
+                    p.kill()
+            for i, p in list(procs.items()):
+                if signals or p.is_alive():
+                    continue
+                if p.exitcode > 0 and time.monotonic() - started[i] < EARLY_EXIT_S:  # an error, not a kill
+                    log.error("front-end worker %d failed at start (exit %s): stopping", i, p.exitcode)
+                    status = 1
+                    on_signal(signal.SIGTERM, None)
+                    break
+                log.error("front-end worker %d exited with %s: replaced", i, p.exitcode)
+                procs[i], started[i] = spawn(i), time.monotonic()
+            time.sleep(POLL_S)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for p in procs.values():
+            p.join(5)
+        host.stop()
+        runtime.stop()
+        for s in set(socks):
+            s.close()
+    return status
+
+
+def worker_main(config: ServerConfig, index: int, sock: socket.socket, conn, log_level: str) -> None:
+    """A front-end worker process: the app over a :class:`~cloud_server.worker_runtime.WorkerRuntime`, served
+    by uvicorn on its inherited listening socket until it drains (SIGTERM) or the engine process goes away."""
+    os.setpgrp()  # a terminal's Ctrl-C reaches the main process only; it passes the drain on
+    logging.basicConfig(level=log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[w{index}]: %(message)s")
+    asyncio.run(_serve(config, index, sock, Link(conn), log_level))
+
+
+async def _serve(config: ServerConfig, index: int, sock: socket.socket, link: Link, log_level: str) -> None:
+    from cloud_server.app import DrainingServer, create_app, uvicorn_config
+    from cloud_server.auth import install_sighup
+    from cloud_server.worker_runtime import WorkerRuntime
+
+    loop = asyncio.get_running_loop()
+    rt = WorkerRuntime(config, link, index)
+    # the engine process gone (killed): drain what is left, as on SIGTERM (open requests already failed)
+    rt.engine.on_lost = lambda: os.kill(os.getpid(), signal.SIGTERM)
+    await loop.run_in_executor(None, rt.start, loop)
+    app = create_app(rt)
+    install_sighup(app.state.auth.store)
+    server = DrainingServer(uvicorn_config(app, config, log_level), app)  # its address: the inherited socket
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        rt.stop()

@@ -1,0 +1,208 @@
+"""The engine as a front-end worker process sees it: :class:`AsyncEngine`'s commands over the engine link.
+
+With ``--workers N`` (``cloud_server.front_workers``) the split endpoint runs in worker processes and the engine
+in the main one. :class:`RemoteEngine` gives the endpoint and its translator the part of ``AsyncEngine`` they
+use - ``add_request`` / ``add_input`` / ``add_inputs`` / ``abort`` with per-request *sinks*, ``call(fn)`` for a
+consistent read on the engine thread (``fn`` must pickle: a module-level function or a ``functools.partial``
+of one), ``alive`` / ``dead`` - and, for what must be counted over every worker, the session ledger's
+:meth:`admit` / :meth:`release` (``cloud_server.session_ledger``).
+
+Batching (``cloud_server.engine_link``): the commands of one event-loop turn go out as one frame, at the
+turn's end; ``add_inputs`` (a turn's decode steps) sends at once, with what was queued before it. A reader
+thread takes the engine's frames: a step's outputs for this worker arrive as one frame and are handed to the
+sinks in order (the translator's sinks feed one ``LoopInbox``: one loop wakeup per step). If the engine
+process goes away, every open request gets an ``engine_error`` output and ``on_lost`` is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from cloud_server.engine.async_engine import EngineDeadError, Sink
+from cloud_server.engine.llm_engine import RequestOutput
+from cloud_server.engine_link import Link, facts_from_wire, pack_chunks, unpack_output
+
+log = logging.getLogger("autoglm.cloud.worker")
+
+
+class RemoteEngine:
+    """``link``: this worker's end of the engine link; ``worker``: its index (session ids carry it)."""
+
+    def __init__(self, link: Link, worker: int):
+        self.link, self.worker = link, worker
+        self.dead: str | None = None
+        self.facts = None  # the engine's EngineFacts, from its hello
+        self.model_name = ""
+        self.open_requests_all = 0  # requests open in the engine over every worker, as of its last step
+        self.on_reclaim: Callable[[str], None] | None = None  # event loop: close this session (resumed elsewhere)
+        self.on_lost: Callable[[], None] | None = None  # reader thread: the engine process is gone
+        self.families: Callable[[], list] | None = None  # reader thread: this worker's metric families
+        self.loop: asyncio.AbstractEventLoop | None = None  # where on_reclaim runs (set by start)
+        self._sinks: dict[str, Sink] = {}  # engine id -> sink, until its finished output
+        self._replies: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._pending: list[tuple] = []  # this loop turn's commands (event-loop thread)
+        self._flush_scheduled = False
+        self._hello = threading.Event()
+        self._thread = threading.Thread(target=self._read, name=f"autoglm-link-{worker}", daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> RemoteEngine:
+        """Start reading; wait up to ``timeout_s`` for the engine's hello (its facts)."""
+        self.loop = loop
+        self._thread.start()
+        if not self._hello.wait(timeout_s):
+            raise RuntimeError(f"worker {self.worker}: no hello from the engine process within {timeout_s:g} s")
+        if self.dead is not None:
+            raise RuntimeError(f"worker {self.worker}: {self.dead}")
+        return self
+
+    def close(self) -> None:
+        self.link.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self.facts is not None
+
+    @property
+    def num_open(self) -> int:
+        """Requests of this worker the engine still runs."""
+        return len(self._sinks)
+
+    # -- AsyncEngine's commands (event-loop thread) ----------------------------------------------------
+    def add_request(self, request_id: str, sink: Sink, first, params, variant: str | None = None,
+                    prefix_keys: list[str] | None = None) -> None:
+        self._check()
+        self._sinks[request_id] = sink
+        self._post(("add", request_id, pack_chunks([first]), params, variant, prefix_keys))
+
+    def add_input(self, request_id: str, chunk) -> None:
+        self._check()
+        self._post(("inputs", [request_id], pack_chunks([chunk])))
+
+    def add_inputs(self, inputs: list[tuple[str, object]]) -> None:
+        """A loop turn's inputs as one message, sent now (with the commands queued before it: order kept)."""
+        if not inputs:
+            return
+        self._check()
+        self._pending.append(("inputs", [rid for rid, _ in inputs], pack_chunks([c for _, c in inputs])))
+        self._flush()
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        if self.dead is None:
+            self._post(("abort", request_id, reason))
+
+    def call(self, fn: Callable) -> Future:
+        """``fn(llm)`` on the engine thread between steps; ``fn`` must pickle."""
+        return self._ask("call", fn)
+
+    # -- sessions over every worker (event-loop thread) ------------------------------------------------
+    async def admit(self, session_id: str, resume_token: str, tenant: str, principal,
+                    replaces: str | None) -> tuple[str, str] | None:
+        """Count a new session in the engine process's ledger: None, or ``(metric reason, message)``."""
+        args = (session_id, resume_token, tenant, getattr(principal, "key_id", None),
+                getattr(principal, "max_sessions", None), replaces)
+        return await asyncio.wrap_future(self._ask("admit", args))
+
+    def release(self, session_id: str) -> None:
+        if self.dead is None:
+            self._post(("release", session_id))
+
+    async def metrics(self) -> bytes:
+        """Every process's metrics merged into one Prometheus exposition (gathered by the engine process)."""
+        return await asyncio.wrap_future(self._ask("metrics", None))
+
+    # -- sending ---------------------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine stopped: {self.dead}")
+
+    def _ask(self, op: str, args) -> Future:
+        self._check()
+        cid, fut = next(self._ids), Future()
+        self._replies[cid] = fut
+        self._post(("ask", cid, op, args))
+        return fut
+
+    def _post(self, msg: tuple) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the event loop (a thread, a test): send it alone, now
+            self._send([msg])
+            return
+        self._pending.append(msg)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        msgs, self._pending = self._pending, []
+        if msgs:
+            self._send(msgs)
+
+    def _send(self, msgs: list[tuple]) -> None:
+        try:
+            self.link.send(msgs)
+        except OSError as e:
+            self._fail(f"engine link closed: {e}")
+
+    # -- receiving (reader thread) ---------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                for msg in self.link.recv():
+                    self._handle(msg)
+        except (EOFError, OSError) as e:
+            self._fail(f"engine process gone ({type(e).__name__})")
+            self._hello.set()
+            if self.on_lost is not None:
+                self.on_lost()
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            self.open_requests_all = msg[2]
+            for t in msg[1]:
+                self._deliver(unpack_output(t))
+        elif kind == "reply":
+            _, cid, ok, value = msg
+            fut = self._replies.pop(cid, None)
+            if fut is not None:
+                fut.set_result(value) if ok else fut.set_exception(RuntimeError(value))
+        elif kind == "hello":
+            self.facts, self.model_name = facts_from_wire(msg[1]), msg[2]
+            self._hello.set()
+        elif kind == "reclaim":
+            if self.on_reclaim is not None and self.loop is not None:
+                self.loop.call_soon_threadsafe(self.on_reclaim, msg[1])
+        elif kind == "render":
+            self._send([("rendered", msg[1], self.families() if self.families is not None else [])])
+        elif kind == "dead":
+            self._fail(msg[1])
+
+    def _deliver(self, out: RequestOutput) -> None:
+        rid = out.request_id
+        sink = self._sinks.pop(rid, None) if out.finished else self._sinks.get(rid)
+        if sink is None:
+            return
+        try:
+            sink(out)
+        except Exception:
+            log.exception("output sink of %s failed", rid)
+
+    def _fail(self, message: str) -> None:
+        """The engine is gone: every open request ends with ``engine_error``, every pending call fails."""
+        if self.dead is None:
+            self.dead = message
+        for rid in list(self._sinks):
+            self._deliver(RequestOutput(rid, finish_reason="error", error_code="engine_error", error_message=message))
+        for cid in list(self._replies):
+            fut = self._replies.pop(cid, None)
+            if fut is not None:
+                fut.set_exception(EngineDeadError(f"engine stopped: {message}"))

@@ -1,0 +1,126 @@
+"""Row-parallel rANS: an entropy coder for many independent rows of symbols, vectorised over the rows.
+
+Range asymmetric numeral systems (Duda, "Asymmetric numeral systems", 2013; the 32-bit state, 16-bit
+renormalisation variant of Giesen's ryg_rans) with static symbol distributions: row ``i`` codes its
+symbols ``symbols[i, 0..n)``, symbol ``j`` under distribution ``tables[i, j]`` of a :class:`FreqTables`.
+Every row has its own coder state, so the numpy loop runs over the ``n`` symbols of a row and each step
+works on all rows at once; a row's stream depends on that row alone (a chunk of rows and the same rows
+coded one by one give the same streams).
+
+A row's stream is a sequence of 16-bit words: the final encoder state (two words, high first), then the
+renormalisation words in the order the decoder consumes them. Probabilities are ``freq / 2**PREC``; every
+symbol a table can code has ``freq >= 1``. The decoder checks that each row consumed exactly its words and
+ended in the encoder's initial state - a truncated or altered stream is refused (:class:`RansError`), never
+read out of bounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PREC = 12  # probability precision: frequencies sum to 2**PREC
+M = 1 << PREC
+L = 1 << 16  # the state lives in [L, 2**32); encoder start state and decoder end state
+STATE_WORDS = 2
+
+
+class RansError(ValueError):
+    """A stream that this coder did not write (wrong length, or not ending in the initial state)."""
+
+
+class FreqTables:
+    """``G`` static distributions over symbols ``0..A-1``: ``freq`` [G, A] non-negative integers, each row
+    summing to :data:`M` (a symbol of frequency 0 cannot be coded under that table)."""
+
+    def __init__(self, freq: np.ndarray):
+        freq = np.asarray(freq)
+        if freq.ndim != 2 or freq.shape[0] < 1 or freq.shape[1] < 1 or freq.dtype.kind not in "iu":
+            raise ValueError(f"rans tables: integer freq [G, A] expected, got {freq.dtype} {freq.shape}")
+        if (freq < 0).any() or (freq.sum(axis=1) != M).any():
+            raise ValueError(f"rans tables: every table's frequencies must be >= 0 and sum to {M}")
+        g, a = freq.shape
+        self.freq = freq.astype(np.int64)  # [G, A]
+        self.cum = np.concatenate([np.zeros((g, 1), np.int64), np.cumsum(self.freq, axis=1)[:, :-1]], 1)  # [G, A]
+        self.alphabet = a
+        # symbol of every slot 0..M-1 of every table: slot s belongs to the symbol whose [cum, cum + freq) holds it
+        self.lookup = np.repeat(np.tile(np.arange(a), g), self.freq.ravel()).astype(np.int64)  # [G * M]
+        self._freq_flat = self.freq.ravel()
+        self._cum_flat = self.cum.ravel()
+
+    def codable(self, symbols: np.ndarray, tables: np.ndarray) -> np.ndarray:
+        """bool mask: ``symbols`` lies in the alphabet and has a nonzero frequency under ``tables``."""
+        ok = (symbols >= 0) & (symbols < self.alphabet)
+        f = self._freq_flat[np.where(ok, tables * self.alphabet + symbols, 0)]
+        return ok & (f > 0)
+
+
+def encode(symbols: np.ndarray, tables: np.ndarray, ft: FreqTables) -> tuple[np.ndarray, np.ndarray]:
+    """Code ``symbols`` [S, n] (ints) under ``tables`` [S, n] (indices into ``ft``; every symbol must be
+    :meth:`FreqTables.codable`). Returns the streams of all rows concatenated (uint16 [sum(lengths)]) and
+    each row's length in words (int64 [S], each >= :data:`STATE_WORDS`)."""
+    s, n = symbols.shape
+    idx = (tables * ft.alphabet + symbols).T  # [n, S]
+    freq = ft._freq_flat[idx].astype(np.uint64)  # [n, S]
+    start = ft._cum_flat[idx].astype(np.uint64)  # [n, S]
+    if (freq == 0).any():
+        raise ValueError("rans encode: a symbol of frequency 0 under its table")
+    limit = freq << np.uint64(32 - PREC)  # renormalise (emit 16 bits) when the state would overflow
+    x = np.full(s, L, np.uint64)  # [S]
+    out = np.zeros((s, n + STATE_WORDS + 1), np.uint16)  # emitted words in encoder order (+1: scratch slot)
+    cnt = np.zeros(s, np.int64)  # [S]
+    rows = np.arange(s)
+    low, sixteen, prec = np.uint64(0xFFFF), np.uint64(16), np.uint64(PREC)
+    for j in range(n - 1, -1, -1):  # rANS is last-in first-out: encode backwards, decode forwards
+        emit = x >= limit[j]
+        out[rows, cnt] = x & low  # kept only where emitted (the slot is overwritten otherwise)
+        cnt += emit
+        x = np.where(emit, x >> sixteen, x)
+        q, r = np.divmod(x, freq[j])
+        x = (q << prec) + r + start[j]
+    out[rows, cnt] = x & low
+    out[rows, cnt + 1] = x >> sixteen
+    cnt += STATE_WORDS
+    # reverse every row's words: the state (written last) first, then the words in decoding order
+    width = int(cnt.max()) if s else 0
+    pos = np.arange(width)[None, :]  # [1, W]
+    valid = pos < cnt[:, None]  # [S, W]
+    src = np.where(valid, cnt[:, None] - 1 - pos, 0)
+    return out[rows[:, None], src][valid], cnt
+
+
+def decode(stream: np.ndarray, lengths: np.ndarray, tables: np.ndarray, ft: FreqTables) -> np.ndarray:
+    """Inverse of :func:`encode`: ``stream`` (uint16, the rows' words concatenated), ``lengths`` [S] (words
+    per row), ``tables`` [S, n]. Returns symbols int64 [S, n]. Raises :class:`RansError` if a row's words do
+    not decode to exactly ``n`` symbols ending in the initial state."""
+    s, n = tables.shape
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.shape != (s,) or (lengths < STATE_WORDS).any() or int(lengths.sum()) != stream.size:
+        raise RansError(f"rans: {s} row lengths that do not split a stream of {stream.size} words")
+    out = np.empty((n, s), np.int64)
+    if s == 0:
+        return out.T
+    words = stream.astype(np.uint64)
+    first = np.concatenate([[0], np.cumsum(lengths)[:-1]])  # [S]
+    end = first + lengths  # [S]
+    x = (words[first] << np.uint64(16)) | words[first + 1]  # [S]
+    if (x < L).any():  # the encoder's state never leaves [L, 2**32)
+        raise RansError(f"rans: row {int(np.flatnonzero(x < L)[0])} starts in a state below {L}")
+    ptr = first + STATE_WORDS
+    last = stream.size - 1
+    tab = (tables * ft.alphabet).T  # [n, S]
+    slot_base = (tables * M).T  # [n, S]
+    mask, prec = np.uint64(M - 1), np.uint64(PREC)
+    for j in range(n):
+        slot = x & mask
+        sym = ft.lookup[slot_base[j] + slot.astype(np.int64)]
+        k = tab[j] + sym
+        x = ft._freq_flat[k].astype(np.uint64) * (x >> prec) + slot - ft._cum_flat[k].astype(np.uint64)
+        need = x < L
+        w = words[np.minimum(ptr, last)]  # a bad stream may run past its row: read in bounds, refuse below
+        x = np.where(need, (x << np.uint64(16)) | w, x)
+        ptr += need
+        out[j] = sym
+    if (ptr != end).any() or (x != L).any():
+        bad = int(np.flatnonzero((ptr != end) | (x != L))[0])
+        raise RansError(f"rans: row {bad}'s stream does not decode to its {n} symbols (truncated or altered)")
+    return out.T

@@ -1,0 +1,61 @@
+"""``cloud_server.engine_link``: what crosses the pipe between a front-end worker and the engine process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import torch
+
+from cloud_server.engine.llm_engine import RequestOutput
+from cloud_server.engine.sequence import InputChunk
+from cloud_server.engine_facts import EngineFacts
+from cloud_server.engine_link import (
+    Link,
+    facts_from_wire,
+    facts_to_wire,
+    pack_chunks,
+    pack_output,
+    unpack_chunks,
+    unpack_output,
+)
+
+
+def test_a_turns_chunks_cross_as_one_array_and_come_back_equal():
+    g = torch.Generator().manual_seed(0)
+    chunks = [InputChunk(7, hidden=torch.randn(1, 8, generator=g)),  # a decode step
+              InputChunk(0, hidden=torch.randn(3, 8, generator=g), last=False,
+                         rope_positions=torch.arange(9).reshape(3, 3)),  # a prompt chunk with 3-D RoPE
+              InputChunk(4, hidden=torch.randn(2, 8, generator=g), draft_ids=[5])]  # a speculative step
+    packed = pack_chunks(chunks)
+    assert packed[3].shape == (6, 8) and packed[3].dtype == np.float32  # one [sum n, H] array
+    back = unpack_chunks(packed)
+    for a, b in zip(chunks, back, strict=True):
+        assert (a.start, a.last, a.n, a.draft_ids) == (b.start, b.last, b.n, b.draft_ids)
+        assert torch.equal(a.hidden, b.hidden)
+        assert (a.rope_positions is None) == (b.rope_positions is None)
+        if a.rope_positions is not None:
+            assert torch.equal(a.rope_positions, b.rope_positions)
+
+
+def test_outputs_and_facts_round_trip_through_a_real_pipe():
+    ours, theirs = mp.Pipe()
+    a, b = Link(ours), Link(theirs)
+    outs = [RequestOutput("s/r", token_id=5, logprob=-0.5, top_logprobs=[(5, -0.5)], num_prompt_tokens=3),
+            RequestOutput("s/q", finish_reason="error", error_code="engine_error", error_message="boom"),
+            RequestOutput("s/u", states=torch.ones(2, 4), states_start=3)]
+    facts = EngineFacts(variants=("fp32",), variant_for={None: "fp32", "int8": "fp32"}, hidden_size=4,
+                        vocab_size=10, mrope=False, eos_token_ids=(2,), block_size=4, max_context=64,
+                        max_num_seqs=8, max_num_batched_tokens=64)
+    a.send([("outputs", [pack_output(o) for o in outs], 3), ("hello", facts_to_wire(facts), "m")])
+    (kind, packed, n), (_, wire_facts, name) = b.recv()
+    back = [unpack_output(t) for t in packed]
+    assert kind == "outputs" and n == 3 and name == "m"
+    for o, r in zip(outs, back, strict=True):
+        assert (o.request_id, o.token_ids, o.finished, o.error_code, o.top_logprobs) == \
+            (r.request_id, r.token_ids, r.finished, r.error_code, r.top_logprobs)
+    assert torch.equal(back[2].states, outs[2].states) and back[2].states_start == 3
+    got = facts_from_wire(wire_facts)
+    assert got == facts and got.resolve_variant("int8") == "fp32"
+    a.close()
+    b.close()

@@ -1,0 +1,248 @@
+"""``autoglm-cloud serve --workers 2``: two WebSocket front-end processes feeding one engine process, as a real
+subprocess (one for the module), against ``--workers 1`` for the reference tokens.
+
+Which worker a connection reaches is the kernel's choice (one listening socket shared by both); a session's id
+says which holds it (``w0-...`` / ``w1-...``), so the tests that need one session on each worker connect until
+they have that. The drain test runs last: it stops the module's server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import websockets
+from cloud_support import EdgeSim, edge_generate, refused_hello
+
+from edge_client.config import RetryPolicy
+from edge_client.demo import LocalCloud
+from rig.link import IDEAL, LinkEmulator
+from shared import protocol as P
+from shared.manifest import Manifest
+
+ARGS = ["--num-blocks", "256", "--block-size", "4", "--variants", "fp32", "--device", "cpu",
+        "--max-sessions", "6", "--session-grace-s", "2"]
+PROMPTS = [[17, 200, 31, 5, 99, 140, 7], [9, 88, 140, 3, 61], [250, 11, 42, 77, 1, 2, 3, 4], [5, 6, 7]]
+N_NEW = 16
+RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, max_retries=60, backoff_initial_s=0.05,
+                    backoff_max_s=0.3)
+SLOW_LINK = dataclasses.replace(IDEAL, rtt_ms=20.0, name="rtt-20ms")  # a fault at token k lands mid-generation
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_bundle, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("front-workers")
+    two = LocalCloud(tiny_bundle, extra_args=ARGS + ["--workers", "2"], log_path=logs / "w2.log").start()
+    try:
+        with LocalCloud(tiny_bundle, extra_args=ARGS + ["--workers", "1"], log_path=logs / "w1.log") as one:
+            reference = {tuple(p): _generate(tiny_bundle, one.ws_url.rsplit("/v1", 1)[0], p) for p in PROMPTS}
+        yield two, reference
+    finally:
+        two.stop()
+
+
+def _generate(bundle, url: str, prompt: list[int], fault=None, at: tuple[int, ...] = ()):
+    """Greedy tokens of ``prompt`` (and the client's stats when a ``fault`` is injected at the tokens ``at``)."""
+    tokens, stats = edge_generate(bundle, url, prompt, N_NEW, RETRY, lambda n: fault() if n in at else None,
+                                  temperature=0.0)
+    return tokens if fault is None else (tokens, stats)
+
+
+def _metric(cloud: LocalCloud, name: str) -> float:
+    text = httpx.get(cloud.http_url + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.eE+-]+)$", text, re.M))
+
+
+def _wait_no_sessions(cloud: LocalCloud, within_s: float) -> float:
+    """Poll until no session is open (a closed link's session lingers for its resume grace); the count left."""
+    deadline = time.monotonic() + within_s
+    while (n := _metric(cloud, "autoglm:sessions_open")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return n
+
+
+async def _one_per_worker(cloud: LocalCloud, bundle, tries: int = 40) -> dict[str, EdgeSim]:
+    """Open sessions until one is held by each worker (``w0``, ``w1``); the others are closed."""
+    bundle_id = Manifest.load(bundle).bundle_id
+    got: dict[str, EdgeSim] = {}
+    for _ in range(tries):
+        edge = EdgeSim(cloud.ws_url, bundle, bundle_id)
+        welcome = await edge.connect()
+        worker = welcome.session_id.split("-", 1)[0]
+        if worker in got:
+            await edge.close()
+        else:
+            got[worker] = edge
+        if len(got) == 2:
+            return got
+    raise AssertionError(f"{tries} connections all reached {sorted(got)}")
+
+
+def test_several_edges_get_the_tokens_of_one_process(servers, tiny_bundle):
+    cloud, reference = servers
+    out: dict[tuple, list[int]] = {}
+    url = cloud.ws_url.rsplit("/v1", 1)[0]
+    threads = [threading.Thread(target=lambda p=p: out.__setitem__(tuple(p), _generate(tiny_bundle, url, p)))
+               for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == reference
+
+
+def test_metrics_sum_the_workers_counters(servers, tiny_bundle):
+    cloud, reference = servers
+
+    async def one_each():
+        edges = await _one_per_worker(cloud, tiny_bundle)
+        got = [await e.generate("m", PROMPTS[0], N_NEW) for e in edges.values()]
+        open_now = _metric(cloud, "autoglm:sessions_open")
+        for e in edges.values():
+            await e.close()
+        return got, open_now
+
+    before = _metric(cloud, "vllm:generation_tokens_total")
+    tenant_before = _metric(cloud, "autoglm:tenant_generation_tokens_total")
+    got, open_now = asyncio.run(one_each())
+    assert [g[0] for g in got] == [reference[tuple(PROMPTS[0])]] * 2  # both workers, the same tokens
+    assert open_now == 2  # one session per worker, summed
+    # the engine counts tokens in the engine process; each worker counts what it sent: the sums agree
+    assert _metric(cloud, "vllm:generation_tokens_total") - before == 2 * N_NEW
+    assert _metric(cloud, "autoglm:tenant_generation_tokens_total") - tenant_before == 2 * N_NEW
+
+
+def test_a_bad_frame_on_one_worker_leaves_the_other_workers_session_alone(servers, tiny_bundle):
+    cloud, reference = servers
+
+    async def scenario():
+        edges = await _one_per_worker(cloud, tiny_bundle)
+        bad, good = edges["w0"], edges["w1"]
+        task = asyncio.create_task(good.generate("g", PROMPTS[1], N_NEW))
+        await bad.ws.send(b"\xc1 not msgpack")
+        err = await bad.recv()
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await bad.recv()
+        tokens, finish, _ = await task
+        await good.close()
+        return err, closed.value.rcvd.code, tokens, finish
+
+    err, code, tokens, finish = asyncio.run(scenario())
+    assert isinstance(err, P.Error) and err.fatal and code == 1002
+    assert finish == "length" and tokens == reference[tuple(PROMPTS[1])]
+
+
+def test_max_sessions_counts_every_worker(servers, tiny_bundle):
+    cloud, _ = servers
+    bundle_id = Manifest.load(tiny_bundle).bundle_id
+    assert _wait_no_sessions(cloud, 10) == 0  # the earlier tests' sessions are gone (grace 2 s)
+
+    async def scenario():
+        held = list((await _one_per_worker(cloud, tiny_bundle)).values())
+        while len(held) < 6:  # --max-sessions 6, however the kernel spreads them
+            edge = EdgeSim(cloud.ws_url, tiny_bundle, bundle_id)
+            assert isinstance(await edge.connect(), P.Welcome)
+            held.append(edge)
+        workers = {e.welcome.session_id.split("-", 1)[0] for e in held}
+        late = EdgeSim(cloud.ws_url, tiny_bundle, bundle_id)
+        refused = await late.connect()
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await late.recv()
+        for e in held:
+            await e.close()
+        await asyncio.sleep(0.3)  # the releases reach the engine process
+        again = EdgeSim(cloud.ws_url, tiny_bundle, bundle_id)
+        admitted = await again.connect()
+        await again.close()
+        return workers, refused, closed.value.rcvd.code, admitted
+
+    workers, refused, code, admitted = asyncio.run(scenario())
+    assert workers == {"w0", "w1"}
+    assert isinstance(refused, P.Error) and refused.code == "overloaded" and refused.retry_after_ms and code == 1013
+    assert isinstance(admitted, P.Welcome)
+
+
+def test_a_reconnect_to_the_other_worker_replays_without_losing_a_token(servers, tiny_bundle):
+    """Connection cuts mid-generation; a reconnect that reaches the other worker finds no session there and the
+    edge replays its context (one on the same worker resumes). Repeated until a replay happened."""
+    cloud, reference = servers
+    want = reference[tuple(PROMPTS[2])]
+    replays = 0
+    with LinkEmulator(cloud.port, SLOW_LINK, seed=5) as link:
+        for _ in range(4):
+            tokens, stats = _generate(tiny_bundle, f"ws://127.0.0.1:{link.port}", PROMPTS[2], fault=link.cut,
+                                      at=(3, 6, 9, 12))
+            assert tokens == want and stats.reconnects >= 4
+            replays += stats.replays
+            if replays:
+                break
+    assert replays >= 1
+    # nothing left behind: the edge closed its session, the stale copy on the other worker was reclaimed at the
+    # replay (a copy the edge abandoned mid-handshake, if a cut hit it, expires after its 2 s grace)
+    assert _wait_no_sessions(cloud, 5) == 0 and _metric(cloud, "vllm:num_requests_running") == 0
+
+
+def _front_pids(main: int) -> set[int]:
+    """The main process's front-end workers: its children started by multiprocessing's spawn."""
+    out = set()
+    for task in os.listdir(f"/proc/{main}/task"):
+        for kid in open(f"/proc/{main}/task/{task}/children").read().split():
+            try:
+                if b"spawn_main" in open(f"/proc/{kid}/cmdline", "rb").read():
+                    out.add(int(kid))
+            except FileNotFoundError:  # gone meanwhile
+                pass
+    return out
+
+
+def test_a_killed_worker_is_replaced_and_the_server_keeps_serving(servers, tiny_bundle):
+    cloud, reference = servers
+    before = _front_pids(cloud.proc.pid)
+    assert len(before) == 2
+    os.kill(min(before), signal.SIGKILL)
+    seen, deadline = set(), time.monotonic() + 60
+    while seen != {0, 1} and time.monotonic() < deadline:  # the replacement answers once it listens
+        try:
+            seen.add(httpx.get(cloud.http_url + "/ready", timeout=5).json()["worker"])
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    assert seen == {0, 1} and len(_front_pids(cloud.proc.pid) - before) == 1
+
+    async def both():
+        edges = await _one_per_worker(cloud, tiny_bundle)
+        got = [(await e.generate("k", PROMPTS[1], N_NEW))[0] for e in edges.values()]
+        for e in edges.values():
+            await e.close()
+        return got
+
+    assert asyncio.run(both()) == [reference[tuple(PROMPTS[1])]] * 2
+
+
+def test_sigterm_drains_every_worker_then_exits(servers, tiny_bundle):
+    """Last: stops the module's server. The request in flight finishes, ``/ready`` says 503 on whichever worker
+    answers, a new session is refused (``draining``, 1013), and the process exits 0 by itself."""
+    cloud, reference = servers
+    bundle_id = Manifest.load(tiny_bundle).bundle_id
+    seen = {}
+
+    def on_token():
+        cloud.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        seen["ready"] = {httpx.get(cloud.http_url + "/ready", timeout=5).status_code for _ in range(4)}
+        seen["late"] = asyncio.run(refused_hello(cloud.ws_url, bundle_id))
+
+    with LinkEmulator(cloud.port, dataclasses.replace(IDEAL, rtt_ms=60.0, name="rtt-60ms")) as link:
+        tokens, _ = _generate(tiny_bundle, f"ws://127.0.0.1:{link.port}", PROMPTS[3], fault=on_token, at=(3,))
+    code = cloud.proc.wait(30)
+    assert tokens == reference[tuple(PROMPTS[3])]
+    assert seen["ready"] == {503}
+    err, close = seen["late"]
+    assert err.code == "draining" and close == 1013
+    assert code == 0
