@@ -28,6 +28,9 @@ drafter (``edge_client.draft_head``), chosen by ``--drafter``:
   (checked disjoint from both workloads by ``bench/draft_layers_bench.py``);
 * ``lens``: the ridge "tuned lens" from the boundary state at layer 8 onto the lm_head (int8), fit on the tail
   of ``partition_tools/data/sample.txt``;
+* ``cloud``: the cloud drafter (``partition_tools.cloud_drafter``, ``autoglm-partition draft-head --cloud``): the
+  server drafts with its own layers from a calibrated approximation of the newest token's boundary state and
+  sends the drafts with each token (docs/protocol.md, "Cloud drafts"); same calibration data as ``layers``;
 * ``none``: prompt lookup only.
 
 Each lives in its own bundle directory (``--bundle`` + a suffix); its held-out agreement lands in the manifest
@@ -85,7 +88,7 @@ def build_bundle(out: Path, tail: int = 0, drafter: str = "none", layers: str = 
     draft-head [--layers]``: calibrated on data that shares nothing with the workloads); returns the bundle."""
     from edge_client.draft_head import DRAFT_HEAD
     from edge_client.draft_layers import DRAFT_LAYERS
-    from shared.manifest import Manifest
+    from shared.manifest import CLOUD_DRAFT_INPUTS, Manifest
 
     if not (out / "manifest.json").is_file():
         from partition_tools.models import load_model
@@ -98,6 +101,11 @@ def build_bundle(out: Path, tail: int = 0, drafter: str = "none", layers: str = 
         from partition_tools.models import load_model
 
         print(json.dumps({"draft_head": add_draft_head(load_model("smollm2"), out)}), flush=True)
+    if drafter == "cloud" and CLOUD_DRAFT_INPUTS not in have.artifacts:
+        from partition_tools.cloud_drafter import add_cloud_drafter
+        from partition_tools.models import load_model
+
+        print(json.dumps({"cloud_drafter": add_cloud_drafter(load_model("smollm2"), out)}), flush=True)
     if drafter == "layers" and DRAFT_LAYERS not in have.artifacts:
         from partition_tools.draft_layers import DraftLayersConfig, add_draft_layers
         from partition_tools.models import load_model
@@ -115,7 +123,7 @@ def drafter_summary(bundle: Path) -> dict | None:
     from shared.manifest import Manifest
 
     report = Manifest.load(bundle).quant_report
-    for kind in ("draft_layers", "draft_head"):
+    for kind in ("draft_layers", "draft_head", "cloud_drafter"):
         if kind in report:
             return {"kind": kind, **{k: v for k, v in report[kind].items() if k not in ("search", "weights")}}
     return None
@@ -142,6 +150,7 @@ class Tally:
         self.ttft: list[float] = []
         self.drafts = self.accepted = 0
         self.head_drafts = self.head_accepted = 0  # of those, the draft head's (the rest: prompt lookup)
+        self.cloud_drafts = self.cloud_accepted = 0  # of those, the cloud drafter's
         self.identical = True
         self.requests = 0
         self.outputs: list[list[int]] = []  # each request's tokens (u-shape's are compared with them)
@@ -163,6 +172,8 @@ class Tally:
         self.accepted += st.accepted_draft_tokens
         self.head_drafts += st.head_draft_tokens
         self.head_accepted += st.accepted_head_draft_tokens
+        self.cloud_drafts += st.cloud_draft_tokens
+        self.cloud_accepted += st.accepted_cloud_draft_tokens
         self.outputs.append(list(gen.token_ids))
         self.bytes_down += st.bytes_down
         self.edge_decode_s += (st.edge_compute_s - st.edge_prefill_s) + (st.edge_tail_s - st.edge_tail_prefill_s)
@@ -179,6 +190,7 @@ class Tally:
                 "draft_tokens": self.drafts, "accepted_draft_tokens": self.accepted,
                 "acceptance": round(self.accepted / self.drafts, 3) if self.drafts else None,
                 "head_draft_tokens": self.head_drafts, "accepted_head_draft_tokens": self.head_accepted,
+                "cloud_draft_tokens": self.cloud_drafts, "accepted_cloud_draft_tokens": self.cloud_accepted,
                 "bytes_down_per_token": round(self.bytes_down / max(1, self.tokens), 1),
                 "edge_ms_per_token": round(1000 * self.edge_decode_s / self.decode_tokens, 2)
                 if self.decode_tokens else None,
@@ -306,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy-table", action="store_true", help="write the policy's choices, measure nothing")
     ap.add_argument("--no-ushape", dest="ushape", action="store_false",
                     help="measure split and split+spec only (no u-shape bundle, no second server)")
-    ap.add_argument("--drafter", choices=("layers", "lens", "none"), default="layers",
+    ap.add_argument("--drafter", choices=("layers", "lens", "cloud", "none"), default="layers",
                     help="the split bundle's drafter where prompt lookup has none (default: layers)")
     ap.add_argument("--draft-layers", default="auto", help="layers drafter: 'auto' (greedy search) or a list")
     ap.add_argument("--draft-budget", type=int, default=6, help="layers drafter: M for --draft-layers auto")
@@ -322,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
     layers = f"auto{args.draft_budget}" if args.draft_layers == "auto" else args.draft_layers.replace(",", "_")
-    suffix = {"layers": f"-layers-{layers}", "lens": "", "none": "-lookup"}[args.drafter]
+    suffix = {"layers": f"-layers-{layers}", "lens": "", "cloud": "-cloud", "none": "-lookup"}[args.drafter]
     bundle = build_bundle(args.bundle.with_name(args.bundle.name + suffix), drafter=args.drafter,
                           layers=args.draft_layers, budget=args.draft_budget)
     u_bundle = build_bundle(args.bundle.with_name(args.bundle.name + f"-tail{TAIL_LAYERS}"), TAIL_LAYERS) \

@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse, Response
 from cloud_server.auth import Authenticator
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.limits import HttpConcurrencyLimit
+from cloud_server.ws_protocol import protocol_class
 from shared import openai_compat as oc
 
 log = logging.getLogger("autoglm.cloud")
@@ -87,6 +88,8 @@ class DrainingServer(uvicorn.Server):
         split = getattr(app.state, "split", None)
         if split is not None:  # read over-size frames, so that they fail one request instead of the session
             config.ws_max_size = max(config.ws_max_size, split.max_message_bytes)
+        if config.ws == "auto":  # fewer system calls per frame (cloud_server.ws_protocol); None: uvicorn's own
+            config.ws = protocol_class() or "auto"
         super().__init__(config)
         self.app = app
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -87,6 +87,8 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
     Option("async_scheduling", bool, "engine", "launch each engine step before postprocessing the last one"),
     Option("fast_path", bool, "engine", _FAST_PATH_HELP),
     Option("kv_cache_dtype", str, "engine", _KV_CACHE_DTYPE_HELP),
+    Option("cloud_drafts", int, "engine", "most drafts proposed per token when the bundle has a cloud drafter "
+                                          "(`autoglm-partition draft-head --cloud`) and the edge asks; 0: off"),
 )
 
 

@@ -59,6 +59,9 @@ class EngineConfig:
     # = 8-bit keys and values with a float32 scale per token and KV head (-48 % KV bytes at head_dim 128 vs bf16),
     # read by the fast path's Triton kernels and by the library's layers (paged attention) alike.
     kv_cache_dtype: str = "auto"
+    # Cloud drafts (LLMEngine, "cloud drafts"): the most drafts the server proposes per Tokens when the bundle has a
+    # cloud drafter (cloud/draft_inputs.npy) and the edge asks; each costs one decode row of the back layers. 0 = off.
+    cloud_drafts: int = 4
 
     def __post_init__(self):
         if isinstance(self.variants, str):
@@ -74,6 +77,8 @@ class EngineConfig:
             raise ConfigError(f"device: expected 'cpu' or 'cuda[:i]' (got {self.device!r})")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             _positive(name, getattr(self, name))
+        if not 0 <= self.cloud_drafts <= 16:
+            raise ConfigError(f"cloud_drafts must be in [0, 16] (got {self.cloud_drafts})")
         if self.prefill_chunk_while_decoding < 0:
             raise ConfigError(f"prefill_chunk_while_decoding must be >= 0 (got {self.prefill_chunk_while_decoding})")
         if self.tp not in (1, 2):

@@ -31,6 +31,7 @@ functions convert engine chunks and outputs to and from their wire form.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import pickle
 import threading
 from types import MappingProxyType
@@ -45,6 +46,7 @@ from cloud_server.engine_facts import EngineFacts
 
 _OUTPUT_FIELDS = tuple(f.name for f in dataclasses.fields(RequestOutput))
 _STATES = _OUTPUT_FIELDS.index("states")
+_output_values = operator.attrgetter(*_OUTPUT_FIELDS)  # a RequestOutput -> the tuple of its fields, in order
 
 
 class Link:
@@ -69,31 +71,34 @@ class Link:
 
 # -- inputs -------------------------------------------------------------------------------------------
 def pack_chunks(chunks: list[InputChunk]) -> tuple:
-    """Split-mode chunks as ``(rows [n_i], starts, lasts, hidden [sum n_i, H] float32, ropes, drafts)``."""
+    """Split-mode chunks as ``(rows [n_i], starts, lasts, hidden [sum n_i, H] float32, ropes, drafts, asks)``."""
     hidden = [c.hidden.numpy() for c in chunks]  # [n_i, H] float32 each
     stacked = hidden[0] if len(hidden) == 1 else np.concatenate(hidden)  # [sum n_i, H]
     ropes = [None if c.rope_positions is None else c.rope_positions.numpy() for c in chunks]  # [3, n_i] int64
     drafts = [c.draft_ids for c in chunks]
+    asks = [c.ask_drafts for c in chunks]
     return ([c.n for c in chunks], [c.start for c in chunks], [c.last for c in chunks],
             np.ascontiguousarray(stacked, dtype=np.float32),
-            None if all(r is None for r in ropes) else ropes, None if all(d is None for d in drafts) else drafts)
+            None if all(r is None for r in ropes) else ropes, None if all(d is None for d in drafts) else drafts,
+            asks if any(asks) else None)
 
 
 def unpack_chunks(packed: tuple) -> list[InputChunk]:
     """:func:`pack_chunks`'s chunks again; their hidden states are row views of one tensor."""
-    rows, starts, lasts, stacked, ropes, drafts = packed
+    rows, starts, lasts, stacked, ropes, drafts, asks = packed
     hidden = torch.from_numpy(stacked).split(rows)  # [n_i, H] views of one [sum n_i, H] tensor
     return [InputChunk(start, hidden=h, last=last,
                        rope_positions=None if ropes is None or ropes[i] is None else torch.from_numpy(ropes[i]),
-                       draft_ids=None if drafts is None else drafts[i])
+                       draft_ids=None if drafts is None else drafts[i], ask_drafts=0 if asks is None else asks[i])
             for i, (h, start, last) in enumerate(zip(hidden, starts, lasts, strict=True))]
 
 
 # -- outputs ------------------------------------------------------------------------------------------
 def pack_output(out: RequestOutput) -> tuple:
     """A :class:`RequestOutput` as a plain tuple of its fields (u-shape states as a numpy array)."""
-    t = [getattr(out, f) for f in _OUTPUT_FIELDS]
+    t = _output_values(out)  # one C call (the engine thread packs every output of a step)
     if t[_STATES] is not None:
+        t = list(t)
         t[_STATES] = t[_STATES].numpy()
     return tuple(t)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -94,6 +95,28 @@ def load_split_model(bundle_dir: str | Path, variant: str, device: str = "cpu", 
     """The bundle's back half in ``variant``; ``shard(model)`` (tensor parallel) runs before int8."""
     model = CloudModel.from_bundle(bundle_dir, dtype=compute_dtype(variant, device), device="cpu")
     return _prepare(model, variant, device, shard)
+
+
+def load_draft_inputs(bundle_dir: str | Path, manifest) -> torch.Tensor | None:
+    """The bundle's cloud drafter table ``[V, H]`` float16 (``partition_tools.cloud_drafter``), hash-checked;
+    None when the bundle has none."""
+    from shared.manifest import CLOUD_DRAFT_INPUTS, BundleError, sha256_file
+
+    art = manifest.artifacts.get(CLOUD_DRAFT_INPUTS)
+    if art is None:
+        return None
+    path = Path(bundle_dir) / CLOUD_DRAFT_INPUTS
+    if not path.is_file() or path.stat().st_size != art.bytes or sha256_file(path) != art.sha256:
+        raise BundleError(f"{path}: missing, truncated or not the manifest's (re-run `autoglm-partition draft-head "
+                          f"--cloud`)")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        raise BundleError(f"{path}: not a .npy array ({e})") from None
+    if arr.dtype != np.float16 or arr.ndim != 2 or arr.shape[1] != manifest.hidden_size or not np.isfinite(arr).all():
+        raise BundleError(f"{path}: expected finite float16 [V, {manifest.hidden_size}], got {arr.dtype} "
+                          f"{list(arr.shape)}")
+    return torch.from_numpy(arr)
 
 
 def load_full_model(lm, variant: str, device: str = "cpu", shard=None) -> CloudModel:

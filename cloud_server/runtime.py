@@ -67,6 +67,12 @@ class CloudRuntime:
         else:
             models = {v: self._load(source_kind, source, lm, v, ecfg.device) for v in variants}
         engine = LLMEngine.from_models(ecfg, models, metrics=self.metrics, make_runner=make_runner)
+        if self.manifest is not None and ecfg.cloud_drafts > 0 and not self.manifest.tail_layers:
+            from cloud_server.model import load_draft_inputs
+
+            table = load_draft_inputs(cfg.bundle, self.manifest)
+            if table is not None:
+                engine.set_draft_inputs(table)
         if ecfg.tp > 1:
             from cloud_server import tp
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 
 from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
@@ -49,6 +50,7 @@ from cloud_server.precision_select import load_fraction, session_plan
 from cloud_server.session_store import Session, SessionRegistry
 from cloud_server.split_translate import SplitTranslator
 from cloud_server.usage import TenantUsage
+from cloud_server.ws_protocol import SEND_NOW
 from shared import protocol as P
 from shared.codecs import available_codecs, load_calibration
 from shared.prefix_keys import SHARED_SCOPE, tenant_scoped
@@ -84,6 +86,30 @@ def held_prefix_keys(engine, spaces: tuple[str, ...], limit: int) -> list[str]:
     keys = (k.partition("/")[2] for k in engine.block_managers[engine.default_variant].block_of_key
             if k.startswith(spaces))
     return list(dict.fromkeys(k for _, k in zip(range(limit), keys)))
+
+
+def ws_send_now(ws) -> Callable[[bytes], bool] | None:
+    """The connection's synchronous binary send (``cloud_server.ws_protocol``), or None (another server)."""
+    extensions = getattr(ws, "scope", {}).get("extensions") or {}
+    return extensions.get(SEND_NOW)
+
+
+class Outbox(asyncio.Queue):
+    """``Session.outq``: one connection's frames, in order. A frame goes out at once through ``send_now`` (the
+    protocol's own write) when nothing waits before it; the others - no ``send_now``, the transport paused
+    for writing, frames queued or being sent - wait for the connection's writer task (``writing``: it holds a
+    frame it has not finished sending). ``on_sent(nbytes)`` counts what went out at once."""
+
+    def __init__(self, send_now: Callable[[bytes], bool] | None, on_sent: Callable[[int], None]):
+        super().__init__()
+        self._send_now, self._on_sent = send_now, on_sent
+        self.writing = False
+
+    def put_nowait(self, frame: bytes) -> None:
+        if self._send_now is not None and not self.writing and self.empty() and self._send_now(frame):
+            self._on_sent(len(frame))
+            return
+        super().put_nowait(frame)
 
 
 def transport_max_frame_bytes(limits: P.SessionLimits) -> int:
@@ -221,7 +247,7 @@ class SplitEndpoint:
         # read before attaching: an engine output queued during this await would reach the edge before Welcome
         cached = await self._cached_keys(session.prefix_scope)
         session.generation += 1
-        session.outq, session.ws = asyncio.Queue(), ws
+        session.outq, session.ws = Outbox(ws_send_now(ws), self.rt.metrics.on_downlink), ws
         metrics.sessions.labels(rt.model_name).set(len(self.registry))
         session.send(P.Welcome(
             session_id=session.session_id, resume_token=session.resume_token, resumed=resumed, limits=self.limits,
@@ -265,7 +291,8 @@ class SplitEndpoint:
 
     def _server_info(self) -> P.ServerInfo:
         return P.ServerInfo(version=__version__, compute_variants=list(self.rt.facts.variants),
-                            load=float(self._load()), max_draft_tokens=MAX_DRAFTS)
+                            load=float(self._load()), max_draft_tokens=MAX_DRAFTS,
+                            cloud_drafts=self.rt.facts.cloud_drafts)
 
     async def _cached_keys(self, scope: str, limit: int = 256) -> list[str]:
         """Prefix keys the default variant holds that a session of prefix ``scope`` can hit: its own and the
@@ -277,10 +304,15 @@ class SplitEndpoint:
         except (EngineDeadError, asyncio.TimeoutError):
             return []
 
-    async def _writer(self, ws: WebSocket, queue: asyncio.Queue) -> None:
+    async def _writer(self, ws: WebSocket, queue: Outbox) -> None:
+        """The frames the socket did not take at once (a slow reader, or no ``send_now``), in order."""
         while True:
             frame = await queue.get()
-            await ws.send_bytes(frame)
+            queue.writing = True
+            try:
+                await ws.send_bytes(frame)
+            finally:
+                queue.writing = False
             self.rt.metrics.on_downlink(len(frame))
 
     def _detach(self, session: Session) -> None:

@@ -51,6 +51,12 @@ WIRE_CODES = {"too_long": "context_full", "kv_cache_full": "overloaded", "engine
 # engine finish reason -> wire finish reason
 WIRE_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "cancelled": "cancelled"}
 RETRY_AFTER_MS = {"overloaded": 500, "draining": 5000}  # request-level refusals worth retrying
+TORCH_GRAIN = 32768  # at::internal::GRAIN_SIZE: ops on fewer elements run on the calling thread
+# A loop turn's decode steps are decoded on the loop below this many (cloud_server.step_pipeline): with the
+# one-pass row decoders (fp16 ~5 us, int8-outlier ~9 us a row on a slow CPU) the hop to the worker thread
+# and back (two GIL hand-overs and a self-pipe wakeup) cost the loop more than decoding 64 rows itself
+# (bench/served_load.py, wide-cpu, S=64: loop CPU per token 179 -> 151 us fp16, 188 -> 160 us int8-outlier)
+STEP_POOL_MIN_ROWS = 256
 
 
 def engine_params(p: P.SamplingParams, max_context: int) -> SamplingParams:
@@ -61,6 +67,19 @@ def engine_params(p: P.SamplingParams, max_context: int) -> SamplingParams:
                           ignore_eos=p.ignore_eos, logprobs=p.top_logprobs if want_lp else None,
                           presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                           repetition_penalty=p.repetition_penalty)
+
+
+def widen_half(half: np.ndarray) -> torch.Tensor:
+    """float16 rows [N, H] (a writable array) as a float32 tensor. torch widens with the CPU's half-precision
+    instructions, several times faster than numpy; in blocks under ATen's parallel grain, so the copy runs
+    on this thread and never wakes the intra-op thread pool the engine's thread may be using."""
+    n, h = half.shape
+    out = torch.empty((n, h), dtype=torch.float32)
+    src = torch.from_numpy(half)
+    step = max(1, (TORCH_GRAIN - 1) // h)
+    for i in range(0, n, step):
+        out[i:i + step].copy_(src[i:i + step])
+    return out
 
 
 class BadInput(Exception):
@@ -80,7 +99,8 @@ class SplitTranslator:
         self.wire_limits = wire_limits
         self.load = load
         # DecodeSteps (session, track, msg, nbytes), decoded a loop turn's worth at a time off the loop
-        self._pipeline = StepPipeline(self._decode_steps, self._hand_over_steps, self._dead)
+        self._pipeline = StepPipeline(self._decode_steps, self._hand_over_steps, self._dead,
+                                      pool_min_rows=STEP_POOL_MIN_ROWS)
         self._outputs: LoopInbox | None = None  # engine outputs -> on_output, made on the loop at first use
         # what to do when the engine has stopped while handing over held steps (the endpoint closes the link)
         self.on_engine_dead: Callable[[Session, EngineDeadError], None] | None = None
@@ -107,9 +127,11 @@ class SplitTranslator:
             if not self.facts.mrope:
                 raise BadInput("bad_input", "rope_positions sent to a model without multimodal RoPE")
             rope = torch.from_numpy(msg.rope_positions.to_numpy().astype(np.int64))  # [3, n]
-        hidden = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        hidden = arr if isinstance(arr, torch.Tensor) else torch.from_numpy(
+            np.ascontiguousarray(arr, dtype=np.float32))
         drafts = list(msg.draft_ids) if isinstance(msg, P.SpecStep) else None
-        return InputChunk(start, hidden=hidden, last=last, rope_positions=rope, draft_ids=drafts)
+        ask = getattr(msg, "ask_drafts", 0) if last else 0  # StatesSteps carry none
+        return InputChunk(start, hidden=hidden, last=last, rope_positions=rope, draft_ids=drafts, ask_drafts=ask)
 
     def open(self, session: Session, track: RequestTrack, msg: P.Prefill, nbytes: int) -> None:
         """A request's first Prefill: admit it to the engine."""
@@ -173,19 +195,31 @@ class SplitTranslator:
         if track.finish is None and track.owner is not None:  # else it failed while this waited
             self._add_input(session, track, msg, nbytes)
 
-    def _decode_steps(self, steps: list) -> list[np.ndarray | BadInput | None]:
-        """The held steps' states [1, H] each, one ``decode_rows`` pass per codec (a batch that fails is decoded
-        step by step, so only a bad step fails: its entry is the ``BadInput``; None: an unknown codec, refused on
-        the loop). Runs on the pipeline's worker thread for large batches: it reads only the messages."""
+    def _decode_steps(self, steps: list) -> list[np.ndarray | torch.Tensor | BadInput | None]:
+        """The held steps' states [1, H] each, one ``decode_rows`` (fp16: ``half_rows``) pass per codec (a batch
+        that fails is decoded step by step, so only a bad step fails: its entry is the ``BadInput``; None: an
+        unknown codec, refused on the loop). Runs on the pipeline's worker thread for large batches: it reads
+        only the messages."""
         by_codec: dict[str, list[int]] = {}
         for i, (_, _, msg, _) in enumerate(steps):
             by_codec.setdefault(msg.hidden.codec, []).append(i)
-        rows: list[np.ndarray | BadInput | None] = [None] * len(steps)
+        rows: list[np.ndarray | torch.Tensor | BadInput | None] = [None] * len(steps)
         for name, idx in by_codec.items():
             codec = self.codecs.get(name)
             if codec is None:
                 continue
-            if len(idx) > 1:
+            batch = len(idx) > 1
+            half_rows = getattr(codec, "half_rows", None)  # fp16: the rows as float16, widened here
+            if half_rows is not None:
+                try:
+                    half = half_rows([steps[i][2].hidden for i in idx], self.wire_limits)  # [N, H] float16
+                except P.ProtocolError:
+                    half, batch = None, False  # one by one below: which step is bad
+                if half is not None:
+                    for i, row in zip(idx, widen_half(half).split(1)):  # [1, H] float32 views
+                        rows[i] = row
+                    continue
+            if batch:
                 try:
                     arr = codec.decode_rows([steps[i][2].hidden for i in idx], self.wire_limits)  # [N, H]
                     for j, i in enumerate(idx):
@@ -321,7 +355,8 @@ class SplitTranslator:
             finish_reason=finish,
             usage=P.Usage(prompt_tokens=rec.prompt_tokens, completion_tokens=len(rec.tokens),
                           cached_tokens=rec.cached_tokens) if finish is not None else None,
-            timings=P.ServerTimings(total_ms=max(0.0, total_ms)),
-            plan=None if rec.plan_sent else P.PrecisionPlan(codec=rec.codec, compute=rec.compute))
+            timings=P.ServerTimings(total_ms=max(0.0, total_ms), draft_ms=min(max(0.0, total_ms), out.draft_s * 1000)),
+            plan=None if rec.plan_sent else P.PrecisionPlan(codec=rec.codec, compute=rec.compute),
+            draft_ids=out.draft_ids if finish is None else None)
         rec.plan_sent = True
         return msg

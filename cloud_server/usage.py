@@ -50,6 +50,7 @@ class TenantUsage:
                                          registry=r)
         self.uplink = Counter("autoglm:tenant_uplink_bytes", "Frame bytes received, by tenant", lab, registry=r)
         self.downlink = Counter("autoglm:tenant_downlink_bytes", "Frame bytes sent, by tenant", lab, registry=r)
+        self._children: dict[tuple, object] = {}  # (counter, labels) -> its child (:meth:`_kid`)
 
     @classmethod
     def of(cls, metrics) -> TenantUsage:
@@ -62,6 +63,14 @@ class TenantUsage:
     def _l(self, session):
         return (self.model_name, tenant_label(getattr(session, "principal", None)))
 
+    def _kid(self, counter: Counter, lab: tuple):
+        """``counter.labels(*lab)``, looked up once per counter and label set (a bounded one: the keys file's
+        tenants and ``unkeyed``), not once per frame."""
+        kid = self._children.get((counter, lab))
+        if kid is None:
+            kid = self._children[(counter, lab)] = counter.labels(*lab)
+        return kid
+
     # -- hooks (event-loop thread) ---------------------------------------------------------------
     def on_open(self, session) -> None:
         self.sessions.labels(*self._l(session)).inc()
@@ -72,9 +81,9 @@ class TenantUsage:
 
     def on_received(self, session, msg, nbytes: int) -> None:
         lab = self._l(session)
-        self.uplink.labels(*lab).inc(nbytes)
+        self._kid(self.uplink, lab).inc(nbytes)
         if isinstance(msg, P.Prefill):
-            self.prompt_tokens.labels(*lab).inc(msg.n_tokens)
+            self._kid(self.prompt_tokens, lab).inc(msg.n_tokens)
             if msg.params is not None:  # a request's first message
                 trace_log.info("trace=%s session=%s tenant=%s open start=%d", msg.request_id, session.session_id,
                                lab[1], msg.start)
@@ -82,10 +91,10 @@ class TenantUsage:
     def on_sent(self, session, msg, nbytes: int) -> None:
         lab = self._l(session)
         if nbytes:
-            self.downlink.labels(*lab).inc(nbytes)
+            self._kid(self.downlink, lab).inc(nbytes)
         if isinstance(msg, P.Tokens):
             if msg.token_ids:
-                self.generation_tokens.labels(*lab).inc(len(msg.token_ids))
+                self._kid(self.generation_tokens, lab).inc(len(msg.token_ids))
             if msg.finish_reason is not None:
                 rec = session.record(msg.request_id)
                 n = len(rec.tokens) if rec is not None else 0

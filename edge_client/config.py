@@ -105,6 +105,9 @@ class EdgeConfig:
     # Drafts per speculative step: None lets edge_client.drafting.DraftSizer choose k from the measured
     # acceptance and link; an int pins it (deterministic tests and benchmarks).
     draft_k: int | None = None
+    # Ask a server that offers cloud drafts (Welcome.server.cloud_drafts: it drafts with its own layers from an
+    # approximate boundary state, docs/protocol.md "Cloud drafts") for them when a request speculates.
+    cloud_drafts: bool = True
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self):

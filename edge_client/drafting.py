@@ -128,7 +128,10 @@ class SizerConfig:
 # the bundle drafter's sizer, per kind (edge_client.draft_head): a calibrated lens at an early layer agrees
 # with the model far less often than a matching n-gram (SmolLM2 at N = 8: ~25-30 % top-1 on held-out text), a
 # few of the cloud's own layers more often; each of their drafts costs a front step and a drafter step
-DRAFTER_SIZERS = {"lens": SizerConfig(prior_alpha=0.35), "layers": SizerConfig(prior_alpha=0.5)}
+DRAFTER_SIZERS = {"lens": SizerConfig(prior_alpha=0.35), "layers": SizerConfig(prior_alpha=0.5),
+                  # the cloud drafter (the cloud's own layers from an approximate boundary state): ~70 % one deep
+                  # on SmolLM2 chat; a draft costs the edge one front row and the cloud one decode row per draft
+                  "cloud": SizerConfig(prior_alpha=0.65)}
 
 
 class DraftSizer:
@@ -141,6 +144,9 @@ class DraftSizer:
         self.new_request()
         self.round_s = cfg.default_round_s  # a plain step: send -> Tokens (RTT + the server's step)
         self.row_s = cfg.default_row_s  # what one more draft adds to a step: front + uplink + cloud position
+        # what one more draft costs the server before the step starts (cloud drafts: one engine step per draft,
+        # reported as Tokens.timings.draft_ms); 0 for the phone's own drafters
+        self.server_row_s = 0.0
         self._round_measured = False  # row_s is measured against a measured plain step only
 
     def new_request(self) -> None:
@@ -176,6 +182,11 @@ class DraftSizer:
             marginal = min(max(0.0, (step_s - self.round_s) / drafts), 0.5 * self.round_s)
             self.row_s += w * (marginal - self.row_s)
 
+    def price_server_rows(self, seconds: float, drafts: int) -> None:
+        """The server spent ``seconds`` drafting ``drafts`` drafts (Tokens.timings.draft_ms)."""
+        if drafts > 0:
+            self.server_row_s += self.config.smoothing * (seconds / drafts - self.server_row_s)
+
     def expected_tokens(self, k: int) -> float:
         a = self.alpha
         return (1 - a ** (k + 1)) / (1 - a)
@@ -188,5 +199,5 @@ class DraftSizer:
             return min(self.config.fixed_k, top)
         # the same cap as a measured sample's: before any draft is priced, the default row cost must not
         # exceed half a (fast, e.g. loopback) round trip, or k = 0 would be chosen forever and never measured
-        row_s = min(self.row_s, 0.5 * self.round_s)
+        row_s = min(self.row_s, 0.5 * self.round_s) + self.server_row_s
         return max(range(top + 1), key=lambda k: self.expected_tokens(k) / (self.round_s + k * row_s))

@@ -92,6 +92,7 @@ class _Spec:
     msg: object  # the SpecStep as sent (a resume resends it as is)
     started: float  # perf_counter when its front work began (the step's cost runs from here to the verdict)
     from_head: bool = False  # drafted by the bundle's draft head (its own sizer), not by prompt lookup
+    from_cloud: bool = False  # the cloud's proposal (Tokens.draft_ids, its own sizer)
 
 
 class _Request:
@@ -116,6 +117,7 @@ class _Request:
         self.finish: str | None = None
         self.spec_step: _Spec | None = None  # the speculative step awaiting its verdict
         self.plain_started: float | None = None  # when the DecodeStep in flight began (the sizer's timing)
+        self.cloud_drafts: list[int] = []  # the cloud's proposal after the last token received (Tokens.draft_ids)
         # drafting over image placeholders would need their 3-D rope rows: media prompts decode plainly
         self.speculate = spec.speculate and spec.media is None
         self.bundle_gen = 0  # Session.bundle_gen its inputs were computed under
@@ -192,6 +194,7 @@ class Session:
         self.head = open_draft_head(cfg.bundle, self.manifest, cfg.threads)
         prior = DRAFTER_SIZERS[self.head.kind if self.head is not None else "lens"]
         self.head_sizer = DraftSizer(self.drafter.config.max_drafts, prior.with_fixed_k(cfg.draft_k))
+        self.cloud_sizer = DraftSizer(self.drafter.config.max_drafts, DRAFTER_SIZERS["cloud"].with_fixed_k(cfg.draft_k))
 
     def _open_ushape(self) -> UShape | None:
         if not self.manifest.tail_layers:
@@ -344,6 +347,7 @@ class Session:
             req = _Request(spec, plan.codec, plan.compute, steps)
             self.sizer.new_request()
             self.head_sizer.new_request()
+            self.cloud_sizer.new_request()
             req.bundle_gen = self.bundle_gen
             stats.codec, stats.step_codec, stats.compute = plan.codec, req.step_codec, plan.compute
             stats.edge_variant = self.manifest.edge_variant
@@ -549,11 +553,17 @@ class Session:
             if isinstance(msg, P.Tokens) and msg.usage is not None:
                 stats.cloud_cached_tokens = msg.usage.cached_tokens
             new = self._accept(req, msg.index, msg.token_ids, msg.finish_reason)
+            held_s = 0.0  # the server held these tokens while it drafted the next ones (not this step's cost)
+            if new and isinstance(msg, P.Tokens):  # a proposal follows the message's last token, or none
+                req.cloud_drafts = list(msg.draft_ids or []) if msg.index + len(msg.token_ids) + req.index_base \
+                    == len(req.tokens) else []
+                held_s = msg.timings.draft_ms / 1000 if msg.timings is not None else 0.0
+                self.cloud_sizer.price_server_rows(held_s, len(req.cloud_drafts))
             if req.spec_step is not None and (new or req.finish is not None):
-                self._settle_spec(req, new, stats)
+                self._settle_spec(req, new, stats, held_s)
             elif new and req.plain_started is not None:  # a plain step answered: the sizers' base cost
-                for sizer in (self.sizer, self.head_sizer):
-                    sizer.observe(0, 0, time.perf_counter() - req.plain_started)
+                for sizer in (self.sizer, self.head_sizer, self.cloud_sizer):
+                    sizer.observe(0, 0, time.perf_counter() - req.plain_started - held_s)
                 req.plain_started = None
             for t in new:
                 yield t
@@ -580,6 +590,11 @@ class Session:
             drafts = self._drafts(req)
             if drafts:
                 await self._send_spec(req, todo, drafts, stats)
+                return
+            drafts = req.cloud_drafts[:max(0, self._room(req))]
+            req.cloud_drafts = []
+            if drafts:
+                await self._send_spec(req, todo, drafts, stats, from_cloud=True)
                 return
             k = self._head_k(req)
             if k:
@@ -611,6 +626,17 @@ class Session:
         # the private levels: only tokens the cloud produced itself may go up as drafts
         context = req.tokens if req.spec.drafts_from_outputs_only else [*req.spec.prompt_ids, *req.tokens]
         return self.drafter.propose(context, k)
+
+    def _ask(self, req: _Request) -> int:
+        """Cloud drafts to ask for with the next token (0: none; the cloud's sizer picks k, capped by what the
+        server offers and the request allows), on decode steps only: drafts delay their token by k engine
+        steps, and the first token's latency (TTFT) is kept as it is. They are the cloud's own tokens, so every
+        privacy level allows them; a u-shape cloud never sees a token and offers none."""
+        w = self.welcome
+        if not (self.config.cloud_drafts and req.speculate and not req.spec.ushape and w is not None
+                and w.server.cloud_drafts > 0 and w.server.max_draft_tokens > 0):
+            return 0
+        return self.cloud_sizer.choose(min(self._room(req) - 1, w.server.cloud_drafts))
 
     def _room(self, req: _Request) -> int:
         """Drafts the request and the server allow: the step emits at most k + 1 tokens, needs k + 1 positions."""
@@ -654,12 +680,13 @@ class Session:
             self._note(req, self.runtime.length - 1, [t], hidden)
             req.sent.append(_Sent(self.runtime.length - 1, 1, codec.encode(hidden, zstd=self.config.wire_zstd)))
 
-    async def _send_spec(self, req: _Request, todo: list[int], drafts: list[int], stats: RequestStats) -> None:
+    async def _send_spec(self, req: _Request, todo: list[int], drafts: list[int], stats: RequestStats,
+                         from_cloud: bool = False) -> None:
         """Run the tokens the front lacks (the last emitted one) and the drafts as one chunk; one SpecStep up."""
         await self._front_before_last(req, todo)
         pos, t0 = self.runtime.length, time.perf_counter()
         hidden = await _compute(self.runtime.step, [todo[-1], *drafts])  # [k + 1, H]: a decode-phase call
-        await self._spec_up(req, _Spec(pos, list(drafts), hidden, None, t0), stats)
+        await self._spec_up(req, _Spec(pos, list(drafts), hidden, None, t0, from_cloud=from_cloud), stats)
 
     async def _send_head_spec(self, req: _Request, todo: list[int], k: int, stats: RequestStats) -> None:
         """Self-speculative drafts: the front runs the last emitted token, the drafter proposes d1 from its
@@ -678,15 +705,21 @@ class Session:
 
     async def _spec_up(self, req: _Request, spec: _Spec, stats: RequestStats) -> None:
         """Send ``spec``'s rows and drafts as one SpecStep and keep it as the step in flight."""
+        # prompt-lookup drafts run in streaks (a copied span): the next step likely drafts by lookup again, so
+        # it does not pay for the cloud's
+        lookup = not (spec.from_head or spec.from_cloud)
         spec.msg = P.SpecStep(request_id=req.rid, position=spec.position, draft_ids=list(spec.drafts),
-                              hidden=self.codecs[req.step_codec].encode(spec.hidden, zstd=self.config.wire_zstd))
+                              hidden=self.codecs[req.step_codec].encode(spec.hidden, zstd=self.config.wire_zstd),
+                              ask_drafts=0 if lookup else self._ask(req))
         req.spec_step = spec
         stats.draft_tokens += len(spec.drafts)
         if spec.from_head:
             stats.head_draft_tokens += len(spec.drafts)
+        if spec.from_cloud:
+            stats.cloud_draft_tokens += len(spec.drafts)
         await self._send(spec.msg)
 
-    def _settle_spec(self, req: _Request, new: list[int], stats: RequestStats) -> None:
+    def _settle_spec(self, req: _Request, new: list[int], stats: RequestStats, held_s: float = 0.0) -> None:
         """The verdict on the SpecStep in flight: ``new`` = the accepted drafts and the cloud's next token
         (fewer if the request stopped). Keep the fed token's and the accepted drafts' front KV, record their
         coded rows for a replay, and feed the sizer."""
@@ -706,8 +739,10 @@ class Session:
         stats.accepted_draft_tokens += min(accepted, len(spec.drafts))
         if spec.from_head:
             stats.accepted_head_draft_tokens += min(accepted, len(spec.drafts))
-        sizer = self.head_sizer if spec.from_head else self.sizer
-        sizer.observe(len(spec.drafts), min(accepted, len(spec.drafts)), time.perf_counter() - spec.started)
+        if spec.from_cloud:
+            stats.accepted_cloud_draft_tokens += min(accepted, len(spec.drafts))
+        sizer = self.head_sizer if spec.from_head else self.cloud_sizer if spec.from_cloud else self.sizer
+        sizer.observe(len(spec.drafts), min(accepted, len(spec.drafts)), time.perf_counter() - spec.started - held_s)
 
     def _abandon_spec(self, req: _Request) -> None:
         """A replay while a SpecStep is unanswered: keep only its fed token (the replay's last position)."""
@@ -721,7 +756,7 @@ class Session:
 
     async def _send_decode(self, req: _Request, span: _Sent) -> None:
         await self._send(P.DecodeStep(request_id=req.rid, position=span.start, hidden=span.tensor,
-                                      rope_positions=span.rope))
+                                      rope_positions=span.rope, ask_drafts=self._ask(req)))
 
     async def _recover(self, req: _Request, stats: RequestStats, cause: Exception) -> None:
         """After a drop: resume the cloud's request if it survived, else replay the context (docstring)."""

@@ -89,6 +89,8 @@ class RequestStats:
     accepted_draft_tokens: int = 0  # of those, accepted by the cloud
     head_draft_tokens: int = 0  # of the drafts, those the bundle's draft head proposed (the rest: prompt lookup)
     accepted_head_draft_tokens: int = 0
+    cloud_draft_tokens: int = 0  # of the drafts, those the cloud proposed (Tokens.draft_ids)
+    accepted_cloud_draft_tokens: int = 0
     edge_draft_s: float = 0.0  # the bundle's drafter's compute (edge_client.draft_head), beside edge_compute_s
     exec_mode: str = ""  # shared.exec_mode: split | u-shape | all-cloud | edge-only (and why, below)
     exec_reason: str = ""

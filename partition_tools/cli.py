@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a layer-skipping drafter instead of the lens: 'auto' (greedy search for --budget of the "
                         "cloud's layers on calibration data) or the cloud layers, comma-separated (e.g. 8,12,29)")
     d.add_argument("--budget", type=int, default=int(_env("BUDGET", 6)), help="M: layers --layers auto picks")
+    d.add_argument("--cloud", action="store_true",
+                   help="the cloud drafter instead: a table mapping each token to an approximate boundary state, so "
+                        "the server drafts the next tokens with its own layers (cloud/draft_inputs.npy)")
 
     v = sub.add_parser("verify", help="check a bundle against the unsplit model on real text")
     v.add_argument("bundle")
@@ -129,6 +132,10 @@ def _cmd_draft_head(args) -> int:
 
     vocab = int(args.vocab) if args.vocab is not None else None
     text = Path(args.text) if args.text else None
+    if args.cloud:
+        if args.layers is not None or vocab is not None:
+            raise UsageError("--cloud takes neither --layers nor --vocab (the table covers the whole vocabulary)")
+        return _cloud_drafter(args, text)
     if args.layers is not None:
         return _draft_layers(args, text, vocab)
     if args.quant == "int4":
@@ -138,6 +145,20 @@ def _cmd_draft_head(args) -> int:
     r = add_draft_head(lm, Path(args.bundle), cfg)
     print(f"draft head -> {args.bundle}: {r['vocab']} tokens, {r['quant']}, calibrated on {r['calibration_tokens']} "
           f"tokens; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on {r['held_out_tokens']} held-out")
+    return 0
+
+
+def _cloud_drafter(args, text: Path | None) -> int:
+    from shared.manifest import Manifest
+
+    from .cloud_drafter import CloudDrafterConfig, add_cloud_drafter
+    from .models import load_model
+
+    lm = load_model(args.source or Manifest.load(args.bundle).source)
+    r = add_cloud_drafter(lm, Path(args.bundle), CloudDrafterConfig(text=text))
+    print(f"cloud drafter -> {args.bundle}: {r['file']} ({r['bytes'] / 1e6:.1f} MB, ridge lambda {r['ridge_lambda']}, "
+          f"{r['positions']} calibration positions); top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on "
+          f"{r['held_out_tokens']} held-out")
     return 0
 
 

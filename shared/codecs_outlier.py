@@ -44,7 +44,7 @@ from .codec_base import (
     unpack_rows_bitmap,
 )
 from .errors import BAD_CODEC, BAD_TENSOR, ProtocolError
-from .tensors import PayloadReader
+from .tensors import PayloadReader, check_finite
 from .wire import DEFAULT_LIMITS
 
 MAX_OUTLIER_CHANNELS = 256
@@ -185,19 +185,12 @@ class OutlierCodec(BoundaryCodec):
         as the payload of one [N, H] tensor (bitmap | outliers [N, k] | rest fields [N, w] ...), which
         :meth:`decode_payload` validates and decodes as usual. Anything else (a sink row, zstd, another
         shape or length) goes through the default path, one tensor at a time."""
-        h = tensors[0].shape[1] if tensors else 0
-        if (not tensors or h <= len(self.outlier_channels)
-                or any(t.codec != self.name or t.shape != (1, h) or t.zstd for t in tensors)):
+        rows = self._plain_rows(tensors, limits)
+        if rows is None:
             return super().decode_rows(tensors, limits)
-        self.check_hidden_size(h)
+        b, h = len(tensors), tensors[0].shape[1]
         k, n = len(self.outlier_channels), h - len(self.outlier_channels)
-        per_row = self.payload_bytes(1, h)
-        if per_row > (limits or DEFAULT_LIMITS).max_decoded_tensor_bytes or any(len(t.data) != per_row for t in tensors):
-            return super().decode_rows(tensors, limits)
-        rows = np.frombuffer(b"".join(t.data for t in tensors), np.uint8).reshape(len(tensors), per_row)
-        if rows[:, 0].any():  # a sink row, or padding bits set: the one-by-one path decodes or refuses it
-            return super().decode_rows(tensors, limits)
-        b = len(tensors)
+        per_row = rows.shape[1]
         joined = np.zeros(b * per_row - b + (b + 7) // 8, np.uint8)  # the [N, H] payload; its bitmap stays 0
         at, dst = 1, (b + 7) // 8
         for width in (2 * k, *self.rest_fields(n)):
@@ -209,6 +202,21 @@ class OutlierCodec(BoundaryCodec):
             raise
         except Exception as e:  # noqa: BLE001 - as in decode(): a layout bug must not crash a server
             raise ProtocolError(BAD_TENSOR, f"{self.name}: undecodable payload ({type(e).__name__}: {e})") from None
+
+    def _plain_rows(self, tensors, limits) -> np.ndarray | None:
+        """The payloads of N one-row tensors without a sink row as one uint8 array [N, payload bytes], or None
+        where one is not such a tensor (a sink row, zstd, another shape or length, padding bits set: the
+        one-by-one path decodes or refuses it)."""
+        h = tensors[0].shape[1] if tensors else 0
+        if (not tensors or h <= len(self.outlier_channels)
+                or any(t.codec != self.name or t.shape != (1, h) or t.zstd for t in tensors)):
+            return None
+        self.check_hidden_size(h)
+        per_row = self.payload_bytes(1, h)
+        if per_row > (limits or DEFAULT_LIMITS).max_decoded_tensor_bytes or any(len(t.data) != per_row for t in tensors):
+            return None
+        rows = np.frombuffer(b"".join(t.data for t in tensors), np.uint8).reshape(len(tensors), per_row)
+        return None if rows[:, 0].any() else rows
 
     def payload_bytes(self, s, h):
         k = len(self.outlier_channels)
@@ -257,6 +265,33 @@ class OutlierInt8Codec(OutlierCodec):
 
     def rest_fields(self, n):
         return (2, n)
+
+    def decode_rows(self, tensors, limits=None):
+        """:meth:`OutlierCodec.decode_rows` without laying the rows out as one payload: each field is read in
+        place from the rows (outliers [N, k], scales [N], codes [N, n]), checked as :meth:`decode_payload`
+        checks it, and the codes are scaled straight into the output's channel runs (one pass)."""
+        rows = self._plain_rows(tensors, limits)
+        if rows is None:
+            return super().decode_rows(tensors, limits)
+        b, h = len(tensors), tensors[0].shape[1]
+        k = len(self.outlier_channels)
+        try:
+            outl = np.ascontiguousarray(rows[:, 1:1 + 2 * k]).view("<f2")  # [N, k]
+            check_finite(outl, f"{self.name} float16[{b}, {k}]")
+            scale = np.ascontiguousarray(rows[:, 1 + 2 * k:3 + 2 * k]).view("<f2").astype(np.float32)  # [N, 1]
+            check_scales(scale, self.name)
+            codes = rows[:, 3 + 2 * k:].view(np.int8)  # [N, n]
+            if codes.min() == -128:
+                raise ProtocolError(BAD_TENSOR, f"{self.name}: code -128 is not used")
+            out = np.empty((b, h), np.float32)
+            for lo, hi, off in self._runs(h):
+                np.multiply(codes[:, off:off + hi - lo], scale, out=out[:, lo:hi])
+            out[:, self.outlier_channels] = outl
+            return out
+        except ProtocolError:
+            raise
+        except Exception as e:  # noqa: BLE001 - as in decode(): a layout bug must not crash a server
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: undecodable payload ({type(e).__name__}: {e})") from None
 
 
 class OutlierInt4Codec(OutlierCodec):

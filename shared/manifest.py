@@ -12,7 +12,9 @@ A bundle directory looks like::
     calibration.json           boundary statistics: outlier channels, attention-sink threshold
 
 ``bundle_id`` is a hash over the model description and the sha256 of every artifact *except* the edge
-graph's quantization variant, so an int8 and an fp32 edge of the same split talk to the same cloud half.
+graph's quantization variant, so an int8 and an fp32 edge of the same split talk to the same cloud half, and
+except the drafters (edge ones, and the cloud drafter's table, role ``cloud-draft``): they change which drafts
+are proposed, never an output, so adding one does not make the phones' bundles stale.
 The edge and the cloud each present it at connect time; a mismatch is refused.
 
 A *u-shape* bundle (``tail_layers`` M > 0) keeps the last M layers, the final norm and the lm_head on the
@@ -31,6 +33,9 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# the cloud drafter (partition_tools.cloud_drafter): [V, H] float16, row v approximates token v's boundary state
+CLOUD_DRAFT_INPUTS = "cloud/draft_inputs.npy"
+ID_EXCLUDED_ROLES = ("edge", "cloud-draft")  # artifacts outside the bundle id (docstring)
 
 
 class BundleError(Exception):
@@ -41,7 +46,7 @@ class BundleError(Exception):
 class Artifact:
     sha256: str
     bytes: int
-    role: str  # "edge" | "cloud" | "shared"
+    role: str  # "edge" | "cloud" | "shared" | "cloud-draft" (the cloud drafter's table: outside the bundle id)
 
 
 @dataclass(slots=True)
@@ -86,7 +91,7 @@ class Manifest:
             "split_layer": self.split_layer,
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
-            "cloud": {k: a.sha256 for k, a in sorted(self.artifacts.items()) if a.role != "edge"},
+            "cloud": {k: a.sha256 for k, a in sorted(self.artifacts.items()) if a.role not in ID_EXCLUDED_ROLES},
         }
         if self.tail_layers:
             desc["tail_layers"] = self.tail_layers

@@ -138,6 +138,9 @@ class ServerInfo:
     # drafts one SpecStep may carry (its hidden states: max_draft_tokens + 1 rows); 0: this server takes no
     # SpecStep (servers from before the message omit the field, so it decodes as 0)
     max_draft_tokens: int = 0
+    # drafts the server itself proposes with a Tokens (the cloud drafter, docs/protocol.md "Cloud drafts"),
+    # at most; 0: it proposes none (a bundle without cloud/draft_inputs.npy, or switched off)
+    cloud_drafts: int = 0
 
     def __post_init__(self):
         _text(self.name, "server.name", 64)
@@ -148,6 +151,7 @@ class ServerInfo:
                 raise ProtocolError(BAD_VALUE, f"server.compute_variants: {c!r} not in {COMPUTE_VARIANTS}")
         _float(self.load, "server.load", 0.0, 1.0)
         _int(self.max_draft_tokens, "server.max_draft_tokens", 0, MAX_DRAFT_TOKENS)
+        _int(self.cloud_drafts, "server.cloud_drafts", 0, MAX_DRAFT_TOKENS)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -226,9 +230,10 @@ class ServerTimings:
     queue_ms: float = 0.0  # waiting for a batch slot
     compute_ms: float = 0.0  # back-half forward + sampling
     total_ms: float = 0.0  # message in -> message out on the server
+    draft_ms: float = 0.0  # of total_ms, the time the token was held while the server drafted (cloud drafts)
 
     def __post_init__(self):
-        for name in ("queue_ms", "compute_ms", "total_ms"):
+        for name in ("queue_ms", "compute_ms", "total_ms", "draft_ms"):
             _float(getattr(self, name), f"timings.{name}", 0.0, 1e9)
 
 
@@ -319,10 +324,14 @@ class Prefill:
     # first Prefill only: a u-shape request (a bundle split with --tail): the server runs the middle layers and
     # answers every span with States (its hidden states) instead of sampling; steps are StatesSteps
     return_states: bool = False
+    # the chunk with ``last``: ask the server to propose up to this many drafts with the first token
+    # (ServerInfo.cloud_drafts caps it; 0: none)
+    ask_drafts: int = 0
 
     def __post_init__(self):
         _ident(self.request_id, "request_id")
         _int(self.start, "start")
+        _int(self.ask_drafts, "ask_drafts", 0, MAX_DRAFT_TOKENS)
         _rows(self.start, self.hidden.shape[0], "Prefill")
         _list(self.prefix_keys, "prefix_keys", 4096)
         for k in self.prefix_keys:
@@ -345,10 +354,12 @@ class DecodeStep:
     position: int
     hidden: EncodedTensor  # [1, H]
     rope_positions: WireArray | None = None  # int32 [3, 1] (GLM-4V); None: 1-D positions
+    ask_drafts: int = 0  # propose up to this many drafts with the next token (docs/protocol.md "Cloud drafts")
 
     def __post_init__(self):
         _ident(self.request_id, "request_id")
         _int(self.position, "position")
+        _int(self.ask_drafts, "ask_drafts", 0, MAX_DRAFT_TOKENS)
         if self.hidden.shape[0] != 1:
             raise ProtocolError(BAD_VALUE, f"DecodeStep carries one token, got {self.hidden.shape[0]}")
         _check_rope(self.rope_positions, 1)
@@ -368,10 +379,12 @@ class SpecStep:
     hidden: EncodedTensor  # [k + 1, H]
     draft_ids: list[int]  # [k], k >= 1
     rope_positions: WireArray | None = None  # int32 [3, k + 1] (GLM-4V); None: 1-D positions
+    ask_drafts: int = 0  # propose up to this many drafts after the verdict's last token (as DecodeStep's)
 
     def __post_init__(self):
         _ident(self.request_id, "request_id")
         _int(self.position, "position")
+        _int(self.ask_drafts, "ask_drafts", 0, MAX_DRAFT_TOKENS)
         _list(self.draft_ids, "draft_ids", MAX_DRAFT_TOKENS)
         if not self.draft_ids:
             raise ProtocolError(BAD_VALUE, "SpecStep with no drafts (send a DecodeStep)")
@@ -452,11 +465,18 @@ class Tokens:
     usage: Usage | None = None  # on the message with finish_reason
     timings: ServerTimings | None = None
     plan: PrecisionPlan | None = None  # on a request's first Tokens: the plan actually used
+    # the cloud drafter's proposal for the tokens after the last of ``token_ids`` (asked with ask_drafts): the
+    # edge may send them back as a SpecStep's drafts; None: no proposal
+    draft_ids: list[int] | None = None
 
     def __post_init__(self):
         _ident(self.request_id, "request_id")
         _int(self.index, "index")
         _list(self.token_ids, "token_ids", 1 << 16)
+        if self.draft_ids is not None:
+            _list(self.draft_ids, "draft_ids", MAX_DRAFT_TOKENS)
+            for t in self.draft_ids:
+                _int(t, "draft_ids[]", 0, MAX_TOKEN_ID)
         for t in self.token_ids:
             _int(t, "token_ids[]", 0, MAX_TOKEN_ID)
         if self.logprobs is not None:

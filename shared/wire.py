@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+import threading
 import types
 import typing
 from dataclasses import dataclass
@@ -63,31 +65,31 @@ DEFAULT_LIMITS = Limits()
 
 # -- encoding ----------------------------------------------------------------------------------------------
 
-_SCALARS = frozenset((int, float, str, bool, bytes, type(None)))
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # message/struct class -> its field names, in wire order
+_PACKERS = threading.local()
+_FIELDS_OF: dict[type, typing.Callable] = {}  # message/struct class -> obj -> its field values, in wire order
 
 
-def _to_wire(v):
-    t = type(v)
-    if t in _SCALARS:  # most values: checked first, one set lookup (a frame is encoded per token)
-        return v
-    names = _FIELD_NAMES.get(t)
-    if names is None:
-        if not dataclasses.is_dataclass(v):
-            if isinstance(v, (list, tuple)):
-                return [_to_wire(x) for x in v]
-            if isinstance(v, (bytearray, memoryview)):
-                return bytes(v)
-            return v
-        names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(v))
-    return [_to_wire(getattr(v, n)) for n in names]
+def _fields(v) -> tuple | list:
+    """A message's or nested struct's field values in wire order; msgpack's ``default`` for what it cannot
+    pack itself (so scalars, lists, tuples and bytes are packed in C, and only structs call back here)."""
+    get = _FIELDS_OF.get(type(v))
+    if get is None:
+        if not dataclasses.is_dataclass(v) or isinstance(v, type):
+            raise TypeError(f"can not serialize {type(v).__name__!r} object")
+        names = tuple(f.name for f in dataclasses.fields(v))
+        many = operator.attrgetter(*names) if len(names) > 1 else None
+        get = _FIELDS_OF[type(v)] = many or (lambda o, n=names: [getattr(o, x) for x in n])
+    return get(v)
 
 
 def encode_message(msg: Message, max_frame_bytes: int | None = None) -> bytes:
     """One binary frame for ``msg``; ``ProtocolError("too_large")`` if it exceeds ``max_frame_bytes``."""
     if type(msg) not in _TYPE_CODES:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
-    frame = msgpack.packb([msg.TYPE, *_to_wire(msg)], use_bin_type=True)
+    packer = getattr(_PACKERS, "packer", None)
+    if packer is None:  # one per thread (a Packer keeps its buffer between calls; packb builds one per frame)
+        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True, default=_fields)
+    frame = packer.pack([msg.TYPE, *_fields(msg)])
     if max_frame_bytes is not None and len(frame) > max_frame_bytes:
         raise ProtocolError(TOO_LARGE, f"{type(msg).__name__} frame is {len(frame)} bytes (limit {max_frame_bytes})")
     return frame
@@ -127,7 +129,7 @@ def _converter(tp, what: str):
         def tuple_conv(v):
             if not isinstance(v, list):
                 _fail(what, "an array", v)
-            return tuple(conv(x) for x in v)
+            return tuple([conv(x) for x in v])
         return tuple_conv
     if dataclasses.is_dataclass(tp):
         return _struct_converter(tp)
@@ -161,17 +163,55 @@ def _struct_converter(cls):
         spec.append((f.name, _converter(hints[f.name], f"{cls.__name__}.{f.name}"), required))
     # Every field up to the last required one must be present; trailing ones may be omitted (defaults).
     n_required = max((i + 1 for i, (*_, r) in enumerate(spec) if r), default=0)
-
-    def conv(v):
-        if not isinstance(v, list):
-            _fail(cls.__name__, "an array", v)
-        if len(v) < n_required:
-            raise ProtocolError(BAD_TYPE, f"{cls.__name__}: {len(v)} fields, at least {n_required} required")
-        # Extra trailing fields come from a newer minor revision: ignored (docs/protocol.md, Versioning).
-        return cls(**{name: c(x) for (name, c, _), x in zip(spec, v)})
-
+    conv = _compile_struct(cls, [(name, c, _fast_check(hints[name])) for name, c, _ in spec], n_required)
     _STRUCTS[cls] = conv
     return conv
+
+
+_EXACT = {int: "type({x}) is int", str: "type({x}) is str", bytes: "type({x}) is bytes",
+          float: "type({x}) is float", bool: "({x} is True or {x} is False)"}
+
+
+def _fast_check(tp) -> str | None:
+    """A Python condition on ``{x}`` that holds for the common well-typed wire value of annotation ``tp`` (a
+    scalar, or an optional one), which then passes as it is; None: always through the field's converter."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        inner = _EXACT.get(args[0] if args[1] is type(None) else args[1])
+        return None if inner is None else f"({{x}} is None or {inner})"
+    return _EXACT.get(tp)
+
+
+def _compile_struct(cls, fields: list[tuple[str, typing.Callable, str | None]], n_required: int) -> typing.Callable:
+    """``conv(v)``: the wire array ``v`` as a ``cls``, each field through its converter, in field order.
+
+    Generated from the dataclass's fields (as ``dataclasses`` generates ``__init__``): a well-typed scalar
+    passes on an exact type test (its converter would return it unchanged), anything else goes through its
+    converter; one keyword call per accepted field count, no per-frame dict or zip (a frame is decoded per
+    token). Extra trailing fields come from a newer minor revision and are ignored (docs/protocol.md,
+    Versioning)."""
+    ns = {"cls": cls, "_fail": _fail, "ProtocolError": ProtocolError, "BAD_TYPE": BAD_TYPE, "list": list,
+          "isinstance": isinstance, "len": len, "type": type, "int": int, "str": str, "bytes": bytes,
+          "float": float, **{f"c{i}": c for i, (_, c, _) in enumerate(fields)}}
+    what = cls.__name__
+    lines = ["def conv(v):",
+             "    if not isinstance(v, list):",
+             f"        _fail({what!r}, 'an array', v)",
+             "    n = len(v)",
+             f"    if n < {n_required}:",
+             f"        raise ProtocolError(BAD_TYPE, f'{what}: {{n}} fields, at least {n_required} required')"]
+    for i, (_, _, fast) in enumerate(fields):  # in field order: the first bad field is the one reported
+        pad = "    " if i < n_required else "        "
+        if i >= n_required:
+            lines.append(f"    if n > {i}:")
+        lines.append(f"{pad}x{i} = v[{i}]")
+        lines.append(f"{pad}if not {fast.format(x=f'x{i}')}:" if fast else f"{pad}if True:")
+        lines.append(f"{pad}    x{i} = c{i}(x{i})")
+    for k in range(len(fields), n_required - 1, -1):  # every field present first: the common frame
+        args = ", ".join(f"{name}=x{i}" for i, (name, _, _) in enumerate(fields[:k]))
+        lines += [f"    if n >= {k}:" if k > n_required else "    if True:", f"        return cls({args})"]
+    exec("\n".join(lines), ns)  # noqa: S102 - the source is built from field names above, never from input
+    return ns["conv"]
 
 
 _MESSAGE_CONVERTERS = {code: _struct_converter(cls) for code, cls in MESSAGE_TYPES.items()}

@@ -8,6 +8,20 @@ or a per-request error.
 Errors come in two kinds, as in vLLM v1: :class:`~cloud_server.engine.scheduler.RequestError` is fatal for
 one request (bad input, prefix miss, prompt too long, pool exhausted) and becomes an error output;
 any exception out of the model runner is fatal for the engine and propagates from ``step``.
+
+Cloud drafts (split mode, a bundle with a cloud drafter: :meth:`LLMEngine.set_draft_inputs`). Computing token
+t + 1 needs the boundary state of token t, which only the edge can compute: one round trip per token. But the
+engine holds everything else the next prediction needs - the deep layers and the true KV of every earlier
+position - and lacks only that one row, so it approximates it from the token alone: ``draft_inputs[t]``, a
+calibrated map of the token's embedding to its boundary state (``partition_tools.cloud_drafter``). When the
+edge asks (``InputChunk.ask_drafts``), a sampled token's output is held back and the token is fed its draft
+row as a one-position *cloud draft* chunk, scheduled with everyone else's work; the argmax of its logits is
+draft d1, fed in turn for d2, up to the asked count (or a stop token). Then the draft positions are dropped
+(their KV came from approximate states; the edge's next input starts at the token's position again) and the
+held output goes out with ``draft_ids``: the edge runs the token and the drafts through its front as one
+chunk and sends them back as a speculative step, verified exactly as its own drafts are (greedy identical to
+plain decoding; sampling by the speculative-sampling rule). The drafts never touch the request's sampler,
+generator or penalty history.
 """
 
 from __future__ import annotations
@@ -46,6 +60,10 @@ class RequestOutput:
     # [states_start, states_start + n) this step computed, in place of a token
     states: torch.Tensor | None = None
     states_start: int = 0
+    # cloud drafts: the engine's proposal for the tokens after ``token_id`` (the edge asked for them), and how
+    # long the output was held back while it drafted
+    draft_ids: list[int] | None = None
+    draft_s: float = 0.0
 
     @property
     def token_ids(self) -> list[int]:
@@ -65,6 +83,7 @@ class _Launched:
     spec_rows: list[torch.Tensor]  # [k + 1, V] per speculative item, in item order
     sample: PendingSample | None  # the plain sampled rows, in item order
     states: torch.Tensor | None = None  # u-shape: [T, H] hidden states of every scheduled position
+    drafted: torch.Tensor | None = None  # [D] int64: the argmax of each cloud draft item's row, in item order
     decodes: bool = True  # it holds decode steps (one-position or speculative chunks), not only prompt chunks
 
 
@@ -94,6 +113,7 @@ class LLMEngine:
         self.output_states = first.returns_states
         self.eos_token_ids = list(first.eos_token_ids)
         self.vocab_size = first.vocab_size
+        self.draft_inputs: torch.Tensor | None = None  # [V, H] the cloud drafter's rows (set_draft_inputs)
 
     @classmethod
     def from_models(cls, config: EngineConfig, models: dict[str, CloudModel], metrics=None,
@@ -109,6 +129,22 @@ class LLMEngine:
             runners[variant] = (make_runner(i, model, pool) if make_runner is not None
                                 else ModelRunner(model, pool, batch_invariant=config.batch_invariant))
         return cls(config, runners, metrics)
+
+    def set_draft_inputs(self, table: torch.Tensor) -> None:
+        """Load the cloud drafter's table ``[V, H]`` (any float dtype, host memory): row v approximates the
+        boundary state of token v (module docstring, "cloud drafts")."""
+        model = self._first_model
+        if self.output_states:
+            raise ValueError("a u-shape model returns states, not tokens: it cannot draft")
+        if table.dim() != 2 or tuple(table.shape) != (self.vocab_size, model.hidden_size):
+            raise ValueError(f"draft inputs of shape {tuple(table.shape)}; the model needs "
+                             f"({self.vocab_size}, {model.hidden_size})")
+        self.draft_inputs = table
+
+    @property
+    def max_cloud_drafts(self) -> int:
+        """Drafts the engine proposes per round at most (0: no drafter loaded, or switched off)."""
+        return self.config.cloud_drafts if self.draft_inputs is not None else 0
 
     # -- requests ---------------------------------------------------------------------------
     def resolve_variant(self, requested: str | None) -> str:
@@ -231,15 +267,15 @@ class LLMEngine:
             for it in items:
                 it.seq.update_from_output(it.chunk.end)
             return _Launched(batch, [], None, states=logits, decodes=decodes)
-        spec_rows, logits = self._split_spec_rows(batch, logits)
-        plain = [it for it in items if it.sample and not it.chunk.is_spec]
+        spec_rows, drafted, logits = self._split_rows(batch, logits)
+        plain = [it for it in items if it.sample and not it.chunk.is_spec and not it.chunk.cloud_draft]
         pending = self.sampler.launch(logits, [it.seq.params for it in plain], [it.chunk.end for it in plain],
                                       [it.seq.output_ids for it in plain]) if plain else None
         for it in items:
             it.seq.update_from_output(it.chunk.end)
             if it.seq.prefix_keys:
                 self.scheduler.publish_prefix(it.seq)
-        return _Launched(batch, spec_rows, pending, decodes=decodes)
+        return _Launched(batch, spec_rows, pending, drafted=drafted, decodes=decodes)
 
     def _run(self, batch: ScheduledBatch) -> torch.Tensor:
         """The forward pass of ``batch``, queued on the device: float32 logits ``[S, V]`` of its sampled rows
@@ -283,23 +319,31 @@ class LLMEngine:
             return self._states_outputs(step)
         sampled = iter(step.sample.result() if step.sample is not None else ())
         spec_rows = iter(step.spec_rows)
+        drafted = iter(step.drafted.tolist() if step.drafted is not None else ())
         now = time.monotonic()
         outputs = []
         for it in step.batch.items:
             if not it.sample:
                 continue
-            seq = it.seq
-            rows = next(spec_rows) if it.chunk.is_spec else None
+            seq, chunk = it.seq, it.chunk
+            if chunk.cloud_draft:
+                draft = next(drafted)
+                if seq.status is not SequenceStatus.FINISHED:
+                    outputs += self._after_draft(seq, chunk, draft)
+                continue
+            rows = next(spec_rows) if chunk.is_spec else None
             tok = next(sampled) if rows is None else None
             if seq.status is SequenceStatus.FINISHED:
                 continue
             if rows is not None:
-                outputs.append(self._after_verdict(seq, it.chunk, rows, now))
-                continue
-            if self.metrics is not None:
-                self.metrics.on_token(seq, now)  # reads the previous token's time: before the update
-            seq.update_from_output(it.chunk.end, tok.token_id, now)
-            outputs.append(self._after_token(seq, tok))
+                out = self._after_verdict(seq, chunk, rows, now)
+            else:
+                if self.metrics is not None:
+                    self.metrics.on_token(seq, now)  # reads the previous token's time: before the update
+                seq.update_from_output(chunk.end, tok.token_id, now)
+                out = self._after_token(seq, tok)
+            if not self._draft_after(seq, out):
+                outputs.append(out)
         return outputs
 
     def _states_outputs(self, step: _Launched) -> list[RequestOutput]:
@@ -319,22 +363,58 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _split_spec_rows(batch: ScheduledBatch, logits: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Separate the logits rows of speculative steps (k + 1 each, ``[k + 1, V]`` per step, in item order)
-        from the plain sampled rows (``[S, V]``, one per sampled item)."""
-        if not any(it.chunk.is_spec for it in batch.items):
-            return [], logits
-        spec, plain, row = [], [], 0
+    def _split_rows(batch: ScheduledBatch, logits: torch.Tensor
+                    ) -> tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]:
+        """Separate the logits rows of speculative steps (k + 1 each, ``[k + 1, V]`` per step, in item order) and
+        of cloud draft steps (their argmax ids ``[D]``, queued on the device) from the plain sampled rows
+        (``[S, V]``, one per sampled item)."""
+        if not any(it.chunk.is_spec or it.chunk.cloud_draft for it in batch.items):
+            return [], None, logits
+        spec, drafts, plain, row = [], [], [], 0
         for it in batch.items:
             if not it.sample:
                 continue
             if it.chunk.is_spec:
                 spec.append(logits[row:row + it.chunk.n])
                 row += it.chunk.n
-            else:
-                plain.append(row)
-                row += 1
-        return spec, logits[torch.tensor(plain, dtype=torch.long, device=logits.device)]
+                continue
+            (drafts if it.chunk.cloud_draft else plain).append(row)
+            row += 1
+        dev = logits.device
+        drafted = logits[torch.tensor(drafts, dtype=torch.long, device=dev)].argmax(-1) if drafts else None
+        return spec, drafted, logits[torch.tensor(plain, dtype=torch.long, device=dev)]
+
+    # -- cloud drafts -------------------------------------------------------------------------
+    def _draft_after(self, seq: Sequence, out: RequestOutput) -> bool:
+        """After ``out`` (a token that does not finish ``seq``): if its edge asked for cloud drafts, hold ``out``
+        back and feed the token's draft row (module docstring, "cloud drafts"); True when held."""
+        goal = min(seq.ask_drafts, self.max_cloud_drafts, seq.params.max_tokens - len(seq.output_ids) - 1,
+                   self.config.max_model_len - seq.num_received - 2)
+        if out.finished or goal <= 0 or seq.feed_back_tokens or seq.params.logprobs is not None:
+            return False
+        seq.begin_drafting(out, goal)
+        self._push_draft(seq, out.token_id)
+        return True
+
+    def _push_draft(self, seq: Sequence, token: int) -> None:
+        row = self.draft_inputs[token].to(torch.float32)[None]  # [1, H]
+        seq.push(InputChunk(seq.num_received, hidden=row, cloud_draft=True))
+
+    def _after_draft(self, seq: Sequence, chunk: InputChunk, draft: int) -> list[RequestOutput]:
+        """A cloud draft step's argmax ``draft``: feed it for the next one, or end the round and release the held
+        output with the drafts."""
+        seq.update_from_output(chunk.end)
+        seq.drafts.append(draft)
+        p = seq.params
+        stops = draft in p.stop_token_ids or (not p.ignore_eos and draft in self.eos_token_ids)
+        if len(seq.drafts) < seq.draft_goal and not stops:
+            self._push_draft(seq, draft)
+            return []
+        drafts, began = seq.drafts, seq.draft_began
+        out = seq.end_drafting()
+        self.block_managers[seq.variant].truncate(seq.block_table, seq.num_computed)
+        out.draft_ids, out.draft_s = list(drafts), time.monotonic() - began
+        return [out]
 
     def _after_verdict(self, seq: Sequence, chunk: InputChunk, rows: torch.Tensor, now: float) -> RequestOutput:
         """A verified speculative step: emit the accepted drafts and the model's next token (cut at the first

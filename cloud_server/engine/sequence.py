@@ -39,6 +39,11 @@ class InputChunk:
     # a speculative step (cloud_server.engine.speculation): the edge's n - 1 draft tokens at positions
     # [start + 1, end); logits of all n positions are sampled, and the chunk runs whole (never split)
     draft_ids: list[int] | None = None
+    # the edge asks the cloud drafter for up to this many drafts after the token this chunk yields (last chunks)
+    ask_drafts: int = 0
+    # a cloud draft step (LLMEngine, "cloud drafts"): one position fed the draft table's row of a token, its
+    # logits row's argmax is the next draft; never sampled, its KV dropped when the round's drafting ends
+    cloud_draft: bool = False
     # positions carried, the first position after them, and whether it is a speculative step; derived once here
     # (the scheduler, the engine and build_batch read them many times per step), so a chunk's fields are not
     # reassigned after construction
@@ -74,7 +79,7 @@ class InputChunk:
         head = InputChunk(self.start, None if h is None else h[:k], None if t is None else t[:k], last=False,
                           rope_positions=None if r is None else r[:, :k])
         tail = InputChunk(self.start + k, None if h is None else h[k:], None if t is None else t[k:], self.last,
-                          rope_positions=None if r is None else r[:, k:])
+                          rope_positions=None if r is None else r[:, k:], ask_drafts=self.ask_drafts)
         return head, tail
 
 
@@ -106,6 +111,14 @@ class Sequence:
         self.block_table: list[int] = []
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
+        # cloud drafts: what the edge asked for with its last input turn, and the round being drafted (its first
+        # draft position, the drafts so far, how many, and the token output held back until they are done)
+        self.ask_drafts = 0
+        self.draft_start: int | None = None
+        self.drafts: list[int] = []
+        self.draft_goal = 0
+        self.held_output = None  # LLMEngine's RequestOutput, delivered with the drafts
+        self.draft_began = 0.0  # monotonic time the round's drafting began
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -142,6 +155,8 @@ class Sequence:
         self.pending.append(chunk)
         self.num_received = chunk.end
         self.waiting_since = time.monotonic()  # input arrived: the edge is alive
+        if chunk.last and not chunk.cloud_draft:
+            self.ask_drafts = chunk.ask_drafts
         if not self.output_ids and not self.prompt_complete:
             self.num_prompt_tokens = self.num_received
         self.prompt_complete = self.prompt_complete or chunk.last
@@ -194,6 +209,23 @@ class Sequence:
             raise ValueError(f"rewind to {position}: the sequence holds [0, {self.num_computed}) with "
                              f"{len(self.pending)} inputs pending (prompt {self.num_prompt_tokens})")
         self.num_computed = self.num_received = position
+
+    def begin_drafting(self, held_output, goal: int) -> None:
+        """A token went out to be drafted after: hold its output until ``goal`` drafts (or a stop) are proposed."""
+        self.draft_start, self.drafts, self.draft_goal, self.held_output = self.num_received, [], goal, held_output
+        self.draft_began = time.monotonic()
+
+    def end_drafting(self):
+        """The round's drafts are done: drop the draft positions (their KV came from approximate states) and
+        return the held output; the edge's next input starts at the drafted token's position again."""
+        out, self.held_output = self.held_output, None
+        self.num_computed = self.num_received = self.draft_start
+        self.draft_start = None
+        return out
+
+    @property
+    def drafting(self) -> bool:
+        return self.draft_start is not None
 
     def mark_published(self, num_blocks: int) -> None:
         """Its first ``num_blocks`` prefix blocks are in the prefix cache."""

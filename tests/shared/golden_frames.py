@@ -47,7 +47,8 @@ GOLDEN: dict[str, P.Message] = {
                                     params=P.SamplingParams(),
                                     rope_positions=P.WireArray.from_numpy(np.array([[0, 1], [0, 2], [0, 3]],
                                                                                    np.int32))),
-    "decode_step": P.DecodeStep(request_id="r1", position=2, hidden=C.get_codec("int8-b32").encode(_ROW40[None])),
+    "decode_step": P.DecodeStep(request_id="r1", position=2, hidden=C.get_codec("int8-b32").encode(_ROW40[None]),
+                                ask_drafts=3),
     "spec_step": P.SpecStep(request_id="r1", position=3, hidden=C.get_codec("fp16").encode(
         np.concatenate([_ROWS, _ROWS[::-1]])), draft_ids=[42, 7, 42]),
     "prefill_states": P.Prefill(request_id="r3", start=0, hidden=C.get_codec("fp16").encode(_ROWS), last=True,
@@ -56,6 +57,8 @@ GOLDEN: dict[str, P.Message] = {
     "states": P.States(request_id="r3", start=0, hidden=C.get_codec("fp16").encode(_ROWS[::-1]),
                        timings=P.ServerTimings(total_ms=2.5), plan=P.PrecisionPlan(codec="fp16", compute="bf16")),
     "tokens_spec": P.Tokens(request_id="r1", index=1, token_ids=[42, 7, 13], timings=P.ServerTimings(total_ms=5.0)),
+    "tokens_cloud_drafts": P.Tokens(request_id="r1", index=4, token_ids=[42], timings=P.ServerTimings(total_ms=5.0),
+                                    draft_ids=[7, 13, 99]),
     "tokens": P.Tokens(request_id="r1", index=0, token_ids=[42], logprobs=[-0.5],
                        top_logprobs=[[P.TopLogprob(token_id=42, logprob=-0.5), P.TopLogprob(token_id=7, logprob=-1.25)]],
                        finish_reason=None, usage=None, timings=P.ServerTimings(queue_ms=0.5, compute_ms=3.0,

@@ -34,7 +34,7 @@ plan = st.builds(P.PrecisionPlan, codec=codec_name, compute=st.sampled_from(COMP
                  reason=st.text(max_size=40))
 server = st.builds(P.ServerInfo, name=small_text, version=small_text,
                    compute_variants=st.lists(st.sampled_from(COMPUTE_VARIANTS), max_size=4, unique=True),
-                   load=finite(0, 1), max_draft_tokens=st.integers(0, 32))
+                   load=finite(0, 1), max_draft_tokens=st.integers(0, 32), cloud_drafts=st.integers(0, 32))
 sampling = st.builds(P.SamplingParams, max_tokens=st.integers(1, 1 << 20), temperature=finite(0, 100),
                      top_p=finite(1e-9, 1), top_k=st.integers(0, 1 << 20), seed=st.none() | st.integers(0, 2**63 - 1),
                      stop_token_ids=st.lists(token, max_size=8), ignore_eos=st.booleans(), logprobs=st.booleans(),
@@ -85,7 +85,7 @@ def states(draw):
 @st.composite
 def decode_step(draw):
     return P.DecodeStep(request_id=draw(ident), position=draw(pos), hidden=draw(encoded(rows=1)),
-                        rope_positions=draw(rope(1)))
+                        rope_positions=draw(rope(1)), ask_drafts=draw(st.integers(0, 32)))
 
 
 @st.composite
@@ -93,7 +93,7 @@ def spec_step(draw):
     drafts = draw(st.lists(token, min_size=1, max_size=8))
     return P.SpecStep(request_id=draw(ident), position=draw(st.integers(0, 1 << 30)),
                       hidden=draw(encoded(rows=len(drafts) + 1)), draft_ids=drafts,
-                      rope_positions=draw(rope(len(drafts) + 1)))
+                      rope_positions=draw(rope(len(drafts) + 1)), ask_drafts=draw(st.integers(0, 32)))
 
 
 @st.composite
@@ -108,7 +108,7 @@ def tokens(draw):
                                                      cached_tokens=pos)),
                     timings=draw(st.none() | st.builds(P.ServerTimings, queue_ms=finite(0, 1e9),
                                                        compute_ms=finite(0, 1e9), total_ms=finite(0, 1e9))),
-                    plan=draw(st.none() | plan))
+                    plan=draw(st.none() | plan), draft_ids=draw(st.none() | st.lists(token, max_size=32)))
 
 
 messages = st.one_of(

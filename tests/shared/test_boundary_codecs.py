@@ -123,6 +123,24 @@ def test_decode_rows_refuses_a_bad_row_among_good_ones(name):
         c.decode_rows([])
 
 
+@pytest.mark.parametrize("bits", [0x7C00, 0xFC00, 0x7E00, 0xFFFF])  # +Inf, -Inf, NaN, a negative NaN
+def test_fp16_rows_in_one_pass_refuse_inf_and_nan(bits):
+    c = codec("fp16")
+    ts = [c.encode(hidden(20 + i, s=1, massive=False)) for i in range(5)]
+    half = c.half_rows(ts)
+    assert half.dtype == np.float16 and half.flags.writeable  # the cloud widens it in place of numpy
+    assert np.array_equal(half.astype(np.float32), np.concatenate([c.decode(t) for t in ts]))
+    bad = bytearray(ts[3].data)
+    bad[2 * 7:2 * 7 + 2] = bits.to_bytes(2, "little")  # channel 7 of row 3
+    ts[3] = P.EncodedTensor(codec="fp16", shape=(1, 64), data=bytes(bad))
+    for decode in (c.half_rows, c.decode_rows, lambda rows: c.decode(rows[3])):
+        with pytest.raises(P.ProtocolError, match="NaN or Inf"):
+            decode(ts)
+    assert c.half_rows([ts[0], c.encode(hidden(9, s=2))]) is None  # not a decode step's row: decode_rows' job
+    packed = c.encode(np.zeros((1, 64), np.float32), zstd=True)
+    assert packed.zstd and c.half_rows([packed]) is None
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_payload_sizes(name):
     c = codec(name)

@@ -88,6 +88,13 @@ def test_welcome_convenience_properties():
     lambda: P.WireArray("int32", (2, 3), b"\x00" * 23),
     lambda: P.PrecisionPlan(codec="fp16", compute="int4"),
     lambda: P.ServerInfo(load=1.5),
+    lambda: P.ServerInfo(cloud_drafts=33),
+    lambda: P.DecodeStep(request_id="r", position=0, hidden=P.EncodedTensor(codec="fp16", shape=(1, 4), data=b""),
+                         ask_drafts=-1),
+    lambda: P.DecodeStep(request_id="r", position=0, hidden=P.EncodedTensor(codec="fp16", shape=(1, 4), data=b""),
+                         ask_drafts=33),
+    lambda: P.Tokens(request_id="r", index=0, token_ids=[1], draft_ids=[1] * 33),
+    lambda: P.Tokens(request_id="r", index=0, token_ids=[1], draft_ids=[-4]),
     lambda: P.SessionLimits(max_frame_bytes=10),
 ])
 def test_out_of_range_values_are_refused(make):

@@ -1,0 +1,92 @@
+"""uvicorn's WebSocket protocol (``websockets-sansio``), with two changes for lockstep split decoding.
+
+A decoding session has one frame in flight each way per token: the edge's ``DecodeStep`` in, the server's
+``Tokens`` out. The stock protocol pays for flow control on every one of them, and every system call on the
+event loop's thread lets the engine thread take the GIL (the loop then waits for it to come back):
+
+* **reading**: it stops reading the socket after every message it queues for the app and starts again when
+  the app takes it (two ``epoll_ctl`` calls per frame). :class:`SplitWSProtocol` stops only once
+  :data:`PAUSE_AT` messages wait for the app, so a lockstep session never pauses while a streamed prompt
+  (many frames back to back) still does: at most a couple of frames, plus what one read brought, are held;
+* **writing**: the app's ``send`` goes through Starlette's ``WebSocket.send``, the ASGI middleware wrappers and
+  a writer task per connection. :meth:`SplitWSProtocol.send_bytes_now` writes one binary message at once, with
+  the same checks the ASGI ``send`` makes; it is offered to the app in ``scope["extensions"]`` under
+  :data:`SEND_NOW` (``cloud_server.split_endpoint`` uses it when nothing is queued before the frame). It
+  returns False - the caller then takes the ASGI path, which waits - when the transport is paused for
+  writing (a slow reader), closing, or the handshake is not done.
+
+Everything else (handshake, close, pings, limits, disconnects) is the parent's. :func:`protocol_class` returns
+this class, or None where uvicorn's protocol is not the one it extends (another uvicorn version): the server
+then runs uvicorn's own choice.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("autoglm.cloud")
+
+SEND_NOW = "autoglm.send_now"  # scope["extensions"] key: a callable bytes -> bool (written now, or not)
+PAUSE_AT = 2  # messages waiting for the app at which the socket stops being read
+
+try:
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+    from websockets.exceptions import InvalidState
+except ImportError:  # pragma: no cover - uvicorn or websockets without the sans-I/O protocol
+    WebSocketsSansIOProtocol = None
+    InvalidState = None
+
+# what the subclass relies on from the parent (uvicorn 0.3x-0.5x); absent: fall back to uvicorn's own protocol
+_PARENT_API = ("send_receive_event_to_app", "handle_connect", "queue", "read_paused", "writable", "conn",
+               "transport", "close_sent", "handshake_complete", "initial_response", "disconnected")
+
+
+if WebSocketsSansIOProtocol is not None:
+    class SplitWSProtocol(WebSocketsSansIOProtocol):
+        """See the module docstring."""
+
+        def handle_connect(self, event) -> None:
+            super().handle_connect(event)
+            scope = getattr(self, "scope", None)  # set by the parent unless the handshake was refused
+            if scope is not None:
+                scope.setdefault("extensions", {})[SEND_NOW] = self.send_bytes_now
+
+        def send_receive_event_to_app(self) -> None:
+            if self.read_paused or self.queue.qsize() + 1 >= PAUSE_AT:
+                super().send_receive_event_to_app()  # pauses reading, as uvicorn does
+                return
+            # the parent pauses reading unless it believes it is paused already: below PAUSE_AT, keep reading
+            self.read_paused = True
+            try:
+                super().send_receive_event_to_app()
+            finally:
+                self.read_paused = False
+
+        def send_bytes_now(self, data: bytes) -> bool:
+            """Write ``data`` as one binary message now; False if it must wait (or cannot go): use ``send``."""
+            if (self.disconnected or self.close_sent or not self.handshake_complete
+                    or self.initial_response is not None or not self.writable.is_set()
+                    or self.transport.is_closing()):
+                return False
+            try:
+                self.conn.send_binary(data)
+            except InvalidState:
+                return False
+            self.transport.write(b"".join(self.conn.data_to_send()))
+            return True
+else:  # pragma: no cover
+    SplitWSProtocol = None
+
+
+def protocol_class():
+    """:class:`SplitWSProtocol`, or None (uvicorn's default then) if this uvicorn's protocol lacks what it
+    builds on."""
+    if SplitWSProtocol is None:
+        return None
+    probe = WebSocketsSansIOProtocol.__dict__
+    init_attrs = WebSocketsSansIOProtocol.__init__.__code__.co_names
+    missing = [a for a in _PARENT_API if a not in probe and a not in init_attrs]
+    if missing:
+        log.warning("uvicorn's websockets-sansio protocol lacks %s: serving with uvicorn's default", missing)
+        return None
+    return SplitWSProtocol
