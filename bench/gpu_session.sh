@@ -18,6 +18,7 @@
 #   bench/gpu_session.sh served_mp  # 8. the served path with 1 front-end process vs WORKERS (default 6): one
 #                                   #    server each, same levels, side by side (`serve --workers N`)
 #   bench/gpu_session.sh mp         # 8 + 2 + attach to 8: the --workers comparison with the engine figures
+#   bench/gpu_session.sh speculation  # 9. issue 12: the rig's speculation sweep, cloud drafts, the server on the GPU
 #   bench/gpu_session.sh all extras # several sections: run in the order given
 #
 # Workload: glm4v-9b-random split at 12 (28 cloud layers, bf16, random weights built on the GPU), 512-token
@@ -106,6 +107,19 @@ profile() {  # ~3.5 min on the H200 (engine build + tuning ~70 s); CPU smoke: se
         | tee "$OUT/profile.log"
 }
 
+speculation() {  # issue 12 on the deployment's cloud: the rig's speculation sweep with the server on the GPU
+    # (SmolLM2 needs its GGUF, 98 MB: more than one device call carries, so it travels in two calls as .gg1/part and
+    # .gg2/part, concatenated here; or set AUTOGLM_SMOLLM2_GGUF). The phones, their fronts and the link emulator run
+    # on the host's CPU as on the rig. SPEC_RTTS (default 80, the goals' RTT; then 20,150) and SPEC_OUT name a part.
+    if [ -z "${AUTOGLM_SMOLLM2_GGUF:-}" ]; then
+        cat .gg1/part .gg2/part > /tmp/smollm2.gguf
+        export AUTOGLM_SMOLLM2_GGUF=/tmp/smollm2.gguf
+    fi
+    timeout 580 python3 bench/speculation_bench.py --rtts "${SPEC_RTTS:-80}" --chat 4 --agent-tasks 2 --max-tokens 32 \
+        --drafter cloud --cloud-device cuda --bundle /tmp/autoglm-spec-gpu/smollm2-split8 \
+        --out "$OUT/${SPEC_OUT:-speculation_gpu_cloud}.json" 2>&1 | tee "$OUT/${SPEC_OUT:-speculation_gpu_cloud}.log"
+}
+
 attach() {
     python3 bench/served_load.py --attach-engine "$OUT/cloud_gpu_engine.json" --to "$OUT/cloud_served.json"
 }
@@ -126,9 +140,10 @@ for section in "$@"; do
         profile) profile ;;
         served_mp) served_mp ;;
         attach_mp) attach_mp ;;
+        speculation) speculation ;;
         mp) served_mp; engine; attach_mp ;;
         all) served; engine; attach ;;
-        *) echo "usage: $0 [served|engine|attach|all|nogather|extras|kvpool|profile|served_mp|attach_mp|mp]..." >&2
+        *) echo "usage: $0 [served|engine|attach|all|nogather|extras|kvpool|profile|served_mp|attach_mp|mp|speculation]..." >&2
            exit 2 ;;
     esac
 done

@@ -307,6 +307,14 @@ def policy_table(spec_json: Path) -> dict:
                           "and a --tail bundle", "split_tokens_per_round_trip": gain, "choices": rows}
 
 
+def _device_name(device: str) -> str:
+    if device == "cpu":
+        return f"cpu ({platform.processor() or platform.machine()}, shared with the phones)"
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, default=Path("/tmp/autoglm-spec-bench/smollm2-split8"))
@@ -323,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-layers", default="auto", help="layers drafter: 'auto' (greedy search) or a list")
     ap.add_argument("--draft-budget", type=int, default=6, help="layers drafter: M for --draft-layers auto")
     ap.add_argument("--only", default="chat,agent", help="workloads to record: chat, agent or both")
+    ap.add_argument("--cloud-device", default="cpu",
+                    help="the server's device: cpu (the rig's default) or cuda (the deployment's: run this bench on "
+                         "the GPU host; the cloud computes in fp32 there too, batch-invariant, so parity holds)")
     args = ap.parse_args(argv)
     args.only = set(args.only.split(","))
     if not args.only <= {"chat", "agent"}:
@@ -341,10 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.ushape else None
     t0 = time.time()
     records = []
+    serve_args = [] if args.cloud_device == "cpu" else \
+        ["--device", args.cloud_device, "--variants", "fp32", "--batch-invariant"]
     with contextlib.ExitStack() as stack:
-        cloud = stack.enter_context(LocalCloud(bundle, log_path=Path("/tmp/autoglm-spec-bench/cloud.log")))
+        cloud = stack.enter_context(LocalCloud(bundle, extra_args=serve_args,
+                                               log_path=Path("/tmp/autoglm-spec-bench/cloud.log")))
         ushape = None if u_bundle is None else (u_bundle, stack.enter_context(
-            LocalCloud(u_bundle, log_path=Path("/tmp/autoglm-spec-bench/cloud-ushape.log"))))
+            LocalCloud(u_bundle, extra_args=serve_args, log_path=Path("/tmp/autoglm-spec-bench/cloud-ushape.log"))))
         for rtt in (float(x) for x in args.rtts.split(",")):
             records += measure(bundle, cloud, rtt, args, ushape)
     result = {"command": "python bench/speculation_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -352,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                        + (f"; u-shape: the same split with a tail of {TAIL_LAYERS} layers (fp16 both ways)"
                           if args.ushape else ""),
               "drafter": drafter_summary(bundle),
-              "host": platform.platform(), "seconds": round(time.time() - t0, 1),
+              "host": platform.platform(), "cloud_device": _device_name(args.cloud_device),
+              "seconds": round(time.time() - t0, 1),
               "goals_at_80ms": {"agent_tokens_per_round_trip": 2.5, "agent_speedup_tokens_per_s": 2.0,
                                 "chat_tokens_per_round_trip": 1.5},
               "records": records}

@@ -85,6 +85,8 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
     Option("max_model_len", int, "engine", "positions per sequence: prompt + generated"),
     Option("enable_prefix_cache", bool, "engine", "share KV of common prefixes across sessions"),
     Option("async_scheduling", bool, "engine", "launch each engine step before postprocessing the last one"),
+    Option("batch_invariant", bool, "engine", "compute each sequence's attention on its own, so a token's result "
+           "does not depend on who shares its step (default: on for cpu, off for cuda)"),
     Option("fast_path", bool, "engine", _FAST_PATH_HELP),
     Option("kv_cache_dtype", str, "engine", _KV_CACHE_DTYPE_HELP),
     Option("cloud_drafts", int, "engine", "most drafts proposed per token when the bundle has a cloud drafter "

@@ -18,6 +18,10 @@ plain DecodeStep). ``SizerConfig.fixed_k`` (``EdgeConfig.draft_k``) pins k inste
 that must not depend on timing. Drafts of the bundle's drafter (``edge_client.draft_head``: its layer drafter
 or its lens, used where prompt lookup finds nothing) get their own sizer (:data:`DRAFTER_SIZERS`' prior for
 its kind): their acceptance and their cost (a front step and a drafter step per draft) differ from a lookup's.
+So do the cloud's drafts (``Tokens.draft_ids``), whose sizer also prices the server's drafting time. When both
+prompt lookup and the cloud propose, the edge sends the proposal with the higher :meth:`DraftSizer.rate` (the
+cloud's drafting is already paid for by then) and scores the other against the verdict
+(:meth:`DraftSizer.observe_shadow`), so neither source's acceptance estimate goes stale while the other wins.
 
 Nothing here imports torch; all inputs are token id lists.
 """
@@ -182,6 +186,24 @@ class DraftSizer:
             marginal = min(max(0.0, (step_s - self.round_s) / drafts), 0.5 * self.round_s)
             self.row_s += w * (marginal - self.row_s)
 
+    def observe_shadow(self, drafts: Sequence[int], truth: Sequence[int]) -> None:
+        """A proposal that was not sent, scored against what the cloud emitted instead (``truth``: the verified
+        step's tokens): its acceptance estimate learns without paying for a step. Only the positions ``truth``
+        covers are judged (a proposal longer than the step's tokens is censored there)."""
+        n = min(len(drafts), len(truth))
+        if n == 0:
+            return
+        agreed = next((i for i in range(n) if drafts[i] != truth[i]), n)
+        d = self.config.decay
+        self._accepted = d * self._accepted + agreed
+        self._tried = d * self._tried + agreed + (1 if agreed < n else 0)
+
+    def rate(self, k: int, server_paid: bool = False) -> float:
+        """Expected tokens per second of a step with ``k`` drafts (``server_paid``: the server has drafted them
+        already, so its drafting time is spent whatever the edge sends)."""
+        row_s = min(self.row_s, 0.5 * self.round_s) + (0.0 if server_paid else self.server_row_s)
+        return self.expected_tokens(k) / (self.round_s + k * row_s)
+
     def price_server_rows(self, seconds: float, drafts: int) -> None:
         """The server spent ``seconds`` drafting ``drafts`` drafts (Tokens.timings.draft_ms)."""
         if drafts > 0:
@@ -197,7 +219,6 @@ class DraftSizer:
         top = self.max_drafts if limit is None else max(0, min(self.max_drafts, limit))
         if self.config.fixed_k is not None:
             return min(self.config.fixed_k, top)
-        # the same cap as a measured sample's: before any draft is priced, the default row cost must not
-        # exceed half a (fast, e.g. loopback) round trip, or k = 0 would be chosen forever and never measured
-        row_s = min(self.row_s, 0.5 * self.round_s) + self.server_row_s
-        return max(range(top + 1), key=lambda k: self.expected_tokens(k) / (self.round_s + k * row_s))
+        # rate() caps the row cost as a measured sample is capped: before any draft is priced, the default row
+        # cost must not exceed half a (fast, e.g. loopback) round trip, or k = 0 would be chosen forever
+        return max(range(top + 1), key=self.rate)

@@ -39,7 +39,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +93,7 @@ class _Spec:
     started: float  # perf_counter when its front work began (the step's cost runs from here to the verdict)
     from_head: bool = False  # drafted by the bundle's draft head (its own sizer), not by prompt lookup
     from_cloud: bool = False  # the cloud's proposal (Tokens.draft_ids, its own sizer)
+    shadow: list[int] = field(default_factory=list)  # the other source's proposal, not sent: scored on the verdict
 
 
 class _Request:
@@ -587,14 +588,16 @@ class Session:
         codec = self.codecs[req.step_codec]
         todo = [t for j, t in enumerate(req.tokens) if req.prompt_len + j >= self.runtime.length]
         if stats is not None and self._drafts_wanted(req):
-            drafts = self._drafts(req)
-            if drafts:
-                await self._send_spec(req, todo, drafts, stats)
-                return
-            drafts = req.cloud_drafts[:max(0, self._room(req))]
+            lookup = self._drafts(req)
+            cloud = req.cloud_drafts[:max(0, self._room(req))]
             req.cloud_drafts = []
-            if drafts:
-                await self._send_spec(req, todo, drafts, stats, from_cloud=True)
+            if lookup or cloud:
+                # the proposal with more expected tokens per second goes up; the cloud's are drafted already, so
+                # only their rows cost anything now
+                use_cloud = bool(cloud) and (not lookup or self.cloud_sizer.rate(len(cloud), server_paid=True)
+                                             > self.sizer.rate(len(lookup)))
+                drafts, shadow = (cloud, lookup) if use_cloud else (lookup, cloud)
+                await self._send_spec(req, todo, drafts, stats, from_cloud=use_cloud, shadow=shadow)
                 return
             k = self._head_k(req)
             if k:
@@ -681,12 +684,13 @@ class Session:
             req.sent.append(_Sent(self.runtime.length - 1, 1, codec.encode(hidden, zstd=self.config.wire_zstd)))
 
     async def _send_spec(self, req: _Request, todo: list[int], drafts: list[int], stats: RequestStats,
-                         from_cloud: bool = False) -> None:
+                         from_cloud: bool = False, shadow: list[int] | None = None) -> None:
         """Run the tokens the front lacks (the last emitted one) and the drafts as one chunk; one SpecStep up."""
         await self._front_before_last(req, todo)
         pos, t0 = self.runtime.length, time.perf_counter()
         hidden = await _compute(self.runtime.step, [todo[-1], *drafts])  # [k + 1, H]: a decode-phase call
-        await self._spec_up(req, _Spec(pos, list(drafts), hidden, None, t0, from_cloud=from_cloud), stats)
+        await self._spec_up(req, _Spec(pos, list(drafts), hidden, None, t0, from_cloud=from_cloud,
+                                       shadow=list(shadow or [])), stats)
 
     async def _send_head_spec(self, req: _Request, todo: list[int], k: int, stats: RequestStats) -> None:
         """Self-speculative drafts: the front runs the last emitted token, the drafter proposes d1 from its
@@ -705,12 +709,13 @@ class Session:
 
     async def _spec_up(self, req: _Request, spec: _Spec, stats: RequestStats) -> None:
         """Send ``spec``'s rows and drafts as one SpecStep and keep it as the step in flight."""
-        # prompt-lookup drafts run in streaks (a copied span): the next step likely drafts by lookup again, so
-        # it does not pay for the cloud's
+        # prompt-lookup drafts run in streaks (a copied span): while lookup is accepted more often than the
+        # cloud's drafts, the next step likely drafts by lookup again and does not pay for the cloud's
         lookup = not (spec.from_head or spec.from_cloud)
+        ask = 0 if lookup and self.sizer.alpha >= self.cloud_sizer.alpha else self._ask(req)
         spec.msg = P.SpecStep(request_id=req.rid, position=spec.position, draft_ids=list(spec.drafts),
                               hidden=self.codecs[req.step_codec].encode(spec.hidden, zstd=self.config.wire_zstd),
-                              ask_drafts=0 if lookup else self._ask(req))
+                              ask_drafts=ask)
         req.spec_step = spec
         stats.draft_tokens += len(spec.drafts)
         if spec.from_head:
@@ -743,6 +748,8 @@ class Session:
             stats.accepted_cloud_draft_tokens += min(accepted, len(spec.drafts))
         sizer = self.head_sizer if spec.from_head else self.cloud_sizer if spec.from_cloud else self.sizer
         sizer.observe(len(spec.drafts), min(accepted, len(spec.drafts)), time.perf_counter() - spec.started - held_s)
+        if spec.shadow:
+            (self.sizer if spec.from_cloud else self.cloud_sizer).observe_shadow(spec.shadow, new)
 
     def _abandon_spec(self, req: _Request) -> None:
         """A replay while a SpecStep is unanswered: keep only its fed token (the replay's last position)."""

@@ -89,3 +89,26 @@ def test_fixed_k_pins_the_choice_within_the_limits():
     assert DraftSizer(2, DRAFTER_SIZERS["layers"].with_fixed_k(5)).choose() == 2
     with pytest.raises(ValueError):
         SizerConfig(fixed_k=-1)
+
+
+def test_a_shadow_proposal_is_scored_against_the_verdict():
+    s = DraftSizer(8)
+    for _ in range(30):
+        s.observe_shadow([5, 6, 7], [5, 9])  # one agreed, the second judged wrong, the third not judged
+    assert s.alpha == pytest.approx(0.5, abs=0.02)
+    for _ in range(30):
+        s.observe_shadow([5, 6, 7], [5, 6])  # censored: both judged positions agree, no rejection seen
+    assert s.alpha > 0.9
+    before = (s._accepted, s._tried)
+    s.observe_shadow([], [1, 2])  # nothing proposed: nothing learnt
+    assert (s._accepted, s._tried) == before
+
+
+def test_drafts_the_server_made_already_cost_only_their_rows():
+    s = DraftSizer(4)
+    s.observe(0, 0, 0.08)
+    s.price_server_rows(0.06, 1)  # a 60 ms engine step per cloud draft (a CPU cloud)
+    s.price_server_rows(0.06, 1)
+    assert s.rate(1) < s.rate(1, server_paid=True)
+    assert s.rate(0) == s.rate(0, server_paid=True) == pytest.approx(1 / s.round_s)
+    assert s.choose() == max(range(5), key=s.rate)
