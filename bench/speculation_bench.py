@@ -282,17 +282,19 @@ def policy_table(spec_json: Path) -> dict:
     from shared.link_profiles import PROFILES
 
     gain = {"chat": 1.0, "agent": 1.0}
+    u_gain = dict(gain)
     if spec_json.is_file():
         for r in json.loads(spec_json.read_text())["records"]:
-            if r["rtt_ms"] == 80.0 and r["mode"] == "split+spec" and r["tokens_per_round_trip"]:
-                gain[r["workload"]] = r["tokens_per_round_trip"]
+            if r["rtt_ms"] == 80.0 and r["tokens_per_round_trip"] and r["mode"] in ("split+spec", "u-shape+spec"):
+                (gain if r["mode"] == "split+spec" else u_gain)[r["workload"]] = r["tokens_per_round_trip"]
     shapes = {"chat": RequestShape(prompt_tokens=60, max_tokens=128),
               "agent": RequestShape(prompt_tokens=900, max_tokens=40, images=1, cached_tokens=640)}
     rows = []
     for name, prof in PROFILES.items():
         link = LinkState(rtt_ms=prof.rtt_ms, up_kbps=prof.up_mbps * 1000, down_kbps=prof.down_mbps * 1000)
         for workload, shape in shapes.items():
-            dep = Deployment(all_cloud=True, edge_only=True, u_shape=True, split_tokens_per_round_trip=gain[workload])
+            dep = Deployment(all_cloud=True, edge_only=True, u_shape=True, split_tokens_per_round_trip=gain[workload],
+                             ushape_tokens_per_round_trip=u_gain[workload])
             for privacy in ("standard", "private", "output-private"):
                 try:
                     d = choose_mode(shape, privacy, link, dep)
@@ -302,9 +304,10 @@ def policy_table(spec_json: Path) -> dict:
                                  "reason": str(e)})
     return {"deployment": "9B-class split (fp16 boundary rows of 8 KB, front 2 ms/token prefill and 10 ms/token "
                           "decode, 30 ms cloud step, 0.5 s/token whole model on the phone); agent: 640 of 900 "
-                          "prompt tokens in both prefix caches; split gain = measured tokens per round trip at 80 ms (u-shape takes "
-                          "the same gain, its tail costs as the front, no prefix cache); the phone holds a plain "
-                          "and a --tail bundle", "split_tokens_per_round_trip": gain, "choices": rows}
+                          "prompt tokens in both prefix caches; gains = the measured tokens per round trip at 80 ms of "
+                          "split+spec and of u-shape+spec (its tail costs as the front, no prefix cache); the phone "
+                          "holds a plain and a --tail bundle", "split_tokens_per_round_trip": gain,
+            "ushape_tokens_per_round_trip": u_gain, "choices": rows}
 
 
 def _device_name(device: str) -> str:
@@ -356,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         ["--device", args.cloud_device, "--variants", "fp32", "--batch-invariant"]
     with contextlib.ExitStack() as stack:
         cloud = stack.enter_context(LocalCloud(bundle, extra_args=serve_args,
-                                               log_path=Path("/tmp/autoglm-spec-bench/cloud.log")))
+                                               log_path=args.bundle.parent / "cloud.log"))
         ushape = None if u_bundle is None else (u_bundle, stack.enter_context(
-            LocalCloud(u_bundle, extra_args=serve_args, log_path=Path("/tmp/autoglm-spec-bench/cloud-ushape.log"))))
+            LocalCloud(u_bundle, extra_args=serve_args, log_path=args.bundle.parent / "cloud-ushape.log")))
         for rtt in (float(x) for x in args.rtts.split(",")):
             records += measure(bundle, cloud, rtt, args, ushape)
     result = {"command": "python bench/speculation_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -204,10 +204,11 @@ class EdgeClient:
         ``temperature=0`` is greedy. ``precision`` overrides the server's choice of wire codec for this
         request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included).
 
-        ``speculate``: the phone drafts tokens by prompt lookup (the prompt, this answer, earlier answers) and,
-        where lookup has none, with the bundle's drafter if it has one (``edge_client.draft_head``), and the
-        cloud verifies several per round trip (``edge_client.drafting``); greedy output is unchanged and
-        sampled output keeps the model's distribution.
+        ``speculate``: drafts come from prompt lookup on the phone (the prompt, this answer, earlier answers) or
+        from the server's own layers when it offers cloud drafts (whichever is expected to yield more tokens per
+        second), else from the bundle's drafter if it has one (``edge_client.draft_head``); the cloud verifies
+        several per round trip (``edge_client.drafting``); greedy output is unchanged and sampled output keeps
+        the model's distribution.
 
         ``privacy`` (``standard`` | ``private`` | ``output-private``) and ``mode`` (an override: ``split``,
         ``u-shape`` (a bundle split with ``--tail``), ``all-cloud``, ``edge-only``) pick where the request runs (``shared.exec_mode``); the choice and why are

@@ -70,7 +70,9 @@ class Deployment:
     edge_whole_prefill_token_s: float = 0.05
     cloud_token_s: float = 0.03  # the cloud's decode step
     cloud_prefill_token_s: float = 0.0005  # the cloud's prefill per uncached prompt token (whole model; GPU)
-    split_tokens_per_round_trip: float = 1.0  # > 1 with speculation (measured acceptance; u-shape too)
+    split_tokens_per_round_trip: float = 1.0  # > 1 with speculation (measured acceptance)
+    # u-shape's own (its cloud never sees a token, so it drafts by lookup alone); None: the split's
+    ushape_tokens_per_round_trip: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +119,9 @@ def estimate_s(mode: str, req: RequestShape, link: LinkState, dep: Deployment) -
         ttft = (fresh * dep.edge_front_prefill_token_s
                 + req.prompt_tokens * (row_up + row_down + dep.edge_tail_prefill_token_s) + rtt)
         step = rtt + dep.cloud_token_s + dep.edge_front_token_s + dep.edge_tail_token_s + row_up + row_down
-        return ttft + req.max_tokens * step / max(1.0, dep.split_tokens_per_round_trip)
+        gain = dep.split_tokens_per_round_trip if dep.ushape_tokens_per_round_trip is None \
+            else dep.ushape_tokens_per_round_trip
+        return ttft + req.max_tokens * step / max(1.0, gain)
     raise ExecModeError(f"unknown mode {mode!r}: expected one of {', '.join(MODES)}")
 
 

@@ -227,7 +227,8 @@ def test_a_killed_worker_is_replaced_and_the_server_keeps_serving(servers, tiny_
 
 def test_sigterm_drains_every_worker_then_exits(servers, tiny_bundle):
     """Last: stops the module's server. The request in flight finishes, ``/ready`` says 503 on whichever worker
-    answers, a new session is refused (``draining``, 1013), and the process exits 0 by itself."""
+    answers, a new session is refused (``draining``, 1013, or the connection itself once every listener has
+    closed), and the process exits 0 by itself."""
     cloud, reference = servers
     bundle_id = Manifest.load(tiny_bundle).bundle_id
     seen = {}
@@ -242,6 +243,7 @@ def test_sigterm_drains_every_worker_then_exits(servers, tiny_bundle):
         cloud.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         seen["ready"] = {probe() for _ in range(8)}
+        seen["late"] = "refused"  # every listener closed: uvicorn stops accepting once it starts draining
         for _ in range(8):  # the same race as probe(): a refused connection is retried
             try:
                 seen["late"] = asyncio.run(refused_hello(cloud.ws_url, bundle_id))
@@ -254,6 +256,7 @@ def test_sigterm_drains_every_worker_then_exits(servers, tiny_bundle):
     code = cloud.proc.wait(30)
     assert tokens == reference[tuple(PROMPTS[3])]
     assert 503 in seen["ready"] and seen["ready"] <= {503, "refused"}  # never ready once draining
-    err, close = seen["late"]
-    assert err.code == "draining" and close == 1013
+    if seen["late"] != "refused":  # a listener still open answers a new session with draining / 1013
+        err, close = seen["late"]
+        assert err.code == "draining" and close == 1013
     assert code == 0

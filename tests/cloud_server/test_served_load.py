@@ -50,6 +50,7 @@ def test_four_sessions_against_a_real_server(tiny_bundle, tmp_path):
     assert res["server"]["bundle_id"] == Manifest.load(tiny_bundle).bundle_id
 
 
+@pytest.mark.slow  # two servers' sweeps; the default suite keeps test_four_sessions_against_a_real_server
 def test_workers_sweep_measures_one_server_per_front_end_count(tiny_bundle, tmp_path):
     out = tmp_path / "served.json"
     rc = served_load.main(["--serve", str(tiny_bundle), "--sessions", "3", "--prompt", "20", "--gen", "6",
@@ -115,6 +116,7 @@ def test_summary_counts_the_steady_window_and_reports_short_sessions_as_failures
     assert "RuntimeError" in bad["errors"][1]
 
 
+@pytest.mark.slow  # two servers' sweeps; the default suite keeps test_four_sessions_against_a_real_server
 def test_compare_root_measures_both_trees_and_engine_cpu_fills_the_ratio(tiny_bundle, tmp_path):
     out = tmp_path / "served.json"
     root = BENCH.parent

@@ -191,6 +191,7 @@ def test_layer_drafter_keeps_greedy_parity(tiny_bundle, tiny_glm4_lm, tiny_cloud
         assert st.accepted_head_draft_tokens >= 0.9 * st.head_draft_tokens
 
 
+@pytest.mark.slow  # the default suite keeps its tiny-model twin
 def test_smollm2_layer_drafter_keeps_greedy_parity(smollm2_bundle, smollm2_lm, tmp_path):
     bundle = _layers_bundle(smollm2_bundle, smollm2_lm, tmp_path / "b", layers=(4, 5, 27, 28, 29))
     chat = [{"role": "user", "content": "Tell me about the history of tea in a few sentences."}]

@@ -105,6 +105,7 @@ def test_seeded_sampling_on_the_phone_is_reproducible(tiny_glm4_ushape_bundle, c
     assert a.token_ids == b.token_ids and a.token_ids != other.token_ids
 
 
+@pytest.mark.slow  # the default suite keeps its tiny-model twin
 def test_smollm2_ushape_equals_plain_split(smollm2_bundle, smollm2_ushape_bundle, tmp_path):
     chat = [{"role": "system", "content": "You copy the user's list exactly."},
             {"role": "user", "content": "Repeat this list twice: apples, pears, plums, cherries, grapes."}]

@@ -30,6 +30,11 @@ def test_standard_picks_the_fastest_estimate_and_says_why():
     assert d.mode == "split"
     spec = Deployment(split_tokens_per_round_trip=2.8)
     assert estimate_s("split", CHAT, _link("4g"), spec) < estimate_s("split", CHAT, _link("4g"), Deployment())
+    # u-shape takes the split's gain unless its own is given (it drafts by lookup alone)
+    both = Deployment(u_shape=True, split_tokens_per_round_trip=2.8)
+    own = Deployment(u_shape=True, split_tokens_per_round_trip=2.8, ushape_tokens_per_round_trip=1.1)
+    assert estimate_s("u-shape", CHAT, _link("4g"), both) < estimate_s("u-shape", CHAT, _link("4g"), own)
+    assert estimate_s("split", CHAT, _link("4g"), both) == estimate_s("split", CHAT, _link("4g"), own)
 
 
 def test_private_never_sends_raw_input_and_restricts_drafts_and_keys():

@@ -47,6 +47,7 @@ def test_tiny_eight_staggered_sessions_match_unsplit(tiny_bundle, tiny_lm):
     assert eng.num_used_blocks() == 0
 
 
+@pytest.mark.slow  # the default suite keeps its tiny-model twin
 def test_smollm2_one_and_eight_sessions_match_unsplit(smol_bundle, smol_lm):
     eng = _engine(smol_bundle, num_blocks=256, block_size=16)
     tok = smol_lm.tokenizer
