@@ -22,7 +22,8 @@ over-size chunk fails its request (``too_large``) rather than the session; large
 Disconnects: the session is detached, not dropped; its requests keep their KV for ``session_grace_s``
 (``limits.resume_window_ms``) and a reconnect with the resume token reattaches it (``Welcome.resumed``,
 ``Welcome.requests``). The engine never waits for a link: outputs for a detached session are recorded and
-resent on ``Resume``.
+resent on ``Resume`` - tokens; a u-shape request's ``States`` are not kept: its ``Resume`` rolls it back to the
+positions the edge holds, which resends its inputs from there (``cloud_server.split_translate``).
 
 Front-end workers (``--workers N``, ``cloud_server.front_workers``): the same endpoint runs in each worker over
 a ``RemoteEngine``; the runtime's ``peers`` count sessions over every worker (admission, release), session ids

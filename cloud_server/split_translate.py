@@ -7,7 +7,9 @@ machine has accepted (``shared.session_state``), with the request's track; what 
   the precision policy unless the edge named one, prefix keys in the session's tenant namespace - the shared
   one for an operator's key: ``shared.prefix_keys.tenant_scoped``), later chunks, ``DecodeStep``\\ s and
   ``SpecStep``\\ s (their drafts on the engine chunk: ``cloud_server.engine.speculation`` verifies them) ->
-  ``add_input``, ``Cancel`` -> ``abort``, ``Resume`` -> ``Resumed`` from the server's record;
+  ``add_input``, ``Cancel`` -> ``abort``, ``Resume`` -> ``Resumed`` from the server's record (u-shape: once
+  the engine's work in flight for the request is back, its KV is rolled back to the positions whose States the
+  edge holds, ``LLMEngine.rewind_states``, and those after are recomputed from the inputs the edge resends);
 * coded hidden states -> float32 tensors ``[n, H]`` checked against the engine's fixed facts (width, RoPE);
   ``DecodeStep`` states are decoded together: the steps that arrive in one turn of the event loop (one per
   decoding session) are held until the loop's next turn and decoded in one pass per codec
@@ -25,6 +27,8 @@ Every message goes out through ``Session.send``, so the state machine records it
 from __future__ import annotations
 
 import asyncio
+import logging
+import operator
 import time
 from collections.abc import Callable
 
@@ -43,6 +47,8 @@ from cloud_server.step_pipeline import StepPipeline
 from shared import protocol as P
 from shared.prefix_keys import tenant_scoped
 from shared.session_state import RequestTrack
+
+log = logging.getLogger("autoglm.cloud.split")
 
 # engine error code -> wire code (shared.errors.SESSION_ERROR_CODES); each keeps its meaning
 WIRE_CODES = {"too_long": "context_full", "kv_cache_full": "overloaded", "engine_error": "internal",
@@ -102,6 +108,8 @@ class SplitTranslator:
         self._pipeline = StepPipeline(self._decode_steps, self._hand_over_steps, self._dead,
                                       pool_min_rows=STEP_POOL_MIN_ROWS)
         self._outputs: LoopInbox | None = None  # engine outputs -> on_output, made on the loop at first use
+        # u-shape Resumes waiting for the engine's work in flight: engine id -> (session, track, have, generation)
+        self._resuming: dict[str, tuple[Session, RequestTrack, int, int]] = {}
         # what to do when the engine has stopped while handing over held steps (the endpoint closes the link)
         self.on_engine_dead: Callable[[Session, EngineDeadError], None] | None = None
 
@@ -302,8 +310,50 @@ class SplitTranslator:
                                  request_id=track.request_id))
             return
         have = msg.have_tokens
+        if track.states:
+            self._resuming[rec.engine_id] = (session, track, have, session.generation)
+            self._resume_states(rec)
+            return
         session.send(P.Resumed(request_id=track.request_id, received=track.received, index=have,
                                token_ids=rec.tokens[have:], finish_reason=track.finish))
+
+    def _resume_states(self, rec: RequestRecord) -> None:
+        """u-shape Resume, once the States of every position the server holds have gone out (``answered =
+        received``: the engine has nothing of the request in flight): roll its KV back to ``have`` on the engine
+        thread, then ``Resumed(received=have)``. A newer connection, the request's end or the session's drops
+        it (the edge resends Resume on the newer link, or replays)."""
+        entry = self._resuming.get(rec.engine_id)
+        if entry is None:
+            return
+        session, track, have, generation = entry
+        if not rec.active or session.closed or session.generation != generation:
+            del self._resuming[rec.engine_id]
+            return
+        if track.answered < track.received:
+            return  # on_output calls again as the engine's States come back
+        del self._resuming[rec.engine_id]
+        try:
+            # picklable, for a front-end worker's engine link too
+            fut = self.rt.engine.call(operator.methodcaller("rewind_states", rec.engine_id, have))
+        except EngineDeadError as e:
+            self._dead(session, e)
+            return
+        asyncio.get_running_loop().create_task(self._resumed_states(session, rec, have, generation, fut))
+
+    async def _resumed_states(self, session: Session, rec: RequestRecord, have: int, generation: int,
+                              fut) -> None:
+        try:
+            ok = await asyncio.wrap_future(fut)
+        except Exception:  # noqa: BLE001 - the engine stopped or refused: the edge replays
+            log.warning("trace=%s u-shape rollback to %d failed", rec.request_id, have, exc_info=True)
+            ok = False
+        if not rec.active or session.closed or session.generation != generation:
+            return  # a newer link resumes it again (the rollback to the same position is then a no-op)
+        if not ok:
+            self.fail(session, rec.request_id, "resume_failed", f"u-shape request {rec.request_id} could not be "
+                                                                f"rolled back to position {have}: replay it")
+            return
+        session.send(P.Resumed(request_id=rec.request_id, received=have, index=0, token_ids=[]))
 
     def fail(self, session: Session, rid: str, code: str, message: str) -> None:
         """Close request ``rid`` with ``Error(code)``: the engine drops it, the state machine records it."""
@@ -312,10 +362,18 @@ class SplitTranslator:
         rec = session.record(rid)
         if rec is not None and rec.active:
             self.rt.engine.abort(rec.engine_id, "error")
+            self._resuming.pop(rec.engine_id, None)
         session.send(P.Error(code=code, message=message, request_id=rid, retry_after_ms=RETRY_AFTER_MS.get(code)))
 
     # -- engine outputs (event loop thread) -------------------------------------------------------
     def on_output(self, session: Session, rec: RequestRecord, out: RequestOutput) -> None:
+        try:
+            self._output(session, rec, out)
+        finally:
+            if self._resuming and rec.engine_id in self._resuming:
+                self._resume_states(rec)  # a u-shape Resume waited for these States (or the request ended)
+
+    def _output(self, session: Session, rec: RequestRecord, out: RequestOutput) -> None:
         if not rec.active:
             return  # the edge was already told (an error, a cancel, the session closed) and raced the engine
         if out.error_code is not None and out.token_id is None:

@@ -434,9 +434,9 @@ class Session:
                                 start=start, last=start + hidden.shape[0] == req.context_len,
                                 zstd=self.config.wire_zstd, rope_positions=self._rope(req, start, hidden.shape[0]),
                                 **first)
+        if record:  # all of them before the first goes out: a link dropped mid-span resends the rest from here
+            req.sent.extend(_Sent(m.start, m.n_tokens, m.hidden, m.rope_positions) for m in msgs)
         for m in msgs:
-            if record:
-                req.sent.append(_Sent(m.start, m.n_tokens, m.hidden, m.rope_positions))
             stats.prefill_bytes_up += await self._send(m)
 
     def _prefill_msg(self, req: _Request, span: _Sent):
@@ -767,13 +767,15 @@ class Session:
 
     async def _recover(self, req: _Request, stats: RequestStats, cause: Exception) -> None:
         """After a drop: resume the cloud's request if it survived, else replay the context (docstring)."""
+        if req.spec.ushape:
+            await self._keep_delivered_states(req)
         while True:
             resumed = await self._reconnect(req, stats, cause)
             try:
                 if req.bundle_gen != self.bundle_gen:  # reconnected with another bundle (an update)
                     await self._rebuild(req, stats)
                     return
-                if resumed and req.opened and not req.spec.ushape and await self._resume(req, stats):
+                if resumed and req.opened and await self._resume(req, stats):
                     return
                 if req.rid in self.state.requests:  # the cloud holds part of a span: drop its copy, replay ours
                     await self._send(P.Cancel(request_id=req.rid))
@@ -804,35 +806,74 @@ class Session:
             await self._send_span(req, start, hidden, stats)
         req.bundle_gen = self.bundle_gen
 
+    async def _keep_delivered_states(self, req: _Request) -> None:
+        """u-shape, the link just dropped: the States it delivered that nobody read yet (they come while the
+        prompt goes up) are kept for the tail (``req.pending``), so a Resume need not have them computed again."""
+        while self.link.ws is not None:
+            try:
+                msg = await self._recv(1.0)  # a closed connection hands over what it buffered, then raises
+            except (LinkDown, GarbageFromServer):
+                return
+            if isinstance(msg, P.States) and msg.request_id == req.rid:
+                req.pending.append(msg)
+
     async def _resume(self, req: _Request, stats: RequestStats) -> bool:
-        """Ask the surviving session where the request stands; resend what it lacks. False: replay instead."""
-        await self._send(P.Resume(request_id=req.rid, have_tokens=len(req.tokens) - req.index_base))
+        """Ask the surviving session where the request stands; resend what it lacks. False: replay instead.
+        u-shape: ``have`` counts the positions whose States the edge holds (``UShape.resume_point``); the cloud
+        rolls back to it and the inputs from there go up again (the States sent meanwhile are of positions it
+        recomputes: dropped)."""
+        ushape = req.spec.ushape
+        track = self.state.requests.get(req.rid)
+        if ushape:
+            if track is None:
+                return False  # it ended on the cloud (an error came with the last frames)
+            have = self.ushape.resume_point(req, track.answered)
+            if have == 0:
+                return False  # nothing held: a replay costs the same
+        else:
+            have = len(req.tokens) - req.index_base
+        # this request id's prompt: its inputs up to there go up as Prefills, the later ones as steps (after a
+        # replay, the context when it was replayed; None: its last prompt chunk was never sent)
+        prompt_end = req.prompt_len if track is None else track.prompt_len
+        prompt_end = req.context_len + 1 if prompt_end is None else prompt_end
+        await self._send(P.Resume(request_id=req.rid, have_tokens=have))
         while True:
             msg = await self._recv(self.config.retry.reply_timeout_s)
             if isinstance(msg, P.Error) and getattr(msg, "request_id", None) in (None, req.rid):
                 return False  # unknown request (finished, timed out or aborted while we were away)
             if isinstance(msg, P.Resumed) and msg.request_id == req.rid:
                 break
-            if isinstance(msg, P.Tokens) and msg.request_id == req.rid:
+            if isinstance(msg, P.Tokens) and msg.request_id == req.rid and not ushape:
                 req.pending.append(msg)  # sent just before the Resumed: still ours, in order
         received = msg.received
         req.plain_started = None  # the outage is no step cost
+        if ushape and received > have:
+            return False  # the cloud claims positions whose States the edge lacks: replay
         if any(s.start < received < s.start + s.n for s in req.sent):
             return False  # the cloud holds part of a span: cannot resend it exactly, replay instead
-        if any(s.start >= max(received, req.prompt_len) and s.n > 1 for s in req.sent):
+        steps = [s for s in req.sent if s.start >= max(received, prompt_end)]
+        if not ushape and any(s.n > 1 for s in steps):
             return False  # it lacks a verified speculative span: no message resends one, replay instead
+        spec = req.spec_step
+        if ushape and len(steps) + (spec is not None and spec.position >= received) > (received >= prompt_end):
+            return False  # StatesSteps to resend: one stands at a time, after the prompt; replay instead
         stats.resumes += 1
         for span in req.sent:
             if span.start >= received:
-                if span.start >= req.prompt_len:
-                    await self._send_decode(req, span)
+                if span.start >= prompt_end:
+                    await (self._send_states_step(req, span) if ushape else self._send_decode(req, span))
                 else:
                     stats.prefill_bytes_up += await self._send(self._prefill_msg(req, span))
-        spec = req.spec_step
         if spec is not None and spec.position >= received:  # the SpecStep in flight never arrived: resend it
             await self._send(spec.msg)
-        req.pending.append(msg)  # its tokens (a verdict on the SpecStep, if the cloud had it) come next
+        if not ushape:
+            req.pending.append(msg)  # its tokens (a verdict on the SpecStep, if the cloud had it) come next
         return True
+
+    async def _send_states_step(self, req: _Request, span: _Sent) -> None:
+        """u-shape: a recorded step's rows (a plain step, or the kept rows of a verified one) resent as sent."""
+        await self._send(P.StatesStep(request_id=req.rid, position=span.start, hidden=span.tensor,
+                                      rope_positions=span.rope))
 
     # -- preload ----------------------------------------------------------------------------------
     async def preload(self, ids: list[int]) -> int:

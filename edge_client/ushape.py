@@ -18,9 +18,14 @@ next StatesStep starts there, which rolls the cloud's KV back in the same messag
 
 Costs against split: the downlink carries a hidden row per position (prompt positions included) instead of a
 token id; the phone runs the tail (and the lm_head) per token; there is no cloud prefix cache (a cached
-block's middle states would not come back, and the tail needs every position's KV). A dropped link replays the
-request from the record (the cloud never resumes a u-shape request): the front states go up again, the cloud
-returns the middle states of the whole context, and the tail skips the positions it already holds.
+block's middle states would not come back, and the tail needs every position's KV).
+
+A dropped link: if the cloud session survived, the edge resumes (``Session._resume``) with ``have`` = the
+positions whose middle states it holds (:meth:`UShape.resume_point`: the tail's, and those received but not yet
+run, cut back to the start of a recorded input they end inside); the cloud drops its KV from there and the
+edge resends its recorded inputs from there (prompt chunks, or the StatesStep in flight), so only the states
+lost in flight are computed again. Else it replays the request from the record: the front states go up again,
+the cloud returns the middle states of the whole context, and the tail skips the positions it already holds.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class UShape:
     def __init__(self, session, tail: TailRuntime):
         self.session = session
         self.tail = tail
+        self.request = None  # the request whose context the tail holds (from its first States on)
 
     async def tokens(self, req, stats) -> AsyncIterator[int]:
         """Yield the request's tokens in order (sampled here); drives the steps, verification and recovery."""
@@ -55,6 +61,7 @@ class UShape:
         sampler = EdgeSampler(spec.temperature, spec.top_p, spec.top_k, spec.seed)
         stops = set(s.manifest.eos_token_ids)
         tail.reset()
+        self.request = req
         t_tail0 = tail.stats.seconds
         try:
             while req.finish is None:
@@ -80,7 +87,20 @@ class UShape:
                     await s._guarded(req, stats, self._step(req, stats))
         finally:
             stats.edge_tail_s += tail.stats.seconds - t_tail0
+            self.request = None
         await s._cancel(req)  # the end of the request: the cloud frees its KV
+
+    def resume_point(self, req, answered: int) -> int:
+        """Where a Resume of ``req`` restarts: the positions [0, have) whose middle states the edge holds - the
+        tail's (once it works for ``req``) and those of States received but not run yet (``req.pending``), at
+        most ``answered`` (what the cloud returned on this request id) - cut back to the start of a recorded
+        input that ``have`` falls inside (an input is resent whole; the tail skips what it holds)."""
+        held = self.tail.length if self.request is req else 0
+        for m in req.pending:
+            if isinstance(m, P.States) and m.request_id == req.rid and m.start <= held:
+                held = max(held, m.start + m.n_tokens)
+        held = min(held, answered)
+        return next((s.start for s in req.sent if s.start < held < s.start + s.n), held)
 
     def _new_rows(self, req, msg: P.States) -> np.ndarray | None:
         """The decoded rows of ``msg`` at positions the tail does not hold yet (a replay resends all)."""

@@ -33,8 +33,12 @@ it computes with ``States`` (``answered`` = positions returned). Its steps are `
 SpecStep are refused), each allowed once the server has returned every position it holds (``answered =
 received``), at a ``position`` in ``[prompt_len, received]`` - the server drops its KV from ``position`` on
 first, which is how the edge rolls back rejected drafts - with at most ``max_draft_tokens + 1`` rows. The edge
-ends it with ``Cancel`` (it samples, so it alone knows when to stop). It is never resumed (``Resume`` is
-``resume_failed``): the edge replays it.
+ends it with ``Cancel`` (it samples, so it alone knows when to stop). Its ``Resume.have_tokens`` counts
+*positions*: the edge holds the ``States`` of ``[0, have)``, so ``have <= answered`` (``bad_position``
+otherwise; a finished one is ``resume_failed``: the edge replays it). ``Resumed.received = have`` rolls both
+records back (``received = answered = have``: the server drops its KV from ``have`` on, and the States lost in
+flight are recomputed from the inputs the edge resends); until the ``Resumed`` no input for it may stand
+(``bad_state``), so the rollback never races an input.
 
 Messages cross in flight, so the rules only forbid what a correct client can never send: a second Hello,
 a DecodeStep nobody asked for, positions that skip or repeat, a request opened without sampling parameters
@@ -101,6 +105,7 @@ class RequestTrack:
     spec_position: int | None = None  # a SpecStep at this position awaits its Tokens (received is provisional)
     states: bool = False  # u-shape: the server returns States, never tokens
     answered: int = 0  # u-shape: positions [0, answered) whose States the server sent
+    resume_at: int | None = None  # u-shape: a Resume to this position awaits its Resumed (no input until then)
 
     @property
     def prompt_done(self) -> bool:
@@ -187,12 +192,30 @@ class SessionState:
             if req is None:
                 raise SessionError("resume_failed", f"request {rid} is not held here: replay it", rid)
             if req.states:
-                raise SessionError("resume_failed", f"request {rid} is a u-shape request: replay it", rid)
+                return self._resume_states(req, msg)
             if msg.have_tokens > req.tokens:
                 raise SessionError("bad_position", f"client claims {msg.have_tokens} tokens, server sent "
                                                    f"{req.tokens}", rid)
             return req
         raise SessionError("bad_state", f"{type(msg).__name__} is not a client message", fatal=True)
+
+    @staticmethod
+    def _resume_states(req: RequestTrack, msg: Resume) -> RequestTrack:
+        """u-shape: ``have_tokens`` = positions whose States the client holds; the server rolls back to it."""
+        rid = req.request_id
+        if req.finish is not None:
+            raise SessionError("resume_failed", f"u-shape request {rid} finished ({req.finish}): replay it", rid)
+        if msg.have_tokens > req.answered:
+            raise SessionError("bad_position", f"client claims the states of {msg.have_tokens} positions, the "
+                                               f"server returned {req.answered}", rid)
+        req.resume_at = msg.have_tokens
+        return req
+
+    @staticmethod
+    def _check_not_resuming(req: RequestTrack, what: str) -> None:
+        if req.resume_at is not None:
+            raise SessionError("bad_state", f"{what} before the Resumed of u-shape request {req.request_id}",
+                               req.request_id)
 
     def _check_frame(self, rid: str, frame_bytes: int | None) -> None:
         if frame_bytes is not None and frame_bytes > self.limits.max_frame_bytes:
@@ -227,6 +250,7 @@ class SessionState:
             raise SessionError("duplicate_request", f"request {rid} is already open (params travel on its first "
                                                     "Prefill only)", rid)
         self._check_frame(rid, frame_bytes)
+        self._check_not_resuming(req, "Prefill")
         if req.prompt_done:
             raise SessionError("bad_state", "Prefill after the one with last=true (use DecodeStep)", rid)
         self._check_chunk(msg)
@@ -315,6 +339,7 @@ class SessionState:
         self._check_frame(rid, frame_bytes)
         if not req.states:
             raise SessionError("bad_state", "StatesStep for a request that samples (send DecodeStep)", rid)
+        self._check_not_resuming(req, "StatesStep")
         if not req.awaits_step:
             raise SessionError("bad_state", f"StatesStep before the server returned every position (it returned "
                                             f"{req.answered} of {req.received}, prompt done: {req.prompt_done})", rid)
@@ -357,6 +382,8 @@ class SessionState:
             req.tokens = max(req.tokens, msg.index + len(msg.token_ids))
             req.received = msg.received  # the server's word: what it holds (a lost link may have eaten some)
             req.spec_position = None
+            if req.states:  # u-shape: rolled back to the client's positions; their States were all returned
+                req.answered, req.resume_at = msg.received, None
             if req.prompt_len is not None and msg.received < req.prompt_len:
                 req.prompt_len = None  # the prompt's last chunk never arrived: it is resent
             if msg.finish_reason is not None and req.finish is None:

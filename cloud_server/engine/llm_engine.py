@@ -196,6 +196,21 @@ class LLMEngine:
             return [self._finish(seq, "error", code, str(e))]
         return []
 
+    def rewind_states(self, request_id: str, position: int) -> bool:
+        """u-shape ``Resume``: keep the request's KV ``[0, position)`` only - into the prompt too - so that the
+        inputs the edge sends again from ``position`` are computed again. Only for a request at rest (nothing
+        pending, every received position computed: the endpoint asks once the States of every position are back
+        and admits no input before its ``Resumed``). False: the request is gone, or not at rest."""
+        seq = self.seqs.get(request_id)
+        if seq is None or not self.output_states:
+            return False
+        try:
+            seq.rewind(position, into_prompt=True)
+        except ValueError:
+            return False
+        self.block_managers[seq.variant].truncate(seq.block_table, position)
+        return True
+
     def abort(self, request_id: str, reason: str = "abort") -> list[RequestOutput]:
         seq = self.seqs.get(request_id)
         return [] if seq is None else [self._finish(seq, reason)]

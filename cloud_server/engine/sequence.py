@@ -202,12 +202,19 @@ class Sequence:
         """u-shape: this step's hidden states went back to the edge, which now runs its tail and samples."""
         self.waiting_since = time.monotonic() if now is None else now
 
-    def rewind(self, position: int) -> None:
-        """u-shape: the edge rejected drafts; keep positions [0, position) only (the block manager trims
-        ``block_table`` to match). Only between steps: nothing pending, and never into the prompt."""
-        if self.pending or not self.num_prompt_tokens <= position <= self.num_computed:
-            raise ValueError(f"rewind to {position}: the sequence holds [0, {self.num_computed}) with "
-                             f"{len(self.pending)} inputs pending (prompt {self.num_prompt_tokens})")
+    def rewind(self, position: int, into_prompt: bool = False) -> None:
+        """u-shape: keep positions [0, position) only (the block manager trims ``block_table`` to match): the
+        edge rejected drafts, or (``into_prompt``, a Resume) lost the States of positions it will send again - a
+        position inside the prompt reopens it (its lost chunks come again, the last one ends it again). Only
+        between steps: nothing pending, every received position computed."""
+        low = 0 if into_prompt else self.num_prompt_tokens
+        at_rest = not self.pending and (not into_prompt or self.num_computed == self.num_received)
+        if not at_rest or not low <= position <= self.num_computed:
+            raise ValueError(f"rewind to {position}: the sequence holds [0, {self.num_computed}) of "
+                             f"{self.num_received} received with {len(self.pending)} inputs pending "
+                             f"(prompt {self.num_prompt_tokens})")
+        if into_prompt and (position < self.num_prompt_tokens or not self.prompt_complete):
+            self.num_prompt_tokens, self.prompt_complete = position, False
         self.num_computed = self.num_received = position
 
     def begin_drafting(self, held_output, goal: int) -> None:

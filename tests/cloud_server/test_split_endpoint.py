@@ -117,6 +117,7 @@ def _staggered_sessions(server, tiny_bundle, tiny_lm, loaded_front):
     assert asyncio.run(_settle(server.runtime)) == (0, 0)
 
 
+@pytest.mark.slow  # the default suite keeps test_one_and_eight_staggered_sessions_match_the_unsplit_model
 def test_smollm2_eight_sessions_through_the_wire_match_the_unsplit_model(smol_bundle, smol_lm):
     from cloud_support import greedy_reference_batch
 

@@ -6,6 +6,7 @@ link emulator.
 * a cut of the link while a SpecStep is in flight - the step lost on the way up, or its verdict lost on the
   way down - still gives the same tokens (resume, no replay);
 * a restart of the cloud while a SpecStep is in flight replays and still gives the same tokens;
+* a cut inside a prompt span the session's limits cut into several Prefills resends the rest of the span;
 * drafts from the bundle's draft head (where prompt lookup has none) keep greedy parity too, and so do the
   layer-skipping drafter's (tiny GLM-4, SmolLM2), whose KV mirror never keeps a rejected draft.
 
@@ -202,3 +203,39 @@ def test_smollm2_layer_drafter_keeps_greedy_parity(smollm2_bundle, smollm2_lm, t
         spec = spec_c.complete(messages=chat, max_tokens=24, speculate=True)
     assert spec.token_ids == plain.token_ids
     assert spec.stats.head_draft_tokens > 0 and spec.stats.accepted_head_draft_tokens > 0
+
+
+def test_cut_inside_a_prompt_span_of_several_prefills_keeps_parity(tiny_bundle, tiny_cloud, plain_tokens,
+                                                                   monkeypatch):
+    """The session's limits cut one front chunk into several Prefill messages; the link drops after the second
+    goes out. Every message of the span was recorded before the first was sent, so the recovery sends the rest
+    (a span recorded only as far as it was sent would leave a gap the cloud never fills)."""
+    import dataclasses
+
+    from edge_client import generation
+
+    real = generation.prefill_messages
+
+    def small(request_id, hidden, codec, limits, **kw):
+        return real(request_id, hidden, codec, dataclasses.replace(limits, max_prefill_chunk_tokens=4), **kw)
+
+    monkeypatch.setattr(generation, "prefill_messages", small)
+    with LinkEmulator(tiny_cloud.port, SLOW) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY,
+                       cache_prompts=False) as c:
+        s = c.session
+        real_send, prefills = s._send, []
+
+        async def send(msg):
+            n = await real_send(msg)
+            if isinstance(msg, P.Prefill):
+                prefills.append(msg.start)
+                if len(prefills) == 2:
+                    proxy.cut()
+            return n
+
+        s._send = send
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+    assert gen.token_ids == plain_tokens
+    assert proxy.cuts == 1 and gen.stats.reconnects >= 1
+    assert prefills[:2] == [0, 4] and max(prefills) == 4 * ((len(PROMPT) - 1) // 4)  # the span went up whole

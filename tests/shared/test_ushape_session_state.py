@@ -1,6 +1,7 @@
 """shared.session_state on u-shape requests (``Prefill.return_states``): States answer every span, a StatesStep
 stands only once every position was returned, may roll the server's positions back to the prompt's end at the
-earliest, carries at most ``max_draft_tokens + 1`` rows; DecodeStep, SpecStep and Resume are refused."""
+earliest, carries at most ``max_draft_tokens + 1`` rows; DecodeStep and SpecStep are refused, and a Resume
+claims no more positions than were returned (the rest: test_ushape_resume_rules.py)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_sampling_messages_and_resume_are_refused_and_cancel_ends_it():
     s.on_server(P.States(request_id="r", start=0, hidden=_hidden(5)))
     _refused(s, P.SpecStep(request_id="r", position=5, hidden=_hidden(2), draft_ids=[3]), "bad_state")
     s, track = _open()
-    _refused(s, P.Resume(request_id="r", have_tokens=0), "resume_failed")  # replayed, never resumed
+    _refused(s, P.Resume(request_id="r", have_tokens=1), "bad_position")  # no States returned yet
     s, track = _open()
     assert s.on_client(P.Cancel(request_id="r")) is track
     s.on_server(P.Tokens(request_id="r", index=0, token_ids=[], finish_reason="cancelled"))
