@@ -231,9 +231,15 @@ class EdgeClient:
         private level also restricts drafts to the cloud's own outputs and keys prefixes with the secret."""
         sizer = self.session.sizer
         tail = self.session.ushape is not None  # a bundle split with --tail: its cloud returns states, never samples
+        # speculation's gain: the better of prompt lookup and, where the server offers them, the cloud's drafts (a
+        # u-shape cloud never sees a token and offers none)
+        w = self.session.welcome
+        sizers = [sizer, self.session.cloud_sizer] if (not tail and self.config.cloud_drafts and w is not None
+                                                       and w.server.cloud_drafts > 0) else [sizer]
+        gain = max(s.expected_tokens(s.choose()) for s in sizers) if spec.speculate else 1.0
         dep = Deployment(split=not tail, u_shape=tail, all_cloud=self.all_cloud is not None,
                          edge_only=self.whole_model is not None, boundary_bytes_per_token=2.0 * self.runtime.hidden_size,
-                         split_tokens_per_round_trip=sizer.expected_tokens(sizer.choose()) if spec.speculate else 1.0)
+                         split_tokens_per_round_trip=gain)
         link = LinkState(connected=self.link_up, rtt_ms=sizer.round_s * 1000)
         shape = RequestShape(len(spec.prompt_ids), spec.max_tokens,
                              images=spec.media.count("image") if spec.media is not None else 0)
