@@ -51,7 +51,12 @@ lm_head in u-shape) and ``draft_ms_per_token`` (the bundle drafter's compute per
 over the prompt included).
 
     python bench/speculation_bench.py [--rtts 20,80,150] [--chat 4] [--agent-tasks 3] [--max-tokens 48] \
-        [--drafter layers|lens|none] [--draft-layers auto|8,12,...] [--draft-budget 6] [--only chat,agent]
+        [--drafter layers|lens|cloud|none] [--draft-layers auto|8,12,...] [--draft-budget 6] [--only chat,agent] \
+        [--cloud-device cpu|cuda]
+
+``--cloud-device cuda`` runs the servers on the GPU (fp32, batch-invariant, so plain and speculative steps
+compute the same rows; ``bench/gpu_session.sh speculation`` on the device machine), the phones and the link
+emulator stay on the host's CPU.
 
 Writes ``docs/results/speculation.json``. ``--policy-table`` instead writes ``docs/results/exec_mode_policy.json``:
 the execution-mode policy's choice (``shared.exec_mode``) for the chat and agent request shapes on each of the

@@ -59,10 +59,13 @@ def test_u_shape_server_returns_middle_states_and_rolls_back(tiny_glm4_ushape_bu
         f.truncate(11)  # two drafts rejected: the next step starts at 11 and the server drops [11, 13)
         await edge.send(P.StatesStep(request_id="u", position=11, hidden=edge.encode(boundary(f, [45, 46]))))
         got.update(await _states(edge, "u", 13))
+        # a Resume names the positions whose States the edge holds (none here): the server rolls back to them
         await edge.send(P.Resume(request_id="u", have_tokens=0))
-        err = await edge.recv(timeout=30)
-        assert isinstance(err, P.Error) and err.code == "resume_failed" and err.request_id == "u"
-        # the Resume refusal closed the request (as every request-level refusal does)
+        back = await edge.recv(timeout=30)
+        assert isinstance(back, P.Resumed) and (back.request_id, back.received, back.index) == ("u", 0, 0)
+        await edge.send(P.Cancel(request_id="u"))
+        end = await edge.recv(timeout=30)
+        assert isinstance(end, P.Tokens) and end.request_id == "u" and end.finish_reason == "cancelled"
         await edge.send(P.Prefill(request_id="t", start=0, hidden=edge.encode(h[:6]), params=P.SamplingParams()))
         err = await edge.recv(timeout=30)
         assert isinstance(err, P.Error) and err.code == "bad_input" and "return_states" in err.message

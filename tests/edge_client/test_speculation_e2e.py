@@ -83,7 +83,8 @@ def _cut_after_spec(client: EdgeClient, proxy: LinkEmulator, which: int, delay_s
     return sent_positions
 
 
-@pytest.mark.parametrize("delay_s,lost", [(0.0, "the SpecStep"), (0.3, "the verdict")])
+@pytest.mark.parametrize("delay_s,lost", [pytest.param(0.0, "the SpecStep", marks=pytest.mark.slow),
+                                          (0.3, "the verdict")])
 def test_cut_mid_speculative_step_keeps_parity(tiny_bundle, tiny_cloud, plain_tokens, delay_s, lost):
     with LinkEmulator(tiny_cloud.port, SLOW) as proxy, \
             EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY,

@@ -112,7 +112,8 @@ def test_cut_mid_prompt_upload_resumes_with_parity(tiny_glm4_ushape_bundle, clou
     assert all(m.params is None for m in _after_cut(sent) if isinstance(m, P.Prefill))  # the same request
 
 
-@pytest.mark.parametrize("delay_s,lost", [(0.0, "the speculative step"), (0.3, "its States")])
+@pytest.mark.parametrize("delay_s,lost", [pytest.param(0.0, "the speculative step", marks=pytest.mark.slow),
+                                          (0.3, "its States")])
 def test_cut_with_a_speculative_step_in_flight_resumes_with_parity(tiny_glm4_ushape_bundle, cloud, reference,
                                                                    delay_s, lost):
     n = N_SPEC

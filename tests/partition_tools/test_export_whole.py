@@ -35,6 +35,7 @@ def test_fp32_whole_graph_greedy_equals_torch(whole_fp32, tiny_glm4_lm):
     assert meta["num_layers"] == 4 and meta["quant"] == "fp32"
 
 
+@pytest.mark.slow  # the rig's all-edge runs use the fp32 export in the default suite
 def test_int8_whole_graph_quantizes_the_lm_head(tmp_path, tiny_glm4_lm):
     meta = export_whole(tiny_glm4_lm, tmp_path / "int8", "int8")
     model = onnx.load(str(tmp_path / "int8" / "model.onnx"))

@@ -125,6 +125,7 @@ def test_unsupported_layout_falls_back_to_the_plain_graph(tmp_path):
         build_front(adapter, N, tmp_path / "x.onnx", graph="fast")
 
 
+@pytest.mark.slow  # test_unsupported_layout_falls_back_to_the_plain_graph keeps the fallback in the default suite
 def test_head_dim_gqa_cannot_run_falls_back_to_plain(llama_dir, tmp_path):
     """conftest's Llama has head_dim 12: auto writes the plain graph, and a split with it still works."""
     lm = load_model(str(llama_dir))
