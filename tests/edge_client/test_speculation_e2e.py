@@ -97,6 +97,7 @@ def test_cut_mid_speculative_step_keeps_parity(tiny_bundle, tiny_cloud, plain_to
         assert len(positions) != len(set(positions))
 
 
+@pytest.mark.slow  # a restart's replay stays in the default suite (test_end_to_end, test_ushape_resume)
 def test_cloud_restart_mid_speculative_step_replays_with_parity(tiny_bundle, tmp_path, plain_tokens):
     with LocalCloud(tiny_bundle, log_path=tmp_path / "cloud.log") as cloud, \
             EdgeClient(tiny_bundle, cloud.ws_url, codec="fp16", retry=RETRY, draft_k=K) as c:
@@ -144,6 +145,7 @@ def test_draft_head_drafts_keep_greedy_parity(head_bundle, tiny_cloud):
 # -- SmolLM2: real weights ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # SmolLM2 (real weights); the tiny GLM-4 parity tests stay in the default suite
 def test_smollm2_speculative_greedy_equals_plain(smollm2_bundle, tmp_path):
     chat = [{"role": "system", "content": "You copy the user's list exactly."},
             {"role": "user", "content": "Repeat this list twice: apples, pears, plums, cherries, grapes."}]

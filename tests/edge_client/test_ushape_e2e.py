@@ -98,6 +98,7 @@ def test_smollm2_ushape_equals_plain_split(smollm2_bundle, smollm2_ushape_bundle
     assert u_spec.stats.accepted_draft_tokens > 0 and u_spec.stats.decode_round_trips < u.stats.decode_round_trips
 
 
+@pytest.mark.slow  # tests/edge_client/test_vision_e2e.py keeps screenshots through the real server by default
 def test_screenshot_through_u_shape_equals_unsplit(tiny_glm4v_lm, split_bundle, tmp_path):
     """GLM-4.1V (3-D rope): the image's positions travel with the states and feed the tail's rotary inputs."""
     from test_vision_e2e import N_NEW as V_NEW
