@@ -33,3 +33,27 @@ def smollm2_bundle(smollm2_fp32_bundle) -> Path:
 def tiny_reference(tiny_bundle, tiny_glm4_lm):
     """The unsplit tiny-glm4 model (same seed as the bundle) for token-for-token comparisons."""
     return tiny_glm4_lm.model
+
+
+@pytest.fixture(scope="session")
+def ushape_cloud(tiny_glm4_ushape_bundle, tmp_path_factory):
+    """A real `autoglm-cloud serve` of the tiny u-shape bundle, shared by the u-shape end-to-end modules."""
+    from edge_client.demo import LocalCloud
+
+    with LocalCloud(tiny_glm4_ushape_bundle, log_path=tmp_path_factory.mktemp("cloud-log") / "ushape.log") as cloud:
+        yield cloud
+
+
+@pytest.fixture(scope="session")
+def greedy_continuation():
+    """``fn(lm, prompt, n)``: the unsplit model's ``n`` greedy tokens after ``prompt`` (no stop token)."""
+    return _greedy_continuation
+
+
+def _greedy_continuation(lm, prompt: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = lm.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 
 import pytest
-import torch
 from test_speculation_e2e import N_NEW, PROMPT, RETRY
 
 from edge_client.client import EdgeClient
@@ -22,17 +21,13 @@ from shared import protocol as P
 
 
 @pytest.fixture(scope="module")
-def cloud(tiny_glm4_ushape_bundle, tmp_path_factory):
-    with LocalCloud(tiny_glm4_ushape_bundle, log_path=tmp_path_factory.mktemp("cloud-log") / "ushape.log") as c:
-        yield c
+def cloud(ushape_cloud):
+    return ushape_cloud  # one server for the u-shape modules (conftest)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_glm4_lm) -> list[int]:
-    with torch.no_grad():
-        out = tiny_glm4_lm.model.generate(torch.tensor([PROMPT]), max_new_tokens=N_NEW, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+def reference(tiny_glm4_lm, greedy_continuation) -> list[int]:
+    return greedy_continuation(tiny_glm4_lm, PROMPT, N_NEW)
 
 
 def _recording(client: EdgeClient) -> tuple[list, list]:

@@ -15,7 +15,6 @@ import asyncio
 
 import numpy as np
 import pytest
-import torch
 import websockets
 from test_speculation_e2e import K, PROMPT, RETRY, SLOW
 
@@ -31,17 +30,13 @@ N_SPEC = 24  # enough for prompt lookup to find drafts
 
 
 @pytest.fixture(scope="module")
-def cloud(tiny_glm4_ushape_bundle, tmp_path_factory):
-    with LocalCloud(tiny_glm4_ushape_bundle, log_path=tmp_path_factory.mktemp("cloud-log") / "resume.log") as c:
-        yield c
+def cloud(ushape_cloud):
+    return ushape_cloud  # one server for the u-shape modules (conftest)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_glm4_lm) -> list[int]:
-    with torch.no_grad():
-        out = tiny_glm4_lm.model.generate(torch.tensor([PROMPT]), max_new_tokens=N_SPEC, do_sample=False,
-                                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(PROMPT):].tolist()
+def reference(tiny_glm4_lm, greedy_continuation) -> list[int]:
+    return greedy_continuation(tiny_glm4_lm, PROMPT, N_SPEC)
 
 
 def _cutting(client: EdgeClient, proxy: LinkEmulator, when, delay_s: float, prefill_pause_s: float = 0.0) -> list:
