@@ -178,8 +178,7 @@ class DraftSizer:
             self._accepted = d * self._accepted + (1 - d) * cfg.prior_alpha * cfg.prior_weight
             self._tried = d * self._tried + (1 - d) * cfg.prior_weight
             return
-        self._accepted = d * self._accepted + accepted
-        self._tried = d * self._tried + accepted + (1 if accepted < drafts else 0)
+        self._verdict(accepted, rejected=accepted < drafts)
         if step_s is not None and self._round_measured:  # a draft's cost: what it adds to a plain step
             # one slow step (a busy CPU, a retransmission) must not price drafts out for good: the k + 1 rows
             # run in one pass, so a sample is capped at half a round trip
@@ -194,9 +193,13 @@ class DraftSizer:
         if n == 0:
             return
         agreed = next((i for i in range(n) if drafts[i] != truth[i]), n)
+        self._verdict(agreed, rejected=agreed < n)
+
+    def _verdict(self, accepted: int, rejected: bool) -> None:
+        """A verdict on drafts: ``accepted`` of them agreed, then one was rejected (or none was judged)."""
         d = self.config.decay
-        self._accepted = d * self._accepted + agreed
-        self._tried = d * self._tried + agreed + (1 if agreed < n else 0)
+        self._accepted = d * self._accepted + accepted
+        self._tried = d * self._tried + accepted + (1 if rejected else 0)
 
     def rate(self, k: int, server_paid: bool = False) -> float:
         """Expected tokens per second of a step with ``k`` drafts (``server_paid``: the server has drafted them
