@@ -150,6 +150,39 @@ ARMS: dict[str, tuple[str, dict | str | None]] = {
     "int8-had-all": ("int8", {**I8, "rotate": ["layers.*"]}),
     "int8-had-all-kv8": ("int8", {**I8, "rotate": ["layers.*"], "kv_cache": "int8"}),
     "int8-layer0-fp32": ("int8", {**I8, "keep_float": ["layers.0.*"]}),
+    # the checkpoint's own 4-bit grid kept in the 8-bit codes (partition_tools.source_grid); no smoothing
+    # (per-channel scales would move the weights off their grid)
+    "int8-grid": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset"}),
+    "int8-grid-exact": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "exact"}),
+    "int8-grid-nofloat": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
+                                   "float_outliers": 0}),
+    **{f"int8-grid-{part}-fp32": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
+                                            "keep_float": [f"layers.*.{path}"]})
+       for part, path in (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"), ("gate_up", "mlp.gate_up_proj"),
+                          ("down", "mlp.down_proj"))},
+    **{f"int8-grid-oc{k}": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
+                                     "outlier_channels": k}) for k in (4, 8, 16, 32, 64)},
+    **{f"int8-grid-oc16-{part}": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
+                                            "outlier_channels": 16, "outlier_channel_patterns": [f"layers.*.{path}"]})
+       for part, path in (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"), ("gate_up", "mlp.gate_up_proj"),
+                          ("down", "mlp.down_proj"))},
+    "int8-grid-oc4-r10": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
+                                   "outlier_channels": 4, "outlier_channel_min_ratio": 10.0}),
+    "int8-grid-oc16-r10": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
+                                    "outlier_channels": 16, "outlier_channel_min_ratio": 10.0}),
+    "int8-grid-oc8-r10": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
+                                   "outlier_channels": 8, "outlier_channel_min_ratio": 10.0}),
+    "int8-grid-b16": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset", "block_size": 16}),
+    "int8-grid-b16-oc4": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset", "block_size": 16,
+                                   "outlier_channels": 4}),
+    # the source's own 4-bit codes (scale d, 4-bit zero point) + the offsets' fp32 correction sharing the side path
+    **{f"int4-grid-oc{k}": ("int4", {"base": RECIPE, "smooth_alpha": None, "source_grid": "exact",
+                                     "outlier_channels": k}) for k in (8, 16, 32)},
+    "int4-grid": ("int4", {"base": RECIPE, "smooth_alpha": None, "source_grid": "exact"}),
+    "int8-grid-oc16-nofloat": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
+                                        "outlier_channels": 16, "float_outliers": 0}),
+    "int8-grid-acc1": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "exact",
+                                "accuracy_level": 1}),
     "int8-layer7-fp32": ("int8", {**I8, "keep_float": ["layers.7.*"]}),
 }
 

@@ -43,32 +43,36 @@ import numpy as np
 
 from split_bundles import cached_split, choices, common_args
 
-VARIANTS = {  # name -> (edge_graph, edge_quant, int8 KV cache: built from the fused fp32 front)
-    "fused-int8": ("fused", "int8", False),
-    "fused-int8-kv8": ("fused", "int8", True),
-    "fused-int4": ("fused", "int4", False),
-    "fused-fp32": ("fused", "fp32", False),
-    "plain-int8": ("plain", "int8", False),
-    "plain-fp32": ("plain", "fp32", False),
+ROUNDED = {"smooth_alpha": 0.5, "source_grid": None, "outlier_channels": 0}  # the recipe for a bf16 source
+VARIANTS = {  # name -> (edge_graph, edge_quant, quantize_front overrides: then built from the fused fp32 front)
+    "fused-int8": ("fused", "int8", None),
+    "fused-int8-kv8": ("fused", "int8", {"kv_cache": "int8"}),
+    "fused-int8-rounded": ("fused", "int8", ROUNDED),  # a grid source quantized as a bf16 one would be
+    "fused-int4": ("fused", "int4", None),
+    "fused-fp32": ("fused", "fp32", None),
+    "plain-int8": ("plain", "int8", None),
+    "plain-fp32": ("plain", "fp32", None),
 }
 
 
 def build_bundles(lm, layer: int, work: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
-    """name -> (bundle, edge graph): one split per (graph, quant); int8-KV graphs beside the fp32 bundle."""
+    """name -> (bundle, edge graph): one split per (graph, quant); variants with overrides (the int8 KV cache,
+    the rounded recipe) as graphs beside the fp32 bundle."""
     from partition_tools.adapters import ModelAdapter
     from partition_tools.quantize import kv_calibration_tokens, quantize_front, recipe_for
 
     out = {}
     for name in names:
-        graph, quant, kv8 = VARIANTS[name]
-        path = cached_split(lm, layer, work / (f"{graph}-fp32" if kv8 else name), "fp32" if kv8 else quant, graph)
+        graph, quant, extra = VARIANTS[name]
+        path = cached_split(lm, layer, work / (f"{graph}-fp32" if extra else name), "fp32" if extra else quant, graph)
         front = path / "edge" / "front.onnx"
-        if kv8:
+        if extra:
             adapter = ModelAdapter(lm.model)
             front = work / f"{name}.onnx"
-            recipe = recipe_for(adapter, layer, quant, lm.tokenizer) if quant != "fp32" else {}
-            quantize_front(path / "edge" / "front.onnx", front, quant, kv_cache="int8",
-                           kv_calibration_ids=kv_calibration_tokens(lm.tokenizer, adapter.vocab_size), **recipe)
+            recipe = {**recipe_for(adapter, layer, quant, lm.tokenizer), **extra}
+            if "kv_cache" in extra:
+                recipe["kv_calibration_ids"] = kv_calibration_tokens(lm.tokenizer, adapter.vocab_size)
+            quantize_front(path / "edge" / "front.onnx", front, quant, **recipe)
         out[name] = (path, front)
     return out
 

@@ -180,7 +180,7 @@ def metric_sum(text: str, name: str) -> float:
 
 async def one_session(url: str, manifest: Manifest, ids: list[int], route: bool, block: int = 16) -> None:
     """One new session through the router: the whole prompt (start 0) with its prefix keys, 2 tokens."""
-    keys = block_keys(ids, KeyScope(manifest.bundle_id, manifest.edge_quant, "fp16"), block)
+    keys = block_keys(ids, KeyScope(manifest.bundle_id, manifest.states_variant, "fp16"), block)
     headers = {"X-Autoglm-Prefix-Key": keys[0]} if route and keys else {}
     codec = get_codec("fp16")
     hidden = np.random.default_rng(len(ids)).standard_normal((len(ids), manifest.hidden_size), np.float32)

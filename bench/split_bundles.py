@@ -32,18 +32,34 @@ def choices(p: argparse.ArgumentParser, value: str, known, what: str) -> list[st
     return names
 
 
+def _partition_code_stamp() -> str:
+    """A digest of the partition tool's sources: a bundle split by other code (another recipe) is rebuilt."""
+    import hashlib
+
+    import partition_tools
+
+    h = hashlib.sha256()
+    for f in sorted(Path(partition_tools.__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def cached_split(lm, layer: int, out: Path, edge_quant: str = "fp32", edge_graph: str = "fused") -> Path:
-    """``out``, split from ``lm`` at ``layer`` unless a bundle of the same source and layer is already there."""
+    """``out``, split from ``lm`` at ``layer`` unless a bundle of the same source, layer and partition code is
+    already there."""
     from partition_tools.split import SplitConfig, split
     from shared.manifest import BundleError, Manifest
 
+    stamp = out / ".bench-code-stamp"
     try:
         m = Manifest.load(out)
-        if m.source_identity == lm.identity and m.split_layer == layer and m.edge_quant == edge_quant:
+        if (m.source_identity == lm.identity and m.split_layer == layer and m.edge_quant == edge_quant
+                and stamp.is_file() and stamp.read_text() == _partition_code_stamp()):
             return out
     except BundleError:
         pass
     split(lm, SplitConfig(layer=layer, out=out, edge_quant=edge_quant, edge_graph=edge_graph))
+    stamp.write_text(_partition_code_stamp())
     return out
 
 

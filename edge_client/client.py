@@ -97,7 +97,7 @@ class EdgeClient:
         cache = ActivationCache(
             manifest.bundle_id, runtime.n_layers, runtime.kv_heads, runtime.head_dim,
             runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
-            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.edge_variant)
+            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.states_variant)
         return manifest, runtime, tokenizer, cache
 
     async def _update_bundle(self, bundle_ids: list[str]) -> bool:

@@ -419,7 +419,7 @@ class Session:
                     "return_states": True}
         params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
                                   top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
-        scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_variant, req.codec,  # what produces the states
+        scope = KeyScope(self.manifest.bundle_id, self.manifest.states_variant, req.codec,  # what produces the states
                          secret=spec.prefix_secret)  # private levels: the cloud cannot recompute the keys
         content = spec.media.content(self.block_size) if spec.media is not None else None  # image/audio digests
         return {"params": params, "prefix_keys": block_keys(spec.prompt_ids, scope, self.block_size, content),
@@ -881,7 +881,7 @@ class Session:
         preloaded prompt of at least a block also names the link's routing key (``transport.route_key``: its
         first prefix key, in the edge's block size and first codec, scoped by the API key's tenant)."""
         if self.link.route_key is None:
-            scope = KeyScope(self.manifest.bundle_id, self.manifest.edge_variant, next(iter(self.codecs)))
+            scope = KeyScope(self.manifest.bundle_id, self.manifest.states_variant, next(iter(self.codecs)))
             self.link.route_key = route_key(ids, scope, self.config.cache_block_tokens, self.config.api_key)
         if self._lock is None:
             self._lock = asyncio.Lock()

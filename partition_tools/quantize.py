@@ -18,6 +18,14 @@
   matrix folded into the weights (``partition_tools.rotation``), after smoothing;
 * ``gptq``: the 8-bit codes rounded by GPTQ on the calibration inputs (``partition_tools.gptq``) instead of to
   nearest;
+* ``source_grid`` (``"offset"`` | ``"exact"``): a MatMul whose fp32 weight already sits on a 16-level blockwise
+  grid (a Q4 GGUF checkpoint) keeps that grid in its codes instead of being rounded again
+  (``partition_tools.source_grid``; ``"exact"`` adds the remaining per-block offsets in fp32 and is what
+  4-bit codes need); weights off any grid are rounded as usual;
+* ``outlier_channels = k`` (LLM.int8()-style static decomposition, after smoothing): in each quantized
+  MatMul the k input channels with the largest calibration max |x| run in fp32 beside it and leave the int8
+  MatMul's activation blocks (``partition_tools.outlier_channels``); ``outlier_channel_min_ratio`` limits it
+  to MatMuls whose input's max / median channel ratio is at least that;
 * with ``kv_cache="int8"`` (fused graph only) the KV cache is stored as int8 with calibrated per-channel
   scales (``partition_tools.kv_quant``);
 * with ``embedding="int8"|"int4"`` the embedding table (the ``Gather`` that starts the graph, half of a
@@ -51,6 +59,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from .gptq import DAMP, gptq_round, write_codes
@@ -60,6 +69,7 @@ EMBEDDING_MODES = ("fp32", "int8", "int4")
 PREFILL_MODES = ("fp32",)  # the prompt-phase graph's weights (precision by phase); None: no such graph
 KV_MODES = ("fp32", "int8")  # int8: the fused graph's GroupQueryAttention cache (partition_tools.kv_quant)
 ACCURACY_LEVELS = (1, 2, 3, 4)  # MatMulNBits: 1 fp32, 2 fp16, 3 bf16, 4 int8 activation compute
+SOURCE_GRID_BLOCK = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block: the rows sharing one scale (and minimum)
 CALIBRATION_TOKENS = 512  # smoothing statistics: enough to see every outlier channel, < 1 s to collect
 
 
@@ -175,7 +185,9 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
                    kv_cache: str = "fp32", kv_calibration_ids: np.ndarray | None = None,
                    rotate: tuple[str, ...] | list[str] = (), float_outliers: int = 0,
                    outlier_patterns: tuple[str, ...] | list[str] = ("*.mlp.down_proj",),
-                   prefill: str | None = None, gptq: bool = False) -> dict:
+                   prefill: str | None = None, gptq: bool = False, source_grid: str | None = None,
+                   outlier_channels: int = 0, outlier_channel_patterns: tuple[str, ...] | list[str] = ("*",),
+                   outlier_channel_min_ratio: float = 0.0, outlier_channel_fold: bool = True) -> dict:
     """Quantize the fp32 edge graph ``src`` into ``dst``; returns the report recorded in the manifest.
 
     mode: int8 | int4 (fp32 is a plain copy). ``precise`` / ``keep_float``: module-path patterns run at
@@ -186,7 +198,9 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
     those with the most extreme calibration inputs, stay fp32 (:func:`outlier_matmuls`). ``prefill``: None,
     or ``"fp32"`` to write the prompt-phase graph beside ``dst`` (module docstring; report key ``prefill``).
     ``gptq``: round the 8-bit weights with GPTQ on the calibration inputs (``partition_tools.gptq``) instead of
-    to nearest.
+    to nearest. ``source_grid``: None, ``"offset"`` or ``"exact"``: the 8-bit weights of every MatMul whose
+    fp32 weight already sits on a 16-level blockwise grid (a Q4 checkpoint) keep that grid
+    (``partition_tools.source_grid``; ``"exact"`` also adds the remaining per-block offset in fp32).
     """
     if prefill is not None and prefill not in PREFILL_MODES:
         raise QuantizationError(f"prefill graph {prefill!r}: expected None or one of {', '.join(PREFILL_MODES)}")
@@ -204,9 +218,20 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
     emb_block = embedding_block_size or block_size
     if emb_block < 16 or emb_block & (emb_block - 1):
         raise QuantizationError(f"embedding block size {emb_block}: must be a power of two >= 16")
-    if (smooth_alpha is not None or float_outliers or gptq) and calibration_ids is None:
-        raise QuantizationError("smoothing, float_outliers and gptq need calibration_ids (token ids of calibration "
-                                "text)")
+    if (smooth_alpha is not None or float_outliers or gptq or outlier_channels) and calibration_ids is None:
+        raise QuantizationError("smoothing, float_outliers, outlier_channels and gptq need calibration_ids (token "
+                                "ids of calibration text)")
+    if outlier_channels < 0:
+        raise QuantizationError(f"outlier_channels {outlier_channels}: must be >= 0")
+    if outlier_channels and rotate:
+        raise QuantizationError("outlier_channels and rotate: pick one (the rotation would mix the split channels)")
+    if source_grid not in (None, "offset", "exact"):
+        raise QuantizationError(f"source grid {source_grid!r}: expected None, 'offset' or 'exact'")
+    if source_grid and (mode not in ("int8", "int4") or gptq):
+        raise QuantizationError(f"source grid: int8 / int4 weights rounded to nearest only (got {mode}, gptq={gptq})")
+    if source_grid == "offset" and mode == "int4":
+        raise QuantizationError("source grid 'offset' with int4 weights: the 4-bit zero points leave up to half a "
+                                "step of offset, use 'exact'")
     if gptq and (mode != "int8" or not symmetric):
         raise QuantizationError(f"gptq: symmetric int8 weights only (got {mode}, symmetric={symmetric})")
     if float_outliers < 0:
@@ -238,21 +263,32 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
 
         smoothed = smooth_norm_inputs(model, np.asarray(calibration_ids, dtype=np.int64).reshape(-1), smooth_alpha)
 
+    split: dict[str, dict] = {}
+    if outlier_channels:
+        from .outlier_channels import split_outlier_channels
+
+        keep = set(_matching(weight_matmuls(model), keep_float)) | set(outliers)
+        targets = [n for n in _matching(weight_matmuls(model), outlier_channel_patterns) if n not in keep]
+        split = split_outlier_channels(model, np.asarray(calibration_ids, dtype=np.int64).reshape(-1), targets,
+                                       outlier_channels, outlier_channel_min_ratio, outlier_channel_fold,
+                                       zero_rows=not source_grid)
+    sides = [v["side"] for v in split.values()]  # the fp32 side MatMuls: not quantized, not "float" MatMuls
     rotated: list[str] = []
     if rotate:
         from .rotation import rotate_matmul_inputs
 
         rotated = rotate_matmul_inputs(model, rotate, block_size)
-    paths = weight_matmuls(model)  # node name -> module path
+    paths = {n: p for n, p in weight_matmuls(model).items() if n not in sides}  # node name -> module path
     floats = _matching(paths, list(keep_float) + (["*.rot.hadamard"] if rotated else []))
     floats += [n for n in outliers if n not in floats]
     precise_nodes = [n for n in _matching(paths, precise) if n not in floats]
     bits = 8 if mode == "int8" else 4
     codes = {} if not gptq else _gptq_codes(model, [n for n in paths if n not in floats],
                                             np.asarray(calibration_ids, dtype=np.int64).reshape(-1), block_size)
+    grids = {} if not source_grid else _source_grids(model, [n for n in paths if n not in floats], block_size, bits)
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
-                             accuracy_level=accuracy_level, nodes_to_exclude=floats)
+                             accuracy_level=accuracy_level, nodes_to_exclude=floats + sides)
     q.process()
     model = q.model.model
     # per-node compute precision: the quantizer names each MatMulNBits "<matmul name>_Q<bits>"
@@ -263,6 +299,12 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
                                 f"{len(paths) - len(floats)} MatMuls; cannot apply per-node settings")
     for name, (qc, sc) in codes.items():
         write_codes(model, nbits[f"{name}_Q{bits}"], qc, sc, bits)
+    for name, grid in grids.items():
+        from .source_grid import add_offset_correction, write_codes as write_grid_codes
+
+        write_grid_codes(model, nbits[f"{name}_Q{bits}"], *grid[:3])
+        if source_grid == "exact":
+            add_offset_correction(model, nbits[f"{name}_Q{bits}"], grid[3], block_size, split.get(name))
     for name in wanted:
         for attr in nbits[name].attribute:
             if attr.name == "accuracy_level":
@@ -279,6 +321,10 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
         "float_matmuls": sorted(paths[n] for n in floats if not n.endswith(".rot.hadamard")),
         "rotated_matmuls": sorted(rotated), "embedding": "fp32",
         "float_outliers": {paths[n]: round(r, 1) for n, r in outliers.items()},
+        "outlier_channels": None if not outlier_channels else {
+            "k": outlier_channels, "min_ratio": outlier_channel_min_ratio, "fold": outlier_channel_fold,
+            "matmuls": {paths[n]: {"ratio": v["ratio"], "masked_by": v["masked_by"]} for n, v in split.items()}},
+        "source_grid": None if not source_grid else {"mode": source_grid, "matmuls": sorted(paths[n] for n in grids)},
         "rounding": "nearest" if not gptq else {
             "method": "GPTQ", "damp": DAMP, "matmuls": len(codes), "calibration_tokens": int(np.size(calibration_ids))},
     }
@@ -311,6 +357,22 @@ def _gptq_codes(model: onnx.ModelProto, names: list[str], ids: np.ndarray,
         x = xs[nodes[name].input[0]].astype(np.float64)  # [T, K]
         w = numpy_helper.to_array(inits[nodes[name].input[1]]).astype(np.float32)  # [K, N]
         out[name] = gptq_round(w, x.T @ x, 8, block)
+    return out
+
+
+def _source_grids(model: onnx.ModelProto, names: list[str], block: int, bits: int) -> dict[str, tuple]:
+    """name -> ``source_grid.grid_codes`` of each named MatMul whose weight is on a 16-level blockwise grid."""
+    from .source_grid import fit_grid, grid_codes
+
+    nodes = {n.name: n for n in model.graph.node}
+    inits = {i.name: i for i in model.graph.initializer}
+    out = {}
+    for name in names:
+        fit = fit_grid(numpy_helper.to_array(inits[nodes[name].input[1]]), max(block, SOURCE_GRID_BLOCK))
+        if fit is not None:
+            lo, d, q = fit
+            rep = max(1, SOURCE_GRID_BLOCK // block)  # smaller blocks: each a part of one source block
+            out[name] = grid_codes(np.repeat(lo, rep, axis=0), np.repeat(d, rep, axis=0), q, block, bits)
     return out
 
 
@@ -369,22 +431,39 @@ def kv_calibration_tokens(tokenizer, vocab_size: int, n: int = CALIBRATION_TOKEN
     return np.asarray(tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False), np.int64).reshape(-1)
 
 
+def on_source_grid(adapter, split_layer: int, block: int = SOURCE_GRID_BLOCK) -> bool:
+    """Whether every linear weight of the edge layers [0, split_layer) already sits on a 16-level blockwise
+    grid along its input dimension (a Q4_0 / Q4_1 / Q4_K checkpoint): ``partition_tools.source_grid``."""
+    from .source_grid import fit_grid
+
+    linears = [m for layer in list(adapter.layers)[:split_layer] for m in layer.modules()
+               if isinstance(m, torch.nn.Linear)]
+    return bool(linears) and all(fit_grid(m.weight.detach().float().numpy().T, block) is not None for m in linears)
+
+
 def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) -> dict:
     """The default recipe for ``mode`` (kwargs of :func:`quantize_front`); docs/quality.md has the numbers.
 
     int8: every MatMul as MatMulNBits 8-bit, block 32, accuracy level 4 (int8 activations: the fast path),
     except the two down_proj with the most extreme inputs (``float_outliers=2``: the massive-activation
-    layers, SmolLM2's 1 and 2), which stay fp32 - the cheapest fix for the answers that int8 flips (+6 of 40
-    tuning answers for ~10 % of the decode speed-up); SmoothQuant alpha 0.5 folded into the RMSNorm weights
-    (free at run time; cuts the error of the norm-fed q/k/v and gate/up MatMuls by about a third on
-    SmolLM2); embedding table int8 block 32 (3/4 of its bytes saved, no measurable loss). int4: the same with
-    4-bit MatMul weights and no fp32 down_proj (a separate, smaller variant); the table stays int8 (a 4-bit
-    table alone costs more KL than all 8-bit MatMuls together).
+    layers, SmolLM2's 1 and 2), which stay fp32; embedding table int8 block 32 (3/4 of its bytes saved, no
+    measurable loss). Then, by the source:
+
+    * a checkpoint already on a 4-bit grid (:func:`on_source_grid`, SmolLM2's Q4_1 GGUF): the 8-bit codes keep
+      that grid (``source_grid="offset"``: the weights are the source's, to ~1/140 of a 4-bit step), no
+      smoothing (it would move the weights off their grid), and the 16 largest calibration input channels of
+      every MatMul in fp32 beside it (``outlier_channels=16``): with exact weights the int8 *activations*
+      are what flips answers. Held-out, served: 48/60 answers identical to the unsplit model vs 40/60 for the
+      rounded recipe, for ~10 % more step time;
+    * otherwise (bf16 / fp32 checkpoints): round to nearest, SmoothQuant alpha 0.5 folded into the RMSNorm
+      weights (free at run time; cuts the error of the norm-fed q/k/v and gate/up MatMuls by about a third).
+
+    int4: 4-bit MatMul weights, smoothing, no fp32 down_proj (a separate, smaller variant); the table stays
+    int8 (a 4-bit table alone costs more KL than all 8-bit MatMuls together).
     """
     if mode not in ("int8", "int4"):
         raise QuantizationError(f"no quantization recipe for {mode!r}")
-    del split_layer  # one recipe for every split so far; kept for per-layer recipes
-    return {
+    recipe = {
         "block_size": 32,
         "accuracy_level": 4,
         "embedding": "int8",
@@ -392,3 +471,6 @@ def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) ->
         "float_outliers": 2 if mode == "int8" else 0,
         "calibration_ids": calibration_tokens(tokenizer, adapter.vocab_size),
     }
+    if mode == "int8" and on_source_grid(adapter, split_layer):
+        recipe.update(smooth_alpha=None, source_grid="offset", outlier_channels=16)
+    return recipe

@@ -36,6 +36,9 @@ MANIFEST_NAME = "manifest.json"
 # the cloud drafter (partition_tools.cloud_drafter): [V, H] float16, row v approximates token v's boundary state
 CLOUD_DRAFT_INPUTS = "cloud/draft_inputs.npy"
 ID_EXCLUDED_ROLES = ("edge", "cloud-draft")  # artifacts outside the bundle id (docstring)
+# the edge graphs whose weights compute the states the prefix keys name (Manifest.states_variant): the front,
+# its prompt-phase copy, the encoders whose rows the front reads; not the drafters or the u-shape tail
+STATE_GRAPHS = ("edge/front.onnx", "edge/front_prefill.onnx", "edge/vision.onnx", "edge/audio.onnx")
 
 
 class BundleError(Exception):
@@ -104,6 +107,16 @@ class Manifest:
         front (``quant_report["prefill"]``: precision by phase, ``edge_client.front``)."""
         prefill = self.quant_report.get("prefill")
         return f"{self.edge_quant}+{prefill['mode']}-prefill" if prefill else self.edge_quant
+
+    @property
+    def states_variant(self) -> str:
+        """What the prefix keys and the edge's activation cache name as the edge variant: ``edge_variant`` and a
+        digest of the edge graphs that compute the states (``STATE_GRAPHS``), e.g. ``int8#3fa2c1d09b7e5a10`` - two
+        int8 fronts of one split quantized by different recipes compute different states, and share the
+        cloud half (the bundle id leaves the edge graphs out)."""
+        digest = hashlib.sha256("".join(f"{p}={self.artifacts[p].sha256};" for p in STATE_GRAPHS
+                                        if p in self.artifacts).encode()).hexdigest()[:16]
+        return f"{self.edge_variant}#{digest}"
 
     @property
     def cloud_layers(self) -> tuple[int, int]:

@@ -136,7 +136,7 @@ def test_the_real_edge_sends_its_preloaded_prompts_route_key_and_lands_where_it_
                     client.close()
         log = router.access_log()
     h1, q1 = counters()
-    want = {route_key(sp, KeyScope(manifest.bundle_id, manifest.edge_quant, codec0), 16, None) for sp in systems}
+    want = {route_key(sp, KeyScope(manifest.bundle_id, manifest.states_variant, codec0), 16, None) for sp in systems}
     pinned: dict[str, set[str]] = {}
     for line in log:
         m = re.search(r"upstream=(\S+) prefix=(\S+)", line)

@@ -135,7 +135,7 @@ def test_private_split_sends_no_raw_text_and_no_prompt_drafts(tiny_bundle, cloud
     # the keys the cloud got are not the unsalted chain anyone can compute for a guessed prompt
     keys = [k for m in sent if isinstance(m, P.Prefill) for k in m.prefix_keys]
     assert keys
-    guess = block_keys(prompt_ids, KeyScope(c.manifest.bundle_id, c.manifest.edge_quant, "fp16"), 16)
+    guess = block_keys(prompt_ids, KeyScope(c.manifest.bundle_id, c.manifest.states_variant, "fp16"), 16)
     assert not set(keys) & set(guess)
 
 
