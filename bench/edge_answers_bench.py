@@ -117,15 +117,20 @@ I8 = {"mode": "int8", "block_size": 32, "accuracy_level": 4, "embedding": "int8"
 DOWN = ["layers.*.mlp.down_proj"]
 PF = {"prefill": "fp32"}  # precision by phase: the prompt through an fp32 graph, decode steps quantized
 RECIPE = "recipe"
+ROUNDED = "rounded"  # recipe_for with the rounded recipe's settings (a source on no grid gets it by default)
+ROUNDED_SETTINGS = {"smooth_alpha": 0.5, "source_grid": None, "outlier_channels": 0}
+GRID = {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset", "outlier_channels": 0}
+PARTS = (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"), ("gate_up", "mlp.gate_up_proj"),
+         ("down", "mlp.down_proj"))
 # arm -> (manifest edge_quant, quantize_front kwargs on the fused fp32 graph); None: the fp32 graph itself;
 # "recipe": recipe_for(mode) - the shipped default of `autoglm-partition split --edge-quant mode`; a dict with
 # "base": "recipe": that default with the dict's other keys changed
 ARMS: dict[str, tuple[str, dict | str | None]] = {
     "fp32": ("fp32", None),
     "int8": ("int8", RECIPE),
-    "int8-pf32": ("int8", {"base": RECIPE, **PF}),  # the default + precision by phase (split --fp32-prefill)
-    "int8-pf32-gptq": ("int8", {"base": RECIPE, **PF, "gptq": True}),  # + GPTQ rounding of the int8 weights
-    "int8-gptq": ("int8", {"base": RECIPE, "gptq": True}),
+    "int8-pf32": ("int8", {"base": ROUNDED, **PF}),  # the default + precision by phase (split --fp32-prefill)
+    "int8-pf32-gptq": ("int8", {"base": ROUNDED, **PF, "gptq": True}),  # + GPTQ rounding of the int8 weights
+    "int8-gptq": ("int8", {"base": ROUNDED, "gptq": True}),
     "int8-prev": ("int8", I8),  # the default recipe before the fp32 down_proj (float_outliers=2)
     "int8-prev-pf32": ("int8", {**I8, **PF}),  # no fp32 down_proj, fp32 prompt
     "int4": ("int4", RECIPE),
@@ -150,40 +155,27 @@ ARMS: dict[str, tuple[str, dict | str | None]] = {
     "int8-had-all": ("int8", {**I8, "rotate": ["layers.*"]}),
     "int8-had-all-kv8": ("int8", {**I8, "rotate": ["layers.*"], "kv_cache": "int8"}),
     "int8-layer0-fp32": ("int8", {**I8, "keep_float": ["layers.0.*"]}),
-    # the checkpoint's own 4-bit grid kept in the 8-bit codes (partition_tools.source_grid); no smoothing
-    # (per-channel scales would move the weights off their grid)
-    "int8-grid": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset"}),
-    "int8-grid-exact": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "exact"}),
-    "int8-grid-nofloat": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
-                                   "float_outliers": 0}),
-    **{f"int8-grid-{part}-fp32": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
-                                            "keep_float": [f"layers.*.{path}"]})
-       for part, path in (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"), ("gate_up", "mlp.gate_up_proj"),
-                          ("down", "mlp.down_proj"))},
-    **{f"int8-grid-oc{k}": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
-                                     "outlier_channels": k}) for k in (4, 8, 16, 32, 64)},
-    **{f"int8-grid-oc16-{part}": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
-                                            "outlier_channels": 16, "outlier_channel_patterns": [f"layers.*.{path}"]})
-       for part, path in (("qkv", "self_attn.qkv_proj"), ("o", "self_attn.o_proj"), ("gate_up", "mlp.gate_up_proj"),
-                          ("down", "mlp.down_proj"))},
-    "int8-grid-oc4-r10": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
-                                   "outlier_channels": 4, "outlier_channel_min_ratio": 10.0}),
-    "int8-grid-oc16-r10": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
-                                    "outlier_channels": 16, "outlier_channel_min_ratio": 10.0}),
-    "int8-grid-oc8-r10": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
-                                   "outlier_channels": 8, "outlier_channel_min_ratio": 10.0}),
-    "int8-grid-b16": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset", "block_size": 16}),
-    "int8-grid-b16-oc4": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset", "block_size": 16,
-                                   "outlier_channels": 4}),
-    # the source's own 4-bit codes (scale d, 4-bit zero point) + the offsets' fp32 correction sharing the side path
-    **{f"int4-grid-oc{k}": ("int4", {"base": RECIPE, "smooth_alpha": None, "source_grid": "exact",
-                                     "outlier_channels": k}) for k in (8, 16, 32)},
-    "int4-grid": ("int4", {"base": RECIPE, "smooth_alpha": None, "source_grid": "exact"}),
-    "int8-grid-oc16-nofloat": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "offset",
-                                        "outlier_channels": 16, "float_outliers": 0}),
-    "int8-grid-acc1": ("int8", {"base": RECIPE, "smooth_alpha": None, "source_grid": "exact",
-                                "accuracy_level": 1}),
     "int8-layer7-fp32": ("int8", {**I8, "keep_float": ["layers.7.*"]}),
+    "int8-rtn": ("int8", {"base": ROUNDED}),  # the rounded recipe (the int8 default before the source grid)
+    # the checkpoint's own 4-bit grid kept in the 8-bit codes (partition_tools.source_grid), no smoothing (per-
+    # channel scales would move the weights off their grid), and k outlier channels (partition_tools.
+    # outlier_channels); int8-grid-oc16 is the default recipe for a grid source
+    "int8-grid": ("int8", GRID),
+    "int8-grid-exact": ("int8", {**GRID, "source_grid": "exact"}),  # + the offsets' residual in fp32
+    "int8-grid-acc1": ("int8", {**GRID, "source_grid": "exact", "accuracy_level": 1}),  # fp32 activations
+    "int8-grid-nofloat": ("int8", {**GRID, "float_outliers": 0}),
+    "int8-grid-b16": ("int8", {**GRID, "block_size": 16}),
+    "int8-grid-b16-oc4": ("int8", {**GRID, "block_size": 16, "outlier_channels": 4}),
+    **{f"int8-grid-{part}-fp32": ("int8", {**GRID, "keep_float": [f"layers.*.{path}"]}) for part, path in PARTS},
+    **{f"int8-grid-oc{k}": ("int8", {**GRID, "outlier_channels": k}) for k in (4, 8, 16, 32, 64)},
+    **{f"int8-grid-oc16-{part}": ("int8", {**GRID, "outlier_channels": 16,
+                                           "outlier_channel_patterns": [f"layers.*.{path}"]}) for part, path in PARTS},
+    **{f"int8-grid-oc{k}-r10": ("int8", {**GRID, "outlier_channels": k, "outlier_channel_min_ratio": 10.0})
+       for k in (4, 8, 16)},
+    "int8-grid-oc16-nofloat": ("int8", {**GRID, "outlier_channels": 16, "float_outliers": 0}),
+    # the source's own 4-bit codes (scale d, a 4-bit zero point), the offsets corrected in fp32 on the side path
+    "int4-grid": ("int4", {**GRID, "source_grid": "exact"}),
+    **{f"int4-grid-oc{k}": ("int4", {**GRID, "source_grid": "exact", "outlier_channels": k}) for k in (8, 16, 32)},
 }
 
 
@@ -197,9 +189,11 @@ def build_arm(name: str, fp32: Path, out_dir: Path, adapter, layer: int, tokeniz
     if spec is None:
         return fp32, {"mode": "fp32"}
     dst, meta = out_dir / f"{name}.onnx", out_dir / f"{name}.json"
-    from_recipe = spec == RECIPE or isinstance(spec, dict) and spec.get("base") == RECIPE
+    from_recipe = spec == RECIPE or isinstance(spec, dict) and spec.get("base") in (RECIPE, ROUNDED)
     if from_recipe:
         changes = {} if spec == RECIPE else {k: v for k, v in spec.items() if k != "base"}
+        if isinstance(spec, dict) and spec["base"] == ROUNDED:
+            changes = {**ROUNDED_SETTINGS, **changes}
         kwargs = {**recipe_for(adapter, layer, edge_quant, tokenizer), **changes}
     else:
         kwargs = dict(spec)

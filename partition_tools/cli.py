@@ -114,6 +114,11 @@ def _cmd_split(args) -> int:
     phases = " (prompt: an fp32 copy)" if "prefill" in m.quant_report else ""
     print(f"  edge  : embeddings + layers [0, {m.split_layer}) {m.edge_quant} ONNX{phases}, "
           f"{sizes['edge'] / 1e6:.2f} MB")
+    from .inspect_bundle import recipe_summary
+
+    recipe = recipe_summary(m.quant_report)
+    if recipe:
+        print(f"  recipe: {recipe}")
     lo, hi = m.cloud_layers
     if m.tail_layers:
         print(f"  tail  : layers [{hi}, {m.num_layers}) + norm + lm_head {m.edge_quant} ONNX (on the edge, "

@@ -55,6 +55,25 @@ def _split_line(r: dict) -> str:
             f"[{n}, {total - tail}) (returns hidden states, never samples)")
 
 
+def recipe_summary(report: dict) -> str:
+    """One line on how the edge front was quantized, from a manifest's ``quant_report`` ("" for fp32)."""
+    if report.get("method") != "MatMulNBits":
+        return ""
+    parts = [f"{report['bits']}-bit weights, block {report['block_size']}",
+             "int8 activations" if report.get("accuracy_level") == 4 else f"accuracy level {report.get('accuracy_level')}"]
+    grid = report.get("source_grid")
+    if grid:
+        parts.append(f"source grid kept on {len(grid['matmuls'])} of {report['quantized_matmuls']} MatMuls")
+    elif report.get("smoothing"):
+        parts.append(f"SmoothQuant alpha {report['smoothing']['alpha']}")
+    split = report.get("outlier_channels")
+    if split:
+        parts.append(f"{split['k']} fp32 outlier channels on {len(split['matmuls'])} MatMuls")
+    if report.get("float_matmuls"):
+        parts.append(f"{len(report['float_matmuls'])} MatMuls fp32")
+    return ", ".join(parts)
+
+
 def format_report(r: dict) -> str:
     mb = lambda b: f"{b / 1e6:8.2f} MB"  # noqa: E731
     lines = [
@@ -62,7 +81,8 @@ def format_report(r: dict) -> str:
         f"source     {r['source']}  [{r['source_identity']}]",
         _split_line(r),
         "shape      " + ", ".join(f"{k} {v}" for k, v in r["shape"].items()),
-        f"edge quant {r['edge_quant']}",
+        f"edge quant {r['edge_quant']}" + (f" ({recipe_summary(r['quant_report'])})"
+                                            if recipe_summary(r["quant_report"]) else ""),
         f"sizes      edge {mb(r['bytes']['edge'])}   cloud {mb(r['bytes']['cloud'])}   shared {mb(r['bytes']['shared'])}",
         "files:",
     ]

@@ -39,7 +39,7 @@ def test_preload_persists_common_prompts(tiny_bundle, tmp_path, capsys):
 
     m = Manifest.load(tiny_bundle)
     cache = ActivationCache(m.bundle_id, m.split_layer, m.num_kv_heads, m.head_dim, m.hidden_size,
-                            cache_dir=tmp_path / "c", edge_variant=m.edge_quant)
+                            cache_dir=tmp_path / "c", edge_variant=m.states_variant)
     assert len(cache) >= 4  # both prompts' full blocks survived the process
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a list"}')

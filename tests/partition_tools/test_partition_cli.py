@@ -13,12 +13,15 @@ from partition_tools.cli import main
 def test_split_verify_inspect_tiny_glm4v(tmp_path, capsys):
     out = tmp_path / "b"
     assert main(["split", "--preset", "tiny-glm4v", "--layer", "2", "--out", str(out)]) == 0
+    # a random-weight model sits on no grid: the rounded recipe, said in one line
+    assert "  recipe: 8-bit weights, block 32, int8 activations, SmoothQuant alpha 0.5" in capsys.readouterr().out
     assert main(["verify", str(out), "--json", "--max-tokens", "256"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert {"top1_agreement", "mean_kl", "ppl_reference", "ppl_split", "tokens"} <= set(report)
     assert report["tokens"] == 256 and report["passed"]
     assert main(["inspect", str(out)]) == 0
-    assert "integrity  ok" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "integrity  ok" in said and "edge quant int8 (8-bit weights, block 32, int8 activations" in said
 
 
 def test_verify_checkpoint_dir_bundle(llama_dir, tmp_path, capsys):

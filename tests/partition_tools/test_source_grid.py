@@ -148,6 +148,9 @@ def test_outlier_channels_keep_the_main_rows_on_their_grid(grid_front, tmp_path,
     report = quantize_front(src, dst, mode, accuracy_level=1, source_grid="exact", outlier_channels=3,
                             calibration_ids=cal)
     assert len(report["source_grid"]["matmuls"]) == 4 * N and len(report["outlier_channels"]["matmuls"]) == 4 * N
+    from partition_tools.inspect_bundle import recipe_summary
+
+    assert f"source grid kept on {4 * N} of {4 * N} MatMuls, 3 fp32 outlier channels" in recipe_summary(report)
     q = onnx.load(str(dst))
     assert np.abs(_run(q, calibration_feeds(q, ids)) - ref).max() < 1e-4 * np.abs(ref).max()
     sides = [n for n in q.graph.node if n.name.endswith(".outlier.gather")]
