@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+
 def fit_grid(w: np.ndarray, block: int = 32, levels: int = 16,
              rtol: float = 1e-5) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """``w [K, N]`` on a per-block affine grid of ``levels`` levels (blocks of ``block`` rows, K a multiple)
@@ -94,7 +95,6 @@ def grid_codes(lo: np.ndarray, d: np.ndarray, q: np.ndarray, block: int = 32, bi
         raise ValueError(f"grid codes out of the {bits}-bit range")  # cannot happen for levels <= 16
     deq = rep(scales).astype(np.float64) * (codes - rep(zp))
     resid = (rep(lo) + rep(d) * q - deq).reshape(nb, block, n).mean(1)  # [nb, N]
-    resid = np.where(flat & (bits == 4), lo, resid)
     return codes.astype(np.uint8), scales, zp.astype(np.uint8), resid.astype(np.float32)
 
 
@@ -105,8 +105,9 @@ def _pack4(codes: np.ndarray) -> np.ndarray:
 
 def write_codes(model: onnx.ModelProto, node: onnx.NodeProto, codes: np.ndarray, scales: np.ndarray,
                 zp: np.ndarray) -> None:
-    """Make the 8-bit ``MatMulNBits`` ``node`` read ``codes [K, N]``, ``scales [nb, N]`` and uint8 zero points
-    ``zp [nb, N]`` (replacing its codes and scales, adding or replacing its zero-point input)."""
+    """Make the 4- or 8-bit ``MatMulNBits`` ``node`` read ``codes [K, N]``, ``scales [nb, N]`` and zero points
+    ``zp [nb, N]`` (uint8 values; packed two per byte at 4 bits), replacing its codes and scales and adding or
+    replacing its zero-point input."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     bits = attrs.get("bits")
     if bits not in (4, 8):
