@@ -458,8 +458,10 @@ def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) ->
     * otherwise (bf16 / fp32 checkpoints): round to nearest, SmoothQuant alpha 0.5 folded into the RMSNorm
       weights (free at run time; cuts the error of the norm-fed q/k/v and gate/up MatMuls by about a third).
 
-    int4: 4-bit MatMul weights, smoothing, no fp32 down_proj (a separate, smaller variant); the table stays
-    int8 (a 4-bit table alone costs more KL than all 8-bit MatMuls together).
+    int4: 4-bit MatMul weights, no fp32 down_proj (a separate, smaller variant); the table stays int8 (a 4-bit
+    table alone costs more KL than all 8-bit MatMuls together). A grid source keeps its own 4-bit codes with
+    the offsets corrected in fp32 (``source_grid="exact"``) and the same 16 outlier channels (tuning: 61/80
+    answers identical, where the rounded int4 front keeps almost none); otherwise smoothing and rounding.
     """
     if mode not in ("int8", "int4"):
         raise QuantizationError(f"no quantization recipe for {mode!r}")
@@ -471,6 +473,6 @@ def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) ->
         "float_outliers": 2 if mode == "int8" else 0,
         "calibration_ids": calibration_tokens(tokenizer, adapter.vocab_size),
     }
-    if mode == "int8" and on_source_grid(adapter, split_layer):
-        recipe.update(smooth_alpha=None, source_grid="offset", outlier_channels=16)
+    if on_source_grid(adapter, split_layer):
+        recipe.update(smooth_alpha=None, source_grid="offset" if mode == "int8" else "exact", outlier_channels=16)
     return recipe

@@ -174,4 +174,4 @@ def test_the_recipe_keeps_the_grid_of_a_grid_source_only():
     assert on_source_grid(adapter, N) and not on_source_grid(adapter, N + 1)
     grid = recipe_for(adapter, N)
     assert grid["source_grid"] == "offset" and grid["smooth_alpha"] is None and grid["outlier_channels"] == 16
-    assert "source_grid" not in recipe_for(adapter, N, "int4")
+    assert recipe_for(adapter, N, "int4")["source_grid"] == "exact"  # 4-bit zero points need the offsets back
