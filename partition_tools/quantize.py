@@ -453,8 +453,8 @@ def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) ->
       that grid (``source_grid="offset"``: the weights are the source's, to ~1/140 of a 4-bit step), no
       smoothing (it would move the weights off their grid), and the 16 largest calibration input channels of
       every MatMul in fp32 beside it (``outlier_channels=16``): with exact weights the int8 *activations*
-      are what flips answers. Held-out, served: 48/60 answers identical to the unsplit model vs 40/60 for the
-      rounded recipe, for ~10 % more step time;
+      are what flips answers. Held-out, served, default policy: 46/60 answers identical to the unsplit model
+      vs 40/60 for the rounded recipe (fp16 wire: 51 vs 42), for 7-24 % more step time (its ~100 side kernels);
     * otherwise (bf16 / fp32 checkpoints): round to nearest, SmoothQuant alpha 0.5 folded into the RMSNorm
       weights (free at run time; cuts the error of the norm-fed q/k/v and gate/up MatMuls by about a third).
 
