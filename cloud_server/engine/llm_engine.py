@@ -34,10 +34,10 @@ import torch
 from cloud_server.config import EngineConfig
 from cloud_server.engine.kv_cache import BlockManager, KVCachePool
 from cloud_server.engine.model_runner import ModelRunner, build_batch
-from cloud_server.engine.sampler import PendingSample, Sampler
+from cloud_server.engine.sampler import PendingSample, SampledToken, Sampler
 from cloud_server.engine.sampling_params import SamplingParams
 from cloud_server.engine.scheduler import RequestError, ScheduledBatch, Scheduler
-from cloud_server.engine.sequence import InputChunk, Sequence, SequenceStatus
+from cloud_server.engine.sequence import InputChunk, Sequence, SequenceStatus, advance
 from cloud_server.engine.speculation import verify
 from cloud_server.model import CloudModel
 
@@ -87,6 +87,19 @@ class _Launched:
     decodes: bool = True  # it holds decode steps (one-position or speculative chunks), not only prompt chunks
 
 
+@dataclass(slots=True)
+class _DecodeRows:
+    """A variant's last launched pure decode batch (vLLM's persistent batch, host side): what the next step needs
+    to tell that it continues it (:meth:`LLMEngine._continue_decode`), and the sampler's per-row inputs, kept while
+    the same sequences step on (the sampler then reuses what it derived from them)."""
+
+    seqs: list[Sequence]
+    next_ends: list[int]  # each chunk's end + 1: the chunk ends of the step that continues this one
+    table_lens: list[int]  # each block table's length
+    params: list[SamplingParams]
+    histories: list[list[int]]  # each sequence's output_ids (the list itself: it grows in place)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, runners: dict[str, ModelRunner], metrics=None,
                  sampler_seed: int | None = None):
@@ -104,11 +117,11 @@ class LLMEngine:
         self.metrics = metrics
         self.seqs: dict[str, Sequence] = {}
         self._in_flight: list[_Launched] = []  # launched by the last step(), postprocessed by the next
-        # per variant, the last launched pure decode batch: (sequences, chunk ends, block-table lengths), for
-        # _continue_decode; dropped by any other launch of that variant
-        self._last_decode: dict[str, tuple[list[Sequence], list[int], list[int]]] = {}
+        # per variant, the last launched pure decode batch; dropped by any other launch of that variant
+        self._last_decode: dict[str, _DecodeRows] = {}
         first = next(iter(runners.values())).model
         self._first_model = first  # input checks read its sizes on every add_input
+        self._hidden_size = first.hidden_size
         # u-shape: the model ends at the middle layers; every computed position's hidden state is returned
         self.output_states = first.returns_states
         self.eos_token_ids = list(first.eos_token_ids)
@@ -181,7 +194,9 @@ class LLMEngine:
         if seq is None:
             return [self._error_output(request_id, "unknown_request", f"no active request {request_id!r}")]
         try:
-            self._check_input(chunk)
+            h = chunk.hidden
+            if h is None or chunk.rope_positions is not None or h.shape[1] != self._hidden_size:
+                self._check_input(chunk)  # (a plain [n, H] state of the right width passes its checks)
             if chunk.end > self.config.max_model_len:
                 raise RequestError("too_long", f"position {chunk.end} exceeds max_model_len "
                                                f"{self.config.max_model_len}")
@@ -276,55 +291,72 @@ class LLMEngine:
         written), so a prompt's next chunk can be scheduled before this one finishes; full prefix blocks are
         published."""
         items = batch.items
-        logits = self._run(batch)
-        decodes = any(it.chunk.n == 1 or it.chunk.is_spec for it in items)
+        seqs = [it.seq for it in items]
+        ends = [it.chunk.end for it in items]
+        plain = batch.plain_decode and not self.output_states  # the steady decode step: no rows to split off
+        logits = self._run(batch, seqs, ends)
+        decodes = plain or any(it.chunk.n == 1 or it.chunk.is_spec for it in items)
         if self.output_states:  # u-shape: the rows are hidden states [T, H]; nothing is sampled
-            for it in items:
-                it.seq.update_from_output(it.chunk.end)
+            advance(seqs, ends)
             return _Launched(batch, [], None, states=logits, decodes=decodes)
-        spec_rows, drafted, logits = self._split_rows(batch, logits)
-        plain = [it for it in items if it.sample and not it.chunk.is_spec and not it.chunk.cloud_draft]
-        pending = self.sampler.launch(logits, [it.seq.params for it in plain], [it.chunk.end for it in plain],
-                                      [it.seq.output_ids for it in plain]) if plain else None
-        for it in items:
-            it.seq.update_from_output(it.chunk.end)
-            if it.seq.prefix_keys:
-                self.scheduler.publish_prefix(it.seq)
+        if plain:
+            spec_rows, drafted = [], None
+            rows = self._last_decode.get(batch.variant)
+            if rows is None or rows.seqs is not seqs:  # (its hidden states were not float32 rows)
+                rows = _DecodeRows(seqs, [], [], [s.params for s in seqs], [s.output_ids for s in seqs])
+            pending = self.sampler.launch(logits, rows.params, ends, rows.histories)
+        else:
+            spec_rows, drafted, logits = self._split_rows(batch, logits)
+            sampled = [it for it in items if it.sample and not it.chunk.is_spec and not it.chunk.cloud_draft]
+            pending = self.sampler.launch(logits, [it.seq.params for it in sampled],
+                                          [it.chunk.end for it in sampled],
+                                          [it.seq.output_ids for it in sampled]) if sampled else None
+        advance(seqs, ends)
+        for seq in seqs:
+            if seq.prefix_keys:
+                self.scheduler.publish_prefix(seq)
         return _Launched(batch, spec_rows, pending, drafted=drafted, decodes=decodes)
 
-    def _run(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The forward pass of ``batch``, queued on the device: float32 logits ``[S, V]`` of its sampled rows
-        (u-shape: the hidden states ``[T, H]`` of all its positions)."""
+    def _run(self, batch: ScheduledBatch, seqs: list[Sequence] | None = None,
+             ends: list[int] | None = None) -> torch.Tensor:
+        """The forward pass of ``batch`` (``seqs`` and ``ends``: its items' sequences and chunk ends, if the caller
+        has them), queued on the device: float32 logits ``[S, V]`` of its sampled rows (u-shape: the hidden states
+        ``[T, H]`` of all its positions)."""
         items = batch.items
+        if seqs is None or ends is None:
+            seqs, ends = [it.seq for it in items], [it.chunk.end for it in items]
         runner = self.runners[batch.variant]
-        logits = self._continue_decode(batch, runner)
+        logits = self._continue_decode(batch, runner, seqs, ends)
         if logits is not None:
             return logits
-        flat = build_batch([it.chunk for it in items], [it.seq.block_table for it in items],
+        flat = build_batch([it.chunk for it in items], [s.block_table for s in seqs],
                            self.config.block_size, [it.sample for it in items], all_rows=self.output_states,
                            host_buffer=getattr(runner, "host_buffer", None))
         return runner.run(flat)
 
-    def _continue_decode(self, batch: ScheduledBatch, runner) -> torch.Tensor | None:
+    def _continue_decode(self, batch: ScheduledBatch, runner, seqs: list[Sequence],
+                         ends: list[int]) -> torch.Tensor | None:
         """The steady decode step without rebuilding its batch: when ``batch`` is the last launched decode batch
         one position on (the same sequences in the same order, each one token further, every row sampled, no
         block added to any table), a runner that keeps its last decode batch (``continue_decode``, the fast
         runner's persistent batch) gets only the hidden states. Returns its logits, or None: run the full batch."""
         items = batch.items
         last = self._last_decode.pop(batch.variant, None)
-        if self.output_states or not all(it.sample and it.chunk.n == 1 and it.chunk.hidden is not None
-                                         and it.chunk.hidden.dtype == torch.float32 for it in items):
-            return None
-        seqs = [it.seq for it in items]
-        ends = [it.chunk.end for it in items]
-        lens = [len(s.block_table) for s in seqs]
-        self._last_decode[batch.variant] = (seqs, ends, lens)
-        cont = getattr(runner, "continue_decode", None)
-        if (cont is None or last is None or last[0] != seqs or last[2] != lens
-                or any(e != p + 1 for e, p in zip(ends, last[1]))):
+        if self.output_states or not (batch.plain_decode or all(it.sample and it.chunk.n == 1 for it in items)):
             return None
         hidden = [it.chunk.hidden for it in items]  # [1, H] each
-        return cont(torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), torch.float32)))
+        f32 = torch.float32
+        if not all(h is not None and h.dtype is f32 for h in hidden):
+            return None
+        lens = [len(s.block_table) for s in seqs]
+        same = last is not None and last.seqs == seqs
+        self._last_decode[batch.variant] = _DecodeRows(
+            seqs, [e + 1 for e in ends], lens, last.params if same else [s.params for s in seqs],
+            last.histories if same else [s.output_ids for s in seqs])
+        cont = getattr(runner, "continue_decode", None)
+        if cont is None or not same or last.next_ends != ends or last.table_lens != lens:
+            return None
+        return cont(torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32)))  # [S, H]
 
     def _postprocess(self, step: _Launched) -> list[RequestOutput]:
         """A launched step's tokens: each sampled sequence takes its token (:meth:`Sequence.update_from_output`)
@@ -332,32 +364,38 @@ class LLMEngine:
         (abort, timeout) is skipped: its final output went out then."""
         if step.states is not None:
             return self._states_outputs(step)
-        sampled = iter(step.sample.result() if step.sample is not None else ())
+        sample = step.sample
+        ids = sample.token_ids() if sample is not None else []  # the plain sampled rows' tokens, in item order
+        with_lp = sample.result() if sample is not None and sample.logprobs else None  # SampledToken per row
         spec_rows = iter(step.spec_rows)
         drafted = iter(step.drafted.tolist() if step.drafted is not None else ())
         now = time.monotonic()
+        metrics, finished = self.metrics, SequenceStatus.FINISHED
         outputs = []
+        r = 0  # the next plain sampled row
         for it in step.batch.items:
             if not it.sample:
                 continue
             seq, chunk = it.seq, it.chunk
             if chunk.cloud_draft:
                 draft = next(drafted)
-                if seq.status is not SequenceStatus.FINISHED:
+                if seq.status is not finished:
                     outputs += self._after_draft(seq, chunk, draft)
                 continue
-            rows = next(spec_rows) if chunk.is_spec else None
-            tok = next(sampled) if rows is None else None
-            if seq.status is SequenceStatus.FINISHED:
-                continue
-            if rows is not None:
+            if chunk.is_spec:
+                rows = next(spec_rows)
+                if seq.status is finished:
+                    continue
                 out = self._after_verdict(seq, chunk, rows, now)
             else:
-                if self.metrics is not None:
-                    self.metrics.on_token(seq, now)  # reads the previous token's time: before the update
-                seq.update_from_output(chunk.end, tok.token_id, now)
-                out = self._after_token(seq, tok)
-            if not self._draft_after(seq, out):
+                r += 1
+                if seq.status is finished:
+                    continue
+                if metrics is not None:
+                    metrics.on_token(seq, now)  # reads the previous token's time: before the update
+                seq.update_from_output(chunk.end, ids[r - 1], now)
+                out = self._after_token(seq, ids[r - 1], with_lp[r - 1] if with_lp is not None else None)
+            if seq.ask_drafts <= 0 or not self._draft_after(seq, out):
                 outputs.append(out)
         return outputs
 
@@ -438,7 +476,7 @@ class LLMEngine:
         gen = seq.generator or self.sampler.generator
         tokens = [t.token_id for t in verify(rows, chunk.draft_ids, seq.params, gen, seq.output_ids)]
         reason = None
-        for j, t in enumerate(tokens):  # the stop rules of _stop_reason, for the j-th emitted token
+        for j, t in enumerate(tokens):  # the stop rules of _after_token, for the j-th emitted token
             p = seq.params
             if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_token_ids):
                 reason = "stop"
@@ -458,28 +496,26 @@ class LLMEngine:
             self._release(seq, reason)
         return out
 
-    def _after_token(self, seq: Sequence, tok) -> RequestOutput:
-        """The output for a freshly sampled token; finishes ``seq`` if it stops, feeds the token back in
-        full-model mode."""
-        reason = self._stop_reason(seq, tok.token_id)
-        out = RequestOutput(seq.request_id, tok.token_id, tok.logprob, tok.top_logprobs, finish_reason=reason,
-                            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                            num_output_tokens=len(seq.output_ids))
+    def _after_token(self, seq: Sequence, token: int, sampled: SampledToken | None = None) -> RequestOutput:
+        """The output for a freshly sampled ``token`` (``sampled``: its logprobs, when asked for); finishes ``seq``
+        if it stops, feeds the token back in full-model mode."""
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_received + 1 >= self.config.max_model_len:
+            reason = "length"  # (max_model_len: the token itself needs a position)
+        else:
+            reason = None
+        lp, top = (None, None) if sampled is None else (sampled.logprob, sampled.top_logprobs)
+        # (positional: request_id, token_id, logprob, top_logprobs, finish_reason, error_code, error_message, the
+        # counts; the keyword call cost ~0.4 us more, once per token)
+        out = RequestOutput(seq.request_id, token, lp, top, reason, None, None, seq.num_prompt_tokens,
+                            seq.num_cached_tokens, len(seq.output_ids))
         if reason is not None:
             self._release(seq, reason)
         elif seq.feed_back_tokens:
-            seq.push(InputChunk(seq.num_received, token_ids=torch.tensor([tok.token_id])))
+            seq.push(InputChunk(seq.num_received, token_ids=torch.tensor([token])))
         return out
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if len(seq.output_ids) >= p.max_tokens:
-            return "length"
-        if seq.num_received + 1 >= self.config.max_model_len:  # the token itself needs a position
-            return "length"
-        return None
 
     # -- release ----------------------------------------------------------------------------
     def _release(self, seq: Sequence, reason: str) -> None:

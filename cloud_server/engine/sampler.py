@@ -205,13 +205,15 @@ def _penalized(logits: torch.Tensor, p: SamplingParams, history: list[int]) -> t
 
 
 class PendingSample:
-    """The sampled ids (and logprobs) of one step on their way to the host; :meth:`result` waits for them."""
+    """The sampled ids (and logprobs) of one step on their way to the host; :meth:`token_ids` and :meth:`result`
+    wait for them."""
 
     def __init__(self, ids: torch.Tensor, logprob: torch.Tensor | None, top: tuple | None,
                  params: list[SamplingParams], short: torch.Tensor | None = None, redraw=None):
         """``short`` [S] bool (optional): rows whose ``ids`` are not valid; ``redraw()`` then returns the exact
-        (ids, logprob, top) on the device, which :meth:`result` takes instead (rare: see sample_truncated)."""
+        (ids, logprob, top) on the device, which the results take instead (rare: see sample_truncated)."""
         self.params = params
+        self.logprobs = logprob is not None  # some row asked for logprobs: :meth:`result` carries them
         pin = ids.device.type == "cuda"
         self._host = [self._to_host(t, pin) for t in (ids, logprob, *(top or (None, None)))]
         self._short = self._to_host(short, pin)
@@ -220,6 +222,7 @@ class PendingSample:
         if pin:
             self._event = torch.cuda.Event()
             self._event.record()
+        self._ids: list[int] | None = None
 
     @staticmethod
     def _to_host(t: torch.Tensor | None, pin: bool) -> torch.Tensor | None:
@@ -229,15 +232,21 @@ class PendingSample:
         out.copy_(t, non_blocking=True)
         return out
 
+    def token_ids(self) -> list[int]:
+        """The sampled token of each row, in order (the one host sync of a step's sampling)."""
+        if self._ids is None:
+            if self._event is not None:
+                self._event.synchronize()
+            if self._short is not None and bool(self._short.any()):
+                ids, logprob, top = self._redraw()
+                self._host = [None if t is None else t.cpu() for t in (ids, logprob, *(top or (None, None)))]
+            self._ids = self._host[0].tolist()
+        return self._ids
+
     def result(self) -> list[SampledToken]:
-        """One SampledToken per row, in order (the one host sync of a step's sampling)."""
-        if self._event is not None:
-            self._event.synchronize()
-        if self._short is not None and bool(self._short.any()):
-            ids, logprob, top = self._redraw()
-            self._host = [None if t is None else t.cpu() for t in (ids, logprob, *(top or (None, None)))]
-        ids, logprob, top_v, top_i = self._host
-        out = [SampledToken(t) for t in ids.tolist()]
+        """One SampledToken per row, in order, with the logprobs its request asked for."""
+        out = [SampledToken(t) for t in self.token_ids()]
+        _, logprob, top_v, top_i = self._host
         if logprob is not None:
             lps, tv, ti = logprob.tolist(), top_v.tolist(), top_i.tolist()
             for r, (s, p) in enumerate(zip(out, self.params, strict=True)):
@@ -248,6 +257,45 @@ class PendingSample:
         return out
 
 
+class _BatchParams:
+    """What a batch's sampling parameters decide, derived once per batch composition: the engine hands the sampler
+    the same list while the same sequences step on, and an equal list (the same parameters in the same order) is
+    the same composition. The fast-path flags, each row's draws and seed, and (built at the first step that samples
+    with a temperature) the rows' columns on the device, read by every step of that composition."""
+
+    def __init__(self, params: list[SamplingParams], dev: torch.device):
+        self.params, self.device = params, dev
+        self.plain_greedy = all(p.plain_greedy for p in params)
+        self.want_lp = any(p.logprobs is not None for p in params)
+        self.penalized = any(p.penalized for p in params)
+        self.greedy = all(p.greedy for p in params)
+        self.any_greedy = any(p.greedy for p in params)
+        self.tries = [1 if p.greedy else tries_for(p.top_p) for p in params]
+        self.draws = max(self.tries, default=1)
+        self.seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        self.seeds = [params[i].seed for i in self.seeded]
+        self.kmax = max((p.top_k for p in params if not p.greedy), default=0)
+        self._columns: tuple[torch.Tensor, ...] | None = None
+
+    def matches(self, params: list[SamplingParams], dev: torch.device) -> bool:
+        return dev == self.device and (params is self.params or params == self.params)
+
+    def columns(self) -> tuple[torch.Tensor, ...]:
+        """Per row on the device: 1 / temperature ``[S]`` float32 (1 for greedy rows, whose argmax is kept), top_p
+        ``[S]`` float32, top_k ``[S]`` int64, greedy ``[S]`` bool, its draws ``[S]`` int64 (one upload, once)."""
+        if self._columns is None:
+            params = self.params
+            table = np.empty((len(params), 5), dtype=np.float32)
+            table[:, 0] = [1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params]
+            table[:, 1] = [p.top_p for p in params]
+            table[:, 2] = [p.top_k for p in params]
+            table[:, 3] = [p.greedy for p in params]
+            table[:, 4] = self.tries
+            cols = _device(torch.from_numpy(table), self.device)  # [S, 5]
+            self._columns = (cols[:, 0], cols[:, 1], cols[:, 2].long(), cols[:, 3] > 0, cols[:, 4].long())
+        return self._columns
+
+
 class Sampler:
     def __init__(self, seed: int | None = None):
         self.generator = torch.Generator()  # keys of unseeded rows; speculative draws of unseeded requests
@@ -255,6 +303,7 @@ class Sampler:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
+        self._batch: _BatchParams | None = None  # the last batch composition's derived parameters
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
                  histories: list[list[int]] | None = None) -> list[SampledToken]:
@@ -269,43 +318,33 @@ class Sampler:
         penalties). Queues the sampling where the logits are and the copy of the ids to the host."""
         if len(params) != logits.shape[0] or len(positions) != len(params):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(params)} params, {len(positions)} positions")
-        if all(p.plain_greedy for p in params):
+        dev = logits.device
+        b = self._batch
+        if b is None or not b.matches(params, dev):
+            b = self._batch = _BatchParams(params, dev)
+        if b.plain_greedy:
             # plain greedy rows: argmax where the logits are (first maximum = lowest id on ties)
             return PendingSample(logits.argmax(dim=-1), None, None, params)
-        want_lp = any(p.logprobs is not None for p in params)
-        dev = logits.device
         raw = logits.float()  # [S, V]
         x = raw
-        if any(p.penalized for p in params):
+        if b.penalized:
             histories = histories or [[] for _ in params]
             x = torch.stack([_penalized(raw[r], p, h) if p.penalized else raw[r]
                              for r, (p, h) in enumerate(zip(params, histories, strict=True))])
-        if all(p.greedy for p in params):
-            return self._pending(raw, x.argmax(dim=-1), params, want_lp)
-        n = len(params)
-        tries = [1 if p.greedy else tries_for(p.top_p) for p in params]
-        r = max(tries)
-        seeded = [i for i, p in enumerate(params) if p.seed is not None]
-        u = np.empty((n, r))  # [S, R] float64
+        if b.greedy:
+            return self._pending(raw, x.argmax(dim=-1), params, b.want_lp)
+        n, r, seeded = len(params), b.draws, b.seeded
+        u = np.empty((n, r), dtype=np.float32)  # [S, R]
         if len(seeded) < n:  # unseeded rows: fresh keys from the sampler's generator
             u[:] = torch.rand(n, r, generator=self.generator, dtype=torch.float64).clamp_(1e-7, 1 - 1e-7).numpy()
         if seeded:
-            u[seeded] = uniforms([params[i].seed for i in seeded], [positions[i] for i in seeded], r)
-        # per row: 1 / temperature (1 for greedy rows, whose argmax is kept), top_p, top_k, greedy, its draws, u x R
-        table = np.empty((n, 5 + r), dtype=np.float32)
-        table[:, 0] = [1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params]
-        table[:, 1] = [p.top_p for p in params]
-        table[:, 2] = [p.top_k for p in params]
-        table[:, 3] = [p.greedy for p in params]
-        table[:, 4] = tries
-        table[:, 5:] = u
-        table = _device(torch.from_numpy(table), dev)  # [S, 5 + R]
-        inv_t, top_p, greedy, u = table[:, 0], table[:, 1], table[:, 3] > 0, table[:, 5:]
-        kmax = max((p.top_k for p in params if not p.greedy), default=0)
-        top_k = table[:, 2].long()
+            u[seeded] = uniforms(b.seeds, positions if len(seeded) == n else [positions[i] for i in seeded], r)
+        u = _device(torch.from_numpy(u), dev)  # [S, R] (float64 draws rounded to float32)
+        inv_t, top_p, top_k, greedy, tries = b.columns()
+        kmax = b.kmax
         y = top_k_masked(x, top_k, kmax) if kmax > 0 else x  # [S, V]
-        ids, missed = sample_top_p(y, top_p, u, inv_t, table[:, 4].long())
-        if any(p.greedy for p in params):
+        ids, missed = sample_top_p(y, top_p, u, inv_t, tries)
+        if b.any_greedy:
             ids = torch.where(greedy, x.argmax(dim=-1), ids)
             missed &= ~greedy
 
@@ -315,7 +354,7 @@ class Sampler:
 
         # a row that rejected every draw (probability <= MISS) is redrawn once the host sees its flag
         # (PendingSample.result): no sync here
-        return self._pending(raw, ids, params, want_lp, missed, exact)
+        return self._pending(raw, ids, params, b.want_lp, missed, exact)
 
     @staticmethod
     def _pending(raw: torch.Tensor, ids: torch.Tensor, params: list[SamplingParams], want_lp: bool,

@@ -55,10 +55,13 @@ class ScheduledChunk:
 class ScheduledBatch:
     variant: str
     items: list[ScheduledChunk]
+    # every item is one sampled position of a decode step, not a cloud draft (Scheduler._schedule_decodes): every
+    # logits row is sampled, in item order
+    plain_decode: bool = False
 
     @property
     def num_tokens(self) -> int:
-        return sum(it.chunk.n for it in self.items)
+        return len(self.items) if self.plain_decode else sum(it.chunk.n for it in self.items)
 
 
 class _PrefillAllowance:
@@ -141,10 +144,14 @@ class Scheduler:
         while a step with decode rows is in flight: a prompt-only step queued behind it would delay those
         sequences' next step by a whole chunk; the chunk joins their next step instead)."""
         budget, slots = self.config.max_num_batched_tokens, self.config.max_num_seqs
-        chosen: dict[str, list[ScheduledChunk]] = {}
-        blocked_running = False
+        if not self.waiting:
+            decodes = self._schedule_decodes(preempt)
+            if decodes is not None:
+                return decodes
         # (seq, ready positions): each sequence's readiness is read once per step
         ready = [(s, n) for s in self.running if (n := s.num_ready_tokens)]
+        chosen: dict[str, list[ScheduledChunk]] = {}
+        blocked_running = False
         # stable: decode steps (speculative ones too) first, oldest first. One-position steps that all fit
         # (max_num_batched_tokens >= max_num_seqs) keep the running order instead: the same rows step after step
         # (the fast runner's persistent batch), and no sort is paid
@@ -189,6 +196,42 @@ class Scheduler:
         if preempt and not batches and blocked_running:
             victims.append(max(self.running, key=lambda s: s.arrival_time))
         return batches, victims
+
+    def _schedule_decodes(self, preempt: bool) -> tuple[list[ScheduledBatch], list[Sequence]] | None:
+        """The steady state's schedule, or None: nothing waits for admission (the caller checks), every ready
+        sequence has a one-position chunk and they all fit the step's slots and budget. :meth:`schedule`'s loop
+        would then take each in running order (no sort, no prefill allowance); this is that loop without its
+        prefill branches: the same batches, the same victims. A batch whose every item is a sampled decode step
+        (no cloud draft) is marked ``plain_decode``."""
+        finished = SequenceStatus.FINISHED
+        # Sequence.num_ready_tokens, inlined: (seq, its ready chunk)
+        ready = [(s, p[0]) for s in self.running
+                 if (p := s.pending) and p[0].start == s.num_computed and s.status is not finished]
+        if len(ready) > min(self.config.max_num_batched_tokens, self.config.max_num_seqs) or any(
+                c.n != 1 for _, c in ready):
+            return None
+        chosen: dict[str, list[ScheduledChunk]] = {}
+        plain: dict[str, bool] = {}
+        bs = self.config.block_size
+        blocked_running = False
+        for seq, chunk in ready:
+            # its block already held (the common step), else one allocated: _fit's two cases
+            if seq.num_computed >= len(seq.block_table) * bs and not self._fit(seq, 1, 1):
+                blocked_running = True
+                continue
+            seq.take(1)
+            v = seq.variant
+            items = chosen.get(v)
+            if items is None:
+                items = chosen[v] = []
+                plain[v] = True
+            items.append(ScheduledChunk(seq, chunk, chunk.last))
+            if not chunk.last or chunk.cloud_draft:
+                plain[v] = False
+        batches = [ScheduledBatch(v, items, plain_decode=plain[v]) for v, items in chosen.items()]
+        if preempt and not batches and blocked_running:
+            return batches, [max(self.running, key=lambda s: s.arrival_time)]
+        return batches, []
 
     def _fit(self, seq: Sequence, budget: int, ready: int) -> int:
         """Positions of ``seq`` to run now (<= budget, <= its ``ready`` positions), with KV blocks allocated

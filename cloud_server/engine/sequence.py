@@ -52,15 +52,17 @@ class InputChunk:
     is_spec: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if (self.hidden is None) == (self.token_ids is None):
+        h, t = self.hidden, self.token_ids
+        if (h is None) == (t is None):
             raise ValueError("an input chunk carries either hidden states or token ids")
         if self.start < 0:
             raise ValueError(f"input chunk start {self.start} < 0")
-        if self.hidden is not None and self.hidden.dim() != 2:
-            raise ValueError(f"hidden states must be [n, H], got shape {tuple(self.hidden.shape)}")
-        if self.token_ids is not None and self.token_ids.dim() != 1:
-            raise ValueError(f"token ids must be [n], got shape {tuple(self.token_ids.shape)}")
-        self.n = int((self.hidden if self.hidden is not None else self.token_ids).shape[0])
+        shape = h.shape if h is not None else t.shape  # read once: a tensor's shape is built on each read
+        if h is not None and len(shape) != 2:
+            raise ValueError(f"hidden states must be [n, H], got shape {tuple(shape)}")
+        if t is not None and len(shape) != 1:
+            raise ValueError(f"token ids must be [n], got shape {tuple(shape)}")
+        self.n = shape[0]
         self.end = self.start + self.n
         self.is_spec = self.draft_ids is not None
         if self.n == 0:
@@ -157,9 +159,10 @@ class Sequence:
         self.waiting_since = time.monotonic()  # input arrived: the edge is alive
         if chunk.last and not chunk.cloud_draft:
             self.ask_drafts = chunk.ask_drafts
-        if not self.output_ids and not self.prompt_complete:
-            self.num_prompt_tokens = self.num_received
-        self.prompt_complete = self.prompt_complete or chunk.last
+        if not self.prompt_complete:
+            if not self.output_ids:
+                self.num_prompt_tokens = self.num_received
+            self.prompt_complete = chunk.last
 
     def take(self, k: int) -> tuple[InputChunk, bool]:
         """Scheduled: pop up to ``k`` ready positions; returns the chunk and whether to sample after it."""
@@ -179,7 +182,8 @@ class Sequence:
 
         The engine calls it when a step is launched (positions only) and again when its token is back; a
         later step already launched for the sequence (a prompt's next chunk) is never undone."""
-        self.num_computed = max(self.num_computed, computed_end)
+        if computed_end > self.num_computed:
+            self.num_computed = computed_end
         if token is not None:
             now = time.monotonic() if now is None else now
             self.output_ids.append(token)
@@ -264,3 +268,11 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.value}, computed={self.num_computed}, "
                 f"received={self.num_received}, out={len(self.output_ids)}, blocks={len(self.block_table)})")
+
+
+def advance(seqs: list[Sequence], ends: list[int]) -> None:
+    """A step was launched: ``seqs[i]``'s positions up to ``ends[i]`` count as computed (what
+    :meth:`Sequence.update_from_output` does without a token, for a whole batch in one loop)."""
+    for seq, end in zip(seqs, ends, strict=True):
+        if end > seq.num_computed:
+            seq.num_computed = end

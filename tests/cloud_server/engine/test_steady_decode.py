@@ -1,0 +1,223 @@
+"""The steady decode step's fast paths give the general path's outputs, token for token.
+
+The fast paths: the scheduler's decode-only schedule (``Scheduler._schedule_decodes``), the engine's plain decode
+launch and persistent decode rows (``LLMEngine._continue_decode``: a runner's ``continue_decode``), the sampler's
+per-composition parameters (``_BatchParams``). The reference engine has each one switched off: the general
+schedule, a runner without ``continue_decode`` (every step a full batch), a sampler that derives its parameters
+afresh every step. Both run the same workload: greedy, seeded and unseeded sampled sessions, logprobs, stop ids,
+max_tokens, sessions arriving late and answering after different delays (so steps mix decodes with prompt chunks
+and leave sessions out), an abort, cloud drafts, a pool that runs out (an error) and blocks allocated mid-decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cloud_server.config import EngineConfig
+from cloud_server.engine.kv_cache import KVCachePool
+from cloud_server.engine.llm_engine import LLMEngine
+from cloud_server.engine.sampling_params import SamplingParams
+from cloud_server.engine.scheduler import ScheduledBatch, Scheduler
+from cloud_server.engine.sequence import InputChunk, Sequence
+
+H, V = 16, 64
+
+
+class _Model:
+    hidden_size, vocab_size, eos_token_ids = H, V, [1]
+    embed_tokens, mrope, returns_states = None, False, False
+
+
+class _Runner:
+    """Logits that depend on each sampled row's hidden state and position: a step run at the wrong positions (a
+    continued batch that was not the last one a position on) gives other tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int, persistent: bool):
+        self.model = _Model()
+        self.pool = KVCachePool(1, num_blocks, block_size, 1, 8, torch.float32)
+        self.w = torch.randn(H, V, generator=torch.Generator().manual_seed(0))  # [H, V]
+        self.freq = torch.arange(V, dtype=torch.float32) / V  # [V]
+        self.persistent = persistent
+        self.next_pos: torch.Tensor | None = None  # [B] the positions a continued decode batch is at
+        self.continued = 0
+
+    def _logits(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.w + 3.0 * torch.sin(pos[:, None].float() * self.freq * 7.0)  # [S, V]
+
+    def run(self, batch) -> torch.Tensor:
+        rows = batch.logits_indices  # [S]
+        decode = all(q == 1 for q in batch.query_lens) and rows.shape[0] == len(batch.query_lens)
+        self.next_pos = batch.positions + 1 if decode else None
+        return self._logits(batch.hidden[rows], batch.positions[rows])
+
+    def host_buffer(self, shape, dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def continue_decode(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if not self.persistent or self.next_pos is None or self.next_pos.shape[0] != hidden.shape[0]:
+            return None
+        pos, self.next_pos = self.next_pos, self.next_pos + 1
+        self.continued += 1
+        return self._logits(hidden, pos)
+
+
+def _engine(fast: bool, overlap: bool, num_blocks: int, block_size: int = 4) -> LLMEngine:
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, num_blocks=num_blocks,
+                       block_size=block_size, enable_prefix_cache=False, async_scheduling=overlap,
+                       cloud_drafts=2)
+    eng = LLMEngine(cfg, {"fp32": _Runner(num_blocks, block_size, persistent=fast)}, sampler_seed=7)
+    eng.set_draft_inputs(torch.randn(V, H, generator=torch.Generator().manual_seed(1)))
+    if not fast:
+        eng.scheduler._schedule_decodes = lambda preempt: None  # the general schedule, every step
+        launch = eng.sampler.launch
+
+        def fresh_launch(*args, **kw):
+            eng.sampler._batch = None  # no composition kept from the last step
+            return launch(*args, **kw)
+
+        eng.sampler.launch = fresh_launch
+    return eng
+
+
+# (name, params, prompt length, arrival step, reply delay in steps, ask_drafts)
+_SESSIONS = [
+    ("greedy", SamplingParams(0.0, max_tokens=14, ignore_eos=True), 5, 0, 0, 0),
+    ("seeded", SamplingParams(0.7, top_p=0.9, seed=3, max_tokens=12), 7, 0, 0, 0),
+    ("unseeded", SamplingParams(0.9, top_k=8, max_tokens=10, ignore_eos=True), 3, 0, 0, 0),
+    ("slow", SamplingParams(0.0, max_tokens=9, ignore_eos=True), 4, 1, 2, 0),
+    ("logprobs", SamplingParams(0.8, seed=5, logprobs=2, max_tokens=8, ignore_eos=True), 6, 2, 0, 0),
+    ("stop", SamplingParams(0.0, stop_token_ids=list(range(2, 40)), max_tokens=30), 3, 3, 1, 0),
+    ("late", SamplingParams(0.7, top_p=0.9, seed=9, max_tokens=11, ignore_eos=True), 22, 5, 0, 0),
+    ("drafts", SamplingParams(0.0, max_tokens=10, ignore_eos=True), 5, 1, 0, 2),
+    ("aborted", SamplingParams(0.0, max_tokens=30, ignore_eos=True), 4, 0, 0, 0),
+]
+
+
+# lockstep: every session answers at once, so the same rows step on (the persistent batch; blocks of 16 positions)
+_STEADY = [
+    ("greedy", SamplingParams(0.0, max_tokens=30, ignore_eos=True), 5, 0, 0, 0),
+    ("seeded", SamplingParams(0.7, top_p=0.9, seed=3, max_tokens=28, ignore_eos=True), 7, 0, 0, 0),
+    ("unseeded", SamplingParams(0.9, top_k=8, max_tokens=30, ignore_eos=True), 3, 0, 0, 0),
+    ("logprobs", SamplingParams(0.8, seed=5, logprobs=2, max_tokens=25, ignore_eos=True), 6, 0, 0, 0),
+    ("stop", SamplingParams(0.0, stop_token_ids=[11, 12, 13], max_tokens=30), 3, 0, 0, 0),
+    ("aborted", SamplingParams(0.0, max_tokens=30, ignore_eos=True), 4, 0, 0, 0),
+]
+
+
+def _state(name: str, token: int) -> torch.Tensor:
+    """The boundary state a phone sends for ``token`` (deterministic, per session). [1, H]"""
+    g = torch.Generator().manual_seed(1000 * token + sum(map(ord, name)))
+    return torch.randn(1, H, generator=g)
+
+
+def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int = 80) -> list[tuple]:
+    """Every output of the workload, in order, with the step it came out of."""
+    log, waiting_since, pos, last = [], {}, {}, {}
+    for k in range(steps):
+        for name, params, n, arrive, _, _ in sessions:
+            if k == arrive:
+                prompt = torch.randn(n, H, generator=torch.Generator().manual_seed(len(name)))
+                assert eng.add_request(name, InputChunk(0, hidden=prompt), params) == []
+                pos[name] = n
+        for name, _, _, _, delay, ask in sessions:
+            if name in waiting_since and k - waiting_since[name] >= delay and name in eng.seqs:
+                del waiting_since[name]
+                seq = eng.seqs[name]
+                eng.add_input(name, InputChunk(seq.num_received, hidden=_state(name, last[name]), ask_drafts=ask))
+        if k == abort_at:
+            log += [(k, o.request_id, o.finish_reason) for o in eng.abort("aborted")]
+        for o in eng.step():
+            log.append((k, o.request_id, o.token_id, o.finish_reason, o.error_code, o.logprob, o.top_logprobs,
+                        o.draft_ids, o.num_output_tokens, o.accepted_ids))
+            if o.token_id is not None and not o.finished:
+                waiting_since[o.request_id], last[o.request_id] = k, o.token_id
+        if not eng.seqs and not eng.has_work() and k > max(s[3] for s in sessions):
+            break
+    return log
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("num_blocks", [256, 14])  # 14 blocks of 4: the pool runs out, sessions are aborted
+def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks):
+    fast, ref = _engine(True, overlap, num_blocks), _engine(False, overlap, num_blocks)
+    got, want = _drive(fast, _SESSIONS), _drive(ref, _SESSIONS)
+    assert got == want
+    tokens = [e for e in want if len(e) > 3 and e[2] is not None]
+    assert {e[1] for e in tokens} >= {"greedy", "seeded", "unseeded", "slow", "logprobs", "late", "drafts"}
+    assert any(e[7] for e in tokens)  # cloud drafts went out
+    if num_blocks == 14:
+        assert any(e[4] == "kv_cache_full" for e in want if len(e) > 4)
+    assert not fast.seqs and fast.num_used_blocks() == 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_lockstep_decoding_continues_the_persistent_batch_with_the_same_tokens(overlap):
+    fast, ref = _engine(True, overlap, 64, block_size=16), _engine(False, overlap, 64, block_size=16)
+    got, want = _drive(fast, _STEADY, abort_at=14), _drive(ref, _STEADY, abort_at=14)
+    assert got == want
+    assert fast.runners["fp32"].continued >= 15  # the persistent batch was taken (and gave the same tokens)
+    assert {e[1] for e in want if len(e) > 3 and e[2] is not None} == {s[0] for s in _STEADY}
+    assert not fast.seqs and fast.num_used_blocks() == 0
+
+
+def _seq(name: str, n: int, sched: Scheduler, params: SamplingParams | None = None) -> Sequence:
+    seq = Sequence(name, params or SamplingParams(0.0), "fp32")
+    sched.add(seq, InputChunk(0, hidden=torch.zeros(n, H)))
+    return seq
+
+
+def _view(batches: list[ScheduledBatch]) -> list:
+    return [(b.variant, [(it.seq.request_id, it.chunk.start, it.chunk.n, it.sample) for it in b.items])
+            for b in batches]
+
+
+def test_the_decode_only_schedule_is_the_general_one():
+    """Decode steps only (some sessions not ready, one needing a new block, a cloud draft row): the fast schedule
+    takes the general loop's batches; a waiting request or a longer chunk sends it to the general loop."""
+    from cloud_server.engine.kv_cache import BlockManager
+
+    def make():
+        cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=64, block_size=4)
+        sched = Scheduler(cfg, {"fp32": BlockManager(64, 4)})
+        seqs = [_seq(f"s{i}", 3 + i, sched) for i in range(5)]
+        [batch], _ = sched.schedule()  # the prompts
+        for it in batch.items:
+            it.seq.update_from_output(it.chunk.end)
+        return sched, seqs
+
+    (fast, fs), (general, gs) = make(), make()
+    general._schedule_decodes = lambda preempt: None
+    for seqs in (fs, gs):
+        for i, s in enumerate(seqs):
+            if i != 2:  # s2's phone is slow
+                s.push(InputChunk(s.num_received, hidden=torch.zeros(1, H), cloud_draft=i == 4))
+    (fb, fv), (gb, gv) = fast.schedule(), general.schedule()
+    assert _view(fb) == _view(gb) and fv == gv == []
+    assert [it.seq.request_id for it in fb[0].items] == ["s0", "s1", "s3", "s4"]
+    assert [len(s.block_table) for s in fs] == [len(s.block_table) for s in gs]  # s1 (4 positions) took a block
+    assert not fb[0].plain_decode  # a cloud draft row: the engine splits its rows
+    # a longer chunk, or a request waiting for admission: the general loop decides
+    fs[2].push(InputChunk(fs[2].num_received, hidden=torch.zeros(2, H)))
+    assert fast._schedule_decodes(True) is None
+
+
+def test_the_sampler_keeps_a_compositions_parameters_and_draws_the_same_tokens():
+    """The same rows step after step: the sampler derives their parameters once (an equal list is the same
+    composition) and draws what a sampler deriving them afresh draws; another composition derives its own."""
+    from cloud_server.engine.sampler import Sampler
+
+    g = torch.Generator().manual_seed(0)
+    params = [SamplingParams(0.7, top_p=0.9, seed=1), SamplingParams(0.0), SamplingParams(1.0, top_k=5),
+              SamplingParams(0.8, seed=2, logprobs=1)]
+    kept, fresh = Sampler(3), Sampler(3)
+    for step in range(6):
+        logits = torch.randn(4, V, generator=g)
+        rows = params if step % 2 else list(params)  # the same list, or an equal one
+        if step == 4:
+            rows = params[::-1]  # another composition
+        fresh._batch = None
+        a = kept.launch(logits, rows, [10 + step] * 4).result()
+        b = fresh.launch(logits, rows, [10 + step] * 4).result()
+        assert [(t.token_id, t.logprob) for t in a] == [(t.token_id, t.logprob) for t in b]
+        assert kept._batch.params == rows
