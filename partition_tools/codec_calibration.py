@@ -32,7 +32,8 @@ EVAL_TOKENS = 1024  # the sample text's first tokens are the evaluation text of 
 WINDOW = 512
 CHAT_TOKENS = 800  # calibration text wrapped in the chat template (two turns of CHAT_TOKENS // 2)
 TARGETS = {"pca-fine": 0.62, "pca-compact": 0.25,  # bytes per element of the coefficients on the calibration
-           "pca-ans-compact": 0.27}  # (held-out text costs ~10-15 % more: docs/quality.md, "PCA codecs")
+           "pca-ans-compact": 0.27,  # (held-out text costs ~10-15 % more: docs/quality.md, "PCA codecs")
+           "pca-tcq-compact": 0.26}
 
 
 def codec_calibration_windows(lm: LoadedModel, vocab_size: int) -> list[torch.Tensor]:

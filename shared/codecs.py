@@ -13,6 +13,7 @@ name                 what                                        bytes/element (
 ``pca-fine``         bundle PCA basis, uniform step, Rice code   ~0.7 (data-dependent)
 ``pca-compact``      the same, coarser step                      ~0.3 (data-dependent)
 ``pca-ans-compact``  the basis, row-scale-context rANS code      ~0.3 (data-dependent)
+``pca-tcq-compact``  the same code, trellis-coded quantization   ~0.3 (data-dependent)
 ===================  ==========================================  ==========================
 
 ``get_codec(name, **params)`` builds one; the outlier codecs need the bundle's calibration
@@ -31,6 +32,7 @@ from .codec_base import BoundaryCodec
 from .codecs_outlier import OutlierInt4Codec, OutlierInt8Codec, find_outlier_channels, find_sink_threshold
 from .codecs_pca import CodecArtifactError, PcaBasis, PcaCodec
 from .codecs_pca_ans import PcaAnsCodec
+from .codecs_pca_tcq import PcaTcqCodec
 from .codecs_plain import Bf16Codec, BlockwiseIntCodec, Fp16Codec
 from .errors import BAD_CODEC, ProtocolError
 
@@ -47,10 +49,11 @@ CODECS: dict[str, Callable[..., BoundaryCodec]] = {
     "pca-fine": lambda basis: PcaCodec(basis, "pca-fine"),
     "pca-compact": lambda basis: PcaCodec(basis, "pca-compact"),
     "pca-ans-compact": lambda basis: PcaAnsCodec(basis, "pca-ans-compact"),
+    "pca-tcq-compact": lambda basis: PcaTcqCodec(basis, "pca-tcq-compact"),
 }
 CODEC_NAMES: tuple[str, ...] = tuple(CODECS)
 OUTLIER_CODECS: tuple[str, ...] = ("int8-outlier", "int4-outlier")  # need outlier_channels from calibration
-BASIS_CODECS: tuple[str, ...] = ("pca-fine", "pca-compact", "pca-ans-compact")  # need the bundle's codec artifact (PcaBasis)
+BASIS_CODECS: tuple[str, ...] = ("pca-fine", "pca-compact", "pca-ans-compact", "pca-tcq-compact")  # need the bundle's codec artifact (PcaBasis)
 CALIBRATED_CODECS: tuple[str, ...] = OUTLIER_CODECS + BASIS_CODECS  # need the bundle's calibration
 
 _plain_cache: dict[str, BoundaryCodec] = {}

@@ -38,6 +38,7 @@ import numpy as np
 from .codec_base import pack_rows_bitmap, to_f16, unpack_rows_bitmap
 from .codec_pca_base import FINGERPRINT_BYTES, BasisCodec
 from .codecs_pca_ans import ANS_LEVELS, AnsFit, AnsLevel, fit_ans_level
+from .codecs_pca_tcq import TCQ_LEVELS, TcqFit, TcqLevel, fit_tcq_level
 from .errors import BAD_CODEC, BAD_TENSOR, ProtocolError
 from .tensors import PayloadReader
 
@@ -74,13 +75,13 @@ class PcaBasis:
         if not (np.isfinite(mean).all() and np.isfinite(basis).all()):
             raise CodecArtifactError("pca basis: NaN or Inf in the artifact")
         for name, lv in levels.items():
-            if name in ANS_LEVELS and isinstance(lv, AnsLevel):
+            if (name in ANS_LEVELS and isinstance(lv, AnsLevel)) or (name in TCQ_LEVELS and isinstance(lv, TcqLevel)):
                 if lv.r > h:
                     raise CodecArtifactError(f"pca basis: level {name} sends {lv.r} of {h} components")
                 continue
             if name not in LEVELS or not isinstance(lv, PcaLevel):
                 raise CodecArtifactError(f"pca basis: unknown level {name!r} (known: "
-                                         f"{', '.join(LEVELS + ANS_LEVELS)})")
+                                         f"{', '.join(LEVELS + ANS_LEVELS + TCQ_LEVELS)})")
             k = lv.rice_k
             if (k.dtype != np.uint8 or k.ndim != 1 or not 1 <= k.size <= h or int(k.max()) > K_MAX
                     or not (np.isfinite(lv.step) and lv.step > 0)):
@@ -90,7 +91,7 @@ class PcaBasis:
         d = hashlib.sha256(b"autoglm-codec-pca\0" + mean.tobytes() + basis.tobytes())
         for name in sorted(levels):
             lv = levels[name]
-            d.update(name.encode() + (lv.digest_bytes() if isinstance(lv, AnsLevel)
+            d.update(name.encode() + (lv.digest_bytes() if isinstance(lv, (AnsLevel, TcqLevel))
                                       else np.float64(lv.step).tobytes() + lv.rice_k.tobytes()))
         self.digest = d.hexdigest()
 
@@ -102,7 +103,7 @@ class PcaBasis:
     def to_bytes(self) -> bytes:
         arrays = {"version": np.array([ARTIFACT_VERSION], np.int32), "mean": self.mean, "basis": self.basis}
         for name, lv in self.levels.items():
-            if isinstance(lv, AnsLevel):
+            if isinstance(lv, (AnsLevel, TcqLevel)):
                 arrays.update({f"{name}.{key}": v for key, v in lv.arrays().items()})
                 continue
             arrays[f"{name}.step"] = np.array([lv.step], np.float64)
@@ -131,10 +132,10 @@ class PcaBasis:
                 if step.shape != (1,) or f"{name}.rice_k" not in arrays:
                     raise CodecArtifactError(f"pca basis: level {name} is incomplete")
                 levels[name] = PcaLevel(float(step[0]), arrays[f"{name}.rice_k"])
-        for name in ANS_LEVELS:
+        for name, kind in [(n, AnsLevel) for n in ANS_LEVELS] + [(n, TcqLevel) for n in TCQ_LEVELS]:
             if f"{name}.step" in arrays:
                 try:
-                    levels[name] = AnsLevel.from_arrays({key: arrays[f"{name}.{key}"] for key in AnsLevel.FIELDS})
+                    levels[name] = kind.from_arrays({key: arrays[f"{name}.{key}"] for key in kind.FIELDS})
                 except (KeyError, ValueError) as e:
                     raise CodecArtifactError(f"pca basis: level {name}: {e}") from None
         return cls(arrays["mean"], arrays["basis"], levels)
@@ -266,7 +267,7 @@ def fit_level(coef: np.ndarray, step: float, drop: float = 0.5) -> tuple[PcaLeve
 
 
 def calibrate_pca(hidden: np.ndarray, targets: dict[str, float], sink_factor: float = 4.0,
-                  ans: AnsFit | None = None) -> PcaBasis:
+                  ans: AnsFit | None = None, tcq: TcqFit | None = None) -> PcaBasis:
     """A :class:`PcaBasis` from calibration boundary states ``hidden`` [T, H], with one level per entry of
     ``targets`` (level name -> bytes per element of the coded coefficients on this calibration, reached by
     bisection on the step). Rows with a norm above ``sink_factor`` x the median (attention sinks) are left out
@@ -279,8 +280,9 @@ def calibrate_pca(hidden: np.ndarray, targets: dict[str, float], sink_factor: fl
     mean, basis = _principal_components(x)
     coef = ((x - mean) @ basis).astype(np.float64)  # [T, H]
     ans = ans or AnsFit()
-    sd = heldout_sd(x, ans.folds) if ans.folds > 1 and any(n in ANS_LEVELS for n in targets) else None
-    return PcaBasis(mean.astype(np.float32), basis, fit_levels(coef, targets, ans, sd))
+    held = ans.folds > 1 and any(n in ANS_LEVELS + TCQ_LEVELS for n in targets)
+    sd = heldout_sd(x, ans.folds) if held else None
+    return PcaBasis(mean.astype(np.float32), basis, fit_levels(coef, targets, ans, sd, tcq))
 
 
 def _principal_components(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -304,11 +306,12 @@ def heldout_sd(x: np.ndarray, folds: int) -> np.ndarray:
 
 
 def fit_levels(coef: np.ndarray, targets: dict[str, float], ans: AnsFit | None = None,
-               sd: np.ndarray | None = None) -> dict[str, PcaLevel | AnsLevel]:
+               sd: np.ndarray | None = None, tcq: TcqFit | None = None) -> dict[str, PcaLevel | AnsLevel | TcqLevel]:
     """One level per target (level name -> bytes per element of ``coef`` [T, H]), the step found by
     bisection: a Rice level (:func:`fit_level`) for :data:`LEVELS`, an entropy-coded one
     (:func:`shared.codecs_pca_ans.fit_ans_level`, options ``ans``, component spreads ``sd`` [H], by default
-    those of ``coef``) for :data:`ANS_LEVELS`."""
+    those of ``coef``) for :data:`ANS_LEVELS`, a trellis-coded one (:func:`shared.codecs_pca_tcq.fit_tcq_level`,
+    options ``tcq``, the same spreads) for :data:`TCQ_LEVELS`."""
     levels = {}
     probe = coef[:: max(1, coef.shape[0] // 1024)]  # the bisection runs on <= ~1k rows, the final fit on all
     sd = coef.std(axis=0) if sd is None else sd  # [H]
@@ -316,6 +319,9 @@ def fit_levels(coef: np.ndarray, targets: dict[str, float], ans: AnsFit | None =
         if name in ANS_LEVELS:
             def fit(c, step):
                 return fit_ans_level(c, sd, step, ans or AnsFit())
+        elif name in TCQ_LEVELS:
+            def fit(c, step):
+                return fit_tcq_level(c, sd, step, tcq or TcqFit())
         else:
             def fit(c, step):
                 return fit_level(c, step)

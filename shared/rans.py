@@ -93,8 +93,19 @@ def decode(stream: np.ndarray, lengths: np.ndarray, tables: np.ndarray, ft: Freq
     per row), ``tables`` [S, n]. Returns symbols int64 [S, n]. Raises :class:`RansError` if a row's words do
     not decode to exactly ``n`` symbols ending in the initial state."""
     s, n = tables.shape
+    if np.shape(lengths) != (s,):
+        raise RansError(f"rans: {np.shape(lengths)} row lengths for {s} rows of tables")
+    return decode_dynamic(stream, lengths, n, ft, lambda j, prev: tables[:, j])
+
+
+def decode_dynamic(stream: np.ndarray, lengths: np.ndarray, n: int, ft: FreqTables, next_tables) -> np.ndarray:
+    """:func:`decode` with tables chosen as the rows decode: ``next_tables(j, prev)`` returns the tables [S]
+    of symbol ``j`` given the symbols ``prev`` [S] decoded at ``j - 1`` (None for ``j = 0``) - a context
+    model whose state the caller keeps (the encoder, knowing every symbol, passes the same tables to
+    :func:`encode`). Returns symbols int64 [S, n]; raises :class:`RansError` as :func:`decode` does."""
     lengths = np.asarray(lengths, np.int64)
-    if lengths.shape != (s,) or (lengths < STATE_WORDS).any() or int(lengths.sum()) != stream.size:
+    s = lengths.shape[0] if lengths.ndim == 1 else -1
+    if s < 0 or (lengths < STATE_WORDS).any() or int(lengths.sum()) != stream.size:
         raise RansError(f"rans: {s} row lengths that do not split a stream of {stream.size} words")
     out = np.empty((n, s), np.int64)
     if s == 0:
@@ -107,13 +118,13 @@ def decode(stream: np.ndarray, lengths: np.ndarray, tables: np.ndarray, ft: Freq
         raise RansError(f"rans: row {int(np.flatnonzero(x < L)[0])} starts in a state below {L}")
     ptr = first + STATE_WORDS
     last = stream.size - 1
-    tab = (tables * ft.alphabet).T  # [n, S]
-    slot_base = (tables * M).T  # [n, S]
     mask, prec = np.uint64(M - 1), np.uint64(PREC)
+    sym = None
     for j in range(n):
+        t = np.asarray(next_tables(j, sym), np.int64)  # [S]
         slot = x & mask
-        sym = ft.lookup[slot_base[j] + slot.astype(np.int64)]
-        k = tab[j] + sym
+        sym = ft.lookup[t * M + slot.astype(np.int64)]
+        k = t * ft.alphabet + sym
         x = ft._freq_flat[k].astype(np.uint64) * (x >> prec) + slot - ft._cum_flat[k].astype(np.uint64)
         need = x < L
         w = words[np.minimum(ptr, last)]  # a bad stream may run past its row: read in bounds, refuse below

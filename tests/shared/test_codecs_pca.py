@@ -15,7 +15,7 @@ from shared import protocol as P
 from shared.codecs_pca import LEVELS, U_MAX, CodecArtifactError, PcaBasis, calibrate_pca
 
 H = 48
-TARGETS = {"pca-fine": 0.62, "pca-compact": 0.25, "pca-ans-compact": 0.3}  # every level of the artifact
+TARGETS = {"pca-fine": 0.62, "pca-compact": 0.25, "pca-ans-compact": 0.3, "pca-tcq-compact": 0.3}  # every level of the artifact
 
 
 def states(seed: int, t: int) -> np.ndarray:
