@@ -49,6 +49,24 @@ def tiny_glm4_int8_bundle(tmp_path_factory, tiny_glm4_lm) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4_plain_bundle(tmp_path_factory, tiny_glm4_lm) -> Path:
+    """tiny-glm4 split at layer 2, fp32 edge, with the plain traced graph (the bundles above get the fused one).
+    The trace is the slow part of a split: every test that needs a plain graph shares this one."""
+    return _split(tmp_path_factory.mktemp("tiny-glm4-plain") / "b", tiny_glm4_lm, 2, "fp32", edge_graph="plain")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4_whole(tmp_path_factory, tiny_glm4_lm) -> Path:
+    """The whole tiny-glm4 model as one fp32 ONNX graph (``export_whole``, the all-edge baseline), exported once:
+    tests/partition_tools/test_export_whole.py checks it against torch; the rig and the edge client run it."""
+    from partition_tools.export_whole import export_whole
+
+    out = tmp_path_factory.mktemp("tiny-whole") / "w"
+    export_whole(tiny_glm4_lm, out, "fp32")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_glm4v_lm():
     """tiny-glm4v: a random GLM-4.1V (text layers, vision tower), loaded once."""
     from partition_tools.models import load_model

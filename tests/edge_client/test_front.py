@@ -12,13 +12,9 @@ from shared.manifest import BundleError
 
 
 @pytest.fixture(scope="module")
-def plain_bundle(tmp_path_factory, tiny_glm4_lm):
+def plain_bundle(tiny_glm4_plain_bundle):
     """tiny-glm4 split at 2 with the plain traced graph (the conftest bundles get the fused one)."""
-    from partition_tools.split import SplitConfig, split
-
-    out = tmp_path_factory.mktemp("tiny-glm4-plain") / "b"
-    split(tiny_glm4_lm, SplitConfig(layer=2, out=out, edge_quant="fp32", edge_graph="plain"))
-    return out
+    return tiny_glm4_plain_bundle
 
 
 @pytest.fixture(params=["fused", "plain"])

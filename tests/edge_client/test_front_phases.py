@@ -68,15 +68,11 @@ def test_step_without_a_prefill_graph_is_one_prefill_chunk(one_graph_bundle):
     assert a.step([]).shape == (0, a.hidden_size) and a.stats.forward_calls == 1
 
 
-def test_a_prefill_graph_with_other_inputs_is_refused(phased_bundle, tmp_path):
-    from partition_tools.models import load_model
-    from partition_tools.split import SplitConfig, split
-
-    plain = split(load_model("tiny-glm4"), SplitConfig(layer=2, out=tmp_path / "plain", edge_quant="fp32",
-                                                       edge_graph="plain"))
-    assert plain.edge_variant == "fp32"
+def test_a_prefill_graph_with_other_inputs_is_refused(phased_bundle, tiny_glm4_plain_bundle, tmp_path):
+    plain = Manifest.load(tiny_glm4_plain_bundle)  # tiny-glm4 at 2, fp32, the plain graph (tests/conftest.py)
+    assert plain.edge_variant == "fp32" and plain.quant_report["edge_graph"] == "plain"
     with pytest.raises(BundleError, match="differ from the edge graph"):
-        FrontRuntime(phased_bundle, threads=1, prefill_graph=tmp_path / "plain" / FRONT)
+        FrontRuntime(phased_bundle, threads=1, prefill_graph=tiny_glm4_plain_bundle / FRONT)
     d = tmp_path / "b"
     shutil.copytree(phased_bundle, d)
     (d / PREFILL_GRAPH).unlink()

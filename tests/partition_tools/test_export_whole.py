@@ -16,10 +16,9 @@ from rig.all_edge import WholeModelRunner
 
 
 @pytest.fixture(scope="module")
-def whole_fp32(tmp_path_factory, tiny_glm4_lm):
-    out = tmp_path_factory.mktemp("whole") / "fp32"
-    export_whole(tiny_glm4_lm, out, "fp32")
-    return out
+def whole_fp32(tiny_glm4_whole):
+    """``export_whole(tiny_glm4_lm, out, "fp32")``: the session's one export (tests/conftest.py)."""
+    return tiny_glm4_whole
 
 
 def test_fp32_whole_graph_greedy_equals_torch(whole_fp32, tiny_glm4_lm):

@@ -46,11 +46,7 @@ def test_int8_cache_round_trips_through_kv_slice(tiny_glm4_fp32_bundle, kv8):
     np.testing.assert_allclose(rt.prefill(ids[16:]), h[16:], atol=1e-5)
 
 
-def test_plain_graph_has_no_int8_cache(tmp_path):
-    from partition_tools.adapters import ModelAdapter
-    from partition_tools.export import export_front
-    from partition_tools.models import load_model
-
-    src = export_front(ModelAdapter(load_model("tiny-glm4").model), 1, tmp_path / "plain.onnx")
+def test_plain_graph_has_no_int8_cache(tiny_glm4_plain_bundle, tmp_path):
+    src = tiny_glm4_plain_bundle / "edge" / "front.onnx"  # the traced plain graph (tests/conftest.py)
     with pytest.raises(QuantizationError, match="GroupQueryAttention"):
         quantize_front(src, tmp_path / "q.onnx", "fp32", kv_cache="int8", calibration_ids=np.arange(4, 40))

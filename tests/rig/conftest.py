@@ -1,5 +1,6 @@
-"""Artifacts for the rig tests, built once per session: the whole tiny-glm4 model as ONNX (fp32), next to the
-shared tiny-glm4 fp32 bundle, so that split and all-edge must give the same greedy tokens."""
+"""Artifacts for the rig tests: the whole tiny-glm4 model as ONNX (fp32), next to the shared tiny-glm4 fp32
+bundle, so that split and all-edge must give the same greedy tokens (both built once per session, in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,5 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_whole(tmp_path_factory, tiny_glm4_lm) -> Path:
-    from partition_tools.export_whole import export_whole
-
-    out = tmp_path_factory.mktemp("tiny-whole") / "w"
-    export_whole(tiny_glm4_lm, out, "fp32")
-    return out
+def tiny_whole(tiny_glm4_whole) -> Path:
+    return tiny_glm4_whole
