@@ -8,12 +8,16 @@ S sequences ready. Each step's host time is also split at the moment the runner 
 ``prelaunch_us`` (``add_input`` x S, schedule, ``build_batch``: the device idles through it) and
 ``after_launch_us`` (sampling, postprocess: with ``async_scheduling`` it runs while the device computes, and
 for a step's own bookkeeping even in lockstep). Both engine modes are measured (``overlap`` on and off).
+``thread_cpu_us`` is the CPU time the bench's thread spent on a step (``time.thread_time``): on a machine shared
+with other jobs it moves less than the wall-clock figures, which also count the time the thread waited for a core.
+Each session's ``[1, H]`` state is a row view made once (as a server's decoded frame is), so the timed feed is the
+``InputChunk`` and the ``add_input`` call.
 
 Usage::
 
     python bench/engine_host_bench.py --out /tmp/engine_host.json          # this tree only
     python bench/engine_host_bench.py --compare /tmp/engine_before --out docs/results/engine_host.json
-    python bench/engine_host_bench.py --profile 64     # cProfile of 200 steps at S = 64
+    python bench/engine_host_bench.py --profile 64     # cProfile of 200 steps at S = 64 (PROFILE_ROWS=60: more rows)
 
 ``--compare DIR`` first runs the same measurement in a subprocess against the packages exported to ``DIR``
 (e.g. ``git archive <rev> cloud_server partition_tools shared | tar -x -C DIR``: the code before a change),
@@ -109,15 +113,17 @@ def _overlap_kw(overlap: bool) -> dict:
     return {"async_scheduling": overlap} if "async_scheduling" in EngineConfig.__dataclass_fields__ else {}
 
 
-def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Tensor) -> tuple[list, list, list]:
+def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Tensor) -> tuple[list, list, list, list]:
     """Run ``steps`` decode steps; per-step host seconds of the add_input loop, of the step() calls until every
-    session has its token, and from the start of the step to its launch (the runner's ``run`` call)."""
+    session has its token, from the start of the step to its launch (the runner's ``run`` call), and the CPU time
+    this thread spent on the whole step (what other processes on a loaded machine do not add to)."""
     ids = [f"r{i}" for i in range(sessions)]
     rows = [states[j: j + 1] for j in range(sessions)]  # [1, H] each, made once: the feed's own work is not timed
     runner = eng.runners["fp32"]
-    t_add, t_step, t_pre = [], [], []
+    t_add, t_step, t_pre, t_cpu = [], [], [], []
     for _ in range(steps):
         pos = [eng.seqs[rid].num_received for rid in ids]
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         for rid, p, row in zip(ids, pos, rows):
             out = eng.add_input(rid, InputChunk(p, hidden=row))
@@ -128,34 +134,37 @@ def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Ten
         if not outs:  # overlap: the step was launched; the next call postprocesses it
             outs = eng.step()
         t2 = time.perf_counter()
+        t_cpu.append(time.thread_time() - c0)
         if len(outs) != sessions or any(o.token_id != 7 for o in outs):
             raise RuntimeError(f"expected one token 7 per session, got {len(outs)} outputs")
         t_add.append(t1 - t0)
         t_step.append(t2 - t1)
         t_pre.append(runner.launched_at - t0)
-    return t_add, t_step, t_pre
+    return t_add, t_step, t_pre, t_cpu
 
 
 def measure(sessions: int, steps: int, repeats: int, prompt: int, hidden: int, vocab: int,
             block_size: int, overlap: bool = True) -> dict:
     states = torch.randn(sessions, hidden)  # [S, H]
-    adds, stepss, pres = [], [], []
+    adds, stepss, pres, cpus = [], [], [], []
     for _ in range(repeats):
         eng = _engine(sessions, prompt, steps + 10, hidden, vocab, block_size, overlap)
         _decode_steps(eng, sessions, 10, hidden, states)  # warm-up
-        a, s, pre = _decode_steps(eng, sessions, steps, hidden, states)
+        a, s, pre, cpu = _decode_steps(eng, sessions, steps, hidden, states)
         adds.append(statistics.median(a))
         stepss.append(statistics.median(s))
         pres.append(statistics.median(pre))
+        cpus.append(statistics.median(cpu))
     add_us, step_us, pre_us = min(adds) * 1e6, min(stepss) * 1e6, min(pres) * 1e6
     return {"sessions": sessions, "overlap": overlap, "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
             "total_us": round(add_us + step_us, 1), "per_session_us": round((add_us + step_us) / sessions, 2),
-            "prelaunch_us": round(pre_us, 1), "after_launch_us": round(add_us + step_us - pre_us, 1)}
+            "prelaunch_us": round(pre_us, 1), "after_launch_us": round(add_us + step_us - pre_us, 1),
+            "thread_cpu_us": round(min(cpus) * 1e6, 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sessions", default="1,8,64,128")
+    ap.add_argument("--sessions", default="1,8,64,256")
     ap.add_argument("--steps", type=int, default=100, help="timed decode steps per repeat")
     ap.add_argument("--repeats", type=int, default=3, help="fresh engines; the best median is kept")
     ap.add_argument("--prompt", type=int, default=32)
@@ -167,7 +176,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--merge", action="store_true", help="keep other labels already in --out")
     ap.add_argument("--compare", type=Path, help="first measure the packages exported to this folder (before)")
-    ap.add_argument("--profile", type=int, help="cProfile 200 steps at this many sessions instead")
+    ap.add_argument("--profile", type=int, help="cProfile 200 steps at this many sessions instead (PROFILE_ROWS: "
+                    "rows printed, default 25)")
     args = ap.parse_args()
     if args.compare is not None:
         if not (args.compare / "cloud_server" / "engine" / "llm_engine.py").is_file():
@@ -200,7 +210,8 @@ def main() -> None:
             (rows if overlap else rows_sync).append(r)
             print(f"[{args.label}{'' if overlap else ', sync'}] S={s:4d}  add_input x S {r['add_input_us']:9.1f} us  "
                   f"step {r['step_us']:9.1f} us  total {r['total_us']:9.1f} us  ({r['per_session_us']:.2f} us/session)"
-                  f"  before launch {r['prelaunch_us']:9.1f} us, after {r['after_launch_us']:9.1f} us", flush=True)
+                  f"  before launch {r['prelaunch_us']:9.1f} us, after {r['after_launch_us']:9.1f} us"
+                  f"  (thread CPU {r['thread_cpu_us']:9.1f} us)", flush=True)
     if args.out:
         data = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
         import cloud_server
@@ -211,13 +222,18 @@ def main() -> None:
                                        "hidden": args.hidden, "vocab": args.vocab, "block_size": args.block_size}}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         if "before" in data and "after" in data:
-            data["speedup_total"] = {str(b["sessions"]): round(b["total_us"] / a["total_us"], 2)
-                                     for b, a in zip(data["before"]["rows"], data["after"]["rows"], strict=False)
-                                     if b["sessions"] == a["sessions"]}
-            print("S      before us/step   after us/step   speedup")
+            pairs = [(b, a) for b, a in zip(data["before"]["rows"], data["after"]["rows"], strict=False)
+                     if b["sessions"] == a["sessions"]]
+            data["speedup_total"] = {str(b["sessions"]): round(b["total_us"] / a["total_us"], 2) for b, a in pairs}
+            if all("thread_cpu_us" in r for p in pairs for r in p):
+                data["speedup_thread_cpu"] = {str(b["sessions"]): round(b["thread_cpu_us"] / a["thread_cpu_us"], 2)
+                                              for b, a in pairs}
+            print("S      before us/step   after us/step   speedup   before launch: before / after us   "
+                  "thread CPU: before / after us")
             for b, a in zip(data["before"]["rows"], data["after"]["rows"], strict=False):
                 print(f"{b['sessions']:<4d} {b['total_us']:15.1f} {a['total_us']:15.1f} "
-                      f"{b['total_us'] / a['total_us']:8.2f}x")
+                      f"{b['total_us'] / a['total_us']:8.2f}x   {b['prelaunch_us']:9.1f} / {a['prelaunch_us']:9.1f}"
+                      f"          {b['thread_cpu_us']:9.1f} / {a['thread_cpu_us']:9.1f}")
         args.out.write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -310,7 +310,6 @@ class Sampler:
         """:meth:`launch` and wait."""
         return self.launch(logits, params, positions, histories).result()
 
-    @torch.inference_mode()
     def launch(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
                histories: list[list[int]] | None = None) -> PendingSample:
         """logits [S, V] float32 (CPU or device), one row per request; ``positions[i]`` is the position of row i's
@@ -325,6 +324,13 @@ class Sampler:
         if b.plain_greedy:
             # plain greedy rows: argmax where the logits are (first maximum = lowest id on ties)
             return PendingSample(logits.argmax(dim=-1), None, None, params)
+        return self._launch(b, logits, params, positions, histories)
+
+    @torch.inference_mode()
+    def _launch(self, b: _BatchParams, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+                histories: list[list[int]] | None) -> PendingSample:
+        """:meth:`launch` of a batch that is not plain greedy (``b``: its derived parameters)."""
+        dev = logits.device
         raw = logits.float()  # [S, V]
         x = raw
         if b.penalized:
