@@ -28,10 +28,21 @@ def decode_or_refuse(data: bytes, limits: P.Limits | None = None):
         return None
 
 
-@settings(max_examples=2000, deadline=None)
-@given(st.binary(max_size=256))
-def test_random_bytes(data):
+# Each property runs twice: a few hundred examples in the default suite, and the full count slow-marked
+# (``-m slow``), from one body. ``_two_sizes(n_default, n_slow, strategies, settings)`` -> (default, slow).
+def _two_sizes(n_default: int, n_slow: int, *strategies, **kw):
+    def wrap(body):
+        default = settings(max_examples=n_default, deadline=None, **kw)(given(*strategies)(body))
+        slow = settings(max_examples=n_slow, deadline=None, **kw)(given(*strategies)(body))
+        return default, pytest.mark.slow(slow)
+    return wrap
+
+
+def _random_bytes(data):
     decode_or_refuse(data)
+
+
+test_random_bytes, test_random_bytes_many = _two_sizes(300, 2000, st.binary(max_size=256))(_random_bytes)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -44,9 +55,7 @@ def test_truncated_frames_are_refused(msg, data):
     assert e.value.code in CODES
 
 
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(messages, st.data())
-def test_corrupted_frames_decode_or_refuse(msg, data):
+def _corrupted_frames_decode_or_refuse(msg, data):
     frame = bytearray(P.encode_message(msg))
     for _ in range(data.draw(st.integers(1, 4))):
         i = data.draw(st.integers(0, len(frame) - 1))
@@ -56,6 +65,10 @@ def test_corrupted_frames_decode_or_refuse(msg, data):
         assert P.decode_message(P.encode_message(out)) == out
 
 
+test_corrupted_frames_decode_or_refuse, test_corrupted_frames_decode_or_refuse_many = _two_sizes(
+    200, 800, messages, st.data(), suppress_health_check=[HealthCheck.too_slow])(_corrupted_frames_decode_or_refuse)
+
+
 # any msgpack value in place of a field
 wire_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
@@ -63,19 +76,23 @@ wire_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4), max_leaves=12)
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(messages, st.data())
-def test_wrong_types_in_any_field(msg, data):
+def _wrong_types_in_any_field(msg, data):
     value = msgpack.unpackb(P.encode_message(msg))
     i = data.draw(st.integers(1, len(value) - 1)) if len(value) > 1 else 0
     value[i] = data.draw(wire_values)
     decode_or_refuse(msgpack.packb(value, use_bin_type=True))
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.sampled_from(sorted(P.MESSAGE_TYPES)), st.lists(wire_values, max_size=12))
-def test_random_field_arrays(type_code, fields):
+test_wrong_types_in_any_field, test_wrong_types_in_any_field_many = _two_sizes(
+    250, 1000, messages, st.data(), suppress_health_check=[HealthCheck.too_slow])(_wrong_types_in_any_field)
+
+
+def _random_field_arrays(type_code, fields):
     decode_or_refuse(msgpack.packb([type_code, *fields], use_bin_type=True))
+
+
+test_random_field_arrays, test_random_field_arrays_many = _two_sizes(
+    100, 300, st.sampled_from(sorted(P.MESSAGE_TYPES)), st.lists(wire_values, max_size=12))(_random_field_arrays)
 
 
 @pytest.mark.parametrize("frame, code", [
