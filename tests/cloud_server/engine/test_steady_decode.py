@@ -33,8 +33,8 @@ class _Runner:
     """Logits that depend on each sampled row's hidden state and position: a step run at the wrong positions (a
     continued batch that was not the last one a position on) gives other tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, persistent: bool):
-        self.model = _Model()
+    def __init__(self, num_blocks: int, block_size: int, persistent: bool, device: str = "cpu"):
+        self.model, self.device = _Model(), device
         self.pool = KVCachePool(1, num_blocks, block_size, 1, 8, torch.float32)
         self.w = torch.randn(H, V, generator=torch.Generator().manual_seed(0))  # [H, V]
         self.freq = torch.arange(V, dtype=torch.float32) / V  # [V]
@@ -43,7 +43,8 @@ class _Runner:
         self.continued = 0
 
     def _logits(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.w + 3.0 * torch.sin(pos[:, None].float() * self.freq * 7.0)  # [S, V]
+        logits = hidden @ self.w + 3.0 * torch.sin(pos[:, None].float() * self.freq * 7.0)  # [S, V]
+        return logits.to(self.device)  # (where the sampler then runs)
 
     def run(self, batch) -> torch.Tensor:
         rows = batch.logits_indices  # [S]
@@ -62,11 +63,11 @@ class _Runner:
         return self._logits(hidden, pos)
 
 
-def _engine(fast: bool, overlap: bool, num_blocks: int, block_size: int = 4) -> LLMEngine:
+def _engine(fast: bool, overlap: bool, num_blocks: int, block_size: int = 4, device: str = "cpu") -> LLMEngine:
     cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, num_blocks=num_blocks,
                        block_size=block_size, enable_prefix_cache=False, async_scheduling=overlap,
                        cloud_drafts=2)
-    eng = LLMEngine(cfg, {"fp32": _Runner(num_blocks, block_size, persistent=fast)}, sampler_seed=7)
+    eng = LLMEngine(cfg, {"fp32": _Runner(num_blocks, block_size, persistent=fast, device=device)}, sampler_seed=7)
     eng.set_draft_inputs(torch.randn(V, H, generator=torch.Generator().manual_seed(1)))
     if not fast:
         eng.scheduler._schedule_decodes = lambda preempt: None  # the general schedule, every step
@@ -159,6 +160,19 @@ def test_lockstep_decoding_continues_the_persistent_batch_with_the_same_tokens(o
     assert fast.runners["fp32"].continued >= 15  # the persistent batch was taken (and gave the same tokens)
     assert {e[1] for e in want if len(e) > 3 and e[2] is not None} == {s[0] for s in _STEADY}
     assert not fast.seqs and fast.num_used_blocks() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_fast_paths_on_cuda_give_the_general_paths_outputs(overlap):
+    """The sampler on the device (its parameter columns uploaded once per composition, the uniforms each step, the
+    ids copied to pinned memory and waited for at postprocess): the same outputs as the general paths there."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for sessions, blocks, size in ((_SESSIONS, 256, 4), (_STEADY, 64, 16)):
+        fast, ref = _engine(True, overlap, blocks, size, "cuda"), _engine(False, overlap, blocks, size, "cuda")
+        assert _drive(fast, sessions) == _drive(ref, sessions)
+        assert not fast.seqs and fast.num_used_blocks() == 0
 
 
 def _seq(name: str, n: int, sched: Scheduler, params: SamplingParams | None = None) -> Sequence:
