@@ -16,7 +16,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_support import DEPLOY, Replica, Router, http_get
+from deploy_support import DEPLOY, Router, http_get
 
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 NOT_RESOURCES = {"prometheus-adapter-values.yaml"}  # Helm values, not a Kubernetes object
@@ -125,13 +125,11 @@ def _exposed_names(text: str) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def live_metrics(tiny_glm4_fp32_bundle, tmp_path_factory) -> str:
-    rep = Replica(tiny_glm4_fp32_bundle, tmp_path_factory.mktemp("metrics") / "server.log").wait_ready()
-    try:
-        assert http_get(rep.http + "/health")[0] == 200  # the liveness path the Deployment probes
-        return rep.metrics()
-    finally:
-        rep.stop()
+def live_metrics(replica_pool) -> str:
+    """/metrics of a live replica of the tiny fp32 bundle (the deploy tests' shared pool, tests/deploy/conftest.py)."""
+    [rep] = replica_pool.get(1)
+    assert http_get(rep.http + "/health")[0] == 200  # the liveness path the Deployment probes
+    return rep.metrics()
 
 
 def test_dashboard_metric_names_exist_on_a_live_server(live_metrics):

@@ -16,7 +16,7 @@ import re
 import numpy as np
 import pytest
 from model_support import hf_greedy
-from deploy_support import Replica, Router, hit_rate, metric_sum
+from deploy_support import Router, hit_rate, metric_sum
 
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
@@ -35,13 +35,10 @@ PHONE_LINK = LinkProfile("test-20ms", rtt_ms=20.0, jitter_ms=0.0, down_mbps=1000
 
 
 @pytest.fixture
-def replicas(tiny_glm4_fp32_bundle, tmp_path):
-    reps = [Replica(tiny_glm4_fp32_bundle, tmp_path / f"replica{i}.log") for i in range(2)]
-    try:
-        yield [r.wait_ready() for r in reps]
-    finally:
-        for r in reps:
-            r.stop()
+def replicas(replica_pool):
+    """Two live, idle replicas of the tiny fp32 bundle, shared by the module (tests/deploy/conftest.py): the
+    failover test kills one, and the next test gets a fresh one in its place. Counters are read as deltas."""
+    return replica_pool.get(2)
 
 
 def test_replica_killed_mid_generation_every_session_completes_on_the_other(
@@ -49,6 +46,7 @@ def test_replica_killed_mid_generation_every_session_completes_on_the_other(
     rng = np.random.RandomState(3)
     prompts = [[int(t) for t in rng.randint(4, 512, 20 + 3 * i)] for i in range(4)]
     want = [hf_greedy(tiny_glm4_lm.model, p, N_NEW) for p in prompts]
+    survivor0 = metric_sum(replicas[1].metrics(), "vllm:generation_tokens_total")
     with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router, \
             LinkEmulator(router.port, PHONE_LINK) as phones:
         url = f"ws://127.0.0.1:{phones.port}/v1/split"
@@ -75,7 +73,7 @@ def test_replica_killed_mid_generation_every_session_completes_on_the_other(
         assert g == w  # every token, in order, none lost or repeated
     assert sum(replays) == 2 and sorted(replays) == [0, 0, 1, 1]  # the killed replica's two sessions replayed
     # the replays continued where the edges were (prompt + tokens held as the new prompt), not from token 0
-    survivor = metric_sum(replicas[1].metrics(), "vllm:generation_tokens_total")
+    survivor = metric_sum(replicas[1].metrics(), "vllm:generation_tokens_total") - survivor0
     assert 2 * N_NEW + 2 <= survivor <= 4 * N_NEW - 2 * 3  # each replayed session held >= 3 tokens
 
 

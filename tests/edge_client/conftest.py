@@ -36,6 +36,16 @@ def tiny_reference(tiny_bundle, tiny_glm4_lm):
 
 
 @pytest.fixture(scope="session")
+def tiny_cloud(tiny_bundle, tmp_path_factory):
+    """A real `autoglm-cloud serve` of the tiny fp32 bundle (default options), shared by the end-to-end modules
+    (one server start instead of one per module; a test that restarts it leaves it running on its port)."""
+    from edge_client.demo import LocalCloud
+
+    with LocalCloud(tiny_bundle, log_path=tmp_path_factory.mktemp("cloud-log") / "tiny.log") as cloud:
+        yield cloud
+
+
+@pytest.fixture(scope="session")
 def ushape_cloud(tiny_glm4_ushape_bundle, tmp_path_factory):
     """A real `autoglm-cloud serve` of the tiny u-shape bundle, shared by the u-shape end-to-end modules."""
     from edge_client.demo import LocalCloud

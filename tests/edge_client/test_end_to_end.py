@@ -33,13 +33,6 @@ CHAT = [{"role": "system", "content": "You are a concise assistant."},
 
 
 @pytest.fixture(scope="module")
-def tiny_cloud(tiny_bundle, tmp_path_factory):
-    log = tmp_path_factory.mktemp("cloud-log") / "tiny.log"
-    with LocalCloud(tiny_bundle, log_path=log) as cloud:
-        yield cloud
-
-
-@pytest.fixture(scope="module")
 def tiny_reference_tokens(tiny_reference):
     return hf_greedy(tiny_reference, PROMPT, N_NEW)
 

@@ -21,7 +21,7 @@ import pytest
 
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
-from edge_client.demo import LocalCloud, free_port
+from edge_client.demo import free_port
 from edge_client.errors import EdgeClientError
 from shared import protocol as P
 from shared.prefix_keys import KeyScope, block_keys
@@ -103,14 +103,9 @@ def ws_messages(stream: bytes) -> list[bytes]:
     return out
 
 
-def _serve(bundle, tmp_path_factory, name: str):
-    with LocalCloud(bundle, log_path=tmp_path_factory.mktemp("cloud-log") / f"{name}.log") as c:
-        yield c
-
-
 @pytest.fixture(scope="module")
-def cloud(tiny_bundle, tmp_path_factory):
-    yield from _serve(tiny_bundle, tmp_path_factory, "privacy")
+def cloud(tiny_cloud):
+    return tiny_cloud  # one server of the tiny bundle for the end-to-end modules (conftest)
 
 
 def test_private_split_sends_no_raw_text_and_no_prompt_drafts(tiny_bundle, cloud):
@@ -147,11 +142,6 @@ def test_the_privacy_level_changes_what_leaves_not_the_answer(tiny_bundle, cloud
     assert gen.stats.exec_mode == "split"
 
 
-@pytest.fixture(scope="module")
-def ushape_cloud(tiny_glm4_ushape_bundle, tmp_path_factory):
-    yield from _serve(tiny_glm4_ushape_bundle, tmp_path_factory, "ushape")
-
-
 def test_output_private_runs_u_shape_and_no_token_id_reaches_the_cloud(tiny_glm4_ushape_bundle, ushape_cloud):
     with RecordingProxy(ushape_cloud.port) as proxy, \
             EdgeClient(tiny_glm4_ushape_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16",
@@ -176,13 +166,11 @@ def test_output_private_runs_u_shape_and_no_token_id_reaches_the_cloud(tiny_glm4
 
 
 @pytest.fixture(scope="module")
-def whole_model(tiny_glm4_lm, tmp_path_factory):
-    from partition_tools.export_whole import export_whole
+def whole_model(tiny_glm4_whole):
+    """The whole tiny-glm4 model on the phone (the session's fp32 export, tests/conftest.py)."""
     from rig.all_edge import WholeModelRunner
 
-    out = tmp_path_factory.mktemp("whole")
-    export_whole(tiny_glm4_lm, out, "fp32")
-    return WholeModelRunner(out, threads=1)
+    return WholeModelRunner(tiny_glm4_whole, threads=1)
 
 
 def test_output_private_runs_on_the_phone_and_sends_nothing(tiny_bundle, cloud, whole_model):

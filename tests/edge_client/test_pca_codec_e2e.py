@@ -36,9 +36,8 @@ def test_split_records_the_codec_artifact(tiny_bundle):
 
 
 @pytest.fixture(scope="module")
-def cloud(tiny_bundle, tmp_path_factory):
-    with LocalCloud(tiny_bundle, log_path=tmp_path_factory.mktemp("cloud-log") / "pca.log") as c:
-        yield c
+def cloud(tiny_cloud):
+    return tiny_cloud  # one server of the tiny bundle for the end-to-end modules (conftest)
 
 
 def test_pca_fine_end_to_end(tiny_bundle, tiny_reference, cloud):

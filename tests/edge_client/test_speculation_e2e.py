@@ -42,13 +42,6 @@ SLOW = LinkProfile("slow-test", rtt_ms=400.0, jitter_ms=0.0, down_mbps=100.0, up
 
 
 @pytest.fixture(scope="module")
-def tiny_cloud(tiny_bundle, tmp_path_factory):
-    log = tmp_path_factory.mktemp("cloud-log") / "tiny-spec.log"
-    with LocalCloud(tiny_bundle, log_path=log) as cloud:
-        yield cloud
-
-
-@pytest.fixture(scope="module")
 def plain_tokens(tiny_bundle, tiny_cloud):
     with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
         return c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids

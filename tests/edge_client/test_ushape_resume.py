@@ -19,7 +19,6 @@ import websockets
 from test_speculation_e2e import K, PROMPT, RETRY, SLOW
 
 from edge_client.client import EdgeClient
-from edge_client.demo import LocalCloud
 from rig.link import LinkEmulator
 from shared import codecs as C
 from shared import protocol as P
@@ -123,9 +122,9 @@ def test_cut_with_a_speculative_step_in_flight_resumes_with_parity(tiny_glm4_ush
     assert gen.stats.accepted_draft_tokens > 0
 
 
-def test_a_restarted_server_replays_with_parity(tiny_glm4_ushape_bundle, reference, tmp_path):
-    with LocalCloud(tiny_glm4_ushape_bundle, log_path=tmp_path / "cloud.log") as cloud, \
-            EdgeClient(tiny_glm4_ushape_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+def test_a_restarted_server_replays_with_parity(tiny_glm4_ushape_bundle, cloud, reference):
+    # the module's server (shared, conftest): killed mid-generation and restarted on its port, it stays up after
+    with EdgeClient(tiny_glm4_ushape_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
         s = c.session
         real_send = s._send
         steps = []
