@@ -49,6 +49,12 @@ def tiny_glm4_int8_bundle(tmp_path_factory, tiny_glm4_lm) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_glm4_l1_bundle(tmp_path_factory, tiny_glm4_lm) -> Path:
+    """tiny-glm4 split at layer 1 with an fp32 edge (another cloud half: another bundle id)."""
+    return _split(tmp_path_factory.mktemp("tiny-glm4-l1") / "b", tiny_glm4_lm, 1, "fp32")
+
+
+@pytest.fixture(scope="session")
 def tiny_glm4_plain_bundle(tmp_path_factory, tiny_glm4_lm) -> Path:
     """tiny-glm4 split at layer 2, fp32 edge, with the plain traced graph (the bundles above get the fused one).
     The trace is the slow part of a split: every test that needs a plain graph shares this one."""
@@ -78,6 +84,12 @@ def tiny_glm4v_lm():
 def tiny_glm4v_fp32_bundle(split_bundle, tiny_glm4v_lm) -> Path:
     """tiny-glm4v split at layer 2, fp32 edge and fp32 vision tower: the split equals the unsplit model."""
     return split_bundle("glm4v-fp32", tiny_glm4v_lm, 2, "fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4v_int8_bundle(split_bundle, tiny_glm4v_lm) -> Path:
+    """tiny-glm4v split at layer 2 with the defaults: int8 edge, int8 vision tower (``edge/vision.onnx``)."""
+    return split_bundle("glm4v-int8", tiny_glm4v_lm, 2, "int8")
 
 
 @pytest.fixture(scope="session")

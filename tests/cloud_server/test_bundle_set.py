@@ -27,8 +27,8 @@ RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, max_retries=2, 
 
 
 @pytest.fixture(scope="module")
-def bundle_l1(split_bundle, tiny_lm):
-    return split_bundle("tiny-glm4-l1", tiny_lm, 1, "fp32")
+def bundle_l1(tiny_glm4_l1_bundle):
+    return tiny_glm4_l1_bundle  # tiny-glm4 split at layer 1, fp32 edge (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

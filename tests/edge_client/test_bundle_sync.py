@@ -75,13 +75,9 @@ def _app(bundle: Path, engine: bool = False, **cfg):
 
 
 @pytest.fixture(scope="module")
-def bundle_l1(tmp_path_factory, tiny_glm4_lm) -> Path:
-    """tiny-glm4 split at layer 1, fp32 edge: the bundle the server moves to."""
-    from partition_tools.split import SplitConfig, split
-
-    out = tmp_path_factory.mktemp("tiny-glm4-l1") / "b"
-    split(tiny_glm4_lm, SplitConfig(layer=1, out=out, edge_quant="fp32"))
-    return out
+def bundle_l1(tiny_glm4_l1_bundle) -> Path:
+    """tiny-glm4 split at layer 1, fp32 edge: the bundle the server moves to (tests/conftest.py)."""
+    return tiny_glm4_l1_bundle
 
 
 @pytest.fixture

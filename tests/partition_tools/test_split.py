@@ -14,6 +14,11 @@ from shared.manifest import BundleError, Manifest
 def _split_matches_unsplit(source: str, layer: int, out, quant: str = "fp32") -> None:
     lm = load_model(source)
     split(lm, SplitConfig(layer=layer, out=out, edge_quant=quant))
+    _recombines_exactly(lm, out)
+
+
+def _recombines_exactly(lm, out) -> None:
+    """Front (ONNX) then cloud half (torch) of the bundle ``out`` give the unsplit model's logits."""
     ad = ModelAdapter(lm.model)
     ids = torch.randint(4, ad.vocab_size, (1, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -24,8 +29,10 @@ def _split_matches_unsplit(source: str, layer: int, out, quant: str = "fp32") ->
 
 
 @pytest.mark.parametrize("source", ["tiny-glm4", "tiny-glm4v"])
-def test_presets_split_and_recombine_exactly(source, tmp_path):
-    _split_matches_unsplit(source, 2, tmp_path / "b")
+def test_presets_split_and_recombine_exactly(source, request):
+    """The session's fp32 splits at layer 2 (tests/conftest.py: ``split`` of the loaded preset)."""
+    name = source.replace("-", "_")
+    _recombines_exactly(request.getfixturevalue(f"{name}_lm"), request.getfixturevalue(f"{name}_fp32_bundle"))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -44,11 +51,11 @@ def test_manifest_records_model_and_hashes(tiny_glm4_bundle):
     assert len(calib["outlier_channels"]) == 8 and len(calib["channel_absmax"]) == 64
 
 
-def test_bundle_id_ties_halves_and_ignores_edge_variant(tmp_path):
-    lm = load_model("tiny-glm4")
-    a = split(lm, SplitConfig(layer=2, out=tmp_path / "a", edge_quant="fp32"))
-    b = split(lm, SplitConfig(layer=2, out=tmp_path / "b", edge_quant="int8"))
-    c = split(lm, SplitConfig(layer=1, out=tmp_path / "c", edge_quant="fp32"))
+def test_bundle_id_ties_halves_and_ignores_edge_variant(tiny_glm4_fp32_bundle, tiny_glm4_int8_bundle,
+                                                        tiny_glm4_l1_bundle):
+    # tiny-glm4 split at 2 (fp32 edge), at 2 (int8 edge), at 1 (fp32 edge): the session's bundles
+    a, b, c = (Manifest.load(d) for d in (tiny_glm4_fp32_bundle, tiny_glm4_int8_bundle, tiny_glm4_l1_bundle))
+    assert (a.split_layer, a.edge_quant, b.split_layer, b.edge_quant, c.split_layer) == (2, "fp32", 2, "int8", 1)
     assert a.bundle_id == b.bundle_id != c.bundle_id
 
 
@@ -64,10 +71,10 @@ def test_edited_manifest_is_refused(tiny_glm4_bundle, tmp_path):
         Manifest.load(d)
 
 
-def test_split_refuses_to_overwrite_a_non_bundle(tmp_path):
+def test_split_refuses_to_overwrite_a_non_bundle(tmp_path, tiny_glm4_lm):
     (tmp_path / "precious.txt").write_text("x")
     with pytest.raises(BundleError, match="refusing to overwrite"):
-        split(load_model("tiny-glm4"), SplitConfig(layer=2, out=tmp_path))
+        split(tiny_glm4_lm, SplitConfig(layer=2, out=tmp_path))
 
 
 def test_fp32_prefill_is_an_option_of_quantized_edges(tmp_path):

@@ -18,10 +18,9 @@ from PIL import Image
 
 from edge_client.front import FRONT, FrontRuntime
 from edge_client.mrope import image_spans, rope_index, text_positions
-from edge_client.vision import VISION, VISION_CONFIG, VisionEncoder, preprocess
+from edge_client.vision import VISION, VISION_CONFIG, VisionEncoder, VisionSpec, preprocess
 from partition_tools.cloud_half import CloudModel
 from partition_tools.export_vision import INT8_MAX_REL_ERROR
-from partition_tools.split import SplitConfig, split
 
 IMG, BOI, EOI = 10, 12, 13
 DECODE_STEPS = 16
@@ -59,13 +58,12 @@ def test_fp32_tower_equals_the_library_tower(tiny_glm4v_lm, tiny_glm4v_fp32_bund
     assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
 
 
-def test_int8_tower_stays_close(tiny_glm4v_lm, tmp_path):
-    from partition_tools.export_vision import export_vision
-
-    spec = export_vision(tiny_glm4v_lm.model, tmp_path, "int8")
+def test_int8_tower_stays_close(tiny_glm4v_lm, tiny_glm4v_int8_bundle):
+    """The default split's tower (``export_vision(model, bundle, "int8")``, tests/conftest.py)."""
+    spec = VisionSpec.load(tiny_glm4v_int8_bundle)
     assert spec.quant == "int8", spec.quant_report
     assert 0 < spec.quant_report["probe_max_rel_error"] <= INT8_MAX_REL_ERROR
-    enc = VisionEncoder(tmp_path)
+    enc = VisionEncoder(tiny_glm4v_int8_bundle)
     p = preprocess(_image(2, 112, 112), enc.spec)
     with torch.no_grad():
         ref = tiny_glm4v_lm.model.model.get_image_features(torch.from_numpy(p.pixel_values),
@@ -144,11 +142,10 @@ def test_split_matches_unsplit_greedy(tiny_glm4v_lm, tiny_glm4v_fp32_bundle, par
     assert err <= 1e-4
 
 
-def test_int8_front_takes_media_rows(tiny_glm4v_lm, tmp_path):
+def test_int8_front_takes_media_rows(tiny_glm4v_int8_bundle):
     """The default int8 split: the embeddings input survives quantization; without media rows the front
     computes exactly its text output, with them the rows change it."""
-    out = tmp_path / "b"
-    split(tiny_glm4v_lm, SplitConfig(layer=2, out=out))
+    out = tiny_glm4v_int8_bundle
     assert json.loads((out / VISION_CONFIG).read_text())["quant"] == "int8"
     ids = [int(t) for t in np.random.default_rng(5).integers(20, 500, 12)]
     text = FrontRuntime(out, threads=1).prefill(ids)
