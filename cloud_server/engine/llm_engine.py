@@ -251,8 +251,10 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------
     def has_ready(self) -> bool:
-        """A sequence is ready to be scheduled."""
-        return any(s.ready for s in self.seqs.values())
+        """A sequence is ready to be scheduled (:attr:`Sequence.ready`, inlined: the serving loop asks every turn)."""
+        finished = SequenceStatus.FINISHED
+        return any((p := s.pending) and p[0].start == s.num_computed and s.status is not finished
+                   for s in self.seqs.values())
 
     def has_work(self) -> bool:
         """:meth:`step` has something to do: a sequence is ready, or a launched step awaits its postprocess."""
