@@ -296,7 +296,7 @@ class LLMEngine:
         seqs = [it.seq for it in items]
         ends = [it.chunk.end for it in items]
         plain = batch.plain_decode and not self.output_states  # the steady decode step: no rows to split off
-        logits = self._run(batch, seqs, ends)
+        logits = self._run(batch, seqs, ends)  # [S, V] (u-shape: [T, H])
         decodes = plain or any(it.chunk.n == 1 or it.chunk.is_spec for it in items)
         if self.output_states:  # u-shape: the rows are hidden states [T, H]; nothing is sampled
             advance(seqs, ends)
@@ -352,13 +352,16 @@ class LLMEngine:
             return None
         lens = [len(s.block_table) for s in seqs]
         same = last is not None and last.seqs == seqs
+        cont = getattr(runner, "continue_decode", None)
+        logits = None
+        if cont is not None and same and last.next_ends == ends and last.table_lens == lens:
+            rows = torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32))  # [S, H]
+            logits = cont(rows)  # [S, V], or None: the runner ran another step since
+        # (recorded after the launch: the device is busy meanwhile)
         self._last_decode[batch.variant] = _DecodeRows(
             seqs, [e + 1 for e in ends], lens, last.params if same else [s.params for s in seqs],
             last.histories if same else [s.output_ids for s in seqs])
-        cont = getattr(runner, "continue_decode", None)
-        if cont is None or not same or last.next_ends != ends or last.table_lens != lens:
-            return None
-        return cont(torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32)))  # [S, H]
+        return logits
 
     def _postprocess(self, step: _Launched) -> list[RequestOutput]:
         """A launched step's tokens: each sampled sequence takes its token (:meth:`Sequence.update_from_output`)
