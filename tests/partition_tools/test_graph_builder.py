@@ -16,6 +16,7 @@ from partition_tools.export import build_front
 from partition_tools.graph_builder import GraphBuildError, build_fused_front
 from partition_tools.models import load_model
 from partition_tools.split import SplitConfig, boundary_hidden, split
+from shared.manifest import Manifest
 
 N = 2
 
@@ -35,14 +36,22 @@ def llama16_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fused(llama16_dir, tmp_path_factory):
-    """family -> (adapter, fused fp32 bundle split at N), built once per module on first use."""
+def fused(llama16_dir, tmp_path_factory, tiny_glm4_lm, tiny_glm4_fp32_bundle, tiny_glm4v_lm,
+          tiny_glm4v_fp32_bundle):
+    """family -> (adapter, fused fp32 bundle split at N), built once per module on first use. The presets' are
+    the session's fp32 bundles at layer N (tests/conftest.py: ``auto`` builds the fused graph for both)."""
 
     @functools.cache
     def get(family: str):
-        lm = load_model(str(llama16_dir) if family == "llama" else family)
-        out = tmp_path_factory.mktemp(f"fused-{family}") / "b"
-        m = split(lm, SplitConfig(layer=N, out=out, edge_quant="fp32", edge_graph="fused"))
+        if family == "llama":
+            lm = load_model(str(llama16_dir))
+            out = tmp_path_factory.mktemp(f"fused-{family}") / "b"
+            m = split(lm, SplitConfig(layer=N, out=out, edge_quant="fp32", edge_graph="fused"))
+        else:
+            lm, out = {"tiny-glm4": (tiny_glm4_lm, tiny_glm4_fp32_bundle),
+                       "tiny-glm4v": (tiny_glm4v_lm, tiny_glm4v_fp32_bundle)}[family]
+            m = Manifest.load(out)
+            assert m.split_layer == N and m.edge_quant == "fp32"
         assert m.quant_report["edge_graph"] == "fused"
         return ModelAdapter(lm.model), out
 
@@ -100,9 +109,9 @@ def test_truncate_rolls_back_a_speculative_step_exactly(fused):
     np.testing.assert_allclose(got, _reference(adapter, ids)[16:], atol=3e-5)
 
 
-def test_mrope_angles_match_the_model_rotary_module():
+def test_mrope_angles_match_the_model_rotary_module(tiny_glm4v_lm):
     """edge_client.rope reproduces GLM-4.1V's own 3-D rope for distinct (t, h, w) positions."""
-    adapter = ModelAdapter(load_model("tiny-glm4v").model)
+    adapter = ModelAdapter(tiny_glm4v_lm.model)
     rope = adapter.rope_settings()
     pos = np.stack([np.arange(10), np.arange(10) // 3 + 50, np.arange(10) % 4 + 7])  # [3, S]
     rot = int(adapter.head_dim * rope["partial_rotary_factor"])
