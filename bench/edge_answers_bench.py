@@ -111,7 +111,35 @@ TUNING = [  # for choosing among arms; disjoint from HELD_OUT (checked at start)
     "What is the difference between a lion and a tiger?", "How does a lighthouse help ships?",
     "What are the benefits of walking every day?",
 ]
-PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING}
+FRESH = [  # written in session 8 after every recipe choice so far: judged once per recipe, never tuned on
+    "What does a thermometer measure?", "Give me three ways to reduce stress at work.",
+    "Explain how a microwave oven heats food.", "Write a short poem about a city at night.",
+    "How do solar panels make electricity?", "What are the main causes of deforestation?",
+    "Suggest a snack that is high in protein.", "What is the difference between a sea and an ocean?",
+    "How many hours are in a week?", "Explain the rules of volleyball briefly.",
+    "Why do bats hang upside down?", "What is cloud computing?", "Describe how a glacier moves.",
+    "Give me a recipe for guacamole.", "What is the largest desert in the world?",
+    "How can I remember names better?", "Write a two-sentence mystery story.",
+    "What does a graphics card do?", "List three musical instruments with strings.",
+    "Why is breakfast called the most important meal?", "Translate 'good night' into Italian.",
+    "What is the volume of a cube?", "How do spiders spin webs?", "Explain what a budget is in simple terms.",
+    "What should I wear to a job interview?", "Who discovered penicillin?", "How does fog form?",
+    "Give me a famous saying about time and explain it.", "What is the population of the Earth, roughly?",
+    "How do I boil an egg?", "What is a square number?", "Describe the feeling of sand between your toes.",
+    "Why do we yawn?", "What is the capital of Canada?", "How can I drink more water during the day?",
+    "Explain what an electron is.", "Write a riddle about a candle.",
+    "What is the difference between a crocodile and an alligator?", "How does a battery store energy?",
+    "What are the benefits of drawing?", "Name three famous scientists and what they are known for.",
+    "How do submarines dive and surface?", "What is a sonnet?", "How do I take care of a houseplant?",
+    "What causes tides in the ocean?", "Explain how recycling helps the environment.",
+    "Suggest a game to play with a group of friends.", "What is 25 percent of 200?",
+    "Why is the sky dark at night?", "How do I say no politely?", "What are the colors of the rainbow?",
+    "Describe a relaxing evening routine.", "What do roots do for a plant?", "How do elevators work?",
+    "Give me a fun fact about octopuses.", "What is a verb? Give examples.",
+    "How do I prepare for a long hike?", "What is the fastest land animal?",
+    "Explain why the moon has phases.", "Write a short birthday message for a grandmother.",
+]
+PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING, "fresh": FRESH}
 
 I8 = {"mode": "int8", "block_size": 32, "accuracy_level": 4, "embedding": "int8", "smooth_alpha": 0.5}
 DOWN = ["layers.*.mlp.down_proj"]
@@ -176,6 +204,9 @@ ARMS: dict[str, tuple[str, dict | str | None]] = {
     # the source's own 4-bit codes (scale d, a 4-bit zero point), the offsets corrected in fp32 on the side path
     "int4-grid": ("int4", {**GRID, "source_grid": "exact"}),
     **{f"int4-grid-oc{k}": ("int4", {**GRID, "source_grid": "exact", "outlier_channels": k}) for k in (8, 16, 32)},
+    # the same codes with fp32 activations (accuracy level 1: MLAS's fp32-compute 4-bit kernel, no int8 input)
+    "int4-grid-acc1": ("int4", {**GRID, "source_grid": "exact", "accuracy_level": 1}),
+    "int4-grid-acc1-fo2": ("int4", {**GRID, "source_grid": "exact", "accuracy_level": 1, "float_outliers": 2}),
 }
 
 
@@ -224,15 +255,14 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 
 
 @torch.no_grad()
-def references(lm, prompts: list[str], new: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, greedy answer ids through the first EOS) of the unsplit fp32 model for each prompt."""
-    out = []
+def references(lm, prompts: list[str], new: int):
+    """Yield (prompt, (prompt ids, greedy answer ids)) of the unsplit fp32 model for each prompt, one at a time
+    (the caller saves each, so a stopped run keeps what it computed)."""
     for q in prompts:
         ids = torch.tensor([chat_ids(lm.tokenizer, q)])  # [1, P]
         gen = lm.model.generate(ids, max_new_tokens=new, do_sample=False, num_beams=1,
                                 pad_token_id=lm.tokenizer.eos_token_id)
-        out.append((ids[0].tolist(), gen[0, ids.shape[1]:].tolist()))
-    return out
+        yield q, (ids[0].tolist(), gen[0, ids.shape[1]:].tolist())
 
 
 def through_eos(ids: list[int], eos: set[int]) -> list[int]:
@@ -360,8 +390,9 @@ def main(argv=None) -> int:
     from partition_tools.adapters import ModelAdapter
     from partition_tools.models import load_model
 
-    if set(HELD_OUT) & set(TUNING):
-        raise SystemExit(f"prompt sets overlap: {sorted(set(HELD_OUT) & set(TUNING))}")
+    for a, b in ((HELD_OUT, TUNING), (HELD_OUT, FRESH), (TUNING, FRESH)):
+        if set(a) & set(b):
+            raise SystemExit(f"prompt sets overlap: {sorted(set(a) & set(b))}")
     started = time.perf_counter()
     lm = load_model(args.model)
     adapter = ModelAdapter(lm.model)
@@ -374,9 +405,10 @@ def main(argv=None) -> int:
     cached = args.work / f"references-{args.new}.json"  # the unsplit answers do not depend on the arms
     known = json.loads(cached.read_text()) if cached.is_file() else {}
     missing = [q for q in prompts if q not in known]
-    for q, ref in zip(missing, references(lm, missing, args.new)):
+    for i, (q, ref) in enumerate(references(lm, missing, args.new)):
         known[q] = ref
-    cached.write_text(json.dumps(known))
+        cached.write_text(json.dumps(known))
+        print(f"reference {i + 1}/{len(missing)}", file=sys.stderr, flush=True)
     refs = [(known[q][0], through_eos(known[q][1], eos)) for q in prompts]
     print(f"references: {len(refs)} prompts, {sum(len(a) for _, a in refs)} answer tokens", file=sys.stderr)
     back = None

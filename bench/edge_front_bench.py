@@ -49,6 +49,8 @@ VARIANTS = {  # name -> (edge_graph, edge_quant, quantize_front overrides: then 
     "fused-int8-kv8": ("fused", "int8", {"kv_cache": "int8"}),
     "fused-int8-rounded": ("fused", "int8", ROUNDED),  # a grid source quantized as a bf16 one would be
     "fused-int4": ("fused", "int4", None),
+    # the source's 4-bit codes with fp32 activations (accuracy level 1: MLAS's fp32-compute 4-bit kernel)
+    "fused-int4-acc1": ("fused", "int4", {"accuracy_level": 1, "outlier_channels": 0}),
     "fused-fp32": ("fused", "fp32", None),
     "plain-int8": ("plain", "int8", None),
     "plain-fp32": ("plain", "fp32", None),
@@ -299,9 +301,8 @@ def main(argv=None) -> int:
 
     profiles = {}
     for past in sorted({256, max(args.context_list)}):
-        for name in ("fused-int8", "fused-int8-kv8", "plain-int8", "fused-fp32"):
-            if name in bundles:
-                profiles[f"{name}/p{past}"] = profile_ops(bundles[name], past, args.profile_steps, 2)
+        for name in bundles:
+            profiles[f"{name}/p{past}"] = profile_ops(bundles[name], past, args.profile_steps, 2)
 
     llama = None
     if ggufs:

@@ -60,10 +60,12 @@ def recipe_summary(report: dict) -> str:
     if report.get("method") != "MatMulNBits":
         return ""
     parts = [f"{report['bits']}-bit weights, block {report['block_size']}",
-             "int8 activations" if report.get("accuracy_level") == 4 else f"accuracy level {report.get('accuracy_level')}"]
+             {4: "int8 activations", 1: "fp32 activations"}.get(report.get("accuracy_level"),
+                                                               f"accuracy level {report.get('accuracy_level')}")]
     grid = report.get("source_grid")
     if grid:
-        parts.append(f"source grid kept on {len(grid['matmuls'])} of {report['quantized_matmuls']} MatMuls")
+        exact = ", offsets exact in fp32" if grid.get("mode") == "exact" else ""
+        parts.append(f"source grid kept on {len(grid['matmuls'])} of {report['quantized_matmuls']} MatMuls{exact}")
     elif report.get("smoothing"):
         parts.append(f"SmoothQuant alpha {report['smoothing']['alpha']}")
     split = report.get("outlier_channels")

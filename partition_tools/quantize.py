@@ -65,6 +65,7 @@ from onnx import TensorProto, helper, numpy_helper
 from .gptq import DAMP, gptq_round, write_codes
 
 QUANT_MODES = ("fp32", "int8", "int4")
+EDGE_QUANT_CHOICES = ("auto", *QUANT_MODES)  # auto: resolve_edge_quant picks int4 or int8 by the source
 EMBEDDING_MODES = ("fp32", "int8", "int4")
 PREFILL_MODES = ("fp32",)  # the prompt-phase graph's weights (precision by phase); None: no such graph
 KV_MODES = ("fp32", "int8")  # int8: the fused graph's GroupQueryAttention cache (partition_tools.kv_quant)
@@ -458,10 +459,14 @@ def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) ->
     * otherwise (bf16 / fp32 checkpoints): round to nearest, SmoothQuant alpha 0.5 folded into the RMSNorm
       weights (free at run time; cuts the error of the norm-fed q/k/v and gate/up MatMuls by about a third).
 
-    int4: 4-bit MatMul weights, no fp32 down_proj (a separate, smaller variant); the table stays int8 (a 4-bit
-    table alone costs more KL than all 8-bit MatMuls together). A grid source keeps its own 4-bit codes with
-    the offsets corrected in fp32 (``source_grid="exact"``) and the same 16 outlier channels (tuning: 61/80
-    answers identical, where the rounded int4 front keeps almost none); otherwise smoothing and rounding.
+    int4: 4-bit MatMul weights, no fp32 down_proj; the table stays int8 (a 4-bit table alone costs more KL than
+    all 8-bit MatMuls together). A grid source keeps its own 4-bit codes (scale ``d``, a 4-bit zero point) with
+    the offsets the zero point misses added back exactly in fp32 (``source_grid="exact"``), and runs them with
+    fp32 activations (``accuracy_level=1``: MLAS's fp32-compute 4-bit kernel, about as fast on x86 as the 8-bit
+    int8-activation one, where 8-bit weights at level 1 dequantize per call): the weights are the source's and
+    the activations are not rounded, so the front computes the fp32 front's function (tuning, teacher-forced,
+    fp16 wire: 79/80 answers identical, the int8 recipe 67/80). This is what ``auto`` picks for a grid source.
+    Off a grid: smoothing and rounding at int8 activations (a small, fast variant that keeps few answers).
     """
     if mode not in ("int8", "int4"):
         raise QuantizationError(f"no quantization recipe for {mode!r}")
@@ -474,5 +479,18 @@ def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) ->
         "calibration_ids": calibration_tokens(tokenizer, adapter.vocab_size),
     }
     if on_source_grid(adapter, split_layer):
-        recipe.update(smooth_alpha=None, source_grid="offset" if mode == "int8" else "exact", outlier_channels=16)
+        if mode == "int8":
+            recipe.update(smooth_alpha=None, source_grid="offset", outlier_channels=16)
+        else:
+            recipe.update(smooth_alpha=None, source_grid="exact", accuracy_level=1)
     return recipe
+
+
+def resolve_edge_quant(mode: str, adapter, split_layer: int) -> str:
+    """``auto`` -> ``int4`` for a source whose edge layers sit on a 4-bit grid (a Q4 GGUF: its own codes run
+    exactly, :func:`recipe_for`), else ``int8`` (bf16 / fp32 checkpoints); any other mode as given."""
+    if mode not in EDGE_QUANT_CHOICES:
+        raise QuantizationError(f"edge quantization {mode!r}: expected one of {', '.join(EDGE_QUANT_CHOICES)}")
+    if mode != "auto":
+        return mode
+    return "int4" if on_source_grid(adapter, split_layer) else "int8"

@@ -6,7 +6,7 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ from .cloud_half import BACK_CONFIG, BACK_WEIGHTS, back_state_dict
 from .export import build_front
 from .models import LoadedModel
 from .progress import Steps
-from .quantize import QUANT_MODES, quantize_front
+from .quantize import EDGE_QUANT_CHOICES, quantize_front, resolve_edge_quant
 
 CALIBRATION = "calibration.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -30,7 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 class SplitConfig:
     layer: int  # N: layers [0, N) go to the edge
     out: Path
-    edge_quant: str = "int8"
+    edge_quant: str = "auto"  # auto | int8 | int4 | fp32; auto: int4 on a 4-bit grid source, else int8
     edge_graph: str = "auto"  # fused | plain | auto (fused where it fits): partition_tools.export.build_front
     calib_tokens: int = 512  # tokens of built-in text used to find the boundary's outlier channels
     outlier_channels: int = 8  # channels kept in fp16 by the outlier-aware codec
@@ -46,14 +46,14 @@ class SplitConfig:
     float_outliers: int | None = None
 
     def __post_init__(self):
-        if self.edge_quant not in QUANT_MODES:
-            raise BundleError(f"--edge-quant {self.edge_quant!r}: expected one of {', '.join(QUANT_MODES)}")
+        if self.edge_quant not in EDGE_QUANT_CHOICES:
+            raise BundleError(f"--edge-quant {self.edge_quant!r}: expected one of {', '.join(EDGE_QUANT_CHOICES)}")
         if self.vision_quant not in (None, "int8", "fp32", "none"):
             raise BundleError(f"--vision-quant {self.vision_quant!r}: expected int8, fp32 or none")
         if self.tail < 0:
             raise BundleError(f"--tail {self.tail}: expected M >= 0 layers")
         if self.fp32_prefill and self.edge_quant == "fp32":
-            raise BundleError("--fp32-prefill is for a quantized edge (--edge-quant int8|int4)")
+            raise BundleError("--fp32-prefill is for a quantized edge (--edge-quant auto|int8|int4)")
         if self.float_outliers is not None and self.float_outliers < 0:
             raise BundleError(f"float_outliers {self.float_outliers}: expected >= 0")
         self.out = Path(self.out)
@@ -120,6 +120,7 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
         raise BundleError(f"--tail {cfg.tail} with --layer {cfg.layer}: the cloud must keep at least one of the "
                           f"{L} layers (layer + tail < {L})")
     started = time.perf_counter()
+    cfg = replace(cfg, edge_quant=resolve_edge_quant(cfg.edge_quant, adapter, cfg.layer))
     out = cfg.out
     if out.exists() and any(out.iterdir()):
         if not (out / "manifest.json").is_file():

@@ -150,7 +150,8 @@ def test_outlier_channels_keep_the_main_rows_on_their_grid(grid_front, tmp_path,
     assert len(report["source_grid"]["matmuls"]) == 4 * N and len(report["outlier_channels"]["matmuls"]) == 4 * N
     from partition_tools.inspect_bundle import recipe_summary
 
-    assert f"source grid kept on {4 * N} of {4 * N} MatMuls, 3 fp32 outlier channels" in recipe_summary(report)
+    assert (f"fp32 activations, source grid kept on {4 * N} of {4 * N} MatMuls, offsets exact in fp32, 3 fp32 "
+            "outlier channels") in recipe_summary(report)
     q = onnx.load(str(dst))
     assert np.abs(_run(q, calibration_feeds(q, ids)) - ref).max() < 1e-4 * np.abs(ref).max()
     sides = [n for n in q.graph.node if n.name.endswith(".outlier.gather")]
@@ -160,7 +161,7 @@ def test_outlier_channels_keep_the_main_rows_on_their_grid(grid_front, tmp_path,
 def test_the_recipe_keeps_the_grid_of_a_grid_source_only():
     import torch
 
-    from partition_tools.quantize import on_source_grid, recipe_for
+    from partition_tools.quantize import on_source_grid, recipe_for, resolve_edge_quant
 
     lm = load_model("tiny-glm4")
     adapter = ModelAdapter(lm.model)
@@ -174,4 +175,10 @@ def test_the_recipe_keeps_the_grid_of_a_grid_source_only():
     assert on_source_grid(adapter, N) and not on_source_grid(adapter, N + 1)
     grid = recipe_for(adapter, N)
     assert grid["source_grid"] == "offset" and grid["smooth_alpha"] is None and grid["outlier_channels"] == 16
-    assert recipe_for(adapter, N, "int4")["source_grid"] == "exact"  # 4-bit zero points need the offsets back
+    assert resolve_edge_quant("auto", adapter, N) == "int4" and resolve_edge_quant("auto", adapter, N + 1) == "int8"
+    assert resolve_edge_quant("int8", adapter, N) == "int8"
+    with pytest.raises(QuantizationError, match="expected one of auto"):
+        resolve_edge_quant("int3", adapter, N)
+    four = recipe_for(adapter, N, "int4")
+    assert four["source_grid"] == "exact"  # 4-bit zero points need the offsets back
+    assert four["accuracy_level"] == 1 and "outlier_channels" not in four  # fp32 activations: nothing to split off
