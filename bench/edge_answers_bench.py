@@ -139,7 +139,35 @@ FRESH = [  # written in session 8 after every recipe choice so far: judged once 
     "How do I prepare for a long hike?", "What is the fastest land animal?",
     "Explain why the moon has phases.", "Write a short birthday message for a grandmother.",
 ]
-PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING, "fresh": FRESH}
+FRESH2 = [  # written in session 8 after the prompt codec's rule was chosen on TUNING: the judge of that rule
+    "What does a barometer tell you?", "Give me three tips for writing a good email.",
+    "Explain how a dishwasher cleans dishes.", "Write a short poem about the first snow.",
+    "How do wind turbines generate power?", "What are the main causes of soil erosion?",
+    "Suggest a vegetarian dinner for two.", "What is the difference between a town and a city?",
+    "How many minutes are in a day?", "Explain the rules of badminton briefly.",
+    "Why do giraffes have long necks?", "What is a database?", "Describe how a river forms a delta.",
+    "Give me a recipe for banana bread.", "What is the coldest place on Earth?",
+    "How can I stop procrastinating?", "Write a two-sentence adventure story.",
+    "What does a router do in a home network?", "List three kinds of bridges.",
+    "Why is it important to wash your hands?", "Translate 'how are you' into German.",
+    "What is the perimeter of a rectangle?", "How do ants find food?", "Explain what a loan is in simple terms.",
+    "What should I pack for a beach holiday?", "Who was the first person to walk on the moon?",
+    "How does hail form?", "Give me a saying about friendship and explain it.", "How far is the moon from the Earth?",
+    "How do I make a cup of tea?", "What is a multiple of a number?", "Describe the smell of rain on dry ground.",
+    "Why do we get goosebumps?", "What is the capital of Australia?", "How can I keep my room tidy?",
+    "Explain what a molecule is.", "Write a riddle about a shadow.",
+    "What is the difference between a rabbit and a hare?", "How does a thermostat work?",
+    "What are the benefits of learning a second language?", "Name three famous composers and one piece by each.",
+    "How do hot air balloons fly?", "What is a fable?", "How do I care for a pet goldfish?",
+    "What causes thunderstorms?", "Explain why bees are important for farming.",
+    "Suggest a hobby that costs little money.", "What is 10 percent of 350?",
+    "Why do stars twinkle?", "How do I ask my boss for a day off?", "What are the three states of matter?",
+    "Describe a perfect picnic day.", "What do leaves do for a tree?", "How do escalators work?",
+    "Give me a fun fact about penguins.", "What is an adjective? Give examples.",
+    "How do I get ready for a marathon?", "What is the smallest planet in the solar system?",
+    "Explain why we see lightning before we hear thunder.", "Write a short get-well message for a friend.",
+]
+PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING, "fresh": FRESH, "fresh2": FRESH2}
 
 I8 = {"mode": "int8", "block_size": 32, "accuracy_level": 4, "embedding": "int8", "smooth_alpha": 0.5}
 DOWN = ["layers.*.mlp.down_proj"]
@@ -202,11 +230,12 @@ ARMS: dict[str, tuple[str, dict | str | None]] = {
        for k in (4, 8, 16)},
     "int8-grid-oc16-nofloat": ("int8", {**GRID, "outlier_channels": 16, "float_outliers": 0}),
     # the source's own 4-bit codes (scale d, a 4-bit zero point), the offsets corrected in fp32 on the side path
-    "int4-grid": ("int4", {**GRID, "source_grid": "exact"}),
-    **{f"int4-grid-oc{k}": ("int4", {**GRID, "source_grid": "exact", "outlier_channels": k}) for k in (8, 16, 32)},
-    # the same codes with fp32 activations (accuracy level 1: MLAS's fp32-compute 4-bit kernel, no int8 input)
+    "int4-grid": ("int4", {**GRID, "source_grid": "exact", "accuracy_level": 4}),  # int8 activations
+    **{f"int4-grid-oc{k}": ("int4", {**GRID, "source_grid": "exact", "accuracy_level": 4, "outlier_channels": k})
+       for k in (8, 16, 32)},  # int4-grid-oc16: the int4 recipe of a grid source before session 8
+    # with fp32 activations (accuracy level 1) instead: the int4 recipe of a grid source ("int4" above) since
+    # session 8, whose tuning screen ran under this name
     "int4-grid-acc1": ("int4", {**GRID, "source_grid": "exact", "accuracy_level": 1}),
-    "int4-grid-acc1-fo2": ("int4", {**GRID, "source_grid": "exact", "accuracy_level": 1, "float_outliers": 2}),
 }
 
 
@@ -390,7 +419,8 @@ def main(argv=None) -> int:
     from partition_tools.adapters import ModelAdapter
     from partition_tools.models import load_model
 
-    for a, b in ((HELD_OUT, TUNING), (HELD_OUT, FRESH), (TUNING, FRESH)):
+    sets = list(PROMPT_SETS.values())
+    for a, b in ((a, b) for i, a in enumerate(sets) for b in sets[i + 1:]):
         if set(a) & set(b):
             raise SystemExit(f"prompt sets overlap: {sorted(set(a) & set(b))}")
     started = time.perf_counter()

@@ -49,8 +49,8 @@ VARIANTS = {  # name -> (edge_graph, edge_quant, quantize_front overrides: then 
     "fused-int8-kv8": ("fused", "int8", {"kv_cache": "int8"}),
     "fused-int8-rounded": ("fused", "int8", ROUNDED),  # a grid source quantized as a bf16 one would be
     "fused-int4": ("fused", "int4", None),
-    # the source's 4-bit codes with fp32 activations (accuracy level 1: MLAS's fp32-compute 4-bit kernel)
-    "fused-int4-acc1": ("fused", "int4", {"accuracy_level": 1, "outlier_channels": 0}),
+    # the previous int4 recipe of a grid source: int8 activations, 16 fp32 outlier channels per MatMul
+    "fused-int4-a8": ("fused", "int4", {"accuracy_level": 4, "outlier_channels": 16}),
     "fused-fp32": ("fused", "fp32", None),
     "plain-int8": ("plain", "int8", None),
     "plain-fp32": ("plain", "fp32", None),

@@ -13,6 +13,10 @@ prompts and images - but every tier rests on the numbers in docs/quality.md (Smo
   (~0.59 bytes/element, top-1 ~0.98, KL ~0.002-0.003) is used only when the uplink would make the upload slow.
   Multimodal requests use the calibration-free ``int8-b32``: image and audio tokens were not in the text
   calibration, and per-32-channel scales confine an unforeseen outlier channel to its own block.
+* small text prompts travel lossless: when a text prompt's fp16 states fit in ``lossless_prompt_kib`` (64 KiB:
+  56 tokens at SmolLM2's H = 576, 8 at GLM's 4096), ``fp16`` carries them, for at most 32 KiB more upload than
+  ``int8-outlier`` (~26 ms at 10 Mbit/s). With an edge that computes the fp32 front's function, the
+  near-lossless codec's prompt rows were what still flipped answers (docs/quality.md, "Edge answers").
 * per message type: the plan's codec carries the prompt chunks (bulk, and the codec the prefix keys name);
   decode steps and SpecSteps (a row or a few, latency-bound) travel in ``step_codecs`` (fp16) when both ends
   have it (:func:`step_codec`), for ~1 byte per element more on messages of one row (what it buys:
@@ -121,6 +125,8 @@ class PrecisionPolicy:
     long_prompt_tokens: int = 1024  # above: bf16 (fp16 measured near-lossless up to 1024; the articles say 512)
     int8_min_load: float = 0.75  # int8 costs top-1 -1.5 % / KL 2e-3 (docs/quality.md): only when this busy
     upload_budget_ms: float = 1500.0  # near-lossless upload slower than this on the hinted link -> compact codec
+    lossless_prompt_kib: float = 64.0  # a text prompt whose fp16 states fit in this travels in lossless_codecs
+    lossless_codecs: tuple[str, ...] = ("fp16",)  # first available wins; () turns the small-prompt rule off
     near_lossless_codecs: tuple[str, ...] = ("int8-outlier", "int8-b32", "fp16", "bf16")  # first available wins
     compact_codec: str = "int4-outlier"
     multimodal_codecs: tuple[str, ...] = ("int8-b32", "fp16", "bf16")  # calibration-free first
@@ -135,7 +141,10 @@ class PrecisionPolicy:
             raise ValueError("int8_min_load must be in [0, 1]")
         if not self.upload_budget_ms > 0:
             raise ValueError("upload_budget_ms must be > 0")
-        for name in (*self.near_lossless_codecs, self.compact_codec, *self.multimodal_codecs, *self.step_codecs):
+        if not (math.isfinite(self.lossless_prompt_kib) and self.lossless_prompt_kib >= 0):
+            raise ValueError("lossless_prompt_kib must be a finite number >= 0")
+        for name in (*self.near_lossless_codecs, self.compact_codec, *self.multimodal_codecs, *self.step_codecs,
+                     *self.lossless_codecs):
             if name not in CODEC_NAMES:
                 raise ValueError(f"unknown codec {name!r} in the policy")
 
@@ -143,7 +152,8 @@ class PrecisionPolicy:
 DEFAULT_POLICY = PrecisionPolicy()
 NOMINAL_BYTES_PER_ELEMENT = {"fp16": 2.0, "bf16": 2.0, "int8-b32": 1.0625, "int8-b64": 1.031, "int4-b32": 0.5625,
                              "int8-outlier": 1.02, "int4-outlier": 0.59,
-                             "pca-fine": 0.75, "pca-compact": 0.29, "pca-ans-compact": 0.31}  # for upload-time estimates only
+                             "pca-fine": 0.75, "pca-compact": 0.29, "pca-ans-compact": 0.31,
+                             "pca-tcq-compact": 0.3}  # for upload-time estimates only; every codec has one (a test)
 
 
 def upload_ms(features: RequestFeatures, codec: str) -> float | None:
@@ -183,6 +193,10 @@ def choose_precision(features: RequestFeatures, override=None, available_codecs=
     elif f.multimodal:
         codec = _first(p.multimodal_codecs, available_codecs) or available_codecs[0]
         why_codec = "multimodal: calibration-free codec"
+    elif (f.prompt_tokens and _first(p.lossless_codecs, available_codecs)
+          and f.prompt_tokens * f.hidden_size * 2 <= p.lossless_prompt_kib * 1024):
+        codec = _first(p.lossless_codecs, available_codecs)
+        why_codec = f"small prompt ({f.prompt_tokens * f.hidden_size * 2 / 1024:.0f} KiB fp16): lossless"
     else:
         codec = _first(p.near_lossless_codecs, available_codecs) or available_codecs[0]
         why_codec = "near-lossless codec"

@@ -54,14 +54,18 @@ def test_split_equals_unsplit_and_stats(client, reference):
     assert st.edge_compute_s > 0
 
 
-def test_the_policy_sends_the_prompt_in_its_codec_and_decode_steps_in_fp16(tiny_bundle, cloud):
-    """No codec pinned: prompt chunks in the plan's codec, decode steps in the policy's step codec (fp16)."""
+def test_the_policy_sends_a_bulk_prompt_in_its_codec_and_decode_steps_in_fp16(tiny_bundle, cloud):
+    """No codec pinned: prompt chunks in the plan's codec, decode steps in the policy's step codec (fp16); a small
+    prompt (fp16 states within the policy's lossless_prompt_kib, 64 KiB) travels in fp16 as well."""
     cloud.drop_after_tokens, cloud.forget_sessions = None, False
+    bulk = [int(t) for t in np.random.RandomState(1).randint(4, 512, 600)]  # 600 x 64 x 2 B = 75 KiB
     with EdgeClient(tiny_bundle, cloud.url, retry=FAST_RETRY) as c:
-        st = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).stats
+        small = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).stats
+        st = c.complete(prompt_ids=bulk, max_tokens=N_NEW).stats
+    assert small.codec == small.step_codec == "fp16"
     assert st.codec == "int8-outlier" and st.step_codec == "fp16"
-    # 11 decode steps of 64 halves, plus a prompt of 40 rows at about one byte per element, plus framing
-    assert 11 * 64 * 2 + 40 * 64 < st.bytes_up < (40 + 11) * 64 * 2
+    # 11 decode steps of 64 halves, plus a prompt of 600 rows at about one byte per element, plus framing
+    assert 11 * 64 * 2 + 600 * 64 < st.bytes_up < (600 + 11) * 64 * 2
 
 
 def test_second_request_hits_both_caches(client, cloud, reference):

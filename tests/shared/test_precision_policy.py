@@ -143,3 +143,28 @@ def test_always_a_valid_available_plan(tokens, images, audio, link, load, codecs
     assert p.codec in codecs and p.compute in compute
     assert p == choose_precision(f, None, codecs, compute)  # pure
     assert step_codec(p, None, codecs) in codecs
+
+
+def test_small_text_prompts_travel_lossless():
+    # 56 tokens x 576 x 2 B = 63 KiB <= 64 KiB; 57 tokens do not fit; at H = 4096 only 8 tokens do
+    assert plan(56, hidden_size=576).codec == "fp16" and "lossless" in plan(56, hidden_size=576).reason
+    assert plan(57, hidden_size=576).codec == "int8-outlier"
+    assert plan(8).codec == "fp16" and plan(9).codec == "int8-outlier"
+    assert plan(0).codec == "int8-outlier"  # a session's default plan (no prompt yet) stays near-lossless
+    assert plan(10, hidden_size=576, images=1).codec == "int8-b32"  # multimodal keeps its calibration-free codec
+    assert plan(10, hidden_size=576, override="int8-outlier").codec == "int8-outlier"  # a pinned codec wins
+    assert plan(10, hidden_size=576, codecs=("int8-outlier", "int8-b32")).codec == "int8-outlier"  # no fp16 here
+    off = PrecisionPolicy(lossless_codecs=())
+    got = choose_precision(RequestFeatures(prompt_tokens=10, hidden_size=576), None, ALL, COMPUTE_VARIANTS, off)
+    assert got.codec == "int8-outlier"
+    p, s = steps(4)  # 32 KiB at H = 4096: the prompt and its decode steps both in fp16
+    assert p.codec == s == "fp16"
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            PrecisionPolicy(lossless_prompt_kib=bad)
+
+
+def test_every_codec_has_a_nominal_size_for_upload_estimates():
+    from shared.precision import NOMINAL_BYTES_PER_ELEMENT
+
+    assert set(ALL) <= set(NOMINAL_BYTES_PER_ELEMENT)
