@@ -43,6 +43,7 @@ TRANSITIONS = np.array([[0, 2], [2, 0], [1, 3], [3, 1]], np.int64)  # next state
 _PRED_STATE = np.array([[0, 1], [2, 3], [0, 1], [2, 3]], np.int64)
 _PRED_PARITY = np.array([[0, 1], [0, 1], [1, 0], [1, 0]], np.int64)
 _CAND = np.arange(-1, 3)  # candidate integers around floor(t / 2) (and zero), per quantizer
+SEARCH_BLOCK_ROWS = 64  # rows searched at a time (bounds the [rows, r, 2, 5] candidate arrays)
 
 
 def levels_of(k: np.ndarray, quantizer: np.ndarray) -> np.ndarray:
@@ -143,46 +144,57 @@ class _TcqModel:
 
     def quantize(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Viterbi search over rows ``z`` [S, r] (coefficients in steps): row classes [S], the integers
-        [S, r] and the quantizer each was coded with [S, r]."""
+        [S, r] and the quantizer each was coded with [S, r] (rows in blocks: the search is per row)."""
         s, r = z.shape
         cls = self.row_class(z)
-        lam = self.level.lam
-        tab = self.table_of[:, cls, :]  # [2, S, r]
-        shift = self.shift_of[cls]  # [S, r]
+        k = np.empty((s, r), np.int64)
+        qz = np.empty((s, r), np.int64)
+        for b0 in range(0, s, SEARCH_BLOCK_ROWS):
+            b1 = min(s, b0 + SEARCH_BLOCK_ROWS)
+            k[b0:b1], qz[b0:b1] = self._search(z[b0:b1], cls[b0:b1])
+        return cls, k, qz
+
+    def _search(self, z: np.ndarray, cls: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        s, r = z.shape
+        # the best integer of each quantizer and parity for every coefficient does not depend on the path:
+        # costs [S, r, quantizer, parity] at once, then the path search is a few steps per component
+        t = z[:, :, None]  # [S, r, 1]
+        zero = np.zeros((s, r, 1), np.int64)
+        kk = np.stack([np.concatenate([np.floor(t / 2).astype(np.int64) + _CAND, zero], axis=2),
+                       np.concatenate([np.floor((t + 1) / 2).astype(np.int64) + _CAND, zero], axis=2)],
+                      axis=2)  # [S, r, 2, 5]: Q0's levels 2k and Q1's levels 2k - sgn k around t
+        mu = levels_of(kk, np.array([0, 1])[None, None, :, None])
+        tab = np.moveaxis(self.table_of[:, cls, :], 0, 2)[..., None]  # [S, r, 2, 1]
+        c = (t[..., None] - mu) ** 2 + self.level.lam * self.symbol_bits(tab, kk, self.shift_of[cls][:, :, None, None])
+        par = kk & 1
+        ccost = np.empty((s, r, 2, 2))
+        ck = np.empty((s, r, 2, 2), np.int64)
+        for p in (0, 1):
+            cp = np.where(par == p, c, np.inf)
+            i = cp.argmin(axis=3)[..., None]
+            ccost[..., p] = np.take_along_axis(cp, i, 3)[..., 0]
+            ck[..., p] = np.take_along_axis(kk, i, 3)[..., 0]
+        step_cost = ccost[:, :, _PRED_STATE >> 1, _PRED_PARITY]  # [S, r, 4 next, 2 preds]
+        step_k = ck[:, :, _PRED_STATE >> 1, _PRED_PARITY]
         cost = np.full((s, 4), np.inf)
         cost[:, 0] = 0.0
-        back_pred = np.zeros((r, s, 4), np.uint8)  # which of the two predecessors
-        back_k = np.zeros((r, s, 4), np.int64)
-        rows = np.arange(s)[:, None]
+        back_pred = np.empty((r, s, 4), np.int64)  # which of the two predecessors
+        pred_state = _PRED_STATE[None]
         for j in range(r):
-            t = z[:, j]  # [S]
-            base = np.floor(t / 2).astype(np.int64)[:, None]  # [S, 1]
-            cand = np.concatenate([base + _CAND, np.zeros((s, 1), np.int64)], axis=1)  # [S, 5]
-            ccost = np.empty((s, 2, 2))  # [S, quantizer, parity]
-            ck = np.empty((s, 2, 2), np.int64)
-            cand1 = np.concatenate([np.floor((t + 1) / 2).astype(np.int64)[:, None] + _CAND,
-                                    np.zeros((s, 1), np.int64)], axis=1)  # Q1's levels 2k - sgn k around t
-            for qz, kk in ((0, cand), (1, cand1)):
-                mu = levels_of(kk, qz)
-                c = (t[:, None] - mu) ** 2 + lam * self.symbol_bits(tab[qz, :, j][:, None], kk, shift[:, j][:, None])
-                for p in (0, 1):
-                    cp = np.where((kk & 1) == p, c, np.inf)
-                    i = cp.argmin(axis=1)
-                    ccost[:, qz, p] = cp[np.arange(s), i]
-                    ck[:, qz, p] = kk[np.arange(s), i]
-            tot = cost[:, _PRED_STATE] + ccost[:, _PRED_STATE >> 1, _PRED_PARITY]  # [S, 4 next, 2 preds]
-            pick = tot.argmin(axis=2)  # [S, 4]
-            cost = np.take_along_axis(tot, pick[:, :, None], 2)[:, :, 0]
+            tot = cost[:, _PRED_STATE] + step_cost[:, j]  # [S, 4, 2]
+            pick = (tot[:, :, 1] < tot[:, :, 0]).astype(np.int64)  # ties: the first predecessor
             back_pred[j] = pick
-            back_k[j] = ck[rows, _PRED_STATE[np.arange(4), pick] >> 1, _PRED_PARITY[np.arange(4), pick]]
+            cost = np.minimum(tot[:, :, 0], tot[:, :, 1])
         state = cost.argmin(axis=1)  # [S]
+        rows = np.arange(s)
         k = np.empty((s, r), np.int64)
         qz = np.empty((s, r), np.int64)
         for j in range(r - 1, -1, -1):
-            k[:, j] = back_k[j][rows[:, 0], state]
-            state = _PRED_STATE[state, back_pred[j][rows[:, 0], state]]
+            pk = back_pred[j][rows, state]
+            k[:, j] = step_k[rows, j, state, pk]
+            state = pred_state[0, state, pk]
             qz[:, j] = state >> 1
-        return cls, k, qz
+        return k, qz
 
 
 class PcaTcqCodec(BasisCodec):
