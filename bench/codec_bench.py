@@ -32,6 +32,7 @@ Usage (the numbers in docs/quality.md)::
     python bench/codec_bench.py --compute --ablations --json docs/results/codecs.json
     python bench/codec_bench.py --codecs fp16,int8-outlier,pca-fine,pca-compact,pca-ans-compact \
         --json docs/results/codecs.json --merge
+    python bench/codec_bench.py --codecs fp16,pca-ans-compact,pca-tcq-compact --json docs/results/codecs.json --merge
 
 References: docs/quality.md ("Boundary codecs"); Petals (Borzunov et al., 2023) for the blockwise-int8 anchor.
 """
