@@ -32,7 +32,7 @@ def test_split_records_the_codec_artifact(tiny_bundle):
     ref = calib["pca_codec"]
     m = Manifest.load(tiny_bundle)
     assert m.artifacts[ref["file"]].sha256 == ref["sha256"] and m.artifacts[ref["file"]].role == "shared"
-    assert set(ref["levels"]) == {"pca-fine", "pca-compact", "pca-ans-compact"}
+    assert set(ref["levels"]) == {"pca-fine", "pca-compact", "pca-ans-compact", "pca-tcq-compact"}
 
 
 @pytest.fixture(scope="module")
