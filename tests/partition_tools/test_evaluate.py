@@ -8,18 +8,16 @@ import numpy as np
 import pytest
 import torch
 
-from partition_tools.adapters import ModelAdapter
 from partition_tools.evaluate import SplitEvaluator, compare_logits, evaluate_split, fp16_round_trip
-from partition_tools.export import export_front
 from partition_tools.models import load_model
 from shared.manifest import BundleError
 
 
 @pytest.fixture(scope="module")
-def glm4_fp32_front(tiny_glm4_bundle, tmp_path_factory):
-    """The fp32 edge graph of the same split as conftest's (int8) tiny-glm4 bundle."""
-    lm = load_model("tiny-glm4")
-    return export_front(ModelAdapter(lm.model), 2, tmp_path_factory.mktemp("glm4-fp32") / "front.onnx")
+def glm4_fp32_front(tiny_glm4_plain_bundle):
+    """The fp32 edge graph of the same split as conftest's (int8) tiny-glm4 bundle: ``export_front`` of
+    tiny-glm4's layers [0, 2), as the session's plain fp32 bundle holds it (tests/conftest.py)."""
+    return tiny_glm4_plain_bundle / "edge" / "front.onnx"
 
 
 def test_compare_logits_on_known_values():
