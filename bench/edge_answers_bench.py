@@ -13,9 +13,11 @@ fp32 model's greedy answer of up to ``--new`` tokens (transformers ``generate``)
   differs, so one forward per prompt gives both measures exactly (every op treats tokens independently of
   batching: per-token activation quantization, per-row codecs). Cheap enough to screen many arms.
 
-Prompt sets: ``HELD_OUT`` (60 everyday questions: the evaluation, seen by no calibration and no tuning) and
-``TUNING`` (80 others, disjoint: for choosing among arms, ``--prompt-set tuning``). The recipes calibrate on
-the last 512 tokens of ``partition_tools/data/sample.txt``, prose that is in neither set.
+Prompt sets: ``HELD_OUT`` (60 everyday questions: the evaluation, seen by no calibration and no tuning),
+``TUNING`` (80 others, disjoint: for choosing among arms, ``--prompt-set tuning``), and ``FRESH`` / ``FRESH2``
+(60 each, written in session 8 after the choices they judge: ``--prompt-set fresh`` / ``fresh2``). All four are
+checked disjoint at start. The recipes calibrate on the last 512 tokens of ``partition_tools/data/sample.txt``,
+prose that is in no set.
 
 Codec arms: ``policy`` (served only: the precision policy's choice per message, what users get by default), a
 codec name (every message in it), or ``PROMPT/STEP`` (teacher only: prompt rows in PROMPT, answer rows - the
