@@ -30,12 +30,10 @@ import numpy as np
 
 from . import rans
 from .codec_base import to_f16
-from .codec_pca_base import FINGERPRINT_BYTES, BasisCodec
-from .codecs_pca_ans import (CLASS_BITS, DECODE_BLOCK_ROWS, ESCAPE, ESCAPE_BITS, MAX_CLASSES, MAX_SHIFT,
-                             RAW_ROW, ROW_ESCAPES_MAX, TABLES_PER_OCTAVE, _pack_fields, _unpack_fields, gg_tables,
-                             quantize_freq, row_log2_gain)
+from .codecs_pca_ans import (CLASS_BITS, ESCAPE, ESCAPE_BITS, MAX_CLASSES, MAX_SHIFT, RAW_ROW, ROW_ESCAPES_MAX,
+                             TABLES_PER_OCTAVE, RansRowsCodec, _pack_fields, _unpack_fields, gg_tables, quantize_freq,
+                             row_log2_gain)
 from .errors import BAD_CODEC, BAD_TENSOR, ProtocolError
-from .tensors import PayloadReader
 
 TCQ_LEVELS = ("pca-tcq-compact",)
 TRANSITIONS = np.array([[0, 2], [2, 0], [1, 3], [3, 1]], np.int64)  # next state [state, parity of k]
@@ -197,7 +195,7 @@ class _TcqModel:
         return k, qz
 
 
-class PcaTcqCodec(BasisCodec):
+class PcaTcqCodec(RansRowsCodec):
     """A :class:`TcqLevel` of the bundle's PCA artifact. ``basis``: a :class:`shared.codecs_pca.PcaBasis`."""
 
     def __init__(self, basis, level: str):
@@ -230,49 +228,6 @@ class PcaTcqCodec(BasisCodec):
         return b"".join([self.fingerprint, row_byte.tobytes(), to_f16(x[raw], f"{self.name} raw rows").tobytes(),
                          _pack_fields(lo, shift), hi[escaped].astype("<i2").tobytes(),
                          lengths[:-1].astype("<u2").tobytes(), words.astype("<u2").tobytes()])
-
-    def decode_payload(self, payload, s, h):
-        rd = PayloadReader(payload, self.name)
-        self.read_fingerprint(rd)
-        row_byte = rd.take("uint8", (s,)).astype(np.int64)
-        raw = row_byte == RAW_ROW
-        m = self.model
-        cls, row_esc = row_byte[~raw] & (MAX_CLASSES - 1), row_byte[~raw] >> CLASS_BITS
-        if (cls >= m.classes).any() or (row_esc > ROW_ESCAPES_MAX).any():
-            raise ProtocolError(BAD_TENSOR, f"{self.name}: a row byte with a class above {m.classes - 1} or more "
-                                            f"than {ROW_ESCAPES_MAX} escapes")
-        n_raw, n_esc = int(raw.sum()), int(row_esc.sum())
-        raws = rd.take("float16", (n_raw, h), finite=True)
-        sq = cls.size
-        lo_bits = m.lo_bits_of[cls]
-        n_lo = int(lo_bits.sum())
-        lo_bytes = rd.take("uint8", ((n_lo + 7) // 8,))
-        escapes = rd.take("int16", (n_esc,)).astype(np.int64)
-        lengths = np.zeros(sq, np.int64)
-        if sq:
-            lengths[:-1] = rd.take("int16", (sq - 1,)).view("<u2")
-        used = FINGERPRINT_BYTES + s + 2 * n_raw * h + lo_bytes.size + 2 * n_esc + 2 * max(sq - 1, 0)
-        rest = len(payload) - used
-        if rest % 2 or (sq == 0 and rest) or (sq and rest < 2 * rans.STATE_WORDS):
-            raise ProtocolError(BAD_TENSOR, f"{self.name}: {rest} bytes of rANS words for {sq} coded rows")
-        if sq:
-            lengths[-1] = rest // 2 - int(lengths[:-1].sum())
-        if ((lengths < rans.STATE_WORDS) | (lengths > self.max_words)).any():
-            raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's rANS stream length is out of range "
-                                            f"[{rans.STATE_WORDS}, {self.max_words}] words")
-        words = rd.take("int16", (rest // 2,)).view("<u2")
-        rd.finish()
-        bits = np.unpackbits(lo_bytes, bitorder="little")
-        if bits[n_lo:].any():
-            raise ProtocolError(BAD_TENSOR, f"{self.name}: nonzero padding bits")
-        ends = {"word": np.cumsum(lengths), "lo": np.cumsum(lo_bits), "esc": np.cumsum(row_esc)}
-        coef = np.empty((sq, self.r), np.float64)
-        for b0 in range(0, sq, DECODE_BLOCK_ROWS):
-            b1 = min(sq, b0 + DECODE_BLOCK_ROWS)
-            at = {k: (int(e[b0 - 1]) if b0 else 0, int(e[b1 - 1])) for k, e in ends.items()}
-            coef[b0:b1] = self._decode_block(cls[b0:b1], row_esc[b0:b1], words[slice(*at["word"])],
-                                             lengths[b0:b1], bits[slice(*at["lo"])], escapes[slice(*at["esc"])])
-        return self.synthesize(coef * self.step, raw, raws)
 
     def _decode_block(self, cls, row_esc, words, lengths, lo_bits, escapes) -> np.ndarray:
         """Decoded coefficients [B, r] (in steps) of a block of coded rows of classes ``cls`` [B]: the rANS
@@ -322,14 +277,6 @@ class PcaTcqCodec(BasisCodec):
             raise ProtocolError(BAD_TENSOR, f"{self.name}: an escaped value its table codes (not canonical)")
         mu = levels_of(k, qz).astype(np.float64)
         return mu - np.sign(mu) * self.level.shrink[np.where(qz == 0, tab0, tab1)]
-
-    def max_payload_bytes(self, s, h):
-        coded_row = 2 * self.max_words + 2 + (int(self.model.lo_bits_of.max()) + 7) // 8 + 1 + 2 * ROW_ESCAPES_MAX
-        return len(self.fingerprint) + s + s * max(2 * h, coded_row)
-
-    def payload_bytes(self, s, h):
-        """Not fixed: the rANS code's length depends on the values. This is the bound (:meth:`max_payload_bytes`)."""
-        return self.max_payload_bytes(s, h)
 
 
 # -- calibration (pure numpy; shared.codecs_pca.calibrate_pca calls it) ----------------------------------------
