@@ -193,9 +193,9 @@ def choose_precision(features: RequestFeatures, override=None, available_codecs=
     elif f.multimodal:
         codec = _first(p.multimodal_codecs, available_codecs) or available_codecs[0]
         why_codec = "multimodal: calibration-free codec"
-    elif (f.prompt_tokens and _first(p.lossless_codecs, available_codecs)
-          and f.prompt_tokens * f.hidden_size * 2 <= p.lossless_prompt_kib * 1024):
-        codec = _first(p.lossless_codecs, available_codecs)
+    elif (f.prompt_tokens and f.prompt_tokens * f.hidden_size * 2 <= p.lossless_prompt_kib * 1024
+          and (lossless := _first(p.lossless_codecs, available_codecs))):
+        codec = lossless
         why_codec = f"small prompt ({f.prompt_tokens * f.hidden_size * 2 / 1024:.0f} KiB fp16): lossless"
     else:
         codec = _first(p.near_lossless_codecs, available_codecs) or available_codecs[0]
