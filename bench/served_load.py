@@ -116,6 +116,8 @@ class LoadConfig:
     procs: int = 0  # worker processes; 0 = half the cores (the server needs the rest), at most one per session
     # the server's front-end processes (`autoglm-cloud serve --workers N`); several: one server per value, in turn
     workers: tuple[int, ...] = (1,)
+    # the server's event loop (`serve --loop`: auto, asyncio, uvloop); several: one server per value, in turn
+    loops: tuple[str, ...] = ("auto",)
     api_key: str | None = None
     states: Path | None = None  # recorded boundary states [N, H] float32 (.npy) instead of synthetic ones
     seed: int = 0
@@ -147,6 +149,10 @@ class LoadConfig:
             raise ValueError("--workers: positive front-end process counts")
         if self.url is not None and self.workers != (1,):
             raise ValueError("--workers sets a spawned server: give --serve or --preset, not --url")
+        if not self.loops or any(x not in ("auto", "asyncio", "uvloop") for x in self.loops):
+            raise ValueError("--loops: auto, asyncio or uvloop, comma-separated")
+        if self.url is not None and self.loops != ("auto",):
+            raise ValueError("--loops sets a spawned server: give --serve or --preset, not --url")
         if self.gather_max_ms is not None and self.preset is None:
             raise ValueError("--gather-max-ms sets the random-weight server's engine: give --preset")
         if self.compare_root is not None and self.url is not None:
@@ -226,6 +232,7 @@ class Edge:
         self.completion_tokens: int | None = None
         self.error: str | None = None
         self.up_bytes = 0
+        self.client_s = 0.0  # this simulated phone's own time per token: Tokens received -> DecodeStep sent
 
     async def connect(self, spec: dict) -> None:
         from websockets.asyncio.client import connect
@@ -282,10 +289,12 @@ class Edge:
                                                   hidden=bank[(self.index + k) % len(bank)]))
             await ws.send(frame)
             self.up_bytes += len(frame)
+            self.client_s += time.monotonic() - now
 
     def result(self) -> dict:
         return {"index": self.index, "start": self.start, "token_times": self.token_times, "finish": self.finish,
-                "completion_tokens": self.completion_tokens, "error": self.error, "up_bytes": self.up_bytes}
+                "completion_tokens": self.completion_tokens, "error": self.error, "up_bytes": self.up_bytes,
+                "client_s": self.client_s}
 
 
 async def worker_main(spec: dict) -> dict:
@@ -309,7 +318,13 @@ async def worker_main(spec: dict) -> dict:
 def worker_entry() -> int:
     """``served_load.py --worker``: one JSON spec line on stdin, JSON lines out (never pickle)."""
     spec = json.loads(sys.stdin.readline())
-    result = asyncio.run(worker_main(spec))
+    try:  # the simulated phones as cheap as can be (each real phone has a CPU of its own): uvloop if installed
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        result = runner.run(worker_main(spec)) | {"client_loop": factory.__module__.split(".")[0]}
     print(json.dumps({"result": result}), flush=True)
     return 0
 
@@ -340,9 +355,10 @@ class ServerProcess:
 
     def __init__(self, cfg: LoadConfig, workdir: Path):
         self.port = _free_port()
-        (workers,) = cfg.workers  # one server per value (_run_server's caller sweeps them)
+        (workers,), (loop,) = cfg.workers, cfg.loops  # one server per value (_run_server's caller sweeps them)
         common = ["--host", "127.0.0.1", "--port", str(self.port), *server_sizing(cfg), "--log-level", "warning",
                   *(["--workers", str(workers)] if workers > 1 else []),  # an older tree has no --workers
+                  *(["--loop", loop] if loop != "auto" else []),  # nor --loop
                   *(["--api-key", cfg.api_key] if cfg.api_key else []), *cfg.server_args]
         if cfg.preset is not None:
             stub = workdir / "stub-bundle"
@@ -434,6 +450,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
                                     "--format", "raw", "--rate", str(PY_SPY_RATE), "-o", str(py_spy_out)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # attached before the load starts
+        trips0 = round_trip_histogram(url)
         fronts = front_end_pids(server_pid) if server_pid else []  # where the event loops run
         everyone = sorted({server_pid, *fronts}) if server_pid else []
         cpu0 = sum(cpu_seconds(p) for p in everyone) if server_pid else None
@@ -444,6 +461,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
             p.stdin.flush()
         results = [_read_line(p, "result", cfg.level_timeout_s + 60) for p in workers]
         wall = time.monotonic() - t0
+        trips = round_trip_histogram(url)
         server_cpu = sum(cpu_seconds(p) for p in everyone) - cpu0 if server_pid else None
         loop_cpu = loop_cpu_seconds(fronts) - loop0 if server_pid else None
         if spy is not None:
@@ -455,12 +473,14 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
                 p.kill()
             p.wait()
     rec = summarize(s, [x for r in results for x in r["sessions"]], cfg)
+    rec.update(round_trip_figures(trips0, trips))
     if spy is not None and py_spy_out.is_file():
         rec["profile_s"] = profile_summary(py_spy_out, PY_SPY_RATE)
-    rec.update(procs=procs, workers=cfg.workers[0], codec=",".join(sorted(used)), wall_s=wall,
+    rec.update(procs=procs, workers=cfg.workers[0], loop=cfg.loops[0], codec=",".join(sorted(used)), wall_s=wall,
                server_cpu_s=server_cpu, server_loop_cpu_s=loop_cpu,
                loop_us_per_token=1e6 * loop_cpu / rec["tokens"] if loop_cpu is not None and rec["tokens"] else None,
-               client_cpu_s=sum(r["cpu_s"] for r in results))
+               client_cpu_s=sum(r["cpu_s"] for r in results),
+               client_loop=",".join(sorted({r.get("client_loop", "asyncio") for r in results})))
     return rec
 
 
@@ -481,6 +501,50 @@ def _read_line(p: subprocess.Popen, key: str, timeout: float) -> dict:
         msg = json.loads(line)
         if key in msg:
             return msg if key == "ready" else msg[key]
+
+
+def round_trip_histogram(url: str) -> dict[float, float] | None:
+    """The server's ``autoglm:edge_round_trip_seconds`` now: cumulative count per bucket bound (``inf``: all) and
+    ``sum`` under key -1; None where the server has no such series (an older tree) or no open /metrics."""
+    base = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).rsplit("/v1/", 1)[0]
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("autoglm:edge_round_trip_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float("inf") if le == "+Inf" else float(le)] = out.get(float(le), 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("autoglm:edge_round_trip_seconds_sum"):
+            out[-1.0] = out.get(-1.0, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out or None
+
+
+def round_trip_figures(before: dict | None, after: dict | None) -> dict:
+    """The level's edge round trips as the engine saw them (the histogram's increase): mean, and p50 / p99
+    interpolated within their buckets, in ms; the client's own share is ``client_ms_per_token``."""
+    if not before or not after:
+        return {}
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    n = delta.get(float("inf"), 0.0)
+    if n <= 0:
+        return {}
+    bounds = sorted(k for k in delta if k >= 0)
+
+    def quantile(q: float) -> float:
+        rank, lo, below = q * n, 0.0, 0.0
+        for b in bounds:
+            if delta[b] >= rank:
+                if b == float("inf"):
+                    return 1e3 * lo
+                return 1e3 * (lo + (b - lo) * (rank - below) / max(delta[b] - below, 1e-12))
+            lo, below = b, delta[b]
+        return 1e3 * lo
+
+    return {"round_trip_count": int(n), "round_trip_mean_ms": 1e3 * delta[-1.0] / n,
+            "round_trip_p50_ms": quantile(0.5), "round_trip_p99_ms": quantile(0.99)}
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -508,7 +572,9 @@ def summarize(s: int, sessions: list[dict], cfg: LoadConfig) -> dict:
                served_tokens_per_s_overall=rec["tokens"] / (end - begin), steady_window_s=window,
                ttft_p50_ms=_pct(ttft, 50), ttft_p99_ms=_pct(ttft, 99), itl_p50_ms=_pct(itl, 50),
                itl_p99_ms=_pct(itl, 99), itl_mean_ms=float(np.mean(itl)) if itl else None,
-               uplink_bytes_per_session=float(np.mean([x["up_bytes"] for x in ok])))
+               uplink_bytes_per_session=float(np.mean([x["up_bytes"] for x in ok])),
+               client_ms_per_token=1e3 * sum(x["client_s"] for x in ok) / max(1, sum(len(x["token_times"]) - 1
+                                                                                   for x in ok)))
     return rec
 
 
@@ -671,12 +737,12 @@ def run(cfg: LoadConfig, command: str) -> dict:
     figures beside them."""
     res = None
     roots = ([cfg.compare_root] if cfg.compare_root is not None else []) + [cfg.server_root]
-    servers = [(root, w) for root in roots for w in cfg.workers]
-    for root, workers in servers:
+    servers = [(root, w, loop) for root in roots for w in cfg.workers for loop in cfg.loops]
+    for root, workers, loop in servers:
         # one server: its levels are written as they finish (a run cut short keeps them); several: after each
         out = cfg.out if len(servers) == 1 else None
-        one = _run_server(dataclasses.replace(cfg, server_root=root, compare_root=None, out=out, workers=(workers,)),
-                          command)
+        one = _run_server(dataclasses.replace(cfg, server_root=root, compare_root=None, out=out, workers=(workers,),
+                                              loops=(loop,)), command)
         for rec in one["records"]:
             rec["tree"] = str(root)
         if res is None:
@@ -749,10 +815,11 @@ def _run_server(cfg: LoadConfig, command: str) -> dict:
 def _row(r: dict) -> str:
     def f(v, fmt=".1f"):
         return "-" if v is None else format(v, fmt)
-    return (f"[served_load] {r.get('codec', '?')} workers={r.get('workers', 1)} S={r['sessions']:4d} completed {r['completed']}/{r['sessions']} "
+    return (f"[served_load] {r.get('codec', '?')} workers={r.get('workers', 1)} loop={r.get('loop', 'auto')} S={r['sessions']:4d} completed {r['completed']}/{r['sessions']} "
             f"served {f(r.get('served_tokens_per_s'), '.0f')} tok/s (overall {f(r.get('served_tokens_per_s_overall'), '.0f')})"
             f" TTFT p50 {f(r.get('ttft_p50_ms'))} ms, ITL p50 {f(r.get('itl_p50_ms'), '.2f')} / p99 "
-            f"{f(r.get('itl_p99_ms'), '.2f')} ms, server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
+            f"{f(r.get('itl_p99_ms'), '.2f')} ms, edge round trip p50 {f(r.get('round_trip_p50_ms'), '.2f')} / p99 "
+            f"{f(r.get('round_trip_p99_ms'), '.2f')} ms (client {f(r.get('client_ms_per_token'), '.2f')} ms), server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
             f"{f(r.get('loop_us_per_token'), '.0f')} us/token), "
             f"client CPU {f(r.get('client_cpu_s'), '.1f')} s over {f(r.get('wall_s'), '.1f')} s")
 
@@ -790,6 +857,8 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     ap.add_argument("--procs", type=int, default=0, help="load-generator processes (0: half the cores)")
     ap.add_argument("--workers", default="1", help="the server's front-end processes (`serve --workers`); several, "
                                                   "comma-separated: one server per value, in turn")
+    ap.add_argument("--loops", default="auto", help="the server's event loop (`serve --loop`: auto, asyncio, "
+                                                    "uvloop); several, comma-separated: one server per value")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--states", type=Path, help="recorded boundary states [N, H] float32 .npy")
     ap.add_argument("--seed", type=int, default=0)
@@ -811,6 +880,7 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
                           prompt=a.prompt, gen=a.gen, codecs=tuple(c for c in a.codecs.split(",") if c),
                           sweep_codecs=tuple(c for c in a.sweep_codecs.split(",") if c),
                           procs=a.procs, workers=tuple(int(x) for x in a.workers.split(",") if x),
+                          loops=tuple(x for x in a.loops.split(",") if x),
                           api_key=a.api_key, states=a.states, seed=a.seed,
                           ready_timeout_s=a.ready_timeout_s, level_timeout_s=a.level_timeout_s,
                           engine_json=a.engine_json, py_spy=a.py_spy, out=a.out, engine_cpu=a.engine_cpu,

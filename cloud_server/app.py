@@ -118,11 +118,25 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app: FastAPI, config, log_level: str = "info") -> uvicorn.Config:
     """uvicorn's settings for ``app`` under ``autoglm-cloud serve`` (a :class:`~cloud_server.config.ServerConfig`):
-    address, TLS, the connection limit, a 5 s graceful shutdown after the drain."""
+    address, TLS, the connection limit, the event loop, a 5 s graceful shutdown after the drain."""
     tls = {"ssl_certfile": str(config.ssl_certfile), "ssl_keyfile": str(config.ssl_keyfile)} \
         if config.ssl_certfile else {}
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5,
-                          limit_concurrency=config.max_connections, **tls)
+                          limit_concurrency=config.max_connections, loop=config.loop, **tls)
+
+
+def loop_factory(name: str):
+    """A new event loop of ``name`` (:data:`cloud_server.config.LOOPS`, uvicorn's --loop): ``auto`` is uvloop
+    when it is installed, else asyncio's own."""
+    if name != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if name == "uvloop":
+                raise
+        else:
+            return uvloop.new_event_loop
+    return asyncio.new_event_loop
 
 
 def create_app(runtime, owns_runtime: bool = False) -> FastAPI:

@@ -74,6 +74,8 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
     Option("max_http_requests", int, "server", "HTTP /v1 requests in flight before 429 + Retry-After"),
     Option("max_prompt_tokens", int, "server", "prompt positions per request (default: --max-model-len)"),
     Option("workers", int, "server", _WORKERS_HELP),
+    Option("loop", str, "server", "event loop of every front end, as uvicorn's --loop: auto (uvloop when "
+                                  "installed), asyncio or uvloop"),
     Option("tp", int, "engine", "tensor-parallel ranks: 1 or 2"),
     Option("device", str, "engine", "cpu or cuda (default: cuda if available)"),
     Option("variants", str, "engine", _VARIANTS_HELP),

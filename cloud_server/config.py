@@ -8,10 +8,12 @@ Invalid values raise :class:`ConfigError` with a one-line message naming the fie
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
 COMPUTE_VARIANTS = ("fp32", "bf16", "fp16", "int8")
+LOOPS = ("auto", "asyncio", "uvloop")  # uvicorn's --loop names
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # cloud_server.kv_quant: the same names (config imports no torch)
 
 
@@ -137,6 +139,9 @@ class ServerConfig:
     # WebSocket front-end processes (cloud_server.front_workers): with N > 1 the main process runs the engine and
     # N spawned workers the split endpoint on one shared listening socket; 1: one process does both.
     workers: int = 1
+    # The event loop under every front end (uvicorn's --loop): "auto" (uvloop when installed, else asyncio),
+    # "asyncio" or "uvloop" (measured side by side: bench/served_load.py --loops asyncio,uvloop).
+    loop: str = "auto"
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -174,6 +179,10 @@ class ServerConfig:
                                   f"({self.engine.max_model_len}): a prompt also has to fit the context")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1 (got {self.workers})")
+        if self.loop not in LOOPS:
+            raise ConfigError(f"loop must be one of {', '.join(LOOPS)} (got {self.loop!r})")
+        if self.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+            raise ConfigError("loop: uvloop is not installed (pip install uvloop, or --loop asyncio)")
         if self.workers > 1:
             if self.bundle is None:
                 raise ConfigError("workers > 1 serves split mode (a BUNDLE); full-model mode runs in one process")

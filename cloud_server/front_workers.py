@@ -169,7 +169,10 @@ def worker_main(config: ServerConfig, index: int, sock: socket.socket, conn, log
     os.setpgrp()  # a terminal's Ctrl-C reaches the main process only; it passes the drain on
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[w{index}]: %(message)s")
-    asyncio.run(_serve(config, index, sock, Link(conn), log_level))
+    from cloud_server.app import loop_factory
+
+    with asyncio.Runner(loop_factory=loop_factory(config.loop)) as runner:
+        runner.run(_serve(config, index, sock, Link(conn), log_level))
 
 
 async def _serve(config: ServerConfig, index: int, sock: socket.socket, link: Link, log_level: str) -> None:

@@ -5,7 +5,8 @@ Names follow vLLM's so existing dashboards work: ``vllm:time_to_first_token_seco
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries`` /
 ``vllm:prefix_cache_hits`` (tokens), ``vllm:prompt_tokens`` / ``vllm:generation_tokens``,
 ``vllm:request_success`` (by finish reason). Split-specific ones carry the ``autoglm:`` prefix: wire bytes up
-(edge -> cloud hidden states) and down (tokens), bytes per token by codec, open and refused sessions.
+(edge -> cloud hidden states) and down (tokens), bytes per token by codec, open and refused sessions, the
+edges' round trip per token (``autoglm:edge_round_trip_seconds``, measured at the engine).
 
 In split mode the latencies are measured at the cloud between a request's arrival and its sampled tokens,
 so the inter-token latency includes the edge's round trip (what a user waits for); durations only, never
@@ -33,6 +34,9 @@ from prometheus_client.samples import Sample
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
+# an edge's round trip per token: localhost (sub-millisecond) to a slow mobile link
+_ROUND_TRIP_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
+                       1.0, 2.0, 5.0)
 _BYTES_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 
 
@@ -70,16 +74,21 @@ class ServerMetrics:
         self.sessions = Gauge("autoglm:sessions_open", "Split sessions open (connected or resumable)", lab,
                               registry=r)
         self.refused = Counter("autoglm:sessions_refused", "Sessions refused", lab + ["reason"], registry=r)
+        self.round_trip = Histogram("autoglm:edge_round_trip_seconds",
+                                    "Split decoding: a token leaving the engine -> the edge's next state reaching "
+                                    "it (link both ways, the phone's front step, the server's front end)", lab,
+                                    buckets=_ROUND_TRIP_BUCKETS, registry=r)
         self.variant_requests = Counter("autoglm:requests_by_variant", "Requests by compute variant",
                                         lab + ["variant"], registry=r)
         # Series exist from the start (0), so dashboards and alerts see them before the first request.
         for m in (self.ttft, self.itl, self.e2e, self.running, self.waiting, self.kv_usage, self.prefix_queries,
                   self.prefix_hits, self.prompt_tokens, self.generation_tokens, self.batched_tokens,
-                  self.downlink, self.sessions):
+                  self.downlink, self.sessions, self.round_trip):
             m.labels(model_name)
         # Bound children for the per-token hooks: ``labels()`` costs a lock and a dict lookup per call, and
         # these run once per token (engine thread) or per frame (event loop).
-        self._ttft, self._itl, self._e2e = (m.labels(model_name) for m in (self.ttft, self.itl, self.e2e))
+        self._ttft, self._itl, self._e2e, self._round_trip = (
+            m.labels(model_name) for m in (self.ttft, self.itl, self.e2e, self.round_trip))
         self._generation_tokens = self.generation_tokens.labels(model_name)
         self._batched_tokens = self.batched_tokens.labels(model_name)
         self._downlink = self.downlink.labels(model_name)
@@ -104,6 +113,9 @@ class ServerMetrics:
     def on_finish(self, seq) -> None:
         self._e2e.observe(time.monotonic() - seq.arrival_time)
         self.success.labels(self.model_name, seq.finish_reason or "abort").inc()
+
+    def on_edge_round_trip(self, seconds: float) -> None:
+        self._round_trip.observe(seconds)
 
     def on_step(self, engine, num_tokens: int) -> None:
         m = self.model_name

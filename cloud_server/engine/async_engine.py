@@ -15,6 +15,11 @@ and others that were handed a token are still *awaiting* their next input, the l
 arrived. A request still awaiting when the window closes is late (a slow or stalled edge): it holds no
 further step until it sends an input again. With one request, or when all have arrived, nothing waits.
 
+Edge round trips: the time from a decoding request's token leaving the engine (its delivery to the sink) to
+its next input reaching the engine thread - the link both ways, the phone's front step and the server's front
+end - goes to ``on_round_trip(seconds)`` (the server's ``autoglm:edge_round_trip_seconds``). In lockstep a
+step's decode rows wait for it, so it is what separates the served path from the engine's own step rate.
+
 A model-runner exception is fatal for the engine: every open request gets an ``engine_error`` output, the
 loop stops and ``dead`` says why (``/ready`` turns false). Requests idle longer than ``idle_timeout_s``
 (an edge that stopped sending decode steps) are aborted with reason ``timeout``.
@@ -44,7 +49,8 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_timeout_s: float | None = None,
                  on_fatal: Callable[[str], None] | None = None, idle_hook: Callable[[], None] | None = None,
-                 idle_hook_every_s: float = 20.0, gather_max_s: float | None = None):
+                 idle_hook_every_s: float = 20.0, gather_max_s: float | None = None,
+                 on_round_trip: Callable[[float], None] | None = None):
         gather_max_s = GATHER_MAX_S if gather_max_s is None else gather_max_s  # None: the module's default
         if gather_max_s < 0:
             raise ValueError(f"gather_max_s must be >= 0, got {gather_max_s}")
@@ -62,6 +68,8 @@ class AsyncEngine:
         self.steps = 0
         self.gather_max_s = gather_max_s
         self._awaiting: set[str] = set()  # decoding requests handed a token whose next input has not come yet
+        self.on_round_trip = on_round_trip
+        self._handed_at: dict[str, float] = {}  # awaiting request -> when its token was delivered (round trips)
         self._step_s = 0.0  # moving average of the time in step() per step that delivered: the gather window
         self._stepping_s = 0.0  # time in step() since the last step that delivered outputs
 
@@ -123,16 +131,17 @@ class AsyncEngine:
                 return []
             return outs
         if kind == "input":
-            self._awaiting.discard(cmd[1])
+            self._arrived(cmd[1], time.monotonic())
             return self.llm.add_input(cmd[1], cmd[2])
         if kind == "inputs":
-            outs = []
+            outs, now = [], time.monotonic()
             for rid, chunk in cmd[1]:
-                self._awaiting.discard(rid)
+                self._arrived(rid, now)
                 outs += self.llm.add_input(rid, chunk)
             return outs
         if kind == "abort":
             self._awaiting.discard(cmd[1])
+            self._handed_at.pop(cmd[1], None)
             return self.llm.abort(cmd[1], cmd[2])
         if kind == "call":
             _, fn, fut = cmd
@@ -142,18 +151,28 @@ class AsyncEngine:
                 fut.set_exception(e)
         return []
 
+    def _arrived(self, rid: str, now: float) -> None:
+        """An input of ``rid`` reached the engine thread: no longer awaited; its round trip recorded."""
+        self._awaiting.discard(rid)
+        handed = self._handed_at.pop(rid, None)
+        if handed is not None and self.on_round_trip is not None:
+            self.on_round_trip(now - handed)
+
     def _deliver(self, outs: list[RequestOutput]) -> None:
         seqs = self.llm.seqs
+        now = time.monotonic()
         for o in outs:
             rid = o.request_id
             if o.finished:
                 sink = self._sinks.pop(rid, None)
                 self._awaiting.discard(rid)
+                self._handed_at.pop(rid, None)
             else:
                 sink = self._sinks.get(rid)
                 seq = seqs.get(rid)
                 if o.token_id is not None and seq is not None and not seq.pending:
                     self._awaiting.add(rid)  # its edge now computes the next input
+                    self._handed_at[rid] = now
             if sink is None:
                 continue
             try:

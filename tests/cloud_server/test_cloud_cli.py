@@ -77,6 +77,7 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B", "--device", "cpu", "--workers", "0"], {}, "workers must be >= 1"),
     (["--full", "tiny-glm4", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves split mode"),
     (["B", "C", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves one bundle"),
+    (["B", "--device", "cpu", "--loop", "trio"], {}, "loop must be one of auto, asyncio, uvloop"),
 ])
 def test_bad_configuration_is_a_one_line_error(argv, env, message):
     if message is None:
@@ -104,3 +105,23 @@ def test_main_reports_errors_without_a_traceback(tmp_path, capsys):
     r = subprocess.run([sys.executable, "-m", "cloud_server.cli", "serve", "--help"], capture_output=True,
                        text=True, timeout=60, check=False)
     assert r.returncode == 0 and "--max-sessions" in r.stdout and "AUTOGLM_CLOUD_API_KEY" in r.stdout
+
+
+def test_the_event_loop_is_uvicorns_choice_and_reaches_every_front_end():
+    """``--loop`` takes uvicorn's names; ``auto`` is uvloop where it is installed, else asyncio's own loop."""
+    import asyncio
+    import importlib.util
+
+    from cloud_server.app import loop_factory
+
+    assert _resolve(["B", "--device", "cpu"]).loop == "auto"
+    assert _resolve(["B", "--device", "cpu", "--loop", "asyncio"]).loop == "asyncio"
+    assert loop_factory("asyncio") is asyncio.new_event_loop
+    if importlib.util.find_spec("uvloop") is None:
+        assert loop_factory("auto") is asyncio.new_event_loop
+        with pytest.raises(ConfigError, match="uvloop is not installed"):
+            _resolve(["B", "--device", "cpu", "--loop", "uvloop"])
+    else:
+        import uvloop
+
+        assert loop_factory("auto") is loop_factory("uvloop") is uvloop.new_event_loop

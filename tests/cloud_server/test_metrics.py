@@ -22,6 +22,7 @@ def test_series_exist_before_the_first_request_and_count_afterwards():
     s = _samples(m)
     lab = (("model_name", "glm"),)
     assert s[("vllm:num_requests_running", lab)] == 0 and s[("vllm:kv_cache_usage_perc", lab)] == 0
+    assert s[("autoglm:edge_round_trip_seconds_count", lab)] == 0
     seq = SimpleNamespace(num_prompt_tokens=20, num_cached_tokens=16, prefix_keys=["k"], variant="fp32",
                           arrival_time=100.0, last_token_time=None, finish_reason="stop")
     m.on_admit(seq)
@@ -30,7 +31,11 @@ def test_series_exist_before_the_first_request_and_count_afterwards():
     m.on_token(seq, 100.6)  # then ITL 0.1 s
     m.on_uplink(2048, "fp16", 16)
     m.on_downlink(40)
+    m.on_edge_round_trip(0.003)
     s = _samples(m)
+    assert s[("autoglm:edge_round_trip_seconds_count", lab)] == 1
+    assert s[("autoglm:edge_round_trip_seconds_bucket", (("le", "0.004"),) + lab)] == 1
+    assert s[("autoglm:edge_round_trip_seconds_bucket", (("le", "0.002"),) + lab)] == 0
     assert s[("vllm:time_to_first_token_seconds_sum", lab)] == 0.5
     assert abs(s[("vllm:inter_token_latency_seconds_sum", lab)] - 0.1) < 1e-9
     assert s[("vllm:prefix_cache_hits_total", lab)] == 16 and s[("vllm:prefix_cache_queries_total", lab)] == 20

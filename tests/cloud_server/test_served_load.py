@@ -44,6 +44,11 @@ def test_four_sessions_against_a_real_server(tiny_bundle, tmp_path):
     assert 0 < rec["ttft_p50_ms"] <= rec["ttft_p99_ms"]
     assert rec["engine_tokens_per_s"] is None and rec["direct_tokens_per_s"] is None  # no --engine-json given
     assert rec["server_cpu_s"] > 0
+    # the engine's view of the edges' round trips: one per decode step sent (8 per session), never below the
+    # simulated phone's own share of it
+    assert rec["round_trip_count"] == 4 * 8 and rec["loop"] == "auto"
+    assert 0 < rec["client_ms_per_token"] <= rec["round_trip_mean_ms"]
+    assert 0 < rec["round_trip_p50_ms"] <= rec["round_trip_p99_ms"]
     # 40 prompt rows at ~1 byte per element plus 8 decode steps: the uplink is int8-sized, not float32-sized
     h = Manifest.load(tiny_bundle).hidden_size
     assert 40 * h < rec["uplink_bytes_per_session"] < 2 * 48 * h + 2048
@@ -100,7 +105,7 @@ def test_synthetic_states_have_a_sink_row_the_outlier_codec_keeps_in_float16():
 def _session(index, n, gen, error=None, finish="length"):
     times = [1.0 + 0.01 * (k + 1) + 0.001 * index for k in range(n)]
     return {"index": index, "start": 1.0, "token_times": times, "finish": finish,
-            "completion_tokens": n, "error": error, "up_bytes": 100}
+            "completion_tokens": n, "error": error, "up_bytes": 100, "client_s": 0.0001 * max(0, n - 1)}
 
 
 def test_summary_counts_the_steady_window_and_reports_short_sessions_as_failures():
@@ -110,6 +115,7 @@ def test_summary_counts_the_steady_window_and_reports_short_sessions_as_failures
     assert good["itl_p50_ms"] == pytest.approx(10.0)
     # steady window: from the last first token (1.011) to the first last token (1.100); 2 sessions at 100 tok/s
     assert good["served_tokens_per_s"] == pytest.approx(200.0, rel=0.05)
+    assert good["client_ms_per_token"] == pytest.approx(0.1)  # the phones' own time per decode step
     bad = served_load.summarize(3, [_session(0, 10, 10), _session(1, 7, 10, finish="stop"),
                                     _session(2, 3, 10, error="RuntimeError: server error internal")], cfg)
     assert bad["completed"] == 1 and len(bad["errors"]) == 2
@@ -158,3 +164,14 @@ def test_recorded_states_are_used_and_checked(tmp_path):
     np.save(tmp_path / "wide.npy", np.zeros((5, h + 1), np.float32))
     with pytest.raises(ValueError, match=r"\[N, 64\]"):
         served_load.edge_inputs(spec | {"states": str(tmp_path / "wide.npy")}, welcome, "fp16")
+
+
+def test_round_trip_figures_are_the_levels_increase_of_the_histogram():
+    before = {0.001: 10.0, 0.002: 10.0, 0.004: 10.0, float("inf"): 10.0, -1.0: 0.005}
+    # the level adds 100 round trips: 50 under 1 ms, 40 in (1, 2] ms, 10 in (2, 4] ms; 0.15 s in all
+    after = {0.001: 60.0, 0.002: 100.0, 0.004: 110.0, float("inf"): 110.0, -1.0: 0.155}
+    got = served_load.round_trip_figures(before, after)
+    assert got["round_trip_count"] == 100 and got["round_trip_mean_ms"] == pytest.approx(1.5)
+    assert got["round_trip_p50_ms"] == pytest.approx(1.0)  # the 50th of 100 sits at the first bucket's bound
+    assert 2.0 < got["round_trip_p99_ms"] <= 4.0
+    assert served_load.round_trip_figures(None, after) == {} and served_load.round_trip_figures(before, before) == {}

@@ -167,3 +167,23 @@ def test_an_input_that_does_not_come_holds_one_step_for_at_most_the_window(engin
 def test_a_negative_gather_window_is_refused(engine):
     with pytest.raises(ValueError, match="gather_max_s"):
         AsyncEngine(engine, gather_max_s=-1.0)
+
+
+def test_each_decode_input_reports_its_edge_round_trip(engine):
+    """A token leaves the engine; its edge answers 30 ms later: the hook sees that wait, once per decode input
+    (not for the prompt, nor for an input that was never awaited)."""
+    trips: list[float] = []
+    ae = AsyncEngine(engine, on_round_trip=trips.append).start()
+    try:
+        q: queue.Queue = queue.Queue()
+        ae.add_request("a", q.put, InputChunk(0, hidden=torch.randn(4, 64)),
+                       SamplingParams(0.0, max_tokens=3, ignore_eos=True))
+        for position in (4, 5):
+            _collect(q, lambda g: len(g) == 1)
+            time.sleep(0.03)  # the phone's link and front step
+            ae.add_input("a", InputChunk(position, hidden=torch.randn(1, 64)))
+        _collect(q, lambda g: g[-1].finished)
+        assert ae.call(lambda e: 0).result(5) == 0  # the engine thread has applied both inputs
+        assert len(trips) == 2 and all(0.03 <= t < 5.0 for t in trips), trips
+    finally:
+        ae.shutdown()
