@@ -174,25 +174,55 @@ class _TcqModel:
             ck[..., p] = np.take_along_axis(kk, i, 3)[..., 0]
         step_cost = ccost[:, :, _PRED_STATE >> 1, _PRED_PARITY]  # [S, r, 4 next, 2 preds]
         step_k = ck[:, :, _PRED_STATE >> 1, _PRED_PARITY]
-        cost = np.full((s, 4), np.inf)
-        cost[:, 0] = 0.0
-        back_pred = np.empty((r, s, 4), np.int64)  # which of the two predecessors
-        pred_state = _PRED_STATE[None]
-        for j in range(r):
-            tot = cost[:, _PRED_STATE] + step_cost[:, j]  # [S, 4, 2]
-            pick = (tot[:, :, 1] < tot[:, :, 0]).astype(np.int64)  # ties: the first predecessor
-            back_pred[j] = pick
-            cost = np.minimum(tot[:, :, 0], tot[:, :, 1])
-        state = cost.argmin(axis=1)  # [S]
-        rows = np.arange(s)
-        k = np.empty((s, r), np.int64)
-        qz = np.empty((s, r), np.int64)
-        for j in range(r - 1, -1, -1):
-            pk = back_pred[j][rows, state]
-            k[:, j] = step_k[rows, j, state, pk]
-            state = pred_state[0, state, pk]
-            qz[:, j] = state >> 1
-        return k, qz
+        if s <= rans.SCALAR_ROWS:  # a few rows: the path search in Python floats (numpy's call overhead dominates)
+            path = np.array([_viterbi_row(c.reshape(r, 8).tolist()) for c in step_cost], np.int64)  # [S, 2, r]
+            state, pick = path[:, 0], path[:, 1]
+        else:
+            state, pick = _viterbi(step_cost)
+        return step_k[np.arange(s)[:, None], np.arange(r), state, pick], _PRED_STATE[state, pick] >> 1
+
+
+def _viterbi(step_cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The least-cost path through the trellis of every row, vectorised over the rows: ``step_cost`` [S, r, 4
+    next states, 2 predecessors] -> the path's state after each component and which of its two predecessors it
+    came from ([S, r] each). Paths start in state 0; ties go to the first predecessor, then the first state."""
+    s, r = step_cost.shape[:2]
+    cost = np.full((s, 4), np.inf)
+    cost[:, 0] = 0.0
+    back = np.empty((r, s, 4), np.int64)  # which of the two predecessors
+    for j in range(r):
+        tot = cost[:, _PRED_STATE] + step_cost[:, j]  # [S, 4, 2]
+        back[j] = tot[:, :, 1] < tot[:, :, 0]
+        cost = np.minimum(tot[:, :, 0], tot[:, :, 1])
+    st = cost.argmin(axis=1)  # [S]
+    rows = np.arange(s)
+    state, pick = np.empty((s, r), np.int64), np.empty((s, r), np.int64)
+    for j in range(r - 1, -1, -1):
+        state[:, j], pick[:, j] = st, back[j][rows, st]
+        st = _PRED_STATE[st, pick[:, j]]
+    return state, pick
+
+
+def _viterbi_row(step_cost: list) -> tuple[list[int], list[int]]:
+    """:func:`_viterbi` for one row, in Python floats (the same sums, the same ties):
+    ``step_cost`` [r][8] (next state x predecessor, flattened) -> the best path's state after each component
+    and which of its two predecessors it came from ([r] each). Unrolled for :data:`_PRED_STATE` (states 0
+    and 2 come from 0 | 1, states 1 and 3 from 2 | 3)."""
+    c0, c1, c2, c3 = 0.0, np.inf, np.inf, np.inf
+    back = []
+    for s00, s01, s10, s11, s20, s21, s30, s31 in step_cost:
+        a0, b0, a1, b1, a2, b2, a3, b3 = c0 + s00, c1 + s01, c2 + s10, c3 + s11, c0 + s20, c1 + s21, c2 + s30, c3 + s31
+        back.append((b0 < a0, b1 < a1, b2 < a2, b3 < a3))  # ties: the first predecessor
+        c0, c1, c2, c3 = min(a0, b0), min(a1, b1), min(a2, b2), min(a3, b3)
+    cost = [c0, c1, c2, c3]
+    state = cost.index(min(cost))  # the first of equal costs, as argmin
+    pred = _PRED_STATE.tolist()
+    r = len(step_cost)
+    states, picks = [0] * r, [0] * r
+    for j in range(r - 1, -1, -1):
+        states[j], picks[j] = state, int(back[j][state])
+        state = pred[state][picks[j]]
+    return states, picks
 
 
 class PcaTcqCodec(RansRowsCodec):
@@ -232,11 +262,22 @@ class PcaTcqCodec(RansRowsCodec):
     def _decode_block(self, cls, row_esc, words, lengths, lo_bits, escapes) -> np.ndarray:
         """Decoded coefficients [B, r] (in steps) of a block of coded rows of classes ``cls`` [B]: the rANS
         symbols, each under the table of its row's state, the state moved by each integer's parity."""
-        m, off = self.model, self.level.offset
-        b, r = cls.size, self.r
+        m = self.model
         tab0, tab1 = m.table_of[0][cls], m.table_of[1][cls]  # [B, r]
         shift = m.shift_of[cls]
         lo = _unpack_fields(lo_bits, shift)  # [B, r]
+        decode = self._integers_by_row if cls.size <= rans.SCALAR_ROWS else self._integers
+        try:
+            k, qz = decode(tab0, tab1, shift, lo, row_esc, words, lengths, escapes)  # [B, r] x 2
+        except rans.RansError as e:
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: {e}") from None
+        mu = levels_of(k, qz).astype(np.float64)
+        return mu - np.sign(mu) * self.level.shrink[np.where(qz == 0, tab0, tab1)]
+
+    def _integers(self, tab0, tab1, shift, lo, row_esc, words, lengths, escapes):
+        """The integers [B, r] and their quantizers [B, r] of a block of rows, vectorised over the rows."""
+        m, off = self.model, self.level.offset
+        b, r = tab0.shape
         esc_ptr = np.cumsum(row_esc) - row_esc  # [B] next escape of each row
         last_esc = max(escapes.size - 1, 0)
         esc_vals = escapes if escapes.size else np.zeros(1, np.int64)
@@ -266,17 +307,57 @@ class PcaTcqCodec(RansRowsCodec):
             qz[:, j] = state >> 1
             return np.where(qz[:, j] == 0, tab0[:, j], tab1[:, j])
 
-        try:
-            sym = rans.decode_dynamic(words, lengths, r, m.tables, next_tables)
-        except rans.RansError as e:
-            raise ProtocolError(BAD_TENSOR, f"{self.name}: {e}") from None
+        sym = rans.decode_dynamic(words, lengths, r, m.tables, next_tables)
         absorb(r - 1, sym[:, r - 1])
         if (esc_used != row_esc).any():
             raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's escape symbols differ from its row byte's count")
         if non_canonical.any():
             raise ProtocolError(BAD_TENSOR, f"{self.name}: an escaped value its table codes (not canonical)")
-        mu = levels_of(k, qz).astype(np.float64)
-        return mu - np.sign(mu) * self.level.shrink[np.where(qz == 0, tab0, tab1)]
+        return k, qz
+
+    def _integers_by_row(self, tab0, tab1, shift, lo, row_esc, words, lengths, escapes):
+        """:meth:`_integers` row by row in Python ints (:func:`shared.rans.decode_row`), for a few rows."""
+        m, off, r = self.model, self.level.offset, self.r
+        freq, _, _ = m.tables.lists()
+        alphabet = m.tables.alphabet
+        trans = TRANSITIONS.tolist()
+        lengths = rans._check_lengths(words, lengths)
+        words, escapes = words.tolist(), escapes.tolist()
+        w_end, e_end = np.cumsum(lengths).tolist(), np.cumsum(row_esc).tolist()
+        ks, qzs = [], []
+        for i, (t0, t1, sh, lw) in enumerate(zip(tab0.tolist(), tab1.tolist(), shift.tolist(), lo.tolist())):
+            esc = escapes[e_end[i] - int(row_esc[i]):e_end[i]]
+            k, qz = [], []
+            state = used = 0
+
+            def integer(j, sym):  # the integer of symbol j (its escape's value for the escape symbol)
+                nonlocal used
+                if sym != ESCAPE:
+                    return ((sym - off) << sh[j]) + lw[j]
+                if used >= len(esc):
+                    raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's escape symbols differ from its row "
+                                                    "byte's count")
+                v, used = esc[used], used + 1
+                again, t = v + off, (t1[j] if qz[j] else t0[j])
+                if 0 < again < alphabet and freq[t * alphabet + again] > 0:
+                    raise ProtocolError(BAD_TENSOR, f"{self.name}: an escaped value its table codes (not canonical)")
+                return (v << sh[j]) + lw[j]
+
+            def next_table(j, prev):
+                nonlocal state
+                if prev is not None:
+                    k.append(integer(j - 1, prev))
+                    state = trans[state][k[-1] & 1]
+                qz.append(state >> 1)
+                return t1[j] if state >> 1 else t0[j]
+
+            sym = rans.decode_row(words[w_end[i] - int(lengths[i]):w_end[i]], r, m.tables, next_table)
+            k.append(integer(r - 1, sym[-1]))
+            if used != len(esc):
+                raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's escape symbols differ from its row byte's count")
+            ks.append(k)
+            qzs.append(qz)
+        return np.array(ks, np.int64).reshape(-1, r), np.array(qzs, np.int64).reshape(-1, r)
 
 
 # -- calibration (pure numpy; shared.codecs_pca.calibrate_pca calls it) ----------------------------------------

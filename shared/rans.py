@@ -12,6 +12,11 @@ renormalisation words in the order the decoder consumes them. Probabilities are 
 symbol a table can code has ``freq >= 1``. The decoder checks that each row consumed exactly its words and
 ended in the encoder's initial state - a truncated or altered stream is refused (:class:`RansError`), never
 read out of bounds.
+
+A few rows (at most :data:`SCALAR_ROWS`, e.g. a one-row DecodeStep) are coded row by row in Python ints
+(:func:`encode_row`, :func:`decode_row`) instead: a numpy step costs microseconds of call overhead whatever
+its size, so a one-row message would pay ~10 numpy calls per symbol. Both paths write and read the same
+streams (tests/shared/test_rans.py checks it).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ PREC = 12  # probability precision: frequencies sum to 2**PREC
 M = 1 << PREC
 L = 1 << 16  # the state lives in [L, 2**32); encoder start state and decoder end state
 STATE_WORDS = 2
+SCALAR_ROWS = 4  # at most this many rows: coded row by row in Python ints
 
 
 class RansError(ValueError):
@@ -46,6 +52,13 @@ class FreqTables:
         self.lookup = np.repeat(np.tile(np.arange(a), g), self.freq.ravel()).astype(np.int64)  # [G * M]
         self._freq_flat = self.freq.ravel()
         self._cum_flat = self.cum.ravel()
+        self._lists = None
+
+    def lists(self) -> tuple[list, list, list]:
+        """``freq``, ``cum`` and ``lookup`` flattened as Python lists (built on first use, for the row coders)."""
+        if self._lists is None:
+            self._lists = (self._freq_flat.tolist(), self._cum_flat.tolist(), self.lookup.tolist())
+        return self._lists
 
     def codable(self, symbols: np.ndarray, tables: np.ndarray) -> np.ndarray:
         """bool mask: ``symbols`` lies in the alphabet and has a nonzero frequency under ``tables``."""
@@ -60,10 +73,14 @@ def encode(symbols: np.ndarray, tables: np.ndarray, ft: FreqTables) -> tuple[np.
     each row's length in words (int64 [S], each >= :data:`STATE_WORDS`)."""
     s, n = symbols.shape
     idx = (tables * ft.alphabet + symbols).T  # [n, S]
+    if (ft._freq_flat[idx] == 0).any():
+        raise ValueError("rans encode: a symbol of frequency 0 under its table")
+    if s <= SCALAR_ROWS:
+        rows = [encode_row(row, ft) for row in idx.T.tolist()]
+        return (np.array([w for r in rows for w in r], np.uint16),
+                np.array([len(r) for r in rows], np.int64))
     freq = ft._freq_flat[idx].astype(np.uint64)  # [n, S]
     start = ft._cum_flat[idx].astype(np.uint64)  # [n, S]
-    if (freq == 0).any():
-        raise ValueError("rans encode: a symbol of frequency 0 under its table")
     limit = freq << np.uint64(32 - PREC)  # renormalise (emit 16 bits) when the state would overflow
     x = np.full(s, L, np.uint64)  # [S]
     out = np.zeros((s, n + STATE_WORDS + 1), np.uint16)  # emitted words in encoder order (+1: scratch slot)
@@ -88,6 +105,51 @@ def encode(symbols: np.ndarray, tables: np.ndarray, ft: FreqTables) -> tuple[np.
     return out[rows[:, None], src][valid], cnt
 
 
+def encode_row(idx: list[int], ft: FreqTables) -> list[int]:
+    """One row's stream (the words of :func:`encode`, in stream order) from its flat symbol indices
+    ``table * alphabet + symbol`` (every one codable), in Python ints."""
+    freq, cum, _ = ft.lists()
+    x, out = L, []
+    for i in reversed(idx):
+        f = freq[i]
+        if x >= f << (32 - PREC):
+            out.append(x & 0xFFFF)
+            x >>= 16
+        x = ((x // f) << PREC) + x % f + cum[i]
+    out += (x & 0xFFFF, x >> 16)
+    out.reverse()
+    return out
+
+
+def decode_row(words: list[int], n: int, ft: FreqTables, next_table) -> list[int]:
+    """One row's symbols (Python ints) from its stream ``words`` (the row's words of :func:`encode`):
+    ``next_table(j, prev)`` gives the table of symbol ``j`` given symbol ``j - 1`` (None for j = 0), as
+    :func:`decode_dynamic`'s callback does for one row. Raises :class:`RansError` as :func:`decode` does."""
+    freq, cum, lookup = ft.lists()
+    a, end = ft.alphabet, len(words)
+    if end < STATE_WORDS:
+        raise RansError(f"rans: a row of {end} words, shorter than its state")
+    x, ptr = words[0] << 16 | words[1], STATE_WORDS
+    if x < L:
+        raise RansError(f"rans: a row starts in a state below {L}")
+    out, sym = [], None
+    for j in range(n):
+        t = next_table(j, sym)
+        slot = x & (M - 1)
+        sym = lookup[t * M + slot]
+        i = t * a + sym
+        x = freq[i] * (x >> PREC) + slot - cum[i]
+        if x < L:
+            if ptr >= end:
+                raise RansError(f"rans: a row's stream ends before its {n} symbols (truncated or altered)")
+            x = x << 16 | words[ptr]
+            ptr += 1
+        out.append(sym)
+    if ptr != end or x != L:
+        raise RansError(f"rans: a row's stream does not decode to its {n} symbols (truncated or altered)")
+    return out
+
+
 def decode(stream: np.ndarray, lengths: np.ndarray, tables: np.ndarray, ft: FreqTables) -> np.ndarray:
     """Inverse of :func:`encode`: ``stream`` (uint16, the rows' words concatenated), ``lengths`` [S] (words
     per row), ``tables`` [S, n]. Returns symbols int64 [S, n]. Raises :class:`RansError` if a row's words do
@@ -95,7 +157,20 @@ def decode(stream: np.ndarray, lengths: np.ndarray, tables: np.ndarray, ft: Freq
     s, n = tables.shape
     if np.shape(lengths) != (s,):
         raise RansError(f"rans: {np.shape(lengths)} row lengths for {s} rows of tables")
+    if s <= SCALAR_ROWS:
+        lengths = _check_lengths(stream, lengths)
+        words, ends = stream.tolist(), np.cumsum(lengths).tolist()
+        return np.array([decode_row(words[e - ln:e], n, ft, lambda j, prev, t=t: t[j])
+                         for e, ln, t in zip(ends, lengths.tolist(), tables.tolist())], np.int64).reshape(s, n)
     return decode_dynamic(stream, lengths, n, ft, lambda j, prev: tables[:, j])
+
+
+def _check_lengths(stream: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``lengths`` as int64 [S]; :class:`RansError` unless they split ``stream`` into rows of >= the state."""
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.ndim != 1 or (lengths < STATE_WORDS).any() or int(lengths.sum()) != stream.size:
+        raise RansError(f"rans: row lengths {lengths.shape} that do not split a stream of {stream.size} words")
+    return lengths
 
 
 def decode_dynamic(stream: np.ndarray, lengths: np.ndarray, n: int, ft: FreqTables, next_tables) -> np.ndarray:
@@ -103,10 +178,8 @@ def decode_dynamic(stream: np.ndarray, lengths: np.ndarray, n: int, ft: FreqTabl
     of symbol ``j`` given the symbols ``prev`` [S] decoded at ``j - 1`` (None for ``j = 0``) - a context
     model whose state the caller keeps (the encoder, knowing every symbol, passes the same tables to
     :func:`encode`). Returns symbols int64 [S, n]; raises :class:`RansError` as :func:`decode` does."""
-    lengths = np.asarray(lengths, np.int64)
-    s = lengths.shape[0] if lengths.ndim == 1 else -1
-    if s < 0 or (lengths < STATE_WORDS).any() or int(lengths.sum()) != stream.size:
-        raise RansError(f"rans: {s} row lengths that do not split a stream of {stream.size} words")
+    lengths = _check_lengths(stream, lengths)
+    s = lengths.shape[0]
     out = np.empty((n, s), np.int64)
     if s == 0:
         return out.T

@@ -103,6 +103,37 @@ def test_truncated_extended_and_altered_payloads_are_refused(codec):
     assert e.value.code == "bad_tensor"
 
 
+@pytest.mark.parametrize("s", [1, 3])
+def test_few_rows_code_as_the_vectorised_path_and_refuse_damage(codec, monkeypatch, s):
+    """A payload of at most rans.SCALAR_ROWS rows (a one-row DecodeStep) is searched and decoded row by row in
+    Python numbers: the same bytes and values as the vectorised path, the same refusals."""
+    x = states(11, s + 1)[1:]
+    data = codec.encode(x).data
+    y = codec.decode(_tensor(codec, data, s))
+    row_bytes = np.frombuffer(data[4:4 + s], np.uint8)
+    assert (row_bytes != RAW_ROW).all()
+    n_lo = int(codec.model.lo_bits_of[row_bytes & 31].sum())
+    lengths_at = 4 + s + (n_lo + 7) // 8 + 2 * int((row_bytes >> 5).sum())
+    words_at = lengths_at + 2 * (s - 1)
+    bad = [data[:-1], data + b"\0\0", data[:-2], data[:words_at + 2], data[:4 + s]]
+    for pos, mask in ((4, 0x7F), (words_at + 1, 0x80), (words_at, 0x01), (len(data) - 1, 0x01)):
+        b = bytearray(data)
+        b[pos] ^= mask  # a class out of range, the first row's state (high and low bits), the last word
+        bad.append(bytes(b))
+    b = bytearray(data)  # a row byte claiming an escape its stream does not have
+    b[4] = (b[4] & 31) | ((b[4] >> 5) + 1) << 5
+    bad.append(bytes(b[:lengths_at]) + b"\0\0" + bytes(b[lengths_at:]))
+    for vectorised in (False, True):
+        if vectorised:
+            monkeypatch.setattr(rans, "SCALAR_ROWS", 0)
+            assert codec.encode(x).data == data
+        assert np.array_equal(codec.decode(_tensor(codec, data, s)), y)
+        for b in bad:
+            with pytest.raises(P.ProtocolError) as e:
+                codec.decode(_tensor(codec, b, s))
+            assert e.value.code == "bad_tensor"
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2 ** 32 - 1), s=st.integers(1, 5), flips=st.integers(1, 4), cut=st.integers(0, 3))
 def test_mutated_payloads_decode_or_refuse(codec, seed, s, flips, cut):

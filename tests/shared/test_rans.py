@@ -94,3 +94,27 @@ def test_random_streams_decode_or_refuse(data, s, n):
     assert sym.shape == (s, n) and ft.codable(sym, tab).all()
     w2, l2 = rans.encode(sym, tab, ft)  # what decodes cleanly is exactly what the encoder writes
     assert np.array_equal(w2, words) and np.array_equal(l2, lengths)
+
+
+def test_row_coders_write_and_read_the_vectorised_streams(monkeypatch):
+    """At most SCALAR_ROWS rows are coded row by row in Python ints: the same words, the same refusals."""
+    ft = tables(6)
+    sym, tab = draw(ft, 7, rans.SCALAR_ROWS, 80)
+    words, lengths = rans.encode(sym, tab, ft)  # row by row
+    first = int(lengths[0])
+    bad = [(words[:-1], lengths - np.eye(lengths.size, dtype=np.int64)[-1]),  # truncated
+           (np.append(words, 7).astype(np.uint16), lengths + np.eye(lengths.size, dtype=np.int64)[-1]),  # extended
+           (words, np.concatenate([[1], [lengths[0] + lengths[1] - 1], lengths[2:]]))]  # a row shorter than its state
+    for at, mask in ((0, 0xFF00), (1, 0x0101), (first - 1, 0x0010)):  # row 0's state and its last word
+        w = words.copy()
+        w[at] ^= mask
+        bad.append((w, lengths))
+    for vectorised in (False, True):
+        if vectorised:
+            monkeypatch.setattr(rans, "SCALAR_ROWS", 0)
+            w2, l2 = rans.encode(sym, tab, ft)
+            assert np.array_equal(w2, words) and np.array_equal(l2, lengths)
+        assert np.array_equal(rans.decode(words, lengths, tab, ft), sym)
+        for w, ln in bad:
+            with pytest.raises(rans.RansError):
+                rans.decode(w, ln, tab, ft)
