@@ -61,11 +61,17 @@ served() {
 
 served_mp() {  # ~4 min on an H200: two server builds, S levels each, one codec (the realistic one)
     # WORKERS front ends + the engine process + PROCS load-generator processes share the host's cores (16 on the
-    # H200 host: 6 + 2 + 8). CPU smoke test of this section:
+    # H200 host: 6 + 2 + 8). LOOPS (default auto: uvloop where installed) runs every server once per event loop
+    # (e.g. LOOPS=asyncio,uvloop); MP_WORKERS replaces the list of front-end counts. The engine process is
+    # profiled at the largest level when py-spy is found (as in `served`). CPU smoke test of this section:
     #   OUT=/tmp/gs PRESET=wide-cpu LAYER=1 PROMPT=32 GEN=16 SESSIONS=1,8 WORKERS=2 PROCS=1 bench/gpu_session.sh served_mp
+    local spy=()
+    PATH="$PWD/.cache/served-load:$PATH"
+    if command -v py-spy >/dev/null 2>&1; then spy=(--py-spy "$OUT/served_mp_spy.txt"); fi
     timeout 580 python3 bench/served_load.py --preset "${PRESET:-glm4v-9b-random}" --layer "${LAYER:-12}" \
         --sessions "$SESSIONS" --prompt "${PROMPT:-512}" --gen "${GEN:-128}" --sweep-codecs "${MP_CODEC:-int8-outlier}" \
-        --workers "1,${WORKERS:-6}" --procs "${PROCS:-8}" --out "$OUT/cloud_served_mp.json" 2>&1 | tee "$OUT/served_mp.log"
+        --workers "${MP_WORKERS:-1,${WORKERS:-6}}" --loops "${LOOPS:-auto}" --procs "${PROCS:-8}" "${spy[@]}" \
+        --out "$OUT/cloud_served_mp.json" 2>&1 | tee "$OUT/served_mp.log"
 }
 
 engine() {

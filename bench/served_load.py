@@ -446,7 +446,8 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
         used = {_read_line(p, "ready", cfg.level_timeout_s)["codec"] for p in workers}
         spy = None
         if py_spy_out is not None and server_pid is not None:
-            spy = subprocess.Popen(["py-spy", "record", "--pid", str(server_pid), "--nonblocking", "--threads",
+            spy = subprocess.Popen(["py-spy", "record", "--pid", str(server_pid), "--subprocesses", "--nonblocking",
+                                    "--threads",
                                     "--format", "raw", "--rate", str(PY_SPY_RATE), "-o", str(py_spy_out)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # attached before the load starts
@@ -578,6 +579,8 @@ def summarize(s: int, sessions: list[dict], cfg: LoadConfig) -> dict:
     return rec
 
 
+# leaf frames of an event loop waiting in uvloop's C code (no selectors.py frame to see)
+UVLOOP_IDLE_LEAVES = ("Runner.run (asyncio/runners.py", "run_until_complete (uvloop")
 # (category, substrings of a frame); a sample goes to the first category that matches, leaf frame first
 PROFILE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("idle: event loop waiting", ("select (selectors.py",)),
@@ -597,17 +600,28 @@ PROFILE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def profile_summary(path: Path, rate: int) -> dict:
-    """Seconds per thread and category from ``py-spy record --format raw`` collapsed stacks (see
-    :data:`PROFILE_RULES`); a thread's busy time is every sample but the event loop's idle wait."""
+    """Seconds per thread and category from ``py-spy record --subprocesses --format raw`` collapsed stacks (see
+    :data:`PROFILE_RULES`); a thread's busy time is every sample but the event loop's idle wait. The server's
+    front-end workers (``--workers N``) are summed as ``front-end workers / <thread>``."""
     threads: dict[str, dict[str, float]] = {}
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        thread = frames[0].split(": ", 1)[-1]
-        cat = next((name for f in reversed(frames[1:]) for name, keys in PROFILE_RULES if any(k in f for k in keys)),
-                   "other")
+        role = ""
+        while frames and not frames[0].startswith("thread ("):  # the sample's process and its parents (a
+            if "spawn_main" in frames[0]:  # command line may hold ";"): a worker's is multiprocessing's spawn
+                role = "front-end workers / "
+            frames = frames[1:]
+        if not frames:
+            continue
+        thread = role + frames[0].split(": ", 1)[-1]
+        if any(k in frames[-1] for k in UVLOOP_IDLE_LEAVES):  # uvloop waits in C, below its Python caller
+            cat = "idle: event loop waiting"
+        else:
+            cat = next((name for f in reversed(frames[1:]) for name, keys in PROFILE_RULES
+                        if any(k in f for k in keys)), "other")
         per = threads.setdefault(thread, {})
         per[cat] = per.get(cat, 0.0) + int(count) / rate
     return {t: dict(sorted(c.items(), key=lambda kv: -kv[1])) for t, c in threads.items()}

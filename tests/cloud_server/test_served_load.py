@@ -175,3 +175,21 @@ def test_round_trip_figures_are_the_levels_increase_of_the_histogram():
     assert got["round_trip_p50_ms"] == pytest.approx(1.0)  # the 50th of 100 sits at the first bucket's bound
     assert 2.0 < got["round_trip_p99_ms"] <= 4.0
     assert served_load.round_trip_figures(None, after) == {} and served_load.round_trip_figures(before, before) == {}
+
+
+def test_profile_summary_names_the_workers_threads_and_counts_uvloops_wait_as_idle(tmp_path):
+    server = 'process 10:"python -m cloud_server.cli serve b --workers 2"'
+    worker = 'process 11:"python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=4) --fork"'
+    raw = tmp_path / "spy.txt"
+    raw.write_text("\n".join([
+        f"{server};thread (10): autoglm-engine;AsyncEngine._loop (cloud_server/engine/async_engine.py:1);"
+        "Linear.forward (torch/nn/modules/linear.py:1) 20",
+        f"{server};{worker};thread (11): MainThread;worker_main (cloud_server/front_workers.py:1);"
+        "Runner.run (asyncio/runners.py:118) 30",  # uvloop idles in C under Runner.run
+        f"{server};{worker};thread (11): MainThread;Runner.run (asyncio/runners.py:118);"
+        "decode_message (shared/wire.py:1) 10",
+    ]) + "\n")
+    got = served_load.profile_summary(raw, 10)
+    assert got["autoglm-engine"] == {"model forward": 2.0}
+    assert got["front-end workers / MainThread"] == {"idle: event loop waiting": 3.0,
+                                                     "msgpack decode + validation": 1.0}
