@@ -1,17 +1,18 @@
 """Host time of one ``LLMEngine`` decode step on the CPU, with the model work taken out.
 
 The engine runs against a stub runner whose ``run(batch)`` returns precomputed logits at once, so what is
-timed is only the engine's own host work per step: ``add_input`` for every session (a ``[1, H]`` float32
-state each, as the split endpoint feeds it), then ``step()``: schedule, ``build_batch``, greedy sampling of
-S rows, postprocess. S sessions first prefill a short prompt; the timed steps are pure decode steps with all
+timed is only the engine's own host work per step: the feed of every session's ``[1, H]`` float32 state (one
+``add_inputs`` of the ``[S, H]`` array where the engine has it, as the GPU benchmark's direct loop takes its
+inputs; ``--row-feed`` or an engine without it: one ``add_input`` per session), then ``step()``: schedule,
+``build_batch``, greedy sampling of S rows, postprocess. S sessions first prefill a short prompt; the timed steps are pure decode steps with all
 S sequences ready. Each step's host time is also split at the moment the runner is called (the launch):
 ``prelaunch_us`` (``add_input`` x S, schedule, ``build_batch``: the device idles through it) and
 ``after_launch_us`` (sampling, postprocess: with ``async_scheduling`` it runs while the device computes, and
 for a step's own bookkeeping even in lockstep). Both engine modes are measured (``overlap`` on and off).
 ``thread_cpu_us`` is the CPU time the bench's thread spent on a step (``time.thread_time``): on a machine shared
 with other jobs it moves less than the wall-clock figures, which also count the time the thread waited for a core.
-Each session's ``[1, H]`` state is a row view made once (as a server's decoded frame is), so the timed feed is the
-``InputChunk`` and the ``add_input`` call.
+Each session's ``[1, H]`` state is a row view made once (as a server's decoded frame is), so the timed row feed is
+the ``InputChunk`` and the ``add_input`` call; the batched feed's array is made once too.
 
 Usage::
 
@@ -48,6 +49,10 @@ from cloud_server.engine.sampling_params import SamplingParams
 from cloud_server.engine.sequence import InputChunk
 
 
+# the engine takes (logits, greedy ids) from continue_decode; before session 9 (--compare) the logits alone
+_CONT_IDS = hasattr(LLMEngine, "add_inputs")
+
+
 class _StubModel:
     """What the engine reads of a model: sizes, eos ids, no embeddings (split mode), 1-D RoPE."""
 
@@ -61,14 +66,15 @@ class _StubModel:
 
 
 class _StubRunner:
-    """``run(batch)`` (and ``continue_decode``) return precomputed float32 logits [S, V] (greedy token 7) without
-    computing anything."""
+    """``run(batch)`` (and ``continue_decode``) return precomputed float32 logits [S, V] (greedy token 7; with
+    ``continue_decode`` its ids [S], as the fast runner's graph computes them) without computing anything."""
 
     def __init__(self, hidden_size: int, vocab_size: int, max_rows: int, num_blocks: int, block_size: int):
         self.model = _StubModel(hidden_size, vocab_size)
         self.pool = KVCachePool(1, num_blocks, block_size, 1, 8, torch.float32)
         self.logits = torch.zeros(max_rows, vocab_size)  # [R, V]
         self.logits[:, 7] = 1.0
+        self.ids = torch.full((max_rows,), 7)  # [R]
         self.calls = 0
 
     def run(self, batch) -> torch.Tensor:
@@ -81,10 +87,11 @@ class _StubRunner:
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def continue_decode(self, hidden: torch.Tensor) -> torch.Tensor:
+    def continue_decode(self, hidden: torch.Tensor):
         self.calls += 1
         self.launched_at = time.perf_counter()
-        return self.logits[: hidden.shape[0]]  # [S, V]
+        n = hidden.shape[0]
+        return (self.logits[:n], self.ids[:n]) if _CONT_IDS else self.logits[:n]  # [S, V], [S]
 
 
 def _engine(sessions: int, prompt: int, steps: int, hidden: int, vocab: int, block_size: int, overlap: bool = True):
@@ -113,19 +120,26 @@ def _overlap_kw(overlap: bool) -> dict:
     return {"async_scheduling": overlap} if "async_scheduling" in EngineConfig.__dataclass_fields__ else {}
 
 
-def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Tensor) -> tuple[list, list, list, list]:
-    """Run ``steps`` decode steps; per-step host seconds of the add_input loop, of the step() calls until every
-    session has its token, from the start of the step to its launch (the runner's ``run`` call), and the CPU time
-    this thread spent on the whole step (what other processes on a loaded machine do not add to)."""
+def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Tensor,
+                  row_feed: bool = False) -> tuple[list, list, list, list]:
+    """Run ``steps`` decode steps; per-step host seconds of the feed (``add_inputs``, or the add_input loop), of the
+    step() calls until every session has its token, from the start of the step to its launch (the runner's ``run``
+    call), and the CPU time this thread spent on the whole step (what other processes on a loaded machine do not
+    add to)."""
     ids = [f"r{i}" for i in range(sessions)]
     rows = [states[j: j + 1] for j in range(sessions)]  # [1, H] each, made once: the feed's own work is not timed
+    batched = not row_feed and hasattr(eng, "add_inputs")
     runner = eng.runners["fp32"]
     t_add, t_step, t_pre, t_cpu = [], [], [], []
     for _ in range(steps):
         pos = [eng.seqs[rid].num_received for rid in ids]
         c0 = time.thread_time()
         t0 = time.perf_counter()
-        for rid, p, row in zip(ids, pos, rows):
+        if batched:
+            out = eng.add_inputs(ids, pos, states)
+            if out:
+                raise RuntimeError(f"add_inputs failed: {out[0].error_message}")
+        for rid, p, row in zip(ids, pos, rows) if not batched else ():
             out = eng.add_input(rid, InputChunk(p, hidden=row))
             if out:
                 raise RuntimeError(f"add_input failed: {out[0].error_message}")
@@ -144,19 +158,20 @@ def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Ten
 
 
 def measure(sessions: int, steps: int, repeats: int, prompt: int, hidden: int, vocab: int,
-            block_size: int, overlap: bool = True) -> dict:
+            block_size: int, overlap: bool = True, row_feed: bool = False) -> dict:
     states = torch.randn(sessions, hidden)  # [S, H]
     adds, stepss, pres, cpus = [], [], [], []
     for _ in range(repeats):
         eng = _engine(sessions, prompt, steps + 10, hidden, vocab, block_size, overlap)
-        _decode_steps(eng, sessions, 10, hidden, states)  # warm-up
-        a, s, pre, cpu = _decode_steps(eng, sessions, steps, hidden, states)
+        _decode_steps(eng, sessions, 10, hidden, states, row_feed)  # warm-up
+        a, s, pre, cpu = _decode_steps(eng, sessions, steps, hidden, states, row_feed)
         adds.append(statistics.median(a))
         stepss.append(statistics.median(s))
         pres.append(statistics.median(pre))
         cpus.append(statistics.median(cpu))
     add_us, step_us, pre_us = min(adds) * 1e6, min(stepss) * 1e6, min(pres) * 1e6
-    return {"sessions": sessions, "overlap": overlap, "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
+    return {"sessions": sessions, "overlap": overlap, "feed": "rows" if row_feed or not hasattr(LLMEngine, "add_inputs")
+            else "batched", "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
             "total_us": round(add_us + step_us, 1), "per_session_us": round((add_us + step_us) / sessions, 2),
             "prelaunch_us": round(pre_us, 1), "after_launch_us": round(add_us + step_us - pre_us, 1),
             "thread_cpu_us": round(min(cpus) * 1e6, 1)}
@@ -172,6 +187,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=512, help="stub logits width (kept small: sampling is not timed "
                                                           "on the GPU path either, it is one device argmax)")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--row-feed", action="store_true", help="one add_input per session even where the engine "
+                    "has add_inputs (the engine's own gain without the batched feed)")
     ap.add_argument("--label", default="after")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--merge", action="store_true", help="keep other labels already in --out")
@@ -187,7 +204,7 @@ def main() -> None:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--label", "before", "--out", str(args.out),
                "--sessions", args.sessions, "--steps", str(args.steps), "--repeats", str(args.repeats),
                "--prompt", str(args.prompt), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
-               "--block-size", str(args.block_size)]
+               "--block-size", str(args.block_size)] + (["--row-feed"] if args.row_feed else [])
         env = {**os.environ, "PYTHONPATH": str(args.compare.resolve())}
         subprocess.run(cmd, env=env, check=True)
         args.label, args.merge = "after", True
@@ -195,10 +212,10 @@ def main() -> None:
     if args.profile:
         eng = _engine(args.profile, args.prompt, 210, args.hidden, args.vocab, args.block_size)
         states = torch.randn(args.profile, args.hidden)
-        _decode_steps(eng, args.profile, 10, args.hidden, states)
+        _decode_steps(eng, args.profile, 10, args.hidden, states, args.row_feed)
         prof = cProfile.Profile()
         prof.enable()
-        _decode_steps(eng, args.profile, 200, args.hidden, states)
+        _decode_steps(eng, args.profile, 200, args.hidden, states, args.row_feed)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(int(os.environ.get("PROFILE_ROWS", 25)))
         return
@@ -206,9 +223,10 @@ def main() -> None:
     modes = (True, False) if _overlap_kw(True) else (True,)
     for s in (int(x) for x in args.sessions.split(",")):
         for overlap in modes:
-            r = measure(s, args.steps, args.repeats, args.prompt, args.hidden, args.vocab, args.block_size, overlap)
+            r = measure(s, args.steps, args.repeats, args.prompt, args.hidden, args.vocab, args.block_size, overlap,
+                        args.row_feed)
             (rows if overlap else rows_sync).append(r)
-            print(f"[{args.label}{'' if overlap else ', sync'}] S={s:4d}  add_input x S {r['add_input_us']:9.1f} us  "
+            print(f"[{args.label}{'' if overlap else ', sync'}] S={s:4d}  feed ({r['feed']}) {r['add_input_us']:9.1f} us  "
                   f"step {r['step_us']:9.1f} us  total {r['total_us']:9.1f} us  ({r['per_session_us']:.2f} us/session)"
                   f"  before launch {r['prelaunch_us']:9.1f} us, after {r['after_launch_us']:9.1f} us"
                   f"  (thread CPU {r['thread_cpu_us']:9.1f} us)", flush=True)

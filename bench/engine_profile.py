@@ -139,6 +139,8 @@ def instrument(engine, runner) -> Spans:
     """Named ranges over the engine's host phases and the fast path's pieces (see the module docstring)."""
     sp = Spans()
     sp.wrap(engine, "add_input", "engine.add_input")
+    if hasattr(engine, "add_inputs"):  # the batched feed (engine_workloads.Phones)
+        sp.wrap(engine, "add_inputs", "engine.add_inputs")
     sp.wrap(engine.scheduler, "schedule", "engine.schedule")
     sp.wrap(llm_engine_mod, "build_batch", "engine.build_batch")
     sp.wrap(engine, "_postprocess", "engine.postprocess")

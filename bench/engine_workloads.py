@@ -1,9 +1,11 @@
 """Engine-level workloads shared by the GPU benchmark and its CPU smoke runs: S phones fed through ``LLMEngine``.
 
 Every workload drives the engine's public API as the split endpoint does (``add_request`` with a prompt's
-boundary states, then one ``add_input`` per session per decode step and ``step()`` calls until each session
-has its token), so with ``async_scheduling`` a decode step may take two ``step()`` calls (launch, then the
-postprocess): what a phone sees is the time from its input to its token, which is what is timed.
+boundary states, then per decode step every session's state - one ``add_inputs`` of an ``[S, H]`` array in the
+engine's ``input_buffer``, as the direct loop takes its pinned ``[S, H]`` inputs; one ``add_input`` per session
+for an engine without it - and ``step()`` calls until each session has its token), so with ``async_scheduling``
+a decode step may take two ``step()`` calls (launch, then the postprocess): what a phone sees is the time from
+its input to its token, which is what is timed.
 
 * :func:`lockstep` -- S sessions decoding in lockstep: tokens/s, step time split into ``add_input`` and
   ``step()``, and the host time spent inside the runner's ``run`` (launching, not waiting: no sync is added);
@@ -71,6 +73,14 @@ class Phones:
         self.ids = [f"{tag}-{i}" for i in range(n)]
         self.tokens: dict[str, list[int]] = {rid: [] for rid in self.ids}
         self.pos: dict[str, int] = {}
+        # the batched feed: step k's [n, H] states (session i's row steps_in[(k + i) % len]), made once
+        self.batches = None
+        if hasattr(engine, "add_inputs"):
+            self.batches = []
+            for k in range(len(steps_in)):
+                rows = engine.input_buffer(n)  # [n, H]
+                torch.cat([steps_in[(k + i) % len(steps_in)] for i in range(n)], out=rows)
+                self.batches.append(rows)
 
     def check(self, outs):
         bad = [o for o in outs if o.error_code is not None]
@@ -95,8 +105,13 @@ class Phones:
 
     def feed(self, k: int) -> None:
         """Every session's boundary state for its next position (a phone's reply to its last token)."""
-        for i, rid in enumerate(self.ids):
-            self.check(self.engine.add_input(rid, InputChunk(self.pos[rid], hidden=self.steps_in[(k + i) % len(self.steps_in)])))
+        if self.batches is not None:
+            self.check(self.engine.add_inputs(self.ids, [self.pos[rid] for rid in self.ids],
+                                              self.batches[k % len(self.batches)]))
+        else:
+            for i, rid in enumerate(self.ids):
+                self.check(self.engine.add_input(rid, InputChunk(self.pos[rid], hidden=self.steps_in[(k + i) % len(self.steps_in)])))
+        for rid in self.ids:
             self.pos[rid] += 1
 
     def step_until_tokens(self, extra: Callable[[list], None] | None = None) -> int:

@@ -27,7 +27,8 @@ generator or penalty history.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from operator import is_
 
 import torch
 
@@ -55,7 +56,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt positions served from the prefix cache
     num_output_tokens: int = 0
     # a speculative step: the edge's drafts accepted before ``token_id`` (they were emitted in this order)
-    accepted_ids: list[int] = field(default_factory=list)
+    accepted_ids: tuple[int, ...] = ()
     # u-shape (a model that ends at the middle layers): the hidden states [n, H] float32 of positions
     # [states_start, states_start + n) this step computed, in place of a token
     states: torch.Tensor | None = None
@@ -119,6 +120,8 @@ class LLMEngine:
         self._in_flight: list[_Launched] = []  # launched by the last step(), postprocessed by the next
         # per variant, the last launched pure decode batch; dropped by any other launch of that variant
         self._last_decode: dict[str, _DecodeRows] = {}
+        # the last add_inputs: its [S, H] states and the chunks made of its rows, in order (_continue_decode)
+        self._fed: tuple[torch.Tensor, list[InputChunk]] | None = None
         first = next(iter(runners.values())).model
         self._first_model = first  # input checks read its sizes on every add_input
         self._hidden_size = first.hidden_size
@@ -193,10 +196,53 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None:
             return [self._error_output(request_id, "unknown_request", f"no active request {request_id!r}")]
-        try:
-            h = chunk.hidden
-            if h is None or chunk.rope_positions is not None or h.shape[1] != self._hidden_size:
+        h = chunk.hidden
+        if h is None or chunk.rope_positions is not None or h.shape[1] != self._hidden_size:
+            try:
                 self._check_input(chunk)  # (a plain [n, H] state of the right width passes its checks)
+            except RequestError as e:
+                return [self._finish(seq, "error", e.code, e.message)]
+        return self._push(seq, chunk)
+
+    def add_inputs(self, request_ids: list[str], starts: list[int], hidden: torch.Tensor) -> list[RequestOutput]:
+        """Decode steps of several requests at once: row ``i`` of ``hidden`` ``[S, H]`` is the boundary state of
+        ``request_ids[i]``'s position ``starts[i]`` (one position each, ending its input turn), as ``add_input``
+        with ``InputChunk(starts[i], hidden=hidden[i:i + 1])`` would take it, same checks, same errors. Where the
+        next step is these rows continuing the last decode batch in this order (lockstep), the runner takes
+        ``hidden`` itself: no per-row gather; a float32 array from :meth:`input_buffer` goes up without a copy.
+        The engine may read ``hidden`` until that step's tokens are out: write the next step's states elsewhere."""
+        n = len(request_ids)
+        if len(starts) != n or hidden.dim() != 2 or hidden.shape[0] != n:
+            raise ValueError(f"{n} request ids, {len(starts)} starts and hidden states of shape "
+                             f"{tuple(hidden.shape)}: one [1, H] row per request")
+        if hidden.shape[1] != self._hidden_size:  # every row fails add_input's width check
+            return [o for i, (rid, s) in enumerate(zip(request_ids, starts))
+                    for o in self.add_input(rid, InputChunk(s, hidden=hidden[i:i + 1]))]
+        outputs, chunks, seqs, decode_step = [], [], self.seqs, InputChunk.decode_step
+        for i, (rid, start) in enumerate(zip(request_ids, starts)):
+            seq = seqs.get(rid)
+            if seq is None:
+                outputs.append(self._error_output(rid, "unknown_request", f"no active request {rid!r}"))
+                continue
+            chunk = decode_step(start, hidden, i)
+            chunks.append(chunk)
+            outputs += self._push(seq, chunk)
+        if not outputs:
+            self._fed = (hidden, chunks)
+        return outputs
+
+    def input_buffer(self, rows: int) -> torch.Tensor:
+        """A host float32 array ``[rows, H]`` to write decode steps' states into for :meth:`add_inputs`:
+        page-locked where the default variant's runner uploads from such memory (the CUDA fast path), so the
+        states go up from it directly. A fresh buffer per call (its memory is reused only once the device has
+        read it)."""
+        make = getattr(self.runners[self.default_variant], "host_buffer", None)
+        shape = (rows, self._hidden_size)
+        return make(shape, torch.float32) if make is not None else torch.empty(shape, dtype=torch.float32)
+
+    def _push(self, seq: Sequence, chunk: InputChunk) -> list[RequestOutput]:
+        """``chunk`` (its own checks passed) is ``seq``'s next input: the request-level rules, then queued."""
+        try:
             if chunk.end > self.config.max_model_len:
                 raise RequestError("too_long", f"position {chunk.end} exceeds max_model_len "
                                                f"{self.config.max_model_len}")
@@ -296,7 +342,7 @@ class LLMEngine:
         seqs = [it.seq for it in items]
         ends = [it.chunk.end for it in items]
         plain = batch.plain_decode and not self.output_states  # the steady decode step: no rows to split off
-        logits = self._run(batch, seqs, ends)  # [S, V] (u-shape: [T, H])
+        logits, greedy = self._run(batch, seqs, ends)  # [S, V] (u-shape: [T, H]); greedy: their argmax [S] or None
         decodes = plain or any(it.chunk.n == 1 or it.chunk.is_spec for it in items)
         if self.output_states:  # u-shape: the rows are hidden states [T, H]; nothing is sampled
             advance(seqs, ends)
@@ -306,7 +352,7 @@ class LLMEngine:
             rows = self._last_decode.get(batch.variant)
             if rows is None or rows.seqs is not seqs:  # (its hidden states were not float32 rows)
                 rows = _DecodeRows(seqs, [], [], [s.params for s in seqs], [s.output_ids for s in seqs])
-            pending = self.sampler.launch(logits, rows.params, ends, rows.histories)
+            pending = self.sampler.launch(logits, rows.params, ends, rows.histories, greedy)
         else:
             spec_rows, drafted, logits = self._split_rows(batch, logits)
             sampled = [it for it in items if it.sample and not it.chunk.is_spec and not it.chunk.cloud_draft]
@@ -320,48 +366,58 @@ class LLMEngine:
         return _Launched(batch, spec_rows, pending, drafted=drafted, decodes=decodes)
 
     def _run(self, batch: ScheduledBatch, seqs: list[Sequence] | None = None,
-             ends: list[int] | None = None) -> torch.Tensor:
+             ends: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward pass of ``batch`` (``seqs`` and ``ends``: its items' sequences and chunk ends, if the caller
-        has them), queued on the device: float32 logits ``[S, V]`` of its sampled rows (u-shape: the hidden states
-        ``[T, H]`` of all its positions)."""
+        has them), queued on the device: the logits ``[S, V]`` of its sampled rows (u-shape: the hidden states
+        ``[T, H]`` of all its positions), float32 or the model's dtype (:meth:`_continue_decode`), and their
+        argmax ``[S]`` where the runner computed it (else None)."""
         items = batch.items
         if seqs is None or ends is None:
             seqs, ends = [it.seq for it in items], [it.chunk.end for it in items]
         runner = self.runners[batch.variant]
-        logits = self._continue_decode(batch, runner, seqs, ends)
-        if logits is not None:
-            return logits
+        out = self._continue_decode(batch, runner, seqs, ends)
+        if out is not None:
+            return out
         flat = build_batch([it.chunk for it in items], [s.block_table for s in seqs],
                            self.config.block_size, [it.sample for it in items], all_rows=self.output_states,
                            host_buffer=getattr(runner, "host_buffer", None))
-        return runner.run(flat)
+        return runner.run(flat), None
 
     def _continue_decode(self, batch: ScheduledBatch, runner, seqs: list[Sequence],
-                         ends: list[int]) -> torch.Tensor | None:
+                         ends: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The steady decode step without rebuilding its batch: when ``batch`` is the last launched decode batch
         one position on (the same sequences in the same order, each one token further, every row sampled, no
         block added to any table), a runner that keeps its last decode batch (``continue_decode``, the fast
-        runner's persistent batch) gets only the hidden states. Returns its logits, or None: run the full batch."""
+        runner's persistent batch) gets only the hidden states ``[S, H]``: the last :meth:`add_inputs` array
+        itself when the batch's chunks are its rows in order, else the rows gathered into the runner's buffer.
+        Returns its (logits ``[S, V]`` in the model's dtype, greedy ids ``[S]``), or None: run the full batch."""
         items = batch.items
         last = self._last_decode.pop(batch.variant, None)
+        fed, self._fed = self._fed, None
         if self.output_states or not (batch.plain_decode or all(it.sample and it.chunk.n == 1 for it in items)):
             return None
-        hidden = [it.chunk.hidden for it in items]  # [1, H] each
         f32 = torch.float32
-        if not all(h is not None and h.dtype is f32 for h in hidden):
-            return None
+        if fed is not None and fed[0].dtype is f32 and len(fed[1]) == len(items) and all(
+                map(is_, fed[1], [it.chunk for it in items])):
+            rows = fed[0]  # [S, H]: the chunks are its rows, in order
+        else:
+            hidden = [it.chunk.hidden for it in items]  # [1, H] each
+            if not all(h is not None and h.dtype is f32 for h in hidden):
+                return None
+            rows = None
         lens = [len(s.block_table) for s in seqs]
         same = last is not None and last.seqs == seqs
         cont = getattr(runner, "continue_decode", None)
-        logits = None
+        out = None
         if cont is not None and same and last.next_ends == ends and last.table_lens == lens:
-            rows = torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32))  # [S, H]
-            logits = cont(rows)  # [S, V], or None: the runner ran another step since
+            if rows is None:
+                rows = torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32))  # [S, H]
+            out = cont(rows)  # (logits [S, V], ids [S]), or None: the runner ran another step since
         # (recorded after the launch: the device is busy meanwhile)
         self._last_decode[batch.variant] = _DecodeRows(
             seqs, [e + 1 for e in ends], lens, last.params if same else [s.params for s in seqs],
             last.histories if same else [s.output_ids for s in seqs])
-        return logits
+        return out
 
     def _postprocess(self, step: _Launched) -> list[RequestOutput]:
         """A launched step's tokens: each sampled sequence takes its token (:meth:`Sequence.update_from_output`)
@@ -496,7 +552,7 @@ class LLMEngine:
         self.block_managers[seq.variant].truncate(seq.block_table, seq.num_computed)
         out = RequestOutput(seq.request_id, tokens[-1], finish_reason=reason, num_prompt_tokens=seq.num_prompt_tokens,
                             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=len(seq.output_ids),
-                            accepted_ids=tokens[:-1])
+                            accepted_ids=tuple(tokens[:-1]))
         if reason is not None:
             self._release(seq, reason)
         return out

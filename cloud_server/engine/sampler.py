@@ -311,10 +311,13 @@ class Sampler:
         return self.launch(logits, params, positions, histories).result()
 
     def launch(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-               histories: list[list[int]] | None = None) -> PendingSample:
-        """logits [S, V] float32 (CPU or device), one row per request; ``positions[i]`` is the position of row i's
-        token (with the request's seed, it fixes the row's uniform); ``histories`` each request's generated tokens (for the
-        penalties). Queues the sampling where the logits are and the copy of the ids to the host."""
+               histories: list[list[int]] | None = None, argmax: torch.Tensor | None = None) -> PendingSample:
+        """logits [S, V] (CPU or device; float32, or a float the sampled rows are computed from in float32), one
+        row per request; ``positions[i]`` is the position of row i's token (with the request's seed, it fixes the
+        row's uniform); ``histories`` each request's generated tokens (for the penalties); ``argmax`` [S] the
+        logits' argmax (lowest id on ties) where the caller has it already (the fast runner's graph computes it):
+        greedy rows take it instead of a pass of their own. Queues the sampling where the logits are and the copy
+        of the ids to the host."""
         if len(params) != logits.shape[0] or len(positions) != len(params):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(params)} params, {len(positions)} positions")
         dev = logits.device
@@ -323,12 +326,12 @@ class Sampler:
             b = self._batch = _BatchParams(params, dev)
         if b.plain_greedy:
             # plain greedy rows: argmax where the logits are (first maximum = lowest id on ties)
-            return PendingSample(logits.argmax(dim=-1), None, None, params)
-        return self._launch(b, logits, params, positions, histories)
+            return PendingSample(logits.argmax(dim=-1) if argmax is None else argmax, None, None, params)
+        return self._launch(b, logits, params, positions, histories, argmax)
 
     @torch.inference_mode()
     def _launch(self, b: _BatchParams, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-                histories: list[list[int]] | None) -> PendingSample:
+                histories: list[list[int]] | None, argmax: torch.Tensor | None) -> PendingSample:
         """:meth:`launch` of a batch that is not plain greedy (``b``: its derived parameters)."""
         dev = logits.device
         raw = logits.float()  # [S, V]
@@ -337,8 +340,10 @@ class Sampler:
             histories = histories or [[] for _ in params]
             x = torch.stack([_penalized(raw[r], p, h) if p.penalized else raw[r]
                              for r, (p, h) in enumerate(zip(params, histories, strict=True))])
+        if argmax is None or b.penalized:  # (a penalty moves the argmax)
+            argmax = x.argmax(dim=-1) if b.any_greedy else None
         if b.greedy:
-            return self._pending(raw, x.argmax(dim=-1), params, b.want_lp)
+            return self._pending(raw, argmax, params, b.want_lp)
         n, r, seeded = len(params), b.draws, b.seeded
         u = np.empty((n, r), dtype=np.float32)  # [S, R]
         if len(seeded) < n:  # unseeded rows: fresh keys from the sampler's generator
@@ -351,7 +356,7 @@ class Sampler:
         y = top_k_masked(x, top_k, kmax) if kmax > 0 else x  # [S, V]
         ids, missed = sample_top_p(y, top_p, u, inv_t, tries)
         if b.any_greedy:
-            ids = torch.where(greedy, x.argmax(dim=-1), ids)
+            ids = torch.where(greedy, argmax, ids)
             missed &= ~greedy
 
         def exact() -> torch.Tensor:  # the rows that missed: the sorted cut, inverse CDF at their first u

@@ -73,6 +73,16 @@ class InputChunk:
             raise ValueError(f"a speculative chunk of {self.n} positions carries {self.n - 1} >= 1 drafts and "
                              f"is last; got {len(self.draft_ids)} drafts, last={self.last}")
 
+    @staticmethod
+    def decode_step(start: int, rows: torch.Tensor, row: int) -> InputChunk:
+        """``InputChunk(start, hidden=rows[row:row + 1])``: a decode step whose state is row ``row`` of an
+        ``[S, H]`` array the caller has checked (``LLMEngine.add_inputs``)."""
+        c = object.__new__(_RowChunk)
+        c.start, c.token_ids, c.last, c.rope_positions, c.draft_ids = start, None, True, None, None
+        c.ask_drafts, c.cloud_draft, c.n, c.end, c.is_spec = 0, False, 1, start + 1, False
+        c.rows, c.row = rows, row
+        return c
+
     def split(self, k: int) -> tuple[InputChunk, InputChunk]:
         """The first ``k`` positions (never ``last``) and the rest."""
         if self.draft_ids is not None:
@@ -83,6 +93,18 @@ class InputChunk:
         tail = InputChunk(self.start + k, None if h is None else h[k:], None if t is None else t[k:], self.last,
                           rope_positions=None if r is None else r[:, k:], ask_drafts=self.ask_drafts)
         return head, tail
+
+
+class _RowChunk(InputChunk):
+    """:meth:`InputChunk.decode_step`'s chunk: its fields set directly (a decode step passes ``__post_init__``'s
+    checks), its ``[1, H]`` view of the array made only when read (the steady decode step hands the runner the whole
+    array instead). Each costs about what a view of a tensor costs, once per session per step."""
+
+    __slots__ = ("rows", "row")
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.rows[self.row:self.row + 1]  # [1, H]
 
 
 class Sequence:

@@ -180,17 +180,22 @@ class FastGlmRunner:
 
 
     @torch.inference_mode()
-    def continue_decode(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def continue_decode(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The engine's steady decode step: the rows of the last decode batch, each one position on (the caller
         knows: the same sequences in the same order, block tables unchanged, every row sampled), given only
-        their hidden states [n, H] (host, float32). Float32 logits [n, V], or None when another step of the
-        graphs ran since (the caller then runs the full batch)."""
+        their hidden states [n, H] (host, float32; page-locked ones go up without another copy).
+
+        Returns (logits [n, V], greedy ids [n]) on the device, or None when another step of the graphs ran since
+        (the caller then runs the full batch). The ids are the argmax the graph computed (lowest id on ties), so
+        a greedy batch needs no pass of its own over the logits. The logits are in the model's dtype (no float32
+        copy of [n, V] for a greedy batch): a bf16/fp16 graph output the next step overwrites, so the caller
+        reads them before it launches another step (a float32 model's are a copy)."""
         last = self._last_decode
         if last is None or last[2] != self.graphs.steps or len(last[1]) != hidden.shape[0]:
             return None
-        logits, _ = self.graphs.step_next(self._upload(hidden))  # [n, V]; the copy into the graph's input casts
+        logits, ids = self.graphs.step_next(self._upload(hidden))  # [n, V], [n]; the copy into the input casts
         self._last_decode = (last[0], [c + 1 for c in last[1]], self.graphs.steps)
-        return logits.float() if logits.dtype != torch.float32 else logits.clone()
+        return (logits.clone() if logits.dtype == torch.float32 else logits), ids
 
     def _run_flat(self, batch, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
         """A step with prompt chunks as a flat step (:mod:`.graphs`): one row per position, each attending to its

@@ -1,12 +1,15 @@
 """The steady decode step's fast paths give the general path's outputs, token for token.
 
 The fast paths: the scheduler's decode-only schedule (``Scheduler._schedule_decodes``), the engine's plain decode
-launch and persistent decode rows (``LLMEngine._continue_decode``: a runner's ``continue_decode``), the sampler's
-per-composition parameters (``_BatchParams``). The reference engine has each one switched off: the general
-schedule, a runner without ``continue_decode`` (every step a full batch), a sampler that derives its parameters
-afresh every step. Both run the same workload: greedy, seeded and unseeded sampled sessions, logprobs, stop ids,
-max_tokens, sessions arriving late and answering after different delays (so steps mix decodes with prompt chunks
-and leave sessions out), an abort, cloud drafts, a pool that runs out (an error) and blocks allocated mid-decode.
+launch and persistent decode rows (``LLMEngine._continue_decode``: a runner's ``continue_decode``, which returns
+logits in the model's dtype and the greedy ids its graph computed), the batched input path (``add_inputs``: its
+``[S, H]`` array handed to the runner as it is), the sampler's per-composition parameters (``_BatchParams``). The
+reference engine has each one switched off: the general schedule, a runner without ``continue_decode`` (every step
+a full batch, float32 logits, the sampler's own argmax), one ``add_input`` per session, a sampler that derives its
+parameters afresh every step. Both run the same workload: greedy, seeded and unseeded sampled sessions, logprobs,
+stop ids, max_tokens, sessions arriving late and answering after different delays (so steps mix decodes with
+prompt chunks and leave sessions out), an abort, cloud drafts, a pool that runs out (an error) and blocks
+allocated mid-decode.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ class _Model:
 
 class _Runner:
     """Logits that depend on each sampled row's hidden state and position: a step run at the wrong positions (a
-    continued batch that was not the last one a position on) gives other tokens."""
+    continued batch that was not the last one a position on), or on another row's state, gives other tokens. They
+    are rounded to bfloat16, as a bf16 model's are: ``run`` returns them as float32 (the library runner),
+    ``continue_decode`` as bfloat16 with their argmax (the fast runner's graph)."""
 
     def __init__(self, num_blocks: int, block_size: int, persistent: bool, device: str = "cpu"):
         self.model, self.device = _Model(), device
@@ -41,26 +46,30 @@ class _Runner:
         self.persistent = persistent
         self.next_pos: torch.Tensor | None = None  # [B] the positions a continued decode batch is at
         self.continued = 0
+        self.fed: list[torch.Tensor] = []  # the add_inputs arrays of the driver (_drive)
+        self.took_fed = 0  # continued steps given one of them as it is
 
     def _logits(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         logits = hidden @ self.w + 3.0 * torch.sin(pos[:, None].float() * self.freq * 7.0)  # [S, V]
-        return logits.to(self.device)  # (where the sampler then runs)
+        return logits.to(self.device, torch.bfloat16)  # (where the sampler then runs)
 
     def run(self, batch) -> torch.Tensor:
         rows = batch.logits_indices  # [S]
         decode = all(q == 1 for q in batch.query_lens) and rows.shape[0] == len(batch.query_lens)
         self.next_pos = batch.positions + 1 if decode else None
-        return self._logits(batch.hidden[rows], batch.positions[rows])
+        return self._logits(batch.hidden[rows], batch.positions[rows]).float()
 
     def host_buffer(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def continue_decode(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def continue_decode(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.persistent or self.next_pos is None or self.next_pos.shape[0] != hidden.shape[0]:
             return None
         pos, self.next_pos = self.next_pos, self.next_pos + 1
         self.continued += 1
-        return self._logits(hidden, pos)
+        self.took_fed += any(hidden is f for f in self.fed)
+        logits = self._logits(hidden, pos)  # [S, V] bfloat16
+        return logits, logits.argmax(dim=-1)
 
 
 def _engine(fast: bool, overlap: bool, num_blocks: int, block_size: int = 4, device: str = "cpu") -> LLMEngine:
@@ -103,6 +112,15 @@ _STEADY = [
     ("logprobs", SamplingParams(0.8, seed=5, logprobs=2, max_tokens=25, ignore_eos=True), 6, 0, 0, 0),
     ("stop", SamplingParams(0.0, stop_token_ids=[11, 12, 13], max_tokens=30), 3, 0, 0, 0),
     ("aborted", SamplingParams(0.0, max_tokens=30, ignore_eos=True), 4, 0, 0, 0),
+    ("penalized", SamplingParams(0.0, frequency_penalty=1.5, max_tokens=26, ignore_eos=True), 4, 0, 0, 0),
+]
+
+# lockstep, greedy rows only: the plain greedy launch, its ids the runner's own argmax
+_GREEDY = [
+    ("greedy", SamplingParams(0.0, max_tokens=30, ignore_eos=True), 5, 0, 0, 0),
+    ("stop", SamplingParams(0.0, stop_token_ids=[11, 12, 13], max_tokens=30), 3, 0, 0, 0),
+    ("short", SamplingParams(0.0, max_tokens=17, ignore_eos=True), 7, 0, 0, 0),
+    ("aborted", SamplingParams(0.0, max_tokens=30, ignore_eos=True), 4, 0, 0, 0),
 ]
 
 
@@ -112,8 +130,10 @@ def _state(name: str, token: int) -> torch.Tensor:
     return torch.randn(1, H, generator=g)
 
 
-def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int = 80) -> list[tuple]:
-    """Every output of the workload, in order, with the step it came out of."""
+def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int = 80,
+           batched: bool = False) -> list[tuple]:
+    """Every output of the workload, in order, with the step it came out of. ``batched``: the decode steps of a
+    turn that ask for no drafts go in as one ``add_inputs`` (an ``input_buffer`` filled in the sessions' order)."""
     log, waiting_since, pos, last = [], {}, {}, {}
     for k in range(steps):
         for name, params, n, arrive, _, _ in sessions:
@@ -121,11 +141,20 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
                 prompt = torch.randn(n, H, generator=torch.Generator().manual_seed(len(name)))
                 assert eng.add_request(name, InputChunk(0, hidden=prompt), params) == []
                 pos[name] = n
+        group = []
         for name, _, _, _, delay, ask in sessions:
             if name in waiting_since and k - waiting_since[name] >= delay and name in eng.seqs:
                 del waiting_since[name]
                 seq = eng.seqs[name]
+                if batched and not ask:
+                    group.append((name, seq.num_received, _state(name, last[name])))
+                    continue
                 eng.add_input(name, InputChunk(seq.num_received, hidden=_state(name, last[name]), ask_drafts=ask))
+        if group:
+            rows = eng.input_buffer(len(group))  # [G, H]
+            torch.cat([h for _, _, h in group], out=rows)
+            eng.runners["fp32"].fed.append(rows)
+            assert eng.add_inputs([g[0] for g in group], [g[1] for g in group], rows) == []
         if k == abort_at:
             log += [(k, o.request_id, o.finish_reason) for o in eng.abort("aborted")]
         for o in eng.step():
@@ -138,11 +167,12 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
     return log
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("num_blocks", [256, 14])  # 14 blocks of 4: the pool runs out, sessions are aborted
-def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks):
+def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks, batched):
     fast, ref = _engine(True, overlap, num_blocks), _engine(False, overlap, num_blocks)
-    got, want = _drive(fast, _SESSIONS), _drive(ref, _SESSIONS)
+    got, want = _drive(fast, _SESSIONS, batched=batched), _drive(ref, _SESSIONS)
     assert got == want
     tokens = [e for e in want if len(e) > 3 and e[2] is not None]
     assert {e[1] for e in tokens} >= {"greedy", "seeded", "unseeded", "slow", "logprobs", "late", "drafts"}
@@ -152,13 +182,18 @@ def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks):
     assert not fast.seqs and fast.num_used_blocks() == 0
 
 
+@pytest.mark.parametrize("sessions", [_STEADY, _GREEDY], ids=["mixed", "greedy"])
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_lockstep_decoding_continues_the_persistent_batch_with_the_same_tokens(overlap):
+def test_lockstep_decoding_continues_the_persistent_batch_with_the_same_tokens(overlap, batched, sessions):
     fast, ref = _engine(True, overlap, 64, block_size=16), _engine(False, overlap, 64, block_size=16)
-    got, want = _drive(fast, _STEADY, abort_at=14), _drive(ref, _STEADY, abort_at=14)
+    got, want = _drive(fast, sessions, abort_at=14, batched=batched), _drive(ref, sessions, abort_at=14)
     assert got == want
-    assert fast.runners["fp32"].continued >= 15  # the persistent batch was taken (and gave the same tokens)
-    assert {e[1] for e in want if len(e) > 3 and e[2] is not None} == {s[0] for s in _STEADY}
+    runner = fast.runners["fp32"]
+    assert runner.continued >= 15  # the persistent batch was taken (and gave the same tokens)
+    if batched:  # and was given the fed arrays themselves, not a gather of their rows
+        assert runner.took_fed >= 15
+    assert {e[1] for e in want if len(e) > 3 and e[2] is not None} == {s[0] for s in sessions}
     assert not fast.seqs and fast.num_used_blocks() == 0
 
 
@@ -169,10 +204,11 @@ def test_the_fast_paths_on_cuda_give_the_general_paths_outputs(overlap):
     ids copied to pinned memory and waited for at postprocess): the same outputs as the general paths there."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    for sessions, blocks, size in ((_SESSIONS, 256, 4), (_STEADY, 64, 16)):
-        fast, ref = _engine(True, overlap, blocks, size, "cuda"), _engine(False, overlap, blocks, size, "cuda")
-        assert _drive(fast, sessions) == _drive(ref, sessions)
-        assert not fast.seqs and fast.num_used_blocks() == 0
+    for sessions, blocks, size in ((_SESSIONS, 256, 4), (_STEADY, 64, 16), (_GREEDY, 64, 16)):
+        for batched in (False, True):
+            fast, ref = _engine(True, overlap, blocks, size, "cuda"), _engine(False, overlap, blocks, size, "cuda")
+            assert _drive(fast, sessions, batched=batched) == _drive(ref, sessions)
+            assert not fast.seqs and fast.num_used_blocks() == 0
 
 
 def _seq(name: str, n: int, sched: Scheduler, params: SamplingParams | None = None) -> Sequence:
@@ -235,3 +271,98 @@ def test_the_sampler_keeps_a_compositions_parameters_and_draws_the_same_tokens()
         b = fresh.launch(logits, rows, [10 + step] * 4).result()
         assert [(t.token_id, t.logprob) for t in a] == [(t.token_id, t.logprob) for t in b]
         assert kept._batch.params == rows
+
+
+def test_add_inputs_refuses_what_add_input_refuses():
+    """Row by row, add_inputs returns the errors add_input returns (an unknown request, a wrong position, past
+    max_model_len, the wrong width) and takes the other rows."""
+    def run(batched: bool) -> tuple[list, list]:
+        eng = _engine(True, False, 64, block_size=16)
+        eng.config.max_model_len = 8
+        for name, n in (("a", 3), ("b", 3), ("c", 5), ("d", 3)):
+            assert eng.add_request(name, InputChunk(0, hidden=torch.randn(n, H)), SamplingParams(0.0)) == []
+        while len([o for o in eng.step() if o.token_id is not None]) < 4:
+            pass
+        ids, starts, rows = ["a", "x", "b", "c", "d"], [3, 3, 5, 20, 3], torch.randn(5, H)
+        if batched:
+            outs = eng.add_inputs(ids, starts, rows)
+            wide = eng.add_inputs(["d"], [4], torch.randn(1, H + 1))
+        else:
+            outs = [o for i, s, r in zip(ids, starts, rows.split(1)) for o in eng.add_input(i, InputChunk(s, hidden=r))]
+            wide = eng.add_input("d", InputChunk(4, hidden=torch.randn(1, H + 1)))
+        view = [(o.request_id, o.finish_reason, o.error_code, o.error_message) for o in outs + wide]
+        return view, sorted((s.request_id, s.num_received) for s in eng.seqs.values())
+
+    got, want = run(True), run(False)
+    assert got == want
+    assert [v[:3] for v in want[0]] == [("x", "error", "unknown_request"), ("b", "error", "bad_input"),
+                                        ("c", "error", "too_long"), ("d", "error", "bad_input")]
+    assert want[1] == [("a", 4)]
+    with pytest.raises(ValueError, match="one \\[1, H\\] row per request"):
+        _engine(True, False, 64).add_inputs(["a"], [0, 1], torch.randn(1, H))
+
+
+def _glm_lockstep(device: str, variant: str, fast: bool, steps: int = 6) -> tuple[list, int]:
+    """A random tiny GLM-4.1V back half on the fast runner, 4 sessions (greedy, seeded top-p, greedy with logprobs,
+    seeded top-k) in lockstep. ``fast``: the batched feed into ``input_buffer`` and the runner's continued decode
+    batch (bf16 logits and its graph's greedy ids on CUDA); else one ``add_input`` per session and a full batch every
+    step (``continue_decode`` switched off). Every output, and the steps the runner continued."""
+    from cloud_server.fast.runner import FastGlmRunner
+    from cloud_server.model import random_split_model
+    from partition_tools.models import tiny_glm4v_config
+
+    model = random_split_model(tiny_glm4v_config(), 1, variant, device, seed=3)
+    cfg = EngineConfig(device=device, variants=(variant,), block_size=16, num_blocks=32, max_num_seqs=4,
+                       max_num_batched_tokens=64, max_model_len=64, enable_prefix_cache=False)
+    eng = LLMEngine.from_models(cfg, {variant: model}, make_runner=lambda i, m, p: FastGlmRunner(
+        m, p, max_batch=4, max_model_len=64, tune=False))
+    runner, continued = eng.runners[variant], []
+    if fast:
+        cont = runner.continue_decode
+        runner.continue_decode = lambda h: continued.append(h.shape[0]) or cont(h)
+    else:
+        runner.continue_decode = None  # (the engine then builds every step's batch)
+    params = [SamplingParams(0.0, max_tokens=steps + 1, ignore_eos=True),
+              SamplingParams(0.7, top_p=0.9, seed=4, max_tokens=steps + 1, ignore_eos=True),
+              SamplingParams(0.0, logprobs=2, max_tokens=steps + 1, ignore_eos=True),
+              SamplingParams(0.9, top_k=20, seed=5, max_tokens=steps + 1, ignore_eos=True)]
+    g = torch.Generator().manual_seed(8)
+    h = model.hidden_size
+    ids = [f"s{i}" for i in range(4)]
+    for i, p in enumerate(params):
+        assert eng.add_request(ids[i], InputChunk(0, hidden=torch.randn(5 + 3 * i, h, generator=g)), p) == []
+    log = []
+
+    def until_tokens(k):  # every session's next token
+        got = 0
+        while got < 4:
+            outs = eng.step()
+            log.extend((k, o.request_id, o.token_id, o.logprob, o.top_logprobs, o.finish_reason) for o in outs)
+            got += sum(o.token_id is not None for o in outs)
+
+    until_tokens(-1)
+    for k in range(steps):
+        states = torch.randn(4, h, generator=g)  # [4, H]
+        starts = [eng.seqs[r].num_received for r in ids]
+        if fast:
+            rows = eng.input_buffer(4)
+            rows.copy_(states)
+            assert eng.add_inputs(ids, starts, rows) == []
+        else:
+            for r, s, row in zip(ids, starts, states.split(1)):
+                assert eng.add_input(r, InputChunk(s, hidden=row)) == []
+        until_tokens(k)
+    assert not eng.seqs
+    return log, len(continued)
+
+
+@pytest.mark.parametrize("device,variant", [("cpu", "fp32"), pytest.param("cuda", "bf16", marks=pytest.mark.gpu)])
+def test_the_fast_runner_continued_with_batched_inputs_gives_the_full_batches_outputs(device, variant):
+    """The fast runner end to end: the batched feed and its continued decode batch (on CUDA: the graph's own
+    greedy ids, bf16 logits sampled in float32) give what a full batch every step gives, token for token."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    (got, continued), (want, _) = _glm_lockstep(device, variant, True), _glm_lockstep(device, variant, False)
+    assert got == want
+    assert continued >= 3  # the persistent batch was taken (each step but those adding a block)
+    assert {e[1] for e in want if e[2] is not None} == {"s0", "s1", "s2", "s3"}
