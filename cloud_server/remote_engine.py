@@ -8,7 +8,10 @@ of one), ``alive`` / ``dead`` - and, for what must be counted over every worker,
 :meth:`admit` / :meth:`release` (``cloud_server.session_ledger``).
 
 Batching (``cloud_server.engine_link``): the commands of one event-loop turn go out as one frame, at the
-turn's end; ``add_inputs`` (a turn's decode steps) sends at once, with what was queued before it. A reader
+turn's end; ``add_inputs`` (a turn's decode steps) sends at once, with what was queued before it. A writer
+thread pickles and writes the frames (what queued while it wrote goes out as one frame), so the event loop
+never waits on the link: a prompt's states are megabytes, and the engine process reads them between its
+steps (measured on the H200 host: ~15 % of the workers' busy time was the loop blocked in that write). A reader
 thread takes the engine's frames: a step's outputs for this worker arrive as one frame and are handed to the
 sinks in order (the translator's sinks feed one ``LoopInbox``: one loop wakeup per step). If the engine
 process goes away, every open request gets an ``engine_error`` output and ``on_lost`` is called.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -50,11 +54,14 @@ class RemoteEngine:
         self._flush_scheduled = False
         self._hello = threading.Event()
         self._thread = threading.Thread(target=self._read, name=f"autoglm-link-{worker}", daemon=True)
+        self._sendq: queue.SimpleQueue = queue.SimpleQueue()  # frames' messages for the writer; None: stop
+        self._writer = threading.Thread(target=self._write, name=f"autoglm-link-{worker}-out", daemon=True)
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> RemoteEngine:
         """Start reading; wait up to ``timeout_s`` for the engine's hello (its facts)."""
         self.loop = loop
+        self._writer.start()
         self._thread.start()
         if not self._hello.wait(timeout_s):
             raise RuntimeError(f"worker {self.worker}: no hello from the engine process within {timeout_s:g} s")
@@ -63,6 +70,10 @@ class RemoteEngine:
         return self
 
     def close(self) -> None:
+        """Send what is queued, then close the link."""
+        self._sendq.put(None)
+        if self._writer.is_alive():
+            self._writer.join(5)
         self.link.close()
 
     @property
@@ -147,10 +158,31 @@ class RemoteEngine:
             self._send(msgs)
 
     def _send(self, msgs: list[tuple]) -> None:
-        try:
-            self.link.send(msgs)
-        except OSError as e:
-            self._fail(f"engine link closed: {e}")
+        """Queue one frame's messages for the writer thread (any thread; order kept)."""
+        self._sendq.put(msgs)
+
+    def _write(self) -> None:  # writer thread
+        while True:
+            batch = self._sendq.get()
+            stop = batch is None
+            batch = [] if stop else list(batch)
+            while not stop:  # what queued meanwhile joins this frame, in order
+                try:
+                    more = self._sendq.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                else:
+                    batch += more
+            try:
+                if batch:
+                    self.link.send(batch)
+            except OSError as e:
+                self._fail(f"engine link closed: {e}")
+                return
+            if stop:
+                return
 
     # -- receiving (reader thread) ---------------------------------------------------------------------
     def _read(self) -> None:

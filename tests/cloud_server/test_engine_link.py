@@ -59,3 +59,37 @@ def test_outputs_and_facts_round_trip_through_a_real_pipe():
     assert got == facts and got.resolve_variant("int8") == "fp32"
     a.close()
     b.close()
+
+
+def test_the_workers_event_loop_never_waits_on_the_link_and_messages_keep_their_order():
+    """A worker's loop hands frames to the link's writer thread: 8 MB of prompt states, which the engine
+    process has not started reading, cost the loop nothing; what follows arrives after them, in order."""
+    import asyncio
+    import time
+
+    from cloud_server.remote_engine import RemoteEngine
+
+    ours, theirs = mp.Pipe()
+    engine_end = Link(theirs)
+    facts = EngineFacts(variants=("fp32",), variant_for={None: "fp32"}, hidden_size=1024, vocab_size=10,
+                        mrope=False, eos_token_ids=(2,), block_size=4, max_context=64, max_num_seqs=8,
+                        max_num_batched_tokens=64)
+    engine_end.send([("hello", facts_to_wire(facts), "m")])
+
+    async def turn() -> tuple[RemoteEngine, float]:
+        remote = RemoteEngine(Link(ours), 0).start(asyncio.get_running_loop(), 5)
+        t0 = time.monotonic()
+        remote.add_inputs([(f"r{i}", InputChunk(0, hidden=torch.randn(512, 1024))) for i in range(4)])  # 8 MB
+        remote.abort("r0", "abort")
+        await asyncio.sleep(0)  # the turn's end flushes the abort
+        return remote, time.monotonic() - t0
+
+    remote, waited = asyncio.run(turn())
+    assert waited < 0.5  # nobody reads the other end yet: the loop went on at once
+    got: list[tuple] = []
+    while len(got) < 2:
+        got += engine_end.recv()
+    assert got[0][0] == "inputs" and got[0][1] == ["r0", "r1", "r2", "r3"] and got[0][2][3].shape == (2048, 1024)
+    assert got[1] == ("abort", "r0", "abort")
+    remote.close()
+    engine_end.close()
