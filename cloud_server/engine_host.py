@@ -4,7 +4,8 @@ The main process runs the :class:`~cloud_server.runtime.CloudRuntime` (model, ``
 cache, engine metrics); :class:`EngineHost` serves the workers' links (``cloud_server.engine_link``):
 
 * a **reader thread** per worker applies its frames to the engine: ``add`` -> ``add_request`` with the port's
-  sink, ``inputs`` -> one ``add_inputs`` (the rows of a loop turn's decode steps, one array), ``abort``,
+  sink, ``inputs`` -> one ``add_rows`` (a loop turn's plain decode steps: their ``[S, H]`` array as it came) or
+  ``add_inputs`` (chunks of several rows, 3-D RoPE, drafts), ``abort``,
   ``ask`` (an engine ``call``, a session admission, a metrics scrape), ``release``;
 * the port's **sink** collects the outputs of one engine step for that worker (engine thread) and hands them
   over as one message when the step's deliveries are done: the first output of a step queues a ``call`` on
@@ -24,6 +25,8 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.engine.llm_engine import RequestOutput
@@ -114,7 +117,11 @@ class WorkerPort:
         kind, engine = msg[0], self.host.engine
         try:
             if kind == "inputs":
-                engine.add_inputs(list(zip(msg[1], unpack_chunks(msg[2]), strict=True)))
+                rows, starts, lasts, stacked, ropes, drafts, asks = msg[2]
+                if ropes is None and drafts is None and asks is None and all(lasts) and rows.count(1) == len(rows):
+                    engine.add_rows(msg[1], starts, torch.from_numpy(stacked))  # plain decode steps: [S, H]
+                else:
+                    engine.add_inputs(list(zip(msg[1], unpack_chunks(msg[2]), strict=True)))
             elif kind == "add":
                 _, rid, packed, params, variant, keys = msg
                 self.requests.add(rid)

@@ -102,6 +102,12 @@ class AsyncEngine:
         if inputs:
             self._put(("inputs", inputs))
 
+    def add_rows(self, request_ids: list[str], starts: list[int], hidden) -> None:
+        """Decode steps of several requests as one ``[S, H]`` tensor (``LLMEngine.add_inputs``: row i is position
+        ``starts[i]`` of ``request_ids[i]``), one command; the engine may read ``hidden`` until their step is out."""
+        if request_ids:
+            self._put(("rows", request_ids, starts, hidden))
+
     def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.dead is None:
             self._cmds.put(("abort", request_id, reason))
@@ -139,6 +145,11 @@ class AsyncEngine:
                 self._arrived(rid, now)
                 outs += self.llm.add_input(rid, chunk)
             return outs
+        if kind == "rows":
+            now = time.monotonic()
+            for rid in cmd[1]:
+                self._arrived(rid, now)
+            return self.llm.add_inputs(cmd[1], cmd[2], cmd[3])
         if kind == "abort":
             self._awaiting.discard(cmd[1])
             self._handed_at.pop(cmd[1], None)

@@ -187,3 +187,35 @@ def test_each_decode_input_reports_its_edge_round_trip(engine):
         assert len(trips) == 2 and all(0.03 <= t < 5.0 for t in trips), trips
     finally:
         ae.shutdown()
+
+
+def test_decode_rows_as_one_array_give_the_tokens_of_one_input_each(tiny_bundle):
+    """``add_rows`` (a turn's decode steps as one [S, H] tensor, what the engine process gets from a worker)
+    and ``add_inputs`` (one chunk per row) feed the same steps: the same tokens."""
+    g = torch.Generator().manual_seed(3)
+    prompts = {rid: torch.randn(n, 64, generator=g) for rid, n in (("a", 5), ("b", 3))}
+    steps = [torch.randn(2, 64, generator=g) for _ in range(3)]  # [S, H]: row 0 is a's, row 1 b's
+
+    def run(as_rows: bool) -> dict[str, list[int]]:
+        eng = LLMEngine.from_models(EngineConfig(num_blocks=32, block_size=4),
+                                    {"fp32": load_split_model(tiny_bundle, "fp32")})
+        ae = AsyncEngine(eng).start()
+        try:
+            q: queue.Queue = queue.Queue()
+            for rid, x in prompts.items():
+                ae.add_request(rid, q.put, InputChunk(0, hidden=x), SamplingParams(0.0, max_tokens=4, ignore_eos=True))
+            got = _collect(q, lambda o: len(o) == 2)
+            for k, h in enumerate(steps):
+                starts = [5 + k, 3 + k]
+                if as_rows:
+                    ae.add_rows(["a", "b"], starts, h.clone())
+                else:
+                    ae.add_inputs([(rid, InputChunk(s, hidden=h[i:i + 1].clone()))
+                                   for i, (rid, s) in enumerate(zip(["a", "b"], starts))])
+                got += _collect(q, lambda o: len(o) == 2)
+        finally:
+            ae.shutdown()
+        return {rid: [o.token_id for o in got if o.request_id == rid] for rid in prompts}
+
+    rows, inputs = run(True), run(False)
+    assert rows == inputs and all(len(t) == 4 for t in rows.values())
