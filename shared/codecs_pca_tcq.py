@@ -212,8 +212,9 @@ def _viterbi_row(step_cost: list) -> tuple[list[int], list[int]]:
     back = []
     for s00, s01, s10, s11, s20, s21, s30, s31 in step_cost:
         a0, b0, a1, b1, a2, b2, a3, b3 = c0 + s00, c1 + s01, c2 + s10, c3 + s11, c0 + s20, c1 + s21, c2 + s30, c3 + s31
-        back.append((b0 < a0, b1 < a1, b2 < a2, b3 < a3))  # ties: the first predecessor
-        c0, c1, c2, c3 = min(a0, b0), min(a1, b1), min(a2, b2), min(a3, b3)
+        p0, p1, p2, p3 = b0 < a0, b1 < a1, b2 < a2, b3 < a3  # ties: the first predecessor
+        back.append((p0, p1, p2, p3))
+        c0, c1, c2, c3 = b0 if p0 else a0, b1 if p1 else a1, b2 if p2 else a2, b3 if p3 else a3
     cost = [c0, c1, c2, c3]
     state = cost.index(min(cost))  # the first of equal costs, as argmin
     pred = _PRED_STATE.tolist()
