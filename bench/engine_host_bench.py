@@ -87,7 +87,7 @@ class _StubRunner:
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def continue_decode(self, hidden: torch.Tensor):
+    def continue_decode(self, hidden: torch.Tensor, grown=()):
         self.calls += 1
         self.launched_at = time.perf_counter()
         n = hidden.shape[0]

@@ -386,11 +386,13 @@ class LLMEngine:
     def _continue_decode(self, batch: ScheduledBatch, runner, seqs: list[Sequence],
                          ends: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The steady decode step without rebuilding its batch: when ``batch`` is the last launched decode batch
-        one position on (the same sequences in the same order, each one token further, every row sampled, no
-        block added to any table), a runner that keeps its last decode batch (``continue_decode``, the fast
-        runner's persistent batch) gets only the hidden states ``[S, H]``: the last :meth:`add_inputs` array
-        itself when the batch's chunks are its rows in order, else the rows gathered into the runner's buffer.
-        Returns its (logits ``[S, V]`` in the model's dtype, greedy ids ``[S]``), or None: run the full batch."""
+        one position on (the same sequences in the same order, each one token further, every row sampled), a runner
+        that keeps its last decode batch (``continue_decode``, the fast runner's persistent batch) gets only the
+        hidden states ``[S, H]`` - the last :meth:`add_inputs` array itself when the batch's chunks are its rows in
+        order, else the rows gathered into the runner's buffer - and the blocks appended to its rows' tables since,
+        ``(row, column, block)`` each (a step one position on adds at most one per table, at its end; any other
+        change to a table moves its positions too). Returns its (logits ``[S, V]`` in the model's dtype, greedy ids
+        ``[S]``), or None: run the full batch."""
         items = batch.items
         last = self._last_decode.pop(batch.variant, None)
         fed, self._fed = self._fed, None
@@ -409,15 +411,29 @@ class LLMEngine:
         same = last is not None and last.seqs == seqs
         cont = getattr(runner, "continue_decode", None)
         out = None
-        if cont is not None and same and last.next_ends == ends and last.table_lens == lens:
-            if rows is None:
-                rows = torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32))  # [S, H]
-            out = cont(rows)  # (logits [S, V], ids [S]), or None: the runner ran another step since
+        if cont is not None and same and last.next_ends == ends:
+            grown = [] if last.table_lens == lens else self._grown(seqs, last.table_lens, lens)
+            if grown is not None:
+                if rows is None:
+                    rows = torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32))  # [S, H]
+                out = cont(rows, grown)  # (logits [S, V], ids [S]), or None: the runner ran another step since
         # (recorded after the launch: the device is busy meanwhile)
         self._last_decode[batch.variant] = _DecodeRows(
             seqs, [e + 1 for e in ends], lens, last.params if same else [s.params for s in seqs],
             last.histories if same else [s.output_ids for s in seqs])
         return out
+
+    @staticmethod
+    def _grown(seqs: list[Sequence], before: list[int], now: list[int]) -> list[tuple[int, int, int]] | None:
+        """The block appended to each table of ``seqs`` whose length went from ``before[i]`` to ``now[i]``: (row,
+        column, block) each; None when a table's length changed by anything but one block more."""
+        grown = []
+        for i, (seq, a, b) in enumerate(zip(seqs, before, now)):
+            if b != a:
+                if b != a + 1:
+                    return None
+                grown.append((i, a, seq.block_table[a]))
+        return grown
 
     def _postprocess(self, step: _Launched) -> list[RequestOutput]:
         """A launched step's tokens: each sampled sequence takes its token (:meth:`Sequence.update_from_output`)

@@ -180,10 +180,13 @@ class FastGlmRunner:
 
 
     @torch.inference_mode()
-    def continue_decode(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def continue_decode(self, hidden: torch.Tensor, grown: list[tuple[int, int, int]] = ()
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The engine's steady decode step: the rows of the last decode batch, each one position on (the caller
-        knows: the same sequences in the same order, block tables unchanged, every row sampled), given only
-        their hidden states [n, H] (host, float32; page-locked ones go up without another copy).
+        knows: the same sequences in the same order, every row sampled), given only their hidden states [n, H]
+        (host, float32; page-locked ones go up without another copy) and the blocks appended to their tables since,
+        ``(row, column, block)`` each: written into the graphs' tables (one small upload), so a row crossing into a
+        new block does not end the persistent batch.
 
         Returns (logits [n, V], greedy ids [n]) on the device, or None when another step of the graphs ran since
         (the caller then runs the full batch). The ids are the argmax the graph computed (lowest id on ties), so
@@ -193,6 +196,14 @@ class FastGlmRunner:
         last = self._last_decode
         if last is None or last[2] != self.graphs.steps or len(last[1]) != hidden.shape[0]:
             return None
+        if grown:
+            tables = last[0]
+            if any(c != len(tables[r]) or c >= self.max_blocks for r, c, _ in grown):
+                return None  # not an append within the graphs' width: the full batch decides
+            for r, _, b in grown:
+                tables[r].append(b)  # (the runner's own copies of the batch's tables, for _continues)
+            rcb = self._upload(torch.tensor(grown, dtype=torch.long))  # [k, 3]
+            self.graphs.block_tables[rcb[:, 0], rcb[:, 1]] = rcb[:, 2].to(torch.int32)
         logits, ids = self.graphs.step_next(self._upload(hidden))  # [n, V], [n]; the copy into the input casts
         self._last_decode = (last[0], [c + 1 for c in last[1]], self.graphs.steps)
         return (logits.clone() if logits.dtype == torch.float32 else logits), ids

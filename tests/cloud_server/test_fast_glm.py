@@ -565,7 +565,7 @@ def test_engine_over_a_random_back_half_matches_the_library_runner():
     graphs.step_next = lambda h: continued.append(h.shape[0]) or step_next(h)  # steps that upload only states
     fast_runner = engines["fast"].runners["fp32"]
     shortcut, continue_decode = [], fast_runner.continue_decode
-    fast_runner.continue_decode = lambda h: shortcut.append(h.shape[0]) or continue_decode(h)  # no batch built
+    fast_runner.continue_decode = lambda h, grown: shortcut.append(h.shape[0]) or continue_decode(h, grown)  # no batch
     for name, eng in engines.items():
         params = SamplingParams(temperature=0.0, max_tokens=len(steps) + 1, ignore_eos=True)
         got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
@@ -585,8 +585,9 @@ def test_engine_over_a_random_back_half_matches_the_library_runner():
         tokens[name] = got
     assert tokens["fast"] == tokens["library"]
     assert isinstance(engines["fast"].runners["fp32"], FastGlmRunner)
-    assert continued == [3, 3]  # decode steps 2 and 3 continue step 1's batch; step 4 crosses a block
-    assert shortcut == [3, 3]  # and the engine handed those two steps over without building their batch
+    # decode steps 2-4 continue step 1's batch (step 4 crosses a block: the new blocks go into the graphs' tables)
+    assert continued == [3, 3, 3]
+    assert shortcut == [3, 3, 3]  # and the engine handed those steps over without building their batch
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--tp-worker":

@@ -62,7 +62,7 @@ class _Runner:
     def host_buffer(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def continue_decode(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def continue_decode(self, hidden: torch.Tensor, grown=()) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.persistent or self.next_pos is None or self.next_pos.shape[0] != hidden.shape[0]:
             return None
         pos, self.next_pos = self.next_pos, self.next_pos + 1
@@ -306,7 +306,7 @@ def _glm_lockstep(device: str, variant: str, fast: bool, steps: int = 6) -> tupl
     """A random tiny GLM-4.1V back half on the fast runner, 4 sessions (greedy, seeded top-p, greedy with logprobs,
     seeded top-k) in lockstep. ``fast``: the batched feed into ``input_buffer`` and the runner's continued decode
     batch (bf16 logits and its graph's greedy ids on CUDA); else one ``add_input`` per session and a full batch every
-    step (``continue_decode`` switched off). Every output, and the steps the runner continued."""
+    step (``continue_decode`` switched off). Every output, and per continued step the blocks it appended."""
     from cloud_server.fast.runner import FastGlmRunner
     from cloud_server.model import random_split_model
     from partition_tools.models import tiny_glm4v_config
@@ -319,7 +319,14 @@ def _glm_lockstep(device: str, variant: str, fast: bool, steps: int = 6) -> tupl
     runner, continued = eng.runners[variant], []
     if fast:
         cont = runner.continue_decode
-        runner.continue_decode = lambda h: continued.append(h.shape[0]) or cont(h)
+
+        def counted(h, grown):  # the steps the runner continued, and the blocks each appended
+            out = cont(h, grown)
+            if out is not None:
+                continued.append(len(grown))
+            return out
+
+        runner.continue_decode = counted
     else:
         runner.continue_decode = None  # (the engine then builds every step's batch)
     params = [SamplingParams(0.0, max_tokens=steps + 1, ignore_eos=True),
@@ -353,7 +360,7 @@ def _glm_lockstep(device: str, variant: str, fast: bool, steps: int = 6) -> tupl
                 assert eng.add_input(r, InputChunk(s, hidden=row)) == []
         until_tokens(k)
     assert not eng.seqs
-    return log, len(continued)
+    return log, continued
 
 
 @pytest.mark.parametrize("device,variant", [("cpu", "fp32"), pytest.param("cuda", "bf16", marks=pytest.mark.gpu)])
@@ -362,7 +369,8 @@ def test_the_fast_runner_continued_with_batched_inputs_gives_the_full_batches_ou
     greedy ids, bf16 logits sampled in float32) give what a full batch every step gives, token for token."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    (got, continued), (want, _) = _glm_lockstep(device, variant, True), _glm_lockstep(device, variant, False)
+    steps = 6
+    (got, continued), (want, _) = _glm_lockstep(device, variant, True, steps), _glm_lockstep(device, variant, False, steps)
     assert got == want
-    assert continued >= 3  # the persistent batch was taken (each step but those adding a block)
+    assert len(continued) == steps - 1 and any(continued)  # the persistent batch, also where tables grew
     assert {e[1] for e in want if e[2] is not None} == {"s0", "s1", "s2", "s3"}
