@@ -16,6 +16,8 @@ Coefficient ``j`` of a row of class ``c`` in a state using quantizer ``Q`` is co
 ``table_of[Q, c, j]`` (a discretised generalized Gaussian, as for ``pca-ans-compact``; both quantizers'
 tables of a coefficient have the same raw low bits, so the raw bit fields are laid out before decoding).
 The decoder picks each table as the state machine moves (:func:`shared.rans.decode_dynamic`).
+A payload of at most :data:`shared.rans.SCALAR_ROWS` rows (a one-row DecodeStep) is searched and coded row by
+row in Python numbers (:func:`_viterbi_row`, :func:`shared.rans.decode_row`): the same bytes and values.
 
 Payload layout (docs/protocol.md, "Codec payloads", as ``pca-ans-compact``): fingerprint | row bytes [S] |
 raw rows f16 | raw low bits | escaped hi i16 | word counts [Sq - 1] u16 | rANS words. Quality:
@@ -322,7 +324,7 @@ class PcaTcqCodec(RansRowsCodec):
         freq, _, _ = m.tables.lists()
         alphabet = m.tables.alphabet
         trans = TRANSITIONS.tolist()
-        lengths = rans._check_lengths(words, lengths)
+        lengths = rans.check_lengths(words, lengths)
         words, escapes = words.tolist(), escapes.tolist()
         w_end, e_end = np.cumsum(lengths).tolist(), np.cumsum(row_esc).tolist()
         ks, qzs = [], []

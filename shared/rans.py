@@ -158,14 +158,14 @@ def decode(stream: np.ndarray, lengths: np.ndarray, tables: np.ndarray, ft: Freq
     if np.shape(lengths) != (s,):
         raise RansError(f"rans: {np.shape(lengths)} row lengths for {s} rows of tables")
     if s <= SCALAR_ROWS:
-        lengths = _check_lengths(stream, lengths)
+        lengths = check_lengths(stream, lengths)
         words, ends = stream.tolist(), np.cumsum(lengths).tolist()
         return np.array([decode_row(words[e - ln:e], n, ft, lambda j, prev, t=t: t[j])
                          for e, ln, t in zip(ends, lengths.tolist(), tables.tolist())], np.int64).reshape(s, n)
     return decode_dynamic(stream, lengths, n, ft, lambda j, prev: tables[:, j])
 
 
-def _check_lengths(stream: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def check_lengths(stream: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``lengths`` as int64 [S]; :class:`RansError` unless they split ``stream`` into rows of >= the state."""
     lengths = np.asarray(lengths, np.int64)
     if lengths.ndim != 1 or (lengths < STATE_WORDS).any() or int(lengths.sum()) != stream.size:
@@ -178,7 +178,7 @@ def decode_dynamic(stream: np.ndarray, lengths: np.ndarray, n: int, ft: FreqTabl
     of symbol ``j`` given the symbols ``prev`` [S] decoded at ``j - 1`` (None for ``j = 0``) - a context
     model whose state the caller keeps (the encoder, knowing every symbol, passes the same tables to
     :func:`encode`). Returns symbols int64 [S, n]; raises :class:`RansError` as :func:`decode` does."""
-    lengths = _check_lengths(stream, lengths)
+    lengths = check_lengths(stream, lengths)
     s = lengths.shape[0]
     out = np.empty((n, s), np.int64)
     if s == 0:
