@@ -109,6 +109,7 @@ def test_few_rows_code_as_the_vectorised_path_and_refuse_damage(codec, monkeypat
     Python numbers: the same bytes and values as the vectorised path, the same refusals."""
     x = states(11, s + 1)[1:]
     data = codec.encode(x).data
+    assert len(data) <= codec.max_payload_bytes(s, H)
     y = codec.decode(_tensor(codec, data, s))
     row_bytes = np.frombuffer(data[4:4 + s], np.uint8)
     assert (row_bytes != RAW_ROW).all()
