@@ -71,6 +71,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -316,7 +317,9 @@ async def worker_main(spec: dict) -> dict:
 
 
 def worker_entry() -> int:
-    """``served_load.py --worker``: one JSON spec line on stdin, JSON lines out (never pickle)."""
+    """``served_load.py --worker``: one JSON spec line on stdin, JSON lines out (never pickle); the result, which
+    holds every token's time, is written to ``spec['result_path']`` (a line of a few hundred KB through the
+    stdout pipe came back cut at 64 KB under uvloop on the GPU host)."""
     spec = json.loads(sys.stdin.readline())
     try:  # the simulated phones as cheap as can be (each real phone has a CPU of its own): uvloop if installed
         import uvloop
@@ -325,7 +328,8 @@ def worker_entry() -> int:
         factory = asyncio.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         result = runner.run(worker_main(spec)) | {"client_loop": factory.__module__.split(".")[0]}
-    print(json.dumps({"result": result}), flush=True)
+    Path(spec["result_path"]).write_text(json.dumps(result))
+    print(json.dumps({"result": spec["result_path"]}), flush=True)
     return 0
 
 
@@ -431,11 +435,13 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
     procs = min(s, cfg.procs or max(1, (os.cpu_count() or 2) // 2))  # the other half: the server's threads
     share = [s // procs + (i < s % procs) for i in range(procs)]
     workers, first = [], 0
+    outdir = Path(tempfile.mkdtemp(prefix="served-load-level-"))  # each worker's result file
     for w, count in enumerate(share):
         spec = {"url": url, "api_key": cfg.api_key, "bundle_id": manifest.bundle_id, "hidden": manifest.hidden_size,
                 "calibration": calibration, "codecs": list(codecs), "first": first, "count": count,
                 "prompt": cfg.prompt, "gen": cfg.gen, "seed": cfg.seed * 1000 + w,
-                "states": str(cfg.states) if cfg.states else None, "timeout": cfg.level_timeout_s}
+                "states": str(cfg.states) if cfg.states else None, "timeout": cfg.level_timeout_s,
+                "result_path": str(outdir / f"worker{w}.json")}
         first += count
         p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
@@ -460,7 +466,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
         for p in workers:
             p.stdin.write("go\n")
             p.stdin.flush()
-        results = [_read_line(p, "result", cfg.level_timeout_s + 60) for p in workers]
+        results = [json.loads(Path(_read_line(p, "result", cfg.level_timeout_s + 60)).read_text()) for p in workers]
         wall = time.monotonic() - t0
         trips = round_trip_histogram(url)
         server_cpu = sum(cpu_seconds(p) for p in everyone) - cpu0 if server_pid else None
@@ -473,6 +479,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
             if p.poll() is None:
                 p.kill()
             p.wait()
+        shutil.rmtree(outdir, ignore_errors=True)
     rec = summarize(s, [x for r in results for x in r["sessions"]], cfg)
     rec.update(round_trip_figures(trips0, trips))
     if spy is not None and py_spy_out.is_file():
