@@ -2,8 +2,8 @@
 
 :class:`LLMEngine` is synchronous and single-threaded (``cloud_server.engine.async_engine`` drives it from
 its own thread). Requests are added with their first input chunk and receive further chunks as the edge
-sends them (``add_input``); every ``step`` returns :class:`RequestOutput` events: a sampled token, a finish,
-or a per-request error.
+sends them (``add_input``; a turn's decode steps of many requests as one ``[S, H]`` array: ``add_inputs``);
+every ``step`` returns :class:`RequestOutput` events: a sampled token, a finish, or a per-request error.
 
 Errors come in two kinds, as in vLLM v1: :class:`~cloud_server.engine.scheduler.RequestError` is fatal for
 one request (bad input, prefix miss, prompt too long, pool exhausted) and becomes an error output;

@@ -98,7 +98,7 @@ class InputChunk:
 class _RowChunk(InputChunk):
     """:meth:`InputChunk.decode_step`'s chunk: its fields set directly (a decode step passes ``__post_init__``'s
     checks), its ``[1, H]`` view of the array made only when read (the steady decode step hands the runner the whole
-    array instead). Each costs about what a view of a tensor costs, once per session per step."""
+    array instead). Making one costs less than one tensor view, once per session per step."""
 
     __slots__ = ("rows", "row")
 
