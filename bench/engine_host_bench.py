@@ -87,10 +87,10 @@ class _StubRunner:
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def continue_decode(self, hidden: torch.Tensor, grown=()):
+    def continue_decode(self, hidden: torch.Tensor, grown=(), order=None):
         self.calls += 1
         self.launched_at = time.perf_counter()
-        n = hidden.shape[0]
+        n = hidden.shape[0] if order is None else len(order)
         return (self.logits[:n], self.ids[:n]) if _CONT_IDS else self.logits[:n]  # [S, V], [S]
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from operator import is_
 
 import torch
 
@@ -120,8 +119,6 @@ class LLMEngine:
         self._in_flight: list[_Launched] = []  # launched by the last step(), postprocessed by the next
         # per variant, the last launched pure decode batch; dropped by any other launch of that variant
         self._last_decode: dict[str, _DecodeRows] = {}
-        # the last add_inputs: its [S, H] states and the chunks made of its rows, in order (_continue_decode)
-        self._fed: tuple[torch.Tensor, list[InputChunk]] | None = None
         first = next(iter(runners.values())).model
         self._first_model = first  # input checks read its sizes on every add_input
         self._hidden_size = first.hidden_size
@@ -208,9 +205,10 @@ class LLMEngine:
         """Decode steps of several requests at once: row ``i`` of ``hidden`` ``[S, H]`` is the boundary state of
         ``request_ids[i]``'s position ``starts[i]`` (one position each, ending its input turn), as ``add_input``
         with ``InputChunk(starts[i], hidden=hidden[i:i + 1])`` would take it, same checks, same errors. Where the
-        next step is these rows continuing the last decode batch in this order (lockstep), the runner takes
-        ``hidden`` itself: no per-row gather; a float32 array from :meth:`input_buffer` goes up without a copy.
-        The engine may read ``hidden`` until that step's tokens are out: write the next step's states elsewhere."""
+        next step continues the last decode batch with rows of this array only (in any order), the runner takes
+        ``hidden`` itself and the rows' order: no per-row gather on the host; a float32 array from
+        :meth:`input_buffer` goes up without a copy. The engine may read ``hidden`` until that step's tokens are
+        out: write the next step's states elsewhere."""
         n = len(request_ids)
         if len(starts) != n or hidden.dim() != 2 or hidden.shape[0] != n:
             raise ValueError(f"{n} request ids, {len(starts)} starts and hidden states of shape "
@@ -218,17 +216,13 @@ class LLMEngine:
         if hidden.shape[1] != self._hidden_size:  # every row fails add_input's width check
             return [o for i, (rid, s) in enumerate(zip(request_ids, starts))
                     for o in self.add_input(rid, InputChunk(s, hidden=hidden[i:i + 1]))]
-        outputs, chunks, seqs, decode_step = [], [], self.seqs, InputChunk.decode_step
+        outputs, seqs, decode_step = [], self.seqs, InputChunk.decode_step
         for i, (rid, start) in enumerate(zip(request_ids, starts)):
             seq = seqs.get(rid)
             if seq is None:
                 outputs.append(self._error_output(rid, "unknown_request", f"no active request {rid!r}"))
                 continue
-            chunk = decode_step(start, hidden, i)
-            chunks.append(chunk)
-            outputs += self._push(seq, chunk)
-        if not outputs:
-            self._fed = (hidden, chunks)
+            outputs += self._push(seq, decode_step(start, hidden, i))
         return outputs
 
     def input_buffer(self, rows: int) -> torch.Tensor:
@@ -388,25 +382,24 @@ class LLMEngine:
         """The steady decode step without rebuilding its batch: when ``batch`` is the last launched decode batch
         one position on (the same sequences in the same order, each one token further, every row sampled), a runner
         that keeps its last decode batch (``continue_decode``, the fast runner's persistent batch) gets only the
-        hidden states ``[S, H]`` - the last :meth:`add_inputs` array itself when the batch's chunks are its rows in
-        order, else the rows gathered into the runner's buffer - and the blocks appended to its rows' tables since,
-        ``(row, column, block)`` each (a step one position on adds at most one per table, at its end; any other
-        change to a table moves its positions too). Returns its (logits ``[S, V]`` in the model's dtype, greedy ids
-        ``[S]``), or None: run the full batch."""
+        hidden states - the :meth:`add_inputs` array itself and the batch's rows in it when every chunk is a row of
+        one such array, else the rows gathered into the runner's buffer ``[S, H]`` - and the blocks appended to its
+        rows' tables since, ``(row, column, block)`` each (a step one position on adds at most one per table, at its
+        end; any other change to a table moves its positions too). Returns its (logits ``[S, V]`` in the model's
+        dtype, greedy ids ``[S]``), or None: run the full batch."""
         items = batch.items
         last = self._last_decode.pop(batch.variant, None)
-        fed, self._fed = self._fed, None
         if self.output_states or not (batch.plain_decode or all(it.sample and it.chunk.n == 1 for it in items)):
             return None
         f32 = torch.float32
-        if fed is not None and fed[0].dtype is f32 and len(fed[1]) == len(items) and all(
-                map(is_, fed[1], [it.chunk for it in items])):
-            rows = fed[0]  # [S, H]: the chunks are its rows, in order
+        chunks = [it.chunk for it in items]
+        fed = getattr(chunks[0], "rows", None)  # [N, H] add_inputs' array (InputChunk.decode_step), if all are its rows
+        if fed is not None and fed.dtype is f32 and all(getattr(c, "rows", None) is fed for c in chunks):
+            order = [c.row for c in chunks]  # [S] the batch's rows in it
         else:
-            hidden = [it.chunk.hidden for it in items]  # [1, H] each
+            fed, hidden = None, [c.hidden for c in chunks]  # [1, H] each
             if not all(h is not None and h.dtype is f32 for h in hidden):
                 return None
-            rows = None
         lens = [len(s.block_table) for s in seqs]
         same = last is not None and last.seqs == seqs
         cont = getattr(runner, "continue_decode", None)
@@ -414,9 +407,13 @@ class LLMEngine:
         if cont is not None and same and last.next_ends == ends:
             grown = [] if last.table_lens == lens else self._grown(seqs, last.table_lens, lens)
             if grown is not None:
-                if rows is None:
-                    rows = torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32))  # [S, H]
-                out = cont(rows, grown)  # (logits [S, V], ids [S]), or None: the runner ran another step since
+                if fed is None:
+                    rows, order = torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32)), None
+                elif order == list(range(fed.shape[0])):
+                    rows, order = fed, None  # [S, H]: its rows in the batch's order (lockstep)
+                else:
+                    rows = fed  # [N, H], the batch's rows picked on the device
+                out = cont(rows, grown, order)  # (logits [S, V], ids [S]), or None: the runner ran another step since
         # (recorded after the launch: the device is busy meanwhile)
         self._last_decode[batch.variant] = _DecodeRows(
             seqs, [e + 1 for e in ends], lens, last.params if same else [s.params for s in seqs],

@@ -180,13 +180,14 @@ class FastGlmRunner:
 
 
     @torch.inference_mode()
-    def continue_decode(self, hidden: torch.Tensor, grown: list[tuple[int, int, int]] = ()
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def continue_decode(self, hidden: torch.Tensor, grown: list[tuple[int, int, int]] = (),
+                        order: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The engine's steady decode step: the rows of the last decode batch, each one position on (the caller
-        knows: the same sequences in the same order, every row sampled), given only their hidden states [n, H]
-        (host, float32; page-locked ones go up without another copy) and the blocks appended to their tables since,
-        ``(row, column, block)`` each: written into the graphs' tables (one small upload), so a row crossing into a
-        new block does not end the persistent batch.
+        knows: the same sequences in the same order, every row sampled), given only their hidden states (host,
+        float32; page-locked ones go up without another copy): ``hidden`` [n, H], or with ``order`` (the batch's
+        rows as indices into ``hidden`` [N, H]) picked on the device after the upload; and the blocks appended to
+        their tables since, ``(row, column, block)`` each: written into the graphs' tables (one small upload), so a
+        row crossing into a new block does not end the persistent batch.
 
         Returns (logits [n, V], greedy ids [n]) on the device, or None when another step of the graphs ran since
         (the caller then runs the full batch). The ids are the argmax the graph computed (lowest id on ties), so
@@ -194,7 +195,8 @@ class FastGlmRunner:
         copy of [n, V] for a greedy batch): a bf16/fp16 graph output the next step overwrites, so the caller
         reads them before it launches another step (a float32 model's are a copy)."""
         last = self._last_decode
-        if last is None or last[2] != self.graphs.steps or len(last[1]) != hidden.shape[0]:
+        n = hidden.shape[0] if order is None else len(order)
+        if last is None or last[2] != self.graphs.steps or len(last[1]) != n:
             return None
         if grown:
             tables = last[0]
@@ -204,7 +206,10 @@ class FastGlmRunner:
                 tables[r].append(b)  # (the runner's own copies of the batch's tables, for _continues)
             rcb = self._upload(torch.tensor(grown, dtype=torch.long))  # [k, 3]
             self.graphs.block_tables[rcb[:, 0], rcb[:, 1]] = rcb[:, 2].to(torch.int32)
-        logits, ids = self.graphs.step_next(self._upload(hidden))  # [n, V], [n]; the copy into the input casts
+        x = self._upload(hidden)  # [n, H] (with order: [N, H])
+        if order is not None:
+            x = x[self._upload(torch.tensor(order, dtype=torch.long))]  # [n, H]
+        logits, ids = self.graphs.step_next(x)  # [n, V], [n]; the copy into the graph's input casts
         self._last_decode = (last[0], [c + 1 for c in last[1]], self.graphs.steps)
         return (logits.clone() if logits.dtype == torch.float32 else logits), ids
 

@@ -565,7 +565,7 @@ def test_engine_over_a_random_back_half_matches_the_library_runner():
     graphs.step_next = lambda h: continued.append(h.shape[0]) or step_next(h)  # steps that upload only states
     fast_runner = engines["fast"].runners["fp32"]
     shortcut, continue_decode = [], fast_runner.continue_decode
-    fast_runner.continue_decode = lambda h, grown: shortcut.append(h.shape[0]) or continue_decode(h, grown)  # no batch
+    fast_runner.continue_decode = lambda h, *a: shortcut.append(h.shape[0]) or continue_decode(h, *a)  # no batch
     for name, eng in engines.items():
         params = SamplingParams(temperature=0.0, max_tokens=len(steps) + 1, ignore_eos=True)
         got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}

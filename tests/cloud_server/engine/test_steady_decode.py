@@ -62,12 +62,15 @@ class _Runner:
     def host_buffer(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def continue_decode(self, hidden: torch.Tensor, grown=()) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self.persistent or self.next_pos is None or self.next_pos.shape[0] != hidden.shape[0]:
+    def continue_decode(self, hidden: torch.Tensor, grown=(), order=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        n = hidden.shape[0] if order is None else len(order)
+        if not self.persistent or self.next_pos is None or self.next_pos.shape[0] != n:
             return None
         pos, self.next_pos = self.next_pos, self.next_pos + 1
         self.continued += 1
         self.took_fed += any(hidden is f for f in self.fed)
+        if order is not None:
+            hidden = hidden[order]  # [n, H] the batch's rows
         logits = self._logits(hidden, pos)  # [S, V] bfloat16
         return logits, logits.argmax(dim=-1)
 
@@ -131,9 +134,10 @@ def _state(name: str, token: int) -> torch.Tensor:
 
 
 def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int = 80,
-           batched: bool = False) -> list[tuple]:
+           batched: str | None = None) -> list[tuple]:
     """Every output of the workload, in order, with the step it came out of. ``batched``: the decode steps of a
-    turn that ask for no drafts go in as one ``add_inputs`` (an ``input_buffer`` filled in the sessions' order)."""
+    turn that ask for no drafts go in as one ``add_inputs`` (an ``input_buffer`` filled in the sessions' order, or
+    ``"reversed"``: the other way round, so that the runner picks the batch's rows from it)."""
     log, waiting_since, pos, last = [], {}, {}, {}
     for k in range(steps):
         for name, params, n, arrive, _, _ in sessions:
@@ -151,6 +155,8 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
                     continue
                 eng.add_input(name, InputChunk(seq.num_received, hidden=_state(name, last[name]), ask_drafts=ask))
         if group:
+            if batched == "reversed":
+                group.reverse()
             rows = eng.input_buffer(len(group))  # [G, H]
             torch.cat([h for _, _, h in group], out=rows)
             eng.runners["fp32"].fed.append(rows)
@@ -167,7 +173,7 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
     return log
 
 
-@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("batched", [None, "in order", "reversed"])
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("num_blocks", [256, 14])  # 14 blocks of 4: the pool runs out, sessions are aborted
 def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks, batched):
@@ -183,7 +189,7 @@ def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks, batc
 
 
 @pytest.mark.parametrize("sessions", [_STEADY, _GREEDY], ids=["mixed", "greedy"])
-@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("batched", [None, "in order", "reversed"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_lockstep_decoding_continues_the_persistent_batch_with_the_same_tokens(overlap, batched, sessions):
     fast, ref = _engine(True, overlap, 64, block_size=16), _engine(False, overlap, 64, block_size=16)
@@ -205,7 +211,7 @@ def test_the_fast_paths_on_cuda_give_the_general_paths_outputs(overlap):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     for sessions, blocks, size in ((_SESSIONS, 256, 4), (_STEADY, 64, 16), (_GREEDY, 64, 16)):
-        for batched in (False, True):
+        for batched in (None, "in order", "reversed"):
             fast, ref = _engine(True, overlap, blocks, size, "cuda"), _engine(False, overlap, blocks, size, "cuda")
             assert _drive(fast, sessions, batched=batched) == _drive(ref, sessions)
             assert not fast.seqs and fast.num_used_blocks() == 0
@@ -320,8 +326,8 @@ def _glm_lockstep(device: str, variant: str, fast: bool, steps: int = 6) -> tupl
     if fast:
         cont = runner.continue_decode
 
-        def counted(h, grown):  # the steps the runner continued, and the blocks each appended
-            out = cont(h, grown)
+        def counted(h, grown, order):  # the steps the runner continued, and the blocks each appended
+            out = cont(h, grown, order)
             if out is not None:
                 continued.append(len(grown))
             return out
@@ -351,10 +357,11 @@ def _glm_lockstep(device: str, variant: str, fast: bool, steps: int = 6) -> tupl
     for k in range(steps):
         states = torch.randn(4, h, generator=g)  # [4, H]
         starts = [eng.seqs[r].num_received for r in ids]
-        if fast:
+        if fast:  # in another order than the batch's (on odd steps): the runner picks the rows on the device
+            perm = [2, 0, 3, 1] if k % 2 else [0, 1, 2, 3]
             rows = eng.input_buffer(4)
-            rows.copy_(states)
-            assert eng.add_inputs(ids, starts, rows) == []
+            rows.copy_(states[perm])
+            assert eng.add_inputs([ids[i] for i in perm], [starts[i] for i in perm], rows) == []
         else:
             for r, s, row in zip(ids, starts, states.split(1)):
                 assert eng.add_input(r, InputChunk(s, hidden=row)) == []
