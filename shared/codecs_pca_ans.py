@@ -106,7 +106,20 @@ class RansRowsCodec(BasisCodec):
     """The payload both rANS-coded PCA levels share (``pca-ans-compact``, ``pca-tcq-compact``): fingerprint |
     row bytes [S] | raw rows f16 | lo bits | escaped hi i16 | word counts [Sq - 1] u16 | rANS words. A subclass
     sets ``model`` (``classes``, ``lo_bits_of``) and ``max_words`` and decodes a block of coded rows
-    (``_decode_block``); parsing and checking the layout is here, once."""
+    (``_decode_block``); parsing and checking the layout is here, once. A subclass names the artifact level it
+    reads (``level_type``) and its symbol model (``model_type``); the level's lookup is here too."""
+
+    level_type: type
+    model_type: type
+
+    def __init__(self, basis, level: str):
+        lv = getattr(basis, "levels", {}).get(level)
+        if not isinstance(lv, self.level_type):
+            raise ProtocolError(BAD_CODEC, f"{level}: the bundle's codec artifact has no such level")
+        super().__init__(basis, level, lv.step, lv.r)
+        self.level = lv
+        self.model = self.model_type(lv)
+        self.max_words = self.r + rans.STATE_WORDS  # at most one renormalisation word per coefficient
 
     def decode_payload(self, payload, s, h):
         rd = PayloadReader(payload, self.name)
@@ -164,56 +177,6 @@ class RansRowsCodec(BasisCodec):
         return self.max_payload_bytes(s, h)
 
 
-class PcaAnsCodec(RansRowsCodec):
-    """An :class:`AnsLevel` of the bundle's PCA artifact. ``basis``: a :class:`shared.codecs_pca.PcaBasis`."""
-
-    def __init__(self, basis, level: str):
-        lv = getattr(basis, "levels", {}).get(level)
-        if not isinstance(lv, AnsLevel):
-            raise ProtocolError(BAD_CODEC, f"{level}: the bundle's codec artifact has no such level")
-        super().__init__(basis, level, lv.step, lv.r)
-        self.level = lv
-        self.model = _Model(lv)
-        self.max_words = self.r + rans.STATE_WORDS  # at most one renormalisation word per coefficient
-
-    # -- payload: fingerprint | row bytes [S] | raw rows f16 | lo bits | escaped hi i16 | word counts [Sq - 1]
-    #    u16 | rANS words ------------------------------------------------------------------------------------------
-    def encode_payload(self, x):
-        s, h = x.shape
-        z = (x - self.mean) @ self.analysis / self.step  # [S, r] coefficients in steps, float64
-        m = self.model
-        cls, q, sym, escaped = m.quantize(z)  # [S], [S, r] x 3
-        hi = q >> m.shift_of[cls]  # [S, r]
-        n_esc = escaped.sum(axis=1)  # [S]
-        raw = (n_esc > ROW_ESCAPES_MAX) | (escaped & ((hi < -0x8000) | (hi > 0x7FFF))).any(axis=1)  # [S]
-        keep = ~raw
-        row_byte = np.where(raw, RAW_ROW, cls | (n_esc << CLASS_BITS)).astype(np.uint8)  # [S]
-        cls, q, sym, escaped, hi = cls[keep], q[keep], sym[keep], escaped[keep], hi[keep]
-        shift = m.shift_of[cls]  # [Sq, r]
-        words, lengths = rans.encode(sym, m.table_of[cls], m.tables)
-        lo = q & ((1 << shift) - 1)  # [Sq, r]
-        return b"".join([self.fingerprint, row_byte.tobytes(), to_f16(x[raw], f"{self.name} raw rows").tobytes(),
-                         _pack_fields(lo, shift), hi[escaped].astype("<i2").tobytes(),
-                         lengths[:-1].astype("<u2").tobytes(), words.astype("<u2").tobytes()])
-
-    def _decode_block(self, cls, row_esc, words, lengths, lo_bits, escapes) -> np.ndarray:
-        """Decoded coefficients [B, r] (in steps) of a block of coded rows of classes ``cls`` [B]."""
-        m = self.model
-        tab, shift = m.table_of[cls], m.shift_of[cls]  # [B, r]
-        try:
-            sym = rans.decode(words, lengths, tab, m.tables)  # [B, r]
-        except rans.RansError as e:
-            raise ProtocolError(BAD_TENSOR, f"{self.name}: {e}") from None
-        hi = sym - self.level.offset  # [B, r]
-        escaped = sym == ESCAPE
-        if (escaped.sum(axis=1) != row_esc).any():
-            raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's escape symbols differ from its row byte's count")
-        again = escapes + self.level.offset
-        if escapes.size and (m.tables.codable(again, tab[escaped]) & (again != ESCAPE)).any():
-            raise ProtocolError(BAD_TENSOR, f"{self.name}: an escaped value its table codes (not canonical)")
-        hi[escaped] = escapes
-        return m.reconstruct(cls, (hi << shift) + _unpack_fields(lo_bits, shift))
-
 class _Model:
     """An :class:`AnsLevel` unpacked for coding: per class and component its table, raw bits and shrink; the
     encoder's choice of row class and symbols."""
@@ -252,6 +215,49 @@ class _Model:
         tab, shift = self.table_of[cls], self.shift_of[cls]
         return self._bits[tab, sym] + shift + np.where(sym == ESCAPE, ESCAPE_BITS, 0)
 
+
+class PcaAnsCodec(RansRowsCodec):
+    """An :class:`AnsLevel` of the bundle's PCA artifact. ``basis``: a :class:`shared.codecs_pca.PcaBasis`."""
+
+    level_type, model_type = AnsLevel, _Model
+
+    # -- payload: fingerprint | row bytes [S] | raw rows f16 | lo bits | escaped hi i16 | word counts [Sq - 1]
+    #    u16 | rANS words ------------------------------------------------------------------------------------------
+    def encode_payload(self, x):
+        s, h = x.shape
+        z = (x - self.mean) @ self.analysis / self.step  # [S, r] coefficients in steps, float64
+        m = self.model
+        cls, q, sym, escaped = m.quantize(z)  # [S], [S, r] x 3
+        hi = q >> m.shift_of[cls]  # [S, r]
+        n_esc = escaped.sum(axis=1)  # [S]
+        raw = (n_esc > ROW_ESCAPES_MAX) | (escaped & ((hi < -0x8000) | (hi > 0x7FFF))).any(axis=1)  # [S]
+        keep = ~raw
+        row_byte = np.where(raw, RAW_ROW, cls | (n_esc << CLASS_BITS)).astype(np.uint8)  # [S]
+        cls, q, sym, escaped, hi = cls[keep], q[keep], sym[keep], escaped[keep], hi[keep]
+        shift = m.shift_of[cls]  # [Sq, r]
+        words, lengths = rans.encode(sym, m.table_of[cls], m.tables)
+        lo = q & ((1 << shift) - 1)  # [Sq, r]
+        return b"".join([self.fingerprint, row_byte.tobytes(), to_f16(x[raw], f"{self.name} raw rows").tobytes(),
+                         _pack_fields(lo, shift), hi[escaped].astype("<i2").tobytes(),
+                         lengths[:-1].astype("<u2").tobytes(), words.astype("<u2").tobytes()])
+
+    def _decode_block(self, cls, row_esc, words, lengths, lo_bits, escapes) -> np.ndarray:
+        """Decoded coefficients [B, r] (in steps) of a block of coded rows of classes ``cls`` [B]."""
+        m = self.model
+        tab, shift = m.table_of[cls], m.shift_of[cls]  # [B, r]
+        try:
+            sym = rans.decode(words, lengths, tab, m.tables)  # [B, r]
+        except rans.RansError as e:
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: {e}") from None
+        hi = sym - self.level.offset  # [B, r]
+        escaped = sym == ESCAPE
+        if (escaped.sum(axis=1) != row_esc).any():
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's escape symbols differ from its row byte's count")
+        again = escapes + self.level.offset
+        if escapes.size and (m.tables.codable(again, tab[escaped]) & (again != ESCAPE)).any():
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: an escaped value its table codes (not canonical)")
+        hi[escaped] = escapes
+        return m.reconstruct(cls, (hi << shift) + _unpack_fields(lo_bits, shift))
 
 def row_log2_gain(z: np.ndarray, sd: np.ndarray) -> np.ndarray:
     """log2 of each row's scale [S]: the RMS of its coefficients ``z`` [S, r] over their spreads ``sd`` [r]."""

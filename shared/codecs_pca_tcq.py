@@ -35,7 +35,7 @@ from .codec_base import to_f16
 from .codecs_pca_ans import (CLASS_BITS, ESCAPE, ESCAPE_BITS, MAX_CLASSES, MAX_SHIFT, RAW_ROW, ROW_ESCAPES_MAX,
                              TABLES_PER_OCTAVE, RansRowsCodec, _pack_fields, _unpack_fields, gg_tables, quantize_freq,
                              row_log2_gain)
-from .errors import BAD_CODEC, BAD_TENSOR, ProtocolError
+from .errors import BAD_TENSOR, ProtocolError
 
 TCQ_LEVELS = ("pca-tcq-compact",)
 TRANSITIONS = np.array([[0, 2], [2, 0], [1, 3], [3, 1]], np.int64)  # next state [state, parity of k]
@@ -231,14 +231,7 @@ def _viterbi_row(step_cost: list) -> tuple[list[int], list[int]]:
 class PcaTcqCodec(RansRowsCodec):
     """A :class:`TcqLevel` of the bundle's PCA artifact. ``basis``: a :class:`shared.codecs_pca.PcaBasis`."""
 
-    def __init__(self, basis, level: str):
-        lv = getattr(basis, "levels", {}).get(level)
-        if not isinstance(lv, TcqLevel):
-            raise ProtocolError(BAD_CODEC, f"{level}: the bundle's codec artifact has no such level")
-        super().__init__(basis, level, lv.step, lv.r)
-        self.level = lv
-        self.model = _TcqModel(lv)
-        self.max_words = self.r + rans.STATE_WORDS  # at most one renormalisation word per coefficient
+    level_type, model_type = TcqLevel, _TcqModel
 
     def encode_payload(self, x):
         s, h = x.shape
