@@ -11,7 +11,7 @@ Batching (``cloud_server.engine_link``): the commands of one event-loop turn go 
 turn's end; ``add_inputs`` (a turn's decode steps) sends at once, with what was queued before it. A writer
 thread pickles and writes the frames (what queued while it wrote goes out as one frame), so the event loop
 never waits on the link: a prompt's states are megabytes, and the engine process reads them between its
-steps (measured on the H200 host: ~15 % of the workers' busy time was the loop blocked in that write). A reader
+steps (py-spy on the H200 host: ~24 % of the workers' busy loop time was blocked in that write). A reader
 thread takes the engine's frames: a step's outputs for this worker arrive as one frame and are handed to the
 sinks in order (the translator's sinks feed one ``LoopInbox``: one loop wakeup per step). If the engine
 process goes away, every open request gets an ``engine_error`` output and ``on_lost`` is called.
