@@ -154,6 +154,8 @@ def instrument(engine, runner) -> Spans:
             sp.wrap(runner, attr, "runner.upload")
         sp.wrap(runner.graphs, "step", "graphs.step")
         sp.wrap(runner.graphs, "step_next", "graphs.step_next")
+        if hasattr(runner.graphs, "step_next_sampled"):  # the sampled graph (the sampler's rule captured)
+            sp.wrap(runner.graphs, "step_next_sampled", "graphs.step_next_sampled")
         sp.wrap(runner.graphs, "_run", "graphs.replay")
         sp.wrap(runner.fast, "linear", "fast.linear")
         sp.wrap(runner.fast, "compute_logits", "fast.lm_head")

@@ -27,7 +27,7 @@ generator or penalty history.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -175,6 +175,8 @@ class LLMEngine:
         """Admit a request; returns an error output (and admits nothing) if it is refused."""
         if request_id in self.seqs:
             return [self._error_output(request_id, "duplicate_request", f"request {request_id!r} is active")]
+        if params.seed is None and not params.greedy:  # a key of its own: its draws are a function of it and the
+            params = replace(params, seed=self.sampler.fresh_key())  # position, which a decode graph can compute
         seq = Sequence(request_id, params, self.resolve_variant(variant), prefix_keys,
                        feed_back_tokens=first.token_ids is not None)
         try:
@@ -336,7 +338,7 @@ class LLMEngine:
         seqs = [it.seq for it in items]
         ends = [it.chunk.end for it in items]
         plain = batch.plain_decode and not self.output_states  # the steady decode step: no rows to split off
-        logits, greedy = self._run(batch, seqs, ends)  # [S, V] (u-shape: [T, H]); greedy: their argmax [S] or None
+        logits, ids, missed = self._run(batch, seqs, ends)  # [S, V] (u-shape: [T, H]); ids [S] or None (below)
         decodes = plain or any(it.chunk.n == 1 or it.chunk.is_spec for it in items)
         if self.output_states:  # u-shape: the rows are hidden states [T, H]; nothing is sampled
             advance(seqs, ends)
@@ -346,7 +348,8 @@ class LLMEngine:
             rows = self._last_decode.get(batch.variant)
             if rows is None or rows.seqs is not seqs:  # (its hidden states were not float32 rows)
                 rows = _DecodeRows(seqs, [], [], [s.params for s in seqs], [s.output_ids for s in seqs])
-            pending = self.sampler.launch(logits, rows.params, ends, rows.histories, greedy)
+            pending = (self.sampler.launch(logits, rows.params, ends, rows.histories, ids) if missed is None else
+                       self.sampler.launch(logits, rows.params, ends, drawn=(ids, missed)))
         else:
             spec_rows, drafted, logits = self._split_rows(batch, logits)
             sampled = [it for it in items if it.sample and not it.chunk.is_spec and not it.chunk.cloud_draft]
@@ -359,12 +362,13 @@ class LLMEngine:
                 self.scheduler.publish_prefix(seq)
         return _Launched(batch, spec_rows, pending, drafted=drafted, decodes=decodes)
 
-    def _run(self, batch: ScheduledBatch, seqs: list[Sequence] | None = None,
-             ends: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, batch: ScheduledBatch, seqs: list[Sequence] | None = None, ends: list[int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The forward pass of ``batch`` (``seqs`` and ``ends``: its items' sequences and chunk ends, if the caller
         has them), queued on the device: the logits ``[S, V]`` of its sampled rows (u-shape: the hidden states
-        ``[T, H]`` of all its positions), float32 or the model's dtype (:meth:`_continue_decode`), and their
-        argmax ``[S]`` where the runner computed it (else None)."""
+        ``[T, H]`` of all its positions), float32 or the model's dtype (:meth:`_continue_decode`); ids ``[S]``
+        where the runner computed them (else None): their argmax, or with missed ``[S]`` (not None) the tokens its
+        graph sampled (the sampler's ``GraphSampling``)."""
         items = batch.items
         if seqs is None or ends is None:
             seqs, ends = [it.seq for it in items], [it.chunk.end for it in items]
@@ -375,18 +379,20 @@ class LLMEngine:
         flat = build_batch([it.chunk for it in items], [s.block_table for s in seqs],
                            self.config.block_size, [it.sample for it in items], all_rows=self.output_states,
                            host_buffer=getattr(runner, "host_buffer", None))
-        return runner.run(flat), None
+        return runner.run(flat), None, None
 
-    def _continue_decode(self, batch: ScheduledBatch, runner, seqs: list[Sequence],
-                         ends: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _continue_decode(self, batch: ScheduledBatch, runner, seqs: list[Sequence], ends: list[int]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The steady decode step without rebuilding its batch: when ``batch`` is the last launched decode batch
         one position on (the same sequences in the same order, each one token further, every row sampled), a runner
         that keeps its last decode batch (``continue_decode``, the fast runner's persistent batch) gets only the
         hidden states - the :meth:`add_inputs` array itself and the batch's rows in it when every chunk is a row of
         one such array, else the rows gathered into the runner's buffer ``[S, H]`` - and the blocks appended to its
         rows' tables since, ``(row, column, block)`` each (a step one position on adds at most one per table, at its
-        end; any other change to a table moves its positions too). Returns its (logits ``[S, V]`` in the model's
-        dtype, greedy ids ``[S]``), or None: run the full batch."""
+        end; any other change to a table moves its positions too); and, where the runner samples in its graph
+        (``samples_in_graph``), the composition's sampling columns (``Sampler.graph_columns``). Returns its
+        (logits ``[S, V]`` in the model's dtype, ids ``[S]``, missed ``[S]`` or None: see :meth:`_run`), or None:
+        run the full batch."""
         items = batch.items
         last = self._last_decode.pop(batch.variant, None)
         if self.output_states or not (batch.plain_decode or all(it.sample and it.chunk.n == 1 for it in items)):
@@ -402,6 +408,7 @@ class LLMEngine:
                 return None
         lens = [len(s.block_table) for s in seqs]
         same = last is not None and last.seqs == seqs
+        params = last.params if same else [s.params for s in seqs]
         cont = getattr(runner, "continue_decode", None)
         out = None
         if cont is not None and same and last.next_ends == ends:
@@ -413,11 +420,12 @@ class LLMEngine:
                     rows, order = fed, None  # [S, H]: its rows in the batch's order (lockstep)
                 else:
                     rows = fed  # [N, H], the batch's rows picked on the device
-                out = cont(rows, grown, order)  # (logits [S, V], ids [S]), or None: the runner ran another step since
+                cols = (self.sampler.graph_columns(params, runner.device)
+                        if getattr(runner, "samples_in_graph", False) else None)
+                out = cont(rows, grown, order, cols)  # (logits, ids, missed), or None: the runner ran another step
         # (recorded after the launch: the device is busy meanwhile)
         self._last_decode[batch.variant] = _DecodeRows(
-            seqs, [e + 1 for e in ends], lens, last.params if same else [s.params for s in seqs],
-            last.histories if same else [s.output_ids for s in seqs])
+            seqs, [e + 1 for e in ends], lens, params, last.histories if same else [s.output_ids for s in seqs])
         return out
 
     @staticmethod

@@ -10,10 +10,17 @@ is redrawn from the sorted cut). The vocabulary is cut into chunks of :data:`CHU
 from the chunks' masses, then its token inside that chunk; whether a try is in the nucleus (the mass of the
 strictly better tokens is below top_p) is one masked sum per draw. A seeded request's ``u`` are
 counter-based hashes of ``(seed, position, try)`` (:func:`uniforms`), so it draws the same tokens batched or
-alone and when it is replayed from its context (a resume, another replica); rows without a seed take fresh
-uniforms from the sampler's generator. No per-row Python loop, no per-row sync: one copy of the S ids (and the
-logprobs asked for) to the host, and :meth:`Sampler.launch` only queues it, so the engine can overlap it with
-the next step (:meth:`PendingSample.result` waits).
+alone and when it is replayed from its context (a resume, another replica). The engine gives an unseeded sampled
+request a random key of its own as its seed (:meth:`Sampler.fresh_key`), so every sampled row's uniforms are such
+hashes (rows without a seed, from other callers, take fresh uniforms from the sampler's generator). No per-row
+Python loop, no per-row sync: one copy of the S ids (and the logprobs asked for) to the host, and
+:meth:`Sampler.launch` only queues it, so the engine can overlap it with the next step (:meth:`PendingSample.result`
+waits).
+
+In the steady decode step the same rule runs inside the fast runner's CUDA graph (:class:`GraphSampling`: the
+uniforms from the keys and positions on the device, :func:`device_uniforms`) for a composition without penalties,
+top-k or logprobs (:meth:`Sampler.graph_columns`); :meth:`Sampler.launch` then only takes the graph's ids
+(``drawn``) and redraws a row whose draws all missed.
 
 Greedy picks the argmax (lowest id on ties). Logprobs are those of the model's raw distribution (temperature
 1, no truncation, no penalties), as vLLM reports them. Presence / frequency / repetition penalties apply to the
@@ -67,6 +74,32 @@ def uniforms(seeds: list[int], positions: list[int], tries: int) -> np.ndarray:
         z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
     return (((z ^ (z >> u64(31))) >> u64(40)).astype(np.float64) + 0.5) / (1 << 24)
+
+
+def _int64(v: int) -> int:
+    """The 64 bits of ``v`` (mod 2**64) as a signed int64 value (torch has no uint64 arithmetic)."""
+    v &= _M64
+    return v - (1 << 64) if v >> 63 else v
+
+
+_GOLD, _MIX1, _MIX2, _DRAW = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB,
+                                                 0xD6E8FEB86659FD93))
+
+
+def _lsr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 ``z`` holding uint64 bits (``>>`` on int64 is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def device_uniforms(keys: torch.Tensor, positions: torch.Tensor, tries: int) -> torch.Tensor:
+    """:func:`uniforms` where ``keys`` and ``positions`` (``[S]`` int64; a key is its seed's 64 bits as int64) are:
+    ``[S, tries]`` float32, the same numbers (int64 arithmetic wraps as uint64 does; the float64 value rounded to
+    float32 as the host path rounds it). No host sync: a CUDA graph can compute them from static buffers."""
+    draw = torch.arange(tries, dtype=torch.int64, device=keys.device)  # [R]
+    z = keys[:, None] * _GOLD + positions[:, None] * _MIX1 + draw[None, :] * _DRAW + _MIX2  # [S, R]
+    z = (z ^ _lsr(z, 30)) * _MIX1
+    z = (z ^ _lsr(z, 27)) * _MIX2
+    return ((_lsr(z ^ _lsr(z, 31), 40).double() + 0.5) / (1 << 24)).float()
 
 
 def sample_rows(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -276,6 +309,12 @@ class _BatchParams:
         self.seeds = [params[i].seed for i in self.seeded]
         self.kmax = max((p.top_k for p in params if not p.greedy), default=0)
         self._columns: tuple[torch.Tensor, ...] | None = None
+        # a composition a decode graph can sample (GraphSampling): no penalties, top-k nor logprobs, every
+        # sampled row keyed by its seed (the engine gives unseeded requests a key), not plain greedy
+        self.in_graph = (not self.plain_greedy and not self.penalized and not self.want_lp and self.kmax == 0
+                         and all(p.greedy or p.seed is not None for p in params))
+        self.keys = [0 if p.seed is None else _int64(p.seed) for p in params]
+        self._graph_columns: GraphColumns | None = None
 
     def matches(self, params: list[SamplingParams], dev: torch.device) -> bool:
         return dev == self.device and (params is self.params or params == self.params)
@@ -295,6 +334,69 @@ class _BatchParams:
             self._columns = (cols[:, 0], cols[:, 1], cols[:, 2].long(), cols[:, 3] > 0, cols[:, 4].long())
         return self._columns
 
+    def graph_columns(self) -> GraphColumns | None:
+        """What :class:`GraphSampling` loads for this composition (uploaded once), or None where it is not
+        :attr:`in_graph`."""
+        if not self.in_graph:
+            return None
+        if self._graph_columns is None:
+            inv_t, top_p, _, greedy, tries = self.columns()
+            keys = _device(torch.tensor(self.keys, dtype=torch.int64), self.device)  # [S]
+            self._graph_columns = GraphColumns(inv_t, top_p, tries, greedy, keys)
+        return self._graph_columns
+
+
+@dataclass(frozen=True, eq=False)
+class GraphColumns:
+    """One composition's sampling columns on the device, ``[S]`` each: 1 / temperature, top_p, draws, greedy,
+    keys (the rows' seeds as int64)."""
+
+    inv_t: torch.Tensor
+    top_p: torch.Tensor
+    tries: torch.Tensor
+    greedy: torch.Tensor
+    keys: torch.Tensor
+
+
+class GraphSampling:
+    """The sampler's rule as a function of static buffers, for a runner's CUDA graphs to capture after the logits
+    (``cloud_server.fast.graphs``): no host work, no host sync, no upload per step.
+
+    The buffers (``[max_batch]`` on ``device``) hold the columns of the composition :meth:`load` was last given;
+    a graph replays with them. Each row draws :data:`TRIES` uniforms from its key and the position of the token it
+    samples (:func:`device_uniforms`: a seeded row's numbers are the host path's), and :func:`sample_top_p` keeps
+    the first of its own ``tries`` draws in its nucleus: the tokens :meth:`Sampler.launch` draws from the same
+    logits. Greedy rows take the argmax. A row whose draws all missed is flagged; :meth:`Sampler.launch` (given
+    these ids with ``drawn``) redraws it from the sorted cut, as it does its own."""
+
+    def __init__(self, max_batch: int, device: torch.device):
+        self.inv_t = torch.ones(max_batch, dtype=torch.float32, device=device)  # [B]
+        self.top_p = torch.ones(max_batch, dtype=torch.float32, device=device)  # [B]
+        self.tries = torch.ones(max_batch, dtype=torch.int64, device=device)  # [B]
+        self.greedy = torch.ones(max_batch, dtype=torch.bool, device=device)  # [B]
+        self.keys = torch.zeros(max_batch, dtype=torch.int64, device=device)  # [B]
+        self.loaded: GraphColumns | None = None
+
+    def load(self, cols: GraphColumns) -> None:
+        """Copy a composition's columns into the buffers (nothing when they hold them already)."""
+        if cols is self.loaded:
+            return
+        n = cols.keys.shape[0]
+        for dst, src in ((self.inv_t, cols.inv_t), (self.top_p, cols.top_p), (self.tries, cols.tries),
+                         (self.greedy, cols.greedy), (self.keys, cols.keys)):
+            dst[:n].copy_(src, non_blocking=True)
+        self.loaded = cols
+
+    def __call__(self, logits: torch.Tensor, argmax: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits ``[b, V]``, their argmax ``[b]``, the rows' input positions ``[b]`` (each samples the token at the
+        next one) -> (ids ``[b]``, missed ``[b]`` bool)."""
+        b = logits.shape[0]
+        u = device_uniforms(self.keys[:b], positions + 1, TRIES)  # [b, R]
+        ids, missed = sample_top_p(logits.float(), self.top_p[:b], u, self.inv_t[:b], self.tries[:b])
+        greedy = self.greedy[:b]
+        return torch.where(greedy, argmax, ids), missed & ~greedy
+
 
 class Sampler:
     def __init__(self, seed: int | None = None):
@@ -305,25 +407,43 @@ class Sampler:
             self.generator.seed()
         self._batch: _BatchParams | None = None  # the last batch composition's derived parameters
 
+    def fresh_key(self) -> int:
+        """A random key for an unseeded request (the engine makes it the request's seed: its draws are then a
+        function of the key and the position, as a seeded request's are, which a decode graph can compute)."""
+        return int(torch.randint(0, (1 << 63) - 1, (), generator=self.generator))
+
+    def _plan(self, params: list[SamplingParams], dev: torch.device) -> _BatchParams:
+        b = self._batch
+        if b is None or not b.matches(params, dev):
+            b = self._batch = _BatchParams(params, dev)
+        return b
+
+    def graph_columns(self, params: list[SamplingParams], dev: torch.device) -> GraphColumns | None:
+        """The composition's columns for a decode graph's :class:`GraphSampling`, or None: the graph's argmax (plain
+        greedy) or this sampler's own launch (penalties, top-k, logprobs, an unkeyed row)."""
+        return self._plan(params, dev).graph_columns()
+
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
                  histories: list[list[int]] | None = None) -> list[SampledToken]:
         """:meth:`launch` and wait."""
         return self.launch(logits, params, positions, histories).result()
 
     def launch(self, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-               histories: list[list[int]] | None = None, argmax: torch.Tensor | None = None) -> PendingSample:
+               histories: list[list[int]] | None = None, argmax: torch.Tensor | None = None,
+               drawn: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingSample:
         """logits [S, V] (CPU or device; float32, or a float the sampled rows are computed from in float32), one
         row per request; ``positions[i]`` is the position of row i's token (with the request's seed, it fixes the
         row's uniform); ``histories`` each request's generated tokens (for the penalties); ``argmax`` [S] the
         logits' argmax (lowest id on ties) where the caller has it already (the fast runner's graph computes it):
         greedy rows take it instead of a pass of their own. Queues the sampling where the logits are and the copy
-        of the ids to the host."""
+        of the ids to the host. ``drawn`` = (ids ``[S]``, missed ``[S]``): what a decode graph's
+        :class:`GraphSampling` drew from these logits for a composition :meth:`graph_columns` gave it; only the
+        copy to the host is queued (and the logits kept for the rare redraw)."""
         if len(params) != logits.shape[0] or len(positions) != len(params):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(params)} params, {len(positions)} positions")
-        dev = logits.device
-        b = self._batch
-        if b is None or not b.matches(params, dev):
-            b = self._batch = _BatchParams(params, dev)
+        b = self._plan(params, logits.device)
+        if drawn is not None:
+            return self._drawn(b, logits, params, positions, *drawn)
         if b.plain_greedy:
             # plain greedy rows: argmax where the logits are (first maximum = lowest id on ties)
             return PendingSample(logits.argmax(dim=-1) if argmax is None else argmax, None, None, params)
@@ -366,6 +486,23 @@ class Sampler:
         # a row that rejected every draw (probability <= MISS) is redrawn once the host sees its flag
         # (PendingSample.result): no sync here
         return self._pending(raw, ids, params, b.want_lp, missed, exact)
+
+    @staticmethod
+    def _drawn(b: _BatchParams, logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
+               ids: torch.Tensor, missed: torch.Tensor) -> PendingSample:
+        """The ids a decode graph drew (:class:`GraphSampling`) on their way to the host; a row that missed is
+        redrawn as :meth:`_launch` redraws it (the sorted cut, inverse CDF at its first uniform)."""
+        if not b.in_graph:
+            raise ValueError("drawn ids for a composition the graph does not sample (see graph_columns)")
+        raw = logits.float()  # [S, V] a copy (or the caller's own float32 copy): the graph's buffer is reused
+
+        def exact() -> torch.Tensor:
+            inv_t, top_p, top_k, _, _ = b.columns()
+            u0 = _device(torch.from_numpy(uniforms(b.keys, positions, 1)[:, 0].astype(np.float32)), raw.device)
+            z = filtered_logits(raw, 1.0 / inv_t, top_k, top_p, 0, True)  # [S, V]
+            return torch.where(missed, sample_rows(z, u0), ids), None, None
+
+        return PendingSample(ids, None, None, params, missed, exact)
 
     @staticmethod
     def _pending(raw: torch.Tensor, ids: torch.Tensor, params: list[SamplingParams], want_lp: bool,

@@ -14,6 +14,11 @@ reading the sampled ids. Each replay also advances its live rows' positions and 
 step carries the same sequences (the steady state of a decode batch) :meth:`DecodeGraphs.step_next` uploads
 only the new hidden states (vLLM v1's "persistent batch" idea).
 
+*Sampling in the graph* (``sampling``: the engine sampler's ``GraphSampling``): each decode bucket is captured a
+second time with the sampler's rule after the logits, reading the composition's columns from static buffers
+(``GraphSampling.load``); :meth:`DecodeGraphs.step_next_sampled` replays it. A sampled step then costs one
+launch instead of the sampler's ~45, and nothing of it runs on the host.
+
 *Flat steps* (``flat_rows > 0``): a step that is not a pure decode step (a prompt chunk beside decode rows, as
 the engine's chunked prefill schedules it) runs through the same captured function too, with one row per
 position: a position ``p`` of a chunk is a query row whose context is ``[0, p]`` (its length ``p + 1``, its
@@ -44,8 +49,11 @@ FLAT_SPLIT = 512  # tokens per split of a flat step's attention (its rows are ma
 
 class DecodeGraphs:
     def __init__(self, model: FastGLM, kv: KVPool, max_batch: int, max_blocks_per_seq: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, use_graphs: bool | None = None, flat_rows: int = 0):
-        """``flat_rows``: rows beyond ``max_batch`` a flat step may have (0: no flat-step graphs)."""
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, use_graphs: bool | None = None, flat_rows: int = 0,
+                 sampling=None):
+        """``flat_rows``: rows beyond ``max_batch`` a flat step may have (0: no flat-step graphs); ``sampling``:
+        ``(logits [b, V], argmax [b], positions [b]) -> (ids [b], missed [b])`` over static buffers, captured into
+        a second graph per decode bucket (None: none)."""
         if max_batch <= 0 or max_blocks_per_seq <= 0 or flat_rows < 0:
             raise ValueError("max_batch and max_blocks_per_seq must be positive, flat_rows >= 0")
         self.model, self.kv = model, kv
@@ -78,11 +86,12 @@ class DecodeGraphs:
         self.advance = torch.zeros(rows, dtype=torch.int32, device=dev)
         self._live: tuple[int, int] | None = None  # (rows, bucket) the static buffers describe
         self.steps = 0  # steps run so far (a caller can tell whether anyone else stepped since its last step)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sampling = sampling
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, sampled)
+        self.outputs: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
 
     # -- the captured function --------------------------------------------------------------------
-    def _step(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, b: int, sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         bs = self.kv.block_size
         pos = self.positions[:b]  # [b]
         tables = self.block_tables[:b]  # [b, MAXB]
@@ -91,9 +100,12 @@ class DecodeGraphs:
         x = self.model.forward(self.hidden[:b], pos, slots, self.kv, meta)  # [b, H]
         logits = self.model.compute_logits(x[: self.max_batch])  # [min(b, max_batch), V]: a flat step's first rows
         ids = logits.argmax(dim=-1)  # greedy; samplers with other settings read the logits
+        missed = None
+        if sampled:  # the sampler's rule (its columns in static buffers): the tokens, and the rows to redraw
+            ids, missed = self.sampling(logits, ids, pos)  # [b], [b]
         self.positions[:b] += self.advance[:b]  # the static buffers now describe the next step
         self.seq_lens[:b] += self.advance[:b]
-        return logits, ids
+        return logits, ids, missed
 
     def capture(self) -> None:
         """Capture every bucket, the flat steps' too (largest first, sharing one memory pool)."""
@@ -101,19 +113,22 @@ class DecodeGraphs:
             return
         pool = torch.cuda.graph_pool_handle()
         main = torch.cuda.current_stream()
-        for b in sorted(self.buckets + self.flat_buckets, reverse=True):
+        kinds = [(b, False) for b in self.buckets + self.flat_buckets]
+        if self.sampling is not None:
+            kinds += [(b, True) for b in self.buckets]
+        for key in sorted(kinds, reverse=True):
             side = torch.cuda.Stream()
             side.wait_stream(main)
             with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
                 for _ in range(2):
-                    self._step(b)
+                    self._step(*key)
             main.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._step(b)
-            self.graphs[b] = graph
-        for b in self.graphs:  # one replay each (the static buffers hold padding rows: only the null block is
-            self.graphs[b].replay()  # touched), so a bucket's first real step does not pay the graph's upload
+                self.outputs[key] = self._step(*key)
+            self.graphs[key] = graph
+        for key in self.graphs:  # one replay each (the static buffers hold padding rows: only the null block is
+            self.graphs[key].replay()  # touched), so a bucket's first real step does not pay the graph's upload
         torch.cuda.synchronize()
 
     def bucket_for(self, n: int) -> int:
@@ -149,21 +164,31 @@ class DecodeGraphs:
             self.advance[:n].fill_(1)
             self.advance[n:b].zero_()
             self._live = (n, b)
-        return self._run(n, b)
+        return self._run(n, b)[:2]
 
     def step_next(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The next step of the same sequences as the last :meth:`step` (each one token further on): only the
         hidden states [n, H] are uploaded; positions and lengths were advanced by the previous replay."""
+        return self._run(*self._next(hidden))[:2]
+
+    def step_next_sampled(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`step_next` through the bucket's sampled graph: (logits [n, V], the sampled ids [n], missed [n]) of
+        the columns ``sampling`` holds (its ``load``, before this call)."""
+        if self.sampling is None:
+            raise ValueError("these graphs were built without sampling")
+        return self._run(*self._next(hidden), sampled=True)
+
+    def _next(self, hidden: torch.Tensor) -> tuple[int, int]:
         n = hidden.shape[0]
         if self._live is None or self._live[0] != n:
             raise ValueError("step_next needs the same batch as the previous step; call step() first")
         self.hidden[:n].copy_(hidden, non_blocking=True)
-        return self._run(n, self._live[1])
+        return n, self._live[1]
 
-    def _run(self, n: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, n: int, b: int, sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         self.steps += 1
         if not self.use_graphs:
-            return self._step(n)
-        self.graphs[b].replay()
-        logits, ids = self.outputs[b]
-        return logits[:n], ids[:n]
+            return self._step(n, sampled)
+        self.graphs[b, sampled].replay()
+        logits, ids, missed = self.outputs[b, sampled]
+        return logits[:n], ids[:n], None if missed is None else missed[:n]

@@ -81,8 +81,11 @@ class FastGlmRunner:
         self.max_blocks = -(-max_model_len // pool.block_size)
         graphs_on = self.device.type == "cuda" if use_graphs is None else bool(use_graphs)
         self.flat_steps = graphs_on if flat_steps is None else bool(flat_steps)
+        from cloud_server.engine.sampler import GraphSampling  # (the engine's rule; imported here: fast -> engine)
+
+        self.sampling = GraphSampling(max_batch, self.device)
         self.graphs = DecodeGraphs(self.fast, self.kv, max_batch, self.max_blocks, use_graphs=use_graphs,
-                                   flat_rows=flat_rows if self.flat_steps else 0)
+                                   flat_rows=flat_rows if self.flat_steps else 0, sampling=self.sampling)
         # what the startup tuning measured and chose (None: not tuned, e.g. on the CPU)
         self.tuning = tune_for_device(self.fast, self.kv, self.graphs, tune_context) if tune else None
         self.graphs.capture()
@@ -179,9 +182,12 @@ class FastGlmRunner:
         return fast.compute_logits(x[rows]).float()
 
 
+    samples_in_graph = True  # continue_decode samples a composition the sampler's graph_columns describe
+
     @torch.inference_mode()
     def continue_decode(self, hidden: torch.Tensor, grown: list[tuple[int, int, int]] = (),
-                        order: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        order: list[int] | None = None, sampling=None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The engine's steady decode step: the rows of the last decode batch, each one position on (the caller
         knows: the same sequences in the same order, every row sampled), given only their hidden states (host,
         float32; page-locked ones go up without another copy): ``hidden`` [n, H], or with ``order`` (the batch's
@@ -189,11 +195,15 @@ class FastGlmRunner:
         their tables since, ``(row, column, block)`` each: written into the graphs' tables (one small upload), so a
         row crossing into a new block does not end the persistent batch.
 
-        Returns (logits [n, V], greedy ids [n]) on the device, or None when another step of the graphs ran since
-        (the caller then runs the full batch). The ids are the argmax the graph computed (lowest id on ties), so
-        a greedy batch needs no pass of its own over the logits. The logits are in the model's dtype (no float32
-        copy of [n, V] for a greedy batch): a bf16/fp16 graph output the next step overwrites, so the caller
-        reads them before it launches another step (a float32 model's are a copy)."""
+        ``sampling`` (the engine sampler's ``GraphColumns`` of this composition, or None): the step replays the
+        bucket's sampled graph with them loaded.
+
+        Returns (logits [n, V], ids [n], missed [n] or None) on the device, or None when another step of the graphs
+        ran since (the caller then runs the full batch). Without ``sampling`` the ids are the argmax the graph
+        computed (lowest id on ties), so a greedy batch needs no pass of its own over the logits, and missed is
+        None; with it, the sampled ids and the rows to redraw (``GraphSampling``). The logits are in the model's
+        dtype (no float32 copy of [n, V] for a greedy batch): a bf16/fp16 graph output the next step overwrites,
+        so the caller reads them before it launches another step (a float32 model's are a copy)."""
         last = self._last_decode
         n = hidden.shape[0] if order is None else len(order)
         if last is None or last[2] != self.graphs.steps or len(last[1]) != n:
@@ -209,9 +219,13 @@ class FastGlmRunner:
         x = self._upload(hidden)  # [n, H] (with order: [N, H])
         if order is not None:
             x = x[self._upload(torch.tensor(order, dtype=torch.long))]  # [n, H]
-        logits, ids = self.graphs.step_next(x)  # [n, V], [n]; the copy into the graph's input casts
+        if sampling is None:
+            (logits, ids), missed = self.graphs.step_next(x), None  # [n, V], [n]; the copy into the input casts
+        else:
+            self.sampling.load(sampling)
+            logits, ids, missed = self.graphs.step_next_sampled(x)  # [n, V], [n], [n]
         self._last_decode = (last[0], [c + 1 for c in last[1]], self.graphs.steps)
-        return (logits.clone() if logits.dtype == torch.float32 else logits), ids
+        return (logits.clone() if logits.dtype == torch.float32 else logits), ids, missed
 
     def _run_flat(self, batch, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
         """A step with prompt chunks as a flat step (:mod:`.graphs`): one row per position, each attending to its

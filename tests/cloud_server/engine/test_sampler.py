@@ -216,3 +216,15 @@ def test_a_row_that_rejects_every_try_is_redrawn_from_the_sorted_cut(monkeypatch
     pending = Sampler(0).launch(logits, params, [0, 0])
     assert pending._short.tolist() == [True, False]
     assert [o.token_id for o in pending.result()] == [3, 7]
+
+
+def test_device_uniforms_are_the_host_hash():
+    """The uniforms a decode graph computes from int64 keys on the device are the host path's, bit for bit
+    (keys past 2**63 included: int64 arithmetic wraps as the uint64 hash does)."""
+    from cloud_server.engine.sampler import _int64, device_uniforms
+
+    seeds = [0, 1, 3, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, 123456789012345, -5]
+    positions = [0, 1, 5, 100_000, 7, 1 << 31, 9, 2]
+    want = uniforms(seeds, positions, TRIES).astype(np.float32)  # [8, TRIES]
+    got = device_uniforms(torch.tensor([_int64(s) for s in seeds]), torch.tensor(positions), TRIES)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)

@@ -14,6 +14,8 @@ allocated mid-decode.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -62,7 +64,7 @@ class _Runner:
     def host_buffer(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def continue_decode(self, hidden: torch.Tensor, grown=(), order=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def continue_decode(self, hidden: torch.Tensor, grown=(), order=None, sampling=None) -> tuple | None:
         n = hidden.shape[0] if order is None else len(order)
         if not self.persistent or self.next_pos is None or self.next_pos.shape[0] != n:
             return None
@@ -72,7 +74,7 @@ class _Runner:
         if order is not None:
             hidden = hidden[order]  # [n, H] the batch's rows
         logits = self._logits(hidden, pos)  # [S, V] bfloat16
-        return logits, logits.argmax(dim=-1)
+        return logits, logits.argmax(dim=-1), None
 
 
 def _engine(fast: bool, overlap: bool, num_blocks: int, block_size: int = 4, device: str = "cpu") -> LLMEngine:
@@ -308,11 +310,13 @@ def test_add_inputs_refuses_what_add_input_refuses():
         _engine(True, False, 64).add_inputs(["a"], [0, 1], torch.randn(1, H))
 
 
-def _glm_lockstep(device: str, variant: str, fast: bool, steps: int = 6) -> tuple[list, int]:
+def _glm_lockstep(device: str, variant: str, fast: bool, steps: int = 6,
+                  params: list[SamplingParams] | None = None) -> tuple[list, list]:
     """A random tiny GLM-4.1V back half on the fast runner, 4 sessions (greedy, seeded top-p, greedy with logprobs,
     seeded top-k) in lockstep. ``fast``: the batched feed into ``input_buffer`` and the runner's continued decode
     batch (bf16 logits and its graph's greedy ids on CUDA); else one ``add_input`` per session and a full batch every
-    step (``continue_decode`` switched off). Every output, and per continued step the blocks it appended."""
+    step (``continue_decode`` switched off). ``params``: the sessions' (``max_tokens`` set here), else the four
+    above. Every output, and per continued step (the blocks it appended, whether its graph sampled)."""
     from cloud_server.fast.runner import FastGlmRunner
     from cloud_server.model import random_split_model
     from partition_tools.models import tiny_glm4v_config
@@ -322,23 +326,24 @@ def _glm_lockstep(device: str, variant: str, fast: bool, steps: int = 6) -> tupl
                        max_num_batched_tokens=64, max_model_len=64, enable_prefix_cache=False)
     eng = LLMEngine.from_models(cfg, {variant: model}, make_runner=lambda i, m, p: FastGlmRunner(
         m, p, max_batch=4, max_model_len=64, tune=False))
+    eng.sampler.generator.manual_seed(11)  # (the keys of unseeded requests: the same in both engines)
     runner, continued = eng.runners[variant], []
     if fast:
         cont = runner.continue_decode
 
-        def counted(h, grown, order):  # the steps the runner continued, and the blocks each appended
-            out = cont(h, grown, order)
+        def counted(h, grown, order, sampling=None):  # the steps the runner continued, and the blocks each appended
+            out = cont(h, grown, order, sampling)
             if out is not None:
-                continued.append(len(grown))
+                continued.append((len(grown), sampling is not None))
             return out
 
         runner.continue_decode = counted
     else:
         runner.continue_decode = None  # (the engine then builds every step's batch)
-    params = [SamplingParams(0.0, max_tokens=steps + 1, ignore_eos=True),
-              SamplingParams(0.7, top_p=0.9, seed=4, max_tokens=steps + 1, ignore_eos=True),
-              SamplingParams(0.0, logprobs=2, max_tokens=steps + 1, ignore_eos=True),
-              SamplingParams(0.9, top_k=20, seed=5, max_tokens=steps + 1, ignore_eos=True)]
+    if params is None:
+        params = [SamplingParams(0.0), SamplingParams(0.7, top_p=0.9, seed=4), SamplingParams(0.0, logprobs=2),
+                  SamplingParams(0.9, top_k=20, seed=5)]
+    params = [replace(p, max_tokens=steps + 1, ignore_eos=True) for p in params]
     g = torch.Generator().manual_seed(8)
     h = model.hidden_size
     ids = [f"s{i}" for i in range(4)]
@@ -379,5 +384,23 @@ def test_the_fast_runner_continued_with_batched_inputs_gives_the_full_batches_ou
     steps = 6
     (got, continued), (want, _) = _glm_lockstep(device, variant, True, steps), _glm_lockstep(device, variant, False, steps)
     assert got == want
-    assert len(continued) == steps - 1 and any(continued)  # the persistent batch, also where tables grew
+    assert len(continued) == steps - 1 and any(g for g, _ in continued)  # the persistent batch, also where tables grew
+    assert not any(sampled for _, sampled in continued)  # (logprobs and top-k: the sampler's own launch)
     assert {e[1] for e in want if e[2] is not None} == {"s0", "s1", "s2", "s3"}
+
+
+@pytest.mark.parametrize("device,variant", [("cpu", "fp32"), pytest.param("cuda", "bf16", marks=pytest.mark.gpu)])
+def test_the_fast_runners_sampled_graph_draws_the_samplers_tokens(device, variant):
+    """A composition the decode graph samples (greedy, seeded and unseeded top-p and temperature rows; one row with
+    so small a nucleus that its draws often all miss, so the redraw runs): the graph's tokens are those the sampler
+    draws from a full batch's logits every step, token for token (unseeded requests: the key the engine gave each,
+    the same in both engines)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    params = [SamplingParams(0.0), SamplingParams(0.7, top_p=0.9, seed=4), SamplingParams(0.8),
+              SamplingParams(1.5, top_p=0.02)]
+    steps = 8
+    (got, continued), (want, _) = (_glm_lockstep(device, variant, fast, steps, params) for fast in (True, False))
+    assert got == want
+    assert len(continued) == steps - 1 and all(sampled for _, sampled in continued)
+    assert len({e[2] for e in want if e[1] == "s3"}) > 1  # the tiny nucleus still draws (not only the argmax)
