@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cloud_server.engine.sampler_kernels import better_mass
+from cloud_server.engine.sampler_kernels import fused_top_p, top_p_draws
 from cloud_server.engine.sampling_params import SamplingParams
 
 
@@ -170,16 +170,36 @@ def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temp
     accepted with probability >= top_p; a row where none is (``missed`` ``[S]`` bool) must be redrawn.
     Returns (ids ``[S]``, missed ``[S]``).
 
-    Cost, a fixed number of tensor ops whatever the batch: the unnormalised probabilities
-    ``exp((x - max) * inv_temperature)`` once; the vocabulary cut into chunks of :data:`CHUNK` tokens (the last
-    padded with -inf), a draw finds its chunk from the chunks' cumulative masses and its token from that one
-    chunk's cumulative probabilities (no scan along the whole vocabulary: on CUDA one runs a thread block per
-    row); then the mass of each draw's better tokens, all draws in one pass on CUDA
-    (:func:`~cloud_server.engine.sampler_kernels.better_mass`).
+    On CUDA (and under ``TRITON_INTERPRET=1``) all of it is one Triton kernel reading ``x`` as it is (float32 or
+    16-bit): :func:`~cloud_server.engine.sampler_kernels.top_p_draws`, the same rule and order of operations
+    (below: the torch formula, which runs elsewhere, in float32).
+
+    The formula (:func:`_top_p_formula`), a fixed number of tensor ops whatever the batch: the unnormalised
+    probabilities ``exp((x - max) * inv_temperature)`` once; the vocabulary cut into chunks of :data:`CHUNK` tokens
+    (the last padded with -inf), a draw finds its chunk from the chunks' cumulative masses and its token from that
+    one chunk's cumulative probabilities (no scan along the whole vocabulary); then the mass of each draw's better
+    tokens, one masked sum per draw.
     """
     s, v = x.shape
     r = u.shape[1]
     w = min(CHUNK, 1 << max(v - 1, 0).bit_length())
+    if fused_top_p(x):
+        p2 = 1 << max(r - 1, 0).bit_length()  # the kernel's draws: a power of two (the padding ones are never kept)
+        if tries is None:
+            tries = torch.full((s,), r, dtype=torch.int64, device=x.device)
+        if inv_temperature is None:
+            inv_temperature = torch.ones(s, dtype=torch.float32, device=x.device)
+        if p2 != r:
+            u = F.pad(u, (0, p2 - r), value=0.5)
+        return top_p_draws(x, top_p, u, inv_temperature, tries, w)
+    return _top_p_formula(x.float(), top_p, u, inv_temperature, tries, w)  # (16-bit logits: in float32)
+
+
+def _top_p_formula(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temperature: torch.Tensor | None,
+                   tries: torch.Tensor | None, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_top_p` in torch ops, float32 ``x`` ``[S, V]``, chunks of ``w`` tokens."""
+    s, v = x.shape
+    r = u.shape[1]
     c = -(-v // w)
     xp = x if c * w == v else F.pad(x, (0, c * w - v), value=float("-inf"))  # [S, C * W]
     m = x.amax(dim=-1, keepdim=True)  # [S, 1] the row's largest logit (finite: a row keeps its best token)
@@ -202,7 +222,8 @@ def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temp
     val = xp.gather(1, drawn)  # [S, R] their logits
     bound = top_p.to(x.dtype)[:, None] * total  # [S, 1]
     order = torch.arange(r, device=x.device)
-    ok = better_mass(xp, e, val) < bound  # [S, R] the strictly better tokens' mass, under top_p of the total
+    better = torch.stack([torch.where(xp > val[:, j:j + 1], e, 0.0).sum(dim=-1) for j in range(r)], dim=1)  # [S, R]
+    ok = better < bound  # [S, R] the strictly better tokens' mass, under top_p of the total
     ok |= top_p[:, None] >= 1.0  # [S, R] the draw is in the nucleus
     if tries is not None:
         ok &= order[None, :] < tries[:, None]
@@ -393,7 +414,7 @@ class GraphSampling:
         next one) -> (ids ``[b]``, missed ``[b]`` bool)."""
         b = logits.shape[0]
         u = device_uniforms(self.keys[:b], positions + 1, TRIES)  # [b, R]
-        ids, missed = sample_top_p(logits.float(), self.top_p[:b], u, self.inv_t[:b], self.tries[:b])
+        ids, missed = sample_top_p(logits, self.top_p[:b], u, self.inv_t[:b], self.tries[:b])
         greedy = self.greedy[:b]
         return torch.where(greedy, argmax, ids), missed & ~greedy
 
@@ -494,12 +515,13 @@ class Sampler:
         redrawn as :meth:`_launch` redraws it (the sorted cut, inverse CDF at its first uniform)."""
         if not b.in_graph:
             raise ValueError("drawn ids for a composition the graph does not sample (see graph_columns)")
-        raw = logits.float()  # [S, V] a copy (or the caller's own float32 copy): the graph's buffer is reused
+        kept = logits if logits.dtype == torch.float32 else logits.clone()  # [S, V] (the graph's buffer is reused;
+        # a float32 model's logits are the runner's copy already)
 
         def exact() -> torch.Tensor:
             inv_t, top_p, top_k, _, _ = b.columns()
-            u0 = _device(torch.from_numpy(uniforms(b.keys, positions, 1)[:, 0].astype(np.float32)), raw.device)
-            z = filtered_logits(raw, 1.0 / inv_t, top_k, top_p, 0, True)  # [S, V]
+            u0 = _device(torch.from_numpy(uniforms(b.keys, positions, 1)[:, 0].astype(np.float32)), kept.device)
+            z = filtered_logits(kept.float(), 1.0 / inv_t, top_k, top_p, 0, True)  # [S, V]
             return torch.where(missed, sample_rows(z, u0), ids), None, None
 
         return PendingSample(ids, None, None, params, missed, exact)
