@@ -184,7 +184,9 @@ def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temp
     r = u.shape[1]
     w = min(CHUNK, 1 << max(v - 1, 0).bit_length())
     if fused_top_p(x):
-        p2 = 1 << max(r - 1, 0).bit_length()  # the kernel's draws: a power of two (the padding ones are never kept)
+        # the kernel's draws: TRIES (a power of two; padding draws are never kept), so that one compiled variant per
+        # logits dtype serves every batch (warm_up compiles them at startup: no JIT stall while serving)
+        p2 = max(TRIES, 1 << max(r - 1, 0).bit_length())
         if tries is None:
             tries = torch.full((s,), r, dtype=torch.int64, device=x.device)
         if inv_temperature is None:
@@ -193,6 +195,16 @@ def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temp
             u = F.pad(u, (0, p2 - r), value=0.5)
         return top_p_draws(x, top_p, u, inv_temperature, tries, w)
     return _top_p_formula(x.float(), top_p, u, inv_temperature, tries, w)  # (16-bit logits: in float32)
+
+
+def warm_up(vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
+    """Run :func:`sample_top_p` once per logits dtype on ``device``, so that its kernel is compiled before serving
+    (a first sampled request would otherwise wait for Triton's JIT, and every session with it)."""
+    for dtype in dtypes:
+        x = torch.zeros(1, vocab, dtype=dtype, device=device)
+        one = torch.ones(1, device=device)
+        sample_top_p(x, one * 0.9, torch.full((1, TRIES), 0.5, device=device), one,
+                     torch.ones(1, dtype=torch.int64, device=device))
 
 
 def _top_p_formula(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temperature: torch.Tensor | None,
@@ -494,7 +506,8 @@ class Sampler:
         u = _device(torch.from_numpy(u), dev)  # [S, R] (float64 draws rounded to float32)
         inv_t, top_p, top_k, greedy, tries = b.columns()
         kmax = b.kmax
-        y = top_k_masked(x, top_k, kmax) if kmax > 0 else x  # [S, V]
+        # [S, V]; neither top-k nor penalties: the logits as they came (a 16-bit model's: the kernel the graphs use)
+        y = top_k_masked(x, top_k, kmax) if kmax > 0 else x if b.penalized else logits
         ids, missed = sample_top_p(y, top_p, u, inv_t, tries)
         if b.any_greedy:
             ids = torch.where(greedy, argmax, ids)
