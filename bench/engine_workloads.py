@@ -197,7 +197,8 @@ def sampled_vs_greedy(engine, s: int, prompts, steps_in, gen: int, sync, rounds:
     return {"sessions": s, "gen": gen, "rounds": rounds, "sampled_params": {"temperature": 0.7, "top_p": 0.9},
             "greedy_tokens_per_s": mean["greedy"], "sampled_tokens_per_s": mean["sampled"],
             "sampled_over_greedy": mean["sampled"] / mean["greedy"],
-            "step_ms": {k: [x["step_ms_mean"] for x in v] for k, v in runs.items()}}
+            "step_ms": {k: [x["step_ms_mean"] for x in v] for k, v in runs.items()},
+            "step_ms_median": {k: [x["step_ms_median"] for x in v] for k, v in runs.items()}}
 
 
 def prefill_stall(engine, decoders: int, prompts, steps_in, long_prompt: torch.Tensor, chunks: list[int],

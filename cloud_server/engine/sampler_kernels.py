@@ -21,8 +21,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _top_p_kernel(x_ptr, stride_x, inv_t_ptr, top_p_ptr, u_ptr, tries_ptr, ids_ptr, missed_ptr, n, nchunks,
-                      R: tl.constexpr, W: tl.constexpr, TILE: tl.constexpr, CPAD: tl.constexpr):
+    def _top_p_kernel(x_ptr, stride_x, inv_t_ptr, top_p_ptr, u_ptr, tries_ptr, mass_ptr, ids_ptr, missed_ptr, n,
+                      nchunks, R: tl.constexpr, W: tl.constexpr, TILE: tl.constexpr, CPAD: tl.constexpr):
         row = tl.program_id(0)
         base = x_ptr + row * stride_x
         it = tl.load(inv_t_ptr + row)
@@ -34,21 +34,21 @@ if HAVE_TRITON:
             mx = tl.maximum(mx, v)
         m = tl.max(mx, axis=0)
         mt = m * it
-        # pass 2: each chunk's mass, into a [CPAD] vector (chunk c at index c)
+        # pass 2: each chunk's mass, TILE / W chunks at a time, into the row's scratch [CPAD]
         cidx = tl.arange(0, CPAD)
         sub = tl.arange(0, TILE // W)
-        masses = tl.zeros([CPAD], tl.float32)
+        lane = tl.arange(0, W)
         for start in range(0, n, TILE):
-            v = tl.load(base + start + offs, mask=start + offs < n, other=float("-inf")).to(tl.float32)
-            e = tl.exp(v * it - mt)
-            cm = tl.sum(tl.reshape(e, (TILE // W, W)), axis=1)  # [TILE / W]
-            here = (start // W + sub)[:, None] == cidx[None, :]  # [TILE / W, CPAD]
-            masses += tl.sum(tl.where(here, cm[:, None], 0.0), axis=0)
+            o2 = start + sub[:, None] * W + lane[None, :]  # [TILE / W, W]
+            v = tl.load(base + o2, mask=o2 < n, other=float("-inf")).to(tl.float32)
+            chunk = start // W + sub
+            tl.store(mass_ptr + row * CPAD + chunk, tl.sum(tl.exp(v * it - mt), axis=1), mask=chunk < nchunks)
+        tl.debug_barrier()
+        masses = tl.load(mass_ptr + row * CPAD + cidx, mask=cidx < nchunks, other=0.0)
         cum = tl.cumsum(masses, axis=0)  # [CPAD]; padding chunks hold the total
         total = tl.sum(tl.where(cidx == nchunks - 1, cum, 0.0), axis=0)
         # the draws: chunk, token, logit (inverse CDF at u * total, in vocabulary order)
         jr = tl.arange(0, R)
-        lane = tl.arange(0, W)
         toks = tl.zeros([R], tl.int64)
         vals = tl.zeros([R], tl.float32)
         for j in tl.static_range(R):
@@ -61,14 +61,13 @@ if HAVE_TRITON:
             li = tl.minimum(tl.sum((lc < rest).to(tl.int32), axis=0), W - 1)
             toks = tl.where(jr == j, ci.to(tl.int64) * W + li, toks)
             vals = tl.where(jr == j, tl.sum(tl.where(lane == li, cv, 0.0), axis=0), vals)
-        # pass 3: the mass of the tokens strictly better than each draw
-        better = tl.zeros([R], tl.float32)
-        for start in range(0, n, TILE):
-            v = tl.load(base + start + offs, mask=start + offs < n, other=float("-inf")).to(tl.float32)
+        # pass 3: the mass of the tokens strictly better than each draw, all draws at once, W tokens at a time
+        acc = tl.zeros([R, W], tl.float32)
+        for start in range(0, n, W):
+            v = tl.load(base + start + lane, mask=start + lane < n, other=float("-inf")).to(tl.float32)
             e = tl.exp(v * it - mt)
-            for j in tl.static_range(R):
-                vj = tl.sum(tl.where(jr == j, vals, 0.0), axis=0)
-                better += tl.where(jr == j, tl.sum(tl.where(v > vj, e, 0.0), axis=0), 0.0)
+            acc += tl.where(v[None, :] > vals[:, None], e[None, :], 0.0)  # [R, W]
+        better = tl.sum(acc, axis=1)  # [R]
         top_p = tl.load(top_p_ptr + row)
         bound = tl.where(top_p >= 1.0, float("inf"), top_p * total)  # (top_p 1: every draw is in)
         ok = (better < bound) & (jr < tl.load(tries_ptr + row))
@@ -94,10 +93,12 @@ def top_p_draws(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_t: to
     if x.stride(1) != 1 or r & (r - 1) or chunk & (chunk - 1) or chunk > TILE:
         raise ValueError("top_p_draws needs unit-stride rows, a power-of-two number of draws and chunk <= TILE")
     nchunks = triton.cdiv(n, chunk)
+    cpad = triton.next_power_of_2(nchunks)
     ids = torch.empty(s, dtype=torch.int64, device=x.device)
     missed = torch.empty(s, dtype=torch.bool, device=x.device)
+    mass = torch.empty((s, cpad), dtype=torch.float32, device=x.device)  # [S, CPAD] each row's chunk masses
     _top_p_kernel[(s,)](x, x.stride(0), inv_t.float().contiguous(), top_p.float().contiguous(),
-                        u.float().contiguous(), tries.long().contiguous(), ids, missed, n, nchunks, R=r, W=chunk,
-                        TILE=TILE, CPAD=triton.next_power_of_2(nchunks), num_warps=8)
+                        u.float().contiguous(), tries.long().contiguous(), mass, ids, missed, n, nchunks, R=r,
+                        W=chunk, TILE=max(TILE, chunk), CPAD=cpad, num_warps=8)
     return ids, missed
 
