@@ -177,6 +177,8 @@ def lockstep(engine, s: int, prompts: list[torch.Tensor], steps_in: list[torch.T
     return {"sessions": s, "steps": gen, "total_s": total, "tokens_per_s": s * gen / total,
             "step_ms_mean": 1e3 * total / gen,
             "step_ms_median": 1e3 * statistics.median([a + b for a, b in zip(feed, step_t, strict=True)]),
+            "slowest_steps_ms": sorted(((round(1e3 * (a + b), 2), k) for k, (a, b) in
+                                        enumerate(zip(feed, step_t, strict=True))), reverse=True)[:5],
             "add_input_ms_mean": _ms(feed), "engine_step_ms_mean": _ms(step_t),
             "runner_host_ms_mean": _ms(runner_t), "step_calls_per_token": calls / gen,
             "async_scheduling": engine.config.async_scheduling, "prefill_s": t_prefill,
@@ -198,7 +200,8 @@ def sampled_vs_greedy(engine, s: int, prompts, steps_in, gen: int, sync, rounds:
             "greedy_tokens_per_s": mean["greedy"], "sampled_tokens_per_s": mean["sampled"],
             "sampled_over_greedy": mean["sampled"] / mean["greedy"],
             "step_ms": {k: [x["step_ms_mean"] for x in v] for k, v in runs.items()},
-            "step_ms_median": {k: [x["step_ms_median"] for x in v] for k, v in runs.items()}}
+            "step_ms_median": {k: [x["step_ms_median"] for x in v] for k, v in runs.items()},
+            "slowest_steps_ms": {k: [x["slowest_steps_ms"] for x in v] for k, v in runs.items()}}
 
 
 def prefill_stall(engine, decoders: int, prompts, steps_in, long_prompt: torch.Tensor, chunks: list[int],

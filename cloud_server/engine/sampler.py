@@ -200,11 +200,15 @@ def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temp
 def warm_up(vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
     """Run :func:`sample_top_p` once per logits dtype on ``device``, so that its kernel is compiled before serving
     (a first sampled request would otherwise wait for Triton's JIT, and every session with it)."""
+    one = torch.ones(1, device=device)
     for dtype in dtypes:
         x = torch.zeros(1, vocab, dtype=dtype, device=device)
-        one = torch.ones(1, device=device)
         sample_top_p(x, one * 0.9, torch.full((1, TRIES), 0.5, device=device), one,
                      torch.ones(1, dtype=torch.int64, device=device))
+    # and the redraw of a row that missed (the sort's kernels: CUDA loads a module at its first launch, ~0.2 s
+    # measured on the H200 in the middle of a sampled run)
+    sample_rows(filtered_logits(x.float(), one, torch.zeros(1, dtype=torch.int64, device=device), one * 0.9, 0, True),
+                one * 0.5)
 
 
 def _top_p_formula(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temperature: torch.Tensor | None,
@@ -276,8 +280,9 @@ class PendingSample:
 
     def __init__(self, ids: torch.Tensor, logprob: torch.Tensor | None, top: tuple | None,
                  params: list[SamplingParams], short: torch.Tensor | None = None, redraw=None):
-        """``short`` [S] bool (optional): rows whose ``ids`` are not valid; ``redraw()`` then returns the exact
-        (ids, logprob, top) on the device, which the results take instead (rare: see sample_truncated)."""
+        """``short`` [S] bool (optional): rows whose ``ids`` are not valid; ``redraw(rows)`` (their indices) then
+        returns the exact (ids, logprob, top) on the device, which the results take instead (rare: see
+        sample_top_p)."""
         self.params = params
         self.logprobs = logprob is not None  # some row asked for logprobs: :meth:`result` carries them
         pin = ids.device.type == "cuda"
@@ -304,7 +309,7 @@ class PendingSample:
             if self._event is not None:
                 self._event.synchronize()
             if self._short is not None and bool(self._short.any()):
-                ids, logprob, top = self._redraw()
+                ids, logprob, top = self._redraw(self._short.nonzero()[:, 0].tolist())
                 self._host = [None if t is None else t.cpu() for t in (ids, logprob, *(top or (None, None)))]
             self._ids = self._host[0].tolist()
         return self._ids
@@ -513,9 +518,10 @@ class Sampler:
             ids = torch.where(greedy, argmax, ids)
             missed &= ~greedy
 
-        def exact() -> torch.Tensor:  # the rows that missed: the sorted cut, inverse CDF at their first u
-            z = filtered_logits(x, 1.0 / inv_t, top_k, top_p, kmax, True)  # [S, V]
-            return torch.where(missed, sample_rows(z, u[:, 0].contiguous()), ids)
+        def exact(rows: list[int]) -> torch.Tensor:  # the rows that missed: the sorted cut, inverse CDF at their u
+            r = torch.tensor(rows, dtype=torch.long, device=dev)  # [k]
+            z = filtered_logits(x[r], 1.0 / inv_t[r], top_k[r], top_p[r], kmax, True)  # [k, V]
+            return ids.index_put((r,), sample_rows(z, u[r, 0].contiguous()))
 
         # a row that rejected every draw (probability <= MISS) is redrawn once the host sees its flag
         # (PendingSample.result): no sync here
@@ -531,11 +537,12 @@ class Sampler:
         kept = logits if logits.dtype == torch.float32 else logits.clone()  # [S, V] (the graph's buffer is reused;
         # a float32 model's logits are the runner's copy already)
 
-        def exact() -> torch.Tensor:
+        def exact(rows: list[int]) -> tuple:
             inv_t, top_p, top_k, _, _ = b.columns()
-            u0 = _device(torch.from_numpy(uniforms(b.keys, positions, 1)[:, 0].astype(np.float32)), kept.device)
-            z = filtered_logits(kept.float(), 1.0 / inv_t, top_k, top_p, 0, True)  # [S, V]
-            return torch.where(missed, sample_rows(z, u0), ids), None, None
+            u0 = uniforms([b.keys[i] for i in rows], [positions[i] for i in rows], 1)[:, 0].astype(np.float32)
+            r = torch.tensor(rows, dtype=torch.long, device=kept.device)  # [k]
+            z = filtered_logits(kept[r].float(), 1.0 / inv_t[r], top_k[r], top_p[r], 0, True)  # [k, V]
+            return ids.index_put((r,), sample_rows(z, _device(torch.from_numpy(u0), kept.device))), None, None
 
         return PendingSample(ids, None, None, params, missed, exact)
 
@@ -554,4 +561,5 @@ class Sampler:
             top = (t.values, t.indices) if t is not None else (lp[:, :0], ids[:, None][:, :0])
             return ids, lp.gather(1, ids[:, None])[:, 0], top
 
-        return PendingSample(*finish(ids), params, short, None if redraw is None else lambda: finish(redraw()))
+        return PendingSample(*finish(ids), params, short,
+                             None if redraw is None else lambda rows: finish(redraw(rows)))
