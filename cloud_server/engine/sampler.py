@@ -207,7 +207,8 @@ def warm_up(vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -
                      torch.ones(1, dtype=torch.int64, device=device))
     # and the redraw of a row that missed (the sort's kernels: CUDA loads a module at its first launch, ~0.2 s
     # measured on the H200 in the middle of a sampled run)
-    sample_rows(filtered_logits(x.float(), one, torch.zeros(1, dtype=torch.int64, device=device), one * 0.9, 0, True),
+    x = torch.zeros(1, vocab, device=device)
+    sample_rows(filtered_logits(x, one, torch.zeros(1, dtype=torch.int64, device=device), one * 0.9, 0, True),
                 one * 0.5)
 
 

@@ -228,3 +228,11 @@ def test_device_uniforms_are_the_host_hash():
     want = uniforms(seeds, positions, TRIES).astype(np.float32)  # [8, TRIES]
     got = device_uniforms(torch.tensor([_int64(s) for s in seeds]), torch.tensor(positions), TRIES)
     assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)
+
+
+def test_warm_up_runs_the_sampled_and_redraw_paths():
+    """What the fast runner calls at startup on CUDA runs on any device and dtype (here: the torch formula)."""
+    from cloud_server.engine.sampler import warm_up
+
+    warm_up(300, (torch.float32, torch.bfloat16), torch.device("cpu"))
+    warm_up(300, (), torch.device("cpu"))
