@@ -34,7 +34,7 @@ import torch
 from cloud_server.config import EngineConfig
 from cloud_server.engine.kv_cache import BlockManager, KVCachePool
 from cloud_server.engine.model_runner import ModelRunner, build_batch
-from cloud_server.engine.sampler import PendingSample, SampledToken, Sampler
+from cloud_server.engine.sampler import PendingSample, SampledToken, Sampler, warm_up
 from cloud_server.engine.sampling_params import SamplingParams
 from cloud_server.engine.scheduler import RequestError, ScheduledBatch, Scheduler
 from cloud_server.engine.sequence import InputChunk, Sequence, SequenceStatus, advance
@@ -127,6 +127,11 @@ class LLMEngine:
         self.eos_token_ids = list(first.eos_token_ids)
         self.vocab_size = first.vocab_size
         self.draft_inputs: torch.Tensor | None = None  # [V, H] the cloud drafter's rows (set_draft_inputs)
+        if not self.output_states:  # the sampler's kernels compiled now, not by the first sampled request (CUDA)
+            for r in runners.values():
+                if r.pool.k.device.type == "cuda":
+                    warm_up(self.vocab_size, tuple({torch.float32, getattr(r.model, "dtype", torch.float32)}),
+                            r.pool.k.device)
 
     @classmethod
     def from_models(cls, config: EngineConfig, models: dict[str, CloudModel], metrics=None,

@@ -185,7 +185,7 @@ def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temp
     w = min(CHUNK, 1 << max(v - 1, 0).bit_length())
     if fused_top_p(x):
         # the kernel's draws: TRIES (a power of two; padding draws are never kept), so that one compiled variant per
-        # logits dtype serves every batch (warm_up compiles them at startup: no JIT stall while serving)
+        # logits dtype serves every batch (the engine's warm_up compiles them at startup: no JIT stall while serving)
         p2 = max(TRIES, 1 << max(r - 1, 0).bit_length())
         if tries is None:
             tries = torch.full((s,), r, dtype=torch.int64, device=x.device)

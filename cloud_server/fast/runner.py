@@ -89,10 +89,6 @@ class FastGlmRunner:
         # what the startup tuning measured and chose (None: not tuned, e.g. on the CPU)
         self.tuning = tune_for_device(self.fast, self.kv, self.graphs, tune_context) if tune else None
         self.graphs.capture()
-        if self.device.type == "cuda":  # the sampler's kernel for float32 and this model's logits, compiled now
-            from cloud_server.engine.sampler import warm_up
-
-            warm_up(self.fast.cfg.vocab_size, tuple({torch.float32, model.dtype}), self.device)
         if self._pin:  # page-locked staging of the largest graph step, once: its first use mid-serving then finds
             rows = self.graphs.max_rows  # the blocks cached instead of paying a cudaHostAlloc
             for shape, dtype in (((rows, self.fast.cfg.hidden_size), torch.float32), ((3, rows), torch.int64),
