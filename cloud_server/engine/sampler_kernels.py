@@ -99,6 +99,5 @@ def top_p_draws(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_t: to
     mass = torch.empty((s, cpad), dtype=torch.float32, device=x.device)  # [S, CPAD] each row's chunk masses
     _top_p_kernel[(s,)](x, x.stride(0), inv_t.float().contiguous(), top_p.float().contiguous(),
                         u.float().contiguous(), tries.long().contiguous(), mass, ids, missed, n, nchunks, R=r,
-                        W=chunk, TILE=max(TILE, chunk), CPAD=cpad, num_warps=8)
+                        W=chunk, TILE=TILE, CPAD=cpad, num_warps=8)
     return ids, missed
-

@@ -16,8 +16,8 @@ only the new hidden states (vLLM v1's "persistent batch" idea).
 
 *Sampling in the graph* (``sampling``: the engine sampler's ``GraphSampling``): each decode bucket is captured a
 second time with the sampler's rule after the logits, reading the composition's columns from static buffers
-(``GraphSampling.load``); :meth:`DecodeGraphs.step_next_sampled` replays it. A sampled step then costs one
-launch instead of the sampler's ~45, and nothing of it runs on the host.
+(``GraphSampling.load``); :meth:`DecodeGraphs.step_next_sampled` replays it: the sampling is part of the
+step's one launch, and nothing of it runs on the host.
 
 *Flat steps* (``flat_rows > 0``): a step that is not a pure decode step (a prompt chunk beside decode rows, as
 the engine's chunked prefill schedules it) runs through the same captured function too, with one row per
