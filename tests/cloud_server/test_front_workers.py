@@ -250,7 +250,7 @@ def test_sigterm_drains_every_worker_then_exits(servers, tiny_bundle):
             try:
                 seen["late"] = asyncio.run(refused_hello(cloud.ws_url, bundle_id))
                 break
-            except OSError:
+            except (OSError, websockets.ConnectionClosed):  # (or closed 1012 by a listener shutting down)
                 continue
 
     with LinkEmulator(cloud.port, dataclasses.replace(IDEAL, rtt_ms=60.0, name="rtt-60ms")) as link:
