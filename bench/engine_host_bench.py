@@ -87,10 +87,12 @@ class _StubRunner:
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
 
-    def continue_decode(self, hidden: torch.Tensor, grown=(), order=None):
+    def continue_decode(self, hidden: torch.Tensor, grown=(), order=None, *sampling):
         self.calls += 1
         self.launched_at = time.perf_counter()
         n = hidden.shape[0] if order is None else len(order)
+        if sampling:  # an engine that hands the graph its sampling columns (session 10 on): (logits, ids, missed)
+            return self.logits[:n], self.ids[:n], None  # (greedy here: the columns are None)
         return (self.logits[:n], self.ids[:n]) if _CONT_IDS else self.logits[:n]  # [S, V], [S]
 
 

@@ -17,7 +17,9 @@ is ~1 ms over the direct loop. The engine is built as ``bench/cloud_gpu_bench.py
   phases timed (``perf_counter`` spans without the profiler, ``record_function`` ranges in the profile):
   ``add_input``, ``schedule``, ``build_batch``, ``runner.run`` (and inside it the uploads and the graph
   step), ``runner.continue_decode`` (a steady step), ``sampler.launch``, ``sampler.result`` (the wait for
-  the device), ``postprocess``.
+  the device), ``postprocess``;
+* ``decode_cprofile`` (last: it removes the ranges): the same step under cProfile at 1 and ``--sessions``
+  sessions, host functions by own time.
 
 The fast path's pieces are wrapped as well (``fast.linear``, ``attn.prefill``, ``attn.decode``,
 ``rope_store``, ``add_norm_norm``, ``silu_mul``), so a mixed step's table attributes device time to them. The
@@ -390,6 +392,40 @@ class Bench:
         self.save()
 
 
+    # -- 4. the greedy lockstep step's host work under cProfile, 1 session and S ----------------------
+    def decode_cprofile(self, spans: Spans) -> None:
+        """The greedy lockstep decode step (overlap on) under cProfile at 1 and ``--sessions`` sessions, the
+        spans' wrappers removed: the host functions by own time per step (where the engine's time over the
+        direct loop goes, function by function)."""
+        import cProfile
+        import io
+        import pstats
+
+        spans.restore()
+        pc, eng = self.pc, self.engine
+        out = {}
+        for s in (1, pc.sessions):
+            phones = Phones(eng, f"cprof{s}", s, self.steps_in)
+            try:
+                phones.admit(self.prompts, GREEDY, 8 * pc.steps + 8)
+                self.timed_steps(phones, 2)
+                t = self.timed_steps(phones, 2 * pc.steps, 2)
+                prof = cProfile.Profile()
+                prof.enable()
+                self.timed_steps(phones, 4 * pc.steps, 2 + 2 * pc.steps)
+                prof.disable()
+            finally:
+                phones.finish()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(pc.top)
+            text = buf.getvalue()
+            print(f"== cProfile, S={s}, {4 * pc.steps} steps (median step without the profiler "
+                  f"{1e3 * statistics.median(t):.3f} ms)\n{text}", flush=True)
+            out[str(s)] = {"step_ms_median": 1e3 * statistics.median(t), "steps": 4 * pc.steps, "top": text}
+        self.res["decode_cprofile"] = out
+        self.save()
+
+
 def parse_args(argv=None) -> tuple[ProfileConfig, list[str]]:
     d = ProfileConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -408,7 +444,7 @@ def parse_args(argv=None) -> tuple[ProfileConfig, list[str]]:
 
 def main(argv=None) -> int:
     pc, only = parse_args(argv)
-    bad = set(only) - {"mixed", "sampling", "decode_host"}
+    bad = set(only) - {"mixed", "sampling", "decode_host", "decode_cprofile"}
     if bad:
         raise SystemExit(f"--only: unknown workloads {sorted(bad)}")
     b = Bench(pc)
@@ -419,7 +455,9 @@ def main(argv=None) -> int:
     try:
         for w in only:
             for fn in ([lambda c=c: b.mixed(c, spans) for c in pc.chunks] if w == "mixed"
-                       else [lambda: b.sampling(spans)] if w == "sampling" else [lambda: b.decode_host(spans)]):
+                       else [lambda: b.sampling(spans)] if w == "sampling"
+                       else [lambda: b.decode_cprofile(spans)] if w == "decode_cprofile"
+                       else [lambda: b.decode_host(spans)]):
                 try:
                     fn()
                 except Exception as e:  # noqa: BLE001 - one run must yield all it can

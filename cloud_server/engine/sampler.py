@@ -182,7 +182,7 @@ def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temp
     """
     s, v = x.shape
     r = u.shape[1]
-    w = min(CHUNK, 1 << max(v - 1, 0).bit_length())
+    w = _chunk(v)
     if fused_top_p(x):
         # the kernel's draws: TRIES (a power of two; padding draws are never kept), so that one compiled variant per
         # logits dtype serves every batch (the engine's warm_up compiles them at startup: no JIT stall while serving)
@@ -197,14 +197,22 @@ def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temp
     return _top_p_formula(x.float(), top_p, u, inv_temperature, tries, w)  # (16-bit logits: in float32)
 
 
+def _chunk(vocab: int) -> int:
+    """Tokens per vocabulary chunk of :func:`sample_top_p` for a vocabulary of ``vocab`` tokens."""
+    return min(CHUNK, 1 << max(vocab - 1, 0).bit_length())
+
+
 def warm_up(vocab: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
     """Run :func:`sample_top_p` once per logits dtype on ``device``, so that its kernel is compiled before serving
     (a first sampled request would otherwise wait for Triton's JIT, and every session with it)."""
     one = torch.ones(1, device=device)
+    sampling = GraphSampling(1, device)
     for dtype in dtypes:
         x = torch.zeros(1, vocab, dtype=dtype, device=device)
         sample_top_p(x, one * 0.9, torch.full((1, TRIES), 0.5, device=device), one,
                      torch.ones(1, dtype=torch.int64, device=device))
+        sampling(x, torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64,
+                                                                                   device=device))
     # and the redraw of a row that missed (the sort's kernels: CUDA loads a module at its first launch, ~0.2 s
     # measured on the H200 in the middle of a sampled run)
     x = torch.zeros(1, vocab, device=device)
@@ -431,6 +439,10 @@ class GraphSampling:
         """logits ``[b, V]``, their argmax ``[b]``, the rows' input positions ``[b]`` (each samples the token at the
         next one) -> (ids ``[b]``, missed ``[b]`` bool)."""
         b = logits.shape[0]
+        if fused_top_p(logits):  # the uniforms hashed and the greedy rows' argmax taken in the kernels
+            return top_p_draws(logits, self.top_p[:b], None, self.inv_t[:b], self.tries[:b], _chunk(logits.shape[1]),
+                               draws=TRIES, keys=self.keys[:b], positions=positions + 1, greedy=self.greedy[:b],
+                               argmax=argmax)
         u = device_uniforms(self.keys[:b], positions + 1, TRIES)  # [b, R]
         ids, missed = sample_top_p(logits, self.top_p[:b], u, self.inv_t[:b], self.tries[:b])
         greedy = self.greedy[:b]
@@ -535,8 +547,6 @@ class Sampler:
         redrawn as :meth:`_launch` redraws it (the sorted cut, inverse CDF at its first uniform)."""
         if not b.in_graph:
             raise ValueError("drawn ids for a composition the graph does not sample (see graph_columns)")
-        kept = logits if logits.dtype == torch.float32 else logits.clone()  # [S, V] (the graph's buffer is reused;
-        # a float32 model's logits are the runner's copy already)
 
         def exact(rows: list[int]) -> tuple:
             inv_t, top_p, top_k, _, _ = b.columns()
@@ -545,7 +555,9 @@ class Sampler:
             z = filtered_logits(kept[r].float(), 1.0 / inv_t[r], top_k[r], top_p[r], 0, True)  # [k, V]
             return ids.index_put((r,), sample_rows(z, _device(torch.from_numpy(u0), kept.device))), None, None
 
-        return PendingSample(ids, None, None, params, missed, exact)
+        pending = PendingSample(ids, None, None, params, missed, exact)  # (the ids' copy to the host queued first)
+        kept = logits if logits.dtype == torch.float32 else logits.clone()  # [S, V] for exact (the graph's buffer is
+        return pending  # reused; a float32 model's logits are the runner's copy already)
 
     @staticmethod
     def _pending(raw: torch.Tensor, ids: torch.Tensor, params: list[SamplingParams], want_lp: bool,

@@ -1,6 +1,6 @@
 """The fused top-p kernel (under the interpreter on CPU, compiled on CUDA) draws the torch formula's tokens:
 excluded tokens, a partial last chunk, one chunk, many draws, a tiny nucleus (rows that miss), top_p 1, 16-bit
-logits on CUDA."""
+logits on CUDA; the decode graph's call (uniforms hashed in the kernel, greedy rows' argmax)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,25 @@ for s, v, r in ((4, 5000, 4), (3, 700, 16), (2, 40, 1), (4, 9000, 16), (3, 1536,
         rows += s
         same += int((got[0].cpu() == want[0]).sum())
         missed_same += int((got[1].cpu() == want[1]).sum())
+# the decode graph's call: uniforms hashed from (key, position) in the kernel, greedy rows take their argmax
+for s, v in ((5, 5000), (4, 1536)):
+    x = (torch.randn(s, v, generator=g) * 3).float()
+    keys = torch.randint(-(1 << 62), 1 << 62, (s,), generator=g)
+    pos = torch.randint(0, 1 << 20, (s,), generator=g)
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.02, 0.9])[:s]
+    inv_t = torch.tensor([1 / 0.7, 1.0, 2.0, 1 / 1.5, 1.0])[:s]
+    tries = torch.tensor([S.tries_for(float(p)) for p in top_p])
+    greedy = torch.tensor([False, True, False, False, True])[:s]
+    w = min(S.CHUNK, 1 << max(v - 1, 0).bit_length())
+    u = S.device_uniforms(keys, pos, S.TRIES)
+    ids, miss = S._top_p_formula(x, top_p, u, inv_t, tries, w)
+    am = x.argmax(dim=-1)
+    want = (torch.where(greedy, am, ids), miss & ~greedy)
+    got = sk.top_p_draws(x.to(dev), top_p.to(dev), None, inv_t.to(dev), tries.to(dev), w, draws=S.TRIES,
+                         keys=keys.to(dev), positions=pos.to(dev), greedy=greedy.to(dev), argmax=am.to(dev))
+    rows += s
+    same += int((got[0].cpu() == want[0]).sum())
+    missed_same += int((got[1].cpu() == want[1]).sum())
 # the whole sampled path on this device: seeded rows draw the same tokens alone and batched
 logits = (torch.randn(3, 700, generator=g) * 3).to(dev)
 p = [SamplingParams(0.7, top_p=0.9, seed=i) for i in range(3)]
