@@ -109,6 +109,7 @@ class BenchConfig:
     merge: Path | None = None  # an earlier result JSON to extend (the TP run adds to the single-GPU one)
     through_engine: bool = False  # drive LLMEngine with S sessions (and the direct path): the "engine" key
     sampling: bool = False  # with through_engine: S = max(sessions) sampled (T 0.7, top-p 0.9) vs greedy
+    sampling_rounds: int = 4  # greedy / sampled runs, alternated
     prefill_stall: bool = False  # with through_engine: a long prompt arriving while max(sessions) - 1 decode
     stall_prompt: int = 4096  # positions of the arriving prompt
     stall_chunks: tuple[int, ...] = (0, 2048, 512, 256)  # prefill_chunk_while_decoding values (0 = no cap)
@@ -594,16 +595,18 @@ def build_fast(cfg: FastGLMConfig, hf_full, bc: BenchConfig, dev, dtype, tp_rank
 EXTRA_STEPS = 64  # KV room per session beyond prompt + gen for the side measurements
 
 
-def gpu_step_ms(graphs: DecodeGraphs, n: int, reps: int = 20) -> float:
-    """GPU time of one step replayed back to back (no host sync between steps): the step without the host."""
+def gpu_step_ms(graphs: DecodeGraphs, n: int, reps: int = 20, sampled: bool = False) -> float:
+    """GPU time of one step replayed back to back (no host sync between steps): the step without the host;
+    ``sampled``: the bucket's sampled graph (the sampling columns its buffers hold)."""
     if not graphs.use_graphs:
         return float("nan")
     hid = graphs.hidden[:n].clone()
-    graphs.step_next(hid)
+    step = graphs.step_next_sampled if sampled else graphs.step_next
+    step(hid)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
-        graphs.step_next(hid)
+        step(hid)
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / reps
@@ -875,7 +878,13 @@ def measure_engine(bc: BenchConfig, res: dict, cfg, hf_full, dev, variant: str) 
     smax = max(bc.sessions)
     if bc.sampling:
         out["sampling"] = attempt(out["errors"], "sampling", lambda: sampled_vs_greedy(
-            engine, smax, prompts, steps_in, bc.gen, sync))
+            engine, smax, prompts, steps_in, bc.gen, sync, rounds=bc.sampling_rounds))
+        if out["sampling"] and getattr(runner, "graphs", None) is not None and runner.graphs.sampling is not None:
+            # the sampler's device cost alone: the sampled graph (the last sampled composition loaded) beside the
+            # greedy one, each replayed back to back
+            out["sampling"]["replay_ms"] = {"greedy": gpu_step_ms(runner.graphs, smax),
+                                            "sampled": gpu_step_ms(runner.graphs, smax, sampled=True)}
+            log(f"  replay alone S={smax}: {out['sampling']['replay_ms']}")
         if out["sampling"]:
             log(f"  sampled vs greedy S={smax}: {out['sampling']['sampled_over_greedy']:.3f} "
                 f"({out['sampling']['sampled_tokens_per_s']:.0f} / {out['sampling']['greedy_tokens_per_s']:.0f} tok/s)")
@@ -998,8 +1007,9 @@ def summarize_engine(out: dict) -> None:
                    "sync_engine_over_direct": out.get("sessions_sync", {}).get(s, {}).get("throughput_vs_direct")}
     out["summary"] = rows
     if out.get("sampling"):
-        out["summary_sampling"] = {k: out["sampling"][k] for k in ("sessions", "greedy_tokens_per_s",
-                                                                   "sampled_tokens_per_s", "sampled_over_greedy")}
+        out["summary_sampling"] = {k: out["sampling"][k] for k in (
+            "sessions", "rounds", "greedy_tokens_per_s", "sampled_tokens_per_s", "sampled_over_greedy",
+            "sampled_over_greedy_median_step", "per_round_ratio", "replay_ms") if k in out["sampling"]}
     if (out.get("prefill_stall") or {}).get("chunks"):
         out["summary_prefill_stall"] = {b: {"steady_itl_p99_ms": r["steady"]["itl_p99_ms"],
                                             "itl_p99_ms": r["arrival"]["itl_p99_ms"],
@@ -1246,6 +1256,8 @@ def parse_args(argv=None) -> BenchConfig:
                    help="S sessions through LLMEngine + FastGlmRunner beside the direct path ('engine' key)")
     p.add_argument("--sampling", action="store_true",
                    help="with --through-engine: max(S) sessions sampled (T 0.7, top-p 0.9) vs greedy")
+    p.add_argument("--sampling-rounds", type=int, default=d.sampling_rounds,
+                   help="greedy and sampled runs of --sampling, alternated (each gen steps)")
     p.add_argument("--prefill-stall", action="store_true",
                    help="with --through-engine: a long prompt arriving while max(S) - 1 sessions decode")
     p.add_argument("--stall-prompt", type=int, default=d.stall_prompt, help="positions of the arriving prompt")
@@ -1268,7 +1280,8 @@ def parse_args(argv=None) -> BenchConfig:
                        tp_sessions=ints(a.tp_sessions), tp=a.tp,
                        allreduce=tuple(x for x in a.allreduce.split(",") if x), seed=a.seed, skip_hf=a.skip_hf,
                        skip_checks=a.skip_checks, tune_linear=not a.no_tune_linear, out=a.out, merge=a.merge,
-                       through_engine=a.through_engine, sampling=a.sampling, prefill_stall=a.prefill_stall,
+                       through_engine=a.through_engine, sampling=a.sampling,
+                       sampling_rounds=a.sampling_rounds, prefill_stall=a.prefill_stall,
                        stall_prompt=a.stall_prompt, stall_chunks=ints(a.stall_chunks), stall_steps=a.stall_steps,
                        kv_cache_dtype=a.kv_cache_dtype, generic_runner=a.generic_runner)
 

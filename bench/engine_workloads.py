@@ -196,9 +196,14 @@ def sampled_vs_greedy(engine, s: int, prompts, steps_in, gen: int, sync, rounds:
         for name, params in (("greedy", GREEDY), ("sampled", SAMPLED)):
             runs[name].append(lockstep(engine, s, prompts, steps_in, gen, f"{name}{r}-s{s}", sync, params))
     mean = {k: statistics.mean(x["tokens_per_s"] for x in v) for k, v in runs.items()}
+    med = {k: statistics.median(x["step_ms_median"] for x in v) for k, v in runs.items()}
     return {"sessions": s, "gen": gen, "rounds": rounds, "sampled_params": {"temperature": 0.7, "top_p": 0.9},
             "greedy_tokens_per_s": mean["greedy"], "sampled_tokens_per_s": mean["sampled"],
             "sampled_over_greedy": mean["sampled"] / mean["greedy"],
+            # the rounds' median steps (a round's slow spell weighs less than in the means above)
+            "sampled_over_greedy_median_step": med["greedy"] / med["sampled"],
+            "per_round_ratio": [x["tokens_per_s"] / g["tokens_per_s"]
+                                for g, x in zip(runs["greedy"], runs["sampled"], strict=True)],
             "step_ms": {k: [x["step_ms_mean"] for x in v] for k, v in runs.items()},
             "step_ms_median": {k: [x["step_ms_median"] for x in v] for k, v in runs.items()},
             "slowest_steps_ms": {k: [x["slowest_steps_ms"] for x in v] for k, v in runs.items()}}
