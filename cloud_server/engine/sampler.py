@@ -170,7 +170,7 @@ def sample_top_p(x: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, inv_temp
     accepted with probability >= top_p; a row where none is (``missed`` ``[S]`` bool) must be redrawn.
     Returns (ids ``[S]``, missed ``[S]``).
 
-    On CUDA (and under ``TRITON_INTERPRET=1``) all of it is one Triton kernel reading ``x`` as it is (float32 or
+    On CUDA (and under ``TRITON_INTERPRET=1``) all of it is five Triton kernels reading ``x`` as it is (float32 or
     16-bit): :func:`~cloud_server.engine.sampler_kernels.top_p_draws`, the same rule and order of operations
     (below: the torch formula, which runs elsewhere, in float32).
 
@@ -414,7 +414,9 @@ class GraphSampling:
     samples (:func:`device_uniforms`: a seeded row's numbers are the host path's), and :func:`sample_top_p` keeps
     the first of its own ``tries`` draws in its nucleus: the tokens :meth:`Sampler.launch` draws from the same
     logits. Greedy rows take the argmax. A row whose draws all missed is flagged; :meth:`Sampler.launch` (given
-    these ids with ``drawn``) redraws it from the sorted cut, as it does its own."""
+    these ids with ``drawn``) redraws it from the sorted cut, as it does its own. On CUDA the kernels hash the
+    uniforms and take the greedy rows' argmax themselves (``sampler_kernels.top_p_draws`` with keys); elsewhere
+    the same in torch ops."""
 
     def __init__(self, max_batch: int, device: torch.device):
         self.inv_t = torch.ones(max_batch, dtype=torch.float32, device=device)  # [B]
