@@ -94,13 +94,6 @@ def open_session(path: str | Path, threads: int = 2, profile_prefix: str | None 
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
-    # Stop the pool's workers spinning when Run() returns. By default an idle worker spins on for ~50 ms
-    # after every Run (measured: a full core's CPU time), so on 2 cores the *next* session to run - the
-    # decode graph after the prompt graph, the draft head or tail after the front, or the front again after
-    # the network round trip - shares its cores with a spinner: the int8 front's 2-thread step was ~25 %
-    # slower interleaved with another session, and no faster than 1 thread (docs/results/edge_front_session11.json).
-    # Alone it costs nothing measurable (the first parallel kernel of a Run wakes the worker).
-    opts.add_session_config_entry("session.force_spinning_stop", "1")
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix

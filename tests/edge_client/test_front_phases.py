@@ -106,17 +106,3 @@ def test_a_phased_multimodal_front_takes_media_rows_in_both_graphs(split_bundle,
     np.testing.assert_array_equal(rt.prefill_media(ids, positions, embeds, mask),
                                   alone.prefill_media(ids, positions, embeds, mask))
     assert rt.decode(int(IDS[12])).shape == (1, rt.hidden_size) and rt.length == 13
-
-
-def test_sessions_stop_spinning_when_a_run_returns(phased_bundle):
-    """Both phases' sessions (and every other edge graph: open_session) stop their pool's workers spinning
-    when Run() returns: by default a worker spins ~50 ms after each Run, taking one of a 2-core phone's cores
-    from whichever session runs next (the decode graph after the prompt graph, the tail or draft head after
-    the front): the int8 front's 2-thread step was ~25 % slower for it (docs/results/edge_front_session11.json)."""
-    from edge_client.front import open_session
-
-    rt = FrontRuntime(phased_bundle, threads=2)
-    assert rt.phased
-    for session in (rt.session, rt.prefill_session, open_session(phased_bundle / FRONT, 2)):
-        opts = session.get_session_options()  # (threads: the test workers force 1, tests/conftest.py)
-        assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
