@@ -94,6 +94,13 @@ def filled_runtime(variant: tuple[Path, Path], threads: int, past: int, rng: np.
     return rt
 
 
+# An onnxruntime session's idle intra-op worker spins ~50 ms after each Run (measured on the 2-core dev box: a
+# full core of CPU time), so a block timed right after another variant's block shared its cores with that
+# spinner: session 10's 2-thread int8 and int4 numbers (second and third in the loop) paid for it, the fp32
+# front (first, after llama.cpp) did not. Each block now starts after the previous variant's threads are idle.
+QUIET_S = 0.1
+
+
 def time_decode(runtimes: dict, past: int, runs: int, block: int) -> dict[str, np.ndarray]:
     """ms per decode step of each runtime, interleaved in blocks of ``block`` steps: name -> [runs]."""
     times = {n: [] for n in runtimes}
@@ -103,7 +110,8 @@ def time_decode(runtimes: dict, past: int, runs: int, block: int) -> dict[str, n
             rt.truncate(past)
     for _ in range(max(1, runs // block)):
         for name, rt in runtimes.items():
-            rt.decode(7)  # untimed: the other graph's threads and caches are still warm
+            time.sleep(QUIET_S)  # the previous variant's pool workers stop spinning
+            rt.decode(7)  # untimed: wakes this runtime's threads (caches: the other graph's may still be warm)
             rt.truncate(past)
             for _ in range(block):
                 t0 = time.perf_counter()
@@ -119,6 +127,9 @@ def time_prefill(runtimes: dict, n_tokens: int, runs: int) -> dict[str, np.ndarr
     times = {n: [] for n in runtimes}
     for _ in range(runs + 1):
         for name, rt in runtimes.items():
+            rt.reset()
+            time.sleep(QUIET_S)  # as in time_decode
+            rt.prefill(ids[:8])  # untimed: wakes this runtime's threads
             rt.reset()
             t0 = time.perf_counter()
             rt.prefill(ids)
