@@ -56,3 +56,13 @@ def test_sampled_vs_greedy_and_the_prefill_stall_run():
     assert engine.config.prefill_chunk_while_decoding == EngineConfig().prefill_chunk_while_decoding  # restored
     assert engine.config.max_num_batched_tokens == 64
     assert not engine.seqs and engine.num_used_blocks() == 0
+
+
+def test_lockstep_model_runs_every_session_to_its_last_token():
+    """``bench/lockstep_model.py``: the real AsyncEngine against the simulated device and phones, small."""
+    lm = load_bench("lockstep_model")
+    r = lm.run_config(sessions=4, tokens=6, rt_median_ms=0.5, rt_p99_ms=1.0, async_scheduling=True, gather_max_s=None,
+                      hidden=32, prompt=8)
+    assert r["steady_tokens_per_s"] > 0 and r["device_steps"] >= 6  # a prompt step, then >= one step per token
+    assert 0 < r["of_limit"] <= 1.05 and r["rows_per_step_median"] <= 4
+    assert lm.device_ms(1) == lm.DEVICE_MS[0][1] and abs(lm.device_ms(36) - (4.175 + 4.794) / 2) < 1e-9
