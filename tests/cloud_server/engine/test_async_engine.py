@@ -219,3 +219,91 @@ def test_decode_rows_as_one_array_give_the_tokens_of_one_input_each(tiny_bundle)
 
     rows, inputs = run(True), run(False)
     assert rows == inputs and all(len(t) == 4 for t in rows.values())
+
+
+def _launched_sizes(engine) -> list[int]:
+    """Record each launched batch's sequence count (the runner's full-batch path, which this tiny runner takes)."""
+    runner = engine.runners["fp32"]
+    run, sizes = runner.run, []
+
+    def counted(batch):
+        sizes.append(len(batch.query_lens))
+        return run(batch)
+
+    runner.run = counted
+    return sizes
+
+
+def _decoding(engine, rids, start: int = 3) -> None:
+    """Requests ``rids`` admitted with a 3-position prompt, each with its first token out."""
+    params = SamplingParams(0.0, max_tokens=8, ignore_eos=True)
+    for rid in rids:
+        engine.add_request(rid, InputChunk(0, hidden=torch.randn(start, 64)), params)
+    got: set[str] = set()
+    while len(got) < len(rids):
+        got |= {o.request_id for o in engine.step() if o.token_id is not None}
+
+
+def test_a_held_step_postprocesses_the_cohort_and_the_late_row_joins_its_next_step(engine):
+    sizes = _launched_sizes(engine)
+    _decoding(engine, ["a", "b", "c"])
+    assert not engine.holdable()  # nothing in flight
+    for rid in ("a", "b"):
+        engine.add_input(rid, InputChunk(3, hidden=torch.randn(1, 64)))
+    before = len(sizes)
+    assert engine.step() == [] and sizes[before:] == [2]  # a and b launched (overlap: postprocessed next call)
+    engine.add_input("c", InputChunk(3, hidden=torch.randn(1, 64)))  # c's state came back late
+    assert engine.holdable()
+    outs = engine.step(launch=False)  # the cohort's tokens out, c not launched on its own
+    assert sorted(o.request_id for o in outs) == ["a", "b"] and sizes[before:] == [2]
+    assert not engine.has_in_flight() and engine.has_ready()
+    for rid in ("a", "b"):
+        engine.add_input(rid, InputChunk(4, hidden=torch.randn(1, 64)))
+    engine.step()
+    assert sizes[before:] == [2, 3]  # c went with the cohort's next step
+
+
+def test_nothing_is_held_beside_a_prompt_or_an_admission(engine):
+    _decoding(engine, ["a", "b"])
+    engine.add_input("a", InputChunk(3, hidden=torch.randn(1, 64)))
+    engine.step()  # a in flight
+    engine.add_input("b", InputChunk(3, hidden=torch.randn(2, 64), last=False))  # b: two positions (a chunk)
+    assert not engine.holdable()
+    engine.step()
+    engine.add_input("a", InputChunk(4, hidden=torch.randn(1, 64)))
+    engine.step()  # a in flight again; b's chunk ran
+    engine.add_request("c", InputChunk(0, hidden=torch.randn(3, 64)), SamplingParams(0.0, max_tokens=2))
+    assert not engine.holdable()  # c waits for admission: the step must not be held for it
+
+
+class _Holdable:
+    def __init__(self, answer: bool):
+        self.answer = answer
+
+    def holdable(self) -> bool:
+        return self.answer
+
+
+@pytest.mark.parametrize("round_trip_s, step_s, holdable, hold", [
+    (0.002, 0.005, True, True),  # the edges come back within a step: hold
+    (0.030, 0.005, True, False),  # mobile round trips: pipeline what is ready
+    (0.0, 0.005, True, False),  # no round trip measured yet
+    (0.002, 0.005, False, False),  # nothing to hold (a prompt, an admission, nothing in flight)
+])
+def test_late_rows_are_held_only_when_the_edges_come_back_within_a_step(round_trip_s, step_s, holdable, hold):
+    ae = AsyncEngine(_Holdable(holdable))  # (not started: only the rule)
+    ae._round_trip_s, ae._step_s = round_trip_s, step_s
+    assert ae._hold() is hold
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_round_trips_shorter_than_a_step_keep_one_cohort_per_step(seed):
+    """The served lockstep model (the real AsyncEngine, a simulated device, 32 phones answering in ~1 ms): with
+    overlap scheduling on, late rows are held for their cohort instead of stepping alone. Without the rule the
+    cohort splits in some runs and stays split (~3 steps per token round, bench/lockstep_model.py)."""
+    from bench_support import load_bench
+
+    lm = load_bench("lockstep_model")
+    r = lm.run_config(sessions=32, tokens=24, rt_median_ms=1.0, rt_p99_ms=2.0, async_scheduling=True,
+                      gather_max_s=None, hidden=32, prompt=8, seed=seed)
+    assert r["steps_per_token_round"] < 1.5, r
