@@ -47,6 +47,7 @@ from cloud_server.engine.kv_cache import KVCachePool  # noqa: E402
 from cloud_server.engine.llm_engine import LLMEngine  # noqa: E402
 from cloud_server.engine.sampling_params import SamplingParams  # noqa: E402
 from cloud_server.engine.sequence import InputChunk  # noqa: E402
+from engine_host_bench import _StubModel  # noqa: E402  (what the engine reads of a model)
 
 # the H200's direct decode loop (glm4v-9b-random split at 12, bf16): rows -> ms per step (session 11, run e1)
 DEVICE_MS = ((1, 3.737), (8, 4.175), (64, 4.794), (256, 8.216))
@@ -62,18 +63,12 @@ def device_ms(rows: int) -> float:
     return pts[-1][1]
 
 
-class _Model:
-    def __init__(self, hidden: int, vocab: int):
-        self.hidden_size, self.vocab_size = hidden, vocab
-        self.eos_token_ids, self.embed_tokens, self.mrope, self.returns_states = [0], None, False, False
-
-
 class SimulatedDevice:
     """The engine's runner: logits of token 7, and a clock: each step ends ``device_ms(rows)`` after the later of
     its launch and the previous step's end (``last_done``)."""
 
     def __init__(self, hidden: int, vocab: int, rows: int, num_blocks: int, block_size: int):
-        self.model = _Model(hidden, vocab)
+        self.model = _StubModel(hidden, vocab)
         self.pool = KVCachePool(1, num_blocks, block_size, 1, 8, torch.float32)
         self.logits = torch.zeros(rows, vocab)  # [R, V]
         self.logits[:, 7] = 1.0
@@ -122,9 +117,9 @@ def _waiting_sampler(engine: LLMEngine, dev: SimulatedDevice) -> None:
 
 def run_config(sessions: int, tokens: int, rt_median_ms: float, rt_p99_ms: float, async_scheduling: bool,
                gather_max_s: float | None, hidden: int = 256, prompt: int = 32, seed: int = 0,
-               stagger_ms: float = 0.0, hold: bool = True) -> dict:
-    """One configuration; ``stagger_ms``: the second half of the sessions arrives this much later; ``hold=False``:
-    the engine without its rule that holds late rows for their cohort (``AsyncEngine._hold``), for the A/B."""
+               hold: bool = True) -> dict:
+    """One configuration; ``hold=False``: the engine without its rule that holds late rows for their cohort
+    (``AsyncEngine._hold``), for the A/B."""
     block = 16
     max_len = prompt + tokens + 8
     num_blocks = sessions * (-(-max_len // block)) + 1
@@ -187,8 +182,6 @@ def run_config(sessions: int, tokens: int, rt_median_ms: float, rt_p99_ms: float
     threading.Thread(target=phones, daemon=True).start()
     t0 = time.perf_counter()
     for i in range(sessions):
-        if stagger_ms and i == sessions // 2:
-            time.sleep(stagger_ms / 1e3)
         eng.add_request(f"s{i}", sink(i), InputChunk(0, hidden=torch.randn(prompt, hidden)), params)
     if not finished.wait(600):
         raise RuntimeError("the model run did not finish")
