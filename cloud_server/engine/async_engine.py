@@ -58,7 +58,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_timeout_s: float | None = None,
                  on_fatal: Callable[[str], None] | None = None, idle_hook: Callable[[], None] | None = None,
                  idle_hook_every_s: float = 20.0, gather_max_s: float | None = None,
-                 on_round_trip: Callable[[float], None] | None = None):
+                 on_round_trip: Callable[[float], None] | None = None, hold_late_rows: bool = True):
         gather_max_s = GATHER_MAX_S if gather_max_s is None else gather_max_s  # None: the module's default
         if gather_max_s < 0:
             raise ValueError(f"gather_max_s must be >= 0, got {gather_max_s}")
@@ -81,6 +81,7 @@ class AsyncEngine:
         self._step_s = 0.0  # moving average of the time in step() per step that delivered: the gather window
         self._stepping_s = 0.0  # time in step() since the last step that delivered outputs
         self._round_trip_s = 0.0  # moving average of the edges' round trips (0: none measured yet)
+        self.hold_late_rows = hold_late_rows  # False: the hold rule off (A/B; EngineConfig.hold_late_rows)
         self.held_steps = 0  # steps that postprocessed without launching, holding late rows for their cohort
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -187,7 +188,7 @@ class AsyncEngine:
     def _hold(self) -> bool:
         """Postprocess the step in flight without launching what is ready (module docstring: late rows rejoin
         the cohort): a decode step is in flight, only decode rows are ready, and the edges come back within a step."""
-        return 0.0 < self._round_trip_s < self._step_s and self.llm.holdable()
+        return self.hold_late_rows and 0.0 < self._round_trip_s < self._step_s and self.llm.holdable()
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         seqs = self.llm.seqs

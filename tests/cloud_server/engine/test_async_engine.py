@@ -286,12 +286,13 @@ class _Holdable:
 
 @pytest.mark.parametrize("round_trip_s, step_s, holdable, hold", [
     (0.002, 0.005, True, True),  # the edges come back within a step: hold
+    (0.002, 0.005, None, False),  # the same with the rule turned off (EngineConfig.hold_late_rows)
     (0.030, 0.005, True, False),  # mobile round trips: pipeline what is ready
     (0.0, 0.005, True, False),  # no round trip measured yet
     (0.002, 0.005, False, False),  # nothing to hold (a prompt, an admission, nothing in flight)
 ])
 def test_late_rows_are_held_only_when_the_edges_come_back_within_a_step(round_trip_s, step_s, holdable, hold):
-    ae = AsyncEngine(_Holdable(holdable))  # (not started: only the rule)
+    ae = AsyncEngine(_Holdable(bool(holdable)), hold_late_rows=holdable is not None)  # (not started: the rule)
     ae._round_trip_s, ae._step_s = round_trip_s, step_s
     assert ae._hold() is hold
 
