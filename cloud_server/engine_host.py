@@ -3,15 +3,19 @@
 The main process runs the :class:`~cloud_server.runtime.CloudRuntime` (model, ``AsyncEngine``, KV pool, prefix
 cache, engine metrics); :class:`EngineHost` serves the workers' links (``cloud_server.engine_link``):
 
-* a **reader thread** per worker applies its frames to the engine: ``add`` -> ``add_request`` with the port's
+* one **link thread** runs an asyncio loop over every worker's pipe (the workers' end is the same: their event
+  loop's, ``cloud_server.remote_engine``); frames are written through the loop's transports (buffered: a worker
+  that is slow to read never blocks the engine thread) and read as they come, so the engine process has two
+  busy threads (the engine's and this one) however many workers there are, not two more per worker;
+* a worker's frames are applied to the engine as they are read: ``add`` -> ``add_request`` with the port's
   sink, ``inputs`` -> one ``add_rows`` (a loop turn's plain decode steps: their ``[S, H]`` array as it came) or
   ``add_inputs`` (chunks of several rows, 3-D RoPE, drafts), ``abort``,
   ``ask`` (an engine ``call``, a session admission, a metrics scrape), ``release``;
 * the port's **sink** collects the outputs of one engine step for that worker (engine thread) and hands them
   over as one message when the step's deliveries are done: the first output of a step queues a ``call`` on
-  the engine's own command queue, which the engine thread runs right after delivering the step (the
-  ``LoopInbox`` idea across a process boundary: one frame per step per worker, no hook in the engine);
-* a **writer thread** per worker pickles and sends what is queued for it, coalescing bursts into one frame.
+  the engine's own command queue, which the engine thread runs right after delivering the step; the step's
+  messages for every worker reach the link thread through one ``LoopInbox`` (one wakeup per step), and each
+  worker's go out as one frame.
 
 Sessions over every worker are counted here (``cloud_server.session_ledger``). ``/metrics`` on any worker is
 answered here: the engine's registry merged with every worker's (``cloud_server.metrics.render_merged``). A
@@ -20,9 +24,11 @@ worker whose link closes (its process died) has its requests aborted and its ses
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-import queue
+import os
+import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -30,7 +36,8 @@ import torch
 
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.engine.llm_engine import RequestOutput
-from cloud_server.engine_link import Link, facts_to_wire, pack_output, unpack_chunks
+from cloud_server.engine_link import FrameReader, Link, facts_to_wire, frame, pack_output, unpack_chunks
+from cloud_server.loop_inbox import LoopInbox
 from cloud_server.metrics import render_merged
 from cloud_server.session_ledger import LedgerEntry, SessionLedger
 
@@ -38,31 +45,34 @@ log = logging.getLogger("autoglm.cloud.host")
 RENDER_TIMEOUT_S = 2.0  # a scrape waits this long for the workers' metric families
 
 
-class WorkerPort:
-    """The engine process's end of worker ``index``'s link; ``serial`` names this link (a replaced worker's
-    successor has the same index and a new serial: the session ledger counts by serial)."""
+class WorkerPort(asyncio.Protocol):
+    """The engine process's end of worker ``index``'s link (an asyncio protocol on the host's link loop);
+    ``serial`` names this link (a replaced worker's successor has the same index and a new serial: the session
+    ledger counts by serial)."""
 
     def __init__(self, host: EngineHost, index: int, serial: int, link: Link):
         self.host, self.index, self.serial, self.link = host, index, serial, link
         self.requests: set[str] = set()  # engine ids this worker opened and the engine still runs
         self._step: list[tuple] = []  # this step's packed outputs (engine thread)
-        self._sendq: queue.SimpleQueue = queue.SimpleQueue()
-        self._reader = threading.Thread(target=self._read, name=f"autoglm-port-{index}-in", daemon=True)
-        self._writer = threading.Thread(target=self._write, name=f"autoglm-port-{index}-out", daemon=True)
+        self._out: list[tuple] = []  # messages for the next frame (link thread)
+        self._transport: asyncio.Transport | None = None
+        self._reader = FrameReader()
+        self._gone = False
 
     def start(self) -> WorkerPort:
-        self._writer.start()
-        self._reader.start()
+        """Put the pipe's socket on the host's link loop (blocks until it is there)."""
+        sock = socket.socket(fileno=os.dup(self.link.conn.fileno()))
+        self.link.close()
+        loop = self.host.loop
+        asyncio.run_coroutine_threadsafe(loop.connect_accepted_socket(lambda: self, sock), loop).result(10)
         return self
 
-    def send(self, msg: tuple | None) -> None:
-        """Queue ``msg`` for the writer thread (None: stop it, after what is queued)."""
-        self._sendq.put(msg)
+    def send(self, msg: tuple) -> None:
+        """Queue ``msg`` for this worker (any thread; in order): the messages queued together leave as one frame."""
+        self.host.outbox.put((self, msg))
 
     def close(self) -> None:
-        self._sendq.put(None)
-        self._writer.join(5)
-        self.link.close()
+        self.host.outbox.put((self, None))
 
     # -- engine thread -----------------------------------------------------------------------------------
     def sink(self, out: RequestOutput) -> None:
@@ -82,35 +92,41 @@ class WorkerPort:
         if outs:
             self.send(("outputs", outs, len(llm.seqs) if llm is not None else 0))
 
-    # -- threads -----------------------------------------------------------------------------------------
-    def _write(self) -> None:
-        while True:
-            batch = [self._sendq.get()]
-            while True:
-                try:
-                    batch.append(self._sendq.get_nowait())
-                except queue.Empty:
-                    break
-            stop = None in batch
-            batch = [m for m in batch if m is not None]
-            try:
-                if batch:
-                    self.link.send(batch)
-            except OSError:
-                return
-            if stop:
-                return
+    # -- link thread -------------------------------------------------------------------------------------
+    def queue_out(self, msg: tuple | None) -> None:
+        """(LoopInbox handler) ``msg`` joins this worker's next frame; None: close the link after it."""
+        if not self._out:
+            self.host.loop.call_soon(self._write)  # after the inbox's drain: one frame for what it brought
+        self._out.append(msg)
 
-    def _read(self) -> None:
+    def _write(self) -> None:
+        msgs, self._out = self._out, []
+        close = None in msgs
+        msgs = [m for m in msgs if m is not None]
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        if msgs:
+            t.writelines(frame(msgs))
+        if close:
+            t.close()
+
+    def connection_made(self, transport) -> None:
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
         try:
-            while True:
-                for msg in self.link.recv():
+            for msgs in self._reader.feed(data):
+                for msg in msgs:
                     self._apply(msg)
-        except (EOFError, OSError):
-            pass
         except Exception:
             log.exception("worker %d: bad frame on the engine link", self.index)
-        finally:
+            self._transport.abort()
+
+    def connection_lost(self, exc) -> None:
+        self._transport = None
+        if not self._gone:
+            self._gone = True
             self.host.worker_gone(self)
 
     def _apply(self, msg: tuple) -> None:
@@ -163,20 +179,24 @@ class EngineHost:
         self._renders: dict[int, tuple[threading.Event, list, int]] = {}  # token -> (done, families, expected)
         self._scrapes = ThreadPoolExecutor(1, thread_name_prefix="autoglm-scrape")
         self._dead_told = False
+        self.loop = asyncio.new_event_loop()  # every worker's link (module docstring)
+        self._link_thread = threading.Thread(target=self.loop.run_forever, name="autoglm-links", daemon=True)
+        self._link_thread.start()
+        self.outbox = LoopInbox(self.loop, lambda item: item[0].queue_out(item[1]))  # (port, msg | None)
 
     def attach(self, index: int, link: Link) -> WorkerPort:
         """Serve worker ``index`` on ``link``: its hello (the engine's facts) goes out first."""
         port = WorkerPort(self, index, next(self._serials), link)
         with self._lock:
             self.ports[port.serial] = port
+        port.start()
         port.send(("hello", facts_to_wire(self.rt.facts), self.rt.model_name))
-        return port.start()
+        return port
 
     def worker_gone(self, port: WorkerPort) -> None:
         """``port``'s link closed: abort what its worker left running and forget its sessions."""
         with self._lock:
             self.ports.pop(port.serial, None)
-        port.send(None)  # ends its writer thread
         for rid in list(port.requests):
             self.engine.abort(rid, "abort")
         dropped = self.ledger.drop_worker(port.serial)
@@ -192,8 +212,17 @@ class EngineHost:
                 port.send(("dead", self.engine.dead))
 
     def stop(self) -> None:
+        """Send what is queued to every worker, close the links, stop the link thread."""
         for port in list(self.ports.values()):
             port.close()
+        done = threading.Event()
+        try:
+            self.loop.call_soon_threadsafe(lambda: self.loop.call_soon(done.set))  # after the closes' writes
+            done.wait(5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # the loop is closed already
+            pass
+        self._link_thread.join(5)
         self._scrapes.shutdown(wait=False)
 
     # -- requests from workers (their reader threads) ----------------------------------------------------

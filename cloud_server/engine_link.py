@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import pickle
+import struct
 import threading
 from types import MappingProxyType
 from multiprocessing.connection import Connection
@@ -67,6 +68,47 @@ class Link:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def frame(messages: list[tuple]) -> list[bytes]:
+    """``messages`` as one frame in :class:`Link`'s format (``multiprocessing.connection``'s: a signed 4-byte
+    big-endian length, or -1 and an 8-byte one, then the pickle), for a writer without a ``Connection``."""
+    data = pickle.dumps(messages, protocol=5)
+    n = len(data)
+    return [struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n), data]
+
+
+class FrameReader:
+    """Frames in :class:`Link`'s format from a byte stream fed in pieces: ``feed(data)`` returns the message
+    lists of the frames it completed (an asyncio protocol's ``data_received``)."""
+
+    def __init__(self):
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[list[tuple]]:
+        buf = self._buf
+        buf += data
+        done, at = [], 0
+        while True:
+            if len(buf) - at < 4:
+                break
+            (n,) = struct.unpack_from("!i", buf, at)
+            head = 4
+            if n == -1:
+                if len(buf) - at < 12:
+                    break
+                (n,) = struct.unpack_from("!Q", buf, at + 4)
+                head = 12
+            elif n < 0:
+                raise ValueError(f"engine link: bad frame length {n}")
+            if len(buf) - at - head < n:
+                break
+            with memoryview(buf) as view:
+                done.append(pickle.loads(view[at + head:at + head + n]))  # (arrays come out as copies)
+            at += head + n
+        if at:
+            del buf[:at]
+        return done
 
 
 # -- inputs -------------------------------------------------------------------------------------------

@@ -16,6 +16,13 @@ from collections.abc import Callable
 log = logging.getLogger("autoglm.cloud")
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 class LoopInbox:
     """``put`` from any thread; ``handle(item)`` runs on ``loop``'s thread, in order, for every item."""
 
@@ -31,7 +38,10 @@ class LoopInbox:
         self._items.append(item)  # before the check: a drain that resets the flag afterwards still sees it
         if not self._scheduled:
             self._scheduled = True
-            self.loop.call_soon_threadsafe(self._drain)
+            if _running_loop() is self.loop:  # put on the loop itself (the engine link's frames): no wakeup
+                self.loop.call_soon(self._drain)
+            else:
+                self.loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         self._scheduled = False  # before emptying: an item put from now on schedules the next drain

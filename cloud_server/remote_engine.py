@@ -8,13 +8,14 @@ of one), ``alive`` / ``dead`` - and, for what must be counted over every worker,
 :meth:`admit` / :meth:`release` (``cloud_server.session_ledger``).
 
 Batching (``cloud_server.engine_link``): the commands of one event-loop turn go out as one frame, at the
-turn's end; ``add_inputs`` (a turn's decode steps) sends at once, with what was queued before it. A writer
-thread pickles and writes the frames (what queued while it wrote goes out as one frame), so the event loop
-never waits on the link: a prompt's states are megabytes, and the engine process reads them between its
-steps (py-spy on the H200 host: ~24 % of the workers' busy loop time was blocked in that write). A reader
-thread takes the engine's frames: a step's outputs for this worker arrive as one frame and are handed to the
-sinks in order (the translator's sinks feed one ``LoopInbox``: one loop wakeup per step). If the engine
-process goes away, every open request gets an ``engine_error`` output and ``on_lost`` is called.
+turn's end; ``add_inputs`` (a turn's decode steps) sends at once, with what was queued before it. The link is
+the event loop's own: an asyncio protocol on the pipe's socket writes the frames through the loop's transport
+(buffered, so the loop never waits on the link: a prompt's states are megabytes, and the engine process reads
+them between its steps) and reads the engine's frames as they come: a step's outputs for this worker arrive as
+one frame and are handed to the sinks in order on the loop, with no thread between the pipe and the sessions
+(the writer and reader threads this replaced cost a thread hand-over each way per token and competed with the
+loop for the interpreter). If the engine process goes away, every open request gets an ``engine_error``
+output and ``on_lost`` is called.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
+import os
+import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from cloud_server.engine.async_engine import EngineDeadError, Sink
 from cloud_server.engine.llm_engine import RequestOutput
-from cloud_server.engine_link import Link, facts_from_wire, pack_chunks, unpack_output
+from cloud_server.engine_link import FrameReader, Link, facts_from_wire, frame, pack_chunks, unpack_output
 
 log = logging.getLogger("autoglm.cloud.worker")
 
@@ -44,8 +46,8 @@ class RemoteEngine:
         self.model_name = ""
         self.open_requests_all = 0  # requests open in the engine over every worker, as of its last step
         self.on_reclaim: Callable[[str], None] | None = None  # event loop: close this session (resumed elsewhere)
-        self.on_lost: Callable[[], None] | None = None  # reader thread: the engine process is gone
-        self.families: Callable[[], list] | None = None  # reader thread: this worker's metric families
+        self.on_lost: Callable[[], None] | None = None  # event loop: the engine process is gone
+        self.families: Callable[[], list] | None = None  # event loop: this worker's metric families
         self.loop: asyncio.AbstractEventLoop | None = None  # where on_reclaim runs (set by start)
         self._sinks: dict[str, Sink] = {}  # engine id -> sink, until its finished output
         self._replies: dict[int, Future] = {}
@@ -53,16 +55,20 @@ class RemoteEngine:
         self._pending: list[tuple] = []  # this loop turn's commands (event-loop thread)
         self._flush_scheduled = False
         self._hello = threading.Event()
-        self._thread = threading.Thread(target=self._read, name=f"autoglm-link-{worker}", daemon=True)
-        self._sendq: queue.SimpleQueue = queue.SimpleQueue()  # frames' messages for the writer; None: stop
-        self._writer = threading.Thread(target=self._write, name=f"autoglm-link-{worker}-out", daemon=True)
+        self._transport: asyncio.Transport | None = None  # the pipe's socket on the loop (set by start)
+        self._closing = False  # close() was called: the link's end is ours, not the engine's
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop, timeout_s: float) -> RemoteEngine:
-        """Start reading; wait up to ``timeout_s`` for the engine's hello (its facts)."""
+        """Attach the link to ``loop`` (running in another thread: call this from a thread, e.g. the loop's
+        executor) and wait up to ``timeout_s`` for the engine's hello (its facts)."""
+        if self._on_loop():
+            raise RuntimeError("RemoteEngine.start waits for the loop: call it from another thread")
         self.loop = loop
-        self._writer.start()
-        self._thread.start()
+        sock = socket.socket(fileno=os.dup(self.link.conn.fileno()))  # the pipe's socket, for the transport
+        self.link.close()
+        asyncio.run_coroutine_threadsafe(loop.connect_accepted_socket(lambda: _LinkProtocol(self), sock),
+                                         loop).result(timeout_s)
         if not self._hello.wait(timeout_s):
             raise RuntimeError(f"worker {self.worker}: no hello from the engine process within {timeout_s:g} s")
         if self.dead is not None:
@@ -70,11 +76,19 @@ class RemoteEngine:
         return self
 
     def close(self) -> None:
-        """Send what is queued, then close the link."""
-        self._sendq.put(None)
-        if self._writer.is_alive():
-            self._writer.join(5)
-        self.link.close()
+        """Send what is queued, then close the link (the transport writes its buffer first)."""
+        if self._transport is None:
+            return
+        if self.loop is not None and self.loop.is_running() and not self._on_loop():
+            self.loop.call_soon_threadsafe(self._close_now)
+        else:
+            self._close_now()
+
+    def _close_now(self) -> None:
+        self._closing = True
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()
 
     @property
     def alive(self) -> bool:
@@ -140,16 +154,20 @@ class RemoteEngine:
         self._post(("ask", cid, op, args))
         return fut
 
-    def _post(self, msg: tuple) -> None:
+    def _on_loop(self) -> bool:
         try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # not on the event loop (a thread, a test): send it alone, now
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
+
+    def _post(self, msg: tuple) -> None:
+        if not self._on_loop():  # a thread, a test: the message goes out alone, through the loop
             self._send([msg])
             return
         self._pending.append(msg)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            loop.call_soon(self._flush)
+            self.loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -158,44 +176,20 @@ class RemoteEngine:
             self._send(msgs)
 
     def _send(self, msgs: list[tuple]) -> None:
-        """Queue one frame's messages for the writer thread (any thread; order kept)."""
-        self._sendq.put(msgs)
-
-    def _write(self) -> None:  # writer thread
-        while True:
-            batch = self._sendq.get()
-            stop = batch is None
-            batch = [] if stop else list(batch)
-            while not stop:  # what queued meanwhile joins this frame, in order
-                try:
-                    more = self._sendq.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stop = True
-                else:
-                    batch += more
+        """Write one frame of ``msgs`` (any thread: from another one it is handed to the loop; order kept)."""
+        if not self._on_loop():
             try:
-                if batch:
-                    self.link.send(batch)
-            except OSError as e:
-                self._fail(f"engine link closed: {e}")
-                return
-            if stop:
-                return
+                self.loop.call_soon_threadsafe(self._send, msgs)
+            except RuntimeError:  # the loop is closed: so is the link
+                self._fail("engine link closed")
+            return
+        t = self._transport
+        if t is None or t.is_closing():
+            self._fail("engine link closed")
+            return
+        t.writelines(frame(msgs))
 
-    # -- receiving (reader thread) ---------------------------------------------------------------------
-    def _read(self) -> None:
-        try:
-            while True:
-                for msg in self.link.recv():
-                    self._handle(msg)
-        except (EOFError, OSError) as e:
-            self._fail(f"engine process gone ({type(e).__name__})")
-            self._hello.set()
-            if self.on_lost is not None:
-                self.on_lost()
-
+    # -- receiving (event loop) ------------------------------------------------------------------------
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "outputs":
@@ -211,8 +205,8 @@ class RemoteEngine:
             self.facts, self.model_name = facts_from_wire(msg[1]), msg[2]
             self._hello.set()
         elif kind == "reclaim":
-            if self.on_reclaim is not None and self.loop is not None:
-                self.loop.call_soon_threadsafe(self.on_reclaim, msg[1])
+            if self.on_reclaim is not None:
+                self.on_reclaim(msg[1])
         elif kind == "render":
             self._send([("rendered", msg[1], self.families() if self.families is not None else [])])
         elif kind == "dead":
@@ -238,3 +232,36 @@ class RemoteEngine:
             fut = self._replies.pop(cid, None)
             if fut is not None:
                 fut.set_exception(EngineDeadError(f"engine stopped: {message}"))
+
+
+class _LinkProtocol(asyncio.Protocol):
+    """The engine link's socket on the worker's event loop: frames in, handed to the :class:`RemoteEngine`."""
+
+    def __init__(self, engine: RemoteEngine):
+        self.engine = engine
+        self.reader = FrameReader()
+
+    def connection_made(self, transport) -> None:
+        self.engine._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+        except Exception:  # a broken link: as if the engine went away (connection_lost follows)
+            log.exception("worker %d: bad frame from the engine", self.engine.worker)
+            self.engine._transport.abort()
+            return
+        for msgs in frames:
+            for msg in msgs:
+                self.engine._handle(msg)
+
+    def connection_lost(self, exc) -> None:
+        eng = self.engine
+        eng._transport = None
+        if eng._closing:
+            eng._fail("engine link closed")
+            return
+        eng._fail(f"engine process gone ({type(exc).__name__ if exc else 'EOF'})")
+        eng._hello.set()
+        if eng.on_lost is not None:
+            eng.on_lost()

@@ -62,9 +62,11 @@ def test_outputs_and_facts_round_trip_through_a_real_pipe():
 
 
 def test_the_workers_event_loop_never_waits_on_the_link_and_messages_keep_their_order():
-    """A worker's loop hands frames to the link's writer thread: 8 MB of prompt states, which the engine
-    process has not started reading, cost the loop nothing; what follows arrives after them, in order."""
+    """A worker's loop writes frames through its transport: 8 MB of prompt states, which the engine process has
+    not started reading, cost the loop nothing; what follows arrives after them, in order; the engine's frames
+    reach the sinks on the loop."""
     import asyncio
+    import threading
     import time
 
     from cloud_server.remote_engine import RemoteEngine
@@ -75,21 +77,39 @@ def test_the_workers_event_loop_never_waits_on_the_link_and_messages_keep_their_
                         mrope=False, eos_token_ids=(2,), block_size=4, max_context=64, max_num_seqs=8,
                         max_num_batched_tokens=64)
     engine_end.send([("hello", facts_to_wire(facts), "m")])
+    got: list[tuple] = []
 
-    async def turn() -> tuple[RemoteEngine, float]:
-        remote = RemoteEngine(Link(ours), 0).start(asyncio.get_running_loop(), 5)
+    def engine() -> None:  # the engine process: reads the worker's frames, then answers with one step
+        time.sleep(0.3)  # not reading at first
+        while len(got) < 2:
+            got.extend(engine_end.recv())
+        engine_end.send([("outputs", [pack_output(RequestOutput("r1", token_id=4))], 1)])
+
+    async def turn() -> tuple[float, list, threading.Thread]:
+        loop = asyncio.get_running_loop()
+        remote = RemoteEngine(Link(ours), 0)
+        await loop.run_in_executor(None, remote.start, loop, 5)
+        outs: list = []
+        seen = asyncio.Event()
+        remote.add_request("r1", lambda o: (outs.append((o, threading.current_thread())), seen.set()),
+                           InputChunk(0, hidden=torch.randn(1, 1024)), None)
+        reader = threading.Thread(target=engine)
+        reader.start()
         t0 = time.monotonic()
         remote.add_inputs([(f"r{i}", InputChunk(0, hidden=torch.randn(512, 1024))) for i in range(4)])  # 8 MB
         remote.abort("r0", "abort")
         await asyncio.sleep(0)  # the turn's end flushes the abort
-        return remote, time.monotonic() - t0
+        waited = time.monotonic() - t0
+        await asyncio.wait_for(seen.wait(), 10)
+        remote.close()
+        return waited, outs, reader
 
-    remote, waited = asyncio.run(turn())
-    assert waited < 0.5  # nobody reads the other end yet: the loop went on at once
-    got: list[tuple] = []
-    while len(got) < 2:
-        got += engine_end.recv()
-    assert got[0][0] == "inputs" and got[0][1] == ["r0", "r1", "r2", "r3"] and got[0][2][3].shape == (2048, 1024)
-    assert got[1] == ("abort", "r0", "abort")
-    remote.close()
+    waited, outs, reader = asyncio.run(turn())
+    reader.join(5)
+    assert waited < 0.2  # nobody read the other end yet: the loop went on at once
+    assert got[0][0] == "add" and got[1][0] == "inputs" and got[1][1] == ["r0", "r1", "r2", "r3"]
+    assert got[1][2][3].shape == (2048, 1024)
+    more = engine_end.recv()
+    assert more == [("abort", "r0", "abort")]
+    assert outs[0][0].token_id == 4 and outs[0][1] is threading.main_thread()  # on the loop, no thread between
     engine_end.close()

@@ -24,12 +24,16 @@ def test_a_burst_from_another_thread_is_handled_in_order_with_one_wakeup():
         worker.start()
         worker.join()  # the whole burst is queued before the loop runs again
         await asyncio.sleep(0.01)
-        inbox.put(100)  # a later item wakes the loop again
+        later = threading.Thread(target=inbox.put, args=(100,))  # a later item wakes the loop again
+        later.start()
+        later.join()
+        await asyncio.sleep(0.01)
+        inbox.put(101)  # one put on the loop itself: handled without a wakeup (no self-pipe write)
         await asyncio.sleep(0.01)
         return got, threads, len(wakeups)
 
     got, threads, wakeups = asyncio.run(main())
-    assert got == list(range(101))
+    assert got == list(range(102))
     assert threads == {threading.main_thread()}
     assert wakeups == 2
 
