@@ -116,10 +116,8 @@ def _waiting_sampler(engine: LLMEngine, dev: SimulatedDevice) -> None:
 
 
 def run_config(sessions: int, tokens: int, rt_median_ms: float, rt_p99_ms: float, async_scheduling: bool,
-               gather_max_s: float | None, hidden: int = 256, prompt: int = 32, seed: int = 0,
-               hold: bool = True) -> dict:
-    """One configuration; ``hold=False``: the engine without its rule that holds late rows for their cohort
-    (``AsyncEngine._hold``), for the A/B."""
+               gather_max_s: float | None, hidden: int = 256, prompt: int = 32, seed: int = 0) -> dict:
+    """One configuration: S phones decoding ``tokens`` each against the real engine and the simulated device."""
     block = 16
     max_len = prompt + tokens + 8
     num_blocks = sessions * (-(-max_len // block)) + 1
@@ -129,10 +127,7 @@ def run_config(sessions: int, tokens: int, rt_median_ms: float, rt_p99_ms: float
     dev = SimulatedDevice(hidden, 512, sessions, num_blocks, block)
     llm = LLMEngine(cfg, {"fp32": dev}, sampler_seed=seed)
     _waiting_sampler(llm, dev)
-    eng = AsyncEngine(llm, gather_max_s=gather_max_s)
-    if not hold:
-        eng._hold = lambda: False  # (the instance's rule switched off; the class is untouched)
-    eng.start()
+    eng = AsyncEngine(llm, gather_max_s=gather_max_s).start()
     rng = random.Random(seed)
     sigma = math.log(rt_p99_ms / rt_median_ms) / 2.326
     mu = math.log(rt_median_ms / 1e3)
@@ -194,11 +189,10 @@ def run_config(sessions: int, tokens: int, rt_median_ms: float, rt_p99_ms: float
     decode_steps = [n for n in dev.steps if n <= sessions]
     limit = sessions / (device_ms(sessions) / 1e3)
     return {"sessions": sessions, "tokens": tokens, "rt_median_ms": rt_median_ms, "rt_p99_ms": rt_p99_ms,
-            "async_scheduling": async_scheduling, "gather_max_s": gather_max_s, "hold": hold, "wall_s": wall,
+            "async_scheduling": async_scheduling, "gather_max_s": gather_max_s, "wall_s": wall,
             "steady_tokens_per_s": steady, "lockstep_limit_tokens_per_s": limit, "of_limit": steady / limit,
             "itl_p50_ms": statistics.median(itl), "itl_p90_ms": float(np.percentile(itl, 90)),
             "device_steps": len(dev.steps), "steps_per_token_round": len(dev.steps) / tokens,
-            "held_steps": eng.held_steps,
             "rows_per_step_median": statistics.median(decode_steps)}
 
 
@@ -209,7 +203,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rt-ms", default="1.5,2.5", help="round-trip medians, one configuration each")
     ap.add_argument("--rt-p99-ms", default="3.8,6", help="their p99s (same count)")
     ap.add_argument("--gather-max-ms", default="default", help="AsyncEngine gather caps: 'default' or ms")
-    ap.add_argument("--hold", default="on,off", help="the engine's rule holding late rows for their cohort")
     ap.add_argument("--seeds", default="0", help="round-trip draws, one run each")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -218,22 +211,20 @@ def main(argv=None) -> int:
         ap.error("--rt-ms and --rt-p99-ms: the same count, each p99 above its median")
     gathers = [None if g == "default" else float(g) / 1e3 for g in a.gather_max_ms.split(",")]
     out = {"command": "python bench/lockstep_model.py " + " ".join(sys.argv[1:]), "device_ms": DEVICE_MS, "runs": []}
-    holds = [h == "on" for h in a.hold.split(",")]
-    print(f"{'rt p50/p99 ms':>14} {'seed':>4} {'hold':>5} {'overlap':>7} {'gather':>8} {'tok/s':>8} {'of limit':>8} "
+    print(f"{'rt p50/p99 ms':>14} {'seed':>4} {'overlap':>7} {'gather':>8} {'tok/s':>8} {'of limit':>8} "
           f"{'ITL p50':>8} {'steps/round':>11} {'rows/step':>9}")
     for m, q in zip(meds, p99s):
         for seed in [int(x) for x in a.seeds.split(",")]:
             for gather in gathers:
-                for hold in holds:
-                    for overlap in (True, False):
-                        r = run_config(a.sessions, a.tokens, m, q, overlap, gather, seed=seed, hold=hold)
-                        r["seed"] = seed
-                        out["runs"].append(r)
-                        print(f"{m:>6.1f} / {q:<5.1f} {seed:>4} {str(hold):>5} {str(overlap):>7} {str(gather):>8} "
-                              f"{r['steady_tokens_per_s']:>8.0f} {r['of_limit']:>8.3f} {r['itl_p50_ms']:>8.2f} "
-                              f"{r['steps_per_token_round']:>11.2f} {r['rows_per_step_median']:>9.1f}", flush=True)
-                        if a.json:
-                            a.json.write_text(json.dumps(out, indent=1) + "\n")
+                for overlap in (True, False):
+                    r = run_config(a.sessions, a.tokens, m, q, overlap, gather, seed=seed)
+                    r["seed"] = seed
+                    out["runs"].append(r)
+                    print(f"{m:>6.1f} / {q:<5.1f} {seed:>4} {str(overlap):>7} {str(gather):>8} "
+                          f"{r['steady_tokens_per_s']:>8.0f} {r['of_limit']:>8.3f} {r['itl_p50_ms']:>8.2f} "
+                          f"{r['steps_per_token_round']:>11.2f} {r['rows_per_step_median']:>9.1f}", flush=True)
+                    if a.json:
+                        a.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         lm.model.model(ids)
     top = collections.defaultdict(set)
-    for (i, name), x in sorted(amax.items()):
+    for (_i, name), x in sorted(amax.items()):
         top[name] |= set(np.argsort(-x)[: a.k].tolist())
     print(f"SmolLM2 layers [0, {a.layers}), {ids.shape[1]} tokens, top-{a.k} input channels per MatMul")
     for name in ("qkv", "gate_up", "o", "down"):

@@ -87,8 +87,6 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
     Option("max_model_len", int, "engine", "positions per sequence: prompt + generated"),
     Option("enable_prefix_cache", bool, "engine", "share KV of common prefixes across sessions"),
     Option("async_scheduling", bool, "engine", "launch each engine step before postprocessing the last one"),
-    Option("hold_late_rows", bool, "engine", "while a decode step is in flight and edges come back within a step, "
-           "late decode rows wait for their cohort's next step instead of a step of their own"),
     Option("batch_invariant", bool, "engine", "compute each sequence's attention on its own, so a token's result "
            "does not depend on who shares its step (default: on for cpu, off for cuda)"),
     Option("fast_path", bool, "engine", _FAST_PATH_HELP),

@@ -57,9 +57,6 @@ class EngineConfig:
     # Overlap scheduling: step() launches step t + 1 on the device before it postprocesses step t, so the
     # host's work for one step runs while the device computes the other (vLLM's async scheduling).
     async_scheduling: bool = True
-    # With overlap scheduling over round trips shorter than a step: decode rows that missed their cohort's gather
-    # window wait for the cohort's next step instead of a step of their own (cloud_server.engine.async_engine).
-    hold_late_rows: bool = True
     # KV pool storage (vLLM's --kv-cache-dtype, cloud_server.kv_quant): "auto" = the compute dtype; "int8" / "fp8"
     # = 8-bit keys and values with a float32 scale per token and KV head (-48 % KV bytes at head_dim 128 vs bf16),
     # read by the fast path's Triton kernels and by the library's layers (paged attention) alike.

@@ -15,14 +15,6 @@ and others that were handed a token are still *awaiting* their next input, the l
 arrived. A request still awaiting when the window closes is late (a slow or stalled edge): it holds no
 further step until it sends an input again. With one request, or when all have arrived, nothing waits.
 
-Late rows rejoin the cohort: while the cohort's step is in flight, decode rows that came back after the window
-closed are *held* (the engine postprocesses the step in flight without launching them) when the edges' round
-trips are shorter than a step (their moving averages): the cohort's rows are then due before a step of the late
-rows alone would end, and the late rows go in the cohort's next step. Launched on their own (overlap scheduling),
-they cost nearly a full step that the returning cohort waits behind, and the cohort stays split into small
-steps (``bench/lockstep_model.py``). Over round trips longer than a step (mobile links) nothing is held: there
-the engine pipelines whatever is ready.
-
 Edge round trips: the time from a decoding request's token leaving the engine (its delivery to the sink) to
 its next input reaching the engine thread - the link both ways, the phone's front step and the server's front
 end - goes to ``on_round_trip(seconds)`` (the server's ``autoglm:edge_round_trip_seconds``). In lockstep a
@@ -58,7 +50,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_timeout_s: float | None = None,
                  on_fatal: Callable[[str], None] | None = None, idle_hook: Callable[[], None] | None = None,
                  idle_hook_every_s: float = 20.0, gather_max_s: float | None = None,
-                 on_round_trip: Callable[[float], None] | None = None, hold_late_rows: bool = True):
+                 on_round_trip: Callable[[float], None] | None = None):
         gather_max_s = GATHER_MAX_S if gather_max_s is None else gather_max_s  # None: the module's default
         if gather_max_s < 0:
             raise ValueError(f"gather_max_s must be >= 0, got {gather_max_s}")
@@ -80,9 +72,6 @@ class AsyncEngine:
         self._handed_at: dict[str, float] = {}  # awaiting request -> when its token was delivered (round trips)
         self._step_s = 0.0  # moving average of the time in step() per step that delivered: the gather window
         self._stepping_s = 0.0  # time in step() since the last step that delivered outputs
-        self._round_trip_s = 0.0  # moving average of the edges' round trips (0: none measured yet)
-        self.hold_late_rows = hold_late_rows  # False: the hold rule off (A/B; EngineConfig.hold_late_rows)
-        self.held_steps = 0  # steps that postprocessed without launching, holding late rows for their cohort
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -105,19 +94,19 @@ class AsyncEngine:
         self._put(("add", request_id, sink, first, params, variant, prefix_keys))
 
     def add_input(self, request_id: str, chunk) -> None:
-        self._put(("input", request_id, chunk, time.monotonic()))
+        self._put(("input", request_id, chunk))
 
     def add_inputs(self, inputs: list[tuple[str, object]]) -> None:
         """Several ``(request_id, chunk)`` inputs (a decode step's, one per session) as one command: one
         queue hand-off and one wakeup of the engine thread for all of them, applied in order."""
         if inputs:
-            self._put(("inputs", inputs, time.monotonic()))
+            self._put(("inputs", inputs))
 
     def add_rows(self, request_ids: list[str], starts: list[int], hidden) -> None:
         """Decode steps of several requests as one ``[S, H]`` tensor (``LLMEngine.add_inputs``: row i is position
         ``starts[i]`` of ``request_ids[i]``), one command; the engine may read ``hidden`` until their step is out."""
         if request_ids:
-            self._put(("rows", request_ids, starts, hidden, time.monotonic()))
+            self._put(("rows", request_ids, starts, hidden))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.dead is None:
@@ -148,18 +137,18 @@ class AsyncEngine:
                 return []
             return outs
         if kind == "input":
-            self._arrived(cmd[1], time.monotonic(), cmd[3])
+            self._arrived(cmd[1], time.monotonic())
             return self.llm.add_input(cmd[1], cmd[2])
         if kind == "inputs":
             outs, now = [], time.monotonic()
             for rid, chunk in cmd[1]:
-                self._arrived(rid, now, cmd[2])
+                self._arrived(rid, now)
                 outs += self.llm.add_input(rid, chunk)
             return outs
         if kind == "rows":
             now = time.monotonic()
             for rid in cmd[1]:
-                self._arrived(rid, now, cmd[4])
+                self._arrived(rid, now)
             return self.llm.add_inputs(cmd[1], cmd[2], cmd[3])
         if kind == "abort":
             self._awaiting.discard(cmd[1])
@@ -173,22 +162,12 @@ class AsyncEngine:
                 fut.set_exception(e)
         return []
 
-    def _arrived(self, rid: str, now: float, sent: float) -> None:
-        """An input of ``rid`` (queued at ``sent``) reached the engine thread at ``now``: no longer awaited; its round
-        trip recorded - up to ``now`` for ``on_round_trip`` (the wait for the engine thread included), up to ``sent``
-        for the hold rule's average (the edge's own part: a busy engine thread must not lengthen it)."""
+    def _arrived(self, rid: str, now: float) -> None:
+        """An input of ``rid`` reached the engine thread: no longer awaited; its round trip recorded."""
         self._awaiting.discard(rid)
         handed = self._handed_at.pop(rid, None)
-        if handed is not None:
-            rt = max(0.0, sent - handed)
-            self._round_trip_s += (0.1 if self._round_trip_s else 1.0) * (rt - self._round_trip_s)
-            if self.on_round_trip is not None:
-                self.on_round_trip(now - handed)
-
-    def _hold(self) -> bool:
-        """Postprocess the step in flight without launching what is ready (module docstring: late rows rejoin
-        the cohort): a decode step is in flight, only decode rows are ready, and the edges come back within a step."""
-        return self.hold_late_rows and 0.0 < self._round_trip_s < self._step_s and self.llm.holdable()
+        if handed is not None and self.on_round_trip is not None:
+            self.on_round_trip(now - handed)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
         seqs = self.llm.seqs
@@ -246,9 +225,7 @@ class AsyncEngine:
                 self._deliver(self._take_commands())
                 now = time.monotonic()
                 if self.llm.has_work():
-                    hold = self._hold()
-                    outs = self.llm.step(launch=not hold)
-                    self.held_steps += hold
+                    outs = self.llm.step()
                     self._stepping_s += time.monotonic() - now  # with overlap: a launch, then its postprocess
                     if outs:
                         self._step_s += (0.2 if self._step_s else 1.0) * (self._stepping_s - self._step_s)

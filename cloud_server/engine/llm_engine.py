@@ -311,20 +311,7 @@ class LLMEngine:
         """A launched step awaits its postprocess (the next :meth:`step` delivers its outputs)."""
         return bool(self._in_flight)
 
-    def holdable(self) -> bool:
-        """A step with decode rows is in flight, no request waits for admission, and every ready sequence brings
-        one decode position: what is ready could wait for that step's rows (``step(launch=False)``)."""
-        if not any(step.decodes for step in self._in_flight) or self.scheduler.waiting:
-            return False
-        finished, ready = SequenceStatus.FINISHED, False
-        for s in self.seqs.values():
-            if (p := s.pending) and p[0].start == s.num_computed and s.status is not finished:
-                if p[0].n != 1 or p[0].is_spec:
-                    return False
-                ready = True
-        return ready
-
-    def step(self, launch: bool = True) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> launch on the device (one forward pass per variant) -> postprocess.
 
         With ``config.async_scheduling`` (the default) the step launched here is postprocessed by the next
@@ -332,12 +319,10 @@ class LLMEngine:
         for step t + 1 and the postprocessing of step t overlap the device's work. A sequence whose token is
         in flight is not scheduled again before it is postprocessed (its next input depends on the token), so
         the outputs are the synchronous engine's, one call later; a call that launches nothing postprocesses
-        at once. ``launch=False``: only postprocess the step in flight; what is ready waits for the next call
-        (``AsyncEngine`` holds late decode rows for their cohort's step: :meth:`holdable`)."""
+        at once."""
         # a prompt-only step queued behind in-flight decode rows would delay their next step by a whole chunk
         prefill_alone = not any(step.decodes for step in self._in_flight)
-        batches, victims = (self.scheduler.schedule(preempt=not self._in_flight, prefill_alone=prefill_alone)
-                            if launch else ([], []))
+        batches, victims = self.scheduler.schedule(preempt=not self._in_flight, prefill_alone=prefill_alone)
         outputs = [self._finish(s, "error", "kv_cache_full", "the KV pool is exhausted; request aborted")
                    for s in victims]
         launched = [self._launch(b) for b in batches]
