@@ -193,3 +193,15 @@ def test_profile_summary_names_the_workers_threads_and_counts_uvloops_wait_as_id
     assert got["autoglm-engine"] == {"model forward": 2.0}
     assert got["front-end workers / MainThread"] == {"idle: event loop waiting": 3.0,
                                                      "msgpack decode + validation": 1.0}
+
+
+def test_the_stack_floor_bench_echoes_every_message_and_counts_the_loops_cpu(tmp_path):
+    """``bench/ws_floor.py``: lockstep clients against an echo server on the served stack (uvicorn and the
+    server's own WebSocket protocol class); every message pair is answered and the per-pair CPU is positive."""
+    ws_floor = _load("ws_floor")
+    out = tmp_path / "floor.json"
+    assert ws_floor.main(["--sessions", "3", "--messages", "30", "--procs", "2", "--json", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["sessions"] == 3 and rec["procs"] == 2 and rec["messages_per_session"] == 30
+    assert 0 < rec["loop_us_per_message_pair"] < 1e5 and rec["pairs_per_s"] > 0
+    assert 0 < rec["round_trip_p50_ms"] <= rec["round_trip_p99_ms"]
