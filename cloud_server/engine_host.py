@@ -27,16 +27,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
 
 import torch
 
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.engine.llm_engine import RequestOutput
-from cloud_server.engine_link import FrameReader, Link, facts_to_wire, frame, pack_output, unpack_chunks
+from cloud_server.engine_link import FrameReader, facts_to_wire, frame, pack_output, take_socket, unpack_chunks
 from cloud_server.loop_inbox import LoopInbox
 from cloud_server.metrics import render_merged
 from cloud_server.session_ledger import LedgerEntry, SessionLedger
@@ -50,8 +49,8 @@ class WorkerPort(asyncio.Protocol):
     ``serial`` names this link (a replaced worker's successor has the same index and a new serial: the session
     ledger counts by serial)."""
 
-    def __init__(self, host: EngineHost, index: int, serial: int, link: Link):
-        self.host, self.index, self.serial, self.link = host, index, serial, link
+    def __init__(self, host: EngineHost, index: int, serial: int, conn: Connection):
+        self.host, self.index, self.serial, self.conn = host, index, serial, conn
         self.requests: set[str] = set()  # engine ids this worker opened and the engine still runs
         self._step: list[tuple] = []  # this step's packed outputs (engine thread)
         self._out: list[tuple] = []  # messages for the next frame (link thread)
@@ -61,8 +60,7 @@ class WorkerPort(asyncio.Protocol):
 
     def start(self) -> WorkerPort:
         """Put the pipe's socket on the host's link loop (blocks until it is there)."""
-        sock = socket.socket(fileno=os.dup(self.link.conn.fileno()))
-        self.link.close()
+        sock = take_socket(self.conn)
         loop = self.host.loop
         asyncio.run_coroutine_threadsafe(loop.connect_accepted_socket(lambda: self, sock), loop).result(10)
         return self
@@ -184,9 +182,9 @@ class EngineHost:
         self._link_thread.start()
         self.outbox = LoopInbox(self.loop, lambda item: item[0].queue_out(item[1]))  # (port, msg | None)
 
-    def attach(self, index: int, link: Link) -> WorkerPort:
-        """Serve worker ``index`` on ``link``: its hello (the engine's facts) goes out first."""
-        port = WorkerPort(self, index, next(self._serials), link)
+    def attach(self, index: int, conn: Connection) -> WorkerPort:
+        """Serve worker ``index`` on its pipe end ``conn``: its hello (the engine's facts) goes out first."""
+        port = WorkerPort(self, index, next(self._serials), conn)
         with self._lock:
             self.ports[port.serial] = port
         port.start()
@@ -225,7 +223,7 @@ class EngineHost:
         self._link_thread.join(5)
         self._scrapes.shutdown(wait=False)
 
-    # -- requests from workers (their reader threads) ----------------------------------------------------
+    # -- requests from workers (the link thread) ----------------------------------------------------
     def answer(self, port: WorkerPort, cid: int, op: str, args) -> None:
         if op == "call":
             try:

@@ -24,17 +24,19 @@ engine -> worker
     ``("dead", message)``                                    the engine stopped
 
 Hidden states cross as numpy arrays (raw bytes in the pickle, never torch's shared-memory reducers): the
-chunks of an ``inputs`` message share one ``[n, H]`` float32 array. :class:`Link` is the framing; the pure
-functions convert engine chunks and outputs to and from their wire form.
+chunks of an ``inputs`` message share one ``[n, H]`` float32 array. Both ends run the pipe's socket on an event
+loop (``take_socket``; :func:`frame` writes a frame, :class:`FrameReader` reads them); the pure functions
+convert engine chunks and outputs to and from their wire form.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 import pickle
+import socket
 import struct
-import threading
 from types import MappingProxyType
 from multiprocessing.connection import Connection
 
@@ -50,36 +52,24 @@ _STATES = _OUTPUT_FIELDS.index("states")
 _output_values = operator.attrgetter(*_OUTPUT_FIELDS)  # a RequestOutput -> the tuple of its fields, in order
 
 
-class Link:
-    """One end of a worker <-> engine pipe: ``send`` a list of messages as one frame (thread-safe), ``recv`` the
-    next frame's list (one reader thread; raises ``EOFError`` / ``OSError`` when the other end is gone)."""
-
-    def __init__(self, conn: Connection):
-        self.conn = conn
-        self._lock = threading.Lock()
-
-    def send(self, messages: list[tuple]) -> None:
-        data = pickle.dumps(messages, protocol=5)
-        with self._lock:
-            self.conn.send_bytes(data)
-
-    def recv(self) -> list[tuple]:
-        return pickle.loads(self.conn.recv_bytes())
-
-    def close(self) -> None:
-        self.conn.close()
+def take_socket(conn: Connection) -> socket.socket:
+    """The pipe end ``conn`` (``multiprocessing.Pipe(duplex=True)``: a Unix socket pair) as a socket for an event
+    loop's transport; ``conn`` itself is closed."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    conn.close()
+    return sock
 
 
 def frame(messages: list[tuple]) -> list[bytes]:
-    """``messages`` as one frame in :class:`Link`'s format (``multiprocessing.connection``'s: a signed 4-byte
-    big-endian length, or -1 and an 8-byte one, then the pickle), for a writer without a ``Connection``."""
+    """``messages`` as one frame: a signed 4-byte big-endian length (or -1 and an 8-byte one) and the pickle -
+    ``multiprocessing.connection``'s own framing, so a ``Connection`` end reads it with ``recv_bytes`` too."""
     data = pickle.dumps(messages, protocol=5)
     n = len(data)
     return [struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n), data]
 
 
 class FrameReader:
-    """Frames in :class:`Link`'s format from a byte stream fed in pieces: ``feed(data)`` returns the message
+    """Frames in :func:`frame`'s format from a byte stream fed in pieces: ``feed(data)`` returns the message
     lists of the frames it completed (an asyncio protocol's ``data_received``)."""
 
     def __init__(self):

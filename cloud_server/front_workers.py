@@ -6,13 +6,13 @@ engine step. With N workers the loop work of a round is spread over N processes 
 
     main process (this module's :func:`serve_workers`)
         CloudRuntime: model, AsyncEngine, KV pool, prefix cache, engine metrics
-        EngineHost: per worker a reader thread, a writer thread and a sink  (cloud_server.engine_host)
+        EngineHost: one link thread (an event loop over every worker's pipe), a sink per worker  (cloud_server.engine_host)
         one listening socket per worker on the same port (SO_REUSEPORT: the kernel spreads connections by
         their hash), bound here and inherited by the workers
     worker process i (:func:`worker_main`, multiprocessing spawn)
         the FastAPI app on the inherited socket: /v1/split (handshake, state machine, codecs, translator),
         /health, /ready, /metrics, /v1/models, /v1/bundles
-        WorkerRuntime + RemoteEngine over one pipe to the engine  (cloud_server.worker_runtime, remote_engine)
+        WorkerRuntime + RemoteEngine over one pipe to the engine, on the worker's event loop  (cloud_server.worker_runtime, remote_engine)
 
 The kernel hands each new connection to whichever worker accepts first, so a reconnect may reach another
 worker than before: that worker has not the session and the edge replays (``cloud_server.session_ledger``).
@@ -40,7 +40,6 @@ import sys
 import time
 
 from cloud_server.config import ServerConfig
-from cloud_server.engine_link import Link
 
 log = logging.getLogger("autoglm.cloud")
 POLL_S = 0.2  # how often the main process looks at its workers and the engine
@@ -100,10 +99,10 @@ def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
                            name=f"autoglm-front-{index}", daemon=False)
         proc.start()
         theirs.close()
-        host.attach(index, Link(ours))
+        host.attach(index, ours)
         return proc
 
-    # the link threads wake on frames and need the GIL from the engine thread: hand it over soon (as the
+    # the link thread wakes on frames and needs the GIL from the engine thread: hand it over soon (as the
     # one-process server does for its event loop, cloud_server.app.DrainingServer)
     sys.setswitchinterval(GIL_SWITCH_S)
     procs = {i: spawn(i) for i in range(config.workers)}
@@ -172,16 +171,16 @@ def worker_main(config: ServerConfig, index: int, sock: socket.socket, conn, log
     from cloud_server.app import loop_factory
 
     with asyncio.Runner(loop_factory=loop_factory(config.loop)) as runner:
-        runner.run(_serve(config, index, sock, Link(conn), log_level))
+        runner.run(_serve(config, index, sock, conn, log_level))
 
 
-async def _serve(config: ServerConfig, index: int, sock: socket.socket, link: Link, log_level: str) -> None:
+async def _serve(config: ServerConfig, index: int, sock: socket.socket, conn, log_level: str) -> None:
     from cloud_server.app import DrainingServer, create_app, uvicorn_config
     from cloud_server.auth import install_sighup
     from cloud_server.worker_runtime import WorkerRuntime
 
     loop = asyncio.get_running_loop()
-    rt = WorkerRuntime(config, link, index)
+    rt = WorkerRuntime(config, conn, index)
     # the engine process gone (killed): drain what is left, as on SIGTERM (open requests already failed)
     rt.engine.on_lost = lambda: os.kill(os.getpid(), signal.SIGTERM)
     await loop.run_in_executor(None, rt.start, loop)

@@ -23,24 +23,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from multiprocessing.connection import Connection
 
 from cloud_server.engine.async_engine import EngineDeadError, Sink
 from cloud_server.engine.llm_engine import RequestOutput
-from cloud_server.engine_link import FrameReader, Link, facts_from_wire, frame, pack_chunks, unpack_output
+from cloud_server.engine_link import FrameReader, facts_from_wire, frame, pack_chunks, take_socket, unpack_output
 
 log = logging.getLogger("autoglm.cloud.worker")
 
 
 class RemoteEngine:
-    """``link``: this worker's end of the engine link; ``worker``: its index (session ids carry it)."""
+    """``conn``: this worker's end of the engine pipe; ``worker``: its index (session ids carry it)."""
 
-    def __init__(self, link: Link, worker: int):
-        self.link, self.worker = link, worker
+    def __init__(self, conn: Connection, worker: int):
+        self.conn, self.worker = conn, worker
         self.dead: str | None = None
         self.facts = None  # the engine's EngineFacts, from its hello
         self.model_name = ""
@@ -65,8 +64,7 @@ class RemoteEngine:
         if self._on_loop():
             raise RuntimeError("RemoteEngine.start waits for the loop: call it from another thread")
         self.loop = loop
-        sock = socket.socket(fileno=os.dup(self.link.conn.fileno()))  # the pipe's socket, for the transport
-        self.link.close()
+        sock = take_socket(self.conn)
         asyncio.run_coroutine_threadsafe(loop.connect_accepted_socket(lambda: _LinkProtocol(self), sock),
                                          loop).result(timeout_s)
         if not self._hello.wait(timeout_s):

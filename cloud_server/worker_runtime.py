@@ -12,9 +12,9 @@ engine's and the other workers' in the engine process (``RemoteEngine.metrics``)
 from __future__ import annotations
 
 import asyncio
+from multiprocessing.connection import Connection
 
 from cloud_server.config import ServerConfig
-from cloud_server.engine_link import Link
 from cloud_server.metrics import ServerMetrics
 from cloud_server.remote_engine import RemoteEngine
 from shared.manifest import Manifest
@@ -23,12 +23,12 @@ HELLO_TIMEOUT_S = 120.0  # the engine process answers a new link at once; this o
 
 
 class WorkerRuntime:
-    def __init__(self, config: ServerConfig, link: Link, worker: int):
+    def __init__(self, config: ServerConfig, conn: Connection, worker: int):
         if config.mode != "split":
             raise ValueError("front-end workers serve split mode (a bundle) only")
         self.config = config
         self.worker = worker
-        self.engine = RemoteEngine(link, worker)
+        self.engine = RemoteEngine(conn, worker)
         self.peers = self.engine  # sessions counted over every worker (cloud_server.split_endpoint)
         self.manifest = Manifest.load(config.bundle)
         self.facts = None

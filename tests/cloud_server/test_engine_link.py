@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
+import random
+import socket
 
 import numpy as np
 import torch
@@ -11,8 +14,9 @@ from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine.sequence import InputChunk
 from cloud_server.engine_facts import EngineFacts
 from cloud_server.engine_link import (
-    Link,
+    FrameReader,
     facts_from_wire,
+    frame,
     facts_to_wire,
     pack_chunks,
     pack_output,
@@ -38,17 +42,52 @@ def test_a_turns_chunks_cross_as_one_array_and_come_back_equal():
             assert torch.equal(a.rope_positions, b.rope_positions)
 
 
+def _send(conn, messages: list[tuple]) -> None:  # a Connection end (the tests' engine / worker stand-in)
+    conn.send_bytes(pickle.dumps(messages, protocol=5))
+
+
+def _recv(conn) -> list[tuple]:
+    return pickle.loads(conn.recv_bytes())
+
+
+def test_frames_are_read_back_whole_from_any_split_of_the_stream_and_in_a_connections_format():
+    frames = [[("outputs", [(i, "x" * i)], i)] for i in range(5)] + [[("inputs", ["r"], np.ones((300, 64)))]]
+    stream = b"".join(b"".join(frame(m)) for m in frames)
+    rng = random.Random(0)
+    for _ in range(20):  # the stream arrives in random pieces, as a socket delivers it
+        reader, got, at = FrameReader(), [], 0
+        while at < len(stream):
+            n = rng.randint(1, 9000)
+            got += reader.feed(stream[at:at + n])
+            at += n
+        assert len(got) == len(frames) and got[:5] == frames[:5]
+        assert np.array_equal(got[5][0][2], frames[5][0][2])
+    ours, theirs = mp.Pipe()  # a Connection reads what frame() wrote
+    sock = socket.socket(fileno=ours.fileno())
+    sock.sendall(b"".join(frame(frames[1])))
+    assert _recv(theirs) == frames[1]
+    sock.detach()
+    ours.close()
+    theirs.close()
+    bad = FrameReader()
+    try:
+        bad.feed(b"\xff\xff\xff\xfe")  # a negative length other than -1
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a corrupt frame length must be refused")
+
+
 def test_outputs_and_facts_round_trip_through_a_real_pipe():
-    ours, theirs = mp.Pipe()
-    a, b = Link(ours), Link(theirs)
+    a, b = mp.Pipe()
     outs = [RequestOutput("s/r", token_id=5, logprob=-0.5, top_logprobs=[(5, -0.5)], num_prompt_tokens=3),
             RequestOutput("s/q", finish_reason="error", error_code="engine_error", error_message="boom"),
             RequestOutput("s/u", states=torch.ones(2, 4), states_start=3)]
     facts = EngineFacts(variants=("fp32",), variant_for={None: "fp32", "int8": "fp32"}, hidden_size=4,
                         vocab_size=10, mrope=False, eos_token_ids=(2,), block_size=4, max_context=64,
                         max_num_seqs=8, max_num_batched_tokens=64)
-    a.send([("outputs", [pack_output(o) for o in outs], 3), ("hello", facts_to_wire(facts), "m")])
-    (kind, packed, n), (_, wire_facts, name) = b.recv()
+    _send(a, [("outputs", [pack_output(o) for o in outs], 3), ("hello", facts_to_wire(facts), "m")])
+    (kind, packed, n), (_, wire_facts, name) = _recv(b)
     back = [unpack_output(t) for t in packed]
     assert kind == "outputs" and n == 3 and name == "m"
     for o, r in zip(outs, back, strict=True):
@@ -71,23 +110,22 @@ def test_the_workers_event_loop_never_waits_on_the_link_and_messages_keep_their_
 
     from cloud_server.remote_engine import RemoteEngine
 
-    ours, theirs = mp.Pipe()
-    engine_end = Link(theirs)
+    ours, engine_end = mp.Pipe()
     facts = EngineFacts(variants=("fp32",), variant_for={None: "fp32"}, hidden_size=1024, vocab_size=10,
                         mrope=False, eos_token_ids=(2,), block_size=4, max_context=64, max_num_seqs=8,
                         max_num_batched_tokens=64)
-    engine_end.send([("hello", facts_to_wire(facts), "m")])
+    _send(engine_end, [("hello", facts_to_wire(facts), "m")])
     got: list[tuple] = []
 
     def engine() -> None:  # the engine process: reads the worker's frames, then answers with one step
         time.sleep(0.3)  # not reading at first
         while len(got) < 2:
-            got.extend(engine_end.recv())
-        engine_end.send([("outputs", [pack_output(RequestOutput("r1", token_id=4))], 1)])
+            got.extend(_recv(engine_end))
+        _send(engine_end, [("outputs", [pack_output(RequestOutput("r1", token_id=4))], 1)])
 
     async def turn() -> tuple[float, list, threading.Thread]:
         loop = asyncio.get_running_loop()
-        remote = RemoteEngine(Link(ours), 0)
+        remote = RemoteEngine(ours, 0)
         await loop.run_in_executor(None, remote.start, loop, 5)
         outs: list = []
         seen = asyncio.Event()
@@ -109,7 +147,7 @@ def test_the_workers_event_loop_never_waits_on_the_link_and_messages_keep_their_
     assert waited < 0.2  # nobody read the other end yet: the loop went on at once
     assert got[0][0] == "add" and got[1][0] == "inputs" and got[1][1] == ["r0", "r1", "r2", "r3"]
     assert got[1][2][3].shape == (2048, 1024)
-    more = engine_end.recv()
+    more = _recv(engine_end)
     assert more == [("abort", "r0", "abort")]
     assert outs[0][0].token_id == 4 and outs[0][1] is threading.main_thread()  # on the loop, no thread between
     engine_end.close()
