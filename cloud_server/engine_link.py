@@ -37,6 +37,7 @@ import os
 import pickle
 import socket
 import struct
+from collections.abc import Iterator
 from types import MappingProxyType
 from multiprocessing.connection import Connection
 
@@ -69,36 +70,36 @@ def frame(messages: list[tuple]) -> list[bytes]:
 
 
 class FrameReader:
-    """Frames in :func:`frame`'s format from a byte stream fed in pieces: ``feed(data)`` returns the message
-    lists of the frames it completed (an asyncio protocol's ``data_received``)."""
+    """Frames in :func:`frame`'s format from a byte stream fed in pieces: ``feed(data)`` yields the message lists
+    of the frames it completes, in order (an asyncio protocol's ``data_received``); a corrupt frame raises when
+    it is reached, after the frames before it were yielded."""
 
     def __init__(self):
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[list[tuple]]:
+    def feed(self, data: bytes) -> Iterator[list[tuple]]:
         buf = self._buf
         buf += data
-        done, at = [], 0
-        while True:
-            if len(buf) - at < 4:
-                break
-            (n,) = struct.unpack_from("!i", buf, at)
-            head = 4
-            if n == -1:
-                if len(buf) - at < 12:
+        at = 0
+        try:
+            while len(buf) - at >= 4:
+                (n,) = struct.unpack_from("!i", buf, at)
+                head = 4
+                if n == -1:
+                    if len(buf) - at < 12:
+                        break
+                    (n,) = struct.unpack_from("!Q", buf, at + 4)
+                    head = 12
+                elif n < 0:
+                    raise ValueError(f"engine link: bad frame length {n}")
+                if len(buf) - at - head < n:
                     break
-                (n,) = struct.unpack_from("!Q", buf, at + 4)
-                head = 12
-            elif n < 0:
-                raise ValueError(f"engine link: bad frame length {n}")
-            if len(buf) - at - head < n:
-                break
-            with memoryview(buf) as view:
-                done.append(pickle.loads(view[at + head:at + head + n]))  # (arrays come out as copies)
-            at += head + n
-        if at:
+                start, at = at + head, at + head + n
+                with memoryview(buf) as view:
+                    msgs = pickle.loads(view[start:at])  # (arrays come out as copies)
+                yield msgs
+        finally:
             del buf[:at]
-        return done
 
 
 # -- inputs -------------------------------------------------------------------------------------------

@@ -244,14 +244,12 @@ class _LinkProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         try:
-            frames = self.reader.feed(data)
+            for msgs in self.reader.feed(data):
+                for msg in msgs:
+                    self.engine._handle(msg)
         except Exception:  # a broken link: as if the engine went away (connection_lost follows)
             log.exception("worker %d: bad frame from the engine", self.engine.worker)
             self.engine._transport.abort()
-            return
-        for msgs in frames:
-            for msg in msgs:
-                self.engine._handle(msg)
 
     def connection_lost(self, exc) -> None:
         eng = self.engine

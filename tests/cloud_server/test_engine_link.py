@@ -71,7 +71,7 @@ def test_frames_are_read_back_whole_from_any_split_of_the_stream_and_in_a_connec
     theirs.close()
     bad = FrameReader()
     try:
-        bad.feed(b"\xff\xff\xff\xfe")  # a negative length other than -1
+        list(bad.feed(b"\xff\xff\xff\xfe"))  # a negative length other than -1
     except ValueError:
         pass
     else:
@@ -151,3 +151,48 @@ def test_the_workers_event_loop_never_waits_on_the_link_and_messages_keep_their_
     assert more == [("abort", "r0", "abort")]
     assert outs[0][0].token_id == 4 and outs[0][1] is threading.main_thread()  # on the loop, no thread between
     engine_end.close()
+
+
+def test_a_corrupt_frame_from_one_worker_drops_that_worker_only():
+    """The engine process's link thread: garbage on one worker's pipe ends that worker's link (its requests
+    aborted, as when a worker dies); the other worker's link goes on (its hello came, its commands apply)."""
+    import threading
+    import types
+
+    from cloud_server.engine_host import EngineHost
+
+    class StubEngine:
+        dead = None
+
+        def __init__(self):
+            self.calls: list[tuple] = []
+            self.seen = threading.Event()
+
+        def add_request(self, rid, sink, first, params, variant, keys):
+            self.calls.append(("add", rid))
+
+        def abort(self, rid, reason):
+            self.calls.append(("abort", rid, reason))
+            self.seen.set()
+
+    facts = EngineFacts(variants=("fp32",), variant_for={None: "fp32"}, hidden_size=8, vocab_size=10,
+                        mrope=False, eos_token_ids=(2,), block_size=4, max_context=64, max_num_seqs=8,
+                        max_num_batched_tokens=64)
+    engine = StubEngine()
+    rt = types.SimpleNamespace(engine=engine, config=types.SimpleNamespace(max_sessions=8), facts=facts,
+                               model_name="m")
+    host = EngineHost(rt)
+    try:
+        (a_ours, a_worker), (b_ours, b_worker) = mp.Pipe(), mp.Pipe()
+        port_a, port_b = host.attach(0, a_ours), host.attach(1, b_ours)
+        assert _recv(a_worker)[0][0] == "hello" and _recv(b_worker)[0][0] == "hello"
+        _send(a_worker, [("add", "a1", pack_chunks([InputChunk(0, hidden=torch.randn(2, 8))]), None, None, None)])
+        a_worker.send_bytes(b"not a pickle")  # a broken worker
+        assert engine.seen.wait(5)  # its open request is aborted
+        assert engine.calls == [("add", "a1"), ("abort", "a1", "abort")]
+        assert port_a.serial not in host.ports and port_b.serial in host.ports
+        engine.seen.clear()
+        _send(b_worker, [("abort", "b1", "cancel")])  # the other worker's link still applies commands
+        assert engine.seen.wait(5) and engine.calls[-1] == ("abort", "b1", "cancel")
+    finally:
+        host.stop()
