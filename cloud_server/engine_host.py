@@ -8,8 +8,8 @@ cache, engine metrics); :class:`EngineHost` serves the workers' links (``cloud_s
   that is slow to read never blocks the engine thread) and read as they come, so the engine process has two
   busy threads (the engine's and this one) however many workers there are, not two more per worker;
 * a worker's frames are applied to the engine as they are read: ``add`` -> ``add_request`` with the port's
-  sink, ``inputs`` -> one ``add_rows`` (a loop turn's plain decode steps: their ``[S, H]`` array as it came) or
-  ``add_inputs`` (chunks of several rows, 3-D RoPE, drafts), ``abort``,
+  sink, ``rows`` -> one ``add_rows`` (a loop turn's plain decode steps: their ``[S, H]`` array as it came),
+  ``inputs`` -> ``add_inputs`` (chunks: prompt, 3-D RoPE, drafts), ``abort``,
   ``ask`` (an engine ``call``, a session admission, a metrics scrape), ``release``;
 * the port's **sink** collects the outputs of one engine step for that worker (engine thread) and hands them
   over as one message when the step's deliveries are done: the first output of a step queues a ``call`` on
@@ -130,12 +130,10 @@ class WorkerPort(asyncio.Protocol):
     def _apply(self, msg: tuple) -> None:
         kind, engine = msg[0], self.host.engine
         try:
-            if kind == "inputs":
-                rows, starts, lasts, stacked, ropes, drafts, asks = msg[2]
-                if ropes is None and drafts is None and asks is None and all(lasts) and rows.count(1) == len(rows):
-                    engine.add_rows(msg[1], starts, torch.from_numpy(stacked))  # plain decode steps: [S, H]
-                else:
-                    engine.add_inputs(list(zip(msg[1], unpack_chunks(msg[2]), strict=True)))
+            if kind == "rows":  # a loop turn's plain decode steps: their [S, H] float32 array as it came
+                engine.add_rows(msg[1], msg[2], torch.from_numpy(msg[3]))
+            elif kind == "inputs":
+                engine.add_inputs(list(zip(msg[1], unpack_chunks(msg[2]), strict=True)))
             elif kind == "add":
                 _, rid, packed, params, variant, keys = msg
                 self.requests.add(rid)

@@ -7,8 +7,11 @@ worker sends one frame per event-loop turn and the engine one per step per worke
 
 worker -> engine
     ``("add", rid, chunk, params, variant, prefix_keys)``    a request's first input (``AsyncEngine.add_request``)
-    ``("inputs", rids, chunks)``                             inputs in order (``AsyncEngine.add_inputs``): a loop
-                                                             turn's decode steps, their rows in one array
+    ``("rows", rids, starts, hidden)``                       a loop turn's plain decode steps, one position each,
+                                                             their states one ``[S, H]`` float32 array
+                                                             (``AsyncEngine.add_rows``)
+    ``("inputs", rids, chunks)``                             other inputs in order (``AsyncEngine.add_inputs``):
+                                                             prompt chunks, 3-D RoPE, drafts; their rows in one array
     ``("abort", rid, reason)``
     ``("ask", call_id, op, args)``                           a request answered by ``("reply", ...)``: ``op``
                                                              ``"call"`` (``args``: a picklable ``fn(llm)``, run on

@@ -128,14 +128,26 @@ class ServerMetrics:
             self._batched_tokens.inc(num_tokens)
 
     # -- network hooks ----------------------------------------------------------------------------
-    def on_uplink(self, nbytes: int, codec: str, tokens: int) -> None:
+    def _uplink_children(self, codec: str) -> tuple:
         children = self._uplink_by_codec.get(codec)
         if children is None:  # codecs are a handful of known names (negotiated), so this stays small
             children = self._uplink_by_codec[codec] = (self.uplink.labels(self.model_name, codec),
                                                        self.bytes_per_token.labels(self.model_name, codec))
+        return children
+
+    def on_uplink(self, nbytes: int, codec: str, tokens: int) -> None:
+        children = self._uplink_children(codec)
         children[0].inc(nbytes)
         if tokens:
             children[1].observe(nbytes / tokens)
+
+    def on_uplink_steps(self, sizes: list[int], codec: str) -> None:
+        """A loop turn's decode steps in ``codec`` (one token each, frames of ``sizes`` bytes): the byte counter
+        moves once, each step is one observation of bytes per token."""
+        children = self._uplink_children(codec)
+        children[0].inc(sum(sizes))
+        for n in sizes:
+            children[1].observe(n)
 
     def on_downlink(self, nbytes: int) -> None:
         self._downlink.inc(nbytes)

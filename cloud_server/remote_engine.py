@@ -2,13 +2,13 @@
 
 With ``--workers N`` (``cloud_server.front_workers``) the split endpoint runs in worker processes and the engine
 in the main one. :class:`RemoteEngine` gives the endpoint and its translator the part of ``AsyncEngine`` they
-use - ``add_request`` / ``add_input`` / ``add_inputs`` / ``abort`` with per-request *sinks*, ``call(fn)`` for a
+use - ``add_request`` / ``add_input`` / ``add_inputs`` / ``add_rows`` / ``abort`` with per-request *sinks*, ``call(fn)`` for a
 consistent read on the engine thread (``fn`` must pickle: a module-level function or a ``functools.partial``
 of one), ``alive`` / ``dead`` - and, for what must be counted over every worker, the session ledger's
 :meth:`admit` / :meth:`release` (``cloud_server.session_ledger``).
 
 Batching (``cloud_server.engine_link``): the commands of one event-loop turn go out as one frame, at the
-turn's end; ``add_inputs`` (a turn's decode steps) sends at once, with what was queued before it. The link is
+turn's end; ``add_inputs`` / ``add_rows`` (a turn's decode steps) send at once, with what was queued before it. The link is
 the event loop's own: an asyncio protocol on the pipe's socket writes the frames through the loop's transport
 (buffered, so the loop never waits on the link: a prompt's states are megabytes, and the engine process reads
 them between its steps) and reads the engine's frames as they come: a step's outputs for this worker arrive as
@@ -114,6 +114,15 @@ class RemoteEngine:
             return
         self._check()
         self._pending.append(("inputs", [rid for rid, _ in inputs], pack_chunks([c for _, c in inputs])))
+        self._flush()
+
+    def add_rows(self, request_ids: list[str], starts: list[int], hidden) -> None:
+        """A loop turn's plain decode steps as one ``[S, H]`` float32 tensor (``AsyncEngine.add_rows``), sent now
+        (with the commands queued before it: order kept); the engine process hands the array on as it comes."""
+        if not request_ids:
+            return
+        self._check()
+        self._pending.append(("rows", request_ids, starts, hidden.numpy()))
         self._flush()
 
     def abort(self, request_id: str, reason: str = "abort") -> None:

@@ -14,9 +14,10 @@ machine has accepted (``shared.session_state``), with the request's track; what 
   ``DecodeStep`` states are decoded together: the steps that arrive in one turn of the event loop (one per
   decoding session) are held until the loop's next turn and decoded in one pass per codec
   (``BoundaryCodec.decode_rows``), on a worker thread when there are many (``cloud_server.step_pipeline``),
-  then handed to the engine in arrival order as one command (``AsyncEngine.add_inputs``: one wakeup of the
-  engine thread per turn). Anything else the translator does waits behind the steps held or decoding before
-  it, so a request's messages reach the engine in the order they came;
+  then handed to the engine in arrival order as one command: plain steps as one ``[S, H]`` array
+  (``AsyncEngine.add_rows``: no engine chunk per row, one wakeup of the engine thread per turn), steps with
+  3-D RoPE or asking for drafts as chunks (``add_inputs``). Anything else the translator does waits behind the
+  steps held or decoding before it, so a request's messages reach the engine in the order they came;
 * engine outputs (on the event-loop thread, through one :class:`~cloud_server.loop_inbox.LoopInbox`: one
   loop wakeup per engine step, not per token) -> ``Tokens`` / ``Error``, with the engine's error codes
   mapped to wire codes of the same meaning (:data:`WIRE_CODES`).
@@ -94,6 +95,34 @@ class BadInput(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+class _RowBatch:
+    """Consecutive plain decode steps of one hand-over: their rows stacked into one ``[S, H]`` float32 tensor
+    for ``add_rows``, their uplink counted once per codec."""
+
+    def __init__(self, translator: SplitTranslator):
+        self.t = translator
+        self.ids: list[str] = []
+        self.starts: list[int] = []
+        self.rows: list[np.ndarray] = []  # [1, H] float32 each
+        self.uplink: dict[str, list[int]] = {}  # codec -> frame sizes
+
+    def add(self, engine_id: str, start: int, row: np.ndarray, codec: str, nbytes: int) -> None:
+        self.ids.append(engine_id)
+        self.starts.append(start)
+        self.rows.append(row)
+        self.uplink.setdefault(codec, []).append(nbytes)
+
+    def send(self, steps: list) -> None:
+        if not self.ids:
+            return
+        for codec, sizes in self.uplink.items():
+            self.t.rt.metrics.on_uplink_steps(sizes, codec)
+        hidden = self.rows[0] if len(self.rows) == 1 else np.concatenate(self.rows)  # [S, H]
+        rows = (self.ids, self.starts, torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32)))
+        self.ids, self.starts, self.rows, self.uplink = [], [], [], {}
+        self.t._hand_over([], steps, rows)
 
 
 class SplitTranslator:
@@ -203,38 +232,31 @@ class SplitTranslator:
         if track.finish is None and track.owner is not None:  # else it failed while this waited
             self._add_input(session, track, msg, nbytes)
 
-    def _decode_steps(self, steps: list) -> list[np.ndarray | torch.Tensor | BadInput | None]:
-        """The held steps' states [1, H] each, one ``decode_rows`` (fp16: ``half_rows``) pass per codec (a batch
-        that fails is decoded step by step, so only a bad step fails: its entry is the ``BadInput``; None: an
-        unknown codec, refused on the loop). Runs on the pipeline's worker thread for large batches: it reads
-        only the messages."""
+    def _decode_steps(self, steps: list) -> list[np.ndarray | BadInput | None]:
+        """The held steps' states [1, H] float32 each, one ``decode_rows`` (fp16: ``half_rows``) pass per codec
+        (a batch that fails is decoded step by step, so only a bad step fails: its entry is the ``BadInput``;
+        None: an unknown codec, refused on the loop). Runs on the pipeline's worker thread for large batches: it
+        reads only the messages."""
         by_codec: dict[str, list[int]] = {}
         for i, (_, _, msg, _) in enumerate(steps):
             by_codec.setdefault(msg.hidden.codec, []).append(i)
-        rows: list[np.ndarray | torch.Tensor | BadInput | None] = [None] * len(steps)
+        rows: list[np.ndarray | BadInput | None] = [None] * len(steps)
         for name, idx in by_codec.items():
             codec = self.codecs.get(name)
             if codec is None:
                 continue
-            batch = len(idx) > 1
+            tensors = [steps[i][2].hidden for i in idx]
             half_rows = getattr(codec, "half_rows", None)  # fp16: the rows as float16, widened here
-            if half_rows is not None:
-                try:
-                    half = half_rows([steps[i][2].hidden for i in idx], self.wire_limits)  # [N, H] float16
-                except P.ProtocolError:
-                    half, batch = None, False  # one by one below: which step is bad
-                if half is not None:
-                    for i, row in zip(idx, widen_half(half).split(1)):  # [1, H] float32 views
-                        rows[i] = row
-                    continue
-            if batch:
-                try:
-                    arr = codec.decode_rows([steps[i][2].hidden for i in idx], self.wire_limits)  # [N, H]
-                    for j, i in enumerate(idx):
-                        rows[i] = arr[j:j + 1]
-                    continue
-                except P.ProtocolError:
-                    pass  # one by one: which step is bad
+            try:
+                half = half_rows(tensors, self.wire_limits) if half_rows is not None else None  # [N, H] f16
+                arr = (widen_half(half).numpy() if half is not None
+                       else codec.decode_rows(tensors, self.wire_limits))  # [N, H] float32
+            except P.ProtocolError:
+                arr = None  # one by one below: which step is bad
+            if arr is not None:
+                for j, i in enumerate(idx):
+                    rows[i] = arr[j:j + 1]
+                continue
             for i in idx:
                 try:
                     rows[i] = codec.decode(steps[i][2].hidden, self.wire_limits)  # [1, H]
@@ -243,8 +265,12 @@ class SplitTranslator:
         return rows
 
     def _hand_over_steps(self, steps: list, rows: list[np.ndarray | BadInput | None]) -> None:
-        """Decoded steps to the engine in arrival order, as one command (``AsyncEngine.add_inputs``)."""
-        batch: list[tuple[str, InputChunk]] = []
+        """Decoded steps to the engine in arrival order: runs of plain steps (no 3-D RoPE, no drafts asked) as
+        one ``[S, H]`` array (``add_rows``), the others as chunks (``add_inputs``); a bad step fails its request
+        after the steps before it went."""
+        plain = _RowBatch(self)  # consecutive plain steps
+        chunks: list[tuple[str, InputChunk]] = []  # consecutive other steps
+        now = time.monotonic()
         for (session, track, msg, nbytes), arr in zip(steps, rows):
             rec: RequestRecord = track.owner
             if session.closed or rec is None or not rec.active:  # closed or failed while held: let go
@@ -252,21 +278,39 @@ class SplitTranslator:
             try:
                 if isinstance(arr, BadInput):
                     raise arr
-                batch.append((rec.engine_id, self._chunk_for(track, msg, nbytes, arr)))
+                if msg.rope_positions is None and not msg.ask_drafts:
+                    if arr.shape[1] != self.facts.hidden_size:
+                        raise BadInput("bad_input", f"hidden states of width {arr.shape[1]}; the model takes "
+                                                    f"{self.facts.hidden_size}")
+                    self._hand_over(chunks, steps)
+                    chunks = []
+                    rec.last_input = now
+                    plain.add(rec.engine_id, msg.position, arr, msg.hidden.codec, nbytes)
+                else:
+                    plain.send(steps)
+                    chunks.append((rec.engine_id, self._chunk_for(track, msg, nbytes, arr)))
             except BadInput as e:  # the steps before it go first: each request's inputs stay in order
-                self._hand_over(batch, steps)
-                batch = []
+                plain.send(steps)
+                self._hand_over(chunks, steps)
+                chunks = []
                 self.fail(session, track.request_id, e.code, e.message)
-        self._hand_over(batch, steps)
+        plain.send(steps)
+        self._hand_over(chunks, steps)
 
     def _dead(self, session: Session, e: EngineDeadError) -> None:
         if self.on_engine_dead is None:
             raise e
         self.on_engine_dead(session, e)
 
-    def _hand_over(self, batch: list[tuple[str, InputChunk]], steps: list) -> None:
+    def _hand_over(self, batch: list[tuple[str, InputChunk]], steps: list, rows: tuple | None = None) -> None:
+        """``batch`` (chunks) or ``rows`` (``(request ids, starts, [S, H] float32)``) to the engine, one command."""
+        if not batch and rows is None:
+            return
         try:
-            self.rt.engine.add_inputs(batch)
+            if rows is None:
+                self.rt.engine.add_inputs(batch)
+            else:
+                self.rt.engine.add_rows(*rows)
         except EngineDeadError as e:
             if self.on_engine_dead is None:
                 raise

@@ -68,3 +68,72 @@ def test_widen_half_is_exact_in_blocks():
     half[0, :4] = [6.1e-8, -6.1e-8, 65504, -65504]  # a subnormal, the range's ends
     out = widen_half(half)
     assert out.dtype == torch.float32 and np.array_equal(out.numpy(), half.astype(np.float32))
+
+
+class _Engine:
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def add_rows(self, ids, starts, hidden):
+        self.calls.append(("rows", list(ids), list(starts), hidden.clone()))
+
+    def add_inputs(self, batch):
+        self.calls.append(("inputs", [rid for rid, _ in batch], [c.start for _, c in batch]))
+
+    def abort(self, rid, reason="abort"):
+        self.calls.append(("abort", rid, reason))
+
+
+class _Metrics:
+    def __init__(self):
+        self.uplink: list[tuple] = []
+
+    def on_uplink_steps(self, sizes, codec):
+        self.uplink += [(n, codec) for n in sizes]
+
+    def on_uplink(self, nbytes, codec, tokens):
+        self.uplink.append((nbytes, codec))
+
+
+class _Session:
+    closed = False
+
+    def __init__(self):
+        self.sent, self.records = [], {}
+
+    def record(self, rid):
+        return self.records.get(rid)
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+def test_hand_over_sends_runs_of_plain_steps_as_one_array_in_order():
+    """Plain steps go as one [S, H] array per run (add_rows), a step asking for drafts as a chunk between them,
+    a bad step fails its request alone after the steps before it went; every step's bytes are counted."""
+    from types import SimpleNamespace
+
+    tr = _translator()
+    engine, metrics = _Engine(), _Metrics()
+    tr.rt = SimpleNamespace(engine=engine, metrics=metrics,
+                            facts=SimpleNamespace(hidden_size=H, mrope=False))
+    codec = tr.codecs["int8-outlier"]
+    session = _Session()
+    steps = []
+    for i in range(6):
+        x = np.random.default_rng(i).standard_normal((1, H)).astype(np.float32)
+        msg = P.DecodeStep(request_id=f"r{i}", position=10 + i, hidden=codec.encode(x), ask_drafts=2 if i == 2 else 0)
+        rec = SimpleNamespace(active=True, engine_id=f"e{i}", last_input=0.0)
+        session.records[f"r{i}"] = rec
+        steps.append((session, SimpleNamespace(owner=rec, request_id=f"r{i}"), msg, 100 + i))
+    rows = tr._decode_steps(steps)
+    rows[4] = BadInput("bad_tensor", "broken")
+    tr._hand_over_steps(steps, rows)
+    kinds = [(c[0], c[1]) for c in engine.calls]
+    assert kinds == [("rows", ["e0", "e1"]), ("inputs", ["e2"]), ("rows", ["e3"]), ("abort", "e4"), ("rows", ["e5"])]
+    first = engine.calls[0]
+    assert first[2] == [10, 11] and first[3].shape == (2, H) and first[3].dtype == torch.float32
+    assert np.array_equal(first[3].numpy(), np.concatenate([codec.decode(steps[i][2].hidden) for i in (0, 1)]))
+    assert [type(m).__name__ for m in session.sent] == ["Error"] and session.sent[0].request_id == "r4"
+    assert sorted(metrics.uplink) == [(100 + i, "int8-outlier") for i in (0, 1, 2, 3, 5)]
+    assert all(steps[i][1].owner.last_input > 0 for i in (0, 1, 2, 3, 5))

@@ -100,7 +100,8 @@ def test_decode_rows_equals_decoding_each_row(name):
     assert rows.shape == (7, 64) and rows.dtype == np.float32
     assert np.array_equal(rows, np.concatenate([c.decode(t) for t in ts]))
     plain = ts[1:3] + ts[4:]  # no sink, no zstd: the outlier codecs' one-pass layout
-    assert np.array_equal(c.decode_rows(plain), np.concatenate([c.decode(t) for t in plain]))
+    for n in range(1, len(plain) + 1):  # int8-outlier: a gather for a few rows, channel runs for more
+        assert np.array_equal(c.decode_rows(plain[:n]), np.concatenate([c.decode(t) for t in plain[:n]]))
 
 
 @pytest.mark.parametrize("name", ["int8-outlier", "int4-outlier", "bf16"])
