@@ -126,14 +126,21 @@ def test_hand_over_sends_runs_of_plain_steps_as_one_array_in_order():
         rec = SimpleNamespace(active=True, engine_id=f"e{i}", last_input=0.0)
         session.records[f"r{i}"] = rec
         steps.append((session, SimpleNamespace(owner=rec, request_id=f"r{i}"), msg, 100 + i))
+    wide = np.random.default_rng(9).standard_normal((1, H + 8)).astype(np.float32)  # another model's width
+    steps.append((session, SimpleNamespace(owner=SimpleNamespace(active=True, engine_id="e6", last_input=0.0),
+                                           request_id="r6"),
+                  P.DecodeStep(request_id="r6", position=16, hidden=codec.encode(wide)), 106))
+    session.records["r6"] = steps[-1][1].owner
     rows = tr._decode_steps(steps)
     rows[4] = BadInput("bad_tensor", "broken")
     tr._hand_over_steps(steps, rows)
     kinds = [(c[0], c[1]) for c in engine.calls]
-    assert kinds == [("rows", ["e0", "e1"]), ("inputs", ["e2"]), ("rows", ["e3"]), ("abort", "e4"), ("rows", ["e5"])]
+    assert kinds == [("rows", ["e0", "e1"]), ("inputs", ["e2"]), ("rows", ["e3"]), ("abort", "e4"), ("rows", ["e5"]),
+                     ("abort", "e6")]
     first = engine.calls[0]
     assert first[2] == [10, 11] and first[3].shape == (2, H) and first[3].dtype == torch.float32
     assert np.array_equal(first[3].numpy(), np.concatenate([codec.decode(steps[i][2].hidden) for i in (0, 1)]))
-    assert [type(m).__name__ for m in session.sent] == ["Error"] and session.sent[0].request_id == "r4"
+    assert [(m.code, m.request_id) for m in session.sent] == [("bad_tensor", "r4"), ("bad_input", "r6")]
+    assert "width" in session.sent[1].message
     assert sorted(metrics.uplink) == [(100 + i, "int8-outlier") for i in (0, 1, 2, 3, 5)]
     assert all(steps[i][1].owner.last_input > 0 for i in (0, 1, 2, 3, 5))
