@@ -669,7 +669,7 @@ def engine_direct_cpu(cfg: LoadConfig, s: int) -> dict:
         step = torch.randn(1, h, generator=g)  # [1, H]
         done = threading.Event()
         sessions = [{"index": i, "start": 0.0, "token_times": [], "finish": None, "completion_tokens": None,
-                     "error": None, "up_bytes": 0} for i in range(s)]
+                     "error": None, "up_bytes": 0, "client_s": 0.0} for i in range(s)]  # no phone: no client time
         left = [s]
 
         def sink(out, x) -> None:  # engine thread
