@@ -457,7 +457,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
                                     "--format", "raw", "--rate", str(PY_SPY_RATE), "-o", str(py_spy_out)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)  # attached before the load starts
-        trips0 = round_trip_histogram(url)
+        scraped0 = scrape_histograms(url)
         fronts = front_end_pids(server_pid) if server_pid else []  # where the event loops run
         everyone = sorted({server_pid, *fronts}) if server_pid else []
         cpu0 = sum(cpu_seconds(p) for p in everyone) if server_pid else None
@@ -468,7 +468,7 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
             p.stdin.flush()
         results = [json.loads(Path(_read_line(p, "result", cfg.level_timeout_s + 60)).read_text()) for p in workers]
         wall = time.monotonic() - t0
-        trips = round_trip_histogram(url)
+        scraped = scrape_histograms(url)
         server_cpu = sum(cpu_seconds(p) for p in everyone) - cpu0 if server_pid else None
         loop_cpu = loop_cpu_seconds(fronts) - loop0 if server_pid else None
         if spy is not None:
@@ -481,7 +481,8 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
             p.wait()
         shutil.rmtree(outdir, ignore_errors=True)
     rec = summarize(s, [x for r in results for x in r["sessions"]], cfg)
-    rec.update(round_trip_figures(trips0, trips))
+    rec.update(round_trip_figures(scraped0.get(SCRAPED[0]), scraped.get(SCRAPED[0])))
+    rec.update(engine_time_figures(scraped0, scraped))
     if spy is not None and py_spy_out.is_file():
         rec["profile_s"] = profile_summary(py_spy_out, PY_SPY_RATE)
     rec.update(procs=procs, workers=cfg.workers[0], loop=cfg.loops[0], codec=",".join(sorted(used)), wall_s=wall,
@@ -511,23 +512,53 @@ def _read_line(p: subprocess.Popen, key: str, timeout: float) -> dict:
             return msg if key == "ready" else msg[key]
 
 
-def round_trip_histogram(url: str) -> dict[float, float] | None:
-    """The server's ``autoglm:edge_round_trip_seconds`` now: cumulative count per bucket bound (``inf``: all) and
-    ``sum`` under key -1; None where the server has no such series (an older tree) or no open /metrics."""
+SCRAPED = ("autoglm:edge_round_trip_seconds", "autoglm:engine_step_seconds", "autoglm:engine_input_wait_seconds")
+
+
+def scrape_histograms(url: str) -> dict[str, dict[float, float]]:
+    """The server's histograms in :data:`SCRAPED` now, each as cumulative count per bucket bound (``inf``: all)
+    and ``sum`` under key -1; a name is missing where the server has no such series (an older tree), all are
+    where it has no open /metrics. Several processes' samples of one bucket add up."""
     base = url.replace("ws://", "http://", 1).replace("wss://", "https://", 1).rsplit("/v1/", 1)[0]
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+            return parse_histograms(r.read().decode())
     except OSError:
-        return None
-    out: dict[float, float] = {}
+        return {}
+
+
+def parse_histograms(text: str) -> dict[str, dict[float, float]]:
+    """:func:`scrape_histograms`' reading of one Prometheus exposition."""
+    out: dict[str, dict[float, float]] = {}
     for line in text.splitlines():
-        if line.startswith("autoglm:edge_round_trip_seconds_bucket"):
+        name, _, rest = line.partition("_seconds_")
+        name += "_seconds"
+        if name not in SCRAPED:
+            continue
+        h = out.setdefault(name, {})
+        value = float(line.rsplit(" ", 1)[1])
+        if rest.startswith("bucket"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[float("inf") if le == "+Inf" else float(le)] = out.get(float(le), 0.0) + float(line.rsplit(" ", 1)[1])
-        elif line.startswith("autoglm:edge_round_trip_seconds_sum"):
-            out[-1.0] = out.get(-1.0, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out or None
+            key = float("inf") if le == "+Inf" else float(le)
+            h[key] = h.get(key, 0.0) + value
+        elif rest.startswith("sum"):
+            h[-1.0] = h.get(-1.0, 0.0) + value
+    return out
+
+
+def engine_time_figures(before: dict, after: dict) -> dict:
+    """Where the engine thread's time went over the level (the histograms' increase): per step, its mean time in
+    the step and waiting for inputs, in ms, and the share of the two it spent stepping."""
+    step0, step1 = before.get(SCRAPED[1]), after.get(SCRAPED[1])
+    wait0, wait1 = before.get(SCRAPED[2]), after.get(SCRAPED[2])
+    if not (step0 and step1 and wait0 and wait1):
+        return {}
+    n = step1.get(float("inf"), 0.0) - step0.get(float("inf"), 0.0)
+    step, wait = step1[-1.0] - step0[-1.0], wait1[-1.0] - wait0[-1.0]
+    if n <= 0 or step + wait <= 0:
+        return {}
+    return {"engine_steps": int(n), "engine_step_ms": 1e3 * step / n, "engine_wait_ms": 1e3 * wait / n,
+            "engine_busy_fraction": step / (step + wait)}
 
 
 def round_trip_figures(before: dict | None, after: dict | None) -> dict:
@@ -840,7 +871,9 @@ def _row(r: dict) -> str:
             f"served {f(r.get('served_tokens_per_s'), '.0f')} tok/s (overall {f(r.get('served_tokens_per_s_overall'), '.0f')})"
             f" TTFT p50 {f(r.get('ttft_p50_ms'))} ms, ITL p50 {f(r.get('itl_p50_ms'), '.2f')} / p99 "
             f"{f(r.get('itl_p99_ms'), '.2f')} ms, edge round trip p50 {f(r.get('round_trip_p50_ms'), '.2f')} / p99 "
-            f"{f(r.get('round_trip_p99_ms'), '.2f')} ms (client {f(r.get('client_ms_per_token'), '.2f')} ms), server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
+            f"{f(r.get('round_trip_p99_ms'), '.2f')} ms (client {f(r.get('client_ms_per_token'), '.2f')} ms), "
+            f"engine step {f(r.get('engine_step_ms'), '.2f')} + input wait {f(r.get('engine_wait_ms'), '.2f')} ms "
+            f"(busy {f(r.get('engine_busy_fraction'), '.2f')}), server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
             f"{f(r.get('loop_us_per_token'), '.0f')} us/token), "
             f"client CPU {f(r.get('client_cpu_s'), '.1f')} s over {f(r.get('wall_s'), '.1f')} s")
 

@@ -6,7 +6,9 @@ Names follow vLLM's so existing dashboards work: ``vllm:time_to_first_token_seco
 ``vllm:prefix_cache_hits`` (tokens), ``vllm:prompt_tokens`` / ``vllm:generation_tokens``,
 ``vllm:request_success`` (by finish reason). Split-specific ones carry the ``autoglm:`` prefix: wire bytes up
 (edge -> cloud hidden states) and down (tokens), bytes per token by codec, open and refused sessions, the
-edges' round trip per token (``autoglm:edge_round_trip_seconds``, measured at the engine).
+edges' round trip per token (``autoglm:edge_round_trip_seconds``, measured at the engine), and where the engine
+thread's time goes per step: in the step (``autoglm:engine_step_seconds``) or waiting for inputs while requests
+are open (``autoglm:engine_input_wait_seconds``).
 
 In split mode the latencies are measured at the cloud between a request's arrival and its sampled tokens,
 so the inter-token latency includes the edge's round trip (what a user waits for); durations only, never
@@ -74,6 +76,13 @@ class ServerMetrics:
         self.sessions = Gauge("autoglm:sessions_open", "Split sessions open (connected or resumable)", lab,
                               registry=r)
         self.refused = Counter("autoglm:sessions_refused", "Sessions refused", lab + ["reason"], registry=r)
+        self.engine_step = Histogram("autoglm:engine_step_seconds",
+                                     "Engine thread: time in one step (launch, wait for the device, postprocess), "
+                                     "per step that delivered outputs", lab, buckets=_ROUND_TRIP_BUCKETS, registry=r)
+        self.engine_wait = Histogram("autoglm:engine_input_wait_seconds",
+                                     "Engine thread: time between two steps spent waiting for (and taking) inputs "
+                                     "while requests were open - the edges' round trips, the gather window", lab,
+                                     buckets=_ROUND_TRIP_BUCKETS, registry=r)
         self.round_trip = Histogram("autoglm:edge_round_trip_seconds",
                                     "Split decoding: a token leaving the engine -> the edge's next state reaching "
                                     "it (link both ways, the phone's front step, the server's front end)", lab,
@@ -83,12 +92,13 @@ class ServerMetrics:
         # Series exist from the start (0), so dashboards and alerts see them before the first request.
         for m in (self.ttft, self.itl, self.e2e, self.running, self.waiting, self.kv_usage, self.prefix_queries,
                   self.prefix_hits, self.prompt_tokens, self.generation_tokens, self.batched_tokens,
-                  self.downlink, self.sessions, self.round_trip):
+                  self.downlink, self.sessions, self.round_trip, self.engine_step, self.engine_wait):
             m.labels(model_name)
         # Bound children for the per-token hooks: ``labels()`` costs a lock and a dict lookup per call, and
         # these run once per token (engine thread) or per frame (event loop).
         self._ttft, self._itl, self._e2e, self._round_trip = (
             m.labels(model_name) for m in (self.ttft, self.itl, self.e2e, self.round_trip))
+        self._engine_step, self._engine_wait = self.engine_step.labels(model_name), self.engine_wait.labels(model_name)
         self._generation_tokens = self.generation_tokens.labels(model_name)
         self._batched_tokens = self.batched_tokens.labels(model_name)
         self._downlink = self.downlink.labels(model_name)
@@ -116,6 +126,11 @@ class ServerMetrics:
 
     def on_edge_round_trip(self, seconds: float) -> None:
         self._round_trip.observe(seconds)
+
+    def on_engine_time(self, step_s: float, wait_s: float) -> None:
+        """One delivering step of the engine thread: its time in the step, and its wait for inputs before it."""
+        self._engine_step.observe(step_s)
+        self._engine_wait.observe(wait_s)
 
     def on_step(self, engine, num_tokens: int) -> None:
         m = self.model_name

@@ -80,7 +80,8 @@ class CloudRuntime:
         self.facts = EngineFacts.of(engine)  # before the engine thread runs: handlers read only this
         idle_hook = self._heartbeat if self._tp_comm is not None else None
         self.engine = AsyncEngine(engine, idle_timeout_s=cfg.step_timeout_s, idle_hook=idle_hook,
-                                  on_round_trip=self.metrics.on_edge_round_trip).start()
+                                  on_round_trip=self.metrics.on_edge_round_trip,
+                                  on_step=self.metrics.on_engine_time).start()
         log.info("serving %s (%s mode, variants %s, tp %d)", self.model_name, cfg.mode, variants, ecfg.tp)
         return self
 

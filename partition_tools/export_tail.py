@@ -36,10 +36,12 @@ TAIL = "edge/tail.onnx"  # edge_client.tail reads it under the same name
 
 
 def tail_recipe(adapter: ModelAdapter, mode: str) -> dict:
-    """The front's default recipe for ``mode`` less what needs token ids at the graph's input (smoothing) or an
-    embedding table."""
+    """The front's default recipe for ``mode`` less what is calibrated on token ids at the graph's input
+    (smoothing, fp32 outlier MatMuls and channels, GPTQ: a tail or drafter graph starts from hidden states) or
+    needs an embedding table."""
     recipe = recipe_for(adapter, adapter.num_layers, mode)
-    for key in ("smooth_alpha", "calibration_ids", "embedding", "float_outliers"):
+    for key in ("smooth_alpha", "calibration_ids", "embedding", "float_outliers", "gptq", "outlier_channels",
+                "outlier_channel_patterns", "outlier_channel_min_ratio", "outlier_channel_fold"):
         recipe.pop(key, None)
     return recipe
 

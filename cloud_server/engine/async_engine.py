@@ -20,6 +20,12 @@ its next input reaching the engine thread - the link both ways, the phone's fron
 end - goes to ``on_round_trip(seconds)`` (the server's ``autoglm:edge_round_trip_seconds``). In lockstep a
 step's decode rows wait for it, so it is what separates the served path from the engine's own step rate.
 
+Where the engine thread's time goes, per step that delivered outputs: ``on_step(step_s, wait_s)`` - the time in
+``LLMEngine.step`` for it, and the time since the previous one spent taking commands while requests were open
+(waiting for their inputs: the edges' round trips, the gather window). The server exports both
+(``autoglm:engine_step_seconds``, ``autoglm:engine_input_wait_seconds``); ``step / (step + wait)`` is how busy the
+engine was, and in lockstep decoding ``wait`` is what the served path adds to the engine's own step.
+
 A model-runner exception is fatal for the engine: every open request gets an ``engine_error`` output, the
 loop stops and ``dead`` says why (``/ready`` turns false). Requests idle longer than ``idle_timeout_s``
 (an edge that stopped sending decode steps) are aborted with reason ``timeout``.
@@ -50,7 +56,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_timeout_s: float | None = None,
                  on_fatal: Callable[[str], None] | None = None, idle_hook: Callable[[], None] | None = None,
                  idle_hook_every_s: float = 20.0, gather_max_s: float | None = None,
-                 on_round_trip: Callable[[float], None] | None = None):
+                 on_round_trip: Callable[[float], None] | None = None,
+                 on_step: Callable[[float, float], None] | None = None):
         gather_max_s = GATHER_MAX_S if gather_max_s is None else gather_max_s  # None: the module's default
         if gather_max_s < 0:
             raise ValueError(f"gather_max_s must be >= 0, got {gather_max_s}")
@@ -72,6 +79,8 @@ class AsyncEngine:
         self._handed_at: dict[str, float] = {}  # awaiting request -> when its token was delivered (round trips)
         self._step_s = 0.0  # moving average of the time in step() per step that delivered: the gather window
         self._stepping_s = 0.0  # time in step() since the last step that delivered outputs
+        self.on_step = on_step
+        self._waiting_s = 0.0  # time taking commands while requests were open, since the last delivering step
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -222,14 +231,20 @@ class AsyncEngine:
         last_sweep = last_busy = time.monotonic()
         try:
             while not self._stop.is_set():
-                self._deliver(self._take_commands())
+                began, busy = time.monotonic(), bool(self._sinks)  # requests open: a wait is for their inputs
+                outs = self._take_commands()
                 now = time.monotonic()
+                if busy:
+                    self._waiting_s += now - began
+                self._deliver(outs)
                 if self.llm.has_work():
                     outs = self.llm.step()
                     self._stepping_s += time.monotonic() - now  # with overlap: a launch, then its postprocess
                     if outs:
                         self._step_s += (0.2 if self._step_s else 1.0) * (self._stepping_s - self._step_s)
-                        self._stepping_s = 0.0
+                        if self.on_step is not None:
+                            self.on_step(self._stepping_s, self._waiting_s)
+                        self._stepping_s = self._waiting_s = 0.0
                     self._deliver(outs)
                     self.steps += 1
                     last_busy = now

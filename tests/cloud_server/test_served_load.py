@@ -177,6 +177,29 @@ def test_round_trip_figures_are_the_levels_increase_of_the_histogram():
     assert served_load.round_trip_figures(None, after) == {} and served_load.round_trip_figures(before, before) == {}
 
 
+def test_engine_time_figures_split_each_step_into_its_time_and_its_wait_for_inputs():
+    """The exposition's histograms (two processes' samples of one series add up) -> the level's increase: per step
+    the mean time stepping and waiting for inputs, and the busy share."""
+    def text(steps: float, step_sum: float, wait_sum: float) -> str:
+        lines = []
+        for name, total in (("autoglm:engine_step_seconds", step_sum), ("autoglm:engine_input_wait_seconds", wait_sum)):
+            lines += [f'# TYPE {name} histogram', f'{name}_bucket{{le="0.004",model_name="m"}} {steps / 2}',
+                      f'{name}_bucket{{le="+Inf",model_name="m"}} {steps}', f'{name}_count{{model_name="m"}} {steps}',
+                      f'{name}_sum{{model_name="m"}} {total}', f'{name}_created{{model_name="m"}} 1.7e9']
+        lines.append('autoglm:edge_round_trip_seconds_bucket{le="+Inf",model_name="m"} 3.0')
+        lines.append('autoglm:edge_round_trip_seconds_sum{model_name="m"} 0.01')
+        lines.append('vllm:inter_token_latency_seconds_sum{model_name="m"} 9.0')
+        return "\n".join(lines)
+    before = served_load.parse_histograms(text(10, 0.05, 0.02))
+    assert set(before) == set(served_load.SCRAPED) and before[served_load.SCRAPED[0]][-1.0] == pytest.approx(0.01)
+    after = served_load.parse_histograms(text(110, 0.55, 0.42))  # 100 steps: 5 ms each, 4 ms waiting before each
+    got = served_load.engine_time_figures(before, after)
+    assert got["engine_steps"] == 100
+    assert got["engine_step_ms"] == pytest.approx(5.0) and got["engine_wait_ms"] == pytest.approx(4.0)
+    assert got["engine_busy_fraction"] == pytest.approx(5 / 9)
+    assert served_load.engine_time_figures({}, after) == {} and served_load.engine_time_figures(after, after) == {}
+
+
 def test_profile_summary_names_the_workers_threads_and_counts_uvloops_wait_as_idle(tmp_path):
     server = 'process 10:"python -m cloud_server.cli serve b --workers 2"'
     worker = 'process 11:"python -c from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=4) --fork"'

@@ -189,6 +189,31 @@ def test_each_decode_input_reports_its_edge_round_trip(engine):
         ae.shutdown()
 
 
+def test_each_step_reports_its_time_and_the_wait_for_its_inputs(engine):
+    """Per step that delivers: the time in the step, and the time the engine waited for inputs before it while the
+    request was open - 40 ms of a phone's round trip before each decode step, none before the prompt's step; the
+    idle time before the request came is nobody's wait."""
+    times: list[tuple[float, float]] = []
+    ae = AsyncEngine(engine, on_step=lambda step_s, wait_s: times.append((step_s, wait_s))).start()
+    try:
+        time.sleep(0.1)  # idle, no request: not a wait for inputs
+        q: queue.Queue = queue.Queue()
+        ae.add_request("a", q.put, InputChunk(0, hidden=torch.randn(4, 64)),
+                       SamplingParams(0.0, max_tokens=3, ignore_eos=True))
+        for position in (4, 5):
+            _collect(q, lambda g: len(g) == 1)
+            time.sleep(0.04)  # the phone's link and front step
+            ae.add_input("a", InputChunk(position, hidden=torch.randn(1, 64)))
+        _collect(q, lambda g: g[-1].finished)
+        assert ae.call(lambda e: 0).result(5) == 0
+        assert len(times) == 3, times
+        assert all(step > 0 for step, _ in times)
+        assert times[0][1] < 0.04  # the prompt's step: no earlier token, nothing awaited
+        assert all(0.04 <= wait < 5.0 for _, wait in times[1:]), times
+    finally:
+        ae.shutdown()
+
+
 def test_decode_rows_as_one_array_give_the_tokens_of_one_input_each(tiny_bundle):
     """``add_rows`` (a turn's decode steps as one [S, H] tensor, what the engine process gets from a worker)
     and ``add_inputs`` (one chunk per row) feed the same steps: the same tokens."""
