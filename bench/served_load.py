@@ -558,7 +558,30 @@ def engine_time_figures(before: dict, after: dict) -> dict:
     if n <= 0 or step + wait <= 0:
         return {}
     return {"engine_steps": int(n), "engine_step_ms": 1e3 * step / n, "engine_wait_ms": 1e3 * wait / n,
-            "engine_busy_fraction": step / (step + wait)}
+            "engine_busy_fraction": step / (step + wait),
+            # the median step: the level's prompt steps (tens of ms) pull the mean up, not the median
+            "engine_step_p50_ms": 1e3 * histogram_quantile(_increase(step0, step1), 0.5),
+            "engine_wait_p50_ms": 1e3 * histogram_quantile(_increase(wait0, wait1), 0.5)}
+
+
+def histogram_quantile(delta: dict[float, float], q: float) -> float | None:
+    """Quantile ``q`` of a histogram's increase (cumulative count per bound), interpolated within its bucket, in
+    the histogram's unit; None when it saw nothing."""
+    n = delta.get(float("inf"), 0.0)
+    if n <= 0:
+        return None
+    rank, lo, below = q * n, 0.0, 0.0
+    for b in sorted(k for k in delta if k >= 0):
+        if delta[b] >= rank:
+            if b == float("inf"):
+                return lo
+            return lo + (b - lo) * (rank - below) / max(delta[b] - below, 1e-12)
+        lo, below = b, delta[b]
+    return lo
+
+
+def _increase(before: dict, after: dict) -> dict[float, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
 def round_trip_figures(before: dict | None, after: dict | None) -> dict:
@@ -566,24 +589,13 @@ def round_trip_figures(before: dict | None, after: dict | None) -> dict:
     interpolated within their buckets, in ms; the client's own share is ``client_ms_per_token``."""
     if not before or not after:
         return {}
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    delta = _increase(before, after)
     n = delta.get(float("inf"), 0.0)
     if n <= 0:
         return {}
-    bounds = sorted(k for k in delta if k >= 0)
-
-    def quantile(q: float) -> float:
-        rank, lo, below = q * n, 0.0, 0.0
-        for b in bounds:
-            if delta[b] >= rank:
-                if b == float("inf"):
-                    return 1e3 * lo
-                return 1e3 * (lo + (b - lo) * (rank - below) / max(delta[b] - below, 1e-12))
-            lo, below = b, delta[b]
-        return 1e3 * lo
-
     return {"round_trip_count": int(n), "round_trip_mean_ms": 1e3 * delta[-1.0] / n,
-            "round_trip_p50_ms": quantile(0.5), "round_trip_p99_ms": quantile(0.99)}
+            "round_trip_p50_ms": 1e3 * histogram_quantile(delta, 0.5),
+            "round_trip_p99_ms": 1e3 * histogram_quantile(delta, 0.99)}
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -872,7 +884,8 @@ def _row(r: dict) -> str:
             f" TTFT p50 {f(r.get('ttft_p50_ms'))} ms, ITL p50 {f(r.get('itl_p50_ms'), '.2f')} / p99 "
             f"{f(r.get('itl_p99_ms'), '.2f')} ms, edge round trip p50 {f(r.get('round_trip_p50_ms'), '.2f')} / p99 "
             f"{f(r.get('round_trip_p99_ms'), '.2f')} ms (client {f(r.get('client_ms_per_token'), '.2f')} ms), "
-            f"engine step {f(r.get('engine_step_ms'), '.2f')} + input wait {f(r.get('engine_wait_ms'), '.2f')} ms "
+            f"engine step {f(r.get('engine_step_ms'), '.2f')} (p50 {f(r.get('engine_step_p50_ms'), '.2f')}) + input "
+            f"wait {f(r.get('engine_wait_ms'), '.2f')} (p50 {f(r.get('engine_wait_p50_ms'), '.2f')}) ms "
             f"(busy {f(r.get('engine_busy_fraction'), '.2f')}), server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
             f"{f(r.get('loop_us_per_token'), '.0f')} us/token), "
             f"client CPU {f(r.get('client_cpu_s'), '.1f')} s over {f(r.get('wall_s'), '.1f')} s")

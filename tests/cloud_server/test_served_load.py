@@ -197,6 +197,7 @@ def test_engine_time_figures_split_each_step_into_its_time_and_its_wait_for_inpu
     assert got["engine_steps"] == 100
     assert got["engine_step_ms"] == pytest.approx(5.0) and got["engine_wait_ms"] == pytest.approx(4.0)
     assert got["engine_busy_fraction"] == pytest.approx(5 / 9)
+    assert got["engine_step_p50_ms"] == pytest.approx(4.0)  # half the steps at or under the 4 ms bound
     assert served_load.engine_time_figures({}, after) == {} and served_load.engine_time_figures(after, after) == {}
 
 
