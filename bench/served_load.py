@@ -513,6 +513,7 @@ def _read_line(p: subprocess.Popen, key: str, timeout: float) -> dict:
 
 
 SCRAPED = ("autoglm:edge_round_trip_seconds", "autoglm:engine_step_seconds", "autoglm:engine_input_wait_seconds")
+PASSES = "autoglm:engine_forward_passes_total"
 
 
 def scrape_histograms(url: str) -> dict[str, dict[float, float]]:
@@ -531,6 +532,11 @@ def parse_histograms(text: str) -> dict[str, dict[float, float]]:
     """:func:`scrape_histograms`' reading of one Prometheus exposition."""
     out: dict[str, dict[float, float]] = {}
     for line in text.splitlines():
+        if line.startswith(PASSES + "{"):  # the forward-pass counter: by batch label, under key -2 / -3
+            key = -3.0 if 'batch="rebuilt"' in line else -2.0
+            h = out.setdefault(PASSES, {})
+            h[key] = h.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+            continue
         name, _, rest = line.partition("_seconds_")
         name += "_seconds"
         if name not in SCRAPED:
@@ -561,7 +567,17 @@ def engine_time_figures(before: dict, after: dict) -> dict:
             "engine_busy_fraction": step / (step + wait),
             # the median step: the level's prompt steps (tens of ms) pull the mean up, not the median
             "engine_step_p50_ms": 1e3 * histogram_quantile(_increase(step0, step1), 0.5),
-            "engine_wait_p50_ms": 1e3 * histogram_quantile(_increase(wait0, wait1), 0.5)}
+            "engine_wait_p50_ms": 1e3 * histogram_quantile(_increase(wait0, wait1), 0.5),
+            **_rebuilt_share(before.get(PASSES), after.get(PASSES))}
+
+
+def _rebuilt_share(before: dict | None, after: dict | None) -> dict:
+    """The share of the level's forward passes whose batch was rebuilt from its chunks (not the persistent one)."""
+    if not before or not after:
+        return {}
+    rebuilt = after.get(-3.0, 0.0) - before.get(-3.0, 0.0)
+    total = rebuilt + after.get(-2.0, 0.0) - before.get(-2.0, 0.0)
+    return {"engine_rebuilt_fraction": rebuilt / total} if total > 0 else {}
 
 
 def histogram_quantile(delta: dict[float, float], q: float) -> float | None:
@@ -886,7 +902,7 @@ def _row(r: dict) -> str:
             f"{f(r.get('round_trip_p99_ms'), '.2f')} ms (client {f(r.get('client_ms_per_token'), '.2f')} ms), "
             f"engine step {f(r.get('engine_step_ms'), '.2f')} (p50 {f(r.get('engine_step_p50_ms'), '.2f')}) + input "
             f"wait {f(r.get('engine_wait_ms'), '.2f')} (p50 {f(r.get('engine_wait_p50_ms'), '.2f')}) ms "
-            f"(busy {f(r.get('engine_busy_fraction'), '.2f')}), server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
+            f"(busy {f(r.get('engine_busy_fraction'), '.2f')}, rebuilt batches {f(r.get('engine_rebuilt_fraction'), '.2f')}), server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
             f"{f(r.get('loop_us_per_token'), '.0f')} us/token), "
             f"client CPU {f(r.get('client_cpu_s'), '.1f')} s over {f(r.get('wall_s'), '.1f')} s")
 

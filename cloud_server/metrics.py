@@ -8,7 +8,8 @@ Names follow vLLM's so existing dashboards work: ``vllm:time_to_first_token_seco
 (edge -> cloud hidden states) and down (tokens), bytes per token by codec, open and refused sessions, the
 edges' round trip per token (``autoglm:edge_round_trip_seconds``, measured at the engine), and where the engine
 thread's time goes per step: in the step (``autoglm:engine_step_seconds``) or waiting for inputs while requests
-are open (``autoglm:engine_input_wait_seconds``).
+are open (``autoglm:engine_input_wait_seconds``), and how each forward pass's batch was made
+(``autoglm:engine_forward_passes_total{batch="persistent"|"rebuilt"}``).
 
 In split mode the latencies are measured at the cloud between a request's arrival and its sampled tokens,
 so the inter-token latency includes the edge's round trip (what a user waits for); durations only, never
@@ -86,6 +87,10 @@ class ServerMetrics:
                                      "Engine thread: time between two steps spent waiting for (and taking) inputs "
                                      "while requests were open - the edges' round trips, the gather window", lab,
                                      buckets=_STEP_BUCKETS, registry=r)
+        self.forward_passes = Counter("autoglm:engine_forward_passes",
+                                      "Forward passes by how their batch was made: 'persistent' (the last decode "
+                                      "batch one position on, rows handed to the runner as they are) or 'rebuilt'",
+                                      lab + ["batch"], registry=r)
         self.round_trip = Histogram("autoglm:edge_round_trip_seconds",
                                     "Split decoding: a token leaving the engine -> the edge's next state reaching "
                                     "it (link both ways, the phone's front step, the server's front end)", lab,
@@ -102,6 +107,8 @@ class ServerMetrics:
         self._ttft, self._itl, self._e2e, self._round_trip = (
             m.labels(model_name) for m in (self.ttft, self.itl, self.e2e, self.round_trip))
         self._engine_step, self._engine_wait = self.engine_step.labels(model_name), self.engine_wait.labels(model_name)
+        self._passes = (self.forward_passes.labels(model_name, "rebuilt"),
+                        self.forward_passes.labels(model_name, "persistent"))  # series from the start, both
         self._generation_tokens = self.generation_tokens.labels(model_name)
         self._batched_tokens = self.batched_tokens.labels(model_name)
         self._downlink = self.downlink.labels(model_name)
@@ -144,6 +151,10 @@ class ServerMetrics:
             self.kv_usage.labels(m).set_function(engine.kv_usage)
         if num_tokens:
             self._batched_tokens.inc(num_tokens)
+
+    def on_batch(self, persistent: bool) -> None:
+        """A forward pass: on the persistent decode batch, or on a batch rebuilt from its chunks."""
+        self._passes[persistent].inc()
 
     # -- network hooks ----------------------------------------------------------------------------
     def _uplink_children(self, codec: str) -> tuple:

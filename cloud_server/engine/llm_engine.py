@@ -379,6 +379,8 @@ class LLMEngine:
             seqs, ends = [it.seq for it in items], [it.chunk.end for it in items]
         runner = self.runners[batch.variant]
         out = self._continue_decode(batch, runner, seqs, ends)
+        if self.metrics is not None:
+            self.metrics.on_batch(out is not None)
         if out is not None:
             return out
         flat = build_batch([it.chunk for it in items], [s.block_table for s in seqs],

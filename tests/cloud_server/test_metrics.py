@@ -23,6 +23,9 @@ def test_series_exist_before_the_first_request_and_count_afterwards():
     lab = (("model_name", "glm"),)
     assert s[("vllm:num_requests_running", lab)] == 0 and s[("vllm:kv_cache_usage_perc", lab)] == 0
     assert s[("autoglm:edge_round_trip_seconds_count", lab)] == 0
+    assert s[("autoglm:engine_step_seconds_count", lab)] == 0 and s[("autoglm:engine_input_wait_seconds_sum", lab)] == 0
+    passes = {b: (("batch", b),) + lab for b in ("persistent", "rebuilt")}
+    assert s[("autoglm:engine_forward_passes_total", passes["persistent"])] == 0
     seq = SimpleNamespace(num_prompt_tokens=20, num_cached_tokens=16, prefix_keys=["k"], variant="fp32",
                           arrival_time=100.0, last_token_time=None, finish_reason="stop")
     m.on_admit(seq)
@@ -32,7 +35,16 @@ def test_series_exist_before_the_first_request_and_count_afterwards():
     m.on_uplink(2048, "fp16", 16)
     m.on_downlink(40)
     m.on_edge_round_trip(0.003)
+    m.on_engine_time(0.0055, 0.0031)
+    m.on_batch(True)
+    m.on_batch(True)
+    m.on_batch(False)
     s = _samples(m)
+    assert s[("autoglm:engine_step_seconds_bucket", (("le", "0.006"),) + lab)] == 1
+    assert s[("autoglm:engine_step_seconds_bucket", (("le", "0.005"),) + lab)] == 0
+    assert abs(s[("autoglm:engine_input_wait_seconds_sum", lab)] - 0.0031) < 1e-12
+    assert s[("autoglm:engine_forward_passes_total", passes["persistent"])] == 2
+    assert s[("autoglm:engine_forward_passes_total", passes["rebuilt"])] == 1
     assert s[("autoglm:edge_round_trip_seconds_count", lab)] == 1
     assert s[("autoglm:edge_round_trip_seconds_bucket", (("le", "0.004"),) + lab)] == 1
     assert s[("autoglm:edge_round_trip_seconds_bucket", (("le", "0.002"),) + lab)] == 0

@@ -189,15 +189,18 @@ def test_engine_time_figures_split_each_step_into_its_time_and_its_wait_for_inpu
         lines.append('autoglm:edge_round_trip_seconds_bucket{le="+Inf",model_name="m"} 3.0')
         lines.append('autoglm:edge_round_trip_seconds_sum{model_name="m"} 0.01')
         lines.append('vllm:inter_token_latency_seconds_sum{model_name="m"} 9.0')
+        lines.append(f'autoglm:engine_forward_passes_total{{batch="persistent",model_name="m"}} {steps * 3 / 4}')
+        lines.append(f'autoglm:engine_forward_passes_total{{batch="rebuilt",model_name="m"}} {steps / 4}')
         return "\n".join(lines)
     before = served_load.parse_histograms(text(10, 0.05, 0.02))
-    assert set(before) == set(served_load.SCRAPED) and before[served_load.SCRAPED[0]][-1.0] == pytest.approx(0.01)
+    assert set(before) == {*served_load.SCRAPED, served_load.PASSES} and before[served_load.SCRAPED[0]][-1.0] == pytest.approx(0.01)
     after = served_load.parse_histograms(text(110, 0.55, 0.42))  # 100 steps: 5 ms each, 4 ms waiting before each
     got = served_load.engine_time_figures(before, after)
     assert got["engine_steps"] == 100
     assert got["engine_step_ms"] == pytest.approx(5.0) and got["engine_wait_ms"] == pytest.approx(4.0)
     assert got["engine_busy_fraction"] == pytest.approx(5 / 9)
     assert got["engine_step_p50_ms"] == pytest.approx(4.0)  # half the steps at or under the 4 ms bound
+    assert got["engine_rebuilt_fraction"] == pytest.approx(0.25)
     assert served_load.engine_time_figures({}, after) == {} and served_load.engine_time_figures(after, after) == {}
 
 
