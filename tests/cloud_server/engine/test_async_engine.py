@@ -169,21 +169,27 @@ def test_a_negative_gather_window_is_refused(engine):
         AsyncEngine(engine, gather_max_s=-1.0)
 
 
+def _three_tokens_answering_after(ae: AsyncEngine, delay_s: float) -> None:
+    """A 4-position prompt, then each of its two decode inputs ``delay_s`` after the token before it (the phone's
+    link and front step); returns once the engine thread has applied both and the request finished."""
+    q: queue.Queue = queue.Queue()
+    ae.add_request("a", q.put, InputChunk(0, hidden=torch.randn(4, 64)), SamplingParams(0.0, max_tokens=3,
+                                                                                        ignore_eos=True))
+    for position in (4, 5):
+        _collect(q, lambda g: len(g) == 1)
+        time.sleep(delay_s)
+        ae.add_input("a", InputChunk(position, hidden=torch.randn(1, 64)))
+    _collect(q, lambda g: g[-1].finished)
+    assert ae.call(lambda e: 0).result(5) == 0
+
+
 def test_each_decode_input_reports_its_edge_round_trip(engine):
     """A token leaves the engine; its edge answers 30 ms later: the hook sees that wait, once per decode input
     (not for the prompt, nor for an input that was never awaited)."""
     trips: list[float] = []
     ae = AsyncEngine(engine, on_round_trip=trips.append).start()
     try:
-        q: queue.Queue = queue.Queue()
-        ae.add_request("a", q.put, InputChunk(0, hidden=torch.randn(4, 64)),
-                       SamplingParams(0.0, max_tokens=3, ignore_eos=True))
-        for position in (4, 5):
-            _collect(q, lambda g: len(g) == 1)
-            time.sleep(0.03)  # the phone's link and front step
-            ae.add_input("a", InputChunk(position, hidden=torch.randn(1, 64)))
-        _collect(q, lambda g: g[-1].finished)
-        assert ae.call(lambda e: 0).result(5) == 0  # the engine thread has applied both inputs
+        _three_tokens_answering_after(ae, 0.03)
         assert len(trips) == 2 and all(0.03 <= t < 5.0 for t in trips), trips
     finally:
         ae.shutdown()
@@ -197,15 +203,7 @@ def test_each_step_reports_its_time_and_the_wait_for_its_inputs(engine):
     ae = AsyncEngine(engine, on_step=lambda step_s, wait_s: times.append((step_s, wait_s))).start()
     try:
         time.sleep(0.1)  # idle, no request: not a wait for inputs
-        q: queue.Queue = queue.Queue()
-        ae.add_request("a", q.put, InputChunk(0, hidden=torch.randn(4, 64)),
-                       SamplingParams(0.0, max_tokens=3, ignore_eos=True))
-        for position in (4, 5):
-            _collect(q, lambda g: len(g) == 1)
-            time.sleep(0.04)  # the phone's link and front step
-            ae.add_input("a", InputChunk(position, hidden=torch.randn(1, 64)))
-        _collect(q, lambda g: g[-1].finished)
-        assert ae.call(lambda e: 0).result(5) == 0
+        _three_tokens_answering_after(ae, 0.04)
         assert len(times) == 3, times
         assert all(step > 0 for step, _ in times)
         assert times[0][1] < 0.04  # the prompt's step: no earlier token, nothing awaited
