@@ -156,9 +156,7 @@ class SplitTranslator:
                 arr = self.codecs[msg.hidden.codec].decode(msg.hidden, self.wire_limits)  # [n, H] float32
             except P.ProtocolError as e:
                 raise BadInput(e.code, e.message) from None
-        if arr.shape[1] != self.facts.hidden_size:
-            raise BadInput("bad_input", f"hidden states of width {arr.shape[1]}; the model takes "
-                                        f"{self.facts.hidden_size}")
+        self._check_width(arr)
         rope = None
         if msg.rope_positions is not None:
             if not self.facts.mrope:
@@ -169,6 +167,12 @@ class SplitTranslator:
         drafts = list(msg.draft_ids) if isinstance(msg, P.SpecStep) else None
         ask = getattr(msg, "ask_drafts", 0) if last else 0  # StatesSteps carry none
         return InputChunk(start, hidden=hidden, last=last, rope_positions=rope, draft_ids=drafts, ask_drafts=ask)
+
+    def _check_width(self, arr: np.ndarray | torch.Tensor) -> None:
+        """Hidden states [n, W]: ``BadInput`` unless W is the model's width."""
+        if arr.shape[1] != self.facts.hidden_size:
+            raise BadInput("bad_input", f"hidden states of width {arr.shape[1]}; the model takes "
+                                        f"{self.facts.hidden_size}")
 
     def open(self, session: Session, track: RequestTrack, msg: P.Prefill, nbytes: int) -> None:
         """A request's first Prefill: admit it to the engine."""
@@ -279,9 +283,7 @@ class SplitTranslator:
                 if isinstance(arr, BadInput):
                     raise arr
                 if msg.rope_positions is None and not msg.ask_drafts:
-                    if arr.shape[1] != self.facts.hidden_size:
-                        raise BadInput("bad_input", f"hidden states of width {arr.shape[1]}; the model takes "
-                                                    f"{self.facts.hidden_size}")
+                    self._check_width(arr)
                     self._hand_over(chunks, steps)
                     chunks = []
                     rec.last_input = now
