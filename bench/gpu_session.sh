@@ -19,6 +19,8 @@
 #                                   #    server each, same levels, side by side (`serve --workers N`)
 #   bench/gpu_session.sh mp         # 8 + 2 + attach to 8: the --workers comparison with the engine figures
 #   bench/gpu_session.sh speculation  # 9. issue 12: the rig's speculation sweep, cloud drafts, the server on the GPU
+#   bench/gpu_session.sh enginetime # 10. the served engine step and its wait for inputs (S = 8 / 64, 1,024 tokens),
+#                                   #    then the engine bench at the same context (~5 minutes)
 #   bench/gpu_session.sh all extras # several sections: run in the order given
 #
 # Workload: glm4v-9b-random split at 12 (28 cloud layers, bf16, random weights built on the GPU), 512-token
@@ -130,6 +132,22 @@ attach() {
     python3 bench/served_load.py --attach-engine "$OUT/cloud_gpu_engine.json" --to "$OUT/cloud_served.json"
 }
 
+enginetime() {  # ~5 min (CPU smoke test: OUT=/tmp/et PRESET=tiny-glm4 LAYER=1 ET_SESSIONS=2 WORKERS=2 bench/gpu_session.sh enginetime): where the engine thread's time goes served (step p50 + input wait p50, busy share, rebuilt
+    # batches: autoglm:engine_step_seconds / engine_input_wait_seconds / engine_forward_passes_total), 1,024 tokens
+    # so the steady decode dominates; the engine process under py-spy when found. Then the engine bench at the same
+    # context (512 + 1,024) to set the served step beside the engine's own
+    local spy=()
+    PATH="$PWD/.cache/served-load:$PATH"
+    if command -v py-spy >/dev/null 2>&1; then spy=(--py-spy "$OUT/enginetime_spy.txt"); fi
+    timeout 400 python3 bench/served_load.py --preset "${PRESET:-glm4v-9b-random}" --layer "${LAYER:-12}" \
+        --sessions "${ET_SESSIONS:-8,64}" --prompt 512 --gen 1024 --sweep-codecs int8-outlier --workers "${WORKERS:-6}" \
+        --procs 3 "${spy[@]}" --out "$OUT/cloud_served_enginetime.json" 2>&1 | tee "$OUT/enginetime.log"
+    timeout 400 python3 bench/cloud_gpu_bench.py --preset "${PRESET:-glm4v-9b-random}" --split "${LAYER:-12}" --through-engine \
+        --sessions "${ET_SESSIONS:-8,64}" --gen 1024 \
+        --max-context 2048 --pool-sessions 64 --skip-checks --skip-hf --out "$OUT/cloud_gpu_engine_enginetime.json" 2>&1 \
+        | tee "$OUT/engine_enginetime.log"
+}
+
 attach_mp() {
     python3 bench/served_load.py --attach-engine "$OUT/cloud_gpu_engine.json" --to "$OUT/cloud_served_mp.json"
 }
@@ -147,9 +165,10 @@ for section in "$@"; do
         served_mp) served_mp ;;
         attach_mp) attach_mp ;;
         speculation) speculation ;;
+        enginetime) enginetime ;;
         mp) served_mp; engine; attach_mp ;;
         all) served; engine; attach ;;
-        *) echo "usage: $0 [served|engine|attach|all|nogather|extras|kvpool|profile|served_mp|attach_mp|mp|speculation]..." >&2
+        *) echo "usage: $0 [served|engine|attach|all|nogather|extras|kvpool|profile|served_mp|attach_mp|mp|speculation|enginetime]..." >&2
            exit 2 ;;
     esac
 done
