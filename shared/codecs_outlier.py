@@ -294,10 +294,11 @@ class OutlierInt8Codec(OutlierCodec):
         b, h = len(tensors), tensors[0].shape[1]
         k = len(self.outlier_channels)
         try:
-            outl = np.ascontiguousarray(rows[:, 1:1 + 2 * k]).view("<f2")  # [N, k]
-            check_finite(outl, f"{self.name} float16[{b}, {k}]")
-            scale = np.ascontiguousarray(rows[:, 1 + 2 * k:3 + 2 * k]).view("<f2").astype(np.float32)  # [N, 1]
-            check_scales(scale, self.name)
+            head = np.ascontiguousarray(rows[:, 1:3 + 2 * k]).view("<f2")  # [N, k + 1]: outliers | row scale
+            outl, scale = head[:, :k], head[:, k:].astype(np.float32)  # [N, k] f16, [N, 1] f32
+            if not np.isfinite(head).all() or (scale < 0).any():  # (rare) say which, as decode_payload does
+                check_finite(outl, f"{self.name} float16[{b}, {k}]")
+                check_scales(scale, self.name)
             codes = rows[:, 3 + 2 * k:].view(np.int8)  # [N, n]
             if codes.min() == -128:
                 raise ProtocolError(BAD_TENSOR, f"{self.name}: code -128 is not used")
