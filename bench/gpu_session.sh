@@ -132,10 +132,11 @@ attach() {
     python3 bench/served_load.py --attach-engine "$OUT/cloud_gpu_engine.json" --to "$OUT/cloud_served.json"
 }
 
-enginetime() {  # ~5 min (CPU smoke test: OUT=/tmp/et PRESET=tiny-glm4 LAYER=1 ET_SESSIONS=2 WORKERS=2 bench/gpu_session.sh enginetime): where the engine thread's time goes served (step p50 + input wait p50, busy share, rebuilt
-    # batches: autoglm:engine_step_seconds / engine_input_wait_seconds / engine_forward_passes_total), 1,024 tokens
-    # so the steady decode dominates; the engine process under py-spy when found. Then the engine bench at the same
-    # context (512 + 1,024) to set the served step beside the engine's own
+enginetime() {  # ~5 min: where the engine thread's time goes served (step p50 + input wait p50, busy share,
+    # rebuilt batches: autoglm:engine_step_seconds / engine_input_wait_seconds / engine_forward_passes_total), 1,024
+    # tokens so the steady decode dominates; the server under py-spy when found. Then the engine bench at the same
+    # context (512 + 1,024) to set the served step beside the engine's own. CPU smoke test of this section:
+    #   OUT=/tmp/et PRESET=tiny-glm4 LAYER=1 ET_SESSIONS=2 WORKERS=2 bench/gpu_session.sh enginetime
     local spy=()
     PATH="$PWD/.cache/served-load:$PATH"
     if command -v py-spy >/dev/null 2>&1; then spy=(--py-spy "$OUT/enginetime_spy.txt"); fi

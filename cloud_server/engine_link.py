@@ -81,38 +81,28 @@ class FrameReader:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> Iterator[list[tuple]]:
-        # Frames are parsed from ``data`` itself while nothing is buffered (a read that brings whole frames is not
-        # copied into the buffer first: at 64 sessions the engine process's link thread reads ~1 MB a step);
-        # only an incomplete frame's bytes are kept for the next read.
         buf = self._buf
-        if buf:
-            buf += data
-            src = buf
-        else:
-            src = data
+        buf += data
         at = 0
         try:
-            while len(src) - at >= 4:
-                (n,) = struct.unpack_from("!i", src, at)
+            while len(buf) - at >= 4:
+                (n,) = struct.unpack_from("!i", buf, at)
                 head = 4
                 if n == -1:
-                    if len(src) - at < 12:
+                    if len(buf) - at < 12:
                         break
-                    (n,) = struct.unpack_from("!Q", src, at + 4)
+                    (n,) = struct.unpack_from("!Q", buf, at + 4)
                     head = 12
                 elif n < 0:
                     raise ValueError(f"engine link: bad frame length {n}")
-                if len(src) - at - head < n:
+                if len(buf) - at - head < n:
                     break
                 start, at = at + head, at + head + n
-                with memoryview(src) as view:
+                with memoryview(buf) as view:
                     msgs = pickle.loads(view[start:at])  # (arrays come out as copies)
                 yield msgs
         finally:
-            if src is buf:
-                del buf[:at]
-            elif at < len(src):
-                buf += memoryview(src)[at:]
+            del buf[:at]
 
 
 # -- inputs -------------------------------------------------------------------------------------------

@@ -233,10 +233,10 @@ class AsyncEngine:
             while not self._stop.is_set():
                 began, busy = time.monotonic(), bool(self._sinks)  # requests open: a wait is for their inputs
                 outs = self._take_commands()
-                now = time.monotonic()
                 if busy:
-                    self._waiting_s += now - began
+                    self._waiting_s += time.monotonic() - began
                 self._deliver(outs)
+                now = time.monotonic()
                 if self.llm.has_work():
                     outs = self.llm.step()
                     self._stepping_s += time.monotonic() - now  # with overlap: a launch, then its postprocess
