@@ -116,6 +116,7 @@ class BenchConfig:
     stall_steps: int = 64  # decode steps per phase (steady, then with the arrival at step 8)
     kv_cache_dtype: str = "auto"  # with through_engine: the engine's KV pool (auto = the compute dtype, int8, fp8)
     generic_runner: bool = False  # with through_engine: the engine on the library's layers, not the fast path
+    idle_gap_ms: float = 0.0  # > 0: also the direct step's device time with the GPU idle this long between steps
 
     def __post_init__(self):
         for name in ("split", "prompt", "gen", "max_context", "pool_sessions", "block_size",
@@ -338,20 +339,27 @@ def prefill(model: FastGLM, kv: KVPool, sess: Sessions, prompt: int, chunk_token
 
 
 def decode(graphs: DecodeGraphs, sess: Sessions, steps: int, inputs: list[torch.Tensor],
-           full_metadata: bool = False) -> dict:
+           full_metadata: bool = False, gap_s: float | None = None) -> dict:
     """``steps`` decode steps of all sessions; per-step wall time includes input copy, replay and id readback.
 
     The first step uploads the batch's metadata; later ones only the hidden states (``step_next``), unless
-    ``full_metadata`` (positions, lengths and block tables uploaded every step, as the engine adapter does)."""
+    ``full_metadata`` (positions, lengths and block tables uploaded every step, as the engine adapter does).
+    ``gap_s`` (CUDA): each step's device time from CUDA events too (``device_ms_median``), and the host sleeps
+    ``gap_s`` after each step (0: back to back)."""
     dev = graphs.model.device
     ids_host = torch.empty(sess.n, dtype=torch.long, pin_memory=dev.type == "cuda")
     done = torch.cuda.Event() if dev.type == "cuda" else None
-    times = []
+    timed = gap_s is not None and done is not None
+    begin = torch.cuda.Event(enable_timing=True) if timed else None
+    end = torch.cuda.Event(enable_timing=True) if timed else None
+    times, device = [], []
     sync(dev)
     t_start = time.perf_counter()
     for step in range(steps):
         t0 = time.perf_counter()
         hid = inputs[step % len(inputs)][: sess.n]  # [S, H] pinned host: the phones' boundary states
+        if timed:
+            begin.record()
         if step == 0 or full_metadata:
             _, ids = graphs.step(hid, sess.positions, sess.seq_lens, sess.tables)
         else:
@@ -361,16 +369,21 @@ def decode(graphs: DecodeGraphs, sess: Sessions, steps: int, inputs: list[torch.
             sess.positions += 1
             sess.seq_lens += 1
         if done is not None:
-            done.record()
-            done.synchronize()  # the sampled ids go back to the phones
+            (end if timed else done).record()
+            (end if timed else done).synchronize()  # the sampled ids go back to the phones
         times.append(time.perf_counter() - t0)
+        if timed:
+            device.append(begin.elapsed_time(end))
+            if gap_s:
+                time.sleep(gap_s)
     total = time.perf_counter() - t_start
     if not full_metadata:
         sess.positions += steps
         sess.seq_lens += steps
     return {"steps": steps, "total_s": total, "step_ms_mean": 1e3 * total / steps,
             "step_ms_median": 1e3 * statistics.median(times), "step_ms_p90": 1e3 * sorted(times)[int(0.9 * steps)],
-            "tokens_per_s": sess.n * steps / total}
+            "tokens_per_s": sess.n * steps / total,
+            **({"device_ms_median": statistics.median(device)} if device else {})}
 
 
 def host_inputs(n: int, hidden: int, dtype, dev: torch.device, count: int = 4) -> list[torch.Tensor]:
@@ -592,7 +605,7 @@ def build_fast(cfg: FastGLMConfig, hf_full, bc: BenchConfig, dev, dtype, tp_rank
     return model, kv, alloc, graphs, time.perf_counter() - t0
 
 
-EXTRA_STEPS = 64  # KV room per session beyond prompt + gen for the side measurements
+EXTRA_STEPS = 160  # KV room per session beyond prompt + gen for the side measurements
 
 
 def gpu_step_ms(graphs: DecodeGraphs, n: int, reps: int = 20, sampled: bool = False) -> float:
@@ -648,11 +661,18 @@ def sweep(model, kv, alloc, graphs, bc: BenchConfig, sessions: tuple[int, ...], 
             full = decode(graphs, sess, 32, inputs, full_metadata=True)
             res["full_metadata_step_ms_mean"] = full["step_ms_mean"]
             res["gpu_step_ms"] = gpu_step_ms(graphs, s)
+            if bc.idle_gap_ms > 0 and dev.type == "cuda":  # does an idle GPU between steps step slower?
+                runs = [decode(graphs, sess, 24, inputs, gap_s=g) for g in (0.0, bc.idle_gap_ms / 1e3) * 2]
+                res["idle_gap"] = {"gap_ms": bc.idle_gap_ms,
+                                   "device_ms_back_to_back": [r["device_ms_median"] for r in runs[0::2]],
+                                   "device_ms_after_gap": [r["device_ms_median"] for r in runs[1::2]]}
         sess.release()
         out[str(s)] = res
         log(f"  S={s:4d}: step {res['step_ms_mean']:.3f} ms (median {res['step_ms_median']:.3f}"
             + (f", metadata every step {res['full_metadata_step_ms_mean']:.3f}, GPU only {res['gpu_step_ms']:.3f}"
                if "gpu_step_ms" in res else "")
+            + (f", device back to back {res['idle_gap']['device_ms_back_to_back']} vs after a "
+               f"{bc.idle_gap_ms:g} ms idle gap {res['idle_gap']['device_ms_after_gap']}" if "idle_gap" in res else "")
             + f"), {res['tokens_per_s']:.0f} tok/s, roofline {res['roofline']['roofline_ms']:.3f} ms -> "
             f"{100 * res['roofline']['fraction']:.1f} %, prefill {res['prefill_tokens_per_s']:.0f} tok/s")
     return out
@@ -1268,7 +1288,12 @@ def parse_args(argv=None) -> BenchConfig:
                    help="with --through-engine: the engine's KV pool (auto: the compute dtype; int8 / fp8: 8-bit)")
     p.add_argument("--generic-runner", action="store_true",
                    help="with --through-engine: the engine on the library's layers (the 16-bit pool beside int8)")
+    p.add_argument("--idle-gap-ms", type=float, default=d.idle_gap_ms,
+                   help="also time each side S's direct step on the device (CUDA events) back to back and with the "
+                        "GPU idle this long between steps, as a served lockstep leaves it while the phones answer")
     a = p.parse_args(argv)
+    if a.idle_gap_ms < 0:
+        p.error("--idle-gap-ms must be >= 0")
 
     def ints(s):
         return tuple(int(x) for x in s.split(",") if x)
@@ -1283,7 +1308,7 @@ def parse_args(argv=None) -> BenchConfig:
                        through_engine=a.through_engine, sampling=a.sampling,
                        sampling_rounds=a.sampling_rounds, prefill_stall=a.prefill_stall,
                        stall_prompt=a.stall_prompt, stall_chunks=ints(a.stall_chunks), stall_steps=a.stall_steps,
-                       kv_cache_dtype=a.kv_cache_dtype, generic_runner=a.generic_runner)
+                       kv_cache_dtype=a.kv_cache_dtype, generic_runner=a.generic_runner, idle_gap_ms=a.idle_gap_ms)
 
 
 def print_table(res: dict) -> None:

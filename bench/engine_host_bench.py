@@ -96,7 +96,8 @@ class _StubRunner:
         return (self.logits[:n], self.ids[:n]) if _CONT_IDS else self.logits[:n]  # [S, V], [S]
 
 
-def _engine(sessions: int, prompt: int, steps: int, hidden: int, vocab: int, block_size: int, overlap: bool = True):
+def _engine(sessions: int, prompt: int, steps: int, hidden: int, vocab: int, block_size: int, overlap: bool = True,
+            metrics: bool = False):
     max_len = prompt + steps + 8
     num_blocks = sessions * (-(-max_len // block_size)) + 1
     cfg = EngineConfig(max_num_seqs=max(sessions, 1), max_num_batched_tokens=max(2048, sessions * prompt),
@@ -104,6 +105,10 @@ def _engine(sessions: int, prompt: int, steps: int, hidden: int, vocab: int, blo
                        enable_prefix_cache=False, **_overlap_kw(overlap))
     runner = _StubRunner(hidden, vocab, max(sessions, 1), num_blocks, block_size)
     eng = LLMEngine(cfg, {"fp32": runner}, sampler_seed=0)
+    if metrics:  # the server's Prometheus hooks, as `autoglm-cloud serve` attaches them
+        from cloud_server.metrics import ServerMetrics
+
+        eng.metrics = ServerMetrics("bench")
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(sessions):
         out = eng.add_request(f"r{i}", InputChunk(0, hidden=torch.randn(prompt, hidden)), params)
@@ -123,7 +128,7 @@ def _overlap_kw(overlap: bool) -> dict:
 
 
 def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Tensor,
-                  row_feed: bool = False) -> tuple[list, list, list, list]:
+                  row_feed: bool = False, feeds: int = 1) -> tuple[list, list, list, list]:
     """Run ``steps`` decode steps; per-step host seconds of the feed (``add_inputs``, or the add_input loop), of the
     step() calls until every session has its token, from the start of the step to its launch (the runner's ``run``
     call), and the CPU time this thread spent on the whole step (what other processes on a loaded machine do not
@@ -131,6 +136,8 @@ def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Ten
     ids = [f"r{i}" for i in range(sessions)]
     rows = [states[j: j + 1] for j in range(sessions)]  # [1, H] each, made once: the feed's own work is not timed
     batched = not row_feed and hasattr(eng, "add_inputs")
+    cuts = [round(k * sessions / feeds) for k in range(feeds + 1)]  # the K feeds' row ranges
+    parts = [(ids[a:b], states[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
     runner = eng.runners["fp32"]
     t_add, t_step, t_pre, t_cpu = [], [], [], []
     for _ in range(steps):
@@ -138,9 +145,12 @@ def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Ten
         c0 = time.thread_time()
         t0 = time.perf_counter()
         if batched:
-            out = eng.add_inputs(ids, pos, states)
-            if out:
-                raise RuntimeError(f"add_inputs failed: {out[0].error_message}")
+            at = 0
+            for part_ids, part in parts:
+                out = eng.add_inputs(part_ids, pos[at:at + len(part_ids)], part)
+                at += len(part_ids)
+                if out:
+                    raise RuntimeError(f"add_inputs failed: {out[0].error_message}")
         for rid, p, row in zip(ids, pos, rows) if not batched else ():
             out = eng.add_input(rid, InputChunk(p, hidden=row))
             if out:
@@ -160,20 +170,21 @@ def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Ten
 
 
 def measure(sessions: int, steps: int, repeats: int, prompt: int, hidden: int, vocab: int,
-            block_size: int, overlap: bool = True, row_feed: bool = False) -> dict:
+            block_size: int, overlap: bool = True, row_feed: bool = False, feeds: int = 1,
+            metrics: bool = False) -> dict:
     states = torch.randn(sessions, hidden)  # [S, H]
     adds, stepss, pres, cpus = [], [], [], []
     for _ in range(repeats):
-        eng = _engine(sessions, prompt, steps + 10, hidden, vocab, block_size, overlap)
-        _decode_steps(eng, sessions, 10, hidden, states, row_feed)  # warm-up
-        a, s, pre, cpu = _decode_steps(eng, sessions, steps, hidden, states, row_feed)
+        eng = _engine(sessions, prompt, steps + 10, hidden, vocab, block_size, overlap, metrics)
+        _decode_steps(eng, sessions, 10, hidden, states, row_feed, feeds)  # warm-up
+        a, s, pre, cpu = _decode_steps(eng, sessions, steps, hidden, states, row_feed, feeds)
         adds.append(statistics.median(a))
         stepss.append(statistics.median(s))
         pres.append(statistics.median(pre))
         cpus.append(statistics.median(cpu))
     add_us, step_us, pre_us = min(adds) * 1e6, min(stepss) * 1e6, min(pres) * 1e6
     return {"sessions": sessions, "overlap": overlap, "feed": "rows" if row_feed or not hasattr(LLMEngine, "add_inputs")
-            else "batched", "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
+            else "batched", "feeds": feeds, "metrics": metrics, "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
             "total_us": round(add_us + step_us, 1), "per_session_us": round((add_us + step_us) / sessions, 2),
             "prelaunch_us": round(pre_us, 1), "after_launch_us": round(add_us + step_us - pre_us, 1),
             "thread_cpu_us": round(min(cpus) * 1e6, 1)}
@@ -191,6 +202,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--row-feed", action="store_true", help="one add_input per session even where the engine "
                     "has add_inputs (the engine's own gain without the batched feed)")
+    ap.add_argument("--feeds", default="1", help="comma list: the batched feed split into K add_inputs (K front-end "
+                    "workers' turns)")
+    ap.add_argument("--metrics", default="off", help="comma list of off,on: the server's ServerMetrics attached")
     ap.add_argument("--label", default="after")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--merge", action="store_true", help="keep other labels already in --out")
@@ -203,10 +217,11 @@ def main() -> None:
             raise SystemExit(f"--compare: {args.compare} holds no exported cloud_server package")
         if args.out is None:
             raise SystemExit("--compare needs --out (the before run is read back from it)")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--label", "before", "--out", str(args.out),
+        cmd = ([sys.executable, str(Path(__file__).resolve()), "--label", "before", "--out", str(args.out),
                "--sessions", args.sessions, "--steps", str(args.steps), "--repeats", str(args.repeats),
                "--prompt", str(args.prompt), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
-               "--block-size", str(args.block_size)] + (["--row-feed"] if args.row_feed else [])
+               "--block-size", str(args.block_size), "--feeds", args.feeds, "--metrics", args.metrics]
+               + (["--row-feed"] if args.row_feed else []))
         env = {**os.environ, "PYTHONPATH": str(args.compare.resolve())}
         subprocess.run(cmd, env=env, check=True)
         args.label, args.merge = "after", True
@@ -223,12 +238,17 @@ def main() -> None:
         return
     rows, rows_sync = [], []
     modes = (True, False) if _overlap_kw(True) else (True,)
-    for s in (int(x) for x in args.sessions.split(",")):
-        for overlap in modes:
+    variants = [(int(k), m == "on") for k in args.feeds.split(",") for m in args.metrics.split(",")]
+    if any(k < 1 for k, _ in variants) or not set(args.metrics.split(",")) <= {"on", "off"}:
+        raise SystemExit("--feeds takes counts >= 1, --metrics off and/or on")
+    for s, (feeds, metrics), overlap in ((int(x), v, o) for x in args.sessions.split(",") for v in variants
+                                        for o in modes):
+        if True:
             r = measure(s, args.steps, args.repeats, args.prompt, args.hidden, args.vocab, args.block_size, overlap,
-                        args.row_feed)
+                        args.row_feed, feeds, metrics)
             (rows if overlap else rows_sync).append(r)
-            print(f"[{args.label}{'' if overlap else ', sync'}] S={s:4d}  feed ({r['feed']}) {r['add_input_us']:9.1f} us  "
+            print(f"[{args.label}{'' if overlap else ', sync'}] S={s:4d}  feed ({r['feed']} x{feeds}"
+                  f"{', metrics' if metrics else ''}) {r['add_input_us']:9.1f} us  "
                   f"step {r['step_us']:9.1f} us  total {r['total_us']:9.1f} us  ({r['per_session_us']:.2f} us/session)"
                   f"  before launch {r['prelaunch_us']:9.1f} us, after {r['after_launch_us']:9.1f} us"
                   f"  (thread CPU {r['thread_cpu_us']:9.1f} us)", flush=True)

@@ -512,7 +512,8 @@ def _read_line(p: subprocess.Popen, key: str, timeout: float) -> dict:
             return msg if key == "ready" else msg[key]
 
 
-SCRAPED = ("autoglm:edge_round_trip_seconds", "autoglm:engine_step_seconds", "autoglm:engine_input_wait_seconds")
+SCRAPED = ("autoglm:edge_round_trip_seconds", "autoglm:engine_step_seconds", "autoglm:engine_input_wait_seconds",
+           "autoglm:engine_device_step_seconds")
 PASSES = "autoglm:engine_forward_passes_total"
 
 
@@ -568,7 +569,17 @@ def engine_time_figures(before: dict, after: dict) -> dict:
             # the median step: the level's prompt steps (tens of ms) pull the mean up, not the median
             "engine_step_p50_ms": 1e3 * histogram_quantile(_increase(step0, step1), 0.5),
             "engine_wait_p50_ms": 1e3 * histogram_quantile(_increase(wait0, wait1), 0.5),
+            **_device_time(before.get(SCRAPED[3]), after.get(SCRAPED[3])),
             **_rebuilt_share(before.get(PASSES), after.get(PASSES))}
+
+
+def _device_time(before: dict | None, after: dict | None) -> dict:
+    """The level's forward passes on the device (CUDA only): their median time, beside the engine step's."""
+    if not before or not after:
+        return {}
+    delta = _increase(before, after)
+    q = histogram_quantile(delta, 0.5)
+    return {} if q is None else {"engine_device_p50_ms": 1e3 * q}
 
 
 def _rebuilt_share(before: dict | None, after: dict | None) -> dict:
@@ -901,7 +912,8 @@ def _row(r: dict) -> str:
             f"{f(r.get('itl_p99_ms'), '.2f')} ms, edge round trip p50 {f(r.get('round_trip_p50_ms'), '.2f')} / p99 "
             f"{f(r.get('round_trip_p99_ms'), '.2f')} ms (client {f(r.get('client_ms_per_token'), '.2f')} ms), "
             f"engine step {f(r.get('engine_step_ms'), '.2f')} (p50 {f(r.get('engine_step_p50_ms'), '.2f')}) + input "
-            f"wait {f(r.get('engine_wait_ms'), '.2f')} (p50 {f(r.get('engine_wait_p50_ms'), '.2f')}) ms "
+            f"wait {f(r.get('engine_wait_ms'), '.2f')} (p50 {f(r.get('engine_wait_p50_ms'), '.2f')}) ms, device "
+            f"p50 {f(r.get('engine_device_p50_ms'), '.2f')} ms "
             f"(busy {f(r.get('engine_busy_fraction'), '.2f')}, rebuilt batches {f(r.get('engine_rebuilt_fraction'), '.2f')}), server CPU {f(r.get('server_cpu_s'), '.1f')} s (loop "
             f"{f(r.get('loop_us_per_token'), '.0f')} us/token), "
             f"client CPU {f(r.get('client_cpu_s'), '.1f')} s over {f(r.get('wall_s'), '.1f')} s")

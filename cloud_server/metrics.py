@@ -8,8 +8,9 @@ Names follow vLLM's so existing dashboards work: ``vllm:time_to_first_token_seco
 (edge -> cloud hidden states) and down (tokens), bytes per token by codec, open and refused sessions, the
 edges' round trip per token (``autoglm:edge_round_trip_seconds``, measured at the engine), and where the engine
 thread's time goes per step: in the step (``autoglm:engine_step_seconds``) or waiting for inputs while requests
-are open (``autoglm:engine_input_wait_seconds``), and how each forward pass's batch was made
-(``autoglm:engine_forward_passes_total{batch="persistent"|"rebuilt"}``).
+are open (``autoglm:engine_input_wait_seconds``), each forward pass's device time on CUDA
+(``autoglm:engine_device_step_seconds``: the step minus it is the host's share), and how each forward pass's batch
+was made (``autoglm:engine_forward_passes_total{batch="persistent"|"rebuilt"}``).
 
 In split mode the latencies are measured at the cloud between a request's arrival and its sampled tokens,
 so the inter-token latency includes the edge's round trip (what a user waits for); durations only, never
@@ -22,7 +23,9 @@ the same names, so a dashboard reads one server.
 
 from __future__ import annotations
 
+import math
 import time
+from bisect import bisect_left
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -32,8 +35,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
@@ -43,7 +47,54 @@ _ROUND_TRIP_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032
 # an engine step: 1 ms apart up to 8 (an H200's decode steps are 3.5-6 ms), then doubling
 _STEP_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.010, 0.012, 0.016, 0.024, 0.032, 0.064,
                  0.128, 0.256, 0.512, 1.0, 2.0, 5.0)
+# a forward pass on the device: 0.25 ms apart from 2 to 8 ms (host overhead = engine step - device time), then doubling
+_DEVICE_BUCKETS = (0.0005, 0.001, 0.0015, *(round(0.002 + 0.00025 * i, 5) for i in range(25)), 0.010, 0.012, 0.016, 0.024,
+                   0.032, 0.064, 0.128, 0.256, 0.512, 1.0)
 _BYTES_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+
+
+class _HotHistogram:
+    """A histogram of one label set fed once per token or row by the engine thread: ``observe`` is a bisect and
+    two adds (prometheus_client's takes a lock per bucket and sum, ~2 us: 64 rows a step add up). One writer
+    thread; a scrape reads the bucket counts in one pass and derives the count from them, so a scrape during a
+    step may miss that step's latest observations but never exposes a count that disagrees with its buckets."""
+
+    def __init__(self, name: str, doc: str, labels: dict[str, str], buckets: tuple[float, ...],
+                 registry: CollectorRegistry):
+        self.name, self.doc, self.labels = name, doc, labels
+        self.bounds = list(buckets)  # ascending; +Inf is the last count
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # le semantics: the first bound >= value
+        self.sum += value
+
+    def collect(self):
+        counts, total, cum, buckets = list(self.counts), self.sum, 0, []
+        for bound, c in zip((*self.bounds, math.inf), counts):
+            cum += c
+            buckets.append((floatToGoString(bound), cum))
+        fam = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        fam.add_metric(list(self.labels.values()), buckets, total)
+        yield fam
+
+
+class _HotCounter:
+    """A counter of one label set incremented per token by the engine thread (see :class:`_HotHistogram`)."""
+
+    def __init__(self, name: str, doc: str, labels: dict[str, str], registry: CollectorRegistry):
+        self.name, self.doc, self.labels, self.value = name, doc, labels, 0
+        registry.register(self)
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def collect(self):
+        fam = CounterMetricFamily(self.name, self.doc, labels=list(self.labels))
+        fam.add_metric(list(self.labels.values()), self.value)
+        yield fam
 
 
 class ServerMetrics:
@@ -54,10 +105,9 @@ class ServerMetrics:
         self._engine = None  # the engine whose pool and queues the gauges read (bound at its first step)
         lab = ["model_name"]
         self.model_name = model_name
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", lab,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", lab,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        one = {"model_name": model_name}  # the per-token series: fed by the engine thread (_HotHistogram)
+        self.ttft = _HotHistogram("vllm:time_to_first_token_seconds", "Time to first token", one, _LATENCY_BUCKETS, r)
+        self.itl = _HotHistogram("vllm:inter_token_latency_seconds", "Inter-token latency", one, _LATENCY_BUCKETS, r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.running = Gauge("vllm:num_requests_running", "Requests holding KV blocks", lab, registry=r)
@@ -68,7 +118,7 @@ class ServerMetrics:
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache", lab,
                                    registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens received", lab, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=r)
+        self.generation_tokens = _HotCounter("vllm:generation_tokens", "Tokens generated", one, r)
         self.batched_tokens = Counter("autoglm:engine_step_tokens", "Tokens run through the layers", lab,
                                       registry=r)
         self.success = Counter("vllm:request_success", "Finished requests", lab + ["finished_reason"], registry=r)
@@ -87,29 +137,33 @@ class ServerMetrics:
                                      "Engine thread: time between two steps spent waiting for (and taking) inputs "
                                      "while requests were open - the edges' round trips, the gather window", lab,
                                      buckets=_STEP_BUCKETS, registry=r)
+        self.device_step = Histogram("autoglm:engine_device_step_seconds",
+                                     "Device time of one forward pass with its sampling (CUDA events; from its "
+                                     "launch, or the end of the pass before it, to its ids' copy to the host)", lab,
+                                     buckets=_DEVICE_BUCKETS, registry=r)
         self.forward_passes = Counter("autoglm:engine_forward_passes",
                                       "Forward passes by how their batch was made: 'persistent' (the last decode "
                                       "batch one position on, rows handed to the runner as they are) or 'rebuilt'",
                                       lab + ["batch"], registry=r)
-        self.round_trip = Histogram("autoglm:edge_round_trip_seconds",
-                                    "Split decoding: a token leaving the engine -> the edge's next state reaching "
-                                    "it (link both ways, the phone's front step, the server's front end)", lab,
-                                    buckets=_ROUND_TRIP_BUCKETS, registry=r)
+        self.round_trip = _HotHistogram("autoglm:edge_round_trip_seconds",
+                                        "Split decoding: a token leaving the engine -> the edge's next state reaching "
+                                        "it (link both ways, the phone's front step, the server's front end)", one,
+                                        _ROUND_TRIP_BUCKETS, r)
         self.variant_requests = Counter("autoglm:requests_by_variant", "Requests by compute variant",
                                         lab + ["variant"], registry=r)
         # Series exist from the start (0), so dashboards and alerts see them before the first request.
-        for m in (self.ttft, self.itl, self.e2e, self.running, self.waiting, self.kv_usage, self.prefix_queries,
-                  self.prefix_hits, self.prompt_tokens, self.generation_tokens, self.batched_tokens,
-                  self.downlink, self.sessions, self.round_trip, self.engine_step, self.engine_wait):
+        for m in (self.e2e, self.running, self.waiting, self.kv_usage, self.prefix_queries,
+                  self.prefix_hits, self.prompt_tokens, self.batched_tokens,
+                  self.downlink, self.sessions, self.engine_step, self.engine_wait,
+                  self.device_step):
             m.labels(model_name)
         # Bound children for the per-token hooks: ``labels()`` costs a lock and a dict lookup per call, and
         # these run once per token (engine thread) or per frame (event loop).
-        self._ttft, self._itl, self._e2e, self._round_trip = (
-            m.labels(model_name) for m in (self.ttft, self.itl, self.e2e, self.round_trip))
+        self._e2e = self.e2e.labels(model_name)
         self._engine_step, self._engine_wait = self.engine_step.labels(model_name), self.engine_wait.labels(model_name)
+        self._device_step = self.device_step.labels(model_name)
         self._passes = (self.forward_passes.labels(model_name, "rebuilt"),
                         self.forward_passes.labels(model_name, "persistent"))  # series from the start, both
-        self._generation_tokens = self.generation_tokens.labels(model_name)
         self._batched_tokens = self.batched_tokens.labels(model_name)
         self._downlink = self.downlink.labels(model_name)
         self._uplink_by_codec: dict[str, tuple] = {}  # codec -> (uplink child, bytes_per_token child)
@@ -124,23 +178,27 @@ class ServerMetrics:
         self.variant_requests.labels(m, seq.variant).inc()
 
     def on_token(self, seq, now: float) -> None:
-        self._generation_tokens.inc()
+        self.generation_tokens.inc()
         if seq.last_token_time is None:
-            self._ttft.observe(now - seq.arrival_time)
+            self.ttft.observe(now - seq.arrival_time)
         else:
-            self._itl.observe(now - seq.last_token_time)
+            self.itl.observe(now - seq.last_token_time)
 
     def on_finish(self, seq) -> None:
         self._e2e.observe(time.monotonic() - seq.arrival_time)
         self.success.labels(self.model_name, seq.finish_reason or "abort").inc()
 
     def on_edge_round_trip(self, seconds: float) -> None:
-        self._round_trip.observe(seconds)
+        self.round_trip.observe(seconds)
 
     def on_engine_time(self, step_s: float, wait_s: float) -> None:
         """One delivering step of the engine thread: its time in the step, and its wait for inputs before it."""
         self._engine_step.observe(step_s)
         self._engine_wait.observe(wait_s)
+
+    def on_device_step(self, seconds: float) -> None:
+        """A forward pass's device time (CUDA): beside ``engine_step_seconds`` it says what the host adds."""
+        self._device_step.observe(seconds)
 
     def on_step(self, engine, num_tokens: int) -> None:
         m = self.model_name

@@ -27,6 +27,7 @@ generator or penalty history.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
@@ -85,6 +86,7 @@ class _Launched:
     states: torch.Tensor | None = None  # u-shape: [T, H] hidden states of every scheduled position
     drafted: torch.Tensor | None = None  # [D] int64: the argmax of each cloud draft item's row, in item order
     decodes: bool = True  # it holds decode steps (one-position or speculative chunks), not only prompt chunks
+    device_span: tuple | None = None  # (begin, end) CUDA timing events of its device work (metrics on CUDA)
 
 
 @dataclass(slots=True)
@@ -119,6 +121,9 @@ class LLMEngine:
         self._in_flight: list[_Launched] = []  # launched by the last step(), postprocessed by the next
         # per variant, the last launched pure decode batch; dropped by any other launch of that variant
         self._last_decode: dict[str, _DecodeRows] = {}
+        self._device_end = None  # the last launched step's end event (CUDA, with metrics): :meth:`_device_begin`
+        self._device_spans: deque = deque()  # postprocessed passes' (begin, end) events not yet observed
+        self._on_cuda = {v for v, r in runners.items() if torch.device(getattr(r, "device", "cpu")).type == "cuda"}
         first = next(iter(runners.values())).model
         self._first_model = first  # input checks read its sizes on every add_input
         self._hidden_size = first.hidden_size
@@ -343,11 +348,12 @@ class LLMEngine:
         seqs = [it.seq for it in items]
         ends = [it.chunk.end for it in items]
         plain = batch.plain_decode and not self.output_states  # the steady decode step: no rows to split off
+        begin = self._device_begin(batch.variant)
         logits, ids, missed = self._run(batch, seqs, ends)  # [S, V] (u-shape: [T, H]); ids [S] or None (below)
         decodes = plain or any(it.chunk.n == 1 or it.chunk.is_spec for it in items)
         if self.output_states:  # u-shape: the rows are hidden states [T, H]; nothing is sampled
             advance(seqs, ends)
-            return _Launched(batch, [], None, states=logits, decodes=decodes)
+            return _Launched(batch, [], None, states=logits, decodes=decodes, device_span=self._device_span(begin))
         if plain:
             spec_rows, drafted = [], None
             rows = self._last_decode.get(batch.variant)
@@ -365,7 +371,38 @@ class LLMEngine:
         for seq in seqs:
             if seq.prefix_keys:
                 self.scheduler.publish_prefix(seq)
-        return _Launched(batch, spec_rows, pending, drafted=drafted, decodes=decodes)
+        return _Launched(batch, spec_rows, pending, drafted=drafted, decodes=decodes,
+                         device_span=self._device_span(begin))
+
+    def _device_begin(self, variant: str):
+        """A timing event for the device work of the step about to be launched (CUDA, with metrics; else None):
+        recorded now, or the step before's end event while that one is still running (overlap scheduling: the
+        device starts this step when it finishes that one)."""
+        if self.metrics is None or variant not in self._on_cuda:
+            return None
+        prev = self._device_end
+        if prev is not None and not prev.query():
+            return prev
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _device_span(self, begin) -> tuple | None:
+        if begin is None:
+            return None
+        end = self._device_end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return begin, end
+
+    def _device_time(self, step: _Launched) -> None:
+        """``autoglm:engine_device_step_seconds`` of each postprocessed pass whose device work has ended, in launch
+        order (never a sync of its own: a prompt-only pass, whose ids nobody waited for, is observed later)."""
+        if step.device_span is not None:
+            self._device_spans.append(step.device_span)
+        spans = self._device_spans
+        while spans and spans[0][1].query():
+            begin, end = spans.popleft()
+            self.metrics.on_device_step(begin.elapsed_time(end) / 1e3)
 
     def _run(self, batch: ScheduledBatch, seqs: list[Sequence] | None = None, ends: list[int] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -406,11 +443,9 @@ class LLMEngine:
             return None
         f32 = torch.float32
         chunks = [it.chunk for it in items]
-        fed = getattr(chunks[0], "rows", None)  # [N, H] add_inputs' array (InputChunk.decode_step), if all are its rows
-        if fed is not None and fed.dtype is f32 and all(getattr(c, "rows", None) is fed for c in chunks):
-            order = [c.row for c in chunks]  # [S] the batch's rows in it
-        else:
-            fed, hidden = None, [c.hidden for c in chunks]  # [1, H] each
+        fed, order = self._fed_rows(chunks, runner)  # [N, H] the add_inputs arrays, [S] the batch's rows in it
+        if fed is None:
+            hidden = [c.hidden for c in chunks]  # [1, H] each
             if not all(h is not None and h.dtype is f32 for h in hidden):
                 return None
         lens = [len(s.block_table) for s in seqs]
@@ -436,6 +471,34 @@ class LLMEngine:
         return out
 
     @staticmethod
+    def _fed_rows(chunks: list[InputChunk], runner) -> tuple[torch.Tensor | None, list[int] | None]:
+        """Where every chunk is a row of an :meth:`add_inputs` float32 array (``InputChunk.decode_step``): those
+        arrays as one ``[N, H]`` (the array itself when there is one; several - one per front-end worker's turn -
+        concatenated once into the runner's host buffer) and each chunk's row in it; else (None, None)."""
+        first = getattr(chunks[0], "rows", None)
+        if first is None or first.dtype is not torch.float32:
+            return None, None
+        offsets: dict[int, int] = {id(first): 0}
+        arrays, n, order = [first], first.shape[0], []
+        for c in chunks:
+            rows = getattr(c, "rows", None)
+            if rows is None:
+                return None, None
+            at = offsets.get(id(rows))
+            if at is None:
+                if rows.dtype is not torch.float32:
+                    return None, None
+                at = offsets[id(rows)] = n
+                arrays.append(rows)
+                n += rows.shape[0]
+            order.append(at + c.row)
+        if len(arrays) == 1:
+            return first, order
+        make = getattr(runner, "host_buffer", None)
+        out = make((n, first.shape[1]), torch.float32) if make is not None else None
+        return torch.cat(arrays, out=out), order
+
+    @staticmethod
     def _grown(seqs: list[Sequence], before: list[int], now: list[int]) -> list[tuple[int, int, int]] | None:
         """The block appended to each table of ``seqs`` whose length went from ``before[i]`` to ``now[i]``: (row,
         column, block) each; None when a table's length changed by anything but one block more."""
@@ -452,9 +515,12 @@ class LLMEngine:
         or its speculative verdict, then stops or continues. A sequence finished while the step was in flight
         (abort, timeout) is skipped: its final output went out then."""
         if step.states is not None:
-            return self._states_outputs(step)
+            outputs = self._states_outputs(step)
+            self._device_time(step)
+            return outputs
         sample = step.sample
         ids = sample.token_ids() if sample is not None else []  # the plain sampled rows' tokens, in item order
+        self._device_time(step)
         with_lp = sample.result() if sample is not None and sample.logprobs else None  # SampledToken per row
         spec_rows = iter(step.spec_rows)
         drafted = iter(step.drafted.tolist() if step.drafted is not None else ())

@@ -24,6 +24,7 @@ def test_series_exist_before_the_first_request_and_count_afterwards():
     assert s[("vllm:num_requests_running", lab)] == 0 and s[("vllm:kv_cache_usage_perc", lab)] == 0
     assert s[("autoglm:edge_round_trip_seconds_count", lab)] == 0
     assert s[("autoglm:engine_step_seconds_count", lab)] == 0 and s[("autoglm:engine_input_wait_seconds_sum", lab)] == 0
+    assert s[("autoglm:engine_device_step_seconds_count", lab)] == 0
     passes = {b: (("batch", b),) + lab for b in ("persistent", "rebuilt")}
     assert s[("autoglm:engine_forward_passes_total", passes["persistent"])] == 0
     seq = SimpleNamespace(num_prompt_tokens=20, num_cached_tokens=16, prefix_keys=["k"], variant="fp32",
@@ -36,6 +37,7 @@ def test_series_exist_before_the_first_request_and_count_afterwards():
     m.on_downlink(40)
     m.on_edge_round_trip(0.003)
     m.on_engine_time(0.0055, 0.0031)
+    m.on_device_step(0.0052)
     m.on_batch(True)
     m.on_batch(True)
     m.on_batch(False)
@@ -43,6 +45,9 @@ def test_series_exist_before_the_first_request_and_count_afterwards():
     assert s[("autoglm:engine_step_seconds_bucket", (("le", "0.006"),) + lab)] == 1
     assert s[("autoglm:engine_step_seconds_bucket", (("le", "0.005"),) + lab)] == 0
     assert abs(s[("autoglm:engine_input_wait_seconds_sum", lab)] - 0.0031) < 1e-12
+    # device time in 0.25 ms buckets: 5.2 ms is above 5.0 and within 5.25
+    assert s[("autoglm:engine_device_step_seconds_bucket", (("le", "0.00525"),) + lab)] == 1
+    assert s[("autoglm:engine_device_step_seconds_bucket", (("le", "0.005"),) + lab)] == 0
     assert s[("autoglm:engine_forward_passes_total", passes["persistent"])] == 2
     assert s[("autoglm:engine_forward_passes_total", passes["rebuilt"])] == 1
     assert s[("autoglm:edge_round_trip_seconds_count", lab)] == 1
@@ -83,3 +88,32 @@ def test_several_processes_metrics_merge_into_one_exposition_with_their_sums():
     assert s[("autoglm:downlink_bytes_created", lab)] == min(created)  # a timestamp: the earliest, not a sum
     assert text.count("# TYPE vllm:generation_tokens_total") == 1
     assert render_merged([list(engine.registry.collect())]) == engine.render()  # one process: unchanged
+
+
+def test_the_per_token_histograms_bucket_like_prometheus_and_merge_across_processes():
+    """TTFT / ITL / round trip and the token counter are fed once per token by the engine thread through a lighter
+    collector (``_HotHistogram``): the same exposition as prometheus_client's Histogram - a value on a bound counts
+    in that bucket (le), cumulative buckets, count = +Inf - and summed across processes like any other series."""
+    from prometheus_client import CollectorRegistry, Histogram
+    from prometheus_client.parser import text_string_to_metric_families as parse
+
+    from cloud_server.metrics import _ROUND_TRIP_BUCKETS, render_merged
+
+    values = [0.0, 0.00025, 0.0003, 0.001, 0.004, 0.0041, 4.9, 5.0, 7.5, 0.004]  # on bounds, between, above the last
+    ours, reg = ServerMetrics("glm"), CollectorRegistry()
+    ref = Histogram("autoglm:edge_round_trip_seconds", "x", ["model_name"], buckets=_ROUND_TRIP_BUCKETS, registry=reg)
+    for v in values:
+        ours.on_edge_round_trip(v)
+        ref.labels("glm").observe(v)
+
+    def series(families, name):
+        return {(x.name, tuple(sorted(x.labels.items()))): x.value for f in families for x in f.samples
+                if x.name.startswith(name) and not x.name.endswith("_created")}
+
+    name = "autoglm:edge_round_trip_seconds"
+    assert series(ours.registry.collect(), name) == series(reg.collect(), name)
+    other = ServerMetrics("glm")
+    other.on_edge_round_trip(0.004)
+    merged = series(parse(render_merged([list(m.registry.collect()) for m in (ours, other)]).decode()), name)
+    lab = (("le", "0.004"), ("model_name", "glm"))
+    assert merged[(name + "_bucket", lab)] == 7 and merged[(name + "_count", (("model_name", "glm"),))] == 11

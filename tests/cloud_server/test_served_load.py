@@ -186,6 +186,9 @@ def test_engine_time_figures_split_each_step_into_its_time_and_its_wait_for_inpu
             lines += [f'# TYPE {name} histogram', f'{name}_bucket{{le="0.004",model_name="m"}} {steps / 2}',
                       f'{name}_bucket{{le="+Inf",model_name="m"}} {steps}', f'{name}_count{{model_name="m"}} {steps}',
                       f'{name}_sum{{model_name="m"}} {total}', f'{name}_created{{model_name="m"}} 1.7e9']
+        name = "autoglm:engine_device_step_seconds"  # the device: 0.25 ms buckets
+        lines += [f'{name}_bucket{{le="0.0045",model_name="m"}} 0', f'{name}_bucket{{le="0.00475",model_name="m"}} {steps / 2}',
+                  f'{name}_bucket{{le="+Inf",model_name="m"}} {steps}', f'{name}_sum{{model_name="m"}} {steps * 0.0047}']
         lines.append('autoglm:edge_round_trip_seconds_bucket{le="+Inf",model_name="m"} 3.0')
         lines.append('autoglm:edge_round_trip_seconds_sum{model_name="m"} 0.01')
         lines.append('vllm:inter_token_latency_seconds_sum{model_name="m"} 9.0')
@@ -201,6 +204,7 @@ def test_engine_time_figures_split_each_step_into_its_time_and_its_wait_for_inpu
     assert got["engine_busy_fraction"] == pytest.approx(5 / 9)
     assert got["engine_step_p50_ms"] == pytest.approx(4.0)  # half the steps at or under the 4 ms bound
     assert got["engine_rebuilt_fraction"] == pytest.approx(0.25)
+    assert got["engine_device_p50_ms"] == pytest.approx(4.75)  # the device's median, beside the step's
     assert served_load.engine_time_figures({}, after) == {} and served_load.engine_time_figures(after, after) == {}
 
 

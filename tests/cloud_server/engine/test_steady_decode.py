@@ -50,6 +50,7 @@ class _Runner:
         self.continued = 0
         self.fed: list[torch.Tensor] = []  # the add_inputs arrays of the driver (_drive)
         self.took_fed = 0  # continued steps given one of them as it is
+        self.took_joined = 0  # continued steps given a concatenation of several, with the batch's rows in it
 
     def _logits(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         logits = hidden @ self.w + 3.0 * torch.sin(pos[:, None].float() * self.freq * 7.0)  # [S, V]
@@ -71,6 +72,7 @@ class _Runner:
         pos, self.next_pos = self.next_pos, self.next_pos + 1
         self.continued += 1
         self.took_fed += any(hidden is f for f in self.fed)
+        self.took_joined += order is not None and not any(hidden is f for f in self.fed) and hidden.shape[0] > 1
         if order is not None:
             hidden = hidden[order]  # [n, H] the batch's rows
         logits = self._logits(hidden, pos)  # [S, V] bfloat16
@@ -139,7 +141,8 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
            batched: str | None = None) -> list[tuple]:
     """Every output of the workload, in order, with the step it came out of. ``batched``: the decode steps of a
     turn that ask for no drafts go in as one ``add_inputs`` (an ``input_buffer`` filled in the sessions' order, or
-    ``"reversed"``: the other way round, so that the runner picks the batch's rows from it)."""
+    ``"reversed"``: the other way round, so that the runner picks the batch's rows from it; ``"split"``: reversed and
+    cut into up to 3 arrays, which the engine concatenates once)."""
     log, waiting_since, pos, last = [], {}, {}, {}
     for k in range(steps):
         for name, params, n, arrive, _, _ in sessions:
@@ -157,12 +160,15 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
                     continue
                 eng.add_input(name, InputChunk(seq.num_received, hidden=_state(name, last[name]), ask_drafts=ask))
         if group:
-            if batched == "reversed":
+            if batched in ("reversed", "split"):
                 group.reverse()
-            rows = eng.input_buffer(len(group))  # [G, H]
-            torch.cat([h for _, _, h in group], out=rows)
-            eng.runners["fp32"].fed.append(rows)
-            assert eng.add_inputs([g[0] for g in group], [g[1] for g in group], rows) == []
+            # "split": up to 3 arrays, as several front-end workers' turns reach the engine (concatenated once there)
+            cuts = sorted({0, len(group) // 3, 2 * len(group) // 3, len(group)}) if batched == "split" else [0, len(group)]
+            for a, b in zip(cuts, cuts[1:]):
+                rows = eng.input_buffer(b - a)  # [G, H]
+                torch.cat([h for _, _, h in group[a:b]], out=rows)
+                eng.runners["fp32"].fed.append(rows)
+                assert eng.add_inputs([g[0] for g in group[a:b]], [g[1] for g in group[a:b]], rows) == []
         if k == abort_at:
             log += [(k, o.request_id, o.finish_reason) for o in eng.abort("aborted")]
         for o in eng.step():
@@ -175,7 +181,7 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
     return log
 
 
-@pytest.mark.parametrize("batched", [None, "in order", "reversed"])
+@pytest.mark.parametrize("batched", [None, "in order", "reversed", "split"])
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("num_blocks", [256, 14])  # 14 blocks of 4: the pool runs out, sessions are aborted
 def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks, batched):
@@ -191,7 +197,7 @@ def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks, batc
 
 
 @pytest.mark.parametrize("sessions", [_STEADY, _GREEDY], ids=["mixed", "greedy"])
-@pytest.mark.parametrize("batched", [None, "in order", "reversed"])
+@pytest.mark.parametrize("batched", [None, "in order", "reversed", "split"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_lockstep_decoding_continues_the_persistent_batch_with_the_same_tokens(overlap, batched, sessions):
     fast, ref = _engine(True, overlap, 64, block_size=16), _engine(False, overlap, 64, block_size=16)
@@ -199,8 +205,10 @@ def test_lockstep_decoding_continues_the_persistent_batch_with_the_same_tokens(o
     assert got == want
     runner = fast.runners["fp32"]
     assert runner.continued >= 15  # the persistent batch was taken (and gave the same tokens)
-    if batched:  # and was given the fed arrays themselves, not a gather of their rows
+    if batched in ("in order", "reversed"):  # and was given the fed arrays themselves, not a gather of their rows
         assert runner.took_fed >= 15
+    if batched == "split":  # several arrays: one concatenation of them, rows picked by order
+        assert runner.took_joined > 0
     assert {e[1] for e in want if len(e) > 3 and e[2] is not None} == {s[0] for s in sessions}
     assert not fast.seqs and fast.num_used_blocks() == 0
 
@@ -213,10 +221,32 @@ def test_the_fast_paths_on_cuda_give_the_general_paths_outputs(overlap):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     for sessions, blocks, size in ((_SESSIONS, 256, 4), (_STEADY, 64, 16), (_GREEDY, 64, 16)):
-        for batched in (None, "in order", "reversed"):
+        for batched in (None, "in order", "reversed", "split"):
             fast, ref = _engine(True, overlap, blocks, size, "cuda"), _engine(False, overlap, blocks, size, "cuda")
             assert _drive(fast, sessions, batched=batched) == _drive(ref, sessions)
             assert not fast.seqs and fast.num_used_blocks() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False])
+def test_each_forward_pass_on_cuda_reports_its_device_time(overlap):
+    """With metrics on a CUDA runner every forward pass observes its device time once (CUDA events around its
+    launch; observed once its work has ended, without a sync of its own); overlapped passes start their span where
+    the pass before them ended."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from cloud_server.metrics import ServerMetrics
+
+    eng = _engine(True, overlap, 64, 16, "cuda")
+    seen, passes = [], [0]
+    metrics = ServerMetrics("t")
+    metrics.on_device_step = seen.append
+    on_batch = metrics.on_batch
+    metrics.on_batch = lambda persistent: (passes.__setitem__(0, passes[0] + 1), on_batch(persistent))
+    eng.metrics = metrics
+    _drive(eng, _GREEDY)
+    assert passes[0] - 1 <= len(seen) <= passes[0] and passes[0] > 10  # (the last one may still be pending)
+    assert all(0 < t < 1.0 for t in seen)
 
 
 def _seq(name: str, n: int, sched: Scheduler, params: SamplingParams | None = None) -> Sequence:
