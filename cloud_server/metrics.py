@@ -8,9 +8,9 @@ Names follow vLLM's so existing dashboards work: ``vllm:time_to_first_token_seco
 (edge -> cloud hidden states) and down (tokens), bytes per token by codec, open and refused sessions, the
 edges' round trip per token (``autoglm:edge_round_trip_seconds``, measured at the engine), and where the engine
 thread's time goes per step: in the step (``autoglm:engine_step_seconds``) or waiting for inputs while requests
-are open (``autoglm:engine_input_wait_seconds``), each forward pass's device time on CUDA
-(``autoglm:engine_device_step_seconds``: the step minus it is the host's share), and how each forward pass's batch
-was made (``autoglm:engine_forward_passes_total{batch="persistent"|"rebuilt"}``).
+are open (``autoglm:engine_input_wait_seconds``), the steady decode step's device time on CUDA
+(``autoglm:engine_device_step_seconds``: the engine step minus it is the host's share), and how each forward pass's
+batch was made (``autoglm:engine_forward_passes_total{batch="persistent"|"rebuilt"}``).
 
 In split mode the latencies are measured at the cloud between a request's arrival and its sampled tokens,
 so the inter-token latency includes the edge's round trip (what a user waits for); durations only, never
@@ -138,8 +138,8 @@ class ServerMetrics:
                                      "while requests were open - the edges' round trips, the gather window", lab,
                                      buckets=_STEP_BUCKETS, registry=r)
         self.device_step = Histogram("autoglm:engine_device_step_seconds",
-                                     "Device time of one forward pass with its sampling (CUDA events; from its "
-                                     "launch, or the end of the pass before it, to its ids' copy to the host)", lab,
+                                     "Device time of a steady decode step (the persistent batch; CUDA events from "
+                                     "its graph replay to its ids' copy to the host)", lab,
                                      buckets=_DEVICE_BUCKETS, registry=r)
         self.forward_passes = Counter("autoglm:engine_forward_passes",
                                       "Forward passes by how their batch was made: 'persistent' (the last decode "
@@ -197,7 +197,7 @@ class ServerMetrics:
         self._engine_wait.observe(wait_s)
 
     def on_device_step(self, seconds: float) -> None:
-        """A forward pass's device time (CUDA): beside ``engine_step_seconds`` it says what the host adds."""
+        """A steady decode step's device time (CUDA): beside ``engine_step_seconds`` it says what the host adds."""
         self._device_step.observe(seconds)
 
     def on_step(self, engine, num_tokens: int) -> None:

@@ -86,7 +86,7 @@ class _Launched:
     states: torch.Tensor | None = None  # u-shape: [T, H] hidden states of every scheduled position
     drafted: torch.Tensor | None = None  # [D] int64: the argmax of each cloud draft item's row, in item order
     decodes: bool = True  # it holds decode steps (one-position or speculative chunks), not only prompt chunks
-    device_span: tuple | None = None  # (begin, end) CUDA timing events of its device work (metrics on CUDA)
+    device_span: tuple | None = None  # (replay, end) CUDA timing events of a steady decode step (metrics on CUDA)
 
 
 @dataclass(slots=True)
@@ -121,9 +121,9 @@ class LLMEngine:
         self._in_flight: list[_Launched] = []  # launched by the last step(), postprocessed by the next
         # per variant, the last launched pure decode batch; dropped by any other launch of that variant
         self._last_decode: dict[str, _DecodeRows] = {}
-        self._device_end = None  # the last launched step's end event (CUDA, with metrics): :meth:`_device_begin`
         self._device_spans: deque = deque()  # postprocessed passes' (begin, end) events not yet observed
-        self._on_cuda = {v for v, r in runners.items() if torch.device(getattr(r, "device", "cpu")).type == "cuda"}
+        self._timed_runners = [r for r in runners.values() if hasattr(r, "time_replays")
+                               and torch.device(getattr(r, "device", "cpu")).type == "cuda"]  # (_device_span)
         first = next(iter(runners.values())).model
         self._first_model = first  # input checks read its sizes on every add_input
         self._hidden_size = first.hidden_size
@@ -348,12 +348,11 @@ class LLMEngine:
         seqs = [it.seq for it in items]
         ends = [it.chunk.end for it in items]
         plain = batch.plain_decode and not self.output_states  # the steady decode step: no rows to split off
-        begin = self._device_begin(batch.variant)
         logits, ids, missed = self._run(batch, seqs, ends)  # [S, V] (u-shape: [T, H]); ids [S] or None (below)
         decodes = plain or any(it.chunk.n == 1 or it.chunk.is_spec for it in items)
         if self.output_states:  # u-shape: the rows are hidden states [T, H]; nothing is sampled
             advance(seqs, ends)
-            return _Launched(batch, [], None, states=logits, decodes=decodes, device_span=self._device_span(begin))
+            return _Launched(batch, [], None, states=logits, decodes=decodes)
         if plain:
             spec_rows, drafted = [], None
             rows = self._last_decode.get(batch.variant)
@@ -372,31 +371,26 @@ class LLMEngine:
             if seq.prefix_keys:
                 self.scheduler.publish_prefix(seq)
         return _Launched(batch, spec_rows, pending, drafted=drafted, decodes=decodes,
-                         device_span=self._device_span(begin))
+                         device_span=self._device_span(self.runners[batch.variant]))
 
-    def _device_begin(self, variant: str):
-        """A timing event for the device work of the step about to be launched (CUDA, with metrics; else None):
-        recorded now, or the step before's end event while that one is still running (overlap scheduling: the
-        device starts this step when it finishes that one)."""
-        if self.metrics is None or variant not in self._on_cuda:
+    def _device_span(self, runner) -> tuple | None:
+        """The steady decode step's device span (CUDA, with metrics): the runner's event recorded at its graph
+        replay (``replay_event``, asked for with ``time_replays``) and one recorded now, after the ids' copy was
+        queued. Events are timestamped in stream order, so an overlapped step's span starts where the device began
+        it, not at its launch. None for passes without a replay event (rebuilt batches: their host work is inside)."""
+        if self.metrics is None or runner not in self._timed_runners:
             return None
-        prev = self._device_end
-        if prev is not None and not prev.query():
-            return prev
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def _device_span(self, begin) -> tuple | None:
+        runner.time_replays = True
+        begin, runner.replay_event = getattr(runner, "replay_event", None), None
         if begin is None:
             return None
-        end = self._device_end = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
         end.record()
         return begin, end
 
     def _device_time(self, step: _Launched) -> None:
-        """``autoglm:engine_device_step_seconds`` of each postprocessed pass whose device work has ended, in launch
-        order (never a sync of its own: a prompt-only pass, whose ids nobody waited for, is observed later)."""
+        """``autoglm:engine_device_step_seconds`` of each postprocessed steady step whose device work has ended, in
+        launch order (never a sync of its own)."""
         if step.device_span is not None:
             self._device_spans.append(step.device_span)
         spans = self._device_spans
@@ -515,9 +509,7 @@ class LLMEngine:
         or its speculative verdict, then stops or continues. A sequence finished while the step was in flight
         (abort, timeout) is skipped: its final output went out then."""
         if step.states is not None:
-            outputs = self._states_outputs(step)
-            self._device_time(step)
-            return outputs
+            return self._states_outputs(step)
         sample = step.sample
         ids = sample.token_ids() if sample is not None else []  # the plain sampled rows' tokens, in item order
         self._device_time(step)

@@ -183,6 +183,8 @@ class FastGlmRunner:
 
 
     samples_in_graph = True  # continue_decode samples a composition the sampler's graph_columns describe
+    time_replays = False  # set by an engine with metrics on CUDA: continue_decode records replay_event (below)
+    replay_event = None  # a CUDA timing event recorded just before the steady step's replay
 
     @torch.inference_mode()
     def continue_decode(self, hidden: torch.Tensor, grown: list[tuple[int, int, int]] = (),
@@ -219,6 +221,9 @@ class FastGlmRunner:
         x = self._upload(hidden)  # [n, H] (with order: [N, H])
         if order is not None:
             x = x[self._upload(torch.tensor(order, dtype=torch.long))]  # [n, H]
+        if self.time_replays:  # the engine's device-time metric: this step's span starts at its replay
+            self.replay_event = torch.cuda.Event(enable_timing=True)
+            self.replay_event.record()
         if sampling is None:
             (logits, ids), missed = self.graphs.step_next(x), None  # [n, V], [n]; the copy into the input casts
         else:

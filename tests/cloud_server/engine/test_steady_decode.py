@@ -51,6 +51,7 @@ class _Runner:
         self.fed: list[torch.Tensor] = []  # the add_inputs arrays of the driver (_drive)
         self.took_fed = 0  # continued steps given one of them as it is
         self.took_joined = 0  # continued steps given a concatenation of several, with the batch's rows in it
+        self.time_replays, self.replay_event = False, None  # the fast runner's replay event (device-time metric)
 
     def _logits(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         logits = hidden @ self.w + 3.0 * torch.sin(pos[:, None].float() * self.freq * 7.0)  # [S, V]
@@ -71,6 +72,9 @@ class _Runner:
             return None
         pos, self.next_pos = self.next_pos, self.next_pos + 1
         self.continued += 1
+        if self.time_replays and self.device == "cuda":
+            self.replay_event = torch.cuda.Event(enable_timing=True)
+            self.replay_event.record()
         self.took_fed += any(hidden is f for f in self.fed)
         self.took_joined += order is not None and not any(hidden is f for f in self.fed) and hidden.shape[0] > 1
         if order is not None:
@@ -229,23 +233,21 @@ def test_the_fast_paths_on_cuda_give_the_general_paths_outputs(overlap):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [True, False])
-def test_each_forward_pass_on_cuda_reports_its_device_time(overlap):
-    """With metrics on a CUDA runner every forward pass observes its device time once (CUDA events around its
-    launch; observed once its work has ended, without a sync of its own); overlapped passes start their span where
-    the pass before them ended."""
+def test_each_steady_step_on_cuda_reports_its_device_time(overlap):
+    """With metrics on a CUDA runner every continued decode step observes its device time once (CUDA events from
+    its replay to its ids' copy; observed once its work has ended, without a sync of its own)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from cloud_server.metrics import ServerMetrics
 
     eng = _engine(True, overlap, 64, 16, "cuda")
-    seen, passes = [], [0]
+    seen = []
     metrics = ServerMetrics("t")
     metrics.on_device_step = seen.append
-    on_batch = metrics.on_batch
-    metrics.on_batch = lambda persistent: (passes.__setitem__(0, passes[0] + 1), on_batch(persistent))
     eng.metrics = metrics
     _drive(eng, _GREEDY)
-    assert passes[0] - 1 <= len(seen) <= passes[0] and passes[0] > 10  # (the last one may still be pending)
+    continued = eng.runners["fp32"].continued
+    assert continued - 1 <= len(seen) <= continued and continued > 10  # (the last one may still be pending)
     assert all(0 < t < 1.0 for t in seen)
 
 
