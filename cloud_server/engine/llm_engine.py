@@ -121,7 +121,7 @@ class LLMEngine:
         self._in_flight: list[_Launched] = []  # launched by the last step(), postprocessed by the next
         # per variant, the last launched pure decode batch; dropped by any other launch of that variant
         self._last_decode: dict[str, _DecodeRows] = {}
-        self._device_spans: deque = deque()  # postprocessed passes' (begin, end) events not yet observed
+        self._device_spans: deque = deque()  # postprocessed steady steps' (replay, end) events not yet observed
         self._timed_runners = [r for r in runners.values() if hasattr(r, "time_replays")
                                and torch.device(getattr(r, "device", "cpu")).type == "cuda"]  # (_device_span)
         first = next(iter(runners.values())).model
@@ -425,7 +425,8 @@ class LLMEngine:
         one position on (the same sequences in the same order, each one token further, every row sampled), a runner
         that keeps its last decode batch (``continue_decode``, the fast runner's persistent batch) gets only the
         hidden states - the :meth:`add_inputs` array itself and the batch's rows in it when every chunk is a row of
-        one such array, else the rows gathered into the runner's buffer ``[S, H]`` - and the blocks appended to its
+        one such array (of several: one per front-end worker's turn, concatenated once), else the rows gathered into
+        the runner's buffer ``[S, H]`` - and the blocks appended to its
         rows' tables since, ``(row, column, block)`` each (a step one position on adds at most one per table, at its
         end; any other change to a table moves its positions too); and, where the runner samples in its graph
         (``samples_in_graph``), the composition's sampling columns (``Sampler.graph_columns``). Returns its
@@ -437,7 +438,7 @@ class LLMEngine:
             return None
         f32 = torch.float32
         chunks = [it.chunk for it in items]
-        fed, order = self._fed_rows(chunks, runner)  # [N, H] the add_inputs arrays, [S] the batch's rows in it
+        fed, order = self._fed_rows(chunks)  # the add_inputs arrays ([N_i, H] each), [S] the batch's rows in them
         if fed is None:
             hidden = [c.hidden for c in chunks]  # [1, H] each
             if not all(h is not None and h.dtype is f32 for h in hidden):
@@ -450,12 +451,13 @@ class LLMEngine:
         if cont is not None and same and last.next_ends == ends:
             grown = [] if last.table_lens == lens else self._grown(seqs, last.table_lens, lens)
             if grown is not None:
-                if fed is None:
+                if fed is None:  # [S, H]: the [1, H] rows gathered into the runner's buffer, in the batch's order
                     rows, order = torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32)), None
-                elif order == list(range(fed.shape[0])):
-                    rows, order = fed, None  # [S, H]: its rows in the batch's order (lockstep)
-                else:
-                    rows = fed  # [N, H], the batch's rows picked on the device
+                else:  # [N, H]: the array, or the arrays of several front-end workers' turns concatenated once
+                    rows = fed[0] if len(fed) == 1 else torch.cat(
+                        fed, out=runner.host_buffer((sum(a.shape[0] for a in fed), fed[0].shape[1]), f32))
+                    if order == list(range(rows.shape[0])):
+                        order = None  # its rows in the batch's order (lockstep): nothing to pick on the device
                 cols = (self.sampler.graph_columns(params, runner.device)
                         if getattr(runner, "samples_in_graph", False) else None)
                 out = cont(rows, grown, order, cols)  # (logits, ids, missed), or None: the runner ran another step
@@ -465,10 +467,10 @@ class LLMEngine:
         return out
 
     @staticmethod
-    def _fed_rows(chunks: list[InputChunk], runner) -> tuple[torch.Tensor | None, list[int] | None]:
+    def _fed_rows(chunks: list[InputChunk]) -> tuple[list[torch.Tensor] | None, list[int] | None]:
         """Where every chunk is a row of an :meth:`add_inputs` float32 array (``InputChunk.decode_step``): those
-        arrays as one ``[N, H]`` (the array itself when there is one; several - one per front-end worker's turn -
-        concatenated once into the runner's host buffer) and each chunk's row in it; else (None, None)."""
+        arrays in first-use order (one per front-end worker's turn) and each chunk's row in their concatenation;
+        else (None, None)."""
         first = getattr(chunks[0], "rows", None)
         if first is None or first.dtype is not torch.float32:
             return None, None
@@ -486,11 +488,7 @@ class LLMEngine:
                 arrays.append(rows)
                 n += rows.shape[0]
             order.append(at + c.row)
-        if len(arrays) == 1:
-            return first, order
-        make = getattr(runner, "host_buffer", None)
-        out = make((n, first.shape[1]), torch.float32) if make is not None else None
-        return torch.cat(arrays, out=out), order
+        return arrays, order
 
     @staticmethod
     def _grown(seqs: list[Sequence], before: list[int], now: list[int]) -> list[tuple[int, int, int]] | None:
