@@ -226,13 +226,14 @@ def main() -> None:
         subprocess.run(cmd, env=env, check=True)
         args.label, args.merge = "after", True
     torch.set_num_threads(1)
-    if args.profile:
-        eng = _engine(args.profile, args.prompt, 210, args.hidden, args.vocab, args.block_size)
+    if args.profile:  # (the first --feeds and --metrics value)
         states = torch.randn(args.profile, args.hidden)
-        _decode_steps(eng, args.profile, 10, args.hidden, states, args.row_feed)
+        feeds, metrics = int(args.feeds.split(",")[0]), args.metrics.split(",")[0] == "on"
+        eng = _engine(args.profile, args.prompt, 210, args.hidden, args.vocab, args.block_size, metrics=metrics)
+        _decode_steps(eng, args.profile, 10, args.hidden, states, args.row_feed, feeds)
         prof = cProfile.Profile()
         prof.enable()
-        _decode_steps(eng, args.profile, 200, args.hidden, states, args.row_feed)
+        _decode_steps(eng, args.profile, 200, args.hidden, states, args.row_feed, feeds)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(int(os.environ.get("PROFILE_ROWS", 25)))
         return
