@@ -169,9 +169,47 @@ def _decode_steps(eng, sessions: int, steps: int, hidden: int, states: torch.Ten
     return t_add, t_step, t_pre, t_cpu
 
 
+class _LinkThread:
+    """A thread busy ``duty`` of the time unpickling rows frames (6 turns of 11 rows), as the engine process's link
+    thread reads the workers' decode steps; sleeps the rest."""
+
+    def __init__(self, duty: float, hidden: int):
+        import pickle
+        import threading
+
+        import numpy as np
+
+        self.duty, self.stop = duty, threading.Event()
+        self.frame = pickle.dumps(("rows", [f"r{i}" for i in range(11)], list(range(11)),
+                                   np.zeros((11, hidden), np.float32)), protocol=5)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import pickle
+
+        while not self.stop.is_set():
+            t = time.perf_counter()
+            for _ in range(6):
+                pickle.loads(self.frame)
+            busy = time.perf_counter() - t
+            time.sleep(busy * (1 - self.duty) / self.duty)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def measure(sessions: int, steps: int, repeats: int, prompt: int, hidden: int, vocab: int,
             block_size: int, overlap: bool = True, row_feed: bool = False, feeds: int = 1,
-            metrics: bool = False) -> dict:
+            metrics: bool = False, link_duty: float = 0.0) -> dict:
+    if link_duty > 0:
+        with _LinkThread(link_duty, hidden):
+            return measure(sessions, steps, repeats, prompt, hidden, vocab, block_size, overlap, row_feed, feeds,
+                           metrics) | {"link_duty": link_duty}
     states = torch.randn(sessions, hidden)  # [S, H]
     adds, stepss, pres, cpus = [], [], [], []
     for _ in range(repeats):
@@ -184,7 +222,7 @@ def measure(sessions: int, steps: int, repeats: int, prompt: int, hidden: int, v
         cpus.append(statistics.median(cpu))
     add_us, step_us, pre_us = min(adds) * 1e6, min(stepss) * 1e6, min(pres) * 1e6
     return {"sessions": sessions, "overlap": overlap, "feed": "rows" if row_feed or not hasattr(LLMEngine, "add_inputs")
-            else "batched", "feeds": feeds, "metrics": metrics, "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
+            else "batched", "feeds": feeds, "metrics": metrics, "link_duty": 0.0, "add_input_us": round(add_us, 1), "step_us": round(step_us, 1),
             "total_us": round(add_us + step_us, 1), "per_session_us": round((add_us + step_us) / sessions, 2),
             "prelaunch_us": round(pre_us, 1), "after_launch_us": round(add_us + step_us - pre_us, 1),
             "thread_cpu_us": round(min(cpus) * 1e6, 1)}
@@ -205,6 +243,7 @@ def main() -> None:
     ap.add_argument("--feeds", default="1", help="comma list: the batched feed split into K add_inputs (K front-end "
                     "workers' turns)")
     ap.add_argument("--metrics", default="off", help="comma list of off,on: the server's ServerMetrics attached")
+    ap.add_argument("--link-duty", default="0", help="comma list of link-thread busy shares in [0, 1) (0: none)")
     ap.add_argument("--label", default="after")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--merge", action="store_true", help="keep other labels already in --out")
@@ -220,7 +259,8 @@ def main() -> None:
         cmd = ([sys.executable, str(Path(__file__).resolve()), "--label", "before", "--out", str(args.out),
                "--sessions", args.sessions, "--steps", str(args.steps), "--repeats", str(args.repeats),
                "--prompt", str(args.prompt), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
-               "--block-size", str(args.block_size), "--feeds", args.feeds, "--metrics", args.metrics]
+               "--block-size", str(args.block_size), "--feeds", args.feeds, "--metrics", args.metrics,
+               "--link-duty", args.link_duty]
                + (["--row-feed"] if args.row_feed else []))
         env = {**os.environ, "PYTHONPATH": str(args.compare.resolve())}
         subprocess.run(cmd, env=env, check=True)
@@ -239,20 +279,23 @@ def main() -> None:
         return
     rows, rows_sync = [], []
     modes = (True, False) if _overlap_kw(True) else (True,)
-    variants = [(int(k), m == "on") for k in args.feeds.split(",") for m in args.metrics.split(",")]
-    if any(k < 1 for k, _ in variants) or not set(args.metrics.split(",")) <= {"on", "off"}:
+    duties = [float(d) for d in args.link_duty.split(",")]
+    variants = [(int(k), m == "on", d) for k in args.feeds.split(",") for m in args.metrics.split(",") for d in duties]
+    if any(k < 1 for k, _, _ in variants) or not set(args.metrics.split(",")) <= {"on", "off"}:
         raise SystemExit("--feeds takes counts >= 1, --metrics off and/or on")
-    for s, (feeds, metrics), overlap in ((int(x), v, o) for x in args.sessions.split(",") for v in variants
-                                        for o in modes):
-        if True:
-            r = measure(s, args.steps, args.repeats, args.prompt, args.hidden, args.vocab, args.block_size, overlap,
-                        args.row_feed, feeds, metrics)
-            (rows if overlap else rows_sync).append(r)
-            print(f"[{args.label}{'' if overlap else ', sync'}] S={s:4d}  feed ({r['feed']} x{feeds}"
-                  f"{', metrics' if metrics else ''}) {r['add_input_us']:9.1f} us  "
-                  f"step {r['step_us']:9.1f} us  total {r['total_us']:9.1f} us  ({r['per_session_us']:.2f} us/session)"
-                  f"  before launch {r['prelaunch_us']:9.1f} us, after {r['after_launch_us']:9.1f} us"
-                  f"  (thread CPU {r['thread_cpu_us']:9.1f} us)", flush=True)
+    if any(not 0 <= d < 1 for d in duties):
+        raise SystemExit("--link-duty takes shares in [0, 1)")
+    for s, (feeds, metrics, duty), overlap in ((int(x), v, o) for x in args.sessions.split(",") for v in variants
+                                              for o in modes):
+        r = measure(s, args.steps, args.repeats, args.prompt, args.hidden, args.vocab, args.block_size, overlap,
+                    args.row_feed, feeds, metrics, duty)
+        (rows if overlap else rows_sync).append(r)
+        print(f"[{args.label}{'' if overlap else ', sync'}] S={s:4d}  feed ({r['feed']} x{feeds}"
+              f"{', metrics' if metrics else ''}{f', link thread {duty:.0%} busy' if duty else ''}) "
+              f"{r['add_input_us']:9.1f} us  "
+              f"step {r['step_us']:9.1f} us  total {r['total_us']:9.1f} us  ({r['per_session_us']:.2f} us/session)"
+              f"  before launch {r['prelaunch_us']:9.1f} us, after {r['after_launch_us']:9.1f} us"
+              f"  (thread CPU {r['thread_cpu_us']:9.1f} us)", flush=True)
     if args.out:
         data = json.loads(args.out.read_text()) if args.merge and args.out.exists() else {}
         import cloud_server
