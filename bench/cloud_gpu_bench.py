@@ -369,8 +369,9 @@ def decode(graphs: DecodeGraphs, sess: Sessions, steps: int, inputs: list[torch.
             sess.positions += 1
             sess.seq_lens += 1
         if done is not None:
-            (end if timed else done).record()
-            (end if timed else done).synchronize()  # the sampled ids go back to the phones
+            ev = end if timed else done
+            ev.record()
+            ev.synchronize()  # the sampled ids go back to the phones
         times.append(time.perf_counter() - t0)
         if timed:
             device.append(begin.elapsed_time(end))

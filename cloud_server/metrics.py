@@ -47,7 +47,8 @@ _ROUND_TRIP_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032
 # an engine step: 1 ms apart up to 8 (an H200's decode steps are 3.5-6 ms), then doubling
 _STEP_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.010, 0.012, 0.016, 0.024, 0.032, 0.064,
                  0.128, 0.256, 0.512, 1.0, 2.0, 5.0)
-# a forward pass on the device: 0.25 ms apart from 2 to 8 ms (host overhead = engine step - device time), then doubling
+# a steady decode step on the device: 0.25 ms apart from 2 to 8 ms (host share = engine step - device time), then
+# doubling
 _DEVICE_BUCKETS = (0.0005, 0.001, 0.0015, *(round(0.002 + 0.00025 * i, 5) for i in range(25)), 0.010, 0.012, 0.016, 0.024,
                    0.032, 0.064, 0.128, 0.256, 0.512, 1.0)
 _BYTES_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
