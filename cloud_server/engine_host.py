@@ -1,33 +1,38 @@
 """The engine process's side of ``--workers N``: one :class:`WorkerPort` per front-end worker, over one engine.
 
 The main process runs the :class:`~cloud_server.runtime.CloudRuntime` (model, ``AsyncEngine``, KV pool, prefix
-cache, engine metrics); :class:`EngineHost` serves the workers' links (``cloud_server.engine_link``):
+cache, engine metrics); :class:`EngineHost` serves the workers' links (``cloud_server.engine_link``) **on the
+engine thread itself**: the host is the engine's I/O pump (``AsyncEngine.drive``), so while the engine waits for
+commands it waits on every worker's pipe (one ``selectors`` poll), and no second interpreter thread competes with
+the engine's for the GIL (a link thread 25 % busy beside it nearly doubled its host work per step,
+``bench/engine_host_bench.py --link-duty``):
 
-* one **link thread** runs an asyncio loop over every worker's pipe (the workers' end is the same: their event
-  loop's, ``cloud_server.remote_engine``); frames are written through the loop's transports (buffered: a worker
-  that is slow to read never blocks the engine thread) and read as they come, so the engine process has two
-  busy threads (the engine's and this one) however many workers there are, not two more per worker;
-* a worker's frames are applied to the engine as they are read: ``add`` -> ``add_request`` with the port's
-  sink, ``rows`` -> one ``add_rows`` (a loop turn's plain decode steps: their ``[S, H]`` array as it came),
-  ``inputs`` -> ``add_inputs`` (chunks: prompt, 3-D RoPE, drafts), ``abort``,
-  ``ask`` (an engine ``call``, a session admission, a metrics scrape), ``release``;
-* the port's **sink** collects the outputs of one engine step for that worker (engine thread) and hands them
-  over as one message when the step's deliveries are done: the first output of a step queues a ``call`` on
-  the engine's own command queue, which the engine thread runs right after delivering the step; the step's
-  messages for every worker reach the link thread through one ``LoopInbox`` (one wakeup per step), and each
-  worker's go out as one frame.
+* a worker's frames are read when they come (non-blocking, whatever the socket holds) and applied at once:
+  ``add`` -> ``add_request`` with the port's sink, ``rows`` -> one ``add_rows`` (a loop turn's plain decode steps:
+  their ``[S, H]`` array as it came), ``inputs`` -> ``add_inputs`` (chunks: prompt, 3-D RoPE, drafts),
+  ``abort``, ``ask`` (an engine ``call``, a session admission, a metrics scrape), ``release``; the commands join
+  the engine's queue and run in the same wait;
+* the port's **sink** collects the outputs of one engine step for that worker and the first of them queues a
+  ``call`` on the engine's queue, which runs right after the step's deliveries: the step's outputs for that worker
+  leave as one frame, written at once (a worker slow to read: the rest is buffered and written when its pipe
+  drains; the engine never blocks on it);
+* other threads (the supervisor, a metrics scrape) post their messages to the engine thread and wake its poll.
 
 Sessions over every worker are counted here (``cloud_server.session_ledger``). ``/metrics`` on any worker is
 answered here: the engine's registry merged with every worker's (``cloud_server.metrics.render_merged``). A
-worker whose link closes (its process died) has its requests aborted and its sessions released.
+worker whose link closes (its process died) has its requests aborted and its sessions released. After a fatal
+engine error the engine thread goes on polling the links, so every worker hears it.
 """
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import itertools
 import logging
+import selectors
+import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
@@ -36,41 +41,36 @@ import torch
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine_link import FrameReader, facts_to_wire, frame, pack_output, take_socket, unpack_chunks
-from cloud_server.loop_inbox import LoopInbox
 from cloud_server.metrics import render_merged
 from cloud_server.session_ledger import LedgerEntry, SessionLedger
 
 log = logging.getLogger("autoglm.cloud.host")
 RENDER_TIMEOUT_S = 2.0  # a scrape waits this long for the workers' metric families
+READ_BYTES = 1 << 18  # one recv's most
 
 
-class WorkerPort(asyncio.Protocol):
-    """The engine process's end of worker ``index``'s link (an asyncio protocol on the host's link loop);
-    ``serial`` names this link (a replaced worker's successor has the same index and a new serial: the session
-    ledger counts by serial)."""
+class WorkerPort:
+    """The engine process's end of worker ``index``'s link (read and written on the engine thread); ``serial``
+    names this link (a replaced worker's successor has the same index and a new serial: the session ledger counts
+    by serial)."""
 
     def __init__(self, host: EngineHost, index: int, serial: int, conn: Connection):
-        self.host, self.index, self.serial, self.conn = host, index, serial, conn
+        self.host, self.index, self.serial = host, index, serial
+        self.sock = take_socket(conn)
+        self.sock.setblocking(False)
         self.requests: set[str] = set()  # engine ids this worker opened and the engine still runs
-        self._step: list[tuple] = []  # this step's packed outputs (engine thread)
-        self._out: list[tuple] = []  # messages for the next frame (link thread)
-        self._transport: asyncio.Transport | None = None
+        self._step: list[tuple] = []  # this step's packed outputs
+        self._unsent = bytearray()  # frame bytes the pipe did not take yet
+        self._closing = False  # close once the unsent bytes are out
         self._reader = FrameReader()
         self._gone = False
 
-    def start(self) -> WorkerPort:
-        """Put the pipe's socket on the host's link loop (blocks until it is there)."""
-        sock = take_socket(self.conn)
-        loop = self.host.loop
-        asyncio.run_coroutine_threadsafe(loop.connect_accepted_socket(lambda: self, sock), loop).result(10)
-        return self
-
     def send(self, msg: tuple) -> None:
-        """Queue ``msg`` for this worker (any thread; in order): the messages queued together leave as one frame."""
-        self.host.outbox.put((self, msg))
+        """Send ``msg`` to this worker (any thread; in order): at once on the engine thread, else posted to it."""
+        self.host.on_engine_thread(lambda: self._write(frame([msg])))
 
     def close(self) -> None:
-        self.host.outbox.put((self, None))
+        self.host.on_engine_thread(self._close)
 
     # -- engine thread -----------------------------------------------------------------------------------
     def sink(self, out: RequestOutput) -> None:
@@ -90,39 +90,70 @@ class WorkerPort(asyncio.Protocol):
         if outs:
             self.send(("outputs", outs, len(llm.seqs) if llm is not None else 0))
 
-    # -- link thread -------------------------------------------------------------------------------------
-    def queue_out(self, msg: tuple | None) -> None:
-        """(LoopInbox handler) ``msg`` joins this worker's next frame; None: close the link after it."""
-        if not self._out:
-            self.host.loop.call_soon(self._write)  # after the inbox's drain: one frame for what it brought
-        self._out.append(msg)
-
-    def _write(self) -> None:
-        msgs, self._out = self._out, []
-        close = None in msgs
-        msgs = [m for m in msgs if m is not None]
-        t = self._transport
-        if t is None or t.is_closing():
+    def _write(self, parts: list[bytes]) -> None:
+        if self._gone:
             return
-        if msgs:
-            t.writelines(frame(msgs))
-        if close:
-            t.close()
-
-    def connection_made(self, transport) -> None:
-        self._transport = transport
-
-    def data_received(self, data: bytes) -> None:
+        if self._unsent:  # behind bytes still queued: keep the order
+            for b in parts:
+                self._unsent += b
+            return
         try:
-            for msgs in self._reader.feed(data):
-                for msg in msgs:
-                    self._apply(msg)
-        except Exception:
-            log.exception("worker %d: bad frame on the engine link", self.index)
-            self._transport.abort()
+            sent = self.sock.sendmsg(parts)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._lost()
+            return
+        total = sum(len(b) for b in parts)
+        if sent < total:
+            data = b"".join(parts)
+            self._unsent += memoryview(data)[sent:]
+            self.host.want_write(self, True)
 
-    def connection_lost(self, exc) -> None:
-        self._transport = None
+    def on_writable(self) -> None:
+        try:
+            sent = self.sock.send(self._unsent)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._lost()
+            return
+        del self._unsent[:sent]
+        if not self._unsent:
+            self.host.want_write(self, False)
+            if self._closing:
+                self._lost()
+
+    def _close(self) -> None:
+        if self._unsent:
+            self._closing = True
+        else:
+            self._lost()
+
+    def on_readable(self) -> None:
+        """Read what the pipe holds and apply its complete frames; a closed or corrupt link ends this worker."""
+        while not self._gone:
+            try:
+                data = self.sock.recv(READ_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._lost()
+                return
+            try:
+                for msgs in self._reader.feed(data):
+                    for msg in msgs:
+                        self._apply(msg)
+            except Exception:
+                log.exception("worker %d: bad frame on the engine link", self.index)
+                self._lost()
+                return
+            if len(data) < READ_BYTES:
+                return
+
+    def _lost(self) -> None:
         if not self._gone:
             self._gone = True
             self.host.worker_gone(self)
@@ -162,7 +193,8 @@ class WorkerPort(asyncio.Protocol):
 
 
 class EngineHost:
-    """The engine process's link server. ``runtime``: a started :class:`~cloud_server.runtime.CloudRuntime`."""
+    """The engine process's link server and the engine thread's I/O pump (``poll``, ``wake``).
+    ``runtime``: a started :class:`~cloud_server.runtime.CloudRuntime`."""
 
     def __init__(self, runtime):
         self.rt = runtime
@@ -175,24 +207,84 @@ class EngineHost:
         self._renders: dict[int, tuple[threading.Event, list, int]] = {}  # token -> (done, families, expected)
         self._scrapes = ThreadPoolExecutor(1, thread_name_prefix="autoglm-scrape")
         self._dead_told = False
-        self.loop = asyncio.new_event_loop()  # every worker's link (module docstring)
-        self._link_thread = threading.Thread(target=self.loop.run_forever, name="autoglm-links", daemon=True)
-        self._link_thread.start()
-        self.outbox = LoopInbox(self.loop, lambda item: item[0].queue_out(item[1]))  # (port, msg | None)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for s in (self._wake_r, self._wake_w):
+            s.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._posted: collections.deque[Callable[[], None]] = collections.deque()  # from other threads
+        self._pump_thread: int | None = None  # the engine thread, once it polls
+        self.engine.drive(self)
 
+    # -- the pump (engine thread) ------------------------------------------------------------------------
+    def poll(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the links (0: what is ready now): read and apply their frames, write
+        what is pending, run what other threads posted. Returns when something happened or the time is up."""
+        self._pump_thread = threading.get_ident()
+        self._run_posted()
+        for key, mask in self._sel.select(timeout):
+            port = key.data
+            if port is None:  # a wakeup
+                try:
+                    while self._wake_r.recv(4096):
+                        pass
+                except (BlockingIOError, InterruptedError):
+                    pass
+                continue
+            if mask & selectors.EVENT_WRITE:
+                port.on_writable()
+            if mask & selectors.EVENT_READ:
+                port.on_readable()
+        self._run_posted()
+
+    def wake(self) -> None:
+        """End a ``poll`` in progress (any thread)."""
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, InterruptedError):  # wakeups pending already
+            pass
+        except OSError:  # closed: stopped
+            pass
+
+    def on_engine_thread(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread: now if this is it, else at its next poll (in order)."""
+        if threading.get_ident() == self._pump_thread:
+            fn()
+        else:
+            self._posted.append(fn)
+            self.wake()
+
+    def _run_posted(self) -> None:
+        posted = self._posted
+        while posted:
+            try:
+                posted.popleft()()
+            except Exception:
+                log.exception("engine link: a posted action failed")
+
+    def want_write(self, port: WorkerPort, on: bool) -> None:
+        if not port._gone:
+            self._sel.modify(port.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if on else 0), port)
+
+    # -- the links -----------------------------------------------------------------------------------------
     def attach(self, index: int, conn: Connection) -> WorkerPort:
         """Serve worker ``index`` on its pipe end ``conn``: its hello (the engine's facts) goes out first."""
         port = WorkerPort(self, index, next(self._serials), conn)
         with self._lock:
             self.ports[port.serial] = port
-        port.start()
+        self.on_engine_thread(lambda: self._sel.register(port.sock, selectors.EVENT_READ, port))
         port.send(("hello", facts_to_wire(self.rt.facts), self.rt.model_name))
         return port
 
     def worker_gone(self, port: WorkerPort) -> None:
-        """``port``'s link closed: abort what its worker left running and forget its sessions."""
+        """``port``'s link closed (engine thread): abort what its worker left running and forget its sessions."""
         with self._lock:
             self.ports.pop(port.serial, None)
+        try:
+            self._sel.unregister(port.sock)
+        except (KeyError, ValueError):
+            pass
+        port.sock.close()
         for rid in list(port.requests):
             self.engine.abort(rid, "abort")
         dropped = self.ledger.drop_worker(port.serial)
@@ -208,17 +300,19 @@ class EngineHost:
                 port.send(("dead", self.engine.dead))
 
     def stop(self) -> None:
-        """Send what is queued to every worker, close the links, stop the link thread."""
-        for port in list(self.ports.values()):
-            port.close()
+        """Send what is queued to every worker and close the links (on the engine thread while it polls)."""
         done = threading.Event()
-        try:
-            self.loop.call_soon_threadsafe(lambda: self.loop.call_soon(done.set))  # after the closes' writes
-            done.wait(5)
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        except RuntimeError:  # the loop is closed already
-            pass
-        self._link_thread.join(5)
+
+        def close_all() -> None:
+            for port in list(self.ports.values()):
+                port._close()
+            done.set()
+
+        self.on_engine_thread(close_all)
+        if not done.wait(5):  # the engine thread is not polling (stopped): close from here
+            log.warning("engine link: the engine thread did not close the links; closing them here")
+            for port in list(self.ports.values()):
+                port._lost()
         self._scrapes.shutdown(wait=False)
 
     # -- requests from workers (the link thread) ----------------------------------------------------

@@ -6,7 +6,8 @@ engine step. With N workers the loop work of a round is spread over N processes 
 
     main process (this module's :func:`serve_workers`)
         CloudRuntime: model, AsyncEngine, KV pool, prefix cache, engine metrics
-        EngineHost: one link thread (an event loop over every worker's pipe), a sink per worker  (cloud_server.engine_host)
+        EngineHost: every worker's pipe, read and written by the engine thread (its I/O pump), a sink per worker
+            (cloud_server.engine_host)
         one listening socket per worker on the same port (SO_REUSEPORT: the kernel spreads connections by
         their hash), bound here and inherited by the workers
     worker process i (:func:`worker_main`, multiprocessing spawn)
@@ -36,7 +37,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import sys
 import time
 
 from cloud_server.config import ServerConfig
@@ -83,7 +83,6 @@ def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
 
 def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
     """Run the engine here and ``config.workers`` front ends; returns when all have drained (exit status)."""
-    from cloud_server.app import GIL_SWITCH_S
     from cloud_server.engine_host import EngineHost
     from cloud_server.runtime import CloudRuntime
 
@@ -102,9 +101,6 @@ def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
         host.attach(index, ours)
         return proc
 
-    # the link thread wakes on frames and needs the GIL from the engine thread: hand it over soon (as the
-    # one-process server does for its event loop, cloud_server.app.DrainingServer)
-    sys.setswitchinterval(GIL_SWITCH_S)
     procs = {i: spawn(i) for i in range(config.workers)}
     started = {i: time.monotonic() for i in procs}
     signals: list[int] = []

@@ -26,9 +26,16 @@ Where the engine thread's time goes, per step that delivered outputs: ``on_step(
 (``autoglm:engine_step_seconds``, ``autoglm:engine_input_wait_seconds``); ``step / (step + wait)`` is how busy the
 engine was, and in lockstep decoding ``wait`` is what the served path adds to the engine's own step.
 
+An I/O pump (``drive``): a process whose commands arrive on its own descriptors (the engine process of
+``--workers N``: every worker's pipe, ``cloud_server.engine_host``) hands the engine thread a pump, and the thread
+polls it wherever it would sleep on the command queue: ``pump.poll(timeout)`` reads what is ready (queuing
+commands as any thread would), up to ``timeout`` seconds; ``pump.wake()`` ends a poll when another thread queues a
+command. So the links are served by the engine thread itself, not by a second thread competing for the GIL.
+
 A model-runner exception is fatal for the engine: every open request gets an ``engine_error`` output, the
-loop stops and ``dead`` says why (``/ready`` turns false). Requests idle longer than ``idle_timeout_s``
-(an edge that stopped sending decode steps) are aborted with reason ``timeout``.
+loop stops and ``dead`` says why (``/ready`` turns false); a pump goes on being polled (its links hear it).
+Requests idle longer than ``idle_timeout_s`` (an edge that stopped sending decode steps) are aborted with reason
+``timeout``.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol
 
 from cloud_server.engine.llm_engine import LLMEngine, RequestOutput
 
@@ -46,6 +54,12 @@ log = logging.getLogger("autoglm.cloud.engine")
 
 Sink = Callable[[RequestOutput], None]
 GATHER_MAX_S = 0.02  # the longest a step waits for a decode cohort's awaited inputs
+
+
+class Pump(Protocol):
+    def poll(self, timeout: float) -> None: ...
+
+    def wake(self) -> None: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -81,15 +95,22 @@ class AsyncEngine:
         self._stepping_s = 0.0  # time in step() since the last step that delivered outputs
         self.on_step = on_step
         self._waiting_s = 0.0  # time taking commands while requests were open, since the last delivering step
+        self._pump: Pump | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
         self._thread.start()
         return self
 
+    def drive(self, pump: Pump) -> None:
+        """Poll ``pump`` on the engine thread wherever it waits for commands (module docstring)."""
+        self._pump = pump
+        self._cmds.put(("wake",))  # a sleep on the queue ends: the next wait polls the pump
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._cmds.put(("wake",))
+        self._wake_pump()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -120,6 +141,7 @@ class AsyncEngine:
     def abort(self, request_id: str, reason: str = "abort") -> None:
         if self.dead is None:
             self._cmds.put(("abort", request_id, reason))
+            self._wake_pump()
 
     def call(self, fn: Callable[[LLMEngine], object]) -> Future:
         """Run ``fn(engine)`` on the engine thread between steps (consistent reads of its state)."""
@@ -131,6 +153,11 @@ class AsyncEngine:
         if self.dead is not None:
             raise EngineDeadError(f"engine stopped: {self.dead}")
         self._cmds.put(cmd)
+        self._wake_pump()
+
+    def _wake_pump(self) -> None:
+        if self._pump is not None and threading.current_thread() is not self._thread:
+            self._pump.wake()
 
     # -- the loop (engine thread) --------------------------------------------------------------
     def _apply(self, cmd: tuple) -> list[RequestOutput]:
@@ -200,16 +227,30 @@ class AsyncEngine:
             except Exception:
                 log.exception("output sink of %s failed", o.request_id)
 
+    def _get(self, timeout: float) -> tuple | None:
+        """The next command, waiting up to ``timeout`` seconds for one (0: only what is queued); with a pump, the
+        pump is polled first when the queue is empty, then waited on."""
+        pump = self._pump
+        if pump is None:
+            try:
+                return self._cmds.get(timeout=timeout) if timeout > 0 else self._cmds.get_nowait()
+            except queue.Empty:
+                return None
+        if self._cmds.empty():
+            pump.poll(0.0)
+            if timeout > 0 and self._cmds.empty():
+                pump.poll(timeout)
+        try:
+            return self._cmds.get_nowait()
+        except queue.Empty:
+            return None
+
     def _take_commands(self) -> list[RequestOutput]:
         """Apply the queued commands: sleep on the queue while nothing is ready, then take what is there, then
         (some ready, some awaited) wait for the awaited inputs up to the gather window (module docstring)."""
         outs: list[RequestOutput] = []
         block = not self.llm.has_work()  # nothing ready and no step in flight
-        while True:
-            try:
-                cmd = self._cmds.get(timeout=0.25) if block else self._cmds.get_nowait()
-            except queue.Empty:
-                break
+        while (cmd := self._get(0.25 if block else 0.0)) is not None:
             block = False
             outs += self._apply(cmd)
         window = min(self.gather_max_s, self._step_s)
@@ -221,10 +262,9 @@ class AsyncEngine:
             if left <= 0:
                 self._awaiting.clear()  # late: they hold no further step until they send again
                 break
-            try:
-                outs += self._apply(self._cmds.get(timeout=left))
-            except queue.Empty:
-                continue
+            cmd = self._get(left)
+            if cmd is not None:
+                outs += self._apply(cmd)
         return outs
 
     def _loop(self) -> None:
@@ -266,6 +306,8 @@ class AsyncEngine:
             self._sinks.clear()
             if self.on_fatal is not None:
                 self.on_fatal(self.dead)
+            while self._pump is not None and not self._stop.is_set():  # its links still hear every worker
+                self._pump.poll(0.25)
 
 
 class RequestStream:

@@ -154,7 +154,7 @@ def test_the_workers_event_loop_never_waits_on_the_link_and_messages_keep_their_
 
 
 def test_a_corrupt_frame_from_one_worker_drops_that_worker_only():
-    """The engine process's link thread: garbage on one worker's pipe ends that worker's link (its requests
+    """The engine process's links (polled by the engine thread): garbage on one worker's pipe ends that worker's link (its requests
     aborted, as when a worker dies); the other worker's link goes on (its hello came, its commands apply)."""
     import threading
     import types
@@ -174,6 +174,10 @@ def test_a_corrupt_frame_from_one_worker_drops_that_worker_only():
         def abort(self, rid, reason):
             self.calls.append(("abort", rid, reason))
             self.seen.set()
+
+        def drive(self, pump):  # the engine thread's waits, as AsyncEngine polls its pump
+            stop = self.stop = threading.Event()
+            threading.Thread(target=lambda: [pump.poll(0.05) for _ in iter(stop.is_set, True)], daemon=True).start()
 
     facts = EngineFacts(variants=("fp32",), variant_for={None: "fp32"}, hidden_size=8, vocab_size=10,
                         mrope=False, eos_token_ids=(2,), block_size=4, max_context=64, max_num_seqs=8,
@@ -196,3 +200,4 @@ def test_a_corrupt_frame_from_one_worker_drops_that_worker_only():
         assert engine.seen.wait(5) and engine.calls[-1] == ("abort", "b1", "cancel")
     finally:
         host.stop()
+        engine.stop.set()

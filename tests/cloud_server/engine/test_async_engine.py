@@ -242,3 +242,47 @@ def test_decode_rows_as_one_array_give_the_tokens_of_one_input_each(tiny_bundle)
 
     rows, inputs = run(True), run(False)
     assert rows == inputs and all(len(t) == 4 for t in rows.values())
+
+
+def test_a_pump_is_polled_on_the_engine_thread_and_other_threads_wake_it(engine):
+    """``drive``: the engine thread polls the pump where it would sleep (the engine process's worker links); a
+    command the pump reads is applied as any other, and a command from another thread ends the poll."""
+    import select
+    import socket
+    import threading
+
+    q: queue.Queue = queue.Queue()
+
+    class LinkPump:  # one request id per line on a socket, as a worker's pipe carries its commands
+        def __init__(self):
+            self.rx, self.tx = socket.socketpair()
+            self.wake_r, self.wake_w = socket.socketpair()
+            self.threads: set[str] = set()
+            self.woken = 0
+
+        def poll(self, timeout):
+            self.threads.add(threading.current_thread().name)
+            ready, _, _ = select.select([self.rx, self.wake_r], [], [], timeout)
+            if self.wake_r in ready:
+                self.wake_r.recv(64)
+                self.woken += 1
+            if self.rx in ready:
+                for rid in self.rx.recv(4096).decode().split():
+                    ae.add_request(rid, q.put, InputChunk(0, hidden=torch.randn(3, 64)),
+                                   SamplingParams(0.0, max_tokens=1, ignore_eos=True))
+
+        def wake(self):
+            self.wake_w.send(b"w")
+
+    ae = AsyncEngine(engine).start()
+    pump = LinkPump()
+    try:
+        ae.drive(pump)
+        pump.tx.send(b"a b\n")
+        got = _collect(q, lambda g: sum(o.finished for o in g) == 2)
+        assert {o.request_id for o in got if o.finished} == {"a", "b"}
+        assert pump.woken == 0  # commands read on the engine thread need no wakeup
+        assert ae.call(lambda e: len(e.seqs)).result(5) == 0  # from this thread: it wakes the poll
+        assert pump.woken >= 1 and pump.threads == {"autoglm-engine"}
+    finally:
+        ae.shutdown()
