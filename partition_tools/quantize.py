@@ -462,8 +462,9 @@ def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) ->
     int4: 4-bit MatMul weights, no fp32 down_proj; the table stays int8 (a 4-bit table alone costs more KL than
     all 8-bit MatMuls together). A grid source keeps its own 4-bit codes (scale ``d``, a 4-bit zero point) with
     the offsets the zero point misses added back exactly in fp32 (``source_grid="exact"``), and runs them with
-    fp32 activations (``accuracy_level=1``: MLAS's fp32-compute 4-bit kernel, about as fast on x86 as the 8-bit
-    int8-activation one, where 8-bit weights at level 1 dequantize per call): the weights are the source's and
+    fp32 activations (``accuracy_level=1``: MLAS's fp32-compute 4-bit kernel, about as fast as the 8-bit
+    int8-activation one on session 4's dev box, but ~2x slower - the fp32 front's speed - on an AVX2 box without
+    VNNI, docs/performance.md session 16; 8-bit weights at level 1 dequantize per call): the weights are the source's and
     the activations are not rounded, so the front computes the fp32 front's function (tuning, teacher-forced,
     fp16 wire: 79/80 answers identical, the int8 recipe 67/80). This is what ``auto`` picks for a grid source.
     Off a grid: smoothing and rounding at int8 activations (a small, fast variant that keeps few answers).
