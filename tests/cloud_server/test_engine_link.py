@@ -6,6 +6,7 @@ import multiprocessing as mp
 import pickle
 import random
 import socket
+import time
 
 import numpy as np
 import torch
@@ -153,39 +154,53 @@ def test_the_workers_event_loop_never_waits_on_the_link_and_messages_keep_their_
     engine_end.close()
 
 
-def test_a_corrupt_frame_from_one_worker_drops_that_worker_only():
-    """The engine process's links (polled by the engine thread): garbage on one worker's pipe ends that worker's link (its requests
-    aborted, as when a worker dies); the other worker's link goes on (its hello came, its commands apply)."""
-    import threading
+class _StubEngine:
+    """What the engine host uses of ``AsyncEngine``: commands recorded, and ``drive`` polling the pump on a thread of
+    its own (the engine thread's waits)."""
+
+    dead = None
+
+    def __init__(self):
+        import threading
+
+        self.calls: list[tuple] = []
+        self.seen = threading.Event()
+        self.stop = threading.Event()
+
+    def add_request(self, rid, sink, first, params, variant, keys):
+        self.calls.append(("add", rid))
+
+    def abort(self, rid, reason):
+        self.calls.append(("abort", rid, reason))
+        self.seen.set()
+
+    def drive(self, pump):
+        import threading
+
+        self.thread = threading.Thread(target=lambda: [pump.poll(0.05) for _ in iter(self.stop.is_set, True)],
+                                       daemon=True)
+        self.thread.start()
+
+
+def _host(engine):
     import types
 
     from cloud_server.engine_host import EngineHost
 
-    class StubEngine:
-        dead = None
-
-        def __init__(self):
-            self.calls: list[tuple] = []
-            self.seen = threading.Event()
-
-        def add_request(self, rid, sink, first, params, variant, keys):
-            self.calls.append(("add", rid))
-
-        def abort(self, rid, reason):
-            self.calls.append(("abort", rid, reason))
-            self.seen.set()
-
-        def drive(self, pump):  # the engine thread's waits, as AsyncEngine polls its pump
-            stop = self.stop = threading.Event()
-            threading.Thread(target=lambda: [pump.poll(0.05) for _ in iter(stop.is_set, True)], daemon=True).start()
-
     facts = EngineFacts(variants=("fp32",), variant_for={None: "fp32"}, hidden_size=8, vocab_size=10,
                         mrope=False, eos_token_ids=(2,), block_size=4, max_context=64, max_num_seqs=8,
                         max_num_batched_tokens=64)
-    engine = StubEngine()
     rt = types.SimpleNamespace(engine=engine, config=types.SimpleNamespace(max_sessions=8), facts=facts,
                                model_name="m")
-    host = EngineHost(rt)
+    return EngineHost(rt)
+
+
+def test_a_corrupt_frame_from_one_worker_drops_that_worker_only():
+    """The engine process's links (polled by the engine thread): garbage on one worker's pipe ends that worker's
+    link (its requests aborted, as when a worker dies); the other worker's link goes on (its hello came, its
+    commands apply)."""
+    engine = _StubEngine()
+    host = _host(engine)
     try:
         (a_ours, a_worker), (b_ours, b_worker) = mp.Pipe(), mp.Pipe()
         port_a, port_b = host.attach(0, a_ours), host.attach(1, b_ours)
@@ -198,6 +213,41 @@ def test_a_corrupt_frame_from_one_worker_drops_that_worker_only():
         engine.seen.clear()
         _send(b_worker, [("abort", "b1", "cancel")])  # the other worker's link still applies commands
         assert engine.seen.wait(5) and engine.calls[-1] == ("abort", "b1", "cancel")
+    finally:
+        host.stop()
+        engine.stop.set()
+
+
+def test_a_worker_that_does_not_read_never_blocks_the_engine_thread_and_gets_every_frame_in_order():
+    """Outputs for a worker that stops reading are buffered on the engine's side (its pipe full): the engine thread
+    goes on serving the other worker at once, and when the slow one reads again its frames come whole, in order."""
+    import threading
+
+    engine = _StubEngine()
+    host = _host(engine)
+    try:
+        (a_ours, a_worker), (b_ours, b_worker) = mp.Pipe(), mp.Pipe()
+        port_a, _ = host.attach(0, a_ours), host.attach(1, b_ours)
+        assert _recv(a_worker)[0][0] == "hello" and _recv(b_worker)[0][0] == "hello"
+        big = np.arange(1 << 18, dtype=np.float32)  # 1 MiB a message: 24 of them are far more than a pipe holds
+        sent = threading.Event()
+
+        def send_on_engine_thread():
+            for i in range(24):
+                port_a.send(("outputs", [(i, big)], i))
+            sent.set()
+
+        host.on_engine_thread(send_on_engine_thread)
+        assert sent.wait(5)  # the writes returned with the pipe full
+        assert port_a._unsent  # the rest waits on the engine's side
+        _send(b_worker, [("abort", "b1", "cancel")])  # the engine thread still applies the other worker's commands
+        assert engine.seen.wait(5) and engine.calls[-1] == ("abort", "b1", "cancel")
+        got = [_recv(a_worker)[0] for _ in range(24)]  # the slow worker reads at last
+        assert [m[2] for m in got] == list(range(24)) and all(np.array_equal(m[1][0][1], big) for m in got)
+        deadline = time.monotonic() + 5
+        while port_a._unsent and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not port_a._unsent
     finally:
         host.stop()
         engine.stop.set()
