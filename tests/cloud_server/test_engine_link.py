@@ -251,3 +251,50 @@ def test_a_worker_that_does_not_read_never_blocks_the_engine_thread_and_gets_eve
     finally:
         host.stop()
         engine.stop.set()
+
+
+def test_after_a_fatal_engine_error_the_links_are_still_served_and_every_add_hears_it(tiny_bundle):
+    """A real engine driven by the host: its runner fails, the open request's worker gets ``engine_error``; the
+    engine thread goes on polling the links, so a request sent afterwards is answered ``engine_error`` at once."""
+    import types
+
+    from cloud_server.config import EngineConfig
+    from cloud_server.engine.async_engine import AsyncEngine
+    from cloud_server.engine.llm_engine import LLMEngine
+    from cloud_server.engine.sampling_params import SamplingParams
+    from cloud_server.engine_host import EngineHost
+    from cloud_server.engine_link import unpack_output
+    from cloud_server.model import load_split_model
+
+    llm = LLMEngine.from_models(EngineConfig(num_blocks=32, block_size=4), {"fp32": load_split_model(tiny_bundle, "fp32")})
+
+    def broken(batch):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    llm.runners["fp32"].run = broken
+    engine = AsyncEngine(llm).start()
+    facts = EngineFacts(variants=("fp32",), variant_for={None: "fp32"}, hidden_size=64, vocab_size=10,
+                        mrope=False, eos_token_ids=(2,), block_size=4, max_context=64, max_num_seqs=8,
+                        max_num_batched_tokens=64)
+    rt = types.SimpleNamespace(engine=engine, config=types.SimpleNamespace(max_sessions=8), facts=facts,
+                               model_name="m")
+    host = EngineHost(rt)
+    try:
+        ours, worker = mp.Pipe()
+        host.attach(0, ours)
+        assert _recv(worker)[0][0] == "hello"
+
+        def add(rid):
+            _send(worker, [("add", rid, pack_chunks([InputChunk(0, hidden=torch.randn(3, 64))]), SamplingParams(),
+                            None, None)])
+            assert worker.poll(10)
+            [(kind, outs, _)] = _recv(worker)
+            return kind, [unpack_output(o) for o in outs]
+
+        kind, outs = add("r1")
+        assert kind == "outputs" and outs[-1].error_code == "engine_error" and "illegal memory" in outs[-1].error_message
+        kind, outs = add("r2")  # the engine is dead: the link still answers
+        assert kind == "outputs" and outs[-1].request_id == "r2" and outs[-1].error_code == "engine_error"
+    finally:
+        host.stop()
+        engine.shutdown()
