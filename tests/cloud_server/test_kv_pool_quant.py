@@ -106,3 +106,43 @@ def test_engine_greedy_tokens_on_an_int8_pool(tiny_bundle):
     # measured: 8 of 8 identical (7 before the rotation: random weights have near-tied logits, so one may flip)
     same = sum(a == b for a, b in zip(answers["auto"], answers["int8"]))
     assert same >= 7, (answers["auto"], answers["int8"])
+
+
+def test_the_quality_bench_emulates_the_int8_pool_and_only_what_its_scheme_names(tiny_bundle):
+    """``kv_quant_pool_bench.py --emulate``: ``8:D:0:kv`` (the int8 pool's rule, one scale per head of D, as fake
+    quantization on the fp32 pool) gives the int8 pool's logits up to float rounding; ``v`` alone leaves the keys
+    exact; bad specs are refused."""
+    from bench_support import load_bench
+
+    bench = load_bench("kv_quant_pool_bench")
+    model = load_split_model(tiny_bundle, "fp32")
+    d = model.head_dim
+
+    def run(kv: str, scheme: str | None = None) -> torch.Tensor:
+        pool = KVCachePool(model.num_layers, 16, 4, model.num_kv_heads, model.head_dim, model.dtype, kv_cache_dtype=kv)
+        runner = ModelRunner(model, pool)
+        prompt, follow = list(range(5, 30)), [7, 99, 3, 250, 41]
+        if scheme is None:
+            return _logits(runner, edge_front(tiny_bundle), prompt, follow), pool
+        with bench.emulated(scheme, model.head_dim):
+            return _logits(runner, edge_front(tiny_bundle), prompt, follow), pool
+
+    ref, _ = run("auto")
+    int8, _ = run("int8")
+    emu, pool = run("auto", f"8:{d}:0:kv")
+    assert pool.k.dtype == torch.float32  # emulated: stored in fp32
+    spread = (ref.max(-1).values - ref.min(-1).values).min().item()
+    assert (emu - ref).abs().max() > 1e-5  # the writes were rounded
+    assert (emu - int8).abs().max() < 0.05 * (int8 - ref).abs().max() + 1e-4 * spread
+    values_only, pool = run("auto", f"8:{d}:0:v")
+    keys = pool.k.clone()
+    _, exact = run("auto")
+    # the first layer's keys come from the boundary states alone (later layers' see the rounded values upstream)
+    assert torch.equal(keys[0], exact.k[0]) and not torch.equal(pool.v[0], exact.v[0])
+    assert (values_only - ref).abs().max() > 0
+    for bad in ("8:64", "9:64:0:kv", "8:0:0:kv", "8:64:0:q", "x:64:0:kv"):
+        with pytest.raises(ValueError, match="--emulate"):
+            bench.parse_scheme(bad)
+    with pytest.raises(ValueError, match="divide"):
+        with bench.emulated(f"8:{d - 1}:0:kv", d):
+            pass
