@@ -137,7 +137,8 @@ class ServerConfig:
     # a longer prompt fails at its Prefill (prompt_too_long) or HTTP request (400). None: engine.max_model_len.
     max_prompt_tokens: int | None = None
     # WebSocket front-end processes (cloud_server.front_workers): with N > 1 the main process runs the engine and
-    # N spawned workers the split endpoint on one shared listening socket; 1: one process does both.
+    # N spawned workers the split endpoint, each on its own socket of one port (SO_REUSEPORT; one shared socket
+    # where that is missing); 1: one process does both.
     workers: int = 1
     # The event loop under every front end (uvicorn's --loop): "auto" (uvloop when installed, else asyncio),
     # "asyncio" or "uvloop" (measured side by side: bench/served_load.py --loops asyncio,uvloop).

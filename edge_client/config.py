@@ -1,7 +1,7 @@
 """Edge client configuration: one dataclass for the runtime and session, one for timeouts and retries.
 
-CLI flags mirror these fields (``--threads`` <-> ``EdgeConfig.threads``), and each has an environment
-twin (``AUTOGLM_EDGE_THREADS``); see :func:`EdgeConfig.from_env`.
+CLI flags mirror the common fields (``--threads`` <-> ``EdgeConfig.threads``), and each field but ``retry`` has
+an environment twin (``AUTOGLM_EDGE_THREADS``), parsed by the field's type; see :func:`EdgeConfig.from_env`.
 
 Reference: Petals' ``ClientConfig`` (one dataclass of client timeouts, each field saying why).
 """
@@ -141,21 +141,28 @@ class EdgeConfig:
                 continue
             raw = os.environ.get(f"AUTOGLM_EDGE_{f.name.upper()}") or os.environ.get(aliases.get(f.name, "-"))
             if raw is not None:
-                values[f.name] = _coerce(f.name, raw)
+                values[f.name] = _coerce(f.name, f.type, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "bundle" not in values:
             raise ConfigError("no bundle: pass --bundle or set AUTOGLM_BUNDLE")
         return cls(**values)
 
 
-def _coerce(name: str, raw: str):
-    ints = {"threads", "prefill_chunk", "cache_max_bytes", "cache_block_tokens", "draft_k"}
-    bools = {"cache_prompts", "verify_bundle", "wire_zstd", "auto_update"}
-    try:
-        if name in ints:
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _coerce(name: str, annotation: str, raw: str):
+    """An environment twin's text as its field's type (the dataclass annotation: ``int``, ``bool``, with or
+    without ``| None``); other fields keep the text (``__post_init__`` converts paths)."""
+    kind = annotation.split("|")[0].strip()
+    if kind == "int":
+        try:
             return int(raw)
-        if name in bools:
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-    except ValueError:
-        raise ConfigError(f"AUTOGLM_EDGE_{name.upper()}={raw!r}: expected an integer") from None
+        except ValueError:
+            raise ConfigError(f"AUTOGLM_EDGE_{name.upper()}={raw!r}: expected an integer") from None
+    if kind == "bool":
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ConfigError(f"AUTOGLM_EDGE_{name.upper()}={raw!r}: expected one of {', '.join(_TRUE + _FALSE)}")
+        return word in _TRUE
     return raw

@@ -4,9 +4,10 @@
   ``partition_tools/data``), each a fresh conversation.
 * ``agent``: the AutoGLM agent loop: the long fixed system prompt (``edge_client/data/
   autoglm_system_prompt.txt``, 2.7 KB English) re-sent every step with the task, the history of actions and
-  the current screen; short action outputs. Text-only until the local encoders land: a step's screen is a
-  textual description, and :attr:`Request.screenshot` is the hook where each step's image goes (the phone
-  process will send it as an ``image_url`` part once ``EdgeClient`` accepts images).
+  the current screen; short action outputs. Text-only: a step's screen is a textual description, since the
+  rig's models (SmolLM2, tiny-glm4) have no vision tower. The loop with real screenshot uploads through
+  ``EdgeClient``'s image parts is measured on a GLM-4.1V-shaped bundle in docs/performance.md, "The AutoGLM
+  agent loop through the real server".
 
 A workload is a list of :class:`Request`; phone ``i`` of a burst starts at a different offset of the list so
 concurrent phones do not all send the same prompt at once.
@@ -14,7 +15,7 @@ concurrent phones do not all send the same prompt at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 CHAT_PROMPTS = (
@@ -65,11 +66,8 @@ class Request:
     messages: list[dict]
     max_tokens: int
     label: str  # "chat/3", "agent/1/4": workload, item, step
-    screenshot: bytes | None = field(default=None, repr=False)  # the agent step's screen, once encoders land
 
     def to_dict(self) -> dict:
-        if self.screenshot is not None:
-            raise NotImplementedError("screenshots travel once the local encoders exist (issue 10)")
         return {"messages": self.messages, "max_tokens": self.max_tokens, "label": self.label}
 
 

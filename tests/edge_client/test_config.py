@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from edge_client.config import ConfigError, EdgeConfig, RetryPolicy
@@ -43,3 +45,21 @@ def test_environment_twins_and_overrides(tmp_path, monkeypatch):
     monkeypatch.delenv("AUTOGLM_EDGE_THREADS")
     with pytest.raises(ConfigError, match="no bundle"):
         EdgeConfig.from_env()
+
+
+def test_every_typed_field_parses_from_its_environment_twin(tmp_path, monkeypatch):
+    """Each int / bool field's twin is parsed by its annotation (cloud_drafts=0 switches cloud drafts off;
+    an unknown word is refused, not read as false)."""
+    monkeypatch.setenv("AUTOGLM_BUNDLE", str(tmp_path))
+    monkeypatch.setenv("AUTOGLM_EDGE_CLOUD_DRAFTS", "0")
+    monkeypatch.setenv("AUTOGLM_EDGE_AUTO_UPDATE", "On")
+    monkeypatch.setenv("AUTOGLM_EDGE_DRAFT_K", "3")
+    cfg = EdgeConfig.from_env()
+    assert (cfg.cloud_drafts, cfg.auto_update, cfg.draft_k) == (False, True, 3)
+    for f in fields(EdgeConfig):
+        if f.name == "retry" or f.type.split("|")[0].strip() not in ("int", "bool"):
+            continue
+        monkeypatch.setenv(f"AUTOGLM_EDGE_{f.name.upper()}", "maybe")
+        with pytest.raises(ConfigError, match=f"AUTOGLM_EDGE_{f.name.upper()}"):
+            EdgeConfig.from_env()
+        monkeypatch.delenv(f"AUTOGLM_EDGE_{f.name.upper()}")
