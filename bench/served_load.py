@@ -11,6 +11,10 @@ speak the real protocol with its own encoder and decoder (``shared.protocol``, `
     negotiated frame limit, coded with a realistic codec (int8-outlier by default)
     <- Tokens(index 0) ; DecodeStep(position, hidden [1, H]) ; <- Tokens(index 1) ; ... until finish_reason
 
+Decode steps travel in the codec the default ``EdgeClient`` picks for them (``--step-codec policy``:
+``shared.precision.step_codec``, fp16 where the server offers it, the prompt's codec otherwise); ``--step-codec
+same`` sends them in the prompt's codec as a client that pins its codec does (every run before session 17).
+
 Hidden states are random but scaled like a real boundary (per-channel absmax from the bundle's calibration,
 its outlier channels large, the first prompt row an attention sink above ``sink_threshold``), or recorded ones
 from ``--states FILE.npy`` ([N, H] float32, e.g. saved from a real front). They are coded once per worker
@@ -88,8 +92,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from child_process import stop_gracefully  # noqa: E402 - bench/, beside this script
 from shared import protocol as P  # noqa: E402 - after the path fix, so the bench runs from a checkout
 from shared.chunking import prefill_messages  # noqa: E402
-from shared.codecs import available_codecs  # noqa: E402
+from shared.codecs import CODEC_NAMES, available_codecs  # noqa: E402
 from shared.manifest import Manifest  # noqa: E402
+from shared.plan import PrecisionPlan  # noqa: E402
+from shared.precision import DEFAULT_POLICY, step_codec  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DECODE_BANK = 64  # distinct coded decode states per worker, reused round-robin
@@ -114,6 +120,10 @@ class LoadConfig:
     gen: int = 128  # tokens per session
     codecs: tuple[str, ...] = DEFAULT_CODECS  # preference order sent in Hello
     sweep_codecs: tuple[str, ...] = ()  # run every level once per codec named here (Hello offers only it)
+    # the decode steps' codec: "policy" = shared.precision.step_codec over the negotiated codecs, what the
+    # default EdgeClient sends (fp16 where offered; Hello then offers it too); "same" = the prompt's codec
+    # (a client that pins its codec; every run before session 17); or a codec name
+    step_codec: str = "policy"
     procs: int = 0  # worker processes; 0 = half the cores (the server needs the rest), at most one per session
     # the server's front-end processes (`autoglm-cloud serve --workers N`); several: one server per value, in turn
     workers: tuple[int, ...] = (1,)
@@ -158,6 +168,8 @@ class LoadConfig:
             raise ValueError("--gather-max-ms sets the random-weight server's engine: give --preset")
         if self.compare_root is not None and self.url is not None:
             raise ValueError("--compare-root spawns both servers: give --serve or --preset, not --url")
+        if self.step_codec not in ("policy", "same", *CODEC_NAMES):
+            raise ValueError(f"--step-codec {self.step_codec!r}: policy, same or one of {', '.join(CODEC_NAMES)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,9 +205,22 @@ class EdgeInputs:
     decode: list[P.EncodedTensor]
 
 
-def edge_inputs(spec: dict, welcome: P.Welcome, codec_name: str) -> EdgeInputs:
+def decode_codec(choice: str, prompt_codec: str, offered: list[str]) -> str:
+    """The decode steps' codec for ``--step-codec`` ``choice`` (LoadConfig.step_codec) when the prompt travels in
+    ``prompt_codec`` and the server accepts ``offered``."""
+    if choice == "same":
+        return prompt_codec
+    if choice == "policy":
+        return step_codec(PrecisionPlan(codec=prompt_codec, compute="bf16"), available_codecs=offered)
+    if choice not in offered:
+        raise RuntimeError(f"--step-codec {choice}: not accepted by the server ({offered})")
+    return choice
+
+
+def edge_inputs(spec: dict, welcome: P.Welcome, codec_name: str, step_name: str | None = None) -> EdgeInputs:
     calib = spec["calibration"]
     codec = available_codecs(calib)[codec_name]
+    step = available_codecs(calib)[step_name or codec_name]
     rng = np.random.default_rng(spec["seed"])
     h, prompt = spec["hidden"], spec["prompt"]
     recorded = np.load(spec["states"]).astype(np.float32) if spec["states"] else None  # [N, H]
@@ -212,7 +237,7 @@ def edge_inputs(spec: dict, welcome: P.Welcome, codec_name: str) -> EdgeInputs:
 
     prompts = [prefill_messages("template", states(prompt, True), codec, welcome.limits, params=params)
                for _ in range(PROMPT_BANK)]
-    decode = [codec.encode(states(1, False)) for _ in range(DECODE_BANK)]  # [1, H] each
+    decode = [step.encode(states(1, False)) for _ in range(DECODE_BANK)]  # [1, H] each
     return EdgeInputs(codec_name, prompts, decode)
 
 
@@ -306,14 +331,16 @@ async def worker_main(spec: dict) -> dict:
     codec = next((c for c in spec["codecs"] if c in edges[0].welcome.codecs), None)
     if codec is None:
         raise RuntimeError(f"no codec of {spec['codecs']} accepted (server: {edges[0].welcome.codecs})")
-    inputs = edge_inputs(spec, edges[0].welcome, codec)
-    print(json.dumps({"ready": len(edges), "codec": codec}), flush=True)
+    step = decode_codec(spec["step_codec"], codec, list(edges[0].welcome.codecs))
+    inputs = edge_inputs(spec, edges[0].welcome, codec, step)
+    print(json.dumps({"ready": len(edges), "codec": codec, "step_codec": step}), flush=True)
     line = await loop.run_in_executor(None, sys.stdin.readline)
     if line.strip() != "go":
         raise RuntimeError(f"expected 'go' from the parent, got {line!r}")
     cpu0 = sum(os.times()[:2])
     await asyncio.gather(*(e.run(inputs, spec["prompt"], spec["gen"], spec["timeout"]) for e in edges))
-    return {"sessions": [e.result() for e in edges], "cpu_s": sum(os.times()[:2]) - cpu0, "codec": codec}
+    return {"sessions": [e.result() for e in edges], "cpu_s": sum(os.times()[:2]) - cpu0, "codec": codec,
+            "step_codec": step}
 
 
 def worker_entry() -> int:
@@ -438,7 +465,8 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
     outdir = Path(tempfile.mkdtemp(prefix="served-load-level-"))  # each worker's result file
     for w, count in enumerate(share):
         spec = {"url": url, "api_key": cfg.api_key, "bundle_id": manifest.bundle_id, "hidden": manifest.hidden_size,
-                "calibration": calibration, "codecs": list(codecs), "first": first, "count": count,
+                "calibration": calibration, "codecs": list(codecs), "step_codec": cfg.step_codec,
+                "first": first, "count": count,
                 "prompt": cfg.prompt, "gen": cfg.gen, "seed": cfg.seed * 1000 + w,
                 "states": str(cfg.states) if cfg.states else None, "timeout": cfg.level_timeout_s,
                 "result_path": str(outdir / f"worker{w}.json")}
@@ -449,7 +477,9 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
         p.stdin.flush()
         workers.append(p)
     try:
-        used = {_read_line(p, "ready", cfg.level_timeout_s)["codec"] for p in workers}
+        ready = [_read_line(p, "ready", cfg.level_timeout_s) for p in workers]
+        used = {r["codec"] for r in ready}
+        steps = {r["step_codec"] for r in ready}
         spy = None
         if py_spy_out is not None and server_pid is not None:
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(server_pid), "--subprocesses", "--nonblocking",
@@ -485,7 +515,8 @@ def run_level(cfg: LoadConfig, url: str, manifest: Manifest, calibration: dict |
     rec.update(engine_time_figures(scraped0, scraped))
     if spy is not None and py_spy_out.is_file():
         rec["profile_s"] = profile_summary(py_spy_out, PY_SPY_RATE)
-    rec.update(procs=procs, workers=cfg.workers[0], loop=cfg.loops[0], codec=",".join(sorted(used)), wall_s=wall,
+    rec.update(procs=procs, workers=cfg.workers[0], loop=cfg.loops[0], codec=",".join(sorted(used)),
+               step_codec=",".join(sorted(steps)), wall_s=wall,
                server_cpu_s=server_cpu, server_loop_cpu_s=loop_cpu,
                loop_us_per_token=1e6 * loop_cpu / rec["tokens"] if loop_cpu is not None and rec["tokens"] else None,
                client_cpu_s=sum(r["cpu_s"] for r in results),
@@ -880,7 +911,10 @@ def _run_server(cfg: LoadConfig, command: str) -> dict:
                               "source": manifest.source},
                    "records": []}
             run_level(cfg, url, manifest, calibration, 1, cfg.codecs, None, None)  # warm-up: first-call costs
-            sweep = [(c,) for c in cfg.sweep_codecs] or [cfg.codecs]
+            # a swept codec is the only prompt codec offered; the policy's step codecs are offered beside it
+            extra = DEFAULT_POLICY.step_codecs if cfg.step_codec == "policy" else (
+                () if cfg.step_codec == "same" else (cfg.step_codec,))
+            sweep = [(c, *(x for x in extra if x != c)) for c in cfg.sweep_codecs] or [cfg.codecs]
             for codecs in sweep:
                 for s in cfg.sessions:
                     # the profile: the first codec's largest level
@@ -949,6 +983,9 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
     ap.add_argument("--gen", type=int, default=d["gen"].default, help="tokens per session")
     ap.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="codec preference order (Hello)")
     ap.add_argument("--sweep-codecs", default="", help="run every level once per codec (e.g. int8-outlier,bf16)")
+    ap.add_argument("--step-codec", default=d["step_codec"].default,
+                    help="decode steps' codec: policy (what the default EdgeClient sends: fp16 where offered), "
+                         "same (the prompt's codec), or a codec name")
     ap.add_argument("--procs", type=int, default=0, help="load-generator processes (0: half the cores)")
     ap.add_argument("--workers", default="1", help="the server's front-end processes (`serve --workers`); several, "
                                                   "comma-separated: one server per value, in turn")
@@ -973,7 +1010,7 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
                           gather_max_ms=a.gather_max_ms,
                           server_args=a.server_args, sessions=tuple(int(x) for x in a.sessions.split(",") if x),
                           prompt=a.prompt, gen=a.gen, codecs=tuple(c for c in a.codecs.split(",") if c),
-                          sweep_codecs=tuple(c for c in a.sweep_codecs.split(",") if c),
+                          sweep_codecs=tuple(c for c in a.sweep_codecs.split(",") if c), step_codec=a.step_codec,
                           procs=a.procs, workers=tuple(int(x) for x in a.workers.split(",") if x),
                           loops=tuple(x for x in a.loops.split(",") if x),
                           api_key=a.api_key, states=a.states, seed=a.seed,

@@ -39,6 +39,7 @@ def test_four_sessions_against_a_real_server(tiny_bundle, tmp_path):
     assert rec["tokens"] == 4 * 9  # every session got exactly --gen tokens, indices in order, finish "length"
     assert rec["procs"] == 2
     assert rec["codec"] == "int8-outlier"  # the tiny bundle is calibrated: the realistic codec was negotiated
+    assert rec["step_codec"] == "fp16"  # decode steps as the default EdgeClient sends them (--step-codec policy)
     assert rec["served_tokens_per_s"] > 0 and rec["served_tokens_per_s_overall"] > 0
     assert 0 < rec["itl_p50_ms"] <= rec["itl_p99_ms"]
     assert 0 < rec["ttft_p50_ms"] <= rec["ttft_p99_ms"]
@@ -53,6 +54,19 @@ def test_four_sessions_against_a_real_server(tiny_bundle, tmp_path):
     h = Manifest.load(tiny_bundle).hidden_size
     assert 40 * h < rec["uplink_bytes_per_session"] < 2 * 48 * h + 2048
     assert res["server"]["bundle_id"] == Manifest.load(tiny_bundle).bundle_id
+
+
+def test_step_codec_choices_follow_the_client_policy():
+    offered = ["int8-outlier", "int8-b32", "fp16"]
+    assert served_load.decode_codec("policy", "int8-outlier", offered) == "fp16"
+    assert served_load.decode_codec("policy", "int8-outlier", ["int8-outlier"]) == "int8-outlier"  # no fp16 offered
+    assert served_load.decode_codec("policy", "int4-outlier", offered + ["int4-outlier"]) == "int4-outlier"  # compact
+    assert served_load.decode_codec("same", "int8-outlier", offered) == "int8-outlier"
+    assert served_load.decode_codec("int8-b32", "int8-outlier", offered) == "int8-b32"
+    with pytest.raises(RuntimeError, match="not accepted"):
+        served_load.decode_codec("bf16", "int8-outlier", offered)
+    with pytest.raises(SystemExit):
+        served_load.parse_args(["--preset", "tiny-glm4", "--step-codec", "zip"])
 
 
 @pytest.mark.slow  # two servers' sweeps; the default suite keeps test_four_sessions_against_a_real_server
