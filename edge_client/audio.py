@@ -136,7 +136,10 @@ def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarra
     dtype = {1: np.uint8, 2: np.int16, 4: np.int32}.get(width)
     if dtype is None:
         raise MediaError(f"unsupported WAV sample width {width * 8} bits", "unsupported_format")
-    pcm = np.frombuffer(raw[: len(raw) - len(raw) % (width * channels)], dtype=dtype)
+    if len(raw) < n * width * channels:  # the data chunk ends before the frames its header declares
+        raise MediaError(f"truncated WAV: {len(raw) // (width * channels)} of the {n} frames its header declares",
+                         "bad_audio")
+    pcm = np.frombuffer(raw[: n * width * channels], dtype=dtype)
     x = (pcm.astype(np.float32) - 128) / 128 if width == 1 else pcm.astype(np.float32) / float(1 << (8 * width - 1))
     return x.reshape(-1, channels).mean(axis=1), rate
 

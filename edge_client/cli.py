@@ -20,6 +20,17 @@ import sys
 from pathlib import Path
 
 
+def port_number(text: str) -> int:
+    """argparse type of a TCP port to listen on: 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return port
+
+
 def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
     g = p.add_argument_group("edge runtime (env: AUTOGLM_EDGE_<FIELD>)")
     g.add_argument("--bundle", type=Path, help="bundle directory (env AUTOGLM_BUNDLE)")
@@ -63,6 +74,10 @@ def _client(args):
 
 
 def cmd_chat(args) -> int:
+    from .request import RequestSpec
+
+    # the per-answer flags, checked before the bundle loads (the rules of every request: RequestSpec)
+    RequestSpec(prompt_ids=[0], max_tokens=args.max_tokens, temperature=args.temperature, precision=args.precision)
     client = _client(args)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("autoglm-edge chat: empty line or Ctrl-D quits; Ctrl-C stops an answer.", file=sys.stderr)
@@ -179,6 +194,8 @@ class _Bar:
 def cmd_demo(args) -> int:
     from .demo import DEMO_PROMPT, run_demo
 
+    if args.max_tokens < 1 or args.threads < 1:  # checked before minutes of building the bundle
+        raise ValueError(f"--max-tokens ({args.max_tokens}) and --threads ({args.threads}) must be >= 1")
     run_demo(prompt=args.prompt or DEMO_PROMPT, max_tokens=args.max_tokens, bundle=args.bundle,
              rebuild=args.rebuild, threads=args.threads, port=args.port)
     return 0
@@ -206,10 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--media-dir", default=os.environ.get("AUTOGLM_EDGE_MEDIA_DIR"),
                        help="the one folder whose images image_url parts may name by local path (default: none)")
-    serve.add_argument("--port", type=int, default=8001)
+    serve.add_argument("--port", type=port_number, default=8001)
     serve.add_argument("--model-name", help="model id reported by /v1/models (default: from the bundle id)")
     serve.add_argument("--local-api-key", help="require this Bearer key from local apps (default: none)")
-    serve.add_argument("--log-level", default="warning")
+    serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug",
+                                                                  "trace"))
     serve.set_defaults(func=cmd_serve)
 
     pre = sub.add_parser("preload", help="fill the persistent activation cache with common prompts")
@@ -226,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--bundle", type=Path, help="bundle path (default: $AUTOGLM_CACHE/bundles/smollm2-l8)")
     demo.add_argument("--rebuild", action="store_true", help="rebuild the cached bundle")
     demo.add_argument("--threads", type=int, default=2)
-    demo.add_argument("--port", type=int, help="cloud server port (default: a free one)")
+    demo.add_argument("--port", type=port_number, help="cloud server port (default: a free one)")
     demo.set_defaults(func=cmd_demo)
     return p
 

@@ -41,7 +41,7 @@ from .activation_cache import ActivationCache
 from .config import EdgeConfig
 from .errors import EdgeClientError
 from .request import RequestSpec, RequestStats
-from .front import FrontRuntime
+from .front import FrontError, FrontRuntime
 from .generation import Session
 from .media import MediaEncoders, MediaPart, MediaPolicy, assemble, extract_parts
 from .tokenizer import EdgeTokenizer
@@ -130,7 +130,7 @@ class EdgeClient:
             return
         self._closed = True
         try:
-            self._call(self.session.close(), timeout=5.0)
+            asyncio.run_coroutine_threadsafe(self.session.close(), self._loop).result(5.0)
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -143,7 +143,15 @@ class EdgeClient:
         self.close()
 
     def _call(self, coro, timeout: float | None = None):
+        if self._closed:
+            coro.close()  # never scheduled: no "never awaited" warning
+            self._check_open()
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _check_open(self) -> None:
+        """A closed client's loop has stopped: a request would wait forever, so it is refused at once."""
+        if self._closed:
+            raise EdgeClientError("the client is closed", "closed")
 
     def warmup_encoders(self, kinds: tuple[str, ...] = ("image", "audio")) -> dict[str, float]:
         """Load the bundle's encoders of ``kinds`` now and run each once; kind -> seconds taken."""
@@ -156,6 +164,7 @@ class EdgeClient:
         """The request; media (message parts, ``images=`` / ``audio=`` for placeholders in ``prompt`` /
         ``prompt_ids``) are loaded, checked and encoded here: a bad one raises EdgeClientError before any
         network traffic."""
+        self._check_open()
         try:
             return self._media_spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs,
                                     images, audio, **sampling)
@@ -170,6 +179,10 @@ class EdgeClient:
         given = sum(x is not None for x in (prompt, messages, prompt_ids))
         if given != 1:
             raise ValueError("pass exactly one of prompt=, messages= or prompt_ids=")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__} (token ids go in prompt_ids=)")
+        if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
+            raise ValueError("messages must be a list of {\"role\": ..., \"content\": ...} dicts")
         parts: list[MediaPart] = []
         if messages is not None:
             messages, parts = extract_parts(messages, self._placeholder)
@@ -180,6 +193,13 @@ class EdgeClient:
         ids = list(prompt_ids) if prompt_ids is not None else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
+        try:
+            self.runtime.check_ids(ids)
+        except FrontError as e:
+            raise ValueError(f"prompt_ids: {e}") from None
+        if len(ids) > self.runtime.max_positions:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds the edge graph's {self.runtime.max_positions} "
+                             "positions")
         parts += [MediaPart("image", x) for x in images or []] + [MediaPart("audio", x) for x in audio or []]
         if not parts:
             return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)
@@ -216,7 +236,7 @@ class EdgeClient:
         t0 = self.media.seconds
         spec = self._spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs, images, audio,
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          stop=list(stop or []), precision=precision, speculate=speculate)
+                          stop=_stops(stop), precision=precision, speculate=speculate)
         decision = self._decide(spec, privacy, mode)
         q: queue.Queue = queue.Queue()
         gen = Generation(self, spec, q)
@@ -309,6 +329,7 @@ class EdgeClient:
         chat template (``as_system``), so their blocks match the start of real requests; set
         ``as_system=False`` to cache raw text. Only the front runs; the cloud learns the prefix from the
         first request that uses it (its hidden states come from this cache, not the front layers)."""
+        self._check_open()
         prompts = _read_prompts(Path(path))
         tokens = 0
         for p in prompts:
@@ -331,8 +352,13 @@ def _sampling_defaults(kw: dict) -> dict:
     if unknown:
         raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")
     out.update(kw)
-    out["stop"] = list(out["stop"] or [])
+    out["stop"] = _stops(out["stop"])
     return out
+
+
+def _stops(stop) -> list:
+    """``stop=`` as OpenAI takes it: one string or a list of them (a string is one stop, not its characters)."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:

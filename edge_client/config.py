@@ -23,8 +23,12 @@ class ConfigError(ValueError):
 def split_url(url: str) -> str:
     """The split endpoint's WebSocket URL for ``url``: a server's base URL (``ws://host:port`` or ``.../v1``,
     as an OpenAI client takes ``base_url``) gets ``/v1/split``; any other path is kept as given."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("ws", "wss") or not parts.netloc:
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname, parts.port  # parsing the port raises ValueError when it is not one
+    except (ValueError, TypeError, AttributeError) as e:  # a bracket left open, a port out of range, not a string
+        raise ConfigError(f"url {url!r}: {e}") from None
+    if parts.scheme not in ("ws", "wss") or not host:
         raise ConfigError(f"url {url!r}: expected ws:// or wss:// and a host (the server's base URL, or its "
                           f"{DEFAULT_SPLIT_PATH} endpoint)")
     path = parts.path.rstrip("/")
@@ -129,6 +133,22 @@ class EdgeConfig:
             raise ConfigError(f"draft_k must be >= 0, got {self.draft_k}")
         if self.cache_dtype not in ("float32", "float16"):
             raise ConfigError(f"cache_dtype {self.cache_dtype!r}: expected float32 or float16")
+        if self.codec is not None:
+            from shared.precision import PrecisionError, PrecisionOverride
+
+            try:
+                PrecisionOverride(codec=self.codec)
+            except PrecisionError as e:
+                raise ConfigError(str(e)) from None
+        if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
+            raise ConfigError(f"cache_dir {self.cache_dir}: exists and is not a directory")
+        if self.ca_file is not None:
+            from .tls import trust_context
+
+            try:
+                trust_context(self.ca_file)
+            except (FileNotFoundError, ValueError) as e:
+                raise ConfigError(str(e)) from None
 
     @classmethod
     def from_env(cls, **overrides) -> EdgeConfig:

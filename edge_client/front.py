@@ -284,6 +284,10 @@ class FrontRuntime:
         if names != expected:
             raise BundleError(f"{path}: inputs {sorted(names)[:4]}... do not match a {self.n_layers}-layer "
                               f"front graph")
+        kv_shape = next(i.shape for i in self.session.get_inputs() if i.name == "past_key.0")  # [1, KVH, P, D]
+        for axis, what, want in ((1, "num_kv_heads", self.kv_heads), (3, "head_dim", self.head_dim)):
+            if isinstance(kv_shape[axis], int) and kv_shape[axis] != want:
+                raise BundleError(f"{path}: the graph's KV has {what} {kv_shape[axis]}, the manifest says {want}")
         meta = self.session.get_modelmeta().custom_metadata_map
         self.max_positions = int(meta.get(MAX_POSITIONS_KEY, 1 << 20))
         self.mrope_params = json.loads(meta[MROPE_KEY]) if self.mrope else None
@@ -401,7 +405,8 @@ class FrontRuntime:
         self.stats.count(t0, ids.shape[0])
         return hidden
 
-    def _check_ids(self, ids) -> np.ndarray:
+    def check_ids(self, ids) -> np.ndarray:
+        """``ids`` as int64 [S]; FrontError for an id outside the vocabulary."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)  # [S]
         if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
             bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
@@ -410,7 +415,7 @@ class FrontRuntime:
 
     def prefill(self, ids, start_pos: int | None = None) -> np.ndarray:
         """Run tokens at positions [len, len + S) in chunks; returns boundary hidden states [S, H]."""
-        arr = self._check_ids(ids)
+        arr = self.check_ids(ids)
         if start_pos is not None and start_pos != self.length:
             raise FrontError(f"prefill at position {start_pos}, but the cache holds {self.length}")
         if arr.size == 0:
@@ -431,7 +436,7 @@ class FrontRuntime:
 
     def prefill_media_chunks(self, ids, positions: np.ndarray | None, embeds: np.ndarray, mask: np.ndarray):
         """``prefill_media`` yielding ``(start_pos, hidden [n, H])`` per chunk (as ``prefill_chunks``)."""
-        arr = self._check_ids(ids)
+        arr = self.check_ids(ids)
         s = arr.size
         if not self.embeds_input:
             raise FrontError("this edge graph takes no media (split without an encoder)")
@@ -450,7 +455,7 @@ class FrontRuntime:
 
     def prefill_chunks(self, ids):
         """Like ``prefill`` but yields ``(start_pos, hidden [n, H])`` per chunk, so sending can overlap."""
-        arr = self._check_ids(ids)
+        arr = self.check_ids(ids)
         for i in range(0, arr.size, self.chunk):
             start = self.length
             yield start, self._run(arr[i:i + self.chunk])
@@ -459,13 +464,13 @@ class FrontRuntime:
         """One token at position ``len`` through the decode graph; returns its boundary hidden state [1, H]."""
         if pos is not None and pos != self.length:
             raise FrontError(f"decode at position {pos}, but the cache holds {self.length}")
-        return self._run(self._check_ids([token]), prompt=False)
+        return self._run(self.check_ids([token]), prompt=False)
 
     def step(self, ids) -> np.ndarray:
         """Tokens at positions [len, len + S) through the *decode* graph in one call (a speculative step's
         last token and k drafts; generated tokens): their boundary states [S, H]. Without a prompt-phase
         graph this is ``prefill`` in one chunk."""
-        arr = self._check_ids(ids)
+        arr = self.check_ids(ids)
         if arr.size == 0:
             return np.zeros((0, self.hidden_size), dtype=np.float32)
         return self._run(arr, prompt=False)

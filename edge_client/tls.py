@@ -31,9 +31,18 @@ def client_context(url: str, ca_file: str | Path | None = None) -> ssl.SSLContex
     """The TLS context for ``url`` (None for ``ws://``). Raises ``FileNotFoundError`` for a missing CA file."""
     if urlsplit(url).scheme != "wss":
         return None
+    return trust_context(ca_file)
+
+
+def trust_context(ca_file: str | Path | None = None) -> ssl.SSLContext:
+    """A verifying client context trusting ``ca_file`` (None: the system store). ``FileNotFoundError`` for a missing
+    file, ``ValueError`` for one that holds no PEM certificate."""
     if ca_file is not None and not Path(ca_file).is_file():
         raise FileNotFoundError(f"ca_file {ca_file}: no such file")
-    return ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
+    try:
+        return ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
+    except ssl.SSLError as e:
+        raise ValueError(f"ca_file {ca_file}: no PEM CA certificate in it ({e.reason or e})") from None
 
 
 def speaks_tls(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:

@@ -103,7 +103,7 @@ class Link:
             headers[ROUTE_HEADER] = self.route_key
         try:
             context = tls.client_context(self.url, self.ca_file)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:  # the CA file went missing or holds no certificate
             raise HandshakeRefused("tls_error", str(e)) from None
         try:
             self.ws = await asyncio.wait_for(

@@ -153,9 +153,14 @@ def decode_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int 
         raise
     except UnidentifiedImageError:
         raise MediaError("not a recognised image (corrupt, or an unsupported format)", "bad_image") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError as e:  # PIL's own guard fires in open() for a header over ~179 M pixels
+        raise MediaError(f"image exceeds the {max_pixels}-pixel limit ({str(e).split(',')[0]})",
+                         "image_too_large") from None
+    except (OSError, ValueError, SyntaxError) as e:
         raise MediaError(f"cannot decode the image: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                          "bad_image") from None
+    if img.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit grayscale (PNG): to 8 bits, where convert() would clip
+        img = Image.fromarray((np.clip(np.asarray(img, np.int64), 0, 65535) >> 8).astype(np.uint8))  # mode L
     if "A" in img.getbands() or img.info.get("transparency") is not None:
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

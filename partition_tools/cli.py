@@ -42,10 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--audio-encoder", default=_env("AUDIO_ENCODER"),
                    help="attach an audio encoder: a Whisper checkpoint dir with projector.json/.safetensors, "
                         "or the random preset tiny-whisper (GLM-4.1V ships none)")
-    s.add_argument("--tail", type=int, default=int(_env("TAIL", 0)),
+    s.add_argument("--tail", type=int, default=_env("TAIL", "0"),
                    help="M > 0: a u-shape bundle, the last M layers + norm + lm_head on the edge too (the cloud "
                         "runs the middle and never sees an output token)")
-    s.add_argument("--seed", type=int, default=int(_env("SEED", 0)), help="seed for random-weight presets")
+    s.add_argument("--seed", type=int, default=_env("SEED", "0"), help="seed for random-weight presets")
 
     d = sub.add_parser("draft-head", help="add a calibrated draft head to a bundle (self-speculative drafts)")
     d.add_argument("bundle")
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", default=_env("LAYERS"),
                    help="a layer-skipping drafter instead of the lens: 'auto' (greedy search for --budget of the "
                         "cloud's layers on calibration data) or the cloud layers, comma-separated (e.g. 8,12,29)")
-    d.add_argument("--budget", type=int, default=int(_env("BUDGET", 6)), help="M: layers --layers auto picks")
+    d.add_argument("--budget", type=int, default=_env("BUDGET", "6"), help="M: layers --layers auto picks")
     d.add_argument("--cloud", action="store_true",
                    help="the cloud drafter instead: a table mapping each token to an approximate boundary state, so "
                         "the server drafts the next tokens with its own layers (cloud/draft_inputs.npy)")
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("bundle")
     v.add_argument("--source", default=_env("SOURCE"), help="reference model (default: the manifest's source)")
     v.add_argument("--text", default=_env("TEXT"), help="UTF-8 text file to evaluate on (default: built-in sample)")
-    v.add_argument("--max-tokens", type=int, default=int(_env("MAX_TOKENS", 1024)), help="tokens to evaluate")
+    v.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS", "1024"), help="tokens to evaluate")
     v.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
     i = sub.add_parser("inspect", help="show what a bundle holds and re-check its hashes")
@@ -77,13 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="choose the split layer N from measured edge/cloud/link costs")
     pl.add_argument("source", help="checkpoint directory, .gguf file or preset name")
     pl.add_argument("--link", default=_env("LINK", "4g"), help="link profile: wifi, 5g, 4g, 3g-poor (default 4g)")
-    pl.add_argument("--edge-threads", type=int, default=int(_env("EDGE_THREADS", 2)), help="edge onnxruntime threads")
+    pl.add_argument("--edge-threads", type=int, default=_env("EDGE_THREADS", "2"), help="edge onnxruntime threads")
     pl.add_argument("--bundle", default=_env("BUNDLE"), help="time this bundle's front instead of a probe export")
     pl.add_argument("--cloud-results", default=_env("CLOUD_RESULTS"),
                     help="cloud costs from a cloud_gpu.json (default: measure torch on this CPU)")
-    pl.add_argument("--cloud-threads", type=int, default=int(_env("CLOUD_THREADS", 1)), help="CPU cloud threads")
+    pl.add_argument("--cloud-threads", type=int, default=_env("CLOUD_THREADS", "1"), help="CPU cloud threads")
     pl.add_argument("--codec", default=_env("CODEC", "int8-outlier"), help="wire codec of the prediction")
-    pl.add_argument("--edge-memory-mb", type=float, default=float(_env("EDGE_MEMORY_MB", 1024)),
+    pl.add_argument("--edge-memory-mb", type=float, default=_env("EDGE_MEMORY_MB", "1024"),
                     help="edge memory budget (MB)")
     pl.add_argument("--candidates", default=_env("CANDIDATES"), help="split layers to try, comma-separated")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -235,9 +235,13 @@ def _cmd_plan(args) -> int:
 
     try:
         link = get_profile(args.link)
-        cands = [int(x) for x in args.candidates.split(",")] if args.candidates else None
-    except (LinkProfileError, ValueError) as e:
+    except LinkProfileError as e:
         raise UsageError(str(e)) from None
+    try:
+        cands = [int(x) for x in args.candidates.split(",")] if args.candidates else None
+    except ValueError:
+        raise UsageError(f"--candidates {args.candidates!r}: expected split layers, comma-separated (e.g. 2,4,8)") \
+            from None
     cfg = PlanConfig(link=link, edge_threads=args.edge_threads, cloud_threads=args.cloud_threads, codec=args.codec,
                      edge_memory_mb=args.edge_memory_mb, candidates=cands,
                      cloud_results=Path(args.cloud_results) if args.cloud_results else None)
@@ -256,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from .adapters import UnsupportedArchitecture
     from .models import ModelLoadError
+    from .plan import PlanError
 
-    expected = (UsageError, BundleError, ModelLoadError, UnsupportedArchitecture, FileNotFoundError,
+    expected = (UsageError, BundleError, ModelLoadError, UnsupportedArchitecture, PlanError, FileNotFoundError,
                 PermissionError, IsADirectoryError)
     handlers = {"split": _cmd_split, "draft-head": _cmd_draft_head, "verify": _cmd_verify, "inspect": _cmd_inspect, "plan": _cmd_plan}
     return run_command("autoglm-partition", args.command, handlers[args.command], args, expected)

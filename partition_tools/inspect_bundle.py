@@ -23,7 +23,7 @@ def inspect_bundle(bundle_dir: str | Path) -> dict:
             status = "ok"
         if status != "ok":
             problems.append(f"{rel}: {status}")
-        sizes[art.role] += art.bytes
+        sizes["cloud" if art.role == "cloud-draft" else art.role] += art.bytes  # the cloud drafter's table: cloud side
         files.append({"path": rel, "role": art.role, "bytes": art.bytes, "status": status})
     return {
         "bundle_id": m.bundle_id,

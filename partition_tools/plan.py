@@ -96,8 +96,17 @@ class PlanConfig:
     candidates: list[int] | None = None  # split layers to evaluate (default: a spread over [1, L))
 
     def __post_init__(self):
+        from shared.codecs import BASIS_CODECS, CODEC_NAMES
+
         if self.edge_threads < 1 or self.cloud_threads < 1:
             raise PlanError("edge and cloud threads must be >= 1")
+        sized = [c for c in CODEC_NAMES if c not in BASIS_CODECS]  # the codecs codec_bytes_per_token sizes
+        if self.codec not in sized:
+            raise PlanError(f"--codec {self.codec!r}: expected one of {', '.join(sized)}")
+        if not self.edge_memory_mb > 0:
+            raise PlanError(f"--edge-memory-mb {self.edge_memory_mb:g}: expected > 0")
+        if self.candidates is not None and (not self.candidates or min(self.candidates) < 1):
+            raise PlanError(f"--candidates {self.candidates}: expected split layers >= 1")
 
 
 # -- measurements ---------------------------------------------------------------------------------
@@ -379,6 +388,8 @@ def default_candidates(num_layers: int) -> list[int]:
 def measure_costs(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) -> Costs:
     adapter = ModelAdapter(lm.model)
     L = adapter.num_layers
+    if cfg.candidates and max(cfg.candidates) >= L:
+        raise PlanError(f"--candidates {max(cfg.candidates)}: the model has {L} layers (split layers 1 to {L - 1})")
     contexts = sorted({cfg.chat.prompt_tokens + cfg.chat.output_tokens // 2,
                        cfg.agent.prompt_tokens + cfg.agent.output_tokens // 2})
     with tempfile.TemporaryDirectory() as tmp, _Pinned(cfg.edge_cores):

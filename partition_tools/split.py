@@ -57,6 +57,21 @@ class SplitConfig:
         if self.float_outliers is not None and self.float_outliers < 0:
             raise BundleError(f"float_outliers {self.float_outliers}: expected >= 0")
         self.out = Path(self.out)
+        check_out_dir(self.out)
+
+
+def check_out_dir(out: Path) -> None:
+    """``out`` can take a bundle: absent, an empty directory or an earlier bundle (replaced); BundleError otherwise,
+    checked before the model loads."""
+    if out.is_symlink():
+        raise BundleError(f"--out {out}: a symbolic link (an updated edge bundle?); give its target or a new directory")
+    if out.exists() and not out.is_dir():
+        raise BundleError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+        raise BundleError(f"--out {out}: exists and is not a bundle; refusing to overwrite")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise BundleError(f"--out {out}: {parent} is not a directory")
 
 
 def sample_text() -> str:
@@ -122,9 +137,8 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     started = time.perf_counter()
     cfg = replace(cfg, edge_quant=resolve_edge_quant(cfg.edge_quant, adapter, cfg.layer))
     out = cfg.out
+    check_out_dir(out)
     if out.exists() and any(out.iterdir()):
-        if not (out / "manifest.json").is_file():
-            raise BundleError(f"{out}: exists and is not a bundle; refusing to overwrite")
         shutil.rmtree(out)
     (out / "edge").mkdir(parents=True, exist_ok=True)
     (out / "cloud").mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the split, all-cloud and all-edge on localhost over an emulated link")
     d.add_argument("--profile", default=_env("PROFILE", "4g"), help="link profile (default 4g) "
                                                                     "[env AUTOGLM_RIG_PROFILE]")
-    d.add_argument("--threads", type=int, default=int(_env("THREADS", 1)),
+    d.add_argument("--threads", type=int, default=_env("THREADS", "1"),
                    help="onnxruntime threads of the simulated phone (default 1) [env AUTOGLM_RIG_THREADS]")
     d.add_argument("--out", default=_env("OUT"), help="report directory (default: a temporary one) "
                                                       "[env AUTOGLM_RIG_OUT]")

@@ -142,7 +142,10 @@ def load_scenario(path: str | Path) -> Scenario:
     path = Path(path)
     if not path.is_file():
         raise ScenarioError(f"{path}: no such scenario file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ScenarioError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if path.suffix in (".yaml", ".yml"):
         import yaml
 

@@ -77,6 +77,7 @@ class Manifest:
     tail_layers: int = 0  # M: u-shape bundles run layers [L - M, L) + norm + lm_head on the edge too
 
     def __post_init__(self):
+        _check_fields(self)
         if not 0 < self.split_layer < self.num_layers:
             raise BundleError(f"split layer {self.split_layer} must be in [1, {self.num_layers - 1}]")
         if isinstance(self.tail_layers, bool) or not isinstance(self.tail_layers, int) or self.tail_layers < 0 \
@@ -84,6 +85,8 @@ class Manifest:
             raise BundleError(f"tail of {self.tail_layers!r} layers: the cloud must keep at least one of layers "
                               f"[{self.split_layer}, {self.num_layers})")
         self.artifacts = {k: v if isinstance(v, Artifact) else Artifact(**v) for k, v in self.artifacts.items()}
+        for rel, art in self.artifacts.items():
+            _check_artifact(rel, art)
 
     # -- identity ---------------------------------------------------------------------------
     def compute_bundle_id(self) -> str:
@@ -153,6 +156,8 @@ class Manifest:
             m = cls(**raw)
         except TypeError as e:
             raise BundleError(f"{path}: malformed manifest ({e})") from None
+        except BundleError as e:
+            raise BundleError(f"{path}: {e}") from None
         if m.bundle_id != m.compute_bundle_id():
             raise BundleError(f"{path}: bundle id does not match its contents (manifest edited?)")
         return m
@@ -175,6 +180,51 @@ class Manifest:
                 raise BundleError(f"{p}: {size} bytes, manifest says {art.bytes} (truncated or replaced)")
             if sha256_file(p) != art.sha256:
                 raise BundleError(f"{p}: sha256 mismatch (tampered or corrupt)")
+
+
+ARTIFACT_ROLES = ("edge", "cloud", "shared", "cloud-draft")
+_INT_FIELDS = ("format_version", "split_layer", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+               "vocab_size", "tail_layers")
+_POSITIVE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
+_STR_FIELDS = ("source", "source_identity", "architecture", "model_type", "edge_quant", "edge_dtype", "cloud_dtype",
+               "bundle_id")
+_DICT_FIELDS = ("rope", "quant_report", "artifacts")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_fields(m: Manifest) -> None:
+    """Every field of the JSON type it must have (a hand-edited manifest fails here, naming the field, rather than
+    deep inside a loader): BundleError."""
+    for name in _INT_FIELDS:
+        if not _is_int(getattr(m, name)):
+            raise BundleError(f"{name} {getattr(m, name)!r}: expected an integer")
+    for name in _POSITIVE_FIELDS:
+        if getattr(m, name) < 1:
+            raise BundleError(f"{name} {getattr(m, name)!r}: expected >= 1")
+    for name in _STR_FIELDS:
+        if not isinstance(getattr(m, name), str):
+            raise BundleError(f"{name} {getattr(m, name)!r}: expected a string")
+    for name in _DICT_FIELDS:
+        if not isinstance(getattr(m, name), dict):
+            raise BundleError(f"{name}: expected a JSON object, got {type(getattr(m, name)).__name__}")
+    if not isinstance(m.eos_token_ids, list) or not all(_is_int(t) and t >= 0 for t in m.eos_token_ids):
+        raise BundleError(f"eos_token_ids {m.eos_token_ids!r}: expected a list of token ids")
+
+
+def _check_artifact(rel, art: Artifact) -> None:
+    """An artifact entry: a relative path inside the bundle, a sha256, a size, a known role."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel \
+            or any(part in ("", ".", "..") for part in rel.split("/")):
+        raise BundleError(f"artifact path {rel!r}: expected a relative path inside the bundle")
+    if not isinstance(art.sha256, str):
+        raise BundleError(f"artifact {rel}: sha256 {art.sha256!r}: expected a string")
+    if not _is_int(art.bytes) or art.bytes < 0:
+        raise BundleError(f"artifact {rel}: bytes {art.bytes!r}: expected a size >= 0")
+    if art.role not in ARTIFACT_ROLES:
+        raise BundleError(f"artifact {rel}: role {art.role!r}: expected one of {', '.join(ARTIFACT_ROLES)}")
 
 
 def sha256_file(path: Path) -> str:

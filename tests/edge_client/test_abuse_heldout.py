@@ -1,0 +1,235 @@
+"""Held-out abuse cases for the edge side: bad URLs and config values, misuse of the EdgeClient API, damaged
+bundles and media at the edge's boundary. Each must fail at once with a typed, one-line error (never a hang, a
+traceback or a silently wrong result)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import struct
+import threading
+import wave
+import zlib
+
+import numpy as np
+import pytest
+
+from edge_client.cli import main as edge_main
+from edge_client.config import ConfigError, EdgeConfig, split_url
+from shared.manifest import BundleError
+
+DEAD_URL = "ws://127.0.0.1:9"  # nothing listens: a request that got past validation would fail to connect
+
+
+# -- URLs and config ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url, match", [
+    ("ws://127.0.0.1:99999", "Port out of range"),
+    ("ws://[::1", "Invalid IPv6"),
+    ("ws://:8000", "expected ws:// or wss:// and a host"),
+    ("localhost:8000", "expected ws:// or wss://"),
+    ("ftp://x", "expected ws:// or wss://"),
+])
+def test_bad_urls_are_config_errors(url, match):
+    with pytest.raises(ConfigError, match=match):
+        split_url(url)
+
+
+@pytest.mark.parametrize("url", ["ws://h:8000", "ws://h:8000/", "ws://h:8000/v1/", "ws://h:8000/v1/split/"])
+def test_base_url_forms_reach_the_split_endpoint(url):
+    assert split_url(url) == "ws://h:8000/v1/split"
+
+
+def test_bad_config_values_are_refused_at_construction(tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("not a certificate")
+    with pytest.raises(ConfigError, match="codec 'bogus'"):
+        EdgeConfig(bundle=tmp_path, codec="bogus")
+    with pytest.raises(ConfigError, match="cache_dir .* not a directory"):
+        EdgeConfig(bundle=tmp_path, cache_dir=a_file)
+    with pytest.raises(ConfigError, match="no such file"):
+        EdgeConfig(bundle=tmp_path, url="wss://h:1", ca_file=tmp_path / "missing.pem")
+    with pytest.raises(ConfigError, match="no PEM CA certificate"):
+        EdgeConfig(bundle=tmp_path, url="wss://h:1", ca_file=a_file)
+
+
+# -- the CLI ----------------------------------------------------------------------------------------------
+
+
+def _usage_error(argv, capsys, match):
+    capsys.readouterr()
+    try:
+        rc = edge_main(argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2 and match in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["serve", "--port", "99999"], "not a TCP port"),
+    (["serve", "--log-level", "bogus"], "invalid choice"),
+    (["demo", "--port", "-1"], "not a TCP port"),
+    (["demo", "--threads", "0"], "must be >= 1"),  # before minutes of building the demo bundle
+    (["chat", "--max-tokens", "0"], "max_tokens"),  # before the bundle loads (none is given here)
+    (["chat", "--temperature", "-1"], "temperature"),
+    (["chat", "--precision", "bogus"], "precision 'bogus'"),
+    (["chat", "--url", "ws://127.0.0.1:99999"], "Port out of range"),
+])
+def test_cli_bad_flags_exit_2_in_one_line(argv, match, tiny_bundle, capsys, monkeypatch):
+    monkeypatch.setenv("AUTOGLM_BUNDLE", str(tiny_bundle))
+    if argv[0] == "chat" and "--url" not in argv:
+        monkeypatch.setenv("AUTOGLM_BUNDLE", str(tiny_bundle / "missing"))  # the flag is checked first
+    _usage_error(argv, capsys, match)
+
+
+# -- the client API ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(tiny_bundle):
+    from edge_client import EdgeClient
+
+    c = EdgeClient(tiny_bundle, DEAD_URL)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"prompt_ids": [10 ** 9]}, "out of range"),
+    ({"prompt_ids": [-1]}, "out of range"),
+    ({"prompt": b"hi"}, "prompt must be a string"),
+    ({"messages": "hello"}, "messages must be a list"),
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "hi", "stop": [1]}, "stop"),
+])
+def test_bad_request_arguments_raise_value_error_before_any_traffic(client, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        client.generate(**kwargs)
+
+
+def test_prompt_longer_than_the_edge_context_is_refused(client):
+    n = client.runtime.max_positions + 1
+    with pytest.raises(ValueError, match=f"prompt of {n} tokens exceeds"):
+        client.generate(prompt_ids=[5] * n)
+
+
+def test_a_stop_string_is_one_stop_not_its_characters(client):
+    gen = client.generate(prompt="hi", stop="abc", max_tokens=2)
+    assert gen.spec.stop == ["abc"]
+    gen.cancel()
+    gen.close()
+
+
+def test_a_closed_client_refuses_requests_instead_of_hanging(tiny_bundle):
+    from edge_client import EdgeClient, EdgeClientError
+
+    c = EdgeClient(tiny_bundle, DEAD_URL)
+    c.close()
+    outcome = []
+
+    def use():
+        for call in (lambda: c.generate(prompt="hi"), c.connect, lambda: c.preload_prompts(tiny_bundle / "x.txt")):
+            try:
+                call()
+                outcome.append("returned")
+            except EdgeClientError as e:
+                outcome.append(e.code)
+
+    t = threading.Thread(target=use, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and outcome == ["closed"] * 3
+
+
+# -- bundles --------------------------------------------------------------------------------------------------
+
+
+def test_manifest_dims_that_disagree_with_the_graph_are_refused(tiny_bundle, tmp_path):
+    """num_kv_heads / head_dim are outside the bundle id: an edited value must still not load."""
+    from edge_client.front import FrontRuntime
+
+    d = tmp_path / "b"
+    shutil.copytree(tiny_bundle, d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["head_dim"] *= 2
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="head_dim"):
+        FrontRuntime(d)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m.__setitem__("artifacts", []), "artifacts: expected a JSON object"),
+    (lambda m: m.__setitem__("num_kv_heads", "2"), "num_kv_heads '2': expected an integer"),
+    (lambda m: m.__setitem__("quant_report", []), "quant_report: expected a JSON object"),
+    (lambda m: m["artifacts"]["edge/front.onnx"].__setitem__("bytes", "many"), "bytes 'many'"),
+])
+def test_edited_manifest_fields_fail_naming_the_manifest(edit, match, tiny_bundle, tmp_path):
+    from edge_client import EdgeClient
+
+    d = tmp_path / "b"
+    shutil.copytree(tiny_bundle, d)
+    m = json.loads((d / "manifest.json").read_text())
+    edit(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match=match) as e:
+        EdgeClient(d, DEAD_URL, verify_bundle=False)
+    assert str(d / "manifest.json") in str(e.value)
+
+
+# -- media ------------------------------------------------------------------------------------------------------
+
+
+def _png_header(w: int, h: int) -> bytes:
+    """A PNG whose header declares w x h RGB pixels and whose data is a small zlib stream (a decompression bomb)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * (1 << 16))) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("side", [7000, 20000])  # ours fires below PIL's guard (179 M pixels), PIL's above it
+def test_huge_declared_images_are_image_too_large(side):
+    from edge_client.vision import MediaError, decode_image
+
+    with pytest.raises(MediaError) as e:
+        decode_image(_png_header(side, side))
+    assert e.value.code == "image_too_large"
+
+
+def test_16_bit_grayscale_keeps_its_levels():
+    from PIL import Image
+
+    from edge_client.vision import decode_image
+
+    levels = (np.arange(16).reshape(4, 4) * 4000).astype(np.uint16)  # 0 .. 60000 of 65535
+    buf = io.BytesIO()
+    Image.fromarray(levels).save(buf, format="PNG")
+    rgb = np.asarray(decode_image(buf.getvalue()))
+    assert rgb.shape == (4, 4, 3) and (rgb[..., 0] == (levels >> 8)).all()  # not clipped to white above 255
+
+
+def _wav(frames: int, rate: int = 16000) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((3000 * np.sin(np.arange(frames) * 0.05)).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def test_truncated_wav_is_refused_not_encoded_in_part():
+    from edge_client.audio import decode_wav
+    from edge_client.vision import MediaError
+
+    samples, rate = decode_wav(_wav(16000))
+    assert samples.size == 16000 and rate == 16000
+    with pytest.raises(MediaError, match="truncated WAV: 478 of the 16000 frames") as e:
+        decode_wav(_wav(16000)[:1000])
+    assert e.value.code == "bad_audio"

@@ -1,0 +1,115 @@
+"""Held-out abuse cases for ``autoglm-partition`` (and ``autoglm-rig``'s inputs): every bad flag, environment
+value, output path or hand-edited manifest ends in one line on stderr and exit status 2, never a traceback,
+and before any slow work (loading a model, measuring)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from partition_tools.cli import main
+
+
+def _fails_in_one_line(argv, capsys, match):
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors (a bad int in a flag or its environment twin)
+        rc = e.code
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and match in err.splitlines()[-1] and "Traceback" not in err, err
+    return err
+
+
+def test_split_out_that_is_a_file(tmp_path, capsys):
+    f = tmp_path / "f"
+    f.write_text("x")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(f)], capsys,
+                       "exists and is not a directory")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(f / "sub")], capsys,
+                       "is not a directory")
+
+
+def test_split_refuses_a_foreign_directory_before_loading(tmp_path, capsys, monkeypatch):
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    (tmp_path / "mine.txt").write_text("keep me")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(tmp_path)], capsys,
+                       "refusing to overwrite")
+    assert (tmp_path / "mine.txt").read_text() == "keep me"
+
+
+def test_bad_environment_twins_are_usage_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AUTOGLM_PARTITION_TAIL", "x")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(tmp_path / "b")], capsys,
+                       "argument --tail: invalid int value: 'x'")
+    monkeypatch.setenv("AUTOGLM_PARTITION_EDGE_MEMORY_MB", "lots")
+    _fails_in_one_line(["plan", "tiny-glm4"], capsys, "argument --edge-memory-mb: invalid float value")
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--edge-threads", "0"], "threads must be >= 1"),
+    (["--codec", "bogus"], "--codec 'bogus'"),
+    (["--codec", "pca-fine"], "--codec 'pca-fine'"),  # the planner sizes no basis codec
+    (["--edge-memory-mb", "-1"], "--edge-memory-mb -1: expected > 0"),
+    (["--candidates", "a,b"], "expected split layers, comma-separated"),
+    (["--candidates", "0"], "expected split layers >= 1"),
+    (["--candidates", "2,99"], "the model has 4 layers"),
+])
+def test_plan_bad_flags(flags, match, capsys):
+    _fails_in_one_line(["plan", "tiny-glm4", *flags], capsys, match)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m.__setitem__("artifacts", None), "artifacts: expected a JSON object"),
+    (lambda m: m.__setitem__("split_layer", "2"), "split_layer '2': expected an integer"),
+    (lambda m: m["artifacts"]["edge/front.onnx"].__setitem__("bytes", "abc"), "bytes 'abc'"),
+    (lambda m: m["artifacts"]["edge/front.onnx"].__setitem__("role", "zzz"), "role 'zzz'"),
+    (lambda m: m["artifacts"].__setitem__("../../etc/passwd", {"sha256": "0" * 64, "bytes": 1, "role": "edge"}),
+     "expected a relative path inside the bundle"),
+])
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_edited_manifest_is_one_line_naming_it(edit, match, command, tiny_glm4_bundle, tmp_path, capsys):
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    m = json.loads((d / "manifest.json").read_text())
+    edit(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+    assert str(d / "manifest.json") in _fails_in_one_line([command, str(d)], capsys, match)
+
+
+def test_inspect_counts_a_cloud_drafter_table(tiny_glm4_bundle, tmp_path, capsys):
+    """The cloud drafter's role ("cloud-draft", outside the bundle id) made inspect raise KeyError."""
+    from shared.manifest import Manifest
+
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    (d / "cloud" / "draft_inputs.npy").write_bytes(b"\0" * 1000)
+    m = Manifest.load(d)
+    m.add_artifact(d, "cloud/draft_inputs.npy", "cloud-draft")
+    m.save(d)
+    assert main(["inspect", str(d), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["integrity"] == "ok" and r["bytes"]["cloud"] >= 1000
+
+
+def test_rig_scenario_that_is_not_utf8(tmp_path, capsys):
+    from rig.cli import main as rig_main
+
+    p = tmp_path / "s.yaml"
+    p.write_bytes(b"\xff\xfe\x00name: x\n")
+    assert rig_main(["run", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "not UTF-8 text" in err and "Traceback" not in err
+
+
+def test_rig_bad_threads_environment_twin(capsys, monkeypatch):
+    from rig.cli import main as rig_main
+
+    monkeypatch.setenv("AUTOGLM_RIG_THREADS", "abc")
+    with pytest.raises(SystemExit) as e:
+        rig_main(["demo"])
+    assert e.value.code == 2 and "invalid int value: 'abc'" in capsys.readouterr().err
