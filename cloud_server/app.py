@@ -42,6 +42,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cloud_server.auth import Authenticator
 from cloud_server.engine.async_engine import EngineDeadError
@@ -171,11 +172,12 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
     auth = Depends(require_key)
     probe = [] if cfg.open_probes else [auth]
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        code = {401: "invalid_api_key", 404: "not_found", 503: "unavailable"}.get(exc.status_code, "error")
+    @app.exception_handler(StarletteHTTPException)  # also the router's own 404 / 405 (FastAPI's is a subclass)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                503: "unavailable"}.get(exc.status_code, "error")
         err = oc.OpenAIRequestError(str(exc.detail), None, code, exc.status_code)
-        return JSONResponse(err.to_dict(), status_code=exc.status_code)
+        return JSONResponse(err.to_dict(), status_code=exc.status_code, headers=exc.headers)  # 405: Allow
 
     @app.get("/health", dependencies=probe)
     async def health():

@@ -25,6 +25,16 @@ from shared import openai_routes
 from shared.detokenizer import StreamDecoder
 
 DEFAULT_MAX_TOKENS = 1024  # when the request names none (bounded by the context left)
+# A request body over max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len) is refused (413) before it is read
+# whole: a prompt that fills the context fits many times over (JSON-escaped CJK text is ~12 bytes a token), and
+# an unbounded body would be held in memory and tokenized on the event loop (about 1.5 s per MB).
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 1 << 20
+
+
+def max_body_bytes(config) -> int:
+    """The largest ``/v1`` request body a full-model server of ``config`` (a ``ServerConfig``) reads."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * config.engine.max_model_len)
 
 
 class _EngineStream:
@@ -111,7 +121,7 @@ class _EngineBackend:
         try:
             return tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
                                            **req.template_kwargs())
-        except (jinja2.TemplateError, ValueError) as e:
+        except (jinja2.TemplateError, ValueError, TypeError) as e:  # TypeError: a template variable of a bad type
             raise oc.OpenAIRequestError(f"chat template refused the messages: {e}", "messages") from None
 
     def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EngineStream:
@@ -148,4 +158,5 @@ class _EngineBackend:
 
 def install(app: FastAPI, runtime, auth) -> None:
     """Add the OpenAI text routes over ``runtime`` (a full-model ``CloudRuntime``) behind ``auth``."""
-    openai_routes.install(app, _EngineBackend(runtime), dependencies=[auth])
+    openai_routes.install(app, _EngineBackend(runtime), dependencies=[auth],
+                          max_body_bytes=max_body_bytes(runtime.config))

@@ -165,6 +165,9 @@ class SplitTranslator:
         hidden = arr if isinstance(arr, torch.Tensor) else torch.from_numpy(
             np.ascontiguousarray(arr, dtype=np.float32))
         drafts = list(msg.draft_ids) if isinstance(msg, P.SpecStep) else None
+        if drafts and max(drafts) >= self.facts.vocab_size:
+            raise BadInput("bad_input", f"draft token {max(drafts)} is not in the model's vocabulary of "
+                                        f"{self.facts.vocab_size}")
         ask = getattr(msg, "ask_drafts", 0) if last else 0  # StatesSteps carry none
         return InputChunk(start, hidden=hidden, last=last, rope_positions=rope, draft_ids=drafts, ask_drafts=ask)
 

@@ -30,6 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# apply_chat_template's own parameters: as chat_template_kwargs they would clash with the call (a TypeError) or
+# replace the server's template with the client's (chat_template: arbitrary Jinja rendered here, a denial of service)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+MAX_SEED = (1 << 63) - 1  # the split protocol's range (SamplingParams.seed), so a seed means the same on every path
 
 
 class OpenAIRequestError(Exception):
@@ -73,6 +80,8 @@ class SamplingOptions:
             raise OpenAIRequestError("top_p must be in (0, 1]", "top_p")
         if self.top_k < 0:
             raise OpenAIRequestError("top_k must be >= 0 (0 disables it)", "top_k")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise OpenAIRequestError(f"seed must be in [0, {MAX_SEED}]", "seed")
         if len(self.stop) > 16 or any(not s for s in self.stop):
             raise OpenAIRequestError("stop: at most 16 non-empty strings", "stop")
 
@@ -217,6 +226,10 @@ def parse_chat_request(body: Any, media: bool = False) -> ChatRequest:
                                      "chat_template_kwargs")
         thinking = kwargs["enable_thinking"]
     kwargs = {k: v for k, v in kwargs.items() if k != "enable_thinking"}
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise OpenAIRequestError(f"chat_template_kwargs: {', '.join(reserved)} may not be set (the server's "
+                                 "own arguments of the chat template)", "chat_template_kwargs")
     stream, include_usage = _stream_flags(body)
     return ChatRequest(
         model=model, messages=parsed, sampling=_sampling(body), stream=stream, include_usage=include_usage,

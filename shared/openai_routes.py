@@ -13,7 +13,8 @@ Contract:
   ``usage()``. The routes ``aclose()`` every stream they start, however it ends (client gone included), and
   may call it more than once; an unfinished generation must be cancelled then.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and one set of statuses on
-  both ends: 400 a request refused, 401 a wrong key (the app's auth), 503 not ready, draining or overloaded,
+  both ends: 400 a request refused, 401 a wrong key (the app's auth), 413 a body over the adapter's limit
+  (``install(max_body_bytes=...)``), 503 not ready, draining or overloaded,
   504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here. Once a stream has started
   (HTTP 200 sent), an error is one ``data: {"error": ...}`` event, then ``data: [DONE]``.
 """
@@ -72,16 +73,38 @@ def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
     return JSONResponse(e.to_dict(), status_code=e.status)
 
 
-def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()) -> None:
-    """Add the two routes to ``app``; ``dependencies`` (e.g. an API-key check) run before each."""
+async def read_body(request: Request, max_bytes: int | None) -> bytes:
+    """The request's body; over ``max_bytes`` (None: no limit) an ``OpenAIRequestError`` with status 413, raised
+    before the rest is read (a declared ``Content-Length`` over it: before any)."""
+    if max_bytes is None:
+        return await request.body()
+    declared = request.headers.get("content-length", "")
+    too_large = oc.OpenAIRequestError(f"request body over {max_bytes} bytes", None, "request_too_large", 413)
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = (),
+            max_body_bytes: int | None = None) -> None:
+    """Add the two routes to ``app``; ``dependencies`` (e.g. an API-key check) run before each; a body over
+    ``max_body_bytes`` (None: no limit) is refused with 413."""
 
     async def serve(request: Request, chat: bool):
         try:
             backend.check_ready()
             try:
-                body = json.loads(await request.body())
+                body = json.loads(await read_body(request, max_body_bytes))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 raise oc.OpenAIRequestError("request body is not valid JSON") from None
+            except RecursionError:
+                raise oc.OpenAIRequestError("request body is not valid JSON: nested too deeply") from None
             req = (oc.parse_chat_request(body, media=getattr(backend, "accepts_media", False)) if chat
                    else oc.parse_completion_request(body))
             prompt = backend.render_chat(req) if chat else req.prompt

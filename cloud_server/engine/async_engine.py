@@ -164,7 +164,11 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, rid, sink, first, params, variant, keys = cmd
-            outs = self.llm.add_request(rid, first, params, variant, keys)
+            try:
+                outs = self.llm.add_request(rid, first, params, variant, keys)
+            except Exception:
+                self._sinks.setdefault(rid, sink)  # the engine dies of it (_loop): this request hears why too
+                raise
             if not any(o.request_id == rid and o.finished for o in outs):
                 self._sinks[rid] = sink
             else:

@@ -5,13 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MIN_TEMPERATURE = 1e-5  # a temperature below this is greedy (vLLM's rule): 1 / T would overflow float32 near 0
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names it."""
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy (argmax); ties go to the lowest token id
+    temperature: float = 1.0  # 0 = greedy (argmax; also below MIN_TEMPERATURE); ties go to the lowest token id
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 = off
     seed: int | None = None  # per-request generator: the same seed gives the same tokens, batched or not
@@ -40,6 +43,8 @@ class SamplingParams:
             raise SamplingParamsError("presence_penalty and frequency_penalty must be in [-2, 2]")
         if not self.repetition_penalty > 0:
             raise SamplingParamsError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+        if self.temperature < MIN_TEMPERATURE:  # the sampler scales logits by 1 / T in float32: inf, then NaN
+            self.temperature = 0.0
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         # the sampler's fast path (one argmax for the whole batch), read for every row of every step
         self.plain_greedy = self.greedy and not self.penalized and self.logprobs is None

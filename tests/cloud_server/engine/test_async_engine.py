@@ -93,6 +93,22 @@ def test_a_runner_failure_is_fatal_for_the_engine_and_fails_every_request(engine
         ae.add_request("y", q.put, InputChunk(0, hidden=torch.randn(3, 64)), SamplingParams())
 
 
+def test_a_request_whose_admission_kills_the_engine_hears_why(engine):
+    """The request whose own ``add_request`` raised is failed like every other open one, not left waiting."""
+    ae = AsyncEngine(engine)
+
+    def broken(*args, **kwargs):
+        raise ValueError("Overflow when unpacking long long")
+
+    engine.add_request = broken
+    ae.start()
+    q: queue.Queue = queue.Queue()
+    ae.add_request("x", q.put, InputChunk(0, hidden=torch.randn(3, 64)), SamplingParams())
+    [out] = _collect(q, lambda g: g[-1].finished, timeout=5.0)
+    assert out.request_id == "x" and out.error_code == "engine_error" and "Overflow" in out.error_message
+    ae.shutdown()
+
+
 def test_the_idle_hook_runs_on_the_engine_thread_when_nothing_happens(engine):
     import threading
 
