@@ -244,7 +244,36 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None and not Path(path).is_file():
             print(f"autoglm-cloud: error: --{name.replace('_', '-')} {path}: no such file", file=sys.stderr)
             return 2
+    problem = _startup_problem(config)
+    if problem:
+        print(f"autoglm-cloud: error: {problem}", file=sys.stderr)
+        return 2
     return serve(config, args.log_level)
+
+
+def _startup_problem(config) -> str | None:
+    """What would stop the server while it starts, found before it does: a certificate and key that do not load
+    as a pair (a passphrase-protected key is refused, not prompted for), a --full source that names nothing."""
+    if config.ssl_certfile is not None:
+        import ssl
+
+        def no_passphrase():
+            raise ssl.SSLError("the key is passphrase-protected (give an unencrypted key)")
+
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                config.ssl_certfile, config.ssl_keyfile, password=no_passphrase)
+        except (ssl.SSLError, OSError) as e:
+            return (f"--ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: not a PEM "
+                    f"certificate and its key ({e})")
+    if config.full is not None:
+        from partition_tools.models import ModelLoadError, check_source
+
+        try:
+            check_source(config.full)
+        except ModelLoadError as e:
+            return f"--full {e}"
+    return None
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from shared.messages import MAX_SEED
 from shared.precision import PrecisionOverride
 
 
@@ -34,6 +35,9 @@ class RequestSpec:
             raise ValueError("empty prompt")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not all(isinstance(s, str) for s in self.stop):

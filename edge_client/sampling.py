@@ -14,17 +14,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared.messages import MIN_TEMPERATURE
+
 
 @dataclass(frozen=True, slots=True)
 class EdgeSampler:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (or below MIN_TEMPERATURE): greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int | None = None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def probs(self, logits: np.ndarray) -> np.ndarray:
         """logits [V] -> the sampling distribution [V] float64 (temperature, then top-k, then top-p)."""

@@ -195,6 +195,17 @@ def _load_dir(path: Path, source: str) -> LoadedModel:
     return LoadedModel(model.eval(), tokenizer, f"dir:{path.name}#{h.hexdigest()[:16]}", source)
 
 
+def check_source(source: str) -> None:
+    """ModelLoadError, without loading anything, when ``source`` is no preset, checkpoint directory or .gguf file
+    (the rule ``load_model`` applies; a server checks it before it starts)."""
+    path = Path(source)
+    if source in PRESETS or path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return
+    if path.exists():
+        raise ModelLoadError(f"{source}: not a checkpoint directory or .gguf file")
+    raise ModelLoadError(f"{source}: no such preset, directory or file (presets: {', '.join(PRESETS)})")
+
+
 def load_model(source: str, seed: int = 0) -> LoadedModel:
     """Load a preset name, a checkpoint directory or a GGUF file (see the module docstring)."""
     if source == "tiny-glm4":
@@ -206,11 +217,6 @@ def load_model(source: str, seed: int = 0) -> LoadedModel:
                            f"preset:glm4v-9b-random@seed{seed}", source)
     if source == "smollm2":
         return _load_gguf(smollm2_gguf_path(), source)
+    check_source(source)
     path = Path(source)
-    if path.is_dir():
-        return _load_dir(path, source)
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, source)
-    if path.exists():
-        raise ModelLoadError(f"{source}: not a checkpoint directory or .gguf file")
-    raise ModelLoadError(f"{source}: no such preset, directory or file (presets: {', '.join(PRESETS)})")
+    return _load_dir(path, source) if path.is_dir() else _load_gguf(path, source)

@@ -168,6 +168,12 @@ class RequestState:
         _int(self.tokens, "tokens")
 
 
+MAX_SEED = (1 << 63) - 1  # a request's seed, on every path (wire, HTTP, the edge's own sampler)
+# a temperature below this samples greedily, on both ends (vLLM's rule): 1 / T overflows near 0 and the
+# scaled logits turn to inf, then NaN
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True, kw_only=True)
 class SamplingParams:
     """Sampling on the server. Stop *strings* are matched on the edge (it owns the detokenizer)."""
@@ -191,7 +197,7 @@ class SamplingParams:
         _float(self.top_p, "params.top_p", 1e-9, 1.0)
         _int(self.top_k, "params.top_k", 0, 1 << 24)
         if self.seed is not None:
-            _int(self.seed, "params.seed", 0, (1 << 63) - 1)
+            _int(self.seed, "params.seed", 0, MAX_SEED)
         _list(self.stop_token_ids, "params.stop_token_ids", 64)
         for t in self.stop_token_ids:
             _int(t, "params.stop_token_ids[]", 0, MAX_TOKEN_ID)

@@ -29,6 +29,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .messages import MAX_SEED
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # apply_chat_template's own parameters: as chat_template_kwargs they would clash with the call (a TypeError) or
 # replace the server's template with the client's (chat_template: arbitrary Jinja rendered here, a denial of service)
@@ -36,7 +38,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
-MAX_SEED = (1 << 63) - 1  # the split protocol's range (SamplingParams.seed), so a seed means the same on every path
 
 
 class OpenAIRequestError(Exception):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-MIN_TEMPERATURE = 1e-5  # a temperature below this is greedy (vLLM's rule): 1 / T would overflow float32 near 0
+from shared.messages import MIN_TEMPERATURE  # below it: greedy (1 / T would overflow float32 near 0)
 
 
 class SamplingParamsError(ValueError):

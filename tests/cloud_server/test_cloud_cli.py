@@ -125,3 +125,13 @@ def test_the_event_loop_is_uvicorns_choice_and_reaches_every_front_end():
         import uvloop
 
         assert loop_factory("auto") is loop_factory("uvloop") is uvloop.new_event_loop
+
+
+def test_a_full_source_that_names_nothing_is_refused_before_the_server_starts(tmp_path, capsys):
+    from cloud_server.cli import main
+
+    (tmp_path / "notes.txt").write_text("x")
+    for source, message in (("no-such-model", "no such preset"), (str(tmp_path / "notes.txt"), "not a checkpoint")):
+        assert main(["serve", "--full", source, "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

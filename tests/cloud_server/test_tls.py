@@ -205,3 +205,16 @@ def test_the_ca_file_reaches_the_edge_config_from_the_flag_and_the_environment(t
     assert cli._config(args).ca_file == pki["ca"]
     monkeypatch.setenv("AUTOGLM_EDGE_CA_FILE", str(pki["other_ca"]))
     assert EdgeConfig.from_env(bundle=tiny_bundle).ca_file == pki["other_ca"]
+
+
+def test_a_certificate_and_key_that_do_not_load_are_refused_before_the_server_starts(tiny_bundle, pki, tmp_path,
+                                                                                       capsys):
+    """Not PEM, or a key of another certificate: a one-line error and exit 2, not an ssl traceback at startup."""
+    from cloud_server import cli
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    for cert, key in ((junk, junk), (pki["cert"], junk), (pki["ca"], pki["key"])):
+        assert cli.main(["serve", str(tiny_bundle), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]) == 2
+        err = capsys.readouterr().err
+        assert "not a PEM certificate and its key" in err and "Traceback" not in err

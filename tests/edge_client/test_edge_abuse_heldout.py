@@ -233,3 +233,23 @@ def test_truncated_wav_is_refused_not_encoded_in_part():
     with pytest.raises(MediaError, match="truncated WAV: 478 of the 16000 frames") as e:
         decode_wav(_wav(16000)[:1000])
     assert e.value.code == "bad_audio"
+
+
+def test_the_phone_sampler_treats_a_vanishing_temperature_as_greedy():
+    """u-shape sampling on the phone: 1 / 1e-300 would scale the logits to inf and NaN; below MIN_TEMPERATURE the
+    phone takes the argmax, as the cloud does."""
+    from edge_client.sampling import EdgeSampler
+
+    logits = np.array([0.5, 3.0, -1.0, 2.9])
+    for t in (1e-300, 1e-40, 1e-6):
+        s = EdgeSampler(temperature=t, top_p=0.9, seed=7)
+        assert s.greedy and s.sample(logits, position=3) == 1
+    assert not EdgeSampler(temperature=0.7).greedy
+
+
+@pytest.mark.parametrize("seed", [-1, 1 << 63, 1.5, True])
+def test_a_seed_outside_the_wire_range_is_refused_before_sampling(seed):
+    from edge_client.request import RequestSpec
+
+    with pytest.raises(ValueError, match="seed"):
+        RequestSpec(prompt_ids=[1, 2], seed=seed)
