@@ -142,6 +142,8 @@ class _EngineBackend:
         eos = getattr(self.rt.tokenizer, "eos_token_id", None)  # e.g. a chat model's end-of-turn token
         try:
             return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+                                  presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                                  repetition_penalty=s.repetition_penalty,
                                   max_tokens=min(s.max_tokens or DEFAULT_MAX_TOKENS, limit - prompt_len),
                                   stop_token_ids=[eos] if eos is not None else [])
         except SamplingParamsError as e:

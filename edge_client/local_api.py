@@ -88,6 +88,11 @@ class _EdgeBackend:
 
     def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EdgeStream:
         s = req.sampling
+        if s.penalized:  # a replay after a dropped link would lose the penalties' history: not offered here
+            name = next(n for n, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                       ("repetition_penalty", 1.0)) if getattr(s, n) != d)
+            raise oc.OpenAIRequestError(f"{name}: not supported by the edge's API (the split path samples "
+                                        "without penalties)", name)
         source = ({"messages": req.messages, "chat_template_kwargs": req.template_kwargs()} if _has_media(req)
                   else {"prompt": prompt})
         try:

@@ -71,6 +71,13 @@ class SamplingOptions:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0  # OpenAI's, over generated tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension (HF semantics)
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -85,6 +92,11 @@ class SamplingOptions:
             raise OpenAIRequestError(f"seed must be in [0, {MAX_SEED}]", "seed")
         if len(self.stop) > 16 or any(not s for s in self.stop):
             raise OpenAIRequestError("stop: at most 16 non-empty strings", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise OpenAIRequestError(f"{name} must be in [-2, 2]", name)
+        if not 1e-3 <= self.repetition_penalty <= 10.0:  # the split protocol's range
+            raise OpenAIRequestError("repetition_penalty must be in [0.001, 10]", "repetition_penalty")
 
 
 @dataclass(slots=True)
@@ -151,6 +163,9 @@ def _sampling(body: dict) -> SamplingOptions:
     n = _get(body, "n", int, 1)
     if n != 1:
         raise OpenAIRequestError("n: only n=1 is supported", "n")
+    for name in ("logprobs", "top_logprobs"):  # answered as null before: refused rather than silently dropped
+        if body.get(name) not in (None, False, 0):
+            raise OpenAIRequestError(f"{name}: not supported by this server", name)
     return SamplingOptions(
         max_tokens=max_tokens,
         temperature=float(_get(body, "temperature", (int, float), 1.0)),
@@ -158,6 +173,9 @@ def _sampling(body: dict) -> SamplingOptions:
         top_k=max(0, _get(body, "top_k", int, 0)),  # vLLM uses -1 for "off"
         seed=_get(body, "seed", int, None),
         stop=stops,
+        presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0)),
+        frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0)),
+        repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
     )
 
 

@@ -382,6 +382,12 @@ HTTP_CASES = {  # name -> (request, status, OpenAI error code, param)
                             "invalid_request_error", "messages"),
     "max_tokens a string": (lambda s: _post(s, "/v1/completions", {**COMPLETION, "max_tokens": "3"}), 400,
                             "invalid_request_error", "max_tokens"),
+    "presence_penalty 3": (lambda s: _post(s, "/v1/completions", {**COMPLETION, "presence_penalty": 3}), 400,
+                           "invalid_request_error", "presence_penalty"),
+    "repetition_penalty 0": (lambda s: _post(s, "/v1/completions", {**COMPLETION, "repetition_penalty": 0}), 400,
+                             "invalid_request_error", "repetition_penalty"),
+    "logprobs true": (lambda s: _post(s, "/v1/chat/completions", {**CHAT, "logprobs": True}), 400,
+                      "invalid_request_error", "logprobs"),
     "unknown route": (lambda s: httpx.get(s.url + "/v1/nope", timeout=10), 404, "not_found", None),
     "GET on a POST route": (lambda s: httpx.get(s.url + "/v1/completions", timeout=10), 405, "method_not_allowed",
                             None),
@@ -430,3 +436,14 @@ def test_a_stream_left_by_its_client_is_aborted(http):
     assert http.runtime.engine.call(lambda e: len(e.seqs)).result(5) == 0
     assert _aborted(http) == aborted + 1  # cut short, not run to its length
     assert _post(http, "/v1/completions", COMPLETION).status_code == 200
+
+
+def test_penalties_over_http_reach_the_engine(http):
+    """presence / frequency / repetition penalties were dropped on the way to the engine: a greedy answer that
+    repeats a token changes under a strong repetition penalty."""
+    body = {**COMPLETION, "max_tokens": 24}
+    plain = _post(http, "/v1/completions", body).json()["choices"][0]["text"]
+    assert len(set(plain)) < len(plain)  # the random tiny model repeats itself (bytes: one token each)
+    penalized = _post(http, "/v1/completions", {**body, "repetition_penalty": 10.0, "frequency_penalty": 2.0})
+    assert penalized.status_code == 200
+    assert penalized.json()["choices"][0]["text"] != plain

@@ -174,3 +174,16 @@ def test_upstream_failure_is_a_clear_error(server):
         assert any("bundle_mismatch" in line for line in lines) and lines[-2] == "data: [DONE]"
     finally:
         server.client.fail = False
+
+
+def test_penalties_and_logprobs_are_refused_by_name_not_dropped(server):
+    """The split path samples without penalties and returns no logprobs: a request asking for them gets a 400
+    naming the field (it used to be answered as if they were not there); zero values are the defaults."""
+    for field, value in (("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.2),
+                         ("logprobs", True), ("top_logprobs", 3)):
+        r = httpx.post(f"{server.url}/v1/chat/completions",
+                       json={"model": "m", "messages": [{"role": "user", "content": "x"}], field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Once", "max_tokens": 2,
+                                                         "frequency_penalty": 0, "presence_penalty": 0.0})
+    assert r.status_code == 200
