@@ -13,11 +13,13 @@ if [ -z "$bin" ]; then
     sudo=""
     if [ "$(id -u)" -ne 0 ]; then sudo="sudo -n"; fi
     export DEBIAN_FRONTEND=noninteractive
+    # another apt (a boot-time update, a second test worker) may hold the dpkg lock: wait for it, do not fail
+    apt=(apt-get -o DPkg::Lock::Timeout=600)
     # nginx-light: the small Debian build (the upstream hash module and WebSocket proxying are in it);
     # the package lists may be stale or absent on a fresh image, hence the update on failure.
-    $sudo apt-get install -y --no-install-recommends nginx-light >/dev/null \
-        || { $sudo apt-get update >/dev/null && $sudo apt-get install -y --no-install-recommends nginx-light >/dev/null; } \
-        || $sudo apt-get install -y --no-install-recommends nginx >/dev/null
+    $sudo "${apt[@]}" install -y --no-install-recommends nginx-light >/dev/null \
+        || { $sudo "${apt[@]}" update >/dev/null && $sudo "${apt[@]}" install -y --no-install-recommends nginx-light >/dev/null; } \
+        || $sudo "${apt[@]}" install -y --no-install-recommends nginx >/dev/null
     bin=$(find_nginx)
 fi
 if [ -z "$bin" ]; then
