@@ -9,6 +9,8 @@ it. A stream that ends early (stop string, client gone) aborts its engine reques
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -100,6 +102,9 @@ class _EngineBackend:
 
     def __init__(self, runtime):
         self.rt = runtime
+        # the prompt's tokenization off the event loop (a long prompt takes ~1 s a MB there, stalling every
+        # stream), one thread: one tokenizer object is never used by two threads at once
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="autoglm-tokenize")
 
     @property
     def model_name(self) -> str:
@@ -124,9 +129,10 @@ class _EngineBackend:
         except (jinja2.TemplateError, ValueError, TypeError) as e:  # TypeError: a template variable of a bad type
             raise oc.OpenAIRequestError(f"chat template refused the messages: {e}", "messages") from None
 
-    def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EngineStream:
+    async def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EngineStream:
         # A chat prompt carries its special tokens in the template; a raw prompt gets the tokenizer's.
-        ids = self.rt.tokenizer(prompt, add_special_tokens=isinstance(req, oc.CompletionRequest)).input_ids
+        encode = partial(self.rt.tokenizer, prompt, add_special_tokens=isinstance(req, oc.CompletionRequest))
+        ids = (await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)).input_ids
         param = "messages" if isinstance(req, oc.ChatRequest) else "prompt"
         return _EngineStream(self.rt, ids, self._params(req.sampling, len(ids), param),
                              self._variant(req.precision, len(ids)), req.sampling.stop)

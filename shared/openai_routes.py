@@ -21,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -66,6 +67,7 @@ class TextBackend(Protocol):
 
     def check_ready(self) -> None: ...
     def render_chat(self, req: oc.ChatRequest) -> str: ...
+    # may be a coroutine function (a backend that tokenizes off the event loop)
     def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> TextStream: ...
 
 
@@ -109,6 +111,8 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
                    else oc.parse_completion_request(body))
             prompt = backend.render_chat(req) if chat else req.prompt
             stream = backend.start(req, prompt)
+            if inspect.isawaitable(stream):
+                stream = await stream
         except oc.OpenAIRequestError as e:
             return error_response(e)
         reply = _Reply(req, prompt, req.model or backend.model_name)

@@ -447,3 +447,31 @@ def test_penalties_over_http_reach_the_engine(http):
     penalized = _post(http, "/v1/completions", {**body, "repetition_penalty": 10.0, "frequency_penalty": 2.0})
     assert penalized.status_code == 200
     assert penalized.json()["choices"][0]["text"] != plain
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(http):
+    """A body near the limit takes the byte tokenizer ~0.6 s; meanwhile the same server answers /health at once
+    (on the event loop it would wait the whole tokenization). The prompt is then refused as over the context."""
+    import threading
+
+    body = {**COMPLETION, "prompt": "ab c" * ((MIN_BODY_BYTES - 200) // 4)}
+    result = {}
+
+    def big():
+        t0 = time.perf_counter()
+        result["r"] = _post(http, "/v1/completions", body)
+        result["s"] = time.perf_counter() - t0
+
+    t = threading.Thread(target=big)
+    t.start()
+    time.sleep(0.15)  # the body is read (loopback) and its tokenization under way
+    waits = []
+    while t.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(http.url + "/health", timeout=10).status_code == 200
+        waits.append(time.perf_counter() - t0)
+        time.sleep(0.02)
+    t.join()
+    assert result["r"].status_code == 400 and result["r"].json()["error"]["param"] == "prompt"
+    assert result["s"] > 0.4 and waits  # the tokenization took long enough to be seen
+    assert max(waits) < 0.5 * result["s"], (waits, result["s"])
