@@ -39,7 +39,10 @@ log = logging.getLogger("autoglm.cloud.bundles")
 
 SERVED_ROLES = ("edge", "shared")  # never "cloud": the back half's weights stay on the server
 CHUNK_BYTES = 1 << 20  # read and sent per step of a download
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
+_POS_DIGITS = 19  # a byte position with more significant digits than this is past any file (and int() refuses
+# strings over 4300 digits): it is read as _PAST_ANY_FILE
+_PAST_ANY_FILE = 10 ** _POS_DIGITS
 
 
 class RangeNotSatisfiable(Exception):
@@ -136,15 +139,21 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if not first and not last:
         return None
     if not first:  # bytes=-n: the last n bytes
-        n = int(last)
+        n = _position(last)
         if n == 0 or size == 0:
             raise RangeNotSatisfiable
         return max(0, size - n), size - 1
-    a = int(first)
-    b = min(int(last), size - 1) if last else size - 1
-    if a >= size or (last and int(last) < a):
+    a = _position(first)
+    b = min(_position(last), size - 1) if last else size - 1
+    if a >= size or (last and _position(last) < a):
         raise RangeNotSatisfiable
     return a, b
+
+
+def _position(digits: str) -> int:
+    """A Range header's decimal byte position; absurdly long ones are clamped past any file."""
+    digits = digits.lstrip("0") or "0"
+    return _PAST_ANY_FILE if len(digits) > _POS_DIGITS else int(digits)
 
 
 def _etag(sha256: str) -> str:

@@ -238,15 +238,19 @@ class SplitEndpoint:
             session.codecs = codecs
             session.state.reconnect()
             session.state.on_client(hello)
-            if session.attached:  # the old link died silently: this reconnect takes the session over
-                old = session.ws
-                asyncio.get_running_loop().create_task(self._close(old, CLOSE_NORMAL, "replaced by a new "
-                                                                                     "connection", flush=False))
         if session.expiry is not None:
             session.expiry.cancel()
             session.expiry = None
         # read before attaching: an engine output queued during this await would reach the edge before Welcome
         cached = await self._cached_keys(session.prefix_scope)
+        if session.closed:  # closed while we waited (a Close on the link this one replaces)
+            await self._refuse(ws, "bad_state", "the session closed while resuming; open a new one", CLOSE_NORMAL)
+            return None
+        if session.attached:  # after the await: a link that died silently, or a concurrent resume of the same
+            # token that attached first - this reconnect takes the session over, so one link serves it
+            old = session.ws
+            asyncio.get_running_loop().create_task(self._close(old, CLOSE_NORMAL, "replaced by a new connection",
+                                                               flush=False))
         session.generation += 1
         session.outq, session.ws = Outbox(ws_send_now(ws), self.rt.metrics.on_downlink), ws
         metrics.sessions.labels(rt.model_name).set(len(self.registry))

@@ -297,9 +297,12 @@ class EdgeClient:
             self.session.drafter.remember(result.token_ids)
         sink(("end", "length" if len(result.token_ids) >= spec.max_tokens else "stop"))
 
-    def agenerate(self, prompt: str | None = None, **kwargs: Any) -> AsyncGeneration:
-        """The async twin of :meth:`generate` (same arguments); call it inside a running event loop."""
-        caller = asyncio.get_running_loop()
+    def agenerate(self, prompt: str | None = None, *, loop: asyncio.AbstractEventLoop | None = None,
+                  **kwargs: Any) -> AsyncGeneration:
+        """The async twin of :meth:`generate` (same arguments); call it inside a running event loop, or on a
+        worker thread with ``loop``, the event loop that consumes the generation (its media are loaded, fetched
+        and encoded by the calling thread: ``edge_client.local_api`` keeps them off its event loop)."""
+        caller = loop or asyncio.get_running_loop()
         t0 = self.media.seconds
         spec = self._spec(prompt, kwargs.pop("messages", None), kwargs.pop("prompt_ids", None),
                           kwargs.pop("enable_thinking", None), kwargs.pop("chat_template_kwargs", None),

@@ -11,6 +11,8 @@ codec. Requests run one at a time (the edge runtime holds one sequence); later o
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hmac
 from dataclasses import replace
 from pathlib import Path
@@ -73,6 +75,7 @@ class _EdgeBackend:
 
     def __init__(self, client: EdgeClient, model_name: str):
         self.client, self.model_name = client, model_name
+        self._media_turn = asyncio.Lock()  # one request's media are prepared at a time (the encoders are shared)
 
     def check_ready(self) -> None:
         """Always ready: the client connects (and reconnects) to the cloud per request."""
@@ -86,7 +89,7 @@ class _EdgeBackend:
         except ValueError as e:
             raise oc.OpenAIRequestError(str(e), "messages") from None
 
-    def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EdgeStream:
+    async def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EdgeStream:
         s = req.sampling
         if s.penalized:  # a replay after a dropped link would lose the penalties' history: not offered here
             name = next(n for n, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
@@ -95,10 +98,17 @@ class _EdgeBackend:
                                         "without penalties)", name)
         source = ({"messages": req.messages, "chat_template_kwargs": req.template_kwargs()} if _has_media(req)
                   else {"prompt": prompt})
+        run = functools.partial(self.client.agenerate, **source, max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS,
+                                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop,
+                                precision=req.precision)
         try:
-            return _EdgeStream(self.client.agenerate(
-                **source, max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS, temperature=s.temperature,
-                top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop, precision=req.precision))
+            if not _has_media(req):
+                return _EdgeStream(run())
+            # media are read, fetched (up to MediaPolicy.fetch_timeout_s) and encoded off the event loop, one
+            # request's at a time: the endpoint keeps answering meanwhile - an image_url naming this very server
+            # is fetched like any other
+            async with self._media_turn:
+                return _EdgeStream(await asyncio.to_thread(run, loop=asyncio.get_running_loop()))
         except EdgeClientError as e:  # a bad image / audio clip, refused before any network traffic
             raise oc.OpenAIRequestError(str(e), "messages", e.code) from None
         except ValueError as e:  # e.g. a prompt that tokenizes to nothing

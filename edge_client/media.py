@@ -215,15 +215,22 @@ def _fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
 def _local(path: str, policy: MediaPolicy) -> bytes:
     if policy.local_dir is None:
         raise MediaError("local file paths are not accepted here (no allow-listed media folder)", "path_refused")
-    root = Path(policy.local_dir).resolve()
-    p = (root / path).resolve() if not Path(path).is_absolute() else Path(path).resolve()
-    if not p.is_relative_to(root):
-        raise MediaError(f"{path}: outside the allow-listed media folder", "path_refused")
-    if not p.is_file():
-        raise MediaError(f"{path}: no such file in the media folder", "bad_media")
-    if p.stat().st_size > policy.max_bytes:
-        raise MediaError(f"{path}: larger than the {policy.max_bytes}-byte limit", "image_too_large")
-    return p.read_bytes()
+    shown = path[:200]
+    try:  # a NUL byte (ValueError) or a name too long for the file system (OSError) is no file of the folder
+        root = Path(policy.local_dir).resolve()
+        p = (root / path).resolve() if not Path(path).is_absolute() else Path(path).resolve()
+        if not p.is_relative_to(root):
+            raise MediaError(f"{shown}: outside the allow-listed media folder", "path_refused")
+        if not p.is_file():
+            raise MediaError(f"{shown}: no such file in the media folder", "bad_media")
+        if p.stat().st_size > policy.max_bytes:
+            raise MediaError(f"{shown}: larger than the {policy.max_bytes}-byte limit", "image_too_large")
+        return p.read_bytes()
+    except MediaError:  # a ValueError: raised above, with its own code
+        raise
+    except (OSError, ValueError) as e:
+        raise MediaError(f"{shown}: not a readable file of the media folder ({type(e).__name__})", "bad_media") \
+            from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +265,9 @@ def extract_parts(messages: list[dict], placeholder: Callable[[str], str]) -> tu
                 parts.append(MediaPart("image", part.get("image")))
             elif kind == "input_audio":
                 a = part.get("input_audio") or {}
+                if not isinstance(a, dict):
+                    raise MediaError(f"messages[{i}].content[{j}].input_audio: expected an object with 'data' and "
+                                     "'format'", "bad_audio")
                 if a.get("format", "wav") != "wav":
                     raise MediaError(f"messages[{i}].content[{j}]: audio format {a.get('format')!r} (accepted: wav)",
                                      "unsupported_format")

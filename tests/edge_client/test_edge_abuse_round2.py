@@ -1,0 +1,118 @@
+"""Held-out abuse, round 2: ``autoglm-edge serve``'s local API with media parts, on one real uvicorn server over
+a real EdgeClient (a tiny GLM-4.1V bundle; no cloud is needed: every request here is refused, or fails, before
+any network traffic). Local paths outside ``--media-dir`` (``../``, absolute, a symlink inside pointing out),
+paths no file system takes (NUL, too long), malformed data: URLs and input_audio parts, and an http image_url
+naming this very server, which must not freeze the endpoint while it is fetched."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from edge_client.client import EdgeClient
+from edge_client.local_api import create_app
+
+
+@pytest.fixture(scope="module")
+def api(tiny_glm4v_fp32_bundle, tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    media = root / "media"
+    media.mkdir()
+    (root / "secret.png").write_bytes(b"\x89PNG not for the app")
+    os.symlink(root / "secret.png", media / "link.png")
+    os.symlink(root, media / "up")
+    client = EdgeClient(tiny_glm4v_fp32_bundle, "ws://127.0.0.1:9/v1/split")  # never reached
+    app = create_app(client, media_dir=media)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and th.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", root, client
+    srv.should_exit = True
+    th.join(timeout=10)
+    client.close()
+
+
+def _chat(base: str, part: dict, timeout: float = 30) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", timeout=timeout, json={
+        "model": "m", "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "tap "}, part]}]})
+
+
+def _image(url) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _code(r: httpx.Response) -> str:
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    return r.json()["error"]["code"]
+
+
+def test_local_paths_outside_the_media_dir_are_refused(api):
+    base, root, _ = api
+    for url in ("../secret.png", str(root / "secret.png"), f"file://{root / 'secret.png'}", "link.png",
+                "up/secret.png", "up/media/../secret.png", "/etc/hostname", "/proc/self/environ"):
+        assert _code(_chat(base, _image(url))) == "path_refused", url
+
+
+def test_paths_no_file_system_takes_are_bad_media_not_500(api):
+    base, _, _ = api
+    for url in ("a\x00b.png", "x" * 5000 + ".png", "d/" * 3000 + "x.png", "missing.png", "%2e%2e/secret.png"):
+        r = _chat(base, _image(url))
+        assert _code(r) == "bad_media", (url[:30], r.text[:200])
+        assert "x" * 300 not in r.json()["error"]["message"]  # a 5000-character name is not echoed whole
+
+
+def test_malformed_data_urls_and_audio_parts_are_400s(api):
+    base, _, _ = api
+    cases = [
+        (_image("data:image/png;base64,@@@"), "bad_media"),
+        (_image("data:image/png,abc"), "bad_media"),
+        (_image("data:image/png;base64,"), "bad_image"),
+        (_image("data:image/png;base64," + "A" * 4_000_000), "bad_image"),  # 3 MB of zeros: no image
+        (_image(None), "bad_media"),
+        (_image(12), "bad_media"),
+        ({"type": "input_audio", "input_audio": "UklGRg=="}, "bad_audio"),  # not an object
+        ({"type": "input_audio", "input_audio": ["UklGRg=="]}, "bad_audio"),
+        ({"type": "input_audio", "input_audio": {"data": "!!!"}}, "bad_audio"),
+        ({"type": "input_audio", "input_audio": {"data": 12}}, "bad_audio"),
+        ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "mp3"}}, "unsupported_format"),
+    ]
+    for part, code in cases:
+        assert _code(_chat(base, part)) == code, part if len(str(part)) < 200 else str(part)[:80]
+
+
+def test_an_image_url_naming_this_server_does_not_freeze_it(api):
+    base, _, client = api
+    assert client.media_policy.fetch_timeout_s >= 5  # the default 10 s: the endpoint used to wait all of it out
+    t0 = time.monotonic()
+    r = _chat(base, _image(base + "/health"))  # this endpoint answers its own fetch: JSON, not an image
+    assert _code(r) == "bad_image" and "application/json" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 3
+    # and while a fetch waits on a server that does not answer, the endpoint still does
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/shot.png"
+        done: list[httpx.Response] = []
+        th = threading.Thread(target=lambda: done.append(_chat(base, _image(url))))
+        th.start()
+        time.sleep(0.3)
+        t1 = time.monotonic()
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+        assert time.monotonic() - t1 < 1.5 and not done  # answered during the fetch
+        silent.close()  # the fetch fails now (or times out)
+        th.join(timeout=20)
+    assert done and _code(done[0]) in ("fetch_failed", "fetch_timeout")
