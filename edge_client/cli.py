@@ -116,7 +116,8 @@ def cmd_serve(args) -> int:
     from .local_api import create_app
 
     client = _client(args)
-    app = create_app(client, model_name=args.model_name, api_key=args.local_api_key, media_dir=args.media_dir)
+    app = create_app(client, model_name=args.model_name, api_key=args.local_api_key, media_dir=args.media_dir,
+                     fetch_urls=args.fetch_urls)
     print(f"autoglm-edge: OpenAI-compatible endpoint on http://{args.host}:{args.port}/v1 "
           f"(cloud {client.config.url})", file=sys.stderr)
     try:
@@ -224,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--media-dir", default=os.environ.get("AUTOGLM_EDGE_MEDIA_DIR"),
                        help="the one folder whose images image_url parts may name by local path (default: none)")
     serve.add_argument("--port", type=port_number, default=8001)
+    serve.add_argument("--fetch-urls", action=argparse.BooleanOptionalAction, default=True,
+                       help="fetch http(s) image_url parts on the phone (--no-fetch-urls: refuse them, url_refused; "
+                            "a fetch may reach whatever the phone reaches, localhost included)")
     serve.add_argument("--model-name", help="model id reported by /v1/models (default: from the bundle id)")
     serve.add_argument("--local-api-key", help="require this Bearer key from local apps (default: none)")
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug",

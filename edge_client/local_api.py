@@ -117,11 +117,14 @@ class _EdgeBackend:
 
 
 def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None,
-               media_dir: str | Path | None = None) -> FastAPI:
+               media_dir: str | Path | None = None, fetch_urls: bool = True) -> FastAPI:
     """The FastAPI app serving ``client``; ``api_key`` (optional) is required as a Bearer token.
-    ``media_dir``: the one folder whose files ``image_url`` may name by local path (default: none)."""
+    ``media_dir``: the one folder whose files ``image_url`` may name by local path (default: none);
+    ``fetch_urls=False``: http(s) ``image_url``s are refused (``url_refused``) instead of fetched."""
     if media_dir is not None:
         client.media_policy = replace(client.media_policy, local_dir=Path(media_dir))
+    if not fetch_urls:
+        client.media_policy = replace(client.media_policy, allow_http=False)
     app = FastAPI(title="autoglm-edge", docs_url=None, redoc_url=None)
     model_id = model_name or f"autoglm-split-{client.manifest.bundle_id[:12]}"
 

@@ -116,3 +116,26 @@ def test_an_image_url_naming_this_server_does_not_freeze_it(api):
         silent.close()  # the fetch fails now (or times out)
         th.join(timeout=20)
     assert done and _code(done[0]) in ("fetch_failed", "fetch_timeout")
+
+
+def test_no_fetch_urls_refuses_http_image_urls_without_fetching(api):
+    """``autoglm-edge serve --no-fetch-urls``: an http(s) image_url is url_refused, nothing is fetched (the URL
+    names a port where nothing listens, which a fetch would answer fetch_failed)."""
+    from dataclasses import replace
+
+    from fastapi.testclient import TestClient
+
+    from edge_client.cli import build_parser
+
+    _, _, client = api
+    before = client.media_policy
+    try:
+        app = create_app(client, fetch_urls=False)
+        with TestClient(app) as tc:
+            r = tc.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "tap "}, _image("http://127.0.0.1:9/x.png")]}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "url_refused"
+    finally:
+        client.media_policy = replace(before)
+    assert build_parser().parse_args(["serve", "--bundle", "b", "--no-fetch-urls"]).fetch_urls is False
+    assert build_parser().parse_args(["serve", "--bundle", "b"]).fetch_urls is True
