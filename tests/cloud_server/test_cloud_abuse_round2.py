@@ -162,7 +162,7 @@ def test_resume_tokens_do_not_cross_tenants_or_outlive_their_grace(srv, tiny_bun
         assert not wl.resumed and wl.session_id != wa.session_id
         # more requests at once than the session's limit: the extra ones fail, the session goes on
         limit = wl.limits.max_concurrent_requests
-        params = P.SamplingParams(max_tokens=50)
+        params = P.SamplingParams(max_tokens=50, ignore_eos=True)  # none may finish (and free a slot) early
         for i in range(limit + 2):
             await late.prefill(f"q{i}", late.front.fork(), [5, 6, 7], params)
         got = [await late.recv(30) for _ in range(limit + 2)]
