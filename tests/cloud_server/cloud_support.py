@@ -274,13 +274,17 @@ class EdgeSim:
             first = False
 
     async def generate(self, rid: str, prompt: list[int], max_tokens: int, start: int = 0, keys=None,
-                       stop_after: int | None = None, temperature: float = 0.0):
+                       stop_after: int | None = None, temperature: float = 0.0, ignore_eos: bool = False,
+                       pause: float = 0.0):
         """Greedy generation; returns (tokens, finish_reason, last Tokens message). ``stop_after``: return
-        after that many tokens without sending the next DecodeStep (the caller then cancels or drops)."""
+        after that many tokens without sending the next DecodeStep (the caller then cancels or drops);
+        ``pause``: seconds a slow phone waits before each DecodeStep."""
+        import asyncio
+
         from shared import protocol as P
 
         front = self.front.fork()
-        params = P.SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        params = P.SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos)
         await self.prefill(rid, front, prompt, params, start, keys)
         tokens: list[int] = []
         while True:
@@ -294,6 +298,8 @@ class EdgeSim:
                 return tokens, msg.finish_reason, msg
             if stop_after is not None and len(tokens) >= stop_after:
                 return tokens, None, msg
+            if pause:
+                await asyncio.sleep(pause)
             pos = len(prompt) + len(tokens) - 1
             await self.send(P.DecodeStep(request_id=rid, position=pos, hidden=self.encode(boundary(front, [tokens[-1]]))))
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import websockets
 import zstandard
-from cloud_support import EdgeSim, ServerThread, boundary, edge_front, serving
+from cloud_support import EdgeSim, ServerThread, edge_front, serving
 from websockets.exceptions import ConnectionClosed
 
 from cloud_server.app import create_app
@@ -269,18 +269,8 @@ async def _bad_client(server, seed: int) -> None:
 async def _good_client(server, front, tiny_bundle, pause: float = 0.0) -> list[int]:
     edge = EdgeSim(server.ws_url, tiny_bundle, server.bundle_id, front=front)
     await edge.connect()
-    fork = edge.front.fork()
-    await edge.prefill("g", fork, PROMPT, P.SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-    tokens: list[int] = []
-    while True:
-        msg = await edge.recv()
-        assert isinstance(msg, P.Tokens), msg
-        tokens += msg.token_ids
-        if msg.finish_reason:
-            break
-        await asyncio.sleep(pause)
-        await edge.send(P.DecodeStep(request_id="g", position=len(PROMPT) + len(tokens) - 1,
-                                     hidden=edge.encode(boundary(fork, [tokens[-1]]))))
+    tokens, finish, msg = await edge.generate("g", PROMPT, 20, ignore_eos=True, pause=pause)
+    assert finish == "length", msg
     await edge.close()
     return tokens
 

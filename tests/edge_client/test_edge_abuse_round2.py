@@ -13,7 +13,8 @@ import time
 
 import httpx
 import pytest
-import uvicorn
+
+from local_server import local_server
 
 from edge_client.client import EdgeClient
 from edge_client.local_api import create_app
@@ -28,20 +29,8 @@ def api(tiny_glm4v_fp32_bundle, tmp_path_factory):
     os.symlink(root / "secret.png", media / "link.png")
     os.symlink(root, media / "up")
     client = EdgeClient(tiny_glm4v_fp32_bundle, "ws://127.0.0.1:9/v1/split")  # never reached
-    app = create_app(client, media_dir=media)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and th.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", root, client
-    srv.should_exit = True
-    th.join(timeout=10)
+    with local_server(create_app(client, media_dir=media)) as url:
+        yield url, root, client
     client.close()
 
 

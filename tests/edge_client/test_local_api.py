@@ -5,14 +5,11 @@ test_end_to_end.py); what is tested is the HTTP/SSE surface: streaming, usage, s
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
+from local_server import local_server
 
 from edge_client.errors import EdgeClientError
 from edge_client.local_api import create_app
@@ -73,19 +70,8 @@ class _ScriptedClient:
 @pytest.fixture(scope="module")
 def server():
     client = _ScriptedClient()
-    app = create_app(client, model_name="split-test")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 10
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", client=client)
-    srv.should_exit = True
-    th.join(5)
+    with local_server(create_app(client, model_name="split-test")) as url:
+        yield SimpleNamespace(url=url, client=client)
 
 
 def test_models_and_health(server):
