@@ -161,7 +161,7 @@ class WorkerPort:
     def _apply(self, msg: tuple) -> None:
         kind, engine = msg[0], self.host.engine
         try:
-            if kind == "rows":  # a loop turn's plain decode steps: their [S, H] float32 array as it came
+            if kind == "rows":  # a loop turn's plain decode steps: their [S, H] array (float32 / float16) as it came
                 engine.add_rows(msg[1], msg[2], torch.from_numpy(msg[3]))
             elif kind == "inputs":
                 engine.add_inputs(list(zip(msg[1], unpack_chunks(msg[2]), strict=True)))

@@ -8,7 +8,8 @@ worker sends one frame per event-loop turn and the engine one per step per worke
 worker -> engine
     ``("add", rid, chunk, params, variant, prefix_keys)``    a request's first input (``AsyncEngine.add_request``)
     ``("rows", rids, starts, hidden)``                       a loop turn's plain decode steps, one position each,
-                                                             their states one ``[S, H]`` float32 array
+                                                             their states one ``[S, H]`` float32 array (float16
+                                                             where all came as fp16)
                                                              (``AsyncEngine.add_rows``)
     ``("inputs", rids, chunks)``                             other inputs in order (``AsyncEngine.add_inputs``):
                                                              prompt chunks, 3-D RoPE, drafts; their rows in one array

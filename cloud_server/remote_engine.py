@@ -117,7 +117,7 @@ class RemoteEngine:
         self._flush()
 
     def add_rows(self, request_ids: list[str], starts: list[int], hidden) -> None:
-        """A loop turn's plain decode steps as one ``[S, H]`` float32 tensor (``AsyncEngine.add_rows``), sent now
+        """A loop turn's plain decode steps as one ``[S, H]`` float32 or float16 tensor (``AsyncEngine.add_rows``), sent now
         (with the commands queued before it: order kept); the engine process hands the array on as it comes."""
         if not request_ids:
             return

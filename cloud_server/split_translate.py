@@ -58,7 +58,6 @@ WIRE_CODES = {"too_long": "context_full", "kv_cache_full": "overloaded", "engine
 # engine finish reason -> wire finish reason
 WIRE_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "cancelled": "cancelled"}
 RETRY_AFTER_MS = {"overloaded": 500, "draining": 5000}  # request-level refusals worth retrying
-TORCH_GRAIN = 32768  # at::internal::GRAIN_SIZE: ops on fewer elements run on the calling thread
 # A loop turn's decode steps are decoded on the loop below this many (cloud_server.step_pipeline): with the
 # one-pass row decoders (fp16 ~5 us, int8-outlier ~9 us a row on a slow CPU) the hop to the worker thread
 # and back (two GIL hand-overs and a self-pipe wakeup) cost the loop more than decoding 64 rows itself
@@ -76,19 +75,6 @@ def engine_params(p: P.SamplingParams, max_context: int) -> SamplingParams:
                           repetition_penalty=p.repetition_penalty)
 
 
-def widen_half(half: np.ndarray) -> torch.Tensor:
-    """float16 rows [N, H] (a writable array) as a float32 tensor. torch widens with the CPU's half-precision
-    instructions, several times faster than numpy; in blocks under ATen's parallel grain, so the copy runs
-    on this thread and never wakes the intra-op thread pool the engine's thread may be using."""
-    n, h = half.shape
-    out = torch.empty((n, h), dtype=torch.float32)
-    src = torch.from_numpy(half)
-    step = max(1, (TORCH_GRAIN - 1) // h)
-    for i in range(0, n, step):
-        out[i:i + step].copy_(src[i:i + step])
-    return out
-
-
 class BadInput(Exception):
     """A message the state machine accepted whose contents the model cannot take; ``code`` is the wire code."""
 
@@ -98,14 +84,16 @@ class BadInput(Exception):
 
 
 class _RowBatch:
-    """Consecutive plain decode steps of one hand-over: their rows stacked into one ``[S, H]`` float32 tensor
-    for ``add_rows``, their uplink counted once per codec."""
+    """Consecutive plain decode steps of one hand-over: their rows stacked into one ``[S, H]`` tensor for
+    ``add_rows`` (float16 where every row came as fp16, the default client's decode steps: half the bytes to
+    pickle, pipe and upload, widened by the engine's copy into its input; else float32), their uplink counted
+    once per codec."""
 
     def __init__(self, translator: SplitTranslator):
         self.t = translator
         self.ids: list[str] = []
         self.starts: list[int] = []
-        self.rows: list[np.ndarray] = []  # [1, H] float32 each
+        self.rows: list[np.ndarray] = []  # [1, H] float32 or float16 each
         self.uplink: dict[str, list[int]] = {}  # codec -> frame sizes
 
     def add(self, engine_id: str, start: int, row: np.ndarray, codec: str, nbytes: int) -> None:
@@ -119,8 +107,8 @@ class _RowBatch:
             return
         for codec, sizes in self.uplink.items():
             self.t.rt.metrics.on_uplink_steps(sizes, codec)
-        hidden = self.rows[0] if len(self.rows) == 1 else np.concatenate(self.rows)  # [S, H]
-        rows = (self.ids, self.starts, torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32)))
+        hidden = self.rows[0] if len(self.rows) == 1 else np.concatenate(self.rows)  # [S, H] (mixed: float32)
+        rows = (self.ids, self.starts, torch.from_numpy(np.ascontiguousarray(hidden)))
         self.ids, self.starts, self.rows, self.uplink = [], [], [], {}
         self.t._hand_over([], steps, rows)
 
@@ -240,9 +228,10 @@ class SplitTranslator:
             self._add_input(session, track, msg, nbytes)
 
     def _decode_steps(self, steps: list) -> list[np.ndarray | BadInput | None]:
-        """The held steps' states [1, H] float32 each, one ``decode_rows`` (fp16: ``half_rows``) pass per codec
-        (a batch that fails is decoded step by step, so only a bad step fails: its entry is the ``BadInput``;
-        None: an unknown codec, refused on the loop). Runs on the pipeline's worker thread for large batches: it
+        """The held steps' states [1, H] each, one ``decode_rows`` pass per codec: float32, or for fp16 steps
+        (``half_rows``) float16 as they came, which the engine widens on its copy (on the GPU after the upload).
+        A batch that fails is decoded step by step, so only a bad step fails: its entry is the ``BadInput``;
+        None: an unknown codec, refused on the loop. Runs on the pipeline's worker thread for large batches: it
         reads only the messages."""
         by_codec: dict[str, list[int]] = {}
         for i, (_, _, msg, _) in enumerate(steps):
@@ -253,11 +242,11 @@ class SplitTranslator:
             if codec is None:
                 continue
             tensors = [steps[i][2].hidden for i in idx]
-            half_rows = getattr(codec, "half_rows", None)  # fp16: the rows as float16, widened here
+            half_rows = getattr(codec, "half_rows", None)  # fp16: the rows as float16
             try:
-                half = half_rows(tensors, self.wire_limits) if half_rows is not None else None  # [N, H] f16
-                arr = (widen_half(half).numpy() if half is not None
-                       else codec.decode_rows(tensors, self.wire_limits))  # [N, H] float32
+                arr = half_rows(tensors, self.wire_limits) if half_rows is not None else None  # [N, H] float16
+                if arr is None:
+                    arr = codec.decode_rows(tensors, self.wire_limits)  # [N, H] float32
             except P.ProtocolError:
                 arr = None  # one by one below: which step is bad
             if arr is not None:

@@ -42,6 +42,8 @@ from cloud_server.engine.sequence import InputChunk, Sequence, SequenceStatus, a
 from cloud_server.engine.speculation import verify
 from cloud_server.model import CloudModel
 
+_ROW_DTYPES = (torch.float32, torch.float16)  # the add_inputs arrays the steady decode step takes as they are
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -215,7 +217,8 @@ class LLMEngine:
 
     def add_inputs(self, request_ids: list[str], starts: list[int], hidden: torch.Tensor) -> list[RequestOutput]:
         """Decode steps of several requests at once: row ``i`` of ``hidden`` ``[S, H]`` is the boundary state of
-        ``request_ids[i]``'s position ``starts[i]`` (one position each, ending its input turn), as ``add_input``
+        ``request_ids[i]``'s position ``starts[i]`` (one position each, ending its input turn; float32, or float16
+        as the default client's decode steps come: the runner widens them on its copy), as ``add_input``
         with ``InputChunk(starts[i], hidden=hidden[i:i + 1])`` would take it, same checks, same errors. Where the
         next step continues the last decode batch with rows of this array only (in any order), the runner takes
         ``hidden`` itself and the rows' order: no per-row gather on the host; a float32 array from
@@ -454,8 +457,9 @@ class LLMEngine:
                 if fed is None:  # [S, H]: the [1, H] rows gathered into the runner's buffer, in the batch's order
                     rows, order = torch.cat(hidden, out=runner.host_buffer((len(hidden), hidden[0].shape[1]), f32)), None
                 else:  # [N, H]: the array, or the arrays of several front-end workers' turns concatenated once
+                    dtype = fed[0].dtype if all(a.dtype == fed[0].dtype for a in fed) else f32  # (mixed: widened)
                     rows = fed[0] if len(fed) == 1 else torch.cat(
-                        fed, out=runner.host_buffer((sum(a.shape[0] for a in fed), fed[0].shape[1]), f32))
+                        fed, out=runner.host_buffer((sum(a.shape[0] for a in fed), fed[0].shape[1]), dtype))
                     if order == list(range(rows.shape[0])):
                         order = None  # its rows in the batch's order (lockstep): nothing to pick on the device
                 cols = (self.sampler.graph_columns(params, runner.device)
@@ -468,11 +472,11 @@ class LLMEngine:
 
     @staticmethod
     def _fed_rows(chunks: list[InputChunk]) -> tuple[list[torch.Tensor] | None, list[int] | None]:
-        """Where every chunk is a row of an :meth:`add_inputs` float32 array (``InputChunk.decode_step``): those
-        arrays in first-use order (one per front-end worker's turn) and each chunk's row in their concatenation;
-        else (None, None)."""
+        """Where every chunk is a row of an :meth:`add_inputs` array (``InputChunk.decode_step``; float32 or
+        float16): those arrays in first-use order (one per front-end worker's turn) and each chunk's row in their
+        concatenation; else (None, None)."""
         first = getattr(chunks[0], "rows", None)
-        if first is None or first.dtype is not torch.float32:
+        if first is None or first.dtype not in _ROW_DTYPES:
             return None, None
         offsets: dict[int, int] = {id(first): 0}
         arrays, n, order = [first], first.shape[0], []
@@ -482,7 +486,7 @@ class LLMEngine:
                 return None, None
             at = offsets.get(id(rows))
             if at is None:
-                if rows.dtype is not torch.float32:
+                if rows.dtype not in _ROW_DTYPES:
                     return None, None
                 at = offsets[id(rows)] = n
                 arrays.append(rows)

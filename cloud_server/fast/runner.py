@@ -192,7 +192,8 @@ class FastGlmRunner:
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """The engine's steady decode step: the rows of the last decode batch, each one position on (the caller
         knows: the same sequences in the same order, every row sampled), given only their hidden states (host,
-        float32; page-locked ones go up without another copy): ``hidden`` [n, H], or with ``order`` (the batch's
+        float32 or float16, widened by the graph's input copy on the device; page-locked ones go up without another
+        copy): ``hidden`` [n, H], or with ``order`` (the batch's
         rows as indices into ``hidden`` [N, H]) picked on the device after the upload; and the blocks appended to
         their tables since, ``(row, column, block)`` each: written into the graphs' tables (one small upload), so a
         row crossing into a new block does not end the persistent batch.

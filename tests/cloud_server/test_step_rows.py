@@ -1,5 +1,6 @@
-"""SplitTranslator._decode_steps: a loop turn's decode steps decoded per codec in one pass (fp16 widened by
-torch), each row exactly what the codec's own decode gives, and a bad step failing alone."""
+"""SplitTranslator._decode_steps: a loop turn's decode steps decoded per codec in one pass (fp16 rows left as
+float16 for the engine to widen), each row exactly what the codec's own decode gives, and a bad step failing alone;
+the hand-over's runs of plain steps as one array (float16 where every row is)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_server.split_translate import BadInput, SplitTranslator, widen_half
+from cloud_server.split_translate import BadInput, SplitTranslator
 from shared import protocol as P
 from shared.codecs import available_codecs
 
@@ -25,7 +26,8 @@ def _step(codec, seed: int, rid: str = "r") -> tuple:
 
 
 def _as_array(row) -> np.ndarray:
-    return row.numpy() if isinstance(row, torch.Tensor) else row
+    """A decoded row as float32 (fp16's rows come as float16: widening is exact)."""
+    return (row.numpy() if isinstance(row, torch.Tensor) else row).astype(np.float32)
 
 
 @pytest.mark.parametrize("name", ["fp16", "int8-outlier", "bf16", "int8-b32"])
@@ -35,7 +37,7 @@ def test_rows_equal_the_codecs_decode_and_a_bad_step_fails_alone(name):
     steps = [_step(codec, i) for i in range(6)]
     rows = tr._decode_steps(steps)
     for (_, _, msg, _), row in zip(steps, rows, strict=True):
-        assert row.shape == (1, H) and row.dtype in (np.float32, torch.float32)
+        assert row.shape == (1, H) and row.dtype == (np.float16 if name == "fp16" else np.float32)
         assert np.array_equal(_as_array(row), codec.decode(msg.hidden))
     bad = steps[2][2].hidden
     steps[2] = (None, None, P.DecodeStep(request_id="bad", position=5,
@@ -61,13 +63,6 @@ def test_a_nan_fp16_step_fails_alone_and_codecs_mix_in_one_turn():
     unknown = (None, None, P.DecodeStep(request_id="u", position=5, hidden=P.EncodedTensor(
         codec="nope", shape=(1, H), data=b"\0" * (2 * H))), 0)
     assert tr._decode_steps([unknown]) == [None]  # refused on the loop by name
-
-
-def test_widen_half_is_exact_in_blocks():
-    half = np.random.default_rng(0).standard_normal((37, 4096)).astype(np.float16)  # blocks of 7 rows + a tail
-    half[0, :4] = [6.1e-8, -6.1e-8, 65504, -65504]  # a subnormal, the range's ends
-    out = widen_half(half)
-    assert out.dtype == torch.float32 and np.array_equal(out.numpy(), half.astype(np.float32))
 
 
 class _Engine:
@@ -144,3 +139,32 @@ def test_hand_over_sends_runs_of_plain_steps_as_one_array_in_order():
     assert "width" in session.sent[1].message
     assert sorted(metrics.uplink) == [(100 + i, "int8-outlier") for i in (0, 1, 2, 3, 5)]
     assert all(steps[i][1].owner.last_input > 0 for i in (0, 1, 2, 3, 5))
+
+
+def test_fp16_steps_go_to_the_engine_as_float16_and_a_mixed_run_as_float32():
+    """A run of fp16 steps reaches add_rows as one float16 [S, H] array (half the bytes to pickle and upload); a run
+    that mixes fp16 with another codec as float32, every row exactly its codec's decode."""
+    from types import SimpleNamespace
+
+    tr = _translator()
+    engine, metrics = _Engine(), _Metrics()
+    tr.rt = SimpleNamespace(engine=engine, metrics=metrics, facts=SimpleNamespace(hidden_size=H, mrope=False))
+    session = _Session()
+
+    def steps_of(codecs):
+        out = []
+        for i, codec in enumerate(codecs):
+            rec = SimpleNamespace(active=True, engine_id=f"e{i}", last_input=0.0)
+            _, _, msg, _ = _step(codec, 20 + i, f"r{i}")
+            out.append((session, SimpleNamespace(owner=rec, request_id=f"r{i}"), msg, 10))
+        return out
+
+    fp16, int8 = tr.codecs["fp16"], tr.codecs["int8-outlier"]
+    for codecs, dtype in (([fp16] * 5, torch.float16), ([fp16, int8, fp16], torch.float32)):
+        engine.calls.clear()
+        steps = steps_of(codecs)
+        tr._hand_over_steps(steps, tr._decode_steps(steps))
+        [(kind, ids, starts, hidden)] = engine.calls
+        assert kind == "rows" and ids == [f"e{i}" for i in range(len(codecs))] and hidden.dtype == dtype
+        want = np.concatenate([c.decode(s[2].hidden) for c, s in zip(codecs, steps)])  # [S, H] float32
+        assert np.array_equal(hidden.float().numpy(), want)

@@ -51,6 +51,7 @@ class _Runner:
         self.fed: list[torch.Tensor] = []  # the add_inputs arrays of the driver (_drive)
         self.took_fed = 0  # continued steps given one of them as it is
         self.took_joined = 0  # continued steps given a concatenation of several, with the batch's rows in it
+        self.dtypes: set[torch.dtype] = set()  # of the hidden states continued steps were given
         self.time_replays, self.replay_event = False, None  # the fast runner's replay event (device-time metric)
 
     def _logits(self, hidden: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -75,11 +76,12 @@ class _Runner:
         if self.time_replays and self.device == "cuda":
             self.replay_event = torch.cuda.Event(enable_timing=True)
             self.replay_event.record()
+        self.dtypes.add(hidden.dtype)
         self.took_fed += any(hidden is f for f in self.fed)
         self.took_joined += order is not None and not any(hidden is f for f in self.fed) and hidden.shape[0] > 1
         if order is not None:
             hidden = hidden[order]  # [n, H] the batch's rows
-        logits = self._logits(hidden, pos)  # [S, V] bfloat16
+        logits = self._logits(hidden.float(), pos)  # [S, V] bfloat16 (float16 rows widened, as a graph's copy does)
         return logits, logits.argmax(dim=-1), None
 
 
@@ -136,9 +138,10 @@ _GREEDY = [
 
 
 def _state(name: str, token: int) -> torch.Tensor:
-    """The boundary state a phone sends for ``token`` (deterministic, per session). [1, H]"""
+    """The boundary state a phone sends for ``token`` (deterministic, per session; exact in float16, so that the
+    ``"half"`` feed carries the same values). [1, H]"""
     g = torch.Generator().manual_seed(1000 * token + sum(map(ord, name)))
-    return torch.randn(1, H, generator=g)
+    return torch.randn(1, H, generator=g).half().float()
 
 
 def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int = 80,
@@ -146,8 +149,9 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
     """Every output of the workload, in order, with the step it came out of. ``batched``: the decode steps of a
     turn that ask for no drafts go in as one ``add_inputs`` (an ``input_buffer`` filled in the sessions' order, or
     ``"reversed"``: the other way round, so that the runner picks the batch's rows from it; ``"split"``: reversed and
-    cut into up to 3 arrays, which the engine concatenates once)."""
-    log, waiting_since, pos, last = [], {}, {}, {}
+    cut into up to 3 arrays, which the engine concatenates once; ``"half"``: as split, the arrays float16 as fp16 decode
+    steps reach the engine, but one of them float32, as a worker whose phones send another codec)."""
+    log, waiting_since, pos, last, turns = [], {}, {}, {}, 0
     for k in range(steps):
         for name, params, n, arrive, _, _ in sessions:
             if k == arrive:
@@ -164,13 +168,17 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
                     continue
                 eng.add_input(name, InputChunk(seq.num_received, hidden=_state(name, last[name]), ask_drafts=ask))
         if group:
-            if batched in ("reversed", "split"):
+            turns += 1
+            if batched in ("reversed", "split", "half"):
                 group.reverse()
             # "split": up to 3 arrays, as several front-end workers' turns reach the engine (concatenated once there)
-            cuts = sorted({0, len(group) // 3, 2 * len(group) // 3, len(group)}) if batched == "split" else [0, len(group)]
-            for a, b in zip(cuts, cuts[1:]):
+            cuts = ([0, len(group)] if batched not in ("split", "half") else
+                    sorted({0, len(group) // 3, 2 * len(group) // 3, len(group)}))
+            for j, (a, b) in enumerate(zip(cuts, cuts[1:])):
                 rows = eng.input_buffer(b - a)  # [G, H]
                 torch.cat([h for _, _, h in group[a:b]], out=rows)
+                if batched == "half" and (j != 1 or turns % 2):  # (every other turn all float16)
+                    rows = rows.half()
                 eng.runners["fp32"].fed.append(rows)
                 assert eng.add_inputs([g[0] for g in group[a:b]], [g[1] for g in group[a:b]], rows) == []
         if k == abort_at:
@@ -185,7 +193,7 @@ def _drive(eng: LLMEngine, sessions: list[tuple], abort_at: int = 9, steps: int 
     return log
 
 
-@pytest.mark.parametrize("batched", [None, "in order", "reversed", "split"])
+@pytest.mark.parametrize("batched", [None, "in order", "reversed", "split", "half"])
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("num_blocks", [256, 14])  # 14 blocks of 4: the pool runs out, sessions are aborted
 def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks, batched):
@@ -201,7 +209,7 @@ def test_the_fast_paths_give_the_general_paths_outputs(overlap, num_blocks, batc
 
 
 @pytest.mark.parametrize("sessions", [_STEADY, _GREEDY], ids=["mixed", "greedy"])
-@pytest.mark.parametrize("batched", [None, "in order", "reversed", "split"])
+@pytest.mark.parametrize("batched", [None, "in order", "reversed", "split", "half"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_lockstep_decoding_continues_the_persistent_batch_with_the_same_tokens(overlap, batched, sessions):
     fast, ref = _engine(True, overlap, 64, block_size=16), _engine(False, overlap, 64, block_size=16)
@@ -211,8 +219,10 @@ def test_lockstep_decoding_continues_the_persistent_batch_with_the_same_tokens(o
     assert runner.continued >= 15  # the persistent batch was taken (and gave the same tokens)
     if batched in ("in order", "reversed"):  # and was given the fed arrays themselves, not a gather of their rows
         assert runner.took_fed >= 15
-    if batched == "split":  # several arrays: one concatenation of them, rows picked by order
+    if batched in ("split", "half"):  # several arrays: one concatenation of them, rows picked by order
         assert runner.took_joined > 0
+    # float16 arrays stay float16 up to the runner's copy; float32 where one of a step's arrays is
+    assert runner.dtypes == ({torch.float16, torch.float32} if batched == "half" else {torch.float32})
     assert {e[1] for e in want if len(e) > 3 and e[2] is not None} == {s[0] for s in sessions}
     assert not fast.seqs and fast.num_used_blocks() == 0
 
