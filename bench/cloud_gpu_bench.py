@@ -71,6 +71,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cloud_server.config import KV_CACHE_DTYPES
 from cloud_server.fast import kernels
 from cloud_server.fast.attention import decode_attention_torch, decode_attention_triton
 from cloud_server.fast.config import FastGLMConfig
@@ -114,7 +115,7 @@ class BenchConfig:
     stall_prompt: int = 4096  # positions of the arriving prompt
     stall_chunks: tuple[int, ...] = (0, 2048, 512, 256)  # prefill_chunk_while_decoding values (0 = no cap)
     stall_steps: int = 64  # decode steps per phase (steady, then with the arrival at step 8)
-    kv_cache_dtype: str = "auto"  # with through_engine: the engine's KV pool (auto = the compute dtype, int8, fp8)
+    kv_cache_dtype: str = "auto"  # with through_engine: the engine's KV pool (auto = the compute dtype, int8, fp8, int8v)
     generic_runner: bool = False  # with through_engine: the engine on the library's layers, not the fast path
     idle_gap_ms: float = 0.0  # > 0: also the direct step's device time with the GPU idle this long between steps
 
@@ -1285,8 +1286,9 @@ def parse_args(argv=None) -> BenchConfig:
     p.add_argument("--stall-chunks", default=",".join(map(str, d.stall_chunks)),
                    help="prefill_chunk_while_decoding values the stall is measured at (0 = no cap)")
     p.add_argument("--stall-steps", type=int, default=d.stall_steps, help="decode steps per stall phase")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=("auto", "int8", "fp8"),
-                   help="with --through-engine: the engine's KV pool (auto: the compute dtype; int8 / fp8: 8-bit)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="with --through-engine: the engine's KV pool (auto: the compute dtype; int8 / fp8: 8-bit; "
+                        "int8v: compute-dtype keys, int8 values)")
     p.add_argument("--generic-runner", action="store_true",
                    help="with --through-engine: the engine on the library's layers (the 16-bit pool beside int8)")
     p.add_argument("--idle-gap-ms", type=float, default=d.idle_gap_ms,

@@ -2,14 +2,14 @@
 through ``LLMEngine`` at each S, and the capacity (sessions x ``--context`` tokens) of the pool a memory budget holds.
 
 One random-weight back half (``--preset``, split at ``--split``) is built once; per arm (``--kv``: ``auto`` = the
-compute dtype, then ``int8`` / ``fp8``) an engine with the fast runner (tuned, CUDA graphs: as ``serve`` builds
+compute dtype, then ``int8`` / ``fp8`` / ``int8v``) an engine with the fast runner (tuned, CUDA graphs: as ``serve`` builds
 it) gets a pool sized to the budget, ``--memory-fraction`` of the GPU's memory less what is allocated once the
 weights are (and ``--headroom-gib`` for activations, graphs and logits), and runs ``engine_workloads.lockstep``
 (prompt of ``--prompt`` states, ``--gen`` greedy decode steps) at every S of ``--sessions``. Recorded per arm:
 tokens/s and step ms per S, the pool's bytes, bytes per block and blocks, the sessions x context it holds
 (``capacity_sessions``: its blocks, the null block excepted, over ``--context``), the peak memory of the run, and
 the capacity at the measured overhead (``capacity_sessions_at_peak``: the budget less weights and the measured
-non-pool peak, over the bytes per block); beside them the 8-bit arm's ratios to the first arm.
+non-pool peak, over the bytes per block); beside them each later arm's ratios to the first arm.
 
 ``autoglm-cloud serve`` sizes its pool by ``--num-blocks`` and has no memory fraction; 0.9 is vLLM's default
 ``gpu_memory_utilization`` and the figure docs/performance.md's capacity arithmetic uses. On the CPU (a smoke run
@@ -64,7 +64,8 @@ def run_arm(bc: BenchConfig, model, hf_full, dev, variant: str, kv: str, args) -
     engine, runner, info = build_engine(cfg, hf_full, dev, variant, num_blocks=blocks, model=model)
     log(f"[{kv}] engine ready: {blocks} blocks, {runner.pool.nbytes / 1e9:.2f} GB pool, runner {info['runner']}, "
         f"build {info['runner_build_s']:.1f} s")
-    out = {"build": info, "pool_dtype": str(runner.pool.k.dtype), "pool_bytes": runner.pool.nbytes,
+    out = {"build": info, "pool_dtype": str(runner.pool.k.dtype), "pool_v_dtype": str(runner.pool.v.dtype),
+           "pool_bytes": runner.pool.nbytes,
            "pool_bytes_per_block": runner.pool.bytes_per_block, "pool_blocks": blocks, "sessions": {},
            "capacity_sessions": ((blocks - len(runner.reserved_blocks)) * bc.block_size // args.context
                                  if dev.type == "cuda" else None)}
@@ -104,7 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--sessions", default="64,256", help="S values, comma-separated")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--gen", type=int, default=128)
-    p.add_argument("--kv", default="auto,int8", help="pool arms in order: auto (the compute dtype), int8, fp8")
+    p.add_argument("--kv", default="auto,int8,int8v",
+                   help="pool arms in order (ratios against the first): auto (the compute dtype), int8, fp8, int8v")
     p.add_argument("--context", type=int, default=4096, help="tokens per session of the capacity figure")
     p.add_argument("--memory-fraction", type=float, default=0.9, help="the GPU memory share weights + pool + rest get")
     p.add_argument("--headroom-gib", type=float, default=6.0, help="GiB kept off the pool for activations etc.")
@@ -117,6 +119,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sessions = tuple(int(s) for s in args.sessions.split(",") if s)
     arms = [k.strip() for k in args.kv.split(",") if k.strip()]
+    from cloud_server.config import KV_CACHE_DTYPES
+
+    if bad := [k for k in arms if k not in KV_CACHE_DTYPES]:
+        raise SystemExit(f"--kv: unknown {', '.join(bad)} (choose from {', '.join(KV_CACHE_DTYPES)})")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     variant = "bf16" if dev.type == "cuda" else "fp32"
     bc = BenchConfig(preset=args.preset, split=args.split, sessions=sessions, prompt=args.prompt, gen=args.gen,

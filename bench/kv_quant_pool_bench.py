@@ -1,9 +1,11 @@
-"""Quality of the 8-bit KV pool (``--kv-cache-dtype int8 / fp8``) on real weights beside the fp32 pool (CPU).
+"""Quality of the 8-bit KV pool (``--kv-cache-dtype int8 / fp8 / int8v``) on real weights beside the fp32 pool (CPU).
 
 SmolLM2 split at ``--layer`` (fp32 edge, the phone's ``FrontRuntime``), its cloud half in fp32 on one KV pool
-per arm (``auto`` = fp32, ``bf16``, ``int8``, ``fp8``). ``bf16`` is the 16-bit reference: the same fp32 compute
-on a pool stored in bfloat16, what the GPU's default pool stores (``auto`` with bf16 compute), so that the 8-bit
-arms' disagreement with the fp32 pool is read beside what any 16-bit pool costs:
+per arm (``auto`` = fp32, the reference, always run; ``--arms`` from ``bf16``, ``int8``, ``fp8``, ``int8v``,
+``int8v-bf16``). ``bf16`` is the 16-bit reference: the same fp32 compute on a pool stored in bfloat16, what the
+GPU's default pool stores (``auto`` with bf16 compute), so that the 8-bit arms' disagreement with the fp32 pool is
+read beside what any 16-bit pool costs. ``int8v`` keeps its keys in the compute dtype (fp32 here); ``int8v-bf16``
+is the int8v pool as the GPU stores it (bfloat16 keys, int8 values) under the same fp32 compute:
 
 * teacher-forced: held-out text (``inversion_corpus``'s test prose and code) prefilled through the cloud
   half's ``ModelRunner`` with every position's logits kept; per arm vs the fp32 pool, the top-1 agreement and
@@ -23,6 +25,8 @@ one scale per ``GROUP`` channels of each token's head (64: the int8 pool's one s
 ``kv``. ``8:64:0:kv`` is the int8 pool's own rule, so its row checks the emulation against the ``int8`` arm.
 
 Run: ``python bench/kv_quant_pool_bench.py`` (writes docs/results/kv_pool_quality.json; ~3 minutes, 1 thread).
+The int8v run: ``python bench/kv_quant_pool_bench.py --arms bf16,int8,int8v,int8v-bf16 --emulate 8:64:0:v
+--out docs/results/kv_pool_quality_int8v.json``.
 """
 
 from __future__ import annotations
@@ -40,17 +44,20 @@ from results_io import emit
 from split_bundles import cached_split, common_args
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("auto", "bf16", "int8", "fp8")
+# arm -> (the dtype the pool stores its unquantized tensors in, None: the model's; kv_cache_dtype)
+ARM_POOLS = {"auto": (None, "auto"), "bf16": (torch.bfloat16, "auto"), "int8": (None, "int8"), "fp8": (None, "fp8"),
+             "int8v": (None, "int8v"), "int8v-bf16": (torch.bfloat16, "int8v")}
+ARMS = ("auto", "bf16", "int8", "fp8", "int8v", "int8v-bf16")
 
 
 def _pool(model, arm: str, num_blocks: int, block_size: int):
-    """The arm's pool: ``bf16`` stores bfloat16 under fp32 compute (``auto`` of a bfloat16 dtype); the others are
-    ``kv_cache_dtype`` values."""
+    """The arm's pool (:data:`ARM_POOLS`): ``bf16`` stores bfloat16 under fp32 compute (``auto`` of a bfloat16
+    dtype), ``int8v-bf16`` bfloat16 keys beside int8 values; the others are ``kv_cache_dtype`` values."""
     from cloud_server.engine.kv_cache import KVCachePool
 
-    dtype, kv = (torch.bfloat16, "auto") if arm == "bf16" else (model.dtype, arm)
+    dtype, kv = ARM_POOLS[arm]
     return KVCachePool(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim,
-                       dtype, kv_cache_dtype=kv)
+                       dtype or model.dtype, kv_cache_dtype=kv)
 
 
 @torch.inference_mode()
@@ -91,8 +98,8 @@ def served_answers(model, kv: str, front, prompts: list[list[int]], new: int) ->
 
     blocks = len(prompts) * (-(-(max(map(len, prompts)) + new) // 16)) + 8
     config = EngineConfig(num_blocks=blocks, block_size=16, max_num_seqs=len(prompts),
-                          kv_cache_dtype="auto" if kv == "bf16" else kv)
-    make_runner = None if kv != "bf16" else (
+                          kv_cache_dtype=ARM_POOLS[kv][1])
+    make_runner = None if ARM_POOLS[kv][0] is None else (
         lambda _i, m, _pool_unused: ModelRunner(m, _pool(m, kv, blocks, 16), batch_invariant=config.batch_invariant))
     eng = LLMEngine.from_models(config, {"fp32": model}, make_runner=make_runner)
     fronts = {f"q{i}": front.fork() for i in range(len(prompts))}
@@ -180,11 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=48, help="greedy tokens per answer")
     p.add_argument("--text-tokens", type=int, default=256, help="tokens kept of each held-out text")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--arms", default="bf16,int8,fp8,int8v,int8v-bf16",
+                   help=f"pool arms beside the fp32 pool (auto, always run), comma-separated: {', '.join(ARMS[1:])}")
     p.add_argument("--emulate", default="", help="comma-separated BITS:GROUP:SINKS:WHICH schemes emulated on the "
                                                   "fp32 pool (module docstring), e.g. 8:64:0:kv,4:32:0:kv")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "kv_pool_quality.json")
     args = p.parse_args(argv)
     schemes = [x for x in args.emulate.split(",") if x]
+    pools = ["auto", *(a for a in args.arms.split(",") if a and a != "auto")]
+    if bad := [a for a in pools if a not in ARM_POOLS]:
+        p.error(f"--arms: unknown {', '.join(bad)} (choose from {', '.join(ARMS[1:])})")
     try:
         for x in schemes:
             parse_scheme(x)
@@ -205,17 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     texts = [lm.tokenizer(t).input_ids[: args.text_tokens] for t in TEST_PROSE + TEST_CODE]
     prompts = [chat_ids(lm.tokenizer, q) for q in HELD_OUT[: args.prompts]]
 
-    logits = {kv: teacher_logits(model, kv, front, texts) for kv in ARMS}
+    logits = {kv: teacher_logits(model, kv, front, texts) for kv in pools}
     answers = {kv: [through_eos(a, eos) for a in served_answers(model, kv, front, prompts, args.new)]
-               for kv in ARMS}
-    pool_bytes = {kv: _pool(model, kv, 1, 16).bytes_per_block for kv in ARMS}
+               for kv in pools}
+    pool_bytes = {kv: _pool(model, kv, 1, 16).bytes_per_block for kv in pools}
     for spec in schemes:
         with emulated(spec, model.head_dim):
             logits[spec] = teacher_logits(model, "auto", front, texts)
             answers[spec] = [through_eos(a, eos) for a in served_answers(model, "auto", front, prompts, args.new)]
         pool_bytes[spec] = pool_bytes["auto"]  # emulated: stored in fp32
     arms = {}
-    for kv in [*ARMS[1:], *schemes]:
+    for kv in [*pools[1:], *schemes]:
         div = [first_divergence(a, b) for a, b in zip(answers["auto"], answers[kv])]
         arms[kv] = {"teacher_forced": compare(logits["auto"], logits[kv]),
                     "greedy_identical": sum(d is None for d in div), "greedy_prompts": len(div),
@@ -230,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
               "cloud_layers": model.num_layers, "kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
               "reference": "the fp32 pool (kv_cache_dtype auto on CPU), same cloud half, same edge front",
               "emulated_schemes": "BITS:GROUP:SINKS:WHICH, fake-quantized writes on the fp32 pool (module docstring)",
+              "arm_pools": {a: {"keys": str(_pool(model, a, 1, 16).k.dtype), "values": str(_pool(model, a, 1, 16).v.dtype)}
+                            for a in pools},
               "texts": len(texts), "new_tokens": args.new, "fp32_pool_bytes_per_block": pool_bytes["auto"],
               "arms": arms, "threads": args.threads, "wall_s": round(time.perf_counter() - started, 1)}
     emit(result, args.out, "kv_quant_pool_bench.py", argv)

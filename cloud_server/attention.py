@@ -9,9 +9,10 @@ calls the registered function :func:`paged_attention_forward` (``config._attn_im
 2. attends each sequence's queries over that sequence's cached keys/values (its earlier steps + this one),
    causally: query ``i`` of a chunk of ``n`` sits at position ``ctx - n + i`` and sees keys ``[0, ctx - n + i]``.
 
-An 8-bit pool (``kv_cache_dtype`` int8 / fp8, ``cloud_server.kv_quant``) is quantized on the write and its
-gathered slots dequantized to the compute dtype on the read; its heads are stored Hadamard-rotated, so this
-step's queries are rotated in and the outputs rotated back (``kv_quant.rotation``).
+An 8-bit pool (``kv_cache_dtype`` int8 / fp8 / int8v, ``cloud_server.kv_quant``) is quantized on the write and its
+gathered slots dequantized to the compute dtype on the read; its 8-bit tensors are stored Hadamard-rotated, so
+this step's queries are rotated into the keys' basis and the outputs back from the values' basis
+(``kv_quant.stored_rotation``: both for int8 / fp8; only the outputs for int8v, whose keys are plain).
 
 The per-step metadata (slot mapping, per-sequence query lengths, context lengths and slot lists) comes from
 an :class:`AttentionContext` that the model runner installs around the forward pass. Outside such a context
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cloud_server.kv_quant import read, rotation, write
+from cloud_server.kv_quant import read, stored_rotation, write
 
 ATTN_IMPL = "autoglm_paged"
 
@@ -47,7 +48,7 @@ class AttentionContext:
     context_lens: list[int]  # [B] cached tokens of each sequence after this step's writes
     seq_slots: list[torch.Tensor]  # [B] x [context_len] int64: slots of each sequence's tokens, in order
     batch_invariant: bool = True
-    k_scale: torch.Tensor | None = None  # [layers, slots, KVH] float32: an 8-bit pool's scales (None: 16/32-bit)
+    k_scale: torch.Tensor | None = None  # [layers, slots, KVH] float32: 8-bit keys' scales (None: compute dtype)
     v_scale: torch.Tensor | None = None
 
 
@@ -87,9 +88,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]  # [slots, KVH, D]
     k_scale = None if ctx.k_scale is None else ctx.k_scale[layer]  # [slots, KVH]
     v_scale = None if ctx.v_scale is None else ctx.v_scale[layer]
-    rot = None if k_scale is None else rotation(query.shape[-1], query.device, query.dtype)  # [D, D] or None
-    if rot is not None:  # an 8-bit pool holds rotated heads: attend in that basis (kv_quant.rotation)
-        query, key, value = query @ rot, key @ rot, value @ rot
+    # [D, D] or None each: 8-bit keys / values are held rotated; attend in the keys' basis (kv_quant's basis rule)
+    rot_k, rot_v = (stored_rotation(sc, query.shape[-1], query.device, query.dtype) for sc in (k_scale, v_scale))
+    if rot_k is not None:
+        query, key = query @ rot_k, key @ rot_k
+    if rot_v is not None:
+        value = value @ rot_v
     # 1. this step's K/V into the pool
     write(k_cache, k_scale, ctx.slot_mapping, key[0].transpose(0, 1))  # [T, KVH, D]
     write(v_cache, v_scale, ctx.slot_mapping, value[0].transpose(0, 1))
@@ -120,8 +124,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         mask = None if n == 1 else _causal_mask(n, c, query.device)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)  # [Hq, n, D]
         out[a:b] = o.transpose(0, 1)
-    if rot is not None:
-        out = out @ rot  # back from the rotated basis (H is its own inverse)
+    if rot_v is not None:
+        out = out @ rot_v  # back from the values' rotated basis (H is its own inverse)
     return out[None], None
 
 

@@ -50,8 +50,9 @@ _CHUNK_WHILE_DECODING_HELP = ("while sequences decode, a step holds at most max-
                                "chunks get what the decode rows leave, at least this many); 0: the whole budget")
 _FAST_PATH_HELP = ("the hand-written GLM layers for GLM float variants, tp 1 or 2 (default: on CUDA; --fast-path: "
                    "on the CPU too; --no-fast-path: never)")
-_KV_CACHE_DTYPE_HELP = ("KV pool storage: auto (the compute dtype), int8 or fp8 (8-bit, a scale per token and head; "
-                        "the fast path and the generic runner)")
+_KV_CACHE_DTYPE_HELP = ("KV pool storage: auto (the compute dtype), int8 or fp8 (8-bit keys and values, a scale per "
+                        "token and head: -48 %% bytes vs bf16), int8v (keys in the compute dtype, int8 values: -24 %%, "
+                        "the 16-bit pool's quality); the fast path and the generic runner")
 _WORKERS_HELP = ("WebSocket front-end processes feeding the one engine process (split mode; 1: one process "
                  "serves both)")
 

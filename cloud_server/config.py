@@ -14,7 +14,7 @@ from pathlib import Path
 
 COMPUTE_VARIANTS = ("fp32", "bf16", "fp16", "int8")
 LOOPS = ("auto", "asyncio", "uvloop")  # uvicorn's --loop names
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # cloud_server.kv_quant: the same names (config imports no torch)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int8v")  # cloud_server.kv_quant.POOL_LAYOUTS: the same names (no torch here)
 
 
 class ConfigError(ValueError):
@@ -58,7 +58,8 @@ class EngineConfig:
     # host's work for one step runs while the device computes the other (vLLM's async scheduling).
     async_scheduling: bool = True
     # KV pool storage (vLLM's --kv-cache-dtype, cloud_server.kv_quant): "auto" = the compute dtype; "int8" / "fp8"
-    # = 8-bit keys and values with a float32 scale per token and KV head (-48 % KV bytes at head_dim 128 vs bf16),
+    # = 8-bit keys and values with a float32 scale per token and KV head (-48 % KV bytes at head_dim 128 vs bf16);
+    # "int8v" = keys in the compute dtype, values int8 with their scales (-24 % vs bf16, the 16-bit pool's quality);
     # read by the fast path's Triton kernels and by the library's layers (paged attention) alike.
     kv_cache_dtype: str = "auto"
     # Cloud drafts (LLMEngine, "cloud drafts"): the most drafts the server proposes per Tokens when the bundle has a

@@ -27,27 +27,27 @@ from collections import OrderedDict, deque
 
 import torch
 
-from cloud_server.kv_quant import SCALE_DTYPE, is_quantized, storage_dtype
+from cloud_server.kv_quant import SCALE_DTYPE, is_quantized, storage_dtypes
 from shared.prefix_keys import is_shared, shared_fallback
 
 
 class KVCachePool:
     """Preallocated K and V tensors for all cloud layers: each ``[layers, num_blocks * block_size, KVH, D]``.
 
-    ``kv_cache_dtype`` (``cloud_server.kv_quant``): ``auto`` stores ``dtype``; ``int8`` / ``fp8`` store 8-bit
-    elements with float32 scales ``k_scale`` / ``v_scale`` ``[layers, slots, KVH]`` beside them (None for
-    ``auto``). Blocks are blocks either way: the block manager and the prefix cache do not see the difference."""
+    ``kv_cache_dtype`` (``cloud_server.kv_quant``): ``auto`` stores ``dtype``; ``int8`` / ``fp8`` store 8-bit keys
+    and values with float32 scales ``k_scale`` / ``v_scale`` ``[layers, slots, KVH]`` beside them; ``int8v`` keys
+    in ``dtype`` and int8 values. A tensor stored in ``dtype`` has no scales (``k_scale`` / ``v_scale`` None).
+    Blocks are blocks either way: the block manager and the prefix cache do not see the difference."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str | torch.device = "cpu", kv_cache_dtype: str = "auto"):
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        store = storage_dtype(kv_cache_dtype, dtype)
-        self.k = torch.zeros(shape, dtype=store, device=device)
-        self.v = torch.zeros(shape, dtype=store, device=device)
-        self.k_scale = self.v_scale = None
-        if is_quantized(store):
-            self.k_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)  # [L, slots, KVH]
-            self.v_scale = torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+        k_store, v_store = storage_dtypes(kv_cache_dtype, dtype)
+        self.k = torch.zeros(shape, dtype=k_store, device=device)
+        self.v = torch.zeros(shape, dtype=v_store, device=device)
+        # [L, slots, KVH] float32 for an 8-bit tensor
+        self.k_scale, self.v_scale = (torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+                                      if is_quantized(store) else None for store in (k_store, v_store))
         self.kv_cache_dtype = kv_cache_dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -55,8 +55,7 @@ class KVCachePool:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole pool: keys, values and their scales."""
-        scales = 0 if self.k_scale is None else 2 * self.k_scale.numel() * self.k_scale.element_size()
-        return 2 * self.k.numel() * self.k.element_size() + scales
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
 
     @property
     def bytes_per_block(self) -> int:

@@ -14,12 +14,14 @@ step (reading and writing the cache twice more than needed); FlexAttention needs
 mask rebuilt per step. The torch version below is exactly that padded gather; it is the CPU path and the
 reference the GPU run checks the kernel against.
 
-An 8-bit pool (``cloud_server.kv_quant``: int8 / fp8 keys and values, one float32 scale per token and KV head,
-heads stored Hadamard-rotated) is read by the same kernel: the stored integers (or e4m3 values) are exact in the
-query's dtype, so each tile is converted and the per-token scales are applied to the tile's scores (keys) and
-to its softmax weights (values) in registers; the program rotates its queries into the pool's basis first and
-its partial output back last (both linear, so the split merge is unchanged). The torch version dequantizes the
-gathered copy with ``kv_quant.read`` and rotates as the generic runner does (``cloud_server.attention``).
+An 8-bit pool (``cloud_server.kv_quant``: int8 / fp8 keys and values, or int8v's int8 values beside keys in the
+compute dtype; one float32 scale per token and KV head of an 8-bit tensor, stored Hadamard-rotated) is read by the
+same kernel: the stored integers (or e4m3 values) are exact in the query's dtype, so each tile is converted and
+the per-token scales are applied to the tile's scores (8-bit keys) and to its softmax weights (8-bit values) in
+registers; the program rotates its queries into the keys' basis first (8-bit keys only) and its partial output
+back from the values' basis last (8-bit values; both linear, so the split merge is unchanged). The torch version
+dequantizes the gathered copy with ``kv_quant.read`` and rotates as the generic runner does
+(``cloud_server.attention``).
 
 Prefill (query chunks, possibly after cached context): per sequence, SDPA with ``enable_gqa`` over the
 chunk's own keys (causal, the flash kernel) or over its context's keys gathered from the pool under a
@@ -93,7 +95,8 @@ def _pool_kv(k_cache, v_cache, scales, slots: torch.Tensor, dtype: torch.dtype):
     """Keys and values at ``slots`` (int64 [...]) of one layer's pool [NB, BS, KVH, D] as ``dtype`` [..., KVH, D],
     dequantized for an 8-bit pool (``scales``: its :class:`~cloud_server.fast.kv.LayerScales`)."""
     kvh, d = k_cache.shape[-2:]
-    ks, vs = (None, None) if scales is None else (scales.k.view(-1, kvh), scales.v.view(-1, kvh))
+    ks, vs = (None, None) if scales is None else (None if sc is None else sc.view(-1, kvh)
+                                                  for sc in (scales.k, scales.v))
     return read(k_cache.view(-1, kvh, d), ks, slots, dtype), read(v_cache.view(-1, kvh, d), vs, slots, dtype)
 
 
@@ -101,22 +104,22 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale: f
     """q [B, Hq, D]; caches [NB, BS, KVH, D]; block_tables [B, MAXB]; seq_lens [B] -> [B, Hq, D].
 
     Static shapes (the whole block table is gathered) so that it can be captured in a CUDA graph too. ``scales``
-    (an 8-bit pool's layer): the gathered keys/values are dequantized, and with a rotation the queries are turned
-    into the pool's basis and the output back (q and the output stay in the model's basis for the caller).
+    (an 8-bit pool's layer): the gathered 8-bit keys/values are dequantized, the queries are turned into the keys'
+    basis and the output back from the values' one (q and the output stay in the model's basis for the caller).
     """
     _, bs, kvh, d = k_cache.shape
     hq = q.shape[1]
     t = block_tables.shape[1] * bs
     slots = _context_slots(block_tables, bs, t)  # [B, T]
     k, v = _pool_kv(k_cache, v_cache, scales, slots, q.dtype)  # [B, T, KVH, D]
-    rot = None if scales is None else scales.rotation
-    if rot is not None:
-        q = q @ rot
+    rot_k, rot_v = (None, None) if scales is None else (scales.k_rotation, scales.v_rotation)
+    if rot_k is not None:
+        q = q @ rot_k
     valid = torch.arange(t, device=q.device)[None, :] < seq_lens[:, None].long()  # [B, T]
     out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=valid[:, None, None, :], scale=scale,
                                          enable_gqa=hq != kvh)  # [B, Hq, 1, D]
-    return out[:, :, 0, :] if rot is None else out[:, :, 0, :] @ rot
+    return out[:, :, 0, :] if rot_v is None else out[:, :, 0, :] @ rot_v
 
 
 # ------------------------------------------------------------------------------------------------
@@ -127,10 +130,10 @@ if HAVE_TRITON:
     @triton.jit
     def _attend_chunk(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, n0, end, b, kvh, scale, m_i, l_i, acc, offs_d,
                       dmask, stride_kblk, stride_ktok, stride_kh, stride_bt, BS: tl.constexpr, BLOCK: tl.constexpr,
-                      IEEE: tl.constexpr, QUANT: tl.constexpr, NKV: tl.constexpr):
+                      IEEE: tl.constexpr, QK: tl.constexpr, QV: tl.constexpr, NKV: tl.constexpr):
         """Online-softmax update of (m, l, acc) [G_PAD], [G_PAD], [G_PAD, D_PAD] with tokens [n0, n0 + BLOCK).
 
-        QUANT: 8-bit keys/values, converted exactly to q's dtype; token t's scale multiplies its scores (keys)
+        QK / QV: 8-bit keys / values, converted exactly to q's dtype; token t's scale multiplies its scores (keys)
         and its softmax weights before the value product (values). Scales are laid out [NB, BS, NKV]."""
         toks = n0 + tl.arange(0, BLOCK)
         valid = toks < end
@@ -139,24 +142,25 @@ if HAVE_TRITON:
         kv_mask = valid[:, None] & dmask[None, :]
         k = tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK, D_PAD]
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # both loads in flight
-        if QUANT:
-            srow = (blk * BS + toks % BS) * NKV + kvh  # [BLOCK] offsets into the scales
+        srow = (blk * BS + toks % BS) * NKV + kvh  # [BLOCK] offsets into the scales (8-bit tensors)
+        if QK:
             k_sc = tl.load(ks_ptr + srow, mask=valid, other=0.0)
-            v_sc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
             k = k.to(q.dtype)
+        if QV:
+            v_sc = tl.load(vs_ptr + srow, mask=valid, other=0.0)
             v = v.to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        if QUANT:
+        if QK:
             s = s * k_sc[None, :]
         s = tl.where(valid[None, :], s * scale, float("-inf"))  # [G_PAD, BLOCK]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if QUANT:
+        if QV:
             pw = p * v_sc[None, :]
         else:
             pw = p
@@ -181,8 +185,9 @@ if HAVE_TRITON:
                                NUM_SPLITS: tl.constexpr, SPLIT: tl.constexpr, G: tl.constexpr,
                                G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
                                BLOCK: tl.constexpr, NQ: tl.constexpr, IEEE: tl.constexpr,
-                               DYNAMIC_LOOP: tl.constexpr, STATIC_ITERS: tl.constexpr, QUANT: tl.constexpr,
-                               ROTATE: tl.constexpr, NKV: tl.constexpr):
+                               DYNAMIC_LOOP: tl.constexpr, STATIC_ITERS: tl.constexpr, QK: tl.constexpr,
+                               QV: tl.constexpr, ROTATE_Q: tl.constexpr, ROTATE_O: tl.constexpr,
+                               NKV: tl.constexpr):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -197,7 +202,7 @@ if HAVE_TRITON:
             heads = kvh * G + offs_g
             q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                         mask=gmask[:, None] & dmask[None, :], other=0.0)  # [G_PAD, D_PAD]
-            if ROTATE:  # into the pool's basis, rounded to q's dtype as the generic runner's q @ H is
+            if ROTATE_Q:  # into the keys' basis, rounded to q's dtype as the generic runner's q @ H is
                 q = _rotate(q, rot_ptr, offs_d, dmask, D, IEEE).to(q_ptr.dtype.element_ty)
             m_i = tl.full([G_PAD], float("-inf"), tl.float32)
             l_i = tl.zeros([G_PAD], tl.float32)
@@ -206,13 +211,15 @@ if HAVE_TRITON:
                 for it in range(tl.cdiv(end - start, BLOCK)):
                     m_i, l_i, acc = _attend_chunk(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, start + it * BLOCK, end,
                                                   b, kvh, scale, m_i, l_i, acc, offs_d, dmask, stride_kblk,
-                                                  stride_ktok, stride_kh, stride_bt, BS, BLOCK, IEEE, QUANT, NKV)
+                                                  stride_ktok, stride_kh, stride_bt, BS, BLOCK, IEEE, QK, QV,
+                                                  NKV)
             else:  # the Triton interpreter cannot loop over run-time bounds: masks cover the tail
                 for it in range(STATIC_ITERS):
                     m_i, l_i, acc = _attend_chunk(q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, start + it * BLOCK, end,
                                                   b, kvh, scale, m_i, l_i, acc, offs_d, dmask, stride_kblk,
-                                                  stride_ktok, stride_kh, stride_bt, BS, BLOCK, IEEE, QUANT, NKV)
-            if ROTATE:  # back to the model's basis (linear: the split merge is unaffected); the inverse is its own
+                                                  stride_ktok, stride_kh, stride_bt, BS, BLOCK, IEEE, QK, QV,
+                                                  NKV)
+            if ROTATE_O:  # back from the values' basis to the model's (linear: the split merge is unaffected); the inverse is its own
                 # pointer (the same H: a Sylvester Hadamard matrix is its own inverse), so the compiler cannot keep
                 # the first read of it live through the token loop
                 acc = _rotate(acc, unrot_ptr, offs_d, dmask, D, IEEE)
@@ -296,19 +303,20 @@ def decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale: 
         workspace = DecodeWorkspace(b, hq, d, max_tokens, q.device)
     if b * hq * num_splits > workspace.ml.numel() // 2 or workspace.head_dim < d:
         raise ValueError("decode workspace too small for this batch")
-    rot = None if scales is None else scales.rotation
-    if scales is not None and not (scales.k.is_contiguous() and scales.v.is_contiguous()
-                                   and scales.k.shape == k_cache.shape[:3]):
+    ks, vs = (None, None) if scales is None else (scales.k, scales.v)
+    rot_k, rot_v = (None, None) if scales is None else (scales.k_rotation, scales.v_rotation)
+    if any(sc is not None and not (sc.is_contiguous() and sc.shape == k_cache.shape[:3]) for sc in (ks, vs)):
         raise ValueError(f"decode attention needs contiguous scales {tuple(k_cache.shape[:3])}")
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     ieee = q.dtype == torch.float32
     _decode_partial_kernel[(b, kvh, num_splits)](
-        q, k_cache, v_cache, q if scales is None else scales.k, q if scales is None else scales.v,
-        q if rot is None else rot, q if rot is None else rot, block_tables, seq_lens, workspace.acc, workspace.ml, scale,
+        q, k_cache, v_cache, q if ks is None else ks, q if vs is None else vs,
+        q if rot_k is None else rot_k, q if rot_v is None else rot_v, block_tables, seq_lens, workspace.acc, workspace.ml, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_SPLITS=num_splits, SPLIT=split, G=g, G_PAD=max(16, _pow2(g)), D=d, D_PAD=max(16, _pow2(d)), BS=bs,
         BLOCK=config.block_n, NQ=hq, IEEE=ieee, DYNAMIC_LOOP=not interpreting(),
-        STATIC_ITERS=split // config.block_n, QUANT=scales is not None, ROTATE=rot is not None, NKV=kvh,
+        STATIC_ITERS=split // config.block_n, QK=ks is not None, QV=vs is not None, ROTATE_Q=rot_k is not None,
+        ROTATE_O=rot_v is not None, NKV=kvh,
         num_warps=config.num_warps, num_stages=config.num_stages)
     _decode_reduce_kernel[(b, hq)](
         workspace.acc, workspace.ml, seq_lens, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
@@ -347,16 +355,16 @@ def prefill_attention(q, k_new, v_new, k_cache, v_cache, query_lens: list[int], 
     kernel, causal); otherwise to its whole context, read from the pool at ``context_slots[i]`` (default: from
     ``block_tables[i]``), under a bottom-right-aligned causal mask (``causal_lower_right``: on CUDA the flash
     kernel with its native GQA, no mask tensor and no copy of the keys per query head). ``scales`` (an 8-bit
-    pool's layer): every chunk reads its keys from the pool, dequantized, in the pool's rotated basis (queries
-    rotated in, outputs back), as the generic runner does. Sequences in ``skip`` (a mixed step's decode rows,
+    pool's layer): every chunk reads its keys and values from the pool, dequantized, queries turned into the
+    keys' basis and outputs back from the values' one, as the generic runner does. Sequences in ``skip`` (a mixed step's decode rows,
     which the caller runs through the decode kernel) are left unwritten. Returns [T, Hq, D].
     """
     out = torch.empty_like(q)
     hq, kvh = q.shape[1], k_new.shape[1]
     gqa = hq != kvh
-    rot = None if scales is None else scales.rotation
-    if rot is not None:
-        q = q @ rot  # [T, Hq, D] in the pool's basis
+    rot_k, rot_v = (None, None) if scales is None else (scales.k_rotation, scales.v_rotation)
+    if rot_k is not None:
+        q = q @ rot_k  # [T, Hq, D] in the keys' basis
     start = 0
     for i, (ql, cl) in enumerate(zip(query_lens, context_lens)):
         if i in skip:
@@ -378,4 +386,4 @@ def prefill_attention(q, k_new, v_new, k_cache, v_cache, query_lens: list[int], 
                                                attn_mask=causal_lower_right(ql, cl), scale=scale, enable_gqa=gqa)
         out[start:start + ql] = o[0].transpose(0, 1)
         start += ql
-    return out if rot is None else out @ rot
+    return out if rot_v is None else out @ rot_v

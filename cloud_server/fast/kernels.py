@@ -101,9 +101,10 @@ def rope_store_torch(qkv, positions, cos, sin, k_cache, v_cache, slots, nq, nkv,
         k_cache.view(-1, nkv, head_dim)[slots] = k
         v_cache.view(-1, nkv, head_dim)[slots] = v
         return
-    rot = scales.rotation  # [D, D] or None: an 8-bit pool stores rotated heads (kv_quant.rotation)
-    for cache, scale, x in ((k_cache, scales.k, k), (v_cache, scales.v, v)):
-        kv_quant.write(cache.view(-1, nkv, head_dim), scale.view(-1, nkv), slots, x if rot is None else x @ rot)
+    # an 8-bit tensor is stored rotated and quantized, one in the compute dtype as it is (kv_quant's basis rule)
+    for cache, scale, rot, x in ((k_cache, scales.k, scales.k_rotation, k), (v_cache, scales.v, scales.v_rotation, v)):
+        kv_quant.write(cache.view(-1, nkv, head_dim), None if scale is None else scale.view(-1, nkv), slots,
+                       x if rot is None else x @ rot)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,9 +196,11 @@ if HAVE_TRITON:
     def _rope_quant_kv(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, rot_ptr, t, j,
                        stride_qkv, stride_tab, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
                        HALF_R: tl.constexpr, HALF_D_PAD: tl.constexpr, D_PAD: tl.constexpr, ROTATE: tl.constexpr,
-                       INT8: tl.constexpr, QMAX: tl.constexpr, SCALE_MIN: tl.constexpr, IEEE: tl.constexpr):
-        """KV head ``j`` of token ``t`` into an 8-bit pool: rope the key (in place in qkv too), rotate key and
-        value into the pool's basis, quantize each with its own scale, store both and their scales."""
+                       INT8: tl.constexpr, QMAX: tl.constexpr, SCALE_MIN: tl.constexpr, IEEE: tl.constexpr,
+                       QK: tl.constexpr, QV: tl.constexpr):
+        """KV head ``j`` of token ``t`` into an 8-bit pool: rope the key (in place in qkv too); each of key (QK)
+        and value (QV) that the pool holds in 8 bits is rotated into the pool's basis, quantized with its own
+        scale and stored with it; the other is stored in the compute dtype as it is (int8v's keys)."""
         dt = qkv_ptr.dtype.element_ty
         r = tl.arange(0, 16)  # tile rows: 0 the key head, 1 the value head (a tensor-core-sized tile)
         i = tl.arange(0, HALF_D_PAD)
@@ -211,15 +214,23 @@ if HAVE_TRITON:
         c = tl.load(cos_ptr + pos * stride_tab + i, mask=rmask, other=1.0).to(dt).to(tl.float32)[None, :]
         s = tl.load(sin_ptr + pos * stride_tab + i, mask=rmask, other=0.0).to(dt).to(tl.float32)[None, :]
         is_k = (r == 0)[:, None]
+        is_v = (r == 1)[:, None]
         ye = tl.where(is_k, xe * c - xo * s, xe).to(dt)  # [16, HALF] as the 16-bit pool would store them
         yo = tl.where(is_k, xo * c + xe * s, xo).to(dt)
-        tl.store(base, ye, mask=is_k & pmask[None, :])
-        tl.store(base + 1, yo, mask=is_k & pmask[None, :])
+        kmask = is_k & pmask[None, :]
+        vmask = is_v & pmask[None, :]
+        tl.store(base, ye, mask=kmask)
+        tl.store(base + 1, yo, mask=kmask)
         slot = tl.load(slot_ptr + t)
-        st = k_ptr.dtype.element_ty
         zero = 0 * r[:, None]  # [16, 1]: every tile row addresses the same head row; masks pick the row
         k_dst = k_ptr + (slot * NKV + j) * D + zero
         v_dst = v_ptr + (slot * NKV + j) * D + zero
+        if not QK:  # keys in the compute dtype, plain basis: as the 16-bit pool stores them
+            tl.store(k_dst + 2 * i[None, :], ye, mask=kmask)
+            tl.store(k_dst + 2 * i[None, :] + 1, yo, mask=kmask)
+        if not QV:
+            tl.store(v_dst + 2 * i[None, :], ye, mask=vmask)
+            tl.store(v_dst + 2 * i[None, :] + 1, yo, mask=vmask)
         if ROTATE:  # y = x H over the pairs: even channels meet H's even rows, odd channels its odd rows
             cols = tl.arange(0, D_PAD)
             cmask = cols < D
@@ -232,33 +243,38 @@ if HAVE_TRITON:
                 y = tl.dot(ye, he) + tl.dot(yo, ho)  # [16, D_PAD] fp32
             y = y.to(dt).to(tl.float32)  # the rotated head in the activation dtype, as the generic runner's x @ H
             scale = tl.maximum(tl.max(tl.abs(y), axis=1), SCALE_MIN) / QMAX  # [16]
-            q = _to_storage(y, scale, QMAX, INT8).to(st)
-            tl.store(k_dst + cols[None, :], q, mask=is_k & cmask[None, :])
-            tl.store(v_dst + cols[None, :], q, mask=(r == 1)[:, None] & cmask[None, :])
+            q = _to_storage(y, scale, QMAX, INT8)
+            if QK:
+                tl.store(k_dst + cols[None, :], q.to(k_ptr.dtype.element_ty), mask=is_k & cmask[None, :])
+            if QV:
+                tl.store(v_dst + cols[None, :], q.to(v_ptr.dtype.element_ty), mask=is_v & cmask[None, :])
         else:  # the plain basis, pair by pair
             yef = ye.to(tl.float32)
             yof = yo.to(tl.float32)
             scale = tl.maximum(tl.maximum(tl.max(tl.abs(yef), axis=1), tl.max(tl.abs(yof), axis=1)),
                                SCALE_MIN) / QMAX
-            qe = _to_storage(yef, scale, QMAX, INT8).to(st)
-            qo = _to_storage(yof, scale, QMAX, INT8).to(st)
-            kmask = is_k & pmask[None, :]
-            vmask = (r == 1)[:, None] & pmask[None, :]
-            tl.store(k_dst + 2 * i[None, :], qe, mask=kmask)
-            tl.store(k_dst + 2 * i[None, :] + 1, qo, mask=kmask)
-            tl.store(v_dst + 2 * i[None, :], qe, mask=vmask)
-            tl.store(v_dst + 2 * i[None, :] + 1, qo, mask=vmask)
-        tl.store(ks_ptr + slot * NKV + j, tl.sum(tl.where(r == 0, scale, 0.0), axis=0))  # [slots, KVH] layout
-        tl.store(vs_ptr + slot * NKV + j, tl.sum(tl.where(r == 1, scale, 0.0), axis=0))
+            qe = _to_storage(yef, scale, QMAX, INT8)
+            qo = _to_storage(yof, scale, QMAX, INT8)
+            if QK:
+                tl.store(k_dst + 2 * i[None, :], qe.to(k_ptr.dtype.element_ty), mask=kmask)
+                tl.store(k_dst + 2 * i[None, :] + 1, qo.to(k_ptr.dtype.element_ty), mask=kmask)
+            if QV:
+                tl.store(v_dst + 2 * i[None, :], qe.to(v_ptr.dtype.element_ty), mask=vmask)
+                tl.store(v_dst + 2 * i[None, :] + 1, qo.to(v_ptr.dtype.element_ty), mask=vmask)
+        if QK:
+            tl.store(ks_ptr + slot * NKV + j, tl.sum(tl.where(r == 0, scale, 0.0), axis=0))  # [slots, KVH] layout
+        if QV:
+            tl.store(vs_ptr + slot * NKV + j, tl.sum(tl.where(r == 1, scale, 0.0), axis=0))
 
     @triton.jit
     def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, rot_ptr,
                            stride_qkv, stride_tab, NQ: tl.constexpr, NKV: tl.constexpr, D: tl.constexpr,
                            HALF_R: tl.constexpr, HALF_D_PAD: tl.constexpr, QUANT: tl.constexpr,
                            D_PAD: tl.constexpr, ROTATE: tl.constexpr, INT8: tl.constexpr, QMAX: tl.constexpr,
-                           SCALE_MIN: tl.constexpr, IEEE: tl.constexpr):
+                           SCALE_MIN: tl.constexpr, IEEE: tl.constexpr, QK: tl.constexpr, QV: tl.constexpr):
         # 16/32-bit pool: one program per (token, head); heads [0, NQ) are q, [NQ, NQ+NKV) k, the rest v.
-        # 8-bit pool (QUANT): heads [0, NQ) are q; program NQ + j takes KV head j's key and value together.
+        # 8-bit pool (QUANT: keys QK and / or values QV in 8 bits): heads [0, NQ) are q; program NQ + j takes KV
+        # head j's key and value together.
         t = tl.program_id(0)
         h = tl.program_id(1)
         if QUANT:
@@ -268,7 +284,7 @@ if HAVE_TRITON:
             else:
                 _rope_quant_kv(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, slot_ptr, ks_ptr, vs_ptr, rot_ptr,
                                t, h - NQ, stride_qkv, stride_tab, NQ, NKV, D, HALF_R, HALF_D_PAD, D_PAD, ROTATE,
-                               INT8, QMAX, SCALE_MIN, IEEE)
+                               INT8, QMAX, SCALE_MIN, IEEE, QK, QV)
         else:
             ye, yo = _rope_head(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, t, h, stride_qkv, stride_tab, NQ, NKV, D,
                                 HALF_R, HALF_D_PAD)
@@ -357,8 +373,9 @@ def rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, nq: int, nkv: 
 
     ``cos``/``sin``: fp32 tables [max_position, rotary_dim / 2]; ``k_cache``/``v_cache``: one layer's pool,
     any shape whose flat view is [slots, nkv, D]. ``scales`` (:class:`~cloud_server.fast.kv.LayerScales`, an
-    8-bit pool's layer): k and v are stored as :func:`cloud_server.kv_quant.write` stores them, rotated by
-    ``scales.rotation`` and quantized with one scale per token and KV head (into ``scales.k`` / ``scales.v``).
+    8-bit pool's layer): k and v are stored as :func:`cloud_server.kv_quant.write` stores them, each that the pool
+    holds in 8 bits rotated by ``scales.rotation`` and quantized with one scale per token and KV head (into
+    ``scales.k`` / ``scales.v``), the other (int8v's keys) in the compute dtype as it is.
     """
     if backend == "torch":
         return rope_store_torch(qkv, positions, cos, sin, k_cache, v_cache, slots, nq, nkv, head_dim, rotary_dim,
@@ -366,6 +383,28 @@ def rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, nq: int, nkv: 
     t = qkv.shape[0]
     if t == 0:
         return None
+    quant = scales is not None
+    qk, qv = quant and scales.k is not None, quant and scales.v is not None
+    rot = None if not quant else scales.rotation
+    if rot is not None and rot.dtype != qkv.dtype:
+        raise ValueError(f"rope_store: the rotation must be in the activation dtype {qkv.dtype}, got {rot.dtype}")
+    stored = {c.dtype for c, q in ((k_cache, qk), (v_cache, qv)) if q}  # the 8-bit dtype(s)
+    if len(stored) > 1:
+        raise ValueError(f"rope_store: keys and values in two 8-bit dtypes {sorted(map(str, stored))}")
+    for c in (k_cache, v_cache) if quant else ():
+        if not kv_quant.is_quantized(c.dtype) and c.dtype != qkv.dtype:
+            raise ValueError(f"rope_store: an unquantized half of an 8-bit pool must be in {qkv.dtype}, got {c.dtype}")
+    q_dtype = stored.pop() if stored else None
+    qmax = kv_quant.qmax(q_dtype) if quant else 1.0
+    dummy = qkv  # pointer arguments a specialization does not read
+    _rope_store_kernel[(t, nq + (nkv if quant else 2 * nkv))](
+        qkv, positions, cos, sin, k_cache, v_cache, slots, scales.k if qk else dummy,
+        scales.v if qv else dummy, dummy if rot is None else rot, qkv.stride(0), cos.stride(0), NQ=nq, NKV=nkv,
+        D=head_dim, HALF_R=rotary_dim // 2, HALF_D_PAD=_pow2(head_dim // 2) if not quant else max(16, _pow2(head_dim // 2)),
+        QUANT=quant, D_PAD=max(16, _pow2(head_dim)), ROTATE=rot is not None, INT8=q_dtype == torch.int8,
+        QMAX=qmax, SCALE_MIN=kv_quant.SCALE_MIN, IEEE=qkv.dtype == torch.float32, QK=qk, QV=qv,
+        num_warps=4 if quant else 1)
+    return None
     quant = scales is not None
     rot = None if not quant else scales.rotation
     if rot is not None and rot.dtype != qkv.dtype:

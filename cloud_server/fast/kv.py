@@ -6,8 +6,9 @@ block-wise): ``[layers, num_blocks, block_size, kv_heads, head_dim]``
 ``block * block_size + offset``; a sequence's block table lists its blocks in order, so its blocks may lie
 anywhere in the pool (vLLM's PagedAttention layout, which the engine's block manager also uses).
 
-An 8-bit pool (``kv_cache_dtype`` int8 / fp8, :mod:`cloud_server.kv_quant`) also holds one float32 scale per
-token and KV head, ``[L, NB, BS, KVH]``, and stores heads in the Hadamard-rotated basis of
+An 8-bit pool (``kv_cache_dtype`` int8 / fp8 / int8v, :mod:`cloud_server.kv_quant`) also holds one float32 scale
+per token and KV head of each 8-bit tensor, ``[L, NB, BS, KVH]`` (int8v: values only; its keys are stored in the
+compute dtype, as a 16-bit pool's), and stores its 8-bit tensors in the Hadamard-rotated basis of
 :func:`~cloud_server.kv_quant.rotation`: :meth:`KVPool.scales` hands a layer's scales and that rotation (in the
 compute dtype) to the kernels. Scales and rotation are allocated once, so the CUDA graphs capture them as they do
 the blocks.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cloud_server.kv_quant import SCALE_DTYPE, is_quantized, rotation, storage_dtype
+from cloud_server.kv_quant import SCALE_DTYPE, is_quantized, rotation, storage_dtypes
 
 NULL_BLOCK = 0
 
@@ -33,17 +34,28 @@ NULL_BLOCK = 0
 @dataclass(frozen=True, slots=True)
 class LayerScales:
     """What an 8-bit pool's layer adds to its blocks: the float32 scales of its keys and values, each
-    ``[NB, BS, KVH]`` (one per token and KV head, ``x ~= q * scale``), and the rotation ``[D, D]`` (compute dtype)
-    its heads are stored in, or None where the pool keeps the plain basis (``head_dim`` not a power of two)."""
+    ``[NB, BS, KVH]`` (one per token and KV head, ``x ~= q * scale``) or None for a tensor stored in the compute
+    dtype (int8v's keys), and the rotation ``[D, D]`` (compute dtype) its 8-bit tensors are stored in, or None
+    where the pool keeps the plain basis (``head_dim`` not a power of two)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
     rotation: torch.Tensor | None
+
+    @property
+    def k_rotation(self) -> torch.Tensor | None:
+        """The keys' basis (kv_quant's basis rule): queries are turned into it before they meet the keys."""
+        return None if self.k is None else self.rotation
+
+    @property
+    def v_rotation(self) -> torch.Tensor | None:
+        """The values' basis: attention outputs are turned back from it."""
+        return None if self.v is None else self.rotation
 
 
 class KVPool:
     """Keys and values of every layer of this half (this rank's KV heads), each ``[L, NB, BS, KVH, D]``; for an
-    8-bit pool also their scales ``[L, NB, BS, KVH]`` and the rotation of the stored heads."""
+    8-bit pool also the scales ``[L, NB, BS, KVH]`` of its 8-bit tensors and the rotation they are stored in."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, rotation_matrix: torch.Tensor | None = None):
@@ -52,28 +64,32 @@ class KVPool:
                              f"{tuple(v.shape)}")
         if k.shape[1] < 2:
             raise ValueError(f"a KV pool needs >= 2 blocks (block 0 is reserved), got {k.shape[1]}")
-        if is_quantized(k.dtype) != (k_scale is not None) or (k_scale is None) != (v_scale is None):
-            raise ValueError(f"a {k.dtype} pool needs scales exactly when it is 8-bit (int8 / fp8)")
-        if k_scale is not None and (k_scale.shape != k.shape[:4] or v_scale.shape != k.shape[:4]
-                                    or k_scale.dtype != SCALE_DTYPE or v_scale.dtype != SCALE_DTYPE):
-            raise ValueError(f"KV pool scales must both be float32 {tuple(k.shape[:4])}, got "
-                             f"{tuple(k_scale.shape)} {k_scale.dtype} and {tuple(v_scale.shape)} {v_scale.dtype}")
+        for name, x, sc in (("key", k, k_scale), ("value", v, v_scale)):
+            if is_quantized(x.dtype) != (sc is not None):
+                raise ValueError(f"a {x.dtype} {name} pool needs scales exactly when it is 8-bit (int8 / fp8)")
+            if sc is not None and (sc.shape != k.shape[:4] or sc.dtype != SCALE_DTYPE):
+                raise ValueError(f"KV pool {name} scales must be float32 {tuple(k.shape[:4])}, got "
+                                 f"{tuple(sc.shape)} {sc.dtype}")
         self.k, self.v = k, v
         self.k_scale, self.v_scale = k_scale, v_scale
-        self._scales = None if k_scale is None else [LayerScales(k_scale[i], v_scale[i], rotation_matrix)
-                                                     for i in range(k.shape[0])]
+        quantized = k_scale is not None or v_scale is not None
+        self._scales = None if not quantized else [
+            LayerScales(None if k_scale is None else k_scale[i], None if v_scale is None else v_scale[i],
+                        rotation_matrix) for i in range(k.shape[0])]
 
     @classmethod
     def zeros(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype, device: str | torch.device, kv_cache_dtype: str = "auto") -> KVPool:
-        """A pool of its own (``num_blocks`` including the null block); ``dtype`` is the compute dtype, stored as
-        it is for ``kv_cache_dtype`` ``auto`` and as 8 bits with scales for ``int8`` / ``fp8``."""
+        """A pool of its own (``num_blocks`` including the null block); ``dtype`` is the compute dtype: each of
+        keys and values is stored in it or in 8 bits with scales, as ``kv_cache_dtype`` says
+        (:func:`~cloud_server.kv_quant.storage_dtypes`)."""
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        store = storage_dtype(kv_cache_dtype, dtype)
-        k, v = torch.zeros(shape, dtype=store, device=device), torch.zeros(shape, dtype=store, device=device)
-        if not is_quantized(store):
+        k_store, v_store = storage_dtypes(kv_cache_dtype, dtype)
+        k, v = torch.zeros(shape, dtype=k_store, device=device), torch.zeros(shape, dtype=v_store, device=device)
+        ks, vs = (torch.zeros(shape[:4], dtype=SCALE_DTYPE, device=device) if is_quantized(st) else None
+                  for st in (k_store, v_store))
+        if ks is None and vs is None:
             return cls(k, v)
-        ks, vs = (torch.zeros(shape[:4], dtype=SCALE_DTYPE, device=device) for _ in range(2))
         return cls(k, v, ks, vs, rotation(head_dim, torch.device(device), dtype))
 
     @classmethod
@@ -83,12 +99,12 @@ class KVPool:
         dtype its rotation is applied in, as the generic runner applies it (``cloud_server.attention``)."""
         layers, _, kvh, d = pool.k.shape
         shape = (layers, pool.num_blocks, pool.block_size, kvh, d)
-        if pool.k_scale is None:
+        if pool.k_scale is None and pool.v_scale is None:
             return cls(pool.k.view(shape), pool.v.view(shape))
         if compute_dtype is None:
             raise ValueError("an 8-bit KV pool's view needs the compute dtype its rotation is applied in")
-        return cls(pool.k.view(shape), pool.v.view(shape), pool.k_scale.view(shape[:4]), pool.v_scale.view(shape[:4]),
-                   rotation(d, pool.k.device, compute_dtype))
+        ks, vs = (None if sc is None else sc.view(shape[:4]) for sc in (pool.k_scale, pool.v_scale))
+        return cls(pool.k.view(shape), pool.v.view(shape), ks, vs, rotation(d, pool.k.device, compute_dtype))
 
     @property
     def num_blocks(self) -> int:
@@ -110,6 +126,5 @@ class KVPool:
         return None if self._scales is None else self._scales[i]
 
     def nbytes(self) -> int:
-        """Bytes of keys, values and (8-bit pool) their scales."""
-        scales = 0 if self.k_scale is None else 2 * self.k_scale.numel() * self.k_scale.element_size()
-        return self.k.numel() * self.k.element_size() * 2 + scales
+        """Bytes of keys, values and (8-bit tensors) their scales."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)

@@ -12,7 +12,7 @@ and calls ``runner.run(batch)``; this runner computes the same float32 logits ``
   rows, SDPA for the chunks and the paged decode kernel for the one-token rows.
 
 It shares the engine's KV pool tensors (``KVCachePool.k`` [L, NB * BS, KVH, D] is viewed as
-[L, NB, BS, KVH, D]: same memory; an 8-bit pool's scales likewise, ``--kv-cache-dtype int8 | fp8``) and reserves block 0 as the graphs' padding block
+[L, NB, BS, KVH, D]: same memory; an 8-bit pool's scales likewise, ``--kv-cache-dtype int8 | fp8 | int8v``) and reserves block 0 as the graphs' padding block
 (:attr:`reserved_blocks`, which the engine's block manager never hands out). The library's q/k/v weights
 are re-pointed into the fused QKV tensor, so the fast path adds no weight memory.
 

@@ -1,4 +1,4 @@
-"""The fast path on an 8-bit KV pool (``kv_cache_dtype`` int8 / fp8): the same logits as the generic runner on
+"""The fast path on an 8-bit KV pool (``kv_cache_dtype`` int8 / fp8 / int8v): the same logits as the generic runner on
 the same kind of pool (both apply ``cloud_server.kv_quant``'s rule) and close to the fp32 pool, over prefill,
 mixed and decode steps; the Triton kernels (KV write, split-K decode) under ``TRITON_INTERPRET=1`` where Triton
 is installed (the CUDA-less CI has none); CUDA graphs on a GPU."""
@@ -65,7 +65,7 @@ def compare_runners(kv: str, backend: str, device: str = "cpu", variant: str = "
     generic, full = ModelRunner(model, _pool(model, kv)), ModelRunner(model, _pool(model, "auto"))
     fast = FastGlmRunner(model, _pool(model, kv), max_batch=4, max_model_len=64, backend=backend, tune=False)
     res: dict = {"vs_generic": [], "vs_full": [], "vs_generic_rel_l2": [], "vs_full_rel_l2": [], "backend": fast.fast.backend, "graphs": fast.graphs.use_graphs,
-                 "pool_dtype": str(fast.pool.k.dtype)}
+                 "pool_dtype": str(fast.pool.k.dtype), "pool_v_dtype": str(fast.pool.v.dtype)}
     for b in _batches(model):
         g, r, f = generic.run(b), full.run(b), fast.run(b)
         spread = float((r.max(-1).values - r.min(-1).values).min())
@@ -76,8 +76,9 @@ def compare_runners(kv: str, backend: str, device: str = "cpu", variant: str = "
     # the two 8-bit pools hold the same integers, up to a rounding flip where the two paths' fp32 keys differ
     res["pool_max_step"] = max(float((fast.pool.k.float() - generic.pool.k.float()).abs().max()),
                                float((fast.pool.v.float() - generic.pool.v.float()).abs().max()))
-    res["pool_scale_rel"] = float(((fast.pool.k_scale - generic.pool.k_scale).abs()
-                                   / generic.pool.k_scale.clamp_min(1e-30)).max())
+    res["pool_scale_rel"] = max(float(((mine - ref).abs() / ref.clamp_min(1e-30)).max())
+                                for mine, ref in ((fast.pool.k_scale, generic.pool.k_scale),
+                                                  (fast.pool.v_scale, generic.pool.v_scale)) if ref is not None)
     return res
 
 
@@ -104,22 +105,29 @@ def kernel_errors(kv: str, device: str = "cpu") -> dict:
                            pools[1].scales(0))
         (pt, pr) = pools
         out[f"rope_qkv_d{d}"] = float((a - b).abs().max())  # q and k roped in place alike
-        out[f"rope_scale_rel_d{d}"] = float(((pt.k_scale - pr.k_scale).abs() + (pt.v_scale - pr.v_scale).abs()).max()
-                                            / pr.k_scale.max())
-        # stored values: the largest difference (int8: in integer steps) and that of the dequantized keys and
-        # values relative to their head's largest magnitude
-        # stored values: the largest difference (int8: in integer steps) and the fraction that differ at all
-        diff = torch.cat([(pt.k.float() - pr.k.float()).abs().flatten(), (pt.v.float() - pr.v.float()).abs().flatten()])
+        out[f"rope_scale_rel_d{d}"] = max(float((mine - ref).abs().max() / ref.max())
+                                          for mine, ref in ((pt.k_scale, pr.k_scale), (pt.v_scale, pr.v_scale))
+                                          if ref is not None)
+        out[f"rope_scales_d{d}"] = [x is not None for x in (pt.k_scale, pt.v_scale)]
+        # the 8-bit tensors' stored values: the largest difference (int8: in integer steps) and the fraction of
+        # the written ones that differ at all; a tensor kept in the compute dtype (int8v's keys): the largest
+        # difference (the roped keys as stored, so at most rope_qkv)
+        q8 = [(m, r) for m, r, sc in ((pt.k, pr.k, pr.k_scale), (pt.v, pr.v, pr.v_scale)) if sc is not None]
+        diff = torch.cat([(m.float() - r.float()).abs().flatten() for m, r in q8])
+        written = sum(int((r.float() != 0).sum()) for _, r in q8)
         out[f"rope_stored_diff_d{d}"] = float(diff.max())
-        out[f"rope_stored_differ_d{d}"] = float((diff > 0).float().sum() / (pr.k.float() != 0).sum() / 2)
+        out[f"rope_stored_differ_d{d}"] = float((diff > 0).float().sum() / written)
+        out[f"rope_plain_diff_d{d}"] = max([float((m.float() - r.float()).abs().max()) for m, r, sc in
+                                            ((pt.k, pr.k, pr.k_scale), (pt.v, pr.v, pr.v_scale)) if sc is None],
+                                           default=0.0)
         # decode over a filled pool: random keys/values written through the rule, three sequences, two splits
         pool = KVPool.zeros(1, 21, 4, nkv, d, torch.float32, device, kv)
         sc, (kc, vc) = pool.scales(0), pool.layer(0)
         every = torch.arange(84, device=device)
-        rot_m = sc.rotation
-        for cache, scale in ((kc, sc.k), (vc, sc.v)):
+        for cache, scale, rot_m in ((kc, sc.k, sc.k_rotation), (vc, sc.v, sc.v_rotation)):
             x = (torch.randn(84, nkv, d, generator=g) * 2).to(device)
-            write(cache.view(-1, nkv, d), scale.view(-1, nkv), every, x if rot_m is None else x @ rot_m)
+            write(cache.view(-1, nkv, d), None if scale is None else scale.view(-1, nkv), every,
+                  x if rot_m is None else x @ rot_m)
         q = torch.randn(3, nq, d, generator=g).to(device)
         bt = torch.tensor([[3, 9, 1, 17, 5, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [2] + [0] * 19,
                            list(range(1, 21))], dtype=torch.int32, device=device)
@@ -133,25 +141,27 @@ def kernel_errors(kv: str, device: str = "cpu") -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("kv", ["int8", "fp8", "int8v"])
 def test_fast_runner_on_an_8bit_pool_equals_the_generic_runner(kv):
     r = compare_runners(kv, "torch")
-    assert r["pool_dtype"] == {"int8": "torch.int8", "fp8": "torch.float8_e4m3fn"}[kv]
+    assert (r["pool_dtype"], r["pool_v_dtype"]) == {"int8": ("torch.int8",) * 2, "fp8": ("torch.float8_e4m3fn",) * 2,
+                                                    "int8v": ("torch.float32", "torch.int8")}[kv]
     assert max(r["vs_generic"]) < 1e-4, r  # the same rule over the same layers: fp32 rounding apart
-    assert max(r["vs_full"]) < {"int8": 0.02, "fp8": 0.1}[kv], r  # the 8-bit pool's own error
+    assert max(r["vs_full"]) < {"int8": 0.02, "fp8": 0.1, "int8v": 0.02}[kv], r  # the 8-bit pool's own error
     assert min(r["vs_full"]) > max(r["vs_generic"])  # really compared through an 8-bit pool
-    assert r["pool_max_step"] <= {"int8": 1.0, "fp8": 64.0}[kv] and r["pool_scale_rel"] < 1e-5, r
+    assert r["pool_max_step"] <= {"int8": 1.0, "fp8": 64.0, "int8v": 1.0}[kv] and r["pool_scale_rel"] < 1e-5, r
 
 
-def test_engine_greedy_tokens_of_the_fast_path_on_an_int8_pool(tiny_bundle):
+@pytest.mark.parametrize("kv", ["int8", "int8v"])
+def test_engine_greedy_tokens_of_the_fast_path_on_an_8bit_pool(tiny_bundle, kv):
     """8 staggered sessions, each phone answering a step late (so steps mix prefill chunks and decode rows),
-    served by the engine on an int8 pool: the fast path and the generic runner give the same greedy tokens."""
+    served by the engine on an 8-bit pool: the fast path and the generic runner give the same greedy tokens."""
     from cloud_server.model import load_split_model
 
     prompts = [list(range(4 + i, 20 + 3 * i)) for i in range(8)]
     answers = {}
     for fast in (True, False):
-        cfg = EngineConfig(num_blocks=128, block_size=4, kv_cache_dtype="int8", fast_path=fast)
+        cfg = EngineConfig(num_blocks=128, block_size=4, kv_cache_dtype=kv, fast_path=fast)
         eng = LLMEngine.from_models(cfg, {"fp32": load_split_model(tiny_bundle, "fp32")},
                                     make_runner=fast_runner_factory(cfg))
         assert isinstance(eng.runners["fp32"], FastGlmRunner) == fast
@@ -163,12 +173,17 @@ def test_engine_greedy_tokens_of_the_fast_path_on_an_int8_pool(tiny_bundle):
     assert answers[True] == answers[False]
 
 
-def test_engine_config_keeps_the_fast_path_with_an_8bit_pool():
-    assert EngineConfig(kv_cache_dtype="int8").fast_path is None  # CUDA's default path stays on
-    cfg = EngineConfig(kv_cache_dtype="int8", fast_path=True, max_num_seqs=2, max_model_len=32)
+@pytest.mark.parametrize("kv", ["int8", "int8v"])
+def test_engine_config_keeps_the_fast_path_with_an_8bit_pool(kv):
+    assert EngineConfig(kv_cache_dtype=kv).fast_path is None  # CUDA's default path stays on
+    cfg = EngineConfig(kv_cache_dtype=kv, fast_path=True, max_num_seqs=2, max_model_len=32)
     model = _model()
-    runner = fast_runner_factory(cfg)(0, model, _pool(model, "int8"))
-    assert isinstance(runner, FastGlmRunner) and runner.kv.quantized and runner.kv.scales(0).rotation is not None
+    runner = fast_runner_factory(cfg)(0, model, _pool(model, kv))
+    sc = runner.kv.scales(0)
+    assert isinstance(runner, FastGlmRunner) and runner.kv.quantized and sc.rotation is not None
+    assert sc.v is not None and sc.v_rotation is sc.rotation
+    # int8v: keys in the compute dtype, so no key scales and the queries stay in the model's basis
+    assert (sc.k is None and sc.k_rotation is None) == (kv == "int8v")
 
 
 def test_fast_pool_view_shares_the_engine_pool_scales():
@@ -184,6 +199,20 @@ def test_fast_pool_view_shares_the_engine_pool_scales():
         KVPool(kv.k, kv.v)
 
 
+def test_fast_pool_view_of_an_int8v_pool_has_value_scales_only():
+    model = _model()
+    pool = _pool(model, "int8v")
+    assert pool.k.dtype == model.dtype and pool.v.dtype == torch.int8 and pool.k_scale is None
+    kv = KVPool.view_of(pool, model.dtype)
+    assert kv.scales(0).k is None and kv.scales(0).v.shape == kv.k.shape[1:4] and kv.nbytes() == pool.nbytes
+    with pytest.raises(ValueError, match="value pool needs scales"):
+        KVPool(kv.k, kv.v, None, None)
+    with pytest.raises(ValueError, match="key pool needs scales"):
+        KVPool(kv.k, kv.v, kv.v_scale, kv.v_scale)
+    own = KVPool.zeros(2, 4, BLOCK, 2, 16, torch.float32, "cpu", "int8v")
+    assert own.k.dtype == torch.float32 and own.k_scale is None and own.v_scale.shape == (2, 4, BLOCK, 2)
+
+
 def _interpreted(*args: str) -> dict:
     out = subprocess.run([sys.executable, __file__, *args], check=False, capture_output=True, text=True,
                          timeout=600, cwd=Path(__file__).resolve().parents[2],
@@ -194,28 +223,30 @@ def _interpreted(*args: str) -> dict:
 
 def test_triton_kv_write_and_decode_kernels_match_the_torch_formulas():
     pytest.importorskip("triton")
-    for kv in ("int8", "fp8"):
+    for kv in ("int8", "fp8", "int8v"):
         err = _interpreted("--kernels", kv)
         for d in (16, 24):
             assert err[f"rope_qkv_d{d}"] == 0.0 and err[f"rope_scale_rel_d{d}"] < 1e-6, err
-            assert err[f"decode_d{d}"] < 1e-5, err
-            if kv == "int8":  # the same integers
+            assert err[f"rope_scales_d{d}"] == [kv != "int8v", True], err
+            assert err[f"decode_d{d}"] < 1e-5 and err[f"rope_plain_diff_d{d}"] == 0.0, err
+            if kv != "fp8":  # the same integers
                 assert err[f"rope_stored_diff_d{d}"] == 0.0, err
             else:  # triton 3.5's interpreter converts fp32 -> e4m3 wrongly for ~1 % of values (e.g. -127.9 -> -64
                 # where the rounding carries into the exponent); a GPU converts in hardware (the GPU test below)
                 assert err[f"rope_stored_differ_d{d}"] < 0.05, err
 
 
-def test_triton_fast_runner_on_an_int8_pool_equals_the_generic_runner():
+@pytest.mark.parametrize("kv", ["int8", "int8v"])
+def test_triton_fast_runner_on_an_8bit_pool_equals_the_generic_runner(kv):
     pytest.importorskip("triton")
-    r = _interpreted("--runner", "int8")
+    r = _interpreted("--runner", kv)
     assert r["backend"] == "triton"
     assert max(r["vs_generic"]) < 1e-4 and max(r["vs_full"]) < 0.02, r
     assert r["pool_max_step"] <= 1.0 and r["pool_scale_rel"] < 1e-5, r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("kv", ["int8", "fp8", "int8v"])
 def test_fast_runner_on_cuda_with_an_8bit_pool(kv):
     """On a GPU, bf16: Triton kernels, CUDA graphs (a padded bucket, a continued batch) and a mixed step on an
     8-bit pool against the generic runner on the same kind of pool, and the kernels against their torch formulas."""
@@ -226,6 +257,7 @@ def test_fast_runner_on_cuda_with_an_8bit_pool(kv):
         # quotient one ulp off (the kernel's division) may flip a rounding now and then
         assert err[f"rope_qkv_d{d}"] < 1e-5 and err[f"rope_scale_rel_d{d}"] < 1e-6, err
         assert err[f"rope_stored_differ_d{d}"] < 0.02 and err[f"decode_d{d}"] < 1e-4, err
+        assert err[f"rope_plain_diff_d{d}"] < 1e-5, err  # int8v's fp32 keys: as roped in qkv
     r = compare_runners(kv, "triton", "cuda", "bf16")
     assert r["backend"] == "triton" and r["graphs"], r
     # bf16 compute: the two paths round differently (fused kernels vs the library's layers): the 16-bit pool's GPU
