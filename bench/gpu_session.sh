@@ -22,6 +22,8 @@
 #   bench/gpu_session.sh speculation  # 9. issue 12: the rig's speculation sweep, cloud drafts, the server on the GPU
 #   bench/gpu_session.sh enginetime # 10. the served engine step and its wait for inputs (S = 8 / 64, 1,024 tokens),
 #                                   #    then the engine bench at the same context (~5 minutes)
+#   bench/gpu_session.sh ab         # 11. this tree's served path against COMPARE's (another checkout), both orders,
+#                                   #    S = 64; then --step-codec same beside the default (~6 minutes)
 #   bench/gpu_session.sh all extras # several sections: run in the order given
 #
 # Workload: glm4v-9b-random split at 12 (28 cloud layers, bf16, random weights built on the GPU), 512-token
@@ -153,6 +155,22 @@ enginetime() {  # ~5 min: where the engine thread's time goes served (step p50 +
         | tee "$OUT/engine_enginetime.log"
 }
 
+ab() {  # ~6 min: this tree's served path against another checkout's (COMPARE: e.g. a `git archive` of the tree before
+    # a change, under the ignored .cache/), S = 64 (AB_SESSIONS), 6 workers, 3 load processes: once with that tree's
+    # server first, once with this tree's first; then this tree with the decode steps in the prompt's codec
+    # (--step-codec same) beside its default (policy: fp16 steps, as EdgeClient sends them). CPU smoke test:
+    #   OUT=/tmp/ab PRESET=tiny-glm4 LAYER=1 AB_SESSIONS=2 PROMPT=16 GEN=8 COMPARE=/tmp/old bench/gpu_session.sh ab
+    : "${COMPARE:?set COMPARE to the other checkout}"
+    local common=(--preset "${PRESET:-glm4v-9b-random}" --layer "${LAYER:-12}" --sessions "${AB_SESSIONS:-64}"
+                  --prompt "${PROMPT:-512}" --gen "${GEN:-256}" --sweep-codecs int8-outlier --workers 6 --procs 3)
+    timeout 200 python3 bench/served_load.py "${common[@]}" --compare-root "$COMPARE" --out "$OUT/ab/served_ab.json" \
+        2>&1 | tee "$OUT/ab.log"
+    timeout 200 python3 bench/served_load.py "${common[@]}" --server-root "$COMPARE" --compare-root "$PWD" \
+        --out "$OUT/ab/served_ab_2.json" 2>&1 | tee -a "$OUT/ab.log"
+    timeout 150 python3 bench/served_load.py "${common[@]}" --step-codec same --out "$OUT/ab/served_step_same.json" \
+        2>&1 | tee -a "$OUT/ab.log"
+}
+
 attach_mp() {
     python3 bench/served_load.py --attach-engine "$OUT/cloud_gpu_engine.json" --to "$OUT/cloud_served_mp.json"
 }
@@ -171,9 +189,10 @@ for section in "$@"; do
         attach_mp) attach_mp ;;
         speculation) speculation ;;
         enginetime) enginetime ;;
+        ab) ab ;;
         mp) served_mp; engine; attach_mp ;;
         all) served; engine; attach ;;
-        *) echo "usage: $0 [served|engine|attach|all|nogather|extras|kvpool|profile|served_mp|attach_mp|mp|speculation|enginetime]..." >&2
+        *) echo "usage: $0 [served|engine|attach|all|nogather|extras|kvpool|profile|served_mp|attach_mp|mp|speculation|enginetime|ab]..." >&2
            exit 2 ;;
     esac
 done
