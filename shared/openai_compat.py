@@ -24,6 +24,7 @@ References: OpenAI API reference (chat/completions, completions, streaming); vLL
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -147,6 +148,31 @@ def _type_name(types: type | tuple[type, ...]) -> str:
                         "list": "an array", "dict": "an object"}.get(t.__name__, t.__name__) for t in types)
 
 
+def _number(body: dict, name: str, default: float) -> float:
+    """A float field; an integer too large for a float (JSON allows any digits) reads as +-inf, which the range
+    checks then refuse by name (``float()`` would raise OverflowError: a 500)."""
+    value = _get(body, name, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+MAX_TEMPLATE_KWARGS_DEPTH = 16  # nesting of a chat_template_kwargs value: deeper overflows the template's own
+# recursive conversion of its variables (a RecursionError: a 500), and no template reads deeper
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether ``value`` (decoded JSON) nests arrays/objects more than ``limit`` levels deep."""
+    level, todo = 0, [value]
+    while todo:
+        todo = [x for v in todo if isinstance(v, (list, dict)) for x in (v.values() if isinstance(v, dict) else v)]
+        level += 1
+        if todo and level > limit:
+            return True
+    return False
+
+
 def _sampling(body: dict) -> SamplingOptions:
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
@@ -168,14 +194,14 @@ def _sampling(body: dict) -> SamplingOptions:
             raise OpenAIRequestError(f"{name}: not supported by this server", name)
     return SamplingOptions(
         max_tokens=max_tokens,
-        temperature=float(_get(body, "temperature", (int, float), 1.0)),
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
         top_k=max(0, _get(body, "top_k", int, 0)),  # vLLM uses -1 for "off"
         seed=_get(body, "seed", int, None),
         stop=stops,
-        presence_penalty=float(_get(body, "presence_penalty", (int, float), 0.0)),
-        frequency_penalty=float(_get(body, "frequency_penalty", (int, float), 0.0)),
-        repetition_penalty=float(_get(body, "repetition_penalty", (int, float), 1.0)),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
     )
 
 
@@ -245,6 +271,9 @@ def parse_chat_request(body: Any, media: bool = False) -> ChatRequest:
                                      "chat_template_kwargs")
         thinking = kwargs["enable_thinking"]
     kwargs = {k: v for k, v in kwargs.items() if k != "enable_thinking"}
+    if _depth_over(kwargs, MAX_TEMPLATE_KWARGS_DEPTH):
+        raise OpenAIRequestError(f"chat_template_kwargs: nested deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels",
+                                 "chat_template_kwargs")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     if reserved:
         raise OpenAIRequestError(f"chat_template_kwargs: {', '.join(reserved)} may not be set (the server's "

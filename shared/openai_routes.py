@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
@@ -93,6 +94,29 @@ async def read_body(request: Request, max_bytes: int | None) -> bytes:
     return b"".join(chunks)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """The decoded JSON of a request body; ``OpenAIRequestError`` (400) for anything that is not JSON text a
+    response can carry back: bad syntax or UTF-8, nesting past the parser's recursion, an integer past Python's
+    4300-digit conversion limit (a plain ValueError), a ``\\uD800``-style escape of a lone surrogate (valid JSON
+    syntax, but no UTF-8 text: the tokenizer and the response's encoder fail on it)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise oc.OpenAIRequestError("request body is not valid JSON: nested too deeply") from None
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+        raise oc.OpenAIRequestError("request body is not valid JSON") from None
+    if _SURROGATE_ESCAPE.search(raw):  # a pair decodes to one character; only a lone half fails here
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise oc.OpenAIRequestError("request body has a string with a lone UTF-16 surrogate (\\uD800-\\uDFFF), "
+                                        "which is not text") from None
+    return body
+
+
 def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = (),
             max_body_bytes: int | None = None) -> None:
     """Add the two routes to ``app``; ``dependencies`` (e.g. an API-key check) run before each; a body over
@@ -101,12 +125,7 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
     async def serve(request: Request, chat: bool):
         try:
             backend.check_ready()
-            try:
-                body = json.loads(await read_body(request, max_body_bytes))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise oc.OpenAIRequestError("request body is not valid JSON") from None
-            except RecursionError:
-                raise oc.OpenAIRequestError("request body is not valid JSON: nested too deeply") from None
+            body = parse_json_body(await read_body(request, max_body_bytes))
             req = (oc.parse_chat_request(body, media=getattr(backend, "accepts_media", False)) if chat
                    else oc.parse_completion_request(body))
             prompt = backend.render_chat(req) if chat else req.prompt

@@ -162,3 +162,33 @@ def test_refusals_before_any_generation(api):
     r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
     assert backend.started == []  # nothing was started, so nothing needs closing
+
+
+_DEEP = "[" * 900 + "]" * 900  # parses (under json's recursion limit), but no template variable is that deep
+BAD_JSON_TEXT = {  # name -> (path, raw body, param); each was a 500 with a traceback
+    "temperature of 400 digits": ("/v1/completions", '{"prompt": "a", "temperature": %s}' % ("9" * 400), "temperature"),
+    "top_p of 400 digits": ("/v1/completions", '{"prompt": "a", "top_p": -%s}' % ("9" * 400), "top_p"),
+    "penalty of 400 digits": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], '
+                              '"repetition_penalty": %s}' % ("9" * 400), "repetition_penalty"),
+    "an integer of 5000 digits": ("/v1/completions", '{"prompt": "a", "max_tokens": %s}' % ("9" * 5000), None),
+    "a lone surrogate in the prompt": ("/v1/completions", '{"prompt": "a\\ud800"}', None),
+    "a lone surrogate in the model": ("/v1/chat/completions", '{"model": "\\udfff", "messages": '
+                                      '[{"role": "user", "content": "a"}]}', None),
+    "chat_template_kwargs 900 deep": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], '
+                                      '"chat_template_kwargs": {"x": %s}}' % _DEEP, "chat_template_kwargs"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_JSON_TEXT)
+def test_json_the_server_cannot_take_is_a_400_naming_its_field(api, name):
+    client, backend = api
+    path, raw, param = BAD_JSON_TEXT[name]
+    r = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    assert backend.started == []
+    # a surrogate pair is one character, and template variables a few levels deep are fine
+    ok = client.post("/v1/chat/completions", content=b'{"model": "\\ud83d\\ude00", "messages": [{"role": "user", '
+                     b'"content": "a"}], "chat_template_kwargs": {"x": [[{"y": 1}]]}}')
+    assert ok.status_code == 200 and ok.json()["model"] == "\U0001f600"
+
