@@ -175,7 +175,7 @@ BAD_JSON_TEXT = {  # name -> (path, raw body, param); each was a 500 with a trac
     "a lone surrogate in the model": ("/v1/chat/completions", '{"model": "\\udfff", "messages": '
                                       '[{"role": "user", "content": "a"}]}', None),
     "chat_template_kwargs 900 deep": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], '
-                                      '"chat_template_kwargs": {"x": %s}}' % _DEEP, "chat_template_kwargs"),
+                                      '"chat_template_kwargs": {"x": ' + _DEEP + "}}", "chat_template_kwargs"),
 }
 
 
