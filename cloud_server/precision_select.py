@@ -46,6 +46,8 @@ def _features(facts: EngineFacts, load: float, prompt_tokens: int, images: int =
 def session_plan(hello, codecs: list[str], facts: EngineFacts, load: float) -> PrecisionPlan:
     """The default plan for a new session: a typical short text request on this link, at today's load."""
     link = hello.hints.link_kbps
+    if link is not None and not link > 0:  # the wire allows 0 (ClientHints: [0, 1e9]); no rate is no measurement
+        link = None
     return choose_precision(_features(facts, load, 0, link_kbps=link), None, available_codecs=codecs,
                             available_compute=list(facts.variants))
 

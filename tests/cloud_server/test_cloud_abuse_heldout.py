@@ -191,6 +191,25 @@ def test_malformed_frames_and_messages_get_their_documented_answer(server):
     assert server.runtime.engine.alive
 
 
+@pytest.mark.parametrize("link_kbps", [0.0, 1e-300, 1e9])
+def test_a_hello_with_a_link_hint_at_the_ends_of_its_range_is_welcomed(server, link_kbps):
+    """ClientHints.link_kbps may be 0 on the wire ([0, 1e9]); the precision policy took it as a rate and raised:
+    the handshake died with a traceback and the socket closed without a close frame."""
+    async def main():
+        ws = await websockets.connect(server.ws_url, max_size=None)
+        await ws.send(P.encode_message(P.Hello(bundle_id=server.bundle_id, codecs=["fp16"],
+                                               hints=P.ClientHints(link_kbps=link_kbps, rtt_ms=0.0))))
+        welcome = P.decode_message(await asyncio.wait_for(ws.recv(), 20))
+        await ws.send(P.encode_message(P.Prefill(request_id="r", start=0, hidden=_fp16(STATES[:4]),
+                                                 params=P.SamplingParams(max_tokens=1, temperature=0.0))))
+        tok = P.decode_message(await asyncio.wait_for(ws.recv(), 20))
+        await ws.close()
+        return welcome, tok
+
+    welcome, tok = asyncio.run(main())
+    assert isinstance(welcome, P.Welcome) and isinstance(tok, P.Tokens), (welcome, tok)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 @pytest.mark.parametrize("draft", [VOCAB, 2**31 - 1])
 def test_a_draft_outside_the_vocabulary_fails_its_request_not_the_engine(server, temperature, draft):
