@@ -125,6 +125,7 @@ class LoadConfig:
     # (a client that pins its codec; every run before session 17); or a codec name
     step_codec: str = "policy"
     procs: int = 0  # worker processes; 0 = half the cores (the server needs the rest), at most one per session
+    sweep_procs: tuple[int, ...] = ()  # run every level once per value (the load generator's own share of a round)
     # the server's front-end processes (`autoglm-cloud serve --workers N`); several: one server per value, in turn
     workers: tuple[int, ...] = (1,)
     # the server's event loop (`serve --loop`: auto, asyncio, uvloop); several: one server per value, in turn
@@ -154,7 +155,7 @@ class LoadConfig:
         for name in ("prompt", "gen"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")
-        if self.procs < 0:
+        if self.procs < 0 or any(p < 0 for p in self.sweep_procs):
             raise ValueError("--procs must be >= 0")
         if not self.workers or min(self.workers) < 1:
             raise ValueError("--workers: positive front-end process counts")
@@ -915,11 +916,14 @@ def _run_server(cfg: LoadConfig, command: str) -> dict:
             extra = DEFAULT_POLICY.step_codecs if cfg.step_codec == "policy" else (
                 () if cfg.step_codec == "same" else (cfg.step_codec,))
             sweep = [(c, *(x for x in extra if x != c)) for c in cfg.sweep_codecs] or [cfg.codecs]
+            procs_sweep = cfg.sweep_procs or (cfg.procs,)
             for codecs in sweep:
-                for s in cfg.sessions:
-                    # the profile: the first codec's largest level
-                    spy = cfg.py_spy if codecs == sweep[0] and s == max(cfg.sessions) else None
-                    rec = run_level(cfg, url, manifest, calibration, s, codecs, pid, spy)
+                for s, procs in ((s, p) for s in cfg.sessions for p in procs_sweep):
+                    # the profile: the first codec's largest level, once
+                    spy = cfg.py_spy if codecs == sweep[0] and s == max(cfg.sessions) and procs == procs_sweep[0] \
+                        else None
+                    rec = run_level(dataclasses.replace(cfg, procs=procs), url, manifest, calibration, s, codecs,
+                                    pid, spy)
                     rec.update(engine_tokens_per_s=None, direct_tokens_per_s=None, served_vs_engine=None)
                     res["records"].append(rec)
                     if cfg.engine_json is not None:
@@ -987,6 +991,9 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
                     help="decode steps' codec: policy (what the default EdgeClient sends: fp16 where offered), "
                          "same (the prompt's codec), or a codec name")
     ap.add_argument("--procs", type=int, default=0, help="load-generator processes (0: half the cores)")
+    ap.add_argument("--sweep-procs", default="",
+                    help="run every level once per load-generator process count, in the order given (e.g. 3,8,3,8: "
+                         "is the load generator's own serial work part of the round trip?)")
     ap.add_argument("--workers", default="1", help="the server's front-end processes (`serve --workers`); several, "
                                                   "comma-separated: one server per value, in turn")
     ap.add_argument("--loops", default="auto", help="the server's event loop (`serve --loop`: auto, asyncio, "
@@ -1011,7 +1018,8 @@ def parse_args(argv: list[str] | None = None) -> LoadConfig:
                           server_args=a.server_args, sessions=tuple(int(x) for x in a.sessions.split(",") if x),
                           prompt=a.prompt, gen=a.gen, codecs=tuple(c for c in a.codecs.split(",") if c),
                           sweep_codecs=tuple(c for c in a.sweep_codecs.split(",") if c), step_codec=a.step_codec,
-                          procs=a.procs, workers=tuple(int(x) for x in a.workers.split(",") if x),
+                          procs=a.procs, sweep_procs=tuple(int(x) for x in a.sweep_procs.split(",") if x),
+                          workers=tuple(int(x) for x in a.workers.split(",") if x),
                           loops=tuple(x for x in a.loops.split(",") if x),
                           api_key=a.api_key, states=a.states, seed=a.seed,
                           ready_timeout_s=a.ready_timeout_s, level_timeout_s=a.level_timeout_s,
