@@ -210,8 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive streaming chat through the split model")
     _config_flags(chat)
     chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--max-tokens", type=int, default=512)
-    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
+    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0: greedy (default 0.7)")
     chat.add_argument("--precision", help="wire codec override for every request (fp16, int8-b32, ...)")
     chat.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                       help="enable_thinking for the chat template (default: the template's)")
@@ -221,10 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="local OpenAI-compatible endpoint (/v1/chat/completions)")
     _config_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this device only)")
     serve.add_argument("--media-dir", default=os.environ.get("AUTOGLM_EDGE_MEDIA_DIR"),
                        help="the one folder whose images image_url parts may name by local path (default: none)")
-    serve.add_argument("--port", type=port_number, default=8001)
+    serve.add_argument("--port", type=port_number, default=8001, help="listen port (default 8001)")
     serve.add_argument("--fetch-urls", action=argparse.BooleanOptionalAction, default=True,
                        help="fetch http(s) image_url parts on the phone (--no-fetch-urls: refuse them, url_refused; "
                             "a fetch may reach whatever the phone reaches, localhost included)")
@@ -244,10 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="build the SmolLM2 bundle once, start a local cloud, stream an answer")
     demo.add_argument("--prompt", help="the question to ask")
-    demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--max-tokens", type=int, default=96, help="most tokens of the answer (default 96)")
     demo.add_argument("--bundle", type=Path, help="bundle path (default: $AUTOGLM_CACHE/bundles/smollm2-l8)")
     demo.add_argument("--rebuild", action="store_true", help="rebuild the cached bundle")
-    demo.add_argument("--threads", type=int, default=2)
+    demo.add_argument("--threads", type=int, default=2, help="onnxruntime threads of the edge front (default 2)")
     demo.add_argument("--port", type=port_number, help="cloud server port (default: a free one)")
     demo.set_defaults(func=cmd_demo)
     return p
