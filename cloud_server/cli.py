@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument(flag, dest=o.name, type=o.kind, default=None, help=f"{_help(o)} [env {env}]")
     s.add_argument("--log-level", default=os.environ.get(ENV_PREFIX + "LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"],
-                   help=f"server log level (default info; not read from --config) [env {ENV_PREFIX}LOG_LEVEL]")
+                   help="server log level (default info; env or command line only, not --config) "
+                        f"[env {ENV_PREFIX}LOG_LEVEL]")
     return ap
 
 
