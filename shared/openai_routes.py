@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from shared import openai_compat as oc
 
@@ -79,19 +80,23 @@ def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
 async def read_body(request: Request, max_bytes: int | None) -> bytes:
     """The request's body; over ``max_bytes`` (None: no limit) an ``OpenAIRequestError`` with status 413, raised
     before the rest is read (a declared ``Content-Length`` over it: before any)."""
-    if max_bytes is None:
-        return await request.body()
-    declared = request.headers.get("content-length", "")
-    too_large = oc.OpenAIRequestError(f"request body over {max_bytes} bytes", None, "request_too_large", 413)
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
+    try:
+        if max_bytes is None:
+            return await request.body()
+        declared = request.headers.get("content-length", "")
+        too_large = oc.OpenAIRequestError(f"request body over {max_bytes} bytes", None, "request_too_large", 413)
+        if declared.isdigit() and int(declared) > max_bytes:
             raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except ClientDisconnect:  # gone mid-body: an answer nobody reads, not an unhandled exception in the log
+        raise oc.OpenAIRequestError("the client went away before its request body was whole", None,
+                                    "client_disconnected") from None
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")

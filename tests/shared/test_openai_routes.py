@@ -192,3 +192,30 @@ def test_json_the_server_cannot_take_is_a_400_naming_its_field(api, name):
                      b'"content": "a"}], "chat_template_kwargs": {"x": [[{"y": 1}]]}}')
     assert ok.status_code == 200 and ok.json()["model"] == "\U0001f600"
 
+
+@pytest.mark.parametrize("limit", [None, 1 << 20])
+def test_a_client_gone_mid_body_is_answered_not_raised(limit):
+    """A client that sends part of its body and disconnects: starlette's ClientDisconnect escaped the route (an
+    "Exception in ASGI application" traceback in the server's log for every such client)."""
+    import asyncio
+
+    backend = ScriptedBackend()
+    app = FastAPI()
+    install(app, backend, max_body_bytes=limit)
+    events = iter([{"type": "http.request", "body": b'{"prompt": "a', "more_body": True}, {"type": "http.disconnect"}])
+    sent = []
+
+    async def receive():
+        return next(events, {"type": "http.disconnect"})
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
+    assert backend.started == []
+
