@@ -89,6 +89,9 @@ class DrainingServer(uvicorn.Server):
         split = getattr(app.state, "split", None)
         if split is not None:  # read over-size frames, so that they fail one request instead of the session
             config.ws_max_size = max(config.ws_max_size, split.max_message_bytes)
+        # no permessage-deflate (docs/protocol.md, Transport): hidden states do not deflate, and a client that
+        # offered it could send a 17 MiB frame as ~17 KB for the server to inflate (and have every Tokens deflated)
+        config.ws_per_message_deflate = False
         if config.ws == "auto":  # fewer system calls per frame (cloud_server.ws_protocol); None: uvicorn's own
             config.ws = protocol_class() or "auto"
         super().__init__(config)

@@ -210,6 +210,21 @@ def test_a_hello_with_a_link_hint_at_the_ends_of_its_range_is_welcomed(server, l
     assert isinstance(welcome, P.Welcome) and isinstance(tok, P.Tokens), (welcome, tok)
 
 
+def test_permessage_deflate_is_not_negotiated(server):
+    """A client offering permessage-deflate got it (uvicorn's default), against the protocol's Transport rule: a
+    16 MiB frame of zeros then travelled as ~16 KB for the server to inflate. The session is served without it."""
+    async def main():
+        ws = await websockets.connect(server.ws_url, max_size=None, compression="deflate")
+        extensions = list(ws.protocol.extensions)
+        await ws.send(P.encode_message(P.Hello(bundle_id=server.bundle_id, codecs=["fp16"])))
+        welcome = P.decode_message(await asyncio.wait_for(ws.recv(), 20))
+        await ws.close()
+        return extensions, welcome
+
+    extensions, welcome = asyncio.run(main())
+    assert extensions == [] and isinstance(welcome, P.Welcome)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 @pytest.mark.parametrize("draft", [VOCAB, 2**31 - 1])
 def test_a_draft_outside_the_vocabulary_fails_its_request_not_the_engine(server, temperature, draft):
