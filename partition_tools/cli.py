@@ -1,6 +1,7 @@
 """``autoglm-partition``: split / verify / inspect / plan a GLM-family checkpoint.
 
-Every flag has an environment-variable twin (``AUTOGLM_PARTITION_<FLAG>``). Bad input ends in one line on
+Every value flag but ``--preset`` has an environment-variable twin (``AUTOGLM_PARTITION_<FLAG>``, e.g.
+``AUTOGLM_PARTITION_LAYER``); the switches (``--fp32-prefill``, ``--cloud``, ``--json``) have none. Bad input ends in one line on
 stderr and exit status 2; a failed verification exits 1.
 """
 

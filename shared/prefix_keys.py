@@ -10,7 +10,7 @@ Version 2 (docs/protocol.md, "Prefix keys")::
 
 ``lp(s)`` is ``u32le(len) || utf-8 bytes``. The scope (:class:`KeyScope`) says what produced the states:
 the bundle (``Manifest.bundle_id``: the model and the split), the edge front's weights (``edge_variant``:
-``Manifest.edge_variant``, since an int8 front's states differ from an fp32 one's, and a front whose prompt
+``Manifest.states_variant``, the edge variant plus a digest of the edge graphs that compute the states, since an int8 front's states differ from an fp32 one's, and a front whose prompt
 runs through an fp32 copy differs from both) and how the states were
 carried (``encoding``: the wire codec for the cloud's blocks, the storage dtype for the edge's own cache).
 ``c_i`` is block i's 32-byte content digest: all zeros for text, else a digest of the non-text inputs
@@ -52,7 +52,7 @@ class KeyScope:
     """What produced a block's states; blocks are shared only within one scope (see the module docstring)."""
 
     bundle_id: str
-    edge_variant: str  # what computes the prompt's edge states: Manifest.edge_variant (fp32, int8+fp32-prefill, ...)
+    edge_variant: str  # what computes the prompt's edge states: Manifest.states_variant
     encoding: str  # the wire codec of the uploaded states (cloud), or the edge cache's storage ("cache-float32")
     # the private levels (shared.exec_mode): a per-tenant secret the cloud never sees. The seed becomes
     # HMAC-SHA256(secret, the seed's input), so the chain cannot be recomputed - and a guessed prompt cannot be
