@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared import openai_compat as oc
 from shared import openai_routes
@@ -111,8 +113,8 @@ class _EdgeBackend:
                 return _EdgeStream(await asyncio.to_thread(run, loop=asyncio.get_running_loop()))
         except EdgeClientError as e:  # a bad image / audio clip, refused before any network traffic
             raise oc.OpenAIRequestError(str(e), "messages", e.code) from None
-        except ValueError as e:  # e.g. a prompt that tokenizes to nothing
-            param = "messages" if isinstance(req, oc.ChatRequest) else "prompt"
+        except ValueError as e:  # e.g. a prompt that tokenizes to nothing, or a sampling value the wire cannot carry
+            param = getattr(e, "param", None) or ("messages" if isinstance(req, oc.ChatRequest) else "prompt")
             raise oc.OpenAIRequestError(str(e), param) from None
 
 
@@ -127,6 +129,12 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
         client.media_policy = replace(client.media_policy, allow_http=False)
     app = FastAPI(title="autoglm-edge", docs_url=None, redoc_url=None)
     model_id = model_name or f"autoglm-split-{client.manifest.bundle_id[:12]}"
+
+    @app.exception_handler(StarletteHTTPException)  # the router's own 404 / 405, in OpenAI's error shape as well
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+        err = oc.OpenAIRequestError(str(exc.detail), None, code, exc.status_code)
+        return JSONResponse(err.to_dict(), status_code=exc.status_code, headers=exc.headers)  # 405: Allow
 
     @app.middleware("http")
     async def auth(request: Request, call_next):

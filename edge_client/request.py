@@ -5,8 +5,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shared.messages import MAX_SEED
+from shared.messages import MAX_POSITION, MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, MIN_TOP_P
 from shared.precision import PrecisionOverride
+
+
+class SamplingRangeError(ValueError):
+    """A sampling argument outside what the split protocol carries (``SamplingParams``' ranges); ``param``
+    names it (the local API's 400 does). Refused here, before any network traffic: on the wire it was an
+    ``internal`` failure of the request, after the prompt had run."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -33,19 +43,22 @@ class RequestSpec:
     def __post_init__(self):
         if not self.prompt_ids:
             raise ValueError("empty prompt")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or not 1 <= self.max_tokens <= MAX_POSITION:
+            raise SamplingRangeError("max_tokens", f"max_tokens must be an integer in [1, {MAX_POSITION}], got "
+                                                   f"{self.max_tokens!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= MAX_SEED):
-            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
-        if not self.temperature >= 0:  # NaN too
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingRangeError("seed", f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN too
+            raise SamplingRangeError("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                                                    f"{self.temperature}")
         if not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise SamplingRangeError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not MIN_TOP_P <= self.top_p <= 1:
+            raise SamplingRangeError("top_p", f"top_p must be in [{MIN_TOP_P:g}, 1], got {self.top_p}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise SamplingRangeError("top_k", f"top_k must be in [0, {MAX_TOP_K}] (0: off), got {self.top_k}")
         if self.media is not None and list(self.media.ids) != list(self.prompt_ids):
             raise ValueError("prompt_ids must be the media prompt's (placeholders expanded)")
         if self.precision is not None:

@@ -169,6 +169,9 @@ class RequestState:
 
 
 MAX_SEED = (1 << 63) - 1  # a request's seed, on every path (wire, HTTP, the edge's own sampler)
+MAX_TOP_K = 1 << 24  # SamplingParams.top_k; any larger is the same as off (no vocabulary is that large)
+MIN_TOP_P = 1e-9  # SamplingParams.top_p's floor on the wire
+MAX_TEMPERATURE = 100.0
 # a temperature below this samples greedily, on both ends (vLLM's rule): 1 / T overflows near 0 and the
 # scaled logits turn to inf, then NaN
 MIN_TEMPERATURE = 1e-5
@@ -193,9 +196,9 @@ class SamplingParams:
 
     def __post_init__(self):
         _int(self.max_tokens, "params.max_tokens", 1, MAX_POSITION)
-        _float(self.temperature, "params.temperature", 0.0, 100.0)
-        _float(self.top_p, "params.top_p", 1e-9, 1.0)
-        _int(self.top_k, "params.top_k", 0, 1 << 24)
+        _float(self.temperature, "params.temperature", 0.0, MAX_TEMPERATURE)
+        _float(self.top_p, "params.top_p", MIN_TOP_P, 1.0)
+        _int(self.top_k, "params.top_k", 0, MAX_TOP_K)
         if self.seed is not None:
             _int(self.seed, "params.seed", 0, MAX_SEED)
         _list(self.stop_token_ids, "params.stop_token_ids", 64)

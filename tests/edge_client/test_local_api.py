@@ -13,6 +13,7 @@ from local_server import local_server
 
 from edge_client.errors import EdgeClientError
 from edge_client.local_api import create_app
+from edge_client.request import RequestSpec
 from edge_client.tokenizer import ByteTokenizer
 
 SCRIPT = ["<thi", "nk>I should gr", "eet.</th", "ink>Hel", "lo the", "re! STOP here", " and more"]
@@ -62,6 +63,8 @@ class _ScriptedClient:
     def agenerate(self, prompt=None, **kw):
         if not prompt.strip():  # what EdgeClient does with a prompt that tokenizes to nothing
             raise ValueError("empty prompt")
+        RequestSpec(prompt_ids=[1], **{k: kw[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                                           "stop")})  # and with its sampling arguments
         g = _ScriptedGeneration(self, prompt, kw)
         self.calls.append(g)
         return g
@@ -173,3 +176,20 @@ def test_penalties_and_logprobs_are_refused_by_name_not_dropped(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Once", "max_tokens": 2,
                                                          "frequency_penalty": 0, "presence_penalty": 0.0})
     assert r.status_code == 200
+
+
+def test_values_the_wire_cannot_carry_and_unknown_routes_get_openai_errors(server):
+    """max_tokens past 2^31 - 1 and top_k past 2^24 passed the OpenAI checks, then failed on the way to the cloud
+    as an 'internal' 502 (with a traceback in the log); the router's 404 / 405 were FastAPI's {"detail": ...}."""
+    for field, value in (("max_tokens", 2**31), ("max_tokens", 10**30), ("top_k", 2**24 + 1), ("top_p", 1e-12)):
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Once", field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Once", "max_tokens": 2,
+                                                         "top_k": 2**24})
+    assert r.status_code == 200
+    r = httpx.get(f"{server.url}/v1/chat/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.get(f"{server.url}/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
