@@ -71,10 +71,11 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         import jinja2
 
+        # a caller's variable replaces a special token's string (transformers' rule): passed twice, it was a TypeError
+        variables = {**self.specials, **kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.specials, **kwargs)
-        except jinja2.TemplateError as e:
+            return self.template.render(**variables)
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: a variable of a type the template cannot use
             raise ValueError(f"chat template refused the messages: {e}") from None
 
 

@@ -61,6 +61,20 @@ def test_chat_template_matches_transformers(tok_dir, thinking):
     assert edge.eos_token_ids == [7, hf.convert_tokens_to_ids("<|endoftext|>")]
 
 
+def test_template_variables_from_the_request_are_refused_or_used_never_raised(tok_dir):
+    """chat_template_kwargs reach the template (the edge's local API passes them): one named like a special token
+    was passed twice (TypeError: a 500), one of a type the template cannot use raised TypeError past the
+    ValueError the API turns into a 400."""
+    from edge_client.tokenizer import ChatTemplate
+
+    msgs = [{"role": "user", "content": "hi"}]
+    assert _edge(tok_dir).apply_chat_template(msgs, eos_token="<|user|>").startswith("<|user|>\nhi")
+    template = ChatTemplate("{{ eos_token }}{{ bonus + 1 }}", {"eos_token": "</s>"})
+    assert template.render(msgs, bonus=1) == "</s>2"
+    with pytest.raises(ValueError, match="chat template refused"):
+        template.render(msgs, bonus="x")
+
+
 def test_decode_hides_special_tokens_but_keeps_thinking_tags(tok_dir):
     edge = _edge(tok_dir)
     ids = edge.encode("<|user|>a<think>b</think>c<|endoftext|>")
