@@ -51,6 +51,8 @@ __all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "Re
 
 _END = object()
 
+MAX_CHARS_PER_POSITION = 64  # a text longer than this many characters per graph position cannot fit
+
 
 class EdgeClient:
     """The edge runtime, tokenizer, activation cache and cloud session of one bundle."""
@@ -190,6 +192,10 @@ class EdgeClient:
             if enable_thinking is not None:
                 kw["enable_thinking"] = enable_thinking
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw)
+        if prompt_ids is None and len(prompt) > MAX_CHARS_PER_POSITION * self.runtime.max_positions:
+            # no tokenizing a text that cannot fit (a 48 MB prompt held the local API's event loop for seconds)
+            raise ValueError(f"prompt of {len(prompt)} characters exceeds the edge graph's "
+                             f"{self.runtime.max_positions} positions")
         ids = list(prompt_ids) if prompt_ids is not None else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from .client import AsyncGeneration, EdgeClient
 
 DEFAULT_MAX_TOKENS = 512
+# A request body over this is refused (413) before it is read whole: room for an image at the media limit as a
+# base64 data URL (20 MiB -> 27 MiB) beside the text; a text prompt itself is at most 64 characters a position.
+MAX_BODY_BYTES = 32 << 20
 
 
 class _EdgeStream:
@@ -152,5 +155,5 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
     async def models():
         return oc.model_list([model_id])
 
-    openai_routes.install(app, _EdgeBackend(client, model_id))
+    openai_routes.install(app, _EdgeBackend(client, model_id), max_body_bytes=MAX_BODY_BYTES)
     return app

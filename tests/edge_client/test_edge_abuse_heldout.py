@@ -118,6 +118,20 @@ def test_prompt_longer_than_the_edge_context_is_refused(client):
         client.generate(prompt_ids=[5] * n)
 
 
+def test_a_text_too_long_for_the_context_is_refused_before_tokenizing(client, monkeypatch):
+    from edge_client.client import MAX_CHARS_PER_POSITION
+
+    def no_tokenizing(text):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(client.tokenizer, "encode", no_tokenizing)
+    n = MAX_CHARS_PER_POSITION * client.runtime.max_positions + 1
+    with pytest.raises(ValueError, match=f"prompt of {n} characters exceeds"):
+        client.generate(prompt="a" * n)
+    with pytest.raises(ValueError, match="characters exceeds"):
+        client.generate(messages=[{"role": "user", "content": "a" * n}])
+
+
 def test_a_stop_string_is_one_stop_not_its_characters(client):
     gen = client.generate(prompt="hi", stop="abc", max_tokens=2)
     assert gen.spec.stop == ["abc"]

@@ -193,3 +193,11 @@ def test_values_the_wire_cannot_carry_and_unknown_routes_get_openai_errors(serve
     r = httpx.get(f"{server.url}/v1/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    from edge_client.local_api import MAX_BODY_BYTES
+
+    r = httpx.post(f"{server.url}/v1/completions", headers={"content-type": "application/json"},
+                   content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}', timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
