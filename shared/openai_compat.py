@@ -8,6 +8,9 @@ Contract:
   :class:`ChatRequest` / :class:`CompletionRequest`, or raise :class:`OpenAIRequestError` whose
   :meth:`~OpenAIRequestError.to_dict` is the OpenAI error body (HTTP 400). Unknown fields are ignored, as
   OpenAI-compatible servers do; known fields with a bad type or range are refused, naming the field.
+  Fields that ask for a feature not offered here (``tools``, a ``tool_choice`` other than none/auto,
+  ``response_format`` other than text, ``logit_bias``, ``best_of`` > 1, ``suffix``, ``n`` > 1, ``logprobs``)
+  are refused too, rather than answered as if absent.
 * Thinking: ``enable_thinking`` is read from the top level or from ``chat_template_kwargs`` (vLLM / SGLang
   spelling); ``return_reasoning`` asks for the ``<think>...</think>`` part in ``reasoning_content``, apart
   from ``content`` (the AutoGLM / GLM-4.1V-Thinking serving convention).
@@ -173,6 +176,35 @@ def _depth_over(value: Any, limit: int) -> bool:
     return False
 
 
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """A 400 naming the field for a feature this server does not offer, where dropping it would change what the
+    client gets back (a plain-text answer to a tool or JSON-mode request, unbiased sampling, one candidate of
+    ``best_of``): OpenAI clients were answered as if they had not asked. Values that ask for nothing pass
+    (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type": "text"}``, ``logit_bias: {}``, ``best_of: 1``)."""
+    def present(name: str) -> bool:
+        return body.get(name) not in (None, [], {}, "")
+
+    tool_choice = body.get("tool_choice")
+    if chat and present("tools") and tool_choice != "none":
+        raise OpenAIRequestError("tools: tool calling is not supported by this server (send no tools, or "
+                                 "tool_choice 'none')", "tools")
+    if chat and tool_choice not in (None, "none", "auto"):
+        raise OpenAIRequestError("tool_choice: tool calling is not supported by this server", "tool_choice")
+    if chat and (present("functions") or body.get("function_call") not in (None, "none", "auto")):
+        name = "functions" if present("functions") else "function_call"
+        raise OpenAIRequestError(f"{name}: function calling is not supported by this server", name)
+    fmt = body.get("response_format")
+    if chat and fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+        raise OpenAIRequestError("response_format: only {'type': 'text'} is supported by this server (no JSON "
+                                 "mode or schema-constrained output)", "response_format")
+    if present("logit_bias"):
+        raise OpenAIRequestError("logit_bias: not supported by this server", "logit_bias")
+    if not chat and body.get("best_of") not in (None, 1):
+        raise OpenAIRequestError("best_of: only best_of=1 is supported", "best_of")
+    if not chat and present("suffix"):
+        raise OpenAIRequestError("suffix: not supported by this server (no fill-in-the-middle)", "suffix")
+
+
 def _sampling(body: dict) -> SamplingOptions:
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
@@ -278,6 +310,7 @@ def parse_chat_request(body: Any, media: bool = False) -> ChatRequest:
     if reserved:
         raise OpenAIRequestError(f"chat_template_kwargs: {', '.join(reserved)} may not be set (the server's "
                                  "own arguments of the chat template)", "chat_template_kwargs")
+    _refuse_unsupported(body, chat=True)
     stream, include_usage = _stream_flags(body)
     return ChatRequest(
         model=model, messages=parsed, sampling=_sampling(body), stream=stream, include_usage=include_usage,
@@ -295,6 +328,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise OpenAIRequestError("prompt: expected a non-empty string", "prompt")
+    _refuse_unsupported(body, chat=False)
     stream, include_usage = _stream_flags(body)
     return CompletionRequest(model=_get(body, "model", str, ""), prompt=prompt, sampling=_sampling(body),
                              stream=stream, include_usage=include_usage, echo=_get(body, "echo", bool, False),

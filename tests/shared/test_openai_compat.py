@@ -73,6 +73,41 @@ def test_bad_chat_requests_name_the_field(body, param):
     assert err["type"] == "invalid_request_error" and err["message"]
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": TOOLS}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+])
+def test_features_not_offered_are_refused_by_name_not_ignored(extra, param):
+    """The openai client's tools / tool_choice / response_format / logit_bias were ignored: a tool-calling or
+    JSON-mode request got a plain-text answer with a 200, as if it had not asked."""
+    with pytest.raises(OpenAIRequestError) as ei:
+        parse_chat_request(_body(**extra))
+    assert ei.value.param == param and ei.value.status == 400
+    for extra in ({"tools": [], "tool_choice": "none"}, {"tools": TOOLS, "tool_choice": "none"},
+                  {"tool_choice": "auto"}, {"response_format": {"type": "text"}}, {"logit_bias": {}},
+                  {"parallel_tool_calls": False, "user": "u1", "store": False, "metadata": {"a": "b"}}):
+        parse_chat_request(_body(**extra))  # asks for nothing this server lacks
+
+
+@pytest.mark.parametrize("extra, param", [({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix"),
+                                          ({"logit_bias": {"1": 5}}, "logit_bias")])
+def test_completion_features_not_offered_are_refused(extra, param):
+    with pytest.raises(OpenAIRequestError) as ei:
+        parse_completion_request({"prompt": "once", **extra})
+    assert ei.value.param == param
+    assert parse_completion_request({"prompt": "once", "best_of": 1, "suffix": None}).prompt == "once"
+
+
 def test_parse_completion():
     r = parse_completion_request({"model": "m", "prompt": ["once"], "max_tokens": 4})
     assert r.prompt == "once" and r.sampling.max_tokens == 4
