@@ -14,7 +14,7 @@ Contract:
   may call it more than once; an unfinished generation must be cancelled then.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and one set of statuses on
   both ends: 400 a request refused, 401 a wrong key (the app's auth), 413 a body over the adapter's limit
-  (``install(max_body_bytes=...)``), 503 not ready, draining or overloaded,
+  (``install(max_body_bytes=...)``), 503 not ready, draining or overloaded (with ``Retry-After``),
   504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here. Once a stream has started
   (HTTP 200 sent), an error is one ``data: {"error": ...}`` event, then ``data: [DONE]``.
 """
@@ -73,8 +73,12 @@ class TextBackend(Protocol):
     def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> TextStream: ...
 
 
+RETRY_AFTER_S = 1  # a 503 (not ready, draining, overloaded) says when to try again; the openai client honours it
+
+
 def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
-    return JSONResponse(e.to_dict(), status_code=e.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
 async def read_body(request: Request, max_bytes: int | None) -> bytes:

@@ -144,7 +144,7 @@ def test_generation_errors_have_one_shape_and_status(api, error, status):
         assert r.status_code == status and set(err) == {"message", "type", "param", "code"}
         assert err["code"] == error.code and err["message"] == error.message
         assert err["type"] == ("server_error" if status >= 500 else "invalid_request_error")
-        assert backend.started[-1][2].closed
+        assert backend.started[-1][2].closed and (r.headers.get("retry-after") == "1") == (status == 503)
         # streamed: the text so far, then the same error body as an event, then [DONE]
         events = _events(client, path, body)
         assert events[-1] == r.json() and backend.started[-1][2].closed
@@ -161,6 +161,7 @@ def test_refusals_before_any_generation(api):
     backend.not_ready = oc.OpenAIRequestError("server is draining", None, "draining", 503)
     r = client.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    assert r.headers["retry-after"] == "1"  # the openai client waits that long before its retry (it had no hint)
     assert backend.started == []  # nothing was started, so nothing needs closing
 
 
