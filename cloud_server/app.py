@@ -6,7 +6,7 @@ Routes:
 * ``GET /ready``    200 once the model is loaded and the engine runs, 503 while loading, draining or after a
   fatal engine error (readiness: take the replica out of the load balancer);
 * ``GET /metrics``  Prometheus text (``cloud_server.metrics``), unauthenticated like vLLM's;
-* ``GET /v1/models`` the served model;
+* ``GET /v1/models`` the served model (``GET /v1/models/{id}``: one, or 404 ``model_not_found``);
 * ``WS  /v1/split`` split mode: the edge's session (``cloud_server.split_endpoint``);
 * ``GET /v1/bundles[/{id}/manifest | /{id}/files/{path}]`` split mode: the served bundles' edge halves, for
   phones to download or update (``cloud_server.bundle_files``);
@@ -219,6 +219,14 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
     @app.get("/v1/models", dependencies=[auth])
     async def models():
         return oc.model_list([rt.model_name for rt in _runtimes(app) if rt.model_name])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[auth])  # the openai client's models.retrieve()
+    async def model(model_id: str):
+        found = [m for m in (await models())["data"] if m["id"] == model_id]
+        if found:
+            return found[0]
+        err = oc.model_not_found(model_id)
+        return JSONResponse(err.to_dict(), status_code=err.status)
 
     if cfg.mode == "full":
         from cloud_server import full_api

@@ -1,7 +1,8 @@
 """``autoglm-edge serve``: a local OpenAI-compatible endpoint on the device, backed by the split runtime.
 
 Existing apps (the ``openai`` client, ``langchain_openai.ChatOpenAI``) point their ``base_url`` at
-``http://127.0.0.1:<port>/v1`` and work unchanged. Routes: ``GET /health``, ``GET /v1/models``, and the chat
+``http://127.0.0.1:<port>/v1`` and work unchanged. Routes: ``GET /health``, ``GET /v1/models`` (and
+``/v1/models/{id}``), and the chat
 and completion routes of :mod:`shared.openai_routes` (shared with the cloud's full-model mode), which this
 module adapts to one :class:`~edge_client.client.EdgeClient`: the bundle's chat template makes the prompt,
 :meth:`EdgeClient.agenerate` runs it (front layers here, the rest in the cloud; stop strings cancel the cloud
@@ -154,6 +155,12 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
     @app.get("/v1/models")
     async def models():
         return oc.model_list([model_id])
+
+    @app.get("/v1/models/{name:path}")  # the openai client's models.retrieve()
+    async def model(name: str):
+        if name == model_id:
+            return oc.model_list([model_id])["data"][0]
+        return openai_routes.error_response(oc.model_not_found(name))
 
     openai_routes.install(app, _EdgeBackend(client, model_id), max_body_bytes=MAX_BODY_BYTES)
     return app

@@ -498,6 +498,12 @@ def model_list(model_ids: list[str], owned_by: str = "autoglm-split") -> dict[st
             "data": [{"id": m, "object": "model", "created": now, "owned_by": owned_by} for m in model_ids]}
 
 
+def model_not_found(model_id: str) -> OpenAIRequestError:
+    """The 404 of ``GET /v1/models/{model_id}`` for an id this server does not serve (OpenAI's code)."""
+    return OpenAIRequestError(f"The model '{model_id}' does not exist (GET /v1/models lists the served ones)", "model",
+                              "model_not_found", 404)
+
+
 def _finish(reason: str | None) -> str | None:
     # The OpenAI enum has no "cancelled"/"error": a cut-short stream reports "stop" like vLLM does on abort.
     if reason is None or reason in ("stop", "length"):

@@ -51,6 +51,11 @@ def test_probes_models_and_auth(server):
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert _client(server, "wrong").get("/v1/models").status_code == 401
     assert [m["id"] for m in _client(server).get("/v1/models").json()["data"]] == ["smol"]
+    # GET /v1/models/{id} (the openai client's models.retrieve): was a 404 for the served id too
+    assert _client(server).get("/v1/models/smol").json()["id"] == "smol"
+    missing = _client(server).get("/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(server.url + "/v1/models/smol").status_code == 401
 
 
 def test_chat_greedy_matches_the_model_and_streaming_matches_plain(server, smol_lm):

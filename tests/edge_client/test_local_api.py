@@ -83,6 +83,17 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
 
 
+def test_openai_client_models_retrieve(server):
+    """GET /v1/models/{id} (the openai client's models.retrieve) was a 404 for the served id too."""
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
+    assert oa.models.retrieve("split-test").id == "split-test"
+    with pytest.raises(openai.NotFoundError) as ei:
+        oa.models.retrieve("no-such-model")
+    assert ei.value.body["code"] == "model_not_found" and ei.value.body["param"] == "model"
+
+
 def test_openai_client_non_streaming_with_reasoning(server):
     import openai
 
