@@ -130,10 +130,15 @@ class _EngineBackend:
             raise oc.OpenAIRequestError(f"chat template refused the messages: {e}", "messages") from None
 
     async def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EngineStream:
-        # A chat prompt carries its special tokens in the template; a raw prompt gets the tokenizer's.
-        encode = partial(self.rt.tokenizer, prompt, add_special_tokens=isinstance(req, oc.CompletionRequest))
-        ids = (await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)).input_ids
         param = "messages" if isinstance(req, oc.ChatRequest) else "prompt"
+        if isinstance(req, oc.CompletionRequest) and req.prompt_ids is not None:  # token ids: as given
+            ids, facts = req.prompt_ids, getattr(self.rt, "facts", None)
+            if facts is not None and max(ids) >= facts.vocab_size:
+                raise oc.OpenAIRequestError(f"prompt: token id {max(ids)} is outside the vocabulary "
+                                            f"[0, {facts.vocab_size})", param)
+        else:  # a chat prompt carries its special tokens in the template; a raw prompt gets the tokenizer's
+            encode = partial(self.rt.tokenizer, prompt, add_special_tokens=isinstance(req, oc.CompletionRequest))
+            ids = (await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)).input_ids
         return _EngineStream(self.rt, ids, self._params(req.sampling, len(ids), param),
                              self._variant(req.precision, len(ids)), req.sampling.stop)
 

@@ -103,6 +103,7 @@ class _EdgeBackend:
             raise oc.OpenAIRequestError(f"{name}: not supported by the edge's API (the split path samples "
                                         "without penalties)", name)
         source = ({"messages": req.messages, "chat_template_kwargs": req.template_kwargs()} if _has_media(req)
+                  else {"prompt_ids": req.prompt_ids} if getattr(req, "prompt_ids", None) is not None
                   else {"prompt": prompt})
         run = functools.partial(self.client.agenerate, **source, max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS,
                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop,

@@ -131,6 +131,7 @@ class CompletionRequest:
     include_usage: bool = False
     echo: bool = False
     precision: str | None = None
+    prompt_ids: list[int] | None = None  # a prompt given as token ids (``prompt`` is then "")
 
 
 def _get(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:
@@ -320,19 +321,31 @@ def parse_chat_request(body: Any, media: bool = False) -> ChatRequest:
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a decoded ``/v1/completions`` body; the prompt is one string (or a one-string array)."""
+    """Validate a decoded ``/v1/completions`` body; the prompt is one string or one array of token ids (either
+    may come as a batch of one, as the openai client sends them); a batch of several is refused."""
     if not isinstance(body, dict):
         raise OpenAIRequestError("request body must be a JSON object")
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise OpenAIRequestError("prompt: expected a non-empty string", "prompt")
+    ids = None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        ids, prompt = prompt, ""
+        if min(ids) < 0 or max(ids) >= 1 << 31:
+            raise OpenAIRequestError("prompt: token ids must be in [0, 2^31)", "prompt")
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise OpenAIRequestError(f"prompt: a batch of {len(prompt)} prompts is not supported (one per request)",
+                                 "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise OpenAIRequestError("prompt: expected a non-empty string or array of token ids", "prompt")
     _refuse_unsupported(body, chat=False)
+    echo = _get(body, "echo", bool, False)
+    if echo and ids is not None:
+        raise OpenAIRequestError("echo: not supported with a prompt of token ids", "echo")
     stream, include_usage = _stream_flags(body)
     return CompletionRequest(model=_get(body, "model", str, ""), prompt=prompt, sampling=_sampling(body),
-                             stream=stream, include_usage=include_usage, echo=_get(body, "echo", bool, False),
-                             precision=_get(body, "precision", str, None))
+                             stream=stream, include_usage=include_usage, echo=echo,
+                             precision=_get(body, "precision", str, None), prompt_ids=ids)
 
 
 # --------------------------------------------------------------------------------------------

@@ -112,6 +112,19 @@ def test_completions_with_a_stop_string(server, smol_lm):
     assert server.runtime.engine.llm.num_used_blocks() == 0  # the stopped request was aborted and freed
 
 
+def test_completions_of_token_ids(server, smol_lm):
+    """A prompt of token ids (the openai client's completions.create(prompt=[ids])) was a 400 "expected a
+    non-empty string"; it is now generated from as given, and an id outside the vocabulary is a 400."""
+    tok = smol_lm.tokenizer
+    ids = tok("1, 2, 3, 4,").input_ids
+    with _client(server) as c:
+        text = c.post("/v1/completions", json={"prompt": "1, 2, 3, 4,", "max_tokens": 4, "temperature": 0}).json()
+        by_ids = c.post("/v1/completions", json={"prompt": [ids], "max_tokens": 4, "temperature": 0}).json()
+        bad = c.post("/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 4})
+    assert by_ids["choices"][0]["text"] == text["choices"][0]["text"] and by_ids["usage"] == text["usage"]
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
 def test_refusals_have_the_openai_error_shape(server):
     runtime = server.runtime
     with _client(server) as c:

@@ -60,8 +60,12 @@ class _ScriptedClient:
         self.calls: list[_ScriptedGeneration] = []
         self.fail = False
 
-    def agenerate(self, prompt=None, **kw):
-        if not prompt.strip():  # what EdgeClient does with a prompt that tokenizes to nothing
+    def agenerate(self, prompt=None, prompt_ids=None, **kw):
+        if prompt_ids is not None:  # what EdgeClient does with ids outside the vocabulary
+            if max(prompt_ids) >= self.tokenizer.vocab_size:
+                raise ValueError("prompt_ids: token id out of range")
+            prompt = prompt_ids
+        elif not prompt.strip():  # what EdgeClient does with a prompt that tokenizes to nothing
             raise ValueError("empty prompt")
         RequestSpec(prompt_ids=[1], **{k: kw[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                                            "stop")})  # and with its sampling arguments
@@ -144,6 +148,21 @@ def test_langchain_chat_openai_streaming(server):
 def test_completions_endpoint(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Once", "max_tokens": 2})
     assert r.json()["choices"][0]["text"] == "<think>I should gr" and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions_of_token_ids(server):
+    """A prompt of token ids (the openai client's completions.create(prompt=[ids])) was a 400 "expected a
+    non-empty string"; it now reaches EdgeClient as prompt_ids, and ids outside the vocabulary are a 400."""
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
+    r = oa.completions.create(model="split-test", prompt=[72, 105], max_tokens=2)
+    assert r.choices[0].text == "<think>I should gr" and server.client.calls[-1].prompt == [72, 105]
+    with pytest.raises(openai.BadRequestError) as ei:
+        oa.completions.create(model="split-test", prompt=[72, 100000], max_tokens=2)
+    assert ei.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError, match="batch of 2"):
+        oa.completions.create(model="split-test", prompt=["a", "b"], max_tokens=2)
 
 
 def test_bad_requests_get_openai_errors(server):

@@ -110,7 +110,19 @@ def test_completion_features_not_offered_are_refused(extra, param):
 
 def test_parse_completion():
     r = parse_completion_request({"model": "m", "prompt": ["once"], "max_tokens": 4})
-    assert r.prompt == "once" and r.sampling.max_tokens == 4
+    assert r.prompt == "once" and r.sampling.max_tokens == 4 and r.prompt_ids is None
+    # token ids, alone or as a batch of one (they were a 400 "expected a non-empty string")
+    for prompt in ([5, 6, 7], [[5, 6, 7]]):
+        r = parse_completion_request({"prompt": prompt})
+        assert r.prompt_ids == [5, 6, 7] and r.prompt == ""
+    for prompt, words in ((["a", "b"], "batch of 2"), ([[1], [2]], "batch of 2"), ([-1], "token ids"),
+                          ([2**40], "token ids"), ([1, True], "token ids"), ([], "token ids")):
+        with pytest.raises(OpenAIRequestError, match=words) as ei:
+            parse_completion_request({"prompt": prompt})
+        assert ei.value.param == "prompt"
+    with pytest.raises(OpenAIRequestError) as ei:
+        parse_completion_request({"prompt": [1, 2], "echo": True})
+    assert ei.value.param == "echo"
     with pytest.raises(OpenAIRequestError):
         parse_completion_request({"model": "m", "prompt": ""})
 
