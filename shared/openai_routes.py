@@ -21,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import re
@@ -144,7 +145,7 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
         except oc.OpenAIRequestError as e:
             return error_response(e)
         reply = _Reply(req, prompt, req.model or backend.model_name)
-        return (await _whole(stream, reply)) if not req.stream else _streamed(stream, reply)
+        return (await _whole(stream, reply, request)) if not req.stream else _streamed(stream, reply)
 
     async def chat(request: Request):
         return await serve(request, chat=True)
@@ -156,13 +157,32 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
     app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=list(dependencies))
 
 
-async def _whole(stream: TextStream, reply: _Reply) -> JSONResponse:
-    try:
+async def _whole(stream: TextStream, reply: _Reply, request: Request) -> JSONResponse:
+    """The whole answer as one JSON response. A client that goes away first (the openai client's timeout, which
+    it then retries) cancels the generation, as a stream's does: it ran to its end before, so each retry added
+    one more running generation."""
+    async def consume() -> None:
         async for delta in stream:
             reply.add(delta)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            return error_response(oc.OpenAIRequestError("the client went away before the answer was whole", None,
+                                                        "client_disconnected"))
+        work.result()
     except GenerationError as e:
         return error_response(e)
     finally:
+        for task in (work, watch):
+            task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
         await stream.aclose()
     return JSONResponse(reply.response(stream.finish_reason or "stop", stream.usage()))
 

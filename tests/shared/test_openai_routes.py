@@ -220,3 +220,52 @@ def test_a_client_gone_mid_body_is_answered_not_raised(limit):
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 400
     assert backend.started == []
 
+
+
+def test_a_client_gone_before_a_whole_answer_cancels_its_generation():
+    """A non-streamed request whose client goes away (the openai client's timeout, which it then retries) ran its
+    generation to the end; each retry added one more. It is now cancelled, as a dropped stream is."""
+    import asyncio
+
+    class Endless(ScriptedStream):
+        async def __aiter__(self):
+            yield "a"
+            await asyncio.Event().wait()  # a long generation
+            yield "never"
+
+    class Backend(ScriptedBackend):
+        def start(self, req, prompt):
+            stream = Endless([], None)
+            self.started.append((req, prompt, stream))
+            return stream
+
+    backend = Backend()
+    app = FastAPI()
+    install(app, backend)
+    body = b'{"prompt": "a", "max_tokens": 400}'
+    sent = []
+
+    async def run():
+        first = True
+
+        async def receive():
+            nonlocal first
+            if first:
+                first = False
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(0.05)  # the client waits a little, then gives up
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"),
+                                              (b"content-length", str(len(body)).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        await asyncio.wait_for(app(scope, receive, send), 5)
+
+    asyncio.run(run())
+    assert backend.started and backend.started[-1][2].closed  # closed: the backend cancels the generation
+    assert sent[0]["status"] == 400
