@@ -194,6 +194,9 @@ ARMS: dict[str, tuple[str, dict | str | None]] = {
     "int4": ("int4", RECIPE),
     "int4-pf32": ("int4", {"base": RECIPE, **PF}),
     "int8-kv8": ("int8", {**I8, "kv_cache": "int8"}),
+    # `split --edge-kv int8` on the default int4 front of a grid source, and on the fp32 front
+    "int4-kv8": ("int4", {"base": RECIPE, "kv_cache": "int8"}),
+    "fp32-kv8": ("fp32", {"mode": "fp32", "kv_cache": "int8"}),
     "int8-nosmooth": ("int8", {**I8, "smooth_alpha": None}),
     "int8-acc1": ("int8", {**I8, "accuracy_level": 1}),
     "int8-acc1-nosmooth": ("int8", {**I8, "accuracy_level": 1, "smooth_alpha": None}),
@@ -257,6 +260,8 @@ def build_arm(name: str, fp32: Path, out_dir: Path, adapter, layer: int, tokeniz
         if isinstance(spec, dict) and spec["base"] == ROUNDED:
             changes = {**ROUNDED_SETTINGS, **changes}
         kwargs = {**recipe_for(adapter, layer, edge_quant, tokenizer), **changes}
+        if "kv_cache" in changes:
+            kwargs["kv_calibration_ids"] = kv_calibration_tokens(tokenizer, adapter.vocab_size)
     else:
         kwargs = dict(spec)
     stamp = {"fp32_graph_bytes": fp32.stat().st_size, "fp32_graph_mtime": fp32.stat().st_mtime,

@@ -3,8 +3,8 @@
 For one model split at layer N (default SmolLM2-135M at 8) this
 
 1. splits the model once per variant into ``--work`` (reused when the source matches): ``fused-{fp32,int8,
-   int4}`` (``partition_tools.graph_builder``, the shipped recipes), ``fused-int8-kv8`` (the int8 recipe
-   plus an int8 KV cache, ``partition_tools.kv_quant``) and ``plain-{fp32,int8}`` (the traced graph, the
+   int4}`` (``partition_tools.graph_builder``, the shipped recipes), ``fused-int8-kv8`` / ``fused-int4-kv8`` (the int8 / int4 recipe
+   plus an int8 KV cache, ``partition_tools.kv_quant``: ``split --edge-kv int8``) and ``plain-{fp32,int8}`` (the traced graph, the
    old default);
 2. times a one-token decode step of every variant through ``edge_client.front.FrontRuntime`` (what the
    phone runs) over a cache of P positions, P in ``--contexts``, with 1 and 2 intra-op threads. The cache
@@ -49,6 +49,7 @@ VARIANTS = {  # name -> (edge_graph, edge_quant, quantize_front overrides: then 
     "fused-int8-kv8": ("fused", "int8", {"kv_cache": "int8"}),
     "fused-int8-rounded": ("fused", "int8", ROUNDED),  # a grid source quantized as a bf16 one would be
     "fused-int4": ("fused", "int4", None),
+    "fused-int4-kv8": ("fused", "int4", {"kv_cache": "int8"}),  # the default front + `split --edge-kv int8`
     # the previous int4 recipe of a grid source: int8 activations, 16 fp32 outlier channels per MatMul
     "fused-int4-a8": ("fused", "int4", {"accuracy_level": 4, "outlier_channels": 16}),
     "fused-fp32": ("fused", "fp32", None),

@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--edge-quant", choices=("auto", "int8", "int4", "fp32"), default=_env("EDGE_QUANT", "auto"),
                    help="edge weight precision (default auto: int4 for a checkpoint already on a 4-bit grid, "
                         "e.g. a Q4 GGUF, whose own codes then run exactly with fp32 activations; int8 otherwise)")
+    s.add_argument("--edge-kv", choices=("fp32", "int8"), default=_env("EDGE_KV", "fp32"),
+                   help="the front's KV cache on the phone (default fp32). int8: a quarter of its bytes (SmolLM2 "
+                        "split at 8: 36 MiB less at 4,096 tokens) and a faster step at long context, with "
+                        "per-channel scales calibrated at split time; costs a few identical answers "
+                        "(docs/quality.md). Fused edge graph only, not with --fp32-prefill")
     s.add_argument("--fp32-prefill", action="store_true",
                    help="precision by phase (int8/int4 edge): also ship an fp32 copy of the front "
                         "(edge/front_prefill.onnx) that runs the prompt, decode steps staying quantized; about "
@@ -104,7 +109,7 @@ def _cmd_split(args) -> int:
         raise UsageError("split needs --layer N and --out DIR")
     cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant,
                       vision_quant=args.vision_quant, audio_encoder=args.audio_encoder, tail=args.tail,
-                      fp32_prefill=args.fp32_prefill)
+                      fp32_prefill=args.fp32_prefill, edge_kv=args.edge_kv)
     t0 = time.perf_counter()
     lm = load_model(source, seed=args.seed)
     m = split(lm, cfg)

@@ -57,8 +57,9 @@ def _split_line(r: dict) -> str:
 
 def recipe_summary(report: dict) -> str:
     """One line on how the edge front was quantized, from a manifest's ``quant_report`` ("" for fp32)."""
+    kv = [f"KV cache {report['kv_cache']}"] if report.get("kv_cache") else []  # split --edge-kv int8
     if report.get("method") != "MatMulNBits":
-        return ""
+        return ", ".join(kv)
     parts = [f"{report['bits']}-bit weights, block {report['block_size']}",
              {4: "int8 activations", 1: "fp32 activations"}.get(report.get("accuracy_level"),
                                                                f"accuracy level {report.get('accuracy_level')}")]
@@ -73,7 +74,7 @@ def recipe_summary(report: dict) -> str:
         parts.append(f"{split['k']} fp32 outlier channels on {len(split['matmuls'])} MatMuls")
     if report.get("float_matmuls"):
         parts.append(f"{len(report['float_matmuls'])} MatMuls fp32")
-    return ", ".join(parts)
+    return ", ".join(parts + kv)
 
 
 def format_report(r: dict) -> str:

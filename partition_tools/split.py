@@ -20,7 +20,7 @@ from .cloud_half import BACK_CONFIG, BACK_WEIGHTS, back_state_dict
 from .export import build_front
 from .models import LoadedModel
 from .progress import Steps
-from .quantize import EDGE_QUANT_CHOICES, quantize_front, resolve_edge_quant
+from .quantize import EDGE_QUANT_CHOICES, KV_MODES, quantize_front, resolve_edge_quant
 
 CALIBRATION = "calibration.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -44,6 +44,9 @@ class SplitConfig:
     # MatMuls the int8 recipe keeps in fp32 (the most outlier-heavy down_proj); None: the recipe's own (2 for
     # int8). A one-layer bench passes 0 to time the layer every other layer of a deep front is.
     float_outliers: int | None = None
+    # the front's KV cache on the phone (--edge-kv): fp32, or int8 with calibrated per-channel scales
+    # (partition_tools.kv_quant: a quarter of the bytes; the fused graph only, no fp32 prompt copy)
+    edge_kv: str = "fp32"
 
     def __post_init__(self):
         if self.edge_quant not in EDGE_QUANT_CHOICES:
@@ -54,6 +57,14 @@ class SplitConfig:
             raise BundleError(f"--tail {self.tail}: expected M >= 0 layers")
         if self.fp32_prefill and self.edge_quant == "fp32":
             raise BundleError("--fp32-prefill is for a quantized edge (--edge-quant auto|int8|int4)")
+        if self.edge_kv not in KV_MODES:
+            raise BundleError(f"--edge-kv {self.edge_kv!r}: expected one of {', '.join(KV_MODES)}")
+        if self.edge_kv != "fp32" and self.edge_graph == "plain":
+            raise BundleError(f"--edge-kv {self.edge_kv} needs the fused edge graph (its attention op holds the "
+                              "int8 cache); the plain graph keeps an fp32 cache")
+        if self.edge_kv != "fp32" and self.fp32_prefill:
+            raise BundleError(f"--edge-kv {self.edge_kv} and --fp32-prefill: the prompt-phase copy shares the decode "
+                              "graph's fp32 cache; pick one")
         if self.float_outliers is not None and self.float_outliers < 0:
             raise BundleError(f"float_outliers {self.float_outliers}: expected >= 0")
         self.out = Path(self.out)
@@ -142,22 +153,30 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
         shutil.rmtree(out)
     (out / "edge").mkdir(parents=True, exist_ok=True)
     (out / "cloud").mkdir(parents=True, exist_ok=True)
-    steps = Steps((5 if cfg.edge_quant != "fp32" else 4) + (1 if cfg.tail else 0), "split")
+    rewrite = cfg.edge_quant != "fp32" or cfg.edge_kv != "fp32"  # the fp32 graph is quantized / gets an int8 KV
+    steps = Steps((5 if rewrite else 4) + (1 if cfg.tail else 0), "split")
 
     # 1. edge front -> ONNX (fp32), then quantize
     steps.next(f"export layers [0, {cfg.layer}) to ONNX")
     quant_report: dict = {"mode": "fp32"}
     with tempfile.TemporaryDirectory() as tmp:
         fp32, graph_kind = build_front(adapter, cfg.layer, Path(tmp) / "front.onnx", cfg.edge_graph)
-        if cfg.edge_quant == "fp32":
+        if cfg.edge_kv != "fp32" and graph_kind != "fused":
+            raise BundleError(f"--edge-kv {cfg.edge_kv} needs the fused edge graph, and this model's front fell back "
+                              f"to the plain one ({graph_kind}); split without --edge-kv")
+        if not rewrite:
             shutil.move(str(fp32), out / FRONT)
         else:
-            steps.next(f"quantize edge weights to {cfg.edge_quant}")
-            from .quantize import recipe_for
+            steps.next(f"quantize edge weights to {cfg.edge_quant}" if cfg.edge_quant != "fp32" else
+                       f"store the edge KV cache as {cfg.edge_kv}")
+            from .quantize import kv_calibration_tokens, recipe_for
 
-            recipe = recipe_for(adapter, cfg.layer, cfg.edge_quant, lm.tokenizer)
-            if cfg.float_outliers is not None:
+            recipe = {} if cfg.edge_quant == "fp32" else recipe_for(adapter, cfg.layer, cfg.edge_quant, lm.tokenizer)
+            if cfg.float_outliers is not None and cfg.edge_quant != "fp32":
                 recipe["float_outliers"] = cfg.float_outliers
+            if cfg.edge_kv != "fp32":
+                recipe.update(kv_cache=cfg.edge_kv,
+                              kv_calibration_ids=kv_calibration_tokens(lm.tokenizer, adapter.vocab_size))
             quant_report = quantize_front(fp32, out / FRONT, cfg.edge_quant, **recipe,
                                           prefill="fp32" if cfg.fp32_prefill else None)
     quant_report["edge_graph"] = graph_kind

@@ -3,11 +3,13 @@
 ``run_command`` calls the chosen subcommand's handler and turns what it raises into the exit status users and scripts
 rely on: 2 and ``<prog> <command>: error: <message>`` for bad input (``usage_errors``: a wrong argument, a
 missing or broken file), 1 and ``<prog> <command>: <message>`` for a run that failed (``failure_errors``),
-130 on Ctrl-C. Anything else is a bug and propagates with its traceback.
+130 on Ctrl-C, 141 and no message when the reader of stdout went away (``| head``: SIGPIPE's status, as a
+shell tool ends). Anything else is a bug and propagates with its traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -27,3 +29,7 @@ def run_command(prog: str, command: str, handler: Callable[[object], int], args,
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader closed it (| head): stop quietly, as a shell tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
+        return 141

@@ -107,9 +107,14 @@ class Manifest:
     def edge_variant(self) -> str:
         """What produces the edge's prompt states, as the prefix keys name it (``shared.prefix_keys.KeyScope``):
         ``edge_quant``, or e.g. ``int8+fp32-prefill`` when the bundle's prompt runs through an fp32 copy of the
-        front (``quant_report["prefill"]``: precision by phase, ``edge_client.front``)."""
+        front (``quant_report["prefill"]``: precision by phase, ``edge_client.front``), ``int4+int8-kv`` when the
+        front's KV cache is int8 (``quant_report["kv_cache"]``, ``split --edge-kv int8``)."""
         prefill = self.quant_report.get("prefill")
-        return f"{self.edge_quant}+{prefill['mode']}-prefill" if prefill else self.edge_quant
+        if prefill:
+            return f"{self.edge_quant}+{prefill['mode']}-prefill"
+        if str(self.quant_report.get("kv_cache", "")).startswith("int8"):  # split --edge-kv int8
+            return f"{self.edge_quant}+int8-kv"
+        return self.edge_quant
 
     @property
     def states_variant(self) -> str:
@@ -167,8 +172,10 @@ class Manifest:
         p = Path(bundle_dir) / rel
         self.artifacts[rel] = Artifact(sha256=sha256_file(p), bytes=p.stat().st_size, role=role)
 
-    def verify_files(self, bundle_dir: str | Path, roles: tuple[str, ...] = ("edge", "cloud", "shared")) -> None:
-        """Re-hash every artifact of the given roles; raise BundleError on the first problem."""
+    def verify_files(self, bundle_dir: str | Path, roles: tuple[str, ...] = ("edge", "cloud", "shared"),
+                     hashes: bool = True) -> None:
+        """Re-hash every artifact of the given roles; raise BundleError on the first problem. ``hashes=False``:
+        presence and sizes only (a quick check before a load that hashes them)."""
         for rel, art in sorted(self.artifacts.items()):
             if art.role not in roles:
                 continue
@@ -178,7 +185,7 @@ class Manifest:
             size = p.stat().st_size
             if size != art.bytes:
                 raise BundleError(f"{p}: {size} bytes, manifest says {art.bytes} (truncated or replaced)")
-            if sha256_file(p) != art.sha256:
+            if hashes and sha256_file(p) != art.sha256:
                 raise BundleError(f"{p}: sha256 mismatch (tampered or corrupt)")
 
 

@@ -89,3 +89,44 @@ def test_console_script_prints_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "partition_tools.cli", "verify", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "no such bundle directory" in r.stderr
+
+
+def test_split_with_an_int8_edge_kv_cache(tmp_path, capsys):
+    """``--edge-kv int8``: the front's cache is int8 (a quarter of the bytes), said by split and inspect, named in
+    the edge variant (so prefix keys never mix its states with an fp32 cache's), and the bundle verifies."""
+    from edge_client.front import FrontRuntime
+    from shared.manifest import Manifest
+
+    out = tmp_path / "b"
+    assert main(["split", "--preset", "tiny-glm4", "--layer", "2", "--out", str(out), "--edge-quant", "fp32",
+                 "--edge-kv", "int8"]) == 0
+    assert "  recipe: KV cache int8 PER_CHANNEL" in capsys.readouterr().out
+    m = Manifest.load(out)
+    assert m.edge_variant == "fp32+int8-kv" and m.states_variant.startswith("fp32+int8-kv#")
+    front = FrontRuntime(out, threads=1)
+    assert front.kv_scales is not None and front._cache.buffers[0].dtype.name == "int8"
+    assert main(["verify", str(out), "--json", "--max-tokens", "128"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["passed"]
+    assert main(["inspect", str(out)]) == 0
+    assert "edge quant fp32 (KV cache int8 PER_CHANNEL)" in capsys.readouterr().out
+
+
+def test_edge_kv_with_fp32_prefill_is_refused(tmp_path, capsys):
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(tmp_path / "b"),
+                        "--edge-kv", "int8", "--fp32-prefill"], capsys, "--edge-kv int8 and --fp32-prefill")
+
+
+def test_unknown_edge_kv_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(tmp_path / "b"), "--edge-kv", "int4"])
+    assert e.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_edge_kv_needs_the_fused_graph(tmp_path):
+    from partition_tools.split import SplitConfig
+    from shared.manifest import BundleError
+
+    with pytest.raises(BundleError, match="needs the fused edge graph"):
+        SplitConfig(layer=1, out=tmp_path / "b", edge_graph="plain", edge_kv="int8")
+    with pytest.raises(BundleError, match="--edge-kv 'fp16'"):
+        SplitConfig(layer=1, out=tmp_path / "b", edge_kv="fp16")
