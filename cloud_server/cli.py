@@ -256,7 +256,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _startup_problem(config) -> str | None:
     """What would stop the server while it starts, found before it does: a certificate and key that do not load
-    as a pair (a passphrase-protected key is refused, not prompted for), a --full source that names nothing."""
+    as a pair (a passphrase-protected key is refused, not prompted for), a --full source that names nothing, a
+    bundle whose manifest does not load or whose cloud files are missing or truncated (the runtime re-hashes
+    them as it loads; found there, each was a traceback)."""
+    from shared.manifest import BundleError, Manifest
+
+    for bundle in [config.bundle, *config.more_bundles] if config.bundle is not None else []:
+        try:
+            Manifest.load(bundle).verify_files(bundle, roles=("cloud", "shared"), hashes=False)
+        except BundleError as e:
+            return str(e)
     if config.ssl_certfile is not None:
         import ssl
 

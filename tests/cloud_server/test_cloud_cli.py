@@ -135,3 +135,28 @@ def test_a_full_source_that_names_nothing_is_refused_before_the_server_starts(tm
         assert main(["serve", "--full", source, "--device", "cpu"]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("manifest.json", "not valid JSON"),
+    ("cloud/back.safetensors", "manifest says"),
+    ("cloud/config.json", "manifest says"),
+    ("calibration.json", "manifest says"),
+])
+def test_a_damaged_bundle_is_refused_in_one_line_before_the_server_starts(tiny_bundle, tmp_path, capsys, damage,
+                                                                          message):
+    """A truncated manifest or cloud file: the manifest's BundleError escaped main, and a truncated cloud file
+    failed the runtime's start inside uvicorn's lifespan ('Application startup failed', a traceback, exit 3)."""
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle, bundle)
+    path = bundle / damage
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert main(["serve", str(bundle), "--device", "cpu", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and damage in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    if damage == "cloud/back.safetensors":
+        path.unlink()
+        assert main(["serve", str(bundle), "--device", "cpu", "--port", "1"]) == 2
+        assert "missing artifact" in capsys.readouterr().err
