@@ -35,9 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. a Q4 GGUF, whose own codes then run exactly with fp32 activations; int8 otherwise)")
     s.add_argument("--edge-kv", choices=("fp32", "int8"), default=_env("EDGE_KV", "fp32"),
                    help="the front's KV cache on the phone (default fp32). int8: a quarter of its bytes (SmolLM2 "
-                        "split at 8: 36 MiB less at 4,096 tokens) and a faster step at long context, with "
-                        "per-channel scales calibrated at split time; costs a few identical answers "
-                        "(docs/quality.md). Fused edge graph only, not with --fp32-prefill")
+                        "split at 8: 36 MiB less at 4,096 tokens), static per-channel scales calibrated at split "
+                        "time; it costs answers (SmolLM2, held-out chats: 32/60 identical to the unsplit model "
+                        "instead of 60/60, docs/quality.md), so it is for phones short of memory. Fused edge "
+                        "graph only, not with --fp32-prefill")
     s.add_argument("--fp32-prefill", action="store_true",
                    help="precision by phase (int8/int4 edge): also ship an fp32 copy of the front "
                         "(edge/front_prefill.onnx) that runs the prompt, decode steps staying quantized; about "
