@@ -153,7 +153,7 @@ class KeyStore:
         try:
             st = self.path.stat()
             entries = parse_keys(self.path.read_text(encoding="utf-8"), str(self.path))
-        except (OSError, KeysFileError) as e:
+        except (OSError, UnicodeDecodeError, KeysFileError) as e:  # not UTF-8: a 500 on the request that reloaded
             if strict:
                 raise KeysFileError(str(e) if isinstance(e, KeysFileError) else f"{self.path}: {e}") from None
             log.error("keys file not reloaded, keeping %d keys: %s", len(self._entries), e)

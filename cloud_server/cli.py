@@ -101,7 +101,10 @@ def _load_file(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config {path}: no such file")
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--config {path}: cannot read ({e})") from None
     if p.suffix == ".toml":
         try:
             import tomllib
@@ -259,13 +262,37 @@ def _startup_problem(config) -> str | None:
     as a pair (a passphrase-protected key is refused, not prompted for), a --full source that names nothing, a
     bundle whose manifest does not load or whose cloud files are missing or truncated (the runtime re-hashes
     them as it loads; found there, each was a traceback)."""
+    from cloud_server.auth import KeyStore, KeysFileError
     from shared.manifest import BundleError, Manifest
 
+    ecfg = config.engine
+    try:
+        ecfg.resolved_variants()  # bf16 / fp16 on a CPU
+    except ConfigError as e:
+        return str(e)
+    if ecfg.device.startswith("cuda"):
+        import torch
+
+        index = int(ecfg.device.partition(":")[2] or 0) if ecfg.device.partition(":")[2].isdigit() else -1
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not 0 <= index < count:
+            return f"--device {ecfg.device}: no such CUDA device ({count} visible)"
+    if config.keys_file is not None:
+        try:
+            KeyStore(config.keys_file)
+        except KeysFileError as e:
+            return f"--keys-file {e}"
     for bundle in [config.bundle, *config.more_bundles] if config.bundle is not None else []:
         try:
-            Manifest.load(bundle).verify_files(bundle, roles=("cloud", "shared"), hashes=False)
+            manifest = Manifest.load(bundle)
+            manifest.verify_files(bundle, roles=("cloud", "shared"), hashes=False)
         except BundleError as e:
             return str(e)
+        pool = _kv_pool_floor_bytes(manifest, ecfg)
+        memory = _device_memory_bytes(ecfg.device)
+        if memory and pool > memory:
+            return (f"--num-blocks {ecfg.num_blocks} x --block-size {ecfg.block_size}: the KV pool needs at least "
+                    f"{pool / 2**30:.1f} GiB per variant, more than this {ecfg.device}'s {memory / 2**30:.1f} GiB")
     if config.ssl_certfile is not None:
         import ssl
 
@@ -290,3 +317,23 @@ def _startup_problem(config) -> str | None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _kv_pool_floor_bytes(manifest, ecfg) -> int:
+    """The least a variant's KV pool can take (one byte an element: int8 / fp8 keys and values; every other
+    storage is larger): ``2 * back layers * num_blocks * block_size * kv_heads * head_dim``."""
+    layers = manifest.num_layers - manifest.split_layer - manifest.tail_layers
+    return 2 * max(layers, 0) * ecfg.num_blocks * ecfg.block_size * manifest.num_kv_heads * manifest.head_dim
+
+
+def _device_memory_bytes(device: str) -> int | None:
+    """The device's whole memory (host RAM for the CPU); None where unknown."""
+    try:
+        if device.startswith("cuda"):
+            import torch
+
+            return torch.cuda.get_device_properties(torch.device(device)).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        return None
+

@@ -12,6 +12,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.messages import MAX_POSITION
+
 COMPUTE_VARIANTS = ("fp32", "bf16", "fp16", "int8")
 LOOPS = ("auto", "asyncio", "uvloop")  # uvicorn's --loop names
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int8v")  # cloud_server.kv_quant.POOL_LAYOUTS: the same names (no torch here)
@@ -80,6 +82,10 @@ class EngineConfig:
             raise ConfigError(f"device: expected 'cpu' or 'cuda[:i]' (got {self.device!r})")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             _positive(name, getattr(self, name))
+        for name, most in (("max_model_len", MAX_POSITION), ("max_num_batched_tokens", MAX_POSITION),
+                           ("block_size", 1 << 16)):  # what Welcome.limits carries (shared.messages.SessionLimits)
+            if getattr(self, name) > most:
+                raise ConfigError(f"{name} must be <= {most} (got {getattr(self, name)})")
         if not 0 <= self.cloud_drafts <= 16:
             raise ConfigError(f"cloud_drafts must be in [0, 16] (got {self.cloud_drafts})")
         if self.prefill_chunk_while_decoding < 0:
@@ -161,6 +167,9 @@ class ServerConfig:
         _positive("max_sessions", self.max_sessions)
         _positive("session_grace_s", self.session_grace_s)
         _positive("step_timeout_s", self.step_timeout_s)
+        for name in ("session_grace_s", "step_timeout_s"):  # sent in Welcome.limits as int32 milliseconds
+            if not getattr(self, name) <= MAX_POSITION / 1000:
+                raise ConfigError(f"{name} must be <= {MAX_POSITION // 1000} (got {getattr(self, name)!r})")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"drain_timeout_s must be >= 0 (got {self.drain_timeout_s})")
         if self.keys_file is not None:

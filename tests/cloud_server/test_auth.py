@@ -64,6 +64,9 @@ def test_the_store_reloads_on_change_and_on_sighup_and_keeps_keys_over_a_broken_
     path.write_text("{not json")
     os.utime(path, (time.time() + 10, time.time() + 10))
     assert store.lookup(alice).tenant == "alice"  # the broken edit did not lock anyone out
+    path.write_bytes(b"\xff\xfe" + good.encode())  # not UTF-8: UnicodeDecodeError escaped (a 500 for the request)
+    os.utime(path, (time.time() + 15, time.time() + 15))
+    assert store.lookup(alice).tenant == "alice"
     path.write_text(good)
     old = signal.getsignal(signal.SIGHUP)
     try:

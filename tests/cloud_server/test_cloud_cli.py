@@ -78,6 +78,11 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["--full", "tiny-glm4", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves split mode"),
     (["B", "C", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves one bundle"),
     (["B", "--device", "cpu", "--loop", "trio"], {}, "loop must be one of auto, asyncio, uvloop"),
+    # past what Welcome.limits carries: each was a ProtocolError / OverflowError traceback as the app was built
+    (["B", "--device", "cpu", "--max-model-len", "10000000000"], {}, "max_model_len must be <= 2147483647"),
+    (["B", "--device", "cpu", "--block-size", "100000"], {}, "block_size must be <= 65536"),
+    (["B", "--device", "cpu", "--step-timeout-s", "inf"], {}, "step_timeout_s must be <= 2147483"),
+    (["B", "--device", "cpu", "--session-grace-s", "1e9"], {}, "session_grace_s must be <= 2147483"),
 ])
 def test_bad_configuration_is_a_one_line_error(argv, env, message):
     if message is None:
@@ -160,3 +165,27 @@ def test_a_damaged_bundle_is_refused_in_one_line_before_the_server_starts(tiny_b
         path.unlink()
         assert main(["serve", str(bundle), "--device", "cpu", "--port", "1"]) == 2
         assert "missing artifact" in capsys.readouterr().err
+
+
+def test_what_would_fail_the_start_is_a_one_line_error_before_it(tiny_bundle, tmp_path, capsys):
+    """Each of these failed inside uvicorn's lifespan (a traceback, 'Application startup failed', exit 3), or in
+    main before it (a traceback, exit 1): bf16 on a CPU, a CUDA device that is not there, a KV pool larger than
+    the machine, a keys file or config file that is not UTF-8 or not JSON."""
+    import torch
+
+    not_utf8 = tmp_path / "not-utf8.json"
+    not_utf8.write_bytes(b"\xff\xfe{")
+    cases = [
+        (["--variants", "bf16"], "bf16 compute needs a CUDA device"),
+        (["--num-blocks", str(10**12)], "the KV pool needs at least"),
+        (["--keys-file", str(not_utf8)], "--keys-file"),
+        (["--config", str(not_utf8)], "cannot read"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "no such CUDA device"))
+    for argv, message in cases:
+        assert main(["serve", str(tiny_bundle), "--port", "1", *argv] +
+                    ([] if "--device" in argv else ["--device", "cpu"])) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
+
