@@ -266,11 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     from shared.manifest import BundleError
 
     from .adapters import UnsupportedArchitecture
+    from .export_audio import AudioEncoderError
     from .models import ModelLoadError
     from .plan import PlanError
 
     expected = (UsageError, BundleError, ModelLoadError, UnsupportedArchitecture, PlanError, FileNotFoundError,
-                PermissionError, IsADirectoryError)
+                PermissionError, IsADirectoryError, AudioEncoderError)
     handlers = {"split": _cmd_split, "draft-head": _cmd_draft_head, "verify": _cmd_verify, "inspect": _cmd_inspect, "plan": _cmd_plan}
     return run_command("autoglm-partition", args.command, handlers[args.command], args, expected)
 

@@ -155,8 +155,11 @@ def _load_gguf(path: Path, source: str) -> LoadedModel:
     except ImportError as e:
         raise ModelLoadError(f"loading GGUF needs the 'gguf' and 'accelerate' packages ({e})") from None
     d, name = str(path.parent), path.name
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    except Exception as e:  # noqa: BLE001 - transformers / gguf raise many kinds (ValueError, KeyError, OSError)
+        raise ModelLoadError(f"{path}: cannot load GGUF: {type(e).__name__}: {e}".splitlines()[0]) from None
     ident = f"gguf:{path.name}#{_file_digest(path, 1 << 24)[:16]}"
     return LoadedModel(model.eval(), tokenizer, ident, source)
 
@@ -199,7 +202,16 @@ def check_source(source: str) -> None:
     """ModelLoadError, without loading anything, when ``source`` is no preset, checkpoint directory or .gguf file
     (the rule ``load_model`` applies; a server checks it before it starts)."""
     path = Path(source)
-    if source in PRESETS or path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+    if path.is_file() and path.suffix == ".gguf" and source not in PRESETS:
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError as e:
+            raise ModelLoadError(f"{source}: {e}") from None
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{source}: not a GGUF file (it does not start with the GGUF magic bytes)")
+        return
+    if source in PRESETS or path.is_dir():
         return
     if path.exists():
         raise ModelLoadError(f"{source}: not a checkpoint directory or .gguf file")

@@ -113,3 +113,18 @@ def test_rig_bad_threads_environment_twin(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         rig_main(["demo"])
     assert e.value.code == 2 and "invalid int value: 'abc'" in capsys.readouterr().err
+
+
+def test_a_fake_gguf_and_a_missing_audio_encoder_are_one_line(tmp_path, capsys):
+    """A .gguf that is no GGUF file (transformers' ValueError) and an --audio-encoder directory without its
+    files (AudioEncoderError) ended in tracebacks."""
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf file")
+    _fails_in_one_line(["split", str(fake), "--layer", "1", "--out", str(tmp_path / "o1")], capsys,
+                       "not a GGUF file")
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(b"GGUF\x03\x00\x00\x00cut")
+    _fails_in_one_line(["split", str(truncated), "--layer", "1", "--out", str(tmp_path / "o2")], capsys,
+                       "cannot load GGUF")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--audio-encoder", str(tmp_path / "none"),
+                        "--out", str(tmp_path / "o3")], capsys, "no config.json")
