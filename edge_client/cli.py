@@ -115,6 +115,8 @@ def cmd_serve(args) -> int:
 
     from .local_api import create_app
 
+    if args.media_dir is not None and not Path(args.media_dir).is_dir():  # else every local image path is refused
+        raise ValueError(f"--media-dir {args.media_dir}: not a directory")
     client = _client(args)
     app = create_app(client, model_name=args.model_name, api_key=args.local_api_key, media_dir=args.media_dir,
                      fetch_urls=args.fetch_urls)
