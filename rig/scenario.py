@@ -78,6 +78,9 @@ class Scenario:
             raise ScenarioError("phones and edge_threads must be >= 1")
         if self.split_layer < 1:
             raise ScenarioError("split_layer must be >= 1")
+        if self.bundle is not None and not (Path(str(self.bundle)) / "manifest.json").is_file():
+            # else the run's cloud server exits at once and the rig stopped with a traceback
+            raise ScenarioError(f"bundle {self.bundle}: not a bundle (no manifest.json)")
         if not self.profiles or not self.workloads:
             raise ScenarioError("a scenario needs at least one profile and one workload")
         names = [p.name for p in self.profiles]

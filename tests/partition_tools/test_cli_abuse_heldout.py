@@ -128,3 +128,17 @@ def test_a_fake_gguf_and_a_missing_audio_encoder_are_one_line(tmp_path, capsys):
                        "cannot load GGUF")
     _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--audio-encoder", str(tmp_path / "none"),
                         "--out", str(tmp_path / "o3")], capsys, "no config.json")
+
+
+def test_rig_scenario_naming_no_bundle(tmp_path, capsys, monkeypatch):
+    """A scenario's bundle that is no bundle: the run's cloud server exited at once and the rig stopped with a
+    RuntimeError traceback; now refused with the scenario, before anything starts."""
+    import rig.runner as runner
+    from rig.cli import main as rig_main
+
+    monkeypatch.setattr(runner, "run_scenario", lambda *a, **k: pytest.fail("the run started"))
+    p = tmp_path / "s.yaml"
+    p.write_text(f"bundle: {tmp_path / 'nope'}\nphones: 1\n")
+    assert rig_main(["run", str(p), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "not a bundle (no manifest.json)" in err and "Traceback" not in err
