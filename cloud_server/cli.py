@@ -315,9 +315,6 @@ def _startup_problem(config) -> str | None:
     return None
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def _kv_pool_floor_bytes(manifest, ecfg) -> int:
     """The least a variant's KV pool can take (one byte an element: int8 / fp8 keys and values; every other
@@ -337,3 +334,6 @@ def _device_memory_bytes(device: str) -> int | None:
     except (ValueError, OSError, RuntimeError, AttributeError):
         return None
 
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -135,7 +135,10 @@ async def _oversize(server, extra: int) -> tuple:
     await p.open()
     limit = P.SessionLimits().max_frame_bytes
     rows = (limit + extra) // (2 * H) + 1
-    await p.send(P.Prefill(request_id="big", start=0, hidden=_h(rows), params=_params()))
+    try:
+        await p.send(P.Prefill(request_id="big", start=0, hidden=_h(rows), params=_params()))
+    except websockets.ConnectionClosed as e:  # uncompressed (no permessage-deflate), the server's 1009 can come
+        return None, e.rcvd.code if e.rcvd else None  # while the frame is still being written
     out = await p.answer()
     if out[1] is None:
         await p.send(P.Close())
