@@ -15,8 +15,9 @@ fp32 model's greedy answer of up to ``--new`` tokens (transformers ``generate``)
 
 Prompt sets: ``HELD_OUT`` (60 everyday questions: the evaluation, seen by no calibration and no tuning),
 ``TUNING`` (80 others, disjoint: for choosing among arms, ``--prompt-set tuning``), and ``FRESH`` / ``FRESH2``
-(60 each, written in session 8 after the choices they judge: ``--prompt-set fresh`` / ``fresh2``). All four are
-checked disjoint at start. The recipes calibrate on the last 512 tokens of ``partition_tools/data/sample.txt``,
+(60 each, written in session 8 after the choices they judge: ``--prompt-set fresh`` / ``fresh2``), and ``FRESH3`` (60,
+written in session 20 in other styles, after every choice: ``--prompt-set fresh3``). All five are checked disjoint
+at start. The recipes calibrate on the last 512 tokens of ``partition_tools/data/sample.txt``,
 prose that is in no set.
 
 Codec arms: ``policy`` (served only: the precision policy's choice per message, what users get by default), a
@@ -169,7 +170,70 @@ FRESH2 = [  # written in session 8 after the prompt codec's rule was chosen on T
     "How do I get ready for a marathon?", "What is the smallest planet in the solar system?",
     "Explain why we see lightning before we hear thunder.", "Write a short get-well message for a friend.",
 ]
-PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING, "fresh": FRESH, "fresh2": FRESH2}
+FRESH3 = [  # written in session 20, after every recipe, codec and policy choice: judged once, never tuned on; other
+    # styles than the earlier sets (constraints, rewrites, code, phone-agent steps, small sums, longer prompts)
+    "Rewrite this sentence to sound more polite: Send me the report now.",
+    "In one sentence, what is the job of a lighthouse keeper?",
+    "Write a Python function that returns the largest of three numbers.",
+    "I am on my phone's home screen and want to set an alarm for 7 am. What steps should I take?",
+    "A shop sells pens at 3 dollars each. How much do 7 pens cost?",
+    "Summarize the story of Cinderella in three sentences.",
+    "What is the opposite of 'generous'? Use both words in a sentence.",
+    "Write a haiku about a busy train station.",
+    "My laptop battery drains fast. List some likely reasons.",
+    "Explain the difference between RAM and storage using a kitchen analogy.",
+    "Turn this list into a sentence: apples, bread, milk, eggs.",
+    "What are two pros and two cons of working from home?",
+    "Write a short text message inviting a neighbour to a barbecue on Saturday.",
+    "How do I turn on airplane mode on a smartphone?",
+    "If a train leaves at 2:15 pm and the trip takes 95 minutes, when does it arrive?",
+    "Describe the colour blue to someone who cannot see.",
+    "Write a SQL query that counts the rows in a table named orders.",
+    "Give a one-paragraph explanation of why the sky looks red at sunset.",
+    "What questions should I ask when viewing an apartment to rent?",
+    "Correct the grammar: She don't like going to school on mondays.",
+    "Plan a simple three-day workout schedule for a beginner.",
+    "What is a haiku, and how many syllables does each line have?",
+    "Open the settings app and find the battery usage screen: describe each tap.",
+    "Why does bread go stale?",
+    "Write a limerick about a forgetful cat.",
+    "What is compound interest? Give a small numeric example.",
+    "Name five fruits that are high in vitamin C.",
+    "Explain what an API is to a shop owner.",
+    "How should I store fresh herbs so they last longer?",
+    "Write a polite reply declining a meeting invitation.",
+    "What happens to our bodies when we sleep?",
+    "Give me a short motivational quote and say who might have said it.",
+    "How do I search for a contact and start a video call on a phone?",
+    "What is the main idea of recycling?",
+    "Write a JavaScript snippet that prints the numbers 1 to 5.",
+    "What is 15 multiplied by 12?",
+    "Describe a sunrise over the sea in two sentences.",
+    "What are the steps to change a flat bicycle tyre?",
+    "Explain the word 'photosynthesis' by splitting it into its parts.",
+    "Suggest three names for a small bakery.",
+    "How can I make my phone's text larger?",
+    "Why do some animals hibernate in winter?",
+    "Write a four-line poem that rhymes, about coffee.",
+    "What is the difference between a lake and a pond?",
+    "Give me a packing checklist for a two-day business trip.",
+    "Explain what a password manager does and why it helps.",
+    "What does the idiom 'break the ice' mean?",
+    "A recipe needs 250 grams of flour for 10 cookies. How much flour for 30 cookies?",
+    "Write an opening line for a mystery novel.",
+    "How do noise-cancelling headphones work?",
+    "List the planets in order from the Sun.",
+    "What should I do if I lock myself out of my house?",
+    "Explain to a child why we should not touch a hot stove.",
+    "Write a short product description for a reusable water bottle.",
+    "How do I take a screenshot on an Android phone?",
+    "What makes a good team leader?",
+    "Convert 5 kilometres to miles, roughly.",
+    "Describe how to fold a paper airplane.",
+    "What is the purpose of a museum?",
+    "Write a thank-you note to a teacher at the end of the school year.",
+]
+PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING, "fresh": FRESH, "fresh2": FRESH2, "fresh3": FRESH3}
 
 I8 = {"mode": "int8", "block_size": 32, "accuracy_level": 4, "embedding": "int8", "smooth_alpha": 0.5}
 DOWN = ["layers.*.mlp.down_proj"]
