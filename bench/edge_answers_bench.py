@@ -215,7 +215,7 @@ FRESH3 = [  # written in session 20, after every recipe, codec and policy choice
     "How can I make my phone's text larger?",
     "Why do some animals hibernate in winter?",
     "Write a four-line poem that rhymes, about coffee.",
-    "What is the difference between a lake and a pond?",
+    "Is a tomato a fruit or a vegetable? Explain briefly.",
     "Give me a packing checklist for a two-day business trip.",
     "Explain what a password manager does and why it helps.",
     "What does the idiom 'break the ice' mean?",

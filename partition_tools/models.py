@@ -198,6 +198,92 @@ def _load_dir(path: Path, source: str) -> LoadedModel:
     return LoadedModel(model.eval(), tokenizer, f"dir:{path.name}#{h.hexdigest()[:16]}", source)
 
 
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_truncation(path: Path) -> str | None:
+    """Why the GGUF file at ``path`` (its magic already checked) is cut short, or None: its header (metadata and
+    tensor table) is read - not the tensors - and every tensor's bytes must lie within the file. Tensor types
+    the ``gguf`` package does not know (or no ``gguf`` package) are left to the loader."""
+    import mmap
+    import struct
+
+    try:
+        from gguf import GGML_QUANT_SIZES
+    except ImportError:
+        GGML_QUANT_SIZES = {}
+    size = path.stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        (version,) = struct.unpack_from("<I", buf, 4) if size >= 8 else (0,)
+        end = "<" if version & 0xFFFF else ">"  # a big-endian file's version reads byte-swapped
+        pos = 4
+
+        def take(fmt: str):
+            nonlocal pos
+            values = struct.unpack_from(end + fmt, buf, pos)
+            pos += struct.calcsize(end + fmt)
+            return values
+
+        def skip(n: int):
+            nonlocal pos
+            if n > size - pos:
+                raise struct.error("past its end")
+            pos += n
+
+        def string() -> bytes:
+            (n,) = take("Q")
+            skip(n)
+            return bytes(buf[pos - n:pos])
+
+        def skip_value(kind: int):
+            if kind == _GGUF_STRING:
+                string()
+            elif kind == _GGUF_ARRAY:
+                item, count = take("IQ")
+                if item in _GGUF_SCALAR_BYTES:
+                    skip(count * _GGUF_SCALAR_BYTES[item])
+                else:
+                    for _ in range(count):
+                        skip_value(item)
+            elif kind in _GGUF_SCALAR_BYTES:
+                skip(_GGUF_SCALAR_BYTES[kind])
+            else:
+                raise struct.error(f"unknown value type {kind}")
+
+        try:
+            _version, n_tensors, n_kv = take("IQQ")
+            alignment = 32
+            for _ in range(n_kv):
+                key = string()
+                (kind,) = take("I")
+                if key == b"general.alignment" and kind == 4:
+                    alignment = take("I")[0] or 32
+                else:
+                    skip_value(kind)
+            tensors = []
+            for _ in range(n_tensors):
+                name = string()
+                (n_dims,) = take("I")
+                dims = take(f"{n_dims}Q")
+                kind, offset = take("IQ")
+                tensors.append((name.decode("utf-8", "replace"), dims, kind, offset))
+        except (struct.error, RecursionError):
+            return f"the file is cut short or corrupt (its header does not fit in its {size} bytes)"
+    data = -(-pos // alignment) * alignment
+    for name, dims, kind, offset in tensors:
+        if kind not in GGML_QUANT_SIZES:
+            continue
+        block, type_bytes = GGML_QUANT_SIZES[kind]
+        count = 1
+        for d in dims:
+            count *= d
+        stop = data + offset + count // block * type_bytes
+        if stop > size:
+            return f"the file is cut short (tensor {name!r} ends at byte {stop}, the file has {size})"
+    return None
+
+
 def check_source(source: str) -> None:
     """ModelLoadError, without loading anything, when ``source`` is no preset, checkpoint directory or .gguf file
     (the rule ``load_model`` applies; a server checks it before it starts)."""
@@ -210,6 +296,9 @@ def check_source(source: str) -> None:
             raise ModelLoadError(f"{source}: {e}") from None
         if magic != b"GGUF":
             raise ModelLoadError(f"{source}: not a GGUF file (it does not start with the GGUF magic bytes)")
+        problem = _gguf_truncation(path)
+        if problem:
+            raise ModelLoadError(f"{source}: cannot load GGUF: {problem}")
         return
     if source in PRESETS or path.is_dir():
         return

@@ -189,3 +189,28 @@ def test_what_would_fail_the_start_is_a_one_line_error_before_it(tiny_bundle, tm
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (argv, err)
 
+
+
+def test_a_truncated_gguf_for_full_is_refused_in_one_line_before_the_server_starts(tmp_path, capsys, monkeypatch):
+    """A .gguf with the GGUF magic but cut short passed the start checks and failed the runtime's start inside
+    uvicorn's lifespan (a ModelLoadError traceback, 'Application startup failed')."""
+    import cloud_server.cli as cli
+    from partition_tools.models import ModelLoadError, smollm2_gguf_path
+
+    monkeypatch.setattr(cli, "serve", lambda *a, **k: pytest.fail("the server started"))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 40)
+    cases = [garbage]
+    try:
+        real = smollm2_gguf_path().read_bytes()
+    except ModelLoadError:
+        real = None
+    if real is not None:
+        for name, keep in (("header.gguf", 4096), ("half.gguf", len(real) // 2), ("one-short.gguf", len(real) - 1)):
+            (tmp_path / name).write_bytes(real[:keep])
+            cases.append(tmp_path / name)
+    for path in cases:
+        assert main(["serve", "--full", str(path), "--device", "cpu", "--port", "1"]) == 2, path
+        err = capsys.readouterr().err
+        assert "cut short" in err and str(path) in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
