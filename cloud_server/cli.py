@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _startup_problem(config) -> str | None:
     """What would stop the server while it starts, found before it does: a certificate and key that do not load
-    as a pair (a passphrase-protected key is refused, not prompted for), a --full source that names nothing, a
+    as a pair (a passphrase-protected key is refused, not prompted for), a --full source that names nothing or a
+    .gguf cut short, a
     bundle whose manifest does not load or whose cloud files are missing or truncated (the runtime re-hashes
     them as it loads; found there, each was a traceback)."""
     from cloud_server.auth import KeyStore, KeysFileError

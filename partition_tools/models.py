@@ -285,8 +285,9 @@ def _gguf_truncation(path: Path) -> str | None:
 
 
 def check_source(source: str) -> None:
-    """ModelLoadError, without loading anything, when ``source`` is no preset, checkpoint directory or .gguf file
-    (the rule ``load_model`` applies; a server checks it before it starts)."""
+    """ModelLoadError, without loading anything, when ``source`` is no preset, checkpoint directory or .gguf file,
+    or a .gguf cut short (its header is read, see :func:`_gguf_truncation`) - the rule ``load_model`` applies; a
+    server checks it before it starts."""
     path = Path(source)
     if path.is_file() and path.suffix == ".gguf" and source not in PRESETS:
         try:
