@@ -42,7 +42,8 @@ flight are recomputed from the inputs the edge resends); until the ``Resumed`` n
 
 Messages cross in flight, so the rules only forbid what a correct client can never send: a second Hello,
 a DecodeStep nobody asked for, positions that skip or repeat, a request opened without sampling parameters
-or under a used id, more open requests, tokens per chunk, frame bytes or context than ``Welcome.limits``
+or under a used id, a later Prefill carrying what the first decides (params, return_states, prefix_keys), more
+open requests, tokens per chunk, frame bytes or context than ``Welcome.limits``
 allow, a codec that was not negotiated. What a correct client *can* send - a later chunk or decode step of a
 request the server has just finished or refused, a Cancel for it - is ignored (``on_client`` returns None).
 
@@ -249,6 +250,10 @@ class SessionState:
         if msg.params is not None:
             raise SessionError("duplicate_request", f"request {rid} is already open (params travel on its first "
                                                     "Prefill only)", rid)
+        if msg.return_states or msg.prefix_keys:  # as params: the first Prefill decides them, later ones carry none
+            field = "return_states" if msg.return_states else "prefix_keys"
+            raise SessionError("bad_state", f"{field} on a later Prefill of request {rid} (the first Prefill alone "
+                                            "carries it)", rid)
         self._check_frame(rid, frame_bytes)
         self._check_not_resuming(req, "Prefill")
         if req.prompt_done:

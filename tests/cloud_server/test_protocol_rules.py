@@ -217,6 +217,19 @@ def test_a_used_request_id_is_duplicate_request(server, tiny_bundle, front, hone
     _abuse(server, tiny_bundle, front, honest_reference, abuse)
 
 
+def test_a_later_chunk_with_return_states_or_prefix_keys_is_bad_state(server, tiny_bundle, front, honest_reference):
+    """Fields only the first Prefill decides, sent again on a later chunk, were silently ignored."""
+    async def abuse(edge):
+        for rid, change in (("u", {"return_states": True}), ("k", {"prefix_keys": ["k0"]})):
+            await edge.send(_prefill(rid, 0, 3, last=False))
+            await edge.send(_prefill(rid, 3, 1, params=False, **change))
+            err = await _error(edge, "bad_state", rid)
+            assert next(iter(change)) in err.message
+            await edge.send(_prefill(rid, 4, 1, params=False))  # the request closed: its late chunks are ignored
+
+    _abuse(server, tiny_bundle, front, honest_reference, abuse)
+
+
 def test_positions_that_skip_or_repeat_are_bad_position(server, tiny_bundle, front, honest_reference):
     async def abuse(edge):
         await edge.send(_prefill("gap", 0, 3, last=False))

@@ -74,6 +74,23 @@ def test_order_violations():
     refused(s, P.DecodeStep(request_id="r1", position=5, hidden=hidden(1)), "bad_state")  # one step per token
 
 
+def test_a_later_chunk_that_changes_what_the_first_decided_is_bad_state():
+    """return_states and prefix_keys are the first Prefill's (as params): a later chunk carrying them was accepted
+    and silently ignored. Refused like other request-level violations: that request closes, the session serves on."""
+    s = ready()
+    for rid, change in (("u", {"return_states": True}), ("k", {"prefix_keys": ["k0"]})):
+        s.on_client(prefill(rid=rid, n=4, last=False))
+        later = P.Prefill(request_id=rid, start=4, hidden=hidden(2), **change)
+        e = refused(s, later, "bad_state")
+        assert not e.fatal and e.request_id == rid and next(iter(change)) in e.message
+        s.on_server(e.to_error())  # the server fails the request with this Error: it closes on both sides
+        assert s.track(rid).finish == "error" and s.open_requests == 0
+        assert s.on_client(P.Prefill(request_id=rid, start=4, hidden=hidden(2))) is None  # its late chunks: ignored
+    s.on_client(prefill(rid="fine", n=4, last=False))
+    s.on_client(P.Prefill(request_id="fine", start=4, hidden=hidden(2)))  # the defaults: accepted
+    assert s.phase == READY and s.track("fine").prompt_len == 6
+
+
 def test_positions_limits_and_codecs():
     s = ready(max_context=10, max_prefill_chunk_tokens=6, max_concurrent_requests=1, prefix_block_tokens=4)
     refused(s, prefill(rid="big", n=7), "too_large")
