@@ -22,8 +22,8 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
 Errors are :class:`BundleSyncError` with a code: ``no_bundle_endpoint`` (the server hosts no bundles:
 an older server, or full-model mode), ``not_served`` / ``other_model`` (nothing to update to),
 ``hash_mismatch`` (a file that does not verify, after one fresh download), ``truncated`` (the transfer kept
-stopping short; the part file stays, run again to resume), ``unauthorized``, ``unreachable``, ``http_error``,
-``bad_manifest``.
+stopping short; the part file stays, run again to resume), ``unauthorized``, ``unreachable``, ``http_error``
+(also a bundle id or edge variant that is no plain name: they name directories here), ``bad_manifest``.
 
 HTTP is the standard library's ``urllib`` (nothing more to install on a phone); the base URL is the split
 endpoint's with ``ws`` -> ``http``. References: RFC 9110 (Range, If-Range, ETag).
@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import ssl
 import time
@@ -56,6 +57,10 @@ log = logging.getLogger("edge_client.bundle_sync")
 SYNCED_ROLES = ("edge", "shared")  # what the server hosts (never the cloud half)
 CHUNK_BYTES = 1 << 20  # read per step of a download
 MAX_ATTEMPTS = 5  # transfers of one file that stop short before giving up (each resumes the last)
+# What the server names a bundle and an edge variant becomes a directory name here (``<id>-<edge>``): only a
+# bundle id (hex, as ``Manifest.compute_bundle_id`` makes them) and a plain variant name are taken
+_BUNDLE_ID = re.compile(r"[0-9a-f]{16,64}")
+_EDGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) over the whole bundle
 
@@ -185,7 +190,9 @@ def choose(current: Manifest, listing: list[dict], preferred_ids: list[str] = ()
 
     Candidates are the server's bundles of the same model (``source_identity`` and ``architecture``), the
     ids in ``preferred_ids`` (the refusal's ``bundle_ids``) first; the edge variant is the one held now when
-    offered, else the server's first."""
+    offered, else the server's first. Entries of the listing that are no mapping are ignored; an id or a
+    variant that is no plain name is refused (``http_error``): they become directory names here."""
+    listing = [b for b in listing if isinstance(b, dict)]
     if any(b.get("id") == current.bundle_id for b in listing):
         return None
     same = [b for b in listing if b.get("source_identity") == current.source_identity
@@ -196,11 +203,24 @@ def choose(current: Manifest, listing: list[dict], preferred_ids: list[str] = ()
         raise BundleSyncError(code, f"the server hosts {models}; this edge holds {current.source}: an update "
                                     "never changes the model")
     rank = {bid: i for i, bid in enumerate(preferred_ids)}
-    best = min(same, key=lambda b: rank.get(b["id"], len(rank)))
-    variants = [v.get("edge_quant") for v in best.get("edge_variants", [])]
+    best = min(same, key=lambda b: rank.get(b.get("id"), len(rank)))
+    offered = best.get("edge_variants")
+    variants = [v.get("edge_quant") for v in offered if isinstance(v, dict)] if isinstance(offered, list) else []
     if not variants:
-        raise BundleSyncError("not_served", f"bundle {best['id']} offers no edge half for download")
-    return best["id"], current.edge_quant if current.edge_quant in variants else variants[0]
+        raise BundleSyncError("not_served", f"bundle {best.get('id')!r} offers no edge half for download")
+    pick = best.get("id"), current.edge_quant if current.edge_quant in variants else variants[0]
+    _check_names(*pick)
+    return pick
+
+
+def _check_names(bundle_id, edge) -> None:
+    """Refuse a bundle id or edge variant from the server that could not be one (``../x``, ``/abs``, empty):
+    ``fetch`` makes a directory ``<id>-<edge>`` of them."""
+    if not (isinstance(bundle_id, str) and _BUNDLE_ID.fullmatch(bundle_id)
+            and isinstance(edge, str) and _EDGE_NAME.fullmatch(edge)):
+        raise BundleSyncError("http_error", f"the server names bundle id {str(bundle_id)[:80]!r} with edge "
+                                            f"variant {str(edge)[:80]!r}: not a bundle id (hex) and a plain "
+                                            "variant name; refused")
 
 
 # -- layout ------------------------------------------------------------------------------------------------
@@ -225,6 +245,7 @@ def recover(bundle: Path) -> None:
 def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None = None) -> Path:
     """Download the edge half of ``bundle_id`` (variant ``edge``) beside ``bundle``; returns its verified
     directory ``.<name>.versions/<id>-<edge>``. Resumes a staging directory an earlier call left."""
+    _check_names(bundle_id, edge)  # before either becomes a path
     final = versions_dir(bundle) / f"{bundle_id}-{edge}"
     stage = final.with_name(final.name + ".partial")
     raw = server.manifest_bytes(bundle_id, edge)

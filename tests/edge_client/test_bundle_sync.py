@@ -309,3 +309,49 @@ def test_the_server_moving_bundles_mid_generation_is_followed(monkeypatch, tiny_
         old.__exit__(None, None, None)
         if new is not None:
             new.__exit__(None, None, None)
+
+
+# -- hostile or careless servers -----------------------------------------------------------------------------
+
+class _ManifestOnly:
+    """A server whose listing and manifest are whatever the test says (no HTTP)."""
+
+    base = "http://hostile.invalid"
+
+    def __init__(self, raw: bytes = b"{}"):
+        self.raw = raw
+
+    def manifest_bytes(self, bundle_id: str, edge: str) -> bytes:
+        return self.raw
+
+
+@pytest.mark.parametrize("bundle_id, edge", [
+    ("../victim", "x"),  # up out of the versions folder: the victim-x beside the bundle
+    ("/abs/victim", "x"),
+    ("0" * 32, "x/../../../victim"),
+    ("0" * 32, ".."),
+    ("0" * 32, ""),
+])
+def test_server_named_ids_never_become_paths_outside_the_versions_folder(edge_l2, bundle_id, edge):
+    victim = edge_l2.parent / "victim-x"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    bundle_sync.versions_dir(edge_l2).mkdir()  # an earlier update made it
+    before = sorted(p.relative_to(edge_l2.parent.parent) for p in edge_l2.parent.parent.rglob("*"))
+    with pytest.raises(BundleSyncError, match="bundle id") as ei:
+        bundle_sync.fetch(_ManifestOnly(), bundle_id, edge, edge_l2)
+    assert ei.value.code == "http_error"
+    assert (victim / "keep.txt").read_text() == "mine"
+    assert sorted(p.relative_to(edge_l2.parent.parent) for p in edge_l2.parent.parent.rglob("*")) == before
+
+
+def test_a_malformed_listing_is_a_bundle_sync_error(edge_l2):
+    m = Manifest.load(edge_l2)
+    same = {"source_identity": m.source_identity, "architecture": m.architecture}
+    for listing in (["junk", 5, None], [{**same, "id": 5, "edge_variants": [{"edge_quant": "fp32"}]}],
+                    [{**same, "id": "0" * 32, "edge_variants": "fp32"}],
+                    [{**same, "id": "0" * 32, "edge_variants": [{"edge_quant": "../x"}]}],
+                    [{**same, "id": "../../x", "edge_variants": [{"edge_quant": "fp32"}]}]):
+        with pytest.raises(BundleSyncError) as ei:
+            bundle_sync.choose(m, listing)
+        assert ei.value.code in ("http_error", "not_served", "other_model"), listing
