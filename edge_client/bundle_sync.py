@@ -23,7 +23,8 @@ Errors are :class:`BundleSyncError` with a code: ``no_bundle_endpoint`` (the ser
 an older server, or full-model mode), ``not_served`` / ``other_model`` (nothing to update to),
 ``hash_mismatch`` (a file that does not verify, after one fresh download), ``truncated`` (the transfer kept
 stopping short; the part file stays, run again to resume), ``unauthorized``, ``unreachable``, ``http_error``
-(also a bundle id or edge variant that is no plain name: they name directories here), ``bad_manifest``.
+(also a bundle id or edge variant that is no plain name: they name directories here), ``bad_manifest``, ``write_failed`` (the phone's storage refused a write: full, read-only; what came down stays,
+run again to resume).
 
 HTTP is the standard library's ``urllib`` (nothing more to install on a phone); the base URL is the split
 endpoint's with ``ws`` -> ``http``. References: RFC 9110 (Range, If-Range, ETag).
@@ -121,10 +122,16 @@ class BundleServer:
             raise BundleSyncError("unreachable", f"{self.base}{path}: cannot connect ({reason})") from None
         return _Response(r.status, {k.lower(): v for k, v in r.headers.items()}, r)
 
+    def _read(self, r: _Response, path: str) -> bytes:
+        """A whole (small) answer body; a connection that breaks meanwhile is ``unreachable``."""
+        try:
+            with r.body:
+                return r.body.read()
+        except (HTTPException, OSError) as e:  # OSError covers timeouts
+            raise BundleSyncError("unreachable", f"{self.base}{path}: the answer broke off ({e})") from None
+
     def _json(self, path: str):
-        r = self._open(path)
-        with r.body:
-            data = r.body.read()
+        data = self._read(self._open(path), path)
         try:
             return json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -139,9 +146,8 @@ class BundleServer:
         return data
 
     def manifest_bytes(self, bundle_id: str, edge: str) -> bytes:
-        r = self._open(f"/v1/bundles/{quote(bundle_id)}/manifest?edge={quote(edge)}")
-        with r.body:
-            return r.body.read()
+        path = f"/v1/bundles/{quote(bundle_id)}/manifest?edge={quote(edge)}"
+        return self._read(self._open(path), path)
 
     def download(self, bundle_id: str, edge: str, rel: str, part: Path, art: Artifact,
                  on_bytes: Callable[[int], None]) -> None:
@@ -372,8 +378,13 @@ def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
     bundle_id, edge = pick
     log.info("updating %s: bundle %s -> %s (%s edge) from %s", config.bundle, current.bundle_id, bundle_id, edge,
              server.base)
-    new = fetch(server, bundle_id, edge, Path(config.bundle), progress)
-    switch(Path(config.bundle), new)
+    try:
+        new = fetch(server, bundle_id, edge, Path(config.bundle), progress)
+        switch(Path(config.bundle), new)
+    except OSError as e:  # the phone's storage (the network's OSErrors are BundleSyncErrors by now)
+        raise BundleSyncError("write_failed", f"cannot write the new bundle beside {config.bundle}: "
+                                              f"{e.strerror or e} ({e.filename or 'a file'}); what came down is "
+                                              "kept: make room and run again to resume") from None
     return Manifest.load(config.bundle)
 
 

@@ -355,3 +355,48 @@ def test_a_malformed_listing_is_a_bundle_sync_error(edge_l2):
         with pytest.raises(BundleSyncError) as ei:
             bundle_sync.choose(m, listing)
         assert ei.value.code in ("http_error", "not_served", "other_model"), listing
+
+
+class _DiskFull:
+    """``open`` for bundle_sync whose part files take ``room`` bytes in all, then fail as a full disk does."""
+
+    def __init__(self, room: int):
+        self.room = room
+
+    def __call__(self, path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        if not str(path).endswith(".part") or "r" in mode:
+            return f
+        disk = self
+
+        class Writer:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                f.close()
+
+            def write(self, data):
+                if len(data) > disk.room:
+                    f.write(data[:disk.room])
+                    disk.room = 0
+                    raise OSError(28, "No space left on device")
+                disk.room -= len(data)
+                return f.write(data)
+
+        return Writer()
+
+
+def test_a_full_disk_is_a_clear_error_the_old_bundle_stays_and_a_rerun_resumes(monkeypatch, bundle_l1, edge_l2):
+    m1, m2 = Manifest.load(bundle_l1), Manifest.load(edge_l2)
+    monkeypatch.setattr(bundle_sync, "CHUNK_BYTES", 8192)
+    monkeypatch.setattr(bundle_sync, "open", _DiskFull(_served_bytes(m1) // 2), raising=False)
+    with Serving(_app(bundle_l1)) as srv:
+        cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
+        with pytest.raises(BundleSyncError, match="No space left") as ei:
+            bundle_sync.update(cfg, m2)
+        assert ei.value.code == "write_failed"
+        assert not edge_l2.is_symlink() and Manifest.load(edge_l2).bundle_id == m2.bundle_id  # still the old one
+        monkeypatch.delattr(bundle_sync, "open")  # space freed: the same call resumes and switches
+        assert bundle_sync.update(cfg, m2).bundle_id == m1.bundle_id
+    _assert_edge_half(edge_l2)
