@@ -257,6 +257,20 @@ def main(argv: list[str] | None = None) -> int:
     return serve(config, args.log_level)
 
 
+def _device_problem(device: str) -> str | None:
+    """``--device cuda`` (device 0) or ``cuda:N`` that this host does not have, else None."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    suffix = device.partition(":")[2]
+    index = 0 if not suffix else int(suffix) if suffix.isdigit() else -1
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not 0 <= index < count:
+        return f"--device {device}: no such CUDA device ({count} visible)"
+    return None
+
+
 def _startup_problem(config) -> str | None:
     """What would stop the server while it starts, found before it does: a certificate and key that do not load
     as a pair (a passphrase-protected key is refused, not prompted for), a --full source that names nothing or a
@@ -271,13 +285,8 @@ def _startup_problem(config) -> str | None:
         ecfg.resolved_variants()  # bf16 / fp16 on a CPU
     except ConfigError as e:
         return str(e)
-    if ecfg.device.startswith("cuda"):
-        import torch
-
-        index = int(ecfg.device.partition(":")[2] or 0) if ecfg.device.partition(":")[2].isdigit() else -1
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not 0 <= index < count:
-            return f"--device {ecfg.device}: no such CUDA device ({count} visible)"
+    if (problem := _device_problem(ecfg.device)) is not None:
+        return problem
     if config.keys_file is not None:
         try:
             KeyStore(config.keys_file)

@@ -214,3 +214,18 @@ def test_a_truncated_gguf_for_full_is_refused_in_one_line_before_the_server_star
         err = capsys.readouterr().err
         assert "cut short" in err and str(path) in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("device,ok", [("cpu", True), ("cuda", True), ("cuda:0", True), ("cuda:1", False),
+                                       ("cuda:x", False)])
+def test_the_device_check_counts_bare_cuda_as_device_0(monkeypatch, device, ok):
+    """`--device cuda` on a one-GPU host was refused with 'no such CUDA device (1 visible)': the check read the
+    missing index as invalid instead of as device 0 (caught by the GPU benchmark's first start)."""
+    import torch
+
+    import cloud_server.cli as cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    problem = cli._device_problem(device)
+    assert problem is None if ok else "no such CUDA device (1 visible)" in problem
