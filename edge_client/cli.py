@@ -132,6 +132,8 @@ def cmd_serve(args) -> int:
 def cmd_preload(args) -> int:
     from .client import EdgeClient
 
+    if not [*args.preload, *args.files] and not args.update:
+        raise ValueError("nothing to do: give prompt files to cache (FILE ... or --preload FILE), or --update")
     cfg = _config(args)
     if args.update:
         _update(cfg)
@@ -236,7 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "trace"))
     serve.set_defaults(func=cmd_serve)
 
-    pre = sub.add_parser("preload", help="fill the persistent activation cache with common prompts")
+    pre = sub.add_parser("preload", help="fill the persistent activation cache with common prompts",
+                         description="Cache the front's work on prompt files (FILE ... or --preload FILE; needs "
+                                     "--cache-dir) and/or --update the bundle first. With neither there is nothing "
+                                     "to do: a usage error (exit 2).")
     _config_flags(pre)
     pre.add_argument("files", nargs="*", type=Path, help="prompt files (.txt, .jsonl, .json)")
     pre.add_argument("--update", action="store_true",

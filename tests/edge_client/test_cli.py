@@ -23,6 +23,15 @@ def test_help_lists_every_command():
     assert all(c in text for c in ("chat", "serve", "preload", "demo"))
 
 
+def test_preload_with_nothing_to_do_is_a_usage_error(tiny_bundle, tmp_path, capsys):
+    """No prompt files and no --update: it exited 0 having done nothing."""
+    argv = ["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoglm-edge preload: error: nothing to do") and err.count("\n") == 1, err
+    assert not (tmp_path / "c").exists()
+
+
 def test_preload_needs_a_cache_dir(tiny_bundle, capsys):
     assert main(["preload", "--bundle", str(tiny_bundle), "x.txt"]) == 2
     assert "--cache-dir" in capsys.readouterr().err
