@@ -58,12 +58,21 @@ log = logging.getLogger("edge_client.bundle_sync")
 SYNCED_ROLES = ("edge", "shared")  # what the server hosts (never the cloud half)
 CHUNK_BYTES = 1 << 20  # read per step of a download
 MAX_ATTEMPTS = 5  # transfers of one file that stop short before giving up (each resumes the last)
+BUSY_WAIT_S = 120.0  # a server at its request limit (429/503 + Retry-After) is waited for this long per request
+BUSY_WAIT_STEP_S = 10.0  # the longest one Retry-After is taken at its word
 # What the server names a bundle and an edge variant becomes a directory name here (``<id>-<edge>``): only a
 # bundle id (hex, as ``Manifest.compute_bundle_id`` makes them) and a plain variant name are taken
 _BUNDLE_ID = re.compile(r"[0-9a-f]{16,64}")
 _EDGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total) over the whole bundle
+
+
+class _Busy(Exception):
+    """The server answered 429/503 with Retry-After: ask again in ``wait_s`` (else ``error``)."""
+
+    def __init__(self, wait_s: float, error: BundleSyncError):
+        self.wait_s, self.error = wait_s, error
 
 
 class BundleSyncError(Exception):
@@ -100,6 +109,20 @@ class BundleServer:
         self.bytes_received = 0  # body bytes of file downloads (what a resume saved shows here)
 
     def _open(self, path: str, headers: dict[str, str] | None = None) -> _Response:
+        """One request; a server at its limit (429, or 503, with ``Retry-After``) is asked again after the wait it
+        names (at most ``BUSY_WAIT_S`` in all): many phones updating at once take turns instead of failing."""
+        waited = 0.0
+        while True:
+            try:
+                return self._open_once(path, headers)
+            except _Busy as busy:
+                if waited + busy.wait_s > BUSY_WAIT_S:
+                    raise busy.error from None
+                log.info("%s%s: server busy, trying again in %.1f s", self.base, path, busy.wait_s)
+                time.sleep(busy.wait_s)
+                waited += busy.wait_s
+
+    def _open_once(self, path: str, headers: dict[str, str] | None) -> _Response:
         req = urllib.request.Request(self.base + path, headers=dict(headers or {}))
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
@@ -110,6 +133,11 @@ class BundleServer:
                 return _Response(e.code, {k.lower(): v for k, v in e.headers.items()}, e)
             detail = e.read(300).decode("utf-8", "replace").strip()
             e.close()
+            retry_after = e.headers.get("retry-after", "").strip()
+            if e.code in (429, 503) and retry_after:
+                wait_s = min(BUSY_WAIT_STEP_S, max(0.1, float(retry_after))) if retry_after.isdigit() else 1.0
+                raise _Busy(wait_s, BundleSyncError("http_error", f"{self.base}{path}: HTTP {e.code} (still busy "
+                                                                  f"after {BUSY_WAIT_S:.0f} s: {detail})"))
             if e.code == 401:
                 raise BundleSyncError("unauthorized", f"{self.base}{path}: HTTP 401: API key refused") from None
             if e.code == 404 and path == "/v1/bundles":

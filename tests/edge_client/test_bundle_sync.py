@@ -400,3 +400,39 @@ def test_a_full_disk_is_a_clear_error_the_old_bundle_stays_and_a_rerun_resumes(m
         monkeypatch.delattr(bundle_sync, "open")  # space freed: the same call resumes and switches
         assert bundle_sync.update(cfg, m2).bundle_id == m1.bundle_id
     _assert_edge_half(edge_l2)
+
+
+class HoldFirstDownload:
+    """ASGI wrapper: the first file download holds its response (and so its --max-http-requests slot) ``hold_s``."""
+
+    def __init__(self, app, hold_s: float):
+        self.app, self.hold_s, self.held = app, hold_s, threading.Event()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or "/files/" not in scope["path"] or self.held.is_set():
+            return await self.app(scope, receive, send)
+        self.held.set()
+
+        async def slow(msg):
+            if msg["type"] == "http.response.start":
+                await asyncio.sleep(self.hold_s)
+            await send(msg)
+
+        await self.app(scope, receive, slow)
+
+
+def test_edges_updating_at_once_wait_out_a_busy_server(bundle_l1, edge_l2, tmp_path):
+    m1 = Manifest.load(bundle_l1)
+    other = tmp_path / "other-phone" / "bundle"
+    shutil.copytree(edge_l2, other)
+    app = HoldFirstDownload(_app(bundle_l1, max_http_requests=1), hold_s=1.5)
+    with Serving(app) as srv:
+        first = threading.Thread(target=bundle_sync.update,
+                                 args=(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), Manifest.load(edge_l2)))
+        first.start()
+        assert app.held.wait(30)
+        # the one slot is taken: this phone is told 429 + Retry-After, waits, and gets its bundle
+        new = bundle_sync.update(EdgeConfig(bundle=other, url=srv.ws_url, retry=RETRY), Manifest.load(other))
+        first.join(30)
+    assert new.bundle_id == m1.bundle_id and Manifest.load(edge_l2).bundle_id == m1.bundle_id
+    _assert_edge_half(other)
