@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(chat)
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
-    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0: greedy (default 0.7)")
+    chat.add_argument("--temperature", type=float, default=0.7,
+                      help="sampling temperature of every answer (default 0.7; 0: greedy, EdgeClient's default)")
     chat.add_argument("--precision", help="wire codec override for every request (fp16, int8-b32, ...)")
     chat.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                       help="enable_thinking for the chat template (default: the template's)")

@@ -53,3 +53,26 @@ def test_preload_persists_common_prompts(tiny_bundle, tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"not": "a list"}')
     assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(bad)]) == 2
+
+
+def test_chat_samples_at_0_7_by_default_as_its_help_and_the_docs_say_and_the_api_stays_greedy():
+    """chat's defaults (temperature 0.7, 512 tokens) differ from EdgeClient.generate's (greedy, 256): the edge
+    guide said only the API's, so chat's sampling was a surprise."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from edge_client.client import EdgeClient
+
+    args = build_parser().parse_args(["chat"])
+    assert (args.temperature, args.max_tokens) == (0.7, 512)
+    chat_help = " ".join(build_parser()._subparsers._group_actions[0].choices["chat"].format_help().split())
+    assert "(default 0.7;" in chat_help and "(default 512)" in chat_help
+    api = inspect.signature(EdgeClient.generate).parameters
+    assert (api["temperature"].default, api["max_tokens"].default) == (0.0, 256)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "edge.md").read_text()
+    assert "`temperature` (0 = greedy, the default)" in doc
+    chat_section = " ".join(doc.split("## Interactive: `autoglm-edge chat`")[1].split("\n## ")[0].split())
+    assert re.search(r"`--temperature` defaults to 0\.7", chat_section), chat_section
+    assert "`--max-tokens` to 512" in chat_section and "`temperature=0.0`" in chat_section
+    assert "`max_tokens=256`" in chat_section
