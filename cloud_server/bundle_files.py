@@ -17,7 +17,8 @@ What is served is looked up by exact name in the manifest's artifacts, never joi
 a name that is not an edge/shared artifact (the cloud weights, ``../`` anything, the manifest's own
 neighbours) is 404, and a listed file that resolves outside its bundle directory (a symlink) is 404 too.
 A file whose size on disk differs from the manifest is refused (500): the server never sends bytes that
-cannot verify.
+cannot verify. A download whose client takes no byte for ``SEND_STALL_S`` is dropped (the client resumes with
+``Range``), so a reader that stalls gives back its ``--max-http-requests`` slot.
 
 References: RFC 9110 sections 13.1.5 (If-Range), 14 (range requests), 8.8.3 (ETag).
 """
@@ -39,6 +40,9 @@ log = logging.getLogger("autoglm.cloud.bundles")
 
 SERVED_ROLES = ("edge", "shared")  # never "cloud": the back half's weights stay on the server
 CHUNK_BYTES = 1 << 20  # read and sent per step of a download
+SEND_BYTES = 64 << 10  # one send of a download
+SEND_STALL_S = 60.0  # a download whose client takes no byte for this long is dropped (it resumes with Range):
+# else a client that stops reading holds its --max-http-requests slot and an open file forever
 _RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 _POS_DIGITS = 19  # a byte position with more significant digits than this is past any file (and int() refuses
 # strings over 4300 digits): it is read as _PAST_ANY_FILE
@@ -177,7 +181,32 @@ async def _stream(path: Path, start: int, length: int):
                 log.warning("%s: ended %d bytes early", path, left)
                 return
             left -= len(chunk)
-            yield chunk
+            for i in range(0, len(chunk), SEND_BYTES):  # SEND_STALL_S bounds one of these: >= 1 KiB/s passes
+                yield chunk[i:i + SEND_BYTES]
+
+
+class _Stalled(Exception):
+    """The client took no byte of a download for SEND_STALL_S."""
+
+
+class _Download(StreamingResponse):
+    """A file's bytes; a send the client does not take within SEND_STALL_S ends the download (see above)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def send_or_stall(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), SEND_STALL_S)
+            except asyncio.TimeoutError:
+                raise _Stalled from None
+
+        try:
+            await super().__call__(scope, receive, send_or_stall)
+        except _Stalled:  # the server closes the connection: the response is incomplete
+            log.warning("%s: download stalled (no byte taken for %.0f s); dropped", scope.get("path"), SEND_STALL_S)
+        except BaseExceptionGroup as eg:  # starlette's task group wraps it
+            if eg.subgroup(_Stalled) is None or eg.subgroup(lambda e: not isinstance(e, _Stalled)) is not None:
+                raise
+            log.warning("%s: download stalled (no byte taken for %.0f s); dropped", scope.get("path"), SEND_STALL_S)
 
 
 def file_response(request: Request, path: Path, art: Artifact) -> Response:
@@ -206,8 +235,8 @@ def file_response(request: Request, path: Path, art: Artifact) -> Response:
         headers["Content-Range"] = f"bytes {start}-{end}/{size}"
     if request.method == "HEAD":
         return Response(status_code=status, headers=headers, media_type="application/octet-stream")
-    return StreamingResponse(_stream(path, start, length), status_code=status, headers=headers,
-                             media_type="application/octet-stream")
+    return _Download(_stream(path, start, length), status_code=status, headers=headers,
+                     media_type="application/octet-stream")
 
 
 def install(app: FastAPI, catalog: BundleCatalog, auth) -> None:

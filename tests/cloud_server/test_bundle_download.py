@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import socket
+import time
 
 import pytest
+from cloud_support import ServerThread
 from fastapi.testclient import TestClient
 
+from cloud_server import bundle_files
 from cloud_server.app import create_app
 from cloud_server.bundle_files import BundleCatalog, RangeNotSatisfiable, parse_range
 from cloud_server.config import EngineConfig, ServerConfig
@@ -145,3 +150,31 @@ def test_parse_range(header, size, want):
 def test_parse_range_unsatisfiable(header, size):
     with pytest.raises(RangeNotSatisfiable):
         parse_range(header, size)
+
+
+def test_a_download_nobody_reads_gives_its_request_slot_back(monkeypatch, tmp_path, tiny_glm4_fp32_bundle):
+    """A client that asks for a big file and stops reading must not hold a --max-http-requests slot forever."""
+    b = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, b)
+    m = Manifest.load(b)
+    (b / "edge" / "pad.bin").write_bytes(os.urandom(24 << 20))  # more than the sockets' buffers hold
+    m.add_artifact(b, "edge/pad.bin", "edge")
+    m.save(b)
+    monkeypatch.setattr(bundle_files, "SEND_STALL_S", 1.0, raising=False)
+    cfg = ServerConfig(bundle=b, api_key=KEY, max_http_requests=1, engine=EngineConfig(device="cpu"))
+    with ServerThread(create_app(CloudRuntime(cfg))) as srv, socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", srv.port))
+        s.sendall(f"GET /v1/bundles/{m.bundle_id}/files/edge/pad.bin HTTP/1.1\r\nHost: x\r\n"
+                  f"Authorization: Bearer {KEY}\r\n\r\n".encode())
+        s.recv(1024)  # it started; now nothing more is read
+        import httpx
+
+        codes = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            codes.append(httpx.get(srv.url + "/v1/bundles", headers=AUTH, timeout=5).status_code)
+            if codes[-1] == 200:
+                break
+            time.sleep(0.2)
+        assert codes[0] == 429 and codes[-1] == 200, codes  # the stalled download let go of its slot
