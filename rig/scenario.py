@@ -23,6 +23,8 @@ is a :class:`ScenarioError` naming it.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -30,6 +32,11 @@ from .link import Disconnect
 from .profiles import LinkProfile, LinkProfileError, resolve_profile
 
 MODES = ("split", "all-cloud", "all-edge")
+EDGE_QUANTS = ("auto", "int8", "int4", "fp32")  # autoglm-partition split --edge-quant
+MAX_PHONES = 256  # phone processes (and links) of one burst: each loads its own onnxruntime session
+MAX_THREADS = 256  # onnxruntime threads per phone
+MAX_REQUESTS = 100_000  # requests per phone and workload
+MAX_TOKENS = 1 << 20  # output tokens per request
 
 
 class ScenarioError(ValueError):
@@ -45,8 +52,8 @@ class Workload:
     def __post_init__(self):
         if self.kind not in ("chat", "agent"):
             raise ScenarioError(f"workload kind {self.kind!r}: expected chat or agent")
-        if self.requests < 1 or self.max_tokens < 1:
-            raise ScenarioError(f"workload {self.kind}: requests and max_tokens must be >= 1")
+        _int(f"workload {self.kind}: requests", self.requests, 1, MAX_REQUESTS)
+        _int(f"workload {self.kind}: max_tokens", self.max_tokens, 1, MAX_TOKENS)
 
 
 @dataclass(slots=True)
@@ -70,26 +77,48 @@ class Scenario:
     plan_check: bool = False  # after the run: the planner's predictions vs these measurements (rig.plan_check)
 
     def __post_init__(self):
-        if not self.modes or any(m not in MODES for m in self.modes):
+        for key in ("name", "model"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ScenarioError(f"{key} {getattr(self, key)!r}: expected a non-empty string")
+        if self.name in (".", "..") or "/" in self.name or "\\" in self.name:  # it names the report directory
+            raise ScenarioError(f"name {self.name!r}: one path component (no '/', not '.' or '..')")
+        if self.edge_quant not in EDGE_QUANTS:
+            raise ScenarioError(f"edge_quant {self.edge_quant!r}: expected one of {', '.join(EDGE_QUANTS)}")
+        _int("phones", self.phones, 1, MAX_PHONES)
+        _int("edge_threads", self.edge_threads, 1, MAX_THREADS)
+        _int("split_layer", self.split_layer, 1)
+        _int("seed", self.seed, 0)
+        if not isinstance(self.plan_check, bool):
+            raise ScenarioError(f"plan_check {self.plan_check!r}: expected true or false")
+        for d in self.disconnects:
+            for key in ("at_s", "down_s"):
+                _number(f"disconnects: {key}", getattr(d, key))
+        if not isinstance(self.modes, list) or not self.modes or any(m not in MODES for m in self.modes):
             raise ScenarioError(f"modes {self.modes}: each must be one of {', '.join(MODES)}")
         if len(set(self.modes)) != len(self.modes):
             raise ScenarioError(f"modes {self.modes}: listed twice")
-        if self.phones < 1 or self.edge_threads < 1:
-            raise ScenarioError("phones and edge_threads must be >= 1")
-        if self.split_layer < 1:
-            raise ScenarioError("split_layer must be >= 1")
         if self.bundle is not None and not (Path(str(self.bundle)) / "manifest.json").is_file():
             # else the run's cloud server exits at once and the rig stopped with a traceback
             raise ScenarioError(f"bundle {self.bundle}: not a bundle (no manifest.json)")
+        if self.whole is not None and "all-edge" in self.modes:
+            from shared.whole_model import WHOLE_GRAPH
+
+            if not (Path(str(self.whole)) / WHOLE_GRAPH).is_file():
+                raise ScenarioError(f"whole {self.whole}: not a whole-model export (no {WHOLE_GRAPH})")
         if not self.profiles or not self.workloads:
             raise ScenarioError("a scenario needs at least one profile and one workload")
         names = [p.name for p in self.profiles]
         if len(set(names)) != len(names):
             raise ScenarioError(f"profiles {names}: names must be unique")
+        usable = os.sched_getaffinity(0)
         for key in ("phone_cores", "cloud_cores"):
             cores = getattr(self, key)
-            if cores is not None and (not cores or any(not isinstance(c, int) or c < 0 for c in cores)):
+            if cores is not None and (not isinstance(cores, list) or not cores
+                                      or any(type(c) is not int or c < 0 for c in cores)):
                 raise ScenarioError(f"{key} {cores}: a non-empty list of CPU ids, or null")
+            if cores is not None and not set(cores) <= usable:
+                raise ScenarioError(f"{key} {cores}: CPU(s) {sorted(set(cores) - usable)} are not usable here "
+                                    f"(this process may run on {sorted(usable)})")
 
     @classmethod
     def from_dict(cls, data: dict) -> Scenario:
@@ -104,10 +133,10 @@ class Scenario:
             if "profiles" in values:
                 values["profiles"] = [resolve_profile(p) for p in _list(values["profiles"], "profiles")]
             if "workloads" in values:
-                values["workloads"] = [Workload(**_map(w, "workloads")) for w in _list(values["workloads"],
-                                                                                     "workloads")]
+                values["workloads"] = [Workload(**_map(w, "workloads", Workload)) for w in _list(values["workloads"],
+                                                                                               "workloads")]
             if "disconnects" in values:
-                values["disconnects"] = [Disconnect(**_map(d, "disconnects"))
+                values["disconnects"] = [Disconnect(**_map(d, "disconnects", Disconnect))
                                          for d in _list(values["disconnects"] or [], "disconnects")]
             if "cloud_args" in values:
                 values["cloud_args"] = [str(a) for a in _list(values["cloud_args"], "cloud_args")]
@@ -134,10 +163,31 @@ def _list(value, key: str) -> list:
     return value
 
 
-def _map(value, key: str) -> dict:
+def _map(value, key: str, cls=None) -> dict:
     if not isinstance(value, dict):
         raise ScenarioError(f"{key}: each item must be a mapping, got {type(value).__name__}")
+    if cls is not None:
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in set(value) - set(known))
+        if unknown:
+            raise ScenarioError(f"{key}: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
+        missing = [f.name for f in fields(cls) if f.default is f.default_factory and f.name not in value]
+        if missing:
+            raise ScenarioError(f"{key}: missing key(s) {', '.join(missing)}")
     return value
+
+
+def _int(key: str, value, low: int, high: int | None = None) -> None:
+    """``value`` is an integer (not a bool) in [low, high]; else a ScenarioError naming ``key``."""
+    if type(value) is not int or value < low or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ScenarioError(f"{key} {value!r}: expected an integer {bounds}")
+
+
+def _number(key: str, value) -> None:
+    """``value`` is a finite number >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ScenarioError(f"{key} {value!r}: expected a number >= 0")
 
 
 def load_scenario(path: str | Path) -> Scenario:
