@@ -10,11 +10,16 @@ No torch, no numpy: the planner (partition_tools) and the rig both import this.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
 class LinkProfileError(ValueError):
     """A link profile value is out of range, or the name is unknown; the message names the field."""
+
+
+MAX_DELAY_MS = 60_000.0  # rtt_ms, jitter_ms, rto_ms: beyond a minute no connection would ever open
+MIN_MBPS, MAX_MBPS = 0.001, 1e7  # 1 kbit/s .. 10 Tbit/s (the loopback pass-through uses 1e6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,14 +34,22 @@ class LinkProfile:
     source: str = ""  # one line: where the numbers come from (details in docs/rig.md)
 
     def __post_init__(self):
-        if not self.name:
-            raise LinkProfileError("link profile needs a name")
+        if not isinstance(self.name, str) or not self.name:
+            raise LinkProfileError(f"link profile needs a name (a non-empty string), got {self.name!r}")
+        if not isinstance(self.source, str):
+            raise LinkProfileError(f"link profile {self.name}: source must be a string, got {self.source!r}")
+        for field in ("rtt_ms", "jitter_ms", "rto_ms", "down_mbps", "up_mbps", "loss"):
+            value = getattr(self, field)  # NaN passes every comparison below, inf sleeps forever, "60" breaks later
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise LinkProfileError(f"link profile {self.name}: {field} must be a finite number, got {value!r}")
         for field in ("rtt_ms", "jitter_ms", "rto_ms"):
-            if getattr(self, field) < 0:
-                raise LinkProfileError(f"link profile {self.name}: {field} must be >= 0, got {getattr(self, field)}")
+            if not 0 <= getattr(self, field) <= MAX_DELAY_MS:
+                raise LinkProfileError(f"link profile {self.name}: {field} must be in [0, {MAX_DELAY_MS:.0f}], "
+                                       f"got {getattr(self, field)}")
         for field in ("down_mbps", "up_mbps"):
-            if getattr(self, field) <= 0:
-                raise LinkProfileError(f"link profile {self.name}: {field} must be > 0, got {getattr(self, field)}")
+            if not MIN_MBPS <= getattr(self, field) <= MAX_MBPS:
+                raise LinkProfileError(f"link profile {self.name}: {field} must be in [{MIN_MBPS:g}, {MAX_MBPS:g}], "
+                                       f"got {getattr(self, field)}")
         if not 0.0 <= self.loss < 1.0:
             raise LinkProfileError(f"link profile {self.name}: loss must be in [0, 1), got {self.loss}")
         if self.jitter_ms > self.rtt_ms / 2:

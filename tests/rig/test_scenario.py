@@ -86,6 +86,28 @@ def test_profile_validation():
         resolve_profile({"base": "wifi", "up_mbps": 0})
 
 
+@pytest.mark.parametrize("fields, match", [
+    ({"rtt_ms": float("nan")}, "rtt_ms must be a finite number, got nan"),  # NaN passed every range check
+    ({"rtt_ms": float("inf")}, "rtt_ms must be a finite number"),  # the handshake slept forever
+    ({"rtt_ms": 1e12}, r"rtt_ms must be in \[0, 60000\]"),
+    ({"rtt_ms": "60"}, "rtt_ms must be a finite number, got '60'"),
+    ({"rtt_ms": True}, "rtt_ms must be a finite number, got True"),
+    ({"down_mbps": float("nan")}, "down_mbps"),
+    ({"up_mbps": float("inf")}, "up_mbps"),
+    ({"down_mbps": 1e-12}, "down_mbps must be in"),
+    ({"jitter_ms": float("nan")}, "jitter_ms"),
+    ({"rto_ms": float("inf")}, "rto_ms"),  # a lost segment never arrived
+    ({"loss": 1.0}, "loss must be in"),
+    ({"name": 5}, "name"),
+    ({"source": 5}, "source"),
+])
+def test_absurd_link_parameters_are_refused(fields, match):
+    with pytest.raises(LinkProfileError, match=match):
+        resolve_profile({"base": "4g", **fields})
+    with pytest.raises(ScenarioError, match=match):
+        Scenario.from_dict({"profiles": [{"base": "4g", **fields}]})
+
+
 def test_workloads():
     chat = chat_requests(14, 32, offset=3)
     assert len(chat) == 14 and chat[0].label == "chat/3" and chat[-1].label == "chat/4"  # wraps around
