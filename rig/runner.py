@@ -206,7 +206,10 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
                 servers["all-cloud"] = CloudProcess(full=sc.model, cores=sc.cloud_cores, extra_args=sc.cloud_args,
                                                     log_path=log_dir / f"cloud-full-{prof.name}.log").launch()
             for srv in servers.values():
-                srv.wait_ready()
+                try:
+                    srv.wait_ready()
+                except RuntimeError as e:  # it exited or never got ready: its log says why
+                    raise RigError(f"[{prof.name}] {e}") from None
             for workload in sc.workloads:
                 for mode in networked:
                     tag = f"{prof.name}/{workload.kind}/{mode}"

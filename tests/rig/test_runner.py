@@ -65,3 +65,21 @@ def test_plan_check_calibrates_on_loopback_and_predicts(tiny_glm4_fp32_bundle, t
     assert split["per_token_ms_predicted"] > 60 and abs(split["per_token_error"]) < 0.5
     assert abs(split["ttft_error"]) < 0.5
     assert "planner vs rig" in format_check(check)
+
+
+def _scenario_file(tmp_path, bundle, **extra) -> str:
+    data = {"name": "bad", "model": "tiny-glm4", "bundle": str(bundle), "profiles": ["wifi"], "modes": ["split"],
+            "workloads": [{"kind": "chat", "requests": 1, "max_tokens": 2}], **extra}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_a_cloud_server_that_fails_to_start_is_exit_1_with_its_log(tiny_glm4_fp32_bundle, tmp_path, capsys):
+    from rig.cli import main
+
+    path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle, cloud_args=["--no-such-flag"])
+    assert main(["run", path, "--out", str(tmp_path / "out"), "--no-plots"]) == 1  # was a RuntimeError traceback
+    err = capsys.readouterr().err
+    assert "split cloud server" in err and "cloud-split-wifi.log" in err
+
