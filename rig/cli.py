@@ -44,6 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class OutDirError(ValueError):
+    """``--out`` cannot hold the report (a file, under a file, not writable): said before anything starts."""
+
+
+def check_out_dir(out: Path) -> Path:
+    """Make ``out`` (and ``out/logs``) and prove a file can be written there; OutDirError otherwise."""
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        probe = out / ".autoglm-rig-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise OutDirError(f"--out {out}: cannot write the report there ({e.strerror or e})") from None
+    return out
+
+
 def write_report(report: dict, out: Path, plots: bool = True) -> list[Path]:
     """``out/report.json`` (+ ``out/rig_<workload>.png``); returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
@@ -63,7 +79,7 @@ def _cmd_run(args) -> int:
     from .scenario import load_scenario
 
     sc = load_scenario(args.scenario)
-    out = Path(args.out or Path("rig-report") / sc.name)
+    out = check_out_dir(Path(args.out or Path("rig-report") / sc.name))
     report = run_scenario(sc, out, Progress())
     report["command"] = f"autoglm-rig run {args.scenario}" + (f" --out {args.out}" if args.out else "")
     if sc.plan_check:
@@ -83,7 +99,7 @@ def _cmd_run(args) -> int:
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(profile=args.profile, threads=args.threads, out=Path(args.out) if args.out else None,
+    run_demo(profile=args.profile, threads=args.threads, out=check_out_dir(Path(args.out)) if args.out else None,
              rebuild=args.rebuild)
     return 0
 
@@ -96,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     handler = {"run": _cmd_run, "demo": _cmd_demo}[args.command]
     return run_command("autoglm-rig", args.command, handler, args,
-                       (ScenarioError, LinkProfileError, FileNotFoundError), (RigError,))
+                       (ScenarioError, LinkProfileError, FileNotFoundError, OutDirError), (RigError,))
 
 
 if __name__ == "__main__":

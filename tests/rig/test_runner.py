@@ -83,3 +83,16 @@ def test_a_cloud_server_that_fails_to_start_is_exit_1_with_its_log(tiny_glm4_fp3
     err = capsys.readouterr().err
     assert "split cloud server" in err and "cloud-split-wifi.log" in err
 
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_output_path_that_cannot_be_written_is_exit_2_before_anything_starts(tiny_glm4_fp32_bundle, tmp_path,
+                                                                                 capsys, where):
+    from rig.cli import main
+
+    blocker = tmp_path / "taken"
+    blocker.write_text("not a directory")
+    out = blocker if where == "a file" else blocker / "report"
+    path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle)
+    assert main(["run", path, "--out", str(out)]) == 2  # was a FileExistsError / NotADirectoryError traceback
+    err = capsys.readouterr().err
+    assert "autoglm-rig run: error: --out" in err and "starting" not in err
