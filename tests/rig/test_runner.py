@@ -4,6 +4,7 @@ its own emulated wifi link, the all-edge baseline in two more; the report, its s
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -96,3 +97,44 @@ def test_an_output_path_that_cannot_be_written_is_exit_2_before_anything_starts(
     assert main(["run", path, "--out", str(out)]) == 2  # was a FileExistsError / NotADirectoryError traceback
     err = capsys.readouterr().err
     assert "autoglm-rig run: error: --out" in err and "starting" not in err
+
+
+def _children(pid: int) -> set[int]:
+    try:
+        return {int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()}
+    except OSError:
+        return set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_servers_and_phones_it_started(tiny_glm4_fp32_bundle, tmp_path):
+    """SIGTERM (a CI cancel, `timeout`, systemd) cleans up as Ctrl-C does; it left the cloud server (its own
+    session) and the phones running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle)
+    rig = subprocess.Popen([sys.executable, "-m", "rig.cli", "run", path, "--out", str(tmp_path / "out"), "--no-plots"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (kids := _children(rig.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kids, "the rig started no server"
+        rig.send_signal(signal.SIGTERM)
+        assert rig.wait(60) != 0
+        assert not [k for k in kids if _alive(k)], rig.stderr.read()
+    finally:
+        if rig.poll() is None:
+            rig.kill()
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
