@@ -244,6 +244,12 @@ class LinkEmulator:
 
     # -- the proxy --------------------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._proxy(reader, writer)
+        except asyncio.CancelledError:  # stop() / a cut: end quietly (a cancelled client_connected_cb task makes
+            pass  # asyncio log "Exception in callback ... CancelledError" on Python 3.11)
+
+    async def _proxy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
         if loop.time() < self._down_until:  # the link is down: the connect fails
             self.refused += 1

@@ -4,6 +4,7 @@ the same seed giving the same delays."""
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 import statistics
@@ -259,3 +260,18 @@ def test_manual_cut_aborts_live_connections(peer):
                 raise ConnectionResetError("closed")
         s.close()
         assert link.cuts == 1 and link.connections == 1
+
+
+def test_stopping_with_bytes_in_flight_logs_no_asyncio_error(peer, caplog):
+    """The rig stops its links on Ctrl-C/SIGTERM mid-run: that printed 'Exception in callback ...
+    CancelledError' tracebacks from each cancelled connection handler onto the rig's terminal."""
+    slow = LinkProfile("slow", rtt_ms=400.0, jitter_ms=0.0, down_mbps=1.0, up_mbps=1.0, loss=0.0)
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for _ in range(3):
+            link = LinkEmulator(peer.port, slow, seed=1).start()
+            s = socket.create_connection(("127.0.0.1", link.port))
+            s.sendall(b"s100000\n")
+            time.sleep(0.7)  # connected upstream, the answer queued behind the 1 Mbps bottleneck
+            link.stop()
+            s.close()
+    assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage() for r in caplog.records]
