@@ -169,7 +169,6 @@ class Session:
         self.welcome = None
         self.resume_token: str | None = None
         self.state = SessionState()  # the protocol's rules, as the cloud enforces them
-        self.ended: P.Error | None = None  # the fatal Error that ended the session: no further use (_check_usable)
         self._lock: asyncio.Lock | None = None
         # prompt lookup over the context and earlier outputs (agent steps repeat actions); remembered across requests
         self.drafter = PromptLookupDrafter()
@@ -224,15 +223,7 @@ class Session:
         return P.Hello(bundle_id=self.manifest.bundle_id, codecs=list(self.codecs), hints=hints,
                        resume_token=self.resume_token if resume else None)
 
-    def _check_usable(self) -> None:
-        """After a fatal Error the cloud closed the session (the protocol's rule) and so did we: refuse at once."""
-        if self.ended is not None:
-            e = self.ended
-            raise EdgeClientError(f"the cloud ended the session with a fatal error ({e.code}: {e.message}); this "
-                                  "client cannot be used any more: open a new EdgeClient", "closed")
-
     async def ensure_connected(self, resume: bool = False) -> dict:
-        self._check_usable()
         if not self.connected:
             for attempt in (0, 1):  # a second Hello after a bundle update
                 hello = self._hello(resume and attempt == 0)
@@ -262,7 +253,6 @@ class Session:
 
     async def _send(self, msg) -> int:
         """Check ``msg`` against the protocol's rules, then send it; returns the frame's size."""
-        self._check_usable()
         frame = P.encode_message(msg)
         try:
             self.state.on_client(msg, len(frame))
@@ -272,12 +262,13 @@ class Session:
 
     async def _recv(self, timeout: float):
         """The next message from the cloud, recorded in the protocol state. A fatal Error ends the session: the
-        link is closed here (the request it ended fails with its code; later use, with ``closed``)."""
+        link is closed here and the resume token dropped (the request it ended fails with its code; the next
+        request opens a new session, as a long-lived client - ``autoglm-edge serve`` - needs)."""
         msg = await self.link.recv(timeout)
         self.state.on_server(msg)
         if isinstance(msg, P.Error) and msg.fatal:
             log.warning("the cloud ended the session: %s: %s", msg.code, msg.message)
-            self.ended, self.welcome = msg, None
+            self.welcome, self.resume_token = None, None
             await self.link.close()
         return msg
 
