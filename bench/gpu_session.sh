@@ -57,11 +57,12 @@ served() {
     PATH="$PWD/.cache/served-load:$PATH"
     if command -v py-spy >/dev/null 2>&1; then spy=(--py-spy "$OUT/served_spy.txt")
     else echo "gpu_session.sh: no py-spy on PATH: the served run goes without a profile"; fi
-    # PRESET / LAYER / PROMPT / GEN change the workload (CPU smoke test of this section:
-    #   OUT=/tmp/gs PRESET=wide-cpu LAYER=1 PROMPT=32 GEN=16 SESSIONS=1,8 CODECS=int8-outlier bench/gpu_session.sh served)
+    # WORKERS front ends (default 6, as deploy/k8s runs it) and PROCS load processes (default 3); PRESET / LAYER /
+    # PROMPT / GEN change the workload (CPU smoke test of this section:
+    #   OUT=/tmp/gs PRESET=wide-cpu LAYER=1 PROMPT=32 GEN=16 SESSIONS=1,8 CODECS=int8-outlier WORKERS=2 PROCS=1 bench/gpu_session.sh served)
     timeout 580 python3 bench/served_load.py --preset "${PRESET:-glm4v-9b-random}" --layer "${LAYER:-12}" \
         --sessions "$SESSIONS" --prompt "${PROMPT:-512}" --gen "${GEN:-128}" --sweep-codecs "${CODECS:-int8-outlier,bf16}" \
-        "${spy[@]}" --out "$OUT/cloud_served.json" 2>&1 | tee "$OUT/served.log"
+        --workers "${WORKERS:-6}" --procs "${PROCS:-3}" "${spy[@]}" --out "$OUT/cloud_served.json" 2>&1 | tee "$OUT/served.log"
 }
 
 served_mp() {  # ~4 min on an H200: two server builds, S levels each, one codec (the realistic one)
