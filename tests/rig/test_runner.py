@@ -121,7 +121,9 @@ def test_sigterm_stops_the_servers_and_phones_it_started(tiny_glm4_fp32_bundle, 
     import sys
     import time
 
-    path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle)
+    # long enough that SIGTERM lands mid-run (one 2-token request could finish before it, exit 0)
+    path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle,
+                          workloads=[{"kind": "chat", "requests": 500, "max_tokens": 64}])
     rig = subprocess.Popen([sys.executable, "-m", "rig.cli", "run", path, "--out", str(tmp_path / "out"), "--no-plots"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
