@@ -201,11 +201,7 @@ class _Download(StreamingResponse):
 
         try:
             await super().__call__(scope, receive, send_or_stall)
-        except _Stalled:  # the server closes the connection: the response is incomplete
-            log.warning("%s: download stalled (no byte taken for %.0f s); dropped", scope.get("path"), SEND_STALL_S)
-        except BaseExceptionGroup as eg:  # starlette's task group wraps it
-            if eg.subgroup(_Stalled) is None or eg.subgroup(lambda e: not isinstance(e, _Stalled)) is not None:
-                raise
+        except* _Stalled:  # alone or in starlette's task group: the server closes the connection, incomplete
             log.warning("%s: download stalled (no byte taken for %.0f s); dropped", scope.get("path"), SEND_STALL_S)
 
 
