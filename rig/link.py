@@ -281,6 +281,8 @@ class LinkEmulator:
         try:
             await asyncio.gather(up, down, return_exceptions=True)
         finally:
+            for w in (writer, up_writer):  # both directions ended: the connection closes
+                w.close()
             self._drop(conn)
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, model: LinkModel,
@@ -336,8 +338,11 @@ class LinkEmulator:
                 wake.set()
             state["eof"] = True
             wake.set()
-            await sender  # everything in flight arrives before the close
-            dst.close()
+            await sender  # everything in flight arrives before the FIN
+            if dst.can_write_eof():  # a half-close passes on as one: the other direction keeps flowing
+                dst.write_eof()
+            else:
+                dst.close()
         except (ConnectionError, OSError):
             dst.transport.abort()
         finally:

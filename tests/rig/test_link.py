@@ -77,7 +77,8 @@ def test_jitter_stays_within_its_bounds_and_the_stream_is_seeded():
 
 
 class _Peer:
-    """A loopback server: ``e`` echoes one byte; ``s<N>\\n`` sends N bytes; ``r<N>\\n`` reads N, answers 1."""
+    """A loopback server: ``e`` echoes one byte; ``s<N>\\n`` sends N bytes; ``r<N>\\n`` reads N, answers 1;
+    ``w`` reads to the client's half-close (EOF), then answers how many bytes came."""
 
     def __init__(self):
         self.sock = socket.create_server(("127.0.0.1", 0))
@@ -106,6 +107,9 @@ class _Peer:
                     else:
                         f.read(n)
                         c.sendall(b"k")
+                elif cmd == b"w":
+                    c.sendall(str(len(f.read())).encode())
+                    break
         except OSError:
             pass
         finally:
@@ -275,3 +279,16 @@ def test_stopping_with_bytes_in_flight_logs_no_asyncio_error(peer, caplog):
             link.stop()
             s.close()
     assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage() for r in caplog.records]
+
+
+def test_a_half_close_passes_through_and_the_answer_still_arrives(peer):
+    """A client that shuts down its sending side (FIN) still reads the server's answer, as over real TCP; the
+    emulator used to close the whole upstream connection at the client's EOF, losing the answer."""
+    with LinkEmulator(peer.port) as link, socket.create_connection(("127.0.0.1", link.port)) as s:
+        s.sendall(b"w" + b"x" * 5000)
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(10)
+        answer = b""
+        while chunk := s.recv(100):
+            answer += chunk
+        assert answer == b"5000"
