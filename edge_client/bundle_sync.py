@@ -17,14 +17,17 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
    ``.<name>.versions/<bundle id>-<edge quant>/``, replaced by one ``rename(2)`` of a new link over it. A
    plain directory there (the first update) is moved into the versions folder first; a crash between that
    move and the link's rename is finished by :func:`recover` at the next start. The previous version is kept
-   (rollback: point the link back); older ones are removed.
+   (rollback: point the link back); older ones are removed. Two updaters of one bundle path (two processes
+   of an app, an app beside ``preload --update``) take turns on a lock file beside it; the second finds the
+   bundle current and returns.
 
 Errors are :class:`BundleSyncError` with a code: ``no_bundle_endpoint`` (the server hosts no bundles:
 an older server, or full-model mode), ``not_served`` / ``other_model`` (nothing to update to),
 ``hash_mismatch`` (a file that does not verify, after one fresh download), ``truncated`` (the transfer kept
 stopping short; the part file stays, run again to resume), ``unauthorized``, ``unreachable``, ``http_error``
-(also a bundle id or edge variant that is no plain name: they name directories here), ``bad_manifest``, ``write_failed`` (the phone's storage refused a write: full, read-only; what came down stays,
-run again to resume).
+(also a bundle id or edge variant that is no plain name: they name directories here), ``bad_manifest``,
+``write_failed`` (the phone's storage refused a write: full, read-only; what came down stays, run again to
+resume).
 
 HTTP is the standard library's ``urllib`` (nothing more to install on a phone); the base URL is the split
 endpoint's with ``ws`` -> ``http``. References: RFC 9110 (Range, If-Range, ETag).
@@ -32,6 +35,8 @@ endpoint's with ``ws`` -> ``http``. References: RFC 9110 (Range, If-Range, ETag)
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -406,14 +411,40 @@ def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
     bundle_id, edge = pick
     log.info("updating %s: bundle %s -> %s (%s edge) from %s", config.bundle, current.bundle_id, bundle_id, edge,
              server.base)
+    bundle = Path(config.bundle)
     try:
-        new = fetch(server, bundle_id, edge, Path(config.bundle), progress)
-        switch(Path(config.bundle), new)
+        with _update_lock(bundle):
+            if _is_version(bundle, bundle_id, edge):  # another updater of this path got there while we waited
+                return Manifest.load(bundle)
+            switch(bundle, fetch(server, bundle_id, edge, bundle, progress))
     except OSError as e:  # the phone's storage (the network's OSErrors are BundleSyncErrors by now)
         raise BundleSyncError("write_failed", f"cannot write the new bundle beside {config.bundle}: "
                                               f"{e.strerror or e} ({e.filename or 'a file'}); what came down is "
                                               "kept: make room and run again to resume") from None
     return Manifest.load(config.bundle)
+
+
+@contextlib.contextmanager
+def _update_lock(bundle: Path):
+    """One update of a bundle path at a time (two processes of one app, an app beside ``preload --update``):
+    they would write the same part files and the second switch would drop the rollback version. The second
+    waits for the first (an advisory ``flock`` on ``.<name>.update-lock`` beside the bundle; the kernel
+    releases it if the holder dies)."""
+    fd = os.open(bundle.parent / f".{bundle.name}.update-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s: another update of this bundle is running; waiting for it", bundle)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _is_version(bundle: Path, bundle_id: str, edge: str) -> bool:
+    """Is the bundle at ``bundle`` already the verified version ``<bundle_id>-<edge>``?"""
+    return bundle.is_symlink() and bundle.resolve() == (versions_dir(bundle) / f"{bundle_id}-{edge}").resolve()
 
 
 class LogProgress:

@@ -436,3 +436,31 @@ def test_edges_updating_at_once_wait_out_a_busy_server(bundle_l1, edge_l2, tmp_p
         first.join(30)
     assert new.bundle_id == m1.bundle_id and Manifest.load(edge_l2).bundle_id == m1.bundle_id
     _assert_edge_half(other)
+
+
+def test_two_updaters_of_one_bundle_path_take_turns(bundle_l1, edge_l2):
+    """Two processes of one app (or an app beside `preload --update`) updating the same bundle path: they wrote
+    the same part files, and the second switch dropped the rollback version. The second now waits for the first's
+    lock, finds the bundle current, and returns it."""
+    m1, m2 = Manifest.load(bundle_l1), Manifest.load(edge_l2)
+    app = HoldFirstDownload(_app(bundle_l1), hold_s=1.0)
+    results: list = []
+
+    def one_update():
+        try:
+            results.append(bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), m2))
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            results.append(e)
+
+    with Serving(app) as srv:
+        first = threading.Thread(target=one_update)
+        first.start()
+        assert app.held.wait(30)  # the first holds the lock, its download under way
+        second = threading.Thread(target=one_update)
+        second.start()
+        first.join(60)
+        second.join(60)
+    assert [getattr(r, "bundle_id", r) for r in results] == [m1.bundle_id, m1.bundle_id]
+    _assert_edge_half(edge_l2)
+    versions = sorted(p.name for p in bundle_sync.versions_dir(edge_l2).iterdir())
+    assert versions == sorted([f"{m1.bundle_id}-fp32", f"{m2.bundle_id}-{m2.edge_quant}"])  # the rollback kept
