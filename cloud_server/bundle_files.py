@@ -193,15 +193,21 @@ class _Download(StreamingResponse):
     """A file's bytes; a send the client does not take within SEND_STALL_S ends the download (see above)."""
 
     async def __call__(self, scope, receive, send) -> None:
+        stalled = False
+
         async def send_or_stall(message) -> None:
+            nonlocal stalled
             try:
                 await asyncio.wait_for(send(message), SEND_STALL_S)
             except asyncio.TimeoutError:
+                stalled = True
                 raise _Stalled from None
 
         try:
             await super().__call__(scope, receive, send_or_stall)
-        except* _Stalled:  # alone or in starlette's task group: the server closes the connection, incomplete
+        except Exception:  # _Stalled, alone or in starlette's task group (no except*: Python 3.10 runs this)
+            if not stalled:
+                raise
             log.warning("%s: download stalled (no byte taken for %.0f s); dropped", scope.get("path"), SEND_STALL_S)
 
 

@@ -142,7 +142,7 @@ class BundleServer:
             if e.code in (429, 503) and retry_after:
                 wait_s = min(BUSY_WAIT_STEP_S, max(0.1, float(retry_after))) if retry_after.isdigit() else 1.0
                 raise _Busy(wait_s, BundleSyncError("http_error", f"{self.base}{path}: HTTP {e.code} (still busy "
-                                                                  f"after {BUSY_WAIT_S:.0f} s: {detail})"))
+                                                                  f"after {BUSY_WAIT_S:.0f} s: {detail})")) from None
             if e.code == 401:
                 raise BundleSyncError("unauthorized", f"{self.base}{path}: HTTP 401: API key refused") from None
             if e.code == 404 and path == "/v1/bundles":
