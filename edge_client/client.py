@@ -203,9 +203,9 @@ class EdgeClient:
             self.runtime.check_ids(ids)
         except FrontError as e:
             raise ValueError(f"prompt_ids: {e}") from None
-        if len(ids) > self.runtime.max_positions:
+        if len(ids) >= self.runtime.max_positions:  # the answer needs one position at least (as in full mode)
             raise ValueError(f"prompt of {len(ids)} tokens exceeds the edge graph's {self.runtime.max_positions} "
-                             "positions")
+                             "positions less one for the answer")
         parts += [MediaPart("image", x) for x in images or []] + [MediaPart("audio", x) for x in audio or []]
         if not parts:
             return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)

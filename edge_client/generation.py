@@ -214,6 +214,11 @@ class Session:
         return self.welcome.limits if self.welcome is not None else P.SessionLimits()
 
     @property
+    def max_context(self) -> int:
+        """Positions one request may fill (prompt + answer): the cloud's context or the edge graph's, the smaller."""
+        return min(self.limits.max_context, self.runtime.max_positions)
+
+    @property
     def block_size(self) -> int:
         return self.limits.prefix_block_tokens
 
@@ -350,6 +355,13 @@ class Session:
         req: _Request | None = None
         try:
             await self._connect_with_retry(stats)
+            room = self.max_context - len(spec.prompt_ids)
+            if room < 1:
+                raise EdgeClientError(f"prompt of {len(spec.prompt_ids)} tokens leaves no room in the context of "
+                                      f"{self.max_context}", "context_full")
+            # a max_tokens over the context left is cut to it (finish_reason "length"), as in full mode: the front
+            # failed at the edge graph's last position before (an internal error after the whole answer's work)
+            spec.max_tokens = min(spec.max_tokens, room)
             plan, steps = self._plan_for(spec)
             req = _Request(spec, plan.codec, plan.compute, steps)
             self.sizer.new_request()
@@ -384,8 +396,8 @@ class Session:
                     sink(("token", -1, tail))
             self.drafter.remember(req.tokens)  # later requests (the next agent step) draft from it
             return req.finish or "stop"
-        except asyncio.CancelledError:
-            if req is not None and req.opened:
+        except (asyncio.CancelledError, Exception):  # a failure here too: the cloud would hold the request's KV
+            if req is not None and req.opened:      # until its step timeout (a Cancel of one it ended is ignored)
                 await asyncio.shield(self._cancel(req))
             raise
         finally:
@@ -650,7 +662,7 @@ class Session:
     def _room(self, req: _Request) -> int:
         """Drafts the request and the server allow: the step emits at most k + 1 tokens, needs k + 1 positions."""
         return min(req.spec.max_tokens - len(req.tokens) - 1, self.welcome.server.max_draft_tokens,
-                   self.limits.max_context - req.context_len - 1)
+                   self.max_context - req.context_len - 1)
 
     def _head_k(self, req: _Request) -> int:
         """Drafts the bundle's drafter should propose this step (0: none, or no drafter). It drafts from boundary

@@ -1,0 +1,71 @@
+"""``autoglm-edge serve`` against a real cloud near the end of the context, as an OpenAI client meets it: a
+``max_tokens`` (or the default) over the context left is cut to it (``finish_reason: length``, docs/cloud.md's
+OpenAI table), a prompt that leaves no room is a 400, and a request that fails on the phone mid-generation
+cancels its cloud request at once (it used to hold the cloud's KV until ``--step-timeout-s``). One edge endpoint
+for the module, on the shared tiny cloud."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from local_server import local_server
+
+from edge_client.client import EdgeClient
+from edge_client.local_api import create_app
+
+
+@pytest.fixture(scope="module")
+def edge(tiny_bundle, tiny_cloud):
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url) as client, local_server(create_app(client, model_name="e")) as url:
+        yield client, openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=60)
+
+
+def _prompt(n: int) -> list[int]:
+    return [int(t) for t in np.random.RandomState(n).randint(4, 512, n)]
+
+
+def _running(cloud) -> float:
+    text = httpx.get(cloud.http_url + "/metrics", timeout=10).text
+    return float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
+def test_max_tokens_over_the_context_left_is_cut_to_it(edge):
+    client, oa = edge
+    room = 6
+    ids = _prompt(client.runtime.max_positions - room)
+    r = oa.completions.create(model="e", prompt=ids, max_tokens=50, temperature=0)
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", room)
+    # the default max_tokens (512) too, streamed
+    chunks = list(oa.completions.create(model="e", prompt=ids, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == room
+
+
+def test_a_prompt_that_leaves_no_room_is_a_400(edge):
+    client, oa = edge
+    with pytest.raises(openai.BadRequestError, match="positions"):
+        oa.completions.create(model="e", prompt=_prompt(client.runtime.max_positions), max_tokens=1)
+
+
+def test_a_request_failing_on_the_phone_cancels_its_cloud_request(edge, tiny_cloud, monkeypatch):
+    client, oa = edge
+
+    def broken(*a, **k):
+        raise RuntimeError("the phone's front failed")
+
+    monkeypatch.setattr(client.session.runtime, "decode", broken)
+    with pytest.raises(openai.APIStatusError, match="front failed"):
+        oa.completions.create(model="e", prompt=_prompt(20), max_tokens=30, temperature=0)
+    deadline = time.monotonic() + 5
+    while _running(tiny_cloud) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _running(tiny_cloud) == 0
+    monkeypatch.undo()
+    r = oa.completions.create(model="e", prompt=_prompt(20), max_tokens=3, temperature=0)  # and it serves on
+    assert r.usage.completion_tokens == 3
