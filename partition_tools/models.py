@@ -308,6 +308,18 @@ def check_source(source: str) -> None:
     raise ModelLoadError(f"{source}: no such preset, directory or file (presets: {', '.join(PRESETS)})")
 
 
+def has_tokenizer(source: str) -> bool:
+    """Whether ``load_model(source)`` comes with a tokenizer, known without loading it: the random presets have
+    none (text endpoints, such as the full-model server's OpenAI API, then refuse every request), SmolLM2 and a
+    .gguf carry one, a checkpoint directory has one when it holds tokenizer files."""
+    if source in ("tiny-glm4", "tiny-glm4v", "glm4v-9b-random"):
+        return False
+    path = Path(source)
+    if source not in PRESETS and path.is_dir():
+        return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return True
+
+
 def load_model(source: str, seed: int = 0) -> LoadedModel:
     """Load a preset name, a checkpoint directory or a GGUF file (see the module docstring)."""
     if source == "tiny-glm4":

@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import TextIO
 from collections.abc import Callable
 
+from shared.manifest import BundleError
+
 from .link import IDEAL, LinkEmulator
 from .report import summarize
-from .scenario import Scenario
+from .scenario import Scenario, ScenarioError
 from .servers import CloudProcess
 from .workloads import build
 
@@ -162,6 +164,23 @@ def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[
     return records
 
 
+def check_model(sc: Scenario) -> None:
+    """ScenarioError, before anything is built or started, for a ``model`` the run cannot use: no preset,
+    checkpoint directory or .gguf (it was a ModelLoadError traceback), or, with ``all-cloud``, a model without a
+    tokenizer (the random presets: the full server refuses every text request, so the run failed only at its
+    first all-cloud phone)."""
+    from partition_tools.models import ModelLoadError, check_source, has_tokenizer
+
+    try:
+        check_source(sc.model)
+    except ModelLoadError as e:
+        raise ScenarioError(f"model: {e}") from None
+    if "all-cloud" in sc.modes and not has_tokenizer(sc.model):
+        raise ScenarioError(f"modes: all-cloud needs a model with a tokenizer (the full server's OpenAI API takes "
+                            f"text) and model {sc.model} has none: use smollm2 or a checkpoint with tokenizer "
+                            f"files, or drop all-cloud")
+
+
 def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, on_delta=None,
                  bundle: Path | None = None, whole: Path | None = None) -> dict:
     """Run every (workload, mode, profile) of ``sc``; returns the report dict (also the JSON written by the
@@ -174,8 +193,13 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     quiet_build_logs()
-    bundle = Path(bundle or sc.bundle or ensure_bundle(None, source=sc.model, layer=sc.split_layer,
-                                                       edge_quant=sc.edge_quant))
+    check_model(sc)
+    try:
+        bundle = Path(bundle or sc.bundle or ensure_bundle(None, source=sc.model, layer=sc.split_layer,
+                                                           edge_quant=sc.edge_quant))
+    except BundleError as e:  # e.g. a split_layer past the model's layers: a bad value, not a failed run
+        raise ScenarioError(f"cannot build the {sc.model} bundle (split_layer {sc.split_layer}, edge_quant "
+                            f"{sc.edge_quant}): {e}") from None
     if "all-edge" in sc.modes:
         whole = Path(whole or sc.whole or ensure_whole(sc.model, sc.edge_quant))
     records: list[dict] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -83,6 +84,26 @@ def test_a_cloud_server_that_fails_to_start_is_exit_1_with_its_log(tiny_glm4_fp3
     assert main(["run", path, "--out", str(tmp_path / "out"), "--no-plots"]) == 1  # was a RuntimeError traceback
     err = capsys.readouterr().err
     assert "split cloud server" in err and "cloud-split-wifi.log" in err
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"model": "tiny-glm5"}, "model: tiny-glm5: no such preset"),  # was a ModelLoadError traceback
+    ({"split_layer": 9}, r"split_layer 9.*between 1 and 3"),  # was a BundleError traceback
+    # the full server of a random preset has no tokenizer: the run failed at its first all-cloud phone (exit 1)
+    ({"modes": ["split", "all-cloud"]}, "all-cloud needs a model with a tokenizer"),
+])
+def test_a_model_the_run_cannot_use_is_exit_2_before_anything_starts(tmp_path, monkeypatch, capsys, extra, match):
+    from rig.cli import main
+
+    monkeypatch.setenv("AUTOGLM_CACHE", str(tmp_path / "cache"))
+    data = {"name": "bad", "model": "tiny-glm4", "split_layer": 2, "profiles": ["wifi"], "modes": ["split"],
+            "workloads": [{"kind": "chat", "requests": 1, "max_tokens": 2}], **extra}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(data))
+    assert main(["run", str(path), "--out", str(tmp_path / "out"), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoglm-rig run: error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(match, err) and "starting" not in err
 
 
 @pytest.mark.parametrize("where", ["a file", "under a file"])
