@@ -206,7 +206,7 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise OpenAIRequestError("suffix: not supported by this server (no fill-in-the-middle)", "suffix")
 
 
-def _sampling(body: dict) -> SamplingOptions:
+def _sampling(body: dict, chat: bool) -> SamplingOptions:
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
@@ -223,7 +223,10 @@ def _sampling(body: dict) -> SamplingOptions:
     if n != 1:
         raise OpenAIRequestError("n: only n=1 is supported", "n")
     for name in ("logprobs", "top_logprobs"):  # answered as null before: refused rather than silently dropped
-        if body.get(name) not in (None, False, 0):
+        value = body.get(name)
+        # chat's logprobs is a boolean; the completions API's is a count of alternatives, where 0 still asks for
+        # the sampled token's own log-probability (it was answered as null)
+        if not (value is None or value is False or (value == 0 and (chat or name == "top_logprobs"))):
             raise OpenAIRequestError(f"{name}: not supported by this server", name)
     return SamplingOptions(
         max_tokens=max_tokens,
@@ -314,7 +317,7 @@ def parse_chat_request(body: Any, media: bool = False) -> ChatRequest:
     _refuse_unsupported(body, chat=True)
     stream, include_usage = _stream_flags(body)
     return ChatRequest(
-        model=model, messages=parsed, sampling=_sampling(body), stream=stream, include_usage=include_usage,
+        model=model, messages=parsed, sampling=_sampling(body, chat=True), stream=stream, include_usage=include_usage,
         enable_thinking=thinking, return_reasoning=_get(body, "return_reasoning", bool, False),
         precision=_get(body, "precision", str, None), chat_template_kwargs=kwargs,
     )
@@ -343,7 +346,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if echo and ids is not None:
         raise OpenAIRequestError("echo: not supported with a prompt of token ids", "echo")
     stream, include_usage = _stream_flags(body)
-    return CompletionRequest(model=_get(body, "model", str, ""), prompt=prompt, sampling=_sampling(body),
+    return CompletionRequest(model=_get(body, "model", str, ""), prompt=prompt, sampling=_sampling(body, chat=False),
                              stream=stream, include_usage=include_usage, echo=echo,
                              precision=_get(body, "precision", str, None), prompt_ids=ids)
 
