@@ -39,7 +39,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # apply_chat_template's own parameters: as chat_template_kwargs they would clash with the call (a TypeError) or
 # replace the server's template with the client's (chat_template: arbitrary Jinja rendered here, a denial of service)
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "self", "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 

@@ -177,6 +177,10 @@ def test_bad_requests_get_openai_errors(server):
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "   "})
     assert r.status_code == 400 and r.json()["error"] == {"message": "empty prompt", "type": "invalid_request_error",
                                                           "param": "prompt", "code": "invalid_request_error"}
+    # a template variable named as the template call's own argument (`self` was a plain-text 500)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                              "chat_template_kwargs": {"self": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_upstream_failure_is_a_clear_error(server):

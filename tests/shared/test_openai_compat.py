@@ -64,6 +64,8 @@ def test_content_parts_are_flattened():
     (_body(stop=[1]), "stop"),
     (_body(stream="yes"), "stream"),
     (_body(enable_thinking="on"), "enable_thinking"),
+    # the template call's `self`: a TypeError in the edge's render, a plain-text 500 from autoglm-edge serve
+    (_body(chat_template_kwargs={"self": 1}), "chat_template_kwargs"),
 ])
 def test_bad_chat_requests_name_the_field(body, param):
     with pytest.raises(OpenAIRequestError) as ei:
