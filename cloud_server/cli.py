@@ -322,7 +322,9 @@ def _startup_problem(config) -> str | None:
             check_source(config.full)
         except ModelLoadError as e:
             return f"--full {e}"
-    return None
+    from shared.cli_exit import listen_problem
+
+    return listen_problem(config.host, config.port)  # last: the checks above name their own flags
 
 
 

@@ -117,6 +117,10 @@ def cmd_serve(args) -> int:
 
     if args.media_dir is not None and not Path(args.media_dir).is_dir():  # else every local image path is refused
         raise ValueError(f"--media-dir {args.media_dir}: not a directory")
+    from shared.cli_exit import listen_problem
+
+    if (problem := listen_problem(args.host, args.port)) is not None:  # was uvicorn's bind error, exit 3
+        raise ValueError(problem)
     client = _client(args)
     app = create_app(client, model_name=args.model_name, api_key=args.local_api_key, media_dir=args.media_dir,
                      fetch_urls=args.fetch_urls)

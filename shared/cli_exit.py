@@ -33,3 +33,20 @@ def run_command(prog: str, command: str, handler: Callable[[object], int], args,
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
         return 141
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on ``host:port`` (the port in use, an address not this machine's, a
+    privileged port), or None: a probe bound as uvicorn binds (IPv6 for a host with ':', SO_REUSEADDR) and closed
+    at once. The servers call it before they load a model, so a taken port is a one-line usage error instead of
+    uvicorn's bind error, exit 3, after the load."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:  # socket.gaierror included: a host name that does not resolve
+            return f"--host {host} --port {port}: cannot listen there ({e.strerror or e})"
+    return None

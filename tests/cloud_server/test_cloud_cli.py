@@ -191,6 +191,20 @@ def test_what_would_fail_the_start_is_a_one_line_error_before_it(tiny_bundle, tm
 
 
 
+def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(tiny_bundle, capsys):
+    """It loaded the model, then uvicorn could not bind: 'address already in use' among the lifespan's log lines,
+    exit status 3 (minutes into the start of a 9B model)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(tiny_bundle), "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"autoglm-cloud: error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)\n"
+
+
 def test_a_truncated_gguf_for_full_is_refused_in_one_line_before_the_server_starts(tmp_path, capsys, monkeypatch):
     """A .gguf with the GGUF magic but cut short passed the start checks and failed the runtime's start inside
     uvicorn's lifespan (a ModelLoadError traceback, 'Application startup failed')."""

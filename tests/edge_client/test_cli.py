@@ -18,6 +18,19 @@ def test_bad_input_is_one_line(argv, needle, capsys):
     assert needle in err and err.count("\n") == 1 and err.startswith(f"autoglm-edge {argv[0]}: error:")
 
 
+def test_serve_on_a_port_in_use_is_one_line_before_the_bundle_loads(tiny_bundle, capsys):
+    """It loaded the bundle, printed its endpoint, then uvicorn's bind error ended it with exit status 3."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--bundle", str(tiny_bundle), "--url", "ws://127.0.0.1:1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"autoglm-edge serve: error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)\n"
+
+
 def test_help_lists_every_command():
     text = build_parser().format_help()
     assert all(c in text for c in ("chat", "serve", "preload", "demo"))
