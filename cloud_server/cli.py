@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("keys", help="manage the API keys file: `autoglm-cloud keys add FILE --tenant NAME`")
     s = sub.add_parser("serve", help="serve a bundle's cloud half (split mode) or a whole model (--full)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("bundle", nargs="*", help="bundle directory written by `autoglm-partition split`; several: "
                                              "each bundle id gets its own engine (the first is the default), a "
                                              "repeated id is an edge variant offered for download at /v1/bundles "

@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log reconnects and cache decisions")
     sub = p.add_subparsers(dest="command", required=True)
 
-    chat = sub.add_parser("chat", help="interactive streaming chat through the split model")
+    chat = sub.add_parser("chat", help="interactive streaming chat through the split model",
+                          description="Interactive streaming chat through the split model.")
     _config_flags(chat)
     chat.add_argument("--system", help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=512, help="most tokens per answer (default 512)")
@@ -225,10 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                       help="enable_thinking for the chat template (default: the template's)")
     chat.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True,
-                      help="print TTFT, tokens/s and bytes after each answer")
+                      help="print TTFT, tokens/s and bytes after each answer (default on)")
     chat.set_defaults(func=cmd_chat)
 
-    serve = sub.add_parser("serve", help="local OpenAI-compatible endpoint (/v1/chat/completions)")
+    serve = sub.add_parser("serve", help="local OpenAI-compatible endpoint (/v1/chat/completions)",
+                           description="Local OpenAI-compatible endpoint (/v1/chat/completions).")
     _config_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this device only)")
     serve.add_argument("--media-dir", default=os.environ.get("AUTOGLM_EDGE_MEDIA_DIR"),
@@ -240,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-name", help="model id reported by /v1/models (default: from the bundle id)")
     serve.add_argument("--local-api-key", help="require this Bearer key from local apps (default: none)")
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug",
-                                                                  "trace"))
+                                                                  "trace"),
+                       help="uvicorn's log level: info logs every request (default warning)")
     serve.set_defaults(func=cmd_serve)
 
     pre = sub.add_parser("preload", help="fill the persistent activation cache with common prompts",
@@ -254,8 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "download, verified, switched atomically, the previous version kept)")
     pre.set_defaults(func=cmd_preload)
 
-    demo = sub.add_parser("demo", help="build the SmolLM2 bundle once, start a local cloud, stream an answer")
-    demo.add_argument("--prompt", help="the question to ask")
+    demo = sub.add_parser("demo", help="build the SmolLM2 bundle once, start a local cloud, stream an answer",
+                          description="Build the SmolLM2 bundle once, start a local cloud, stream an answer.")
+    demo.add_argument("--prompt", help="the question to ask (default: why splitting a model helps)")
     demo.add_argument("--max-tokens", type=int, default=96, help="most tokens of the answer (default 96)")
     demo.add_argument("--bundle", type=Path, help="bundle path (default: $AUTOGLM_CACHE/bundles/smollm2-l8)")
     demo.add_argument("--rebuild", action="store_true", help="rebuild the cached bundle")

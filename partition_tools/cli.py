@@ -1,4 +1,4 @@
-"""``autoglm-partition``: split / verify / inspect / plan a GLM-family checkpoint.
+"""``autoglm-partition``: split / draft-head / verify / inspect / plan a GLM-family checkpoint.
 
 Every value flag but ``--preset`` has an environment-variable twin (``AUTOGLM_PARTITION_<FLAG>``, e.g.
 ``AUTOGLM_PARTITION_LAYER``); the switches (``--fp32-prefill``, ``--cloud``, ``--json``) have none. Bad input ends in one line on
@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autoglm-partition", description=__doc__.splitlines()[0].split(": ", 1)[1])
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("split", help="cut a model at layer N into an edge/cloud bundle")
+    s = sub.add_parser("split", help="cut a model at layer N into an edge/cloud bundle",
+                       description="Cut a model at layer N into an edge/cloud bundle.")
     s.add_argument("source", nargs="?", help="checkpoint directory, .gguf file or preset name")
     s.add_argument("--preset", help="preset name: tiny-glm4, tiny-glm4v, smollm2, glm4v-9b-random")
     s.add_argument("--layer", type=int, default=_env("LAYER"), help="N: layers [0, N) run on the edge")
@@ -54,8 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs the middle and never sees an output token)")
     s.add_argument("--seed", type=int, default=_env("SEED", "0"), help="seed for random-weight presets")
 
-    d = sub.add_parser("draft-head", help="add a calibrated draft head to a bundle (self-speculative drafts)")
-    d.add_argument("bundle")
+    d = sub.add_parser("draft-head", help="add a drafter to a bundle for speculative decoding: a draft head "
+                                         "(default), a layer-skipping drafter (--layers) or the cloud drafter (--cloud)",
+                       description="Add a drafter to a bundle for speculative decoding: a draft head (default), "
+                                   "a layer-skipping drafter (--layers) or the cloud drafter (--cloud).")
+    d.add_argument("bundle", help="bundle directory written by split")
     d.add_argument("--source", default=_env("SOURCE"), help="the model it was split from (default: the manifest's)")
     d.add_argument("--text", default=_env("TEXT"), help="calibration text, UTF-8 (default: built-in sample's tail)")
     d.add_argument("--vocab", type=int, default=_env("VOCAB"),
@@ -70,18 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the cloud drafter instead: a table mapping each token to an approximate boundary state, so "
                         "the server drafts the next tokens with its own layers (cloud/draft_inputs.npy)")
 
-    v = sub.add_parser("verify", help="check a bundle against the unsplit model on real text")
-    v.add_argument("bundle")
+    v = sub.add_parser("verify", help="check a bundle against the unsplit model on real text",
+                       description="Check a bundle against the unsplit model on real text.")
+    v.add_argument("bundle", help="bundle directory written by split")
     v.add_argument("--source", default=_env("SOURCE"), help="reference model (default: the manifest's source)")
     v.add_argument("--text", default=_env("TEXT"), help="UTF-8 text file to evaluate on (default: built-in sample)")
     v.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS", "1024"), help="tokens to evaluate")
     v.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
-    i = sub.add_parser("inspect", help="show what a bundle holds and re-check its hashes")
-    i.add_argument("bundle")
+    i = sub.add_parser("inspect", help="show what a bundle holds and re-check its hashes",
+                       description="Show what a bundle holds and re-check its hashes.")
+    i.add_argument("bundle", help="bundle directory written by split")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    pl = sub.add_parser("plan", help="choose the split layer N from measured edge/cloud/link costs")
+    pl = sub.add_parser("plan", help="choose the split layer N from measured edge/cloud/link costs",
+                        description="Choose the split layer N from measured edge/cloud/link costs.")
     pl.add_argument("source", help="checkpoint directory, .gguf file or preset name")
     pl.add_argument("--link", default=_env("LINK", "4g"), help="link profile: wifi, 5g, 4g, 3g-poor (default 4g)")
     pl.add_argument("--edge-threads", type=int, default=_env("EDGE_THREADS", "2"), help="edge onnxruntime threads")

@@ -28,13 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autoglm-rig", description="The simulated-mobile test rig: emulated "
                                 "links, simulated phones, split vs all-cloud vs all-edge.")
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run a scenario file (YAML or JSON)")
+    r = sub.add_parser("run", help="run a scenario file (YAML or JSON)",
+                       description="Run a scenario file (YAML or JSON).")
     r.add_argument("scenario", help="scenario file (docs/rig.md describes the keys)")
     r.add_argument("--out", default=_env("OUT"), help="report directory (default rig-report/<scenario name>) "
                                                       "[env AUTOGLM_RIG_OUT]")
     r.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
 
-    d = sub.add_parser("demo", help="the split, all-cloud and all-edge on localhost over an emulated link")
+    d = sub.add_parser("demo", help="the split, all-cloud and all-edge on localhost over an emulated link",
+                       description="The split, all-cloud and all-edge on localhost over an emulated link.")
     d.add_argument("--profile", default=_env("PROFILE", "4g"), help="link profile (default 4g) "
                                                                     "[env AUTOGLM_RIG_PROFILE]")
     d.add_argument("--threads", type=int, default=_env("THREADS", "1"),

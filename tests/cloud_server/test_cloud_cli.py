@@ -243,3 +243,10 @@ def test_the_device_check_counts_bare_cuda_as_device_0(monkeypatch, device, ok):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     problem = cli._device_problem(device)
     assert problem is None if ok else "no such CUDA device (1 visible)" in problem
+
+
+def test_serve_help_shows_plain_backticks_not_rst_markup():
+    """serve --help printed the module docstring's reST ``literals`` as they are."""
+    text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "``" not in text and "`autoglm-cloud serve --full SOURCE`" in text
+

@@ -89,3 +89,23 @@ def test_chat_samples_at_0_7_by_default_as_its_help_and_the_docs_say_and_the_api
     assert re.search(r"`--temperature` defaults to 0\.7", chat_section), chat_section
     assert "`--max-tokens` to 512" in chat_section and "`temperature=0.0`" in chat_section
     assert "`max_tokens=256`" in chat_section
+
+
+def _undocumented(parser) -> list[str]:
+    """Subcommands without a description and arguments without help text, walked through the subparsers."""
+    import argparse
+
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += [f"{name}: no description"] * (not sub.description)
+                missing += [f"{name} {m}" for m in _undocumented(sub)]
+        elif not action.help and not isinstance(action, argparse._HelpAction):
+            missing.append("/".join(action.option_strings) or action.dest)
+    return missing
+
+
+def test_every_subcommand_and_option_has_help_text():
+    """chat, serve and demo --help had no description; serve --log-level had no help."""
+    assert _undocumented(build_parser()) == []
