@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -72,6 +73,16 @@ class TextBackend(Protocol):
     def render_chat(self, req: oc.ChatRequest) -> str: ...
     # may be a coroutine function (a backend that tokenizes off the event loop)
     def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> TextStream: ...
+
+
+log = logging.getLogger(__name__)
+
+
+def _internal(e: Exception) -> GenerationError:
+    """A failure of this server itself (a bug, here or in the backend): logged with its traceback and answered in
+    OpenAI's shape, a 500 (starlette's own answer is a plain-text "Internal Server Error")."""
+    log.error("OpenAI route failed: %s: %s", type(e).__name__, e, exc_info=e)
+    return GenerationError(f"internal error: {type(e).__name__}", "internal")
 
 
 RETRY_AFTER_S = 1  # a 503 (not ready, draining, overloaded) says when to try again; the openai client honours it
@@ -144,6 +155,8 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
                 stream = await stream
         except oc.OpenAIRequestError as e:
             return error_response(e)
+        except Exception as e:  # noqa: BLE001 - whatever it is, the client gets OpenAI's shape
+            return error_response(_internal(e))
         reply = _Reply(req, prompt, req.model or backend.model_name)
         return (await _whole(stream, reply, request)) if not req.stream else _streamed(stream, reply)
 
@@ -179,6 +192,8 @@ async def _whole(stream: TextStream, reply: _Reply, request: Request) -> JSONRes
         work.result()
     except GenerationError as e:
         return error_response(e)
+    except Exception as e:  # noqa: BLE001
+        return error_response(_internal(e))
     finally:
         for task in (work, watch):
             task.cancel()
@@ -202,6 +217,8 @@ def _streamed(stream: TextStream, reply: _Reply) -> StreamingResponse:
                 yield oc.sse(reply.chunk(None, usage=stream.usage()))
         except GenerationError as e:
             yield oc.sse(e.to_dict())
+        except Exception as e:  # noqa: BLE001
+            yield oc.sse(_internal(e).to_dict())
         finally:
             await stream.aclose()  # also when the client went away: cancels the generation
         yield oc.SSE_DONE

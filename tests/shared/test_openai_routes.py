@@ -269,3 +269,19 @@ def test_a_client_gone_before_a_whole_answer_cancels_its_generation():
     asyncio.run(run())
     assert backend.started and backend.started[-1][2].closed  # closed: the backend cancels the generation
     assert sent[0]["status"] == 400
+
+
+def test_a_failure_of_the_server_itself_is_an_openai_500_not_plain_text(api):
+    """A bug in the backend (before the stream, while it runs, mid-SSE) is a 500 / an error event in OpenAI's
+    shape: starlette answered a plain-text "Internal Server Error" (a TypeError in the edge's template render was
+    one) that no OpenAI client parses as an error body."""
+    client, backend = api
+    backend.render_chat = lambda req: 1 / 0
+    r = client.post("/v1/chat/completions", json=_chat())
+    assert r.status_code == 500 and r.json()["error"] == {"message": "internal error: ZeroDivisionError",
+                                                          "type": "server_error", "param": None, "code": "internal"}
+    backend.error = RuntimeError("boom")
+    r = client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal" and backend.started[-1][2].closed
+    events = _events(client, "/v1/completions", {"prompt": "x"})
+    assert events[-1]["error"]["code"] == "internal" and backend.started[-1][2].closed
