@@ -245,6 +245,14 @@ def add_key(path: str | Path, tenant: str, max_sessions: int | None = None,
             role: str = "tenant") -> tuple[str, str]:
     """Append a new key for ``tenant`` with ``role`` (:data:`ROLES`) to the keys file (created if absent, mode
     0600); returns ``(key_id, key)``. The key itself is not stored: this is the only time it is seen."""
+    # the new entry's own values, named as given (the file's check below named them "FILE: keys[<n>]", as if
+    # the file were broken)
+    if not isinstance(tenant, str) or not tenant or not set(tenant) <= _TENANT_CHARS or len(tenant) > 64:
+        raise KeysFileError(f"tenant {tenant!r}: must be 1-64 characters of [A-Za-z0-9._-]")
+    if max_sessions is not None and (type(max_sessions) is not int or max_sessions < 1):
+        raise KeysFileError(f"max_sessions {max_sessions!r}: must be a positive integer")
+    if role not in ROLES:
+        raise KeysFileError(f"role {role!r}: must be one of {', '.join(ROLES)}")
     path = Path(path)
     data = {"version": 1, "keys": []}
     if path.exists():

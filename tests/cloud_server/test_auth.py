@@ -40,6 +40,22 @@ def test_keys_cli_prints_the_key_once_and_stores_only_its_hash(tmp_path, capsys)
     assert json.loads(path.read_text())["keys"] == [entry]
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--tenant", "bad name!"], "autoglm-cloud keys: error: tenant 'bad name!': must be 1-64 characters"),
+    (["--tenant", "ok", "--max-sessions", "0"], "autoglm-cloud keys: error: max_sessions 0: must be a positive"),
+])
+def test_keys_add_names_the_bad_value_not_an_entry_of_the_file(tmp_path, capsys, argv, said):
+    """It said 'keys.json: keys[1]: tenant must be ...', an entry that was never written, as if the file were
+    broken."""
+    path = tmp_path / "keys.json"
+    assert auth.keys_main(["add", str(path), "--tenant", "acme"]) == 0
+    before = path.read_text()
+    capsys.readouterr()
+    assert auth.keys_main(["add", str(path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and "keys[" not in err and path.read_text() == before
+
+
 def test_lookup_compares_every_entry_in_constant_time(tmp_path, monkeypatch):
     path = tmp_path / "keys.json"
     keys = [auth.add_key(path, f"t{i}")[1] for i in range(5)]
