@@ -138,13 +138,26 @@ def export(lens: LensFit, path: Path, quant: str) -> None:
     if quant == "fp32":
         onnx.save(model, str(path))
         return
+    import logging
+
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    with tempfile.TemporaryDirectory() as tmp:
-        fp32 = Path(tmp) / "head.onnx"
-        onnx.save(model, str(fp32))
-        quantize_dynamic(str(fp32), str(Path(tmp) / "q.onnx"), weight_type=QuantType.QInt8)
-        shutil.move(str(Path(tmp) / "q.onnx"), path)
+    root = logging.getLogger()
+    root.addFilter(_no_preprocess_advice)  # a WARNING on every draft-head run that asked nothing of the user
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            fp32 = Path(tmp) / "head.onnx"
+            onnx.save(model, str(fp32))
+            quantize_dynamic(str(fp32), str(Path(tmp) / "q.onnx"), weight_type=QuantType.QInt8)
+            shutil.move(str(Path(tmp) / "q.onnx"), path)
+    finally:
+        root.removeFilter(_no_preprocess_advice)
+
+
+def _no_preprocess_advice(record) -> bool:
+    """Drop onnxruntime's "Please consider to run pre-processing before quantization" (logged on the root logger
+    for any model without its pre-processing metadata): this two-MatMul graph has nothing to pre-process."""
+    return "run pre-processing before quantization" not in record.getMessage()
 
 
 def bundle_of(lm: LoadedModel, bundle: Path) -> tuple[Manifest, ModelAdapter]:

@@ -138,6 +138,15 @@ def _check_loads(path: Path) -> None:
         raise RuntimeError(f"onnxruntime cannot run the fused graph: {str(e).splitlines()[0]}") from None
 
 
+def quiet_exporter_logs() -> None:
+    """Before a torch.onnx export: the exporters' INFO chatter is not progress, and torch's op registry warns
+    "torchvision is not installed. Skipping torchvision::nms" (and three more) on every export without
+    torchvision, which no graph here uses: a user took it for a missing dependency."""
+    for name in ("onnxscript", "onnx_ir", "torch.onnx"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+
+
 def export_front(adapter: ModelAdapter, n_layers: int, out_path: Path) -> Path:
     """Write the fp32 front graph (weights inline if < 2 GB, else as external data beside it)."""
     from torch.export import Dim
@@ -149,8 +158,7 @@ def export_front(adapter: ModelAdapter, n_layers: int, out_path: Path) -> Path:
     batch, seq, past = Dim.AUTO, Dim.AUTO, Dim.AUTO
     dyn = ({0: batch, 1: seq}, {0: batch, 1: seq}, tuple({0: batch, 2: past} for _ in range(2 * n_layers)))
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    for name in ("onnxscript", "onnx_ir", "torch.onnx"):  # their INFO chatter is not progress
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_exporter_logs()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(

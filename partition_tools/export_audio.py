@@ -24,7 +24,6 @@ does, and keeps the rows that cover the clip)::
 from __future__ import annotations
 
 import json
-import logging
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -138,8 +137,9 @@ def export_audio(source: str | Path, hidden_size: int, bundle_dir: Path) -> Audi
     example = torch.zeros(1, spec.n_mels, spec.window_frames)
     out = Path(bundle_dir) / AUDIO
     out.parent.mkdir(parents=True, exist_ok=True)
-    for name in ("onnxscript", "onnx_ir", "torch.onnx"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    from .export import quiet_exporter_logs
+
+    quiet_exporter_logs()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(tower, (example,), dynamo=True, input_names=["input_features"],

@@ -22,7 +22,6 @@ manifest artifacts of role ``edge`` (the bundle id, which names the cloud half, 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import warnings
 from dataclasses import asdict
@@ -131,8 +130,9 @@ def export_vision_fp32(visual: torch.nn.Module, out_path: Path) -> Path:
     n = Dim("n_patches", min=4)
     dyn = ({0: n}, {0: n}, {0: n}, {1: n})
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    for name in ("onnxscript", "onnx_ir", "torch.onnx"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    from .export import quiet_exporter_logs
+
+    quiet_exporter_logs()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, dynamo=True,

@@ -17,7 +17,6 @@ runner needs: layers, KV heads, head dim, vocab, eos ids, quantization report).
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import tempfile
 import warnings
@@ -31,7 +30,7 @@ from onnx import helper, numpy_helper
 from shared.whole_model import WHOLE_GRAPH, WHOLE_META
 
 from .adapters import ModelAdapter
-from .export import FrontModule, _param_bytes, example_inputs, input_names
+from .export import FrontModule, _param_bytes, example_inputs, input_names, quiet_exporter_logs
 from .models import LoadedModel
 from .quantize import QUANT_MODES, QuantizationError, _save, quantize_front, recipe_for
 
@@ -68,8 +67,7 @@ def _export_fp32(adapter: ModelAdapter, out_path: Path) -> Path:
     args = example_inputs(adapter, n)
     dyn = ({0: Dim.AUTO, 1: Dim.AUTO}, {0: Dim.AUTO, 1: Dim.AUTO},
            tuple({0: Dim.AUTO, 2: Dim.AUTO} for _ in range(2 * n)))
-    for name in ("onnxscript", "onnx_ir", "torch.onnx"):  # their INFO chatter is not progress
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_exporter_logs()
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, dynamo=True, input_names=input_names(n),

@@ -38,6 +38,19 @@ def test_exported_graph_proposes_the_argmax_of_its_vocabulary(tmp_path, quant):
     assert got.tolist() == lens.vocab[hidden[:, :4].argmax(1)].tolist()
 
 
+def test_the_int8_export_logs_no_preprocessing_advice(tmp_path, caplog):
+    """autoglm-partition draft-head printed onnxruntime's 'WARNING:root:Please consider to run pre-processing
+    before quantization' on every run: advice for image models that asked nothing of the user."""
+    import logging
+
+    lens = LensFit(np.eye(8, dtype=np.float32), np.zeros(8, np.float32), np.array([5, 9, 11, 40]),
+                   np.eye(8, 4, dtype=np.float32))
+    with caplog.at_level(logging.WARNING):
+        export(lens, tmp_path / "h.onnx", "int8")
+    assert not [r for r in caplog.records if "pre-processing" in r.getMessage()]
+    assert not logging.getLogger().filters  # the filter is gone after the export
+
+
 def test_add_draft_head_to_a_bundle(tiny_glm4_fp32_bundle, tiny_glm4_lm, tmp_path):
     bundle = tmp_path / "b"
     shutil.copytree(tiny_glm4_fp32_bundle, bundle)

@@ -157,3 +157,16 @@ def test_int8_front_takes_media_rows(tiny_glm4v_int8_bundle):
     some = FrontRuntime(out, threads=1).prefill_media(ids, None, rows, mask)
     np.testing.assert_array_equal(some[:4], text[:4])  # causal: rows before the media are untouched
     assert np.abs(some[4:] - text[4:]).max() > 1e-3
+
+
+def test_exports_do_not_warn_about_torchvision(capfd):
+    """Every torch.onnx export (the vision tower, the audio encoder, the whole model) printed four 'W... torchvision
+    is not installed. Skipping torchvision::nms' lines from torch's op registry: no graph here uses those ops,
+    and a user took them for a missing dependency."""
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
+    from partition_tools.export import quiet_exporter_logs
+
+    quiet_exporter_logs()  # what every export does first
+    ONNXRegistry.from_torchlib()  # what torch.onnx.export(dynamo=True) builds, warning as it goes
+    assert "torchvision" not in capfd.readouterr().err
