@@ -22,6 +22,7 @@ from cloud_server.engine.async_engine import RequestStream
 from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 from cloud_server.engine.sequence import InputChunk
+from cloud_server.split_translate import WIRE_CODES
 from shared import openai_compat as oc
 from shared import openai_routes
 from shared.detokenizer import StreamDecoder
@@ -71,7 +72,9 @@ class _EngineStream:
         self.cached_tokens = out.num_cached_tokens
         if out.error_code is not None:
             self.finish_reason = "error"
-            raise openai_routes.GenerationError(out.error_message or out.error_code, out.error_code)
+            # the engine's code as the split endpoint sends it (kv_cache_full -> overloaded: a 503 with Retry-After)
+            code = WIRE_CODES.get(out.error_code, out.error_code)
+            raise openai_routes.GenerationError(out.error_message or out.error_code, code)
         text = ""
         if out.token_id is not None:
             self.completion_tokens += 1

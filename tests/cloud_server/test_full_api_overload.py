@@ -1,0 +1,70 @@
+"""Full-model mode's OpenAI routes when the KV pool runs out under concurrent requests: the request the engine
+aborts (``kv_cache_full``, docs/cloud.md "Capacity and overload": "the youngest is aborted with `overloaded`")
+gets a 503 ``overloaded`` with ``Retry-After`` (JSON) or that error event (SSE), as every other overload does -
+it was a 500 ``server_error`` "kv_cache_full", which the openai client retried without a hint - while the other
+requests finish and the pool empties. One tiny server for the module (a pool of 64 positions)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+
+import httpx
+import pytest
+from cloud_support import ServerThread
+
+from cloud_server.app import create_app
+from cloud_server.config import EngineConfig, ServerConfig
+from cloud_server.runtime import CloudRuntime
+
+
+class _Letters:
+    """A tokenizer for prompts of token ids: every id decodes to a letter."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_lm):
+    lm = copy.copy(tiny_lm)
+    lm.tokenizer = _Letters()
+    cfg = ServerConfig(full="tiny-glm4", model_name="tiny",
+                       engine=EngineConfig(num_blocks=16, block_size=4, max_model_len=48))
+    rt = CloudRuntime(cfg, loaded=lm).start()
+    with ServerThread(create_app(rt)) as srv:
+        srv.runtime = rt
+        _ask(srv, False)  # the model's first steps (warm-up) here, not in a test
+        yield srv
+    rt.stop()
+
+
+def _ask(srv, stream: bool) -> tuple[int, dict, dict]:
+    """(status, error or None, headers) of one completion that wants 40 positions; 3 at once outgrow 64."""
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 36, "temperature": 0.0, "stream": stream}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    if not stream:
+        return r.status_code, r.json().get("error"), r.headers
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return r.status_code, next((e["error"] for e in events if "error" in e), None), r.headers
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_aborted_for_kv_is_a_503_overloaded(server, stream):
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_ask(server, stream))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errors = [(status, err, headers) for status, err, headers in results if err is not None]
+    assert errors and len(errors) < 3  # the youngest went, the others finished
+    for status, err, headers in errors:
+        assert err["code"] == "overloaded" and err["type"] == "server_error"
+        if not stream:
+            assert status == 503 and headers["retry-after"] == "1"
+    assert _ask(server, stream)[1] is None  # alone, it fits
