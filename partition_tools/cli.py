@@ -144,12 +144,28 @@ def _cmd_split(args) -> int:
     return 0
 
 
+def _text_needs_a_tokenizer(args) -> None:
+    """``--text`` for a bundle whose source has no tokenizer (a random preset, calibrated and verified on random
+    token ids): verify stopped with a ValueError traceback and the draft head ignored the file without a word."""
+    if not args.text:
+        return
+    from shared.manifest import Manifest
+
+    from .models import has_tokenizer
+
+    source = args.source or Manifest.load(args.bundle).source
+    if not has_tokenizer(source):
+        raise UsageError(f"--text {args.text}: {source} has no tokenizer to read it with (random presets use "
+                         "random token ids); leave --text out")
+
+
 def _cmd_draft_head(args) -> int:
     from shared.manifest import Manifest
 
     from .draft_head import DraftHeadConfig, add_draft_head
     from .models import load_model
 
+    _text_needs_a_tokenizer(args)
     vocab = int(args.vocab) if args.vocab is not None else None
     text = Path(args.text) if args.text else None
     if args.cloud:
@@ -215,6 +231,7 @@ def _cmd_verify(args) -> int:
             raise UsageError(f"--text {args.text}: {e}") from None
     if args.max_tokens < 16:
         raise UsageError("--max-tokens must be at least 16")
+    _text_needs_a_tokenizer(args)
     r = verify_bundle(args.bundle, source=args.source, text=text, max_tokens=args.max_tokens)
     if args.json:
         print(json.dumps(r, sort_keys=True))

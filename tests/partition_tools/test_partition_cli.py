@@ -154,3 +154,19 @@ def test_every_subcommand_and_option_has_help_text():
 
     parser = build_parser()
     assert _undocumented(parser) == [] and "draft-head" in parser.description
+
+
+@pytest.mark.parametrize("command", [["verify"], ["draft-head"], ["draft-head", "--cloud"], ["draft-head",
+                                                                                               "--layers", "3"]])
+def test_text_for_a_source_without_a_tokenizer_is_a_usage_error(tiny_glm4_bundle, tmp_path, capsys, command):
+    """verify --text on a random preset's bundle ended in a ValueError traceback; draft-head ignored the file
+    and calibrated on random ids as if it had not been given."""
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, bundle)  # a broken draft-head must not change the shared bundle
+    text = tmp_path / "t.txt"
+    text.write_text("some calibration prose " * 50)
+    assert main([command[0], str(bundle), *command[1:], "--text", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"autoglm-partition {command[0]}: error: --text {text}: tiny-glm4 has no tokenizer to read it "
+                   "with (random presets use random token ids); leave --text out\n")
+    assert sorted(p.name for p in bundle.rglob("*")) == sorted(p.name for p in tiny_glm4_bundle.rglob("*"))
