@@ -69,7 +69,7 @@ class OpenAIRequestError(Exception):
 class SamplingOptions:
     """The sampling fields common to both endpoints (OpenAI names; ``top_k`` and ``seed`` as vLLM spells them)."""
 
-    max_tokens: int | None = None  # None: the server's limit
+    max_tokens: int | None = None  # None: the server's limit; >= 1 (_sampling checks it, naming the field sent)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -84,8 +84,6 @@ class SamplingOptions:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def __post_init__(self):
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise OpenAIRequestError("max_tokens must be >= 1", "max_tokens")
         if not 0.0 <= self.temperature <= 2.0:
             raise OpenAIRequestError("temperature must be in [0, 2]", "temperature")
         if not 0.0 < self.top_p <= 1.0:
@@ -207,9 +205,10 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
 
 
 def _sampling(body: dict, chat: bool) -> SamplingOptions:
-    max_tokens = _get(body, "max_completion_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int, None)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"  # it wins
+    max_tokens = _get(body, name, int, None)
+    if max_tokens is not None and max_tokens < 1:  # named as sent (the openai client sends max_completion_tokens)
+        raise OpenAIRequestError(f"{name} must be >= 1", name)
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []

@@ -60,6 +60,8 @@ def test_content_parts_are_flattened():
     (_body(top_p=0), "top_p"),
     (_body(max_tokens=0), "max_tokens"),
     (_body(max_tokens=True), "max_tokens"),
+    (_body(max_completion_tokens=0), "max_completion_tokens"),  # the field sent, not "max_tokens"
+    (_body(max_tokens=5, max_completion_tokens=-1), "max_completion_tokens"),
     (_body(n=2), "n"),
     (_body(stop=[1]), "stop"),
     (_body(stream="yes"), "stream"),
