@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Build the SmolLM2 bundle once, start a local cloud, stream an answer.")
     demo.add_argument("--prompt", help="the question to ask (default: why splitting a model helps)")
     demo.add_argument("--max-tokens", type=int, default=96, help="most tokens of the answer (default 96)")
-    demo.add_argument("--bundle", type=Path, help="bundle path (default: $AUTOGLM_CACHE/bundles/smollm2-l8)")
+    demo.add_argument("--bundle", type=Path, help="use this bundle; absent, the SmolLM2 one is built there "
+                                                        "(default: $AUTOGLM_CACHE/bundles/smollm2-l8)")
     demo.add_argument("--rebuild", action="store_true", help="rebuild the cached bundle")
     demo.add_argument("--threads", type=int, default=2, help="onnxruntime threads of the edge front (default 2)")
     demo.add_argument("--port", type=port_number, help="cloud server port (default: a free one)")

@@ -46,6 +46,10 @@ def ensure_bundle(out: Path | None = None, source: str = "smollm2", layer: int =
                 return out
         except BundleError:
             pass
+    if out.is_file() or (out.is_dir() and not (out / "manifest.json").is_file() and any(out.iterdir())):
+        # the rebuild below replaces ``out`` whole: a path that holds anything but a bundle (``--bundle ~``, a
+        # project folder) was deleted
+        raise BundleError(f"{out}: exists and is not a bundle; refusing to overwrite it (give a new or empty path)")
     if not quiet:
         print(f"building the {source} bundle (layer {layer}, {edge_quant} edge) in {out} - once", flush=True)
     from partition_tools.models import load_model
@@ -167,7 +171,14 @@ def run_demo(prompt: str = DEMO_PROMPT, max_tokens: int = 96, bundle: Path | Non
     """Steps 1-4 of the module docstring; returns the numbers it printed."""
     from .client import EdgeClient
 
-    path = ensure_bundle(bundle, rebuild=rebuild)
+    path = None
+    if bundle is not None and not rebuild:  # a bundle the user names is used as it is (any model or split layer)
+        try:
+            Manifest.load(bundle).verify_files(bundle)
+            path = Path(bundle)
+        except BundleError:
+            pass  # absent or broken: build the SmolLM2 bundle there
+    path = path or ensure_bundle(bundle, rebuild=rebuild)
     m = Manifest.load(path)
     print(f"bundle {path} ({m.source}, layers [0, {m.split_layer}) on the edge as {m.edge_quant}, "
           f"[{m.split_layer}, {m.num_layers}) in the cloud)", file=out, flush=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from edge_client.cli import build_parser, main
@@ -109,3 +111,54 @@ def _undocumented(parser) -> list[str]:
 def test_every_subcommand_and_option_has_help_text():
     """chat, serve and demo --help had no description; serve --log-level had no help."""
     assert _undocumented(build_parser()) == []
+
+
+def _no_build(monkeypatch):
+    """A stand-in for the SmolLM2 build (minutes): writes a bare manifest where the bundle goes."""
+    import partition_tools.models
+    import partition_tools.split
+
+    def fake_split(lm, cfg):
+        cfg.out.mkdir(parents=True)
+        (cfg.out / "manifest.json").write_text("{}")
+
+    monkeypatch.setattr(partition_tools.split, "split", fake_split)
+    monkeypatch.setattr(partition_tools.models, "load_model", lambda source: None)
+
+
+def test_demo_never_overwrites_a_path_that_is_not_a_bundle(tmp_path, monkeypatch, capsys):
+    """`autoglm-edge demo --bundle DIR` deleted DIR whole (shutil.rmtree) to build the SmolLM2 bundle there when
+    DIR held anything but a bundle: --bundle ~ would have taken the home directory with it."""
+    _no_build(monkeypatch)
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("precious")
+    assert main(["demo", "--bundle", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"autoglm-edge demo: error: {folder}: exists and is not a bundle; refusing to overwrite it (give " \
+                  "a new or empty path)\n"
+    assert (folder / "notes.txt").read_text() == "precious"
+
+
+def test_demo_uses_the_bundle_it_is_given(tiny_bundle, tmp_path, monkeypatch):
+    """A bundle of another model or split layer was replaced by the SmolLM2 bundle split at 8 (the cache's rule)."""
+    import shutil
+
+    from edge_client import demo
+
+    _no_build(monkeypatch)
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle, bundle)
+    served = []
+
+    class Stop(Exception):
+        pass
+
+    def local_cloud(path, **kw):
+        served.append(path)
+        raise Stop
+
+    monkeypatch.setattr(demo, "LocalCloud", local_cloud)
+    with pytest.raises(Stop):
+        demo.run_demo(bundle=bundle, out=io.StringIO())
+    assert served == [bundle] and (bundle / "edge").is_dir()  # the tiny bundle itself, untouched
