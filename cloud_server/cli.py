@@ -276,7 +276,8 @@ def _startup_problem(config) -> str | None:
     as a pair (a passphrase-protected key is refused, not prompted for), a --full source that names nothing or a
     .gguf cut short, a
     bundle whose manifest does not load or whose cloud files are missing or truncated (the runtime re-hashes
-    them as it loads; found there, each was a traceback)."""
+    them as it loads; found there, each was a traceback), one bundle directory given twice (or two of one bundle
+    id and edge variant), several bundles with --tp 2, and a --host/--port it cannot listen on."""
     from cloud_server.auth import KeyStore, KeysFileError
     from shared.manifest import BundleError, Manifest
 
@@ -303,6 +304,16 @@ def _startup_problem(config) -> str | None:
         if memory and pool > memory:
             return (f"--num-blocks {ecfg.num_blocks} x --block-size {ecfg.block_size}: the KV pool needs at least "
                     f"{pool / 2**30:.1f} GiB per variant, more than this {ecfg.device}'s {memory / 2**30:.1f} GiB")
+    if config.bundle is not None:  # the download catalog refused a repeated (bundle, edge variant) after the load
+        from cloud_server.bundle_files import BundleCatalog
+
+        try:
+            catalog = BundleCatalog([config.bundle, *config.more_bundles], config.model_name)
+        except BundleError as e:
+            return str(e)
+        if len(catalog.ids) > 1 and ecfg.tp > 1:  # BundleSet's rule: a ConfigError traceback after the load
+            return ("several bundles in one process run without tensor parallelism (tp 1); run one replica per "
+                    "bundle for tp 2")
     if config.ssl_certfile is not None:
         import ssl
 

@@ -250,3 +250,18 @@ def test_serve_help_shows_plain_backticks_not_rst_markup():
     text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     assert "``" not in text and "`autoglm-cloud serve --full SOURCE`" in text
 
+
+
+def test_bundles_that_cannot_be_served_together_are_a_one_line_error_before_the_load(tiny_bundle,
+                                                                                    tiny_glm4_l1_bundle, capsys):
+    """One bundle directory given twice (the download catalog's 'a second int8 edge for bundle ...') and several
+    bundles with --tp 2 (BundleSet's rule) were BundleError / ConfigError tracebacks after the model load."""
+    cases = [
+        ([str(tiny_bundle), str(tiny_bundle)], f"{tiny_bundle}: a second"),
+        ([str(tiny_bundle), str(tiny_glm4_l1_bundle), "--tp", "2"], "several bundles in one process run without "
+                                                                     "tensor parallelism"),
+    ]
+    for argv, message in cases:
+        assert main(["serve", *argv, "--device", "cpu", "--port", "1"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith(f"autoglm-cloud: error: {message}") and len(err.strip().splitlines()) == 1, err
