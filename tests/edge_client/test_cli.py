@@ -109,8 +109,14 @@ def _undocumented(parser) -> list[str]:
 
 
 def test_every_subcommand_and_option_has_help_text():
-    """chat, serve and demo --help had no description; serve --log-level had no help."""
+    """chat, serve and demo --help had no description; serve --log-level had no help; --url did not say where
+    the edge connects without it."""
     assert _undocumented(build_parser()) == []
+    from edge_client.config import EdgeConfig
+
+    chat = build_parser()._subparsers._group_actions[0].choices["chat"]
+    url = next(a for a in chat._actions if a.dest == "url")
+    assert f"default {EdgeConfig.url}" in url.help
 
 
 def _no_build(monkeypatch):
