@@ -155,8 +155,8 @@ def _text_needs_a_tokenizer(args) -> None:
 
     source = args.source or Manifest.load(args.bundle).source
     if not has_tokenizer(source):
-        raise UsageError(f"--text {args.text}: {source} has no tokenizer to read it with (random presets use "
-                         "random token ids); leave --text out")
+        raise UsageError(f"--text {args.text}: {source} has no tokenizer to read it with (without one, random "
+                         "token ids are used); leave --text out")
 
 
 def _cmd_draft_head(args) -> int:

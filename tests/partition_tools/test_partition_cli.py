@@ -168,5 +168,5 @@ def test_text_for_a_source_without_a_tokenizer_is_a_usage_error(tiny_glm4_bundle
     assert main([command[0], str(bundle), *command[1:], "--text", str(text)]) == 2
     err = capsys.readouterr().err
     assert err == (f"autoglm-partition {command[0]}: error: --text {text}: tiny-glm4 has no tokenizer to read it "
-                   "with (random presets use random token ids); leave --text out\n")
+                   "with (without one, random token ids are used); leave --text out\n")
     assert sorted(p.name for p in bundle.rglob("*")) == sorted(p.name for p in tiny_glm4_bundle.rglob("*"))
