@@ -121,7 +121,8 @@ class Link:
                                        + (f" ({body})" if body else "")) from None
             if status in (403, 404):  # an ASGI server refuses an upgrade to a path it has no WebSocket route for
                 raise HandshakeRefused("no_split_endpoint", f"no split endpoint at {self.url} (HTTP {status} on the "
-                                       f"WebSocket upgrade); the cloud serves it at <base URL>/v1/split"
+                                       f"WebSocket upgrade); the cloud serves it at <base URL>/v1/split, unless "
+                                       f"it runs in full-model mode (--full), which has none"
                                        + (f" ({body})" if body else "")) from None
             if status >= 500 or status == 429:
                 raise LinkDown(f"{self.url}: HTTP {status} at connect" + (f" ({body})" if body else "")) from None

@@ -453,6 +453,8 @@ def test_the_edge_link_takes_the_base_url_and_names_a_missing_endpoint(server, t
     assert url == server.ws_url and isinstance(welcome, P.Welcome)
     assert refused.code == "no_split_endpoint" and f"no split endpoint at {base}/v2/split" in str(refused)
     assert "API key" not in str(refused)
+    # the other way to get here is a right URL to a server in full-model mode: the message said only to fix the URL
+    assert "full-model mode (--full)" in str(refused)
 
 
 def test_answers_do_not_depend_on_who_warmed_the_caches(tiny_bundle, tiny_glm4_int8_bundle, tmp_path):
