@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from cli_support import undocumented
+
 import io
 
 import pytest
@@ -93,25 +95,12 @@ def test_chat_samples_at_0_7_by_default_as_its_help_and_the_docs_say_and_the_api
     assert "`max_tokens=256`" in chat_section
 
 
-def _undocumented(parser) -> list[str]:
-    """Subcommands without a description and arguments without help text, walked through the subparsers."""
-    import argparse
-
-    missing = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                missing += [f"{name}: no description"] * (not sub.description)
-                missing += [f"{name} {m}" for m in _undocumented(sub)]
-        elif not action.help and not isinstance(action, argparse._HelpAction):
-            missing.append("/".join(action.option_strings) or action.dest)
-    return missing
 
 
 def test_every_subcommand_and_option_has_help_text():
     """chat, serve and demo --help had no description; serve --log-level had no help; --url did not say where
     the edge connects without it."""
-    assert _undocumented(build_parser()) == []
+    assert undocumented(build_parser()) == []
     import dataclasses
 
     from edge_client.config import EdgeConfig

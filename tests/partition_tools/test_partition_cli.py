@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_support import undocumented
 
 from partition_tools.cli import main
 
@@ -132,19 +133,6 @@ def test_edge_kv_needs_the_fused_graph(tmp_path):
         SplitConfig(layer=1, out=tmp_path / "b", edge_kv="fp16")
 
 
-def _undocumented(parser) -> list[str]:
-    """Subcommands without a description and arguments without help text, walked through the subparsers."""
-    import argparse
-
-    missing = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                missing += [f"{name}: no description"] * (not sub.description)
-                missing += [f"{name} {m}" for m in _undocumented(sub)]
-        elif not action.help and not isinstance(action, argparse._HelpAction):
-            missing.append("/".join(action.option_strings) or action.dest)
-    return missing
 
 
 def test_every_subcommand_and_option_has_help_text():
@@ -153,7 +141,7 @@ def test_every_subcommand_and_option_has_help_text():
     from partition_tools.cli import build_parser
 
     parser = build_parser()
-    assert _undocumented(parser) == [] and "draft-head" in parser.description
+    assert undocumented(parser) == [] and "draft-head" in parser.description
 
 
 @pytest.mark.parametrize("command", [["verify"], ["draft-head"], ["draft-head", "--cloud"], ["draft-head",

@@ -3,6 +3,8 @@ its own emulated wifi link, the all-edge baseline in two more; the report, its s
 
 from __future__ import annotations
 
+from cli_support import undocumented
+
 import json
 import os
 import re
@@ -163,23 +165,10 @@ def test_sigterm_stops_the_servers_and_phones_it_started(tiny_glm4_fp32_bundle, 
                 os.kill(k, signal.SIGKILL)
 
 
-def _undocumented(parser) -> list[str]:
-    """Subcommands without a description and arguments without help text, walked through the subparsers."""
-    import argparse
-
-    missing = []
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                missing += [f"{name}: no description"] * (not sub.description)
-                missing += [f"{name} {m}" for m in _undocumented(sub)]
-        elif not action.help and not isinstance(action, argparse._HelpAction):
-            missing.append("/".join(action.option_strings) or action.dest)
-    return missing
 
 
 def test_every_subcommand_and_option_has_help_text():
     """run --help and demo --help had no description."""
     from rig.cli import build_parser
 
-    assert _undocumented(build_parser()) == []
+    assert undocumented(build_parser()) == []
