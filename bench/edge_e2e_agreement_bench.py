@@ -65,7 +65,7 @@ def measure(max_tokens: int, log_path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "edge_int8_e2e_agreement.json")
     args = ap.parse_args(argv)

@@ -229,7 +229,7 @@ def measure(sessions: int, steps: int, repeats: int, prompt: int, hidden: int, v
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", default="1,8,64,256")
     ap.add_argument("--steps", type=int, default=100, help="timed decode steps per repeat")
     ap.add_argument("--repeats", type=int, default=3, help="fresh engines; the best median is kept")

@@ -124,7 +124,7 @@ class ReadFloor:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16,256,2048", help="cached positions P per step")
     ap.add_argument("--threads", default="1,2", help="intra-op threads")
     ap.add_argument("--layers", type=int, default=8, help="GroupQueryAttention nodes per graph (the front's layers)")

@@ -182,7 +182,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = common_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]), "/tmp/autoglm-kvpool-bench")
+    p = common_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), "/tmp/autoglm-kvpool-bench")
     p.add_argument("--prompts", type=int, default=24, help="held-out chat questions answered greedily")
     p.add_argument("--new", type=int, default=48, help="greedy tokens per answer")
     p.add_argument("--text-tokens", type=int, default=256, help="tokens kept of each held-out text")

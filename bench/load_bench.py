@@ -181,7 +181,7 @@ def serve(bundle: Path, port: int, sessions: int, num_blocks: int) -> subprocess
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--serve", type=Path, required=True, help="bundle to serve (a tiny split bundle)")
     ap.add_argument("--sessions", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=12)

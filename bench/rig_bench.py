@@ -25,7 +25,7 @@ from rig.scenario import load_scenario  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenario", default=str(ROOT / "bench" / "rig_smollm2.yaml"))
     ap.add_argument("--results", default=str(ROOT / "docs" / "results"))
     args = ap.parse_args()

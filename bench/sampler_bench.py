@@ -41,7 +41,7 @@ def _time_ms(fn, device: str, repeats: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=151552)
     ap.add_argument("--device", default="cpu")

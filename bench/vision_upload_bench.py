@@ -567,7 +567,7 @@ def _memory_summary(rss: list[float], cache: list[float], from_step: int = 50) -
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-patches", type=int, default=4096, help="skip timing budgets with more patches")
     ap.add_argument("--repeats", type=int, default=4)
