@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Add a drafter to a bundle for speculative decoding: a draft head (default), "
                                    "a layer-skipping drafter (--layers) or the cloud drafter (--cloud).")
     d.add_argument("bundle", help="bundle directory written by split")
-    d.add_argument("--source", default=_env("SOURCE"), help="the model it was split from (default: the manifest's)")
+    d.add_argument("--source", default=_env("SOURCE"),
+                   help="the model it was split from (default: the manifest's); another model, even of the same "
+                        "shape, is refused (its identity is not the manifest's source_identity)")
     d.add_argument("--text", default=_env("TEXT"), help="calibration text, UTF-8 (default: built-in sample's tail)")
     d.add_argument("--vocab", type=int, default=_env("VOCAB"),
                    help="K: propose only the K most frequent calibration tokens (default: the whole vocabulary)")

@@ -161,8 +161,14 @@ def _no_preprocess_advice(record) -> bool:
 
 
 def bundle_of(lm: LoadedModel, bundle: Path) -> tuple[Manifest, ModelAdapter]:
-    """The manifest of ``bundle`` and the adapter of ``lm``, the model it must have been split from."""
+    """The manifest of ``bundle`` and the adapter of ``lm``, the model it must have been split from: the same
+    identity (``LoadedModel.identity``, the manifest's ``source_identity``, as ``verify`` checks it) - a model of
+    the same shape with other weights would give a drafter that proposes the wrong tokens - and the same shape."""
     manifest = Manifest.load(bundle)
+    if lm.identity != manifest.source_identity:
+        raise BundleError(f"{bundle}: the bundle was not split from {lm.source} (model {lm.identity}, the "
+                          f"bundle's source is {manifest.source} {manifest.source_identity}); give --source the "
+                          "model it was split from")
     adapter = ModelAdapter(lm.model)
     if adapter.hidden_size != manifest.hidden_size or adapter.num_layers != manifest.num_layers:
         raise BundleError(f"{bundle}: the bundle was not split from this model (hidden size / layers differ)")

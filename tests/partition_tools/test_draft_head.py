@@ -81,3 +81,30 @@ def test_cli_adds_a_draft_head(tiny_glm4_fp32_bundle, tmp_path, capsys):
     assert main(["draft-head", str(bundle), "--vocab", "64", "--quant", "fp32"]) == 0
     assert "64 tokens, fp32" in capsys.readouterr().out
     assert Manifest.load(bundle).quant_report["draft_head"]["vocab"] == 64
+
+
+@pytest.mark.parametrize("kind", [[], ["--layers", "3"], ["--cloud"]], ids=["head", "layers", "cloud"])
+def test_cli_refuses_a_source_that_is_another_model_of_the_same_shape(tiny_glm4_fp32_bundle, tmp_path, capsys,
+                                                                      kind):
+    """tiny-glm4v's text decoder has tiny-glm4's hidden size and layers: the shape check passed it, and every
+    drafter kind was fit on the wrong weights. The model's identity (the manifest's ``source_identity``) refuses
+    it: one line, exit 2, the bundle untouched."""
+    from partition_tools.cli import main
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, bundle)
+    before = (bundle / "manifest.json").read_bytes()
+    assert main(["draft-head", str(bundle), "--source", "tiny-glm4v", *kind]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoglm-partition draft-head: error: ") and err.count("\n") == 1, err
+    assert "not split from tiny-glm4v" in err and "preset:tiny-glm4v@seed0" in err and "preset:tiny-glm4@seed0" in err
+    assert (bundle / "manifest.json").read_bytes() == before
+
+
+def test_cli_accepts_the_source_named_by_its_identity(tiny_glm4_fp32_bundle, tmp_path, capsys):
+    from partition_tools.cli import main
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, bundle)
+    assert main(["draft-head", str(bundle), "--source", "tiny-glm4", "--vocab", "32"]) == 0
+    assert "32 tokens" in capsys.readouterr().out
