@@ -5,6 +5,10 @@ The routes are :mod:`shared.openai_routes`, shared with the edge's local endpoin
 engine to them: the model's tokenizer and chat template make the prompt, the engine samples (and feeds each
 token back itself), :class:`shared.detokenizer.StreamDecoder` makes text of its tokens and stop strings cut
 it. A stream that ends early (stop string, client gone) aborts its engine request: its KV is freed at once.
+
+A model without a tokenizer (the random presets) serves ``/v1/completions`` with a prompt of token ids only: its
+answer is token ids (``choices[].token_ids``, vLLM's field; ``text`` stays empty), and a chat request, a text
+prompt or ``stop`` strings (all need text) are a 400 that says so.
 """
 
 from __future__ import annotations
@@ -41,12 +45,15 @@ def max_body_bytes(config) -> int:
 
 
 class _EngineStream:
-    """One engine request as a :class:`shared.openai_routes.TextStream`: detokenized, stop strings applied."""
+    """One engine request as a :class:`shared.openai_routes.TextStream`: detokenized, stop strings applied; for a
+    model without a tokenizer (``ids_only``) its deltas are the sampled token ids instead (no stop strings)."""
 
     def __init__(self, rt, ids: list[int], params: SamplingParams, variant: str | None, stops: list[str]):
         self.rt, self.prompt_tokens = rt, len(ids)
         self.eos = set(rt.eos_token_ids()) | set(params.stop_token_ids)
-        self.decoder = StreamDecoder(partial(rt.tokenizer.decode, skip_special_tokens=True))
+        self.ids_only = rt.tokenizer is None
+        self.decoder = (None if self.ids_only
+                        else StreamDecoder(partial(rt.tokenizer.decode, skip_special_tokens=True)))
         self.stop = oc.StopMatcher(stops)
         self.finish_reason: str | None = None
         self.completion_tokens = self.cached_tokens = 0
@@ -59,15 +66,16 @@ class _EngineStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> str:
+    async def __anext__(self) -> str | list[int]:
         while self.finish_reason is None:
-            text = self._consume(await self.outputs.get())
-            if text:
-                return text
+            delta = self._consume(await self.outputs.get())
+            if delta:
+                return delta
         raise StopAsyncIteration
 
-    def _consume(self, out: RequestOutput) -> str:
-        """The text ``out`` adds; sets ``finish_reason`` when the stream ends here."""
+    def _consume(self, out: RequestOutput) -> str | list[int]:
+        """The text ``out`` adds (``ids_only``: its token id, the end-of-sequence token left out as the text leaves
+        it out); sets ``finish_reason`` when the stream ends here."""
         self.engine_done = self.engine_done or out.finished
         self.cached_tokens = out.num_cached_tokens
         if out.error_code is not None:
@@ -75,11 +83,16 @@ class _EngineStream:
             # the engine's code as the split endpoint sends it (kv_cache_full -> overloaded: a 503 with Retry-After)
             code = WIRE_CODES.get(out.error_code, out.error_code)
             raise openai_routes.GenerationError(out.error_message or out.error_code, code)
-        text = ""
+        sampled = None  # the token the answer shows
         if out.token_id is not None:
             self.completion_tokens += 1
             if not (out.finish_reason == "stop" and out.token_id in self.eos):
-                text = self.decoder.push(out.token_id)
+                sampled = out.token_id
+        if self.ids_only:
+            if out.finished:
+                self.finish_reason = "length" if out.finish_reason == "length" else "stop"
+            return [sampled] if sampled is not None else []
+        text = self.decoder.push(sampled) if sampled is not None else ""
         if out.finished:
             text += self.decoder.flush()
         safe, stopped = self.stop.feed(text)
@@ -113,10 +126,11 @@ class _EngineBackend:
     def model_name(self) -> str:
         return self.rt.model_name
 
+    def _no_tokenizer(self, what: str, param: str) -> oc.OpenAIRequestError:
+        return oc.OpenAIRequestError(f"model {self.rt.model_name!r} has no tokenizer: {what}; /v1/completions takes a "
+                                     "prompt of token ids (and answers token ids)", param)
+
     def check_ready(self) -> None:
-        if self.rt.tokenizer is None:
-            raise oc.OpenAIRequestError(f"model {self.rt.model_name!r} has no tokenizer: text endpoints are "
-                                        "unavailable")
         if self.rt.engine is None or not self.rt.engine.alive:
             raise oc.OpenAIRequestError("engine not running", None, "unavailable", 503)
         if self.rt.draining:
@@ -124,6 +138,8 @@ class _EngineBackend:
 
     def render_chat(self, req: oc.ChatRequest) -> str:
         tok = self.rt.tokenizer
+        if tok is None:
+            raise self._no_tokenizer("chat needs one (and its chat template)", "messages")
         if not getattr(tok, "chat_template", None):
             raise oc.OpenAIRequestError("this model has no chat template: use /v1/completions")
         try:
@@ -139,9 +155,13 @@ class _EngineBackend:
             if facts is not None and max(ids) >= facts.vocab_size:
                 raise oc.OpenAIRequestError(f"prompt: token id {max(ids)} is outside the vocabulary "
                                             f"[0, {facts.vocab_size})", param)
+        elif self.rt.tokenizer is None:  # chat stopped in render_chat
+            raise self._no_tokenizer("a text prompt needs one", param)
         else:  # a chat prompt carries its special tokens in the template; a raw prompt gets the tokenizer's
             encode = partial(self.rt.tokenizer, prompt, add_special_tokens=isinstance(req, oc.CompletionRequest))
             ids = (await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)).input_ids
+        if self.rt.tokenizer is None and req.sampling.stop:
+            raise self._no_tokenizer("stop strings need text", "stop")
         return _EngineStream(self.rt, ids, self._params(req.sampling, len(ids), param),
                              self._variant(req.precision, len(ids)), req.sampling.stop)
 

@@ -310,7 +310,7 @@ def check_source(source: str) -> None:
 
 def has_tokenizer(source: str) -> bool:
     """Whether ``load_model(source)`` comes with a tokenizer, known without loading it: the random presets have
-    none (text endpoints, such as the full-model server's OpenAI API, then refuse every request), SmolLM2 and a
+    none (the full-model server's OpenAI API then takes token ids only, and answers token ids), SmolLM2 and a
     .gguf carry one, a checkpoint directory has one when it holds tokenizer files."""
     if source in ("tiny-glm4", "tiny-glm4v", "glm4v-9b-random"):
         return False

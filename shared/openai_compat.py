@@ -494,16 +494,21 @@ def chat_response(rid: str, model: str, created: int, content: str, finish_reaso
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str | None,
-                     finish_reason: str | None = None, usage_obj: dict | None = None) -> dict[str, Any]:
+                     finish_reason: str | None = None, usage_obj: dict | None = None,
+                     token_ids: list[int] | None = None) -> dict[str, Any]:
+    """One streamed ``text_completion``; ``token_ids`` (a model without a tokenizer): the choice's ids, vLLM's field."""
     usage_only = text is None and usage_obj is not None
-    return _chunk("text_completion", rid, model, created, None if usage_only else {"text": text or ""},
-                  finish_reason, usage_obj)
+    choice = {"text": text or ""} if token_ids is None else {"text": text or "", "token_ids": list(token_ids)}
+    return _chunk("text_completion", rid, model, created, None if usage_only else choice, finish_reason, usage_obj)
 
 
 def completion_response(rid: str, model: str, created: int, text: str, finish_reason: str,
-                        usage_obj: dict) -> dict[str, Any]:
+                        usage_obj: dict, token_ids: list[int] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "text": text}
+    if token_ids is not None:  # a model without a tokenizer answers token ids (vLLM's field), its text empty
+        choice["token_ids"] = list(token_ids)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(finish_reason)}],
+            "choices": [{**choice, "logprobs": None, "finish_reason": _finish(finish_reason)}],
             "usage": usage_obj}
 
 

@@ -10,7 +10,8 @@ Contract:
   running :class:`TextStream`) refuse by raising :class:`~shared.openai_compat.OpenAIRequestError`.
 * A :class:`TextStream` yields text deltas with stop strings applied (the text ends before the stop string),
   raises :class:`GenerationError` when the generation fails, and at its end has ``finish_reason`` and
-  ``usage()``. The routes ``aclose()`` every stream they start, however it ends (client gone included), and
+  ``usage()``. A stream with ``ids_only`` true (a model without a tokenizer, completions only) yields lists of
+  token ids instead: the answer carries them as ``choices[].token_ids`` (vLLM's field) beside an empty ``text``. The routes ``aclose()`` every stream they start, however it ends (client gone included), and
   may call it more than once; an unfinished generation must be cancelled then.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and one set of statuses on
   both ends: 400 a request refused, 401 a wrong key (the app's auth), 413 a body over the adapter's limit
@@ -60,8 +61,9 @@ class GenerationError(Exception):
 
 class TextStream(Protocol):
     finish_reason: str | None  # "stop" | "length" once the stream has ended
+    # optional (absent: False): the deltas are lists of token ids, not text
 
-    def __aiter__(self) -> AsyncIterator[str]: ...
+    def __aiter__(self) -> AsyncIterator[str] | AsyncIterator[list[int]]: ...
     def usage(self) -> dict[str, Any]: ...
     async def aclose(self) -> None: ...
 
@@ -157,7 +159,7 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
             return error_response(e)
         except Exception as e:  # noqa: BLE001 - whatever it is, the client gets OpenAI's shape
             return error_response(_internal(e))
-        reply = _Reply(req, prompt, req.model or backend.model_name)
+        reply = _Reply(req, prompt, req.model or backend.model_name, ids_only=getattr(stream, "ids_only", False))
         return (await _whole(stream, reply, request)) if not req.stream else _streamed(stream, reply)
 
     async def chat(request: Request):
@@ -232,10 +234,11 @@ def _streamed(stream: TextStream, reply: _Reply) -> StreamingResponse:
 class _Reply:
     """The wire shapes of one chat or completion response; with ``return_reasoning`` the text goes through a
     :class:`~shared.openai_compat.ThinkingSplitter` (in the think block from the start when the prompt
-    opened it)."""
+    opened it). ``ids_only`` (completions only): the deltas are token ids, carried as ``token_ids``."""
 
-    def __init__(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str, model: str):
+    def __init__(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str, model: str, ids_only: bool = False):
         self.chat = isinstance(req, oc.ChatRequest)
+        self.ids: list[int] | None = [] if ids_only and not self.chat else None  # the token ids answered so far
         self.model, self.created = model, int(time.time())
         self.rid = oc.new_id() if self.chat else oc.new_id("cmpl")
         self.include_usage = req.include_usage
@@ -250,20 +253,30 @@ class _Reply:
             return self.thinking.flush() if delta is None else self.thinking.feed(delta)
         return [("content", delta)] if delta else []
 
-    def add(self, delta: str | None) -> None:
+    def add(self, delta: str | list[int] | None) -> None:
+        if self.ids is not None:
+            self.ids.extend(delta or ())
+            return
         for kind, text in self.pieces(delta):
             self.parts[kind].append(text)
 
-    def chunk(self, body: Any, finish_reason: str | None = None, usage: dict | None = None) -> dict:
-        make = oc.chat_chunk if self.chat else oc.completion_chunk
-        return make(self.rid, self.model, self.created, body, finish_reason, usage_obj=usage)
+    def chunk(self, body: Any, finish_reason: str | None = None, usage: dict | None = None,
+              token_ids: list[int] | None = None) -> dict:
+        if self.chat:
+            return oc.chat_chunk(self.rid, self.model, self.created, body, finish_reason, usage_obj=usage)
+        if self.ids is not None and body is not None:  # not the usage-only chunk
+            token_ids = token_ids or []
+        return oc.completion_chunk(self.rid, self.model, self.created, body, finish_reason, usage_obj=usage,
+                                   token_ids=token_ids)
 
     def opening(self) -> list[dict]:
         if self.chat:
             return [self.chunk({"role": "assistant", "content": ""})]
         return [self.chunk(self.echo)] if self.echo else []
 
-    def chunks(self, delta: str | None) -> list[dict]:
+    def chunks(self, delta: str | list[int] | None) -> list[dict]:
+        if self.ids is not None:
+            return [self.chunk("", token_ids=delta)] if delta else []
         return [self.chunk({"reasoning_content" if kind == "reasoning" else "content": text} if self.chat
                            else text) for kind, text in self.pieces(delta)]
 
@@ -272,6 +285,6 @@ class _Reply:
         content = "".join(self.parts["content"])
         if not self.chat:
             return oc.completion_response(self.rid, self.model, self.created, self.echo + content,
-                                          finish_reason, usage)
+                                          finish_reason, usage, token_ids=self.ids)
         reasoning = "".join(self.parts["reasoning"]) if self.thinking is not None else None
         return oc.chat_response(self.rid, self.model, self.created, content, finish_reason, usage, reasoning)

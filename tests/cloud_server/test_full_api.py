@@ -125,6 +125,42 @@ def test_completions_of_token_ids(server, smol_lm):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
 
 
+def _token_ids(events: list[dict]) -> list[int]:
+    return [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]]
+
+
+def test_a_model_without_a_tokenizer_takes_and_answers_token_ids(server, smol_lm):
+    """A model without a tokenizer (a random preset) refused every /v1 request ("text endpoints are unavailable"),
+    token-id prompts included, which docs/cloud.md says are accepted. It now generates from them and answers
+    token ids (choices[].token_ids, text empty), streamed too; chat, a text prompt and stop strings need text:
+    a 400 that says the model has no tokenizer. (The module's server, its tokenizer taken away meanwhile.)"""
+    tok = server.runtime.tokenizer
+    ids = tok("1, 2, 3, 4,").input_ids
+    body = {"prompt": [ids], "max_tokens": 4, "temperature": 0}
+    want = greedy_reference(smol_lm.model, ids, 4, [tok.eos_token_id])
+    with _client(server) as c:
+        text = c.post("/v1/completions", json=body).json()
+        server.runtime.tokenizer = None
+        try:
+            r = c.post("/v1/completions", json=body)
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+            refused = {param: c.post(path, json=extra) for param, path, extra in (
+                ("messages", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                ("prompt", "/v1/completions", {"prompt": "1, 2, 3"}),
+                ("stop", "/v1/completions", {**body, "stop": ","}))}
+        finally:
+            server.runtime.tokenizer = tok
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want and choice["text"] == "" and r.json()["usage"] == text["usage"]
+    assert tok.decode(choice["token_ids"], skip_special_tokens=True) == text["choices"][0]["text"]
+    assert _token_ids(events) == want and events[-1]["choices"][0]["finish_reason"] == "length"
+    for param, refusal in refused.items():
+        err = refusal.json()["error"]
+        assert refusal.status_code == 400 and err["param"] == param and "has no tokenizer" in err["message"], param
+
+
 def test_refusals_have_the_openai_error_shape(server):
     runtime = server.runtime
     with _client(server) as c:

@@ -43,6 +43,7 @@ class ScriptedBackend:
         self.script = SCRIPT
         self.not_ready: oc.OpenAIRequestError | None = None
         self.error: GenerationError | None = None
+        self.ids_only = False  # the script's pieces are lists of token ids (a model without a tokenizer)
         self.started: list[tuple[object, str, ScriptedStream]] = []
 
     def check_ready(self):
@@ -56,6 +57,7 @@ class ScriptedBackend:
 
     def start(self, req, prompt):
         stream = ScriptedStream(self.script, self.error)
+        stream.ids_only = self.ids_only
         self.started.append((req, prompt, stream))
         return stream
 
@@ -125,6 +127,21 @@ def test_completions_json_and_stream_with_echo(api):
     events = _events(client, "/v1/completions", {"prompt": "Once", "echo": True})
     assert [e["choices"][0]["text"] for e in events] == ["Once", *SCRIPT, ""]
     assert events[-1]["choices"][0]["finish_reason"] == "length" and backend.started[-1][2].closed
+
+
+def test_a_stream_of_token_ids_is_answered_as_token_ids(api):
+    """A stream with ids_only (full-model mode over a model without a tokenizer) yields token ids: the completion
+    carries them as choices[].token_ids (vLLM's field) beside an empty text, whole and streamed."""
+    client, backend = api
+    backend.script, backend.ids_only = [[5, 6], [7]], True
+    choice = client.post("/v1/completions", json={"prompt": [1, 2]}).json()["choices"][0]
+    assert choice == {"index": 0, "text": "", "token_ids": [5, 6, 7], "logprobs": None, "finish_reason": "length"}
+    events = _events(client, "/v1/completions", {"prompt": [1, 2], "stream_options": {"include_usage": True}})
+    assert [(e["choices"][0]["text"], e["choices"][0]["token_ids"]) for e in events[:-1]] == [
+        ("", [5, 6]), ("", [7]), ("", [])]
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["choices"] == []
+    assert "token_ids" not in events[-1] and events[-1]["usage"]["completion_tokens"] == 2
+    assert backend.started[-1][2].closed
 
 
 @pytest.mark.parametrize("error, status", [
