@@ -10,7 +10,8 @@ Contract:
   OpenAI-compatible servers do; known fields with a bad type or range are refused, naming the field.
   Fields that ask for a feature not offered here (``tools``, a ``tool_choice`` other than none/auto,
   ``response_format`` other than text, ``logit_bias``, ``best_of`` > 1, ``suffix``, ``n`` > 1, ``logprobs``)
-  are refused too, rather than answered as if absent.
+  are refused too, rather than answered as if absent; so is ``stream_options`` without ``stream: true``
+  (OpenAI's rule).
 * Thinking: ``enable_thinking`` is read from the top level or from ``chat_template_kwargs`` (vLLM / SGLang
   spelling); ``return_reasoning`` asks for the ``<think>...</think>`` part in ``reasoning_content``, apart
   from ``content`` (the AutoGLM / GLM-4.1V-Thinking serving convention).
@@ -270,7 +271,10 @@ def _flatten_content(content: Any, where: str, media: bool = False) -> str | lis
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = _get(body, "stream", bool, False)
-    opts = _get(body, "stream_options", dict, {}) or {}
+    opts = _get(body, "stream_options", dict, None)
+    if opts is not None and not stream:  # OpenAI's 400 too: it was silently ignored
+        raise OpenAIRequestError("stream_options: only allowed when stream is true", "stream_options")
+    opts = opts or {}
     include_usage = opts.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise OpenAIRequestError("stream_options.include_usage: expected a boolean", "stream_options")

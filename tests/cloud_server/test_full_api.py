@@ -161,6 +161,22 @@ def test_a_model_without_a_tokenizer_takes_and_answers_token_ids(server, smol_lm
         assert refusal.status_code == 400 and err["param"] == param and "has no tokenizer" in err["message"], param
 
 
+def test_stream_options_without_stream_and_a_huge_max_completion_tokens(server, smol_lm):
+    """stream_options without stream: true was silently ignored; OpenAI answers 400 naming it, and so do we.
+    A max_completion_tokens past 2^31 - 1 is cut to the context left here (the edge refuses it by its name)."""
+    with _client(server) as c:
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "hi", "stream": False})):
+            r = c.post(path, json={**body, "max_tokens": 1, "stream_options": {"include_usage": True}})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "stream_options" and "stream" in err["message"]
+            assert set(err) == {"message", "type", "param", "code"}
+        room = 3
+        ids = [smol_lm.tokenizer("1").input_ids[0]] * (server.runtime.config.engine.max_model_len - room)
+        r = c.post("/v1/completions", json={"prompt": ids, "max_completion_tokens": 2**31, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= room
+
+
 def test_refusals_have_the_openai_error_shape(server):
     runtime = server.runtime
     with _client(server) as c:

@@ -228,6 +228,22 @@ def test_values_the_wire_cannot_carry_and_unknown_routes_get_openai_errors(serve
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
+def test_stream_options_without_stream_is_a_400_naming_it(server):
+    """stream_options without stream: true was silently ignored; OpenAI answers 400 naming it, and so does this."""
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
+    calls = len(server.client.calls)
+    with pytest.raises(openai.BadRequestError) as ei:
+        oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                   stream_options={"include_usage": True})
+    assert ei.value.body["param"] == "stream_options" and ei.value.body["type"] == "invalid_request_error"
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Once", "stream": False,
+                                                         "stream_options": {"include_usage": False}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    assert len(server.client.calls) == calls  # refused before anything ran
+
+
 def test_a_body_over_the_limit_is_413_before_it_is_read(server):
     from edge_client.local_api import MAX_BODY_BYTES
 

@@ -65,6 +65,9 @@ def test_content_parts_are_flattened():
     (_body(n=2), "n"),
     (_body(stop=[1]), "stop"),
     (_body(stream="yes"), "stream"),
+    # OpenAI's rule: stream_options only with stream: true (it was silently ignored)
+    (_body(stream_options={"include_usage": True}), "stream_options"),
+    (_body(stream=False, stream_options={}), "stream_options"),
     (_body(enable_thinking="on"), "enable_thinking"),
     # the template call's `self`: a TypeError in the edge's render, a plain-text 500 from autoglm-edge serve
     (_body(chat_template_kwargs={"self": 1}), "chat_template_kwargs"),
