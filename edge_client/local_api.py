@@ -120,7 +120,10 @@ class _EdgeBackend:
             raise oc.OpenAIRequestError(str(e), "messages", e.code) from None
         except ValueError as e:  # e.g. a prompt that tokenizes to nothing, or a sampling value the wire cannot carry
             param = getattr(e, "param", None) or ("messages" if isinstance(req, oc.ChatRequest) else "prompt")
-            raise oc.OpenAIRequestError(str(e), param) from None
+            message = str(e)
+            if param == "max_tokens":  # EdgeClient's name for it: the error names the field the client sent
+                param, message = s.max_tokens_param, message.replace("max_tokens", s.max_tokens_param, 1)
+            raise oc.OpenAIRequestError(message, param) from None
 
 
 def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None,

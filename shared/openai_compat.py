@@ -71,6 +71,7 @@ class SamplingOptions:
     """The sampling fields common to both endpoints (OpenAI names; ``top_k`` and ``seed`` as vLLM spells them)."""
 
     max_tokens: int | None = None  # None: the server's limit; >= 1 (_sampling checks it, naming the field sent)
+    max_tokens_param: str = "max_tokens"  # the field it came in: max_tokens or max_completion_tokens (errors name it)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -206,10 +207,10 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
 
 
 def _sampling(body: dict, chat: bool) -> SamplingOptions:
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"  # it wins
-    max_tokens = _get(body, name, int, None)
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"  # it wins
+    max_tokens = _get(body, max_name, int, None)
     if max_tokens is not None and max_tokens < 1:  # named as sent (the openai client sends max_completion_tokens)
-        raise OpenAIRequestError(f"{name} must be >= 1", name)
+        raise OpenAIRequestError(f"{max_name} must be >= 1", max_name)
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -230,6 +231,7 @@ def _sampling(body: dict, chat: bool) -> SamplingOptions:
             raise OpenAIRequestError(f"{name}: not supported by this server", name)
     return SamplingOptions(
         max_tokens=max_tokens,
+        max_tokens_param=max_name,
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
         top_k=max(0, _get(body, "top_k", int, 0)),  # vLLM uses -1 for "off"

@@ -228,6 +228,23 @@ def test_values_the_wire_cannot_carry_and_unknown_routes_get_openai_errors(serve
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
+def test_max_completion_tokens_past_the_wire_limit_is_refused_by_its_name(server):
+    """max_completion_tokens (what the openai client sends) past 2^31 - 1 was a 400 naming max_tokens, a field the
+    client never sent: the error names the field as sent, in param and message."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        r = httpx.post(f"{server.url}/v1/chat/completions",
+                       json={"model": "m", "messages": [{"role": "user", "content": "x"}], field: 2**31})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and err["message"].startswith(field + " "), r.text
+    import openai
+
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as ei:
+        oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                   max_completion_tokens=10**30)
+    assert ei.value.body["param"] == "max_completion_tokens" and "max_tokens" not in ei.value.body["message"]
+
+
 def test_stream_options_without_stream_is_a_400_naming_it(server):
     """stream_options without stream: true was silently ignored; OpenAI answers 400 naming it, and so does this."""
     import openai

@@ -40,8 +40,11 @@ def test_thinking_flag_top_level_or_template_kwargs():
     r = parse_chat_request(_body(chat_template_kwargs={"enable_thinking": False, "x": 1}, return_reasoning=True))
     assert r.enable_thinking is False and r.return_reasoning
     assert r.template_kwargs() == {"x": 1, "enable_thinking": False}
-    # max_completion_tokens wins over the legacy max_tokens
-    assert parse_chat_request(_body(max_tokens=3, max_completion_tokens=9)).sampling.max_tokens == 9
+    # max_completion_tokens wins over the legacy max_tokens; the field it came in is kept (a backend's errors name it)
+    s = parse_chat_request(_body(max_tokens=3, max_completion_tokens=9)).sampling
+    assert (s.max_tokens, s.max_tokens_param) == (9, "max_completion_tokens")
+    assert parse_chat_request(_body(max_tokens=3, logprobs=False)).sampling.max_tokens_param == "max_tokens"
+    assert parse_completion_request({"prompt": "a"}).sampling.max_tokens_param == "max_tokens"
 
 
 def test_content_parts_are_flattened():
