@@ -366,14 +366,18 @@ def load_models(source_kind: str, source: str, variants: list[str], device: str,
 
 def launch_workers(world: int, master_addr: str, master_port: int, source_kind: str, source: str,
                    variants: list[str], engine: EngineConfig) -> list[subprocess.Popen]:
-    """Start ranks 1..world-1 as subprocesses (plain argv, the engine config as JSON; nothing pickled)."""
+    """Start ranks 1..world-1 as subprocesses (plain argv, the engine config as JSON; nothing pickled).
+
+    Each in a session of its own: Ctrl-C in a terminal signals the whole foreground process group, and a worker
+    in it died of a ``KeyboardInterrupt`` traceback in its broadcast while rank 0 was still draining (its open
+    requests need every rank). Rank 0 alone takes the signal; its shutdown stops the workers (``CMD_STOP``)."""
     config = json.dumps(asdict(engine))
     procs = []
     for rank in range(1, world):
         cmd = [sys.executable, "-m", "cloud_server.tp", "--rank", str(rank), "--world", str(world),
                "--master-addr", master_addr, "--master-port", str(master_port), f"--{source_kind}", source,
                "--variants", ",".join(variants), "--engine-config", config]
-        procs.append(subprocess.Popen(cmd, env=dict(os.environ)))
+        procs.append(subprocess.Popen(cmd, env=dict(os.environ), start_new_session=True))
     return procs
 
 
