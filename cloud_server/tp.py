@@ -43,6 +43,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
@@ -306,20 +307,19 @@ def open_group(world: int, host: str = "127.0.0.1") -> tuple[dist.TCPStore, int]
 
 def _await_workers(store: dist.TCPStore, procs: list[subprocess.Popen], key: str, what: str) -> None:
     """Wait until every worker rank has set ``key`` in the store; a worker that exits first fails the wait
-    (and the others are stopped) instead of leaving rank 0 blocked for the group's timeout."""
+    (and the others are stopped) instead of leaving rank 0 blocked for the group's timeout. The store is polled
+    (``check``, which returns at once): a ``wait`` with a timeout logged two c10d warnings ("waitForInput ...
+    timed out") every second a worker was still loading."""
     for rank, proc in enumerate(procs, start=1):
-        while True:
-            try:
-                store.wait([f"{_KEY}/{key}/{rank}"], timedelta(seconds=1))
-                break
-            except RuntimeError:  # not set yet (DistStoreError on timeout): is the worker still there?
-                code = proc.poll()
-                if code is not None:
-                    for other in procs:
-                        if other.poll() is None:
-                            other.kill()
-                    raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {code}) before {what}; "
-                                       f"its error is in the log above") from None
+        while not store.check([f"{_KEY}/{key}/{rank}"]):  # not set yet: is the worker still there?
+            code = proc.poll()
+            if code is not None:
+                for other in procs:
+                    if other.poll() is None:
+                        other.kill()
+                raise RuntimeError(f"tensor-parallel worker rank {rank} exited (code {code}) before {what}; "
+                                   f"its error is in the log above")
+            time.sleep(0.05)
 
 
 def join_group(store: dist.TCPStore, world: int, device: str, procs: list[subprocess.Popen]) -> None:
