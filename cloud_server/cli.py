@@ -229,6 +229,16 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``autoglm-cloud``; Ctrl-C where the server does not take it as a drain (while the command starts, before
+    it serves) ends as every console script's does (``shared.cli_exit``): ``interrupted``, exit 130."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keys"]:  # `autoglm-cloud keys add FILE --tenant T`: the keys file's own small CLI
         from cloud_server.auth import keys_main

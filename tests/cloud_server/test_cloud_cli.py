@@ -265,3 +265,22 @@ def test_bundles_that_cannot_be_served_together_are_a_one_line_error_before_the_
         assert main(["serve", *argv, "--device", "cpu", "--port", "1"]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith(f"autoglm-cloud: error: {message}") and len(err.strip().splitlines()) == 1, err
+
+
+def test_ctrl_c_before_the_server_serves_is_interrupted_exit_130(tiny_bundle, capsys, monkeypatch):
+    """Ctrl-C while the command starts (imports, the start checks: uvicorn does not yet turn it into a drain)
+    was a KeyboardInterrupt traceback and a death by SIGINT; it ends as every console script's Ctrl-C does
+    (shared.cli_exit): 'interrupted', exit 130. Once serving, the first Ctrl-C drains and exits 0 (test_tp.py)."""
+    import socket
+
+    import cloud_server.cli as cli
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "serve", interrupted)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", str(tiny_bundle), "--device", "cpu", "--port", str(port)]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
