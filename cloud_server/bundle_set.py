@@ -52,11 +52,6 @@ class BundleSet:
     def all_runtimes(self) -> list[CloudRuntime]:
         return list(self.runtimes.values())
 
-    @property
-    def extra_runtimes(self) -> list[CloudRuntime]:
-        """The runtimes besides the primary one (the app starts and stops these itself)."""
-        return self.all_runtimes[1:]
-
     async def serve(self, ws) -> None:
         """Read the first frame, pick the endpoint of the bundle its Hello names (else the default's, which
         refuses it with the reason), and let that endpoint run the connection."""

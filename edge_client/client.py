@@ -49,8 +49,6 @@ from .vision import MediaError
 
 __all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "RequestStats"]
 
-_END = object()
-
 MAX_CHARS_PER_POSITION = 64  # a text longer than this many characters per graph position cannot fit
 
 
