@@ -6,7 +6,10 @@
   serve``, ...) is one its parser has, and every ``--flag`` shown after it on the same code line is one of that
   subcommand's options;
 * every module under the five packages is named in docs/architecture.md's module map, and every module path the
-  docs name exists.
+  docs name exists;
+* every class (``FrontRuntime``), class member (``AsyncEngine.gather_max_s``) and snake_case name
+  (``resolve_edge_quant``, an error code) docs/architecture.md cites in inline code is one the packages define or
+  spell.
 
 Static and fast: the parsers are built in-process (the CLI modules import neither torch nor onnxruntime).
 """
@@ -14,6 +17,7 @@ Static and fast: the parsers are built in-process (the CLI modules import neithe
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import io
 import re
@@ -163,6 +167,66 @@ def _named_in_architecture() -> set[str]:
 def test_architecture_names_every_module():
     missing = [m for m in _modules() if m not in _named_in_architecture()]
     assert not missing, f"docs/architecture.md's module map lacks: {missing}"
+
+
+# names architecture.md cites in code that the packages use but do not define: onnxruntime's contrib operator
+EXTERNAL_CLASSES = frozenset({"MatMulNBits"})
+CLASS_SPAN = re.compile(r"([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)(?:\.([A-Za-z_]\w*))?(?:\(.*\))?(?: -> .*)?")
+SNAKE_SPAN = re.compile(r"([a-z_][a-z0-9]*_[a-z0-9_]*)(?:\(.*\))?")
+
+
+def _package_names() -> tuple[dict[str, set[str]], set[str], set[str]]:
+    """Over the five packages: class -> its members (methods, class-level fields, ``self.x`` assignments), every
+    identifier in code, and every word of a string literal (error codes, registered names, docstrings)."""
+    classes: dict[str, set[str]] = {}
+    idents: set[str] = set()
+    words: set[str] = set()
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            for n in ast.walk(ast.parse(path.read_text())):
+                if isinstance(n, ast.ClassDef):
+                    members = classes.setdefault(n.name, set())
+                    for b in n.body:
+                        if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                            members.add(b.name)
+                        elif isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name):
+                            members.add(b.target.id)
+                        elif isinstance(b, ast.Assign):
+                            members.update(t.id for t in b.targets if isinstance(t, ast.Name))
+                    members.update(s.attr for s in ast.walk(n) if isinstance(s, ast.Attribute)
+                                   and isinstance(s.ctx, ast.Store) and isinstance(s.value, ast.Name)
+                                   and s.value.id == "self")
+                elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    idents.add(n.name)
+                elif isinstance(n, ast.Name):
+                    idents.add(n.id)
+                elif isinstance(n, ast.Attribute):
+                    idents.add(n.attr)
+                elif isinstance(n, ast.arg):
+                    idents.add(n.arg)
+                elif isinstance(n, ast.keyword) and n.arg:
+                    idents.add(n.arg)
+                elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+                    words.update(re.findall(r"\w+", n.value))
+    return classes, idents, words
+
+
+def test_architecture_cites_names_that_exist():
+    classes, idents, words = _package_names()
+    text = FENCE.sub("", (ROOT / "docs" / "architecture.md").read_text())
+    bad = []
+    for span in sorted(set(re.findall(r"`([^`\n]+)`", text))):
+        if m := CLASS_SPAN.fullmatch(span):
+            cls, member = m.groups()
+            if cls in EXTERNAL_CLASSES:
+                continue
+            if cls not in classes:
+                bad.append(f"{span}: no class {cls}")
+            elif member and member not in classes[cls]:
+                bad.append(f"{span}: {cls} has no {member}")
+        elif (m := SNAKE_SPAN.fullmatch(span)) and m.group(1) not in idents | words:
+            bad.append(f"{span}: no such name in the packages")
+    assert not bad, "docs/architecture.md cites:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=_doc_id)

@@ -6,8 +6,9 @@
     rig             -> any of them
 
 ``shared`` imports none of them, and neither ``shared`` nor ``edge_client`` imports torch or transformers (the
-phone has neither). The one exception: the edge demo's bundle builder (``edge_client.demo.ensure_bundle``)
-imports partition_tools to build its bundle (and the demo starts cloud_server as a subprocess, not an import).
+phone has neither). None of the five imports ``bench``, ``tests`` or ``scripts`` (only the five are installed).
+The one exception: the edge demo's bundle builder (``edge_client.demo.ensure_bundle``) imports partition_tools to
+build its bundle (and the demo starts cloud_server as a subprocess, not an import).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ ALLOWED = {
     "cloud_server": frozenset({"shared", "partition_tools"}),
     "rig": frozenset(PACKAGES),
 }
+NOT_INSTALLED = frozenset({"bench", "tests", "scripts"})  # outside pyproject's packages.find: never a package's import
 NO_TORCH = {"shared", "edge_client"}
 TORCH = frozenset({"torch", "transformers"})
 # (importing module, enclosing function, imported package): the only edges allowed against the direction
@@ -92,7 +94,9 @@ def violations(found: list[Import]) -> list[str]:
         src = imp.module.split(".")[0]
         if src not in ALLOWED or imp.target == src:
             continue
-        if imp.target in PACKAGES and imp.target not in ALLOWED[src] \
+        if imp.target in NOT_INSTALLED:
+            bad.append(f"{imp.module}:{imp.line} imports {imp.target} (not installed: only the packages are)")
+        elif imp.target in PACKAGES and imp.target not in ALLOWED[src] \
                 and (imp.module, imp.function, imp.target) not in EXCEPTIONS:
             bad.append(f"{imp.module}:{imp.line} imports {imp.target} (allowed: {sorted(ALLOWED[src])})")
         elif src in NO_TORCH and imp.target in TORCH:
@@ -128,6 +132,8 @@ def test_every_module_imports_along_the_allowed_direction():
     ("cloud_server.model", "from partition_tools.cloud_half import CloudModel\nimport torch\n", 0),
     ("cloud_server.engine.llm_engine", "from ..model import CloudModel\nfrom . import scheduler\n", 0),
     ("rig.profiles", "import cloud_server, edge_client, partition_tools, shared\n", 0),
+    ("rig.runner", "def f():\n    from bench.results_io import emit\n", 1),  # bench/ is not installed
+    ("cloud_server.app", "import tests.model_support\n", 1),
 ])
 def test_the_check_catches_edges_against_the_direction(module, source, bad):
     found = imports_of(module, source)
