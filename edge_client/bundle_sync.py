@@ -53,7 +53,7 @@ from http.client import HTTPException
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from shared.manifest import MANIFEST_NAME, Artifact, BundleError, Manifest
+from shared.manifest import MANIFEST_NAME, Artifact, BundleError, Manifest, same_source
 
 from . import tls
 from .config import DEFAULT_SPLIT_PATH, EdgeConfig, split_url
@@ -234,7 +234,7 @@ def choose(current: Manifest, listing: list[dict], preferred_ids: list[str] = ()
     listing = [b for b in listing if isinstance(b, dict)]
     if any(b.get("id") == current.bundle_id for b in listing):
         return None
-    same = [b for b in listing if b.get("source_identity") == current.source_identity
+    same = [b for b in listing if same_source(str(b.get("source_identity")), current.source_identity)
             and b.get("architecture") == current.architecture]
     if not same:
         models = ", ".join(sorted({str(b.get("source")) for b in listing})) or "nothing"

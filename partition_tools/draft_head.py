@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from edge_client.draft_head import DRAFT_HEAD, DraftHead
-from shared.manifest import BundleError, Manifest
+from shared.manifest import BundleError, Manifest, same_source
 
 from .adapters import ModelAdapter, call_layer
 from .models import LoadedModel
@@ -165,7 +165,7 @@ def bundle_of(lm: LoadedModel, bundle: Path) -> tuple[Manifest, ModelAdapter]:
     identity (``LoadedModel.identity``, the manifest's ``source_identity``, as ``verify`` checks it) - a model of
     the same shape with other weights would give a drafter that proposes the wrong tokens - and the same shape."""
     manifest = Manifest.load(bundle)
-    if lm.identity != manifest.source_identity:
+    if not same_source(lm.identity, manifest.source_identity):
         raise BundleError(f"{bundle}: the bundle was not split from {lm.source} (model {lm.identity}, the "
                           f"bundle's source is {manifest.source} {manifest.source_identity}); give --source the "
                           "model it was split from")

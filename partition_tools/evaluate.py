@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from edge_client.front import FRONT, FrontRuntime
-from shared.manifest import BundleError, Manifest
+from shared.manifest import BundleError, Manifest, same_source
 
 from .adapters import ModelAdapter
 from .cloud_half import CloudModel
@@ -119,7 +119,7 @@ class SplitEvaluator:
         self.bundle_dir = Path(bundle_dir)
         self.manifest = Manifest.load(self.bundle_dir)
         lm = lm if lm is not None else load_model(self.manifest.source)
-        if lm.identity != self.manifest.source_identity:
+        if not same_source(lm.identity, self.manifest.source_identity):
             raise BundleError(f"reference model {lm.identity} is not the bundle's source "
                               f"{self.manifest.source_identity}")
         self.window, self.threads = window, threads

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ class ModelLoadError(Exception):
 class LoadedModel:
     model: torch.nn.Module  # a *ForCausalLM / *ForConditionalGeneration in eval mode
     tokenizer: object | None  # transformers PreTrainedTokenizerFast, or None
-    identity: str  # "preset:tiny-glm4@seed0", "gguf:<sha256-prefix>", "dir:<path>#<hash>"
+    identity: str  # "preset:tiny-glm4@seed0", "gguf:<file>#<hash>", "dir:<folder>#<meta>+<content>" (same_source)
     source: str  # what the user passed
 
 
@@ -191,11 +192,33 @@ def _load_dir(path: Path, source: str) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception:  # noqa: BLE001 - a model without a usable tokenizer still splits
             tokenizer = None
-    h = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode())
+    return LoadedModel(model.eval(), tokenizer, _dir_identity(path, config), source)
+
+
+def _dir_identity(path: Path, config) -> str:
+    """``dir:<folder>#<meta>+<content>`` (``shared.manifest.same_source`` compares them, the folder's name aside).
+    ``meta``: the config (with its ``_name_or_path``: the folder's path) and the weight files' names and sizes, all an
+    identity held before content was added (older manifests carry only it). ``content``: that, each safetensors file's tensor table, and 16 samples of 4
+    KiB spread over every weight file's bytes - two fine-tunes of one architecture differ in every tensor, so
+    they differ here, for a read of ~64 KiB per file instead of the whole checkpoint."""
+    described = config.to_dict()
+    meta = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())  # (its path included)
+    described.pop("_name_or_path", None)  # where the checkpoint lies is no part of the model
+    content = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
     for f in sorted(path.glob("*.safetensors")):
-        h.update(f.name.encode())
-        h.update(str(f.stat().st_size).encode())
-    return LoadedModel(model.eval(), tokenizer, f"dir:{path.name}#{h.hexdigest()[:16]}", source)
+        meta.update(f.name.encode())
+        meta.update(str(f.stat().st_size).encode())
+    for f in sorted([*path.glob("*.safetensors"), *path.glob("*.bin")]):
+        size = f.stat().st_size
+        content.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            if f.suffix == ".safetensors" and size >= 8:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                content.update(fh.read(min(n, size - 8)))  # the tensor table (names, dtypes, shapes, offsets)
+            for i in range(16):
+                fh.seek(i * max(0, size - 4096) // 15)
+                content.update(fh.read(4096))
+    return f"dir:{path.name}#{meta.hexdigest()[:16]}+{content.hexdigest()[:16]}"
 
 
 _GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from shared.manifest import same_source
+
 from .adapters import ModelAdapter, call_layer
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "privacy_inversion.json"
@@ -253,7 +255,7 @@ def recovered_fraction(layer: int, codec: str = NO_CODEC, model: str | None = No
     interpolated linearly; outside the measured range, for an unmeasured codec, or without the results file:
     ``None``."""
     data = _load(Path(path))
-    if data is None or (model is not None and data.get("model") != model):
+    if data is None or (model is not None and not same_source(str(data.get("model")), model)):
         return None
     best = data.get("best", {}).get(codec)
     if not best:

@@ -198,6 +198,24 @@ _STR_FIELDS = ("source", "source_identity", "architecture", "model_type", "edge_
 _DICT_FIELDS = ("rope", "quant_report", "artifacts")
 
 
+def same_source(a: str, b: str) -> bool:
+    """Whether two source identities (``LoadedModel.identity``, a manifest's ``source_identity``) name one model.
+
+    A checkpoint directory (``dir:<folder>#<meta>+<content>``) or a GGUF file (``gguf:<file>#<hash>``) is
+    compared by its hashes, not by the folder's or file's name: a moved or renamed copy is the same model. Two
+    directory identities are the same when their content hashes agree; when one of them comes from a manifest
+    written before content hashes (``#<meta>`` alone), their ``meta`` hashes decide (config, file names and sizes).
+    Presets (``preset:<name>@seed<n>``) must match exactly."""
+    kind_a, _, rest_a = a.partition(":")
+    kind_b, _, rest_b = b.partition(":")
+    if kind_a != kind_b or kind_a not in ("dir", "gguf") or "#" not in rest_a or "#" not in rest_b:
+        return a == b
+    hash_a, hash_b = rest_a.rpartition("#")[2], rest_b.rpartition("#")[2]
+    meta_a, _, content_a = hash_a.partition("+")
+    meta_b, _, content_b = hash_b.partition("+")
+    return content_a == content_b if content_a and content_b else meta_a == meta_b
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
