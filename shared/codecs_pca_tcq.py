@@ -313,47 +313,53 @@ class PcaTcqCodec(RansRowsCodec):
 
     def _integers_by_row(self, tab0, tab1, shift, lo, row_esc, words, lengths, escapes):
         """:meth:`_integers` row by row in Python ints (:func:`shared.rans.decode_row`), for a few rows."""
-        m, off, r = self.model, self.level.offset, self.r
-        freq, _, _ = m.tables.lists()
-        alphabet = m.tables.alphabet
+        freq, _, _ = self.model.tables.lists()
         trans = TRANSITIONS.tolist()
         lengths = rans.check_lengths(words, lengths)
         words, escapes = words.tolist(), escapes.tolist()
         w_end, e_end = np.cumsum(lengths).tolist(), np.cumsum(row_esc).tolist()
         ks, qzs = [], []
         for i, (t0, t1, sh, lw) in enumerate(zip(tab0.tolist(), tab1.tolist(), shift.tolist(), lo.tolist())):
-            esc = escapes[e_end[i] - int(row_esc[i]):e_end[i]]
-            k, qz = [], []
-            state = used = 0
-
-            def integer(j, sym):  # the integer of symbol j (its escape's value for the escape symbol)
-                nonlocal used
-                if sym != ESCAPE:
-                    return ((sym - off) << sh[j]) + lw[j]
-                if used >= len(esc):
-                    raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's escape symbols differ from its row "
-                                                    "byte's count")
-                v, used = esc[used], used + 1
-                again, t = v + off, (t1[j] if qz[j] else t0[j])
-                if 0 < again < alphabet and freq[t * alphabet + again] > 0:
-                    raise ProtocolError(BAD_TENSOR, f"{self.name}: an escaped value its table codes (not canonical)")
-                return (v << sh[j]) + lw[j]
-
-            def next_table(j, prev):
-                nonlocal state
-                if prev is not None:
-                    k.append(integer(j - 1, prev))
-                    state = trans[state][k[-1] & 1]
-                qz.append(state >> 1)
-                return t1[j] if state >> 1 else t0[j]
-
-            sym = rans.decode_row(words[w_end[i] - int(lengths[i]):w_end[i]], r, m.tables, next_table)
-            k.append(integer(r - 1, sym[-1]))
-            if used != len(esc):
-                raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's escape symbols differ from its row byte's count")
+            k, qz = self._row_integers(t0, t1, sh, lw, escapes[e_end[i] - int(row_esc[i]):e_end[i]],
+                                       words[w_end[i] - int(lengths[i]):w_end[i]], freq, trans)
             ks.append(k)
             qzs.append(qz)
-        return np.array(ks, np.int64).reshape(-1, r), np.array(qzs, np.int64).reshape(-1, r)
+        return np.array(ks, np.int64).reshape(-1, self.r), np.array(qzs, np.int64).reshape(-1, self.r)
+
+    def _row_integers(self, t0, t1, sh, lw, esc, words, freq, trans) -> tuple[list[int], list[int]]:
+        """One row of :meth:`_integers_by_row`: its integers and trellis states (lists of ``r``) from its rANS
+        words and escapes, given its tables ``t0`` / ``t1``, shifts ``sh`` and offsets ``lw`` (lists of ``r``)."""
+        m, off, r = self.model, self.level.offset, self.r
+        alphabet = m.tables.alphabet
+        k, qz = [], []
+        state = used = 0
+
+        def integer(j, sym):  # the integer of symbol j (its escape's value for the escape symbol)
+            nonlocal used
+            if sym != ESCAPE:
+                return ((sym - off) << sh[j]) + lw[j]
+            if used >= len(esc):
+                raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's escape symbols differ from its row "
+                                                "byte's count")
+            v, used = esc[used], used + 1
+            again, t = v + off, (t1[j] if qz[j] else t0[j])
+            if 0 < again < alphabet and freq[t * alphabet + again] > 0:
+                raise ProtocolError(BAD_TENSOR, f"{self.name}: an escaped value its table codes (not canonical)")
+            return (v << sh[j]) + lw[j]
+
+        def next_table(j, prev):
+            nonlocal state
+            if prev is not None:
+                k.append(integer(j - 1, prev))
+                state = trans[state][k[-1] & 1]
+            qz.append(state >> 1)
+            return t1[j] if state >> 1 else t0[j]
+
+        sym = rans.decode_row(words, r, m.tables, next_table)
+        k.append(integer(r - 1, sym[-1]))
+        if used != len(esc):
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: a row's escape symbols differ from its row byte's count")
+        return k, qz
 
 
 # -- calibration (pure numpy; shared.codecs_pca.calibrate_pca calls it) ----------------------------------------
