@@ -83,7 +83,11 @@ def _runtimes(app: FastAPI) -> list:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn, with a graceful drain on the first SIGTERM/SIGINT (``/ready`` turns 503, edges get ``Drain``,
-    open requests finish) before the usual shutdown; a second signal exits at once."""
+    open requests finish) before the usual shutdown. A second signal cuts the drain short: the usual shutdown
+    follows at once (connections closed, up to ``timeout_graceful_shutdown`` for their tasks, the runtime
+    stopped) and ``interrupted`` is set (the CLI exits 130); a third skips the rest of it, as uvicorn's second
+    Ctrl-C does. Signals are never re-raised after the shutdown (uvicorn's own handler does so, which ended a
+    drained server in a KeyboardInterrupt traceback)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI):
         split = getattr(app.state, "split", None)
@@ -98,6 +102,7 @@ class DrainingServer(uvicorn.Server):
         self.app = app
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self.interrupted = False  # a second signal came: the drain was cut short
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
@@ -108,8 +113,12 @@ class DrainingServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig, frame) -> None:  # may be called from any thread
-        if self._draining or self._loop is None:
+        if self._loop is None:  # not serving yet: uvicorn's own handling
             super().handle_exit(sig, frame)
+            return
+        if self._draining:
+            self.force_exit = self.interrupted  # the third signal
+            self.interrupted = self.should_exit = True
             return
         self._draining = True
 

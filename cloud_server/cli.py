@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,7 +225,19 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
 
     app = create_app(CloudRuntime(config), owns_runtime=True)
     install_sighup(app.state.auth.store)  # `kill -HUP` reloads the keys file
-    DrainingServer(uvicorn_config(app, config, log_level), app).run()
+    server = DrainingServer(uvicorn_config(app, config, log_level), app)
+    # a signal outside uvicorn's handling (after its shutdown, before the process ends) is noted, not a
+    # KeyboardInterrupt through asyncio's runner and the app's lifespan (a traceback in the log)
+    late: list[int] = []
+    previous = {s: signal.signal(s, lambda sig, _frame: late.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if server.interrupted or late:  # a second Ctrl-C / SIGTERM cut the drain short, or came after it
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

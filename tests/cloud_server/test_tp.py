@@ -178,3 +178,26 @@ def test_ctrl_c_stops_serve_quietly_at_any_tp(tiny_bundle, tmp_path, tp_size):
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     assert "waitForInput" not in text, text  # rank 0 polled the store with waits that logged c10d warnings
     assert not [w for w in workers if Path(f"/proc/{w}").exists()]
+
+
+def test_a_second_ctrl_c_cuts_the_drain_short_quietly(tiny_bundle, tmp_path):
+    """A second Ctrl-C while the server drained went to uvicorn's handler, which escalated to a forced exit: the
+    app's lifespan shutdown (the runtime's stop) was skipped and its cancelled task logged a traceback, and the
+    signal re-raised after the shutdown ended the process in a KeyboardInterrupt traceback. Now the second
+    signal cuts the drain short, the usual shutdown runs, and the command ends 'interrupted', exit 130."""
+    from edge_client.demo import LocalCloud
+
+    log = tmp_path / "serve.log"
+    args = ["--device", "cpu", "--variants", "fp32", "--num-blocks", "32", "--block-size", "4"]
+    with LocalCloud(tiny_bundle, extra_args=args, log_path=log) as cloud:
+        proc = cloud.proc
+        os.killpg(proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while "draining" not in log.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGINT)  # the server is draining: its shutdown takes >= 0.1 s from here
+        code = proc.wait(60)
+    text = log.read_text(errors="replace")
+    assert code == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text and "CancelledError" not in text, text
+    assert text.rstrip().endswith("interrupted"), text
