@@ -20,7 +20,8 @@ worker than before: that worker has not the session and the edge replays (``clou
 
 Signals: SIGTERM / SIGINT to the main process is passed to every worker (each drains as a single server does:
 ``/ready`` 503, ``Drain`` to its edges, open requests finish up to ``drain_timeout_s``); when they have all
-exited the engine stops. A second signal is passed on too (workers exit at once); SIGHUP (reload the keys
+exited the engine stops. A second signal is passed on too (each worker cuts its drain short and shuts down,
+and the command ends 'interrupted', exit 130, as a single server does); SIGHUP (reload the keys
 file) is passed on as it is. Workers run in their own process group, so a terminal's Ctrl-C reaches the main
 process only and is passed on once. A worker that dies while serving has its requests aborted and is
 replaced; one that exits with an error within a minute of its start (a broken setup) stops the server
@@ -37,6 +38,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import time
 
 from cloud_server.config import ServerConfig
@@ -155,6 +157,9 @@ def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
         runtime.stop()
         for s in set(socks):
             s.close()
+    if not status and len(signals) > 1:  # a second Ctrl-C / SIGTERM cut the drain short (cloud_server.cli.serve)
+        print("interrupted", file=sys.stderr)
+        return 130
     return status
 
 

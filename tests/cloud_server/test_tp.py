@@ -180,15 +180,17 @@ def test_ctrl_c_stops_serve_quietly_at_any_tp(tiny_bundle, tmp_path, tp_size):
     assert not [w for w in workers if Path(f"/proc/{w}").exists()]
 
 
-def test_a_second_ctrl_c_cuts_the_drain_short_quietly(tiny_bundle, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_second_ctrl_c_cuts_the_drain_short_quietly(tiny_bundle, tmp_path, workers):
     """A second Ctrl-C while the server drained went to uvicorn's handler, which escalated to a forced exit: the
     app's lifespan shutdown (the runtime's stop) was skipped and its cancelled task logged a traceback, and the
     signal re-raised after the shutdown ended the process in a KeyboardInterrupt traceback. Now the second
-    signal cuts the drain short, the usual shutdown runs, and the command ends 'interrupted', exit 130."""
+    signal cuts the drain short, the usual shutdown runs, and the command ends 'interrupted', exit 130 - with
+    front-end worker processes too (the main process passes each signal on to them)."""
     from edge_client.demo import LocalCloud
 
     log = tmp_path / "serve.log"
-    args = ["--device", "cpu", "--variants", "fp32", "--num-blocks", "32", "--block-size", "4"]
+    args = ["--device", "cpu", "--variants", "fp32", "--num-blocks", "32", "--block-size", "4", "--workers", str(workers)]
     with LocalCloud(tiny_bundle, extra_args=args, log_path=log) as cloud:
         proc = cloud.proc
         os.killpg(proc.pid, signal.SIGINT)
