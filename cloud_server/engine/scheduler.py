@@ -250,11 +250,15 @@ class Scheduler:
 
     # -- after the step -----------------------------------------------------------------------
     def publish_prefix(self, seq: Sequence) -> None:
-        """Publish ``seq``'s newly completed prefix blocks under their keys."""
+        """Publish ``seq``'s newly completed prefix blocks under their keys: blocks of the *prompt* only. A key
+        names prompt block i (the edge hashes its token ids), so keys beyond the prompt's full blocks are never
+        published: a block finished by decode steps holds generated positions (possibly drafts rolled back and
+        rewritten), which no client's key can name."""
         if seq.num_registered_blocks >= len(seq.prefix_keys):  # nothing left to publish (or no keys at all)
             return
         bm = self.block_managers[seq.variant]
-        full = min(seq.num_computed // self.config.block_size, len(seq.prefix_keys))
+        done = min(seq.num_computed, seq.num_prompt_tokens)
+        full = min(done // self.config.block_size, len(seq.prefix_keys))
         for i in range(seq.num_registered_blocks, full):
             bm.publish(seq.block_table[i], seq.prefix_keys[i])
         seq.mark_published(full)

@@ -118,6 +118,24 @@ def test_prefix_hits_skip_computation_and_omitted_positions_need_the_cache():
     assert exact.num_cached_tokens == 4 and exact.num_computed == 4
 
 
+def test_only_prompt_blocks_are_published_not_blocks_that_decode_steps_fill():
+    """A key names prompt block i (docs/protocol.md, "Prefix cache"): a key beyond the prompt's full blocks (a
+    client's mistake: block 1 of a 6-token prompt) is never published, even once decode steps fill that block
+    with generated positions' KV. It was: the block went into the cache under the client's key."""
+    s = _sched(block_size=4)
+    seq = _seq("a", keys=["k0", "k1"])
+    s.add(seq, InputChunk(0, hidden=_h(6)))
+    _run(s, s.schedule()[0])
+    bm = s.block_managers["fp32"]
+    assert bm.num_cached_blocks == 1  # block 0 is the prompt's one full block
+    for pos in (6, 7, 8):  # decode steps fill block 1 (positions 4..7) and go past it
+        seq.push(InputChunk(pos, hidden=_h(1)))
+        _run(s, s.schedule()[0])
+    assert seq.num_computed == 9
+    assert bm.num_cached_blocks == 1 and seq.num_registered_blocks == 1
+    assert len(bm.lookup(["k0", "k1"])) == 1  # k1 names nothing
+
+
 def test_too_long_prompts_are_refused():
     s = _sched(num_blocks=4, block_size=4, max_model_len=100)
     with pytest.raises(RequestError, match="max_model_len"):
