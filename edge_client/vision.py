@@ -75,7 +75,7 @@ class VisionSpec:
     def load(cls, bundle_dir: str | Path) -> VisionSpec:
         path = Path(bundle_dir) / VISION_CONFIG
         if not path.is_file():
-            raise MediaError(f"{path}: this bundle has no vision encoder (not a GLM-4.1V split)", "no_encoder")
+            raise MediaError("this bundle has no vision encoder (not a GLM-4.1V split)", "no_encoder")
         raw = json.loads(path.read_text())
         raw["image_mean"], raw["image_std"] = tuple(raw["image_mean"]), tuple(raw["image_std"])
         return cls(**raw)

@@ -1,0 +1,128 @@
+"""Held-out abuse, round 3: the media boundary of ``autoglm-edge serve``, as an outside tester throws at it, through
+real HTTP (httpx and the official ``openai`` client) on real uvicorn servers: one over a tiny GLM-4.1V bundle (a
+vision tower), one over the same model with only an audio encoder, both in front of one real ``autoglm-cloud
+serve`` (the two bundles share their cloud half), so that after every refusal a normal request is answered. Each
+test's docstring says what used to go wrong, if anything did."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+from local_server import local_server
+from media_support import tone, wav
+from PIL import Image
+
+from edge_client.client import EdgeClient
+from edge_client.config import RetryPolicy
+from edge_client.local_api import create_app
+
+RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=60.0, max_retries=3, backoff_initial_s=0.1,
+                    backoff_max_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_glm4v_fp32_bundle, tiny_glm4v_audio_bundle, tmp_path_factory):
+    """(vision endpoint URL, audio endpoint URL, vision EdgeClient, audio EdgeClient)."""
+    from edge_client.demo import LocalCloud
+
+    with LocalCloud(tiny_glm4v_fp32_bundle, log_path=tmp_path_factory.mktemp("log") / "cloud.log") as cloud, \
+            EdgeClient(tiny_glm4v_fp32_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as vc, \
+            EdgeClient(tiny_glm4v_audio_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as ac:
+        assert vc.manifest.bundle_id == ac.manifest.bundle_id  # one cloud half: one cloud serves both
+        with local_server(create_app(vc)) as v, local_server(create_app(ac)) as a:
+            yield v, a, vc, ac
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+
+
+def _chat(base: str, *parts: dict, max_tokens: int = 3) -> httpx.Response:
+    return httpx.post(base + "/v1/chat/completions", timeout=60, json={
+        "model": "m", "max_tokens": max_tokens, "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "look "}, *parts]}]})
+
+
+def _code(r: httpx.Response) -> str:
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}, err  # OpenAI's error shape
+    return err["code"]
+
+
+def _ok(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text[:300]
+    return r.json()
+
+
+def _encoded(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _audio(data: bytes | str, fmt: str | None = "wav") -> dict:
+    part = {"data": base64.b64encode(data).decode() if isinstance(data, bytes) else data}
+    if fmt is not None:
+        part["format"] = fmt
+    return {"type": "input_audio", "input_audio": part}
+
+
+NORMAL_IMAGE = _image(_data_url(_encoded(Image.new("RGB", (64, 64), (200, 30, 30)))))
+NORMAL_AUDIO = _audio(wav(tone(0.5)))
+
+
+# -- images -----------------------------------------------------------------------------------------------------
+
+
+def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
+    """Already handled before this round, kept: a 1x1, CMYK JPEG, 16-bit gray and 16-bit RGBA PNG, palette with
+    transparency, LA, 1-bit, animated GIF and WebP (the first frame), BMP: 200; truncated PNG / JPEG: bad_image;
+    TIFF: unsupported_format; an aspect ratio over 200:1: bad_image."""
+    v, _, _, _ = served
+    rng = np.random.default_rng(1)
+    base = Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8))
+    frames = [Image.new("RGB", (50, 40), c) for c in ((255, 0, 0), (0, 255, 0))]
+    gray16 = Image.fromarray(rng.integers(0, 65536, (40, 50)).astype(np.uint16))
+    good = {
+        "1x1": _encoded(Image.new("RGB", (1, 1))),
+        "cmyk": _encoded(base.convert("CMYK"), "JPEG"),
+        "gray16": _encoded(gray16),
+        "palette+transparency": _encoded(base.convert("P"), transparency=0),
+        "LA": _encoded(base.convert("LA")),
+        "1-bit": _encoded(base.convert("1")),
+        "gif": _encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50),
+        "webp": _encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=50),
+        "bmp": _encoded(base, "BMP"),
+    }
+    for name, data in good.items():
+        assert _ok(_chat(v, _image(_data_url(data)), max_tokens=1))["usage"]["prompt_tokens_details"][
+            "image_tokens"] > 0, name
+    png, jpeg = _encoded(base), _encoded(base, "JPEG")
+    for data, code in ((png[: len(png) // 2], "bad_image"), (jpeg[:300], "bad_image"),
+                       (_encoded(base, "TIFF"), "unsupported_format"),
+                       (_encoded(Image.new("RGB", (201, 1))), "bad_image")):
+        assert _code(_chat(v, _image(_data_url(data)))) == code
+    _ok(_chat(v, NORMAL_IMAGE))
+
+
+# -- audio and a bundle without a vision tower ------------------------------------------------------------------
+
+
+def test_an_image_for_a_bundle_without_a_vision_tower(served, tiny_glm4v_audio_bundle):
+    """no_encoder, a 400; the message no longer names the bundle's path on the device."""
+    _, a, _, _ = served
+    r = _chat(a, NORMAL_IMAGE)
+    assert _code(r) == "no_encoder" and str(tiny_glm4v_audio_bundle) not in r.json()["error"]["message"]
+    _ok(_chat(a, NORMAL_AUDIO))
