@@ -144,8 +144,8 @@ def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarra
     return x.reshape(-1, channels).mean(axis=1), rate
 
 
-def prepare_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> PreparedAudio:
-    """Samples -> :class:`PreparedAudio`; refuses empty, silent, wrongly sampled or too long clips."""
+def check_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> np.ndarray:
+    """Samples -> float32 [n] the encoder takes; refuses empty, silent, wrongly sampled or too long clips."""
     x = np.asarray(samples, np.float32).reshape(-1)
     if sample_rate != spec.sample_rate:
         raise MediaError(f"audio at {sample_rate} Hz: the encoder takes {spec.sample_rate} Hz (resample first)",
@@ -159,6 +159,12 @@ def prepare_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> Pre
     if x.size > spec.max_samples:
         raise MediaError(f"audio of {x.size / spec.sample_rate:.1f} s exceeds the encoder's "
                          f"{spec.max_samples / spec.sample_rate:.1f} s window", "audio_too_long")
+    return x
+
+
+def prepare_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> PreparedAudio:
+    """Samples -> :class:`PreparedAudio` (:func:`check_audio`, then the log-mel features)."""
+    x = check_audio(samples, sample_rate, spec)
     digest = hashlib.sha256(b"audio/v1" + x.astype("<f4").tobytes()).digest()
     return PreparedAudio(log_mel(x, spec), spec.tokens_for(x.size), digest, x.size / spec.sample_rate)
 
@@ -174,6 +180,10 @@ class AudioEncoder(LazyEncoder):
     def prepare(self, data: bytes) -> PreparedAudio:
         samples, rate = decode_wav(data)
         return prepare_audio(samples, rate, self.spec)
+
+    def check(self, data: bytes) -> np.ndarray:
+        """WAV bytes -> the clip's samples at the encoder's rate (every check of ``prepare``; no features yet)."""
+        return check_audio(*decode_wav(data), self.spec)
 
     def encode(self, clip: PreparedAudio) -> np.ndarray:
         """Audio embeddings float32 [n_tokens, H] of one clip."""

@@ -207,7 +207,8 @@ class EdgeClient:
         parts += [MediaPart("image", x) for x in images or []] + [MediaPart("audio", x) for x in audio or []]
         if not parts:
             return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)
-        items = self.media.items(parts, self.media_policy)
+        # every placeholder becomes its rows: they must fit the edge graph's positions, less one for the answer
+        items = self.media.items(parts, self.media_policy, room=self.runtime.max_positions - 1 - len(ids))
         media = assemble([int(t) for t in ids], items, self.runtime.hidden_size, self.media.merge_size)
         return RequestSpec(prompt_ids=media.ids, media=media, **sampling)
 

@@ -26,6 +26,7 @@ import io
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,26 +130,13 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 11
     return h_bar, w_bar
 
 
-def decode_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INPUT_PIXELS):
-    """Encoded bytes -> a PIL RGB image (transparency on white, as the processor's ``convert_to_rgb``)."""
+@contextmanager
+def _pil_errors(max_pixels: int):
+    """PIL's failures on untrusted bytes as MediaErrors (a MediaError raised inside passes unchanged)."""
     from PIL import Image, UnidentifiedImageError
 
-    if not data:
-        raise MediaError("empty image (0 bytes)", "bad_image")
-    if len(data) > max_bytes:
-        raise MediaError(f"image of {len(data)} bytes exceeds the {max_bytes}-byte limit", "image_too_large")
     try:
-        img = Image.open(io.BytesIO(data))
-        fmt = img.format
-        if fmt not in IMAGE_FORMATS:
-            raise MediaError(f"unsupported image format {fmt!r} (accepted: {', '.join(IMAGE_FORMATS)})",
-                             "unsupported_format")
-        w, h = img.size
-        if w * h == 0:
-            raise MediaError(f"zero-size image ({w}x{h})", "bad_image")
-        if w * h > max_pixels:
-            raise MediaError(f"image of {w}x{h} pixels exceeds the {max_pixels}-pixel limit", "image_too_large")
-        img.load()  # decode now: truncated or corrupt data fails here, not later
+        yield
     except MediaError:
         raise
     except UnidentifiedImageError:
@@ -159,6 +147,38 @@ def decode_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int 
     except (OSError, ValueError, SyntaxError) as e:
         raise MediaError(f"cannot decode the image: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
                          "bad_image") from None
+
+
+def open_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INPUT_PIXELS):
+    """Encoded bytes -> a PIL image whose header alone is read: format and size checked, nothing decoded yet
+    (:func:`load_image` decodes it). Its size tells the visual tokens before any pixel is decoded."""
+    from PIL import Image
+
+    if not data:
+        raise MediaError("empty image (0 bytes)", "bad_image")
+    if len(data) > max_bytes:
+        raise MediaError(f"image of {len(data)} bytes exceeds the {max_bytes}-byte limit", "image_too_large")
+    with _pil_errors(max_pixels):
+        img = Image.open(io.BytesIO(data))
+        fmt = img.format
+        if fmt not in IMAGE_FORMATS:
+            raise MediaError(f"unsupported image format {fmt!r} (accepted: {', '.join(IMAGE_FORMATS)})",
+                             "unsupported_format")
+        w, h = img.size
+        if w * h == 0:
+            raise MediaError(f"zero-size image ({w}x{h})", "bad_image")
+        if w * h > max_pixels:
+            raise MediaError(f"image of {w}x{h} pixels exceeds the {max_pixels}-pixel limit", "image_too_large")
+    return img
+
+
+def load_image(img, max_pixels: int = MAX_INPUT_PIXELS):
+    """An :func:`open_image` result -> a decoded PIL RGB image, transparency on white (as the processor's
+    ``convert_to_rgb``)."""
+    from PIL import Image
+
+    with _pil_errors(max_pixels):
+        img.load()  # decode now: truncated or corrupt data fails here, not later
     if img.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit grayscale (PNG): to 8 bits, where convert() would clip
         img = Image.fromarray((np.clip(np.asarray(img, np.int64), 0, 65535) >> 8).astype(np.uint8))  # mode L
     if "A" in img.getbands() or img.info.get("transparency") is not None:
@@ -166,6 +186,11 @@ def decode_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int 
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return img.convert("RGB")
+
+
+def decode_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INPUT_PIXELS):
+    """Encoded bytes -> a PIL RGB image (:func:`open_image`, then :func:`load_image`)."""
+    return load_image(open_image(data, max_bytes, max_pixels), max_pixels)
 
 
 def patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
@@ -262,6 +287,11 @@ class VisionEncoder(LazyEncoder):
     def prepare(self, data: bytes, max_pixels: int | None = None) -> PreparedImage:
         """Encoded image bytes -> :class:`PreparedImage` (decode + preprocess)."""
         return preprocess(decode_image(data), self.spec, max_pixels)
+
+    def tokens(self, img, max_pixels: int | None = None) -> int:
+        """Visual tokens of an :func:`open_image` result at a pixel budget, from its header: nothing decoded."""
+        w, h = img.size
+        return visual_tokens(h, w, self.spec, max_pixels)
 
     def encode(self, image: PreparedImage) -> np.ndarray:
         """Visual embeddings float32 [n_tokens, H] of one prepared image."""

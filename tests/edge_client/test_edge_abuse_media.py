@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import time
+import zlib
 
 import httpx
 import numpy as np
+import openai
 import pytest
 from local_server import local_server
 from media_support import tone, wav
 from PIL import Image
 
+from edge_client.audio import AudioEncoder
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
 from edge_client.local_api import create_app
+from edge_client.vision import VisionEncoder
 
 RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=60.0, max_retries=3, backoff_initial_s=0.1,
                     backoff_max_s=0.5)
@@ -83,7 +89,73 @@ NORMAL_IMAGE = _image(_data_url(_encoded(Image.new("RGB", (64, 64), (200, 30, 30
 NORMAL_AUDIO = _audio(wav(tone(0.5)))
 
 
+def _png_bomb(w: int, h: int, rows: int | None = None) -> bytes:
+    """A grayscale PNG of ``w x h`` zero pixels, of which ``rows`` (default all) are in its data: a few KB."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    z = zlib.compressobj(9)
+    row = bytes(w + 1)
+    idat = b"".join(z.compress(row) for _ in range(h if rows is None else rows)) + z.flush()
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+@pytest.fixture
+def no_tower(monkeypatch):
+    """Every encoder run fails the request loudly (a 500): a refusal must come before any."""
+    runs: list[str] = []
+
+    def refuse(kind):
+        def encode(self, *args, **kwargs):
+            runs.append(kind)
+            raise AssertionError(f"the {kind} encoder ran")
+        return encode
+
+    monkeypatch.setattr(VisionEncoder, "encode", refuse("image"))
+    monkeypatch.setattr(AudioEncoder, "encode", refuse("audio"))
+    return runs
+
+
 # -- images -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # PIL warns past 89 Mpx
+def test_decompression_bombs_are_refused_from_their_header_before_any_decode_or_tower(served, no_tower):
+    """30000 x 30000 (past PIL's own guard) and 10000 x 10000 (past the 40 Mpx limit): image_too_large. A 38 KB PNG
+    of 6300 x 6300 is within the pixel limit, but its 7396 visual tokens can never fit the edge graph's 2048
+    positions: context_full at once, from its header (it used to be decoded and run through the tower - 36 s and
+    14 GB of RSS on this bundle - before the cloud refused it). Through the official openai client."""
+    v, _, _, _ = served
+    client = openai.OpenAI(base_url=v + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def ask(png: bytes):
+        return client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is it?"}, _image(_data_url(png))]}])
+
+    for png, code in ((_png_bomb(30000, 30000, rows=2), "image_too_large"),
+                      (_png_bomb(10000, 10000, rows=2), "image_too_large"),
+                      (_png_bomb(6300, 6300), "context_full")):
+        assert len(png) < 64_000
+        t0 = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(png)
+        assert e.value.code == code and time.monotonic() - t0 < 5, e.value
+    assert "7396 tokens" in str(e.value)
+    assert no_tower == []
+
+
+def test_too_many_images_are_refused_before_any_is_encoded(served, no_tower, monkeypatch):
+    """300 one-pixel images (9 visual tokens each: 2700 > 2048 positions; no documented count limit, the
+    positions are the limit): context_full without one tower run (the first 139 used to be encoded first). 50 of
+    them fit and are answered."""
+    v, _, _, _ = served
+    one = _image(_data_url(_encoded(Image.new("RGB", (1, 1)))))
+    r = _chat(v, *[one] * 300)
+    assert _code(r) == "context_full" and "image 140 of 300" in r.json()["error"]["message"]
+    assert no_tower == []
+    monkeypatch.undo()  # the tower back
+    assert _ok(_chat(v, *[one] * 50))["usage"]["prompt_tokens_details"]["image_tokens"] == 50 * 9
 
 
 def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
@@ -118,6 +190,16 @@ def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
 
 
 # -- audio and a bundle without a vision tower ------------------------------------------------------------------
+
+
+def test_too_many_clips_are_refused_before_any_is_encoded(served, no_tower, monkeypatch):
+    """45 two-second clips (50 audio tokens each: 2250 > 2048 positions): context_full, no encoder run."""
+    _, a, _, _ = served
+    clip = _audio(wav(tone(2.0)))
+    assert _code(_chat(a, *[clip] * 45)) == "context_full"
+    assert no_tower == []
+    monkeypatch.undo()
+    _ok(_chat(a, NORMAL_AUDIO))
 
 
 def test_an_image_for_a_bundle_without_a_vision_tower(served, tiny_glm4v_audio_bundle):
