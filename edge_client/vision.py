@@ -2,7 +2,8 @@
 
 Preprocessing mirrors transformers' ``Glm4vImageProcessor`` (PIL backend) step by step:
 
-1. decode (PIL), transparency composited onto white, RGB;
+1. decode (PIL), upright by the EXIF orientation tag (as transformers' ``load_image``), transparency
+   composited onto white, RGB;
 2. ``smart_resize``: height and width rounded to multiples of ``patch x merge`` (28), scaled so that
    ``temporal_patch x h x w`` stays within ``[min_pixels, max_pixels]``, then a bicubic resize;
 3. rescale by 1/255, normalise with the CLIP mean/std;
@@ -25,6 +26,7 @@ import hashlib
 import io
 import json
 import math
+import struct
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ VISION_INPUTS = ("pixel_values", "rope_cos", "rope_sin", "pos_grid")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")  # decoded by PIL on every platform we ship
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image larger than this is refused before decoding
 MAX_INPUT_PIXELS = 40_000_000  # decoded width x height above this is refused (decompression bombs)
+ORIENTATION_TAG = 0x0112  # EXIF Orientation: 1 upright, 2-8 mirrored and/or rotated
 
 
 class MediaError(ValueError):
@@ -173,12 +176,19 @@ def open_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = 
 
 
 def load_image(img, max_pixels: int = MAX_INPUT_PIXELS):
-    """An :func:`open_image` result -> a decoded PIL RGB image, transparency on white (as the processor's
-    ``convert_to_rgb``)."""
-    from PIL import Image
+    """An :func:`open_image` result -> a decoded PIL RGB image: turned upright by its EXIF orientation (a phone
+    photo's tag, as every viewer and transformers' ``load_image`` apply it), transparency on white (as the
+    processor's ``convert_to_rgb``)."""
+    from PIL import Image, ImageOps
 
     with _pil_errors(max_pixels):
         img.load()  # decode now: truncated or corrupt data fails here, not later
+    try:
+        orientation = img.getexif().get(ORIENTATION_TAG, 1)
+    except (OSError, ValueError, SyntaxError, KeyError, TypeError, struct.error):  # unreadable metadata: as stored
+        orientation = 1
+    if orientation in range(2, 9):
+        img = ImageOps.exif_transpose(img)
     if img.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit grayscale (PNG): to 8 bits, where convert() would clip
         img = Image.fromarray((np.clip(np.asarray(img, np.int64), 0, 65535) >> 8).astype(np.uint8))  # mode L
     if "A" in img.getbands() or img.info.get("transparency") is not None:
@@ -290,7 +300,7 @@ class VisionEncoder(LazyEncoder):
 
     def tokens(self, img, max_pixels: int | None = None) -> int:
         """Visual tokens of an :func:`open_image` result at a pixel budget, from its header: nothing decoded."""
-        w, h = img.size
+        w, h = img.size  # an EXIF rotation swaps the sides, not the count
         return visual_tokens(h, w, self.spec, max_pixels)
 
     def encode(self, image: PreparedImage) -> np.ndarray:

@@ -24,7 +24,7 @@ from edge_client.audio import AudioEncoder
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
 from edge_client.local_api import create_app
-from edge_client.vision import VisionEncoder
+from edge_client.vision import VisionEncoder, decode_image
 
 RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=60.0, max_retries=3, backoff_initial_s=0.1,
                     backoff_max_s=0.5)
@@ -156,6 +156,25 @@ def test_too_many_images_are_refused_before_any_is_encoded(served, no_tower, mon
     assert no_tower == []
     monkeypatch.undo()  # the tower back
     assert _ok(_chat(v, *[one] * 50))["usage"]["prompt_tokens_details"]["image_tokens"] == 50 * 9
+
+
+def test_exif_orientation_is_applied(served):
+    """A photo stored sideways with EXIF Orientation 6 (rotate 90 degrees clockwise to view: what phone cameras
+    write) is seen upright, as a viewer and transformers' load_image show it; it used to reach the tower sideways."""
+    v, _, _, _ = served
+    rng = np.random.default_rng(0)
+    sideways = Image.fromarray(rng.integers(0, 256, (60, 150, 3), dtype=np.uint8))  # 150 wide, 60 high
+    upright = sideways.transpose(Image.Transpose.ROTATE_270)  # 90 degrees clockwise: 60 wide, 150 high
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    tagged = _encoded(sideways, exif=exif.tobytes())
+    plain = _encoded(upright)
+    assert decode_image(tagged).size == (60, 150)
+    assert np.array_equal(np.asarray(decode_image(tagged)), np.asarray(decode_image(plain)))
+    a = _ok(_chat(v, _image(_data_url(tagged)), max_tokens=6))
+    b = _ok(_chat(v, _image(_data_url(plain)), max_tokens=6))
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
 
 
 def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
