@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -164,24 +166,108 @@ def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> b
     return data
 
 
-FETCH_CHUNK = 64 << 10  # bytes read per socket read while fetching (the deadline is checked between reads)
+FETCH_CHUNK = 64 << 10  # bytes read per socket read while fetching
+
+
+class _Deadline:
+    """One fetch's deadline over every connection it opens (each redirect opens one): each connects within the
+    time left, and when the time is up every socket still open is shut down, which ends a read blocked on it
+    at once. So a server that trickles its headers, a TLS handshake, or a chain of slow redirects is cut off
+    at the deadline too, not only a slow body (name resolution, which nothing can interrupt, excepted)."""
+
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+        self.expired = False
+        self._socks: list = []  # duplicates of the connections' sockets: they outlive a TLS wrap's detach()
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            for s in self._socks:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def create_connection(self, address, timeout=None, source_address=None):
+        """``socket.create_connection`` within the time left (http.client's ``_create_connection``)."""
+        left = self.left()
+        if left <= 0:
+            raise TimeoutError
+        sock = socket.create_connection(address, left, source_address)
+        with self._lock:
+            self._socks.append(sock.dup())
+            if self.expired:
+                sock.close()
+                raise TimeoutError
+        return sock
+
+    def connection(self, http_class):
+        """``http_class`` (http.client's HTTP(S)Connection) opening its socket through this deadline."""
+        guard = self
+
+        class Guarded(http_class):
+            def connect(self):
+                self._create_connection = guard.create_connection
+                super().connect()
+
+        return Guarded
+
+    def close(self) -> None:
+        self._timer.cancel()
+        with self._lock:
+            for s in self._socks:
+                s.close()
+            self._socks.clear()
+
+
+def _opener(guard: _Deadline, shown: str):
+    """urllib's opener with every connection under ``guard`` and redirects followed to http(s) URLs only
+    (urllib's own would follow one to ftp://)."""
+    import urllib.request
+
+    class Guarded:
+        def do_open(self, http_class, req, **kwargs):
+            return super().do_open(guard.connection(http_class), req, **kwargs)
+
+    class HTTP(Guarded, urllib.request.HTTPHandler):
+        pass
+
+    class HTTPS(Guarded, urllib.request.HTTPSHandler):
+        pass
+
+    class Redirects(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            if not newurl.lower().startswith(("http://", "https://")):
+                fp.close()
+                raise MediaError(f"{shown}: redirected to {newurl[:80]}: only http(s) URLs are fetched",
+                                 "fetch_failed")
+            return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+    return urllib.request.build_opener(HTTP(), HTTPS(), Redirects())
 
 
 def _fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
-    """GET ``url`` within ``policy``: the whole download within ``fetch_timeout_s`` (checked after every socket
-    read, each of which itself times out after ``fetch_timeout_s``: a trickling server is cut off), at
-    most ``max_bytes`` (a larger Content-Length is refused before the body), a content type of ``kind/*`` (or
-    none / octet-stream). Each failure is a MediaError with its own code."""
+    """GET ``url`` within ``policy``: the whole fetch (connecting, redirects, headers, body) within
+    ``fetch_timeout_s`` (:class:`_Deadline`; each socket read also times out by then), at most ``max_bytes``
+    (a larger Content-Length is refused before the body), a content type of ``kind/*`` (or none /
+    octet-stream). Each failure is a MediaError with its own code."""
     import http.client
     import urllib.error
-    import urllib.request
 
     if not policy.allow_http:
         raise MediaError("fetching media URLs is disabled on this endpoint", "url_refused")
     shown = url[:80]
-    deadline = time.monotonic() + policy.fetch_timeout_s
+    guard = _Deadline(policy.fetch_timeout_s)
     try:
-        with urllib.request.urlopen(url, timeout=policy.fetch_timeout_s) as r:  # noqa: S310 - http(s) checked above
+        with _opener(guard, shown).open(url, timeout=policy.fetch_timeout_s) as r:
             ctype = (r.headers.get_content_type() if r.headers.get("Content-Type") else "").lower()
             if ctype and not ctype.startswith(f"{kind}/") and ctype != "application/octet-stream":
                 raise MediaError(f"{shown}: serves {ctype}, not {'an image' if kind == 'image' else kind}",
@@ -195,22 +281,22 @@ def _fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
                 buf += chunk
                 if len(buf) > policy.max_bytes:
                     raise MediaError(f"{shown}: larger than the {policy.max_bytes}-byte limit", "image_too_large")
-                if time.monotonic() > deadline:
+                if guard.left() <= 0:
                     raise TimeoutError
+            if guard.expired:  # the deadline shut the socket: what ended the headers or the body was not the server
+                raise TimeoutError
     except MediaError:  # a ValueError: raised above, with its own code
         raise
-    except urllib.error.HTTPError as e:
-        raise MediaError(f"cannot fetch {shown}: HTTP {e.code} {e.reason}", "fetch_failed") from None
-    except TimeoutError:
-        raise MediaError(f"{shown}: not fetched within {policy.fetch_timeout_s:g} s", "fetch_timeout") from None
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, TimeoutError):
+    except (OSError, ValueError, http.client.HTTPException) as e:  # URLError and HTTPError are OSErrors
+        if guard.expired or isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError):
             raise MediaError(f"{shown}: not fetched within {policy.fetch_timeout_s:g} s", "fetch_timeout") from None
-        raise MediaError(f"cannot fetch {shown}: {e.reason}", "fetch_failed") from None
-    except (OSError, ValueError, http.client.HTTPException) as e:
-        raise MediaError(f"cannot fetch {shown}: {e}", "fetch_failed") from None
+        if isinstance(e, urllib.error.HTTPError):
+            raise MediaError(f"cannot fetch {shown}: HTTP {e.code} {e.reason}", "fetch_failed") from None
+        raise MediaError(f"cannot fetch {shown}: {e.reason if isinstance(e, urllib.error.URLError) else e}",
+                         "fetch_failed") from None
+    finally:
+        guard.close()
     return bytes(buf)
-
 
 def _local(path: str, policy: MediaPolicy) -> bytes:
     if policy.local_dir is None:

@@ -7,10 +7,13 @@ test's docstring says what used to go wrong, if anything did."""
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import struct
+import threading
 import time
 import zlib
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -205,6 +208,81 @@ def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
                        (_encoded(base, "TIFF"), "unsupported_format"),
                        (_encoded(Image.new("RGB", (201, 1))), "bad_image")):
         assert _code(_chat(v, _image(_data_url(data)))) == code
+    _ok(_chat(v, NORMAL_IMAGE))
+
+
+class _Misbehaving:
+    """A local HTTP server that misbehaves slowly: headers trickled, a chain of slow redirects, a redirect to
+    ftp://; and one good image."""
+
+    def __init__(self, png: bytes):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _redirect(self, to: str, pause: float = 0.0) -> None:
+                time.sleep(pause)
+                self.send_response(302)
+                self.send_header("Location", to)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_GET(self):  # noqa: N802 - http.server's name
+                try:
+                    if self.path == "/ok.png":
+                        self.send_response(200)
+                        self.send_header("Content-Type", "image/png")
+                        self.send_header("Content-Length", str(len(png)))
+                        self.end_headers()
+                        self.wfile.write(png)
+                    elif self.path == "/trickle.png":  # a header line every 0.25 s for 10 s
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n")
+                        for i in range(40):
+                            self.wfile.flush()
+                            time.sleep(0.25)
+                            self.wfile.write(b"X-Wait: %d\r\n" % i)
+                    elif self.path.startswith("/hop/"):  # 0.5 s per redirect, always to a new URL
+                        self._redirect(f"/hop/{int(self.path[5:]) + 1}", pause=0.5)
+                    elif self.path == "/to-ftp.png":
+                        self._redirect("ftp://127.0.0.1:1/x.png")
+                    else:
+                        self.send_error(404)
+                except OSError:
+                    pass  # the phone hung up
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def url(self, path: str, scheme: str = "http") -> str:
+        return f"{scheme}://127.0.0.1:{self.httpd.server_address[1]}{path}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_the_fetch_deadline_covers_headers_and_redirects(served):
+    """fetch_timeout_s bounds the whole fetch: a server trickling its headers (it used to hold the request for as
+    long as it trickled, then answer bad_image 'empty image') and a chain of slow redirects (ten of them, 5 s)
+    are fetch_timeout at the deadline. A redirect to ftp:// is not followed."""
+    v, _, vc, _ = served
+    srv = _Misbehaving(_encoded(Image.new("RGB", (64, 64), (1, 2, 3))))
+    before = vc.media_policy
+    vc.media_policy = replace(before, fetch_timeout_s=1.0)
+    try:
+        for path in ("/trickle.png", "/hop/0"):
+            t0 = time.monotonic()
+            r = _chat(v, _image(srv.url(path)))
+            assert _code(r) == "fetch_timeout" and time.monotonic() - t0 < 3, (path, r.text)
+        r = _chat(v, _image(srv.url("/to-ftp.png")))
+        assert _code(r) == "fetch_failed" and "only http(s)" in r.json()["error"]["message"], r.text
+        _ok(_chat(v, _image(srv.url("/ok.png"))))
+    finally:
+        vc.media_policy = before
+        srv.close()
     _ok(_chat(v, NORMAL_IMAGE))
 
 
