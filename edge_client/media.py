@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import socket
 import threading
 import time
@@ -149,21 +150,48 @@ def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> b
         data = bytes(src)
     elif not isinstance(src, str) or not src:
         raise MediaError("a media source is bytes or a URL string", "bad_media")
-    elif src.startswith("data:"):
+    elif (scheme := _scheme(src)) == "data":  # RFC 2397; the media type is not checked: the bytes tell
         head, _, payload = src.partition(",")
-        if ";base64" not in head:
+        if ";base64" not in head.lower():
             raise MediaError("data URL without base64 encoding", "bad_media")
-        try:
-            data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
-            raise MediaError("data URL: invalid base64", "bad_media") from None
-    elif src.startswith(("http://", "https://")):
+        data = b64decode(payload, "data URL")
+    elif scheme in ("http", "https"):
         data = _fetch(src, policy, kind)
+    elif scheme == "file":
+        data = _local(src[len("file://"):], policy)
+    elif scheme is not None:
+        raise MediaError(f"{src[:40]}: unsupported URL scheme (accepted: data:, http(s)://, file:// and paths)",
+                         "bad_media")
     else:
-        data = _local(src.removeprefix("file://"), policy)
+        data = _local(src, policy)
     if len(data) > policy.max_bytes:
         raise MediaError(f"media of {len(data)} bytes exceeds the {policy.max_bytes}-byte limit", "image_too_large")
     return data
+
+
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(//)?")
+
+
+def _scheme(src: str) -> str | None:
+    """The URL scheme of ``src``, lower case (schemes are case-insensitive): ``data`` for ``data:...``, else
+    one followed by ``//``; None for a path."""
+    m = _URL_SCHEME.match(src)
+    if m is None or (m.group(2) is None and m.group(1).lower() != "data"):
+        return None
+    return m.group(1).lower()
+
+
+def b64decode(text: str, what: str, code: str = "bad_media") -> bytes:
+    """Standard base64 (``what``: the field, for the error), ASCII whitespace ignored as in a data: URL (line
+    breaks of ``base64``'s output, a trailing newline); anything else outside the alphabet is refused."""
+    try:
+        if isinstance(text, (bytes, bytearray)):
+            text = bytes(text).decode("ascii")  # UnicodeDecodeError: a ValueError
+        if not isinstance(text, str) or not text.isascii():
+            raise ValueError
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError(f"{what}: invalid base64", code) from None
 
 
 FETCH_CHUNK = 64 << 10  # bytes read per socket read while fetching
@@ -357,11 +385,8 @@ def extract_parts(messages: list[dict], placeholder: Callable[[str], str]) -> tu
                 if a.get("format", "wav") != "wav":
                     raise MediaError(f"messages[{i}].content[{j}]: audio format {a.get('format')!r} (accepted: wav)",
                                      "unsupported_format")
-                try:
-                    parts.append(MediaPart("audio", base64.b64decode(a.get("data") or "", validate=True)))
-                except (binascii.Error, ValueError, TypeError):
-                    raise MediaError(f"messages[{i}].content[{j}]: input_audio.data is not base64", "bad_audio") \
-                        from None
+                parts.append(MediaPart("audio", b64decode(a.get("data") or "",
+                                                          f"messages[{i}].content[{j}].input_audio.data", "bad_audio")))
             else:
                 raise MediaError(f"messages[{i}].content[{j}]: part type {kind!r} is not supported", "bad_media")
             text.append(placeholder(parts[-1].kind))

@@ -211,6 +211,30 @@ def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
     _ok(_chat(v, NORMAL_IMAGE))
 
 
+def test_data_url_forms(served):
+    """A data: URL's base64 may carry ASCII whitespace (``base64``'s 76-column lines, a trailing newline) and its
+    scheme and ``;base64`` any case, as RFC 2397 / the URL standard read them (all used to be refused); its media
+    type is not checked (the bytes tell). Not base64 (URL-safe alphabet, non-ASCII): bad_media; a scheme other
+    than data / http(s) / file: bad_media naming it (it used to be looked up as a file of the media folder)."""
+    v, _, _, _ = served
+    png = _encoded(Image.fromarray(np.random.default_rng(2).integers(0, 256, (50, 60, 3), dtype=np.uint8)))
+    b64 = base64.b64encode(png).decode()
+    for url in ("data:image/png;base64," + base64.encodebytes(png).decode(),
+                "data:image/png;base64," + b64 + "\n",
+                "data:image/png;base64, " + b64,
+                "DATA:image/png;BASE64," + b64,
+                "data:text/plain;base64," + b64):
+        _ok(_chat(v, _image(url), max_tokens=1))
+    urlsafe = base64.urlsafe_b64encode(png).decode()
+    assert urlsafe != b64
+    for url in ("data:image/png;base64," + urlsafe, "data:image/png;base64,é" + b64):
+        r = _chat(v, _image(url))
+        assert _code(r) == "bad_media" and "invalid base64" in r.json()["error"]["message"]
+    r = _chat(v, _image("ftp://127.0.0.1/x.png"))
+    assert _code(r) == "bad_media" and "unsupported URL scheme" in r.json()["error"]["message"]
+    _ok(_chat(v, NORMAL_IMAGE))
+
+
 class _Misbehaving:
     """A local HTTP server that misbehaves slowly: headers trickled, a chain of slow redirects, a redirect to
     ftp://; and one good image."""
@@ -267,7 +291,7 @@ class _Misbehaving:
 def test_the_fetch_deadline_covers_headers_and_redirects(served):
     """fetch_timeout_s bounds the whole fetch: a server trickling its headers (it used to hold the request for as
     long as it trickled, then answer bad_image 'empty image') and a chain of slow redirects (ten of them, 5 s)
-    are fetch_timeout at the deadline. A redirect to ftp:// is not followed."""
+    are fetch_timeout at the deadline. A redirect to ftp:// is not followed. An upper-case HTTP:// is fetched."""
     v, _, vc, _ = served
     srv = _Misbehaving(_encoded(Image.new("RGB", (64, 64), (1, 2, 3))))
     before = vc.media_policy
@@ -279,7 +303,7 @@ def test_the_fetch_deadline_covers_headers_and_redirects(served):
             assert _code(r) == "fetch_timeout" and time.monotonic() - t0 < 3, (path, r.text)
         r = _chat(v, _image(srv.url("/to-ftp.png")))
         assert _code(r) == "fetch_failed" and "only http(s)" in r.json()["error"]["message"], r.text
-        _ok(_chat(v, _image(srv.url("/ok.png"))))
+        _ok(_chat(v, _image(srv.url("/ok.png", scheme="HTTP"))))
     finally:
         vc.media_policy = before
         srv.close()
