@@ -122,7 +122,7 @@ def log_mel(samples: np.ndarray, spec: AudioSpec) -> np.ndarray:
 
 
 def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarray, int]:
-    """A PCM WAV file -> (mono float32 samples in [-1, 1], sample rate)."""
+    """A PCM WAV file (8-, 16-, 24- or 32-bit, any channels) -> (mono float32 samples in [-1, 1], sample rate)."""
     if not data:
         raise MediaError("empty audio (0 bytes)", "bad_audio")
     if len(data) > max_bytes:
@@ -133,14 +133,20 @@ def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarra
             raw = w.readframes(n)
     except (wave.Error, EOFError) as e:
         raise MediaError(f"not a PCM WAV file ({e})", "bad_audio") from None
-    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}.get(width)
-    if dtype is None:
+    if width not in (1, 2, 3, 4):
         raise MediaError(f"unsupported WAV sample width {width * 8} bits", "unsupported_format")
     if len(raw) < n * width * channels:  # the data chunk ends before the frames its header declares
         raise MediaError(f"truncated WAV: {len(raw) // (width * channels)} of the {n} frames its header declares",
                          "bad_audio")
-    pcm = np.frombuffer(raw[: n * width * channels], dtype=dtype)
-    x = (pcm.astype(np.float32) - 128) / 128 if width == 1 else pcm.astype(np.float32) / float(1 << (8 * width - 1))
+    raw = raw[: n * width * channels]
+    if width == 1:  # unsigned 8-bit
+        x = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
+    else:  # signed little-endian; 24-bit samples become the top three bytes of an int32
+        if width == 3:
+            padded = np.zeros((len(raw) // 3, 4), np.uint8)
+            padded[:, 1:] = np.frombuffer(raw, np.uint8).reshape(-1, 3)
+            raw, width = padded.tobytes(), 4
+        x = np.frombuffer(raw, f"<i{width}").astype(np.float32) / float(1 << (8 * width - 1))
     return x.reshape(-1, channels).mean(axis=1), rate
 
 

@@ -23,7 +23,7 @@ from local_server import local_server
 from media_support import tone, wav
 from PIL import Image
 
-from edge_client.audio import AudioEncoder
+from edge_client.audio import AudioEncoder, decode_wav
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
 from edge_client.local_api import create_app
@@ -102,6 +102,15 @@ def _png_bomb(w: int, h: int, rows: int | None = None) -> bytes:
     idat = b"".join(z.compress(row) for _ in range(h if rows is None else rows)) + z.flush()
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
             + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+def _riff(samples: bytes, rate: int = 16000, width: int = 2, channels: int = 1, frames: int | None = None,
+          tag: int = 1) -> bytes:
+    """A WAV file written by hand: any sample width, format tag (1 PCM, 3 float) and declared frame count."""
+    n = len(samples) // (width * channels) if frames is None else frames
+    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * width * channels, width * channels, width * 8)
+    return (b"RIFF" + struct.pack("<I", 36 + len(samples)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
+            + b"data" + struct.pack("<I", n * width * channels) + samples)
 
 
 @pytest.fixture
@@ -311,6 +320,43 @@ def test_the_fetch_deadline_covers_headers_and_redirects(served):
 
 
 # -- audio and a bundle without a vision tower ------------------------------------------------------------------
+
+
+def test_wav_variants(served):
+    """8-, 16- (stereo), 24- (used to be refused) and 32-bit PCM, a missing ``format`` (wav) and base64 with a
+    trailing newline: served. Refused with a 400 each: 0 samples, float WAV (not PCM), a header declaring 2 hours
+    over half a second of data (truncated), mp3 bytes labelled wav, 8 kHz and 192 kHz, longer than the encoder's
+    window, a format other than wav."""
+    _, a, _, _ = served
+    x = tone(0.5)
+    i24 = np.round(x * (2 ** 23 - 1)).astype("<i4")
+    pcm24 = np.stack([i24 & 0xFF, (i24 >> 8) & 0xFF, (i24 >> 16) & 0xFF], axis=1).astype(np.uint8).tobytes()
+    samples16, _ = decode_wav(wav(x))
+    samples24, rate = decode_wav(_riff(pcm24, width=3))
+    assert rate == 16000 and np.abs(samples24 - samples16).max() < 1e-4
+    served_ok = {
+        "8-bit": _audio(_riff(np.round(x * 127 + 128).astype(np.uint8).tobytes(), width=1)),
+        "stereo": _audio(_riff((np.repeat(x, 2) * 32767).astype("<i2").tobytes(), channels=2)),
+        "24-bit": _audio(_riff(pcm24, width=3)),
+        "32-bit": _audio(_riff(np.round(x * (2 ** 31 - 256)).astype("<i4").tobytes(), width=4)),
+        "no format": _audio(wav(x), fmt=None),
+        "newline": _audio(base64.b64encode(wav(x)).decode() + "\n"),
+    }
+    for name, part in served_ok.items():
+        assert _ok(_chat(a, part, max_tokens=1))["usage"]["prompt_tokens_details"]["audio_tokens"] == 13, name
+    refused = [
+        (_audio(_riff(b"")), "bad_audio"),
+        (_audio(_riff(x.astype("<f4").tobytes(), width=4, tag=3)), "bad_audio"),
+        (_audio(_riff((x * 32767).astype("<i2").tobytes(), frames=16000 * 7200)), "bad_audio"),
+        (_audio(b"ID3\x03\x00\x00\x00\x00\x00\x00\xff\xfb\x90\x64" + bytes(400)), "bad_audio"),
+        (_audio(wav(tone(0.5, 8000), 8000)), "bad_sample_rate"),
+        (_audio(wav(tone(0.5, 192000), 192000)), "bad_sample_rate"),
+        (_audio(wav(tone(2.5))), "audio_too_long"),
+        (_audio(wav(x), fmt="mp3"), "unsupported_format"),
+    ]
+    for part, code in refused:
+        assert _code(_chat(a, part)) == code
+    _ok(_chat(a, NORMAL_AUDIO))
 
 
 def test_too_many_clips_are_refused_before_any_is_encoded(served, no_tower, monkeypatch):
