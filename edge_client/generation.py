@@ -899,7 +899,11 @@ class Session:
     async def preload(self, ids: list[int]) -> int:
         """Run the front over ``ids`` and cache its full blocks (no network); returns tokens cached. The first
         preloaded prompt of at least a block also names the link's routing key (``transport.route_key``: its
-        first prefix key, in the edge's block size and first codec, scoped by the API key's tenant)."""
+        first prefix key, in the edge's block size and first codec, scoped by the API key's tenant). A prompt longer
+        than the edge graph's positions is a ValueError before anything runs (no request could start with it)."""
+        if len(ids) > self.runtime.max_positions:
+            raise ValueError(f"a prompt of {len(ids)} tokens exceeds the edge graph's {self.runtime.max_positions} "
+                             f"positions: no request could use it")
         if self.link.route_key is None:
             scope = KeyScope(self.manifest.bundle_id, self.manifest.states_variant, next(iter(self.codecs)))
             self.link.route_key = route_key(ids, scope, self.config.cache_block_tokens, self.config.api_key)

@@ -72,6 +72,17 @@ def test_preload_persists_common_prompts(tiny_bundle, tmp_path, capsys):
     assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(bad)]) == 2
 
 
+def test_preload_of_a_prompt_longer_than_the_edge_graph_is_one_line(tiny_bundle, tmp_path, capsys):
+    """A prompt past the edge graph's positions (the 2.7 KB agent prompt through a tokenizer-less bundle's byte
+    fallback: 2,048 positions) ended `autoglm-edge preload` in a FrontError traceback, half-way through the front."""
+    long = tmp_path / "long.txt"
+    long.write_text("x" * 3000)
+    assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(long)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoglm-edge preload: error: a prompt of ") and err.count("\n") == 1, err
+    assert "exceeds the edge graph's 2048 positions" in err
+
+
 def test_chat_samples_at_0_7_by_default_as_its_help_and_the_docs_say_and_the_api_stays_greedy():
     """chat's defaults (temperature 0.7, 512 tokens) differ from EdgeClient.generate's (greedy, 256): the edge
     guide said only the API's, so chat's sampling was a surprise."""
