@@ -13,6 +13,7 @@ environment > config file > built-in default.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -243,12 +244,44 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``autoglm-cloud``; Ctrl-C where the server does not take it as a drain (while the command starts, before
-    it serves) ends as every console script's does (``shared.cli_exit``): ``interrupted``, exit 130."""
+    it serves) ends as every console script's does (``shared.cli_exit``): ``interrupted``, exit 130. Run as the
+    console script (``argv`` None) it ends the process itself once the command is done (:func:`_exit_now`)."""
     try:
-        return _main(argv)
+        code = _main(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    if argv is None:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process with ``code`` after the exit handlers, without the interpreter's teardown. That teardown
+    (torch's and onnxruntime's native finalizers: about a second on two cores) ran with the default signal
+    dispositions back, so a second SIGTERM shortly after a drain with nothing open ended the process by the signal
+    (status 143, no message) where the docs say a second signal ends it ``interrupted``, exit 130; until the end
+    a Ctrl-C / SIGTERM now does that (one this process ignores, a background job's SIGINT, stays ignored). As
+    ``cloud_server.tp.exit_rank`` ends a rank; with a thread still running, the usual exit joins it instead."""
+    import atexit
+    import threading
+
+    def end(_sig, _frame):
+        with contextlib.suppress(Exception):  # os._exit flushes nothing
+            sys.stdout.flush()
+        print("interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, end)
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        return
+    atexit._run_exitfuncs()  # logging's flush among them
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _main(argv: list[str] | None) -> int:
