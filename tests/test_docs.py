@@ -5,6 +5,7 @@
 * every console-script subcommand the docs show in code (``autoglm-partition split``, ``autoglm-edge chat /
   serve``, ...) is one its parser has, and every ``--flag`` shown after it on the same code line is one of that
   subcommand's options;
+* every ``from <package>.<module> import X`` in a doc's python blocks names a module and a name that exist;
 * every module under the five packages is named in docs/architecture.md's module map, and every module path the
   docs name exists;
 * every class (``FrontRuntime``), class member (``AsyncEngine.gather_max_s``) and snake_case name
@@ -236,3 +237,53 @@ def test_named_module_paths_exist(doc: Path):
     paths = set(re.findall(rf"(?<![\w/.:-])((?:{top})/[\w/.-]*\w)(?![\w*])", text))
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, f"{_doc_id(doc)} names paths that do not exist: {missing}"
+
+
+PY_FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+PY_IMPORT = re.compile(rf"^\s*(?:from ((?:{ANY_PACKAGE})(?:\.\w+)*) import ([\w ,]+)|import ((?:{ANY_PACKAGE})(?:\.\w+)*))",
+                       re.M)
+
+
+def _module_file(module: str) -> Path | None:
+    path = ROOT / module.replace(".", "/")
+    for file in (path / "__init__.py", path.with_suffix(".py")):
+        if file.is_file():
+            return file
+    return None
+
+
+def _defined_names(module: str) -> set[str]:
+    """What ``from module import X`` can take: its top-level definitions, imports and lazy exports (a dict
+    ``_EXPORTS`` of name -> module, as ``edge_client/__init__.py`` has), and a package's submodules."""
+    file = _module_file(module)
+    names: set[str] = set()
+    for n in ast.parse(file.read_text()).body:
+        if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(n.name)
+        elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets) and isinstance(n.value, ast.Dict):
+                names.update(k.value for k in n.value.keys if isinstance(k, ast.Constant))
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in n.names)
+    if file.name == "__init__.py":
+        names.update(p.stem for p in file.parent.glob("*.py"))
+        names.update(p.name for p in file.parent.iterdir() if p.is_dir())
+    return names
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
+def test_python_snippets_import_what_exists(doc: Path):
+    """Every ``from <package>.<module> import X`` / ``import <package>.<module>`` in a doc's python blocks names a
+    module and names the packages have (static: nothing is imported)."""
+    bad = []
+    for block in PY_FENCE.findall(doc.read_text()):
+        for frm, names, plain in PY_IMPORT.findall(block):
+            module = frm or plain
+            if _module_file(module) is None:
+                bad.append(f"{module}: no such module")
+                continue
+            missing = [x for x in re.split(r"[ ,]+", names.strip()) if x and x not in _defined_names(module)]
+            bad += [f"from {module} import {x}: not defined there" for x in missing]
+    assert not bad, f"{_doc_id(doc)}:\n" + "\n".join(bad)
