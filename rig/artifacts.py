@@ -34,6 +34,13 @@ def quiet_build_logs() -> None:
         hf_logging.set_verbosity_error()
     except ImportError:  # a phone-only install: nothing to build here anyway
         pass
+    try:  # the GGUF loader's bar is a plain tqdm, deaf to the switch above: route it through transformers' own
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        from transformers.utils.logging import tqdm as hf_tqdm
+
+        gguf_utils.tqdm = hf_tqdm
+    except ImportError:
+        pass
     for name in ("torch.onnx", "torch.onnx._internal.exporter._registration", "onnxscript", "onnx_ir",
                  "transformers", "onnxruntime"):
         logging.getLogger(name).setLevel(logging.ERROR)
