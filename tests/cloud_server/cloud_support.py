@@ -312,3 +312,27 @@ class EdgeSim:
 
         await self.send(P.Close())
         await self.ws.close()
+
+
+def signal_twice(bundle: Path, log: Path, extra_args: list[str], first: int, wait_for: str, second: int,
+                 delay_s: float = 0.0, group: bool = False) -> tuple[int, str]:
+    """Serve ``bundle`` (``autoglm-cloud serve`` as a subprocess, CPU), send it ``first``, wait until its log shows
+    ``wait_for`` (then ``delay_s``), send ``second`` if it is still running (``group``: both to its whole process
+    group, as a terminal's Ctrl-C); its exit status and its log."""
+    import os
+    import time
+
+    from edge_client.demo import LocalCloud
+
+    kill = os.killpg if group else os.kill
+    with LocalCloud(bundle, extra_args=extra_args, log_path=log) as cloud:
+        proc = cloud.proc
+        kill(proc.pid, first)
+        deadline = time.monotonic() + 30
+        while wait_for not in log.read_text(errors="replace") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(delay_s)
+        if proc.poll() is None:
+            kill(proc.pid, second)
+        code = proc.wait(60)
+    return code, log.read_text(errors="replace")

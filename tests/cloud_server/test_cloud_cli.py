@@ -291,25 +291,14 @@ def test_a_second_sigterm_just_after_a_drain_never_kills_the_process(tiny_bundle
     and onnxruntime's native finalizers) ran with the default dispositions back: a second SIGTERM then ended the
     process by the signal (status -15 / 143, no message). The console script now exits without that teardown: the
     second signal finds it gone (0) or still shutting down ('interrupted', 130)."""
-    import os
     import signal
-    import time
 
-    from edge_client.demo import LocalCloud
+    from cloud_support import signal_twice
 
-    log = tmp_path / "serve.log"
     args = ["--device", "cpu", "--variants", "fp32", "--num-blocks", "32", "--block-size", "4"]
-    with LocalCloud(tiny_bundle, extra_args=args, log_path=log) as cloud:
-        proc = cloud.proc
-        os.kill(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while "Finished server process" not in log.read_text(errors="replace") and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(0.3)  # uvicorn is done and the command returns: the process is on its way out
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-        code = proc.wait(60)
-    text = log.read_text(errors="replace")
+    # uvicorn is done and the command returns 0.3 s later: the process is on its way out
+    code, text = signal_twice(tiny_bundle, tmp_path / "serve.log", args, signal.SIGTERM, "Finished server process",
+                              signal.SIGTERM, delay_s=0.3)
     assert code in (0, 130), text
     assert "Traceback" not in text, text
     if code == 130:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from cloud_support import EdgeSim, Phone, ServerThread, drive, edge_front, greedy_reference
+from cloud_support import EdgeSim, Phone, ServerThread, drive, edge_front, greedy_reference, signal_twice
 
 from cloud_server import tp
 from cloud_server.config import ConfigError, EngineConfig
@@ -187,19 +187,10 @@ def test_a_second_ctrl_c_cuts_the_drain_short_quietly(tiny_bundle, tmp_path, wor
     signal re-raised after the shutdown ended the process in a KeyboardInterrupt traceback. Now the second
     signal cuts the drain short, the usual shutdown runs, and the command ends 'interrupted', exit 130 - with
     front-end worker processes too (the main process passes each signal on to them)."""
-    from edge_client.demo import LocalCloud
-
-    log = tmp_path / "serve.log"
     args = ["--device", "cpu", "--variants", "fp32", "--num-blocks", "32", "--block-size", "4", "--workers", str(workers)]
-    with LocalCloud(tiny_bundle, extra_args=args, log_path=log) as cloud:
-        proc = cloud.proc
-        os.killpg(proc.pid, signal.SIGINT)
-        deadline = time.monotonic() + 10
-        while "draining" not in log.read_text(errors="replace") and time.monotonic() < deadline:
-            time.sleep(0.005)
-        os.killpg(proc.pid, signal.SIGINT)  # the server is draining: its shutdown takes >= 0.1 s from here
-        code = proc.wait(60)
-    text = log.read_text(errors="replace")
+    # the second once the server is draining: its shutdown takes >= 0.1 s from there
+    code, text = signal_twice(tiny_bundle, tmp_path / "serve.log", args, signal.SIGINT, "draining", signal.SIGINT,
+                              group=True)
     assert code == 130, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text and "CancelledError" not in text, text
     assert text.rstrip().endswith("interrupted"), text
