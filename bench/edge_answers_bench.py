@@ -14,11 +14,13 @@ fp32 model's greedy answer of up to ``--new`` tokens (transformers ``generate``)
   batching: per-token activation quantization, per-row codecs). Cheap enough to screen many arms.
 
 Prompt sets: ``HELD_OUT`` (60 everyday questions: the evaluation, seen by no calibration and no tuning),
-``TUNING`` (80 others, disjoint: for choosing among arms, ``--prompt-set tuning``), and ``FRESH`` / ``FRESH2``
-(60 each, written in session 8 after the choices they judge: ``--prompt-set fresh`` / ``fresh2``), and ``FRESH3`` (60,
-written in session 20 in other styles, after every choice: ``--prompt-set fresh3``). All five are checked disjoint
-at start. The recipes calibrate on the last 512 tokens of ``partition_tools/data/sample.txt``,
-prose that is in no set.
+``TUNING`` (80 others, disjoint: for choosing among arms, ``--prompt-set tuning``), ``FRESH`` / ``FRESH2`` (60
+each, written in session 8 after the choices they judge: ``--prompt-set fresh`` / ``fresh2``), ``FRESH3`` (60,
+written in session 20 in other styles, after every choice: ``--prompt-set fresh3``) and ``FRESH4`` (60, written
+after FRESH3's run and unlike all of them: Chinese, phone-agent instructions, long app / UI system prompts, code,
+JSON, multi-turn chats, one-word messages: ``--prompt-set fresh4``). A set's item is one user message (a str) or
+a whole message list as (role, content) pairs. All six are checked disjoint at start. The recipes calibrate on
+the last 512 tokens of ``partition_tools/data/sample.txt``, prose that is in no set.
 
 Codec arms: ``policy`` (served only: the precision policy's choice per message, what users get by default), a
 codec name (every message in it), or ``PROMPT/STEP`` (teacher only: prompt rows in PROMPT, answer rows - the
@@ -48,6 +50,8 @@ import numpy as np
 import torch
 
 from split_bundles import cached_split, choices, common_args, variant_bundle
+
+Prompt = str | tuple[tuple[str, str], ...]  # one user message, or the whole message list as (role, content) pairs
 
 HELD_OUT = [
     "What is the boiling point of water at sea level?", "Give me three tips for learning a new language.",
@@ -233,7 +237,181 @@ FRESH3 = [  # written in session 20, after every recipe, codec and policy choice
     "What is the purpose of a museum?",
     "Write a thank-you note to a teacher at the end of the school year.",
 ]
-PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING, "fresh": FRESH, "fresh2": FRESH2, "fresh3": FRESH3}
+# FRESH4's long system prompts: app / UI descriptions (350-430 tokens each), two questions each
+SYS_ROUTEMATE = (
+    "You are the built-in help assistant of RouteMate, a navigation app for Android phones. Answer the user's "
+    "question about the app in a few short numbered steps, naming the exact buttons and screens described below. "
+    "Do not invent features that are not listed here.\n"
+    "Screens and controls:\n"
+    "1. Map screen (opens at start). A full-screen map with the user's position as a blue dot. At the top, a "
+    "search bar that reads 'Where to?'. On the right edge, three round buttons stacked vertically: Layers (a "
+    "square stack icon), Compass (turns the map back to north) and My Location (a target icon). At the bottom, "
+    "a tab bar with four tabs: Explore, Go, Saved and Profile.\n"
+    "2. Search results. Typing in the search bar shows a list of places; each row has the place name, the "
+    "distance and a small arrow. Tapping a row opens the Place card.\n"
+    "3. Place card. A sheet that slides up from the bottom with the place name, address, opening hours and "
+    "photos. Buttons on the card: Directions (blue), Start, Save (a bookmark icon) and Share.\n"
+    "4. Route preview. After Directions, the map shows up to three routes in grey with the fastest one in blue. "
+    "A row of travel modes sits at the top: car, public transport, walking and bicycle. The three-dot menu in "
+    "the top right corner opens Route options.\n"
+    "5. Route options. Switches: Avoid tolls, Avoid motorways and Avoid ferries. A Done button closes the sheet "
+    "and recalculates the route.\n"
+    "6. Saved tab. Lists Home, Work and Favourites. An 'Add place' button at the bottom opens the search bar; "
+    "after choosing a place the app asks for a label: Home, Work or Favourite.\n"
+    "7. Profile tab. Settings, Offline maps, Voice guidance volume, Units (kilometres or miles) and Sign out.\n"
+    "Keep every answer under six steps. If something cannot be done in RouteMate, say so plainly."
+)
+SYS_POCKETBANK = (
+    "You are Penny, the assistant inside the PocketBank mobile banking app. You can only explain how to use the "
+    "app; you cannot see the user's balance or move money yourself. Never ask for a PIN, a password or a full "
+    "card number. Reply in short, friendly sentences and refer to the screens by the names below.\n"
+    "App layout:\n"
+    "- Home: the balance of each account (Everyday, Savings) in large cards. Under the cards, a row of quick "
+    "actions: Send, Request, Top up and Pay bills. Below that, the five most recent transactions.\n"
+    "- Bottom navigation bar: Home, Cards, Payments, Insights and More.\n"
+    "- Cards: a picture of each card. Tapping a card shows its settings: Freeze card (a switch with a snowflake "
+    "icon), Show PIN, Spending limit, Online payments (a switch) and Report lost or stolen (red text at the "
+    "bottom). A frozen card can be unfrozen at any time with the same switch.\n"
+    "- Payments: Scheduled payments, Direct debits, Saved payees and a plus button to add a new payee. Adding a "
+    "payee needs the name, the sort code and the account number, then a confirmation code sent by text.\n"
+    "- Insights: spending by category (Groceries, Transport, Eating out, Bills, Shopping, Other) shown as a "
+    "ring chart for the current month. Arrows at the top switch to earlier months. Tapping a category lists "
+    "its transactions.\n"
+    "- More: Statements (PDF per month), Profile and address, Notifications, Security (face unlock, change "
+    "passcode), Help centre and Log out.\n"
+    "If the user reports fraud or a stolen phone, tell them to call the number on the back of their card first, "
+    "then explain the steps in the app."
+)
+SYS_QUICKBITE = (
+    "You are the support chat of QuickBite, a food delivery app. Help customers with orders, payments and "
+    "their account using only the features described here. Be polite and brief, and give steps the customer "
+    "can follow on their own phone.\n"
+    "Home screen: a delivery address line at the very top (tap it to change or add an address), a search field "
+    "'Restaurants or dishes', category chips (Pizza, Noodles, Burgers, Healthy, Desserts, Groceries) and a "
+    "scrolling list of restaurants with rating, delivery time and delivery fee.\n"
+    "Restaurant page: the menu grouped by section, each dish with a plus button. The basket bar at the bottom "
+    "shows the item count and the total; tapping it opens Checkout.\n"
+    "Checkout: delivery address, delivery time (As soon as possible or Schedule), payment method (card, wallet "
+    "balance or cash on delivery), a promo code field and the Place order button.\n"
+    "Orders tab: current orders with a live map of the rider, and past orders. Each past order has the "
+    "buttons Reorder, Rate and Get help.\n"
+    "Get help: a list of problems - Missing items, Wrong items, Food arrived cold or damaged, Order never "
+    "arrived, Charged twice. Choosing one asks for a photo when it makes sense and offers a refund to the "
+    "wallet (instant) or to the card (three to five working days).\n"
+    "Account tab: Addresses (a list with Add new address at the bottom; each address has a label such as Home, "
+    "Work or Other, and notes for the rider), Payment methods, Wallet, Notifications, Language and Log out.\n"
+    "Refunds for problems reported more than 48 hours after delivery are not possible. Do not promise anything "
+    "that this description does not allow."
+)
+SYS_SNAPSHELF = (
+    "You are the help assistant of SnapShelf, the photo gallery app that comes with the phone. The user asks "
+    "how to do something in the app; answer with the exact path through the screens below, one step per line. "
+    "If the app cannot do it, say so and suggest the closest feature.\n"
+    "Tabs along the bottom: Photos, Albums, Search and Shared.\n"
+    "Photos tab: every photo and video as a grid, newest at the bottom, grouped by day. Pinching zooms between "
+    "day, month and year views. A long press on a photo starts selection mode: small circles appear on each "
+    "item, and a toolbar at the bottom offers Share, Add to album, Favourite, Hide and Delete.\n"
+    "Single photo view: swipe left or right to move between photos. The top bar has Back, Info (shows the "
+    "date, the place and the camera settings) and a three-dot menu with Set as wallpaper, Copy, Rotate and "
+    "Slideshow. The bottom bar has Share, Edit, Favourite (a heart) and Delete.\n"
+    "Edit: Crop and rotate, Filters (twelve presets), Adjust (brightness, contrast, warmth, sharpness) and "
+    "Markup (draw or add text). Save keeps a copy; Revert goes back to the original at any time.\n"
+    "Albums tab: the user's albums, then Favourites, Videos, Screenshots, Hidden and Recently deleted. The New "
+    "album button is in the top right corner; a new album asks for a name and then for photos to add. Items "
+    "stay in Recently deleted for 30 days, where they can be restored or removed for good.\n"
+    "Shared tab: shared albums. Open an album and tap Invite to add people by phone number or email; they can "
+    "see, comment on and add photos. A link can also be created with Copy link.\n"
+    "Search tab: search by place, date, person or thing (for example 'beach' or 'dog')."
+)
+
+FRESH4 = [  # written after every recipe, codec and policy choice so far (after FRESH3): judged once, never tuned on.
+    # Unlike the earlier sets (one short English user turn each): Chinese, phone-agent instructions, long app / UI
+    # system prompts, code, sums, lists, JSON answers, multi-turn chats and very short messages. An item is
+    # one user message (a str) or the whole message list as (role, content) pairs.
+    # Chinese
+    "帮我写一条请假的微信消息，明天上午要去看牙医。",
+    "用三句话介绍一下长江。",
+    "怎样在手机上把屏幕亮度调低？",
+    "给我推荐三道简单的家常菜。",
+    "请把这句话翻译成英文：今天天气很好，我们去公园散步吧。",
+    "一个苹果三块钱，买五个苹果一共多少钱？",
+    "写一首关于早晨菜市场的四行小诗。",
+    "什么是人工智能？请用简单的话解释。",
+    "周末在家可以做哪些放松的事情？",
+    "帮我给房东发一条消息，说厨房的水龙头漏水了，请他这周来修。",
+    # phone-agent instructions
+    "Open Settings and turn on Bluetooth, then tell me the steps you took.",
+    "Open the Camera app, switch to the front camera and take a photo. List each tap.",
+    "Go to the Messages app and delete the conversation with 'Delivery Updates'. Describe what you tap, step by step.",
+    "Open the Calendar and add an event called 'Dentist' next Tuesday at 3 pm. What are the steps?",
+    "Turn on Do Not Disturb until 8 am tomorrow and tell me how you did it.",
+    "Open the app store, search for a weather app and install the first result. Give the steps as a numbered list.",
+    "Lower the screen brightness and turn on dark mode from the quick settings panel. Explain each swipe and tap.",
+    "Share my current location with Li Wei in WeChat. What would you do on the phone, step by step?",
+    # long system prompts (app / UI descriptions)
+    (("system", SYS_ROUTEMATE), ("user", "How do I avoid toll roads on my route?")),
+    (("system", SYS_ROUTEMATE),
+     ("user", "I want to save my office so I can get there quickly. Which buttons do I press?")),
+    (("system", SYS_POCKETBANK), ("user", "I think I left my card in a taxi. How do I freeze it?")),
+    (("system", SYS_POCKETBANK), ("user", "Where can I see how much I spent on eating out last month?")),
+    (("system", SYS_QUICKBITE), ("user", "My noodles arrived cold an hour ago. Can I get my money back?")),
+    (("system", SYS_QUICKBITE), ("user", "How do I add my parents' flat as a second delivery address?")),
+    (("system", SYS_SNAPSHELF), ("user", "How do I make an album of my holiday photos and share it with my sister?")),
+    (("system", SYS_SNAPSHELF), ("user", "I deleted a picture of my dog yesterday by mistake. Can I get it back?")),
+    # code
+    "Write a Python function that checks whether a string is a palindrome.",
+    "What does this code print?\n\nfor i in range(3):\n    print(i * 2)",
+    "Write a bash command that counts the lines of every .txt file in the current folder.",
+    "Fix the bug in this function:\n\ndef add(a, b):\n    return a - b",
+    "Write a regular expression that matches a five-digit postal code.",
+    "Write a C function that swaps two integers using pointers.",
+    # arithmetic
+    "What is 17 + 28?",
+    "Compute 144 divided by 12, then add 9.",
+    "I earn 3,200 a month and spend 2,450. How much do I save in a year?",
+    "What is 7 squared minus 3 cubed?",
+    "A car travels 180 km in 2.5 hours. What is its average speed?",
+    # lists
+    "List five things to check before a long car journey.",
+    "Give me a bulleted list of four Python data types.",
+    "List the days of the week in reverse order.",
+    "Name six countries in South America, one per line.",
+    # JSON answers
+    "Return a JSON object with the fields name, age and city for a made-up person.",
+    "Extract the date and the amount from this text as JSON: 'Paid 42.50 euros for groceries on 3 May 2024.'",
+    "Give me three book recommendations as a JSON array of objects with title and author.",
+    "Convert this to JSON: temperature 21 degrees, humidity 60 percent, wind 12 km/h.",
+    "Reply only with JSON: is 29 a prime number? Use the keys number and is_prime.",
+    # multi-turn (an earlier assistant turn included)
+    (("user", "What is the capital of Portugal?"), ("assistant", "The capital of Portugal is Lisbon."),
+     ("user", "Which river runs through it?")),
+    (("user", "Suggest a name for my new puppy."),
+     ("assistant", "How about Biscuit? It is short, friendly and easy to call out."),
+     ("user", "Give me two more options that start with M.")),
+    (("user", "I want to bake cookies but I have no eggs."),
+     ("assistant", "You can replace each egg with three tablespoons of mashed banana or apple sauce."),
+     ("user", "Will that change the taste much?")),
+    (("user", "Convert 3 hours to minutes."), ("assistant", "3 hours is 180 minutes."),
+     ("user", "And how many seconds is that?")),
+    (("user", "Write a one-line slogan for a bike shop."), ("assistant", "Ride further, smile wider."),
+     ("user", "Make it funnier.")),
+    (("user", "我想学做饭，从哪里开始比较好？"),
+     ("assistant", "可以先从简单的菜开始，比如番茄炒蛋和清炒青菜。"),
+     ("user", "番茄炒蛋要怎么做？")),
+    # very short
+    "hi",
+    "?",
+    "ok",
+    "thanks!",
+    "2+2",
+    "help",
+    # a short system prompt, and a summary
+    (("system", "You are a pirate. Answer every question like one."), ("user", "Describe your ship.")),
+    "Summarize in one sentence: The meeting was moved from Monday to Wednesday because the manager is travelling, "
+    "and the agenda stays the same.",
+]
+PROMPT_SETS = {"held-out": HELD_OUT, "tuning": TUNING, "fresh": FRESH, "fresh2": FRESH2, "fresh3": FRESH3,
+               "fresh4": FRESH4}
 
 I8 = {"mode": "int8", "block_size": 32, "accuracy_level": 4, "embedding": "int8", "smooth_alpha": 0.5}
 DOWN = ["layers.*.mlp.down_proj"]
@@ -348,14 +526,26 @@ def build_arm(name: str, fp32: Path, out_dir: Path, adapter, layer: int, tokeniz
     return dst, report
 
 
-def chat_ids(tokenizer, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+def chat_messages(prompt: Prompt) -> list[dict]:
+    """A set's item as chat messages: a str is one user message, a tuple the whole list as (role, content)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [{"role": role, "content": content} for role, content in prompt]
+
+
+def prompt_key(prompt: Prompt) -> str:
+    """The item as a str (the references cache's key, the report's label): a str is itself, a message list its
+    JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(chat_messages(prompt), ensure_ascii=False)
+
+
+def chat_ids(tokenizer, question: Prompt) -> list[int]:
+    text = tokenizer.apply_chat_template(chat_messages(question), tokenize=False, add_generation_prompt=True)
     return tokenizer(text).input_ids
 
 
 @torch.no_grad()
-def references(lm, prompts: list[str], new: int):
+def references(lm, prompts: list[Prompt], new: int):
     """Yield (prompt, (prompt ids, greedy answer ids)) of the unsplit fp32 model for each prompt, one at a time
     (the caller saves each, so a stopped run keeps what it computed)."""
     for q in prompts:
@@ -432,7 +622,7 @@ def teacher_arm(bundle: Path, graph: Path, codecs: list[str], refs, threads: int
 
 # -- served -----------------------------------------------------------------------------------------------
 
-def served_arm(bundle: Path, codecs: list[str], prompts: list[str], refs, new: int, threads: int, log: Path,
+def served_arm(bundle: Path, codecs: list[str], prompts: list[Prompt], refs, new: int, threads: int, log: Path,
                eos: set[int]) -> list[list[dict]]:
     """[codec][prompt] -> {"agree", "identical", "bytes_up", "codec", "edge_variant"}: one server for the bundle, a fresh
     EdgeClient per codec arm (``policy``: the precision policy's choice), greedy ``complete`` per prompt."""
@@ -448,7 +638,7 @@ def served_arm(bundle: Path, codecs: list[str], prompts: list[str], refs, new: i
             with EdgeClient(bundle, cloud.ws_url, retry=retry, threads=threads,
                             codec=None if codec == "policy" else codec) as client:
                 for q, (prompt, ref) in zip(prompts, refs):
-                    msgs = [{"role": "user", "content": q}]
+                    msgs = chat_messages(q)
                     ids = client.tokenizer.encode(client.tokenizer.apply_chat_template(msgs))
                     if ids != prompt:
                         raise RuntimeError(f"the edge tokenizes {q!r} differently from the reference")
@@ -493,7 +683,7 @@ def main(argv=None) -> int:
     sets = list(PROMPT_SETS.values())
     for a, b in ((a, b) for i, a in enumerate(sets) for b in sets[i + 1:]):
         if set(a) & set(b):
-            raise SystemExit(f"prompt sets overlap: {sorted(set(a) & set(b))}")
+            raise SystemExit(f"prompt sets overlap: {sorted(map(prompt_key, set(a) & set(b)))}")
     started = time.perf_counter()
     lm = load_model(args.model)
     adapter = ModelAdapter(lm.model)
@@ -505,12 +695,12 @@ def main(argv=None) -> int:
     prompts = PROMPT_SETS[args.prompt_set][:args.prompts]
     cached = args.work / f"references-{args.new}.json"  # the unsplit answers do not depend on the arms
     known = json.loads(cached.read_text()) if cached.is_file() else {}
-    missing = [q for q in prompts if q not in known]
+    missing = [q for q in prompts if prompt_key(q) not in known]
     for i, (q, ref) in enumerate(references(lm, missing, args.new)):
-        known[q] = ref
+        known[prompt_key(q)] = ref
         cached.write_text(json.dumps(known))
         print(f"reference {i + 1}/{len(missing)}", file=sys.stderr, flush=True)
-    refs = [(known[q][0], through_eos(known[q][1], eos)) for q in prompts]
+    refs = [(known[prompt_key(q)][0], through_eos(known[prompt_key(q)][1], eos)) for q in prompts]
     print(f"references: {len(refs)} prompts, {sum(len(a) for _, a in refs)} answer tokens", file=sys.stderr)
     back = None
     if args.mode == "teacher":
@@ -538,7 +728,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def summarize(arm: str, codec: str, prompts: list[str], refs, res: list[dict], report: dict, seconds: float) -> dict:
+def summarize(arm: str, codec: str, prompts: list[Prompt], refs, res: list[dict], report: dict, seconds: float) -> dict:
     agree = [r["agree"] for r in res]
     same = [r["identical"] for r in res]
     row = {"arm": arm, "codec": codec, "identical": float(np.mean(same)), "identical_count": int(sum(same)),
@@ -555,7 +745,7 @@ def summarize(arm: str, codec: str, prompts: list[str], refs, res: list[dict], r
     return row
 
 
-def write(args, lm, prompts: list[str], rows: list[dict], started: float, argv) -> None:
+def write(args, lm, prompts: list[Prompt], rows: list[dict], started: float, argv) -> None:
     """The report so far (rewritten after every arm, so a long run leaves its finished arms behind)."""
     method = {"served": "real autoglm-cloud serve (fp32 compute) on loopback per edge arm + EdgeClient, greedy",
               "teacher": "teacher-forced greedy comparison through FrontRuntime + codec + fp32 cloud half (offline)"}
