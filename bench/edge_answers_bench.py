@@ -237,7 +237,7 @@ FRESH3 = [  # written in session 20, after every recipe, codec and policy choice
     "What is the purpose of a museum?",
     "Write a thank-you note to a teacher at the end of the school year.",
 ]
-# FRESH4's long system prompts: app / UI descriptions (350-430 tokens each), two questions each
+# FRESH4's long system prompts: app / UI descriptions (371-436 tokens each), two questions each
 SYS_ROUTEMATE = (
     "You are the built-in help assistant of RouteMate, a navigation app for Android phones. Answer the user's "
     "question about the app in a few short numbered steps, naming the exact buttons and screens described below. "
