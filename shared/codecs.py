@@ -3,6 +3,7 @@
 ===================  ==========================================  ==========================
 name                 what                                        bytes/element (H=576, k=8)
 ===================  ==========================================  ==========================
+``fp32``             float32, as computed (lossless)             4
 ``fp16``             IEEE half                                   2
 ``bf16``             bfloat16                                    2
 ``int8-b32``         int8, float16 scale per 32 channels         1.0625
@@ -33,12 +34,13 @@ from .codecs_outlier import OutlierInt4Codec, OutlierInt8Codec, find_outlier_cha
 from .codecs_pca import CodecArtifactError, PcaBasis, PcaCodec
 from .codecs_pca_ans import PcaAnsCodec
 from .codecs_pca_tcq import PcaTcqCodec
-from .codecs_plain import Bf16Codec, BlockwiseIntCodec, Fp16Codec
+from .codecs_plain import Bf16Codec, BlockwiseIntCodec, Fp16Codec, Fp32Codec
 from .errors import BAD_CODEC, ProtocolError
 
 CALIBRATION_FILE = "calibration.json"
 
 CODECS: dict[str, Callable[..., BoundaryCodec]] = {
+    "fp32": Fp32Codec,
     "fp16": Fp16Codec,
     "bf16": Bf16Codec,
     "int8-b32": lambda: BlockwiseIntCodec(8, 32),

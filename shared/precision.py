@@ -150,7 +150,7 @@ class PrecisionPolicy:
 
 
 DEFAULT_POLICY = PrecisionPolicy()
-NOMINAL_BYTES_PER_ELEMENT = {"fp16": 2.0, "bf16": 2.0, "int8-b32": 1.0625, "int8-b64": 1.031, "int4-b32": 0.5625,
+NOMINAL_BYTES_PER_ELEMENT = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8-b32": 1.0625, "int8-b64": 1.031, "int4-b32": 0.5625,
                              "int8-outlier": 1.02, "int4-outlier": 0.59,
                              "pca-fine": 0.75, "pca-compact": 0.29, "pca-ans-compact": 0.31,
                              "pca-tcq-compact": 0.3}  # for upload-time estimates only; every codec has one (a test)

@@ -220,7 +220,7 @@ _MESSAGE_CONVERTERS = {code: _struct_converter(cls) for code, cls in MESSAGE_TYP
 def _check_zstd_header(t: EncodedTensor, limits: Limits) -> None:
     """Refuse a compressed tensor whose header declares more than its shape can need (before allocating)."""
     s, h = t.shape
-    worst = s * h * 2 + (s + 7) // 8 + 64  # fp16 everywhere plus a row bitmap: no codec needs more
+    worst = s * h * 4 + (s + 7) // 8 + 64  # float32 everywhere (fp32) plus a row bitmap: no codec needs more
     try:
         declared = zstandard.frame_content_size(t.data)
     except zstandard.ZstdError:

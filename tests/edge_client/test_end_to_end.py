@@ -51,6 +51,19 @@ def test_tiny_split_equals_unsplit(tiny_bundle, tiny_cloud, tiny_reference_token
         assert again.stats.bytes_up < st.bytes_up / 2
 
 
+
+def test_fp32_wire_is_lossless_end_to_end(tiny_bundle, tiny_cloud, tiny_reference_tokens):
+    """The fp32 codec carries the front's states bit for bit (fp16 rounds them, and a near-tie can flip a token:
+    docs/quality.md, FRESH4): negotiated with a real server, 4 bytes per element up, the unsplit model's tokens,
+    and as a per-request precision override too."""
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp32", retry=RETRY) as c:
+        gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+        assert gen.token_ids == tiny_reference_tokens and gen.finish_reason == "length"
+        assert gen.stats.bytes_up > (len(PROMPT) + N_NEW - 1) * 64 * 4
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, retry=RETRY) as c:
+        gen = c.complete(prompt_ids=PROMPT[:-1], max_tokens=N_NEW, precision={"codec": "fp32"})
+        assert gen.stats.codec == "fp32" and gen.stats.bytes_up > (len(PROMPT) - 1) * 64 * 4
+
 def test_tiny_int8_edge_agreement_is_measured(tiny_int8_bundle, tiny_cloud, tiny_reference):
     # the int8 edge talks to the same cloud half (the bundle id ignores the edge quantization)
     rng = np.random.RandomState(11)

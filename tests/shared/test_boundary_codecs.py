@@ -34,7 +34,7 @@ def max_rel_err(name, x, y):
     return float((np.abs(y - x).max(axis=1) / np.maximum(np.abs(x).max(axis=1), 1e-30)).max())
 
 
-BOUNDS = {"fp16": 1e-3, "bf16": 8e-3, "int8-b32": 1e-2, "int8-b64": 1e-2, "int4-b32": 0.15,
+BOUNDS = {"fp32": 0.0, "fp16": 1e-3, "bf16": 8e-3, "int8-b32": 1e-2, "int8-b64": 1e-2, "int4-b32": 0.15,
           "int8-outlier": 1e-2, "int4-outlier": 0.15}
 
 finite_rows = hnp.arrays(np.float32, st.tuples(st.integers(1, 5), st.integers(1, 70)),  # within float16's range
@@ -62,7 +62,7 @@ def test_round_trip_any_finite_input(name, x, z):
         assert (err <= 0.25 * ref + 1e-3).all()
     else:
         scale = np.maximum(np.abs(x).max(), 1e-3)
-        tol = {"fp16": 1e-3, "bf16": 8e-3}.get(name, 0.1 if "int4" in name else 0.01)
+        tol = {"fp32": 0.0, "fp16": 1e-3, "bf16": 8e-3}.get(name, 0.1 if "int4" in name else 0.01)
         assert np.abs(y - x).max() <= tol * scale + 1e-3
     assert c.decode(c.encode(y)).shape == x.shape
 
@@ -73,6 +73,8 @@ def test_error_bounds_on_activation_like_data(name):
     c = codec(name)
     y = c.decode(c.encode(x))
     assert max_rel_err(name, x, y) <= BOUNDS[name]
+    if name == "fp32":  # the lossless one: bit for bit
+        assert np.array_equal(y, x)
     if name in C.OUTLIER_CODECS:  # outlier channels and the sink row are float16-exact
         f16 = x.astype(np.float16).astype(np.float32)
         assert np.array_equal(y[:, CALIB["outlier_channels"]], f16[:, CALIB["outlier_channels"]])
