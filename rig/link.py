@@ -4,6 +4,13 @@
         client connects to 127.0.0.1:<link.port> ...
         link.cut()                       # every connection through it dies now (RST both ways)
 
+Faults for a chaos soak (``bench/chaos_soak.py``), each on every connection or on one (``connection=i``, an index
+of :meth:`LinkEmulator.connection_info`): :meth:`~LinkEmulator.cut` one connection; :meth:`~LinkEmulator.cut_after`
+a connection (the next one to open, or a given one) once one direction has carried a number of bytes - exactly that
+many are delivered, then both ways are reset (mid-handshake, mid-frame); :meth:`~LinkEmulator.stall` holds every
+byte of a connection for a while (a delay spike: nothing lost, everything late); :meth:`~LinkEmulator.half_close`
+ends one direction with a FIN while the other keeps flowing.
+
 Each direction of each connection is a :class:`LinkModel`: a FIFO bottleneck of the profile's bandwidth (a
 byte leaves only after the bytes before it: serialization delay = size / bandwidth, so a burst queues),
 then one-way propagation delay with uniform jitter, then a retransmission delay (one RTO) on a seeded
@@ -32,6 +39,7 @@ import collections
 import random
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.link_profiles import MSS, LinkProfile
@@ -115,6 +123,20 @@ class _Connection:
     transports: list = field(default_factory=list)
     tasks: list = field(default_factory=list)
     models: dict = field(default_factory=dict)
+    peer_port: int = 0  # the client's source port (which client a connection is)
+    opened_at: float = 0.0  # loop time of the accept
+    trip: dict = field(default_factory=dict)  # direction -> bytes after which the connection is reset
+    hold_until: float = 0.0  # loop time before which nothing is delivered either way (a stall)
+    pumps: dict = field(default_factory=dict)  # direction -> its pump task
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionInfo:
+    index: int
+    peer_port: int  # the client's source port
+    age_s: float
+    bytes_up: int  # read from the client so far
+    bytes_down: int  # read from the server so far
 
 
 class LinkEmulator:
@@ -142,6 +164,10 @@ class LinkEmulator:
         self._conns: dict[int, _Connection] = {}
         self._closed: list[_Connection] = []
         self._down_until = 0.0
+        self._hold_until = 0.0  # a stall of every connection: nothing is delivered before this loop time
+        self._armed: list[tuple[str, int]] = []  # (direction, bytes): trips for the next connections to open
+        # called on the link's thread with each connection's ConnectionInfo as it is cut (a soak names the moment)
+        self.on_cut: Callable[[ConnectionInfo], None] | None = None
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -199,18 +225,94 @@ class LinkEmulator:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- control ----------------------------------------------------------------------------------
-    def cut(self, down_s: float = 0.0) -> None:
-        """Abort every connection now (RST, no close handshake); refuse new ones for ``down_s`` seconds.
-        Returns once the connections are gone."""
-        asyncio.run_coroutine_threadsafe(self._cut_async(down_s), self._loop).result(5)
+    def cut(self, down_s: float = 0.0, connection: int | None = None) -> bool:
+        """Abort every connection now (RST, no close handshake), or only ``connection``; refuse new ones for
+        ``down_s`` seconds. Returns once they are gone: False when ``connection`` was not open (nothing cut)."""
+        return self._call(self._cut_now, down_s, connection)
 
-    async def _cut_async(self, down_s: float) -> None:
-        self._cut_now(down_s)
+    def cut_after(self, direction: str, nbytes: int, connection: int | None = None) -> bool:
+        """Reset a connection once its ``direction`` (``up``: client to server) has carried ``nbytes`` bytes in
+        all: exactly those are delivered, then both ways are aborted (``cuts`` counts it then). ``connection``
+        None: the next connection to open (one each call, in order: a reconnect's handshake), else that one
+        (False when it is not open)."""
+        _direction(direction)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        return self._call(self._arm, direction, nbytes, connection)
 
-    def _cut_now(self, down_s: float) -> None:
-        self._cut_all()
+    def stall(self, seconds: float, connection: int | None = None) -> bool:
+        """A delay spike: nothing reaches either end of every connection (or of ``connection``) for ``seconds``
+        from now; what the ends send meanwhile queues and then arrives, in order. False when ``connection`` is
+        not open."""
+        return self._call(self._stall, seconds, connection)
+
+    def half_close(self, connection: int, direction: str) -> bool:
+        """End ``direction`` of ``connection`` as a FIN does (``up``: the server reads end-of-stream, as if the
+        client had shut down its sending side); bytes still in that direction's queue are lost, the other
+        direction keeps flowing until an end closes it. False when the connection is not open."""
+        _direction(direction)
+        return self._call(self._half_close, connection, direction)
+
+    def connection_info(self) -> list[ConnectionInfo]:
+        """The connections open now, oldest first."""
+        return self._call(self._info)
+
+    def _call(self, fn, *args):
+        async def run():
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(5)
+
+    def _cut_now(self, down_s: float, connection: int | None = None) -> bool:
+        if connection is not None and connection not in self._conns:
+            return False
+        victims = list(self._conns.values()) if connection is None else [self._conns[connection]]
+        if self.on_cut is not None:
+            now = self._loop.time()
+            for c in victims:
+                self.on_cut(self._info_of(c, now))
+        for c in victims:
+            self._drop(c)
         self.cuts += 1
         self._down_until = max(self._down_until, self._loop.time() + down_s)
+        return True
+
+    def _arm(self, direction: str, nbytes: int, connection: int | None) -> bool:
+        if connection is None:
+            self._armed.append((direction, nbytes))
+            return True
+        conn = self._conns.get(connection)
+        if conn is None:
+            return False
+        conn.trip[direction] = nbytes
+        return True
+
+    def _stall(self, seconds: float, connection: int | None) -> bool:
+        until = self._loop.time() + seconds
+        if connection is None:
+            self._hold_until = max(self._hold_until, until)
+            return True
+        conn = self._conns.get(connection)
+        if conn is None:
+            return False
+        conn.hold_until = max(conn.hold_until, until)
+        return True
+
+    def _half_close(self, connection: int, direction: str) -> bool:
+        conn = self._conns.get(connection)
+        task = conn.pumps.get(direction) if conn is not None else None
+        if task is None or task.done():
+            return False
+        task.cancel()  # the pump sends the FIN as it ends (_pump)
+        return True
+
+    def _info(self) -> list[ConnectionInfo]:
+        now = self._loop.time()
+        return [self._info_of(c, now) for c in self._conns.values()]
+
+    @staticmethod
+    def _info_of(c: _Connection, now: float) -> ConnectionInfo:
+        return ConnectionInfo(c.index, c.peer_port, now - c.opened_at, c.models["up"].stats.bytes,
+                              c.models["down"].stats.bytes)
 
     def _cut_all(self) -> None:
         for conn in list(self._conns.values()):
@@ -260,6 +362,12 @@ class LinkEmulator:
         conn = _Connection(index)
         conn.models = {d: LinkModel(self.profile, d, random.Random(f"{self.seed}:{index}:{d}"))
                        for d in ("up", "down")}
+        conn.opened_at = loop.time()
+        peer = writer.get_extra_info("peername")
+        conn.peer_port = peer[1] if peer else 0
+        if self._armed:
+            direction, nbytes = self._armed.pop(0)
+            conn.trip[direction] = nbytes
         conn.transports.append(writer.transport)
         self._conns[index] = conn
         conn.tasks.append(asyncio.current_task())
@@ -275,8 +383,9 @@ class LinkEmulator:
         if index not in self._conns:  # cut while connecting
             up_writer.transport.abort()
             return
-        up = asyncio.ensure_future(self._pump(reader, up_writer, conn.models["up"], "up"))
-        down = asyncio.ensure_future(self._pump(up_reader, writer, conn.models["down"], "down"))
+        up = asyncio.ensure_future(self._pump(reader, up_writer, conn, "up"))
+        down = asyncio.ensure_future(self._pump(up_reader, writer, conn, "down"))
+        conn.pumps = {"up": up, "down": down}
         conn.tasks += [up, down]
         try:
             await asyncio.gather(up, down, return_exceptions=True)
@@ -285,9 +394,10 @@ class LinkEmulator:
                 w.close()
             self._drop(conn)
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, model: LinkModel,
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, conn: _Connection,
                     direction: str) -> None:
         loop = asyncio.get_running_loop()
+        model: LinkModel = conn.models[direction]
         queue: collections.deque[tuple[float, bytes]] = collections.deque()
         state = {"queued": 0, "eof": False}
         wake = asyncio.Event()
@@ -302,7 +412,7 @@ class LinkEmulator:
                     wake.clear()
                     await wake.wait()
                     continue
-                wait = queue[0][0] - loop.time()
+                wait = max(queue[0][0], self._hold_until, conn.hold_until) - loop.time()  # a stall holds it all
                 if wait > 0:
                     await asyncio.sleep(wait)
                     continue
@@ -318,12 +428,16 @@ class LinkEmulator:
                 await dst.drain()
 
         sender = asyncio.ensure_future(deliver())
+        tripped = False
         try:
-            while True:
+            while not tripped:
                 await room.wait()
                 data = await src.read(65536)
                 if not data:
                     break
+                trip = conn.trip.get(direction)
+                if trip is not None and model.stats.bytes + len(data) >= trip:  # cut_after: this far, then reset
+                    data, tripped = data[:max(0, trip - model.stats.bytes)], True
                 if direction == "up":
                     self.bytes_up += len(data)
                 else:
@@ -338,15 +452,30 @@ class LinkEmulator:
                 wake.set()
             state["eof"] = True
             wake.set()
-            await sender  # everything in flight arrives before the FIN
-            if dst.can_write_eof():  # a half-close passes on as one: the other direction keeps flowing
+            await sender  # everything in flight arrives before the FIN (or the reset)
+            if tripped:
+                self._cut_now(0.0, conn.index)
+            elif dst.can_write_eof():  # a half-close passes on as one: the other direction keeps flowing
                 dst.write_eof()
             else:
                 dst.close()
         except (ConnectionError, OSError):
             dst.transport.abort()
+        except asyncio.CancelledError:
+            if conn.index in self._conns and direction in conn.pumps and not dst.is_closing() \
+                    and dst.can_write_eof():  # half_close(): this direction ends with a FIN
+                try:
+                    dst.write_eof()
+                except (ConnectionError, OSError):
+                    pass
+            raise
         finally:
             sender.cancel()
+
+
+def _direction(direction: str) -> None:
+    if direction not in ("up", "down"):
+        raise ValueError(f"direction {direction!r}: expected 'up' or 'down'")
 
 
 def _free_port() -> int:

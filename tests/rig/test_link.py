@@ -292,3 +292,80 @@ def test_a_half_close_passes_through_and_the_answer_still_arrives(peer):
         while chunk := s.recv(100):
             answer += chunk
         assert answer == b"5000"
+
+
+# -- faults for a chaos soak (bench/chaos_soak.py) --------------------------------------------------
+
+
+def _dead(s: socket.socket) -> bool:
+    """True when the connection was reset or closed (what a cut leaves)."""
+    s.settimeout(5)
+    try:
+        s.sendall(b"e")
+        return not s.recv(1)
+    except OSError:
+        return True
+
+
+def test_cutting_one_connection_leaves_the_others(peer):
+    cut = []
+    with LinkEmulator(peer.port) as link, socket.create_connection(("127.0.0.1", link.port)) as a, \
+            socket.create_connection(("127.0.0.1", link.port)) as b:
+        link.on_cut = cut.append
+        _ping_ms(a), _ping_ms(b)
+        info = link.connection_info()
+        assert [c.index for c in info] == [0, 1] and info[0].peer_port == a.getsockname()[1]
+        assert info[0].bytes_up == info[0].bytes_down == 1
+        assert link.cut(connection=0) and not link.cut(connection=0)  # the second finds nothing open
+        assert _dead(a) and _ping_ms(b) < 50
+        assert link.cuts == 1 and [c.index for c in cut] == [0] and [c.index for c in link.connection_info()] == [1]
+
+
+def test_cut_after_delivers_exactly_that_many_bytes_then_resets(peer):
+    with LinkEmulator(peer.port) as link:
+        link.cut_after("up", 5 + 3000)  # the next connection: "r4000\n" and 3,000 of its 4,000 bytes get through
+        with socket.create_connection(("127.0.0.1", link.port)) as s:
+            s.sendall(b"r4000\n" + b"x" * 4000)
+            assert _dead(s)
+        assert link.bytes_up == 5 + 3000 and link.cuts == 1
+        with socket.create_connection(("127.0.0.1", link.port)) as s:  # one trip per call: this one lives
+            _ping_ms(s)
+            assert link.cut_after("down", 1 + 700, connection=link.connection_info()[0].index)
+            s.sendall(b"s1000\n")
+            got = b""
+            s.settimeout(5)
+            try:
+                while chunk := s.recv(4096):
+                    got += chunk
+            except OSError:
+                pass
+            assert len(got) == 700 and link.cuts == 2  # the ping's byte counted: 700 of the 1,000 came down
+
+
+def test_a_stall_delays_every_byte_and_loses_none(peer):
+    with LinkEmulator(peer.port) as link, socket.create_connection(("127.0.0.1", link.port)) as s:
+        assert _ping_ms(s) < 50
+        assert link.stall(0.4, connection=0)
+        assert 380 <= _ping_ms(s) < 1000
+        assert _ping_ms(s) < 50  # over
+        link.stall(0.3)  # every connection
+        assert 280 <= _ping_ms(s) < 1000
+        assert not link.stall(0.3, connection=7) and link.cuts == 0
+
+
+def test_a_half_close_ends_one_direction_only(peer):
+    with LinkEmulator(peer.port) as link, socket.create_connection(("127.0.0.1", link.port)) as s:
+        s.sendall(b"w" + b"x" * 100)  # the peer counts what comes until the FIN, then answers
+        time.sleep(0.2)
+        assert link.half_close(0, "up")  # the server reads end-of-stream; its answer still comes down
+        s.settimeout(5)
+        answer = b""
+        while chunk := s.recv(100):
+            answer += chunk
+        assert answer == b"100" and link.cuts == 0
+    with LinkEmulator(peer.port) as link, socket.create_connection(("127.0.0.1", link.port)) as s:
+        _ping_ms(s)
+        assert link.half_close(0, "down")  # the client reads end-of-stream
+        s.settimeout(5)
+        assert s.recv(1) == b""
+        assert not link.half_close(5, "down")
