@@ -382,7 +382,7 @@ def extract_parts(messages: list[dict], placeholder: Callable[[str], str]) -> tu
                 if not isinstance(a, dict):
                     raise MediaError(f"messages[{i}].content[{j}].input_audio: expected an object with 'data' and "
                                      "'format'", "bad_audio")
-                if a.get("format", "wav") != "wav":
+                if str(a.get("format") or "wav").lower() != "wav":  # absent: wav; any case, as the data: scheme
                     raise MediaError(f"messages[{i}].content[{j}]: audio format {a.get('format')!r} (accepted: wav)",
                                      "unsupported_format")
                 parts.append(MediaPart("audio", b64decode(a.get("data") or "",

@@ -323,8 +323,8 @@ def test_the_fetch_deadline_covers_headers_and_redirects(served):
 
 
 def test_wav_variants(served):
-    """8-, 16- (stereo), 24- (used to be refused) and 32-bit PCM, a missing ``format`` (wav) and base64 with a
-    trailing newline: served. Refused with a 400 each: 0 samples, float WAV (not PCM), a header declaring 2 hours
+    """8-, 16- (stereo), 24- (used to be refused) and 32-bit PCM, a missing ``format`` (wav), ``"WAV"`` (used to be
+    unsupported_format: the format is read in any case) and base64 with a trailing newline: served. Refused with a 400 each: 0 samples, float WAV (not PCM), a header declaring 2 hours
     over half a second of data (truncated), mp3 bytes labelled wav, 8 kHz and 192 kHz, longer than the encoder's
     window, a format other than wav."""
     _, a, _, _ = served
@@ -340,6 +340,7 @@ def test_wav_variants(served):
         "24-bit": _audio(_riff(pcm24, width=3)),
         "32-bit": _audio(_riff(np.round(x * (2 ** 31 - 256)).astype("<i4").tobytes(), width=4)),
         "no format": _audio(wav(x), fmt=None),
+        "WAV": _audio(wav(x), fmt="WAV"),
         "newline": _audio(base64.b64encode(wav(x)).decode() + "\n"),
     }
     for name, part in served_ok.items():
