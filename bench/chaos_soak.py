@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import logging
 import os
 import random
@@ -552,21 +553,20 @@ def _soak(cfg: SoakConfig, progress, log_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--bundle", type=Path, required=True, help="a split bundle (tiny-glm4, fp32 edge)")
-    ap.add_argument("--workers", type=int, default=1, help="the server's --workers")
-    ap.add_argument("--duration-s", type=float, default=300.0, help="seconds of chaos")
-    ap.add_argument("--control-s", type=float, default=20.0, help="seconds of concurrent phones before it, no faults")
-    ap.add_argument("--concurrency", type=int, default=8, help="phones at once")
-    ap.add_argument("--pool", type=int, default=40, help="specs in the request pool")
-    ap.add_argument("--fault-every-s", type=float, default=0.6, help="mean seconds between faults")
-    ap.add_argument("--rtt-ms", type=float, default=10.0, help="the link's round trip (0: loopback)")
-    ap.add_argument("--grace-s", type=float, default=4.0, help="the server's --session-grace-s")
-    ap.add_argument("--seed", type=int, default=0)
+    helps = {"workers": "the server's --workers", "duration_s": "seconds of chaos",
+             "control_s": "seconds of concurrent phones before it, no faults", "concurrency": "phones at once",
+             "pool": "specs in the request pool", "fault_every_s": "mean seconds between faults",
+             "seed": "the pool's and the chaos' seed", "rtt_ms": "the link's round trip (0: loopback)",
+             "grace_s": "the server's --session-grace-s",
+             "new_client_p": "chance that a phone starts its next request on a new client (a new session)"}
+    for f in dataclasses.fields(SoakConfig):  # the config's defaults, named once
+        if f.name in helps:
+            ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                            help=helps[f.name])
     ap.add_argument("--log-dir", type=Path, default=None, help="where the server log goes (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=None, help="write the JSON result here too")
     a = ap.parse_args(argv)
-    cfg = SoakConfig(bundle=a.bundle, workers=a.workers, duration_s=a.duration_s, control_s=a.control_s,
-                     concurrency=a.concurrency, pool=a.pool, fault_every_s=a.fault_every_s, seed=a.seed,
-                     rtt_ms=a.rtt_ms, grace_s=a.grace_s, log_dir=a.log_dir)
+    cfg = SoakConfig(bundle=a.bundle, log_dir=a.log_dir, **{name: getattr(a, name) for name in helps})
     result = soak(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     emit(result, a.out, "chaos_soak.py", argv)
     return 0 if result["ok"] else 1
