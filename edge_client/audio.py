@@ -169,8 +169,12 @@ def check_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> np.nd
 
 
 def prepare_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> PreparedAudio:
-    """Samples -> :class:`PreparedAudio` (:func:`check_audio`, then the log-mel features)."""
-    x = check_audio(samples, sample_rate, spec)
+    """Samples -> :class:`PreparedAudio` (:func:`check_audio`, then :func:`checked_audio`)."""
+    return checked_audio(check_audio(samples, sample_rate, spec), spec)
+
+
+def checked_audio(x: np.ndarray, spec: AudioSpec) -> PreparedAudio:
+    """A :func:`check_audio` result -> :class:`PreparedAudio`: its log-mel features and digest."""
     digest = hashlib.sha256(b"audio/v1" + x.astype("<f4").tobytes()).digest()
     return PreparedAudio(log_mel(x, spec), spec.tokens_for(x.size), digest, x.size / spec.sample_rate)
 
@@ -184,12 +188,18 @@ class AudioEncoder(LazyEncoder):
         self.graph = LazySession(self.bundle_dir / AUDIO, threads, "an audio encoder")
 
     def prepare(self, data: bytes) -> PreparedAudio:
-        samples, rate = decode_wav(data)
-        return prepare_audio(samples, rate, self.spec)
+        """WAV bytes -> :class:`PreparedAudio` (:meth:`check`, then :meth:`prepared`)."""
+        return self.prepared(self.check(data)[0])
 
-    def check(self, data: bytes) -> np.ndarray:
-        """WAV bytes -> the clip's samples at the encoder's rate (every check of ``prepare``; no features yet)."""
-        return check_audio(*decode_wav(data), self.spec)
+    def check(self, data: bytes) -> tuple[np.ndarray, int]:
+        """WAV bytes -> (the clip's samples at the encoder's rate, its audio tokens): every check of
+        :meth:`prepare`, no features yet."""
+        x = check_audio(*decode_wav(data), self.spec)
+        return x, self.spec.tokens_for(x.size)
+
+    def prepared(self, samples: np.ndarray) -> PreparedAudio:
+        """A :meth:`check` result's samples -> :class:`PreparedAudio` (the log-mel features)."""
+        return checked_audio(samples, self.spec)
 
     def encode(self, clip: PreparedAudio) -> np.ndarray:
         """Audio embeddings float32 [n_tokens, H] of one clip."""

@@ -326,6 +326,7 @@ def _fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
         guard.close()
     return bytes(buf)
 
+
 def _local(path: str, policy: MediaPolicy) -> bytes:
     if policy.local_dir is None:
         raise MediaError("local file paths are not accepted here (no allow-listed media folder)", "path_refused")
@@ -445,18 +446,13 @@ class MediaEncoders:
         before any is decoded in full or encoded: parts whose rows do not fit are refused (``context_full``)
         without running an encoder, so a small file declaring a huge image, or a message of many images, costs
         no tower run (a 38 KB 6300 x 6300 PNG used to take 36 s and 14 GB here before the cloud refused it)."""
-        from .audio import prepare_audio
-        from .vision import load_image, open_image, preprocess
-
         checked, grow = [], 0
         for i, p in enumerate(parts):
             data = load_source(p.source, policy, p.kind)
             if p.kind == "image":
-                src = open_image(data)
-                n = self.vision.tokens(src, policy.max_pixels)
+                src, n = self.vision.check(data, policy.max_pixels)
             elif p.kind == "audio":
-                src = self.audio.check(data)
-                n = self.audio.spec.tokens_for(src.size)
+                src, n = self.audio.check(data)
             else:
                 raise MediaError(f"media kind {p.kind!r}: expected image or audio", "bad_media")
             grow += n - 1
@@ -469,11 +465,11 @@ class MediaEncoders:
         for kind, src in checked:
             if kind == "image":
                 enc = self.vision
-                img = preprocess(load_image(src), enc.spec, policy.max_pixels)
+                img = enc.prepared(src, policy.max_pixels)
                 items.append(MediaItem("image", enc.spec.image_token_id, enc.encode(img), img.digest, img.grid_thw))
             else:
                 enc = self.audio
-                clip = prepare_audio(src, enc.spec.sample_rate, enc.spec)
+                clip = enc.prepared(src)
                 items.append(MediaItem("audio", enc.spec.audio_token_id, enc.encode(clip), clip.digest))
         return items
 

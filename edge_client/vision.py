@@ -295,13 +295,19 @@ class VisionEncoder(LazyEncoder):
         self.graph = LazySession(self.path, threads, "a vision encoder")
 
     def prepare(self, data: bytes, max_pixels: int | None = None) -> PreparedImage:
-        """Encoded image bytes -> :class:`PreparedImage` (decode + preprocess)."""
-        return preprocess(decode_image(data), self.spec, max_pixels)
+        """Encoded image bytes -> :class:`PreparedImage` (:meth:`check`, then :meth:`prepared`)."""
+        return self.prepared(self.check(data, max_pixels)[0], max_pixels)
 
-    def tokens(self, img, max_pixels: int | None = None) -> int:
-        """Visual tokens of an :func:`open_image` result at a pixel budget, from its header: nothing decoded."""
+    def check(self, data: bytes, max_pixels: int | None = None) -> tuple[object, int]:
+        """Encoded image bytes -> (the :func:`open_image` result, its visual tokens at a pixel budget), from the
+        header alone: nothing decoded yet."""
+        img = open_image(data)
         w, h = img.size  # an EXIF rotation swaps the sides, not the count
-        return visual_tokens(h, w, self.spec, max_pixels)
+        return img, visual_tokens(h, w, self.spec, max_pixels)
+
+    def prepared(self, img, max_pixels: int | None = None) -> PreparedImage:
+        """A :meth:`check` result's image -> :class:`PreparedImage` (decode + preprocess)."""
+        return preprocess(load_image(img), self.spec, max_pixels)
 
     def encode(self, image: PreparedImage) -> np.ndarray:
         """Visual embeddings float32 [n_tokens, H] of one prepared image."""
