@@ -201,14 +201,14 @@ class EdgeClient:
             self.runtime.check_ids(ids)
         except FrontError as e:
             raise ValueError(f"prompt_ids: {e}") from None
-        if len(ids) >= self.runtime.max_positions:  # the answer needs one position at least (as in full mode)
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds the edge graph's {self.runtime.max_positions} "
-                             "positions less one for the answer")
+        room, whose = self.session.prompt_room()
+        if len(ids) > room:  # the answer needs one position at least (as in full mode)
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds {whose}")
         parts += [MediaPart("image", x) for x in images or []] + [MediaPart("audio", x) for x in audio or []]
         if not parts:
             return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)
-        # every placeholder becomes its rows: they must fit the edge graph's positions, less one for the answer
-        items = self.media.items(parts, self.media_policy, room=self.runtime.max_positions - 1 - len(ids))
+        # every placeholder becomes its rows: they must fit too, counted before any is decoded or encoded
+        items = self.media.items(parts, self.media_policy, room=(room - len(ids), whose))
         media = assemble([int(t) for t in ids], items, self.runtime.hidden_size, self.media.merge_size)
         return RequestSpec(prompt_ids=media.ids, media=media, **sampling)
 

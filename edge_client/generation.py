@@ -218,6 +218,18 @@ class Session:
         """Positions one request may fill (prompt + answer): the cloud's context or the edge graph's, the smaller."""
         return min(self.limits.max_context, self.runtime.max_positions)
 
+    def prompt_room(self) -> tuple[int, str]:
+        """Positions a prompt may fill as far as the phone knows, and whose limit that is: the edge graph's less
+        one for the answer, and while a session is open the cloud's too (its context less one, its prompt limit),
+        so a prompt the cloud would refuse is refused before its media are encoded or its states uploaded."""
+        room = [(self.runtime.max_positions - 1, f"the edge graph's {self.runtime.max_positions} positions less "
+                                                 "one for the answer")]
+        if self.welcome is not None:
+            lim = self.welcome.limits
+            room += [(lim.max_context - 1, f"the cloud's context of {lim.max_context} less one for the answer"),
+                     (lim.prompt_limit, f"the cloud's prompt limit of {lim.prompt_limit}")]
+        return min(room, key=lambda r: r[0])
+
     @property
     def block_size(self) -> int:
         return self.limits.prefix_block_tokens
@@ -355,10 +367,10 @@ class Session:
         req: _Request | None = None
         try:
             await self._connect_with_retry(stats)
+            limit, whose = self.prompt_room()
+            if len(spec.prompt_ids) > limit:
+                raise EdgeClientError(f"prompt of {len(spec.prompt_ids)} tokens exceeds {whose}", "context_full")
             room = self.max_context - len(spec.prompt_ids)
-            if room < 1:
-                raise EdgeClientError(f"prompt of {len(spec.prompt_ids)} tokens leaves no room in the context of "
-                                      f"{self.max_context}", "context_full")
             # a max_tokens over the context left is cut to it (finish_reason "length"), as in full mode: the front
             # failed at the edge graph's last position before (an internal error after the whole answer's work)
             spec.max_tokens = min(spec.max_tokens, room)

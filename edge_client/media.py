@@ -438,11 +438,12 @@ class MediaEncoders:
             out[kind] = enc.warmup()
         return out
 
-    def items(self, parts: Sequence[MediaPart], policy: MediaPolicy, room: int | None = None) -> list[MediaItem]:
+    def items(self, parts: Sequence[MediaPart], policy: MediaPolicy,
+              room: tuple[int, str] | None = None) -> list[MediaItem]:
         """Load, check, preprocess and encode every part (MediaError on the first bad one).
 
-        ``room``: how many positions the prompt may grow by when each part's one placeholder becomes its rows
-        (None: no bound). Every part is loaded and checked, and its rows counted (an image's from its header),
+        ``room``: how many positions the prompt may grow by when each part's one placeholder becomes its rows,
+        and whose limit that is (None: no bound). Every part is loaded and checked, and its rows counted (an image's from its header),
         before any is decoded in full or encoded: parts whose rows do not fit are refused (``context_full``)
         without running an encoder, so a small file declaring a huge image, or a message of many images, costs
         no tower run (a 38 KB 6300 x 6300 PNG used to take 36 s and 14 GB here before the cloud refused it)."""
@@ -456,10 +457,10 @@ class MediaEncoders:
             else:
                 raise MediaError(f"media kind {p.kind!r}: expected image or audio", "bad_media")
             grow += n - 1
-            if room is not None and grow > room:
+            if room is not None and grow > room[0]:
                 raise MediaError(f"{p.kind} {i + 1} of {len(parts)} ({n} tokens) does not fit: the media so far "
-                                 f"take {grow} positions beyond their placeholders, {max(room, 0)} are left (the "
-                                 "edge graph's, one kept for the answer)", "context_full")
+                                 f"take {grow} positions beyond their placeholders, {max(room[0], 0)} are left "
+                                 f"({room[1]})", "context_full")
             checked.append((p.kind, src))
         items = []
         for kind, src in checked:

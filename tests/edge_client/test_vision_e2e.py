@@ -218,3 +218,22 @@ def test_http_image_urls_are_fetched_by_the_phone_within_limits(tiny_glm4v_lm, b
             assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
         r = http.post("/v1/chat/completions", json={**body, "messages": msgs(srv.url("shot.png"))})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["image_tokens"] == 24
+
+
+def test_a_prompt_over_the_clouds_limit_is_refused_before_encoding_or_upload(bundle, tmp_path, monkeypatch):
+    """Once a session is open the phone knows the cloud's limits (Welcome): a screenshot whose rows would take
+    the prompt past the cloud's prompt limit is refused before the vision tower runs, and a text prompt over it
+    before any state is uploaded - the cloud used to refuse them after the phone's work."""
+    with LocalCloud(bundle, extra_args=["--max-prompt-tokens", "40"], log_path=tmp_path / "cloud.log") as cloud, \
+            EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        assert c.complete(prompt_ids=PROMPT[:10], max_tokens=2).stats.completion_tokens == 2  # the session is open
+        monkeypatch.setattr(type(c.media.vision), "encode", lambda *a: pytest.fail("the tower ran"))
+        with pytest.raises(EdgeClientError, match="the cloud's prompt limit of 40") as e:
+            c.complete(prompt_ids=PROMPT, images=[_png(1)], max_tokens=2)  # 26 tokens + 24 rows
+        assert e.value.code == "context_full"
+        up = c.session.link.bytes_up
+        with pytest.raises(ValueError, match="prompt of 41 tokens exceeds the cloud's prompt limit of 40"):
+            c.complete(prompt_ids=[int(t) for t in np.arange(41) + 20], max_tokens=2)
+        assert c.session.link.bytes_up == up
+        monkeypatch.undo()
+        assert c.complete(prompt_ids=[BOI, IMG, EOI, 30], images=[_png(1)], max_tokens=2).stats.image_tokens == 24
