@@ -430,7 +430,9 @@ class Session:
             except LinkDown as e:
                 if attempt == retry.max_retries:
                     raise EdgeClientError(f"cannot reach the cloud at {self.config.url}: {e}", "unreachable") from None
-                await asyncio.sleep(self.link.backoff(attempt))
+                delay = self.link.backoff(attempt)
+                log.info("cannot connect (%s); retry %d/%d in %.2f s", e, attempt + 1, retry.max_retries, delay)
+                await asyncio.sleep(delay)
 
     async def _cancel(self, req: _Request) -> None:
         if self.link.open:

@@ -5,6 +5,7 @@ with the unsplit model token for token."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 import time
@@ -199,15 +200,19 @@ def test_http_server_instead_of_cloud(tiny_bundle):
         c.complete(prompt_ids=PROMPT, max_tokens=2)
 
 
-def test_unreachable_cloud_fails_after_retries(tiny_bundle):
+def test_unreachable_cloud_fails_after_retries(tiny_bundle, caplog):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nobody listens
     t0 = time.monotonic()
-    with EdgeClient(tiny_bundle, f"ws://127.0.0.1:{port}/v1/split", retry=FAST_RETRY) as c, \
+    with caplog.at_level(logging.INFO, logger="edge_client.generation"), \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{port}/v1/split", retry=FAST_RETRY) as c, \
             pytest.raises(EdgeClientError, match="cannot reach") as ei:
         c.complete(prompt_ids=PROMPT, max_tokens=2)
     assert ei.value.code == "unreachable" and time.monotonic() - t0 < 10
+    # each retry of a new request's connect is logged, as a dropped request's reconnects are
+    retries = [r.message for r in caplog.records if r.message.startswith("cannot connect")]
+    assert len(retries) == FAST_RETRY.max_retries and f"retry {FAST_RETRY.max_retries}/" in retries[-1]
 
 
 def test_persistent_cache_survives_restart_and_corruption(tiny_bundle, cloud, reference, tmp_path):
