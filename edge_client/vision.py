@@ -10,6 +10,9 @@ Preprocessing mirrors transformers' ``Glm4vImageProcessor`` (PIL backend) step b
 4. patchify: ``[C, H, W]`` -> ``[N, C*T*P*P]`` patches in merge-block-major order (the 2x2 patches that
    become one visual token are adjacent), the single frame repeated ``T = 2`` times (temporal patch).
 
+Steps 3 and 4 run in the other order here, with the same floats: the 8-bit levels are patchified, then each
+channel's levels go through a 256-entry table of the processor's arithmetic (``normalize_table``).
+
 The tower's data-dependent inputs (``partition_tools.export_vision``'s interface) are computed here too:
 per-patch axial 2-D rotary angles and the bicubic sampling grid of the learned position table.
 
@@ -204,13 +207,23 @@ def decode_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int 
 
 
 def patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
-    """[C, H, W] float32 -> [grid_h * grid_w, C*T*P*P] in merge-block-major order (the processor's layout)."""
+    """[C, H, W] -> [grid_h * grid_w, C*T*P*P] in merge-block-major order (the processor's layout), same dtype."""
     c, h, w = image.shape
     gh, gw = h // patch, w // patch
     x = image.reshape(c, gh // merge, merge, patch, gw // merge, merge, patch)
     x = x.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, P, P]
     x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], temporal, *x.shape[5:]))  # T copies of the frame
-    return np.ascontiguousarray(x.reshape(gh * gw, c * temporal * patch * patch), dtype=np.float32)
+    return np.ascontiguousarray(x.reshape(gh * gw, c * temporal * patch * patch))
+
+
+def normalize_table(spec: VisionSpec) -> np.ndarray:
+    """float32 [C, 256]: each channel's normalized value of each 8-bit level, by the processor's arithmetic
+    (rescale in float64, then float32 ``(x - mean) / std``): a pixel's value depends only on its level and
+    channel, so a lookup gives the same floats with no full-size float64 / float32 intermediates."""
+    levels = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)  # [256]
+    mean = np.asarray(spec.image_mean, np.float32)[:, None]  # [C, 1]
+    std = np.asarray(spec.image_std, np.float32)[:, None]
+    return (levels[None, :] - mean) / std
 
 
 def preprocess(img, spec: VisionSpec, max_pixels: int | None = None) -> PreparedImage:
@@ -224,12 +237,14 @@ def preprocess(img, spec: VisionSpec, max_pixels: int | None = None) -> Prepared
     rh, rw = smart_resize(h, w, spec.factor, spec.min_pixels, budget, spec.temporal_patch_size)
     resized = np.asarray(img.resize((rw, rh), resample=Image.Resampling.BICUBIC), dtype=np.uint8)  # [H, W, 3]
     digest = hashlib.sha256(b"image/v1" + np.array([rh, rw], np.int64).tobytes() + resized.tobytes()).digest()
-    x = resized.astype(np.float64) * (1 / 255)  # the processor rescales in float64, then works in float32
-    x = x.astype(np.float32).transpose(2, 0, 1)  # [3, H, W]
-    mean = np.asarray(spec.image_mean, np.float32)[:, None, None]
-    std = np.asarray(spec.image_std, np.float32)[:, None, None]
-    x = (x - mean) / std
-    pixels = patchify(x, spec.patch_size, spec.merge_size, spec.temporal_patch_size)
+    # patches of the 8-bit levels, then each channel's block of C*T*P*P through its lookup table: the tower's
+    # float32 input is the only full-size float array (a 40 MP upload peaked at ~800 MB with float64 math)
+    levels = patchify(resized.transpose(2, 0, 1), spec.patch_size, spec.merge_size, spec.temporal_patch_size)
+    table = normalize_table(spec)  # [C, 256]
+    channel = np.repeat(np.arange(table.shape[0]), levels.shape[1] // table.shape[0])[None, :]  # [1, C*T*P*P]
+    pixels = np.empty(levels.shape, np.float32)  # [N, C*T*P*P]
+    for i in range(0, len(levels), 1024):  # the lookup's temporaries stay a few MB
+        pixels[i:i + 1024] = table[channel, levels[i:i + 1024]]
     return PreparedImage(pixels, (1, rh // spec.patch_size, rw // spec.patch_size), digest, (h, w),
                          spec.merge_size)
 

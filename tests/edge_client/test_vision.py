@@ -77,6 +77,35 @@ def test_decoded_formats_match_the_processor_on_the_same_file(spec, processor):
         assert np.abs(got.pixel_values - ref["pixel_values"]).max() <= PIXEL_TOLERANCE
 
 
+def test_the_lookup_gives_the_processors_floats_with_one_full_size_float_array(spec):
+    """preprocess normalizes through a per-channel table of the 256 levels: bit-identical to the processor's
+    float64 rescale + float32 normalize, and its peak (numpy) memory is the tower input plus a little - the
+    full-size float64 / float32 intermediates (a 40 MP upload peaked at ~800 MB RSS) are gone."""
+    import tracemalloc
+
+    from edge_client.vision import patchify
+
+    rng = np.random.default_rng(7)
+    for h, w, budget in [(200, 300, None), (901, 433, None), (1200, 700, 300_000)]:
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        got = preprocess(img, spec, budget)
+        rh, rw = got.grid_thw[1] * spec.patch_size, got.grid_thw[2] * spec.patch_size
+        x = np.asarray(img.resize((rw, rh), resample=Image.Resampling.BICUBIC), np.uint8).astype(np.float64) / 255
+        x = x.astype(np.float32).transpose(2, 0, 1)
+        x = (x - np.asarray(spec.image_mean, np.float32)[:, None, None]) / np.asarray(spec.image_std,
+                                                                                     np.float32)[:, None, None]
+        ref = patchify(x, spec.patch_size, spec.merge_size, spec.temporal_patch_size)
+        assert got.pixel_values.dtype == np.float32 and np.array_equal(got.pixel_values, ref)
+    img = Image.fromarray(rng.integers(0, 256, (2400, 1080, 3), dtype=np.uint8))
+    tracemalloc.start()
+    try:
+        out = preprocess(img, spec).pixel_values
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.5 * out.nbytes  # the float64 path peaked at ~2.6x
+
+
 def test_smart_resize_equals_the_library(spec):
     from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize as ref
 
