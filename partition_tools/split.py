@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from edge_client.front import FRONT, PREFILL_GRAPH
-from shared.manifest import FORMAT_VERSION, BundleError, Manifest
+from shared.manifest import FORMAT_VERSION, MANIFEST_NAME, BundleError, Manifest
 
 from .adapters import ModelAdapter, call_layer
 from .cloud_half import BACK_CONFIG, BACK_WEIGHTS, back_state_dict
@@ -147,10 +148,42 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
                           f"{L} layers (layer + tail < {L})")
     started = time.perf_counter()
     cfg = replace(cfg, edge_quant=resolve_edge_quant(cfg.edge_quant, adapter, cfg.layer))
+    check_out_dir(cfg.out)
+    # written aside, then swapped in whole: an interrupted or failed split leaves neither half a bundle at --out
+    # (it blocked a rerun there: "not a bundle") nor an earlier bundle there removed
+    out = Path(os.path.abspath(cfg.out))
+    staged = out.parent / f".{out.name}.partial-{os.getpid()}-{time.time_ns()}"
+    try:
+        staged.mkdir(parents=True)
+    except OSError as e:
+        raise BundleError(f"--out {cfg.out}: cannot write there ({e.strerror or e})") from None
+    try:
+        manifest = _write_bundle(lm, replace(cfg, out=staged), adapter, started)
+        _swap_in(staged, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return manifest
+
+
+def _swap_in(staged: Path, out: Path) -> None:
+    """Put the finished bundle ``staged`` at ``out``: renamed there when ``out`` is absent; else ``out`` (an empty
+    directory or an earlier bundle: perhaps a mount point, or someone's working directory) keeps its inode and has
+    its contents replaced, the old manifest going first and the new one last, so it never holds a manifest over
+    files of another bundle."""
+    if not out.exists():
+        staged.rename(out)
+        return
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    for p in list(out.iterdir()):
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    for p in sorted(staged.iterdir(), key=lambda p: p.name == MANIFEST_NAME):
+        shutil.move(str(p), out / p.name)
+
+
+def _write_bundle(lm: LoadedModel, cfg: SplitConfig, adapter: ModelAdapter, started: float) -> Manifest:
+    """Every file of the bundle into the empty directory ``cfg.out``."""
+    L = adapter.num_layers
     out = cfg.out
-    check_out_dir(out)
-    if out.exists() and any(out.iterdir()):
-        shutil.rmtree(out)
     (out / "edge").mkdir(parents=True, exist_ok=True)
     (out / "cloud").mkdir(parents=True, exist_ok=True)
     rewrite = cfg.edge_quant != "fp32" or cfg.edge_kv != "fp32"  # the fp32 graph is quantized / gets an int8 KV

@@ -85,3 +85,30 @@ def test_fp32_prefill_is_an_option_of_quantized_edges(tmp_path):
     assert not SplitConfig(layer=2, out=tmp_path).fp32_prefill  # off by default
     with pytest.raises(BundleError, match="--fp32-prefill is for a quantized edge"):
         SplitConfig(layer=2, out=tmp_path, edge_quant="fp32", fp32_prefill=True)
+
+
+def test_an_interrupted_split_keeps_the_earlier_bundle_and_can_be_rerun(tiny_glm4_fp32_bundle, tiny_glm4_lm, tmp_path,
+                                                                        monkeypatch):
+    """Ctrl-C mid-split removed the bundle at --out first and left half a new one there (no manifest): it did not
+    load, and the same command run again was refused ("exists and is not a bundle")."""
+    import shutil
+
+    import partition_tools.split as split_module
+
+    out = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, out)
+    before = Manifest.load(out).bundle_id
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(split_module, "calibrate", interrupted)  # after the edge graph and the cloud weights are written
+        with pytest.raises(KeyboardInterrupt):
+            split(tiny_glm4_lm, SplitConfig(layer=1, out=out, edge_quant="fp32"))
+    Manifest.load(out).verify_files(out)  # the earlier bundle, whole
+    assert Manifest.load(out).bundle_id == before and sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    m = split(tiny_glm4_lm, SplitConfig(layer=1, out=out, edge_quant="fp32"))  # the rerun replaces it
+    assert Manifest.load(out).bundle_id == m.bundle_id != before and m.split_layer == 1
+    Manifest.load(out).verify_files(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
