@@ -7,7 +7,9 @@ the ``<think>`` split for ``return_reasoning``, JSON or SSE (``data: {chunk}`` l
 Contract:
 
 * ``check_ready()``, ``render_chat(req)`` (the chat template's prompt text) and ``start(req, prompt)`` (a
-  running :class:`TextStream`) refuse by raising :class:`~shared.openai_compat.OpenAIRequestError`.
+  running :class:`TextStream`) refuse by raising :class:`~shared.openai_compat.OpenAIRequestError`. The body's
+  decoding, its checks and ``render_chat`` run on a worker thread (their cost grows with the body), never on the
+  event loop; ``render_chat`` may run for several requests at once.
 * A :class:`TextStream` yields text deltas with stop strings applied (the text ends before the stop string),
   raises :class:`GenerationError` when the generation fails, and at its end has ``finish_reason`` and
   ``usage()``. A stream with ``ids_only`` true (a model without a tokenizer, completions only) yields lists of
@@ -148,10 +150,11 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
     async def serve(request: Request, chat: bool):
         try:
             backend.check_ready()
-            body = parse_json_body(await read_body(request, max_body_bytes))
-            req = (oc.parse_chat_request(body, media=getattr(backend, "accepts_media", False)) if chat
-                   else oc.parse_completion_request(body))
-            prompt = backend.render_chat(req) if chat else req.prompt
+            raw = await read_body(request, max_body_bytes)
+            # decoding, checking and the chat template cost in proportion to the body (a 32 MiB body of a million
+            # one-letter messages took 4 s on the edge): on a worker thread, so the streams already running keep
+            # their pace meanwhile
+            req, prompt = await asyncio.to_thread(_prepare, backend, raw, chat)
             stream = backend.start(req, prompt)
             if inspect.isawaitable(stream):
                 stream = await stream
@@ -170,6 +173,16 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
 
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"], dependencies=list(dependencies))
     app.add_api_route("/v1/completions", completions, methods=["POST"], dependencies=list(dependencies))
+
+
+def _prepare(backend: TextBackend, raw: bytes, chat: bool) -> tuple[oc.ChatRequest | oc.CompletionRequest, str]:
+    """The request in ``raw`` and its prompt text (the chat template's, for chat), or ``OpenAIRequestError``."""
+    body = parse_json_body(raw)
+    if not chat:
+        req = oc.parse_completion_request(body)
+        return req, req.prompt
+    req = oc.parse_chat_request(body, media=getattr(backend, "accepts_media", False))
+    return req, backend.render_chat(req)
 
 
 async def _whole(stream: TextStream, reply: _Reply, request: Request) -> JSONResponse:

@@ -3,7 +3,9 @@ set of error statuses, and that every started stream is closed (cancelled) whate
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 import pytest
 from fastapi import FastAPI
@@ -47,12 +49,18 @@ class ScriptedBackend:
         self.started: list[tuple[object, str, ScriptedStream]] = []
 
     def check_ready(self):
+        self.loop = asyncio.get_running_loop()
         if self.not_ready is not None:
             raise self.not_ready
 
     def render_chat(self, req):
         if req.messages[-1]["content"] == "refuse":
             raise oc.OpenAIRequestError("the template refused", "messages")
+        if req.messages[-1]["content"] == "needs the loop":  # a render that lasts until the event loop turns
+            turned = threading.Event()
+            self.loop.call_soon_threadsafe(turned.set)
+            if not turned.wait(5):
+                raise oc.OpenAIRequestError("the event loop stood still while the template rendered", "messages")
         return "PROMPT:" + req.messages[-1]["content"] + self.prompt_suffix
 
     def start(self, req, prompt):
@@ -117,6 +125,15 @@ def test_chat_stream_chunks_in_order(api):
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 7
     assert {e["object"] for e in events} == {"chat.completion.chunk"} and len({e["id"] for e in events}) == 1
     assert backend.started[-1][2].closed
+
+
+def test_the_event_loop_turns_while_a_chat_template_renders(api):
+    """Decoding, checking and rendering a body cost in proportion to it (a 32 MiB body of a million tiny messages
+    held `autoglm-edge serve`'s event loop for 6 s, every running stream with it): they run on a worker thread."""
+    client, backend = api
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "needs the loop"}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "".join(SCRIPT)
 
 
 def test_completions_json_and_stream_with_echo(api):
