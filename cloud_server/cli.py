@@ -331,9 +331,10 @@ def _startup_problem(config) -> str | None:
     """What would stop the server while it starts, found before it does: a certificate and key that do not load
     as a pair (a passphrase-protected key is refused, not prompted for), a --full source that names nothing or a
     .gguf cut short, a
-    bundle whose manifest does not load or whose cloud files are missing or truncated (the runtime re-hashes
-    them as it loads; found there, each was a traceback), one bundle directory given twice (or two of one bundle
-    id and edge variant), several bundles with --tp 2, and a --host/--port it cannot listen on."""
+    bundle whose manifest does not load or whose cloud files are missing, truncated or not the manifest's (their
+    sha256: found by the runtime's load, which re-hashes them, each was a traceback), one bundle directory given
+    twice (or two of one bundle id and edge variant), several bundles with --tp 2, and a --host/--port it cannot
+    listen on."""
     from cloud_server.auth import KeyStore, KeysFileError
     from shared.manifest import BundleError, Manifest
 
@@ -352,7 +353,7 @@ def _startup_problem(config) -> str | None:
     for bundle in [config.bundle, *config.more_bundles] if config.bundle is not None else []:
         try:
             manifest = Manifest.load(bundle)
-            manifest.verify_files(bundle, roles=("cloud", "shared"), hashes=False)
+            manifest.verify_files(bundle, roles=("cloud", "shared"))  # hashed: a same-size swap or bit rot too
         except BundleError as e:
             return str(e)
         pool = _kv_pool_floor_bytes(manifest, ecfg)

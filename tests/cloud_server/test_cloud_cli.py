@@ -167,6 +167,27 @@ def test_a_damaged_bundle_is_refused_in_one_line_before_the_server_starts(tiny_b
         assert "missing artifact" in capsys.readouterr().err
 
 
+def test_a_cloud_file_changed_in_place_is_refused_in_one_line_before_the_server_starts(tiny_bundle, tmp_path,
+                                                                                          capsys, monkeypatch):
+    """Same size, other bytes (a back half swapped from another model of the same shape, bit rot): the start check
+    compared sizes only, and the runtime's load found the sha256 mismatch inside uvicorn's lifespan ('Application
+    startup failed', a traceback, exit 3)."""
+    import shutil
+
+    import cloud_server.cli as cli
+
+    monkeypatch.setattr(cli, "serve", lambda *a, **k: pytest.fail("the server started"))
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle, bundle)
+    path = bundle / "cloud/back.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert main(["serve", str(bundle), "--device", "cpu", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "sha256 mismatch" in err and str(path) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_what_would_fail_the_start_is_a_one_line_error_before_it(tiny_bundle, tmp_path, capsys):
     """Each of these failed inside uvicorn's lifespan (a traceback, 'Application startup failed', exit 3), or in
     main before it (a traceback, exit 1): bf16 on a CPU, a CUDA device that is not there, a KV pool larger than
