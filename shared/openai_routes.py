@@ -276,11 +276,15 @@ class _Reply:
     def chunk(self, body: Any, finish_reason: str | None = None, usage: dict | None = None,
               token_ids: list[int] | None = None) -> dict:
         if self.chat:
-            return oc.chat_chunk(self.rid, self.model, self.created, body, finish_reason, usage_obj=usage)
-        if self.ids is not None and body is not None:  # not the usage-only chunk
-            token_ids = token_ids or []
-        return oc.completion_chunk(self.rid, self.model, self.created, body, finish_reason, usage_obj=usage,
-                                   token_ids=token_ids)
+            out = oc.chat_chunk(self.rid, self.model, self.created, body, finish_reason, usage_obj=usage)
+        else:
+            if self.ids is not None and body is not None:  # not the usage-only chunk
+                token_ids = token_ids or []
+            out = oc.completion_chunk(self.rid, self.model, self.created, body, finish_reason, usage_obj=usage,
+                                      token_ids=token_ids)
+        if self.include_usage:  # OpenAI's stream: "usage": null on every chunk before the usage-only one
+            out.setdefault("usage", None)
+        return out
 
     def opening(self) -> list[dict]:
         if self.chat:

@@ -123,7 +123,10 @@ def test_chat_stream_chunks_in_order(api):
     assert "".join(d.get("content", "") for d in deltas) == "Hello!"
     assert events[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 7
+    assert all("usage" in e and e["usage"] is None for e in events[:-1])  # OpenAI's stream: null until the last
     assert {e["object"] for e in events} == {"chat.completion.chunk"} and len({e["id"] for e in events}) == 1
+    plain = _events(client, "/v1/chat/completions", _chat())
+    assert not any("usage" in e for e in plain)  # without include_usage: no usage field at all
     assert backend.started[-1][2].closed
 
 
@@ -158,6 +161,7 @@ def test_a_stream_of_token_ids_is_answered_as_token_ids(api):
         ("", [5, 6]), ("", [7]), ("", [])]
     assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["choices"] == []
     assert "token_ids" not in events[-1] and events[-1]["usage"]["completion_tokens"] == 2
+    assert [e["usage"] for e in events[:-1]] == [None] * 3
     assert backend.started[-1][2].closed
 
 
