@@ -9,7 +9,8 @@ Contract:
   :meth:`~OpenAIRequestError.to_dict` is the OpenAI error body (HTTP 400). Unknown fields are ignored, as
   OpenAI-compatible servers do; known fields with a bad type or range are refused, naming the field.
   Fields that ask for a feature not offered here (``tools``, a ``tool_choice`` other than none/auto,
-  ``response_format`` other than text, ``logit_bias``, ``best_of`` > 1, ``suffix``, ``n`` > 1, ``logprobs``)
+  ``response_format`` other than text, ``modalities`` other than text, ``audio`` output, ``web_search_options``,
+  ``logit_bias``, ``best_of`` > 1, ``suffix``, ``n`` > 1, ``logprobs``)
   are refused too, rather than answered as if absent; so is ``stream_options`` without ``stream: true``
   (OpenAI's rule).
 * Thinking: ``enable_thinking`` is read from the top level or from ``chat_template_kwargs`` (vLLM / SGLang
@@ -198,6 +199,15 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     if chat and fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
         raise OpenAIRequestError("response_format: only {'type': 'text'} is supported by this server (no JSON "
                                  "mode or schema-constrained output)", "response_format")
+    modalities = body.get("modalities")
+    if chat and modalities is not None and modalities != ["text"]:
+        raise OpenAIRequestError("modalities: only [\"text\"] is supported by this server (no audio output)",
+                                 "modalities")
+    if chat and present("audio"):
+        raise OpenAIRequestError("audio: not supported by this server (no audio output)", "audio")
+    if chat and body.get("web_search_options") is not None:  # {} asks for a search with the defaults
+        raise OpenAIRequestError("web_search_options: not supported by this server (no web search)",
+                                 "web_search_options")
     if present("logit_bias"):
         raise OpenAIRequestError("logit_bias: not supported by this server", "logit_bias")
     if not chat and body.get("best_of") not in (None, 1):

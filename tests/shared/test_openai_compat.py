@@ -96,6 +96,9 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"),  # an empty object asks for search: OpenAI's meaning
 ])
 def test_features_not_offered_are_refused_by_name_not_ignored(extra, param):
     """The openai client's tools / tool_choice / response_format / logit_bias were ignored: a tool-calling or
@@ -105,7 +108,8 @@ def test_features_not_offered_are_refused_by_name_not_ignored(extra, param):
     assert ei.value.param == param and ei.value.status == 400
     for extra in ({"tools": [], "tool_choice": "none"}, {"tools": TOOLS, "tool_choice": "none"},
                   {"tool_choice": "auto"}, {"response_format": {"type": "text"}}, {"logit_bias": {}},
-                  {"parallel_tool_calls": False, "user": "u1", "store": False, "metadata": {"a": "b"}}):
+                  {"parallel_tool_calls": False, "user": "u1", "store": False, "metadata": {"a": "b"}},
+                  {"modalities": ["text"]}, {"prediction": {"type": "content", "content": "x"}}):
         parse_chat_request(_body(**extra))  # asks for nothing this server lacks
 
 
