@@ -62,9 +62,11 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from shared.manifest import EDGE_QUANTS
+
 from .gptq import DAMP, gptq_round, write_codes
 
-QUANT_MODES = ("fp32", "int8", "int4")
+QUANT_MODES = EDGE_QUANTS  # what a manifest's edge_quant may say
 EDGE_QUANT_CHOICES = ("auto", *QUANT_MODES)  # auto: resolve_edge_quant picks int4 or int8 by the source
 EMBEDDING_MODES = ("fp32", "int8", "int4")
 PREFILL_MODES = ("fp32",)  # the prompt-phase graph's weights (precision by phase); None: no such graph

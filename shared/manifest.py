@@ -190,6 +190,7 @@ class Manifest:
 
 
 ARTIFACT_ROLES = ("edge", "cloud", "shared", "cloud-draft")
+EDGE_QUANTS = ("fp32", "int8", "int4")  # the edge graph's weights (split --edge-quant, auto resolved)
 _INT_FIELDS = ("format_version", "split_layer", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                "vocab_size", "tail_layers")
 _POSITIVE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
@@ -237,6 +238,12 @@ def _check_fields(m: Manifest) -> None:
             raise BundleError(f"{name}: expected a JSON object, got {type(getattr(m, name)).__name__}")
     if not isinstance(m.eos_token_ids, list) or not all(_is_int(t) and t >= 0 for t in m.eos_token_ids):
         raise BundleError(f"eos_token_ids {m.eos_token_ids!r}: expected a list of token ids")
+    # outside the bundle id (an edit keeps it), read by every loader: edge_variant, verify's thresholds
+    if m.edge_quant not in EDGE_QUANTS:
+        raise BundleError(f"edge_quant {m.edge_quant!r}: expected one of {', '.join(EDGE_QUANTS)}")
+    prefill = m.quant_report.get("prefill")
+    if prefill is not None and not (isinstance(prefill, dict) and isinstance(prefill.get("mode"), str)):
+        raise BundleError(f"quant_report.prefill {prefill!r}: expected an object with a string mode")
 
 
 def _check_artifact(rel, art: Artifact) -> None:

@@ -182,6 +182,8 @@ def test_manifest_dims_that_disagree_with_the_graph_are_refused(tiny_bundle, tmp
     (lambda m: m.__setitem__("num_kv_heads", "2"), "num_kv_heads '2': expected an integer"),
     (lambda m: m.__setitem__("quant_report", []), "quant_report: expected a JSON object"),
     (lambda m: m["artifacts"]["edge/front.onnx"].__setitem__("bytes", "many"), "bytes 'many'"),
+    # outside the bundle id, so the edit loaded: a TypeError traceback in Manifest.edge_variant
+    (lambda m: m.__setitem__("quant_report", {"prefill": "fp32"}), "quant_report.prefill 'fp32'"),
 ])
 def test_edited_manifest_fields_fail_naming_the_manifest(edit, match, tiny_bundle, tmp_path):
     from edge_client import EdgeClient

@@ -70,6 +70,9 @@ def test_plan_bad_flags(flags, match, capsys):
     (lambda m: m["artifacts"]["edge/front.onnx"].__setitem__("role", "zzz"), "role 'zzz'"),
     (lambda m: m["artifacts"].__setitem__("../../etc/passwd", {"sha256": "0" * 64, "bytes": 1, "role": "edge"}),
      "expected a relative path inside the bundle"),
+    # outside the bundle id, so the edit loaded: verify's KeyError traceback (its thresholds), the edge's TypeError
+    (lambda m: m.__setitem__("edge_quant", "int3"), "edge_quant 'int3': expected one of fp32, int8, int4"),
+    (lambda m: m["quant_report"].__setitem__("prefill", "fp32"), "quant_report.prefill 'fp32'"),
 ])
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_edited_manifest_is_one_line_naming_it(edit, match, command, tiny_glm4_bundle, tmp_path, capsys):
