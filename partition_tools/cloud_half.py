@@ -94,6 +94,7 @@ class CloudModel(torch.nn.Module):
     def from_bundle(cls, bundle_dir: str | Path, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu", verify: bool = True) -> CloudModel:
         """The bundle's back half in ``dtype`` on ``device``; ``verify`` checks the cloud files' hashes first."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModel
 
@@ -101,7 +102,11 @@ class CloudModel(torch.nn.Module):
         manifest = Manifest.load(bundle_dir)
         if verify:
             manifest.verify_files(bundle_dir, roles=("cloud", "shared"))
-        source_config = AutoConfig.for_model(**json.loads((bundle_dir / BACK_CONFIG).read_text()))
+        try:
+            source_config = AutoConfig.for_model(**json.loads((bundle_dir / BACK_CONFIG).read_text()))
+        except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as e:  # not JSON, no/unknown model_type
+            raise BundleError(f"{bundle_dir / BACK_CONFIG}: not a model config ({type(e).__name__}: {e})"
+                              .splitlines()[0]) from None
         config = back_config(source_config, *manifest.cloud_layers)
         middle = manifest.tail_layers > 0  # u-shape: no norm, no lm_head
         with torch.device("meta"):
@@ -110,7 +115,10 @@ class CloudModel(torch.nn.Module):
         norm = None if middle else decoder.norm
         weights = torch.nn.ModuleDict({"layers": decoder.layers, **({} if middle else
                                                                      {"norm": norm, "lm_head": lm_head})})
-        sd = {k: v.to(dtype) for k, v in load_file(str(bundle_dir / BACK_WEIGHTS), device=str(device)).items()}
+        try:
+            sd = {k: v.to(dtype) for k, v in load_file(str(bundle_dir / BACK_WEIGHTS), device=str(device)).items()}
+        except (OSError, SafetensorError) as e:  # cut short or not safetensors (a manifest re-hashed over it)
+            raise BundleError(f"{bundle_dir / BACK_WEIGHTS}: not a readable safetensors file ({e})") from None
         missing, unexpected = weights.load_state_dict(sd, strict=False, assign=True)
         if missing or unexpected:
             raise BundleError(f"{bundle_dir / BACK_WEIGHTS}: missing {missing[:3]} unexpected {unexpected[:3]}")

@@ -36,6 +36,23 @@ def test_a_weight_file_missing_a_tensor_is_a_bundle_error(tiny_glm4_bundle, tmp_
         CloudModel.from_bundle(d)
 
 
+
+@pytest.mark.parametrize("path, data, match", [
+    (BACK_WEIGHTS, None, "not a readable safetensors file"),  # cut in half
+    ("cloud/config.json", b"{}", "not a model config"),  # no model_type
+    ("cloud/config.json", b"{not json", "not a model config"),
+])
+def test_a_cloud_file_that_does_not_parse_is_a_bundle_error(tiny_glm4_bundle, tmp_path, path, data, match):
+    """Behind hashes that match (a manifest re-hashed over them): a SafetensorError or TypeError traceback from
+    `autoglm-partition verify` and inside the cloud server's start."""
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    p = d / path
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2] if data is None else data)
+    with pytest.raises(BundleError, match=match) as e:
+        CloudModel.from_bundle(d, verify=False)
+    assert str(p) in str(e.value)
+
 @pytest.mark.parametrize("source", ["tiny-glm4", "tiny-glm4v"])
 def test_from_model_is_the_whole_model(source):
     lm = load_model(source)
