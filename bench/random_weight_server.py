@@ -92,7 +92,7 @@ def write_stub_bundle(out: Path, preset: str, layer: int, seed: int = 0):
                  num_layers=total, hidden_size=int(text.hidden_size), num_heads=heads,
                  num_kv_heads=int(text.num_key_value_heads),
                  head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // heads),
-                 vocab_size=int(text.vocab_size), rope={}, eos_token_ids=eos, edge_quant="none",
+                 vocab_size=int(text.vocab_size), rope={}, eos_token_ids=eos, edge_quant="fp32",
                  edge_dtype="float32", cloud_dtype="random")
     out.mkdir(parents=True, exist_ok=True)
     m.save(out)
