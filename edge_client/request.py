@@ -5,8 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from shared.messages import MAX_POSITION, MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, MIN_TOP_P
+from shared.errors import ProtocolError
+from shared.messages import MAX_POSITION, MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, MIN_TOP_P, SamplingParams
 from shared.precision import PrecisionOverride
+
+
+_RANGES = {"max_tokens": f"an integer in [1, {MAX_POSITION}]", "temperature": f"a number in [0, {MAX_TEMPERATURE:g}]",
+           "top_p": f"a number in [{MIN_TOP_P:g}, 1]", "top_k": f"an integer in [0, {MAX_TOP_K}] (0: off)",
+           "seed": f"an integer in [0, {MAX_SEED}]"}
 
 
 class SamplingRangeError(ValueError):
@@ -43,22 +49,14 @@ class RequestSpec:
     def __post_init__(self):
         if not self.prompt_ids:
             raise ValueError("empty prompt")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                or not 1 <= self.max_tokens <= MAX_POSITION:
-            raise SamplingRangeError("max_tokens", f"max_tokens must be an integer in [1, {MAX_POSITION}], got "
-                                                   f"{self.max_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= MAX_SEED):
-            raise SamplingRangeError("seed", f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN too
-            raise SamplingRangeError("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
-                                                    f"{self.temperature}")
         if not all(isinstance(s, str) for s in self.stop):
             raise SamplingRangeError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
-        if not MIN_TOP_P <= self.top_p <= 1:
-            raise SamplingRangeError("top_p", f"top_p must be in [{MIN_TOP_P:g}, 1], got {self.top_p}")
-        if not 0 <= self.top_k <= MAX_TOP_K:
-            raise SamplingRangeError("top_k", f"top_k must be in [0, {MAX_TOP_K}] (0: off), got {self.top_k}")
+        try:  # the wire's own rule (types and ranges): a value it cannot carry fails here, not after the prompt ran
+            SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                           top_k=self.top_k, seed=self.seed)
+        except ProtocolError as e:
+            name = e.message.partition(":")[0].removeprefix("params.")
+            raise SamplingRangeError(name, f"{name} must be {_RANGES[name]}, got {getattr(self, name)!r}") from None
         if self.media is not None and list(self.media.ids) != list(self.prompt_ids):
             raise ValueError("prompt_ids must be the media prompt's (placeholders expanded)")
         if self.precision is not None:

@@ -107,6 +107,10 @@ def client(tiny_bundle):
     ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
     ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
     ({"prompt": "hi", "stop": [1]}, "stop"),
+    # the wire's types too: these passed the range checks and failed after the prompt ran ('internal' + traceback)
+    ({"prompt": "hi", "top_k": 1.5}, "top_k must be an integer"),
+    ({"prompt": "hi", "top_p": True}, "top_p must be a number"),
+    ({"prompt": "hi", "temperature": "0.5"}, "temperature must be a number"),
 ])
 def test_bad_request_arguments_raise_value_error_before_any_traffic(client, kwargs, match):
     with pytest.raises(ValueError, match=match):
