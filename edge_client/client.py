@@ -303,7 +303,7 @@ class EdgeClient:
         sink(("end", "length" if len(result.token_ids) >= spec.max_tokens else "stop"))
 
     def agenerate(self, prompt: str | None = None, *, loop: asyncio.AbstractEventLoop | None = None,
-                  **kwargs: Any) -> AsyncGeneration:
+                  privacy: str = "standard", mode: str | None = None, **kwargs: Any) -> AsyncGeneration:
         """The async twin of :meth:`generate` (same arguments); call it inside a running event loop, or on a
         worker thread with ``loop``, the event loop that consumes the generation (its media are loaded, fetched
         and encoded by the calling thread: ``edge_client.local_api`` keeps them off its event loop)."""
@@ -312,13 +312,14 @@ class EdgeClient:
         spec = self._spec(prompt, kwargs.pop("messages", None), kwargs.pop("prompt_ids", None),
                           kwargs.pop("enable_thinking", None), kwargs.pop("chat_template_kwargs", None),
                           kwargs.pop("images", None), kwargs.pop("audio", None), **_sampling_defaults(kwargs))
-        spec.ushape = self.session.ushape is not None  # a bundle with a tail runs u-shape
+        decision = self._decide(spec, privacy, mode)
         aq: asyncio.Queue = asyncio.Queue()
         gen = AsyncGeneration(self, spec, aq)
         gen._media_stats(self.media.seconds - t0)
+        gen.stats.exec_mode, gen.stats.exec_reason = decision.mode, decision.reason
         def sink(item):
             return caller.call_soon_threadsafe(aq.put_nowait, item)
-        gen._future = asyncio.run_coroutine_threadsafe(self.session.run(spec, sink, gen.stats), self._loop)
+        gen._future = asyncio.run_coroutine_threadsafe(self._execute(decision, spec, sink, gen.stats), self._loop)
         return gen
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Generation:

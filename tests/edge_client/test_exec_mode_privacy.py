@@ -188,3 +188,19 @@ def test_output_private_without_a_whole_model_is_refused_before_any_traffic(tiny
         with pytest.raises(EdgeClientError, match="output-private") as e:
             c.generate(prompt=PROMPT, max_tokens=4, privacy="output-private")
     assert e.value.code == "exec_mode" and proxy.connections == 0
+
+
+def test_agenerate_takes_the_privacy_level_as_generate_does(tiny_bundle, cloud, whole_model):
+    """The async twin takes the same arguments (docs/edge.md): ``privacy=`` / ``mode=`` were a TypeError and its
+    requests never went through the mode decision."""
+    async def run(c):
+        gen = c.agenerate(prompt=PROMPT, max_tokens=12, privacy="output-private")
+        return gen, [d async for d in gen]
+
+    with RecordingProxy(cloud.port) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", retry=RETRY,
+                       whole_model=whole_model) as c:
+        gen, deltas = asyncio.run(run(c))
+        assert c.complete(prompt=PROMPT, max_tokens=12, privacy="output-private").token_ids == gen.token_ids
+    assert gen.stats.exec_mode == "edge-only" and gen.token_ids and "".join(deltas) == gen.text
+    assert proxy.connections == 0 and not proxy.up and not proxy.down
