@@ -38,7 +38,7 @@ class LoadedModel:
     model: torch.nn.Module  # a *ForCausalLM / *ForConditionalGeneration in eval mode
     tokenizer: object | None  # transformers PreTrainedTokenizerFast, or None
     identity: str  # "preset:tiny-glm4@seed0", "gguf:<file>#<hash>", "dir:<folder>#<meta>+<content>" (same_source)
-    source: str  # what the user passed
+    source: str  # what the user passed: a preset's name, or the absolute path of a directory or .gguf file
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,11 +181,16 @@ def _load_dir(path: Path, source: str) -> LoadedModel:
         if config.model_type == "glm4v":
             from transformers import Glm4vForConditionalGeneration
 
-            model = Glm4vForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+            model, info = Glm4vForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                        output_loading_info=True)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"{path}: cannot load weights: {type(e).__name__}: {e}".splitlines()[0]) from None
+    missing = sorted(info["missing_keys"])  # transformers fills them with random values and only warns
+    if missing:
+        raise ModelLoadError(f"{path}: its weight files lack {len(missing)} of the model's tensors (e.g. {missing[0]}); "
+                             "a shard missing, or a config.json of another model")
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         try:
@@ -356,4 +361,5 @@ def load_model(source: str, seed: int = 0) -> LoadedModel:
         return _load_gguf(smollm2_gguf_path(), source)
     check_source(source)
     path = Path(source)
-    return _load_dir(path, source) if path.is_dir() else _load_gguf(path, source)
+    where = os.path.abspath(path)  # what a bundle's manifest records: verify and draft-head reload it from any folder
+    return _load_dir(path, where) if path.is_dir() else _load_gguf(path, where)

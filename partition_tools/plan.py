@@ -107,6 +107,8 @@ class PlanConfig:
             raise PlanError(f"--edge-memory-mb {self.edge_memory_mb:g}: expected > 0")
         if self.candidates is not None and (not self.candidates or min(self.candidates) < 1):
             raise PlanError(f"--candidates {self.candidates}: expected split layers >= 1")
+        if self.cloud_results is not None:
+            read_cloud_results(self.cloud_results)
 
 
 # -- measurements ---------------------------------------------------------------------------------
@@ -247,19 +249,35 @@ def cloud_layer_times(adapter: ModelAdapter, threads: int, chunk: int, contexts:
     return {"prefill_per_token": prefill, "decode": decode, "head": head}
 
 
-def cloud_gpu_times(path: Path, adapter: ModelAdapter, contexts: list[int]) -> dict:
-    """Per-layer GPU costs from ``cloud_gpu.json`` (batch 1 decode step, prefill tokens/s), scaled by the
-    ratio of this model's layer weight bytes to the measured model's (decode is memory-bound)."""
-    data = json.loads(Path(path).read_text())
+def read_cloud_results(path: Path) -> tuple[int, float, float, float]:
+    """The measured model's layers, decode step (s), prefill tokens/s and per-layer weights from ``cloud_gpu.json``;
+    PlanError unless the file is one with each of them finite and > 0 (a zero was a ZeroDivisionError, a NaN a
+    plan of 'nan ms' picking its first candidate). PlanConfig reads it before anything is measured."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"--cloud-results {path}: not JSON ({e})") from None
     try:
         m = data["model"]
         layers = int(m["num_layers"])
-        step_s = float(data["step_ms_s1"]) / 1000.0
+        step_ms = float(data["step_ms_s1"])
         prefill_tps = float(data["fast"]["1"]["prefill_tokens_per_s"])
-        ref_layer = (m["hidden_size"] * (m["num_heads"] + 2 * m["num_kv_heads"]) * m["head_dim"]
-                     + m["num_heads"] * m["head_dim"] * m["hidden_size"] + 3 * m["hidden_size"] * m["intermediate_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise PlanError(f"{path}: not a cloud_gpu.json with model/step_ms_s1/fast ({e})") from None
+        ref_layer = float(m["hidden_size"] * (m["num_heads"] + 2 * m["num_kv_heads"]) * m["head_dim"]
+                          + m["num_heads"] * m["head_dim"] * m["hidden_size"]
+                          + 3 * m["hidden_size"] * m["intermediate_size"])
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
+        raise PlanError(f"--cloud-results {path}: not a cloud_gpu.json with model/step_ms_s1/fast ({e})") from None
+    for name, v in (("model.num_layers", layers), ("step_ms_s1", step_ms), ("fast.1.prefill_tokens_per_s", prefill_tps),
+                    ("the model's layer size", ref_layer)):
+        if not (math.isfinite(v) and v > 0):
+            raise PlanError(f"--cloud-results {path}: {name} {v:g}: expected a number > 0")
+    return layers, step_ms / 1000.0, prefill_tps, ref_layer
+
+
+def cloud_gpu_times(path: Path, adapter: ModelAdapter, contexts: list[int]) -> dict:
+    """Per-layer GPU costs from ``cloud_gpu.json`` (batch 1 decode step, prefill tokens/s), scaled by the
+    ratio of this model's layer weight bytes to the measured model's (decode is memory-bound)."""
+    layers, step_s, prefill_tps, ref_layer = read_cloud_results(path)
     scale = sum(p.numel() for p in adapter.layers[0].parameters()) / ref_layer
     per_layer = step_s / layers * scale
     return {"prefill_per_token": scale / prefill_tps / layers, "decode": {c: per_layer for c in contexts},

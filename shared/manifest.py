@@ -55,7 +55,7 @@ class Artifact:
 @dataclass(slots=True)
 class Manifest:
     format_version: int
-    source: str  # what the user passed to `split`
+    source: str  # what `split` loaded (LoadedModel.source: a preset's name or an absolute path), verify's default
     source_identity: str  # LoadedModel.identity
     architecture: str  # adapter family: glm4 | glm | glm4v | llama
     model_type: str  # HF model_type of the source

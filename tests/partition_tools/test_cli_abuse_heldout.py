@@ -145,3 +145,55 @@ def test_rig_scenario_naming_no_bundle(tmp_path, capsys, monkeypatch):
     assert rig_main(["run", str(p), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "not a bundle (no manifest.json)" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_lacking_tensors_is_refused(llama_dir, tmp_path, capsys):
+    """A config.json of more layers than the weight files hold (or a shard gone from the index): transformers
+    filled the missing tensors with random values and only warned, and split wrote a bundle, exit 0."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(llama_dir, d)
+    config = json.loads((d / "config.json").read_text())
+    config["num_hidden_layers"] += 2
+    (d / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["split", str(d), "--layer", "1", "--out", str(tmp_path / "b")]) == 2
+    # the last line, not the whole of stderr: transformers' logger may hold an earlier test's closed capture stream
+    assert "its weight files lack 18 of the model's tensors (e.g. model.layers.3." in \
+        capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_manifest_names_a_relative_source_by_its_absolute_path(llama_dir, tmp_path, monkeypatch):
+    """A source given relative to the working directory was recorded as given, so verify and draft-head (which
+    reload the manifest's source) run from any other folder failed: 'ckpt: no such preset, directory or file'."""
+    from shared.manifest import Manifest
+
+    shutil.copytree(llama_dir, tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    assert main(["split", "ckpt", "--layer", "1", "--edge-quant", "fp32", "--out", "b"]) == 0
+    assert Manifest.load(tmp_path / "b").source == str(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (None, "not JSON"),
+    (lambda d: d["fast"]["1"].__setitem__("prefill_tokens_per_s", 0), "prefill_tokens_per_s 0: expected a number > 0"),
+    (lambda d: d.__setitem__("step_ms_s1", float("nan")), "step_ms_s1 nan: expected a number > 0"),
+    (lambda d: d.__setitem__("step_ms_s1", -5), "step_ms_s1 -5: expected a number > 0"),
+    (lambda d: d["model"].__setitem__("num_layers", 0), "model.num_layers 0: expected a number > 0"),
+])
+def test_plan_cloud_results_that_are_no_measurements(edit, match, tmp_path, capsys, monkeypatch):
+    """--cloud-results that is not JSON, or whose figures are 0, negative or NaN: a JSONDecodeError or
+    ZeroDivisionError traceback after the edge was measured, or a plan of 'nan ms' rows picking its first split."""
+    from pathlib import Path
+
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    f = tmp_path / "cloud_gpu.json"
+    if edit is None:
+        f.write_text("not json")
+    else:
+        data = json.loads((Path(__file__).parents[2] / "docs" / "results" / "cloud_gpu.json").read_text())
+        edit(data)
+        f.write_text(json.dumps(data))
+    _fails_in_one_line(["plan", "tiny-glm4", "--cloud-results", str(f)], capsys, match)
