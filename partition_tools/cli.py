@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("bundle", help="bundle directory written by split")
     v.add_argument("--source", default=_env("SOURCE"), help="reference model (default: the manifest's source)")
     v.add_argument("--text", default=_env("TEXT"), help="UTF-8 text file to evaluate on (default: built-in sample)")
-    v.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS", "1024"), help="tokens to evaluate")
+    v.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS", "1024"), help="tokens to evaluate (at most the positions the edge graph holds: the model's context)")
     v.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
     i = sub.add_parser("inspect", help="show what a bundle holds and re-check its hashes",

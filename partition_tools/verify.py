@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.manifest import Manifest
+from shared.manifest import BundleError, Manifest
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +111,11 @@ def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str |
     bundle_dir = Path(bundle_dir)
     manifest = Manifest.load(bundle_dir)
     manifest.verify_files(bundle_dir)
+    from edge_client.front import FrontRuntime
+
+    positions = FrontRuntime(bundle_dir, verify=False, prefill_graph=None).max_positions
+    if max_tokens > positions:  # the edge graph refused them with a FrontError traceback after the reference ran
+        raise BundleError(f"--max-tokens {max_tokens}: the bundle's edge graph holds {positions} positions")
     lm = load_model(source) if source else None
     report = evaluate_split(bundle_dir, text=text, max_tokens=max_tokens, codec=fp16_round_trip, lm=lm)
     # The incremental check exercises the graph's KV plumbing; any ids will do.

@@ -197,3 +197,13 @@ def test_plan_cloud_results_that_are_no_measurements(edit, match, tmp_path, caps
         edit(data)
         f.write_text(json.dumps(data))
     _fails_in_one_line(["plan", "tiny-glm4", "--cloud-results", str(f)], capsys, match)
+
+
+def test_verify_more_tokens_than_the_edge_graph_holds(tiny_glm4_bundle, capsys, monkeypatch):
+    """--max-tokens past the model's context (2,048 positions): the reference ran, then the edge graph raised
+    FrontError as a traceback, exit 1; now one line, before the model loads."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    _fails_in_one_line(["verify", str(tiny_glm4_bundle), "--max-tokens", "3000"], capsys,
+                       "--max-tokens 3000: the bundle's edge graph holds 2048 positions")
