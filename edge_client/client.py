@@ -87,6 +87,8 @@ class EdgeClient:
         self.prefix_secret = prefix_secret if prefix_secret is not None else os.urandom(32)
         self.link_up = True  # False: the caller knows the link is down (the policy then keeps the request here)
         self._closed = False
+        self._inflight: dict[concurrent.futures.Future, Any] = {}  # unfinished requests -> their sinks
+        self._inflight_lock = threading.Lock()
 
     def _open_bundle(self) -> tuple[Manifest, FrontRuntime, EdgeTokenizer, ActivationCache]:
         """The configured bundle's manifest, front runtime, tokenizer and activation cache."""
@@ -129,6 +131,11 @@ class EdgeClient:
         if self._closed:
             return
         self._closed = True
+        with self._inflight_lock:
+            inflight, self._inflight = self._inflight, {}
+        for future, sink in inflight.items():  # the loop stops below: its requests would never end their streams
+            sink(("error", EdgeClientError("the client was closed before the request finished", "closed")))
+            future.cancel()
         try:
             asyncio.run_coroutine_threadsafe(self.session.close(), self._loop).result(5.0)
         except Exception:  # noqa: BLE001 - closing is best effort
@@ -247,8 +254,20 @@ class EdgeClient:
         gen = Generation(self, spec, q)
         gen._media_stats(self.media.seconds - t0)
         gen.stats.exec_mode, gen.stats.exec_reason = decision.mode, decision.reason
-        gen._future = asyncio.run_coroutine_threadsafe(self._execute(decision, spec, q.put, gen.stats), self._loop)
+        self._submit(gen, self._execute(decision, spec, q.put, gen.stats), q.put)
         return gen
+
+    def _submit(self, gen: _GenerationBase, coro, sink) -> None:
+        """Run a request's coroutine on the client's loop, known to :meth:`close` until it ends."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._inflight_lock:
+            self._inflight[future] = sink
+        future.add_done_callback(self._finished)
+        gen._future = future
+
+    def _finished(self, future: concurrent.futures.Future) -> None:
+        with self._inflight_lock:
+            self._inflight.pop(future, None)
 
     # -- execution mode ---------------------------------------------------------------------------
     def _decide(self, spec: RequestSpec, privacy: str, mode: str | None) -> ModeDecision:
@@ -319,7 +338,7 @@ class EdgeClient:
         gen.stats.exec_mode, gen.stats.exec_reason = decision.mode, decision.reason
         def sink(item):
             return caller.call_soon_threadsafe(aq.put_nowait, item)
-        gen._future = asyncio.run_coroutine_threadsafe(self._execute(decision, spec, sink, gen.stats), self._loop)
+        self._submit(gen, self._execute(decision, spec, sink, gen.stats), sink)
         return gen
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Generation:

@@ -165,6 +165,37 @@ def test_a_closed_client_refuses_requests_instead_of_hanging(tiny_bundle):
     assert not t.is_alive() and outcome == ["closed"] * 3
 
 
+def test_closing_the_client_ends_its_unfinished_requests(tiny_bundle):
+    """``with EdgeClient(...) as c: gen = c.generate(...)`` and iterating after the block (or close() from another
+    thread mid-stream) waited forever: the client's loop stopped under the request. Now it fails as ``closed``."""
+    import asyncio
+
+    from edge_client import EdgeClient, EdgeClientError
+
+    async def drain(agen):
+        return [d async for d in agen]
+
+    loop = asyncio.new_event_loop()
+    with EdgeClient(tiny_bundle, DEAD_URL) as c:  # its requests wait on connect retries: unfinished at close
+        gen = c.generate(prompt="hi", max_tokens=2)
+        agen = c.agenerate(prompt="hi", max_tokens=2, loop=loop)
+    outcome = []
+
+    def consume():
+        for run in (lambda: list(gen), lambda: loop.run_until_complete(drain(agen))):
+            try:
+                run()
+                outcome.append("returned")
+            except EdgeClientError as e:
+                outcome.append(e.code)
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    t.join(10)
+    loop.close()
+    assert not t.is_alive() and outcome == ["closed"] * 2 and gen.finish_reason == "error"
+
+
 # -- bundles --------------------------------------------------------------------------------------------------
 
 
