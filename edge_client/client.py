@@ -211,7 +211,7 @@ class EdgeClient:
         room, whose = self.session.prompt_room()
         if len(ids) > room:  # the answer needs one position at least (as in full mode)
             raise ValueError(f"prompt of {len(ids)} tokens exceeds {whose}")
-        parts += [MediaPart("image", x) for x in images or []] + [MediaPart("audio", x) for x in audio or []]
+        parts += _sources("image", images) + _sources("audio", audio)
         if not parts:
             return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)
         # every placeholder becomes its rows: they must fit too, counted before any is decoded or encoded
@@ -230,8 +230,8 @@ class EdgeClient:
         ``messages`` (rendered by the bundle's chat template) or ``prompt_ids`` (token ids).
 
         Media: ``messages`` may hold OpenAI ``image_url`` / ``input_audio`` parts (and ``{"type": "image",
-        "image": bytes}``); ``images`` / ``audio`` (bytes or URLs) fill the image / audio placeholder tokens
-        of ``prompt`` / ``prompt_ids`` in order. They are encoded on the phone; only hidden states leave it.
+        "image": bytes}``); ``images`` / ``audio`` (a list of bytes or URLs, or one) fill the image / audio
+        placeholder tokens of ``prompt`` / ``prompt_ids`` in order. They are encoded on the phone; only hidden states leave it.
 
         ``temperature=0`` is greedy. ``precision`` overrides the server's choice of wire codec for this
         request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included).
@@ -387,6 +387,13 @@ def _sampling_defaults(kw: dict) -> dict:
 def _stops(stop) -> list:
     """``stop=`` as OpenAI takes it: one string or a list of them (a string is one stop, not its characters)."""
     return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _sources(kind: str, given) -> list[MediaPart]:
+    """``images=`` / ``audio=``: a list of sources, or one source (bytes or a URL string) as itself - a string
+    is one source, not its characters (a data: URL read as 'd', 'a', ... was refused as local paths)."""
+    one = isinstance(given, (str, bytes, bytearray, memoryview))
+    return [MediaPart(kind, x) for x in ([given] if one else given or [])]
 
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:

@@ -72,3 +72,16 @@ def test_input_audio_through_the_real_server(tiny_glm4v_lm, tiny_glm4v_audio_bun
         bad = http.post("/v1/chat/completions", json={**body, "messages": _messages(wav(tone(0.5, 8000), 8000))})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_sample_rate"
         assert http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == gen.text
+
+
+def test_one_source_is_one_clip_not_a_sequence_of_sources(tiny_glm4v_audio_bundle, cloud):
+    """``audio=`` / ``images=`` take one source as well as a list: a data: URL string was iterated as characters
+    (refused as local paths) and bytes as integers."""
+    clip = wav(tone(0.9))
+    with EdgeClient(tiny_glm4v_audio_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        prompt = "what does it say? " + c._placeholder("audio")
+        listed = c.complete(prompt=prompt, audio=[clip], max_tokens=4)
+        url = "data:audio/wav;base64," + base64.b64encode(clip).decode()
+        for one in (clip, url):
+            gen = c.complete(prompt=prompt, audio=one, max_tokens=4)
+            assert gen.token_ids == listed.token_ids and gen.stats.audio_tokens == listed.stats.audio_tokens > 0
