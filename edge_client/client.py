@@ -231,7 +231,8 @@ class EdgeClient:
 
         Media: ``messages`` may hold OpenAI ``image_url`` / ``input_audio`` parts (and ``{"type": "image",
         "image": bytes}``); ``images`` / ``audio`` (a list of bytes or URLs, or one) fill the image / audio
-        placeholder tokens of ``prompt`` / ``prompt_ids`` in order. They are encoded on the phone; only hidden states leave it.
+        placeholder tokens of ``prompt`` / ``prompt_ids`` in order. They are encoded on the phone; only hidden
+        states leave it.
 
         ``temperature=0`` is greedy. ``precision`` overrides the server's choice of wire codec for this
         request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included).
