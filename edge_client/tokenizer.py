@@ -132,7 +132,11 @@ class EdgeTokenizer:
         return cls(edge / "tokenizer.json", config, template, manifest.eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        except TypeError:  # tokenizers' answer to a lone surrogate ('\ud800'): a string that is no UTF-8 text
+            text.encode("utf-8")  # the UnicodeEncodeError (a ValueError) naming the character, as ByteTokenizer's
+            raise
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([i for i in ids if i not in self._hidden_ids], skip_special_tokens=False)

@@ -121,3 +121,11 @@ def test_byte_fallback_roundtrip_and_template():
 def test_bundle_without_tokenizer_gets_byte_fallback(tiny_bundle):
     tok = EdgeTokenizer.from_bundle(tiny_bundle)
     assert isinstance(tok, ByteTokenizer) and tok.eos_token_ids == [2, 3]
+
+
+def test_a_lone_surrogate_is_a_value_error_naming_it(tok_dir):
+    """A Python string with half a UTF-16 pair is no UTF-8 text: tokenizers raised 'TypeError: TextInputSequence
+    must be str' (a prompt *is* a str); both tokenizers now raise the UnicodeEncodeError naming it."""
+    for tok in (_edge(tok_dir), ByteTokenizer(300, [2])):
+        with pytest.raises(ValueError, match="surrogates not allowed"):
+            tok.encode("a\ud800b")
