@@ -157,10 +157,12 @@ def _load_gguf(path: Path, source: str) -> LoadedModel:
         raise ModelLoadError(f"loading GGUF needs the 'gguf' and 'accelerate' packages ({e})") from None
     d, name = str(path.parent), path.name
     try:
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
+                                                           output_loading_info=True)
         tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=name)
     except Exception as e:  # noqa: BLE001 - transformers / gguf raise many kinds (ValueError, KeyError, OSError)
         raise ModelLoadError(f"{path}: cannot load GGUF: {type(e).__name__}: {e}".splitlines()[0]) from None
+    _refuse_missing_tensors(path, info)
     ident = f"gguf:{path.name}#{_file_digest(path, 1 << 24)[:16]}"
     return LoadedModel(model.eval(), tokenizer, ident, source)
 
@@ -187,10 +189,7 @@ def _load_dir(path: Path, source: str) -> LoadedModel:
             model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"{path}: cannot load weights: {type(e).__name__}: {e}".splitlines()[0]) from None
-    missing = sorted(info["missing_keys"])  # transformers fills them with random values and only warns
-    if missing:
-        raise ModelLoadError(f"{path}: its weight files lack {len(missing)} of the model's tensors (e.g. {missing[0]}); "
-                             "a shard missing, or a config.json of another model")
+    _refuse_missing_tensors(path, info)
     tokenizer = None
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         try:
@@ -198,6 +197,15 @@ def _load_dir(path: Path, source: str) -> LoadedModel:
         except Exception:  # noqa: BLE001 - a model without a usable tokenizer still splits
             tokenizer = None
     return LoadedModel(model.eval(), tokenizer, _dir_identity(path, config), source)
+
+
+def _refuse_missing_tensors(path: Path, loading_info: dict) -> None:
+    """ModelLoadError when the weights lacked tensors of the model (``from_pretrained``'s ``missing_keys``):
+    transformers fills them with random values and only warns, and the split would ship them."""
+    missing = sorted(loading_info["missing_keys"])
+    if missing:
+        raise ModelLoadError(f"{path}: its weights lack {len(missing)} of the model's tensors (e.g. {missing[0]}); "
+                             "a shard or tensors missing, or a config of another model")
 
 
 def _dir_identity(path: Path, config) -> str:

@@ -158,7 +158,7 @@ def test_a_checkpoint_lacking_tensors_is_refused(llama_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(["split", str(d), "--layer", "1", "--out", str(tmp_path / "b")]) == 2
     # the last line, not the whole of stderr: transformers' logger may hold an earlier test's closed capture stream
-    assert "its weight files lack 18 of the model's tensors (e.g. model.layers.3." in \
+    assert "its weights lack 18 of the model's tensors (e.g. model.layers.3." in \
         capsys.readouterr().err.strip().splitlines()[-1]
     assert not (tmp_path / "b").exists()
 
@@ -207,3 +207,28 @@ def test_verify_more_tokens_than_the_edge_graph_holds(tiny_glm4_bundle, capsys, 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     _fails_in_one_line(["verify", str(tiny_glm4_bundle), "--max-tokens", "3000"], capsys,
                        "--max-tokens 3000: the bundle's edge graph holds 2048 positions")
+
+
+def test_a_gguf_lacking_tensors_is_refused(tmp_path, capsys):
+    """A .gguf without one layer's tensors: transformers filled them with random values, and split wrote a bundle."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    h, f, v = 32, 64, 64
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_context_length(128), w.add_embedding_length(h), w.add_block_count(2), w.add_feed_forward_length(f)
+    w.add_head_count(2), w.add_head_count_kv(1), w.add_layer_norm_rms_eps(1e-5), w.add_rope_dimension_count(16)
+    w.add_tokenizer_model("llama"), w.add_token_list([f"t{i}" for i in range(v)]), w.add_token_scores([0.0] * v)
+    w.add_token_types([1] * v), w.add_bos_token_id(1), w.add_eos_token_id(2)
+    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "output.weight": (v, h),
+              "blk.0.attn_norm.weight": (h,), "blk.0.attn_q.weight": (h, h), "blk.0.attn_k.weight": (16, h),
+              "blk.0.attn_v.weight": (16, h), "blk.0.attn_output.weight": (h, h), "blk.0.ffn_norm.weight": (h,),
+              "blk.0.ffn_gate.weight": (f, h), "blk.0.ffn_up.weight": (f, h), "blk.0.ffn_down.weight": (h, f)}
+    for name, shape in shapes.items():  # blk.1 left out
+        w.add_tensor(name, np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    capsys.readouterr()
+    assert main(["split", str(tmp_path / "m.gguf"), "--layer", "1", "--out", str(tmp_path / "b")]) == 2
+    assert "its weights lack 9 of the model's tensors (e.g. model.layers.1." in \
+        capsys.readouterr().err.strip().splitlines()[-1]  # (the last line: see the test above)
+    assert not (tmp_path / "b").exists()
