@@ -194,8 +194,9 @@ def _load_dir(path: Path, source: str) -> LoadedModel:
     if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
-        except Exception:  # noqa: BLE001 - a model without a usable tokenizer still splits
-            tokenizer = None
+        except Exception as e:  # noqa: BLE001 - taken for a model without one, split wrote a bundle that takes no text
+            raise ModelLoadError(f"{path}: its tokenizer files do not load ({type(e).__name__}: {e}); mend them, or "
+                                 "remove them to split a model that takes token ids".splitlines()[0]) from None
     return LoadedModel(model.eval(), tokenizer, _dir_identity(path, config), source)
 
 

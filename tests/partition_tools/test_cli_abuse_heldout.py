@@ -232,3 +232,15 @@ def test_a_gguf_lacking_tensors_is_refused(tmp_path, capsys):
     assert "its weights lack 9 of the model's tensors (e.g. model.layers.1." in \
         capsys.readouterr().err.strip().splitlines()[-1]  # (the last line: see the test above)
     assert not (tmp_path / "b").exists()
+
+
+def test_a_checkpoint_whose_tokenizer_does_not_load_is_refused(llama_dir, tmp_path, capsys):
+    """A tokenizer.json that does not parse was taken for no tokenizer: split wrote a bundle that takes no text,
+    exit 0, and verify --text then ended in a ValueError traceback ('has no tokenizer')."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(llama_dir, d)
+    (d / "tokenizer.json").write_text("garbage")
+    capsys.readouterr()
+    assert main(["split", str(d), "--layer", "1", "--out", str(tmp_path / "b")]) == 2
+    assert "its tokenizer files do not load (" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "b").exists()
