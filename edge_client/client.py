@@ -445,6 +445,10 @@ class _GenerationBase:
         if self._future is not None:
             self._future.cancel()
 
+    def __del__(self):  # abandoned mid-way (a loop left, a consuming task cancelled): free the session for the next
+        if not self._done:
+            self.cancel()
+
     def _consume(self, item) -> str | None:
         kind = item[0]
         if kind == "token":
@@ -489,10 +493,6 @@ class Generation(_GenerationBase):
             delta = self._consume(self._q.get())
             if len(self.token_ids) > n:
                 yield self.token_ids[-1], delta
-
-    def __del__(self):  # abandoned mid-way: free the session for the next request
-        if not self._done and self._future is not None:
-            self._future.cancel()
 
     def close(self) -> None:
         if not self._done:

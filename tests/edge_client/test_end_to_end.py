@@ -115,6 +115,32 @@ def test_cut_connection_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_t
         assert proxy.cuts == 2 and gen.stats.reconnects >= 2 and gen.stats.replays == 0
 
 
+def test_an_abandoned_stream_is_cancelled_sync_or_async(tiny_bundle, tiny_cloud, tiny_reference_tokens):
+    """Leaving a stream without close() (a loop left, a consuming task cancelled by a timeout) drops the request
+    once the generation is unreferenced: the async one ran on to max_tokens, holding the session (the next
+    request waited 23 s on SmolLM2); the sync one was already cancelled so."""
+    import asyncio
+    import gc
+
+    async def leave_async(c):
+        gen = c.agenerate(prompt_ids=PROMPT, max_tokens=4000)
+        async for _ in gen:
+            break
+        return gen._future
+
+    def leave_sync(c):
+        gen = c.generate(prompt_ids=PROMPT, max_tokens=4000)
+        for _ in gen:
+            break
+        return gen._future
+
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        for future in (asyncio.run(leave_async(c)), leave_sync(c)):
+            gc.collect()
+            assert future.cancelled()
+            assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == tiny_reference_tokens
+
+
 def test_restart_cloud_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_tokens):
     with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
         gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
