@@ -25,7 +25,7 @@ from shared.codecs import CALIBRATION_FILE
 from shared.codecs_pca import PcaBasis, calibrate_pca
 
 from .adapters import ModelAdapter
-from .models import LoadedModel
+from .models import LoadedModel, ModelLoadError
 
 ARTIFACT = "codec_pca.npz"
 EVAL_TOKENS = 1024  # the sample text's first tokens are the evaluation text of every quality bench
@@ -44,9 +44,12 @@ def codec_calibration_windows(lm: LoadedModel, vocab_size: int) -> list[torch.Te
         return [torch.randint(4, vocab_size, (1, WINDOW), generator=g) for _ in range(4)]
     from .split import sample_text
 
-    ids = lm.tokenizer(sample_text(), return_tensors="pt").input_ids[0, EVAL_TOKENS:]  # [N]
+    text_ids = lm.tokenizer(sample_text(), return_tensors="pt").input_ids[0]
+    ids = text_ids[EVAL_TOKENS:]  # [N]
     if ids.numel() < 16:
-        raise ValueError("the sample text is too short for a codec calibration")
+        raise ModelLoadError(f"{lm.source}: its tokenizer turns the built-in sample text into {text_ids.numel()} "
+                             f"token(s); the codec calibration needs at least {EVAL_TOKENS + 16} (a tokenizer of another "
+                             "model?)")
     windows = [ids[i:i + WINDOW][None] for i in range(0, ids.numel(), WINDOW)]
     if getattr(lm.tokenizer, "chat_template", None):
         half = CHAT_TOKENS // 2

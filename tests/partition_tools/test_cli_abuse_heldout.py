@@ -209,28 +209,41 @@ def test_verify_more_tokens_than_the_edge_graph_holds(tiny_glm4_bundle, capsys, 
                        "--max-tokens 3000: the bundle's edge graph holds 2048 positions")
 
 
-def test_a_gguf_lacking_tensors_is_refused(tmp_path, capsys):
-    """A .gguf without one layer's tensors: transformers filled them with random values, and split wrote a bundle."""
+def _tiny_gguf(path, blocks_written: int = 2):
+    """A 2-layer llama GGUF of random weights and a 64-token vocabulary; layers from ``blocks_written`` on left out."""
     import numpy as np
     from gguf import GGUFWriter
 
     h, f, v = 32, 64, 64
-    w = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w = GGUFWriter(str(path), "llama")
     w.add_context_length(128), w.add_embedding_length(h), w.add_block_count(2), w.add_feed_forward_length(f)
     w.add_head_count(2), w.add_head_count_kv(1), w.add_layer_norm_rms_eps(1e-5), w.add_rope_dimension_count(16)
     w.add_tokenizer_model("llama"), w.add_token_list([f"t{i}" for i in range(v)]), w.add_token_scores([0.0] * v)
     w.add_token_types([1] * v), w.add_bos_token_id(1), w.add_eos_token_id(2)
-    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "output.weight": (v, h),
-              "blk.0.attn_norm.weight": (h,), "blk.0.attn_q.weight": (h, h), "blk.0.attn_k.weight": (16, h),
-              "blk.0.attn_v.weight": (16, h), "blk.0.attn_output.weight": (h, h), "blk.0.ffn_norm.weight": (h,),
-              "blk.0.ffn_gate.weight": (f, h), "blk.0.ffn_up.weight": (f, h), "blk.0.ffn_down.weight": (h, f)}
-    for name, shape in shapes.items():  # blk.1 left out
+    shapes = {"token_embd.weight": (v, h), "output_norm.weight": (h,), "output.weight": (v, h)}
+    for i in range(blocks_written):
+        shapes.update({f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.attn_q.weight": (h, h),
+                       f"blk.{i}.attn_k.weight": (16, h), f"blk.{i}.attn_v.weight": (16, h),
+                       f"blk.{i}.attn_output.weight": (h, h), f"blk.{i}.ffn_norm.weight": (h,),
+                       f"blk.{i}.ffn_gate.weight": (f, h), f"blk.{i}.ffn_up.weight": (f, h),
+                       f"blk.{i}.ffn_down.weight": (h, f)})
+    for name, shape in shapes.items():
         w.add_tensor(name, np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.mark.parametrize("blocks, match", [
+    # transformers filled the missing layer with random values, and split wrote the bundle
+    (1, "its weights lack 9 of the model's tensors (e.g. model.layers.1."),
+    # a vocabulary that turns the sample text into a few tokens: a ValueError traceback from the codec calibration
+    (2, "tokens; the codec calibration needs at least 1040"),
+])
+def test_a_gguf_split_cannot_use_is_refused(blocks, match, tmp_path, capsys):
+    source = _tiny_gguf(tmp_path / "m.gguf", blocks)
     capsys.readouterr()
-    assert main(["split", str(tmp_path / "m.gguf"), "--layer", "1", "--out", str(tmp_path / "b")]) == 2
-    assert "its weights lack 9 of the model's tensors (e.g. model.layers.1." in \
-        capsys.readouterr().err.strip().splitlines()[-1]  # (the last line: see the test above)
+    assert main(["split", str(source), "--layer", "1", "--out", str(tmp_path / "b")]) == 2
+    assert match in capsys.readouterr().err.strip().splitlines()[-1]  # (the last line: see the test above)
     assert not (tmp_path / "b").exists()
 
 
