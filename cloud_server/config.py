@@ -167,11 +167,13 @@ class ServerConfig:
         _positive("max_sessions", self.max_sessions)
         _positive("session_grace_s", self.session_grace_s)
         _positive("step_timeout_s", self.step_timeout_s)
-        for name in ("session_grace_s", "step_timeout_s"):  # sent in Welcome.limits as int32 milliseconds
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(f"drain_timeout_s must be >= 0 (got {self.drain_timeout_s!r})")
+        # sent as int32 milliseconds: in Welcome.limits, and the drain timeout in Drain.grace_ms (nan / inf /
+        # larger failed the drain itself: a SIGTERM then left the server draining forever)
+        for name in ("session_grace_s", "step_timeout_s", "drain_timeout_s"):
             if not getattr(self, name) <= MAX_POSITION / 1000:
                 raise ConfigError(f"{name} must be <= {MAX_POSITION // 1000} (got {getattr(self, name)!r})")
-        if self.drain_timeout_s < 0:
-            raise ConfigError(f"drain_timeout_s must be >= 0 (got {self.drain_timeout_s})")
         if self.keys_file is not None:
             self.keys_file = Path(self.keys_file)
             if self.api_key is not None:

@@ -83,6 +83,10 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B", "--device", "cpu", "--block-size", "100000"], {}, "block_size must be <= 65536"),
     (["B", "--device", "cpu", "--step-timeout-s", "inf"], {}, "step_timeout_s must be <= 2147483"),
     (["B", "--device", "cpu", "--session-grace-s", "1e9"], {}, "session_grace_s must be <= 2147483"),
+    # Drain.grace_ms: nan / inf were an exception in the SIGTERM drain, which never ended (the server hung)
+    (["B", "--device", "cpu", "--drain-timeout-s", "nan"], {}, "drain_timeout_s must be >= 0"),
+    (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_DRAIN_TIMEOUT_S": "inf"}, "drain_timeout_s must be <= 2147483"),
+    (["B", "--device", "cpu", "--drain-timeout-s", "3e6"], {}, "drain_timeout_s must be <= 2147483"),
 ])
 def test_bad_configuration_is_a_one_line_error(argv, env, message):
     if message is None:
