@@ -237,7 +237,7 @@ def _tiny_gguf(path, blocks_written: int = 2):
     # transformers filled the missing layer with random values, and split wrote the bundle
     (1, "its weights lack 9 of the model's tensors (e.g. model.layers.1."),
     # a vocabulary that turns the sample text into a few tokens: a ValueError traceback from the codec calibration
-    (2, "tokens; the codec calibration needs at least 1040"),
+    (2, "token(s); the codec calibration needs at least 1040"),
 ])
 def test_a_gguf_split_cannot_use_is_refused(blocks, match, tmp_path, capsys):
     source = _tiny_gguf(tmp_path / "m.gguf", blocks)
