@@ -65,6 +65,7 @@ CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE
 HELLO_TIMEOUT_S = 30.0  # a connection that sends no Hello within this is closed (bad_state)
 IDLE_FLOOR_S = 300.0  # a quiet session (a user reading) is closed after max(step timeout, this); it stays resumable
 OVERSIZE_SLACK = 1 << 20  # frames this far over max_frame_bytes are parsed and refused per request
+OUTBOX_PAUSE_BYTES = 4 << 20  # frames waiting for a peer that does not read them: its link is not read meanwhile
 DEFAULTS = P.SessionLimits()  # the protocol's documented defaults: the reference configuration must produce them
 
 
@@ -99,18 +100,40 @@ class Outbox(asyncio.Queue):
     """``Session.outq``: one connection's frames, in order. A frame goes out at once through ``send_now`` (the
     protocol's own write) when nothing waits before it; the others - no ``send_now``, the transport paused
     for writing, frames queued or being sent - wait for the connection's writer task (``writing``: it holds a
-    frame it has not finished sending). ``on_sent(nbytes)`` counts what went out at once."""
+    frame it has not finished sending). ``on_sent(nbytes)`` counts what went out at once.
+
+    ``room`` is clear while more than :data:`OUTBOX_PAUSE_BYTES` wait: the connection's read loop then reads nothing more
+    from the peer (a client that sends without reading what comes back would otherwise grow this queue with
+    every reply, without bound) until the writer has sent them, or the writer is gone (``close``)."""
 
     def __init__(self, send_now: Callable[[bytes], bool] | None, on_sent: Callable[[int], None]):
         super().__init__()
-        self._send_now, self._on_sent = send_now, on_sent
+        self._send_now, self._on_sent, self._pause_bytes = send_now, on_sent, OUTBOX_PAUSE_BYTES
         self.writing = False
+        self.waiting_bytes = 0
+        self.room = asyncio.Event()
+        self.room.set()
+        self._closed = False
 
     def put_nowait(self, frame: bytes) -> None:
         if self._send_now is not None and not self.writing and self.empty() and self._send_now(frame):
             self._on_sent(len(frame))
             return
         super().put_nowait(frame)
+        self.waiting_bytes += len(frame)
+        if self.waiting_bytes > self._pause_bytes and not self._closed:
+            self.room.clear()
+
+    def sent(self, nbytes: int) -> None:
+        """The writer sent a queued frame of ``nbytes``."""
+        self.waiting_bytes -= nbytes
+        if self.waiting_bytes <= self._pause_bytes:
+            self.room.set()
+
+    def close(self) -> None:
+        """The writer is gone (the link closed, or another took the session over): nothing waits for room."""
+        self._closed = True
+        self.room.set()
 
 
 def transport_max_frame_bytes(limits: P.SessionLimits) -> int:
@@ -249,6 +272,7 @@ class SplitEndpoint:
         if session.attached:  # after the await: a link that died silently, or a concurrent resume of the same
             # token that attached first - this reconnect takes the session over, so one link serves it
             old = session.ws
+            session.outq.close()  # its read loop may wait for room that its writer will never make
             asyncio.get_running_loop().create_task(self._close(old, CLOSE_NORMAL, "replaced by a new connection",
                                                                flush=False))
         session.generation += 1
@@ -311,14 +335,18 @@ class SplitEndpoint:
 
     async def _writer(self, ws: WebSocket, queue: Outbox) -> None:
         """The frames the socket did not take at once (a slow reader, or no ``send_now``), in order."""
-        while True:
-            frame = await queue.get()
-            queue.writing = True
-            try:
-                await ws.send_bytes(frame)
-            finally:
-                queue.writing = False
-            self.rt.metrics.on_downlink(len(frame))
+        try:
+            while True:
+                frame = await queue.get()
+                queue.writing = True
+                try:
+                    await ws.send_bytes(frame)
+                finally:
+                    queue.writing = False
+                queue.sent(len(frame))
+                self.rt.metrics.on_downlink(len(frame))
+        finally:
+            queue.close()
 
     def _detach(self, session: Session) -> None:
         session.outq, session.ws = None, None
@@ -347,12 +375,13 @@ class SplitEndpoint:
         deadline = IdleDeadline(max(1.0, self.limits.idle_timeout_ms / 1000),
                                 lambda: loop.create_task(self._close(ws, CLOSE_NORMAL, "idle", flush=False)))
         try:
-            await self._read_frames(ws, session, deadline)
+            await self._read_frames(ws, session, session.outq, deadline)
         finally:
             deadline.cancel()
 
-    async def _read_frames(self, ws: WebSocket, session: Session, deadline: IdleDeadline) -> None:
+    async def _read_frames(self, ws: WebSocket, session: Session, outbox: Outbox, deadline: IdleDeadline) -> None:
         while True:
+            await outbox.room.wait()  # a peer that does not read its replies is not read either
             try:
                 frame = await ws.receive()
             except WebSocketDisconnect:

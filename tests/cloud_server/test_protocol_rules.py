@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 import websockets
 from cloud_support import EdgeSim, edge_front, greedy_reference, serving
 
+from cloud_server import split_endpoint
 from cloud_server.config import EngineConfig, ServerConfig
 from cloud_server.split_endpoint import HELLO_TIMEOUT_S, OVERSIZE_SLACK, session_limits
 from shared import codecs as C
@@ -115,6 +118,7 @@ def test_welcome_sends_the_documented_defaults(server, tiny_bundle, front):
     assert documented["hello_timeout_ms"] == HELLO_TIMEOUT_S * 1000
     assert documented["step_timeout_ms"] == ServerConfig(bundle=tiny_bundle).step_timeout_s * 1000
     assert documented["oversize_slack_bytes"] == OVERSIZE_SLACK
+    assert documented["outbox_pause_bytes"] == split_endpoint.OUTBOX_PAUSE_BYTES
 
     async def main():
         edge = _edge(server, tiny_bundle, front)
@@ -264,6 +268,62 @@ def test_a_codec_not_negotiated_is_refused(server, tiny_bundle, front, honest_re
         await _error(edge, "codec_not_negotiated", "r")
 
     _abuse(server, tiny_bundle, front, honest_reference, abuse)
+
+
+def _raw_frame(payload: bytes) -> bytes:
+    """One masked (key 0) binary WebSocket frame of ``payload`` (< 64 KiB), as a client sends it."""
+    n = len(payload)
+    return bytes([0x82, 0x80 | n]) + bytes(4) + payload if n < 126 else \
+        bytes([0x82, 0xFE]) + n.to_bytes(2, "big") + bytes(4) + payload
+
+
+def test_a_client_that_does_not_read_its_replies_is_not_read_either(server, tiny_bundle, front, honest_reference,
+                                                                    monkeypatch):
+    """A client that sends frames which each get a reply (here Resume of an unknown request) and never reads
+    any: the server stops reading its link once OUTBOX_PAUSE_BYTES of replies wait, instead of queueing every
+    reply (it grew ~230 bytes per 69-byte frame, over 200 MB in 40 s; a Resume of a long answer ~4 KB per 5-byte
+    frame); an honest session streams meanwhile."""
+    pause = 32 << 10
+    monkeypatch.setattr(split_endpoint, "OUTBOX_PAUSE_BYTES", pause)
+    registry = server.app.state.split.registry
+    rid = "n" * 64
+    reply = len(P.encode_message(P.Error(code="resume_failed", message=f"request {rid} is not held here: replay it",
+                                         request_id=rid)))
+    burst = _raw_frame(P.encode_message(P.Resume(request_id=rid, have_tokens=0))) * 1000
+
+    def flood(bundle_id: str) -> int:
+        """A raw socket that never reads after the Welcome: the most reply bytes seen waiting."""
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET /v1/split HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+        sock.settimeout(10.0)
+        head = b""
+        while b"\r\n\r\n" not in head:  # the 101 first: a client sends no frame before it (RFC 6455, 4.1)
+            head += sock.recv(4096)
+        sock.sendall(_raw_frame(P.encode_message(P.Hello(bundle_id=bundle_id, codecs=["fp16"]))))
+        welcome = head[head.index(b"\r\n\r\n") + 4:]
+        while len(welcome) < 4 or len(welcome) < 4 + int.from_bytes(welcome[2:4], "big"):  # 126..64 KiB bytes
+            welcome += sock.recv(4096)
+        session = registry.by_id[P.decode_message(welcome[4:4 + int.from_bytes(welcome[2:4], "big")]).session_id]
+        sock.settimeout(1.0)
+        most = 0
+        try:
+            for _ in range(200):  # 200k frames at most; the server stops reading long before
+                sock.sendall(burst)
+                most = max(most, sum(map(len, list(session.outq._queue))))
+                if most > pause + reply:
+                    break
+        except TimeoutError:  # the server stopped reading
+            time.sleep(0.3)
+            most = max(most, sum(map(len, list(session.outq._queue))))
+        sock.close()
+        return most
+
+    async def abuse(edge):
+        return await asyncio.to_thread(flood, edge.bundle_id)
+
+    assert _abuse(server, tiny_bundle, front, honest_reference, abuse) <= pause + reply
 
 
 def test_more_open_requests_than_allowed_are_overloaded(server, tiny_bundle, front, honest_reference):
