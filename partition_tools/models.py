@@ -17,6 +17,7 @@ string recorded in the bundle manifest.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import struct
@@ -150,11 +151,7 @@ def _file_digest(path: Path, limit: int | None = None) -> str:
 def _load_gguf(path: Path, source: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        import accelerate  # noqa: F401  (transformers' GGUF loader needs it)
-        import gguf  # noqa: F401
-    except ImportError as e:
-        raise ModelLoadError(f"loading GGUF needs the 'gguf' and 'accelerate' packages ({e})") from None
+    _gguf_packages()
     d, name = str(path.parent), path.name
     try:
         model, info = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
@@ -170,8 +167,7 @@ def _load_gguf(path: Path, source: str) -> LoadedModel:
 def _load_dir(path: Path, source: str) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path}: not a checkpoint directory (no config.json)")
+    _checkpoint_dir(path)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
@@ -321,24 +317,50 @@ def _gguf_truncation(path: Path) -> str | None:
     return None
 
 
+def _gguf_packages() -> None:
+    """ModelLoadError unless the packages transformers' GGUF loader needs are installed (the partition extra)."""
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelLoadError(f"loading GGUF needs the 'gguf' and 'accelerate' packages (missing: "
+                             f"{', '.join(missing)}; pip install gguf accelerate)")
+
+
+def _check_gguf(path: Path) -> None:
+    """ModelLoadError when the GGUF file at ``path`` cannot load: not GGUF, cut short, or its packages missing."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (it does not start with the GGUF magic bytes)")
+    problem = _gguf_truncation(path)
+    if problem:
+        raise ModelLoadError(f"{path}: cannot load GGUF: {problem}")
+    _gguf_packages()
+
+
+def _checkpoint_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: not a checkpoint directory (no config.json)")
+
+
 def check_source(source: str) -> None:
-    """ModelLoadError, without loading anything, when ``source`` is no preset, checkpoint directory or .gguf file,
-    or a .gguf cut short (its header is read, see :func:`_gguf_truncation`) - the rule ``load_model`` applies; a
-    server checks it before it starts."""
+    """ModelLoadError, without loading anything, when ``source`` is no preset, checkpoint directory (with its
+    config.json) or .gguf file, a .gguf cut short (its header is read, see :func:`_gguf_truncation`), the smollm2
+    preset without its GGUF file, or a GGUF without the packages that load it - the rules ``load_model`` applies;
+    a server checks them before it starts."""
     path = Path(source)
-    if path.is_file() and path.suffix == ".gguf" and source not in PRESETS:
-        try:
-            with open(path, "rb") as f:
-                magic = f.read(4)
-        except OSError as e:
-            raise ModelLoadError(f"{source}: {e}") from None
-        if magic != b"GGUF":
-            raise ModelLoadError(f"{source}: not a GGUF file (it does not start with the GGUF magic bytes)")
-        problem = _gguf_truncation(path)
-        if problem:
-            raise ModelLoadError(f"{source}: cannot load GGUF: {problem}")
+    if source == "smollm2":  # the preset is a GGUF file found on this machine, or not
+        _check_gguf(smollm2_gguf_path())
         return
-    if source in PRESETS or path.is_dir():
+    if path.is_file() and path.suffix == ".gguf" and source not in PRESETS:
+        _check_gguf(path)
+        return
+    if source in PRESETS:
+        return
+    if path.is_dir():
+        _checkpoint_dir(path)
         return
     if path.exists():
         raise ModelLoadError(f"{source}: not a checkpoint directory or .gguf file")

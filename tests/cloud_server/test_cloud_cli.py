@@ -255,6 +255,41 @@ def test_a_truncated_gguf_for_full_is_refused_in_one_line_before_the_server_star
         assert len(err.strip().splitlines()) == 1, err
 
 
+def test_a_full_source_the_load_would_refuse_is_refused_in_one_line_before_the_server_starts(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """A directory without config.json, the smollm2 preset on a machine without its GGUF, and a GGUF without the
+    packages that load it (a `pip install .[cloud]` image) passed the start checks, then failed the runtime's
+    load inside uvicorn's lifespan: a ModelLoadError traceback, 'Application startup failed', exit 3."""
+    import importlib.util
+
+    import cloud_server.cli as cli
+    from partition_tools.models import ModelLoadError, smollm2_gguf_path
+
+    monkeypatch.setattr(cli, "serve", lambda *a, **k: pytest.fail("the server started"))
+
+    def refused(source: str, message: str) -> None:
+        assert main(["serve", "--full", source, "--device", "cpu", "--port", "1"]) == 2, source
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+    (tmp_path / "empty").mkdir()
+    refused(str(tmp_path / "empty"), "not a checkpoint directory (no config.json)")
+    monkeypatch.setenv("AUTOGLM_SMOLLM2_GGUF", str(tmp_path / "gone.gguf"))
+    monkeypatch.setattr("sysconfig.get_paths", lambda: {"purelib": str(tmp_path), "platlib": str(tmp_path)})
+    refused("smollm2", "needs the SmolLM2 GGUF file")
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "serve", lambda *a, **k: pytest.fail("the server started"))
+    try:
+        gguf = smollm2_gguf_path()
+    except ModelLoadError:
+        return
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate"
+                        else real_find_spec(name, *a))
+    for source in ("smollm2", str(gguf)):
+        refused(source, "loading GGUF needs the 'gguf' and 'accelerate' packages (missing: accelerate")
+
+
 @pytest.mark.parametrize("device,ok", [("cpu", True), ("cuda", True), ("cuda:0", True), ("cuda:1", False),
                                        ("cuda:x", False)])
 def test_the_device_check_counts_bare_cuda_as_device_0(monkeypatch, device, ok):
