@@ -79,8 +79,19 @@ def check_out_dir(out: Path) -> None:
         raise BundleError(f"--out {out}: a symbolic link (an updated edge bundle?); give its target or a new directory")
     if out.exists() and not out.is_dir():
         raise BundleError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / "manifest.json").is_file():
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
         raise BundleError(f"--out {out}: exists and is not a bundle; refusing to overwrite")
+    if (out / MANIFEST_NAME).is_file():  # an earlier bundle: replaced whole, so it must hold nothing else
+        try:
+            listed = set(json.loads((out / MANIFEST_NAME).read_text())["artifacts"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise BundleError(f"--out {out}: its {MANIFEST_NAME} does not list a bundle's files; refusing to "
+                              "overwrite") from None
+        files = (p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir())
+        foreign = sorted(rel for rel in files if rel != MANIFEST_NAME and rel not in listed)
+        if foreign:
+            raise BundleError(f"--out {out}: holds {len(foreign)} file(s) not of its bundle (e.g. {foreign[0]}); "
+                              "refusing to overwrite")
     parent = next((p for p in out.absolute().parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise BundleError(f"--out {out}: {parent} is not a directory")

@@ -42,6 +42,23 @@ def test_split_refuses_a_foreign_directory_before_loading(tmp_path, capsys, monk
     assert (tmp_path / "mine.txt").read_text() == "keep me"
 
 
+def test_split_keeps_files_that_are_not_the_earlier_bundles(tiny_glm4_bundle, tmp_path, capsys, monkeypatch):
+    """An earlier bundle at --out is replaced whole: a file kept beside its artifacts (notes, the source .gguf
+    itself) was deleted with it."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    (d / "edge" / "notes.txt").write_text("keep me")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(d)], capsys,
+                       "holds 1 file(s) not of its bundle (e.g. edge/notes.txt); refusing to overwrite")
+    (d / "manifest.json").write_text("{}")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(d)], capsys,
+                       "its manifest.json does not list a bundle's files")
+    assert (d / "edge" / "notes.txt").read_text() == "keep me"
+
+
 def test_bad_environment_twins_are_usage_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AUTOGLM_PARTITION_TAIL", "x")
     _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(tmp_path / "b")], capsys,
