@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -144,3 +145,18 @@ def test_the_real_edge_sends_its_preloaded_prompts_route_key_and_lands_where_it_
     assert all(len(v) == 1 for v in pinned.values()), pinned  # ...and each key stayed on one replica
     # the first phone per prompt misses; every later one finds its 32 system-prompt tokens cached
     assert h1 - h0 == (per_prompt - 1) * len(systems) * 32 and q1 > q0
+
+
+def test_the_public_router_passes_the_api_and_not_the_probes_or_metrics(replicas, nginx_bin, tmp_path):
+    """The router is the LoadBalancer Service; it proxied every path, so anyone outside could read /metrics (which
+    names tenants) and the probes that security.md says to keep internal. Only /v1/ goes through now."""
+    from deploy_support import http_get
+
+    with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router:
+        base = f"http://127.0.0.1:{router.port}"
+        assert http_get(base + "/v1/models")[0] == 200
+        assert http_get(base + "/v1/bundles")[0] == 200
+        for path in ("/metrics", "/ready", "/health", "/docs"):
+            code, body = http_get(base + path)
+            assert code == 404 and json.loads(body)["error"]["code"] == "not_found", (path, code, body[:200])
+        assert http_get(f"http://127.0.0.1:{replicas[0].port}/metrics")[0] == 200  # the pods still serve it
