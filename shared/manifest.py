@@ -150,8 +150,8 @@ class Manifest:
         if not path.is_file():
             raise BundleError(f"{path}: missing (not a bundle written by `autoglm-partition split`)")
         try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raw = json.loads(path.read_text(), parse_constant=_refuse_constant)
+        except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError, _refuse_constant
             raise BundleError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise BundleError(f"{path}: expected a JSON object")
@@ -257,6 +257,12 @@ def _check_artifact(rel, art: Artifact) -> None:
         raise BundleError(f"artifact {rel}: bytes {art.bytes!r}: expected a size >= 0")
     if art.role not in ARTIFACT_ROLES:
         raise BundleError(f"artifact {rel}: role {art.role!r}: expected one of {', '.join(ARTIFACT_ROLES)}")
+
+
+def _refuse_constant(name: str):
+    """NaN / Infinity / -Infinity: Python's json reads them, JSON has none - a manifest holding one (outside the
+    bundle id, e.g. in quant_report) loaded, and inspect --json printed a report no JSON parser reads."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def sha256_file(path: Path) -> str:

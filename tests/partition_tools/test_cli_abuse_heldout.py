@@ -90,6 +90,8 @@ def test_plan_bad_flags(flags, match, capsys):
     # outside the bundle id, so the edit loaded: verify's KeyError traceback (its thresholds), the edge's TypeError
     (lambda m: m.__setitem__("edge_quant", "int3"), "edge_quant 'int3': expected one of fp32, int8, int4"),
     (lambda m: m["quant_report"].__setitem__("prefill", "fp32"), "quant_report.prefill 'fp32'"),
+    # Python's json reads NaN, JSON has none: inspect --json printed a report no JSON parser reads
+    (lambda m: m["quant_report"].__setitem__("alpha", float("nan")), "not valid JSON (NaN is not a JSON value)"),
 ])
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_edited_manifest_is_one_line_naming_it(edit, match, command, tiny_glm4_bundle, tmp_path, capsys):
