@@ -100,6 +100,10 @@ class TenantUsage:
                 n = len(rec.tokens) if rec is not None else 0
                 trace_log.info("trace=%s session=%s tenant=%s finish=%s tokens=%d", msg.request_id,
                                session.session_id, lab[1], msg.finish_reason, n)
-        elif isinstance(msg, P.Error) and msg.request_id:
+        elif isinstance(msg, P.Error) and msg.request_id and (
+                msg.request_id in session.state.requests or msg.request_id in session.state.finished):
+            # a request that opened (or was refused on its first Prefill) ends; an id the session never
+            # opened (unknown_request, resume_failed of a stranger) has no trace: one line per such frame
+            # let a client write ~110 bytes of log for every 8-byte Resume
             trace_log.info("trace=%s session=%s tenant=%s error=%s", msg.request_id, session.session_id, lab[1],
                            msg.code)

@@ -344,6 +344,27 @@ def test_more_open_requests_than_allowed_are_overloaded(server, tiny_bundle, fro
     _abuse(server, tiny_bundle, front, honest_reference, abuse)
 
 
+def test_errors_for_ids_never_opened_write_no_trace_line(server, tiny_bundle, front, honest_reference, caplog):
+    """The trace log has a line when a request opens and one when it ends (cloud_server.usage); an Error about an
+    id the session never opened (Resume or DecodeStep of a stranger) wrote one too, ~110 bytes of log per 8-byte
+    frame, for as long as a client kept sending them."""
+    async def abuse(edge):
+        for i in range(50):
+            await edge.send(P.Resume(request_id=f"s{i}", have_tokens=0))
+            await _error(edge, "resume_failed", f"s{i}")
+        await edge.send(P.DecodeStep(request_id="d", position=0, hidden=_h(1)))
+        await _error(edge, "unknown_request", "d")
+        await edge.send(P.Prefill(request_id="w", start=0, hidden=_h(2, H + 1), last=True,
+                                  params=P.SamplingParams(max_tokens=4)))
+        await _error(edge, "bad_input", "w")
+
+    with caplog.at_level("INFO", logger="autoglm.cloud.trace"):
+        _abuse(server, tiny_bundle, front, honest_reference, abuse)
+    traced = {m.split()[0] for m in caplog.messages if m.startswith("trace=")}
+    assert "trace=w" in traced and "trace=honest" in traced
+    assert not {t for t in traced if t.startswith(("trace=s", "trace=d"))}
+
+
 def test_resume_of_an_unknown_request_or_of_tokens_never_sent(server, tiny_bundle, front, honest_reference):
     async def abuse(edge):
         await edge.send(P.Resume(request_id="nobody", have_tokens=0))
