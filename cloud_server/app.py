@@ -172,7 +172,10 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
             for rt in [*extra, *([runtime] if owns_runtime else [])]:
                 await loop.run_in_executor(None, rt.stop)
 
-    app = FastAPI(title="autoglm-split cloud server", lifespan=lifespan)
+    # no /docs, /redoc, /openapi.json: routes outside the API table (docs/cloud.md) are 404s, and the Swagger
+    # page would be one more open path beside the probes
+    app = FastAPI(title="autoglm-split cloud server", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.runtime = runtime
     app.state.auth = authn = Authenticator(cfg.keys_file, cfg.api_key)
     app.add_middleware(HttpConcurrencyLimit, limit=cfg.max_http_requests)

@@ -413,6 +413,9 @@ HTTP_CASES = {  # name -> (request, status, OpenAI error code, param)
     "logprobs true": (lambda s: _post(s, "/v1/chat/completions", {**CHAT, "logprobs": True}), 400,
                       "invalid_request_error", "logprobs"),
     "unknown route": (lambda s: httpx.get(s.url + "/v1/nope", timeout=10), 404, "not_found", None),
+    # FastAPI's own pages were served (Swagger UI, the route list), past auth and outside the documented routes
+    **{f"FastAPI's {p}": (lambda s, p=p: httpx.get(s.url + p, timeout=10), 404, "not_found", None)
+       for p in ("/docs", "/redoc", "/openapi.json")},
     "GET on a POST route": (lambda s: httpx.get(s.url + "/v1/completions", timeout=10), 405, "method_not_allowed",
                             None),
 }
