@@ -249,6 +249,8 @@ def decode_message(data: bytes, limits: Limits | None = None) -> Message:
         text = str(e)
         if "incomplete input" in text:
             raise ProtocolError(BAD_FRAME, "truncated frame") from None
+        if isinstance(e, msgpack.StackError):  # its text is empty
+            raise ProtocolError(BAD_FRAME, "nesting too deep") from None
         if "max_ext_len" in text:
             raise ProtocolError(BAD_FRAME, "msgpack ext types (timestamps included) are not used") from None
         if "max_map_len" in text and limits.max_map_len == 0:

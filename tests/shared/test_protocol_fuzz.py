@@ -121,6 +121,7 @@ def test_handcrafted_frames(frame, code):
             with pytest.raises(P.ProtocolError) as e:
                 P.decode_message(frame)
             assert e.value.code == code
+            assert e.value.message.strip() and not e.value.message.endswith(": ")  # says what is wrong
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
