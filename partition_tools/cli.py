@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("source", help="checkpoint directory, .gguf file or preset name")
     pl.add_argument("--link", default=_env("LINK", "4g"), help="link profile: wifi, 5g, 4g, 3g-poor (default 4g)")
     pl.add_argument("--edge-threads", type=int, default=_env("EDGE_THREADS", "2"), help="edge onnxruntime threads")
-    pl.add_argument("--bundle", default=_env("BUNDLE"), help="time this bundle's front instead of a probe export")
+    pl.add_argument("--bundle", default=_env("BUNDLE"), help="time this bundle's front instead of a probe export (a bundle of "
+                                                            "SOURCE: another model's is refused)")
     pl.add_argument("--cloud-results", default=_env("CLOUD_RESULTS"),
                     help="cloud costs from a cloud_gpu.json (default: measure torch on this CPU)")
     pl.add_argument("--cloud-threads", type=int, default=_env("CLOUD_THREADS", "1"), help="CPU cloud threads")

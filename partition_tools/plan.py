@@ -408,6 +408,13 @@ def measure_costs(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) 
     L = adapter.num_layers
     if cfg.candidates and max(cfg.candidates) >= L:
         raise PlanError(f"--candidates {max(cfg.candidates)}: the model has {L} layers (split layers 1 to {L - 1})")
+    if bundle is not None:  # its front's per-layer costs stand for this model's layers
+        from shared.manifest import Manifest, same_source
+
+        m = Manifest.load(bundle)
+        if not same_source(m.source_identity, lm.identity):
+            raise PlanError(f"--bundle {bundle}: split from another model ({m.source_identity}, not {lm.identity}); "
+                            "its front's timings are not this model's")
     contexts = sorted({cfg.chat.prompt_tokens + cfg.chat.output_tokens // 2,
                        cfg.agent.prompt_tokens + cfg.agent.output_tokens // 2})
     with tempfile.TemporaryDirectory() as tmp, _Pinned(cfg.edge_cores):

@@ -80,6 +80,15 @@ def test_plan_bad_flags(flags, match, capsys):
     _fails_in_one_line(["plan", "tiny-glm4", *flags], capsys, match)
 
 
+def test_plan_refuses_a_bundle_of_another_model(tiny_glm4_bundle, capsys, monkeypatch):
+    """--bundle split from another model: its front was timed as this model's layers, and the plan built on it."""
+    import partition_tools.plan as plan
+
+    monkeypatch.setattr(plan, "edge_layer_times", lambda *a, **k: pytest.fail("timed the other model's front"))
+    _fails_in_one_line(["plan", "tiny-glm4v", "--bundle", str(tiny_glm4_bundle)], capsys,
+                       "split from another model (preset:tiny-glm4@seed0, not preset:tiny-glm4v@seed0)")
+
+
 @pytest.mark.parametrize("edit, match", [
     (lambda m: m.__setitem__("artifacts", None), "artifacts: expected a JSON object"),
     (lambda m: m.__setitem__("split_layer", "2"), "split_layer '2': expected an integer"),
