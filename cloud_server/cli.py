@@ -176,7 +176,9 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         if cli_value is not None:
             return cli_value
         raw = env.get(ENV_PREFIX + name.upper())
-        if raw is not None and raw != "":
+        # an empty variable is unset, except the API key: an empty one (a Kubernetes secret made from an unset
+        # shell variable) served without any key, silently; ServerConfig refuses it
+        if raw is not None and (raw != "" or name == "api_key"):
             try:
                 return _bool(raw) if kind is bool else kind(raw)
             except ValueError as e:

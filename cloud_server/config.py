@@ -162,8 +162,8 @@ class ServerConfig:
             raise ConfigError("more_bundles: further bundles are served beside a BUNDLE (split mode)")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port")
-        if self.api_key is not None and not self.api_key:
-            self.api_key = None
+        if self.api_key is not None and not self.api_key:  # an unset secret, `--api-key "$KEY"` with KEY unset
+            raise ConfigError("api_key is empty: give the key, or leave the option unset to serve without one")
         _positive("max_sessions", self.max_sessions)
         _positive("session_grace_s", self.session_grace_s)
         _positive("step_timeout_s", self.step_timeout_s)
