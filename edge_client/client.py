@@ -188,8 +188,9 @@ class EdgeClient:
             raise ValueError("pass exactly one of prompt=, messages= or prompt_ids=")
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__} (token ids go in prompt_ids=)")
-        if messages is not None and not (isinstance(messages, list) and all(isinstance(m, dict) for m in messages)):
-            raise ValueError("messages must be a list of {\"role\": ..., \"content\": ...} dicts")
+        if messages is not None and not (isinstance(messages, list) and messages
+                                         and all(isinstance(m, dict) for m in messages)):
+            raise ValueError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} dicts")
         parts: list[MediaPart] = []
         if messages is not None:
             messages, parts = extract_parts(messages, self._placeholder)

@@ -102,7 +102,8 @@ def client(tiny_bundle):
     ({"prompt_ids": [10 ** 9]}, "out of range"),
     ({"prompt_ids": [-1]}, "out of range"),
     ({"prompt": b"hi"}, "prompt must be a string"),
-    ({"messages": "hello"}, "messages must be a list"),
+    ({"messages": "hello"}, "messages must be a non-empty list"),
+    ({"messages": []}, "messages must be a non-empty list"),  # rendered as the template's default system prompt
     ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
     ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
