@@ -139,6 +139,10 @@ def calibrate(adapter: ModelAdapter, ids: torch.Tensor, layer: int, k: int) -> d
     }
 
 
+def _has_vision_tower(lm: LoadedModel) -> bool:
+    return hasattr(getattr(lm.model, "model", None), "visual")
+
+
 def _export_vision(lm: LoadedModel, cfg: SplitConfig) -> dict:
     """GLM-4.1V: the vision tower as ``edge/vision.onnx`` (``partition_tools.export_vision``); returns the
     tower's quant report."""
@@ -157,6 +161,9 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     if cfg.tail and cfg.layer + cfg.tail >= L:
         raise BundleError(f"--tail {cfg.tail} with --layer {cfg.layer}: the cloud must keep at least one of the "
                           f"{L} layers (layer + tail < {L})")
+    if cfg.vision_quant not in (None, "none") and not _has_vision_tower(lm):
+        raise BundleError(f"--vision-quant {cfg.vision_quant}: {lm.source} has no vision tower (GLM-4.1V's); leave "
+                          "it out")
     started = time.perf_counter()
     cfg = replace(cfg, edge_quant=resolve_edge_quant(cfg.edge_quant, adapter, cfg.layer))
     check_out_dir(cfg.out)
@@ -224,7 +231,7 @@ def _write_bundle(lm: LoadedModel, cfg: SplitConfig, adapter: ModelAdapter, star
             quant_report = quantize_front(fp32, out / FRONT, cfg.edge_quant, **recipe,
                                           prefill="fp32" if cfg.fp32_prefill else None)
     quant_report["edge_graph"] = graph_kind
-    has_vision = hasattr(getattr(lm.model, "model", None), "visual") and cfg.vision_quant != "none"
+    has_vision = _has_vision_tower(lm) and cfg.vision_quant != "none"
     if has_vision or cfg.audio_encoder:  # encoder rows enter the front in place of token embeddings
         from .front_embeds import add_embeds_input_file
 

@@ -59,6 +59,13 @@ def test_split_keeps_files_that_are_not_the_earlier_bundles(tiny_glm4_bundle, tm
     assert (d / "edge" / "notes.txt").read_text() == "keep me"
 
 
+def test_split_vision_quant_for_a_model_without_a_vision_tower(tmp_path, capsys):
+    """--vision-quant int8/fp32 on a text-only model was ignored without a word (the bundle had no vision tower)."""
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--vision-quant", "fp32", "--out",
+                        str(tmp_path / "b")], capsys, "--vision-quant fp32: tiny-glm4 has no vision tower")
+    assert not (tmp_path / "b").exists()
+
+
 def test_bad_environment_twins_are_usage_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AUTOGLM_PARTITION_TAIL", "x")
     _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(tmp_path / "b")], capsys,
