@@ -479,6 +479,12 @@ class Generation(_GenerationBase):
     def __iter__(self) -> Generation:
         return self
 
+    def __enter__(self) -> Generation:  # ``with client.generate(...) as gen:`` closes it on the way out
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __next__(self) -> str:
         while not self._done:
             delta = self._consume(self._q.get())
@@ -516,6 +522,12 @@ class AsyncGeneration(_GenerationBase):
 
     def __aiter__(self) -> AsyncGeneration:
         return self
+
+    async def __aenter__(self) -> AsyncGeneration:  # ``async with client.agenerate(...) as gen:``
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
     async def __anext__(self) -> str:
         while not self._done:

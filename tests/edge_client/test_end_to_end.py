@@ -134,11 +134,24 @@ def test_an_abandoned_stream_is_cancelled_sync_or_async(tiny_bundle, tiny_cloud,
             break
         return gen._future
 
+    async def leave_async_with(c):
+        async with c.agenerate(prompt_ids=PROMPT, max_tokens=4000) as gen:
+            async for _ in gen:
+                break
+        assert gen.finish_reason == "cancelled"
+
     with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
         for future in (asyncio.run(leave_async(c)), leave_sync(c)):
             gc.collect()
             assert future.cancelled()
             assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == tiny_reference_tokens
+        # a stream still referenced is closed by its with block (OpenAI's streams take one too)
+        with c.generate(prompt_ids=PROMPT, max_tokens=4000) as kept:
+            for _ in kept:
+                break
+        assert kept.finish_reason == "cancelled"
+        asyncio.run(leave_async_with(c))
+        assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == tiny_reference_tokens
 
 
 def test_restart_cloud_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_tokens):
