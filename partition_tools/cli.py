@@ -148,23 +148,38 @@ def _cmd_split(args) -> int:
     return 0
 
 
+def _source(args) -> str:
+    """The model a bundle command reloads: --source, else the one the bundle's manifest names - which may have moved
+    since the split (then the error says so, and what to pass)."""
+    if args.source:
+        return args.source
+    from shared.manifest import Manifest
+
+    from .models import ModelLoadError, check_source
+
+    source = Manifest.load(args.bundle).source
+    try:
+        check_source(source)
+    except ModelLoadError as e:
+        raise UsageError(f"the model {args.bundle} was split from: {e}; give its path with --source") from None
+    return source
+
+
 def _text_needs_a_tokenizer(args) -> None:
     """``--text`` for a bundle whose source has no tokenizer (a random preset, calibrated and verified on random
     token ids): verify stopped with a ValueError traceback and the draft head ignored the file without a word."""
     if not args.text:
         return
-    from shared.manifest import Manifest
 
     from .models import has_tokenizer
 
-    source = args.source or Manifest.load(args.bundle).source
+    source = _source(args)
     if not has_tokenizer(source):
         raise UsageError(f"--text {args.text}: {source} has no tokenizer to read it with (without one, random "
                          "token ids are used); leave --text out")
 
 
 def _cmd_draft_head(args) -> int:
-    from shared.manifest import Manifest
 
     from .draft_head import DraftHeadConfig, add_draft_head
     from .models import load_model
@@ -181,7 +196,7 @@ def _cmd_draft_head(args) -> int:
     if args.quant == "int4":
         raise UsageError("--quant int4 is for --layers drafters (the lens head is int8 or fp32)")
     cfg = DraftHeadConfig(text=text, vocab=vocab, quant=args.quant)
-    lm = load_model(args.source or Manifest.load(args.bundle).source)
+    lm = load_model(_source(args))
     r = add_draft_head(lm, Path(args.bundle), cfg)
     print(f"draft head -> {args.bundle}: {r['vocab']} tokens, {r['quant']}, calibrated on {r['calibration_tokens']} "
           f"tokens; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on {r['held_out_tokens']} held-out")
@@ -189,12 +204,11 @@ def _cmd_draft_head(args) -> int:
 
 
 def _cloud_drafter(args, text: Path | None) -> int:
-    from shared.manifest import Manifest
 
     from .cloud_drafter import CloudDrafterConfig, add_cloud_drafter
     from .models import load_model
 
-    lm = load_model(args.source or Manifest.load(args.bundle).source)
+    lm = load_model(_source(args))
     r = add_cloud_drafter(lm, Path(args.bundle), CloudDrafterConfig(text=text))
     print(f"cloud drafter -> {args.bundle}: {r['file']} ({r['bytes'] / 1e6:.1f} MB, ridge lambda {r['ridge_lambda']}, "
           f"{r['positions']} calibration positions); top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on "
@@ -203,7 +217,6 @@ def _cloud_drafter(args, text: Path | None) -> int:
 
 
 def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
-    from shared.manifest import Manifest
 
     from .draft_layers import DraftLayersConfig, add_draft_layers
     from .models import load_model
@@ -216,7 +229,7 @@ def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
         except ValueError:
             raise UsageError(f"--layers {args.layers!r}: 'auto' or comma-separated layer numbers") from None
     cfg = DraftLayersConfig(layers=layers, budget=args.budget, text=text, vocab=vocab, quant=args.quant)
-    lm = load_model(args.source or Manifest.load(args.bundle).source)
+    lm = load_model(_source(args))
     r = add_draft_layers(lm, Path(args.bundle), cfg)
     print(f"draft layers -> {args.bundle}: layers {r['layers']} ({r['chosen_by']}) + norm + lm_head, {r['quant']}, "
           f"{r['vocab']} tokens, {r['bytes'] / 1e6:.1f} MB; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % "
@@ -236,7 +249,7 @@ def _cmd_verify(args) -> int:
     if args.max_tokens < 16:
         raise UsageError("--max-tokens must be at least 16")
     _text_needs_a_tokenizer(args)
-    r = verify_bundle(args.bundle, source=args.source, text=text, max_tokens=args.max_tokens)
+    r = verify_bundle(args.bundle, source=_source(args), text=text, max_tokens=args.max_tokens)
     if args.json:
         print(json.dumps(r, sort_keys=True))
     else:

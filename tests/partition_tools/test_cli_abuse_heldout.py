@@ -198,7 +198,7 @@ def test_a_checkpoint_lacking_tensors_is_refused(llama_dir, tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
-def test_the_manifest_names_a_relative_source_by_its_absolute_path(llama_dir, tmp_path, monkeypatch):
+def test_the_manifest_names_a_relative_source_by_its_absolute_path(llama_dir, tmp_path, monkeypatch, capsys):
     """A source given relative to the working directory was recorded as given, so verify and draft-head (which
     reload the manifest's source) run from any other folder failed: 'ckpt: no such preset, directory or file'."""
     from shared.manifest import Manifest
@@ -207,6 +207,11 @@ def test_the_manifest_names_a_relative_source_by_its_absolute_path(llama_dir, tm
     monkeypatch.chdir(tmp_path)
     assert main(["split", "ckpt", "--layer", "1", "--edge-quant", "fp32", "--out", "b"]) == 0
     assert Manifest.load(tmp_path / "b").source == str(tmp_path / "ckpt")
+    # moved since: the error says it is the model the bundle was split from, and what to pass
+    (tmp_path / "ckpt").rename(tmp_path / "moved")
+    for command in (["verify", "b"], ["draft-head", "b", "--cloud"]):
+        err = _fails_in_one_line(command, capsys, f"the model b was split from: {tmp_path / 'ckpt'}: no such preset")
+        assert err.endswith("; give its path with --source")
 
 
 @pytest.mark.parametrize("edit, match", [
