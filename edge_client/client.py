@@ -339,7 +339,10 @@ class EdgeClient:
         gen._media_stats(self.media.seconds - t0)
         gen.stats.exec_mode, gen.stats.exec_reason = decision.mode, decision.reason
         def sink(item):
-            return caller.call_soon_threadsafe(aq.put_nowait, item)
+            try:
+                caller.call_soon_threadsafe(aq.put_nowait, item)
+            except RuntimeError:  # the consumer's event loop is closed (its asyncio.run ended): no one reads this
+                pass
         self._submit(gen, self._execute(decision, spec, sink, gen.stats), sink)
         return gen
 

@@ -196,6 +196,12 @@ def test_closing_the_client_ends_its_unfinished_requests(tiny_bundle):
     t.join(10)
     loop.close()
     assert not t.is_alive() and outcome == ["closed"] * 2 and gen.finish_reason == "error"
+    # a stream whose consumer's event loop has closed (its asyncio.run ended) is dropped without a word
+    gone = asyncio.new_event_loop()
+    with EdgeClient(tiny_bundle, DEAD_URL) as c:
+        orphan = c.agenerate(prompt="hi", max_tokens=2, loop=gone)
+        gone.close()
+    assert not orphan._done  # close() ran past it: 'RuntimeError: Event loop is closed' raised out of it
 
 
 # -- bundles --------------------------------------------------------------------------------------------------
