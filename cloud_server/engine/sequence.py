@@ -193,6 +193,8 @@ class Sequence:
             head, self.pending[0] = chunk.split(k)
             return head, False
         self.pending.popleft()
+        if not self.pending:  # all it was sent is in a step: from here it waits for the edge (a long prompt's
+            self.waiting_since = time.monotonic()  # prefill is the engine's time, not an idle edge's)
         return chunk, chunk.last
 
     def start_running(self) -> None:

@@ -54,6 +54,24 @@ def test_inputs_then_output_then_finish():
     assert not seq.ready
 
 
+def test_a_long_prefill_is_not_idle_time(monkeypatch):
+    """The step timeout counts from when the engine took the last input, not from when it arrived: an 8,100-token
+    prompt whose chunked prefill took longer than the timeout on a CPU cloud was aborted 'no input for 120 s'
+    the moment its last chunk was scheduled."""
+    clock = [100.0]
+    monkeypatch.setattr("cloud_server.engine.sequence.time.monotonic", lambda: clock[0])
+    seq = _seq()
+    seq.admit(InputChunk(0, hidden=torch.zeros(8, 8), last=True), [], 4)
+    seq.start_running()
+    assert seq.waiting_since == 100.0  # the prompt arrived
+    clock[0] = 250.0
+    seq.take(4)  # the engine works through the prompt...
+    assert seq.waiting_since == 100.0  # (inputs still pending: never idle)
+    clock[0] = 400.0
+    _, sample = seq.take(4)  # ...and takes its last chunk 300 s after it arrived
+    assert sample and seq.waiting_since == 400.0
+
+
 def _fields() -> set[str]:
     seq = _seq()
     return set(vars(seq))
