@@ -21,8 +21,9 @@ class ConfigError(ValueError):
 
 
 def split_url(url: str) -> str:
-    """The split endpoint's WebSocket URL for ``url``: a server's base URL (``ws://host:port`` or ``.../v1``,
-    as an OpenAI client takes ``base_url``) gets ``/v1/split``; any other path is kept as given."""
+    """The split endpoint's WebSocket URL for ``url``: a server's base URL (``ws://host:port``, or a path ending in
+    ``/v1`` - ``wss://gw/autoglm/v1`` behind a proxy's prefix - as an OpenAI client takes ``base_url``) gets the
+    endpoint's path (``/v1/split``, ``/autoglm/v1/split``); any other path is kept as given."""
     try:
         parts = urlsplit(url)
         host, _ = parts.hostname, parts.port  # parsing the port raises ValueError when it is not one
@@ -32,8 +33,10 @@ def split_url(url: str) -> str:
         raise ConfigError(f"url {url!r}: expected ws:// or wss:// and a host (the server's base URL, or its "
                           f"{DEFAULT_SPLIT_PATH} endpoint)")
     path = parts.path.rstrip("/")
-    if path in ("", "/v1"):
+    if path == "":
         path = DEFAULT_SPLIT_PATH
+    elif path.endswith("/v1"):
+        path += DEFAULT_SPLIT_PATH.removeprefix("/v1")
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 

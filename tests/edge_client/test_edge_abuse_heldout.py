@@ -42,6 +42,13 @@ def test_base_url_forms_reach_the_split_endpoint(url):
     assert split_url(url) == "ws://h:8000/v1/split"
 
 
+@pytest.mark.parametrize("url", ["wss://gw/autoglm/v1", "wss://gw/autoglm/v1/", "wss://gw/autoglm/v1/split"])
+def test_a_base_url_behind_a_proxys_prefix_reaches_the_split_endpoint(url):
+    """OpenAI's base_url convention: a path ending in /v1 is the server's API root wherever a proxy mounts it
+    (it was kept as given, and the proxy answered no_split_endpoint)."""
+    assert split_url(url) == "wss://gw/autoglm/v1/split"
+
+
 def test_bad_config_values_are_refused_at_construction(tmp_path):
     a_file = tmp_path / "f"
     a_file.write_text("not a certificate")
