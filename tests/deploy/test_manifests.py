@@ -8,7 +8,9 @@ They are dev dependencies: a missing one fails these tests. No container is buil
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +132,22 @@ def live_metrics(replica_pool) -> str:
     [rep] = replica_pool.get(1)
     assert http_get(rep.http + "/health")[0] == 200  # the liveness path the Deployment probes
     return rep.metrics()
+
+
+def test_the_images_healthcheck_follows_the_port_it_is_given(live_metrics, replica_pool):
+    """The Dockerfile's HEALTHCHECK, run as Docker runs it: healthy on the port AUTOGLM_CLOUD_PORT names (it was
+    hard-wired to 8000: a container moved to another port or to TLS reported unhealthy), unhealthy on a dead one."""
+    cmd = json.loads(re.search(r"^HEALTHCHECK .*\n\s+CMD (\[.*\])$", (DEPLOY / "Dockerfile").read_text(), re.M).group(1))
+    [rep] = replica_pool.get(1)
+    port = rep.http.rsplit(":", 1)[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGLM_CLOUD_")}
+    ok = subprocess.run([sys.executable, *cmd[1:]], env={**env, "AUTOGLM_CLOUD_PORT": port}, capture_output=True)
+    assert ok.returncode == 0, ok.stderr.decode()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = str(s.getsockname()[1])
+    bad = subprocess.run([sys.executable, *cmd[1:]], env={**env, "AUTOGLM_CLOUD_PORT": dead}, capture_output=True)
+    assert bad.returncode != 0
 
 
 def test_dashboard_metric_names_exist_on_a_live_server(live_metrics):
