@@ -56,7 +56,7 @@ _KV_CACHE_DTYPE_HELP = ("KV pool storage: auto (the compute dtype), int8 or fp8 
                         "token and head: -48 %% bytes vs bf16), int8v (keys in the compute dtype, int8 values: -24 %%, "
                         "the 16-bit pool's quality); the fast path and the generic runner")
 _WORKERS_HELP = ("WebSocket front-end processes feeding the one engine process (split mode; 1: one process "
-                 "serves both)")
+                 "serves both; at most 256)")
 
 OPTIONS = (  # help without "(default ...)" gets the dataclass default appended (build_parser)
     Option("full", str, "server", "full-model mode: serve this model whole (preset, checkpoint dir or .gguf)"),

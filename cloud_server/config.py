@@ -16,6 +16,8 @@ from shared.messages import MAX_POSITION
 
 COMPUTE_VARIANTS = ("fp32", "bf16", "fp16", "int8")
 LOOPS = ("auto", "asyncio", "uvloop")  # uvicorn's --loop names
+MAX_WORKERS = 256  # front-end processes: each a Python process with its own socket (more bound sockets than the
+# open-file limit was a traceback); past the host's cores they only contend
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int8v")  # cloud_server.kv_quant.POOL_LAYOUTS: the same names (no torch here)
 
 
@@ -190,8 +192,8 @@ class ServerConfig:
             if self.max_prompt_tokens > self.engine.max_model_len:
                 raise ConfigError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be <= max_model_len "
                                   f"({self.engine.max_model_len}): a prompt also has to fit the context")
-        if self.workers < 1:
-            raise ConfigError(f"workers must be >= 1 (got {self.workers})")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"workers must be >= 1 and <= {MAX_WORKERS} (got {self.workers})")
         if self.loop not in LOOPS:
             raise ConfigError(f"loop must be one of {', '.join(LOOPS)} (got {self.loop!r})")
         if self.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:

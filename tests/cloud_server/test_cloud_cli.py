@@ -75,6 +75,7 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B", "--device", "cpu", "--max-model-len", "512", "--max-prompt-tokens", "513"], {}, "max_prompt_tokens"),
     (["B", "--device", "cpu", "--kv-cache-dtype", "int4"], {}, "kv_cache_dtype: unknown"),
     (["B", "--device", "cpu", "--workers", "0"], {}, "workers must be >= 1"),
+    (["B", "--device", "cpu", "--workers", "100000"], {}, "workers must be >= 1 and <= 256"),  # was EMFILE, a traceback
     (["--full", "tiny-glm4", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves split mode"),
     (["B", "C", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves one bundle"),
     (["B", "--device", "cpu", "--loop", "trio"], {}, "loop must be one of auto, asyncio, uvloop"),
