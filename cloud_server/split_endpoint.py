@@ -51,7 +51,7 @@ from cloud_server.precision_select import load_fraction, session_plan
 from cloud_server.session_store import Session, SessionRegistry
 from cloud_server.split_translate import SplitTranslator
 from cloud_server.usage import TenantUsage
-from cloud_server.ws_protocol import SEND_NOW
+from cloud_server.ws_protocol import ABORT, SEND_NOW
 from shared import protocol as P
 from shared.codecs import available_codecs, load_calibration
 from shared.prefix_keys import SHARED_SCOPE, tenant_scoped
@@ -66,6 +66,7 @@ HELLO_TIMEOUT_S = 30.0  # a connection that sends no Hello within this is closed
 IDLE_FLOOR_S = 300.0  # a quiet session (a user reading) is closed after max(step timeout, this); it stays resumable
 OVERSIZE_SLACK = 1 << 20  # frames this far over max_frame_bytes are parsed and refused per request
 OUTBOX_PAUSE_BYTES = 4 << 20  # frames waiting for a peer that does not read them: its link is not read meanwhile
+OUTBOX_STALL_S = 30.0  # ...and is dropped if they still wait after this (the session stays resumable)
 DEFAULTS = P.SessionLimits()  # the protocol's documented defaults: the reference configuration must produce them
 
 
@@ -94,6 +95,12 @@ def ws_send_now(ws) -> Callable[[bytes], bool] | None:
     """The connection's synchronous binary send (``cloud_server.ws_protocol``), or None (another server)."""
     extensions = getattr(ws, "scope", {}).get("extensions") or {}
     return extensions.get(SEND_NOW)
+
+
+def ws_abort(ws) -> Callable[[], None] | None:
+    """The connection's abort (``cloud_server.ws_protocol``: drop it without a close handshake), or None."""
+    extensions = getattr(ws, "scope", {}).get("extensions") or {}
+    return extensions.get(ABORT)
 
 
 class Outbox(asyncio.Queue):
@@ -381,7 +388,15 @@ class SplitEndpoint:
 
     async def _read_frames(self, ws: WebSocket, session: Session, outbox: Outbox, deadline: IdleDeadline) -> None:
         while True:
-            await outbox.room.wait()  # a peer that does not read its replies is not read either
+            if not outbox.room.is_set():  # a peer that does not read its replies is not read either
+                try:
+                    await asyncio.wait_for(outbox.room.wait(), OUTBOX_STALL_S)
+                except asyncio.TimeoutError:  # nor kept: its session's slot is free to resume elsewhere
+                    log.info("session %s: %d bytes unread for %.0f s, dropping the link", session.session_id,
+                             outbox.waiting_bytes, OUTBOX_STALL_S)
+                    if (abort := ws_abort(ws)) is not None:
+                        abort()
+                    await outbox.room.wait()  # the lost link ends the writer, which makes room
             try:
                 frame = await ws.receive()
             except WebSocketDisconnect:

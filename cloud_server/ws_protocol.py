@@ -8,6 +8,8 @@ event loop's thread lets the engine thread take the GIL (the loop then waits for
   the app takes it (two ``epoll_ctl`` calls per frame). :class:`SplitWSProtocol` stops only once
   :data:`PAUSE_AT` messages wait for the app, so a lockstep session never pauses while a streamed prompt
   (many frames back to back) still does: at most a couple of frames, plus what one read brought, are held;
+* **a peer that reads nothing**: :meth:`SplitWSProtocol.abort_link`, offered under :data:`ABORT`, drops the
+  connection at once (the parent's close handshake waits for a send buffer such a peer never drains);
 * **writing**: the app's ``send`` goes through Starlette's ``WebSocket.send``, the ASGI middleware wrappers and
   a writer task per connection. :meth:`SplitWSProtocol.send_bytes_now` writes one binary message at once, with
   the same checks the ASGI ``send`` makes; it is offered to the app in ``scope["extensions"]`` under
@@ -27,6 +29,7 @@ import logging
 log = logging.getLogger("autoglm.cloud")
 
 SEND_NOW = "autoglm.send_now"  # scope["extensions"] key: a callable bytes -> bool (written now, or not)
+ABORT = "autoglm.abort"  # scope["extensions"] key: drop the TCP connection now (no close handshake)
 PAUSE_AT = 2  # messages waiting for the app at which the socket stops being read
 
 try:
@@ -49,7 +52,8 @@ if WebSocketsSansIOProtocol is not None:
             super().handle_connect(event)
             scope = getattr(self, "scope", None)  # set by the parent unless the handshake was refused
             if scope is not None:
-                scope.setdefault("extensions", {})[SEND_NOW] = self.send_bytes_now
+                extensions = scope.setdefault("extensions", {})
+                extensions[SEND_NOW], extensions[ABORT] = self.send_bytes_now, self.abort_link
 
         def send_receive_event_to_app(self) -> None:
             if self.read_paused or self.queue.qsize() + 1 >= PAUSE_AT:
@@ -61,6 +65,13 @@ if WebSocketsSansIOProtocol is not None:
                 super().send_receive_event_to_app()
             finally:
                 self.read_paused = False
+
+        def abort_link(self) -> None:
+            """Drop the connection without a close handshake, which would wait behind what a peer that does not
+            read never takes (the parent's close does); ``connection_lost`` then wakes the app's pending send and
+            receive as for any lost link."""
+            if not self.disconnected:
+                self.transport.abort()
 
         def send_bytes_now(self, data: bytes) -> bool:
             """Write ``data`` as one binary message now; False if it must wait (or cannot go): use ``send``."""

@@ -119,6 +119,7 @@ def test_welcome_sends_the_documented_defaults(server, tiny_bundle, front):
     assert documented["step_timeout_ms"] == ServerConfig(bundle=tiny_bundle).step_timeout_s * 1000
     assert documented["oversize_slack_bytes"] == OVERSIZE_SLACK
     assert documented["outbox_pause_bytes"] == split_endpoint.OUTBOX_PAUSE_BYTES
+    assert documented["outbox_stall_s"] == split_endpoint.OUTBOX_STALL_S
 
     async def main():
         edge = _edge(server, tiny_bundle, front)
@@ -282,14 +283,22 @@ def test_a_client_that_does_not_read_its_replies_is_not_read_either(server, tiny
     """A client that sends frames which each get a reply (here Resume of an unknown request) and never reads
     any: the server stops reading its link once OUTBOX_PAUSE_BYTES of replies wait, instead of queueing every
     reply (it grew ~230 bytes per 69-byte frame, over 200 MB in 40 s; a Resume of a long answer ~4 KB per 5-byte
-    frame); an honest session streams meanwhile."""
+    frame); an honest session streams meanwhile. Still unread after OUTBOX_STALL_S, the link is dropped: the
+    session's slot was held for as long as the client's process lived (a close handshake waits behind the unread
+    bytes)."""
     pause = 32 << 10
     monkeypatch.setattr(split_endpoint, "OUTBOX_PAUSE_BYTES", pause)
+    monkeypatch.setattr(split_endpoint, "OUTBOX_STALL_S", 1.0)
+    dropped = []
     registry = server.app.state.split.registry
     rid = "n" * 64
     reply = len(P.encode_message(P.Error(code="resume_failed", message=f"request {rid} is not held here: replay it",
                                          request_id=rid)))
     burst = _raw_frame(P.encode_message(P.Resume(request_id=rid, have_tokens=0))) * 1000
+
+    def waiting(session) -> int:
+        outq = session.outq  # None once the link is dropped
+        return 0 if outq is None else sum(map(len, list(outq._queue)))
 
     def flood(bundle_id: str) -> int:
         """A raw socket that never reads after the Welcome: the most reply bytes seen waiting."""
@@ -311,12 +320,16 @@ def test_a_client_that_does_not_read_its_replies_is_not_read_either(server, tiny
         try:
             for _ in range(200):  # 200k frames at most; the server stops reading long before
                 sock.sendall(burst)
-                most = max(most, sum(map(len, list(session.outq._queue))))
+                most = max(most, waiting(session))
                 if most > pause + reply:
                     break
-        except TimeoutError:  # the server stopped reading
+        except (TimeoutError, ConnectionError):  # the server stopped reading (and may have dropped the link since)
             time.sleep(0.3)
-            most = max(most, sum(map(len, list(session.outq._queue))))
+            most = max(most, waiting(session))
+        end = time.monotonic() + 15
+        while session.attached and time.monotonic() < end:  # the socket stays open, unread
+            time.sleep(0.1)
+        dropped.append(not session.attached)
         sock.close()
         return most
 
@@ -324,6 +337,7 @@ def test_a_client_that_does_not_read_its_replies_is_not_read_either(server, tiny
         return await asyncio.to_thread(flood, edge.bundle_id)
 
     assert _abuse(server, tiny_bundle, front, honest_reference, abuse) <= pause + reply
+    assert dropped == [True]
 
 
 def test_more_open_requests_than_allowed_are_overloaded(server, tiny_bundle, front, honest_reference):
