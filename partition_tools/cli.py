@@ -170,7 +170,6 @@ def _text_needs_a_tokenizer(args) -> None:
     token ids): verify stopped with a ValueError traceback and the draft head ignored the file without a word."""
     if not args.text:
         return
-
     from .models import has_tokenizer
 
     source = _source(args)
@@ -180,7 +179,6 @@ def _text_needs_a_tokenizer(args) -> None:
 
 
 def _cmd_draft_head(args) -> int:
-
     from .draft_head import DraftHeadConfig, add_draft_head
     from .models import load_model
 
@@ -204,7 +202,6 @@ def _cmd_draft_head(args) -> int:
 
 
 def _cloud_drafter(args, text: Path | None) -> int:
-
     from .cloud_drafter import CloudDrafterConfig, add_cloud_drafter
     from .models import load_model
 
@@ -217,7 +214,6 @@ def _cloud_drafter(args, text: Path | None) -> int:
 
 
 def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
-
     from .draft_layers import DraftLayersConfig, add_draft_layers
     from .models import load_model
 

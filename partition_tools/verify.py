@@ -105,14 +105,14 @@ def ushape_greedy_check(bundle_dir: Path, model, ids: np.ndarray, n_new: int = 1
 def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str | None = None,
                   max_tokens: int = 1024) -> dict:
     """Run both checks; returns the report dict with a ``passed`` flag and the ``failures`` list."""
+    from edge_client.front import FrontRuntime
+
     from .evaluate import evaluate_split, fp16_round_trip
     from .models import load_model
 
     bundle_dir = Path(bundle_dir)
     manifest = Manifest.load(bundle_dir)
     manifest.verify_files(bundle_dir)
-    from edge_client.front import FrontRuntime
-
     positions = FrontRuntime(bundle_dir, verify=False, prefill_graph=None).max_positions
     if max_tokens > positions:  # the edge graph refused them with a FrontError traceback after the reference ran
         raise BundleError(f"--max-tokens {max_tokens}: the bundle's edge graph holds {positions} positions")

@@ -153,25 +153,35 @@ def test_a_stop_string_is_one_stop_not_its_characters(client):
     gen.close()
 
 
-def test_a_closed_client_refuses_requests_instead_of_hanging(tiny_bundle):
-    from edge_client import EdgeClient, EdgeClientError
+def _outcomes_on_a_thread(calls, timeout_s: float = 10.0) -> list[str]:
+    """Each call's outcome, run in order on another thread: "returned", or its EdgeClientError's code (a hang
+    fails the test after ``timeout_s``)."""
+    from edge_client import EdgeClientError
 
-    c = EdgeClient(tiny_bundle, DEAD_URL)
-    c.close()
     outcome = []
 
-    def use():
-        for call in (lambda: c.generate(prompt="hi"), c.connect, lambda: c.preload_prompts(tiny_bundle / "x.txt")):
+    def run():
+        for call in calls:
             try:
                 call()
                 outcome.append("returned")
             except EdgeClientError as e:
                 outcome.append(e.code)
 
-    t = threading.Thread(target=use, daemon=True)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(10)
-    assert not t.is_alive() and outcome == ["closed"] * 3
+    t.join(timeout_s)
+    assert not t.is_alive(), f"hung after {outcome}"
+    return outcome
+
+
+def test_a_closed_client_refuses_requests_instead_of_hanging(tiny_bundle):
+    from edge_client import EdgeClient
+
+    c = EdgeClient(tiny_bundle, DEAD_URL)
+    c.close()
+    calls = (lambda: c.generate(prompt="hi"), c.connect, lambda: c.preload_prompts(tiny_bundle / "x.txt"))
+    assert _outcomes_on_a_thread(calls) == ["closed"] * 3
 
 
 def test_closing_the_client_ends_its_unfinished_requests(tiny_bundle):
@@ -179,7 +189,7 @@ def test_closing_the_client_ends_its_unfinished_requests(tiny_bundle):
     thread mid-stream) waited forever: the client's loop stopped under the request. Now it fails as ``closed``."""
     import asyncio
 
-    from edge_client import EdgeClient, EdgeClientError
+    from edge_client import EdgeClient
 
     async def drain(agen):
         return [d async for d in agen]
@@ -188,21 +198,9 @@ def test_closing_the_client_ends_its_unfinished_requests(tiny_bundle):
     with EdgeClient(tiny_bundle, DEAD_URL) as c:  # its requests wait on connect retries: unfinished at close
         gen = c.generate(prompt="hi", max_tokens=2)
         agen = c.agenerate(prompt="hi", max_tokens=2, loop=loop)
-    outcome = []
-
-    def consume():
-        for run in (lambda: list(gen), lambda: loop.run_until_complete(drain(agen))):
-            try:
-                run()
-                outcome.append("returned")
-            except EdgeClientError as e:
-                outcome.append(e.code)
-
-    t = threading.Thread(target=consume, daemon=True)
-    t.start()
-    t.join(10)
+    outcome = _outcomes_on_a_thread((lambda: list(gen), lambda: loop.run_until_complete(drain(agen))))
     loop.close()
-    assert not t.is_alive() and outcome == ["closed"] * 2 and gen.finish_reason == "error"
+    assert outcome == ["closed"] * 2 and gen.finish_reason == "error"
     # a stream whose consumer's event loop has closed (its asyncio.run ended) is dropped without a word
     gone = asyncio.new_event_loop()
     with EdgeClient(tiny_bundle, DEAD_URL) as c:
