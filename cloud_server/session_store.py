@@ -36,6 +36,8 @@ class RequestRecord:
     tokens: list[int] = field(default_factory=list)
     plan_sent: bool = False  # the first Tokens carries the plan actually used
     last_input: float = field(default_factory=time.monotonic)  # when its latest input arrived (timings)
+    last_output: float = 0.0  # when its latest answer (Tokens, States, Error) went out
+    last_progress: float = 0.0  # when its latest progress Tokens went out (SplitTranslator.send_progress)
 
     @property
     def request_id(self) -> str:
@@ -44,6 +46,12 @@ class RequestRecord:
     @property
     def active(self) -> bool:
         return self.track.finish is None
+
+    def progress_due(self, now: float, interval_s: float) -> bool:
+        """It owes the edge an answer (input came after its last one) and the link has been quiet about it
+        for ``interval_s``."""
+        return self.active and self.last_input >= self.last_output and \
+            now - max(self.last_input, self.last_progress) >= interval_s
 
 
 class Session:

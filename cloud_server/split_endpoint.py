@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Callable
 
 from fastapi import WebSocket
@@ -67,6 +68,10 @@ IDLE_FLOOR_S = 300.0  # a quiet session (a user reading) is closed after max(ste
 OVERSIZE_SLACK = 1 << 20  # frames this far over max_frame_bytes are parsed and refused per request
 OUTBOX_PAUSE_BYTES = 4 << 20  # frames waiting for a peer that does not read them: its link is not read meanwhile
 OUTBOX_STALL_S = 30.0  # ...and is dropped if they still wait after this (the session stays resumable)
+# progress Tokens (docs/protocol.md, "Progress"): checked every tick, sent for a request quiet this long, so
+# no request waits longer than P.PROGRESS_INTERVAL_S for a sign of life
+PROGRESS_TICK_S = P.PROGRESS_INTERVAL_S / 3
+PROGRESS_QUIET_S = P.PROGRESS_INTERVAL_S - PROGRESS_TICK_S
 DEFAULTS = P.SessionLimits()  # the protocol's documented defaults: the reference configuration must produce them
 
 
@@ -163,6 +168,7 @@ class SplitEndpoint:
         self.translate = SplitTranslator(runtime, self.codecs, self.wire_limits, self._load)
         self.served_bundle_ids: list[str] = []  # every bundle this process serves (set by cloud_server.bundle_set)
         self.translate.on_engine_dead = self._engine_dead
+        self._progress: asyncio.TimerHandle | None = None  # the next progress check, while sessions are open
         if self.peers is not None:
             self.peers.on_reclaim = self._reclaimed
 
@@ -182,6 +188,7 @@ class SplitEndpoint:
         if session is None:
             return
         generation = session.generation
+        self._arm_progress()
         writer = asyncio.create_task(self._writer(ws, session.outq))
         try:
             await self._read_loop(ws, session)
@@ -354,6 +361,23 @@ class SplitEndpoint:
                 self.rt.metrics.on_downlink(len(frame))
         finally:
             queue.close()
+
+    def _arm_progress(self) -> None:
+        if self._progress is None:
+            self._progress = asyncio.get_running_loop().call_later(PROGRESS_TICK_S, self._send_progress)
+
+    def _send_progress(self) -> None:
+        """Progress Tokens for the requests that owe an answer and have been quiet (a long prefill, a queue); a
+        stopped engine sends none (its requests fail instead). Re-armed while any session is open."""
+        self._progress = None
+        if not self.registry.by_id:
+            return
+        if self.rt.engine is not None and self.rt.engine.alive:
+            now = time.monotonic()
+            for session in list(self.registry.by_id.values()):
+                if session.attached:
+                    self.translate.send_progress(session, now, PROGRESS_QUIET_S)
+        self._arm_progress()
 
     def _detach(self, session: Session) -> None:
         session.outq, session.ws = None, None

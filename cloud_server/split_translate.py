@@ -411,9 +411,18 @@ class SplitTranslator:
             if self._resuming and rec.engine_id in self._resuming:
                 self._resume_states(rec)  # a u-shape Resume waited for these States (or the request ended)
 
+    def send_progress(self, session: Session, now: float, interval_s: float) -> None:
+        """A progress Tokens (no token) for each request of ``session`` that has owed an answer for
+        ``interval_s``: a long prefill or a wait in the queue is compute, not a dead link, to the edge."""
+        for rec in session.active_requests():
+            if rec.progress_due(now, interval_s):
+                rec.last_progress = now
+                session.send(P.Tokens(request_id=rec.request_id, index=len(rec.tokens), token_ids=[]))
+
     def _output(self, session: Session, rec: RequestRecord, out: RequestOutput) -> None:
         if not rec.active:
             return  # the edge was already told (an error, a cancel, the session closed) and raced the engine
+        rec.last_output = time.monotonic()
         if out.error_code is not None and out.token_id is None:
             code = WIRE_CODES.get(out.error_code, "internal")
             session.send(P.Error(code=code, message=out.error_message or out.error_code, request_id=rec.request_id,

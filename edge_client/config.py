@@ -45,8 +45,9 @@ class RetryPolicy:
     # Opening the WebSocket (TCP + HTTP upgrade + Hello/Welcome). A phone on a bad link needs seconds,
     # but a dead server must not hang the app.
     connect_timeout_s: float = 10.0
-    # Longest wait for the server's next message while a request is in flight. It covers a long prefill on
-    # a loaded server (seconds), so it is generous; liveness is detected sooner by the keepalive below.
+    # Longest wait for the server's next message while a request is in flight. A server computing a long
+    # prefill or queueing the request sends a progress Tokens at least every 15 s (shared.protocol
+    # PROGRESS_INTERVAL_S), so this need only exceed that; liveness is detected sooner by the keepalive below.
     reply_timeout_s: float = 60.0
     # Reconnect attempts after the link drops mid-session before the request fails. Mobile links drop in
     # bursts (handover, tunnel): a handful of attempts over ~15 s rides those out.

@@ -28,6 +28,10 @@ from .tensors import EncodedTensor, WireArray
 PROTOCOL_VERSION = 1  # major version; bumped only for incompatible changes (docs/protocol.md, "Versioning")
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# while a request owes the client output (a long prefill, a queue) the server sends a progress Tokens - no token,
+# ``index`` = tokens sent so far - at least this often, so a client's reply timeout above it never mistakes
+# compute for a dead link (docs/protocol.md, "Progress")
+PROGRESS_INTERVAL_S = 15.0
 MAX_POSITION = (1 << 31) - 1
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_DRAFT_TOKENS = 32  # drafts per SpecStep the protocol allows at all (a server announces its own cap)
@@ -463,7 +467,9 @@ class States:
 
 @dataclass(slots=True, kw_only=True)
 class Tokens:
-    """S->C: generated tokens ``index, index + 1, ...`` of a request (index counts from 0)."""
+    """S->C: generated tokens ``index, index + 1, ...`` of a request (index counts from 0). With no
+    ``token_ids`` and no ``finish_reason`` it is a progress message: the request is still being computed
+    (:data:`PROGRESS_INTERVAL_S`)."""
 
     TYPE: ClassVar[int] = 5
     request_id: str

@@ -18,6 +18,7 @@ from .errors import PROTOCOL_ERROR_CODES, SESSION_ERROR_CODES, ProtocolError
 from .messages import (
     FINISH_REASONS,
     MESSAGE_TYPES,
+    PROGRESS_INTERVAL_S,
     PROTOCOL_VERSION,
     Cancel,
     ClientHints,
@@ -65,6 +66,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "FINISH_REASONS",
     "MESSAGE_TYPES",
+    "PROGRESS_INTERVAL_S",
     "PROTOCOL_ERROR_CODES",
     "PROTOCOL_VERSION",
     "SESSION_ERROR_CODES",
