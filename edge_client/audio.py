@@ -7,7 +7,7 @@ periodic-Hann frames every 10 ms (reflect-padded, centred), power spectrum, Slan
 ``log10`` floored at 1e-10, clipped to 8 below the maximum, ``(x + 4) / 4``; the clip is zero-padded to the
 encoder's window first, and only the rows that cover the clip become prompt tokens.
 
-Bad input (empty, silent, not 16 kHz, not a PCM WAV, longer than the window) raises ``MediaError``.
+Bad input (empty, silent, not finite, not 16 kHz, not a WAV of PCM or float samples, longer than the window) raises ``MediaError``.
 Only numpy and onnxruntime: this module runs on the phone.
 """
 
@@ -31,6 +31,8 @@ AUDIO = "edge/audio.onnx"
 AUDIO_CONFIG = "edge/audio.json"
 SILENCE_PEAK = 1e-4  # a clip whose samples all stay below this (of full scale) is silence
 MAX_AUDIO_BYTES = 16 << 20
+WAVE_PCM, WAVE_FLOAT, WAVE_EXTENSIBLE = 1, 3, 0xFFFE  # a WAV fmt chunk's format tags
+KSDATAFORMAT_TAIL = bytes.fromhex("000000001000800000aa00389b71")  # an extensible sub-format GUID after its tag
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,25 +123,51 @@ def log_mel(samples: np.ndarray, spec: AudioSpec) -> np.ndarray:
 # decoding
 
 
+def _sample_format(data: bytes) -> tuple[int, bytes]:
+    """A WAV's sample format (WAVE_PCM, WAVE_FLOAT or another tag; WAVE_FORMAT_EXTENSIBLE's sub-format read
+    through) and ``data`` with that fmt tag set to PCM where it is PCM or float, so that stdlib ``wave`` (PCM
+    only; Python 3.11 not even extensible PCM, which ffmpeg writes for 24-bit or multichannel audio) reads it."""
+    pos = 12
+    while data[:4] == b"RIFF" and data[8:12] == b"WAVE" and pos + 10 <= len(data):
+        cid, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
+        if cid == b"fmt ":
+            tag = int.from_bytes(data[pos + 8:pos + 10], "little")
+            sub = data[pos + 32:pos + 48]  # WAVEFORMATEXTENSIBLE's SubFormat GUID: its format tag, then a fixed tail
+            if tag == WAVE_EXTENSIBLE and size >= 40 and sub[2:] == KSDATAFORMAT_TAIL:
+                tag = int.from_bytes(sub[:2], "little")
+            if tag in (WAVE_PCM, WAVE_FLOAT):
+                data = data[:pos + 8] + WAVE_PCM.to_bytes(2, "little") + data[pos + 10:]
+            return tag, data
+        pos += 8 + size + (size & 1)
+    return WAVE_PCM, data  # no fmt chunk: wave says what is wrong
+
+
 def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarray, int]:
-    """A PCM WAV file (8-, 16-, 24- or 32-bit, any channels) -> (mono float32 samples in [-1, 1], sample rate)."""
+    """A WAV file of integer PCM (8-, 16-, 24- or 32-bit) or float samples (32- or 64-bit), any channels, plain
+    or WAVE_FORMAT_EXTENSIBLE -> (mono float32 samples, integers scaled to [-1, 1]; sample rate)."""
     if not data:
         raise MediaError("empty audio (0 bytes)", "bad_audio")
     if len(data) > max_bytes:
         raise MediaError(f"audio of {len(data)} bytes exceeds the {max_bytes}-byte limit", "audio_too_large")
+    tag, data = _sample_format(data)
+    if tag not in (WAVE_PCM, WAVE_FLOAT):
+        raise MediaError(f"WAV sample format {tag:#06x} (accepted: integer PCM, float)", "unsupported_format")
     try:
         with wave.open(io.BytesIO(data)) as w:
             rate, width, channels, n = w.getframerate(), w.getsampwidth(), w.getnchannels(), w.getnframes()
             raw = w.readframes(n)
-    except (wave.Error, EOFError) as e:
-        raise MediaError(f"not a PCM WAV file ({e})", "bad_audio") from None
-    if width not in (1, 2, 3, 4):
-        raise MediaError(f"unsupported WAV sample width {width * 8} bits", "unsupported_format")
+    except (wave.Error, EOFError, RuntimeError) as e:  # RuntimeError: wave's seek past a chunk the file lacks
+        raise MediaError(f"not a WAV file ({str(e) or 'cut short inside its chunks'})", "bad_audio") from None
+    if width not in ((4, 8) if tag == WAVE_FLOAT else (1, 2, 3, 4)):
+        raise MediaError(f"unsupported WAV sample width {width * 8} bits{' (float)' if tag == WAVE_FLOAT else ''}",
+                         "unsupported_format")
     if len(raw) < n * width * channels:  # the data chunk ends before the frames its header declares
         raise MediaError(f"truncated WAV: {len(raw) // (width * channels)} of the {n} frames its header declares",
                          "bad_audio")
     raw = raw[: n * width * channels]
-    if width == 1:  # unsigned 8-bit
+    if tag == WAVE_FLOAT:  # as stored: not clipped (check_audio refuses NaN and infinities)
+        x = np.frombuffer(raw, f"<f{width}").astype(np.float32)
+    elif width == 1:  # unsigned 8-bit
         x = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128) / 128
     else:  # signed little-endian; 24-bit samples become the top three bytes of an int32
         if width == 3:

@@ -231,9 +231,9 @@ class EdgeClient:
         ``messages`` (rendered by the bundle's chat template) or ``prompt_ids`` (token ids).
 
         Media: ``messages`` may hold OpenAI ``image_url`` / ``input_audio`` parts (and ``{"type": "image",
-        "image": bytes}``); ``images`` / ``audio`` (a list of bytes or URLs, or one) fill the image / audio
-        placeholder tokens of ``prompt`` / ``prompt_ids`` in order. They are encoded on the phone; only hidden
-        states leave it.
+        "image": bytes or a PIL image}``); ``images`` / ``audio`` (a list of bytes or URLs - images also PIL
+        images -, or one) fill the image / audio placeholder tokens of ``prompt`` / ``prompt_ids`` in order.
+        They are encoded on the phone; only hidden states leave it.
 
         ``temperature=0`` is greedy. ``precision`` overrides the server's choice of wire codec for this
         request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included).
@@ -395,10 +395,12 @@ def _stops(stop) -> list:
 
 
 def _sources(kind: str, given) -> list[MediaPart]:
-    """``images=`` / ``audio=``: a list of sources, or one source (bytes or a URL string) as itself - a string
-    is one source, not its characters (a data: URL read as 'd', 'a', ... was refused as local paths)."""
-    one = isinstance(given, (str, bytes, bytearray, memoryview))
-    return [MediaPart(kind, x) for x in ([given] if one else given or [])]
+    """``images=`` / ``audio=``: a list (or tuple) of sources, or one source as itself - a string is one source,
+    not its characters (a data: URL read as 'd', 'a', ... was refused as local paths), and so is anything else
+    (a PIL image; a numpy array is refused by name, not iterated or tested for truth)."""
+    if given is None:
+        return []
+    return [MediaPart(kind, x) for x in (given if isinstance(given, (list, tuple)) else [given])]
 
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:

@@ -32,7 +32,7 @@ import numpy as np
 from shared.prefix_keys import content_digests
 
 from .mrope import ImageSpan, rope_index, text_positions
-from .vision import MAX_IMAGE_BYTES, MediaError
+from .vision import MAX_IMAGE_BYTES, MediaError, is_pil_image
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +149,10 @@ def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> b
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
     elif not isinstance(src, str) or not src:
-        raise MediaError("a media source is bytes or a URL string", "bad_media")
+        what = "an image is bytes, a URL or path string or a PIL image" if kind == "image" else \
+            "an audio clip is bytes or a URL or path string"
+        raise MediaError(f"{what}, not {'an empty string' if isinstance(src, str) else type(src).__name__}",
+                         "bad_media")
     elif (scheme := _scheme(src)) == "data":  # RFC 2397; the media type is not checked: the bytes tell
         head, _, payload = src.partition(",")
         if ";base64" not in head.lower():
@@ -353,7 +356,7 @@ class MediaPart:
     """One media input of a request, in prompt order."""
 
     kind: str  # "image" | "audio"
-    source: bytes | str  # raw bytes or a URL / path (load_source)
+    source: object  # raw bytes or a URL / path (load_source); an image may be a PIL image (vision.open_image)
 
 
 def extract_parts(messages: list[dict], placeholder: Callable[[str], str]) -> tuple[list[dict], list[MediaPart]]:
@@ -449,7 +452,7 @@ class MediaEncoders:
         no tower run (a 38 KB 6300 x 6300 PNG used to take 36 s and 14 GB here before the cloud refused it)."""
         checked, grow = [], 0
         for i, p in enumerate(parts):
-            data = load_source(p.source, policy, p.kind)
+            data = p.source if p.kind == "image" and is_pil_image(p.source) else load_source(p.source, policy, p.kind)
             if p.kind == "image":
                 src, n = self.vision.check(data, policy.max_pixels)
             elif p.kind == "audio":

@@ -30,6 +30,7 @@ import io
 import json
 import math
 import struct
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,7 +43,9 @@ from .encoder_session import LazyEncoder, LazySession
 VISION = "edge/vision.onnx"
 VISION_CONFIG = "edge/vision.json"
 VISION_INPUTS = ("pixel_values", "rope_cos", "rope_sin", "pos_grid")
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")  # decoded by PIL on every platform we ship
+# decoded by PIL on every platform we ship; MPO is a JPEG with more pictures after the first (PIL names a phone's
+# JPEG so when its camera stores a depth map or preview there): the first is the photo
+IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "BMP", "GIF")
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image larger than this is refused before decoding
 MAX_INPUT_PIXELS = 40_000_000  # decoded width x height above this is refused (decompression bombs)
 ORIENTATION_TAG = 0x0112  # EXIF Orientation: 1 upright, 2-8 mirrored and/or rotated
@@ -155,26 +158,35 @@ def _pil_errors(max_pixels: int):
                          "bad_image") from None
 
 
-def open_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INPUT_PIXELS):
+def is_pil_image(x) -> bool:
+    """Whether ``x`` is a PIL image (an app's own, e.g. a screenshot it captured), without importing PIL."""
+    pil = sys.modules.get("PIL.Image")
+    return pil is not None and isinstance(x, pil.Image)
+
+
+def open_image(data, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INPUT_PIXELS):
     """Encoded bytes -> a PIL image whose header alone is read: format and size checked, nothing decoded yet
-    (:func:`load_image` decodes it). Its size tells the visual tokens before any pixel is decoded."""
+    (:func:`load_image` decodes it). Its size tells the visual tokens before any pixel is decoded. A PIL image
+    the app already holds is taken as it is (whatever format PIL read it from), its size checked."""
     from PIL import Image
 
-    if not data:
+    if is_pil_image(data):
+        img = data
+    elif not data:
         raise MediaError("empty image (0 bytes)", "bad_image")
-    if len(data) > max_bytes:
+    elif len(data) > max_bytes:
         raise MediaError(f"image of {len(data)} bytes exceeds the {max_bytes}-byte limit", "image_too_large")
-    with _pil_errors(max_pixels):
-        img = Image.open(io.BytesIO(data))
-        fmt = img.format
-        if fmt not in IMAGE_FORMATS:
-            raise MediaError(f"unsupported image format {fmt!r} (accepted: {', '.join(IMAGE_FORMATS)})",
-                             "unsupported_format")
-        w, h = img.size
-        if w * h == 0:
-            raise MediaError(f"zero-size image ({w}x{h})", "bad_image")
-        if w * h > max_pixels:
-            raise MediaError(f"image of {w}x{h} pixels exceeds the {max_pixels}-pixel limit", "image_too_large")
+    else:
+        with _pil_errors(max_pixels):
+            img = Image.open(io.BytesIO(data))
+            if img.format not in IMAGE_FORMATS:
+                raise MediaError(f"unsupported image format {img.format!r} (accepted: {', '.join(IMAGE_FORMATS)})",
+                                 "unsupported_format")
+    w, h = img.size
+    if w * h == 0:
+        raise MediaError(f"zero-size image ({w}x{h})", "bad_image")
+    if w * h > max_pixels:
+        raise MediaError(f"image of {w}x{h} pixels exceeds the {max_pixels}-pixel limit", "image_too_large")
     return img
 
 
@@ -309,12 +321,12 @@ class VisionEncoder(LazyEncoder):
         self.path = Path(graph) if graph is not None else self.bundle_dir / VISION
         self.graph = LazySession(self.path, threads, "a vision encoder")
 
-    def prepare(self, data: bytes, max_pixels: int | None = None) -> PreparedImage:
-        """Encoded image bytes -> :class:`PreparedImage` (:meth:`check`, then :meth:`prepared`)."""
+    def prepare(self, data, max_pixels: int | None = None) -> PreparedImage:
+        """Encoded image bytes (or a PIL image) -> :class:`PreparedImage` (:meth:`check`, then :meth:`prepared`)."""
         return self.prepared(self.check(data, max_pixels)[0], max_pixels)
 
-    def check(self, data: bytes, max_pixels: int | None = None) -> tuple[object, int]:
-        """Encoded image bytes -> (the :func:`open_image` result, its visual tokens at a pixel budget), from the
+    def check(self, data, max_pixels: int | None = None) -> tuple[object, int]:
+        """Encoded image bytes (or a PIL image) -> (the :func:`open_image` result, its visual tokens at a pixel budget), from the
         header alone: nothing decoded yet."""
         img = open_image(data)
         w, h = img.size  # an EXIF rotation swaps the sides, not the count

@@ -26,6 +26,7 @@ from PIL import Image
 from edge_client.audio import AudioEncoder, decode_wav
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
+from edge_client.errors import EdgeClientError
 from edge_client.local_api import create_app
 from edge_client.vision import VisionEncoder, decode_image
 
@@ -105,12 +106,17 @@ def _png_bomb(w: int, h: int, rows: int | None = None) -> bytes:
 
 
 def _riff(samples: bytes, rate: int = 16000, width: int = 2, channels: int = 1, frames: int | None = None,
-          tag: int = 1) -> bytes:
-    """A WAV file written by hand: any sample width, format tag (1 PCM, 3 float) and declared frame count."""
+          tag: int = 1, extensible: bool = False) -> bytes:
+    """A WAV file written by hand: any sample width, format tag (1 PCM, 3 float) and declared frame count;
+    ``extensible``: the tag as WAVE_FORMAT_EXTENSIBLE's sub-format (as ffmpeg writes 24-bit or multichannel)."""
     n = len(samples) // (width * channels) if frames is None else frames
-    fmt = struct.pack("<HHIIHH", tag, channels, rate, rate * width * channels, width * channels, width * 8)
-    return (b"RIFF" + struct.pack("<I", 36 + len(samples)) + b"WAVE" + b"fmt " + struct.pack("<I", 16) + fmt
-            + b"data" + struct.pack("<I", n * width * channels) + samples)
+    fmt = struct.pack("<HHIIHH", 0xFFFE if extensible else tag, channels, rate, rate * width * channels,
+                      width * channels, width * 8)
+    if extensible:  # cbSize, valid bits, channel mask, SubFormat GUID (the tag, then KSDATAFORMAT's fixed tail)
+        fmt += struct.pack("<HHIH", 22, width * 8, 4, tag) + bytes.fromhex("000000001000800000aa00389b71")
+    body = (b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", n * width * channels)
+            + samples)
+    return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
 @pytest.fixture
@@ -192,7 +198,9 @@ def test_exif_orientation_is_applied(served):
 def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
     """Already handled before this round, kept: a 1x1, CMYK JPEG, 16-bit gray and 16-bit RGBA PNG, palette with
     transparency, LA, 1-bit, animated GIF and WebP (the first frame), BMP: 200; truncated PNG / JPEG: bad_image;
-    TIFF: unsupported_format; an aspect ratio over 200:1: bad_image."""
+    TIFF: unsupported_format; an aspect ratio over 200:1: bad_image. Round 4: a JPEG with more pictures after
+    the photo (a phone camera's depth map or preview, which PIL names MPO) was unsupported_format 'MPO'; served
+    (the first picture)."""
     v, _, _, _ = served
     rng = np.random.default_rng(1)
     base = Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8))
@@ -208,6 +216,7 @@ def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
         "gif": _encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50),
         "webp": _encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=50),
         "bmp": _encoded(base, "BMP"),
+        "mpo": _encoded(base, "MPO", save_all=True, append_images=[frames[0]]),  # round 4: was unsupported_format
     }
     for name, data in good.items():
         assert _ok(_chat(v, _image(_data_url(data)), max_tokens=1))["usage"]["prompt_tokens_details"][
@@ -218,6 +227,38 @@ def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
                        (_encoded(Image.new("RGB", (201, 1))), "bad_image")):
         assert _code(_chat(v, _image(_data_url(data)))) == code
     _ok(_chat(v, NORMAL_IMAGE))
+
+
+def test_a_pil_image_is_an_image_and_other_objects_are_refused_by_name(served):
+    """Round 4, the Python API: a PIL image (an app's screenshot as it captured it) in an ``image`` part or as
+    ``images=`` was 'a media source is bytes or a URL string', and ``images=pil_image`` a TypeError "'Image'
+    object is not iterable"; it is encoded as the same picture's PNG bytes (the same answer, the same content
+    digest: the second hits the cache past the image), an image opened from a TIFF file included. A numpy array
+    as ``images=`` was a ValueError 'The truth value of an array ... is ambiguous'; any other object is refused
+    before traffic, bad_media naming its type."""
+    _, _, vc, _ = served
+    picture = Image.fromarray(np.random.default_rng(5).integers(0, 256, (60, 90, 3), dtype=np.uint8))
+
+    def ask(image, **kw):
+        return vc.complete(messages=[{"role": "user", "content": [{"type": "text", "text": "what is here?"},
+                                                                 {"type": "image", "image": image}]}],
+                           max_tokens=4, **kw)
+
+    as_bytes = ask(_encoded(picture))
+    as_pil = ask(picture)
+    assert as_pil.token_ids == as_bytes.token_ids and as_pil.stats.image_tokens == as_bytes.stats.image_tokens
+    assert as_pil.stats.cached_tokens > as_pil.stats.prompt_tokens - 16  # every full block but the last
+    from_tiff = Image.open(io.BytesIO(_encoded(picture, "TIFF")))  # not decoded yet: the client does
+    assert ask(from_tiff).token_ids == as_bytes.token_ids
+    prompt = "what is here? " + vc._placeholder("image")
+    assert vc.complete(prompt=prompt, images=picture, max_tokens=4).stats.image_tokens == as_bytes.stats.image_tokens
+    for bad, name in ((np.asarray(picture), "ndarray"), (7, "int"), ("", "an empty string")):
+        with pytest.raises(EdgeClientError) as e:
+            vc.complete(prompt=prompt, images=bad, max_tokens=4)
+        assert e.value.code == "bad_media" and f"not {name}" in str(e.value), e.value
+    with pytest.raises(EdgeClientError) as e:
+        ask(Image.new("1", (7000, 7000)))  # 49 Mpx
+    assert e.value.code == "image_too_large"
 
 
 def test_data_url_forms(served):
@@ -324,7 +365,8 @@ def test_the_fetch_deadline_covers_headers_and_redirects(served):
 
 def test_wav_variants(served):
     """8-, 16- (stereo), 24- (used to be refused) and 32-bit PCM, a missing ``format`` (wav), ``"WAV"`` (used to be
-    unsupported_format: the format is read in any case) and base64 with a trailing newline: served. Refused with a 400 each: 0 samples, float WAV (not PCM), a header declaring 2 hours
+    unsupported_format: the format is read in any case) and base64 with a trailing newline: served. Refused with a
+    400 each: 0 samples, a header declaring 2 hours
     over half a second of data (truncated), mp3 bytes labelled wav, 8 kHz and 192 kHz, longer than the encoder's
     window, a format other than wav."""
     _, a, _, _ = served
@@ -347,7 +389,6 @@ def test_wav_variants(served):
         assert _ok(_chat(a, part, max_tokens=1))["usage"]["prompt_tokens_details"]["audio_tokens"] == 13, name
     refused = [
         (_audio(_riff(b"")), "bad_audio"),
-        (_audio(_riff(x.astype("<f4").tobytes(), width=4, tag=3)), "bad_audio"),
         (_audio(_riff((x * 32767).astype("<i2").tobytes(), frames=16000 * 7200)), "bad_audio"),
         (_audio(b"ID3\x03\x00\x00\x00\x00\x00\x00\xff\xfb\x90\x64" + bytes(400)), "bad_audio"),
         (_audio(wav(tone(0.5, 8000), 8000)), "bad_sample_rate"),
@@ -357,6 +398,41 @@ def test_wav_variants(served):
     ]
     for part, code in refused:
         assert _code(_chat(a, part)) == code
+    _ok(_chat(a, NORMAL_AUDIO))
+
+
+def test_extensible_and_float_wavs_are_read_and_broken_headers_are_400s(served):
+    """Round 4. WAVE_FORMAT_EXTENSIBLE (what ffmpeg writes for 24-bit or multichannel audio) was refused as 'not a
+    PCM WAV file (unknown format: 65534)' - Python 3.11's wave reads plain PCM only - and a float WAV (what
+    scipy.io.wavfile writes from a float32 array) as bad_audio: both are read now, the same samples as 16-bit PCM
+    of the same clip (the same answer). A float WAV with a NaN: bad_audio 'not finite'; compressed samples (ADPCM):
+    unsupported_format. A fmt chunk whose size runs past the file was a 500 'internal error: RuntimeError' (wave's
+    seek past the end); bad_audio now, as is a header cut inside it ('()' was its whole reason)."""
+    _, a, _, _ = served
+    x = tone(0.5)
+    i16, i24 = np.round(x * 32767).astype("<i2"), np.round(x * (2 ** 23 - 1)).astype("<i4")
+    pcm24 = np.stack([i24 & 0xFF, (i24 >> 8) & 0xFF, (i24 >> 16) & 0xFF], axis=1).astype(np.uint8).tobytes()
+    stereo = np.repeat(x, 2).astype("<f4").tobytes()
+    reference, _ = decode_wav(wav(x))
+    for data in (_riff(pcm24, width=3, extensible=True), _riff(i16.tobytes(), extensible=True),
+                 _riff(x.astype("<f4").tobytes(), width=4, tag=3), _riff(x.astype("<f8").tobytes(), width=8, tag=3),
+                 _riff(stereo, width=4, tag=3, channels=2, extensible=True)):
+        samples, rate = decode_wav(data)
+        assert rate == 16000 and np.abs(samples - reference).max() < 1e-4
+    plain = _ok(_chat(a, _audio(wav(x)), max_tokens=4))["choices"][0]["message"]["content"]
+    for data in (_riff(pcm24, width=3, extensible=True), _riff(x.astype("<f4").tobytes(), width=4, tag=3)):
+        assert _ok(_chat(a, _audio(data), max_tokens=4))["choices"][0]["message"]["content"] == plain
+    nan = x.copy()
+    nan[100] = np.nan
+    header_past_end = bytearray(wav(x))
+    header_past_end[16:20] = struct.pack("<I", 0x6C0010)  # the fmt chunk's size
+    for data, code, says in ((_riff(nan.astype("<f4").tobytes(), width=4, tag=3), "bad_audio", "not finite"),
+                             (_riff(i16.tobytes(), tag=2), "unsupported_format", "0x0002"),
+                             (_riff(x.astype("<f2").tobytes(), tag=3), "unsupported_format", "16 bits (float)"),
+                             (bytes(header_past_end), "bad_audio", "cut short"),
+                             (wav(x)[:4], "bad_audio", "cut short")):
+        r = _chat(a, _audio(data))
+        assert _code(r) == code and says in r.json()["error"]["message"], r.text
     _ok(_chat(a, NORMAL_AUDIO))
 
 
