@@ -283,16 +283,21 @@ class EdgeClient:
         sizers = [sizer, self.session.cloud_sizer] if (not tail and self.config.cloud_drafts and w is not None
                                                        and w.server.cloud_drafts > 0) else [sizer]
         gain = max(s.expected_tokens(s.choose()) for s in sizers) if spec.speculate else 1.0
-        dep = Deployment(split=not tail, u_shape=tail, all_cloud=self.all_cloud is not None,
-                         edge_only=self.whole_model is not None, boundary_bytes_per_token=2.0 * self.runtime.hidden_size,
-                         split_tokens_per_round_trip=gain)
+        # the edge-only and all-cloud runners take token ids alone (generate(prompt_ids, max_tokens)): images and
+        # audio reach the model only as the front's rows, so a request with them runs split or u-shape (it used
+        # to run edge-only on the placeholder ids, the same answer for every screenshot)
+        media = spec.media is not None
+        dep = Deployment(split=not tail, u_shape=tail, all_cloud=self.all_cloud is not None and not media,
+                         edge_only=self.whole_model is not None and not media,
+                         boundary_bytes_per_token=2.0 * self.runtime.hidden_size, split_tokens_per_round_trip=gain)
         link = LinkState(connected=self.link_up, rtt_ms=sizer.round_s * 1000)
         shape = RequestShape(len(spec.prompt_ids), spec.max_tokens,
                              images=spec.media.count("image") if spec.media is not None else 0)
         try:
             decision = choose_mode(shape, privacy, link, dep, mode)
         except ExecModeError as e:
-            raise EdgeClientError(str(e), "exec_mode") from None
+            why = "; a request with images or audio runs split or u-shape only" if media else ""
+            raise EdgeClientError(f"{e}{why}", "exec_mode") from None
         if decision.drafts_from_outputs_only:
             spec.drafts_from_outputs_only = True
         if decision.secret_prefix_keys:

@@ -261,6 +261,34 @@ def test_a_pil_image_is_an_image_and_other_objects_are_refused_by_name(served):
     assert e.value.code == "image_too_large"
 
 
+def test_a_request_with_media_never_runs_where_its_rows_cannot_go(served):
+    """Round 4: the edge-only and all-cloud runners take token ids alone; a request with a screenshot was run
+    edge-only (privacy output-private, a mode override, a link down) on its placeholder ids - the same answer for
+    every screenshot, image_tokens reported. Now such a request is refused before traffic (exec_mode, saying why)
+    or, where split may run, runs split; text-only requests still run edge-only."""
+    _, _, vc, _ = served
+    calls = []
+
+    class Whole:  # the documented runner interface (rig.all_edge.WholeModelRunner's), recording its calls
+        def generate(self, prompt_ids, max_tokens):
+            calls.append(prompt_ids)
+            return type("Run", (), {"token_ids": [7] * max_tokens})()
+
+    picture = {"type": "image", "image": _encoded(Image.new("RGB", (64, 64), (9, 90, 200)))}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is here?"}, picture]}]
+    vc.whole_model, vc.all_cloud = Whole(), Whole()
+    try:
+        for kw in ({"privacy": "output-private"}, {"mode": "edge-only"}, {"mode": "all-cloud"}):
+            with pytest.raises(EdgeClientError) as e:
+                vc.complete(messages=messages, max_tokens=2, **kw)
+            assert e.value.code == "exec_mode" and "images or audio" in str(e.value), (kw, e.value)
+        assert vc.complete(messages=messages, max_tokens=2, privacy="private").stats.exec_mode == "split"
+        assert calls == []
+        assert vc.complete(prompt="hello", max_tokens=2, mode="edge-only").token_ids == [7, 7]
+    finally:
+        vc.whole_model = vc.all_cloud = None
+
+
 def test_data_url_forms(served):
     """A data: URL's base64 may carry ASCII whitespace (``base64``'s 76-column lines, a trailing newline) and its
     scheme and ``;base64`` any case, as RFC 2397 / the URL standard read them (all used to be refused); its media
