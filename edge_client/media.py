@@ -23,6 +23,7 @@ import re
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,8 +161,8 @@ def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> b
         data = b64decode(payload, "data URL")
     elif scheme in ("http", "https"):
         data = _fetch(src, policy, kind)
-    elif scheme == "file":
-        data = _local(src[len("file://"):], policy)
+    elif scheme == "file":  # a URL: its path percent-encoded (file:///sdcard/My%20shot.png)
+        data = _local(urllib.parse.unquote(src[len("file://"):]), policy)
     elif scheme is not None:
         raise MediaError(f"{src[:40]}: unsupported URL scheme (accepted: data:, http(s)://, file:// and paths)",
                          "bad_media")

@@ -289,6 +289,25 @@ def test_a_request_with_media_never_runs_where_its_rows_cannot_go(served):
         vc.whole_model = vc.all_cloud = None
 
 
+def test_a_file_url_is_percent_decoded(served, tmp_path):
+    """Round 4: a file:// URL's path is percent-encoded (what an Android app's Uri.toString() or pathlib's
+    as_uri() gives for 'Screenshot 1.png'); it was looked up as written, 'no such file in the media folder'. Its
+    encoded '../' is still refused as outside the folder."""
+    v, _, vc, _ = served
+    (tmp_path / "Screenshot 1 #2.png").write_bytes(_encoded(Image.new("RGB", (64, 64), (3, 60, 9))))
+    (tmp_path / "media").mkdir()
+    before = vc.media_policy
+    vc.media_policy = replace(before, local_dir=tmp_path)
+    try:
+        url = (tmp_path / "Screenshot 1 #2.png").as_uri()
+        assert "%20" in url
+        _ok(_chat(v, _image(url)))
+        vc.media_policy = replace(before, local_dir=tmp_path / "media")
+        assert _code(_chat(v, _image("file://%2E%2E/Screenshot%201%20%232.png"))) == "path_refused"
+    finally:
+        vc.media_policy = before
+
+
 def test_data_url_forms(served):
     """A data: URL's base64 may carry ASCII whitespace (``base64``'s 76-column lines, a trailing newline) and its
     scheme and ``;base64`` any case, as RFC 2397 / the URL standard read them (all used to be refused); its media
