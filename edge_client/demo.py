@@ -91,16 +91,23 @@ def wait_ready(proc: subprocess.Popen, ready_url: str, timeout: float, what: str
 
 
 def stop_gracefully(proc: subprocess.Popen | None, drain_s: float = 15.0) -> None:
-    """SIGINT (the server drains), then SIGTERM, then SIGKILL, each given its time to work."""
+    """SIGINT (the server drains), then SIGTERM, then SIGKILL, each given its time to work. A Ctrl-C (or a
+    SIGTERM turned into one) while it waits kills the server at once before it propagates: the server runs in
+    its own session, so an impatient second Ctrl-C left it running, orphaned."""
     if proc is None or proc.poll() is not None:
         return
-    for sig, wait in ((signal.SIGINT, drain_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            proc.send_signal(sig)
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    try:
+        for sig, wait in ((signal.SIGINT, drain_s), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            try:
+                proc.send_signal(sig)
+                proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+    except KeyboardInterrupt:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 class LocalCloud:

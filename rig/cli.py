@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from shared.cli_exit import run_command
@@ -76,6 +77,21 @@ def write_report(report: dict, out: Path, plots: bool = True) -> list[Path]:
     return files
 
 
+def keep_partial(out: Path, run: Callable[[], dict]) -> dict:
+    """``run()``; when Ctrl-C or SIGTERM interrupts it, write what finished to ``out/report.json`` (marked
+    ``"interrupted": true``, no plots) and say where, before the interrupt propagates (exit 130)."""
+    from .runner import RunInterrupted
+
+    try:
+        return run()
+    except RunInterrupted as e:
+        report = dict(e.report, interrupted=True)
+        path = write_report(report, out, plots=False)[0]
+        print(f"partial report (the {len(report['records'])} requests of the runs that finished): {path}; "
+              f"logs: {out / 'logs'}", file=sys.stderr)
+        raise
+
+
 def _cmd_run(args) -> int:
     from .report import format_table
     from .runner import Progress, run_scenario
@@ -83,7 +99,7 @@ def _cmd_run(args) -> int:
 
     sc = load_scenario(args.scenario)
     out = check_out_dir(Path(args.out or Path("rig-report") / sc.name))
-    report = run_scenario(sc, out, Progress())
+    report = keep_partial(out, lambda: run_scenario(sc, out, Progress()))
     report["command"] = f"autoglm-rig run {args.scenario}" + (f" --out {args.out}" if args.out else "")
     if sc.plan_check:
         from .plan_check import check_plan, format_check

@@ -33,7 +33,7 @@ def run_demo(profile: str = "4g", threads: int = 1, out: Path | None = None, reb
              stream=sys.stdout) -> dict:
     """Steps 1-4 of the module docstring; returns the report."""
     from .artifacts import ensure_bundle, ensure_whole, quiet_build_logs
-    from .cli import write_report
+    from .cli import keep_partial, write_report
     from .report import format_table
     from .runner import Progress, run_scenario
     from .workloads import CHAT_PROMPTS
@@ -62,8 +62,8 @@ def run_demo(profile: str = "4g", threads: int = 1, out: Path | None = None, reb
             stream.write("\n\n")
             stream.flush()
 
-    report = run_scenario(sc, out, Progress(before_output=end_answer), on_delta=on_delta, bundle=bundle,
-                          whole=whole)
+    report = keep_partial(out, lambda: run_scenario(sc, out, Progress(before_output=end_answer), on_delta=on_delta,
+                                                    bundle=bundle, whole=whole))
     report["command"] = "autoglm-rig demo" + (f" --profile {profile}" if profile != "4g" else "")
     files = write_report(report, out)
     print("\n" + format_table(report["summary"]), file=stream)

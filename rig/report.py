@@ -14,7 +14,8 @@ import numpy as np
 MODE_ORDER = ("split", "all-cloud", "all-edge")
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile_ms(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``values`` (seconds) in ms (numpy's linear interpolation), None for none."""
     return float(np.percentile(values, q)) * 1000.0 if values else None
 
 
@@ -34,8 +35,8 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append({
             "profile": profile, "workload": workload, "mode": mode, "requests": len(rs),
             "prompt_tokens": prompt, "completion_tokens": gen,
-            "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p95": _pct(ttft, 95), "ttft_ms_p99": _pct(ttft, 99),
-            "itl_ms_p50": _pct(itl, 50), "itl_ms_p95": _pct(itl, 95), "itl_ms_p99": _pct(itl, 99),
+            "ttft_ms_p50": percentile_ms(ttft, 50), "ttft_ms_p95": percentile_ms(ttft, 95), "ttft_ms_p99": percentile_ms(ttft, 99),
+            "itl_ms_p50": percentile_ms(itl, 50), "itl_ms_p95": percentile_ms(itl, 95), "itl_ms_p99": percentile_ms(itl, 99),
             "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in rs])),
             "total_s_mean": float(np.mean([r["total_s"] for r in rs])),
             "bytes_up_per_request": up / len(rs), "bytes_down_per_request": down / len(rs),

@@ -33,14 +33,23 @@ from collections.abc import Callable
 from shared.manifest import BundleError
 
 from .link import IDEAL, LinkEmulator
-from .report import summarize
+from .report import percentile_ms, summarize
 from .scenario import Scenario, ScenarioError
-from .servers import CloudProcess
+from .servers import CloudProcess, stop_all
 from .workloads import build
 
 
 class RigError(RuntimeError):
     """A phone or a server failed; the message says which and where its log is."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM mid-run, after every phone, link and server was stopped; ``report`` holds the runs that
+    finished (the CLI writes it, marked ``interrupted``)."""
+
+    def __init__(self, report: dict):
+        super().__init__()
+        self.report = report
 
 
 @dataclass(slots=True)
@@ -206,72 +215,81 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
     links_report: list[dict] = []
     state = {"stream": on_delta}
 
+    def report() -> dict:
+        return {
+            "scenario": sc.to_dict(), "created_unix": started, "wall_s": time.time() - started,
+            "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                        "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0))},
+            "bundle": str(bundle), "whole": str(whole) if whole else None,
+            "summary": summarize(records), "links": links_report, "records": records,
+        }
+
     def take_stream():
         cb, state["stream"] = state["stream"], None
         return cb
 
     def finished(tag: str, recs: list[dict]) -> None:
-        ttft = sorted(r["ttft_s"] for r in recs)
-        progress.line(f"[{tag}] {len(recs)} requests, TTFT p50 {1000 * ttft[len(ttft) // 2]:.0f} ms, "
+        ttft = percentile_ms([r["ttft_s"] for r in recs], 50)  # the summary's p50: the table shows the same
+        progress.line(f"[{tag}] {len(recs)} requests, TTFT p50 {ttft:.0f} ms, "
                       f"{sum(r['tokens_per_s'] for r in recs) / len(recs):.1f} tok/s")
 
-    # 1. over each link profile: fresh cloud servers (cold prefix caches, so no profile inherits another's);
-    # a plan check first calibrates the planner's software overhead on a loopback link
-    networked = [m for m in sc.modes if m != "all-edge"]
-    link_profiles = ([IDEAL] if sc.plan_check else []) + list(sc.profiles)
-    for prof in link_profiles if networked else []:
-        servers = {}
-        try:
-            progress.line(f"[{prof.name}] starting the cloud server(s): {', '.join(networked)}")
-            if "split" in networked:
-                servers["split"] = CloudProcess(bundle=bundle, cores=sc.cloud_cores, extra_args=sc.cloud_args,
-                                                log_path=log_dir / f"cloud-split-{prof.name}.log").launch()
-            if "all-cloud" in networked:
-                servers["all-cloud"] = CloudProcess(full=sc.model, cores=sc.cloud_cores, extra_args=sc.cloud_args,
-                                                    log_path=log_dir / f"cloud-full-{prof.name}.log").launch()
-            for srv in servers.values():
-                try:
-                    srv.wait_ready()
-                except RuntimeError as e:  # it exited or never got ready: its log says why
-                    raise RigError(f"[{prof.name}] {e}") from None
-            for workload in sc.workloads:
-                for mode in networked:
-                    tag = f"{prof.name}/{workload.kind}/{mode}"
-                    links = [LinkEmulator(servers[mode].port, prof, seed=sc.seed + 1000 * i,
-                                          disconnects=sc.disconnects) for i in range(sc.phones)]
-                    for link in links:
-                        link.start()
+    try:
+        # 1. over each link profile: fresh cloud servers (cold prefix caches, so no profile inherits another's);
+        # a plan check first calibrates the planner's software overhead on a loopback link
+        networked = [m for m in sc.modes if m != "all-edge"]
+        link_profiles = ([IDEAL] if sc.plan_check else []) + list(sc.profiles)
+        for prof in link_profiles if networked else []:
+            servers = {}
+            try:
+                progress.line(f"[{prof.name}] starting the cloud server(s): {', '.join(networked)}")
+                if "split" in networked:
+                    servers["split"] = CloudProcess(bundle=bundle, cores=sc.cloud_cores, extra_args=sc.cloud_args,
+                                                    log_path=log_dir / f"cloud-split-{prof.name}.log").launch()
+                if "all-cloud" in networked:
+                    servers["all-cloud"] = CloudProcess(full=sc.model, cores=sc.cloud_cores, extra_args=sc.cloud_args,
+                                                        log_path=log_dir / f"cloud-full-{prof.name}.log").launch()
+                for srv in servers.values():
                     try:
-                        targets = Targets(bundle, whole)
-                        recs = run_phones(sc, targets, mode, workload, [lk.port for lk in links], log_dir,
-                                          tag.replace("/", "-"), progress, take_stream())
-                    finally:
+                        srv.wait_ready()
+                    except RuntimeError as e:  # it exited or never got ready: its log says why
+                        raise RigError(f"[{prof.name}] {e}") from None
+                for workload in sc.workloads:
+                    for mode in networked:
+                        tag = f"{prof.name}/{workload.kind}/{mode}"
+                        links = [LinkEmulator(servers[mode].port, prof, seed=sc.seed + 1000 * i,
+                                              disconnects=sc.disconnects) for i in range(sc.phones)]
                         for link in links:
-                            link.stop()
-                    links_report.append({"profile": prof.name, "workload": workload.kind, "mode": mode,
-                                         "bytes_up": sum(lk.bytes_up for lk in links),
-                                         "bytes_down": sum(lk.bytes_down for lk in links),
-                                         "retransmitted_segments": sum(lk.retransmitted for lk in links),
-                                         "connections": sum(lk.connections for lk in links),
-                                         "cuts": sum(lk.cuts for lk in links)})
-                    records += [dict(r, profile=prof.name, workload=workload.kind) for r in recs]
-                    finished(tag, recs)
-        finally:
-            for srv in servers.values():
-                srv.stop()
-    # 2. all-edge: no network, so one run per workload; its rows repeat under every profile
-    if "all-edge" in sc.modes:
-        for workload in sc.workloads:
-            tag = f"no-link/{workload.kind}/all-edge"
-            recs = run_phones(sc, Targets(bundle, whole), "all-edge", workload, [None] * sc.phones, log_dir,
-                              tag.replace("/", "-"), progress, take_stream())
-            for p in link_profiles:
-                records += [dict(r, profile=p.name, workload=workload.kind) for r in recs]
-            finished(tag, recs)
-    return {
-        "scenario": sc.to_dict(), "created_unix": started, "wall_s": time.time() - started,
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "cpus": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0))},
-        "bundle": str(bundle), "whole": str(whole) if whole else None,
-        "summary": summarize(records), "links": links_report, "records": records,
-    }
+                            link.start()
+                        try:
+                            targets = Targets(bundle, whole)
+                            recs = run_phones(sc, targets, mode, workload, [lk.port for lk in links], log_dir,
+                                              tag.replace("/", "-"), progress, take_stream())
+                        finally:
+                            for link in links:
+                                link.stop()
+                        links_report.append({"profile": prof.name, "workload": workload.kind, "mode": mode,
+                                             "bytes_up": sum(lk.bytes_up for lk in links),
+                                             "bytes_down": sum(lk.bytes_down for lk in links),
+                                             "retransmitted_segments": sum(lk.retransmitted for lk in links),
+                                             "connections": sum(lk.connections for lk in links),
+                                             "cuts": sum(lk.cuts for lk in links)})
+                        records += [dict(r, profile=prof.name, workload=workload.kind) for r in recs]
+                        finished(tag, recs)
+            except KeyboardInterrupt:
+                progress.line("interrupted: stopping the cloud server(s) (they drain for up to 15 s; Ctrl-C again "
+                              "stops them at once)")
+                raise
+            finally:
+                stop_all(servers.values())
+        # 2. all-edge: no network, so one run per workload; its rows repeat under every profile
+        if "all-edge" in sc.modes:
+            for workload in sc.workloads:
+                tag = f"no-link/{workload.kind}/all-edge"
+                recs = run_phones(sc, Targets(bundle, whole), "all-edge", workload, [None] * sc.phones, log_dir,
+                                  tag.replace("/", "-"), progress, take_stream())
+                for p in link_profiles:
+                    records += [dict(r, profile=p.name, workload=workload.kind) for r in recs]
+                finished(tag, recs)
+    except KeyboardInterrupt:
+        raise RunInterrupted(report()) from None
+    return report()

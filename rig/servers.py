@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from edge_client.demo import free_port, stop_gracefully, wait_ready
@@ -78,3 +79,18 @@ class CloudProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_all(servers: Iterable[CloudProcess]) -> None:
+    """Stop each server in turn; a Ctrl-C during one's drain kills it and every one after it before it
+    propagates (they run in their own sessions: one left behind would serve on, orphaned)."""
+    servers = list(servers)
+    for i, srv in enumerate(servers):
+        try:
+            srv.stop()
+        except KeyboardInterrupt:
+            for rest in servers[i + 1:]:
+                if rest.proc is not None:
+                    rest.proc.kill()
+                    rest.proc.wait()
+            raise

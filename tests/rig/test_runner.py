@@ -41,6 +41,8 @@ def test_small_rig_run(tiny_glm4_fp32_bundle, tiny_whole, tmp_path, capsys):
     rows = {r["mode"]: r for r in report["summary"]}
     assert set(rows) == {"split", "all-edge"} and rows["split"]["requests"] == 4
     assert rows["split"]["ttft_ms_p50"] > rows["all-edge"]["ttft_ms_p50"]  # loopback compute vs a link
+    # the progress line's p50 is the table's (it took the upper middle of an even count)
+    assert f"[wifi/chat/split] 4 requests, TTFT p50 {rows['split']['ttft_ms_p50']:.0f} ms" in capsys.readouterr().err
     link = report["links"][0]
     assert link["connections"] == 2 and link["bytes_up"] >= sum(r["bytes_up"] for r in recs["split"])
     files = write_report(report, tmp_path / "out")
@@ -138,33 +140,45 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_stops_the_servers_and_phones_it_started(tiny_glm4_fp32_bundle, tmp_path):
     """SIGTERM (a CI cancel, `timeout`, systemd) cleans up as Ctrl-C does; it left the cloud server (its own
-    session) and the phones running."""
+    session) and the phones running. A second one during the server's drain (an impatient Ctrl-C) left the server
+    running, orphaned; and the interrupted run said only "interrupted", keeping nothing of what it had measured."""
     import signal
     import subprocess
     import sys
     import time
 
-    # long enough that SIGTERM lands mid-run (one 2-token request could finish before it, exit 0)
     path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle,
                           workloads=[{"kind": "chat", "requests": 500, "max_tokens": 64}])
-    rig = subprocess.Popen([sys.executable, "-m", "rig.cli", "run", path, "--out", str(tmp_path / "out"), "--no-plots"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    out = tmp_path / "out"
+    rig = subprocess.Popen([sys.executable, "-m", "rig.cli", "run", path, "--out", str(out), "--no-plots"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    kids: set[int] = set()
     try:
         deadline = time.monotonic() + 60
-        while not (kids := _children(rig.pid)) and time.monotonic() < deadline:
+        while not (out / "logs" / "phone-wifi-chat-split-0.log").exists() and time.monotonic() < deadline:
+            kids |= _children(rig.pid)
             time.sleep(0.1)
-        assert kids, "the rig started no server"
+        time.sleep(2.0)  # the phone connects and asks: the server has a request open, so its drain takes a while
+        kids |= _children(rig.pid)
+        assert len(kids) == 2, "the rig started no server and phone"
         rig.send_signal(signal.SIGTERM)
-        assert rig.wait(60) != 0
-        assert not [k for k in kids if _alive(k)], rig.stderr.read()
+        err = []
+        while not any("stopping the cloud server" in line for line in err):
+            err.append(rig.stderr.readline())
+            assert err[-1], err
+        rig.send_signal(signal.SIGTERM)  # the second one, during the drain
+        assert rig.wait(30) == 130
+        assert not [k for k in kids if _alive(k)]
+        err = "".join(err) + rig.stderr.read()
+        report = json.loads((out / "report.json").read_text())
+        assert report["interrupted"] is True and report["records"] == [], err
+        assert f"partial report (the 0 requests of the runs that finished): {out / 'report.json'}" in err
     finally:
         if rig.poll() is None:
             rig.kill()
         for k in kids:
             if _alive(k):
                 os.kill(k, signal.SIGKILL)
-
-
 
 
 def test_every_subcommand_and_option_has_help_text():
