@@ -26,6 +26,11 @@ it received. When the link drops it reconnects with backoff and presents its res
 
 Either way no token is lost or repeated (greedy output equals an undisturbed run's).
 
+Drain (the server is going away: a rolling update, a scale-down): requests open on it run to their end there; the
+next request goes to a new connection - the balancer's next replica, or the replacement on the same address -
+whether the ``Drain`` was read during an earlier request or was still unread when the server refused the new one
+(``Error(draining)``: the request is replayed there).
+
 The protocol's rules are the server's own: every message the edge sends first passes the shared state machine
 (``shared.session_state``, the one the cloud enforces) and every message it receives is recorded there, and
 prompt states are cut into Prefill messages by the shared chunking (``shared.chunking``), so a message the
@@ -52,7 +57,7 @@ from shared.manifest import Manifest
 from shared.openai_compat import StopMatcher
 from shared.precision import PrecisionError, PrecisionOverride, RequestFeatures, choose_precision, step_codec
 from shared.prefix_keys import KeyScope, block_keys
-from shared.session_state import SessionError, SessionState
+from shared.session_state import DRAINING, SessionError, SessionState
 from shared.tensors import WireArray
 
 from .activation_cache import ActivationCache
@@ -366,6 +371,8 @@ class Session:
         draft0 = self.head.seconds if self.head is not None else 0.0
         req: _Request | None = None
         try:
+            if self.state.phase == DRAINING:  # this server takes no new request (module docstring, Drain)
+                await self.link.close()
             await self._connect_with_retry(stats)
             limit, whose = self.prompt_room()
             if len(spec.prompt_ids) > limit:
@@ -565,6 +572,10 @@ class Session:
         except GarbageFromServer as e:
             raise EdgeClientError(str(e), "bad_server") from None
         if isinstance(msg, P.Error) and getattr(msg, "request_id", None) not in (None, req.rid):
+            return None
+        if isinstance(msg, P.Error) and msg.code == "draining":  # its Drain was unread when the request went up
+            await self.link.close()
+            await self._recover(req, stats, LinkDown(f"server draining: {msg.message}"))
             return None
         return msg
 

@@ -5,6 +5,7 @@ and the pool's accounting returning to zero."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -404,6 +405,55 @@ def test_sigterm_drains_open_requests_refuses_new_sessions_then_exits(tiny_bundl
         assert not srv.thread.is_alive()  # the server exited by itself once the request finished
     finally:
         _stop(srv)
+
+
+def test_a_drained_servers_edges_send_their_next_request_to_the_next_replica(server, tiny_bundle, loaded_front):
+    """A rolling update: the old replica drains (SIGTERM) and the balancer sends new connections to the next one.
+    An edge that read the Drain during its request, and one whose Drain was still unread (idle), each run their
+    next request on the next replica with the tokens the old one gave - they failed 'draining' before."""
+    import signal
+
+    from edge_client.client import EdgeClient
+    from edge_client.config import RetryPolicy
+    from rig.link import LinkEmulator
+
+    old = _serve(tiny_bundle, drain_timeout_s=30)
+    prompt = _prompts(1, seed=12)[0]
+    retry = RetryPolicy(connect_timeout_s=5, max_retries=10, backoff_initial_s=0.05, backoff_max_s=0.2)
+    held, release = threading.Event(), threading.Event()
+
+    async def hold():
+        holder = _edge(old, tiny_bundle, loaded_front)
+        await holder.connect()
+        await holder.prefill("h", loaded_front.fork(), prompt, P.SamplingParams(max_tokens=6))
+        await holder.recv()
+        held.set()
+        await asyncio.to_thread(release.wait, 30)
+        await holder.close()  # its request ends: the old replica's drain is over
+
+    holding = threading.Thread(target=asyncio.run, args=(hold(),), daemon=True)
+    try:
+        with LinkEmulator(old.port) as balancer, \
+                EdgeClient(tiny_bundle, f"ws://127.0.0.1:{balancer.port}", codec="fp16", retry=retry) as busy, \
+                EdgeClient(tiny_bundle, f"ws://127.0.0.1:{balancer.port}", codec="fp16", retry=retry) as idle:
+            want = idle.complete(prompt_ids=prompt, max_tokens=6).token_ids  # on the old replica
+            holding.start()  # a request left open keeps the old one draining until the end
+            assert held.wait(30)
+            gen = busy.generate(prompt_ids=prompt, max_tokens=6)
+            for n, _ in enumerate(gen.iter_tokens()):
+                if n == 0:
+                    old.server.handle_exit(signal.SIGTERM, None)  # what the signal handler does
+                    time.sleep(0.2)
+                    balancer.target = ("127.0.0.1", server.port)  # the old one left the Service
+            assert gen.token_ids == want  # the request open at the drain ran to its end on the old replica
+            got = {c: c.complete(prompt_ids=prompt, max_tokens=6) for c in (busy, idle)}
+        assert all(g.token_ids == want and g.finish_reason == "length" for g in got.values())
+        assert got[idle].stats.replays == 1  # refused 'draining' by the old replica, then sent to the next
+    finally:
+        release.set()
+        if holding.is_alive():
+            holding.join(10)
+        _stop(old)
 
 
 def test_a_reconnect_takes_over_a_session_whose_old_link_is_not_yet_seen_dead(server, tiny_bundle, tiny_lm,
