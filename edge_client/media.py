@@ -162,14 +162,14 @@ def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> b
     elif scheme in ("http", "https"):
         data = _fetch(src, policy, kind)
     elif scheme == "file":  # a URL: its path percent-encoded (file:///sdcard/My%20shot.png)
-        data = _local(urllib.parse.unquote(src[len("file://"):]), policy)
+        data = _local(urllib.parse.unquote(src[len("file://"):]), policy, kind)
     elif scheme is not None:
         raise MediaError(f"{src[:40]}: unsupported URL scheme (accepted: data:, http(s)://, file:// and paths)",
                          "bad_media")
     else:
-        data = _local(src, policy)
+        data = _local(src, policy, kind)
     if len(data) > policy.max_bytes:
-        raise MediaError(f"media of {len(data)} bytes exceeds the {policy.max_bytes}-byte limit", "image_too_large")
+        raise MediaError(f"{kind} of {len(data)} bytes exceeds the {policy.max_bytes}-byte limit", f"{kind}_too_large")
     return data
 
 
@@ -307,12 +307,12 @@ def _fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
             length = r.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > policy.max_bytes:
                 raise MediaError(f"{shown}: {length} bytes exceeds the {policy.max_bytes}-byte limit",
-                                 "image_too_large")
+                                 f"{kind}_too_large")
             buf = bytearray()
             while chunk := r.read1(min(FETCH_CHUNK, policy.max_bytes + 1 - len(buf))):  # one socket read each
                 buf += chunk
                 if len(buf) > policy.max_bytes:
-                    raise MediaError(f"{shown}: larger than the {policy.max_bytes}-byte limit", "image_too_large")
+                    raise MediaError(f"{shown}: larger than the {policy.max_bytes}-byte limit", f"{kind}_too_large")
                 if guard.left() <= 0:
                     raise TimeoutError
             if guard.expired:  # the deadline shut the socket: what ended the headers or the body was not the server
@@ -331,7 +331,7 @@ def _fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
     return bytes(buf)
 
 
-def _local(path: str, policy: MediaPolicy) -> bytes:
+def _local(path: str, policy: MediaPolicy, kind: str) -> bytes:
     if policy.local_dir is None:
         raise MediaError("local file paths are not accepted here (no allow-listed media folder)", "path_refused")
     shown = path[:200]
@@ -343,7 +343,7 @@ def _local(path: str, policy: MediaPolicy) -> bytes:
         if not p.is_file():
             raise MediaError(f"{shown}: no such file in the media folder", "bad_media")
         if p.stat().st_size > policy.max_bytes:
-            raise MediaError(f"{shown}: larger than the {policy.max_bytes}-byte limit", "image_too_large")
+            raise MediaError(f"{shown}: larger than the {policy.max_bytes}-byte limit", f"{kind}_too_large")
         return p.read_bytes()
     except MediaError:  # a ValueError: raised above, with its own code
         raise

@@ -483,6 +483,18 @@ def test_extensible_and_float_wavs_are_read_and_broken_headers_are_400s(served):
     _ok(_chat(a, NORMAL_AUDIO))
 
 
+def test_an_audio_source_over_the_limit_is_audio_too_large(served):
+    """Round 4: audio over ``MediaPolicy.max_bytes`` (a data: URL or a file given to ``audio=``) was refused as
+    image_too_large 'media of ... bytes'; audio_too_large now, as a WAV over 16 MB already was."""
+    _, _, _, ac = served
+    prompt = "what does it say? " + ac._placeholder("audio")
+    big = "data:audio/wav;base64," + base64.b64encode(bytes(ac.media_policy.max_bytes + 1)).decode()
+    for clip, says in ((big, "audio of"), (bytes(17 << 20), "audio of")):
+        with pytest.raises(EdgeClientError) as e:
+            ac.complete(prompt=prompt, audio=clip, max_tokens=2)
+        assert e.value.code == "audio_too_large" and says in str(e.value), e.value
+
+
 def test_too_many_clips_are_refused_before_any_is_encoded(served, no_tower, monkeypatch):
     """45 two-second clips (50 audio tokens each: 2250 > 2048 positions): context_full, no encoder run."""
     _, a, _, _ = served
