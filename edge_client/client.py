@@ -366,7 +366,8 @@ class EdgeClient:
         ``{"messages": [...]}``. ``.json``: a list of those. Strings become a system message rendered by the
         chat template (``as_system``), so their blocks match the start of real requests; set
         ``as_system=False`` to cache raw text. Only the front runs; the cloud learns the prefix from the
-        first request that uses it (its hidden states come from this cache, not the front layers)."""
+        first request that uses it (its hidden states come from this cache, not the front layers). Messages with
+        image / audio parts: the blocks before the first one are cached (no encoder runs)."""
         self._check_open()
         prompts = _read_prompts(Path(path))
         tokens = 0
@@ -377,9 +378,14 @@ class EdgeClient:
                                                               add_generation_prompt=False)
                 else:
                     text = p
-            else:
-                text = self.tokenizer.apply_chat_template(p, add_generation_prompt=False)
-            tokens += self._call(self.session.preload(self.tokenizer.encode(text)))
+                ids = self.tokenizer.encode(text)
+            else:  # image / audio parts as their placeholders, as a request renders them (they were repr()'d)
+                messages, parts = extract_parts(p, self._placeholder)
+                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+                if parts:  # no encoder runs here: the text before the first placeholder is what gets cached
+                    first = {self.media.placeholder_ids(part.kind)[0] for part in parts}
+                    ids = ids[:next((i for i, t in enumerate(ids) if t in first), len(ids))]
+            tokens += self._call(self.session.preload(ids))
         return tokens
 
 

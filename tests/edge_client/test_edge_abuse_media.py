@@ -308,6 +308,24 @@ def test_a_file_url_is_percent_decoded(served, tmp_path):
         vc.media_policy = before
 
 
+def test_preloading_messages_with_an_image_caches_the_text_before_it(served, tmp_path):
+    """Round 4: ``preload_prompts`` rendered a message's list of parts through the chat template as a Python
+    repr (the image's whole base64 as text): blocks no request ever matches. Its parts become placeholders now, as
+    in a request, and the text before the first image is cached: a request with that text and any screenshot
+    finds it in the cache."""
+    import json
+
+    _, _, vc, _ = served
+    system = {"role": "system", "content": "You operate a phone for the user, one action per screenshot. " * 3}
+    task = [{"type": "text", "text": "Open the settings. Screen:"}]
+    path = tmp_path / "agent.jsonl"
+    path.write_text(json.dumps({"messages": [system, {"role": "user", "content": [*task, NORMAL_IMAGE]}]}) + "\n")
+    cached = vc.preload_prompts(path)
+    shot = {"type": "image", "image": _encoded(Image.new("RGB", (64, 64), (250, 250, 5)))}
+    gen = vc.complete(messages=[system, {"role": "user", "content": [*task, shot]}], max_tokens=2)
+    assert gen.stats.cached_tokens == cached > 0
+
+
 def test_data_url_forms(served):
     """A data: URL's base64 may carry ASCII whitespace (``base64``'s 76-column lines, a trailing newline) and its
     scheme and ``;base64`` any case, as RFC 2397 / the URL standard read them (all used to be refused); its media
