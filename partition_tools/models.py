@@ -160,18 +160,27 @@ def _load_gguf(path: Path, source: str) -> LoadedModel:
     except Exception as e:  # noqa: BLE001 - transformers / gguf raise many kinds (ValueError, KeyError, OSError)
         raise ModelLoadError(f"{path}: cannot load GGUF: {type(e).__name__}: {e}".splitlines()[0]) from None
     _refuse_missing_tensors(path, info)
-    ident = f"gguf:{path.name}#{_file_digest(path, 1 << 24)[:16]}"
-    return LoadedModel(model.eval(), tokenizer, ident, source)
+    return LoadedModel(model.eval(), tokenizer, _gguf_identity(path), source)
+
+
+def _gguf_identity(path: Path) -> str:
+    return f"gguf:{path.name}#{_file_digest(path, 1 << 24)[:16]}"
+
+
+def _load_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise ModelLoadError(f"{path}/config.json: {type(e).__name__}: {e}".splitlines()[0]) from None
 
 
 def _load_dir(path: Path, source: str) -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _checkpoint_dir(path)
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
-        raise ModelLoadError(f"{path}/config.json: {type(e).__name__}: {e}".splitlines()[0]) from None
+    config = _load_config(path)
     from .adapters import adapter_for_config
 
     adapter_for_config(config)  # unsupported architecture -> clear error before loading weights
@@ -377,6 +386,17 @@ def has_tokenizer(source: str) -> bool:
     if source not in PRESETS and path.is_dir():
         return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
     return True
+
+
+def source_identity(source: str, seed: int = 0) -> str:
+    """``load_model(source, seed).identity`` without loading the weights (a GGUF's first 16 MiB, or a checkpoint's
+    config and ~64 KiB of each weight file, are read): what to compare (``shared.manifest.same_source``) with a
+    bundle's ``source_identity``. ModelLoadError as ``check_source``."""
+    check_source(source)
+    if source in ("tiny-glm4", "tiny-glm4v", "glm4v-9b-random"):
+        return f"preset:{source}@seed{seed}"
+    path = smollm2_gguf_path() if source == "smollm2" else Path(source)
+    return _gguf_identity(path) if path.is_file() else _dir_identity(path, _load_config(path))
 
 
 def load_model(source: str, seed: int = 0) -> LoadedModel:

@@ -35,8 +35,10 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append({
             "profile": profile, "workload": workload, "mode": mode, "requests": len(rs),
             "prompt_tokens": prompt, "completion_tokens": gen,
-            "ttft_ms_p50": percentile_ms(ttft, 50), "ttft_ms_p95": percentile_ms(ttft, 95), "ttft_ms_p99": percentile_ms(ttft, 99),
-            "itl_ms_p50": percentile_ms(itl, 50), "itl_ms_p95": percentile_ms(itl, 95), "itl_ms_p99": percentile_ms(itl, 99),
+            "ttft_ms_p50": percentile_ms(ttft, 50), "ttft_ms_p95": percentile_ms(ttft, 95),
+            "ttft_ms_p99": percentile_ms(ttft, 99),
+            "itl_ms_p50": percentile_ms(itl, 50), "itl_ms_p95": percentile_ms(itl, 95),
+            "itl_ms_p99": percentile_ms(itl, 99),
             "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in rs])),
             "total_s_mean": float(np.mean([r["total_s"] for r in rs])),
             "bytes_up_per_request": up / len(rs), "bytes_down_per_request": down / len(rs),

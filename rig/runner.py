@@ -177,17 +177,47 @@ def check_model(sc: Scenario) -> None:
     """ScenarioError, before anything is built or started, for a ``model`` the run cannot use: no preset,
     checkpoint directory or .gguf (it was a ModelLoadError traceback), or, with ``all-cloud``, a model without a
     tokenizer (the random presets: the full server refuses every text request, so the run failed only at its
-    first all-cloud phone)."""
-    from partition_tools.models import ModelLoadError, check_source, has_tokenizer
+    first all-cloud phone); then :func:`check_artifacts`."""
+    from partition_tools.models import ModelLoadError, has_tokenizer, source_identity
 
     try:
-        check_source(sc.model)
+        identity = source_identity(sc.model)
     except ModelLoadError as e:
         raise ScenarioError(f"model: {e}") from None
+    check_artifacts(sc, identity)
     if "all-cloud" in sc.modes and not has_tokenizer(sc.model):
         raise ScenarioError(f"modes: all-cloud needs a model with a tokenizer (the full server's OpenAI API takes "
                             f"text) and model {sc.model} has none: use smollm2 or a checkpoint with tokenizer "
                             f"files, or drop all-cloud")
+
+
+def check_artifacts(sc: Scenario, identity: str) -> None:
+    """ScenarioError when the scenario's own ``bundle`` or ``whole`` was built from another model than ``model``
+    (``identity``, its source identity), or the bundle is split at another layer than ``split_layer``: the run
+    measured one model's split against another's full server and all-edge export, and the report (and the plan
+    check's predictions) named ``model`` and ``split_layer``."""
+    from shared.manifest import Manifest, same_source
+    from shared.whole_model import WHOLE_META
+
+    if sc.bundle is not None:
+        try:
+            m = Manifest.load(sc.bundle)
+        except BundleError as e:
+            raise ScenarioError(f"bundle: {e}") from None
+        if not same_source(m.source_identity, identity):
+            raise ScenarioError(f"bundle {sc.bundle}: split from another model ({m.source_identity}), not model "
+                                f"{sc.model} ({identity})")
+        if m.split_layer != sc.split_layer:
+            raise ScenarioError(f"bundle {sc.bundle}: split at layer {m.split_layer}, not at split_layer "
+                                f"{sc.split_layer}: make them agree")
+    if sc.whole is not None and "all-edge" in sc.modes:
+        try:
+            whole_identity = json.loads((Path(sc.whole) / WHOLE_META).read_text()).get("source_identity")
+        except (OSError, ValueError, AttributeError) as e:
+            raise ScenarioError(f"whole {sc.whole}: no readable {WHOLE_META} ({e})") from None
+        if not isinstance(whole_identity, str) or not same_source(whole_identity, identity):
+            raise ScenarioError(f"whole {sc.whole}: exported from another model ({whole_identity}), not model "
+                                f"{sc.model} ({identity})")
 
 
 def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, on_delta=None,

@@ -9,7 +9,7 @@ import shutil
 from dataclasses import replace
 
 from edge_client import bundle_sync
-from partition_tools.models import load_model
+from partition_tools.models import load_model, source_identity
 from shared.manifest import Manifest, same_source
 
 
@@ -29,6 +29,8 @@ def _reseeded(src, dst, seed: int):
 
 def test_a_renamed_copy_is_the_same_model_and_other_weights_are_not(llama_dir, tmp_path):
     original = load_model(str(llama_dir)).identity
+    assert source_identity(str(llama_dir)) == original  # what the rig checks a scenario's bundle against, unloaded
+    assert source_identity("tiny-glm4") == load_model("tiny-glm4").identity
     moved = load_model(str(shutil.copytree(llama_dir, tmp_path / "renamed-elsewhere"))).identity
     assert original != moved and original.startswith("dir:") and "+" in original  # the folder's name shows
     assert same_source(original, moved) and same_source(moved, original)

@@ -74,8 +74,9 @@ def test_plan_check_calibrates_on_loopback_and_predicts(tiny_glm4_fp32_bundle, t
 
 
 def _scenario_file(tmp_path, bundle, **extra) -> str:
-    data = {"name": "bad", "model": "tiny-glm4", "bundle": str(bundle), "profiles": ["wifi"], "modes": ["split"],
-            "workloads": [{"kind": "chat", "requests": 1, "max_tokens": 2}], **extra}
+    data = {"name": "bad", "model": "tiny-glm4", "split_layer": 2, "bundle": bundle and str(bundle),
+            "profiles": ["wifi"], "modes": ["split"], "workloads": [{"kind": "chat", "requests": 1, "max_tokens": 2}],
+            **extra}
     path = tmp_path / "s.json"
     path.write_text(json.dumps(data))
     return str(path)
@@ -108,6 +109,27 @@ def test_a_model_the_run_cannot_use_is_exit_2_before_anything_starts(tmp_path, m
     err = capsys.readouterr().err
     assert err.startswith("autoglm-rig run: error: ") and len(err.strip().splitlines()) == 1
     assert re.search(match, err) and "starting" not in err
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"model": "tiny-glm4v"}, r"bundle .*: split from another model \(preset:tiny-glm4@seed0\), not model tiny-glm4v"),
+    ({"split_layer": 1}, r"bundle .*: split at layer 2, not at split_layer 1"),
+    ({"model": "tiny-glm4v", "modes": ["all-edge"]},
+     r"whole .*: exported from another model \(preset:tiny-glm4@seed0\), not model tiny-glm4v"),
+])
+def test_a_bundle_or_export_of_another_model_is_exit_2_before_anything_starts(
+        tiny_glm4_fp32_bundle, tiny_whole, tmp_path, monkeypatch, capsys, extra, match):
+    """The scenario's bundle and whole were used as they were: the run measured another model's split (or
+    another layer's) than the scenario, its report and the plan check named."""
+    from rig.cli import main
+
+    monkeypatch.setenv("AUTOGLM_CACHE", str(tmp_path / "cache"))
+    path = _scenario_file(tmp_path, None if "modes" in extra else tiny_glm4_fp32_bundle, whole=str(tiny_whole),
+                          **extra)
+    assert main(["run", path, "--out", str(tmp_path / "out"), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoglm-rig run: error: ") and len(err.strip().splitlines()) == 1
+    assert re.search(match, err) and "starting" not in err and not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("where", ["a file", "under a file"])
