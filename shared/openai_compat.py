@@ -268,16 +268,17 @@ def _flatten_content(content: Any, where: str, media: bool = False) -> str | lis
         for i, part in enumerate(content):
             if not isinstance(part, dict) or "type" not in part:
                 raise OpenAIRequestError(f"{where}.content[{i}]: expected an object with a 'type'", "messages")
-        if media and any(part["type"] in MEDIA_PARTS for part in content):
-            return list(content)
+        keep = media and any(part["type"] in MEDIA_PARTS for part in content)
         for i, part in enumerate(content):
+            if keep and part["type"] != "text":  # the backend checks its media parts
+                continue
             if part["type"] != "text":
                 raise OpenAIRequestError(f"{where}.content[{i}]: part type {part['type']!r} is not supported "
                                          "by this endpoint (text only)", "messages")
-            if not isinstance(part.get("text"), str):
+            if not isinstance(part.get("text"), str):  # beside an image too (it was rendered as 'None')
                 raise OpenAIRequestError(f"{where}.content[{i}].text: expected a string", "messages")
             texts.append(part["text"])
-        return "".join(texts)
+        return list(content) if keep else "".join(texts)
     raise OpenAIRequestError(f"{where}.content: expected a string or an array of parts", "messages")
 
 

@@ -53,6 +53,19 @@ def test_content_parts_are_flattened():
     assert r.messages == [{"role": "user", "content": "ab"}]
 
 
+@pytest.mark.parametrize("text", [None, 5, {"a": 1}])
+def test_a_text_part_beside_media_is_checked_as_one_alone(text):
+    """With media kept (the edge's local API), a text part that is not a string was passed on and rendered as
+    'None' / '5' beside an image, where alone it is a 400 naming it; a 400 in both now."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    for parts in ([{"type": "text", "text": text}], [{"type": "text", "text": text}, image]):
+        with pytest.raises(OpenAIRequestError, match=r"messages\[0\]\.content\[0\]\.text: expected a string"):
+            parse_chat_request({"model": "m", "messages": [{"role": "user", "content": parts}]}, media=True)
+    kept = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, image]}]}, media=True)
+    assert kept.messages[0]["content"] == [{"type": "text", "text": "a"}, image]
+
+
 @pytest.mark.parametrize("body, param", [
     ([], None),
     ({"model": "m", "messages": []}, "messages"),
