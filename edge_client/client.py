@@ -241,8 +241,8 @@ class EdgeClient:
         ``speculate``: drafts come from prompt lookup on the phone (the prompt, this answer, earlier answers) or
         from the server's own layers when it offers cloud drafts (whichever is expected to yield more tokens per
         second), else from the bundle's drafter if it has one (``edge_client.draft_head``); the cloud verifies
-        several per round trip (``edge_client.drafting``); greedy output is unchanged and sampled output keeps
-        the model's distribution.
+        several per round trip (``edge_client.drafting``); the output is plain decoding's, greedy or sampled with
+        the same ``seed``.
 
         ``privacy`` (``standard`` | ``private`` | ``output-private``) and ``mode`` (an override: ``split``,
         ``u-shape`` (a bundle split with ``--tail``), ``all-cloud``, ``edge-only``) pick where the request runs (``shared.exec_mode``); the choice and why are

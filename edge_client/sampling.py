@@ -5,7 +5,8 @@ The distribution is the cloud sampler's (``cloud_server.engine.sampler``): logit
 outside the top-k and the top-p mass removed, softmax; greedy is the argmax (lowest id on ties). A seeded
 request draws each token from a generator keyed by (seed, position), so a replay of the request from its
 context (after a reconnect) draws the same tokens; an unseeded one draws from fresh entropy. Speculative
-verification uses the shared rule (``shared.speculative_sampling``) through :class:`NumpyOps`.
+verification (``shared.speculative_sampling``) takes each row's token from :meth:`EdgeSampler.sample` at that
+row's position, so it emits plain sampling's tokens.
 """
 
 from __future__ import annotations
@@ -53,28 +54,5 @@ class EdgeSampler:
         """The token at ``position`` from its logits [V]."""
         if self.greedy:
             return int(np.argmax(logits))
-        return NumpyOps(self.generator(position)).sample(self.probs(logits), None)
-
-
-class NumpyOps:
-    """``shared.speculative_sampling.Ops`` over numpy rows."""
-
-    def __init__(self, rng: np.random.Generator):
-        self.rng = rng
-
-    def argmax(self, row: np.ndarray) -> int:
-        return int(np.argmax(row))
-
-    def prob(self, row: np.ndarray, token: int) -> float:
-        return float(row[token])
-
-    def uniform(self) -> float:
-        return float(self.rng.random())
-
-    def sample(self, row: np.ndarray, exclude: int | None) -> int:
-        p = np.asarray(row, np.float64)
-        if exclude is not None:
-            p = p.copy()
-            p[exclude] = 0.0
-        p = p / p.sum()
-        return int(self.rng.choice(p.size, p=p))
+        p = self.probs(logits)
+        return int(self.generator(position).choice(p.size, p=p))

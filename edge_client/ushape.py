@@ -12,8 +12,8 @@ link (docs/protocol.md, "U-shape")::
 Speculation (``speculate``): the phone drafts k tokens (``edge_client.drafting``), runs the last token and the
 drafts through the front as one chunk and sends one StatesStep of k + 1 rows (no draft id leaves the phone);
 the cloud's k + 1 middle states come back, the tail turns them into k + 1 logits rows and the phone verifies
-them with the shared rule (``shared.speculative_sampling``: greedy output equals plain decoding, sampled output
-keeps the model's distribution). The front and the tail truncate their KV past the first rejected draft; the
+them with the shared rule (``shared.speculative_sampling``: the tokens of plain decoding, greedy or sampled
+with the same seed). The front and the tail truncate their KV past the first rejected draft; the
 next StatesStep starts there, which rolls the cloud's KV back in the same message.
 
 Costs against split: the downlink carries a hidden row per position (prompt positions included) instead of a
@@ -40,7 +40,7 @@ from shared.speculative_sampling import accept_drafts
 from shared.tensors import WireArray
 
 from .errors import EdgeClientError
-from .sampling import EdgeSampler, NumpyOps
+from .sampling import EdgeSampler
 from .tail import TailRuntime
 
 
@@ -137,10 +137,10 @@ class UShape:
         k = len(step.drafts)
         logits = await _compute(self.tail.run, rows, k + 1)  # [k + 1, V]: row i after draft i
 
-        def row(i: int, _accepted: list[int]) -> np.ndarray:
-            return logits[i] if sampler.greedy else sampler.probs(logits[i])
+        def token(i: int, _accepted: list[int]) -> int:  # row i's token is at step.position + 1 + i
+            return sampler.sample(logits[i], step.position + 1 + i)
 
-        new = accept_drafts(step.drafts, row, NumpyOps(sampler.generator(step.position + 1)), sampler.greedy)
+        new = accept_drafts(step.drafts, token)
         req.spec_step = None
         keep = len(new)  # positions kept: the fed token and the accepted drafts (len(new) - 1 of them)
         s.runtime.truncate(step.position + keep)

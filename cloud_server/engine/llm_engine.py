@@ -19,9 +19,9 @@ row as a one-position *cloud draft* chunk, scheduled with everyone else's work; 
 draft d1, fed in turn for d2, up to the asked count (or a stop token). Then the draft positions are dropped
 (their KV came from approximate states; the edge's next input starts at the token's position again) and the
 held output goes out with ``draft_ids``: the edge runs the token and the drafts through its front as one
-chunk and sends them back as a speculative step, verified exactly as its own drafts are (greedy identical to
-plain decoding; sampling by the speculative-sampling rule). The drafts never touch the request's sampler,
-generator or penalty history.
+chunk and sends them back as a speculative step, verified exactly as its own drafts are (the tokens of plain
+decoding, greedy or seeded: ``cloud_server.engine.speculation``). The drafts never touch the request's sampling
+or penalty history.
 """
 
 from __future__ import annotations
@@ -118,6 +118,9 @@ class LLMEngine:
                                for v, r in runners.items()}
         self.scheduler = Scheduler(config, self.block_managers)
         self.sampler = Sampler(sampler_seed)
+        # speculative verdicts draw row by row (cloud_server.engine.speculation): a sampler of their own keeps the
+        # decode batches' plan cached in the one above
+        self.spec_sampler = Sampler(sampler_seed)
         self.metrics = metrics
         self.seqs: dict[str, Sequence] = {}
         self._in_flight: list[_Launched] = []  # launched by the last step(), postprocessed by the next
@@ -622,8 +625,8 @@ class LLMEngine:
         """A verified speculative step: emit the accepted drafts and the model's next token (cut at the first
         that stops the request), keep only their positions' KV (the rejected drafts' blocks go back to the
         pool), then stop or continue as after a plain token."""
-        gen = seq.generator or self.sampler.generator
-        tokens = [t.token_id for t in verify(rows, chunk.draft_ids, seq.params, gen, seq.output_ids)]
+        tokens = [t.token_id for t in verify(rows, chunk.draft_ids, seq.params, self.spec_sampler, chunk.start,
+                                             seq.output_ids)]
         reason = None
         for j, t in enumerate(tokens):  # the stop rules of _after_token, for the j-th emitted token
             p = seq.params

@@ -143,9 +143,6 @@ class Sequence:
         self.draft_goal = 0
         self.held_output = None  # LLMEngine's RequestOutput, delivered with the drafts
         self.draft_began = 0.0  # monotonic time the round's drafting began
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
         now = time.monotonic()
         self.arrival_time = now
         self.last_token_time: float | None = None  # metrics: TTFT while None, then inter-token latency

@@ -2,7 +2,7 @@
 link emulator.
 
 * greedy output with speculation equals plain split decoding (tiny GLM-4 and SmolLM2, fp32 edge, fp16 wire),
-  with fewer round trips than tokens;
+  with fewer round trips than tokens, and so does seeded sampled output;
 * a cut of the link while a SpecStep is in flight - the step lost on the way up, or its verdict lost on the
   way down - still gives the same tokens (resume, no replay);
 * a restart of the cloud while a SpecStep is in flight replays and still gives the same tokens;
@@ -55,6 +55,18 @@ def test_tiny_speculative_greedy_equals_plain(tiny_bundle, tiny_cloud, plain_tok
     assert st.draft_tokens > 0 and st.accepted_draft_tokens > 0
     assert st.decode_round_trips < len(gen.token_ids) - 1  # more than one token per round trip
     assert st.decode_round_trips + st.accepted_draft_tokens == len(gen.token_ids) - 1
+
+
+def test_seeded_sampled_speculation_emits_the_plain_runs_tokens(tiny_bundle, tiny_cloud):
+    """Each verified row's token is the sampler's draw at its position: a seeded speculative run (its drafts from
+    the plain run's answer, remembered) is the seeded plain run, token for token - it used to draw from a
+    generator of its own, so it differed, and a replay (which restarts that generator) differed from both."""
+    kw = dict(prompt_ids=PROMPT, max_tokens=N_NEW, temperature=0.7, seed=1234)
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, draft_k=K) as c:
+        plain = c.complete(**kw)
+        spec = c.complete(**kw, speculate=True)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.accepted_draft_tokens > 0 and spec.stats.decode_round_trips < N_NEW - 1
 
 
 def _cut_after_spec(client: EdgeClient, proxy: LinkEmulator, which: int, delay_s: float) -> list[int]:

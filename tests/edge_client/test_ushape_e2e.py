@@ -6,7 +6,7 @@ link emulator.
 * what comes down is hidden states, never a token: no Tokens message carries an id;
 * (link cuts: test_ushape_resume.py - resumed mid-decode, mid-prompt and mid speculative step, replayed after
   a server restart, each with the uncut run's tokens);
-* seeded sampling on the phone is reproducible.
+* seeded sampling on the phone is reproducible, with speculation too (the plain run's tokens).
 """
 
 from __future__ import annotations
@@ -70,10 +70,13 @@ def test_tiny_ushape_greedy_equals_unsplit(tiny_glm4_ushape_bundle, cloud, refer
 
 
 def test_seeded_sampling_on_the_phone_is_reproducible(tiny_glm4_ushape_bundle, cloud):
-    with EdgeClient(tiny_glm4_ushape_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
+    with EdgeClient(tiny_glm4_ushape_bundle, cloud.ws_url, codec="fp16", retry=RETRY, draft_k=3) as c:
         a, b, other = (c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, temperature=1.5, seed=seed)
                        for seed in (11, 11, 12))
+        # the phone verifies with each row's draw at its position: speculation (drafting a's answer) emits a's tokens
+        spec = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, temperature=1.5, seed=11, speculate=True)
     assert a.token_ids == b.token_ids and a.token_ids != other.token_ids
+    assert spec.token_ids == a.token_ids and spec.stats.accepted_draft_tokens > 0
 
 
 @pytest.mark.slow  # the default suite keeps its tiny-model twin

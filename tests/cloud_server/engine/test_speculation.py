@@ -1,5 +1,5 @@
 """Speculative steps in the engine: verification rules, greedy parity with plain decoding, KV rollback, and
-the sampling rule's distribution (chi-square against plain sampling)."""
+the sampling rule's distribution (chi-square against plain sampling; a seeded verdict is plain sampling's draw)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from cloud_support import boundary, edge_front, greedy_reference
 
 from cloud_server.config import EngineConfig
 from cloud_server.engine.llm_engine import LLMEngine
-from cloud_server.engine.sampler import _filtered
+from cloud_server.engine.sampler import Sampler, _filtered
 from cloud_server.engine.sampling_params import SamplingParams
 from cloud_server.engine.sequence import InputChunk
 from cloud_server.engine.speculation import verify
@@ -28,11 +28,11 @@ def test_greedy_verify_accepts_the_longest_matching_prefix():
     for i, best in enumerate([3, 7, 1, 9]):
         logits[i, best] = 5.0
     greedy = SamplingParams(temperature=0.0)
-    assert [t.token_id for t in verify(logits, [3, 7, 1], greedy, torch.Generator(), [])] == [3, 7, 1, 9]
-    assert [t.token_id for t in verify(logits, [3, 2, 1], greedy, torch.Generator(), [])] == [3, 7]
-    assert [t.token_id for t in verify(logits, [4, 7, 1], greedy, torch.Generator(), [])] == [3]
+    assert [t.token_id for t in verify(logits, [3, 7, 1], greedy, Sampler(0), 5, [])] == [3, 7, 1, 9]
+    assert [t.token_id for t in verify(logits, [3, 2, 1], greedy, Sampler(0), 5, [])] == [3, 7]
+    assert [t.token_id for t in verify(logits, [4, 7, 1], greedy, Sampler(0), 5, [])] == [3]
     with pytest.raises(ValueError, match="logits"):
-        verify(logits, [3, 7], greedy, torch.Generator(), [])
+        verify(logits, [3, 7], greedy, Sampler(0), 5, [])
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -56,14 +56,28 @@ def test_sampling_rule_emits_the_models_distribution_on_synthetic_logits():
     """First emitted token of a speculative step vs p_0, for a likely, an unlikely and an impossible draft."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 12, generator=g) * 1.5
-    params = SamplingParams(temperature=0.8, top_k=8)
-    p0 = _filtered(logits[0], params)
+    p0 = _filtered(logits[0], SamplingParams(temperature=0.8, top_k=8))
+    sampler = Sampler(0)
     for draft in (int(torch.argmax(p0)), int(torch.argsort(p0)[-5]), int(torch.argmin(p0))):
         counts = torch.zeros(12)
-        for _ in range(6000):
-            counts[verify(logits, [draft, 0], params, g, [])[0].token_id] += 1
+        for seed in range(6000):
+            params = SamplingParams(temperature=0.8, top_k=8, seed=seed)
+            counts[verify(logits, [draft, 0], params, sampler, 5, [])[0].token_id] += 1
         stat, dof = _chi_square(counts, p0)
         assert stat < _chi2_999(dof), (draft, stat, dof)
+
+
+def test_a_seeded_verdict_is_plain_samplings_draw_whatever_was_drafted():
+    """Each row's token is the sampler's draw at its position (seed, position): any drafts, any k, and a replay
+    of the step emit the tokens plain sampling emits there."""
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0, seed=7)
+    sampler = Sampler(0)
+    plain = [sampler(logits[i:i + 1], [params], [10 + i], [[]])[0].token_id for i in range(4)]
+    for drafts in ([], plain[:1], plain[:3], [plain[0], (plain[1] + 1) % 12, 0], [(plain[0] + 1) % 12]):
+        out = [t.token_id for t in verify(logits[:len(drafts) + 1], drafts, params, sampler, 9, [])]
+        agreed = next((i for i, (d, t) in enumerate(zip(drafts, plain)) if d != t), len(drafts))
+        assert out == plain[:agreed + 1], drafts
 
 
 # -- on the tiny model: the engine's speculative step -----------------------------------------------------
@@ -161,11 +175,12 @@ def test_speculative_sampling_matches_plain_sampling_on_the_tiny_model(tiny_bund
     logits = eng._run(batches[0])[0]  # [2, V]
     p0 = _filtered(logits[0].float(), params)
     draft = int(torch.argsort(p0)[-2])  # the second most likely: accepted often, rejected often
-    g = torch.Generator().manual_seed(2)
+    g, sampler = torch.Generator().manual_seed(2), Sampler(0)
     plain, spec = torch.zeros(p0.numel()), torch.zeros(p0.numel())
-    for _ in range(4000):
+    for seed in range(4000):
         plain[int(torch.multinomial(p0, 1, generator=g))] += 1
-        spec[verify(logits, [draft], params, g, list(seq.output_ids))[0].token_id] += 1
+        keyed = SamplingParams(temperature=1.3, top_k=12, max_tokens=3, ignore_eos=True, seed=seed)
+        spec[verify(logits, [draft], keyed, sampler, len(prompt), list(seq.output_ids))[0].token_id] += 1
     for counts in (plain, spec):
         stat, dof = _chi_square(counts, p0)
         assert stat < _chi2_999(dof), stat
