@@ -80,8 +80,10 @@ class Scenario:
         for key in ("name", "model"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ScenarioError(f"{key} {getattr(self, key)!r}: expected a non-empty string")
-        if self.name in (".", "..") or "/" in self.name or "\\" in self.name:  # it names the report directory
-            raise ScenarioError(f"name {self.name!r}: one path component (no '/', not '.' or '..')")
+        for key in ("name", "model", "bundle", "whole"):  # paths: a NUL made every file call raise ValueError
+            if "\0" in str(getattr(self, key)):
+                raise ScenarioError(f"{key} {getattr(self, key)!r}: a NUL character cannot be in a path")
+        _path_component("name", self.name)  # it names the report directory
         if self.edge_quant not in EDGE_QUANTS:
             raise ScenarioError(f"edge_quant {self.edge_quant!r}: expected one of {', '.join(EDGE_QUANTS)}")
         _int("phones", self.phones, 1, MAX_PHONES)
@@ -107,9 +109,14 @@ class Scenario:
                 raise ScenarioError(f"whole {self.whole}: not a whole-model export (no {WHOLE_GRAPH})")
         if not self.profiles or not self.workloads:
             raise ScenarioError("a scenario needs at least one profile and one workload")
-        names = [p.name for p in self.profiles]
+        names = [p.name for p in self.profiles] + (["loopback"] if self.plan_check else [])
         if len(set(names)) != len(names):
-            raise ScenarioError(f"profiles {names}: names must be unique")
+            raise ScenarioError(f"profiles {names}: names must be unique (plan_check adds loopback)")
+        for profile in self.profiles:  # it names the runs' log files
+            _path_component("profiles: name", profile.name)
+        kinds = [w.kind for w in self.workloads]
+        if len(set(kinds)) != len(kinds):  # their records, summary rows and log files were merged into one
+            raise ScenarioError(f"workloads {kinds}: one workload per kind")
         usable = os.sched_getaffinity(0)
         for key in ("phone_cores", "cloud_cores"):
             cores = getattr(self, key)
@@ -125,7 +132,7 @@ class Scenario:
         if not isinstance(data, dict):
             raise ScenarioError("a scenario is a mapping of keys")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
             raise ScenarioError(f"unknown scenario key(s): {', '.join(unknown)}")
         values = dict(data)
@@ -139,7 +146,7 @@ class Scenario:
                 values["disconnects"] = [Disconnect(**_map(d, "disconnects", Disconnect))
                                          for d in _list(values["disconnects"] or [], "disconnects")]
             if "cloud_args" in values:
-                values["cloud_args"] = [str(a) for a in _list(values["cloud_args"], "cloud_args")]
+                values["cloud_args"] = [_flag(a) for a in _list(values["cloud_args"], "cloud_args")]
             return cls(**values)
         except (LinkProfileError, TypeError) as e:
             raise ScenarioError(str(e)) from None
@@ -177,6 +184,18 @@ def _map(value, key: str, cls=None) -> dict:
     return value
 
 
+def _flag(value) -> str:
+    """A ``cloud_args`` item: a string, or a number YAML read from one (``--num-blocks, 64``)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ScenarioError(f"cloud_args: each item is a flag or a value (a string or a number), got {value!r}")
+    return str(value)
+
+
+def _path_component(key: str, value: str) -> None:
+    if value in (".", "..") or "/" in value or "\\" in value:
+        raise ScenarioError(f"{key} {value!r}: one path component (no '/', not '.' or '..')")
+
+
 def _int(key: str, value, low: int, high: int | None = None) -> None:
     """``value`` is an integer (not a bool) in [low, high]; else a ScenarioError naming ``key``."""
     if type(value) is not int or value < low or (high is not None and value > high):
@@ -203,7 +222,7 @@ def load_scenario(path: str | Path) -> Scenario:
         import yaml
 
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())
         except yaml.YAMLError as e:
             raise ScenarioError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     else:
@@ -214,3 +233,30 @@ def load_scenario(path: str | Path) -> Scenario:
         except json.JSONDecodeError as e:
             raise ScenarioError(f"{path}: not valid JSON ({e})") from None
     return Scenario.from_dict(data or {})
+
+
+def _yaml_loader():
+    """PyYAML's safe loader, but a key given twice is an error (it kept the last one silently) and ``1e3`` or
+    ``2.5e-3`` are numbers, as in YAML 1.2 (1.1 wants a dot and a signed exponent: ``rtt_ms: 1e3`` was the
+    string '1e3', refused as "must be a finite number")."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, float, bool)):
+                    continue  # a list or a mapping as a key: SafeLoader's own error follows
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} given twice (line {key_node.start_mark.line + 1})",
+                        key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+    return Loader

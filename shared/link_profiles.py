@@ -102,7 +102,6 @@ PROFILES: dict[str, LinkProfile] = {p.name: p for p in (
 
 def get_profile(name: str) -> LinkProfile:
     """The built-in profile ``name`` (wifi, 5g, 4g, 3g-poor)."""
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise LinkProfileError(f"unknown link profile {name!r}: expected one of {', '.join(PROFILES)}") from None
+    if not isinstance(name, str) or name not in PROFILES:  # (a list from YAML raised "unhashable type")
+        raise LinkProfileError(f"unknown link profile {name!r}: expected one of {', '.join(PROFILES)}")
+    return PROFILES[name]

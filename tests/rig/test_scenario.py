@@ -64,6 +64,16 @@ workloads:
     ({"workloads": [{"kind": "chat", "max_tokens": 2.5}]}, "max_tokens 2.5"),
     ({"workloads": [{"kind": "chat", "turns": 3}]}, "workloads: unknown key.*turns"),
     ({"workloads": [{"requests": 3}]}, "workloads: missing key.*kind"),
+    # tracebacks (TypeError, ValueError) and silent merges before
+    ({1: 2, "colour": "red"}, "unknown scenario key.*1, colour"),
+    ({"profiles": [{"base": ["4g"]}]}, r"unknown link profile \['4g'\]"),
+    ({"name": "a\0b"}, "name 'a.x00b': a NUL character"),
+    ({"model": "a\0b"}, "model 'a.x00b': a NUL character"),
+    ({"cloud_args": [{"a": 1}]}, "cloud_args: each item"),
+    ({"profiles": [{"name": "../x", "rtt_ms": 10, "down_mbps": 1, "up_mbps": 1}]}, "profiles: name '../x'"),
+    ({"plan_check": True, "profiles": [{"name": "loopback", "rtt_ms": 10, "down_mbps": 1, "up_mbps": 1}]},
+     "names must be unique"),
+    ({"workloads": [{"kind": "chat"}, {"kind": "chat", "max_tokens": 200}]}, "one workload per kind"),
 ])
 def test_bad_scenarios_name_the_problem(data, match):
     with pytest.raises(ScenarioError, match=match):
@@ -77,6 +87,23 @@ def test_bad_files(tmp_path):
     bad.write_text("profiles: [wifi\n")
     with pytest.raises(ScenarioError, match="YAML"):
         load_scenario(bad)
+
+
+def test_yaml_reads_exponent_numbers_and_refuses_a_key_given_twice(tmp_path):
+    """PyYAML read `1e3` as a string (YAML 1.1), refused as "must be a finite number, got '1e3'", and kept the
+    last of two equal keys without a word."""
+    path = tmp_path / "s.yaml"
+    path.write_text("profiles: [{base: 4g, down_mbps: 1e3, up_mbps: 2.5e1, rtt_ms: 1.2e+2}]\n"
+                    "disconnects: [{at_s: 5e-1}]\ncloud_args: [--num-blocks, 64]\n")
+    sc = load_scenario(path)
+    p = sc.profiles[0]
+    assert (p.down_mbps, p.up_mbps, p.rtt_ms) == (1000.0, 25.0, 120.0) and sc.disconnects[0].at_s == 0.5
+    assert sc.cloud_args == ["--num-blocks", "64"]
+    for text, match in (("phones: 1\nseed: 3\nphones: 2\n", r"key 'phones' given twice \(line 3\)"),
+                        ("phones: 1\nprofiles: [{base: 4g, loss: 0.1, loss: 0.2}]\n", "key 'loss' given twice")):
+        path.write_text(text)
+        with pytest.raises(ScenarioError, match=match):
+            load_scenario(path)
 
 
 def test_profile_validation():
