@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -52,6 +53,7 @@ from shared import openai_compat as oc
 
 log = logging.getLogger("autoglm.cloud")
 GIL_SWITCH_S = 0.0005  # sys.setswitchinterval while serving (see DrainingServer.serve)
+ENGINE_WATCH_S = 0.5  # how often a serving DrainingServer looks for a stopped engine
 
 
 async def drain(app: FastAPI) -> None:
@@ -87,7 +89,10 @@ class DrainingServer(uvicorn.Server):
     follows at once (connections closed, up to ``timeout_graceful_shutdown`` for their tasks, the runtime
     stopped) and ``interrupted`` is set (the CLI exits 130); a third skips the rest of it, as uvicorn's second
     Ctrl-C does. Signals are never re-raised after the shutdown (uvicorn's own handler does so, which ended a
-    drained server in a KeyboardInterrupt traceback)."""
+    drained server in a KeyboardInterrupt traceback). An engine that stops (a fatal error: its open requests
+    got ``internal``) ends the server as a SIGTERM does, with ``engine_failed`` set (the CLI exits 1), so that
+    whatever supervises the process restarts it: a server without an engine answered nothing but 503s and
+    ``/health`` 200, and a liveness probe never replaced it."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI):
         split = getattr(app.state, "split", None)
@@ -103,6 +108,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
         self.interrupted = False  # a second signal came: the drain was cut short
+        self.engine_failed: str | None = None  # why an engine stopped, when that ended the server
 
     async def serve(self, sockets=None):
         self._loop = asyncio.get_running_loop()
@@ -110,7 +116,20 @@ class DrainingServer(uvicorn.Server):
         # switch interval (5 ms by default), so an engine step finishing while the loop parses frames would
         # wait up to 5 ms to deliver and launch the next; hand the GIL over 10x sooner.
         sys.setswitchinterval(GIL_SWITCH_S)
-        await super().serve(sockets)
+        watch = self._loop.create_task(self._watch_engines())
+        try:
+            await super().serve(sockets)
+        finally:
+            watch.cancel()
+
+    async def _watch_engines(self) -> None:
+        while not self._draining:
+            await asyncio.sleep(ENGINE_WATCH_S)
+            dead = [rt.engine.dead for rt in _runtimes(self.app) if rt.engine is not None and rt.engine.dead]
+            if dead and not self._draining:
+                self.engine_failed = dead[0]
+                log.error("the engine stopped (%s): the server stops, to be restarted", dead[0])
+                self.handle_exit(signal.SIGTERM, None)
 
     def handle_exit(self, sig, frame) -> None:  # may be called from any thread
         if self._loop is None:  # not serving yet: uvicorn's own handling

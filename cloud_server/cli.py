@@ -241,6 +241,8 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
     if server.interrupted or late:  # a second Ctrl-C / SIGTERM cut the drain short, or came after it
         print("interrupted", file=sys.stderr)
         return 130
+    if server.engine_failed:  # stopped to be restarted (cloud_server.app.DrainingServer logged why)
+        return 1
     return 0
 
 

@@ -292,12 +292,15 @@ class EngineHost:
             log.warning("worker %d gone: %d requests aborted, %d sessions released", port.index,
                         len(port.requests), len(dropped))
 
-    def check_engine(self) -> None:
-        """Tell every worker once when the engine has stopped (called periodically by the supervisor)."""
-        if self.engine.dead is not None and not self._dead_told:
-            self._dead_told = True
-            for port in list(self.ports.values()):
-                port.send(("dead", self.engine.dead))
+    def check_engine(self) -> bool:
+        """Tell every worker once when the engine has stopped (called periodically by the supervisor); True when
+        this call told them."""
+        if self.engine.dead is None or self._dead_told:
+            return False
+        self._dead_told = True
+        for port in list(self.ports.values()):
+            port.send(("dead", self.engine.dead))
+        return True
 
     def stop(self) -> None:
         """Send what is queued to every worker and close the links (on the engine thread while it polls)."""

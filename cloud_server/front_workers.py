@@ -25,8 +25,9 @@ and the command ends 'interrupted', exit 130, as a single server does); SIGHUP (
 file) is passed on as it is. Workers run in their own process group, so a terminal's Ctrl-C reaches the main
 process only and is passed on once. A worker that dies while serving has its requests aborted and is
 replaced; one that exits with an error within a minute of its start (a broken setup) stops the server
-(status 1). ``max_connections`` and ``max_http_requests`` are divided between the workers (each process
-enforces its share).
+(status 1), and so does an engine that stops (a fatal error; its open requests got ``internal``), so that
+whatever supervises the server restarts it. ``max_connections`` and ``max_http_requests`` are divided between
+the workers (each process enforces its share).
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
     deadline = None
     try:
         while any(p.is_alive() for p in procs.values()):
-            host.check_engine()
+            if host.check_engine() and not signals:  # a fatal engine error: stop, to be restarted (status 1)
+                log.error("the engine stopped (%s): stopping the workers", runtime.engine.dead)
+                status = 1
+                on_signal(signal.SIGTERM, None)
             if signals and deadline is None:
                 deadline = time.monotonic() + config.drain_timeout_s + STOP_SLACK_S
             if deadline is not None and time.monotonic() > deadline:
@@ -165,7 +169,8 @@ def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
 
 def worker_main(config: ServerConfig, index: int, sock: socket.socket, conn, log_level: str) -> None:
     """A front-end worker process: the app over a :class:`~cloud_server.worker_runtime.WorkerRuntime`, served
-    by uvicorn on its inherited listening socket until it drains (SIGTERM) or the engine process goes away."""
+    by uvicorn on its inherited listening socket until it drains (SIGTERM) or the engine stops or its process
+    goes away (``cloud_server.app.DrainingServer`` stops then)."""
     os.setpgrp()  # a terminal's Ctrl-C reaches the main process only; it passes the drain on
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[w{index}]: %(message)s")
@@ -182,8 +187,6 @@ async def _serve(config: ServerConfig, index: int, sock: socket.socket, conn, lo
 
     loop = asyncio.get_running_loop()
     rt = WorkerRuntime(config, conn, index)
-    # the engine process gone (killed): drain what is left, as on SIGTERM (open requests already failed)
-    rt.engine.on_lost = lambda: os.kill(os.getpid(), signal.SIGTERM)
     await loop.run_in_executor(None, rt.start, loop)
     app = create_app(rt)
     install_sighup(app.state.auth.store)

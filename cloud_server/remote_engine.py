@@ -15,7 +15,7 @@ them between its steps) and reads the engine's frames as they come: a step's out
 one frame and are handed to the sinks in order on the loop, with no thread between the pipe and the sessions
 (the writer and reader threads this replaced cost a thread hand-over each way per token and competed with the
 loop for the interpreter). If the engine process goes away, every open request gets an ``engine_error``
-output and ``on_lost`` is called.
+output and ``dead`` says so (the worker's server then stops: ``cloud_server.app.DrainingServer``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ class RemoteEngine:
         self.model_name = ""
         self.open_requests_all = 0  # requests open in the engine over every worker, as of its last step
         self.on_reclaim: Callable[[str], None] | None = None  # event loop: close this session (resumed elsewhere)
-        self.on_lost: Callable[[], None] | None = None  # event loop: the engine process is gone
         self.families: Callable[[], list] | None = None  # event loop: this worker's metric families
         self.loop: asyncio.AbstractEventLoop | None = None  # where on_reclaim runs (set by start)
         self._sinks: dict[str, Sink] = {}  # engine id -> sink, until its finished output
@@ -268,5 +267,3 @@ class _LinkProtocol(asyncio.Protocol):
             return
         eng._fail(f"engine process gone ({type(exc).__name__ if exc else 'EOF'})")
         eng._hello.set()
-        if eng.on_lost is not None:
-            eng.on_lost()

@@ -407,6 +407,32 @@ def test_sigterm_drains_open_requests_refuses_new_sessions_then_exits(tiny_bundl
         _stop(srv)
 
 
+def test_a_server_whose_engine_stopped_stops_to_be_restarted(tiny_bundle, loaded_front):
+    """A fatal engine error (an injected CUDA error): the open request gets ``internal`` and the server stops by
+    itself, ``engine_failed`` set (``autoglm-cloud serve`` exits 1), for its supervisor to restart it - it stayed
+    up answering 503 with ``/health`` 200, which a liveness probe never replaced."""
+    srv = _serve(tiny_bundle)
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    try:
+        srv.runtime.engine.llm.step = failing_step
+
+        async def main():
+            edge = _edge(srv, tiny_bundle, loaded_front)
+            await edge.connect()
+            await edge.prefill("r", loaded_front.fork(), [5, 6, 7], P.SamplingParams(max_tokens=4))
+            return await edge.recv()
+
+        err = asyncio.run(main())
+        srv.thread.join(timeout=10)
+        assert isinstance(err, P.Error) and err.code == "internal"
+        assert not srv.thread.is_alive() and "CUDA error" in srv.server.engine_failed
+    finally:
+        _stop(srv)
+
+
 def test_a_drained_servers_edges_send_their_next_request_to_the_next_replica(server, tiny_bundle, loaded_front):
     """A rolling update: the old replica drains (SIGTERM) and the balancer sends new connections to the next one.
     An edge that read the Drain during its request, and one whose Drain was still unread (idle), each run their
