@@ -232,7 +232,9 @@ def load_scenario(path: str | Path) -> Scenario:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ScenarioError(f"{path}: not valid JSON ({e})") from None
-    return Scenario.from_dict(data or {})
+    if data is None:  # it ran every default (smollm2, three modes, a few minutes) as if asked to
+        raise ScenarioError(f"{path}: empty (no keys; write {{}} to run every default)")
+    return Scenario.from_dict(data)
 
 
 def _yaml_loader():

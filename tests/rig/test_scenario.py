@@ -87,6 +87,11 @@ def test_bad_files(tmp_path):
     bad.write_text("profiles: [wifi\n")
     with pytest.raises(ScenarioError, match="YAML"):
         load_scenario(bad)
+    bad.write_text("# phones: 2\n")  # an empty (or emptied) file ran every default, minutes of it
+    with pytest.raises(ScenarioError, match="empty"):
+        load_scenario(bad)
+    bad.write_text("{}\n")
+    assert load_scenario(bad) == Scenario()
 
 
 def test_yaml_reads_exponent_numbers_and_refuses_a_key_given_twice(tmp_path):
