@@ -28,6 +28,7 @@ import json
 import os
 import queue
 import threading
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -406,12 +407,13 @@ def _stops(stop) -> list:
 
 
 def _sources(kind: str, given) -> list[MediaPart]:
-    """``images=`` / ``audio=``: a list (or tuple) of sources, or one source as itself - a string is one source,
-    not its characters (a data: URL read as 'd', 'a', ... was refused as local paths), and so is anything else
-    (a PIL image; a numpy array is refused by name, not iterated or tested for truth)."""
+    """``images=`` / ``audio=``: sources (a list, or any iterable), or one source as itself - a string is one
+    source, not its characters (a data: URL read as 'd', 'a', ... was refused as local paths), and so is what is
+    not iterable (a PIL image); never tested for truth (a numpy array's is an error)."""
     if given is None:
         return []
-    return [MediaPart(kind, x) for x in (given if isinstance(given, (list, tuple)) else [given])]
+    one = isinstance(given, (str, bytes, bytearray, memoryview, dict)) or not isinstance(given, Iterable)
+    return [MediaPart(kind, x) for x in ([given] if one else given)]
 
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:

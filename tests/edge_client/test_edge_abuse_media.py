@@ -251,7 +251,8 @@ def test_a_pil_image_is_an_image_and_other_objects_are_refused_by_name(served):
     from_tiff = Image.open(io.BytesIO(_encoded(picture, "TIFF")))  # not decoded yet: the client does
     assert ask(from_tiff).token_ids == as_bytes.token_ids
     prompt = "what is here? " + vc._placeholder("image")
-    assert vc.complete(prompt=prompt, images=picture, max_tokens=4).stats.image_tokens == as_bytes.stats.image_tokens
+    for given in (picture, (x for x in [picture])):  # one, or any iterable of them
+        assert vc.complete(prompt=prompt, images=given, max_tokens=4).stats.image_tokens == as_bytes.stats.image_tokens
     for bad, name in ((np.asarray(picture), "ndarray"), (7, "int"), ("", "an empty string")):
         with pytest.raises(EdgeClientError) as e:
             vc.complete(prompt=prompt, images=bad, max_tokens=4)
