@@ -35,6 +35,7 @@ from typing import Any
 
 from shared.detokenizer import StreamDecoder
 from shared.exec_mode import Deployment, ExecModeError, LinkState, ModeDecision, RequestShape, choose_mode
+from shared.openai_compat import StopMatcher
 from shared.manifest import Manifest
 
 from . import bundle_sync
@@ -297,7 +298,8 @@ class EdgeClient:
         try:
             decision = choose_mode(shape, privacy, link, dep, mode)
         except ExecModeError as e:
-            why = "; a request with images or audio runs split or u-shape only" if media else ""
+            dropped = media and (self.all_cloud is not None or self.whole_model is not None)  # the modes media ruled out
+            why = "; a request with images or audio runs split or u-shape only" if dropped else ""
             raise EdgeClientError(f"{e}{why}", "exec_mode") from None
         if decision.drafts_from_outputs_only:
             spec.drafts_from_outputs_only = True
@@ -318,16 +320,22 @@ class EdgeClient:
             sink(("error", EdgeClientError(f"{decision.mode}: {type(e).__name__}: {e}", "internal")))
             return
         stats.total_s = asyncio.get_running_loop().time() - t0
-        stats.completion_tokens = len(result.token_ids)
-        decoder = StreamDecoder(self.tokenizer.decode)
-        for t in result.token_ids:
-            sink(("token", int(t), decoder.push(int(t))))
-        tail = decoder.flush()
-        if tail:
-            sink(("token", -1, tail))
+        decoder, stop = StreamDecoder(self.tokenizer.decode), StopMatcher(spec.stop)
+        tokens: list[int] = []
+        for t in result.token_ids:  # the stop strings end the text as in split mode (the stop itself not included)
+            tokens.append(int(t))
+            text, stopped = stop.feed(decoder.push(int(t)))
+            sink(("token", int(t), text))
+            if stopped:
+                break
+        else:
+            tail = stop.feed(decoder.flush())[0] + stop.flush()
+            if tail:
+                sink(("token", -1, tail))
+        stats.completion_tokens = len(tokens)
         if decision.mode == "all-cloud":  # the cloud produced it: a draft source; an edge-only answer never is
-            self.session.drafter.remember(result.token_ids)
-        sink(("end", "length" if len(result.token_ids) >= spec.max_tokens else "stop"))
+            self.session.drafter.remember(tokens)
+        sink(("end", "stop" if stop.stopped or len(tokens) < spec.max_tokens else "length"))
 
     def agenerate(self, prompt: str | None = None, *, loop: asyncio.AbstractEventLoop | None = None,
                   privacy: str = "standard", mode: str | None = None, **kwargs: Any) -> AsyncGeneration:

@@ -204,3 +204,15 @@ def test_agenerate_takes_the_privacy_level_as_generate_does(tiny_bundle, cloud, 
         assert c.complete(prompt=PROMPT, max_tokens=12, privacy="output-private").token_ids == gen.token_ids
     assert gen.stats.exec_mode == "edge-only" and gen.token_ids and "".join(deltas) == gen.text
     assert proxy.connections == 0 and not proxy.up and not proxy.down
+
+
+def test_stop_strings_end_an_edge_only_answer_as_they_end_a_split_one(tiny_bundle, cloud, whole_model):
+    """The edge-only runner returns its whole answer at once; the stop strings used to be ignored there (the text
+    ran on past them, finish_reason "length")."""
+    with EdgeClient(tiny_bundle, cloud.ws_url, retry=RETRY, whole_model=whole_model) as c:
+        whole = c.complete(prompt=PROMPT, max_tokens=12, mode="edge-only")
+        stop = next(ch for ch in whole.text if ch.strip())
+        split = c.complete(prompt=PROMPT, max_tokens=12, stop=stop)
+        edge = c.complete(prompt=PROMPT, max_tokens=12, stop=stop, mode="edge-only")
+    assert split.finish_reason == edge.finish_reason == "stop" and stop not in edge.text
+    assert (edge.text, edge.token_ids) == (split.text, split.token_ids) and len(edge.token_ids) < 12
