@@ -35,6 +35,7 @@ from typing import Any
 
 from shared.detokenizer import StreamDecoder
 from shared.exec_mode import Deployment, ExecModeError, LinkState, ModeDecision, RequestShape, choose_mode
+from shared.messages import MIN_TEMPERATURE
 from shared.openai_compat import StopMatcher
 from shared.manifest import Manifest
 
@@ -287,10 +288,12 @@ class EdgeClient:
         gain = max(s.expected_tokens(s.choose()) for s in sizers) if spec.speculate else 1.0
         # the edge-only and all-cloud runners take token ids alone (generate(prompt_ids, max_tokens)): images and
         # audio reach the model only as the front's rows, so a request with them runs split or u-shape (it used
-        # to run edge-only on the placeholder ids, the same answer for every screenshot)
-        media = spec.media is not None
-        dep = Deployment(split=not tail, u_shape=tail, all_cloud=self.all_cloud is not None and not media,
-                         edge_only=self.whole_model is not None and not media,
+        # to run edge-only on the placeholder ids, the same answer for every screenshot); and they decode
+        # greedily, so a sampled request runs split or u-shape too (its temperature and seed were ignored)
+        media, sampled = spec.media is not None, spec.temperature >= MIN_TEMPERATURE
+        runners = not (media or sampled)
+        dep = Deployment(split=not tail, u_shape=tail, all_cloud=self.all_cloud is not None and runners,
+                         edge_only=self.whole_model is not None and runners,
                          boundary_bytes_per_token=2.0 * self.runtime.hidden_size, split_tokens_per_round_trip=gain)
         link = LinkState(connected=self.link_up, rtt_ms=sizer.round_s * 1000)
         shape = RequestShape(len(spec.prompt_ids), spec.max_tokens,
@@ -298,8 +301,10 @@ class EdgeClient:
         try:
             decision = choose_mode(shape, privacy, link, dep, mode)
         except ExecModeError as e:
-            dropped = media and (self.all_cloud is not None or self.whole_model is not None)  # the modes media ruled out
-            why = "; a request with images or audio runs split or u-shape only" if dropped else ""
+            dropped = not runners and (self.all_cloud is not None or self.whole_model is not None)  # modes ruled out
+            why = ("" if not dropped else "; a request with images or audio runs split or u-shape only" if media else
+                   "; a sampled request (temperature > 0) runs split or u-shape only: the edge-only and all-cloud "
+                   "runners decode greedily")
             raise EdgeClientError(f"{e}{why}", "exec_mode") from None
         if decision.drafts_from_outputs_only:
             spec.drafts_from_outputs_only = True

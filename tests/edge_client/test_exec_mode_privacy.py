@@ -216,3 +216,17 @@ def test_stop_strings_end_an_edge_only_answer_as_they_end_a_split_one(tiny_bundl
         edge = c.complete(prompt=PROMPT, max_tokens=12, stop=stop, mode="edge-only")
     assert split.finish_reason == edge.finish_reason == "stop" and stop not in edge.text
     assert (edge.text, edge.token_ids) == (split.text, split.token_ids) and len(edge.token_ids) < 12
+
+
+def test_a_sampled_request_is_not_run_greedily_on_the_phone(tiny_bundle, cloud, whole_model):
+    """The edge-only runner decodes greedily: a request with a temperature used to run there anyway and come
+    back greedy without a word (its temperature and seed ignored); it is refused before any traffic."""
+    with RecordingProxy(cloud.port) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", retry=RETRY,
+                       whole_model=whole_model) as c:
+        for kw in ({"privacy": "output-private"}, {"mode": "edge-only"}):
+            with pytest.raises(EdgeClientError, match="greedily") as e:
+                c.generate(prompt=PROMPT, max_tokens=4, temperature=0.8, seed=1, **kw)
+            assert e.value.code == "exec_mode"
+        assert proxy.connections == 0
+        assert c.complete(prompt=PROMPT, max_tokens=4, privacy="output-private").stats.exec_mode == "edge-only"
