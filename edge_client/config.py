@@ -133,8 +133,11 @@ class EdgeConfig:
             raise ConfigError(f"cache_max_bytes must be >= 0, got {self.cache_max_bytes}")
         if self.cache_block_tokens < 1:
             raise ConfigError(f"cache_block_tokens must be >= 1, got {self.cache_block_tokens}")
-        if self.draft_k is not None and self.draft_k < 0:
-            raise ConfigError(f"draft_k must be >= 0, got {self.draft_k}")
+        if self.draft_k is not None and (type(self.draft_k) is not int or self.draft_k < 0):
+            # (2.5 failed the first speculative step as an internal error, "3" raised a TypeError here)
+            raise ConfigError(f"draft_k must be an integer >= 0 or None, got {self.draft_k!r}")
+        if not isinstance(self.cloud_drafts, bool):  # "no" is a true value
+            raise ConfigError(f"cloud_drafts must be True or False, got {self.cloud_drafts!r}")
         if self.cache_dtype not in ("float32", "float16"):
             raise ConfigError(f"cache_dtype {self.cache_dtype!r}: expected float32 or float16")
         if self.codec is not None:

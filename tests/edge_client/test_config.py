@@ -24,7 +24,9 @@ def test_backoff_grows_to_its_cap_with_bounded_jitter():
 
 @pytest.mark.parametrize("kw, field", [(dict(url="http://x"), "url"), (dict(threads=0), "threads"),
                                        (dict(cache_dtype="int8"), "cache_dtype"),
-                                       (dict(prefill_chunk=0), "prefill_chunk")])
+                                       (dict(prefill_chunk=0), "prefill_chunk"), (dict(draft_k=-1), "draft_k"),
+                                       (dict(draft_k=2.5), "draft_k"), (dict(draft_k="3"), "draft_k"),
+                                       (dict(draft_k=True), "draft_k"), (dict(cloud_drafts="no"), "cloud_drafts")])
 def test_edge_config_refuses_bad_values(tmp_path, kw, field):
     with pytest.raises(ConfigError, match=field):
         EdgeConfig(bundle=tmp_path, **kw)
