@@ -51,7 +51,7 @@ IDEAL = LinkProfile("loopback", rtt_ms=0.0, jitter_ms=0.0, down_mbps=1e6, up_mbp
 
 @dataclass(frozen=True, slots=True)
 class Disconnect:
-    at_s: float  # seconds after the link starts
+    at_s: float  # seconds after the link starts (or after LinkEmulator.schedule)
     down_s: float = 0.0  # new connections are refused for this long after the cut
 
 
@@ -209,8 +209,7 @@ class LinkEmulator:
             self._ready.set()
             return
         self._started_at = self._loop.time()
-        for d in self.disconnects:
-            self._loop.call_at(self._started_at + d.at_s, self._cut_now, d.down_s)
+        self._schedule(self.disconnects)
         self._ready.set()
         self._loop.run_forever()
         self._loop.close()
@@ -229,6 +228,15 @@ class LinkEmulator:
         """Abort every connection now (RST, no close handshake), or only ``connection``; refuse new ones for
         ``down_s`` seconds. Returns once they are gone: False when ``connection`` was not open (nothing cut)."""
         return self._call(self._cut_now, down_s, connection)
+
+    def schedule(self, disconnects: list[Disconnect] | tuple[Disconnect, ...]) -> None:
+        """Scheduled disconnects as the constructor's, their ``at_s`` counted from now instead of from the start (the
+        rig starts the clock when its phones start their measured requests)."""
+        self._call(self._schedule, list(disconnects))
+
+    def _schedule(self, disconnects: list[Disconnect]) -> None:
+        for d in disconnects:
+            self._loop.call_later(d.at_s, self._cut_now, d.down_s)
 
     def cut_after(self, direction: str, nbytes: int, connection: int | None = None) -> bool:
         """Reset a connection once its ``direction`` (``up``: client to server) has carried ``nbytes`` bytes in

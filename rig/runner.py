@@ -117,9 +117,11 @@ def _reader(proc: subprocess.Popen, phone: int, events: queue.Queue) -> None:
 
 
 def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[int | None], log_dir: Path,
-               tag: str, progress: Progress, on_delta=None, timeout_s: float = 1800.0) -> list[dict]:
+               tag: str, progress: Progress, on_delta=None, timeout_s: float = 1800.0,
+               on_go: Callable[[], None] | None = None) -> list[dict]:
     """Start ``sc.phones`` phone processes for one (workload, mode, link), release them together, collect
-    their request records. ``ports[i]`` is phone i's link port (None for all-edge)."""
+    their request records. ``ports[i]`` is phone i's link port (None for all-edge); ``on_go`` runs as they are
+    released (the links' scheduled disconnects start then)."""
     events: queue.Queue = queue.Queue()
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS=str(sc.edge_threads), PYTHONWARNINGS="ignore")
@@ -151,6 +153,8 @@ def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[
                     for p in procs:
                         p.stdin.write("go\n")
                         p.stdin.flush()
+                    if on_go is not None:
+                        on_go()
             elif kind == "delta" and on_delta is not None:
                 on_delta(ev["text"])
             elif kind == "request":
@@ -286,14 +290,15 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
                 for workload in sc.workloads:
                     for mode in networked:
                         tag = f"{prof.name}/{workload.kind}/{mode}"
-                        links = [LinkEmulator(servers[mode].port, prof, seed=sc.seed + 1000 * i,
-                                              disconnects=sc.disconnects) for i in range(sc.phones)]
+                        links = [LinkEmulator(servers[mode].port, prof, seed=sc.seed + 1000 * i)
+                                 for i in range(sc.phones)]
                         for link in links:
                             link.start()
                         try:
                             targets = Targets(bundle, whole)
                             recs = run_phones(sc, targets, mode, workload, [lk.port for lk in links], log_dir,
-                                              tag.replace("/", "-"), progress, take_stream())
+                                              tag.replace("/", "-"), progress, take_stream(),
+                                              on_go=lambda lks=links: [lk.schedule(sc.disconnects) for lk in lks])
                         finally:
                             for link in links:
                                 link.stop()

@@ -12,7 +12,7 @@
     cloud_cores: [0]          # pin the cloud servers here
     seed: 0                   # the links' random draws
     plan_check: false         # then predict every row with the planner and compare (rig.plan_check)
-    disconnects: []           # [{at_s: 3.0, down_s: 0.5}]: cuts on every split/all-cloud link
+    disconnects: []           # [{at_s: 3.0, down_s: 0.5}]: cuts on every split/all-cloud link (from the burst)
     workloads:
       - {kind: chat, requests: 6, max_tokens: 48}
       - {kind: agent, requests: 8, max_tokens: 24}

@@ -253,6 +253,22 @@ def test_scheduled_disconnect_cuts_and_refuses(peer):
         assert link.cuts == 1 and link.refused == 1 and link.connections == 2
 
 
+def test_disconnects_scheduled_later_count_from_then(peer):
+    """The rig starts its phones' disconnect clock at the burst: counted from the link's start, a cut landed in the
+    phones' setup (a first connect refused: the run failed) or at a time unrelated to the measured requests."""
+    with LinkEmulator(peer.port, seed=0) as link:
+        s = socket.create_connection(("127.0.0.1", link.port))
+        time.sleep(0.3)
+        link.schedule([Disconnect(at_s=0.2, down_s=0.3)])
+        assert _ping_ms(s) < 50 and link.cuts == 0  # 0.3 s after the start: nothing cut yet
+        time.sleep(0.3)
+        assert link.cuts == 1
+        with pytest.raises(OSError):
+            _ping_ms(s)
+        with pytest.raises(OSError):  # refused while down
+            _ping_ms(socket.create_connection(("127.0.0.1", link.port)))
+
+
 def test_manual_cut_aborts_live_connections(peer):
     with LinkEmulator(peer.port) as link:
         s = socket.create_connection(("127.0.0.1", link.port))
