@@ -194,6 +194,8 @@ class SessionState:
                 raise SessionError("resume_failed", f"request {rid} is not held here: replay it", rid)
             if req.states:
                 return self._resume_states(req, msg)
+            if req.finish == "error":  # failed while the link was down (its Error went nowhere): no tokens to resend
+                raise SessionError("resume_failed", f"request {rid} failed while the link was down: replay it", rid)
             if msg.have_tokens > req.tokens:
                 raise SessionError("bad_position", f"client claims {msg.have_tokens} tokens, server sent "
                                                    f"{req.tokens}", rid)

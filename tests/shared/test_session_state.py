@@ -133,6 +133,23 @@ def test_resume_and_reconnect():
     s.on_client(P.DecodeStep(request_id="r1", position=4, hidden=hidden(1)))
 
 
+def test_a_request_that_failed_while_the_link_was_down_is_resume_failed():
+    """Its Error (a step timeout while the edge was away) went nowhere: Resume is resume_failed, so the edge
+    replays it - the server answered Resumed(finish_reason='error') and the edge ended the answer there, silently
+    cut short. One that finished normally meanwhile still resumes (its last tokens are resent)."""
+    s = ready()
+    s.on_client(prefill(rid="failed"))
+    s.on_client(prefill(rid="done"))
+    s.on_server(P.Tokens(request_id="failed", index=0, token_ids=[1]))
+    s.on_server(P.Tokens(request_id="done", index=0, token_ids=[1], finish_reason="length"))
+    s.on_server(P.Error(code="timeout", request_id="failed"))
+    s.reconnect()
+    s.on_client(P.Hello(bundle_id="b", codecs=["fp16"], resume_token="t"))
+    s.on_server(P.Welcome(session_id="s", resume_token="t", resumed=True, codecs=["fp16"]))
+    refused(s, P.Resume(request_id="failed", have_tokens=1), "resume_failed")
+    assert s.on_client(P.Resume(request_id="done", have_tokens=0)).finish == "length"
+
+
 def test_drain_errors_and_cancel():
     s = ready()
     s.on_client(prefill())
