@@ -355,9 +355,11 @@ class Session:
             override = PrecisionOverride.parse(spec.precision)
             if override is None and self.config.codec is not None:
                 override = PrecisionOverride(codec=self.config.codec)
-            if (override is not None and override.codec is not None and override.compute is not None
+            # a bare name of both ("fp16") names the codec only where this server computes otherwise; an explicit
+            # {"codec": ..., "compute": ...} is held to both (its compute was dropped without a word)
+            if (isinstance(spec.precision, str) and override.codec is not None and override.compute is not None
                     and override.compute not in w.server.compute_variants):
-                override = PrecisionOverride(codec=override.codec)  # "fp16" names both; this server computes otherwise
+                override = PrecisionOverride(codec=override.codec)
             plan = choose_precision(features, override, available_codecs=w.codecs,
                                     available_compute=w.server.compute_variants)
             return plan, step_codec(plan, override, available_codecs=w.codecs)

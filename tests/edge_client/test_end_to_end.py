@@ -64,6 +64,19 @@ def test_fp32_wire_is_lossless_end_to_end(tiny_bundle, tiny_cloud, tiny_referenc
         gen = c.complete(prompt_ids=PROMPT[:-1], max_tokens=N_NEW, precision={"codec": "fp32"})
         assert gen.stats.codec == "fp32" and gen.stats.bytes_up > (len(PROMPT) - 1) * 64 * 4
 
+def test_a_compute_variant_the_server_lacks_is_refused_unless_a_bare_name_names_it(tiny_bundle, tiny_cloud):
+    """On a CPU server (fp32 only) "fp16" names the codec only (docs/edge.md); an explicit compute, alone or beside
+    a codec, is codec_not_negotiated - {"codec": ..., "compute": "bf16"} used to run in fp32 without a word."""
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, retry=RETRY) as c:
+        gen = c.complete(prompt_ids=PROMPT[:8], max_tokens=2, precision="fp16")
+        assert (gen.stats.codec, gen.stats.compute) == ("fp16", "fp32")
+        for precision in ({"compute": "bf16"}, {"codec": "int8-b32", "compute": "bf16"}, "int8"):
+            with pytest.raises(EdgeClientError, match="not available") as e:
+                c.complete(prompt_ids=PROMPT[:8], max_tokens=2, precision=precision)
+            assert e.value.code == "codec_not_negotiated"
+        assert c.complete(prompt_ids=PROMPT[:8], max_tokens=2).token_ids  # the session serves on
+
+
 def test_tiny_int8_edge_agreement_is_measured(tiny_int8_bundle, tiny_cloud, tiny_reference):
     # the int8 edge talks to the same cloud half (the bundle id ignores the edge quantization)
     rng = np.random.RandomState(11)
