@@ -33,6 +33,7 @@ SILENCE_PEAK = 1e-4  # a clip whose samples all stay below this (of full scale) 
 MAX_AUDIO_BYTES = 16 << 20
 WAVE_PCM, WAVE_FLOAT, WAVE_EXTENSIBLE = 1, 3, 0xFFFE  # a WAV fmt chunk's format tags
 KSDATAFORMAT_TAIL = bytes.fromhex("000000001000800000aa00389b71")  # an extensible sub-format GUID after its tag
+STREAMED_SIZE = 0xFFFFFFFF  # a chunk size a writer that cannot seek back leaves in place: "to the end of the file"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,23 +124,26 @@ def log_mel(samples: np.ndarray, spec: AudioSpec) -> np.ndarray:
 # decoding
 
 
-def _sample_format(data: bytes) -> tuple[int, bytes]:
+def _riff_layout(data: bytes) -> tuple[int, bytes, bool]:
     """A WAV's sample format (WAVE_PCM, WAVE_FLOAT or another tag; WAVE_FORMAT_EXTENSIBLE's sub-format read
-    through) and ``data`` with that fmt tag set to PCM where it is PCM or float, so that stdlib ``wave`` (PCM
-    only; Python 3.11 not even extensible PCM, which ffmpeg writes for 24-bit or multichannel audio) reads it."""
-    pos = 12
-    while data[:4] == b"RIFF" and data[8:12] == b"WAVE" and pos + 10 <= len(data):
+    through), ``data`` with that fmt tag set to PCM where it is PCM or float, so that stdlib ``wave`` (PCM
+    only; Python 3.11 not even extensible PCM, which ffmpeg writes for 24-bit or multichannel audio) reads it,
+    and whether its data chunk is streamed: size 0xFFFFFFFF, what ffmpeg writes to a pipe (``-f wav -``), which
+    cannot seek back to fill it in - the samples run to the end of the file."""
+    tag, pos = WAVE_PCM, 12  # no fmt chunk: wave says what is wrong
+    while data[:4] == b"RIFF" and data[8:12] == b"WAVE" and pos + 8 <= len(data):
         cid, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
-        if cid == b"fmt ":
+        if cid == b"data":
+            return tag, data, size == STREAMED_SIZE
+        if cid == b"fmt " and pos + 10 <= len(data):
             tag = int.from_bytes(data[pos + 8:pos + 10], "little")
             sub = data[pos + 32:pos + 48]  # WAVEFORMATEXTENSIBLE's SubFormat GUID: its format tag, then a fixed tail
             if tag == WAVE_EXTENSIBLE and size >= 40 and sub[2:] == KSDATAFORMAT_TAIL:
                 tag = int.from_bytes(sub[:2], "little")
             if tag in (WAVE_PCM, WAVE_FLOAT):
                 data = data[:pos + 8] + WAVE_PCM.to_bytes(2, "little") + data[pos + 10:]
-            return tag, data
         pos += 8 + size + (size & 1)
-    return WAVE_PCM, data  # no fmt chunk: wave says what is wrong
+    return tag, data, False
 
 
 def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarray, int]:
@@ -149,7 +153,7 @@ def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarra
         raise MediaError("empty audio (0 bytes)", "bad_audio")
     if len(data) > max_bytes:
         raise MediaError(f"audio of {len(data)} bytes exceeds the {max_bytes}-byte limit", "audio_too_large")
-    tag, data = _sample_format(data)
+    tag, data, streamed = _riff_layout(data)
     if tag not in (WAVE_PCM, WAVE_FLOAT):
         raise MediaError(f"WAV sample format {tag:#06x} (accepted: integer PCM, float)", "unsupported_format")
     try:
@@ -161,7 +165,9 @@ def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarra
     if width not in ((4, 8) if tag == WAVE_FLOAT else (1, 2, 3, 4)):
         raise MediaError(f"unsupported WAV sample width {width * 8} bits{' (float)' if tag == WAVE_FLOAT else ''}",
                          "unsupported_format")
-    if len(raw) < n * width * channels:  # the data chunk ends before the frames its header declares
+    if streamed:  # whole frames to the end of the file
+        n = len(raw) // (width * channels)
+    elif len(raw) < n * width * channels:  # the data chunk ends before the frames its header declares
         raise MediaError(f"truncated WAV: {len(raw) // (width * channels)} of the {n} frames its header declares",
                          "bad_audio")
     raw = raw[: n * width * channels]

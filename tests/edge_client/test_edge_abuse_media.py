@@ -473,7 +473,8 @@ def test_extensible_and_float_wavs_are_read_and_broken_headers_are_400s(served):
     scipy.io.wavfile writes from a float32 array) as bad_audio: both are read now, the same samples as 16-bit PCM
     of the same clip (the same answer). A float WAV with a NaN: bad_audio 'not finite'; compressed samples (ADPCM):
     unsupported_format. A fmt chunk whose size runs past the file was a 500 'internal error: RuntimeError' (wave's
-    seek past the end); bad_audio now, as is a header cut inside it ('()' was its whole reason)."""
+    seek past the end); bad_audio now, as is a header cut inside it ('()' was its whole reason). A WAV that ffmpeg
+    wrote to a pipe (sizes left at 0xFFFFFFFF) was 'truncated'; it is read to its end."""
     _, a, _, _ = served
     x = tone(0.5)
     i16, i24 = np.round(x * 32767).astype("<i2"), np.round(x * (2 ** 23 - 1)).astype("<i4")
@@ -485,8 +486,15 @@ def test_extensible_and_float_wavs_are_read_and_broken_headers_are_400s(served):
                  _riff(stereo, width=4, tag=3, channels=2, extensible=True)):
         samples, rate = decode_wav(data)
         assert rate == 16000 and np.abs(samples - reference).max() < 1e-4
+    # ffmpeg writing to a pipe (-f wav -) cannot seek back: RIFF and data sizes stay 0xFFFFFFFF, the samples run to
+    # the end of the file (an odd byte after the last frame is dropped); it was 'truncated WAV: 8000 of 2147483647'
+    piped = bytearray(_riff(i16.tobytes()) + b"\x01")
+    piped[4:8] = piped[40:44] = struct.pack("<I", 0xFFFFFFFF)
+    samples, _ = decode_wav(bytes(piped))
+    assert samples.size == reference.size and np.abs(samples - reference).max() < 1e-4
     plain = _ok(_chat(a, _audio(wav(x)), max_tokens=4))["choices"][0]["message"]["content"]
-    for data in (_riff(pcm24, width=3, extensible=True), _riff(x.astype("<f4").tobytes(), width=4, tag=3)):
+    for data in (_riff(pcm24, width=3, extensible=True), _riff(x.astype("<f4").tobytes(), width=4, tag=3),
+                 bytes(piped)):
         assert _ok(_chat(a, _audio(data), max_tokens=4))["choices"][0]["message"]["content"] == plain
     nan = x.copy()
     nan[100] = np.nan
