@@ -384,7 +384,9 @@ class Session:
             # failed at the edge graph's last position before (an internal error after the whole answer's work)
             spec.max_tokens = min(spec.max_tokens, room)
             plan, steps = self._plan_for(spec)
-            req = _Request(spec, plan.codec, plan.compute, steps)
+            # u-shape steps travel in the request's codec, as its States do (docs/protocol.md, "U-shape"): the
+            # stats named the split's step codec (fp16) for them
+            req = _Request(spec, plan.codec, plan.compute, plan.codec if spec.ushape else steps)
             self.sizer.new_request()
             self.head_sizer.new_request()
             self.cloud_sizer.new_request()

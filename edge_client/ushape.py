@@ -145,7 +145,7 @@ class UShape:
         keep = len(new)  # positions kept: the fed token and the accepted drafts (len(new) - 1 of them)
         s.runtime.truncate(step.position + keep)
         self.tail.truncate(step.position + keep)
-        codec = s.codecs[req.codec]
+        codec = s.codecs[req.step_codec]
         req.sent.append(_Sent(step.position, keep, codec.encode(
             np.ascontiguousarray(step.hidden[:keep]), zstd=s.config.wire_zstd)))
         stats.decode_round_trips += 1
@@ -168,7 +168,7 @@ class UShape:
         from .generation import _Sent, _Spec, _compute  # generation imports this module
 
         s, rt = self.session, self.session.runtime
-        codec = s.codecs[req.codec]
+        codec = s.codecs[req.step_codec]
         last = req.tokens[-1]
         drafts = s._drafts(req) if s._drafts_wanted(req) else []
         pos = rt.length

@@ -12,6 +12,7 @@ link emulator.
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 from test_speculation_e2e import N_NEW, PROMPT, RETRY
 
@@ -67,6 +68,17 @@ def test_tiny_ushape_greedy_equals_unsplit(tiny_glm4_ushape_bundle, cloud, refer
         assert st.decode_round_trips + st.accepted_draft_tokens == N_NEW - 1
         assert st.decode_round_trips < N_NEW - 1
         assert any(m.n_tokens > 1 for m in sent if isinstance(m, P.StatesStep))
+
+
+def test_the_stats_name_the_codec_the_steps_travel_in(tiny_glm4_ushape_bundle, cloud):
+    """A u-shape request's steps travel in its prompt's codec (as its States do); a prompt long enough for the
+    policy's int8-outlier used to report the split's fp16 step codec for them."""
+    prompt = [int(t) for t in np.random.RandomState(1).randint(4, 512, 600)]  # fp16 rows over 64 KiB at H = 64
+    with EdgeClient(tiny_glm4_ushape_bundle, cloud.ws_url, retry=RETRY) as c:
+        sent, _ = _recording(c)
+        st = c.complete(prompt_ids=prompt, max_tokens=3).stats
+    steps = {m.hidden.codec for m in sent if isinstance(m, P.StatesStep)}
+    assert st.codec == "int8-outlier" and steps == {st.step_codec} == {st.codec}
 
 
 def test_seeded_sampling_on_the_phone_is_reproducible(tiny_glm4_ushape_bundle, cloud):
