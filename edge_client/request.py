@@ -49,6 +49,8 @@ class RequestSpec:
     def __post_init__(self):
         if not self.prompt_ids:
             raise ValueError("empty prompt")
+        if not isinstance(self.speculate, bool):  # "no" (a true value) speculated
+            raise SamplingRangeError("speculate", f"speculate must be True or False, got {self.speculate!r}")
         if not all(isinstance(s, str) for s in self.stop):
             raise SamplingRangeError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
         try:  # the wire's own rule (types and ranges): a value it cannot carry fails here, not after the prompt ran

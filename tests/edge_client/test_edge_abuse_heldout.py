@@ -120,6 +120,7 @@ def client(tiny_bundle):
     ({"prompt": "hi", "top_k": 1.5}, "top_k must be an integer"),
     ({"prompt": "hi", "top_p": True}, "top_p must be a number"),
     ({"prompt": "hi", "temperature": "0.5"}, "temperature must be a number"),
+    ({"prompt": "hi", "speculate": "no"}, "speculate must be True or False"),  # it speculated
 ])
 def test_bad_request_arguments_raise_value_error_before_any_traffic(client, kwargs, match):
     with pytest.raises(ValueError, match=match):
