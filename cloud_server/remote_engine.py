@@ -14,8 +14,10 @@ the event loop's own: an asyncio protocol on the pipe's socket writes the frames
 them between its steps) and reads the engine's frames as they come: a step's outputs for this worker arrive as
 one frame and are handed to the sinks in order on the loop, with no thread between the pipe and the sessions
 (the writer and reader threads this replaced cost a thread hand-over each way per token and competed with the
-loop for the interpreter). If the engine process goes away, every open request gets an ``engine_error``
-output and ``dead`` says so (the worker's server then stops: ``cloud_server.app.DrainingServer``).
+loop for the interpreter). If the engine process goes away (killed), every open request gets an ``engine_gone``
+output (on the wire ``draining``: its edge takes it to the restarted server or another replica, as after a
+whole server's crash) and ``dead`` says so (the worker's server then stops: ``cloud_server.app.DrainingServer``).
+A fatal engine error the engine process reports (``dead``) is ``engine_error`` (``internal``: not retried).
 """
 
 from __future__ import annotations
@@ -228,12 +230,12 @@ class RemoteEngine:
         except Exception:
             log.exception("output sink of %s failed", rid)
 
-    def _fail(self, message: str) -> None:
-        """The engine is gone: every open request ends with ``engine_error``, every pending call fails."""
+    def _fail(self, message: str, code: str = "engine_error") -> None:
+        """The engine is gone: every open request ends with ``code``, every pending call fails."""
         if self.dead is None:
             self.dead = message
         for rid in list(self._sinks):
-            self._deliver(RequestOutput(rid, finish_reason="error", error_code="engine_error", error_message=message))
+            self._deliver(RequestOutput(rid, finish_reason="error", error_code=code, error_message=message))
         for cid in list(self._replies):
             fut = self._replies.pop(cid, None)
             if fut is not None:
@@ -265,5 +267,5 @@ class _LinkProtocol(asyncio.Protocol):
         if eng._closing:
             eng._fail("engine link closed")
             return
-        eng._fail(f"engine process gone ({type(exc).__name__ if exc else 'EOF'})")
+        eng._fail(f"engine process gone ({type(exc).__name__ if exc else 'EOF'})", "engine_gone")
         eng._hello.set()

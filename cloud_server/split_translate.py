@@ -53,6 +53,7 @@ log = logging.getLogger("autoglm.cloud.split")
 
 # engine error code -> wire code (shared.errors.SESSION_ERROR_CODES); each keeps its meaning
 WIRE_CODES = {"too_long": "context_full", "kv_cache_full": "overloaded", "engine_error": "internal",
+              "engine_gone": "draining",  # a front-end worker's engine process was killed: the edge goes elsewhere
               "timeout": "timeout", "bad_input": "bad_input", "unknown_request": "unknown_request",
               "duplicate_request": "duplicate_request", "prefix_miss": "prefix_miss"}
 # engine finish reason -> wire finish reason

@@ -154,6 +154,38 @@ def test_the_workers_event_loop_never_waits_on_the_link_and_messages_keep_their_
     engine_end.close()
 
 
+def test_a_killed_engine_process_sends_its_workers_edges_elsewhere():
+    """The engine process killed (its end of the pipe gone): the worker's open request ends ``engine_gone``, which
+    the wire calls ``draining`` - its edge replays it on the restarted server or another replica, as after a whole
+    server's crash; it was ``internal``, which the edge does not retry. The engine's own fatal errors stay
+    ``internal`` (not retried: the same input might fail again)."""
+    import asyncio
+
+    from cloud_server.remote_engine import RemoteEngine
+    from cloud_server.split_translate import WIRE_CODES
+
+    ours, engine_end = mp.Pipe()
+    facts = EngineFacts(variants=("fp32",), variant_for={None: "fp32"}, hidden_size=8, vocab_size=10,
+                        mrope=False, eos_token_ids=(2,), block_size=4, max_context=64, max_num_seqs=8,
+                        max_num_batched_tokens=64)
+    _send(engine_end, [("hello", facts_to_wire(facts), "m")])
+
+    async def kill() -> tuple[list, str | None]:
+        loop = asyncio.get_running_loop()
+        remote = RemoteEngine(ours, 0)
+        await loop.run_in_executor(None, remote.start, loop, 5)
+        outs: list = []
+        ended = asyncio.Event()
+        remote.add_request("r1", lambda o: (outs.append(o), ended.set()), InputChunk(0, hidden=torch.randn(1, 8)), None)
+        engine_end.close()  # SIGKILL's effect on the pipe
+        await asyncio.wait_for(ended.wait(), 10)
+        return outs, remote.dead
+
+    outs, dead = asyncio.run(kill())
+    assert outs[-1].finish_reason == "error" and outs[-1].error_code == "engine_gone" and "gone" in dead
+    assert WIRE_CODES["engine_gone"] == "draining" and WIRE_CODES["engine_error"] == "internal"
+
+
 class _StubEngine:
     """What the engine host uses of ``AsyncEngine``: commands recorded, and ``drive`` polling the pump on a thread of
     its own (the engine thread's waits)."""
