@@ -38,6 +38,7 @@ import asyncio
 import collections
 import random
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -279,7 +280,7 @@ class LinkEmulator:
             for c in victims:
                 self.on_cut(self._info_of(c, now))
         for c in victims:
-            self._drop(c)
+            self._drop(c, reset=True)
         self.cuts += 1
         self._down_until = max(self._down_until, self._loop.time() + down_s)
         return True
@@ -324,10 +325,18 @@ class LinkEmulator:
 
     def _cut_all(self) -> None:
         for conn in list(self._conns.values()):
-            self._drop(conn)
+            self._drop(conn, reset=True)
 
-    def _drop(self, conn: _Connection) -> None:
+    def _drop(self, conn: _Connection, reset: bool = False) -> None:
+        """Close both ends now; ``reset``: with an RST, as a cut is documented (a plain abort closed them with a
+        FIN: each end read a clean end-of-stream, and the server's writes went on succeeding)."""
         for t in conn.transports:
+            sock = t.get_extra_info("socket")
+            if reset and sock is not None and not t.is_closing():
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except OSError:
+                    pass
             t.abort()
         try:
             me = asyncio.current_task()

@@ -323,6 +323,22 @@ def _dead(s: socket.socket) -> bool:
         return True
 
 
+def test_a_cut_resets_both_ends():
+    """A cut closed both sockets with a FIN (asyncio's abort): each end read a clean end-of-stream, not the reset
+    the docs promise, and the server could go on writing into a half-closed connection."""
+    with socket.create_server(("127.0.0.1", 0)) as srv, LinkEmulator(srv.getsockname()[1]) as link:
+        client = socket.create_connection(("127.0.0.1", link.port))
+        server, _ = srv.accept()
+        client.sendall(b"e")
+        assert server.recv(1) == b"e"
+        link.cut()
+        for end in (client, server):
+            end.settimeout(5)
+            with pytest.raises(ConnectionResetError):
+                end.recv(1)
+            end.close()
+
+
 def test_cutting_one_connection_leaves_the_others(peer):
     cut = []
     with LinkEmulator(peer.port) as link, socket.create_connection(("127.0.0.1", link.port)) as a, \
