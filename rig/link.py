@@ -331,13 +331,10 @@ class LinkEmulator:
         """Close both ends now; ``reset``: with an RST, as a cut is documented (a plain abort closed them with a
         FIN: each end read a clean end-of-stream, and the server's writes went on succeeding)."""
         for t in conn.transports:
-            sock = t.get_extra_info("socket")
-            if reset and sock is not None and not t.is_closing():
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                except OSError:
-                    pass
-            t.abort()
+            if reset:
+                _reset(t)
+            else:
+                t.abort()
         try:
             me = asyncio.current_task()
         except RuntimeError:  # the loop is closing
@@ -476,8 +473,8 @@ class LinkEmulator:
                 dst.write_eof()
             else:
                 dst.close()
-        except (ConnectionError, OSError):
-            dst.transport.abort()
+        except (ConnectionError, OSError):  # a reset (or a failed write) on one side resets the other
+            _reset(dst.transport)
         except asyncio.CancelledError:
             if conn.index in self._conns and direction in conn.pumps and not dst.is_closing() \
                     and dst.can_write_eof():  # half_close(): this direction ends with a FIN
@@ -488,6 +485,17 @@ class LinkEmulator:
             raise
         finally:
             sender.cancel()
+
+
+def _reset(transport: asyncio.BaseTransport) -> None:
+    """Close ``transport``'s socket with an RST (SO_LINGER 0): asyncio's abort alone sends a FIN."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and not transport.is_closing():
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
 
 
 def _direction(direction: str) -> None:

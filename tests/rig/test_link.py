@@ -8,6 +8,7 @@ import logging
 import random
 import socket
 import statistics
+import struct
 import threading
 import time
 from dataclasses import replace
@@ -337,6 +338,17 @@ def test_a_cut_resets_both_ends():
             with pytest.raises(ConnectionResetError):
                 end.recv(1)
             end.close()
+        # a reset from one end reaches the other as a reset, not as an end-of-stream
+        client = socket.create_connection(("127.0.0.1", link.port))
+        server, _ = srv.accept()
+        client.sendall(b"e")
+        assert server.recv(1) == b"e"
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        server.close()
+        client.settimeout(5)
+        with pytest.raises(ConnectionResetError):
+            client.recv(1)
+        client.close()
 
 
 def test_cutting_one_connection_leaves_the_others(peer):
