@@ -35,7 +35,7 @@ from shared.manifest import BundleError
 from .link import IDEAL, LinkEmulator
 from .report import percentile_ms, summarize
 from .scenario import Scenario, ScenarioError
-from .servers import CloudProcess, stop_all
+from .servers import CloudProcess, die_with_rig, stop_all
 from .workloads import build
 
 
@@ -130,7 +130,8 @@ def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[
         job = _phone_job(sc, targets, mode, i, ports[i], reqs, stream_first=on_delta is not None and i == 0)
         log = open(log_dir / f"phone-{tag}-{i}.log", "ab")
         p = subprocess.Popen([sys.executable, "-m", "rig.phone"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=log, env=env, text=True, cwd=str(Path(__file__).resolve().parent.parent))
+                             stderr=log, env=env, text=True, cwd=str(Path(__file__).resolve().parent.parent),
+                             preexec_fn=die_with_rig())
         log.close()
         p.stdin.write(json.dumps(job) + "\n")
         p.stdin.flush()

@@ -8,13 +8,29 @@ server so that library output never reaches the rig's terminal.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from edge_client.demo import free_port, stop_gracefully, wait_ready
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here: not after a fork
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_rig(cores: list[int] | None = None):
+    """A ``preexec_fn`` for the rig's children: SIGTERM when the rig's process ends, however it ends (a SIGKILL, the
+    OOM killer: the cloud servers run in their own sessions and served on, orphaned), and pinned to ``cores``."""
+    def setup() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cores:
+            os.sched_setaffinity(0, cores)
+    return setup
 
 
 class CloudProcess:
@@ -50,13 +66,12 @@ class CloudProcess:
         if self.cores:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch's pool: one thread per pinned core
                 env[var] = str(len(self.cores))
-        cores = self.cores
-        preexec = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, preexec_fn=preexec, start_new_session=True)
+                                         env=env, preexec_fn=die_with_rig(self.cores),
+                                         start_new_session=True)
         finally:
             log.close()
         return self

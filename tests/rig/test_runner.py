@@ -207,6 +207,37 @@ def test_sigterm_stops_the_servers_and_phones_it_started(tiny_glm4_fp32_bundle, 
                 os.kill(k, signal.SIGKILL)
 
 
+def test_a_killed_rig_takes_its_cloud_server_with_it(tiny_glm4_fp32_bundle, tmp_path):
+    """SIGKILL (the OOM killer, a CI runner's hard stop) leaves no chance to clean up: the cloud server, in its own
+    session, served on, orphaned."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle)
+    rig = subprocess.Popen([sys.executable, "-m", "rig.cli", "run", path, "--out", str(tmp_path / "out"), "--no-plots"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not (kids := _children(rig.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kids, "the rig started no server"
+        rig.kill()
+        rig.wait(10)
+        deadline = time.monotonic() + 20
+        while [k for k in kids if _alive(k)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [k for k in kids if _alive(k)]
+    finally:
+        if rig.poll() is None:
+            rig.kill()
+        for k in kids:
+            if _alive(k):
+                os.kill(k, signal.SIGKILL)
+
+
 def test_every_subcommand_and_option_has_help_text():
     """run --help and demo --help had no description."""
     from rig.cli import build_parser
