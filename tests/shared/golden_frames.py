@@ -64,6 +64,7 @@ GOLDEN: dict[str, P.Message] = {
                        finish_reason=None, usage=None, timings=P.ServerTimings(queue_ms=0.5, compute_ms=3.0,
                                                                                 total_ms=4.0),
                        plan=P.PrecisionPlan(codec="fp16", compute="bf16")),
+    "tokens_progress": P.Tokens(request_id="r1", index=0, token_ids=[]),  # docs/protocol.md, "Progress"
     "tokens_final": P.Tokens(request_id="r1", index=5, token_ids=[2], finish_reason="stop",
                              usage=P.Usage(prompt_tokens=700, completion_tokens=6, cached_tokens=640)),
     "cancel": P.Cancel(request_id="r1"),
