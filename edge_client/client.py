@@ -221,6 +221,7 @@ class EdgeClient:
         # every placeholder becomes its rows: they must fit too, counted before any is decoded or encoded
         items = self.media.items(parts, self.media_policy, room=(room - len(ids), whose))
         media = assemble([int(t) for t in ids], items, self.runtime.hidden_size, self.media.merge_size)
+        media.encode(self.session.cached_prefix(media))  # an item inside the cached prefix is not encoded again
         return RequestSpec(prompt_ids=media.ids, media=media, **sampling)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,

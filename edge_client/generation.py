@@ -490,6 +490,14 @@ class Session:
         return P.Prefill(request_id=req.rid, start=span.start, hidden=span.tensor, last=last, rope_positions=span.rope,
                          **first)
 
+    def cached_prefix(self, media) -> int:
+        """Positions of a media prompt (``edge_client.media.MediaPrompt``) that the activation cache covers now
+        (:meth:`_prefill`'s lookup, without loading or touching a block): the encoder rows there are not needed."""
+        if self.cache is None:
+            return 0
+        n = len(media.ids) - 1  # the lookup leaves the last position to the front (it yields the first token)
+        return self.cache.contains(media.ids[:n], media.content(self.cache.block_tokens, n))
+
     def _rope(self, req: _Request, start: int, n: int) -> np.ndarray | None:
         """3-D rope positions int32 [3, n] of positions [start, start + n) when the prompt has images (the
         cloud's default, index on all axes, is wrong after an image); None otherwise."""
@@ -510,6 +518,8 @@ class Session:
         if hit is not None:
             rt.extend_kv(hit.kv_blocks)
         stats.cached_tokens = h
+        if media is not None:  # items cached_prefix() left out whose blocks were evicted since: encoded now
+            stats.media_encode_s += await _compute(media.encode, h)
         # 2. optimistic: the cloud has [0, c) under the same keys, so those positions are not uploaded
         c = 0 if spec.ushape else (h // self.block_size) * self.block_size  # u-shape: the tail needs every position
         req.prefix_raw = hit.hidden[:c] if hit is not None else None

@@ -12,6 +12,11 @@ encoders, and returns what the front and the wire need:
   (``shared.prefix_keys.content_digests``): every image token has the same id, so without the digest two
   screenshots would share cached activations on the phone and in the cloud.
 
+An item's rows are known before its encoder runs (its digest and row count come from preprocessing), so the
+encoder runs are deferred to :meth:`MediaPrompt.encode`: the rows of an item that lies wholly inside the prefix
+the activation cache covers are never needed (the front does not run there), so a chat's earlier screenshots
+are not encoded again on every turn.
+
 Only numpy: this module runs on the phone.
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 import socket
 import threading
@@ -42,9 +48,15 @@ class MediaItem:
 
     kind: str  # "image" | "audio"
     token_id: int  # the placeholder token the template writes once and the model expects once per row
-    embeds: np.ndarray  # float32 [n, H]
+    embeds: np.ndarray | None  # float32 [n, H]; None: deferred (``encoder`` yields them, MediaPrompt.encode)
     digest: bytes  # 32 bytes: the content's identity (edge_client.vision.PreparedImage.digest, audio's)
     grid_thw: tuple[int, int, int] | None = None  # images: the patch grid (3-D rope positions)
+    encoder: Callable[[], np.ndarray] | None = None  # a deferred item's encoder run
+    n_rows: int = 0  # a deferred item's row count (from preprocessing: no encoder run needed)
+
+    @property
+    def rows(self) -> int:
+        return self.embeds.shape[0] if self.embeds is not None else self.n_rows
 
 
 @dataclass(slots=True)
@@ -57,6 +69,24 @@ class MediaPrompt:
     spans: list[tuple[int, int, bytes]] = field(default_factory=list)  # (start, end, digest) per item
     tokens_by_kind: dict[str, int] = field(default_factory=dict)  # usage: image / audio tokens
     items_by_kind: dict[str, int] = field(default_factory=dict)  # images / audio clips
+    pending: list[tuple[int, MediaItem]] = field(default_factory=list)  # (start, item) of deferred items not run yet
+
+    def encode(self, start: int = 0) -> float:
+        """Run the deferred encoders of the items with rows at ``start`` or beyond and place their rows; the
+        items wholly before ``start`` stay pending (the activation cache covers their positions: the front
+        never reads their rows). Returns the seconds spent."""
+        seconds, left = 0.0, []
+        for a, it in self.pending:
+            if a + it.rows <= start:
+                left.append((a, it))
+                continue
+            t0 = time.perf_counter()
+            rows = it.encoder()
+            seconds += time.perf_counter() - t0
+            _check_rows(it, rows, self.embeds.shape[1])
+            self.embeds[a:a + it.rows] = rows
+        self.pending = left
+        return seconds
 
     def count(self, kind: str) -> int:
         return self.items_by_kind.get(kind, 0)
@@ -97,25 +127,33 @@ def expand(ids: Sequence[int], items: Sequence[MediaItem]) -> tuple[list[int], l
         it = q.pop(0)
         ordered.append(it)
         starts.append(len(out))
-        out += [int(t)] * it.embeds.shape[0]
+        out += [int(t)] * it.rows
     left = sum(len(q) for q in queues.values())
     if left:
         raise MediaError(f"{left} media input(s) without a placeholder in the prompt", "bad_media")
     return out, ordered, starts
 
 
+def _check_rows(it: MediaItem, rows: np.ndarray, hidden_size: int) -> None:
+    if rows.shape != (it.rows, hidden_size):
+        raise MediaError(f"{it.kind} embeddings {list(rows.shape)}: expected [{it.rows}, {hidden_size}]", "bad_media")
+
+
 def assemble(ids: Sequence[int], items: Sequence[MediaItem], hidden_size: int, merge: int = 2) -> MediaPrompt:
-    """The prompt of ``ids`` (one placeholder per item) with ``items`` placed (see the module docstring)."""
+    """The prompt of ``ids`` (one placeholder per item) with ``items`` placed (see the module docstring);
+    deferred items' rows are filled in by :meth:`MediaPrompt.encode`."""
     full, items, starts = expand(ids, items)
     s = len(full)
     embeds = np.zeros((s, hidden_size), np.float32)
     mask = np.zeros(s, np.bool_)
-    spans, images, kinds, counts = [], [], {}, {}
+    spans, images, kinds, counts, pending = [], [], {}, {}, []
     for it, a in zip(items, starts):
-        n = it.embeds.shape[0]
-        if it.embeds.shape != (n, hidden_size):
-            raise MediaError(f"{it.kind} embeddings {list(it.embeds.shape)}: expected [n, {hidden_size}]", "bad_media")
-        embeds[a:a + n] = it.embeds
+        n = it.rows
+        if it.embeds is None:
+            pending.append((a, it))
+        else:
+            _check_rows(it, it.embeds, hidden_size)
+            embeds[a:a + n] = it.embeds
         mask[a:a + n] = True
         spans.append((a, a + n, it.digest))
         kinds[it.kind] = kinds.get(it.kind, 0) + n
@@ -123,7 +161,7 @@ def assemble(ids: Sequence[int], items: Sequence[MediaItem], hidden_size: int, m
         if it.grid_thw is not None:
             images.append(ImageSpan(a, it.grid_thw))
     positions, delta = rope_index(s, images, merge)
-    return MediaPrompt(full, embeds, mask, positions, delta, spans, kinds, counts)
+    return MediaPrompt(full, embeds, mask, positions, delta, spans, kinds, counts, pending)
 
 
 
@@ -444,7 +482,8 @@ class MediaEncoders:
 
     def items(self, parts: Sequence[MediaPart], policy: MediaPolicy,
               room: tuple[int, str] | None = None) -> list[MediaItem]:
-        """Load, check, preprocess and encode every part (MediaError on the first bad one).
+        """Load, check and preprocess every part (MediaError on the first bad one); the encoder runs are
+        deferred (:meth:`MediaPrompt.encode`).
 
         ``room``: how many positions the prompt may grow by when each part's one placeholder becomes its rows,
         and whose limit that is (None: no bound). Every part is loaded and checked, and its rows counted (an image's from its header),
@@ -471,11 +510,13 @@ class MediaEncoders:
             if kind == "image":
                 enc = self.vision
                 img = enc.prepared(src, policy.max_pixels)
-                items.append(MediaItem("image", enc.spec.image_token_id, enc.encode(img), img.digest, img.grid_thw))
+                items.append(MediaItem("image", enc.spec.image_token_id, None, img.digest, img.grid_thw,
+                                       functools.partial(enc.encode, img), img.n_tokens))
             else:
                 enc = self.audio
                 clip = enc.prepared(src)
-                items.append(MediaItem("audio", enc.spec.audio_token_id, enc.encode(clip), clip.digest))
+                items.append(MediaItem("audio", enc.spec.audio_token_id, None, clip.digest, None,
+                                       functools.partial(enc.encode, clip), clip.n_tokens))
         return items
 
     @property

@@ -91,6 +91,31 @@ def test_screenshots_through_the_real_server(tiny_glm4v_lm, bundle, cloud):
         assert c.complete(prompt_ids=PROMPT, images=[a], max_tokens=N_NEW).token_ids == first.token_ids
 
 
+def test_a_chats_earlier_screenshots_are_not_encoded_again(bundle, cloud):
+    """A 3-turn chat, one new screenshot per turn, each turn's prompt the whole history: the images inside the
+    prefix the activation cache covers are not run through the tower again (turn 3 encodes only its own: each
+    image's rows end before the last full block of the turn that brought it), and the answers equal those of a client without the cache (which encodes every image each turn)."""
+    def chat(c) -> tuple[list[list[int]], list[int]]:
+        ids, images, answers, runs = [], [], [], []
+        for turn in range(3):
+            ids += [int(t) for t in np.arange(20) + 40 * turn + 20] + [BOI, IMG, EOI] + list(range(30, 50))
+            images.append(_png(10 + turn))
+            before = c.media.vision.graph.runs if c.media._vision is not None else 0
+            g = c.complete(prompt_ids=ids, images=images, max_tokens=6)
+            runs.append(c.media.vision.graph.runs - before)
+            answers.append(g.token_ids)
+            ids += g.token_ids
+        return answers, runs
+
+    with EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY, cache_block_tokens=16) as c:
+        cached, runs = chat(c)
+    assert runs == [1, 1, 1]
+    with EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY, cache_block_tokens=16,
+                    cache_prompts=False) as c:
+        plain, plain_runs = chat(c)
+    assert plain_runs == [1, 2, 3] and cached == plain
+
+
 def test_local_openai_endpoint_takes_image_parts(bundle, cloud, tmp_path):
     """image_url parts (data URL, allow-listed local path) through the local OpenAI endpoint; usage counts
     the image tokens; bad input is a 400 with the reason, and the next request is served."""
