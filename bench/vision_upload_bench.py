@@ -382,6 +382,7 @@ def delta_coding(budget: int, threads: int) -> dict:
             img.save(buf, format="PNG")
             items = media.items([MediaPart("image", buf.getvalue())], policy)
             mp = assemble(ids, items, front.hidden_size, media.merge_size)
+            mp.encode()  # every item's rows (the encoder runs are deferred)
             front.reset()
             return mp, front.prefill_media(mp.ids, mp.positions, mp.embeds, mp.mask), \
                 media.vision.prepare(buf.getvalue(), budget).pixel_values  # [S, H], [N, 1176]
