@@ -312,11 +312,12 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
                         records += [dict(r, profile=prof.name, workload=workload.kind) for r in recs]
                         finished(tag, recs)
             except KeyboardInterrupt:
-                progress.line("interrupted: stopping the cloud server(s) (they drain for up to 15 s; Ctrl-C again "
-                              "stops them at once)")
+                stop_all(servers.values(), notice=lambda: progress.line(
+                    "interrupted: stopping the cloud server(s) (they drain for up to 15 s; Ctrl-C again stops them at "
+                    "once)"))
                 raise
             finally:
-                stop_all(servers.values())
+                stop_all(servers.values())  # (none left after an interrupt)
         # 2. all-edge: no network, so one run per workload; its rows repeat under every profile
         if "all-edge" in sc.modes:
             for workload in sc.workloads:

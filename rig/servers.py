@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from edge_client.demo import free_port, stop_gracefully, wait_ready
@@ -86,8 +86,8 @@ class CloudProcess:
         return self
 
     def stop(self) -> None:
-        proc, self.proc = self.proc, None
-        stop_gracefully(proc)
+        stop_gracefully(self.proc)  # (it stays self.proc until stopped: stop_all kills it on a Ctrl-C)
+        self.proc = None
 
     def __enter__(self) -> CloudProcess:
         return self.start()
@@ -96,16 +96,19 @@ class CloudProcess:
         self.stop()
 
 
-def stop_all(servers: Iterable[CloudProcess]) -> None:
-    """Stop each server in turn; a Ctrl-C during one's drain kills it and every one after it before it
+def stop_all(servers: Iterable[CloudProcess], notice: Callable[[], None] | None = None) -> None:
+    """``notice()``, then stop each server in turn; a Ctrl-C from then on kills every one not stopped yet before it
     propagates (they run in their own sessions: one left behind would serve on, orphaned)."""
     servers = list(servers)
-    for i, srv in enumerate(servers):
-        try:
+    try:
+        if notice is not None:
+            notice()
+        for srv in servers:
             srv.stop()
-        except KeyboardInterrupt:
-            for rest in servers[i + 1:]:
-                if rest.proc is not None:
-                    rest.proc.kill()
-                    rest.proc.wait()
-            raise
+    except KeyboardInterrupt:
+        for srv in servers:
+            if srv.proc is not None:
+                srv.proc.kill()
+                srv.proc.wait()
+                srv.proc = None
+        raise
