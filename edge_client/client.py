@@ -28,6 +28,7 @@ import json
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -66,7 +67,7 @@ class EdgeClient:
         Execution modes besides ``split`` (``shared.exec_mode``): ``whole_model`` runs the whole model on the
         phone (``edge-only``; e.g. ``rig.all_edge.WholeModelRunner``), ``all_cloud`` calls a full-model
         endpoint (``all-cloud``); each is an object whose ``generate(prompt_ids, max_tokens)`` returns a
-        result with ``token_ids`` (greedy). ``prefix_secret``: the tenant secret that keys prefix keys in the
+        result with ``token_ids`` (greedy) and optionally ``ttft_s`` / ``itl_s`` (its timings: the stats'). ``prefix_secret``: the tenant secret that keys prefix keys in the
         private levels (>= 16 bytes; share it among a tenant's devices to share their cloud prefix blocks);
         None: a random one per client (private requests then share blocks only within this client)."""
         if isinstance(bundle, EdgeConfig):
@@ -319,13 +320,13 @@ class EdgeClient:
             await self.session.run(spec, sink, stats)
             return
         runner = self.whole_model if decision.mode == "edge-only" else self.all_cloud
-        t0 = asyncio.get_running_loop().time()
+        t0 = time.perf_counter()
         try:
             result = await asyncio.to_thread(runner.generate, list(spec.prompt_ids), spec.max_tokens)
         except Exception as e:  # noqa: BLE001 - the runner's failure is this request's
             sink(("error", EdgeClientError(f"{decision.mode}: {type(e).__name__}: {e}", "internal")))
             return
-        stats.total_s = asyncio.get_running_loop().time() - t0
+        stats.total_s = time.perf_counter() - t0
         decoder, stop = StreamDecoder(self.tokenizer.decode), StopMatcher(spec.stop)
         tokens: list[int] = []
         for t in result.token_ids:  # the stop strings end the text as in split mode (the stop itself not included)
@@ -339,6 +340,7 @@ class EdgeClient:
             if tail:
                 sink(("token", -1, tail))
         stats.completion_tokens = len(tokens)
+        _runner_timings(stats, result, len(tokens))
         if decision.mode == "all-cloud":  # the cloud produced it: a draft source; an edge-only answer never is
             self.session.drafter.remember(tokens)
         sink(("end", "stop" if stop.stopped or len(tokens) < spec.max_tokens else "length"))
@@ -402,6 +404,21 @@ class EdgeClient:
                     ids = ids[:next((i for i, t in enumerate(ids) if t in first), len(ids))]
             tokens += self._call(self.session.preload(ids))
         return tokens
+
+
+def _runner_timings(stats: RequestStats, result: Any, n: int) -> None:
+    """``ttft_s`` / ``itl_s`` of an edge-only or all-cloud answer of ``n`` tokens (those the stop strings left):
+    the runner's own (``result.ttft_s`` / ``result.itl_s``, as the rig's report them: it returns the answer whole,
+    so they tell when it produced each token); a runner without them: the first token came with the whole answer
+    (``ttft_s = total_s``), no decode rate."""
+    if n == 0:
+        return
+    ttft, itl = getattr(result, "ttft_s", None), getattr(result, "itl_s", None)
+    if isinstance(ttft, (int, float)) and 0 <= ttft <= stats.total_s:
+        stats.ttft_s = float(ttft)
+        stats.itl_s = [float(g) for g in (itl or [])][: n - 1]
+    else:
+        stats.ttft_s = stats.total_s
 
 
 def _sampling_defaults(kw: dict) -> dict:

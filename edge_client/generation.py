@@ -834,6 +834,10 @@ class Session:
                     return
                 if resumed and req.opened and await self._resume(req, stats):
                     return
+                if self.state.phase == DRAINING:  # resumed on a draining server, which takes no replay: elsewhere
+                    self.resume_token = None
+                    await self.link.close()
+                    raise LinkDown("the draining server cannot resume the request")
                 if req.rid in self.state.requests:  # the cloud holds part of a span: drop its copy, replay ours
                     await self._send(P.Cancel(request_id=req.rid))
                 stats.replays += 1

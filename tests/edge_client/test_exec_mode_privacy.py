@@ -230,3 +230,25 @@ def test_a_sampled_request_is_not_run_greedily_on_the_phone(tiny_bundle, cloud, 
             assert e.value.code == "exec_mode"
         assert proxy.connections == 0
         assert c.complete(prompt=PROMPT, max_tokens=4, privacy="output-private").stats.exec_mode == "edge-only"
+
+
+def test_edge_only_and_all_cloud_answers_have_a_ttft_and_a_decode_rate(tiny_bundle, cloud, whole_model):
+    """The edge-only and all-cloud runners return their answer whole: ``ttft_s`` stayed None and ``tokens_per_s``
+    0 there. They are the runner's own timings now (the rig's report them; cut to the tokens a stop string
+    leaves), or the whole answer's time for a runner that reports none."""
+    class Plain:  # a runner with token ids only
+        def generate(self, ids, max_tokens):
+            return type("R", (), {"token_ids": whole_model.generate(ids, max_tokens).token_ids})()
+
+    with EdgeClient(tiny_bundle, cloud.ws_url, retry=RETRY, whole_model=whole_model, all_cloud=whole_model) as c:
+        for mode in ("edge-only", "all-cloud"):
+            st = c.complete(prompt=PROMPT, max_tokens=12, mode=mode).stats
+            assert st.exec_mode == mode and st.completion_tokens == 12
+            assert 0 < st.ttft_s <= st.total_s and len(st.itl_s) == 11 and st.tokens_per_s > 0
+        text = c.complete(prompt=PROMPT, max_tokens=12, mode="edge-only").text
+        stop = next(ch for ch in text if ch.strip())
+        st = c.complete(prompt=PROMPT, max_tokens=12, stop=stop, mode="edge-only").stats
+        assert len(st.itl_s) == st.completion_tokens - 1
+    with EdgeClient(tiny_bundle, cloud.ws_url, retry=RETRY, whole_model=Plain()) as c:
+        st = c.complete(prompt=PROMPT, max_tokens=12, mode="edge-only").stats
+        assert st.ttft_s == st.total_s > 0 and st.tokens_per_s == 0.0
