@@ -167,6 +167,7 @@ class SplitEndpoint:
         self.wire_limits = P.Limits(max_frame_bytes=self.max_message_bytes)
         self.translate = SplitTranslator(runtime, self.codecs, self.wire_limits, self._load)
         self.served_bundle_ids: list[str] = []  # every bundle this process serves (set by cloud_server.bundle_set)
+        self.drain_grace_ms = 0  # the Drain's grace, once draining
         self.translate.on_engine_dead = self._engine_dead
         self._progress: asyncio.TimerHandle | None = None  # the next progress check, while sessions are open
         if self.peers is not None:
@@ -236,11 +237,6 @@ class SplitEndpoint:
                                                       f"{hello.bundle_id}", CLOSE_POLICY,
                                bundle_ids=self.served_bundle_ids or [rt.bundle_id])  # GET /v1/bundles has them
             return None
-        if rt.draining:
-            metrics.refused.labels(rt.model_name, "draining").inc()
-            await self._refuse(ws, "draining", "server is draining; connect to another replica",
-                               CLOSE_TRY_LATER, retry_after_ms=5000)
-            return None
         if rt.engine is None or not rt.engine.alive:
             await self._refuse(ws, "internal", f"engine not running: {rt.engine.dead if rt.engine else 'starting'}",
                                CLOSE_INTERNAL)
@@ -255,6 +251,11 @@ class SplitEndpoint:
         tenant = principal.tenant
         session = self.registry.for_resume(hello.resume_token, tenant)
         resumed = session is not None
+        if rt.draining and not resumed:  # a session held here resumes, so that its open requests can finish
+            metrics.refused.labels(rt.model_name, "draining").inc()
+            await self._refuse(ws, "draining", "server is draining; connect to another replica",
+                               CLOSE_TRY_LATER, retry_after_ms=5000)
+            return None
         if not resumed:
             session_id, token = self.registry.mint()
             try:
@@ -297,6 +298,8 @@ class SplitEndpoint:
             plan=session.plan, codecs=codecs, server=self._server_info(), cached_prefixes=cached,
             requests=[P.RequestState(request_id=t.request_id, received=t.received, tokens=t.tokens)
                       for t in session.state.requests.values()] if resumed else []))
+        if rt.draining:  # resumed while draining: no new requests on it either
+            session.send(P.Drain(grace_ms=self.drain_grace_ms, reason="server shutting down"))
         return session
 
     async def _admit(self, principal, session_id: str, token: str, presented: str | None) -> tuple[str, str] | None:
@@ -483,6 +486,9 @@ class SplitEndpoint:
 
     # -- drain ------------------------------------------------------------------------------------
     def drain(self, grace_ms: int) -> None:
-        """Tell every edge the server is going away (on the event loop thread): no new requests from now."""
+        """Tell every edge the server is going away (on the event loop thread): no new requests from now. New
+        sessions are refused (``draining``); one held here may still resume (a phone's link that dropped during the
+        drain), so that its open requests finish here."""
+        self.drain_grace_ms = grace_ms
         for s in list(self.registry.by_id.values()):
             s.send(P.Drain(grace_ms=grace_ms, reason="server shutting down"))

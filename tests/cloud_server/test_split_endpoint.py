@@ -433,6 +433,48 @@ def test_a_server_whose_engine_stopped_stops_to_be_restarted(tiny_bundle, loaded
         _stop(srv)
 
 
+def test_a_link_that_drops_during_the_drain_resumes_and_its_request_finishes_there(tiny_bundle, tiny_lm,
+                                                                                   loaded_front):
+    """The drain waits for open requests; one whose phone's link dropped meanwhile could not resume (the draining
+    server refused every Hello), so it never finished: the phone failed 'unreachable' and the server waited out
+    its drain timeout. A session held here now resumes (and is told Drain again); new sessions are refused."""
+    import signal
+
+    srv = _serve(tiny_bundle, drain_timeout_s=20, session_grace_s=10)
+    prompt = _prompts(1, seed=13)[0]
+    try:
+        async def main():
+            edge = _edge(srv, tiny_bundle, loaded_front)
+            welcome = await edge.connect()
+            front = loaded_front.fork()
+            await edge.prefill("r", front, prompt, P.SamplingParams(max_tokens=8, temperature=0.0))
+            first = await edge.recv()
+            srv.server.handle_exit(signal.SIGTERM, None)  # what the signal handler does
+            assert isinstance(await edge.recv(), P.Drain)
+            edge.kill()  # the phone's link drops during the drain
+            back = _edge(srv, tiny_bundle, loaded_front)
+            again = await back.connect(resume_token=welcome.resume_token)
+            drain = await back.recv()
+            late = await _edge(srv, tiny_bundle, loaded_front).connect()  # a new session: still refused
+            await back.send(P.Resume(request_id="r", have_tokens=1))
+            assert (await back.recv()).token_ids == []
+            tokens = list(first.token_ids)
+            await _decode_to_end(back, front, len(prompt), tokens)
+            await back.send(P.Prefill(request_id="new", start=0, hidden=back.encode(boundary(front, prompt[:2])),
+                                      params=P.SamplingParams(max_tokens=2)))
+            return again, drain, late, tokens, await back.recv()
+
+        again, drain, late, tokens, refused = asyncio.run(main())
+        assert again.resumed and isinstance(drain, P.Drain)
+        assert isinstance(late, P.Error) and late.code == "draining"
+        assert tokens == greedy_reference(tiny_lm.model, prompt, 8, [2, 3])
+        assert isinstance(refused, P.Error) and refused.code == "draining"  # no new request on it either
+        srv.thread.join(timeout=10)
+        assert not srv.thread.is_alive()  # the request finished: the drain ended well before its timeout
+    finally:
+        _stop(srv)
+
+
 def test_a_drained_servers_edges_send_their_next_request_to_the_next_replica(server, tiny_bundle, loaded_front):
     """A rolling update: the old replica drains (SIGTERM) and the balancer sends new connections to the next one.
     An edge that read the Drain during its request, and one whose Drain was still unread (idle), each run their
@@ -475,6 +517,57 @@ def test_a_drained_servers_edges_send_their_next_request_to_the_next_replica(ser
             got = {c: c.complete(prompt_ids=prompt, max_tokens=6) for c in (busy, idle)}
         assert all(g.token_ids == want and g.finish_reason == "length" for g in got.values())
         assert got[idle].stats.replays == 1  # refused 'draining' by the old replica, then sent to the next
+    finally:
+        release.set()
+        if holding.is_alive():
+            holding.join(10)
+        _stop(old)
+
+
+def test_a_request_the_draining_server_cannot_resume_goes_to_the_next_replica(server, tiny_bundle, loaded_front):
+    """The phone's link drops during a drain for longer than the step timeout: its session resumes on the old
+    replica, which no longer holds the request (timed out: ``resume_failed``) and takes no replay (draining) - the
+    edge broke the protocol there ('draining'); it now replays it on the next replica, with the same tokens."""
+    import signal
+
+    from edge_client.client import EdgeClient
+    from edge_client.config import RetryPolicy
+    from rig.link import LinkEmulator
+
+    old = _serve(tiny_bundle, drain_timeout_s=30, session_grace_s=30, step_timeout_s=1)
+    prompt = _prompts(1, seed=14)[0]
+    retry = RetryPolicy(connect_timeout_s=5, max_retries=20, backoff_initial_s=0.1, backoff_max_s=0.3)
+    held, release = threading.Event(), threading.Event()
+
+    async def hold():  # a session decoding slowly (within the step timeout) keeps the old replica draining
+        holder, front = _edge(old, tiny_bundle, loaded_front), loaded_front.fork()
+        await holder.connect()
+        await holder.prefill("h", front, prompt, P.SamplingParams(max_tokens=200, temperature=0.0))
+        tokens = (await holder.recv()).token_ids
+        held.set()
+        while not release.is_set():
+            await asyncio.sleep(0.3)
+            hidden = holder.encode(boundary(front, [tokens[-1]]))
+            await holder.send(P.DecodeStep(request_id="h", position=len(prompt) + len(tokens) - 1, hidden=hidden))
+            while not isinstance(msg := await holder.recv(), P.Tokens):  # (its Drain)
+                pass
+            tokens += msg.token_ids
+        await holder.close()
+
+    holding = threading.Thread(target=asyncio.run, args=(hold(),), daemon=True)
+    try:
+        with LinkEmulator(old.port) as balancer, \
+                EdgeClient(tiny_bundle, f"ws://127.0.0.1:{balancer.port}", codec="fp16", retry=retry) as phone:
+            want = phone.complete(prompt_ids=prompt, max_tokens=12).token_ids
+            holding.start()
+            assert held.wait(30)
+            gen = phone.generate(prompt_ids=prompt, max_tokens=12)
+            for n, _ in enumerate(gen.iter_tokens()):
+                if n == 1:
+                    old.server.handle_exit(signal.SIGTERM, None)
+                    balancer.cut(down_s=3.0)  # the request times out on the old replica meanwhile
+                    threading.Timer(4.0, lambda: setattr(balancer, "target", ("127.0.0.1", server.port))).start()
+        assert gen.token_ids == want and gen.finish_reason == "length" and gen.stats.replays >= 1
     finally:
         release.set()
         if holding.is_alive():
