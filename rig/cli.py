@@ -25,6 +25,19 @@ def _env(name: str, default=None):
     return os.environ.get(f"AUTOGLM_RIG_{name}", default)
 
 
+def _threads(value: str) -> int:
+    """``demo --threads``: the scenario's ``edge_threads`` range, said of the flag (it was "edge_threads 0: ...")."""
+    from .scenario import MAX_THREADS
+
+    try:
+        n = int(value)
+    except ValueError:
+        n = None
+    if n is None or not 1 <= n <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {MAX_THREADS}], got {value!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autoglm-rig", description="The simulated-mobile test rig: emulated "
                                 "links, simulated phones, split vs all-cloud vs all-edge.")
@@ -40,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="The split, all-cloud and all-edge on localhost over an emulated link.")
     d.add_argument("--profile", default=_env("PROFILE", "4g"), help="link profile (default 4g) "
                                                                     "[env AUTOGLM_RIG_PROFILE]")
-    d.add_argument("--threads", type=int, default=_env("THREADS", "1"),
+    d.add_argument("--threads", type=_threads, default=_env("THREADS", "1"),
                    help="onnxruntime threads of the simulated phone (default 1) [env AUTOGLM_RIG_THREADS]")
     d.add_argument("--out", default=_env("OUT"), help="report directory (default: a temporary one) "
                                                       "[env AUTOGLM_RIG_OUT]")

@@ -238,6 +238,17 @@ def test_a_killed_rig_takes_its_cloud_server_with_it(tiny_glm4_fp32_bundle, tmp_
                 os.kill(k, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "100000", "abc"])
+def test_a_bad_demo_threads_is_a_usage_error_naming_the_flag(capsys, value):
+    """--threads 0 was refused as "edge_threads 0", a key the demo's user never wrote."""
+    from rig.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--threads", value])
+    assert e.value.code == 2
+    assert f"argument --threads: expected an integer in [1, 256], got '{value}'" in capsys.readouterr().err
+
+
 def test_every_subcommand_and_option_has_help_text():
     """run --help and demo --help had no description."""
     from rig.cli import build_parser
