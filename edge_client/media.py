@@ -184,7 +184,10 @@ class MediaPolicy:
 def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> bytes:
     """Raw bytes as given; a ``data:`` URL decoded; ``http(s)`` fetched within the policy's size and time
     limits (``kind``: the content type it must serve, ``image`` or ``audio``); a local path (or ``file://``)
-    only from inside ``policy.local_dir``."""
+    only from inside ``policy.local_dir``. A string's leading and trailing spaces and control characters are
+    not part of it (the URL standard strips them)."""
+    if isinstance(src, str):
+        src = src.strip(_C0_AND_SPACE)
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
     elif not isinstance(src, str) or not src:
@@ -196,7 +199,7 @@ def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> b
         head, _, payload = src.partition(",")
         if ";base64" not in head.lower():
             raise MediaError("data URL without base64 encoding", "bad_media")
-        data = b64decode(payload, "data URL")
+        data = b64decode(urllib.parse.unquote(payload), "data URL")  # a URL: %2B, %2F, %3D are +, /, =
     elif scheme in ("http", "https"):
         data = _fetch(src, policy, kind)
     elif scheme == "file":  # a URL: its path percent-encoded (file:///sdcard/My%20shot.png)
@@ -211,6 +214,7 @@ def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> b
     return data
 
 
+_C0_AND_SPACE = "".join(map(chr, range(0x21)))  # what the URL standard strips from both ends of a URL
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(//)?")
 
 

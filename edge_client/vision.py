@@ -204,13 +204,16 @@ def load_image(img, max_pixels: int = MAX_INPUT_PIXELS):
         orientation = 1
     if orientation in range(2, 9):
         img = ImageOps.exif_transpose(img)
-    if img.mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit grayscale (PNG): to 8 bits, where convert() would clip
-        img = Image.fromarray((np.clip(np.asarray(img, np.int64), 0, 65535) >> 8).astype(np.uint8))  # mode L
-    if "A" in img.getbands() or img.info.get("transparency") is not None:
-        rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
-    return img.convert("RGB")
+    with _pil_errors(max_pixels):  # a mode PIL cannot convert (an app's own image): bad_image, not a ValueError
+        if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):  # 16-bit grayscale (PNG): to 8 bits, not clipped
+            img = Image.fromarray((np.clip(np.asarray(img, np.int64), 0, 65535) >> 8).astype(np.uint8))  # mode L
+        if img.mode in ("La", "RGBa"):  # premultiplied alpha ("La" converts to nothing else): straight alpha first
+            img = img.convert(img.mode.upper())
+        if "A" in img.getbands() or img.info.get("transparency") is not None:
+            rgba = img.convert("RGBA")
+            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(background, rgba).convert("RGB")
+        return img.convert("RGB")
 
 
 def decode_image(data: bytes, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INPUT_PIXELS):

@@ -28,7 +28,7 @@ from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
 from edge_client.errors import EdgeClientError
 from edge_client.local_api import create_app
-from edge_client.vision import VisionEncoder, decode_image
+from edge_client.vision import VisionEncoder, decode_image, load_image, open_image
 
 RETRY = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=60.0, max_retries=3, backoff_initial_s=0.1,
                     backoff_max_s=0.5)
@@ -262,6 +262,24 @@ def test_a_pil_image_is_an_image_and_other_objects_are_refused_by_name(served):
     assert e.value.code == "image_too_large"
 
 
+def test_a_pil_image_in_any_mode_pil_makes_is_served(served):
+    """An app's own PIL image in an unusual mode: premultiplied alpha 'La' raised a raw ValueError ('conversion
+    from La to L not supported') out of generate(); it is converted (to straight alpha, then on white, as 'LA':
+    the same picture is the same answer), as are 'I;16', 'F' and 'PA'."""
+    _, _, vc, _ = served
+    prompt = "what is here? " + vc._placeholder("image")
+
+    def ask(image):
+        return vc.complete(prompt=prompt, images=image, max_tokens=3)
+
+    straight = ask(Image.new("LA", (40, 30), (200, 255)))
+    assert ask(Image.new("La", (40, 30), (200, 255))).token_ids == straight.token_ids
+    half = decode_image(_encoded(Image.new("LA", (4, 3), (199, 128))))  # La (100, 128): 100 / (128 / 255) = 199
+    assert np.array_equal(np.asarray(load_image(open_image(Image.new("La", (4, 3), (100, 128))))), np.asarray(half))
+    for mode in ("I;16", "F", "PA"):
+        assert ask(Image.new(mode, (40, 30))).stats.image_tokens == straight.stats.image_tokens, mode
+
+
 def test_a_request_with_media_never_runs_where_its_rows_cannot_go(served):
     """Round 4: the edge-only and all-cloud runners take token ids alone; a request with a screenshot was run
     edge-only (privacy output-private, a mode override, a link down) on its placeholder ids - the same answer for
@@ -330,16 +348,21 @@ def test_preloading_messages_with_an_image_caches_the_text_before_it(served, tmp
 def test_data_url_forms(served):
     """A data: URL's base64 may carry ASCII whitespace (``base64``'s 76-column lines, a trailing newline) and its
     scheme and ``;base64`` any case, as RFC 2397 / the URL standard read them (all used to be refused); its media
-    type is not checked (the bytes tell). Not base64 (URL-safe alphabet, non-ASCII): bad_media; a scheme other
+    type is not checked (the bytes tell). Its base64 percent-encoded (``%2B``, ``%2F``, ``%3D``: a URL's
+    escapes), or the URL with spaces / a newline around it, is the same image (both were refused). Not base64 (URL-safe alphabet, non-ASCII): bad_media; a scheme other
     than data / http(s) / file: bad_media naming it (it used to be looked up as a file of the media folder)."""
     v, _, _, _ = served
     png = _encoded(Image.fromarray(np.random.default_rng(2).integers(0, 256, (50, 60, 3), dtype=np.uint8)))
     b64 = base64.b64encode(png).decode()
+    escaped = b64.replace("+", "%2B").replace("/", "%2f").replace("=", "%3D")
+    assert "%2B" in escaped and escaped.endswith("%3D")  # the escapes are there to decode
     for url in ("data:image/png;base64," + base64.encodebytes(png).decode(),
                 "data:image/png;base64," + b64 + "\n",
                 "data:image/png;base64, " + b64,
                 "DATA:image/png;BASE64," + b64,
-                "data:text/plain;base64," + b64):
+                "data:text/plain;base64," + b64,
+                "data:image/png;base64," + escaped,
+                "  data:image/png;base64," + b64 + " \n"):
         _ok(_chat(v, _image(url), max_tokens=1))
     urlsafe = base64.urlsafe_b64encode(png).decode()
     assert urlsafe != b64
