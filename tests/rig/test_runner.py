@@ -164,6 +164,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _reap(rig, kids: set[int]) -> None:
+    """Whatever a failed test left running: the rig, then the processes it started."""
+    import signal
+
+    if rig.poll() is None:
+        rig.kill()
+    for k in kids:
+        if _alive(k):
+            os.kill(k, signal.SIGKILL)
+
+
 def test_sigterm_stops_the_servers_and_phones_it_started(tiny_glm4_fp32_bundle, tmp_path):
     """SIGTERM (a CI cancel, `timeout`, systemd) cleans up as Ctrl-C does; it left the cloud server (its own
     session) and the phones running. A second one during the server's drain (an impatient Ctrl-C) left the server
@@ -200,17 +211,12 @@ def test_sigterm_stops_the_servers_and_phones_it_started(tiny_glm4_fp32_bundle, 
         assert report["interrupted"] is True and report["records"] == [], err
         assert f"partial report (the 0 requests of the runs that finished): {out / 'report.json'}" in err
     finally:
-        if rig.poll() is None:
-            rig.kill()
-        for k in kids:
-            if _alive(k):
-                os.kill(k, signal.SIGKILL)
+        _reap(rig, kids)
 
 
 def test_a_killed_rig_takes_its_cloud_server_with_it(tiny_glm4_fp32_bundle, tmp_path):
     """SIGKILL (the OOM killer, a CI runner's hard stop) leaves no chance to clean up: the cloud server, in its own
     session, served on, orphaned."""
-    import signal
     import subprocess
     import sys
     import time
@@ -231,11 +237,7 @@ def test_a_killed_rig_takes_its_cloud_server_with_it(tiny_glm4_fp32_bundle, tmp_
             time.sleep(0.1)
         assert not [k for k in kids if _alive(k)]
     finally:
-        if rig.poll() is None:
-            rig.kill()
-        for k in kids:
-            if _alive(k):
-                os.kill(k, signal.SIGKILL)
+        _reap(rig, kids)
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "100000", "abc"])

@@ -28,7 +28,7 @@ def test_speculative_sampling_keeps_the_models_distribution():
     first = []
     for seed in range(n):
         s = EdgeSampler(temperature=1.3, top_k=6, seed=seed)
-        first.append(accept_drafts([draft], lambda i, _: s.sample(logits[i], 5 + i))[0])
+        first.append(accept_drafts([draft], lambda i, _, s=s: s.sample(logits[i], 5 + i))[0])
     counts = np.bincount(first, minlength=10)
     kept = p > 0
     assert counts[~kept].sum() == 0  # nothing outside top-k
