@@ -150,7 +150,8 @@ def test_rig_bad_threads_environment_twin(capsys, monkeypatch):
     monkeypatch.setenv("AUTOGLM_RIG_THREADS", "abc")
     with pytest.raises(SystemExit) as e:
         rig_main(["demo"])
-    assert e.value.code == 2 and "invalid int value: 'abc'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --threads: expected an integer in [1, 256], got 'abc'" in err
 
 
 def test_a_fake_gguf_and_a_missing_audio_encoder_are_one_line(tmp_path, capsys):
