@@ -417,6 +417,9 @@ class Session:
                 tail = stop.feed(decoder.flush())[0] + stop.flush()
                 if tail:
                     sink(("token", -1, tail))
+            if req.finish == "error":  # ended by the cloud without an Error saying why: a failure, not an answer
+                raise EdgeClientError(f"the cloud ended the request with an error after {len(req.tokens)} tokens",
+                                      "internal")
             self.drafter.remember(req.tokens)  # later requests (the next agent step) draft from it
             return req.finish or "stop"
         except (asyncio.CancelledError, Exception):  # a failure here too: the cloud would hold the request's KV

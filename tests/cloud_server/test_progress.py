@@ -1,6 +1,7 @@
 """Progress Tokens (docs/protocol.md, "Progress"): while the cloud computes a request for longer than the edge's
 reply timeout - a long prompt on a CPU cloud, a wait in the queue - the edge hears that it is alive and does not
-take the quiet for a dropped link (before: "link down" and a reconnect per reply timeout, each resending work)."""
+take the quiet for a dropped link (before: "link down" and a reconnect per reply timeout, each resending work).
+And the other way a request can end without its answer: a final Tokens with finish_reason "error"."""
 
 from __future__ import annotations
 
@@ -67,3 +68,13 @@ def test_without_progress_the_stall_looks_like_a_drop(server, tiny_bundle, monke
         assert "link" in str(e) or e.code in ("link_down", "timeout"), e
     else:
         assert stats.reconnects >= 1
+
+
+def test_a_request_the_cloud_ends_with_an_error_raises(server, tiny_bundle, monkeypatch):
+    """A Tokens(finish_reason="error") (an engine finish the server has no wire name for; older servers also
+    answered a Resume so) ended the answer as if it were complete: the edge returned the tokens so far with no
+    exception, where every other failure raises."""
+    monkeypatch.setattr("cloud_server.split_translate.WIRE_FINISH", {})  # every finish goes out as "error"
+    with pytest.raises(EdgeClientError) as e:
+        _generate(server, tiny_bundle)
+    assert e.value.code == "internal" and "ended the request with an error" in str(e.value)
