@@ -91,18 +91,26 @@ def write_report(report: dict, out: Path, plots: bool = True) -> list[Path]:
 
 
 def keep_partial(out: Path, run: Callable[[], dict]) -> dict:
-    """``run()``; when Ctrl-C or SIGTERM interrupts it, write what finished to ``out/report.json`` (marked
-    ``"interrupted": true``, no plots) and say where, before the interrupt propagates (exit 130)."""
-    from .runner import RunInterrupted
+    """``run()``; when Ctrl-C or SIGTERM interrupts it, or a phone or server fails, write what finished to
+    ``out/report.json`` (marked ``"interrupted": true`` or ``"failed": <why>``, no plots) and say where, before
+    the exception propagates (exit 130, exit 1)."""
+    from .runner import RigError, RunInterrupted
 
     try:
         return run()
     except RunInterrupted as e:
-        report = dict(e.report, interrupted=True)
-        path = write_report(report, out, plots=False)[0]
-        print(f"partial report (the {len(report['records'])} requests of the runs that finished): {path}; "
-              f"logs: {out / 'logs'}", file=sys.stderr)
+        _write_partial(dict(e.report, interrupted=True), out)
         raise
+    except RigError as e:
+        if e.report is not None and e.report["records"]:
+            _write_partial(dict(e.report, failed=str(e)), out)
+        raise
+
+
+def _write_partial(report: dict, out: Path) -> None:
+    path = write_report(report, out, plots=False)[0]
+    print(f"partial report (the {len(report['records'])} requests of the runs that finished): {path}; "
+          f"logs: {out / 'logs'}", file=sys.stderr)
 
 
 def _cmd_run(args) -> int:

@@ -40,7 +40,10 @@ from .workloads import build
 
 
 class RigError(RuntimeError):
-    """A phone or a server failed; the message says which and where its log is."""
+    """A phone or a server failed; the message says which and where its log is. ``report``: the runs that
+    finished before it (set by :func:`run_scenario`; the CLI writes them, marked ``failed``)."""
+
+    report: dict | None = None
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -329,4 +332,7 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
                 finished(tag, recs)
     except KeyboardInterrupt:
         raise RunInterrupted(report()) from None
+    except RigError as e:
+        e.report = report()
+        raise
     return report()

@@ -256,3 +256,30 @@ def test_every_subcommand_and_option_has_help_text():
     from rig.cli import build_parser
 
     assert undocumented(build_parser()) == []
+
+
+def test_a_failed_run_keeps_the_runs_that_finished_before_it(tiny_glm4_fp32_bundle, tmp_path, monkeypatch, capsys):
+    """A phone that failed in the second run (of two) threw the first run's records away with it: a long scenario
+    failing near its end left nothing but logs."""
+    import rig.runner
+    from rig.cli import main
+    from rig.runner import RigError
+
+    real, calls = rig.runner.run_phones, []
+
+    def second_fails(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RigError("[wifi/agent/split] phone 0: an injected failure")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(rig.runner, "run_phones", second_fails)
+    path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle, workloads=[{"kind": "chat", "requests": 1, "max_tokens": 2},
+                                                                      {"kind": "agent", "requests": 1, "max_tokens": 2}])
+    out = tmp_path / "out"
+    assert main(["run", path, "--out", str(out), "--no-plots"]) == 1
+    err = capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert report["failed"] == "[wifi/agent/split] phone 0: an injected failure"
+    assert [r["workload"] for r in report["records"]] == ["chat"]
+    assert f"partial report (the 1 requests of the runs that finished): {out / 'report.json'}" in err
