@@ -238,6 +238,8 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
     out_dir = Path(out_dir)
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    for old in [*log_dir.glob("phone-*.log"), *log_dir.glob("cloud-*.log")]:  # an earlier run's, in this --out
+        old.unlink()  # (the processes append: its lines would mix with this run's)
     started = time.time()
     quiet_build_logs()
     check_model(sc)

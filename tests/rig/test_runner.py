@@ -26,8 +26,13 @@ def test_small_rig_run(tiny_glm4_fp32_bundle, tiny_whole, tmp_path, capsys):
         "disconnects": [{"at_s": 0.0, "down_s": 0.3}],
     })
     streamed = []
+    stale = [tmp_path / "logs" / "phone-wifi-chat-split-0.log", tmp_path / "logs" / "cloud-split-wifi.log"]
+    for f in stale:  # an earlier run's logs in the same --out: the processes append, so its lines mixed in
+        f.parent.mkdir(exist_ok=True)
+        f.write_text("a line of an earlier run\n")
     report = run_scenario(sc, tmp_path, Progress(), on_delta=streamed.append, bundle=tiny_glm4_fp32_bundle,
                           whole=tiny_whole)
+    assert all("an earlier run" not in f.read_text() for f in stale)
     key = lambda r: (r["phone"], r["label"])  # noqa: E731
     recs = {m: sorted((r for r in report["records"] if r["mode"] == m), key=key) for m in ("split", "all-edge")}
     assert [len(v) for v in recs.values()] == [4, 4]
