@@ -299,7 +299,7 @@ class SplitEndpoint:
             requests=[P.RequestState(request_id=t.request_id, received=t.received, tokens=t.tokens)
                       for t in session.state.requests.values()] if resumed else []))
         if rt.draining:  # resumed while draining: no new requests on it either
-            session.send(P.Drain(grace_ms=self.drain_grace_ms, reason="server shutting down"))
+            session.send(self._drain_message())
         return session
 
     async def _admit(self, principal, session_id: str, token: str, presented: str | None) -> tuple[str, str] | None:
@@ -491,4 +491,7 @@ class SplitEndpoint:
         drain), so that its open requests finish here."""
         self.drain_grace_ms = grace_ms
         for s in list(self.registry.by_id.values()):
-            s.send(P.Drain(grace_ms=grace_ms, reason="server shutting down"))
+            s.send(self._drain_message())
+
+    def _drain_message(self) -> P.Drain:
+        return P.Drain(grace_ms=self.drain_grace_ms, reason="server shutting down")

@@ -336,7 +336,7 @@ class EdgeClient:
             if stopped:
                 break
         else:
-            tail = stop.feed(decoder.flush())[0] + stop.flush()
+            tail = stop.finish(decoder.flush())
             if tail:
                 sink(("token", -1, tail))
         stats.completion_tokens = len(tokens)

@@ -414,7 +414,7 @@ class Session:
                     await self._cancel(req)
                     return "stop"
             if decoder is not None:  # bytes held back for an incomplete character, and text held for stops
-                tail = stop.feed(decoder.flush())[0] + stop.flush()
+                tail = stop.finish(decoder.flush())
                 if tail:
                     sink(("token", -1, tail))
             if req.finish == "error":  # ended by the cloud without an Error saying why: a failure, not an answer

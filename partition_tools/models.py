@@ -380,7 +380,7 @@ def has_tokenizer(source: str) -> bool:
     """Whether ``load_model(source)`` comes with a tokenizer, known without loading it: the random presets have
     none (the full-model server's OpenAI API then takes token ids only, and answers token ids), SmolLM2 and a
     .gguf carry one, a checkpoint directory has one when it holds tokenizer files."""
-    if source in ("tiny-glm4", "tiny-glm4v", "glm4v-9b-random"):
+    if source in _random_presets():
         return False
     path = Path(source)
     if source not in PRESETS and path.is_dir():
@@ -388,26 +388,32 @@ def has_tokenizer(source: str) -> bool:
     return True
 
 
+def _random_presets() -> dict:
+    """The presets with random weights: name -> (their config, dtype)."""
+    return {"tiny-glm4": (tiny_glm4_config, torch.float32), "tiny-glm4v": (tiny_glm4v_config, torch.float32),
+            "glm4v-9b-random": (glm4v_9b_text_config, torch.bfloat16)}
+
+
+def _preset_identity(source: str, seed: int) -> str:
+    return f"preset:{source}@seed{seed}"
+
+
 def source_identity(source: str, seed: int = 0) -> str:
     """``load_model(source, seed).identity`` without loading the weights (a GGUF's first 16 MiB, or a checkpoint's
     config and ~64 KiB of each weight file, are read): what to compare (``shared.manifest.same_source``) with a
     bundle's ``source_identity``. ModelLoadError as ``check_source``."""
     check_source(source)
-    if source in ("tiny-glm4", "tiny-glm4v", "glm4v-9b-random"):
-        return f"preset:{source}@seed{seed}"
+    if source in _random_presets():
+        return _preset_identity(source, seed)
     path = smollm2_gguf_path() if source == "smollm2" else Path(source)
     return _gguf_identity(path) if path.is_file() else _dir_identity(path, _load_config(path))
 
 
 def load_model(source: str, seed: int = 0) -> LoadedModel:
     """Load a preset name, a checkpoint directory or a GGUF file (see the module docstring)."""
-    if source == "tiny-glm4":
-        return LoadedModel(_random_model(tiny_glm4_config(), seed), None, f"preset:tiny-glm4@seed{seed}", source)
-    if source == "tiny-glm4v":
-        return LoadedModel(_random_model(tiny_glm4v_config(), seed), None, f"preset:tiny-glm4v@seed{seed}", source)
-    if source == "glm4v-9b-random":
-        return LoadedModel(_random_model(glm4v_9b_text_config(), seed, torch.bfloat16), None,
-                           f"preset:glm4v-9b-random@seed{seed}", source)
+    if source in _random_presets():
+        config, dtype = _random_presets()[source]
+        return LoadedModel(_random_model(config(), seed, dtype), None, _preset_identity(source, seed), source)
     if source == "smollm2":
         return _load_gguf(smollm2_gguf_path(), source)
     check_source(source)

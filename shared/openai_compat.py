@@ -460,6 +460,11 @@ class StopMatcher:
         rest, self._buf = ("" if self.stopped else self._buf), ""
         return rest
 
+    def finish(self, text: str = "") -> str:
+        """The stream's end: ``text`` (what a detokenizer still held) fed, then what was held back; what of both
+        may be emitted."""
+        return self.feed(text)[0] + self.flush()
+
 
 # --------------------------------------------------------------------------------------------
 # responses
