@@ -119,11 +119,12 @@ class EdgeConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self):
-        self.bundle = Path(self.bundle)
+        # "~/..." is the user's home, as a shell would expand it (an app's setting or an environment twin is not)
+        self.bundle = Path(self.bundle).expanduser()
         if self.cache_dir is not None:
-            self.cache_dir = Path(self.cache_dir)
+            self.cache_dir = Path(self.cache_dir).expanduser()
         if self.ca_file is not None:
-            self.ca_file = Path(self.ca_file)
+            self.ca_file = Path(self.ca_file).expanduser()
         self.url = split_url(self.url)
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")

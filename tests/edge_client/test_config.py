@@ -65,3 +65,14 @@ def test_every_typed_field_parses_from_its_environment_twin(tmp_path, monkeypatc
         with pytest.raises(ConfigError, match=f"AUTOGLM_EDGE_{f.name.upper()}"):
             EdgeConfig.from_env()
         monkeypatch.delenv(f"AUTOGLM_EDGE_{f.name.upper()}")
+
+
+def test_paths_starting_with_a_tilde_are_the_users_home(tmp_path, monkeypatch):
+    """docs/edge.md's ``cache_dir="~/.cache/autoglm-edge"`` is under the home directory, not a folder named ``~``
+    in the working directory (and so are the bundle and the CA file, from an argument or an environment twin)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AUTOGLM_EDGE_CACHE_DIR", "~/cache")
+    cfg = EdgeConfig.from_env(bundle="~/bundle")
+    assert (cfg.bundle, cfg.cache_dir) == (tmp_path / "bundle", tmp_path / "cache")
+    with pytest.raises(ConfigError, match=str(tmp_path / "ca.pem")):
+        EdgeConfig(bundle=tmp_path, ca_file="~/ca.pem")
