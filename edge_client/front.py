@@ -73,9 +73,6 @@ class FrontStats:
     tokens: int = 0
     seconds: float = 0.0
 
-    def snapshot(self) -> FrontStats:
-        return FrontStats(self.forward_calls, self.tokens, self.seconds)
-
     def count(self, started: float, tokens: int) -> None:
         """One graph call over ``tokens`` positions that began at ``started`` (``time.perf_counter()``)."""
         self.seconds += time.perf_counter() - started

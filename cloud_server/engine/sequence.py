@@ -255,10 +255,6 @@ class Sequence:
         self.draft_start = None
         return out
 
-    @property
-    def drafting(self) -> bool:
-        return self.draft_start is not None
-
     def mark_published(self, num_blocks: int) -> None:
         """Its first ``num_blocks`` prefix blocks are in the prefix cache."""
         self.num_registered_blocks = max(self.num_registered_blocks, num_blocks)

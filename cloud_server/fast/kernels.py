@@ -71,13 +71,6 @@ def add_norm_norm_torch(y, res, w1, w2, eps):
     return h, rmsnorm_torch(h, w2, eps)
 
 
-def reduce_add_norm_norm_torch(partials, res, w1, w2, eps):
-    y = partials[0].float()
-    for p in partials[1:]:
-        y = y + p.float()
-    return add_norm_norm_torch(y.to(res.dtype), res, w1, w2, eps)
-
-
 def silu_mul_torch(gu: torch.Tensor) -> torch.Tensor:
     gate, up = gu.chunk(2, dim=-1)
     return up * torch.nn.functional.silu(gate)
@@ -124,18 +117,13 @@ if HAVE_TRITON:
         tl.store(o_ptr + row * stride_o + offs, y.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _add_norm_norm_kernel(y_ptr, y2_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, o_ptr, stride_y, stride_y2, stride_r,
-                              stride_h, stride_o, n, eps, TWO: tl.constexpr, BLOCK: tl.constexpr):
-        # TWO: y is the sum of two partial sums y + y2 (a TP = 2 row-parallel product's), added in fp32 and
-        # rounded to the activation dtype as an all-reduce's result is
+    def _add_norm_norm_kernel(y_ptr, res_ptr, w1_ptr, w2_ptr, h_ptr, o_ptr, stride_y, stride_r, stride_h, stride_o,
+                              n, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < n
         dt = o_ptr.dtype.element_ty
         y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
-        if TWO:
-            y2 = tl.load(y2_ptr + row * stride_y2 + offs, mask=mask, other=0.0).to(tl.float32)
-            y = (y + y2).to(dt).to(tl.float32)
         res = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
         w1 = tl.load(w1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w2_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -321,36 +309,8 @@ def add_norm_norm(y, res, w1, w2, eps: float, backend: str):
         return add_norm_norm_torch(y, res, w1, w2, eps)
     out = torch.empty_like(y)
     n = y.shape[-1]
-    _add_norm_norm_kernel[(y.shape[0],)](y, y, res, w1, w2, res, out, y.stride(0), y.stride(0), res.stride(0),
-                                         res.stride(0), out.stride(0), n, eps, TWO=False, BLOCK=_pow2(n),
-                                         num_warps=8)
-    return res, out
-
-
-def reduce_add_norm_norm(partials, res, w1, w2, eps: float, backend: str):
-    """A row-parallel projection's all-reduce fused with the residual-add and the two norms after it:
-    ``add_norm_norm(sum(partials), res, w1, w2)`` in one pass over the rows, the sum taken in fp32 and rounded
-    to the activation dtype as an all-reduce's result is. ``partials``: every rank's partial sum [T, H].
-
-    This is the epilogue of a one-shot tensor-parallel all-reduce (issue 16): on two GPUs one partial would be
-    the peer's symmetric-memory buffer, read directly after a flag barrier; the barrier and the peer mapping
-    need two GPUs and are not here. With both partials local, it is checked against the unfused
-    all-reduce + :func:`add_norm_norm`. The Triton kernel takes exactly two partials (TP = 2).
-    Returns ``(h, x)`` as :func:`add_norm_norm`; ``h`` reuses ``res``."""
-    if not partials:
-        raise ValueError("reduce_add_norm_norm needs at least one partial sum")
-    if any(p.shape != res.shape for p in partials):
-        raise ValueError(f"partial sums must all be {tuple(res.shape)}, got {[tuple(p.shape) for p in partials]}")
-    if backend == "torch":
-        return reduce_add_norm_norm_torch(partials, res, w1, w2, eps)
-    if len(partials) != 2:
-        raise ValueError(f"the Triton reduce epilogue sums two partials (TP = 2), got {len(partials)}")
-    p0, p1 = partials
-    out = torch.empty_like(res)
-    n = res.shape[-1]
-    _add_norm_norm_kernel[(res.shape[0],)](p0, p1, res, w1, w2, res, out, p0.stride(0), p1.stride(0),
-                                           res.stride(0), res.stride(0), out.stride(0), n, eps, TWO=True,
-                                           BLOCK=_pow2(n), num_warps=8)
+    _add_norm_norm_kernel[(y.shape[0],)](y, res, w1, w2, res, out, y.stride(0), res.stride(0), res.stride(0),
+                                         out.stride(0), n, eps, BLOCK=_pow2(n), num_warps=8)
     return res, out
 
 
@@ -404,17 +364,4 @@ def rope_store(qkv, positions, cos, sin, k_cache, v_cache, slots, nq: int, nkv: 
         QUANT=quant, D_PAD=max(16, _pow2(head_dim)), ROTATE=rot is not None, INT8=q_dtype == torch.int8,
         QMAX=qmax, SCALE_MIN=kv_quant.SCALE_MIN, IEEE=qkv.dtype == torch.float32, QK=qk, QV=qv,
         num_warps=4 if quant else 1)
-    return None
-    quant = scales is not None
-    rot = None if not quant else scales.rotation
-    if rot is not None and rot.dtype != qkv.dtype:
-        raise ValueError(f"rope_store: the rotation must be in the activation dtype {qkv.dtype}, got {rot.dtype}")
-    qmax = kv_quant.qmax(k_cache.dtype) if quant else 1.0
-    dummy = qkv  # pointer arguments a specialization does not read
-    _rope_store_kernel[(t, nq + (nkv if quant else 2 * nkv))](
-        qkv, positions, cos, sin, k_cache, v_cache, slots, scales.k if quant else dummy,
-        scales.v if quant else dummy, dummy if rot is None else rot, qkv.stride(0), cos.stride(0), NQ=nq, NKV=nkv,
-        D=head_dim, HALF_R=rotary_dim // 2, HALF_D_PAD=_pow2(head_dim // 2) if not quant else max(16, _pow2(head_dim // 2)),
-        QUANT=quant, D_PAD=max(16, _pow2(head_dim)), ROTATE=rot is not None, INT8=k_cache.dtype == torch.int8,
-        QMAX=qmax, SCALE_MIN=kv_quant.SCALE_MIN, IEEE=qkv.dtype == torch.float32, num_warps=4 if quant else 1)
     return None
