@@ -23,14 +23,22 @@ given a directory) as one file per block under ``<dir>/<bundle_id>/``::
 The header holds the bundle id, the scope, the block's key, parent key, token ids and content digest (the key
 is recomputed from them), array shapes and dtype, and the payload's sha256. No pickle. A file that fails any check is logged, removed
 and treated as a miss; it never crashes the client. Files survive restarts; their mtime is the LRU clock.
+
+Several clients (processes) may share the directory at once: a block is written to a temporary file of its
+own (``<key>.<pid>-<random>.tmp``) and renamed into place, and a scan removes only temporary files older than
+``STALE_TMP_S`` (left by a crash), never another client's write in progress. A directory that cannot be
+created or written (read-only, full) costs persistence, never a request: the blocks it refuses are kept in
+memory only, the first refusal is logged and :attr:`ActivationCache.write_error` says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import secrets
 import struct
 import threading
 import time
@@ -47,6 +55,7 @@ log = logging.getLogger("edge_client.activation_cache")
 MAGIC = b"AGLMACT1"
 FILE_SUFFIX = ".blk"
 _HEADER_LIMIT = 1 << 20
+STALE_TMP_S = 600.0  # a temporary file older than this is a write a crash cut short (a block takes milliseconds)
 
 
 class CacheFileError(Exception):
@@ -75,6 +84,7 @@ class CacheStats:
     inserted_blocks: int = 0
     evicted_blocks: int = 0
     rejected_files: int = 0  # corrupt / foreign files removed
+    unwritten_blocks: int = 0  # blocks the directory refused (read-only, full): kept in memory only
 
 
 @dataclass(slots=True)
@@ -109,13 +119,18 @@ class ActivationCache:
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.scope = KeyScope(bundle_id, edge_variant, f"cache-{dtype}")  # what produced (and stores) the states
         self.dir = Path(cache_dir) / bundle_id if cache_dir is not None else None
+        self.write_error: str | None = None  # why the directory first refused a block (None: it never did)
         self.stats = CacheStats()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
         self._bytes = 0
         self._lock = threading.RLock()
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._scan()
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:  # its blocks then live in memory only (each write fails the same way)
+                self._unwritable(err)
+            else:
+                self._scan()
 
     # -- shapes ----------------------------------------------------------------------------------
     def _shapes(self) -> list[tuple[int, ...]]:
@@ -203,7 +218,7 @@ class ActivationCache:
                 e = _Entry(key, keys[i - 1] if i else "", i, ids[a:b], None if content is None else content[i],
                            sum(x.nbytes for x in arrays), arrays)
                 if self.dir is not None:
-                    e.path = self._write(e)
+                    e.path = self._write(e)  # None: the directory refused it (the block is in memory only)
                 self._entries[key] = e
                 self._bytes += e.nbytes
                 self.stats.inserted_blocks += 1
@@ -243,7 +258,7 @@ class ActivationCache:
         if e.path is not None:
             try:
                 e.path.unlink()
-            except FileNotFoundError:
+            except OSError:  # gone already (another client evicted it), or a read-only directory
                 pass
 
     def _check_shapes(self, arrays: list[np.ndarray]) -> None:
@@ -253,7 +268,8 @@ class ActivationCache:
             raise ValueError(f"cache block shapes {got[:1]}...{got[-1:]} do not match {want[:1]}...{want[-1:]}")
 
     # -- persistence -------------------------------------------------------------------------------
-    def _write(self, e: _Entry) -> Path:
+    def _write(self, e: _Entry) -> Path | None:
+        """Persist ``e``; its path, or None when the directory refuses the write (see :meth:`_unwritable`)."""
         assert self.dir is not None
         payload = b"".join(a.tobytes() for a in e.arrays)  # type: ignore[union-attr]
         header = {
@@ -266,12 +282,26 @@ class ActivationCache:
         }
         hb = json.dumps(header, separators=(",", ":")).encode()
         path = self.dir / f"{e.key}{FILE_SUFFIX}"
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<I", len(hb)) + hb + payload)
-        os.replace(tmp, path)  # atomic: a crash mid-write leaves no half file under the real name
+        # this write's own name: another client (or another cache of this process) may write the same block now
+        tmp = self.dir / f"{e.key}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + struct.pack("<I", len(hb)) + hb + payload)
+            os.replace(tmp, path)  # atomic: a crash mid-write leaves no half file under the real name
+        except OSError as err:
+            with contextlib.suppress(OSError):  # a full disk leaves the part written; a read-only one none
+                tmp.unlink()
+            self._unwritable(err)
+            return None
         e.meta = header
         return path
+
+    def _unwritable(self, err: OSError) -> None:
+        """The directory refused to create or keep a block: blocks stay in memory only (logged once)."""
+        self.stats.unwritten_blocks += 1
+        if self.write_error is None:  # the first refusal says why (later writes into a missing directory follow)
+            log.warning("activation cache: cannot write in %s (%s); new blocks are kept in memory only", self.dir, err)
+            self.write_error = f"cannot write in {self.dir}: {err.strerror or err}"
 
     def _read_header(self, path: Path) -> tuple[dict, int]:
         with open(path, "rb") as f:
@@ -301,6 +331,8 @@ class ActivationCache:
         if not (isinstance(tokens, list) and len(tokens) == self.block_tokens and isinstance(parent, str)
                 and (content is None or isinstance(content, str))):
             raise CacheFileError("header lacks the block's tokens, parent key or content digest")
+        if not all(type(t) is int and 0 <= t < 1 << 63 for t in tokens):  # what a key hashes: int64 token ids
+            raise CacheFileError("header's tokens are not token ids")
         digest = chain_key(bytes.fromhex(parent) if parent else self.scope.seed(), tokens,
                            None if content is None else bytes.fromhex(content)).hex()
         if digest != header.get("key") or path.name != f"{digest}{FILE_SUFFIX}":
@@ -312,13 +344,16 @@ class ActivationCache:
         found = []
         for path in self.dir.iterdir():
             if path.suffix != FILE_SUFFIX:
-                if ".tmp" in path.suffix:  # a write cut short by a crash
-                    path.unlink(missing_ok=True)
+                if path.suffix.startswith(".tmp"):
+                    self._remove_stale_tmp(path)
                 continue
             try:
                 header, offset = self._read_header(path)
-                if path.stat().st_size != offset + int(header["payload_bytes"]):
+                st = path.stat()
+                if st.st_size != offset + int(header["payload_bytes"]):
                     raise CacheFileError("file size does not match its header (truncated?)")
+            except FileNotFoundError:
+                continue  # another client evicted it while this one scanned
             except OtherScope:
                 continue  # another client's valid block: not ours to use or to remove
             except (CacheFileError, OSError, KeyError, ValueError, TypeError) as err:
@@ -327,11 +362,21 @@ class ActivationCache:
             content = None if header["content"] is None else bytes.fromhex(header["content"])
             e = _Entry(header["key"], header["parent"], int(header["index"]), header["tokens"], content,
                        int(header["payload_bytes"]), None, path, header)
-            found.append((path.stat().st_mtime, e))
+            found.append((st.st_mtime, e))
         for _, e in sorted(found, key=lambda t: t[0]):  # oldest first = least recently used
             self._entries[e.key] = e
             self._bytes += e.nbytes
         self._evict()
+
+    @staticmethod
+    def _remove_stale_tmp(path: Path) -> None:
+        """Remove a temporary file that a crash left (older than ``STALE_TMP_S``); a younger one is another
+        client's write in progress, renamed into place in a moment."""
+        try:
+            if time.time() - path.stat().st_mtime > STALE_TMP_S:
+                path.unlink()
+        except OSError:
+            pass
 
     def _load(self, e: _Entry) -> list[np.ndarray] | None:
         """The entry's arrays, reading and verifying the file on first use; None if it is corrupt."""

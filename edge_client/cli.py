@@ -147,10 +147,16 @@ def cmd_preload(args) -> int:
         return 0
     if cfg.cache_dir is None:
         raise ValueError("preload needs --cache-dir (or AUTOGLM_EDGE_CACHE_DIR): a memory cache dies with the process")
+    from .errors import EdgeClientError
+
     client = EdgeClient(cfg)
     try:
         for path in [*args.preload, *args.files]:
-            print(f"{path}: {client.preload_prompts(path)} tokens cached in {cfg.cache_dir}")
+            tokens = client.preload_prompts(path)
+            if client.cache.write_error is not None:  # cached in this process's memory only: nothing was kept
+                raise EdgeClientError(f"{path}: the activation cache was not saved: {client.cache.write_error}",
+                                      "cache_unwritable")
+            print(f"{path}: {tokens} tokens cached in {cfg.cache_dir}")
     finally:
         client.close()
     return 0

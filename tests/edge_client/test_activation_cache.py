@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import struct
+import time
 
 import numpy as np
 import pytest
 
-from edge_client.activation_cache import MAGIC, ActivationCache
+from edge_client.activation_cache import MAGIC, STALE_TMP_S, ActivationCache
 from edge_client.front import FrontRuntime
 
 B = 16
@@ -108,7 +112,7 @@ def test_other_edge_variants_and_dtypes_share_a_directory_without_sharing_blocks
     assert again.lookup(IDS).tokens == 64 and again.stats.rejected_files == 0
 
 
-@pytest.mark.parametrize("damage", ["payload", "truncate", "magic", "header", "garbage"])
+@pytest.mark.parametrize("damage", ["payload", "truncate", "magic", "header", "garbage", "tokens"])
 def test_corrupt_file_is_rejected_and_removed(rt, tmp_path, caplog, damage):
     cache = _cache(rt, cache_dir=tmp_path)
     _fill(rt, cache)
@@ -123,6 +127,12 @@ def test_corrupt_file_is_rejected_and_removed(rt, tmp_path, caplog, damage):
         data[:4] = b"JUNK"
     elif damage == "header":
         data[20:24] = b"\xff\xfe{]"
+    elif damage == "tokens":  # a token id past int64 (an OverflowError out of the key check crashed the client)
+        (hlen,) = struct.unpack("<I", data[8:12])
+        header = json.loads(bytes(data[12:12 + hlen]))
+        header["tokens"][0] = 2 ** 64
+        hb = json.dumps(header).encode()
+        data = bytearray(MAGIC + struct.pack("<I", len(hb)) + hb + data[12 + hlen:])
     else:
         data = bytearray(b"\x00" * 7)
     victim.write_bytes(bytes(data))
@@ -164,3 +174,39 @@ def test_cached_blocks_do_not_keep_the_callers_arrays_alive(rt):
     gc.collect()
     assert all(r() is None for r in refs)
     assert cache.lookup(IDS).tokens == 64  # and the blocks are still served
+
+
+def test_a_scan_keeps_another_clients_write_in_progress(rt, tmp_path):
+    """Two clients share the directory: one starting up removed every temporary file, so the other's write in
+    progress failed its rename and the request that was caching its prompt failed (FileNotFoundError). Only a
+    temporary file a crash left (older than STALE_TMP_S) is removed."""
+    d = tmp_path / rt.manifest.bundle_id
+    d.mkdir()
+    writing, crashed, legacy = d / "ab.123-0f0f0f0f.tmp", d / "cd.456-1e1e1e1e.tmp", d / "ef.tmp789"
+    for f in (writing, crashed, legacy):
+        f.write_bytes(MAGIC)
+    old = time.time() - STALE_TMP_S - 60
+    for f in (crashed, legacy):
+        os.utime(f, (old, old))
+    cache = _cache(rt, cache_dir=tmp_path)
+    assert writing.exists() and not crashed.exists() and not legacy.exists()
+    _fill(rt, cache)
+    _fill(rt, _cache(rt, cache_dir=tmp_path), IDS[:40])  # a second client writing the same blocks
+    assert len(list(d.glob("*.blk"))) == 4 and {p.name for p in d.glob("*.tmp")} == {writing.name}
+
+
+def test_a_directory_that_refuses_writes_keeps_blocks_in_memory(rt, tmp_path, caplog):
+    """A read-only or full cache directory failed the request that was caching its prompt (OSError out of
+    generate), and one that could not be created failed the client's construction. Now the blocks stay in
+    memory, the first refusal is logged once and ``write_error`` says why."""
+    with caplog.at_level(logging.WARNING, logger="edge_client.activation_cache"):
+        (tmp_path / "c").mkdir()
+        (tmp_path / "c" / rt.manifest.bundle_id).write_text("not a directory")  # mkdir (and every write) fails
+        cache = _cache(rt, cache_dir=tmp_path / "c")
+        assert _fill(rt, cache)[0] == 4 and cache.lookup(IDS).tokens == 64
+        assert cache.write_error and cache.stats.unwritten_blocks == 5
+        live = _cache(rt, cache_dir=tmp_path / "d")  # created fine, then the directory goes (a write fails)
+        (tmp_path / "d" / rt.manifest.bundle_id).rmdir()
+        (tmp_path / "d" / rt.manifest.bundle_id).write_text("")
+        assert _fill(rt, live)[0] == 4 and live.lookup(IDS).tokens == 64 and live.write_error
+    assert sum("kept in memory only" in r.message for r in caplog.records) == 2

@@ -72,6 +72,22 @@ def test_preload_persists_common_prompts(tiny_bundle, tmp_path, capsys):
     assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(bad)]) == 2
 
 
+def test_preload_into_a_directory_that_refuses_writes_fails_saying_so(tiny_bundle, tmp_path, capsys):
+    """A read-only (or full) --cache-dir ended `autoglm-edge preload` in an OSError traceback; the cache now keeps
+    such blocks in memory, so preload (whose whole point is the files) says none were saved: one line, exit 1."""
+    from shared.manifest import Manifest
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("You are a phone agent. Tap, swipe and type to finish the task.")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / Manifest.load(tiny_bundle).bundle_id).write_text("")  # where the bundle's folder goes
+    assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(prompt)]) == 1
+    captured = capsys.readouterr()
+    assert "tokens cached" not in captured.out
+    assert captured.err.startswith(f"autoglm-edge preload: {prompt}: the activation cache was not saved: cannot "
+                                   f"write in {tmp_path / 'c'}"), captured.err
+
+
 def test_preload_of_a_prompt_longer_than_the_edge_graph_is_one_line(tiny_bundle, tmp_path, capsys):
     """A prompt past the edge graph's positions (the 2.7 KB agent prompt through a tokenizer-less bundle's byte
     fallback: 2,048 positions) ended `autoglm-edge preload` in a FrontError traceback, half-way through the front."""
