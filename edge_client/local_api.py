@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared import openai_compat as oc
 from shared import openai_routes
+from shared.precision import PrecisionError
 
 from .errors import EdgeClientError
 
@@ -119,7 +120,8 @@ class _EdgeBackend:
         except EdgeClientError as e:  # a bad image / audio clip, refused before any network traffic
             raise oc.OpenAIRequestError(str(e), "messages", e.code) from None
         except ValueError as e:  # e.g. a prompt that tokenizes to nothing, or a sampling value the wire cannot carry
-            param = getattr(e, "param", None) or ("messages" if isinstance(req, oc.ChatRequest) else "prompt")
+            param = getattr(e, "param", None) or ("precision" if isinstance(e, PrecisionError) else
+                                                  "messages" if isinstance(req, oc.ChatRequest) else "prompt")
             message = str(e)
             if param == "max_tokens":  # EdgeClient's name for it: the error names the field the client sent
                 param, message = s.max_tokens_param, message.replace("max_tokens", s.max_tokens_param, 1)

@@ -41,8 +41,9 @@ from starlette.requests import ClientDisconnect
 from shared import openai_compat as oc
 
 # Generation error codes (engine or wire) whose status is not "the server failed".
+# codec_not_negotiated: a precision (codec or compute variant) the session does not offer - the request's choice.
 _STATUS_BY_CODE = {"context_full": 400, "prompt_too_long": 400, "too_long": 400, "bad_input": 400,
-                   "overloaded": 503, "draining": 503, "timeout": 504}
+                   "codec_not_negotiated": 400, "overloaded": 503, "draining": 503, "timeout": 504}
 
 
 class GenerationError(Exception):

@@ -69,3 +69,17 @@ def test_a_request_failing_on_the_phone_cancels_its_cloud_request(edge, tiny_clo
     monkeypatch.undo()
     r = oa.completions.create(model="e", prompt=_prompt(20), max_tokens=3, temperature=0)  # and it serves on
     assert r.usage.completion_tokens == 3
+
+
+def test_a_precision_the_session_lacks_is_a_400_naming_precision(edge):
+    """``precision`` is the app's choice: a compute variant this cloud did not load (a CPU server loads fp32 only)
+    was a 502 'the cloud failed', and an unknown name a 400 blaming ``messages``."""
+    _, oa = edge
+    with pytest.raises(openai.BadRequestError, match="int8") as refused:
+        oa.completions.create(model="e", prompt=_prompt(8), max_tokens=2, extra_body={"precision": "int8"})
+    assert refused.value.body["code"] == "codec_not_negotiated"
+    with pytest.raises(openai.BadRequestError, match="expected a codec") as unknown:
+        oa.completions.create(model="e", prompt=_prompt(8), max_tokens=2, extra_body={"precision": "int9"})
+    assert unknown.value.body["param"] == "precision"
+    r = oa.completions.create(model="e", prompt=_prompt(8), max_tokens=2, extra_body={"precision": "fp16"})
+    assert r.usage.completion_tokens == 2
