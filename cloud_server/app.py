@@ -286,7 +286,7 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
                 except RuntimeError:
                     await ws.close(code=1008, reason="missing or wrong API key")  # HTTP 403
                 return
-            ws.state.principal = principal
+            ws.state.principal, ws.state.authenticator = principal, authn  # auth.still_authorized re-checks
             await endpoint.serve(ws)
 
     return app

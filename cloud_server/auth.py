@@ -20,6 +20,9 @@ The keys file (JSON, written by ``autoglm-cloud keys add``)::
 * Reloadable: the file is re-read when its mtime changes (checked at most once per :data:`STAT_EVERY_S` on the
   request path) and on SIGHUP (:func:`install_sighup`). A reload that fails to parse keeps the keys already
   loaded and logs why: a typo in an edit must not lock every tenant out.
+* Revocable: a key removed from the file opens nothing from the reload on - no HTTP request, no WebSocket, and
+  no new request on a split session it opened before (:func:`still_authorized`; the session ends with a fatal
+  ``Error(unauthorized)``; a request already running finishes).
 
 :class:`Authenticator` is what the app asks: ``authenticate(header) -> Principal | None`` (None: refuse with
 401). Without a keys file or ``--api-key`` every client is let in; its tenant is then the digest of whatever
@@ -230,6 +233,14 @@ def principal_of(ws) -> Principal:
     served without the app's check (tests) gets the open server's: the digest of its bearer token."""
     p = getattr(ws.state, "principal", None)
     return p if isinstance(p, Principal) else Principal(tenant_of(ws.headers.get("authorization")))
+
+
+def still_authorized(ws) -> bool:
+    """Whether the key this WebSocket presented at its upgrade still opens the server. A key removed from the keys
+    file since (revoked, rotated out) does not: its open sessions start no new request. True for an endpoint
+    served without the app's check (tests), which keeps no ``ws.state.authenticator``."""
+    authn = getattr(ws.state, "authenticator", None)
+    return authn is None or authn.authenticate(ws.headers.get("authorization")) is not None
 
 
 def install_sighup(store: KeyStore | None) -> bool:

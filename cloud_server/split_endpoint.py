@@ -43,7 +43,7 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from cloud_server.config import ServerConfig
-from cloud_server.auth import principal_of
+from cloud_server.auth import principal_of, still_authorized
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.engine.speculation import MAX_DRAFTS
 from cloud_server.idle_deadline import IdleDeadline
@@ -455,6 +455,12 @@ class SplitEndpoint:
             if isinstance(msg, P.Close):
                 self._close_session(session)
                 await self._close(ws, CLOSE_NORMAL)
+                return
+            if isinstance(msg, P.Prefill) and track is not None and track.owner is None and not still_authorized(ws):
+                session.send(P.Error(code="unauthorized", message="the API key of this session was revoked",
+                                     fatal=True))
+                self._close_session(session)
+                await self._close(ws, CLOSE_POLICY, "API key revoked")
                 return
             try:
                 self._dispatch(session, msg, track, len(data))

@@ -178,6 +178,34 @@ def test_a_key_added_to_the_file_works_without_a_restart(keyed, tiny_bundle):
         time.sleep(0.2)
 
 
+def test_a_revoked_key_starts_no_new_request_on_a_session_it_opened(keyed, tiny_bundle):
+    _, dave = auth.add_key(keyed.keys_path, "dave")
+    data = json.loads(keyed.keys_path.read_text())
+
+    async def until(status):  # the server re-reads the file at most once a second
+        deadline = time.monotonic() + 5
+        while httpx.get(keyed.url + "/v1/models", headers=_bearer(dave)).status_code != status:
+            assert time.monotonic() < deadline, f"the keys file change was not picked up (want {status})"
+            await asyncio.sleep(0.2)
+
+    async def main():
+        await until(200)
+        edge = _edge(keyed, tiny_bundle, dave)
+        await edge.connect()
+        before = await edge.generate("before-revoke", [5, 6, 7, 8, 9], 2)
+        data["keys"] = [k for k in data["keys"] if k["tenant"] != "dave"]  # revoked: removed from the file
+        keyed.keys_path.write_text(json.dumps(data))
+        os.utime(keyed.keys_path, (time.time() + 10, time.time() + 10))
+        await until(401)
+        after = await edge.generate("after-revoke", [5, 6, 7, 8, 9], 2)
+        await edge.close()
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert before[1] == "length"
+    assert after[0] == [] and after[1] == "error:unauthorized" and after[2].fatal, after
+
+
 def test_autoglm_cloud_keys_add_is_the_cli_entry(tmp_path, capsys):
     from cloud_server import cli
 
