@@ -192,9 +192,8 @@ class EdgeClient:
             raise ValueError("pass exactly one of prompt=, messages= or prompt_ids=")
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__} (token ids go in prompt_ids=)")
-        if messages is not None and not (isinstance(messages, list) and messages
-                                         and all(isinstance(m, dict) for m in messages)):
-            raise ValueError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} dicts")
+        if messages is not None:
+            check_messages(messages)
         parts: list[MediaPart] = []
         if messages is not None:
             messages, parts = extract_parts(messages, self._placeholder)
@@ -447,10 +446,21 @@ def _sources(kind: str, given) -> list[MediaPart]:
     return [MediaPart(kind, x) for x in ([given] if one else given)]
 
 
+def check_messages(messages: Any) -> None:
+    """The shape of a chat's ``messages`` (``generate``, preload files), or ``ValueError``: a message without a
+    string role was rendered by the chat template as some other turn."""
+    if not (isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+        raise ValueError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} dicts")
+
+
 def _read_prompts(path: Path) -> list[str | list[dict]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such prompts file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
     if path.suffix == ".txt":
         return [text.strip("\n")] if text.strip() else []
     try:
@@ -464,7 +474,11 @@ def _read_prompts(path: Path) -> list[str | list[dict]]:
     for i, item in enumerate(items):
         if isinstance(item, str):
             out.append(item)
-        elif isinstance(item, dict) and isinstance(item.get("messages"), list):
+        elif isinstance(item, dict) and "messages" in item:  # its messages were passed on unchecked (a traceback)
+            try:
+                check_messages(item["messages"])
+            except ValueError as e:
+                raise ValueError(f"{path}: item {i}: {e}") from None
             out.append(item["messages"])
         else:
             raise ValueError(f"{path}: item {i} is neither a string nor {{\"messages\": [...]}}")

@@ -187,3 +187,17 @@ def test_demo_uses_the_bundle_it_is_given(tiny_bundle, tmp_path, monkeypatch):
     with pytest.raises(Stop):
         demo.run_demo(bundle=bundle, out=io.StringIO())
     assert served == [bundle] and (bundle / "edge").is_dir()  # the tiny bundle itself, untouched
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"messages": [5]}\n', "item 0: messages must be a non-empty list"),  # an AttributeError traceback
+    ('"ok"\n{"messages": []}\n', "item 1: messages must be a non-empty list"),  # 0 tokens cached, silently
+    ('{"messages": [{"content": "no role"}]}\n', "item 0: messages must be a non-empty list"),
+    (b"\xff\xfe", "not UTF-8 text"),  # the decoder's message, naming no file
+])
+def test_a_malformed_prompts_file_is_one_line_naming_it(content, match, tiny_bundle, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"autoglm-edge preload: error: {bad}: ") and match in err and err.count("\n") == 1, err

@@ -112,6 +112,8 @@ def client(tiny_bundle):
     ({"prompt": b"hi"}, "prompt must be a string"),
     ({"messages": "hello"}, "messages must be a non-empty list"),
     ({"messages": []}, "messages must be a non-empty list"),  # rendered as the template's default system prompt
+    ({"messages": [{"content": "hi"}]}, "messages must be a non-empty list"),  # rendered as some other turn
+    ({"messages": [{"role": None, "content": "hi"}]}, "messages must be a non-empty list"),
     ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
     ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
