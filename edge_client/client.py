@@ -328,16 +328,15 @@ class EdgeClient:
         stats.total_s = time.perf_counter() - t0
         decoder, stop = StreamDecoder(self.tokenizer.decode), StopMatcher(spec.stop)
         tokens: list[int] = []
-        for t in result.token_ids:  # the stop strings end the text as in split mode (the stop itself not included)
-            tokens.append(int(t))
-            text, stopped = stop.feed(decoder.push(int(t)))
-            sink(("token", int(t), text))
+        ids = [int(t) for t in result.token_ids]
+        for t in ids:  # the stop strings end the text as in split mode (the stop itself not included)
+            tokens.append(t)
+            text, stopped = stop.feed(decoder.push(t))
+            if not stopped and len(tokens) == len(ids):  # the last token carries what the decoder and stops held
+                text += stop.finish(decoder.flush())
+            sink(("token", t, text))
             if stopped:
                 break
-        else:
-            tail = stop.finish(decoder.flush())
-            if tail:
-                sink(("token", -1, tail))
         stats.completion_tokens = len(tokens)
         _runner_timings(stats, result, len(tokens))
         if decision.mode == "all-cloud":  # the cloud produced it: a draft source; an edge-only answer never is
@@ -432,8 +431,11 @@ def _sampling_defaults(kw: dict) -> dict:
 
 
 def _stops(stop) -> list:
-    """``stop=`` as OpenAI takes it: one string or a list of them (a string is one stop, not its characters)."""
-    return [stop] if isinstance(stop, str) else list(stop or [])
+    """``stop=`` as OpenAI takes it: one string or a list of them (a string is one stop, not its characters);
+    anything else is left for :class:`RequestSpec` to refuse."""
+    if stop is None or isinstance(stop, str):
+        return [] if stop is None else [stop]
+    return list(stop) if isinstance(stop, (list, tuple)) else stop
 
 
 def _sources(kind: str, given) -> list[MediaPart]:

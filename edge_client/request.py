@@ -51,7 +51,7 @@ class RequestSpec:
             raise ValueError("empty prompt")
         if not isinstance(self.speculate, bool):  # "no" (a true value) speculated
             raise SamplingRangeError("speculate", f"speculate must be True or False, got {self.speculate!r}")
-        if not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise SamplingRangeError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
         try:  # the wire's own rule (types and ranges): a value it cannot carry fails here, not after the prompt ran
             SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,

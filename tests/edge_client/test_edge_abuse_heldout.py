@@ -118,6 +118,8 @@ def client(tiny_bundle):
     ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
     ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
     ({"prompt": "hi", "stop": [1]}, "stop"),
+    ({"prompt": "hi", "stop": 3}, "stop must be a string or a list"),  # TypeError: 'int' object is not iterable
+    ({"prompt": "hi", "stop": {"a": 1}}, "stop must be a string or a list"),  # its keys were taken as the stops
     # the wire's types too: these passed the range checks and failed after the prompt ran ('internal' + traceback)
     ({"prompt": "hi", "top_k": 1.5}, "top_k must be an integer"),
     ({"prompt": "hi", "top_p": True}, "top_p must be a number"),
