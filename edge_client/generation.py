@@ -9,7 +9,8 @@ The flow of one request (message names from :mod:`shared.protocol`)::
 
 Prefix cache: the edge names every full block of the prompt by its hash-chain key
 (:func:`shared.prefix_keys.block_keys`, at the server's block size, scoped to this bundle, this front's
-weights and the request's codec: the cloud reuses only states produced the same way). When its activation cache
+weights and the request's codec - plus the activation cache's float16 rounding when it stores float16,
+:meth:`Session._cloud_scope` -: the cloud reuses only states produced the same way). When its activation cache
 covers ``[0, h)`` it skips the front layers there, and it skips uploading ``[0, c)`` (``c`` = ``h`` rounded
 down to the server's block) on the bet that the cloud still holds those blocks under the same keys. If it
 does not, the cloud answers ``Error(prefix_miss)`` and the edge resends the whole prompt, the prefix's hidden
@@ -465,11 +466,18 @@ class Session:
                     "return_states": True}
         params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
                                   top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
-        scope = KeyScope(self.manifest.bundle_id, self.manifest.states_variant, req.codec,  # what produces the states
-                         secret=spec.prefix_secret)  # private levels: the cloud cannot recompute the keys
+        scope = self._cloud_scope(req.codec, spec.prefix_secret)  # private levels: the cloud cannot recompute the keys
         content = spec.media.content(self.block_size) if spec.media is not None else None  # image/audio digests
         return {"params": params, "prefix_keys": block_keys(spec.prompt_ids, scope, self.block_size, content),
                 "compute": req.compute}
+
+    def _cloud_scope(self, codec: str, secret: bytes | None = None) -> KeyScope:
+        """What this edge's prefix keys for the cloud's blocks are scoped to: the bundle, the front's weights and
+        what the states went through: the wire codec and, from a float16 activation cache (its prefixes are sent
+        from there, rounded), ``+cache-float16`` - a client whose states are not rounded is never served KV
+        computed from rounded ones (docs/protocol.md, "Prefix keys")."""
+        encoding = codec if self.cache.dtype.itemsize == 4 else f"{codec}+{self.cache.scope.encoding}"
+        return KeyScope(self.manifest.bundle_id, self.manifest.states_variant, encoding, secret=secret)
 
     async def _send_span(self, req: _Request, start: int, hidden: np.ndarray, stats: RequestStats,
                          record: bool = True) -> None:
@@ -951,7 +959,7 @@ class Session:
             raise ValueError(f"a prompt of {len(ids)} tokens exceeds the edge graph's {self.runtime.max_positions} "
                              f"positions: no request could use it")
         if self.link.route_key is None:
-            scope = KeyScope(self.manifest.bundle_id, self.manifest.states_variant, next(iter(self.codecs)))
+            scope = self._cloud_scope(next(iter(self.codecs)))
             self.link.route_key = route_key(ids, scope, self.config.cache_block_tokens, self.config.api_key)
         if self._lock is None:
             self._lock = asyncio.Lock()

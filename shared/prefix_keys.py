@@ -12,7 +12,8 @@ Version 2 (docs/protocol.md, "Prefix keys")::
 the bundle (``Manifest.bundle_id``: the model and the split), the edge front's weights (``edge_variant``:
 ``Manifest.states_variant``, the edge variant plus a digest of the edge graphs that compute the states, since an int8 front's states differ from an fp32 one's, and a front whose prompt
 runs through an fp32 copy differs from both) and how the states were
-carried (``encoding``: the wire codec for the cloud's blocks, the storage dtype for the edge's own cache).
+carried (``encoding``: the wire codec for the cloud's blocks, ``+cache-float16`` added by an edge whose
+activation cache rounds the prefixes it sends from there; the storage dtype for the edge's own cache).
 ``c_i`` is block i's 32-byte content digest: all zeros for text, else a digest of the non-text inputs
 (image, audio) whose placeholder tokens fall in the block (:func:`content_digests`), because every image
 token has the same id and two screenshots must never share a block.

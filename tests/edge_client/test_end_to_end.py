@@ -117,6 +117,22 @@ def test_int8_edge_kv_bundle_end_to_end(split_bundle, tiny_glm4_lm, tiny_bundle,
     # answer-level fidelity is SmolLM2's, in docs/quality.md
 
 
+def test_blocks_sent_from_a_float16_activation_cache_never_serve_a_client_that_does_not_round(tiny_bundle,
+                                                                                              tiny_cloud):
+    """A phone with ``cache_dtype="float16"`` sends a cached prefix's states rounded to fp16 (on a prefix miss, or
+    past the cloud's block); the cloud published its KV of them under the same keys as exact states, so another
+    client of the tenant - even one pinning the lossless fp32 codec - was answered from the rounded states (its
+    first token's logprobs moved). Such blocks are now keyed ``<codec>+cache-float16``: shared only among
+    float16 caches."""
+    prompt = [int(t) for t in np.random.RandomState(11).randint(4, 512, 50)]
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp32", cache_dtype="float16", retry=RETRY) as rounded:
+        rounded.complete(prompt_ids=prompt, max_tokens=2)
+        again = rounded.complete(prompt_ids=prompt, max_tokens=2).stats
+    assert again.cached_tokens == again.cloud_cached_tokens == 48  # float16 caches still share among themselves
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp32", retry=RETRY) as exact:
+        assert exact.complete(prompt_ids=prompt, max_tokens=2).stats.cloud_cached_tokens == 0
+
+
 def test_cut_connection_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_tokens):
     with LinkEmulator(tiny_cloud.port) as proxy, \
             EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY) as c:
