@@ -24,7 +24,8 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
 Errors are :class:`BundleSyncError` with a code: ``no_bundle_endpoint`` (the server hosts no bundles:
 an older server, or full-model mode), ``not_served`` / ``other_model`` (nothing to update to),
 ``hash_mismatch`` (a file that does not verify, after one fresh download), ``truncated`` (the transfer kept
-stopping short; the part file stays, run again to resume), ``unauthorized``, ``unreachable``, ``http_error``
+stopping short; the part file stays, run again to resume), ``unauthorized``, ``tls_verify_failed`` /
+``tls_required`` / ``tls_error`` (as the split link's, ``edge_client.tls``), ``unreachable``, ``http_error``
 (also a bundle id or edge variant that is no plain name: they name directories here), ``bad_manifest``,
 ``write_failed`` (the phone's storage refused a write: full, read-only; what came down stays, run again to
 resume).
@@ -107,10 +108,10 @@ class BundleServer:
     """The ``/v1/bundles`` routes of one server (see cloud_server.bundle_files)."""
 
     def __init__(self, url: str, api_key: str | None = None, ca_file: Path | None = None, timeout_s: float = 60.0):
-        self.base = http_base(url)
-        self.api_key = api_key
+        self.url, self.base = split_url(url), http_base(url)
+        self.api_key, self.ca_file = api_key, ca_file
         self.timeout_s = timeout_s
-        self._ssl = tls.client_context(split_url(url), ca_file)
+        self._ssl = tls.client_context(self.url, ca_file)
         self.bytes_received = 0  # body bytes of file downloads (what a resume saved shows here)
 
     def _open(self, path: str, headers: dict[str, str] | None = None) -> _Response:
@@ -152,6 +153,9 @@ class BundleServer:
                                                                                    else "")) from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
+            why = tls.explain(self.url, reason, self.ca_file) if isinstance(reason, BaseException) else None
+            if why is not None:  # as the split link names it (edge_client.tls): tls_verify_failed, ...
+                raise BundleSyncError(*why) from None
             raise BundleSyncError("unreachable", f"{self.base}{path}: cannot connect ({reason})") from None
         return _Response(r.status, {k.lower(): v for k, v in r.headers.items()}, r)
 

@@ -11,7 +11,7 @@ A ``ws://`` URL never uses TLS. What goes wrong is named (:func:`explain`), neve
 ``EdgeClientError`` with one of these codes:
 
 * ``tls_verify_failed`` - the server's certificate does not verify against the trusted CAs (an unknown CA, an
-  expired certificate, a host name that does not match);
+  expired certificate, a host name that does not match; the message's hint fits the cause);
 * ``tls_required`` - a ``ws://`` URL to a server that speaks TLS (found by a short probe once the plain
   upgrade failed): use ``wss://``;
 * ``tls_error`` - any other TLS failure (for instance ``wss://`` to a server without TLS).
@@ -25,6 +25,14 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 PROBE_TIMEOUT_S = 2.0
+# what to do about a certificate that does not verify, by OpenSSL's verify code (X509_V_ERR_*); any other code
+# (an unknown CA: 18, 19, 20, ...) is a trust problem the CA file answers
+_VERIFY_HINTS = {
+    9: "it is not valid yet: check the server's and this device's clocks",  # CERT_NOT_YET_VALID
+    10: "the server's operator must renew it (a CA file does not help)",  # CERT_HAS_EXPIRED
+    62: "connect by a host name the certificate lists, or have it reissued for this one",  # HOSTNAME_MISMATCH
+    64: "connect by an address or host name the certificate lists, or have it reissued",  # IP_ADDRESS_MISMATCH
+}
 
 
 def client_context(url: str, ca_file: str | Path | None = None) -> ssl.SSLContext | None:
@@ -65,8 +73,9 @@ def explain(url: str, exc: BaseException, ca_file: str | Path | None = None) -> 
     """``(code, message)`` when TLS is why connecting to ``url`` failed with ``exc``; None otherwise."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         trust = f"the CA file {ca_file}" if ca_file is not None else "the system trust store (or SSL_CERT_FILE)"
+        hint = _VERIFY_HINTS.get(exc.verify_code, "pass the server's CA with --ca-file")
         return ("tls_verify_failed", f"{url}: the server's TLS certificate does not verify against {trust}: "
-                                     f"{exc.verify_message or exc}; pass the server's CA with --ca-file")
+                                     f"{exc.verify_message or exc}; {hint}")
     if isinstance(exc, ssl.SSLError):
         hint = " (is the server serving TLS? use ws:// for a plain server)" if urlsplit(url).scheme == "wss" else ""
         return "tls_error", f"{url}: TLS handshake failed: {exc.reason or exc}{hint}"

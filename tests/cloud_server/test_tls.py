@@ -4,13 +4,16 @@ it trusts another CA, when it speaks plain ws:// to the TLS server, or wss:// to
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -54,8 +57,9 @@ def _ca(tmp, name: str):
     return key, cert, path
 
 
-def _server_cert(tmp, ca_key, ca_cert):
-    """A certificate for 127.0.0.1 / localhost signed by the CA: (cert path, key path)."""
+def _server_cert(tmp, ca_key, ca_cert, name: str = "server", host: str = "localhost", expired: bool = False):
+    """A certificate for ``host`` (and 127.0.0.1 when it is localhost) signed by the CA, valid for a day from now
+    or (``expired``) only in 2020: (cert path, key path), ``tmp/<name>.pem`` and ``.key``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -63,16 +67,17 @@ def _server_cert(tmp, ca_key, ca_cert):
 
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+    if expired:
+        now = datetime.datetime(2020, 1, 2, tzinfo=datetime.timezone.utc)
+    names = [x509.DNSName(host)] + ([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))] if host == "localhost" else [])
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
             .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
             .sign(ca_key, hashes.SHA256()))
-    cert_path, key_path = tmp / "server.pem", tmp / "server.key"
+    cert_path, key_path = tmp / f"{name}.pem", tmp / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
@@ -85,7 +90,39 @@ def pki(tmp_path_factory):
     ca_key, ca_cert, ca_path = _ca(tmp, "good")
     _, _, other_ca = _ca(tmp, "other")
     cert, key = _server_cert(tmp, ca_key, ca_cert)
-    return {"ca": ca_path, "other_ca": other_ca, "cert": cert, "key": key}
+    return {"ca": ca_path, "other_ca": other_ca, "cert": cert, "key": key,
+            "expired": _server_cert(tmp, ca_key, ca_cert, "expired", expired=True),
+            "misnamed": _server_cert(tmp, ca_key, ca_cert, "misnamed", host="other.example")}
+
+
+@contextlib.contextmanager
+def _tls_listener(cert_and_key):
+    """A TLS server on 127.0.0.1 presenting ``(cert, key)`` (signed by the test CA): enough to fail a client's
+    handshake on that certificate. Yields its port."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(*map(str, cert_and_key))
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                continue
+            with conn, contextlib.suppress(OSError):
+                conn.settimeout(5)
+                ctx.wrap_socket(conn, server_side=True).close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +202,34 @@ def test_a_client_trusting_another_ca_is_refused_clearly(tiny_bundle, tls_server
             c.complete(prompt_ids=PROMPT, max_tokens=4)
     assert e.value.code == "tls_verify_failed"
     assert "certificate does not verify" in str(e.value) and str(pki["other_ca"]) in str(e.value)
+
+
+@pytest.mark.parametrize("cert, says", [("expired", "must renew it"), ("misnamed", "host name the certificate lists")])
+def test_an_expired_or_misnamed_certificate_says_what_to_do(tiny_bundle, pki, cert, says):
+    """The hint fits the cause: a CA file cannot fix an expired certificate or one for another host."""
+    with _tls_listener(pki[cert]) as port, \
+            EdgeClient(tiny_bundle, f"wss://localhost:{port}/v1/split", retry=RETRY, ca_file=pki["ca"]) as c:
+        with pytest.raises(EdgeClientError) as e:
+            c.connect()
+    assert e.value.code == "tls_verify_failed" and says in str(e.value), e.value
+    assert "--ca-file" not in str(e.value)
+
+
+def test_bundle_downloads_name_tls_failures_as_the_link_does(tls_server, pki):
+    """preload --update / auto_update over https: an untrusted CA, an expired certificate and ws:// to the TLS
+    server are tls_verify_failed / tls_required with the split link's words, not 'unreachable'."""
+    from edge_client.bundle_sync import BundleServer, BundleSyncError
+
+    assert BundleServer(tls_server.ws_url, ca_file=pki["ca"]).listing()  # trusted: the listing comes
+    with pytest.raises(BundleSyncError) as other:
+        BundleServer(tls_server.ws_url, ca_file=pki["other_ca"]).listing()
+    assert other.value.code == "tls_verify_failed" and "pass the server's CA with --ca-file" in str(other.value)
+    with _tls_listener(pki["expired"]) as port, pytest.raises(BundleSyncError) as expired:
+        BundleServer(f"wss://localhost:{port}", ca_file=pki["ca"]).listing()
+    assert expired.value.code == "tls_verify_failed" and "must renew it" in str(expired.value)
+    with pytest.raises(BundleSyncError) as plain:
+        BundleServer(tls_server.ws_url.replace("wss://", "ws://")).listing()
+    assert plain.value.code == "tls_required" and "use wss://" in str(plain.value)
 
 
 def test_plain_ws_to_a_tls_server_says_use_wss(tiny_bundle, tls_server):
