@@ -410,6 +410,9 @@ class Session:
                 last_t = mark_token(stats, t0, last_t)
                 stats.completion_tokens += 1
                 text, stopped = stop.feed(decoder.push(token) if decoder is not None else "")
+                if not stopped and decoder is not None and req.finish is not None \
+                        and stats.completion_tokens == len(req.tokens):  # the last token: it carries what was held
+                    text += stop.finish(decoder.flush())  # (iter_tokens' deltas join to the text, as plain ones do)
                 sink(("token", token, text))
                 if stopped:  # a stop string: the text ends before it, the cloud stops generating
                     await self._cancel(req)

@@ -218,6 +218,17 @@ def test_stop_strings_end_an_edge_only_answer_as_they_end_a_split_one(tiny_bundl
     assert (edge.text, edge.token_ids) == (split.text, split.token_ids) and len(edge.token_ids) < 12
 
 
+def test_edge_only_iter_tokens_deltas_join_to_the_text(tiny_bundle, cloud, whole_model):
+    """The text held to the end (here the last character, which may begin the stop string) came as a delta of no
+    token, which iter_tokens() dropped; the last token carries it (as in split mode)."""
+    with EdgeClient(tiny_bundle, cloud.ws_url, retry=RETRY, whole_model=whole_model) as c:
+        whole = c.complete(prompt=PROMPT, max_tokens=12, mode="edge-only").text
+        gen = c.generate(prompt=PROMPT, max_tokens=12, mode="edge-only", stop=[whole[-1] + "\x00never"])
+        pairs = list(gen.iter_tokens())
+    assert [t for t, _ in pairs] == gen.token_ids and len(pairs) == 12
+    assert "".join(d for _, d in pairs) == gen.text == whole
+
+
 def test_a_sampled_request_is_not_run_greedily_on_the_phone(tiny_bundle, cloud, whole_model):
     """The edge-only runner decodes greedily: a request with a temperature used to run there anyway and come
     back greedy without a word (its temperature and seed ignored); it is refused before any traffic."""

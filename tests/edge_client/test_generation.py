@@ -127,6 +127,17 @@ def test_cancel_stops_the_request(client, reference):
     assert client.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == reference  # the session lives on
 
 
+def test_iter_tokens_deltas_join_to_the_text(client, reference):
+    """Text held back to the end (a tail that may begin a stop string, an incomplete character) came as a delta
+    of no token, which iter_tokens() dropped: an app streaming with it lost the answer's last characters."""
+    whole = client.complete(prompt_ids=PROMPT, max_tokens=N_NEW).text
+    stop = whole[-1] + "\x00never"  # the answer's last character may begin it: held until the end
+    gen = client.generate(prompt_ids=PROMPT, max_tokens=N_NEW, stop=[stop])
+    pairs = list(gen.iter_tokens())
+    assert [t for t, _ in pairs] == gen.token_ids == reference
+    assert "".join(d for _, d in pairs) == gen.text == whole
+
+
 def test_async_twin(client, reference):
     async def main():
         gen = client.agenerate(prompt_ids=PROMPT, max_tokens=N_NEW)
