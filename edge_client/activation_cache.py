@@ -26,7 +26,9 @@ and treated as a miss; it never crashes the client. Files survive restarts; thei
 
 Several clients (processes) may share the directory at once: a block is written to a temporary file of its
 own (``<key>.<pid>-<random>.tmp``) and renamed into place, and a scan removes only temporary files older than
-``STALE_TMP_S`` (left by a crash), never another client's write in progress. A directory that cannot be
+``STALE_TMP_S`` (left by a crash), never another client's write in progress. The byte bound is the directory's
+(per scope): a client that has written re-reads the directory, indexes the blocks the others wrote (they serve
+it too), drops the ones they evicted and evicts by file mtime, which every client's use sets. A directory that cannot be
 created or written (read-only, full) costs persistence, never a request: the blocks it refuses are kept in
 memory only, the first refusal is logged and :attr:`ActivationCache.write_error` says why.
 """
@@ -98,6 +100,7 @@ class _Entry:
     arrays: list[np.ndarray] | None = None  # 2N KV arrays [KVH, B, D] + hidden [B, H]; None until loaded
     path: Path | None = None
     meta: dict = field(default_factory=dict)
+    used: float = 0.0  # when last used (the LRU order): its file's mtime, which every client sharing it sets
 
 
 class ActivationCache:
@@ -122,6 +125,7 @@ class ActivationCache:
         self.write_error: str | None = None  # why the directory first refused a block (None: it never did)
         self.stats = CacheStats()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
+        self._others: set[str] = set()  # names of the directory's files of other scopes (read once)
         self._bytes = 0
         self._lock = threading.RLock()
         if self.dir is not None:
@@ -225,7 +229,10 @@ class ActivationCache:
                 chain.append(e)
                 added += 1
             self._touch(chain)
-            self._evict()
+            if added and self.dir is not None:
+                self._scan()  # the directory's blocks, others' too, within the bound
+            else:
+                self._evict()
         return added
 
     def clear(self) -> None:
@@ -239,10 +246,10 @@ class ActivationCache:
         now = time.time()
         for j, e in enumerate(reversed(chain)):
             self._entries.move_to_end(e.key)
+            e.used = now - 1e-3 * (len(chain) - j)  # strictly increasing towards the head
             if e.path is not None:
                 try:
-                    t = now - 1e-3 * (len(chain) - j)  # strictly increasing towards the head
-                    os.utime(e.path, (t, t))
+                    os.utime(e.path, (e.used, e.used))
                 except OSError:
                     pass
 
@@ -340,33 +347,53 @@ class ActivationCache:
         return header, len(MAGIC) + 4 + hlen
 
     def _scan(self) -> None:
+        """Bring the index in line with the directory, then evict down to the bound: at start every block of this
+        scope there; after an insert, the blocks other clients sharing the directory wrote since (they serve this
+        one too) and the ones they removed, every block ordered by its file's mtime (each client's use sets it).
+        The bound is the directory's, however many clients write to it."""
         assert self.dir is not None
-        found = []
-        for path in self.dir.iterdir():
+        try:
+            paths = list(self.dir.iterdir())
+        except OSError:  # gone or unreadable: nothing on disk to count
+            paths = []
+        on_disk = set()
+        for path in paths:
             if path.suffix != FILE_SUFFIX:
                 if path.suffix.startswith(".tmp"):
                     self._remove_stale_tmp(path)
                 continue
+            if path.name in self._others:
+                continue
             try:
-                header, offset = self._read_header(path)
-                st = path.stat()
-                if st.st_size != offset + int(header["payload_bytes"]):
-                    raise CacheFileError("file size does not match its header (truncated?)")
+                e = self._entries.get(path.stem)
+                if e is None:
+                    e = self._index(path)
+                    self._entries[e.key] = e
+                    self._bytes += e.nbytes
+                elif e.path is not None:
+                    e.used = path.stat().st_mtime
+                on_disk.add(e.key)
             except FileNotFoundError:
                 continue  # another client evicted it while this one scanned
             except OtherScope:
-                continue  # another client's valid block: not ours to use or to remove
+                self._others.add(path.name)  # another client's valid block: not ours to use or to remove
             except (CacheFileError, OSError, KeyError, ValueError, TypeError) as err:
                 self._reject(path, err)
-                continue
-            content = None if header["content"] is None else bytes.fromhex(header["content"])
-            e = _Entry(header["key"], header["parent"], int(header["index"]), header["tokens"], content,
-                       int(header["payload_bytes"]), None, path, header)
-            found.append((st.st_mtime, e))
-        for _, e in sorted(found, key=lambda t: t[0]):  # oldest first = least recently used
-            self._entries[e.key] = e
-            self._bytes += e.nbytes
+        for e in [e for e in self._entries.values() if e.path is not None and e.key not in on_disk]:
+            self._entries.pop(e.key)  # another client evicted it: the directory's LRU decided
+            self._bytes -= e.nbytes
+        self._entries = OrderedDict(sorted(self._entries.items(), key=lambda kv: kv[1].used))  # oldest first
         self._evict()
+
+    def _index(self, path: Path) -> _Entry:
+        """An entry for a block file of this scope (its payload is read on first use); raises if it is not one."""
+        header, offset = self._read_header(path)
+        st = path.stat()
+        if st.st_size != offset + int(header["payload_bytes"]):
+            raise CacheFileError("file size does not match its header (truncated?)")
+        content = None if header["content"] is None else bytes.fromhex(header["content"])
+        return _Entry(header["key"], header["parent"], int(header["index"]), header["tokens"], content,
+                      int(header["payload_bytes"]), None, path, header, st.st_mtime)
 
     @staticmethod
     def _remove_stale_tmp(path: Path) -> None:

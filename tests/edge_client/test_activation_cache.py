@@ -210,3 +210,20 @@ def test_a_directory_that_refuses_writes_keeps_blocks_in_memory(rt, tmp_path, ca
         (tmp_path / "d" / rt.manifest.bundle_id).write_text("")
         assert _fill(rt, live)[0] == 4 and live.lookup(IDS).tokens == 64 and live.write_error
     assert sum("kept in memory only" in r.message for r in caplog.records) == 2
+
+
+def test_clients_sharing_a_directory_keep_it_within_the_bound(rt, tmp_path):
+    """Each client bounded only the blocks it wrote itself, so n clients sharing a directory kept up to n times
+    cache_max_bytes on disk (three writers bounded to 200 KB each: 634 KB). A client that writes now indexes the
+    blocks the others wrote since (and serves them), and evicts the least recently used down to the bound."""
+    d = tmp_path / rt.manifest.bundle_id
+    bound = 6 * _cache(rt).block_bytes
+    a, b = _cache(rt, cache_dir=tmp_path, max_bytes=bound), _cache(rt, cache_dir=tmp_path, max_bytes=bound)
+    _fill(rt, a)  # 4 blocks
+    other = list(np.random.RandomState(2).randint(4, 512, 64))
+    _fill(rt, b, other)  # 4 more: 8 on disk > 6
+    assert len(list(d.glob("*.blk"))) == 6 and b.nbytes <= bound
+    assert b.contains(other) == 64 and b.contains(IDS) == 32  # a's deepest blocks went first; its head serves b
+    assert b.lookup(IDS[:40]).tokens == 32
+    _fill(rt, a, list(np.random.RandomState(3).randint(4, 512, 33)))  # a drops b's deletions, adds 2 blocks
+    assert len(list(d.glob("*.blk"))) == 6 and a.nbytes <= bound and a.contains(other) == 64 - 2 * B
