@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.prefix_keys import SHARED_SCOPE, tenant_of
+from shared.prefix_keys import SHARED_SCOPE, bearer_token, tenant_of
 
 log = logging.getLogger("autoglm.cloud.auth")
 
@@ -96,13 +96,6 @@ def hash_key(key: str) -> str:
 
 def new_key() -> str:
     return KEY_PREFIX + base64.urlsafe_b64encode(secrets.token_bytes(32)).decode().rstrip("=")
-
-
-def _bearer(header: str | None) -> str | None:
-    if not header or not header.startswith("Bearer "):
-        return None
-    token = header[7:].strip()
-    return token or None
 
 
 def parse_keys(text: str, source: str) -> list[KeyEntry]:
@@ -214,7 +207,7 @@ class Authenticator:
         return self.store is not None or self._api_digest is not None
 
     def authenticate(self, header: str | None) -> Principal | None:
-        token = _bearer(header)
+        token = bearer_token(header)
         if self.store is not None:
             entry = self.store.lookup(token) if token is not None else None
             if entry is None:

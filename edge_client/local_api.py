@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shared import openai_compat as oc
 from shared import openai_routes
 from shared.precision import PrecisionError
+from shared.prefix_keys import bearer_token
 
 from .errors import EdgeClientError
 
@@ -148,8 +149,9 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
+        token = bearer_token(request.headers.get("authorization"))  # decoded as latin-1: its bytes as sent
         if (api_key and request.url.path.startswith("/v1/")
-                and not hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {api_key}")):
+                and not hmac.compare_digest((token or "").encode("latin-1"), api_key.encode())):
             refused = oc.OpenAIRequestError("invalid API key", None, "invalid_api_key", 401)
             return openai_routes.error_response(refused)
         return await call_next(request)

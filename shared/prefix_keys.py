@@ -109,13 +109,21 @@ def content_digests(n_tokens: int, block_tokens: int, spans: Sequence[tuple[int,
     return out
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None (no header, another scheme, no token).
+    The scheme's case does not matter (RFC 9110 section 11.1: ``bearer`` is ``Bearer``)."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
 def tenant_of(authorization: str | None) -> str:
     """The tenant a client's ``Authorization`` header names: a digest of its bearer token (never the token
     itself), or :data:`PUBLIC_TENANT` without one."""
-    if not authorization or not authorization.startswith("Bearer ") or not authorization[7:].strip():
+    token = bearer_token(authorization)
+    if token is None:
         return PUBLIC_TENANT
-    token = authorization[7:].strip().encode()
-    return "t" + hashlib.sha256(b"autoglm-tenant\x00" + token).hexdigest()[:24]
+    return "t" + hashlib.sha256(b"autoglm-tenant\x00" + token.encode()).hexdigest()[:24]
 
 
 def tenant_scoped(tenant: str, key: str) -> str:

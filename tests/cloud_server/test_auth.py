@@ -125,6 +125,10 @@ def test_http_needs_the_header_and_probes_can_be_closed(keyed):
     assert httpx.get(keyed.url + "/v1/models", headers=_bearer("agk_guess")).status_code == 401
     assert httpx.get(keyed.url + f"/v1/models?api_key={keyed.alice}").status_code == 401  # never the URL
     assert httpx.get(keyed.url + "/v1/models", headers=_bearer(keyed.alice)).status_code == 200
+    # the scheme is case-insensitive (RFC 9110 section 11.1); the key is not
+    assert httpx.get(keyed.url + "/v1/models", headers={"Authorization": f"bearer {keyed.alice}"}).status_code == 200
+    assert httpx.get(keyed.url + "/v1/models", headers={"Authorization": f"Bearer {keyed.alice.upper()}"}
+                     ).status_code == 401
     body = httpx.get(keyed.url + "/metrics").json()
     assert body["error"]["code"] == "invalid_api_key"  # open_probes=False
     assert httpx.get(keyed.url + "/ready", headers=_bearer(keyed.bob)).status_code == 200

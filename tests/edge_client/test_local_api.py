@@ -81,6 +81,19 @@ def server():
         yield SimpleNamespace(url=url, client=client)
 
 
+def test_the_local_api_key_is_a_bearer_token_in_any_case_and_a_non_ascii_guess_is_a_401():
+    """--local-api-key: the scheme's case does not matter (RFC 9110); a key with a non-ASCII byte was a 500
+    (hmac.compare_digest refuses non-ASCII str) instead of a 401."""
+    with local_server(create_app(_ScriptedClient(), api_key="local-secret")) as url:
+        def status(header):
+            return httpx.get(url + "/v1/models", headers={"Authorization": header}).status_code
+
+        assert status("Bearer local-secret") == status("bearer local-secret") == 200
+        assert status("Bearer wrong") == status("Basic local-secret") == 401
+        assert status("Bearer café".encode()) == 401
+        assert httpx.get(url + "/v1/models").status_code == 401
+
+
 def test_models_and_health(server):
     r = httpx.get(f"{server.url}/v1/models")
     assert r.json()["data"][0]["id"] == "split-test"
