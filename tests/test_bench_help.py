@@ -1,5 +1,6 @@
 """Every ``bench/`` script's ``--help``: exit 0, and a description that is whole sentences (the docstring's first
-paragraph; its first line alone stops mid-sentence wherever the paragraph wraps)."""
+paragraph; its first line alone stops mid-sentence wherever the paragraph wraps); and every ``--flag`` the docs
+write after ``bench/<name>.py`` is one its parser has."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import pytest
 
 from bench_support import BENCH
+from test_docs import DOCS, FLAG, _doc_id
 
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if "ArgumentParser(" in p.read_text())
 
@@ -75,3 +77,18 @@ def test_help_exits_0_with_a_whole_sentence(helps, name):
 ])
 def test_the_sentence_rule(text, whole):
     assert bool(SENTENCE_END.search(text)) is whole
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
+def test_documented_bench_commands_use_flags_their_scripts_have(helps, doc):
+    """``python bench/<name>.py --flag ...`` in a doc (a command continued over ``\\`` lines read as one line): each
+    flag up to the next command or shell separator is in the script's ``--help``."""
+    bad = []
+    for line in doc.read_text().replace("\\\n", " ").splitlines():
+        for m in re.finditer(r"bench/(\w+)\.py", line):
+            if m.group(1) not in helps:  # a helper, or no parser
+                continue
+            rest = re.split(r"`|&&|\||;|bench/|autoglm-|python", line[m.end():], maxsplit=1)[0]
+            have = set(FLAG.findall(helps[m.group(1)]["help"]))
+            bad += [f"{m.group(1)} {f}: {line.strip()[:120]}" for f in FLAG.findall(rest) if f not in have]
+    assert not bad, f"{_doc_id(doc)} uses flags the scripts lack:\n" + "\n".join(bad)
