@@ -125,7 +125,7 @@ class ActivationCache:
         self.write_error: str | None = None  # why the directory first refused a block (None: it never did)
         self.stats = CacheStats()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
-        self._others: set[str] = set()  # names of the directory's files of other scopes (read once)
+        self._skipped: set[str] = set()  # files left alone: other scopes' blocks, bad files it cannot remove
         self._bytes = 0
         self._lock = threading.RLock()
         if self.dir is not None:
@@ -362,7 +362,7 @@ class ActivationCache:
                 if path.suffix.startswith(".tmp"):
                     self._remove_stale_tmp(path)
                 continue
-            if path.name in self._others:
+            if path.name in self._skipped:
                 continue
             try:
                 e = self._entries.get(path.stem)
@@ -376,7 +376,7 @@ class ActivationCache:
             except FileNotFoundError:
                 continue  # another client evicted it while this one scanned
             except OtherScope:
-                self._others.add(path.name)  # another client's valid block: not ours to use or to remove
+                self._skipped.add(path.name)  # another client's valid block: not ours to use or to remove
             except (CacheFileError, OSError, KeyError, ValueError, TypeError) as err:
                 self._reject(path, err)
         for e in [e for e in self._entries.values() if e.path is not None and e.key not in on_disk]:
@@ -423,6 +423,9 @@ class ActivationCache:
                 arrays.append(np.frombuffer(data, dtype=self.dtype, count=n // self.dtype.itemsize,
                                             offset=pos).reshape(shape))
                 pos += n
+        except FileNotFoundError:  # another client evicted it: a miss, not a bad file
+            self._remove(e)
+            return None
         except (CacheFileError, OSError, KeyError, ValueError, TypeError) as err:
             self._reject(e.path, err)
             self._remove(e)
@@ -431,9 +434,12 @@ class ActivationCache:
         return arrays
 
     def _reject(self, path: Path, err: Exception) -> None:
+        """Log and remove a file that fails a check; one that cannot be removed is left alone from then on."""
         self.stats.rejected_files += 1
         log.warning("activation cache: removing %s: %s", path, err)
         try:
             path.unlink()
-        except OSError:
+        except FileNotFoundError:
             pass
+        except OSError:  # a read-only directory, or a directory under a block's name: not read again
+            self._skipped.add(path.name)

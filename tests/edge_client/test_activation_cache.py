@@ -227,3 +227,21 @@ def test_clients_sharing_a_directory_keep_it_within_the_bound(rt, tmp_path):
     assert b.lookup(IDS[:40]).tokens == 32
     _fill(rt, a, list(np.random.RandomState(3).randint(4, 512, 33)))  # a drops b's deletions, adds 2 blocks
     assert len(list(d.glob("*.blk"))) == 6 and a.nbytes <= bound and a.contains(other) == 64 - 2 * B
+
+
+def test_a_bad_file_that_cannot_be_removed_is_reported_once_and_a_vanished_one_is_a_plain_miss(rt, tmp_path, caplog):
+    """Since a client re-reads its directory after each write, a bad file it could not remove (in a read-only
+    directory; here a folder under a block's name) was logged and counted again at every write; and a block
+    another client evicted was logged as a corrupt file 'removed' when this one went to read it."""
+    d = tmp_path / rt.manifest.bundle_id
+    (d / f"{'0' * 64}.blk").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="edge_client.activation_cache"):
+        cache = _cache(rt, cache_dir=tmp_path)
+        _fill(rt, cache)
+        _fill(rt, cache, list(np.random.RandomState(2).randint(4, 512, 40)))
+        assert cache.stats.rejected_files == 1 and len(caplog.records) == 1
+        fresh = _cache(rt, cache_dir=tmp_path)  # indexes the blocks (the folder: logged again, by this client)
+        for f in d.glob("*.blk"):
+            if f.is_file():
+                f.unlink()  # another client evicted them
+        assert fresh.lookup(IDS) is None and fresh.stats.rejected_files == 1 and len(caplog.records) == 2
