@@ -53,6 +53,7 @@ SIGN_PATTERN = 0x79B9  # bit i set -> sign +1 for element i of every rotated blo
 #                        so another implementation needs no random-number generator; 0x79B9 = low 16 bits of
 #                        the golden-ratio constant 0x9E3779B9)
 LOG_STEPS = 16  # scale exponent resolution: 16 steps per octave (4.4 % apart)
+REF_MAX = 2.0 ** 126  # largest int4-outlier row ref: decoded values stay within 3.75 x ref, below float32's max
 
 
 @cache
@@ -302,12 +303,16 @@ class OutlierInt4Codec(OutlierCodec):
     def encode_rest(self, r):
         s, n = r.shape
         nb = -(-n // ROT)
-        z = _rotate(r)  # [S_q, n]
+        with np.errstate(over="ignore", invalid="ignore"):  # values that overflow are refused below (REF_MAX)
+            z = _rotate(r)  # [S_q, n]
         if nb * ROT != n:
             z = np.concatenate([z, np.zeros((s, nb * ROT - n), np.float32)], axis=1)
         zb = z.reshape(s, nb, ROT)
         amax = np.abs(zb).max(axis=-1)  # [S_q, nb]
         ref = amax.max(axis=1, initial=0.0).astype("<f4")  # [S_q] float32 (rotation can grow values 4x)
+        if not (ref <= REF_MAX).all():
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: values beyond its range (rotated row absmax over "
+                                            "2^126); use bf16")
         reff = ref[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             e = np.floor(-LOG_STEPS * np.log2(amax / reff))  # largest e with ref * 2**(-e/16) >= amax
@@ -322,6 +327,8 @@ class OutlierInt4Codec(OutlierCodec):
         nb = -(-n // ROT)
         ref = rd.take("float32", (s,))
         check_scales(ref, self.name)
+        if ref.size and ref.max() > REF_MAX:
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: a row ref over 2^126 (its values would overflow float32)")
         e = rd.take("uint8", (s, nb))
         c = unpack_nibbles(rd.take("uint8", (s, (n + 1) // 2)), n, self.name)  # [S_q, n]
         step = ref[:, None] * _SCALE_TABLE[e] / 8  # [S_q, nb]

@@ -10,7 +10,7 @@ from hypothesis.extra import numpy as hnp
 
 from shared import codecs as C
 from shared import protocol as P
-from shared.codecs_outlier import hadamard
+from shared.codecs_outlier import hadamard, rotation_signs
 
 CALIB = {"outlier_channels": [3, 17, 40], "sink_threshold": 30.0}
 NAMES = [n for n in C.CODEC_NAMES if n not in C.BASIS_CODECS]  # the PCA codecs: tests/shared/test_codecs_pca.py
@@ -251,6 +251,31 @@ def test_decode_refuses_nan_in_outlier_and_sink_fields(name):
         with pytest.raises(P.ProtocolError) as e:
             c.decode(P.EncodedTensor(codec=name, shape=t.shape, data=bytes(data)))
         assert e.value.code == "bad_tensor"
+
+
+def test_int4_outlier_refuses_a_row_ref_its_values_would_overflow_from():
+    """A finite float32 ref near float32's max decoded to Inf (z up to 0.94 ref, un-rotated up to 3.75 ref): the
+    decoder refuses refs over 2^126, and the encoder refuses rows that would need one instead of sending them."""
+    c = codec("int4-outlier")
+    x = hidden(4, s=1, massive=False)
+    data = bytearray(c.encode(x).data)
+    off = _scale_offsets("int4-outlier", 1, 64)
+    n = 64 - len(CALIB["outlier_channels"])
+    nb = -(-n // 16)
+    data[off:off + 4] = np.float32(3.0e38).tobytes()
+    data[off + 4:off + 4 + nb] = bytes(nb)  # every block at the row's scale
+    data[off + 4 + nb:] = b"\xff" * (len(data) - off - 4 - nb)  # every code 15: one block un-rotates to 3.75 ref
+    with pytest.raises(P.ProtocolError) as e:
+        c.decode(P.EncodedTensor(codec="int4-outlier", shape=(1, 64), data=bytes(data)))
+    assert e.value.code == "bad_tensor" and "2^126" in e.value.message
+    no_sinks = C.get_codec("int4-outlier", outlier_channels=CALIB["outlier_channels"])
+    big = np.zeros((1, 64), np.float32)
+    rest = [i for i in range(64) if i not in CALIB["outlier_channels"]]
+    big[0, rest[:16]] = 3e37 * rotation_signs()  # finite; the first rotated block's first value is 1.2e38
+    with pytest.raises(P.ProtocolError) as e:
+        no_sinks.encode(big)
+    assert e.value.code == "bad_tensor" and "2^126" in e.value.message
+    assert np.isfinite(no_sinks.decode(no_sinks.encode(big / 1e14))).all()  # 1e24 still codes
 
 
 def test_decode_refuses_unused_codes_and_padding():
