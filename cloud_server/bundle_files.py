@@ -16,8 +16,9 @@ Routes (behind the API key, like every ``/v1`` route):
 What is served is looked up by exact name in the manifest's artifacts, never joined from the request path:
 a name that is not an edge/shared artifact (the cloud weights, ``../`` anything, the manifest's own
 neighbours) is 404, and a listed file that resolves outside its bundle directory (a symlink) is 404 too.
-A file whose size on disk differs from the manifest is refused (500): the server never sends bytes that
-cannot verify. A download whose client takes no byte for ``SEND_STALL_S`` is dropped (the client resumes with
+A file whose size or sha256 on disk differs from the manifest is refused (500): the server never sends bytes
+that cannot verify. The hash is taken off the event loop on a file's first request and again only when its
+size, mtime or inode changes (:meth:`BundleCatalog.check`). A download whose client takes no byte for ``SEND_STALL_S`` is dropped (the client resumes with
 ``Range``), so a reader that stalls gives back its ``--max-http-requests`` slot.
 
 References: RFC 9110 sections 13.1.5 (If-Range), 14 (range requests), 8.8.3 (ETag).
@@ -34,7 +35,7 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 
-from shared.manifest import MANIFEST_NAME, Artifact, BundleError, Manifest
+from shared.manifest import MANIFEST_NAME, Artifact, BundleError, Manifest, sha256_file
 
 log = logging.getLogger("autoglm.cloud.bundles")
 
@@ -51,6 +52,10 @@ _PAST_ANY_FILE = 10 ** _POS_DIGITS
 
 class RangeNotSatisfiable(Exception):
     """The Range header names no byte of the file (answered 416)."""
+
+
+class Tampered(Exception):
+    """A served file on disk is not the one its manifest names (answered 500); the message says how."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,8 @@ class BundleCatalog:
         with the same edge variant."""
         self.bundles: dict[str, dict[str, EdgeVariant]] = {}
         self.model_names: dict[str, str] = {}
+        self._verified: dict[Path, tuple[int, int, int]] = {}  # file -> (size, mtime_ns, inode) its hash matched at
+        self._hashing = asyncio.Lock()  # one file hashed at a time (many phones asking at once wait for one hash)
         for d in directories:
             d = Path(d)
             m = Manifest.load(d)
@@ -128,6 +135,20 @@ class BundleCatalog:
         if not path.is_relative_to(root) or not path.is_file():
             raise KeyError(f"{rel!r} is not an edge file of bundle {bundle_id}")
         return path, art
+
+
+    async def check(self, path: Path, art: Artifact) -> None:
+        """Raise :class:`Tampered` unless ``path`` is the file ``art`` names: its size, and its sha256 - hashed
+        off the event loop the first time and whenever its size, mtime or inode changed since."""
+        st = path.stat()
+        if st.st_size != art.bytes:
+            raise Tampered(f"{st.st_size} bytes on disk, manifest says {art.bytes}")
+        seen = (st.st_size, st.st_mtime_ns, st.st_ino)
+        async with self._hashing:
+            if self._verified.get(path) != seen:
+                if await asyncio.to_thread(sha256_file, path) != art.sha256:
+                    raise Tampered("its sha256 differs from the manifest's")
+                self._verified[path] = seen
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -212,12 +233,10 @@ class _Download(StreamingResponse):
 
 
 def file_response(request: Request, path: Path, art: Artifact) -> Response:
-    """The 200 / 206 / 304 / 416 answer for one artifact (see the module docstring)."""
+    """The 200 / 206 / 304 / 416 answer for one artifact that passed :meth:`BundleCatalog.check` (see the module
+    docstring)."""
     etag = _etag(art.sha256)
-    size = path.stat().st_size
-    if size != art.bytes:
-        log.error("%s: %d bytes on disk, manifest says %d", path, size, art.bytes)
-        raise HTTPException(500, detail=f"{path.name} on the server differs from its manifest; tell the operator")
+    size = art.bytes  # BundleCatalog.check: the file on disk is this one
     headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": "private, max-age=0"}
     if _etag_matches(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
@@ -262,6 +281,12 @@ def install(app: FastAPI, catalog: BundleCatalog, auth) -> None:
     @app.api_route("/v1/bundles/{bundle_id}/files/{rel:path}", methods=["GET", "HEAD"], dependencies=[auth])
     async def file(request: Request, bundle_id: str, rel: str, edge: str | None = None):
         path, art = lookup(catalog.artifact, bundle_id, edge, rel)
+        try:
+            await catalog.check(path, art)
+        except (Tampered, OSError) as e:  # OSError: removed or unreadable since the lookup
+            log.error("%s: %s; not served", path, e)
+            raise HTTPException(500, detail=f"{rel} on the server differs from its manifest; tell the operator") \
+                from None
         return file_response(request, path, art)
 
     app.state.bundles = catalog

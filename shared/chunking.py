@@ -1,10 +1,11 @@
 """Prefill chunking: split a prompt's boundary hidden states into Prefill messages that respect the limits.
 
 The server's ``Welcome.limits`` bound every frame (``max_frame_bytes``) and every Prefill
-(``max_prefill_chunk_tokens``). :func:`prefill_messages` sizes each chunk from the codec's typical payload per
-row and the exact envelope of the message (the first one alone carries the sampling parameters and prefix
-keys), encodes it, and if the frame still exceeds the limit (many float16 sink rows) shrinks the chunk and
-encodes again, so every returned message fits.
+(``max_prefill_chunk_tokens``), and a receiver decodes no tensor whose float32 states exceed its decoded-tensor
+limit (``shared.wire.Limits.max_decoded_tensor_bytes``, 64 MiB by default). :func:`prefill_messages` sizes
+each chunk from the codec's typical payload per row and the exact envelope of the message (the first one alone
+carries the sampling parameters and prefix keys), encodes it, and if the frame still exceeds the limit (many
+float16 sink rows) shrinks the chunk and encodes again, so every returned message fits.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from .codec_base import BoundaryCodec
 from .errors import TOO_LARGE, ProtocolError
 from .messages import Prefill, SamplingParams, SessionLimits
 from .tensors import EncodedTensor, WireArray
-from .wire import encode_message
+from .wire import DEFAULT_LIMITS, encode_message
 
 _BIN_HEADER = 5  # msgpack bin32 header: the most a payload's length prefix can take
 
@@ -49,7 +50,7 @@ def prefill_messages(request_id: str, hidden: np.ndarray, codec: BoundaryCodec, 
                         rope_positions=None if rope_positions is None else
                         WireArray.from_numpy(np.zeros((3, 1), np.int32)))
         envelope = len(encode_message(probe)) + 2 * _BIN_HEADER + 16  # + shape/position growth
-        rows = min(limits.max_prefill_chunk_tokens, s - i,
+        rows = min(limits.max_prefill_chunk_tokens, s - i, DEFAULT_LIMITS.max_decoded_tensor_bytes // (4 * h),
                    (limits.max_frame_bytes - envelope) // (per_row + rope_row) if per_row + rope_row else s)
         if rows < 1:
             raise ProtocolError(TOO_LARGE, f"one token of {codec.name} [1, {h}] does not fit in a "

@@ -38,12 +38,13 @@ class BoundaryCodec(ABC):
         return EncodedTensor(codec=self.name, shape=x.shape, data=payload, zstd=False)
 
     def decode(self, t: EncodedTensor, limits: Limits | None = None) -> np.ndarray:
-        """The float32 hidden states ``[S, H]`` of ``t`` (a fresh writable array)."""
+        """The float32 hidden states ``[S, H]`` of ``t`` (a fresh writable array); its shape is checked first
+        (:meth:`check_shape`)."""
         limits = limits or DEFAULT_LIMITS
         if t.codec != self.name:
             raise ProtocolError(BAD_CODEC, f"tensor coded with {t.codec!r}, this codec is {self.name!r}")
         s, h = t.shape
-        self.check_hidden_size(h)
+        self.check_shape(s, h, limits)
         cap = min(self.max_payload_bytes(s, h), limits.max_decoded_tensor_bytes)
         if t.zstd:
             payload = decompress(t.data, cap, limits.max_zstd_ratio, limits.zstd_window_log_max)
@@ -60,6 +61,15 @@ class BoundaryCodec(ABC):
 
     def check_hidden_size(self, h: int) -> None:
         """Raise ``ProtocolError("bad_codec")`` if this codec instance cannot code width ``h``."""
+
+    def check_shape(self, s: int, h: int, limits: Limits) -> None:
+        """Raise ``ProtocolError`` unless a tensor ``[s, h]`` may be decoded: a width this codec codes, and float32
+        states of at most ``limits.max_decoded_tensor_bytes`` (``bad_tensor``; a few payload bytes, or a small
+        zstd frame, can declare rows of any width, so this is checked before anything is allocated)."""
+        self.check_hidden_size(h)
+        if 4 * s * h > limits.max_decoded_tensor_bytes:
+            raise ProtocolError(BAD_TENSOR, f"{self.name}: [{s}, {h}] decodes to more than "
+                                            f"{limits.max_decoded_tensor_bytes} bytes")
 
     def decode_rows(self, tensors: list[EncodedTensor], limits: Limits | None = None) -> np.ndarray:
         """The float32 states ``[N, H]`` of ``N`` one-row tensors ``[1, H]`` (a decode step's rows, one per

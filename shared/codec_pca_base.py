@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from .codec_base import BoundaryCodec
-from .errors import BAD_CODEC, BAD_TENSOR, ProtocolError
-from .tensors import EncodedTensor, PayloadReader
-from .wire import DEFAULT_LIMITS, Limits
+from .errors import BAD_CODEC, ProtocolError
+from .tensors import PayloadReader
 
 FINGERPRINT_BYTES = 4
 
@@ -30,16 +29,6 @@ class BasisCodec(BoundaryCodec):
         self.analysis = basis.basis[:, :r].astype(np.float64)  # [H, r]
         self.synthesis = np.ascontiguousarray(self.analysis.T)  # [r, H]
         self.mean = basis.mean.astype(np.float64)  # [H]
-
-    def decode(self, t: EncodedTensor, limits: Limits | None = None) -> np.ndarray:
-        """As :meth:`BoundaryCodec.decode`; also refuses a shape whose float32 states would exceed
-        ``limits.max_decoded_tensor_bytes`` (a few payload bytes per row decode to a whole row here)."""
-        limits = limits or DEFAULT_LIMITS
-        s, h = t.shape
-        if 4 * s * h > limits.max_decoded_tensor_bytes:
-            raise ProtocolError(BAD_TENSOR, f"{self.name}: [{s}, {h}] decodes to more than "
-                                            f"{limits.max_decoded_tensor_bytes} bytes")
-        return super().decode(t, limits)
 
     def check_hidden_size(self, h):
         if h != self.pca.hidden_size:

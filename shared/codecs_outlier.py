@@ -212,9 +212,9 @@ class OutlierCodec(BoundaryCodec):
         if (not tensors or h <= len(self.outlier_channels)
                 or any(t.codec != self.name or t.shape != (1, h) or t.zstd for t in tensors)):
             return None
-        self.check_hidden_size(h)
+        self.check_shape(1, h, limits or DEFAULT_LIMITS)
         per_row = self.payload_bytes(1, h)
-        if per_row > (limits or DEFAULT_LIMITS).max_decoded_tensor_bytes or any(len(t.data) != per_row for t in tensors):
+        if any(len(t.data) != per_row for t in tensors):
             return None
         rows = np.frombuffer(b"".join(t.data for t in tensors), np.uint8).reshape(len(tensors), per_row)
         return None if rows[:, 0].any() else rows

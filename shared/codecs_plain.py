@@ -67,15 +67,15 @@ class Fp16Codec(BoundaryCodec):
 
     def half_rows(self, tensors, limits=None) -> np.ndarray | None:
         """The rows of N uncompressed one-row tensors ``[1, H]`` of one width as one writable float16 array
-        ``[N, H]``, checked as :meth:`decode` checks them (``ProtocolError`` for a NaN or Inf), or None where
+        ``[N, H]``, checked as :meth:`decode` checks them (``ProtocolError`` for a NaN or Inf, or a width over the
+        limits), or None where
         one is not such a tensor (zstd, another shape or length: :meth:`decode_rows` decodes those one by
         one). The cloud widens it to float32 itself (torch does that several times faster than numpy)."""
         h = tensors[0].shape[1] if tensors else 0
         if not h or any(t.codec != self.name or t.zstd or t.shape != (1, h) or len(t.data) != 2 * h
                         for t in tensors):
             return None
-        if 2 * h > (limits or DEFAULT_LIMITS).max_decoded_tensor_bytes:
-            return None
+        self.check_shape(1, h, limits or DEFAULT_LIMITS)
         half = np.frombuffer(bytearray().join([t.data for t in tensors]), "<f2").reshape(len(tensors), h)
         if (half.view("<u2") & 0x7FFF).max() >= 0x7C00:  # exponent all ones: Inf or NaN
             raise ProtocolError(BAD_TENSOR, f"{self.name}: NaN or Inf values")

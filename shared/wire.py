@@ -44,7 +44,7 @@ class Limits:
     max_str_len: int = 1 << 16  # error messages are cut at 1 KiB; ids are at most 256 characters
     max_array_len: int = 1 << 17  # token lists, prefix keys; tensors are bin, not arrays
     max_map_len: int = 0  # the protocol uses no msgpack maps
-    max_decoded_tensor_bytes: int = 64 << 20  # a decompressed codec payload may not exceed this
+    max_decoded_tensor_bytes: int = 64 << 20  # at most: a decoded tensor's float32 states, a decompressed payload
     max_zstd_ratio: float = 256.0  # decompressed / compressed
     zstd_window_log_max: int = 23  # 8 MiB window
 

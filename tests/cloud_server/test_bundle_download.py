@@ -119,11 +119,22 @@ def test_a_file_changed_on_disk_is_refused(tmp_path, tiny_glm4_fp32_bundle):
     b = tmp_path / "b"
     shutil.copytree(tiny_glm4_fp32_bundle, b)
     m = Manifest.load(b)
-    with open(b / FRONT, "ab") as f:
-        f.write(b"x")
+    url = f"/v1/bundles/{m.bundle_id}/files/{FRONT}"
+    good = (b / FRONT).read_bytes()
     with _client(b) as c:
-        r = c.get(f"/v1/bundles/{m.bundle_id}/files/{FRONT}", headers=AUTH)
+        assert c.get(url, headers=AUTH).content == good  # hashed and found right
+        with open(b / FRONT, "ab") as f:  # longer
+            f.write(b"x")
+        r = c.get(url, headers=AUTH)
         assert r.status_code == 500 and "differs from its manifest" in r.text
+        tampered = bytearray(good)  # same size, one byte flipped, after it was served once
+        tampered[len(good) // 2] ^= 0xFF
+        (b / FRONT).write_bytes(bytes(tampered))
+        for headers in (AUTH, {**AUTH, "Range": "bytes=0-99"}):
+            r = c.get(url, headers=headers)
+            assert r.status_code == 500 and "differs from its manifest" in r.text, headers
+        (b / FRONT).write_bytes(good)  # put back: served again
+        assert c.get(url, headers=AUTH).content == good
 
 
 def test_the_routes_need_the_api_key(http, tiny_glm4_fp32_bundle):

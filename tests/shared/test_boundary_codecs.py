@@ -278,6 +278,26 @@ def test_int4_outlier_refuses_a_row_ref_its_values_would_overflow_from():
     assert np.isfinite(no_sinks.decode(no_sinks.encode(big / 1e14))).all()  # 1e24 still codes
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_shape_decoding_past_the_limit_is_refused_before_decoding(name):
+    """Every codec refuses a tensor whose float32 states exceed ``max_decoded_tensor_bytes`` (a 1.4 MB zstd frame of
+    int4-b32 [2048, 30000] cost a server 0.8 GB and 5 s before its width was found wrong), and decode_rows agrees."""
+    c = codec(name)
+    x = hidden(7, s=8, massive=False)
+    t = c.encode(x, zstd=True)
+    exact = P.Limits(max_decoded_tensor_bytes=4 * x.size)
+    assert c.decode(t, exact).shape == x.shape
+    under = P.Limits(max_decoded_tensor_bytes=4 * x.size - 1)
+    with pytest.raises(P.ProtocolError) as e:
+        c.decode(t, under)
+    assert e.value.code == "bad_tensor" and "decodes to more than" in e.value.message
+    rows = [c.encode(x[i:i + 1]) for i in range(3)]
+    assert c.decode_rows(rows, P.Limits(max_decoded_tensor_bytes=4 * 64)).shape == (3, 64)
+    with pytest.raises(P.ProtocolError) as e:
+        c.decode_rows(rows, P.Limits(max_decoded_tensor_bytes=4 * 64 - 1))
+    assert e.value.code == "bad_tensor"
+
+
 def test_decode_refuses_unused_codes_and_padding():
     c8 = C.get_codec("int8-b32")
     t = c8.encode(np.ones((1, 32), np.float32))

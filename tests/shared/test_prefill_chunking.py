@@ -58,3 +58,18 @@ def test_not_last_leaves_the_request_open():
     assert not any(m.last for m in msgs)
     with pytest.raises(ValueError):
         prefill_messages("r", np.ones((0, 8), np.float32), C.get_codec("fp16"), P.SessionLimits())
+
+
+def test_chunks_stay_within_the_receivers_decoded_tensor_limit(monkeypatch):
+    """A receiver refuses a tensor whose float32 states exceed its decoded-tensor limit (64 MiB by default), however
+    few bytes it travels in, so chunks stop there too even when the server's chunk limit is larger."""
+    import shared.chunking
+
+    monkeypatch.setattr(shared.chunking, "DEFAULT_LIMITS", P.Limits(max_decoded_tensor_bytes=4 * 64 * 100))
+    x = np.random.default_rng(0).standard_normal((250, 64)).astype(np.float32)
+    codec = CODECS["int4-b32"]
+    msgs = prefill_messages("r1", x, codec, P.SessionLimits(max_prefill_chunk_tokens=4096),
+                            params=P.SamplingParams())
+    assert [m.n_tokens for m in msgs] == [100, 100, 50]
+    for m in msgs:
+        codec.decode(m.hidden, shared.chunking.DEFAULT_LIMITS)
