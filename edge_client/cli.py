@@ -111,9 +111,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
-    from .local_api import create_app
+    from .local_api import ClosingServer, create_app
 
     if args.media_dir is not None and not Path(args.media_dir).is_dir():  # else every local image path is refused
         raise ValueError(f"--media-dir {args.media_dir}: not a directory")
@@ -129,7 +127,7 @@ def cmd_serve(args) -> int:
     print(f"autoglm-edge: OpenAI-compatible endpoint on http://{args.host}:{args.port}/v1 "
           f"(cloud {client.config.url})", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        ClosingServer(app, client, host=args.host, port=args.port, log_level=args.log_level).run()
     finally:
         client.close()
     return 0

@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -172,3 +174,17 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
 
     openai_routes.install(app, _EdgeBackend(client, model_id), max_body_bytes=MAX_BODY_BYTES)
     return app
+
+
+class ClosingServer(uvicorn.Server):
+    """uvicorn for ``autoglm-edge serve``: Ctrl-C / SIGTERM also closes the client, so the answers still streaming
+    end at once with an error event (``closed``; their cloud requests cancelled) and the server stops. uvicorn
+    alone waited for every open stream to finish: a long answer held a stopped server for minutes."""
+
+    def __init__(self, app: FastAPI, client: EdgeClient, **config: Any):
+        super().__init__(uvicorn.Config(app, **config))
+        self.client = client
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        threading.Thread(target=self.client.close, name="edge-close", daemon=True).start()  # close() blocks

@@ -7,6 +7,8 @@ for the module, on the shared tiny cloud."""
 from __future__ import annotations
 
 import re
+import signal
+import threading
 import time
 
 import httpx
@@ -16,7 +18,8 @@ import pytest
 from local_server import local_server
 
 from edge_client.client import EdgeClient
-from edge_client.local_api import create_app
+from edge_client.demo import free_port
+from edge_client.local_api import ClosingServer, create_app
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +86,32 @@ def test_a_precision_the_session_lacks_is_a_400_naming_precision(edge):
     assert unknown.value.body["param"] == "precision"
     r = oa.completions.create(model="e", prompt=_prompt(8), max_tokens=2, extra_body={"precision": "fp16"})
     assert r.usage.completion_tokens == 2
+
+
+def test_stopping_the_server_ends_its_open_streams_at_once(tiny_bundle, tiny_cloud):
+    """Ctrl-C / SIGTERM on `autoglm-edge serve` waited for every open stream to finish (uvicorn's shutdown): a long
+    answer held the stopped server for minutes. The signal closes the client: the stream ends with an error event,
+    its cloud request is cancelled, and the server stops."""
+    port = free_port()
+    client = EdgeClient(tiny_bundle, tiny_cloud.ws_url)
+    srv = ClosingServer(create_app(client, model_name="e"), client, host="127.0.0.1", port=port, log_level="error")
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+    stream = oa.completions.create(model="e", prompt=_prompt(20), max_tokens=2000, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    t0 = time.monotonic()
+    srv.handle_exit(signal.SIGINT, None)  # what the signal handler calls (uvicorn's own on the main thread)
+    with pytest.raises(openai.APIError, match="client was closed"):
+        for _ in chunks:
+            pass
+    th.join(10)
+    assert not th.is_alive() and time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 5
+    while _running(tiny_cloud) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _running(tiny_cloud) == 0
