@@ -8,6 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import codec_fuzz
+
 from shared import codecs as C
 from shared import protocol as P
 from shared.codecs_outlier import hadamard, rotation_signs
@@ -332,6 +334,30 @@ def test_random_payloads_decode_or_refuse(name, data, s, h, z):
         assert e.code in P.PROTOCOL_ERROR_CODES
     else:
         assert y.shape == (s, h) and np.isfinite(y).all()
+
+
+def test_fuzzed_payloads_decode_or_refuse():
+    """tests/shared/codec_fuzz.py over the calibration-free and outlier codecs: every damaged payload decodes to
+    finite float32 of its shape or is refused with a documented code, within 1 s and bounded memory (the PCA
+    codecs and the 100,000-iteration run: tests/shared/test_codecs_pca.py)."""
+    report = codec_fuzz.fuzz(C.available_codecs(CALIB), 480, seed=1)
+    assert report["n_failures"] == 0, report["failures"]
+    by = report["by_strategy"]
+    assert all(by[k].get("refused") for k in ("truncation", "extension", "shape", "nonfinite", "zstd_bomb", "rows"))
+    assert all(by[k].get("accepted") for k in ("bit_flips", "byte_runs", "zstd_wrap")), by  # damage that stays valid
+
+
+def test_the_codec_fuzzer_reports_what_it_is_looking_for(monkeypatch):
+    """The harness can fail: another exception type, a non-finite output and a slow decode are each reported."""
+    codecs = {name: codec(name) for name in ("int8-b32", "fp16", "bf16")}
+    monkeypatch.setattr(codecs["int8-b32"], "decode_payload", lambda *a: {}[1])  # KeyError (not a ProtocolError)
+    monkeypatch.setattr(codecs["fp16"], "decode", lambda t, limits=None: np.full(t.shape, np.inf, np.float32))
+    monkeypatch.setattr(codec_fuzz, "MAX_DECODE_S", 0.0)
+    errors = " ".join(f["error"] for f in codec_fuzz.fuzz(codecs, 60, seed=2, keep=60)["failures"])
+    assert "KeyError" not in errors  # decode() turns a layout bug into bad_tensor, as documented ...
+    monkeypatch.setattr(codecs["int8-b32"], "decode", lambda t, limits=None: {}[1])
+    errors = " ".join(f["error"] for f in codec_fuzz.fuzz(codecs, 60, seed=2, keep=60)["failures"])
+    assert "KeyError" in errors and "NaN or Inf" in errors and "took" in errors  # ... but not a decode() bug
 
 
 def test_outlier_codec_parameters_are_checked():

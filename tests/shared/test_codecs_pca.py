@@ -10,6 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import codec_fuzz
+
 from shared import codecs as C
 from shared import protocol as P
 from shared.codecs_pca import LEVELS, U_MAX, CodecArtifactError, PcaBasis, calibrate_pca
@@ -150,6 +152,22 @@ def test_random_payloads_decode_or_refuse(name, basis, data, s, keep):
     except P.ProtocolError:
         return
     assert y.shape == (s, H) and np.isfinite(y).all()
+
+
+def test_fuzzed_payloads_decode_or_refuse(basis):
+    """tests/shared/codec_fuzz.py over the four PCA codecs (Rice, rANS, trellis): bit flips, truncations, length
+    fields, corrupted rANS words, zstd bombs... each decodes to finite float32 of its shape or is refused with a
+    documented code, within 1 s and bounded memory."""
+    codecs = {name: C.get_codec(name, basis=basis) for name in C.BASIS_CODECS}
+    report = codec_fuzz.fuzz(codecs, 144, seed=3, h=H)
+    assert report["n_failures"] == 0, report["failures"]
+
+
+@pytest.mark.slow
+def test_one_hundred_thousand_fuzzed_payloads_of_every_codec(basis):
+    report = codec_fuzz.fuzz(C.available_codecs({"outlier_channels": [3, 17, 40], "sink_threshold": 30.0,
+                                                 "pca_basis": basis}), 100_000, seed=0, h=H)
+    assert report["n_failures"] == 0, report["failures"]
 
 
 def test_encode_refuses_nan_and_get_codec_checks_parameters(basis):
