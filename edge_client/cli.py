@@ -74,6 +74,7 @@ def _client(args):
 
 
 def cmd_chat(args) -> int:
+    from .errors import EdgeClientError
     from .request import RequestSpec
 
     # the per-answer flags, checked before the bundle loads (the rules of every request: RequestSpec)
@@ -81,6 +82,7 @@ def cmd_chat(args) -> int:
     client = _client(args)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("autoglm-edge chat: empty line or Ctrl-D quits; Ctrl-C stops an answer.", file=sys.stderr)
+    status = 0  # the last turn's: 1 when it failed
     try:
         while True:
             try:
@@ -90,14 +92,26 @@ def cmd_chat(args) -> int:
             if not line.strip():
                 break
             history.append({"role": "user", "content": line})
-            gen = client.generate(messages=history, max_tokens=args.max_tokens, temperature=args.temperature,
-                                  enable_thinking=args.thinking, precision=args.precision)
-            print("assistant> ", end="", flush=True)
+            # a turn that fails (too long for the context, the cloud unreachable through every retry) is said in
+            # one line and dropped; the chat and its conversation go on (they ended with the process)
+            gen = None
             try:
-                for delta in gen:
-                    print(delta, end="", flush=True)
-            except KeyboardInterrupt:
-                gen.close()
+                gen = client.generate(messages=history, max_tokens=args.max_tokens, temperature=args.temperature,
+                                      enable_thinking=args.thinking, precision=args.precision)
+                print("assistant> ", end="", flush=True)
+                try:
+                    for delta in gen:
+                        print(delta, end="", flush=True)
+                except KeyboardInterrupt:
+                    gen.close()
+            except (ValueError, EdgeClientError) as e:
+                if gen is not None:  # after "assistant> "
+                    print()
+                print(f"autoglm-edge chat: {e}", file=sys.stderr)
+                history.pop()
+                status = 1
+                continue
+            status = 0
             print()
             history.append({"role": "assistant", "content": gen.text})
             st = gen.stats
@@ -107,7 +121,7 @@ def cmd_chat(args) -> int:
                       file=sys.stderr)
     finally:
         client.close()
-    return 0
+    return status
 
 
 def cmd_serve(args) -> int:

@@ -201,3 +201,17 @@ def test_a_malformed_prompts_file_is_one_line_naming_it(content, match, tiny_bun
     assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"autoglm-edge preload: error: {bad}: ") and match in err and err.count("\n") == 1, err
+
+
+def test_a_turn_that_fails_leaves_the_chat_and_its_conversation_going(tiny_bundle, tiny_cloud, monkeypatch, capsys):
+    """A message too long for the context (ValueError) or an answer that failed (EdgeClientError: here a compute
+    variant the CPU server lacks; the cloud unreachable through every retry likewise) ended `autoglm-edge chat`
+    and its conversation; the turn is said in one line and dropped, the chat goes on (exit 1 if the last failed)."""
+    argv = ["chat", "--bundle", str(tiny_bundle), "--url", tiny_cloud.ws_url, "--max-tokens", "3", "--no-stats"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("a " * 1100 + "\nhello\n"))
+    assert main([*argv, "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "exceeds the edge graph's 2048 positions" in captured.err and "assistant> " in captured.out
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nhello\n"))
+    assert main([*argv, "--precision", "int8"]) == 1
+    assert capsys.readouterr().err.count("compute 'int8' is not available") == 2  # both turns were asked
