@@ -55,6 +55,7 @@ from shared import protocol as P
 from shared.chunking import prefill_messages
 from shared.detokenizer import StreamDecoder
 from shared.manifest import Manifest
+from shared.messages import MAX_PREFIX_KEYS
 from shared.openai_compat import StopMatcher
 from shared.precision import PrecisionError, PrecisionOverride, RequestFeatures, choose_precision, step_codec
 from shared.prefix_keys import KeyScope, block_keys
@@ -471,7 +472,8 @@ class Session:
                                   top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
         scope = self._cloud_scope(req.codec, spec.prefix_secret)  # private levels: the cloud cannot recompute the keys
         content = spec.media.content(self.block_size) if spec.media is not None else None  # image/audio digests
-        return {"params": params, "prefix_keys": block_keys(spec.prompt_ids, scope, self.block_size, content),
+        named = spec.prompt_ids[: MAX_PREFIX_KEYS * self.block_size]  # a Prefill names the first 4096 blocks at most
+        return {"params": params, "prefix_keys": block_keys(named, scope, self.block_size, content),
                 "compute": req.compute}
 
     def _cloud_scope(self, codec: str, secret: bytes | None = None) -> KeyScope:
@@ -535,7 +537,8 @@ class Session:
         if media is not None:  # items cached_prefix() left out whose blocks were evicted since: encoded now
             stats.media_encode_s += await _compute(media.encode, h)
         # 2. optimistic: the cloud has [0, c) under the same keys, so those positions are not uploaded
-        c = 0 if spec.ushape else (h // self.block_size) * self.block_size  # u-shape: the tail needs every position
+        # u-shape: the tail needs every position; else whole cloud blocks that the Prefill's keys name
+        c = 0 if spec.ushape else min(h // self.block_size, MAX_PREFIX_KEYS) * self.block_size
         req.prefix_raw = hit.hidden[:c] if hit is not None else None
         stats.uploaded_prompt_tokens = len(ids) - c
         parts: list[np.ndarray] = [hit.hidden] if hit is not None else []

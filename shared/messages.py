@@ -35,6 +35,7 @@ PROGRESS_INTERVAL_S = 15.0
 MAX_POSITION = (1 << 31) - 1
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_DRAFT_TOKENS = 32  # drafts per SpecStep the protocol allows at all (a server announces its own cap)
+MAX_PREFIX_KEYS = 4096  # keys a Prefill names (its prompt's first blocks) and Welcome.cached_prefixes lists, at most
 _IDENT = re.compile(r"[A-Za-z0-9._:\-]+")  # ids and tokens: no spaces or control characters (log-safe)
 
 
@@ -301,7 +302,7 @@ class Welcome:
         _list(self.codecs, "codecs", 32)
         for c in self.codecs:
             _ident(c, "codecs[]", 32)
-        _list(self.cached_prefixes, "cached_prefixes", 4096)
+        _list(self.cached_prefixes, "cached_prefixes", MAX_PREFIX_KEYS)
         for k in self.cached_prefixes:
             _ident(k, "cached_prefixes[]", 128)
         _list(self.requests, "requests", 1 << 16)
@@ -347,7 +348,7 @@ class Prefill:
         _int(self.start, "start")
         _int(self.ask_drafts, "ask_drafts", 0, MAX_DRAFT_TOKENS)
         _rows(self.start, self.hidden.shape[0], "Prefill")
-        _list(self.prefix_keys, "prefix_keys", 4096)
+        _list(self.prefix_keys, "prefix_keys", MAX_PREFIX_KEYS)
         for k in self.prefix_keys:
             _ident(k, "prefix_keys[]", 128)
         if self.compute is not None and self.compute not in COMPUTE_VARIANTS:

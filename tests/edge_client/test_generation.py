@@ -88,6 +88,27 @@ def test_prefix_miss_falls_back_to_cached_hidden_states(client, cloud, reference
     assert client.runtime.stats.tokens - front_before == 8 + N_NEW - 1
 
 
+def test_a_prompt_of_more_blocks_than_a_prefill_names_keys_its_first_blocks(client):
+    """A prompt of more than MAX_PREFIX_KEYS (4096) cloud blocks - 65,552 tokens at the default 16, 4,097 on a
+    server run with --block-size 1 - failed every time before any upload: 'internal error: ProtocolError:
+    prefix_keys: 4200 entries (at most 4096)' (SmolLM2, a real server). The first Prefill names the first 4096
+    blocks; later ones are computed, not shared (and a cache hit past them is uploaded)."""
+    from edge_client.generation import _Request
+    from edge_client.request import RequestSpec
+    from shared import protocol as P
+    from shared.messages import MAX_PREFIX_KEYS
+
+    client.connect()
+    block = client.session.block_size
+    ids = [int(t) for t in np.random.RandomState(5).randint(4, 512, (MAX_PREFIX_KEYS + 3) * block)]
+    fields = client.session._open_fields(_Request(RequestSpec(prompt_ids=ids), "fp16"))
+    assert len(fields["prefix_keys"]) == MAX_PREFIX_KEYS
+    assert fields["prefix_keys"][-1] == client.session._open_fields(  # the same chain as a shorter prompt's
+        _Request(RequestSpec(prompt_ids=ids[: MAX_PREFIX_KEYS * block]), "fp16"))["prefix_keys"][-1]
+    hidden = client.session.codecs["fp16"].encode(np.zeros((1, client.runtime.hidden_size), np.float32))
+    P.Prefill(request_id="r", start=0, hidden=hidden, **fields)  # a valid message
+
+
 def test_drop_mid_generation_resumes_without_loss(client, cloud, reference):
     cloud.drop_after_tokens = 5
     gen = client.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
