@@ -138,8 +138,6 @@ def cmd_serve(args) -> int:
     client = _client(args)
     app = create_app(client, model_name=args.model_name, api_key=args.local_api_key, media_dir=args.media_dir,
                      fetch_urls=args.fetch_urls)
-    print(f"autoglm-edge: OpenAI-compatible endpoint on http://{args.host}:{args.port}/v1 "
-          f"(cloud {client.config.url})", file=sys.stderr)
     try:
         ClosingServer(app, client, host=args.host, port=args.port, log_level=args.log_level).run()
     finally:
@@ -255,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this device only)")
     serve.add_argument("--media-dir", default=os.environ.get("AUTOGLM_EDGE_MEDIA_DIR"),
                        help="the one folder whose images image_url parts may name by local path (default: none)")
-    serve.add_argument("--port", type=port_number, default=8001, help="listen port (default 8001)")
+    serve.add_argument("--port", type=port_number, default=8001, help="listen port (default 8001; 0: a free one, which the banner names)")
     serve.add_argument("--fetch-urls", action=argparse.BooleanOptionalAction, default=True,
                        help="fetch http(s) image_url parts on the phone (--no-fetch-urls: refuse them, url_refused; "
                             "a fetch may reach whatever the phone reaches, localhost included)")

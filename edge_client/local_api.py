@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -184,6 +185,13 @@ class ClosingServer(uvicorn.Server):
     def __init__(self, app: FastAPI, client: EdgeClient, **config: Any):
         super().__init__(uvicorn.Config(app, **config))
         self.client = client
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # the address bound: --port 0 takes a free port, which the banner names (it said 0)
+            port = self.servers[0].sockets[0].getsockname()[1]
+            print(f"autoglm-edge: OpenAI-compatible endpoint on http://{self.config.host}:{port}/v1 "
+                  f"(cloud {self.client.config.url})", file=sys.stderr, flush=True)
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)

@@ -18,7 +18,6 @@ import pytest
 from local_server import local_server
 
 from edge_client.client import EdgeClient
-from edge_client.demo import free_port
 from edge_client.local_api import ClosingServer, create_app
 
 
@@ -88,18 +87,20 @@ def test_a_precision_the_session_lacks_is_a_400_naming_precision(edge):
     assert r.usage.completion_tokens == 2
 
 
-def test_stopping_the_server_ends_its_open_streams_at_once(tiny_bundle, tiny_cloud):
+def test_stopping_the_server_ends_its_open_streams_at_once(tiny_bundle, tiny_cloud, capsys):
     """Ctrl-C / SIGTERM on `autoglm-edge serve` waited for every open stream to finish (uvicorn's shutdown): a long
     answer held the stopped server for minutes. The signal closes the client: the stream ends with an error event,
-    its cloud request is cancelled, and the server stops."""
-    port = free_port()
+    its cloud request is cancelled, and the server stops. And `--port 0` (a free port): the banner named port 0."""
     client = EdgeClient(tiny_bundle, tiny_cloud.ws_url)
-    srv = ClosingServer(create_app(client, model_name="e"), client, host="127.0.0.1", port=port, log_level="error")
+    srv = ClosingServer(create_app(client, model_name="e"), client, host="127.0.0.1", port=0, log_level="error")
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
+    deadline, banner = time.monotonic() + 30, None
+    while banner is None and time.monotonic() < deadline:
         time.sleep(0.02)
+        banner = re.search(r"endpoint on http://127\.0\.0\.1:(\d+)/v1 ", capsys.readouterr().err)
+    port = int(banner.group(1))
+    assert port == srv.servers[0].sockets[0].getsockname()[1] != 0
     oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="EMPTY", max_retries=0, timeout=60)
     stream = oa.completions.create(model="e", prompt=_prompt(20), max_tokens=2000, temperature=0, stream=True)
     chunks = iter(stream)
