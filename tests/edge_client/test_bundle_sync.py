@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from cloud_server.app import create_app
+from cloud_server.bundle_files import BundleCatalog
 from cloud_server.config import EngineConfig, ServerConfig
 from cloud_server.runtime import CloudRuntime
 from edge_client import bundle_sync
@@ -190,17 +191,24 @@ def test_an_edge_re_export_under_the_same_id_is_fetched_again(tmp_path, bundle_l
     _assert_edge_half(again)
 
 
-def test_a_file_that_does_not_verify_is_refused_and_the_old_bundle_stays(tmp_path, bundle_l1, edge_l2):
+def test_a_file_that_does_not_verify_is_refused_and_the_old_bundle_stays(monkeypatch, tmp_path, bundle_l1, edge_l2):
     bad = tmp_path / "bad"
     shutil.copytree(bundle_l1, bad)
     data = bytearray((bad / FRONT).read_bytes())
-    data[len(data) // 2] ^= 0xFF  # same size: the server cannot tell, the hash can
+    data[len(data) // 2] ^= 0xFF  # same size: only a hash tells
     (bad / FRONT).write_bytes(bytes(data))
     with Serving(_app(bad)) as srv:
         cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
-        with pytest.raises(BundleSyncError, match="sha256") as ei:
+        with pytest.raises(BundleSyncError, match="differs from its manifest") as refused:  # the server hashes it
             bundle_sync.update(cfg, Manifest.load(edge_l2))
-    assert ei.value.code == "hash_mismatch"
+
+        async def unchecked(self, path, art):  # a server that does not check (or a proxy that corrupts)
+            return None
+
+        monkeypatch.setattr(BundleCatalog, "check", unchecked)
+        with pytest.raises(BundleSyncError, match="sha256") as ei:  # the edge's own check
+            bundle_sync.update(cfg, Manifest.load(edge_l2))
+    assert refused.value.code == "http_error" and ei.value.code == "hash_mismatch"
     assert not edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 2
 
 
