@@ -180,7 +180,7 @@ def _text_needs_a_tokenizer(args) -> None:
 
 def _cmd_draft_head(args) -> int:
     from .draft_head import DraftHeadConfig, add_draft_head
-    from .models import load_model
+    from .models import load_bundle_source
 
     _text_needs_a_tokenizer(args)
     vocab = int(args.vocab) if args.vocab is not None else None
@@ -194,7 +194,7 @@ def _cmd_draft_head(args) -> int:
     if args.quant == "int4":
         raise UsageError("--quant int4 is for --layers drafters (the lens head is int8 or fp32)")
     cfg = DraftHeadConfig(text=text, vocab=vocab, quant=args.quant)
-    lm = load_model(_source(args))
+    lm = load_bundle_source(args.bundle, _source(args))
     r = add_draft_head(lm, Path(args.bundle), cfg)
     print(f"draft head -> {args.bundle}: {r['vocab']} tokens, {r['quant']}, calibrated on {r['calibration_tokens']} "
           f"tokens; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on {r['held_out_tokens']} held-out")
@@ -203,9 +203,9 @@ def _cmd_draft_head(args) -> int:
 
 def _cloud_drafter(args, text: Path | None) -> int:
     from .cloud_drafter import CloudDrafterConfig, add_cloud_drafter
-    from .models import load_model
+    from .models import load_bundle_source
 
-    lm = load_model(_source(args))
+    lm = load_bundle_source(args.bundle, _source(args))
     r = add_cloud_drafter(lm, Path(args.bundle), CloudDrafterConfig(text=text))
     print(f"cloud drafter -> {args.bundle}: {r['file']} ({r['bytes'] / 1e6:.1f} MB, ridge lambda {r['ridge_lambda']}, "
           f"{r['positions']} calibration positions); top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on "
@@ -215,7 +215,7 @@ def _cloud_drafter(args, text: Path | None) -> int:
 
 def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
     from .draft_layers import DraftLayersConfig, add_draft_layers
-    from .models import load_model
+    from .models import load_bundle_source
 
     if args.layers == "auto":
         layers = None
@@ -225,7 +225,7 @@ def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
         except ValueError:
             raise UsageError(f"--layers {args.layers!r}: 'auto' or comma-separated layer numbers") from None
     cfg = DraftLayersConfig(layers=layers, budget=args.budget, text=text, vocab=vocab, quant=args.quant)
-    lm = load_model(_source(args))
+    lm = load_bundle_source(args.bundle, _source(args))
     r = add_draft_layers(lm, Path(args.bundle), cfg)
     print(f"draft layers -> {args.bundle}: layers {r['layers']} ({r['chosen_by']}) + norm + lm_head, {r['quant']}, "
           f"{r['vocab']} tokens, {r['bytes'] / 1e6:.1f} MB; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % "

@@ -16,7 +16,7 @@ Contract of :func:`evaluate_split` (``autoglm-partition verify`` builds on it):
    the text itself, and the boundary error the cloud receives (after the codec) against the fp32 boundary.
 
 The reference is computed once per :class:`SplitEvaluator`, so a sweep over many edge graphs of one bundle
-pays for it once. The reference model is ``load_model(manifest.source)`` unless one is passed; its identity
+pays for it once. The reference model is ``load_bundle_source(bundle)`` unless one is passed; its identity
 must match the bundle's ``source_identity``.
 
 References: SmoothQuant (Xiao et al., 2023) and LLM.int8() (Dettmers et al., 2022) measure quantization
@@ -39,7 +39,7 @@ from shared.manifest import BundleError, Manifest, same_source
 
 from .adapters import ModelAdapter
 from .cloud_half import CloudModel
-from .models import LoadedModel, load_model
+from .models import LoadedModel, load_bundle_source
 
 Codec = Callable[[np.ndarray], np.ndarray]  # boundary [S, H] float32 -> what the cloud receives [S, H]
 
@@ -118,7 +118,7 @@ class SplitEvaluator:
             raise ValueError(f"window {window}: must be >= 1")
         self.bundle_dir = Path(bundle_dir)
         self.manifest = Manifest.load(self.bundle_dir)
-        lm = lm if lm is not None else load_model(self.manifest.source)
+        lm = lm if lm is not None else load_bundle_source(self.bundle_dir)
         if not same_source(lm.identity, self.manifest.source_identity):
             raise BundleError(f"reference model {lm.identity} is not the bundle's source "
                               f"{self.manifest.source_identity}")

@@ -409,6 +409,18 @@ def source_identity(source: str, seed: int = 0) -> str:
     return _gguf_identity(path) if path.is_file() else _dir_identity(path, _load_config(path))
 
 
+def load_bundle_source(bundle: str | Path, source: str | None = None) -> LoadedModel:
+    """The model ``bundle`` was split from, reloaded: ``source`` (default: the manifest's), a random preset with the
+    seed the bundle's ``source_identity`` records (``split --seed 3``: ``preset:tiny-glm4@seed3``), since the same
+    preset with another seed is another model."""
+    from shared.manifest import Manifest
+
+    manifest = Manifest.load(bundle)
+    source = source or manifest.source
+    seed = manifest.source_identity.removeprefix(_preset_identity(source, ""))
+    return load_model(source, int(seed) if seed.isdigit() else 0)
+
+
 def load_model(source: str, seed: int = 0) -> LoadedModel:
     """Load a preset name, a checkpoint directory or a GGUF file (see the module docstring)."""
     if source in _random_presets():

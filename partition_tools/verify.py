@@ -108,7 +108,7 @@ def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str |
     from edge_client.front import FrontRuntime
 
     from .evaluate import evaluate_split, fp16_round_trip
-    from .models import load_model
+    from .models import load_bundle_source
 
     bundle_dir = Path(bundle_dir)
     manifest = Manifest.load(bundle_dir)
@@ -116,16 +116,13 @@ def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str |
     positions = FrontRuntime(bundle_dir, verify=False, prefill_graph=None).max_positions
     if max_tokens > positions:  # the edge graph refused them with a FrontError traceback after the reference ran
         raise BundleError(f"--max-tokens {max_tokens}: the bundle's edge graph holds {positions} positions")
-    lm = load_model(source) if source else None
+    lm = load_bundle_source(bundle_dir, source)
     report = evaluate_split(bundle_dir, text=text, max_tokens=max_tokens, codec=fp16_round_trip, lm=lm)
     # The incremental check exercises the graph's KV plumbing; any ids will do.
     ids = np.random.default_rng(0).integers(4, manifest.vocab_size, 16)
     report["incremental_rel_err"] = incremental_check(bundle_dir, ids)
     if manifest.tail_layers:  # u-shape: greedy generation through the phone's two ends and the cloud's middle
-        from .models import load_model as _load
-
-        model = (lm if lm is not None else _load(manifest.source)).model
-        report.update(ushape_greedy_check(bundle_dir, model, ids[:12].astype(np.int64)))
+        report.update(ushape_greedy_check(bundle_dir, lm.model, ids[:12].astype(np.int64)))
     untrained = is_untrained(report["ppl_reference"], manifest.vocab_size)
     # an int8 KV cache (split --edge-kv int8) is lossy: an fp32 front with it is gated as an int8 one
     gate = "int8" if manifest.edge_quant == "fp32" and manifest.quant_report.get("kv_cache") else manifest.edge_quant
