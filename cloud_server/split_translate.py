@@ -140,12 +140,12 @@ class SplitTranslator:
                 arr: np.ndarray | None = None) -> InputChunk:
         """The message's hidden states [n, H] float32 (``arr`` if already decoded) and 3-D RoPE positions
         [3, n], as an engine chunk."""
+        self._check_width(msg.hidden)
         if arr is None:
             try:
                 arr = self.codecs[msg.hidden.codec].decode(msg.hidden, self.wire_limits)  # [n, H] float32
             except P.ProtocolError as e:
                 raise BadInput(e.code, e.message) from None
-        self._check_width(arr)
         rope = None
         if msg.rope_positions is not None:
             if not self.facts.mrope:
@@ -160,10 +160,11 @@ class SplitTranslator:
         ask = getattr(msg, "ask_drafts", 0) if last else 0  # StatesSteps carry none
         return InputChunk(start, hidden=hidden, last=last, rope_positions=rope, draft_ids=drafts, ask_drafts=ask)
 
-    def _check_width(self, arr: np.ndarray | torch.Tensor) -> None:
-        """Hidden states [n, W]: ``BadInput`` unless W is the model's width."""
-        if arr.shape[1] != self.facts.hidden_size:
-            raise BadInput("bad_input", f"hidden states of width {arr.shape[1]}; the model takes "
+    def _check_width(self, hidden: P.EncodedTensor) -> None:
+        """``BadInput`` unless the tensor's declared shape [n, W] has the model's width W: checked before its payload
+        is decoded (a small frame can declare rows of any width, and decoding them costs the server their size)."""
+        if hidden.shape[1] != self.facts.hidden_size:
+            raise BadInput("bad_input", f"hidden states of width {hidden.shape[1]}; the model takes "
                                         f"{self.facts.hidden_size}")
 
     def open(self, session: Session, track: RequestTrack, msg: P.Prefill, nbytes: int) -> None:
@@ -231,13 +232,18 @@ class SplitTranslator:
     def _decode_steps(self, steps: list) -> list[np.ndarray | BadInput | None]:
         """The held steps' states [1, H] each, one ``decode_rows`` pass per codec: float32, or for fp16 steps
         (``half_rows``) float16 as they came, which the engine widens on its copy (on the GPU after the upload).
-        A batch that fails is decoded step by step, so only a bad step fails: its entry is the ``BadInput``;
-        None: an unknown codec, refused on the loop. Runs on the pipeline's worker thread for large batches: it
-        reads only the messages."""
+        A batch that fails is decoded step by step, so only a bad step fails: its entry is the ``BadInput`` (a
+        step of another width than the model's is one, not decoded); None: an unknown codec, refused on the loop.
+        Runs on the pipeline's worker thread for large batches: it reads only the messages."""
         by_codec: dict[str, list[int]] = {}
-        for i, (_, _, msg, _) in enumerate(steps):
-            by_codec.setdefault(msg.hidden.codec, []).append(i)
         rows: list[np.ndarray | BadInput | None] = [None] * len(steps)
+        for i, (_, _, msg, _) in enumerate(steps):
+            try:
+                self._check_width(msg.hidden)
+            except BadInput as e:
+                rows[i] = e
+                continue
+            by_codec.setdefault(msg.hidden.codec, []).append(i)
         for name, idx in by_codec.items():
             codec = self.codecs.get(name)
             if codec is None:
@@ -276,7 +282,6 @@ class SplitTranslator:
                 if isinstance(arr, BadInput):
                     raise arr
                 if msg.rope_positions is None and not msg.ask_drafts:
-                    self._check_width(arr)
                     self._hand_over(chunks, steps)
                     chunks = []
                     rec.last_input = now

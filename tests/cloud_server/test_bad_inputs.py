@@ -169,6 +169,9 @@ CATALOGUE = {
     "wrong-shape hidden states": (
         lambda s: _per_request(s, P.Prefill(request_id="w", start=0, hidden=_h(3, width=H // 2), params=_params())),
         ("bad_input", None)),
+    "wide hidden states, a few payload bytes": (  # the width is refused before the payload is decoded
+        lambda s: _per_request(s, P.Prefill(request_id="wide", start=0, hidden=P.EncodedTensor(
+            codec="fp16", shape=(3, 1 << 20), data=b"\0" * 6), params=_params())), ("bad_input", None)),
     "unknown codec (Hello)": (lambda s: _hello_refusal(s, codecs=["fp7"]), ("codec_not_negotiated", 1008)),
     "codec not negotiated (Prefill)": (
         lambda s: _per_request(s, P.Prefill(request_id="c", start=0, hidden=C.get_codec("int8-b32").encode(

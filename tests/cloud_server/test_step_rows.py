@@ -4,6 +4,8 @@ the hand-over's runs of plain steps as one array (float16 where every row is).""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,8 @@ H = 64
 
 
 def _translator() -> SplitTranslator:
-    return SplitTranslator(None, available_codecs(CALIB), P.Limits(), lambda: 0.0)
+    runtime = SimpleNamespace(facts=SimpleNamespace(hidden_size=H, mrope=False))
+    return SplitTranslator(runtime, available_codecs(CALIB), P.Limits(), lambda: 0.0)
 
 
 def _step(codec, seed: int, rid: str = "r") -> tuple:
@@ -65,6 +68,22 @@ def test_a_nan_fp16_step_fails_alone_and_codecs_mix_in_one_turn():
     assert tr._decode_steps([unknown]) == [None]  # refused on the loop by name
 
 
+def test_a_step_of_another_width_fails_alone_without_being_decoded():
+    """The width comes from the declared shape, before the payload is decoded: a step declaring 2^20 channels in a
+    few bytes is bad_input (it was decoded first, and refused as bad_tensor); a step of the wrong width with a
+    valid payload is refused the same way, and the others decode."""
+    tr = _translator()
+    fp16 = tr.codecs["fp16"]
+    steps = [_step(fp16, i) for i in range(3)]
+    wide = fp16.encode(np.zeros((1, 2 * H), np.float32))
+    steps[0] = (None, None, P.DecodeStep(request_id="w", position=5, hidden=P.EncodedTensor(
+        codec="fp16", shape=(1, 1 << 20), data=b"\0" * 6)), 0)
+    steps[1] = (None, None, P.DecodeStep(request_id="v", position=5, hidden=wide), 0)
+    rows = tr._decode_steps(steps)
+    assert [(type(r).__name__, getattr(r, "code", None)) for r in rows[:2]] == [("BadInput", "bad_input")] * 2
+    assert np.array_equal(_as_array(rows[2]), fp16.decode(steps[2][2].hidden))
+
+
 class _Engine:
     def __init__(self):
         self.calls: list[tuple] = []
@@ -106,8 +125,6 @@ class _Session:
 def test_hand_over_sends_runs_of_plain_steps_as_one_array_in_order():
     """Plain steps go as one [S, H] array per run (add_rows), a step asking for drafts as a chunk between them,
     a bad step fails its request alone after the steps before it went; every step's bytes are counted."""
-    from types import SimpleNamespace
-
     tr = _translator()
     engine, metrics = _Engine(), _Metrics()
     tr.rt = SimpleNamespace(engine=engine, metrics=metrics,
@@ -144,8 +161,6 @@ def test_hand_over_sends_runs_of_plain_steps_as_one_array_in_order():
 def test_fp16_steps_go_to_the_engine_as_float16_and_a_mixed_run_as_float32():
     """A run of fp16 steps reaches add_rows as one float16 [S, H] array (half the bytes to pickle and upload); a run
     that mixes fp16 with another codec as float32, every row exactly its codec's decode."""
-    from types import SimpleNamespace
-
     tr = _translator()
     engine, metrics = _Engine(), _Metrics()
     tr.rt = SimpleNamespace(engine=engine, metrics=metrics, facts=SimpleNamespace(hidden_size=H, mrope=False))
