@@ -177,6 +177,8 @@ class Session:
         self.resume_token: str | None = None
         self.state = SessionState()  # the protocol's rules, as the cloud enforces them
         self._lock: asyncio.Lock | None = None
+        # the request running keys its prefixes with a secret (a private level): its connections carry no route key
+        self._private = False
         # prompt lookup over the context and earlier outputs (agent steps repeat actions); remembered across requests
         self.drafter = PromptLookupDrafter()
         self.sizer = DraftSizer(self.drafter.config.max_drafts, SizerConfig(fixed_k=config.draft_k))
@@ -252,7 +254,7 @@ class Session:
             for attempt in (0, 1):  # a second Hello after a bundle update
                 hello = self._hello(resume and attempt == 0)
                 try:
-                    w = await self.link.connect(hello)
+                    w = await self.link.connect(hello, route=not self._private)
                     break
                 except HandshakeRefused as e:
                     if attempt == 0 and e.code == "bundle_mismatch" and self.on_bundle_mismatch is not None \
@@ -377,6 +379,7 @@ class Session:
         try:
             if self.state.phase == DRAINING:  # this server takes no new request (module docstring, Drain)
                 await self.link.close()
+            self._private = spec.prefix_secret is not None
             await self._connect_with_retry(stats)
             limit, whose = self.prompt_room()
             if len(spec.prompt_ids) > limit:

@@ -20,7 +20,8 @@ Routing: with :attr:`Link.route_key` set (the first prefix key of the system pro
 by tenant: :func:`route_key`), every upgrade carries it in :data:`ROUTE_HEADER`, so a proxy that hashes on it
 (deploy/nginx/autoglm-split.conf) sends phones that share a system prompt to the replica that caches it. The
 key is a hash chain over the prompt's token ids and the bundle id, never the ids; without a preloaded prompt
-no header is sent (the proxy balances round-robin).
+no header is sent (the proxy balances round-robin), nor on a connection opened for a request at a private level
+(``connect(route=False)``): the key is unsalted, and would confirm a guessed system prompt.
 
 Byte counters include every frame in both directions, so the client's "bytes up/down" are what the link
 carried, not what the payloads weighed.
@@ -95,11 +96,12 @@ class Link:
     def open(self) -> bool:
         return self.ws is not None and self.ws.state is websockets.protocol.State.OPEN
 
-    async def connect(self, hello: P.Hello) -> P.Welcome:
-        """Open the WebSocket and run Hello -> Welcome; raises LinkDown / HandshakeRefused / GarbageFromServer."""
+    async def connect(self, hello: P.Hello, route: bool = True) -> P.Welcome:
+        """Open the WebSocket and run Hello -> Welcome (``route``: send the route key, if any); raises LinkDown /
+        HandshakeRefused / GarbageFromServer."""
         await self.close()
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        if self.route_key is not None:
+        if route and self.route_key is not None:
             headers[ROUTE_HEADER] = self.route_key
         try:
             context = tls.client_context(self.url, self.ca_file)

@@ -134,6 +134,26 @@ def test_private_split_sends_no_raw_text_and_no_prompt_drafts(tiny_bundle, cloud
     assert not set(keys) & set(guess)
 
 
+def test_a_private_request_opens_its_link_without_the_unsalted_route_key(tiny_bundle, cloud, tmp_path):
+    """A client that preloaded a system prompt sent its routing key - the prompt's first prefix key, unsalted, in
+    X-Autoglm-Prefix-Key - on the upgrade of a private request's link too, which confirms a guessed system prompt
+    as the private level's secret-keyed chain exists not to. A standard request's link still carries it."""
+    from edge_client.transport import ROUTE_HEADER
+
+    (tmp_path / "system.txt").write_text(SECRET)
+    upgrades = {}
+    for privacy in ("private", "standard"):
+        with RecordingProxy(cloud.port) as proxy, \
+                EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY) as c:
+            c.preload_prompts(tmp_path / "system.txt", as_system=False)
+            c.complete(prompt=PROMPT, max_tokens=2, privacy=privacy)
+            route = c.session.link.route_key
+        upgrades[privacy] = bytes(proxy.up[: proxy.up.index(b"\r\n\r\n")]).decode()
+    assert route
+    assert ROUTE_HEADER not in upgrades["private"] and route.partition("/")[2] not in upgrades["private"]
+    assert f"{ROUTE_HEADER}: {route}" in upgrades["standard"]
+
+
 def test_the_privacy_level_changes_what_leaves_not_the_answer(tiny_bundle, cloud):
     with EdgeClient(tiny_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
         gen = c.complete(prompt=PROMPT, max_tokens=24, speculate=True)
