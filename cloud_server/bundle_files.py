@@ -35,11 +35,10 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 
-from shared.manifest import MANIFEST_NAME, Artifact, BundleError, Manifest, sha256_file
+from shared.manifest import EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleError, Manifest, sha256_file
 
 log = logging.getLogger("autoglm.cloud.bundles")
 
-SERVED_ROLES = ("edge", "shared")  # never "cloud": the back half's weights stay on the server
 CHUNK_BYTES = 1 << 20  # read and sent per step of a download
 SEND_BYTES = 64 << 10  # one send of a download
 SEND_STALL_S = 60.0  # a download whose client takes no byte for this long is dropped (it resumes with Range):
@@ -68,7 +67,7 @@ class EdgeVariant:
     manifest_bytes: bytes
 
     def summary(self) -> dict:
-        served = [a for a in self.manifest.artifacts.values() if a.role in SERVED_ROLES]
+        served = [a for a in self.manifest.artifacts.values() if a.role in EDGE_HALF_ROLES]
         return {"edge_quant": self.edge_quant, "files": len(served), "bytes": sum(a.bytes for a in served)}
 
 
@@ -128,7 +127,7 @@ class BundleCatalog:
         bundle directory."""
         v = self.variant(bundle_id, edge)
         art = v.manifest.artifacts.get(rel)
-        if art is None or art.role not in SERVED_ROLES:
+        if art is None or art.role not in EDGE_HALF_ROLES:
             raise KeyError(f"{rel!r} is not an edge file of bundle {bundle_id}")
         root = v.directory.resolve()
         path = (v.directory / rel).resolve()

@@ -54,14 +54,13 @@ from http.client import HTTPException
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from shared.manifest import MANIFEST_NAME, Artifact, BundleError, Manifest, same_source
+from shared.manifest import EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleError, Manifest, same_source
 
 from . import tls
 from .config import DEFAULT_SPLIT_PATH, EdgeConfig, split_url
 
 log = logging.getLogger("edge_client.bundle_sync")
 
-SYNCED_ROLES = ("edge", "shared")  # what the server hosts (never the cloud half)
 CHUNK_BYTES = 1 << 20  # read per step of a download
 MAX_ATTEMPTS = 5  # transfers of one file that stop short before giving up (each resumes the last)
 BUSY_WAIT_S = 120.0  # a server at its request limit (429/503 + Retry-After) is waited for this long per request
@@ -309,7 +308,7 @@ def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progres
     if m.bundle_id != bundle_id or m.edge_quant != edge:
         raise BundleSyncError("bad_manifest", f"asked for bundle {bundle_id} ({edge} edge), the server sent "
                                               f"{m.bundle_id} ({m.edge_quant})")
-    todo = sorted((rel, a) for rel, a in m.artifacts.items() if a.role in SYNCED_ROLES)
+    todo = sorted((rel, a) for rel, a in m.artifacts.items() if a.role in EDGE_HALF_ROLES)
     total = sum(a.bytes for _, a in todo)
     done = 0
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from shared.manifest import BundleError, Manifest
+from shared.manifest import EDGE_HALF_ROLES, BundleError, Manifest
 
 from .rope import rope_feeds
 
@@ -237,7 +237,8 @@ class FrontRuntime:
     def __init__(self, bundle_dir: str | Path, threads: int = 2, chunk: int = 128, verify: bool = True,
                  graph: str | Path | None = None, capacity: int = INITIAL_CAPACITY,
                  profile_prefix: str | None = None, prefill_graph: str | Path | None = "auto"):
-        """``verify``: check the bundle's edge files against the manifest's hashes first. ``graph``: another
+        """``verify``: check the bundle's edge files, and the shared ones it holds (calibration), against the
+        manifest's hashes first. ``graph``: another
         edge graph of this bundle's split in place of ``edge/front.onnx`` (how the partition tools score
         candidate quantizations of one split). ``capacity``: KV rows allocated up front by the fused graph.
         ``profile_prefix``: onnxruntime profiling on (``session.end_profiling()`` writes the JSON).
@@ -249,7 +250,7 @@ class FrontRuntime:
         self.bundle_dir = Path(bundle_dir)
         self.manifest = Manifest.load(self.bundle_dir)
         if verify:
-            self.manifest.verify_files(self.bundle_dir, roles=("edge",))
+            self.manifest.verify_files(self.bundle_dir, roles=EDGE_HALF_ROLES, if_present=("shared",))
         m = self.manifest
         self.n_layers = m.split_layer
         self.hidden_size = m.hidden_size

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from shared.manifest import BundleError, Manifest
+from shared.manifest import EDGE_HALF_ROLES, BundleError, Manifest
 
 from .front import (FUSED_INPUTS, INITIAL_CAPACITY, MAX_POSITIONS_KEY, MROPE_KEY, ROPE_INPUTS, FrontError, FrontStats,
                     _SharedBufferKV, open_session)
@@ -139,7 +139,7 @@ class TailRuntime(StatesRuntime):
         if not m.tail_layers:
             raise BundleError(f"{self.bundle_dir}: not a u-shape bundle (split without --tail)")
         if verify:
-            m.verify_files(self.bundle_dir, roles=("edge",))
+            m.verify_files(self.bundle_dir, roles=EDGE_HALF_ROLES, if_present=("shared",))
         path = self.bundle_dir / TAIL
         if not path.is_file():
             raise BundleError(f"{path}: missing (the manifest says the bundle has a tail)")

@@ -36,6 +36,11 @@ MANIFEST_NAME = "manifest.json"
 # the cloud drafter (partition_tools.cloud_drafter): [V, H] float16, row v approximates token v's boundary state
 CLOUD_DRAFT_INPUTS = "cloud/draft_inputs.npy"
 ID_EXCLUDED_ROLES = ("edge", "cloud-draft")  # artifacts outside the bundle id (docstring)
+# the edge half: what a phone downloads, holds and reads (the graphs, the tokenizer, and the calibration the codecs
+# are built from - "shared" with the cloud); "cloud" / "cloud-draft" weights stay on the server. A phone without a
+# shared file runs without the codecs it calibrates (shared.codecs.load_calibration); one with another copy than
+# the manifest's would encode states the cloud decodes wrongly, so the edge's load refuses it
+EDGE_HALF_ROLES = ("edge", "shared")
 # the edge graphs whose weights compute the states the prefix keys name (Manifest.states_variant): the front,
 # its prompt-phase copy, the encoders whose rows the front reads; not the drafters or the u-shape tail
 STATE_GRAPHS = ("edge/front.onnx", "edge/front_prefill.onnx", "edge/vision.onnx", "edge/audio.onnx")
@@ -173,13 +178,16 @@ class Manifest:
         self.artifacts[rel] = Artifact(sha256=sha256_file(p), bytes=p.stat().st_size, role=role)
 
     def verify_files(self, bundle_dir: str | Path, roles: tuple[str, ...] = ("edge", "cloud", "shared"),
-                     hashes: bool = True) -> None:
+                     hashes: bool = True, if_present: tuple[str, ...] = ()) -> None:
         """Re-hash every artifact of the given roles; raise BundleError on the first problem. ``hashes=False``:
-        presence and sizes only (a quick check before a load that hashes them)."""
+        presence and sizes only (a quick check before a load that hashes them). ``if_present``: roles whose
+        missing files are skipped (a present one must still match)."""
         for rel, art in sorted(self.artifacts.items()):
             if art.role not in roles:
                 continue
             p = Path(bundle_dir) / rel
+            if art.role in if_present and not p.exists():
+                continue
             if not p.is_file():
                 raise BundleError(f"{p}: missing artifact")
             size = p.stat().st_size

@@ -94,3 +94,18 @@ def test_tampered_graph_is_refused(tiny_bundle, tmp_path):
         f.write(b"\x00\x01\x02\x03")
     with pytest.raises(BundleError, match="sha256"):
         FrontRuntime(bad)
+
+
+def test_a_swapped_calibration_is_refused_like_a_tampered_graph(tiny_bundle, tmp_path):
+    """calibration.json (role shared) builds the edge's codecs: other outlier channels than the cloud's encode
+    states the cloud decodes wrongly, and the answers turned to garbage with no error."""
+    import json
+    import shutil
+
+    bad = tmp_path / "b"
+    shutil.copytree(tiny_bundle, bad)
+    calib = json.loads((bad / "calibration.json").read_text())
+    calib["outlier_channels"] = [c + 1 for c in calib["outlier_channels"]]
+    (bad / "calibration.json").write_text(json.dumps(calib))
+    with pytest.raises(BundleError, match="calibration.json: "):
+        FrontRuntime(bad)
