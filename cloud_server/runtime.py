@@ -8,7 +8,6 @@ tensor-parallel workers when ``tp == 2``, allocates the KV pools and starts the 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +35,6 @@ class CloudRuntime:
         self._workers = []  # tensor parallel: the worker ranks' processes
         self._tp_store = None  # rank 0 hosts the group's store: kept open until the workers are gone
         self._tp_comm = None  # where the rank-0 broadcasts' tensors live
-        self.started_at = time.monotonic()
         self.draining = False  # set on shutdown: /ready turns false, new sessions and requests are refused
 
     # -- build ------------------------------------------------------------------------------

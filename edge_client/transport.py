@@ -88,8 +88,6 @@ class Link:
         self.ws: ClientConnection | None = None
         self.bytes_up = 0
         self.bytes_down = 0
-        self.frames_up = 0
-        self.frames_down = 0
         self.route_key: str | None = None  # sent as ROUTE_HEADER on every upgrade when set (:func:`route_key`)
 
     @property
@@ -168,7 +166,6 @@ class Link:
         except ConnectionClosed as e:
             raise LinkDown(f"connection closed while sending ({e})") from None
         self.bytes_up += len(frame)
-        self.frames_up += 1
         return len(frame)
 
     async def recv(self, timeout: float):
@@ -185,7 +182,6 @@ class Link:
         if isinstance(frame, str):
             raise GarbageFromServer(f"server sent a text frame ({frame[:60]!r}); the protocol is binary")
         self.bytes_down += len(frame)
-        self.frames_down += 1
         try:
             return P.decode_message(frame)
         except P.ProtocolError as e:
