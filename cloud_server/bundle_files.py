@@ -82,7 +82,7 @@ class BundleCatalog:
         self.bundles: dict[str, dict[str, EdgeVariant]] = {}
         self.model_names: dict[str, str] = {}
         self._verified: dict[Path, tuple[int, int, int]] = {}  # file -> (size, mtime_ns, inode) its hash matched at
-        self._hashing = asyncio.Lock()  # one file hashed at a time (many phones asking at once wait for one hash)
+        self._hashing: dict[Path, asyncio.Lock] = {}  # per file: phones asking for it at once wait for one hash
         for d in directories:
             d = Path(d)
             m = Manifest.load(d)
@@ -135,7 +135,6 @@ class BundleCatalog:
             raise KeyError(f"{rel!r} is not an edge file of bundle {bundle_id}")
         return path, art
 
-
     async def check(self, path: Path, art: Artifact) -> None:
         """Raise :class:`Tampered` unless ``path`` is the file ``art`` names: its size, and its sha256 - hashed
         off the event loop the first time and whenever its size, mtime or inode changed since."""
@@ -143,7 +142,7 @@ class BundleCatalog:
         if st.st_size != art.bytes:
             raise Tampered(f"{st.st_size} bytes on disk, manifest says {art.bytes}")
         seen = (st.st_size, st.st_mtime_ns, st.st_ino)
-        async with self._hashing:
+        async with self._hashing.setdefault(path, asyncio.Lock()):
             if self._verified.get(path) != seen:
                 if await asyncio.to_thread(sha256_file, path) != art.sha256:
                     raise Tampered("its sha256 differs from the manifest's")
