@@ -107,7 +107,7 @@ def available_codecs(calibration: dict | None = None) -> dict[str, BoundaryCodec
 def load_calibration(bundle_dir) -> dict | None:
     """A bundle's ``calibration.json`` as a dict (None if it has none or it is unreadable). When it names a
     codec artifact (``"pca_codec": {"file": ..., "sha256": ...}``, written by ``partition_tools.codec_calibration``)
-    the artifact is loaded and hash-checked into ``"pca_basis"``; a missing or altered artifact leaves the PCA
+    the artifact is loaded and hash-checked into ``"pca_basis"``; a missing, altered or malformed artifact leaves the PCA
     codecs out (``"pca_error"`` says why), so the handshake never offers a codec this side cannot decode."""
     import json
     from pathlib import Path

@@ -122,6 +122,15 @@ class PcaBasis:
                 arrays = {k: z[k] for k in z.files}
         except Exception as e:  # noqa: BLE001 - zip / npy format errors of every kind
             raise CodecArtifactError(f"pca basis: not a codec artifact ({type(e).__name__}: {e})") from None
+        try:
+            return cls._from_arrays(arrays)
+        except CodecArtifactError:
+            raise
+        except (KeyError, ValueError, TypeError, IndexError) as e:  # an array of the wrong kind or shape
+            raise CodecArtifactError(f"pca basis: malformed artifact ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_arrays(cls, arrays: dict[str, np.ndarray]) -> PcaBasis:
         if arrays.get("version", np.zeros(1)).tolist() not in ([1], [ARTIFACT_VERSION]) or "mean" not in arrays \
                 or "basis" not in arrays:
             raise CodecArtifactError(f"pca basis: expected artifact version 1..{ARTIFACT_VERSION} with mean and basis")
@@ -136,8 +145,8 @@ class PcaBasis:
             if f"{name}.step" in arrays:
                 try:
                     levels[name] = kind.from_arrays({key: arrays[f"{name}.{key}"] for key in kind.FIELDS})
-                except (KeyError, ValueError) as e:
-                    raise CodecArtifactError(f"pca basis: level {name}: {e}") from None
+                except (KeyError, ValueError, IndexError) as e:
+                    raise CodecArtifactError(f"pca basis: level {name}: {type(e).__name__}: {e}") from None
         return cls(arrays["mean"], arrays["basis"], levels)
 
     @classmethod

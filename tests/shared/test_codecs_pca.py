@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 
 import numpy as np
@@ -193,6 +194,26 @@ def test_artifact_round_trip_and_hash_check(basis, tmp_path):
         PcaBasis.from_bytes(b"not a zip file")
     with pytest.raises(CodecArtifactError):
         PcaBasis.load(tmp_path / "missing.npz")
+
+
+def test_a_malformed_artifact_leaves_the_pca_codecs_out_instead_of_raising(basis, tmp_path):
+    """An artifact whose arrays have the wrong kind or shape (its sha256 matching, as a hand-made or broken bundle
+    has) is a CodecArtifactError, so load_calibration reports it (pca_error) and offers the other codecs; a table
+    without columns raised IndexError and strings in the mean ValueError, out of load_calibration."""
+    with np.load(io.BytesIO(basis.to_bytes())) as z:
+        arrays = {k: z[k] for k in z.files}
+    cases = [("mean", np.array(["a"] * H))]
+    cases += [(f"{name}.freq", np.zeros((arrays[f"{name}.freq"].shape[0], 0), np.uint16))
+              for name in ("pca-ans-compact", "pca-tcq-compact")]
+    for key, value in cases:
+        buf = io.BytesIO()
+        np.savez(buf, **{**arrays, key: value})
+        (tmp_path / "codec_pca.npz").write_bytes(buf.getvalue())
+        (tmp_path / "calibration.json").write_text(json.dumps({"outlier_channels": [5], "pca_codec": {
+            "file": "codec_pca.npz", "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}}))
+        calib = C.load_calibration(tmp_path)
+        assert calib["pca_error"].startswith("pca basis:"), key
+        assert "int8-outlier" in C.available_codecs(calib) and not set(C.BASIS_CODECS) & set(C.available_codecs(calib))
 
 
 def test_load_calibration_offers_pca_codecs_only_with_the_artifact(basis, tmp_path):
