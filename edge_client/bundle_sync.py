@@ -211,13 +211,15 @@ class BundleServer:
             elif r.status not in (200, 206):
                 raise BundleSyncError("http_error", f"{rel}: HTTP {r.status}")
             with open(part, "ab" if have else "wb") as f:
-                while True:
+                left = art.bytes - have  # never a byte past the manifest's size (a broken server may send more)
+                while left > 0:
                     try:
-                        chunk = r.body.read(CHUNK_BYTES)
+                        chunk = r.body.read(min(CHUNK_BYTES, left))
                     except (HTTPException, OSError, ssl.SSLError):  # OSError covers timeouts
                         chunk = b""  # the connection broke: what arrived is kept
                     if not chunk:
                         break
+                    left -= len(chunk)
                     f.write(chunk)
                     self.bytes_received += len(chunk)
                     on_bytes(len(chunk))

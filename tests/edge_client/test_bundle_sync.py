@@ -212,6 +212,31 @@ def test_a_file_that_does_not_verify_is_refused_and_the_old_bundle_stays(monkeyp
     assert not edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 2
 
 
+def test_a_server_sending_more_than_the_manifest_says_fills_no_storage(monkeypatch, bundle_l1, edge_l2):
+    """A broken server or proxy streaming a file past its manifest size (no Content-Length: chunked) was written
+    to the phone's storage to the end of the stream; the edge reads no byte past the size."""
+    from fastapi.responses import StreamingResponse
+
+    from cloud_server import bundle_files
+
+    def endless(request, path, art):
+        async def body():
+            for _ in range(256):  # 64 MiB: the whole edge half is under 1 MB
+                yield b"\0" * (256 << 10)
+
+        return StreamingResponse(body(), media_type="application/octet-stream")
+
+    monkeypatch.setattr(bundle_files, "file_response", endless)
+    seen = []
+    with Serving(_app(bundle_l1)) as srv:
+        cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
+        with pytest.raises(BundleSyncError) as ei:
+            bundle_sync.update(cfg, Manifest.load(edge_l2), progress=lambda done, total: seen.append((done, total)))
+    assert ei.value.code == "hash_mismatch"
+    assert max(done for done, _ in seen) <= seen[0][1]  # never past the bundle's size
+    assert not edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 2
+
+
 def test_a_server_without_the_endpoint_says_so(edge_l2):
     with Serving(FastAPI()) as srv:
         cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
