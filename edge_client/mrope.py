@@ -66,22 +66,3 @@ def rope_index(n_tokens: int, images: list[ImageSpan], merge: int) -> tuple[np.n
 def text_positions(start: int, n: int, delta: int) -> np.ndarray:
     """Positions int64 [3, n] of tokens at indices [start, start + n) after the prompt's images."""
     return np.broadcast_to(np.arange(start, start + n, dtype=np.int64) + delta, (3, n)).copy()
-
-
-def image_spans(ids, image_token_id: int, grids: list[tuple[int, int, int]], merge: int) -> list[ImageSpan]:
-    """The spans of ``grids`` (in order) over the runs of ``image_token_id`` in ``ids``; a run must hold
-    exactly the tokens of consecutive images (adjacent images without separators are split by count)."""
-    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-    where = np.flatnonzero(arr == image_token_id)
-    spans: list[ImageSpan] = []
-    k = 0
-    for g in grids:
-        span = ImageSpan(int(where[k]) if k < where.size else -1, tuple(int(x) for x in g))
-        n = span.n_tokens(merge)
-        if k + n > where.size or where[k + n - 1] != where[k] + n - 1:
-            raise ValueError(f"image {len(spans)}: expected {n} consecutive image tokens in the prompt")
-        spans.append(span)
-        k += n
-    if k != where.size:
-        raise ValueError(f"the prompt has {where.size} image tokens, the images need {k}")
-    return spans

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from edge_client.front import FRONT, FrontRuntime
-from edge_client.mrope import image_spans, rope_index, text_positions
+from edge_client.mrope import ImageSpan, rope_index, text_positions
 from edge_client.vision import VISION, VISION_CONFIG, VisionEncoder, VisionSpec, preprocess
 from partition_tools.cloud_half import CloudModel
 from partition_tools.export_vision import INT8_MAX_REL_ERROR
@@ -90,7 +90,8 @@ def _split_run(bundle, ids, prepared, steps):
     """The split pipeline: greedy tokens and the logits of each step [steps + 1, V]."""
     enc, front = VisionEncoder(bundle), FrontRuntime(bundle, threads=1, chunk=16)
     cloud = CloudModel.from_bundle(bundle)
-    spans = image_spans(ids, IMG, [p.grid_thw for p in prepared], enc.spec.merge_size)
+    spans = [ImageSpan(i + 1, p.grid_thw) for i, p in zip([i for i, t in enumerate(ids) if t == BOI], prepared,
+                                                        strict=True)]  # tokens after each BOI
     positions, delta = rope_index(len(ids), spans, enc.spec.merge_size)  # [3, S]
     rows = np.zeros((len(ids), front.hidden_size), np.float32)
     mask = np.zeros(len(ids), np.bool_)
