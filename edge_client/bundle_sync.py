@@ -96,6 +96,13 @@ def http_base(url: str) -> str:
     return urlunsplit(("https" if parts.scheme == "wss" else "http", parts.netloc, path, "", ""))
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error (urllib would follow it, https -> http included, with the Authorization header)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
 @dataclass(slots=True)
 class _Response:
     status: int
@@ -111,6 +118,7 @@ class BundleServer:
         self.api_key, self.ca_file = api_key, ca_file
         self.timeout_s = timeout_s
         self._ssl = tls.client_context(self.url, ca_file)
+        self._opener = urllib.request.build_opener(_NoRedirect, urllib.request.HTTPSHandler(context=self._ssl))
         self.bytes_received = 0  # body bytes of file downloads (what a resume saved shows here)
 
     def _open(self, path: str, headers: dict[str, str] | None = None) -> _Response:
@@ -132,7 +140,7 @@ class BundleServer:
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            r = urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl)
+            r = self._opener.open(req, timeout=self.timeout_s)
         except urllib.error.HTTPError as e:
             if e.code in (206, 304, 416):  # urllib treats these as errors; they are answers here
                 return _Response(e.code, {k.lower(): v for k, v in e.headers.items()}, e)
@@ -143,6 +151,11 @@ class BundleServer:
                 wait_s = min(BUSY_WAIT_STEP_S, max(0.1, float(retry_after))) if retry_after.isdigit() else 1.0
                 raise _Busy(wait_s, BundleSyncError("http_error", f"{self.base}{path}: HTTP {e.code} (still busy "
                                                                   f"after {BUSY_WAIT_S:.0f} s: {detail})")) from None
+            if 300 <= e.code < 400:
+                raise BundleSyncError("http_error", f"{self.base}{path}: HTTP {e.code} redirect to "
+                                      f"{e.headers.get('location')!r} not followed (it could leave TLS or take the "
+                                      "API key to another host; the bundles are served beside the split "
+                                      "endpoint)") from None
             if e.code == 401:
                 raise BundleSyncError("unauthorized", f"{self.base}{path}: HTTP 401: API key refused") from None
             if e.code == 404 and path == "/v1/bundles":

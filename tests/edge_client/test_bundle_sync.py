@@ -237,6 +237,42 @@ def test_a_server_sending_more_than_the_manifest_says_fills_no_storage(monkeypat
     assert not edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 2
 
 
+def test_a_redirect_is_not_followed_and_the_key_goes_nowhere_else(tmp_path):
+    """urllib followed a redirect - https to http, or to another host - sending the API key along in the clear;
+    the bundle routes never redirect, so one is an error naming where it pointed."""
+    import http.server
+
+    received = []
+
+    class Elsewhere(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            received.append(self.headers.get("Authorization"))
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    class Redirect(Elsewhere):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{elsewhere.server_port}{self.path}")
+            self.end_headers()
+
+    elsewhere = http.server.HTTPServer(("127.0.0.1", 0), Elsewhere)
+    redirect = http.server.HTTPServer(("127.0.0.1", 0), Redirect)
+    for srv in (elsewhere, redirect):
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(BundleSyncError, match="redirect to 'http://127.0.0.1") as ei:
+            BundleServer(f"ws://127.0.0.1:{redirect.server_port}", api_key="agk_secret").listing()
+    finally:
+        for srv in (elsewhere, redirect):
+            srv.shutdown()
+            srv.server_close()
+    assert ei.value.code == "http_error" and received == []
+
+
 def test_a_server_without_the_endpoint_says_so(edge_l2):
     with Serving(FastAPI()) as srv:
         cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
