@@ -31,7 +31,9 @@ DEMO_LAYER = 8
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("AUTOGLM_CACHE") or Path.home() / ".cache" / "autoglm-split")
+    """``$AUTOGLM_CACHE`` (a leading ``~`` is the home directory, as in every path the edge takes), else
+    ``~/.cache/autoglm-split``."""
+    return Path(os.environ.get("AUTOGLM_CACHE") or Path.home() / ".cache" / "autoglm-split").expanduser()
 
 
 def ensure_bundle(out: Path | None = None, source: str = "smollm2", layer: int = DEMO_LAYER,

@@ -165,6 +165,16 @@ def test_demo_never_overwrites_a_path_that_is_not_a_bundle(tmp_path, monkeypatch
     assert (folder / "notes.txt").read_text() == "precious"
 
 
+def test_the_cache_root_expands_a_tilde(tmp_path, monkeypatch):
+    """AUTOGLM_CACHE="~/c" (quoted, as a unit file or a Dockerfile ENV writes it) built the demo's bundles under a
+    folder named '~' in the working directory."""
+    from edge_client.demo import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AUTOGLM_CACHE", "~/c")
+    assert cache_root() == tmp_path / "c"
+
+
 def test_demo_uses_the_bundle_it_is_given(tiny_bundle, tmp_path, monkeypatch):
     """A bundle of another model or split layer was replaced by the SmolLM2 bundle split at 8 (the cache's rule)."""
     import shutil
