@@ -110,13 +110,13 @@ class UShape:
             raise EdgeClientError(f"the cloud skipped positions [{self.tail.length}, {msg.start})", "bad_server")
         if skip >= msg.n_tokens:
             return None
+        if msg.hidden.shape[1] != self.tail.hidden_size:  # before decoding: a few bytes can declare any width
+            raise EdgeClientError(f"States of width {msg.hidden.shape[1]}, the tail takes {self.tail.hidden_size}",
+                                  "bad_server")
         try:
             rows = s.codecs[req.codec].decode(msg.hidden)  # [n, H] float32
         except P.ProtocolError as e:
             raise EdgeClientError(f"undecodable States from the cloud: {e}", "bad_server") from None
-        if rows.shape[1] != self.tail.hidden_size:
-            raise EdgeClientError(f"States of width {rows.shape[1]}, the tail takes {self.tail.hidden_size}",
-                                  "bad_server")
         return rows[skip:]
 
     async def _next_tokens(self, req, rows: np.ndarray, sampler: EdgeSampler, stats) -> list[int]:

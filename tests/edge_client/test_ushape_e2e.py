@@ -122,3 +122,22 @@ def test_screenshot_through_u_shape_equals_unsplit(tiny_glm4v_lm, split_bundle, 
         gen = c.complete(prompt_ids=V_PROMPT, images=[image], max_tokens=V_NEW)
     assert gen.stats.exec_mode == "u-shape" and gen.stats.image_tokens > 0
     assert gen.token_ids == _reference(tiny_glm4v_lm.model, bundle, image)
+
+
+def test_states_of_another_width_are_refused_before_decoding():
+    """States whose declared width is not the tail's are bad_server without being decoded (a few bytes declaring
+    2^20 channels were decoded first - up to the 64 MiB decoded-tensor limit - and refused as undecodable)."""
+    from types import SimpleNamespace
+
+    from edge_client.errors import EdgeClientError
+    from edge_client.ushape import UShape
+    from shared import codecs as C
+
+    u = UShape(SimpleNamespace(codecs=C.available_codecs()), SimpleNamespace(length=0, hidden_size=64))
+    req = SimpleNamespace(codec="fp16")
+    wide = P.States(request_id="r", start=0, hidden=P.EncodedTensor(codec="fp16", shape=(2, 1 << 20), data=b"\0" * 6))
+    with pytest.raises(EdgeClientError) as e:
+        u._new_rows(req, wide)
+    assert e.value.code == "bad_server" and "width 1048576" in str(e.value)
+    good = C.get_codec("fp16").encode(np.ones((2, 64), np.float32))
+    assert u._new_rows(req, P.States(request_id="r", start=0, hidden=good)).shape == (2, 64)
