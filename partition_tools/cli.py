@@ -274,7 +274,7 @@ def _cmd_inspect(args) -> int:
 def _cmd_plan(args) -> int:
     from shared.link_profiles import LinkProfileError, get_profile
 
-    from .models import load_model
+    from .models import load_bundle_source, load_model
     from .plan import PlanConfig, format_plan, plan
 
     try:
@@ -289,7 +289,8 @@ def _cmd_plan(args) -> int:
     cfg = PlanConfig(link=link, edge_threads=args.edge_threads, cloud_threads=args.cloud_threads, codec=args.codec,
                      edge_memory_mb=args.edge_memory_mb, candidates=cands,
                      cloud_results=Path(args.cloud_results) if args.cloud_results else None)
-    r = plan(load_model(args.source), cfg, Path(args.bundle) if args.bundle else None)
+    lm = load_bundle_source(args.bundle, args.source) if args.bundle else load_model(args.source)
+    r = plan(lm, cfg, Path(args.bundle) if args.bundle else None)
     print(json.dumps(r, indent=1) if args.json else format_plan(r))
     return 0
 

@@ -39,15 +39,21 @@ def test_verify_passes_on_default_bundle(tiny_glm4_bundle, capsys):
 
 
 def test_a_bundle_of_a_seeded_preset_is_verified_against_that_seed(split_bundle, capsys, monkeypatch):
-    """``split --preset tiny-glm4 --seed 3``: verify and draft-head reloaded the preset with seed 0 and refused the
-    bundle as another model's; they reload it with the seed the manifest's source identity records."""
+    """``split --preset tiny-glm4 --seed 3``: verify, draft-head and plan --bundle reloaded the preset with seed 0
+    and refused the bundle as another model's; they reload it with the seed the manifest's source identity
+    records."""
     import partition_tools.codec_calibration
+    import partition_tools.plan
     from partition_tools.models import load_model
 
     monkeypatch.setattr(partition_tools.codec_calibration, "write_codec_calibration", lambda *a: None)  # fast: no PCA
     out = split_bundle("seeded", load_model("tiny-glm4", seed=3), 2, "fp32")
     assert main(["verify", str(out), "--max-tokens", "64"]) == 0
     assert "PASSED" in capsys.readouterr().out
+    planned = []  # plan --bundle times that bundle's front: of the model it was split from (not timed here)
+    monkeypatch.setattr(partition_tools.plan, "plan", lambda lm, cfg, bundle: planned.append(lm.identity) or {})
+    assert main(["plan", "tiny-glm4", "--bundle", str(out), "--json"]) == 0
+    assert planned == ["preset:tiny-glm4@seed3"]
 
 
 def _fails_in_one_line(argv, capsys, match):
