@@ -54,6 +54,7 @@ from shared import openai_compat as oc
 log = logging.getLogger("autoglm.cloud")
 GIL_SWITCH_S = 0.0005  # sys.setswitchinterval while serving (see DrainingServer.serve)
 ENGINE_WATCH_S = 0.5  # how often a serving DrainingServer looks for a stopped engine
+CHALLENGE = {"WWW-Authenticate": "Bearer"}  # on every 401 (RFC 9110 section 15.5.2: a 401 must name its scheme)
 
 
 async def drain(app: FastAPI) -> None:
@@ -201,7 +202,8 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
 
     async def require_key(request: Request):
         if authn.authenticate(request.headers.get("authorization")) is None:
-            raise HTTPException(401, detail="missing or wrong API key (Authorization: Bearer <key>)")
+            raise HTTPException(401, detail="missing or wrong API key (Authorization: Bearer <key>)",
+                                headers=CHALLENGE)
 
     auth = Depends(require_key)
     probe = [] if cfg.open_probes else [auth]
@@ -282,7 +284,7 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
                 err = oc.OpenAIRequestError("missing or wrong API key (Authorization: Bearer <key>)", None,
                                             "unauthorized", 401)
                 try:  # an HTTP 401 before the upgrade, where the server supports denial responses
-                    await ws.send_denial_response(JSONResponse(err.to_dict(), status_code=401))
+                    await ws.send_denial_response(JSONResponse(err.to_dict(), status_code=401, headers=CHALLENGE))
                 except RuntimeError:
                     await ws.close(code=1008, reason="missing or wrong API key")  # HTTP 403
                 return

@@ -121,7 +121,8 @@ def _bearer(key):
 
 
 def test_http_needs_the_header_and_probes_can_be_closed(keyed):
-    assert httpx.get(keyed.url + "/v1/models").status_code == 401
+    refused = httpx.get(keyed.url + "/v1/models")
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"  # RFC 9110 15.5.2
     assert httpx.get(keyed.url + "/v1/models", headers=_bearer("agk_guess")).status_code == 401
     assert httpx.get(keyed.url + f"/v1/models?api_key={keyed.alice}").status_code == 401  # never the URL
     assert httpx.get(keyed.url + "/v1/models", headers=_bearer(keyed.alice)).status_code == 200
@@ -152,12 +153,13 @@ def test_websocket_keys_caps_usage_and_trace(keyed, tiny_bundle, caplog):
         sessions = {s.principal.tenant for s in keyed.app.state.split.registry.by_id.values()}
         for e in (a1, a2, b):
             await e.close()
-        return nokey.value.response.status_code, inquery.value.response.status_code, refused, tokens, finish, \
+        nokey = nokey.value.response.status_code, nokey.value.response.headers.get("WWW-Authenticate")
+        return nokey, inquery.value.response.status_code, refused, tokens, finish, \
             sessions
 
     with caplog.at_level(logging.INFO, logger="autoglm.cloud.trace"):
         nokey, inquery, refused, tokens, finish, tenants = asyncio.run(main())
-    assert nokey == 401 and inquery == 401
+    assert nokey == (401, "Bearer") and inquery == 401
     assert isinstance(refused, P.Error) and refused.code == "overloaded" and refused.retry_after_ms
     assert "holds its limit of 2 sessions" in refused.message
     assert len(tokens) == 4 and finish == "length"
