@@ -174,7 +174,6 @@ class LinkEmulator:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"link-{self.profile.name}", daemon=True)
         self._server: asyncio.AbstractServer | None = None
-        self._started_at = 0.0
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> LinkEmulator:
@@ -209,7 +208,6 @@ class LinkEmulator:
             self._error = e
             self._ready.set()
             return
-        self._started_at = self._loop.time()
         self._schedule(self.disconnects)
         self._ready.set()
         self._loop.run_forever()
