@@ -3,8 +3,8 @@
 * every markdown link to a local file resolves, and a ``#fragment`` names a heading of the file it points to
   (GitHub's anchor rule);
 * every console-script subcommand the docs show in code (``autoglm-partition split``, ``autoglm-edge chat /
-  serve``, ...) is one its parser has, and every ``--flag`` shown after it on the same code line is one of that
-  subcommand's options;
+  serve``, ...) is one its parser has, and every ``--flag`` shown after it on the same code line (or its ``\\``
+  continuations) is one of that subcommand's options;
 * every ``from <package>.<module> import X`` in a doc's python blocks names a module and a name that exist;
 * every module under the five packages is named in docs/architecture.md's module map, and every module path the
   docs name exists;
@@ -122,7 +122,7 @@ def test_the_parsers_have_subcommands(commands):
 @pytest.mark.parametrize("doc", DOCS, ids=_doc_id)
 def test_documented_commands_and_flags_exist(doc: Path, commands):
     bad = []
-    for line in _code(doc.read_text()):
+    for line in _code(doc.read_text().replace("\\\n", " ")):  # a command continued over `\` lines is one
         for m in COMMAND.finditer(line):
             prog, first, more = m.groups()
             subs = [first, *re.findall(r"[a-z][a-z-]*", more)]
