@@ -22,7 +22,8 @@ Front-end workers (``--workers N``, ``cloud_server.front_workers``): every worke
 
 With a keys file or an API key configured (``cloud_server.auth``) every route but ``/health``, ``/ready`` and
 ``/metrics`` needs ``Authorization: Bearer <key>`` (a WebSocket presents it in the handshake headers, never in
-the URL); ``open_probes=False`` puts those three behind the key too. The key's :class:`~cloud_server.auth.Principal`
+the URL); ``open_probes=False`` puts those three behind the key too (``/metrics``, which names every tenant's
+usage, behind an operator key when there is a keys file). The key's :class:`~cloud_server.auth.Principal`
 is on ``websocket.state.principal`` for the split endpoint (its tenant scopes the prefix cache). HTTP ``/v1``
 requests beyond ``max_http_requests`` in flight get 429 with ``Retry-After`` (``cloud_server.limits``).
 
@@ -205,12 +206,21 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
             raise HTTPException(401, detail="missing or wrong API key (Authorization: Bearer <key>)",
                                 headers=CHALLENGE)
 
+    async def require_operator_key(request: Request):  # /metrics names every tenant and its usage
+        principal = authn.authenticate(request.headers.get("authorization"))
+        if principal is None:
+            raise HTTPException(401, detail="missing or wrong API key (Authorization: Bearer <key>)",
+                                headers=CHALLENGE)
+        if authn.store is not None and principal.role != "operator":
+            raise HTTPException(403, detail="/metrics names every tenant's usage: it takes an operator key")
+
     auth = Depends(require_key)
     probe = [] if cfg.open_probes else [auth]
+    metrics_probe = [] if cfg.open_probes else [Depends(require_operator_key)]
 
     @app.exception_handler(StarletteHTTPException)  # also the router's own 404 / 405 (FastAPI's is a subclass)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        code = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+        code = {401: "invalid_api_key", 403: "forbidden", 404: "not_found", 405: "method_not_allowed",
                 503: "unavailable"}.get(exc.status_code, "error")
         err = oc.OpenAIRequestError(str(exc.detail), None, code, exc.status_code)
         return JSONResponse(err.to_dict(), status_code=exc.status_code, headers=exc.headers)  # 405: Allow
@@ -234,7 +244,7 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
             body["error"] = "; ".join(dead)
         return JSONResponse(body, status_code=200 if is_ready else 503)
 
-    @app.get("/metrics", dependencies=probe)
+    @app.get("/metrics", dependencies=metrics_probe)
     async def metrics():
         if runtime.metrics is None:
             return Response(b"", media_type="text/plain")

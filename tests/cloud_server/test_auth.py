@@ -103,11 +103,12 @@ def keyed(tiny_bundle, tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys.json"
     _, alice = auth.add_key(path, "alice", max_sessions=2)
     _, bob = auth.add_key(path, "bob")
+    _, ops = auth.add_key(path, "ops", role="operator")  # reads /metrics; opens no session here
     rt = CloudRuntime(ServerConfig(bundle=tiny_bundle, keys_file=path, open_probes=False, model_name="tiny",
                                    engine=EngineConfig(num_blocks=64, block_size=4))).start()
     app = create_app(rt)
     with ServerThread(app) as srv:
-        srv.runtime, srv.app, srv.keys_path, srv.alice, srv.bob = rt, app, path, alice, bob
+        srv.runtime, srv.app, srv.keys_path, srv.alice, srv.bob, srv.ops = rt, app, path, alice, bob, ops
         yield srv
     rt.stop()
 
@@ -164,7 +165,9 @@ def test_websocket_keys_caps_usage_and_trace(keyed, tiny_bundle, caplog):
     assert "holds its limit of 2 sessions" in refused.message
     assert len(tokens) == 4 and finish == "length"
     assert tenants == {"tenant:alice", "tenant:bob"}  # Session.principal.tenant: the prefix-cache namespace
-    text = httpx.get(keyed.url + "/metrics", headers=_bearer(keyed.bob)).text
+    # /metrics names every tenant's usage: not for another tenant's key, only an operator's
+    assert httpx.get(keyed.url + "/metrics", headers=_bearer(keyed.bob)).status_code == 403
+    text = httpx.get(keyed.url + "/metrics", headers=_bearer(keyed.ops)).text
     assert 'autoglm:tenant_generation_tokens_total{model_name="tiny",tenant="alice"} 4.0' in text
     assert 'autoglm:tenant_prompt_tokens_total{model_name="tiny",tenant="alice"} 5.0' in text
     assert 'autoglm:tenant_sessions_total{model_name="tiny",tenant="alice"} 2.0' in text
