@@ -141,11 +141,23 @@ class EdgeClient:
             sink(("error", EdgeClientError("the client was closed before the request finished", "closed")))
             future.cancel()
         try:
-            asyncio.run_coroutine_threadsafe(self.session.close(), self._loop).result(5.0)
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(5.0)
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
+
+    async def _shutdown(self) -> None:
+        """The loop's last work: the session closed (orderly: the server frees it at once), then every task still
+        on the loop (a preload or a connect another thread waits on) cancelled and awaited - the stopped loop left
+        them pending, their callers waiting forever and the tasks logged 'destroyed but pending' (Ctrl-C in
+        ``autoglm-edge preload``)."""
+        await self.session.close()
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=3.0)  # front work in a thread finishes first (_compute)
 
     def __enter__(self) -> EdgeClient:
         return self
@@ -157,7 +169,11 @@ class EdgeClient:
         if self._closed:
             coro.close()  # never scheduled: no "never awaited" warning
             self._check_open()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        except concurrent.futures.CancelledError:
+            self._check_open()  # closed meanwhile (another thread): 'closed', as a request's
+            raise
 
     def _check_open(self) -> None:
         """A closed client's loop has stopped: a request would wait forever, so it is refused at once."""

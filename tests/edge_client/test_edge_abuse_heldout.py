@@ -9,6 +9,7 @@ import json
 import shutil
 import struct
 import threading
+import time
 import wave
 import zlib
 
@@ -212,6 +213,35 @@ def test_closing_the_client_ends_its_unfinished_requests(tiny_bundle):
         orphan = c.agenerate(prompt="hi", max_tokens=2, loop=gone)
         gone.close()
     assert not orphan._done  # close() ran past it: 'RuntimeError: Event loop is closed' raised out of it
+
+
+def test_closing_the_client_ends_a_call_waiting_on_another_thread(tiny_bundle):
+    """close() stopped the client's loop under a connect() or preload_prompts() another thread was waiting on: that
+    thread waited forever, and the stopped task was logged 'destroyed but pending' (Ctrl-C in `autoglm-edge
+    preload`). The loop's tasks are now cancelled and awaited first: the call fails as ``closed``."""
+    import socket
+
+    from edge_client import EdgeClient, EdgeClientError
+
+    with socket.socket() as silent:  # takes the TCP connection, never answers the WebSocket handshake
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        c = EdgeClient(tiny_bundle, f"ws://127.0.0.1:{silent.getsockname()[1]}")
+        outcome = []
+
+        def connect():
+            try:
+                c.connect()
+                outcome.append("returned")
+            except EdgeClientError as e:
+                outcome.append(e.code)
+
+        waiting = threading.Thread(target=connect, daemon=True)
+        waiting.start()
+        time.sleep(0.5)  # connect() waits on the handshake (connect_timeout_s 10)
+        c.close()
+        waiting.join(5)
+    assert not waiting.is_alive() and outcome == ["closed"]
 
 
 # -- bundles --------------------------------------------------------------------------------------------------
