@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -258,27 +260,41 @@ def add_key(path: str | Path, tenant: str, max_sessions: int | None = None,
     if role not in ROLES:
         raise KeysFileError(f"role {role!r}: must be one of {', '.join(ROLES)}")
     path = Path(path)
-    data = {"version": 1, "keys": []}
-    if path.exists():
-        text = path.read_text(encoding="utf-8")
-        parse_keys(text, str(path))  # refuse to append to a broken file
-        data = json.loads(text)
-    key, key_id = new_key(), "k" + secrets.token_hex(4)
-    entry = {"key_id": key_id, "tenant": tenant, "hash": hash_key(key),
-             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if max_sessions is not None:
-        entry["max_sessions"] = max_sessions
-    if role != "tenant":
-        entry["role"] = role
-    data["keys"].append(entry)
-    parse_keys(json.dumps(data), str(path))  # the new entry is valid (tenant name, cap)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)  # atomic: a server reloading meanwhile sees the old or the new file, whole
+    with _one_writer(path):
+        data = {"version": 1, "keys": []}
+        if path.exists():
+            text = path.read_text(encoding="utf-8")
+            parse_keys(text, str(path))  # refuse to append to a broken file
+            data = json.loads(text)
+        key, key_id = new_key(), "k" + secrets.token_hex(4)
+        entry = {"key_id": key_id, "tenant": tenant, "hash": hash_key(key),
+                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if max_sessions is not None:
+            entry["max_sessions"] = max_sessions
+        if role != "tenant":
+            entry["role"] = role
+        data["keys"].append(entry)
+        parse_keys(json.dumps(data), str(path))  # the new entry is valid (tenant name, cap)
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)  # atomic: a server reloading meanwhile sees the old or the new file, whole
     return key_id, key
+
+
+@contextlib.contextmanager
+def _one_writer(path: Path):
+    """One ``add_key`` of a keys file at a time: two at once each wrote back the file as they had read it, so one
+    key was printed but never stored (and the two shared one ``.tmp``). An advisory ``flock`` on ``.<name>.lock``
+    beside the file; the kernel releases it if the holder dies."""
+    fd = os.open(path.parent / f".{path.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def keys_main(argv: list[str] | None = None) -> int:

@@ -97,6 +97,22 @@ def test_the_store_reloads_on_change_and_on_sighup_and_keeps_keys_over_a_broken_
         ServerConfig(bundle=tmp_path, keys_file=path, api_key="k")
 
 
+def _add_one(args):
+    path, tenant = args
+    return auth.add_key(path, tenant)[1]
+
+
+def test_keys_added_at_once_are_all_stored(tmp_path):
+    """Two `keys add` at once each wrote back the file as they had read it: a key printed but never stored."""
+    import multiprocessing
+
+    path = tmp_path / "keys.json"
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        keys = pool.map(_add_one, [(path, f"t{i}") for i in range(12)])
+    store = auth.KeyStore(path)
+    assert len(store) == 12 and all(store.lookup(k) is not None for k in keys)
+
+
 # -- over a server ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def keyed(tiny_bundle, tmp_path_factory):
