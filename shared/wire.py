@@ -229,6 +229,41 @@ def _check_zstd_header(t: EncodedTensor, limits: Limits) -> None:
         raise ProtocolError(DECOMPRESS, f"zstd frame declares {declared} bytes for a [{s}, {h}] tensor")
 
 
+_FIXED_SIZE = {0xca: 5, 0xcb: 9, 0xcc: 2, 0xcd: 3, 0xce: 5, 0xcf: 9, 0xd0: 2, 0xd1: 3, 0xd2: 5, 0xd3: 9,
+               0xd4: 3, 0xd5: 4, 0xd6: 6, 0xd7: 10, 0xd8: 18}  # numbers and fixext: header byte included
+_LENGTH_BYTES = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4,  # bin, str: that many bytes follow
+                 0xc7: 1, 0xc8: 2, 0xc9: 4,  # ext: and a type byte
+                 0xdc: 2, 0xdd: 4, 0xde: 2, 0xdf: 4}  # array, map: that many items (pairs)
+
+
+def _reserved_byte_offset(data) -> int | None:
+    """Where the first value's type byte is 0xc1 (what msgpack's FormatError means), walking the frame's values
+    in order without building them; None if none is found before the frame ends."""
+    i, pending = 0, 1  # values still to read
+    while pending and i < len(data):
+        b, pending = data[i], pending - 1
+        if b == 0xc1:
+            return i
+        if 0x80 <= b <= 0x8f:
+            pending += 2 * (b & 0x0F)
+        elif 0x90 <= b <= 0x9f:
+            pending += b & 0x0F
+        elif 0xa0 <= b <= 0xbf:
+            i += b & 0x1F
+        elif b in _FIXED_SIZE:
+            i += _FIXED_SIZE[b] - 1
+        elif b in _LENGTH_BYTES:
+            k = _LENGTH_BYTES[b]
+            n = int.from_bytes(data[i + 1:i + 1 + k], "big")
+            i += k
+            if b >= 0xdc:
+                pending += 2 * n if b >= 0xde else n
+            else:
+                i += n + (1 if b in (0xc7, 0xc8, 0xc9) else 0)
+        i += 1
+    return None
+
+
 def decode_message(data: bytes, limits: Limits | None = None) -> Message:
     """Parse and validate one frame (see the module docstring). Raises only ``ProtocolError``."""
     limits = limits or DEFAULT_LIMITS
@@ -255,6 +290,11 @@ def decode_message(data: bytes, limits: Limits | None = None) -> Message:
             raise ProtocolError(BAD_FRAME, "msgpack ext types (timestamps included) are not used") from None
         if "max_map_len" in text and limits.max_map_len == 0:
             raise ProtocolError(BAD_TYPE, "msgpack maps are not used; messages are arrays") from None
+        if isinstance(e, msgpack.FormatError):  # its text is empty too: msgpack's one reserved byte, 0xc1
+            at = _reserved_byte_offset(data)
+            where = "" if at is None else f" at byte {at}"
+            raise ProtocolError(BAD_FRAME, f"msgpack: FormatError: the reserved type byte 0xc1{where} (never used "
+                                           f"in msgpack)") from None
         code = TOO_LARGE if "exceeds max" in text else BAD_FRAME
         raise ProtocolError(code, f"msgpack: {type(e).__name__}: {text}") from None
     except Exception as e:  # noqa: BLE001 - FormatError, StackError, UnicodeDecodeError, ...

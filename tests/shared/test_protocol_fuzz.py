@@ -129,6 +129,18 @@ def test_handcrafted_frames(frame, code):
     assert peak < len(frame) + (1 << 20)  # oversize declarations allocate nothing
 
 
+@pytest.mark.parametrize("frame, at", [
+    (b"\xc1garbage", 0),
+    (b"\x93\x01\xc4\x03\xc1\xc1\xc1\xc1", 7),  # after a bin holding 0xc1 bytes: the value's own type byte
+    (b"\x92\xcb" + b"\xc1" * 8 + b"\xc1", 10),  # after a float64 whose bytes are 0xc1
+])
+def test_a_reserved_byte_is_named_with_its_offset(frame, at):
+    with pytest.raises(P.ProtocolError) as e:
+        P.decode_message(frame)
+    assert e.value.code == "bad_frame"
+    assert "FormatError" in e.value.message and f"0xc1 at byte {at}" in e.value.message
+
+
 def test_frame_over_the_limit_is_refused_before_parsing():
     limits = P.Limits(max_frame_bytes=1000)
     with pytest.raises(P.ProtocolError) as e:
