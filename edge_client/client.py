@@ -37,7 +37,7 @@ from typing import Any
 from shared.detokenizer import StreamDecoder
 from shared.exec_mode import Deployment, ExecModeError, LinkState, ModeDecision, RequestShape, choose_mode
 from shared.messages import MIN_TEMPERATURE
-from shared.openai_compat import StopMatcher
+from shared.openai_compat import RESERVED_TEMPLATE_KWARGS, StopMatcher
 from shared.manifest import Manifest
 
 from . import bundle_sync
@@ -213,9 +213,7 @@ class EdgeClient:
         parts: list[MediaPart] = []
         if messages is not None:
             messages, parts = extract_parts(messages, self._placeholder)
-            kw = dict(chat_template_kwargs or {})
-            if enable_thinking is not None:
-                kw["enable_thinking"] = enable_thinking
+            kw = _template_kwargs(chat_template_kwargs, enable_thinking)
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw)
         if prompt_ids is None and len(prompt) > MAX_CHARS_PER_POSITION * self.runtime.max_positions:
             # no tokenizing a text that cannot fit (a 48 MB prompt held the local API's event loop for seconds)
@@ -470,6 +468,21 @@ def check_messages(messages: Any) -> None:
     if not (isinstance(messages, list) and messages
             and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
         raise ValueError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} dicts")
+
+
+def _template_kwargs(given: Any, enable_thinking: Any) -> dict:
+    """The chat template's variables of a request, or ``ValueError``: a dict that names none of the template call's
+    own arguments (the local API's rule, shared.openai_compat) - ``messages`` or ``add_generation_prompt`` there
+    was a bare TypeError, a string or a list a puzzling ValueError - and a boolean ``enable_thinking`` (or None)."""
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {type(given).__name__}")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(given or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} may not be set (the chat template call's "
+                         "own arguments)")
+    if enable_thinking is not None and not isinstance(enable_thinking, bool):
+        raise ValueError(f"enable_thinking must be True, False or None, got {enable_thinking!r}")
+    return {**(given or {}), **({} if enable_thinking is None else {"enable_thinking": enable_thinking})}
 
 
 def _read_prompts(path: Path) -> list[str | list[dict]]:

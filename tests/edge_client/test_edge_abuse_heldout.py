@@ -115,6 +115,12 @@ def client(tiny_bundle):
     ({"messages": []}, "messages must be a non-empty list"),  # rendered as the template's default system prompt
     ({"messages": [{"content": "hi"}]}, "messages must be a non-empty list"),  # rendered as some other turn
     ({"messages": [{"role": None, "content": "hi"}]}, "messages must be a non-empty list"),
+    # the template's variables: a bare TypeError ('multiple values for argument') or dict()'s ValueError before
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}, "may not be set"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}},
+     "add_generation_prompt may not be set"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"}, "must be a dict, got str"),
+    ({"messages": [{"role": "user", "content": "hi"}], "enable_thinking": "no"}, "enable_thinking must be"),
     ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
     ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
