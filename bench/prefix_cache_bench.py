@@ -9,8 +9,8 @@ WebSocket):
 * **warm** - what an agent's step k > 1 sees: the edge preloaded the system prompt (``preload_prompts``) and
   the cloud holds its blocks from an earlier step with a *different* user turn. Only the suffix runs and goes
   up;
-* **edge-warm, cloud-cold** (for reference) - a fresh cloud: the edge skips its front layers but the cloud
-  answers ``prefix_miss`` and the prefix's hidden states go up from the edge cache.
+* **edge-warm, cloud-cold** (for reference) - a fresh cloud: the edge skips its front layers; its Welcome lists
+  none of the prompt's blocks, so the prefix's hidden states go up from the edge cache with the first Prefill.
 
 Per run: edge compute (front-layer seconds), uplink bytes of the request, TTFT, and the generated tokens
 (which must be identical across runs). Each configuration is repeated ``--reps`` times with the median

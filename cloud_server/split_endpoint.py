@@ -90,8 +90,9 @@ def session_limits(cfg: ServerConfig) -> P.SessionLimits:
 
 def held_prefix_keys(engine, spaces: tuple[str, ...], limit: int) -> list[str]:
     """Up to ``limit`` prefix keys the default variant's pool holds in the namespaces ``spaces`` (namespace
-    stripped), on the engine thread; module-level so a front-end worker can send it (``engine.call``)."""
-    keys = (k.partition("/")[2] for k in engine.block_managers[engine.default_variant].block_of_key
+    stripped), the most recently used first (a busy tenant's hot system prompt is listed, not its oldest blocks), on
+    the engine thread; module-level so a front-end worker can send it (``engine.call``)."""
+    keys = (k.partition("/")[2] for k in engine.block_managers[engine.default_variant].keys_by_recency()
             if k.startswith(spaces))
     return list(dict.fromkeys(k for _, k in zip(range(limit), keys)))
 

@@ -11,10 +11,13 @@ Prefix cache: the edge names every full block of the prompt by its hash-chain ke
 (:func:`shared.prefix_keys.block_keys`, at the server's block size, scoped to this bundle, this front's
 weights and the request's codec - plus the activation cache's float16 rounding when it stores float16,
 :meth:`Session._cloud_scope` -: the cloud reuses only states produced the same way). When its activation cache
-covers ``[0, h)`` it skips the front layers there, and it skips uploading ``[0, c)`` (``c`` = ``h`` rounded
-down to the server's block) on the bet that the cloud still holds those blocks under the same keys. If it
-does not, the cloud answers ``Error(prefix_miss)`` and the edge resends the whole prompt, the prefix's hidden
-states coming from its cache (the front layers still do not run).
+covers ``[0, h)`` it skips the front layers there, and it skips uploading ``[0, c)``: the leading blocks of
+``[0, h)`` whose keys the cloud is known to hold (:attr:`Session.cloud_keys`: the keys ``Welcome.cached_prefixes``
+listed, and those of the prompts this session completed since - the cloud publishes a prompt's blocks when it
+has computed them); the rest goes up. A prefix the edge cached alone (``preload``; a restarted or another
+cloud) is therefore uploaded with the first request, without a round trip lost. The list is advisory: if
+the cloud lost a block since (evicted), it answers ``Error(prefix_miss)`` and the edge resends the whole
+prompt, the prefix's hidden states coming from its cache (the front layers still do not run).
 
 Resume: the edge keeps, for the whole context, every hidden state it sent (coded, as sent) and every token
 it received. When the link drops it reconnects with backoff and presents its resume token:
@@ -117,6 +120,7 @@ class _Request:
         self.compute = compute
         self.prompt_len = len(spec.prompt_ids)
         self.prefix_raw: np.ndarray | None = None  # [c, H] hidden of the prefix not uploaded (from the cache)
+        self.prefix_keys: list[str] | None = None  # the keys its Prefill names (Session._prefix_keys), once computed
         self.sent: list[_Sent] = []  # coded inputs, in position order
         self.tokens: list[int] = []  # received, in order
         self.index_base = 0  # the cloud's token index 0 is our token `index_base` (after a replay)
@@ -175,6 +179,9 @@ class Session:
         self.codecs = C.available_codecs(_calibration(config.bundle))  # name -> BoundaryCodec
         self.welcome = None
         self.resume_token: str | None = None
+        # prefix keys the cloud holds as far as this session knows: Welcome.cached_prefixes, and the keys of the
+        # prompts it completed since (advisory: a prefix_miss says one was lost)
+        self.cloud_keys: set[str] = set()
         self.state = SessionState()  # the protocol's rules, as the cloud enforces them
         self._lock: asyncio.Lock | None = None
         # the request running keys its prefixes with a secret (a private level): its connections carry no route key
@@ -273,6 +280,8 @@ class Session:
                 self.state = SessionState()
             self.state.on_client(hello)
             self.state.on_server(w)
+            # what the cloud holds: its list, and on the same session what its requests published since
+            self.cloud_keys = set(w.cached_prefixes) | (self.cloud_keys if w.resumed else set())
             self.welcome = w
             self.resume_token = w.resume_token
         return P.to_dict(self.welcome)
@@ -473,11 +482,31 @@ class Session:
                     "return_states": True}
         params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
                                   top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
-        scope = self._cloud_scope(req.codec, spec.prefix_secret)  # private levels: the cloud cannot recompute the keys
-        content = spec.media.content(self.block_size) if spec.media is not None else None  # image/audio digests
-        named = spec.prompt_ids[: MAX_PREFIX_KEYS * self.block_size]  # a Prefill names the first 4096 blocks at most
-        return {"params": params, "prefix_keys": block_keys(named, scope, self.block_size, content),
-                "compute": req.compute}
+        return {"params": params, "prefix_keys": self._prefix_keys(req), "compute": req.compute}
+
+    def _prefix_keys(self, req: _Request) -> list[str]:
+        """The keys of the prompt's first full blocks in the cloud's scope, as its first Prefill names them (the
+        first 4096 at most), computed once per request and bundle."""
+        if req.prefix_keys is None:
+            spec = req.spec
+            scope = self._cloud_scope(req.codec, spec.prefix_secret)  # private levels: the cloud cannot recompute them
+            content = spec.media.content(self.block_size) if spec.media is not None else None  # image/audio digests
+            named = spec.prompt_ids[: MAX_PREFIX_KEYS * self.block_size]  # a Prefill names 4096 blocks at most
+            req.prefix_keys = block_keys(named, scope, self.block_size, content)
+        return req.prefix_keys
+
+    def _held_prefix(self, req: _Request, cached: int) -> int:
+        """Positions of the prompt's first ``cached`` (those the activation cache holds) not to upload: the whole
+        cloud blocks, from the first, whose keys :attr:`cloud_keys` holds (none for u-shape: the tail needs every
+        position)."""
+        if req.spec.ushape:
+            return 0
+        n = 0
+        for key in self._prefix_keys(req)[: cached // self.block_size]:
+            if key not in self.cloud_keys:
+                break
+            n += 1
+        return n * self.block_size
 
     def _cloud_scope(self, codec: str, secret: bytes | None = None) -> KeyScope:
         """What this edge's prefix keys for the cloud's blocks are scoped to: the bundle, the front's weights and
@@ -539,9 +568,8 @@ class Session:
         stats.cached_tokens = h
         if media is not None:  # items cached_prefix() left out whose blocks were evicted since: encoded now
             stats.media_encode_s += await _compute(media.encode, h)
-        # 2. optimistic: the cloud has [0, c) under the same keys, so those positions are not uploaded
-        # u-shape: the tail needs every position; else whole cloud blocks that the Prefill's keys name
-        c = 0 if spec.ushape else min(h // self.block_size, MAX_PREFIX_KEYS) * self.block_size
+        # 2. the cloud has [0, c) under the same keys (as far as the session knows): those positions are not uploaded
+        c = self._held_prefix(req, h)
         req.prefix_raw = hit.hidden[:c] if hit is not None else None
         stats.uploaded_prompt_tokens = len(ids) - c
         parts: list[np.ndarray] = [hit.hidden] if hit is not None else []
@@ -620,8 +648,9 @@ class Session:
             if msg is None:
                 continue
             if isinstance(msg, P.Error):
-                if msg.code == "prefix_miss":
+                if msg.code == "prefix_miss":  # the cloud lost a block it held: none skipped until republished
                     stats.prefix_misses += 1
+                    self.cloud_keys.difference_update(self._prefix_keys(req))
                     stats.uploaded_prompt_tokens = req.prompt_len
                     await self._guarded(req, stats, self._resend_all(req, stats))
                     continue
@@ -630,6 +659,8 @@ class Session:
                 continue  # nothing for this request
             if isinstance(msg, P.Tokens) and msg.usage is not None:
                 stats.cloud_cached_tokens = msg.usage.cached_tokens
+            if isinstance(msg, P.Tokens) and msg.index == 0:  # its prompt is computed: the cloud published the
+                self.cloud_keys.update(self._prefix_keys(req))  # blocks its keys name
             new = self._accept(req, msg.index, msg.token_ids, msg.finish_reason)
             held_s = 0.0  # the server held these tokens while it drafted the next ones (not this step's cost)
             if new and isinstance(msg, P.Tokens):  # a proposal follows the message's last token, or none
@@ -876,6 +907,7 @@ class Session:
         req.rid = f"{req.trace_id}.b{uuid.uuid4().hex[:6]}"
         log.info("trace=%s rebuilt on bundle %s as request %s", req.trace_id, self.manifest.bundle_id, req.rid)
         req.spec_step, req.opened, req.sent, req.prefix_raw, req.pending = None, False, [], None, []
+        req.prefix_keys = None  # the new bundle's scope names the blocks anew
         req.index_base = len(req.tokens)
         req.head_notes, req.head_ready = [], None  # a new bundle, a new drafter (use_bundle): it starts empty
         stats.replays += 1

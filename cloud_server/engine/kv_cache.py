@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Iterator
+from itertools import chain
 
 import torch
 
@@ -129,6 +131,13 @@ class BlockManager:
                 self.evictable.pop(b, None)
                 self.evictable_shared.pop(b, None)
             self.ref_count[b] += 1
+
+    def keys_by_recency(self) -> Iterator[str]:
+        """The cached keys, most recently used first: those of blocks in use now, then the released ones from the
+        last released (eviction's LRU order reversed; the shared scope's, evicted last, before a tenant's)."""
+        in_use = (k for b, k in self.key_of_block.items() if self.ref_count[b] > 0)
+        released = (self.key_of_block[b] for b in chain(reversed(self.evictable_shared), reversed(self.evictable)))
+        return chain(in_use, released)
 
     def publish(self, block: int, key: str) -> None:
         """Record that full block ``block`` holds the tokens named by ``key`` (first writer wins)."""

@@ -52,6 +52,29 @@ def test_tiny_split_equals_unsplit(tiny_bundle, tiny_cloud, tiny_reference_token
 
 
 
+def test_a_preloaded_prompt_goes_up_with_the_first_request_without_a_prefix_miss(tiny_bundle, tiny_cloud, tmp_path):
+    """`autoglm-edge preload` fills the edge's cache only. The edge skipped uploading every cached block on the
+    bet that the cloud held them, so the first request after a preload (or after a cloud restart) paid a
+    prefix_miss round trip and uploaded the prompt twice; it now skips only the blocks the cloud's
+    Welcome.cached_prefixes lists (or that this session's requests published), on a new connection too."""
+    from edge_client.cli import main
+
+    system = f"You are a phone agent, run {tmp_path.name}. Tap, swipe and type until the task is done, then stop."
+    (tmp_path / "system.txt").write_text(system)
+    assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"),
+                 str(tmp_path / "system.txt")]) == 0
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": "Open the settings."}]
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, cache_dir=tmp_path / "c") as c:
+        first = c.complete(messages=chat, max_tokens=2).stats
+    assert first.cached_tokens >= 32 and first.cloud_cached_tokens == 0  # the cloud had never seen it
+    assert first.prefix_misses == 0 and first.uploaded_prompt_tokens == first.prompt_tokens  # one upload, no miss
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, cache_dir=tmp_path / "c") as c:
+        again = c.complete(messages=chat, max_tokens=2).stats  # a new connection: its Welcome lists the blocks
+    assert again.prefix_misses == 0
+    assert again.cloud_cached_tokens == again.cached_tokens == first.prompt_tokens // 16 * 16
+    assert again.uploaded_prompt_tokens == again.prompt_tokens - again.cloud_cached_tokens
+
+
 def test_fp32_wire_is_lossless_end_to_end(tiny_bundle, tiny_cloud, tiny_reference_tokens):
     """The fp32 codec carries the front's states bit for bit (fp16 rounds them, and a near-tie can flip a token:
     docs/quality.md, FRESH4): negotiated with a real server, 4 bytes per element up, the unsplit model's tokens,

@@ -140,3 +140,24 @@ def test_a_tenants_lookup_falls_back_to_the_shared_scope_whose_blocks_are_evicte
     assert bm.lookup(["tenant:b/sys"]) == [shared]
     assert bm.allocate(1) == [shared] and bm.lookup(["tenant:b/sys"]) == []  # then the shared one
     bm.check()
+
+
+def test_the_welcome_lists_the_most_recently_used_keys_first():
+    """Welcome.cached_prefixes lists 256 keys at most, and the edge skips uploading only the blocks listed. The
+    pool's first-published keys were listed, so a busy tenant's system prompt published after 256 other blocks
+    was left out and went up again from every new connection; now the keys of blocks in use come first, then the
+    released ones from the last released (the shared scope's before a tenant's), each tenant's own only."""
+    from types import SimpleNamespace
+
+    from cloud_server.split_endpoint import held_prefix_keys
+    from shared.prefix_keys import SHARED_SCOPE, tenant_scoped
+
+    bm, t = _published(6, 1, 6, {0: "a/sys", 1: "a/old1", 2: "a/old2", 3: "b/x", 4: "shared/op", 5: "a/busy"})
+    bm.release(t[:5])  # in this order: a/sys is the least recently used ...
+    sys_block = bm.lookup(["a/sys"])
+    bm.acquire(sys_block, queried=1)
+    bm.release(sys_block)  # ... until a request reuses it
+    engine = SimpleNamespace(block_managers={"fp32": bm}, default_variant="fp32")
+    spaces = (tenant_scoped("a", ""), tenant_scoped(SHARED_SCOPE, ""))
+    assert held_prefix_keys(engine, spaces, limit=3) == ["busy", "op", "sys"]  # t[5] is still in use
+    assert held_prefix_keys(engine, spaces, limit=10) == ["busy", "op", "sys", "old2", "old1"]
