@@ -46,6 +46,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+# vLLM's request extensions that change the answer (schema-constrained output, other sampling and stopping rules):
+# refused, as OpenAI's unsupported fields are; the value that asks for nothing passes.
+VLLM_EXTRAS = {"guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+               "structured_outputs": None, "min_p": 0, "min_tokens": 0, "stop_token_ids": [], "ignore_eos": False,
+               "use_beam_search": False, "include_stop_str_in_output": False, "prompt_logprobs": None}
+
+
 class OpenAIRequestError(Exception):
     """An answer in OpenAI's error shape (:meth:`to_dict`) with HTTP ``status``: 400 for a request refused
     (``param`` names the offending field), or the status the caller gives (401, 503, ...)."""
@@ -214,6 +221,10 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         raise OpenAIRequestError("best_of: only best_of=1 is supported", "best_of")
     if not chat and present("suffix"):
         raise OpenAIRequestError("suffix: not supported by this server (no fill-in-the-middle)", "suffix")
+    for name, neutral in VLLM_EXTRAS.items():  # vLLM clients send them in extra_body; they were silently dropped
+        if body.get(name) not in (None, neutral):
+            raise OpenAIRequestError(f"{name}: not supported by this server (vLLM's extension; this server "
+                                     "offers only its top_k and repetition_penalty)", name)
 
 
 def _sampling(body: dict, chat: bool) -> SamplingOptions:

@@ -225,6 +225,19 @@ def test_penalties_and_logprobs_are_refused_by_name_not_dropped(server):
     assert r.status_code == 200
 
 
+def test_vllm_extensions_that_change_the_answer_are_refused_by_name(server):
+    """A vLLM client's extra_body (guided_json, min_p, stop_token_ids, ...) was dropped without a word: free text for
+    a schema, sampling and stopping other than asked. A 400 names the field; the neutral values pass."""
+    for field, value in (("guided_json", {"type": "object"}), ("guided_choice", ["yes", "no"]), ("min_p", 0.1),
+                         ("min_tokens", 5), ("stop_token_ids", [2]), ("ignore_eos", True)):
+        r = httpx.post(f"{server.url}/v1/chat/completions",
+                       json={"model": "m", "messages": [{"role": "user", "content": "x"}], field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "Once", "max_tokens": 2, "min_p": 0,
+                                                         "stop_token_ids": [], "ignore_eos": False, "top_k": 5})
+    assert r.status_code == 200
+
+
 def test_values_the_wire_cannot_carry_and_unknown_routes_get_openai_errors(server):
     """max_tokens past 2^31 - 1 and top_k past 2^24 passed the OpenAI checks, then failed on the way to the cloud
     as an 'internal' 502 (with a traceback in the log); the router's 404 / 405 were FastAPI's {"detail": ...}."""
