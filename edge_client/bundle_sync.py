@@ -19,7 +19,9 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
    move and the link's rename is finished by :func:`recover` at the next start. The previous version is kept
    (rollback: point the link back); older ones are removed. Two updaters of one bundle path (two processes
    of an app, an app beside ``preload --update``) take turns on a lock file beside it; the second finds the
-   bundle current and returns.
+   bundle current and returns;
+4. the caller then drops the activation cache of the bundle it left (:func:`retire_cache`): its blocks of this
+   config's scope in ``cache_dir``, unless another client still has that bundle's cache open.
 
 Errors are :class:`BundleSyncError` with a code: ``no_bundle_endpoint`` (the server hosts no bundles:
 an older server, or full-model mode), ``not_served`` / ``other_model`` (nothing to update to),
@@ -57,6 +59,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from shared.manifest import EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleError, Manifest, same_source
 
 from . import tls
+from .activation_cache import retire
 from .config import DEFAULT_SPLIT_PATH, EdgeConfig, split_url
 
 log = logging.getLogger("edge_client.bundle_sync")
@@ -207,6 +210,7 @@ class BundleServer:
             part.unlink()
             have = 0
         if have == art.bytes:
+            part.touch()  # an empty file has no byte to fetch, but its part must exist to be hashed and renamed
             return
         etag = f'"{art.sha256}"'
         headers = {"Range": f"bytes={have}-", "If-Range": etag} if have else {}
@@ -440,6 +444,15 @@ def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
                                               f"{e.strerror or e} ({e.filename or 'a file'}); what came down is "
                                               "kept: make room and run again to resume") from None
     return Manifest.load(config.bundle)
+
+
+def retire_cache(config: EdgeConfig, old: Manifest, new: Manifest) -> None:
+    """After a switch from ``old`` to ``new``: remove ``old``'s blocks of this config's scope from the activation
+    cache directory (``edge_client.activation_cache.retire``: kept while another client has them open; other
+    scopes and bundles are never touched). A rollback to ``old`` starts with an empty cache."""
+    if config.cache_dir is None or (old.bundle_id, old.states_variant) == (new.bundle_id, new.states_variant):
+        return  # nothing kept on disk, or the new bundle's blocks are the old ones
+    retire(config.cache_dir, old.bundle_id, old.states_variant, config.cache_dtype, config.cache_block_tokens)
 
 
 @contextlib.contextmanager

@@ -273,6 +273,20 @@ def test_a_redirect_is_not_followed_and_the_key_goes_nowhere_else(tmp_path):
     assert ei.value.code == "http_error" and received == []
 
 
+def test_an_empty_edge_file_is_downloaded_too(tmp_path, bundle_l1, edge_l2):
+    """A zero-byte edge artifact had no part file to hash: every update failed 'write_failed ... run again'."""
+    b = tmp_path / "b"
+    shutil.copytree(bundle_l1, b)
+    (b / "edge" / "empty.txt").write_bytes(b"")
+    m = Manifest.load(b)
+    m.add_artifact(b, "edge/empty.txt", "edge")
+    m.save(b)
+    with Serving(_app(b)) as srv:
+        new = bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), Manifest.load(edge_l2))
+    assert new.bundle_id == m.bundle_id and (edge_l2 / "edge" / "empty.txt").read_bytes() == b""
+    _assert_edge_half(edge_l2)
+
+
 def test_a_server_without_the_endpoint_says_so(edge_l2):
     with Serving(FastAPI()) as srv:
         cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
