@@ -14,7 +14,8 @@ translation the translator's, and what the engine is (variants, sizes) comes fro
 at start: nothing here reads the running engine.
 
 Refusals: a bundle mismatch closes with 1008, an overload (``max_sessions``) or a draining server with 1013,
-a malformed frame or a fatal rule violation with 1002; each after an ``Error`` naming the cause. A rule
+a malformed frame or a fatal rule violation with 1002; each after an ``Error`` naming the cause. A fatal ``Error``
+the edge caused (those two, a revoked key) ends its session at once, as a ``Close`` does: nothing to resume. A rule
 broken by one request (``too_large``, ``bad_position``, ``context_full``, ...) fails that request and leaves
 the session open. Frames up to :data:`OVERSIZE_SLACK` bytes over ``max_frame_bytes`` are still parsed, so an
 over-size chunk fails its request (``too_large``) rather than the session; larger ones close it (1009).
@@ -440,28 +441,25 @@ class SplitEndpoint:
                 track = session.state.on_client(msg, len(data))
                 session.usage.on_received(session, msg, len(data))
             except P.ProtocolError as e:
-                session.send(P.Error(code=e.code, message=e.message, fatal=True))
-                await self._close(ws, CLOSE_TOO_BIG if e.code == "too_large" else CLOSE_PROTOCOL, e.message)
+                await self._end(session, ws, P.Error(code=e.code, message=e.message, fatal=True),
+                                CLOSE_TOO_BIG if e.code == "too_large" else CLOSE_PROTOCOL)
                 return
             except SessionError as e:
                 if e.fatal:
-                    session.send(e.to_error())
-                    await self._close(ws, CLOSE_PROTOCOL, e.message)
+                    await self._end(session, ws, e.to_error(), CLOSE_PROTOCOL)
                     return
                 if e.request_id is None:  # no request to fail: answer and go on
                     session.send(e.to_error())
                 else:
                     self.translate.fail(session, e.request_id, e.code, e.message)
                 continue
-            if isinstance(msg, P.Close):
+            if isinstance(msg, P.Close) or isinstance(msg, P.Error) and msg.fatal:  # the edge ends the session
                 self._close_session(session)
                 await self._close(ws, CLOSE_NORMAL)
                 return
             if isinstance(msg, P.Prefill) and track is not None and track.owner is None and not still_authorized(ws):
-                session.send(P.Error(code="unauthorized", message="the API key of this session was revoked",
-                                     fatal=True))
-                self._close_session(session)
-                await self._close(ws, CLOSE_POLICY, "API key revoked")
+                await self._end(session, ws, P.Error(code="unauthorized", fatal=True,
+                                                     message="the API key of this session was revoked"), CLOSE_POLICY)
                 return
             try:
                 self._dispatch(session, msg, track, len(data))
@@ -469,6 +467,13 @@ class SplitEndpoint:
                 session.send(P.Error(code="internal", message=str(e), fatal=True))
                 await self._close(ws, CLOSE_INTERNAL, "engine stopped")
                 return
+
+    async def _end(self, session: Session, ws: WebSocket, error: P.Error, close_code: int) -> None:
+        """A fatal ``error`` of the edge's making ends the session, as the protocol says: its requests are aborted and
+        its resume token is forgotten (a reconnect with it opens a new session), then the link closes."""
+        session.send(error)
+        self._close_session(session)
+        await self._close(ws, close_code, error.message)
 
     def _engine_dead(self, session: Session, e: EngineDeadError) -> None:
         """The engine stopped while the translator handed it held steps: as in the read loop, tell and close."""

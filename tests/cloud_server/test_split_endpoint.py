@@ -171,6 +171,30 @@ def test_garbage_frames_get_an_error_and_1002(server):
     assert isinstance(err, P.Error) and err.code == "bad_frame" and code == 1002
 
 
+@pytest.mark.parametrize("bad, code", [(b"\xc1garbage", "bad_frame"), ("hello", "bad_state")])
+def test_a_session_ended_by_a_fatal_error_cannot_be_resumed(server, tiny_bundle, loaded_front, bad, code):
+    async def main():
+        edge = _edge(server, tiny_bundle, loaded_front)
+        welcome = await edge.connect()
+        await edge.generate("r", _prompts(1, seed=7)[0], 20, stop_after=1)
+        await edge.ws.send(P.encode_message(P.Hello(bundle_id=edge.bundle_id, codecs=["fp16"])) if bad == "hello"
+                           else bad)
+        err = await edge.recv()
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await edge.recv()
+        again = _edge(server, tiny_bundle, loaded_front)  # at once: well inside the grace period
+        w2 = await again.connect(resume_token=welcome.resume_token)
+        await again.send(P.Resume(request_id="r", have_tokens=1))
+        gone = await again.recv()
+        await again.close()
+        return err, closed.value.rcvd.code, w2, gone
+
+    err, close_code, w2, gone = asyncio.run(main())
+    assert err.code == code and err.fatal and close_code == 1002
+    assert not w2.resumed and w2.requests == [] and gone.code == "resume_failed"
+    assert asyncio.run(_settle(server.runtime)) == (0, 0)  # its request was aborted, its KV freed
+
+
 def test_overload_refuses_with_1013_and_existing_sessions_are_unaffected(tiny_bundle, tiny_lm, loaded_front):
     srv = _serve(tiny_bundle, max_sessions=2, session_grace_s=0.5)
     prompts = _prompts(2, seed=2)
