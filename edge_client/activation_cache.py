@@ -31,11 +31,18 @@ own (``<key>.<pid>-<random>.tmp``) and renamed into place, and a scan removes on
 it too), drops the ones they evicted and evicts by file mtime, which every client's use sets. A directory that cannot be
 created or written (read-only, full) costs persistence, never a request: the blocks it refuses are kept in
 memory only, the first refusal is logged and :attr:`ActivationCache.write_error` says why.
+
+A bundle the edge moved off (``edge_client.bundle_sync``) leaves its blocks behind: :func:`retire` removes one
+scope's files (and the bundle's folder once nothing else is in it) unless a cache still holds that scope open -
+every open cache with a directory holds a shared ``flock`` on its scope's lock file (``.scope-<digest>.lock`` in
+the bundle's folder) until :meth:`ActivationCache.close`, and the retirer needs it exclusively. Other scopes'
+files (another client's edge variant, dtype or block size) are never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -44,6 +51,7 @@ import secrets
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +130,7 @@ class ActivationCache:
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.scope = KeyScope(bundle_id, edge_variant, f"cache-{dtype}")  # what produced (and stores) the states
         self.dir = Path(cache_dir) / bundle_id if cache_dir is not None else None
+        self._scope_lock: weakref.finalize | None = None  # closes the descriptor locking this scope (see retire)
         self.write_error: str | None = None  # why the directory first refused a block (None: it never did)
         self.stats = CacheStats()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
@@ -134,7 +143,15 @@ class ActivationCache:
             except OSError as err:  # its blocks then live in memory only (each write fails the same way)
                 self._unwritable(err)
             else:
+                fd = _hold_scope(self.dir, _scope_lock_name(self.scope, block_tokens))
+                if fd is not None:  # closing the descriptor releases the lock: at close(), else when collected
+                    self._scope_lock = weakref.finalize(self, os.close, fd)
                 self._scan()
+
+    def close(self) -> None:
+        """Stop holding this scope open (its blocks stay; :func:`retire` may remove them now)."""
+        if self._scope_lock is not None:
+            self._scope_lock()
 
     # -- shapes ----------------------------------------------------------------------------------
     def _shapes(self) -> list[tuple[int, ...]]:
@@ -311,20 +328,7 @@ class ActivationCache:
             self.write_error = f"cannot write in {self.dir}: {err.strerror or err}"
 
     def _read_header(self, path: Path) -> tuple[dict, int]:
-        with open(path, "rb") as f:
-            head = f.read(len(MAGIC) + 4)
-            if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
-                raise CacheFileError("bad magic (not an activation-cache file, or another format version)")
-            (hlen,) = struct.unpack("<I", head[len(MAGIC):])
-            if hlen > _HEADER_LIMIT:
-                raise CacheFileError(f"header length {hlen} is implausible")
-            raw = f.read(hlen)
-        try:
-            header = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise CacheFileError("header is not valid JSON") from None
-        if not isinstance(header, dict):
-            raise CacheFileError("header is not a JSON object")
+        header, offset = _raw_header(path)
         if header.get("bundle_id") != self.bundle_id:
             raise CacheFileError(f"written for bundle {header.get('bundle_id')!r}, not {self.bundle_id!r}")
         if header.get("key_version") != PREFIX_KEY_VERSION:
@@ -344,7 +348,7 @@ class ActivationCache:
                            None if content is None else bytes.fromhex(content)).hex()
         if digest != header.get("key") or path.name != f"{digest}{FILE_SUFFIX}":
             raise CacheFileError("key does not match the block's tokens and parent")
-        return header, len(MAGIC) + 4 + hlen
+        return header, offset
 
     def _scan(self) -> None:
         """Bring the index in line with the directory, then evict down to the bound: at start every block of this
@@ -443,3 +447,92 @@ class ActivationCache:
             pass
         except OSError:  # a read-only directory, or a directory under a block's name: not read again
             self._skipped.add(path.name)
+
+
+def _raw_header(path: Path) -> tuple[dict, int]:
+    """A block file's header JSON and the payload's offset (its checks against a scope are the cache's)."""
+    with open(path, "rb") as f:
+        head = f.read(len(MAGIC) + 4)
+        if len(head) < len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
+            raise CacheFileError("bad magic (not an activation-cache file, or another format version)")
+        (hlen,) = struct.unpack("<I", head[len(MAGIC):])
+        if hlen > _HEADER_LIMIT:
+            raise CacheFileError(f"header length {hlen} is implausible")
+        raw = f.read(hlen)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CacheFileError("header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise CacheFileError("header is not a JSON object")
+    return header, len(MAGIC) + 4 + hlen
+
+
+def _scope_lock_name(scope: KeyScope, block_tokens: int) -> str:
+    """The lock file of one scope in its bundle's folder (a digest: an edge variant is no safe file name)."""
+    what = json.dumps([scope.edge_variant, scope.encoding, block_tokens]).encode()
+    return f".scope-{hashlib.sha256(what).hexdigest()[:16]}.lock"
+
+
+def _hold_scope(directory: Path, name: str) -> int | None:
+    """A descriptor holding a shared lock on ``directory/name`` (None where the directory refuses the file: then
+    nothing can remove blocks there either). A :func:`retire` that removed the file meanwhile is waited out, and
+    the lock taken on the file now at that name."""
+    path = directory / name
+    while True:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # the folder went between the two calls: a retire finished
+            continue
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a retire holds it exclusively only while it removes files
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)  # locked a file a retire removed: take the one at that name now
+
+
+def retire(cache_dir: str | Path, bundle_id: str, edge_variant: str, dtype: str = "float32",
+           block_tokens: int = 16) -> bool:
+    """Remove the blocks a cache of this scope (bundle, edge variant, storage dtype, block size) wrote under
+    ``cache_dir`` - a bundle the edge moved off -, and the bundle's folder when nothing else is left in it; False
+    (nothing removed) while a cache holds the scope open (another client still on that bundle). Other scopes'
+    blocks stay; so do another client's temporary files, except those a crash left (see :data:`STALE_TMP_S`)."""
+    directory = Path(cache_dir).expanduser() / bundle_id
+    scope = KeyScope(bundle_id, edge_variant, f"cache-{dtype}")
+    path = directory / _scope_lock_name(scope, block_tokens)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:  # no folder: nothing of this bundle was ever kept here
+        return True
+    except OSError as err:
+        log.warning("activation cache: cannot remove the blocks of bundle %s in %s: %s", bundle_id, directory, err)
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("activation cache: bundle %s's blocks in %s stay: another client uses them", bundle_id, directory)
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                return False  # another retire removed that file meanwhile
+        ours = (bundle_id, edge_variant, scope.encoding, np.dtype(dtype).newbyteorder("<").str, block_tokens)
+        for entry in directory.iterdir():
+            if entry.suffix.startswith(".tmp"):
+                ActivationCache._remove_stale_tmp(entry)
+            elif entry.suffix == FILE_SUFFIX:
+                with contextlib.suppress(CacheFileError, OSError):
+                    h, _ = _raw_header(entry)
+                    if (h.get("bundle_id"), h.get("edge_variant"), h.get("encoding"), h.get("dtype"),
+                            h.get("block_tokens")) == ours:
+                        entry.unlink()
+        path.unlink()
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # another scope's blocks, or a client starting on it now: it stays
+        directory.rmdir()
+    log.info("activation cache: removed bundle %s's blocks from %s", bundle_id, directory)
+    return True

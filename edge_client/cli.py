@@ -190,6 +190,7 @@ def _update(cfg) -> None:
     if new is None:
         print(f"{cfg.bundle}: up to date (bundle {current.bundle_id})", file=sys.stderr)
     else:
+        bundle_sync.retire_cache(cfg, current, new)
         print(f"{cfg.bundle}: updated to bundle {new.bundle_id} (split layer {new.split_layer}, "
               f"{new.edge_quant} edge); the previous one is kept beside it", file=sys.stderr)
 

@@ -117,6 +117,8 @@ class EdgeClient:
             opened = await asyncio.to_thread(self._open_bundle)
         except bundle_sync.BundleSyncError as e:
             raise EdgeClientError(f"the cloud serves another bundle and updating to it failed: {e}", e.code) from None
+        self.cache.close()  # the bundle it left: its cache files go, unless another client has them open
+        await asyncio.to_thread(bundle_sync.retire_cache, self.config, self.manifest, opened[0])
         self.manifest, self.runtime, self.tokenizer, self.cache = opened
         self.media = MediaEncoders(self.config.bundle, self.config.threads)
         self.session.use_bundle(self.manifest, self.runtime, self.cache, self.tokenizer)
@@ -146,6 +148,7 @@ class EdgeClient:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
+        self.cache.close()  # its scope is free to retire (edge_client.bundle_sync.retire_cache)
 
     async def _shutdown(self) -> None:
         """The loop's last work: the session closed (orderly: the server frees it at once), then every task still

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import struct
 import time
 
@@ -112,6 +113,35 @@ def test_other_edge_variants_and_dtypes_share_a_directory_without_sharing_blocks
     assert again.lookup(IDS).tokens == 64 and again.stats.rejected_files == 0
 
 
+
+def test_a_retired_bundles_blocks_go_unless_a_client_still_holds_them(rt, tmp_path):
+    """A bundle update left the old bundle's blocks in the directory for good (up to the byte bound per retired
+    bundle). retire() removes one scope's blocks - not while a cache of that scope is open (another client still
+    on that bundle, sharing the directory), never another scope's - and the bundle's folder once empty."""
+    from edge_client.activation_cache import retire
+
+    folder = tmp_path / rt.manifest.bundle_id
+    scope = dict(cache_dir=tmp_path, bundle_id=rt.manifest.bundle_id, edge_variant=rt.manifest.edge_quant,
+                 block_tokens=B)
+    leaving = _cache(rt, cache_dir=tmp_path)
+    _fill(rt, leaving)
+    staying = _cache(rt, cache_dir=tmp_path)  # another client of that bundle, sharing the directory
+    leaving.close()
+    assert not retire(**scope) and len(list(folder.glob("*.blk"))) == 4  # the other client still uses them
+    assert staying.lookup(IDS).tokens == 64
+    del staying  # a cache nobody closed releases its scope when collected
+    int8 = _cache(rt, cache_dir=tmp_path, edge_variant="int8")  # another scope in the folder: never touched
+    _fill(rt, int8)
+    int8.close()
+    assert len(list(folder.glob("*.blk"))) == 8
+    assert retire(**scope) and len(list(folder.glob("*.blk"))) == 4  # the int8 client's only
+    assert retire(**{**scope, "edge_variant": "int8"}) and not folder.exists()
+    assert retire(**scope)  # nothing left to remove
+    back = _cache(rt, cache_dir=tmp_path)  # a client starting on it again (a rollback) begins empty, and writes
+    assert _fill(rt, back)[0] == 4 and len(list(folder.glob("*.blk"))) == 4
+    assert not retire(**scope)
+
+
 @pytest.mark.parametrize("damage", ["payload", "truncate", "magic", "header", "garbage", "tokens"])
 def test_corrupt_file_is_rejected_and_removed(rt, tmp_path, caplog, damage):
     cache = _cache(rt, cache_dir=tmp_path)
@@ -206,7 +236,7 @@ def test_a_directory_that_refuses_writes_keeps_blocks_in_memory(rt, tmp_path, ca
         assert _fill(rt, cache)[0] == 4 and cache.lookup(IDS).tokens == 64
         assert cache.write_error and cache.stats.unwritten_blocks == 5
         live = _cache(rt, cache_dir=tmp_path / "d")  # created fine, then the directory goes (a write fails)
-        (tmp_path / "d" / rt.manifest.bundle_id).rmdir()
+        shutil.rmtree(tmp_path / "d" / rt.manifest.bundle_id)  # (its scope's lock file with it)
         (tmp_path / "d" / rt.manifest.bundle_id).write_text("")
         assert _fill(rt, live)[0] == 4 and live.lookup(IDS).tokens == 64 and live.write_error
     assert sum("kept in memory only" in r.message for r in caplog.records) == 2

@@ -330,6 +330,29 @@ def test_preload_update_on_the_command_line(bundle_l1, edge_l2, capsys):
     assert Manifest.load(edge_l2).bundle_id == m1.bundle_id
 
 
+def test_an_update_drops_the_left_bundles_cache_unless_another_client_uses_it(bundle_l1, edge_l2, tmp_path):
+    """The activation cache of the bundle an update left stayed in cache_dir for good (up to cache_max_bytes per
+    retired bundle). `preload --update` (and auto_update) removes it, but not while another client on that bundle
+    shares the directory; the new bundle's blocks and other bundles' are untouched."""
+    from edge_client.cli import main
+
+    cache, m2 = tmp_path / "cache", Manifest.load(edge_l2)
+    other = tmp_path / "other-app" / "bundle"  # a second app, with its own copy of the same bundle
+    shutil.copytree(edge_l2, other)
+    with EdgeClient(other, "ws://127.0.0.1:9", cache_dir=cache) as c:  # install-time preload (no network)
+        c._call(c.session.preload(PROMPT))
+    old = cache / m2.bundle_id
+    assert len(list(old.glob("*.blk"))) == 2
+    with Serving(_app(bundle_l1)) as srv:
+        with EdgeClient(other, srv.ws_url, cache_dir=cache):  # the other app runs on the old bundle meanwhile
+            assert main(["preload", "--bundle", str(edge_l2), "--url", srv.ws_url, "--update",
+                         "--cache-dir", str(cache)]) == 0
+            assert len(list(old.glob("*.blk"))) == 2  # its blocks stay
+        assert main(["preload", "--bundle", str(other), "--url", srv.ws_url, "--update", "--cache-dir",
+                     str(cache)]) == 0  # the last one moves too
+    assert not old.exists() and Manifest.load(other).bundle_id == Manifest.load(bundle_l1).bundle_id
+
+
 # -- the client ---------------------------------------------------------------------------------------------
 
 def test_the_refusal_names_the_served_bundle(bundle_l1, edge_l2):
@@ -345,13 +368,15 @@ def test_the_refusal_names_the_served_bundle(bundle_l1, edge_l2):
         assert ei.value.code == "bundle_mismatch"
 
 
-def test_the_edge_updates_from_split_2_to_split_1_and_generates(bundle_l1, edge_l2, reference_tokens):
+def test_the_edge_updates_from_split_2_to_split_1_and_generates(bundle_l1, edge_l2, reference_tokens, tmp_path):
     m1, m2 = Manifest.load(bundle_l1), Manifest.load(edge_l2)
     with Serving(_app(bundle_l1, engine=True)) as srv, \
-            EdgeClient(edge_l2, srv.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
+            EdgeClient(edge_l2, srv.ws_url, codec="fp16", retry=RETRY, auto_update=True, cache_dir=tmp_path) as c:
+        c._call(c.session.preload(PROMPT))  # blocks of the old bundle: dropped with it
         gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
         assert gen.token_ids == reference_tokens and gen.finish_reason == "length"
         assert c.manifest.bundle_id == m1.bundle_id and c.runtime.n_layers == 1
+    assert not (tmp_path / m2.bundle_id).exists() and len(list((tmp_path / m1.bundle_id).glob("*.blk"))) == 2
     assert edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 1
     kept = bundle_sync.versions_dir(edge_l2) / f"{m2.bundle_id}-fp32"
     assert Manifest.load(kept).split_layer == 2  # the previous version stays for a rollback
