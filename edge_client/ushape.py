@@ -110,9 +110,15 @@ class UShape:
             raise EdgeClientError(f"the cloud skipped positions [{self.tail.length}, {msg.start})", "bad_server")
         if skip >= msg.n_tokens:
             return None
-        if msg.hidden.shape[1] != self.tail.hidden_size:  # before decoding: a few bytes can declare any width
+        # before decoding: a few bytes can declare any width, and (a compact codec) hundreds of thousands of rows
+        if msg.hidden.shape[1] != self.tail.hidden_size:
             raise EdgeClientError(f"States of width {msg.hidden.shape[1]}, the tail takes {self.tail.hidden_size}",
                                   "bad_server")
+        track = s.state.track(req.rid)
+        sent = 0 if track is None else track.received  # the positions the edge sent: all it can get States of
+        if msg.start + msg.n_tokens > sent:
+            raise EdgeClientError(f"States of positions [{msg.start}, {msg.start + msg.n_tokens}), the edge sent "
+                                  f"[0, {sent})", "bad_server")
         try:
             rows = s.codecs[req.codec].decode(msg.hidden)  # [n, H] float32
         except P.ProtocolError as e:

@@ -133,11 +133,34 @@ def test_states_of_another_width_are_refused_before_decoding():
     from edge_client.ushape import UShape
     from shared import codecs as C
 
-    u = UShape(SimpleNamespace(codecs=C.available_codecs()), SimpleNamespace(length=0, hidden_size=64))
-    req = SimpleNamespace(codec="fp16")
+    sent = SimpleNamespace(track=lambda rid: SimpleNamespace(received=2))  # the positions the edge sent
+    u = UShape(SimpleNamespace(codecs=C.available_codecs(), state=sent), SimpleNamespace(length=0, hidden_size=64))
+    req = SimpleNamespace(codec="fp16", rid="r")
     wide = P.States(request_id="r", start=0, hidden=P.EncodedTensor(codec="fp16", shape=(2, 1 << 20), data=b"\0" * 6))
     with pytest.raises(EdgeClientError) as e:
         u._new_rows(req, wide)
     assert e.value.code == "bad_server" and "width 1048576" in str(e.value)
     good = C.get_codec("fp16").encode(np.ones((2, 64), np.float32))
     assert u._new_rows(req, P.States(request_id="r", start=0, hidden=good)).shape == (2, 64)
+
+
+def test_states_of_more_positions_than_the_edge_sent_are_refused_before_decoding(tiny_glm4_ushape_bundle):
+    """A cloud answering a 6-token prompt with States of 100,000 rows: bad_server naming the positions, at once
+    (they were decoded - 21 s for 349,525 rows of a compact PCA codec - and run through the tail, which failed
+    as 'internal')."""
+    from edge_client.errors import EdgeClientError
+    from shared.manifest import Manifest
+    from tests.protocol_fake_server import ScriptedRequest, ScriptedServer
+
+    class Hostile(ScriptedServer):
+        def _prefill(self, sess, msg):
+            sess.requests[msg.request_id] = ScriptedRequest(msg.request_id, msg.params, [])
+            rows = self.codecs[msg.hidden.codec].encode(np.zeros((100_000, self.hidden_size), np.float32))
+            return [P.States(request_id=msg.request_id, start=0, hidden=rows)]
+
+    m = Manifest.load(tiny_glm4_ushape_bundle)
+    with Hostile(m.bundle_id, m.hidden_size) as srv, \
+            EdgeClient(tiny_glm4_ushape_bundle, srv.url, codec="fp16", retry=RETRY) as c:
+        with pytest.raises(EdgeClientError) as e:
+            c.complete(prompt_ids=PROMPT[:6], max_tokens=2)
+    assert e.value.code == "bad_server" and "positions [0, 100000), the edge sent [0, 6)" in str(e.value)
