@@ -81,6 +81,10 @@ from shared.version import __version__ as CLIENT_VERSION
 
 log = logging.getLogger("edge_client.generation")
 
+# prefix keys a session remembers the cloud holding (Session.cloud_keys), the most recently learned: a long-lived
+# session publishing prompt after prompt would otherwise grow the set for good (the cloud evicts its side anyway)
+CLOUD_KEYS_KEPT = 4 * MAX_PREFIX_KEYS
+
 
 @dataclass(slots=True)
 class _Sent:
@@ -181,7 +185,7 @@ class Session:
         self.resume_token: str | None = None
         # prefix keys the cloud holds as far as this session knows: Welcome.cached_prefixes, and the keys of the
         # prompts it completed since (advisory: a prefix_miss says one was lost)
-        self.cloud_keys: set[str] = set()
+        self.cloud_keys: dict[str, None] = {}  # an ordered set: oldest first (CLOUD_KEYS_KEPT)
         self.state = SessionState()  # the protocol's rules, as the cloud enforces them
         self._lock: asyncio.Lock | None = None
         # the request running keys its prefixes with a secret (a private level): its connections carry no route key
@@ -281,7 +285,9 @@ class Session:
             self.state.on_client(hello)
             self.state.on_server(w)
             # what the cloud holds: its list, and on the same session what its requests published since
-            self.cloud_keys = set(w.cached_prefixes) | (self.cloud_keys if w.resumed else set())
+            if not w.resumed:
+                self.cloud_keys = {}
+            self._learn_keys(reversed(w.cached_prefixes))  # listed most recently used first
             self.welcome = w
             self.resume_token = w.resume_token
         return P.to_dict(self.welcome)
@@ -495,6 +501,14 @@ class Session:
             req.prefix_keys = block_keys(named, scope, self.block_size, content)
         return req.prefix_keys
 
+    def _learn_keys(self, keys) -> None:
+        """Note ``keys`` as held by the cloud (most recent last), forgetting the oldest past CLOUD_KEYS_KEPT."""
+        for key in keys:
+            self.cloud_keys.pop(key, None)
+            self.cloud_keys[key] = None
+        for key in list(self.cloud_keys)[: max(0, len(self.cloud_keys) - CLOUD_KEYS_KEPT)]:
+            del self.cloud_keys[key]
+
     def _held_prefix(self, req: _Request, cached: int) -> int:
         """Positions of the prompt's first ``cached`` (those the activation cache holds) not to upload: the whole
         cloud blocks, from the first, whose keys :attr:`cloud_keys` holds (none for u-shape: the tail needs every
@@ -650,7 +664,8 @@ class Session:
             if isinstance(msg, P.Error):
                 if msg.code == "prefix_miss":  # the cloud lost a block it held: none skipped until republished
                     stats.prefix_misses += 1
-                    self.cloud_keys.difference_update(self._prefix_keys(req))
+                    for key in self._prefix_keys(req):
+                        self.cloud_keys.pop(key, None)
                     stats.uploaded_prompt_tokens = req.prompt_len
                     await self._guarded(req, stats, self._resend_all(req, stats))
                     continue
@@ -660,7 +675,7 @@ class Session:
             if isinstance(msg, P.Tokens) and msg.usage is not None:
                 stats.cloud_cached_tokens = msg.usage.cached_tokens
             if isinstance(msg, P.Tokens) and msg.index == 0:  # its prompt is computed: the cloud published the
-                self.cloud_keys.update(self._prefix_keys(req))  # blocks its keys name
+                self._learn_keys(self._prefix_keys(req))  # blocks its keys name
             new = self._accept(req, msg.index, msg.token_ids, msg.finish_reason)
             held_s = 0.0  # the server held these tokens while it drafted the next ones (not this step's cost)
             if new and isinstance(msg, P.Tokens):  # a proposal follows the message's last token, or none

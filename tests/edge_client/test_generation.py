@@ -77,6 +77,24 @@ def test_second_request_hits_both_caches(client, cloud, reference):
     assert gen.stats.prefix_misses == 0
 
 
+def test_the_keys_a_session_knows_the_cloud_holds_are_bounded(client, monkeypatch):
+    """The session notes the keys of every prompt the cloud completed (it skips uploading those blocks next time);
+    a long-lived session (autoglm-edge serve) would keep every key of every prompt it ever sent. The most recently
+    learned CLOUD_KEYS_KEPT stay."""
+    from edge_client import generation
+
+    monkeypatch.setattr(generation, "CLOUD_KEYS_KEPT", 4)
+    prompts = [[int(t) for t in np.random.RandomState(40 + i).randint(4, 512, 40)] for i in range(3)]
+    for p in prompts:  # 2 full blocks each
+        client.complete(prompt_ids=p, max_tokens=1)
+    from shared.prefix_keys import block_keys
+
+    s = client.session
+    last = block_keys(prompts[-1], s._cloud_scope("fp16"), s.block_size)
+    assert len(s.cloud_keys) == 4 and list(s.cloud_keys)[-2:] == last  # the last prompt's, the newest
+    assert client.complete(prompt_ids=prompts[-1], max_tokens=1).stats.uploaded_prompt_tokens == 40 - 32
+
+
 def test_prefix_miss_falls_back_to_cached_hidden_states(client, cloud, reference):
     client.complete(prompt_ids=PROMPT, max_tokens=2)
     cloud.prefix.clear()  # the cloud evicted the prefix
