@@ -195,6 +195,24 @@ def test_a_session_ended_by_a_fatal_error_cannot_be_resumed(server, tiny_bundle,
     assert asyncio.run(_settle(server.runtime)) == (0, 0)  # its request was aborted, its KV freed
 
 
+def test_an_edges_fatal_error_ends_its_session(server, tiny_bundle, loaded_front):
+    async def main():
+        edge = _edge(server, tiny_bundle, loaded_front)
+        welcome = await edge.connect()
+        await edge.generate("r", _prompts(1, seed=8)[0], 20, stop_after=1)
+        await edge.send(P.Error(code="internal", message="the phone gives up", fatal=True))
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await edge.recv(timeout=5)
+        again = _edge(server, tiny_bundle, loaded_front)
+        w2 = await again.connect(resume_token=welcome.resume_token)
+        await again.close()
+        return closed.value.rcvd.code, w2
+
+    code, w2 = asyncio.run(main())
+    assert code == 1000 and not w2.resumed
+    assert asyncio.run(_settle(server.runtime)) == (0, 0)
+
+
 def test_overload_refuses_with_1013_and_existing_sessions_are_unaffected(tiny_bundle, tiny_lm, loaded_front):
     srv = _serve(tiny_bundle, max_sessions=2, session_grace_s=0.5)
     prompts = _prompts(2, seed=2)
