@@ -520,16 +520,20 @@ def retire(cache_dir: str | Path, bundle_id: str, edge_variant: str, dtype: str 
             if os.stat(path).st_ino != os.fstat(fd).st_ino:
                 return False  # another retire removed that file meanwhile
         ours = (bundle_id, edge_variant, scope.encoding, np.dtype(dtype).newbyteorder("<").str, block_tokens)
-        for entry in directory.iterdir():
-            if entry.suffix.startswith(".tmp"):
-                ActivationCache._remove_stale_tmp(entry)
-            elif entry.suffix == FILE_SUFFIX:
-                with contextlib.suppress(CacheFileError, OSError):
-                    h, _ = _raw_header(entry)
-                    if (h.get("bundle_id"), h.get("edge_variant"), h.get("encoding"), h.get("dtype"),
-                            h.get("block_tokens")) == ours:
-                        entry.unlink()
-        path.unlink()
+        try:
+            for entry in directory.iterdir():
+                if entry.suffix.startswith(".tmp"):
+                    ActivationCache._remove_stale_tmp(entry)
+                elif entry.suffix == FILE_SUFFIX:
+                    with contextlib.suppress(CacheFileError, OSError):
+                        h, _ = _raw_header(entry)
+                        if (h.get("bundle_id"), h.get("edge_variant"), h.get("encoding"), h.get("dtype"),
+                                h.get("block_tokens")) == ours:
+                            entry.unlink()
+            path.unlink()
+        except OSError as err:  # a directory that refuses removals (read-only): the blocks stay, as the cache's do
+            log.warning("activation cache: cannot remove the blocks of bundle %s in %s: %s", bundle_id, directory, err)
+            return False
     finally:
         os.close(fd)
     with contextlib.suppress(OSError):  # another scope's blocks, or a client starting on it now: it stays

@@ -142,6 +142,30 @@ def test_a_retired_bundles_blocks_go_unless_a_client_still_holds_them(rt, tmp_pa
     assert not retire(**scope)
 
 
+
+def test_retiring_blocks_a_directory_will_not_remove_leaves_them(rt, tmp_path, monkeypatch, caplog):
+    """A cache directory that refuses removals (read-only for the app; simulated: the tests run as root, whom
+    permissions do not stop) raised out of retire(), failing the request whose bundle update had succeeded;
+    the blocks now stay, as the cache itself leaves what it cannot remove, and a warning says why."""
+    from pathlib import Path
+
+    from edge_client.activation_cache import retire
+
+    c = _cache(rt, cache_dir=tmp_path)
+    _fill(rt, c)
+    c.close()
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with caplog.at_level(logging.WARNING, logger="edge_client.activation_cache"):
+        assert not retire(tmp_path, rt.manifest.bundle_id, rt.manifest.edge_quant, block_tokens=B)
+    assert "cannot remove the blocks" in caplog.text
+    monkeypatch.undo()
+    assert len(_cache(rt, cache_dir=tmp_path)) == 4
+
+
 @pytest.mark.parametrize("damage", ["payload", "truncate", "magic", "header", "garbage", "tokens"])
 def test_corrupt_file_is_rejected_and_removed(rt, tmp_path, caplog, damage):
     cache = _cache(rt, cache_dir=tmp_path)
