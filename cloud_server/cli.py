@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cloud_server.config import ConfigError, EngineConfig, ServerConfig
+from shared.user_paths import user_path
 
 ENV_PREFIX = "AUTOGLM_CLOUD_"
 
@@ -100,7 +101,7 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
 
 
 def _load_file(path: str) -> dict:
-    p = Path(path)
+    p = user_path(path)
     if not p.is_file():
         raise ConfigError(f"--config {path}: no such file")
     try:

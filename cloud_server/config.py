@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.messages import MAX_POSITION
+from shared.user_paths import user_path
 
 COMPUTE_VARIANTS = ("fp32", "bf16", "fp16", "int8")
 LOOPS = ("auto", "asyncio", "uvloop")  # uvicorn's --loop names
@@ -157,9 +158,12 @@ class ServerConfig:
     def __post_init__(self):
         if (self.bundle is None) == (self.full is None):
             raise ConfigError("serve exactly one of: a BUNDLE (split mode) or --full SOURCE (full-model mode)")
+        # "~/..." is the user's home in a --config file or an environment twin too, as a shell expands it
         if self.bundle is not None:
-            self.bundle = Path(self.bundle)
-        self.more_bundles = tuple(Path(b) for b in self.more_bundles)
+            self.bundle = user_path(self.bundle)
+        self.more_bundles = tuple(user_path(b) for b in self.more_bundles)
+        if self.full is not None and self.full.startswith("~"):  # a checkpoint dir or .gguf; a preset is a name
+            self.full = str(user_path(self.full))
         if self.more_bundles and self.bundle is None:
             raise ConfigError("more_bundles: further bundles are served beside a BUNDLE (split mode)")
         if not 0 <= self.port < 65536:
@@ -177,14 +181,14 @@ class ServerConfig:
             if not getattr(self, name) <= MAX_POSITION / 1000:
                 raise ConfigError(f"{name} must be <= {MAX_POSITION // 1000} (got {getattr(self, name)!r})")
         if self.keys_file is not None:
-            self.keys_file = Path(self.keys_file)
+            self.keys_file = user_path(self.keys_file)
             if self.api_key is not None:
                 raise ConfigError("keys_file and api_key: give one (the keys file holds every tenant's key)")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ConfigError("ssl_certfile and ssl_keyfile go together (TLS needs the certificate and its key)")
         for name in ("ssl_certfile", "ssl_keyfile"):
             if getattr(self, name) is not None:
-                setattr(self, name, Path(getattr(self, name)))
+                setattr(self, name, user_path(getattr(self, name)))
         for name in ("handshake_timeout_s", "max_connections", "max_http_requests"):
             _positive(name, getattr(self, name))
         if self.max_prompt_tokens is not None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from shared.user_paths import user_path
+
 DEFAULT_SPLIT_PATH = "/v1/split"  # the cloud server's WebSocket route for split sessions
 
 
@@ -120,11 +122,11 @@ class EdgeConfig:
 
     def __post_init__(self):
         # "~/..." is the user's home, as a shell would expand it (an app's setting or an environment twin is not)
-        self.bundle = Path(self.bundle).expanduser()
+        self.bundle = user_path(self.bundle)
         if self.cache_dir is not None:
-            self.cache_dir = Path(self.cache_dir).expanduser()
+            self.cache_dir = user_path(self.cache_dir)
         if self.ca_file is not None:
-            self.ca_file = Path(self.ca_file).expanduser()
+            self.ca_file = user_path(self.ca_file)
         self.url = split_url(self.url)
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")

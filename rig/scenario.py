@@ -28,6 +28,8 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from shared.user_paths import user_path
+
 from .link import Disconnect
 from .profiles import LinkProfile, LinkProfileError, resolve_profile
 
@@ -83,6 +85,9 @@ class Scenario:
         for key in ("name", "model", "bundle", "whole"):  # paths: a NUL made every file call raise ValueError
             if "\0" in str(getattr(self, key)):
                 raise ScenarioError(f"{key} {getattr(self, key)!r}: a NUL character cannot be in a path")
+        for key in ("model", "bundle", "whole"):  # "~/..." is a home, as on the command line (a preset is a name)
+            if isinstance(getattr(self, key), str) and getattr(self, key).startswith("~"):
+                setattr(self, key, str(user_path(getattr(self, key))))
         _path_component("name", self.name)  # it names the report directory
         if self.edge_quant not in EDGE_QUANTS:
             raise ScenarioError(f"edge_quant {self.edge_quant!r}: expected one of {', '.join(EDGE_QUANTS)}")

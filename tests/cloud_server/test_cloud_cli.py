@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,18 @@ def test_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="port must be int"):
         _resolve(["--config", str(bad)])
 
+
+def test_paths_under_home_in_a_config_file_or_env_are_expanded_as_a_shell_would(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.toml").write_text('bundle = "~/b"\nkeys_file = "~/keys"\nssl_certfile = "~/c.pem"\n'
+                                     'ssl_keyfile = "~/k.pem"\ndevice = "cpu"\n')
+    cfg = _resolve([], {"AUTOGLM_CLOUD_CONFIG": "~/c.toml"})  # the file itself was "no such file"
+    assert (cfg.bundle, cfg.keys_file, cfg.ssl_certfile, cfg.ssl_keyfile) == (
+        tmp_path / "b", tmp_path / "keys", tmp_path / "c.pem", tmp_path / "k.pem")
+    cfg = _resolve(["--device", "cpu"], {"AUTOGLM_CLOUD_FULL": "~/m.gguf"})
+    assert cfg.full == str(tmp_path / "m.gguf")
+    assert _resolve(["--full", "tiny-glm4", "--device", "cpu"]).full == "tiny-glm4"
+    assert _resolve(["~nosuchuser/b", "--device", "cpu"]).bundle == Path("~nosuchuser/b")  # as a shell leaves it
 
 def test_main_reports_errors_without_a_traceback(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2

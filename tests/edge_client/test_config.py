@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -76,3 +77,5 @@ def test_paths_starting_with_a_tilde_are_the_users_home(tmp_path, monkeypatch):
     assert (cfg.bundle, cfg.cache_dir) == (tmp_path / "bundle", tmp_path / "cache")
     with pytest.raises(ConfigError, match=str(tmp_path / "ca.pem")):
         EdgeConfig(bundle=tmp_path, ca_file="~/ca.pem")
+    # a "~name" that is no user stays as written, as a shell leaves it (it was a RuntimeError traceback)
+    assert EdgeConfig(bundle="~nosuchuser/b").bundle == Path("~nosuchuser/b")

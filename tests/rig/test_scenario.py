@@ -94,6 +94,20 @@ def test_bad_files(tmp_path):
     assert load_scenario(bad) == Scenario()
 
 
+def test_paths_under_home_are_expanded_as_a_shell_would(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "manifest.json").write_text("{}")
+    (tmp_path / "w").mkdir()
+    from shared.whole_model import WHOLE_GRAPH
+
+    (tmp_path / "w" / WHOLE_GRAPH).write_text("")
+    path = tmp_path / "s.yaml"
+    path.write_text("bundle: ~/b\nwhole: ~/w\nmodel: ~/m.gguf\n")  # "not a bundle (no manifest.json)" before
+    sc = load_scenario(path)
+    assert (sc.bundle, sc.whole, sc.model) == (str(tmp_path / "b"), str(tmp_path / "w"), str(tmp_path / "m.gguf"))
+    assert Scenario(model="smollm2").model == "smollm2"
+
 def test_yaml_reads_exponent_numbers_and_refuses_a_key_given_twice(tmp_path):
     """PyYAML read `1e3` as a string (YAML 1.1), refused as "must be a finite number, got '1e3'", and kept the
     last of two equal keys without a word."""
