@@ -19,7 +19,8 @@ The keys file (JSON, written by ``autoglm-cloud keys add``)::
   in; no other key, and no client of an open server, can write there (docs/security.md, "Shared prefixes").
 * Reloadable: the file is re-read when its mtime changes (checked at most once per :data:`STAT_EVERY_S` on the
   request path) and on SIGHUP (:func:`install_sighup`). A reload that fails to parse keeps the keys already
-  loaded and logs why: a typo in an edit must not lock every tenant out.
+  loaded and logs why: a typo in an edit must not lock every tenant out. A file deleted (or unmounted) under the
+  server likewise keeps the last keys, with one warning; it is read again once it is back.
 * Revocable: a key removed from the file opens nothing from the reload on - no HTTP request, no WebSocket, and
   no new request on a split session it opened before (:func:`still_authorized`; the session ends with a fatal
   ``Error(unauthorized)``; a request already running finishes).
@@ -144,6 +145,7 @@ class KeyStore:
         self._entries: list[KeyEntry] = []
         self._mtime: float | None = None
         self._checked = 0.0
+        self._gone = False  # the file could not be stat'ed at the last check (deleted, moved, its mount gone)
         self.reloads = 0  # successful loads after the first (tests, logs)
         self._load(strict=True)
 
@@ -174,9 +176,14 @@ class KeyStore:
         self._checked = now
         try:
             mtime = self.path.stat().st_mtime
-        except OSError:
+        except OSError as e:
+            if not self._gone:  # once per disappearance: it was silent, the operator thinking the keys were gone
+                self._gone = True
+                log.warning("keys file %s is gone (%s): still serving its last %d keys until it is back (revoke a "
+                            "key by removing its entry)", self.path, e.strerror or e, len(self._entries))
             return
-        if mtime != self._mtime:
+        if mtime != self._mtime or self._gone:  # back, maybe restored with its old mtime: read it again
+            self._gone = False
             self._load(strict=False)
 
     def lookup(self, key: str) -> KeyEntry | None:
@@ -260,10 +267,15 @@ def add_key(path: str | Path, tenant: str, max_sessions: int | None = None,
     if role not in ROLES:
         raise KeysFileError(f"role {role!r}: must be one of {', '.join(ROLES)}")
     path = Path(path)
+    if not path.parent.is_dir():  # else the error named the lock file beside it, which the user never asked for
+        raise KeysFileError(f"{path}: {path.parent} is not an existing folder (create it first)")
     with _one_writer(path):
         data = {"version": 1, "keys": []}
         if path.exists():
-            text = path.read_text(encoding="utf-8")
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:  # was a traceback
+                raise KeysFileError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
             parse_keys(text, str(path))  # refuse to append to a broken file
             data = json.loads(text)
         key, key_id = new_key(), "k" + secrets.token_hex(4)

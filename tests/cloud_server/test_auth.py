@@ -97,6 +97,34 @@ def test_the_store_reloads_on_change_and_on_sighup_and_keeps_keys_over_a_broken_
         ServerConfig(bundle=tmp_path, keys_file=path, api_key="k")
 
 
+def test_a_deleted_keys_file_keeps_the_last_keys_with_one_warning_and_is_read_again_when_back(tmp_path,
+                                                                                             monkeypatch, caplog):
+    monkeypatch.setattr(auth, "STAT_EVERY_S", 0.0)
+    path = tmp_path / "keys.json"
+    _, alice = auth.add_key(path, "alice")
+    store = auth.KeyStore(path)
+    good = path.read_text()
+    path.unlink()
+    with caplog.at_level(logging.WARNING, logger="autoglm.cloud.auth"):
+        assert store.lookup(alice).tenant == "alice" and store.lookup(alice).tenant == "alice"
+    gone = [r.getMessage() for r in caplog.records if "is gone" in r.getMessage()]
+    assert len(gone) == 1 and str(path) in gone[0] and "last 1 keys" in gone[0]  # silent before
+    path.write_text(good.replace("alice", "carol"))  # back: read again
+    assert store.lookup(alice).tenant == "carol" and store.reloads == 1
+
+
+@pytest.mark.parametrize("where, said", [("missing/keys.json", "missing is not an existing folder"),
+                                         ("a_file/keys.json", "a_file is not an existing folder")])
+def test_keys_add_into_a_folder_that_is_not_there_names_the_folder(tmp_path, capsys, monkeypatch, where, said):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a_file").write_text("")
+    assert auth.keys_main(["add", where, "--tenant", "acme"]) == 2
+    err = capsys.readouterr().err
+    assert said in err and ".lock" not in err and ".tmp" not in err  # it named .keys.json.lock
+    (tmp_path / "k.json").write_bytes(b"\xff\xfe")
+    assert auth.keys_main(["add", "k.json", "--tenant", "acme"]) == 2  # a UnicodeDecodeError traceback
+    assert "k.json: not UTF-8 text" in capsys.readouterr().err
+
 def _add_one(args):
     path, tenant = args
     return auth.add_key(path, tenant)[1]
