@@ -315,6 +315,11 @@ def _main(argv: list[str] | None) -> int:
     if problem:
         print(f"autoglm-cloud: error: {problem}", file=sys.stderr)
         return 2
+    if config.ssl_certfile is not None and (dates := _certificate_dates_problem(config)) is not None:
+        # served all the same (a clock a minute behind a fresh certificate's start is no reason to refuse), but
+        # every verifying client will fail its handshake until the certificate is renewed or its time comes
+        logging.getLogger("autoglm.cloud").warning("--ssl-certfile %s: %s: clients that verify it will refuse "
+                                                   "every connection", config.ssl_certfile, dates)
     return serve(config, args.log_level)
 
 
@@ -399,6 +404,39 @@ def _startup_problem(config) -> str | None:
 
     return listen_problem(config.host, config.port)  # last: the checks above name their own flags
 
+
+
+def _certificate_dates_problem(config) -> str | None:
+    """OpenSSL's "certificate has expired" / "certificate is not yet valid" when now is outside the served
+    certificate's dates, else None. The standard library reads no certificate file's dates (only a private
+    helper does), so this runs a TLS handshake in memory between the certificate and a client trusting exactly it
+    (``VERIFY_X509_PARTIAL_CHAIN``: the leaf as its own anchor), whose verification checks the dates."""
+    import ssl
+
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)  # loaded once already (_startup_problem)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname = False
+    client.load_verify_locations(config.ssl_certfile)
+    client.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    ends = ((client.wrap_bio(c_in, c_out), c_out, s_in), (server.wrap_bio(s_in, s_out, server_side=True), s_out, c_in))
+    for _ in range(8):  # TLS 1.3 needs two round trips
+        done = 0
+        for conn, out, peer in ends:
+            try:
+                conn.do_handshake()
+                done += 1
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLCertVerificationError as e:  # X509_V_ERR_CERT_NOT_YET_VALID, X509_V_ERR_CERT_HAS_EXPIRED
+                return e.verify_message if e.verify_code in (9, 10) else None
+            except ssl.SSLError:  # any other failure is not about the dates (the pair loaded)
+                return None
+            peer.write(out.read())
+        if done == 2:
+            return None
+    return None
 
 
 def _kv_pool_floor_bytes(manifest, ecfg) -> int:

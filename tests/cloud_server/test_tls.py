@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -283,3 +284,19 @@ def test_a_certificate_and_key_that_do_not_load_are_refused_before_the_server_st
         assert cli.main(["serve", str(tiny_bundle), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]) == 2
         err = capsys.readouterr().err
         assert "not a PEM certificate and its key" in err and "Traceback" not in err
+
+
+def test_an_expired_certificate_is_served_with_a_warning_a_valid_one_without(tiny_bundle, tls_server, pki,
+                                                                             monkeypatch, caplog):
+    """It started with no word, every verifying client then refusing it; the stdlib reads the dates through an
+    in-memory handshake (cloud_server.cli._certificate_dates_problem)."""
+    from cloud_server import cli
+
+    monkeypatch.setattr(cli, "serve", lambda config, log_level: 0)  # everything before serving, then stop
+    cert, key = pki["expired"]
+    with caplog.at_level(logging.WARNING, logger="autoglm.cloud"):
+        assert cli.main(["serve", str(tiny_bundle), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                         "--device", "cpu", "--port", "0"]) == 0
+    said = [r.getMessage() for r in caplog.records if "ssl-certfile" in r.getMessage()]
+    assert len(said) == 1 and "certificate has expired" in said[0] and str(cert) in said[0]
+    assert "clients that verify it" not in tls_server.log.read_text()  # the valid certificate: no warning
