@@ -43,6 +43,9 @@ def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
         g.add_argument("--auto-update", action=argparse.BooleanOptionalAction, default=None,
                        help="when the cloud serves another bundle of this model, download it and switch "
                             "(default off; env AUTOGLM_EDGE_AUTO_UPDATE)")
+        g.add_argument("--reconnect-window-s", type=float,
+                       help="keep retrying an unreachable cloud (a dropped link, a server restarting) this many "
+                            "seconds before a request fails (default 90; env AUTOGLM_EDGE_RECONNECT_WINDOW_S)")
     g.add_argument("--threads", type=int, help="onnxruntime threads for the front layers (default 2)")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per front forward (default 128)")
     g.add_argument("--codec", help="wire codec for hidden states (default: the server's precision plan)")
@@ -58,6 +61,7 @@ def _config(args):
     return EdgeConfig.from_env(bundle=args.bundle, url=getattr(args, "url", None),
                                api_key=getattr(args, "api_key", None), ca_file=getattr(args, "ca_file", None),
                                auto_update=getattr(args, "auto_update", None),
+                               reconnect_window_s=getattr(args, "reconnect_window_s", None),
                                threads=args.threads,
                                prefill_chunk=args.prefill_chunk, codec=args.codec, cache_dir=args.cache_dir,
                                cache_max_bytes=args.cache_max_bytes)

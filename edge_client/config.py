@@ -1,7 +1,8 @@
 """Edge client configuration: one dataclass for the runtime and session, one for timeouts and retries.
 
-CLI flags mirror the common fields (``--threads`` <-> ``EdgeConfig.threads``), and each field but ``retry`` has
-an environment twin (``AUTOGLM_EDGE_THREADS``), parsed by the field's type; see :func:`EdgeConfig.from_env`.
+CLI flags mirror the common fields (``--threads`` <-> ``EdgeConfig.threads``, ``--reconnect-window-s`` <->
+``RetryPolicy.reconnect_window_s``), and each field of both has an environment twin (``AUTOGLM_EDGE_THREADS``,
+``AUTOGLM_EDGE_RECONNECT_WINDOW_S``), parsed by the field's type; see :func:`EdgeConfig.from_env`.
 
 Reference: Petals' ``ClientConfig`` (one dataclass of client timeouts, each field saying why).
 """
@@ -51,9 +52,14 @@ class RetryPolicy:
     # prefill or queueing the request sends a progress Tokens at least every 15 s (shared.protocol
     # PROGRESS_INTERVAL_S), so this need only exceed that; liveness is detected sooner by the keepalive below.
     reply_timeout_s: float = 60.0
-    # Reconnect attempts after the link drops mid-session before the request fails. Mobile links drop in
-    # bursts (handover, tunnel): a handful of attempts over ~15 s rides those out.
-    max_retries: int = 6
+    # How long the edge keeps trying to reach the cloud - after the link drops mid-request, or when a request's
+    # first connect fails - before the request fails (`unreachable`); the last attempt starts within it. It rides
+    # out mobile drops (handover, tunnel: seconds) and a server's crash-restart (process start + model load:
+    # ~5-15 s for a tiny model on a busy CPU box, about a minute for a 9B GPU server), after which the request
+    # resumes or is replayed; a server that stays dead fails the request after this long, not never.
+    reconnect_window_s: float = 90.0
+    # At most this many retries within the window (None: as many as the backoff fits in it); 0 never retries.
+    max_retries: int | None = None
     # Backoff before reconnect attempt k: min(max, initial * multiplier**k) * (1 +- jitter). Jitter keeps a
     # fleet of phones from reconnecting in lockstep after a server restart.
     backoff_initial_s: float = 0.2
@@ -66,10 +72,11 @@ class RetryPolicy:
     keepalive_timeout_s: float | None = 20.0
 
     def __post_init__(self):
-        for name in ("connect_timeout_s", "reply_timeout_s", "backoff_initial_s", "backoff_max_s"):
-            if getattr(self, name) <= 0:
+        for name in ("connect_timeout_s", "reply_timeout_s", "reconnect_window_s", "backoff_initial_s",
+                     "backoff_max_s"):
+            if not getattr(self, name) > 0:  # (nan too)
                 raise ConfigError(f"RetryPolicy.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_retries < 0:
+        if self.max_retries is not None and self.max_retries < 0:
             raise ConfigError(f"RetryPolicy.max_retries must be >= 0, got {self.max_retries}")
         if self.backoff_multiplier < 1.0:
             raise ConfigError(f"RetryPolicy.backoff_multiplier must be >= 1, got {self.backoff_multiplier}")
@@ -162,19 +169,27 @@ class EdgeConfig:
 
     @classmethod
     def from_env(cls, **overrides) -> EdgeConfig:
-        """Fields from ``AUTOGLM_EDGE_<FIELD>`` (``AUTOGLM_BUNDLE``/``AUTOGLM_URL``/``AUTOGLM_API_KEY`` too),
-        then ``overrides`` (the CLI's explicit flags) on top."""
+        """Fields from ``AUTOGLM_EDGE_<FIELD>`` (``AUTOGLM_BUNDLE``/``AUTOGLM_URL``/``AUTOGLM_API_KEY`` too), the
+        retry policy's the same way (``AUTOGLM_EDGE_RECONNECT_WINDOW_S``), then ``overrides`` (the CLI's explicit
+        flags, of either) on top."""
         values: dict = {}
+        retry: dict = {}
         aliases = {"bundle": "AUTOGLM_BUNDLE", "url": "AUTOGLM_URL", "api_key": "AUTOGLM_API_KEY"}
-        for f in fields(cls):
-            if f.name == "retry":
-                continue
-            raw = os.environ.get(f"AUTOGLM_EDGE_{f.name.upper()}") or os.environ.get(aliases.get(f.name, "-"))
-            if raw is not None:
-                values[f.name] = _coerce(f.name, f.type, raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        for into, owner in ((values, cls), (retry, RetryPolicy)):
+            for f in fields(owner):
+                if f.name == "retry":
+                    continue
+                raw = os.environ.get(f"AUTOGLM_EDGE_{f.name.upper()}") or os.environ.get(aliases.get(f.name, "-"))
+                if raw is not None:
+                    into[f.name] = _coerce(f.name, f.type, raw)
+        retry_names = {f.name for f in fields(RetryPolicy)}
+        for k, v in overrides.items():
+            if v is not None:
+                (retry if k in retry_names else values)[k] = v
         if "bundle" not in values:
             raise ConfigError("no bundle: pass --bundle or set AUTOGLM_BUNDLE")
+        if retry:
+            values["retry"] = RetryPolicy(**retry)
         return cls(**values)
 
 
@@ -182,14 +197,17 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _coerce(name: str, annotation: str, raw: str):
-    """An environment twin's text as its field's type (the dataclass annotation: ``int``, ``bool``, with or
-    without ``| None``); other fields keep the text (``__post_init__`` converts paths)."""
+    """An environment twin's text as its field's type (the dataclass annotation: ``int``, ``float``, ``bool``, with
+    or without ``| None``, where ``none`` is None); other fields keep the text (``__post_init__`` converts paths)."""
     kind = annotation.split("|")[0].strip()
-    if kind == "int":
+    if "None" in annotation and raw.strip().lower() == "none" and kind in ("int", "float"):
+        return None
+    if kind in ("int", "float"):
         try:
-            return int(raw)
+            return int(raw) if kind == "int" else float(raw)
         except ValueError:
-            raise ConfigError(f"AUTOGLM_EDGE_{name.upper()}={raw!r}: expected an integer") from None
+            raise ConfigError(f"AUTOGLM_EDGE_{name.upper()}={raw!r}: expected "
+                              f"{'an integer' if kind == 'int' else 'a number'}") from None
     if kind == "bool":
         word = raw.strip().lower()
         if word not in _TRUE + _FALSE:

@@ -326,22 +326,35 @@ class Session:
 
     async def _reconnect(self, req: _Request, stats: RequestStats, cause: Exception) -> bool:
         """Reconnect with backoff; True if the cloud session (and the request) survived."""
+        await self._connect_retrying(cause)
+        stats.reconnects += 1
+        return bool(getattr(self.welcome, "resumed", False))
+
+    async def _connect_retrying(self, cause: Exception | None) -> None:
+        """Connect (resuming the session after ``cause``, the link's drop), retrying with backoff while the
+        retry policy's ``reconnect_window_s`` lasts (and ``max_retries`` allows); then the request fails
+        ``unreachable``."""
         retry = self.config.retry
-        last: Exception = cause
-        for attempt in range(retry.max_retries):
-            delay = self.link.backoff(attempt)
-            log.info("link down (%s); reconnect %d/%d in %.2f s", last, attempt + 1, retry.max_retries, delay)
-            await asyncio.sleep(delay)
-            self.welcome = None
+        start = time.monotonic()
+        deadline = start + retry.reconnect_window_s
+        last, attempt = cause, 0
+        while True:
+            if last is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or (retry.max_retries is not None and attempt >= retry.max_retries):
+                    raise EdgeClientError(f"cannot reach the cloud at {self.config.url} (retried {attempt} times "
+                                          f"in {time.monotonic() - start:.1f} s): {last}", "unreachable")
+                delay = min(self.link.backoff(attempt), left)
+                attempt += 1
+                log.info("%s (%s); retry %d in %.2f s (%.0f s left to reconnect)",
+                         "link down" if cause is not None else "cannot connect", last, attempt, delay, left)
+                await asyncio.sleep(delay)
+                self.welcome = None
             try:
-                await self.ensure_connected(resume=True)
+                await self.ensure_connected(resume=cause is not None)
+                return
             except LinkDown as e:
                 last = e
-                continue
-            stats.reconnects += 1
-            return bool(getattr(self.welcome, "resumed", False))
-        raise EdgeClientError(f"cloud unreachable after {retry.max_retries} reconnect attempts: {last}",
-                              "unreachable")
 
     # -- requests -------------------------------------------------------------------------------
     async def run(self, spec: RequestSpec, sink: Callable, stats: RequestStats) -> None:
@@ -395,7 +408,7 @@ class Session:
             if self.state.phase == DRAINING:  # this server takes no new request (module docstring, Drain)
                 await self.link.close()
             self._private = spec.prefix_secret is not None
-            await self._connect_with_retry(stats)
+            await self._connect_retrying(None)
             limit, whose = self.prompt_room()
             if len(spec.prompt_ids) > limit:
                 raise EdgeClientError(f"prompt of {len(spec.prompt_ids)} tokens exceeds {whose}", "context_full")
@@ -457,19 +470,6 @@ class Session:
             stats.bytes_down = self.link.bytes_down - down0
             stats.edge_compute_s = self.runtime.stats.seconds - compute0
             stats.edge_draft_s = (self.head.seconds - draft0) if self.head is not None else 0.0
-
-    async def _connect_with_retry(self, stats: RequestStats) -> None:
-        retry = self.config.retry
-        for attempt in range(retry.max_retries + 1):
-            try:
-                await self.ensure_connected()
-                return
-            except LinkDown as e:
-                if attempt == retry.max_retries:
-                    raise EdgeClientError(f"cannot reach the cloud at {self.config.url}: {e}", "unreachable") from None
-                delay = self.link.backoff(attempt)
-                log.info("cannot connect (%s); retry %d/%d in %.2f s", e, attempt + 1, retry.max_retries, delay)
-                await asyncio.sleep(delay)
 
     async def _cancel(self, req: _Request) -> None:
         if self.link.open:

@@ -110,6 +110,18 @@ def test_a_server_killed_and_restarted_mid_generation_is_replayed(tiny_bundle, l
     assert tokens == reference[mode] and stats.replays >= 1
 
 
+def test_a_link_down_past_the_session_grace_and_a_handful_of_retries_is_ridden_out(tiny_bundle, link, reference):
+    """A link that refuses connections for 4 s (a server restarting, a long tunnel) outlasts the session's grace
+    (1 s here) and the six retries the edge counted before (~2.2 s at this backoff; a real restart outlasted the
+    ~11 s of the default's): the edge retries through its reconnect window instead, finds its session gone and
+    replays - the full answer, not unreachable."""
+    retry = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, backoff_initial_s=0.1, backoff_max_s=0.5)
+    tokens, stats = edge_generate(tiny_bundle, f"ws://127.0.0.1:{link.port}", PROMPT, N_NEW, retry,
+                                  lambda n: link.cut(down_s=4.0) if n == 8 else None, temperature=0.0)
+    _record("link down 4 s (> grace)", "greedy", reference["greedy"], tokens)
+    assert tokens == reference["greedy"] and stats.replays >= 1
+
+
 def test_a_vanished_phone_has_its_kv_reclaimed(tiny_bundle, link, cloud):
     """A phone that loses coverage mid-generation and never comes back: after the resume grace period its
     session, its request and its KV blocks are gone."""

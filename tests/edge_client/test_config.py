@@ -68,6 +68,24 @@ def test_every_typed_field_parses_from_its_environment_twin(tmp_path, monkeypatc
         monkeypatch.delenv(f"AUTOGLM_EDGE_{f.name.upper()}")
 
 
+def test_the_reconnect_window_has_a_flag_and_an_environment_twin(tmp_path, monkeypatch):
+    """The retry policy's fields have environment twins as the config's do (none had), the CLI's
+    ``--reconnect-window-s`` wins over its twin, and a bad value is refused naming it."""
+    from edge_client.cli import _config, build_parser
+
+    monkeypatch.setenv("AUTOGLM_BUNDLE", str(tmp_path))
+    monkeypatch.setenv("AUTOGLM_EDGE_RECONNECT_WINDOW_S", "45")
+    monkeypatch.setenv("AUTOGLM_EDGE_KEEPALIVE_INTERVAL_S", "none")
+    cfg = EdgeConfig.from_env()
+    assert (cfg.retry.reconnect_window_s, cfg.retry.keepalive_interval_s, cfg.retry.max_retries) == (45.0, None, None)
+    assert _config(build_parser().parse_args(["chat", "--reconnect-window-s", "120"])).retry.reconnect_window_s == 120
+    monkeypatch.setenv("AUTOGLM_EDGE_RECONNECT_WINDOW_S", "soon")
+    with pytest.raises(ConfigError, match="AUTOGLM_EDGE_RECONNECT_WINDOW_S"):
+        EdgeConfig.from_env()
+    with pytest.raises(ConfigError, match="reconnect_window_s"):
+        RetryPolicy(reconnect_window_s=0)
+
+
 def test_paths_starting_with_a_tilde_are_the_users_home(tmp_path, monkeypatch):
     """docs/edge.md's ``cache_dir="~/.cache/autoglm-edge"`` is under the home directory, not a folder named ``~``
     in the working directory (and so are the bundle and the CA file, from an argument or an environment twin)."""

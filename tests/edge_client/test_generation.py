@@ -262,7 +262,21 @@ def test_unreachable_cloud_fails_after_retries(tiny_bundle, caplog):
     assert ei.value.code == "unreachable" and time.monotonic() - t0 < 10
     # each retry of a new request's connect is logged, as a dropped request's reconnects are
     retries = [r.message for r in caplog.records if r.message.startswith("cannot connect")]
-    assert len(retries) == FAST_RETRY.max_retries and f"retry {FAST_RETRY.max_retries}/" in retries[-1]
+    assert len(retries) == FAST_RETRY.max_retries and f"retry {FAST_RETRY.max_retries} in" in retries[-1]
+
+
+def test_a_dead_cloud_is_retried_for_the_reconnect_window_then_fails(tiny_bundle):
+    """Without a count, the retries last the policy's reconnect window - a server's restart fits in it (its
+    default, 90 s; test_faults.py) - and no longer: a dead cloud fails the request, it does not hang the app."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens
+    retry = RetryPolicy(connect_timeout_s=2.0, reconnect_window_s=1.5, backoff_initial_s=0.05, backoff_max_s=0.2)
+    t0 = time.monotonic()
+    with EdgeClient(tiny_bundle, f"ws://127.0.0.1:{port}/v1/split", retry=retry) as c, \
+            pytest.raises(EdgeClientError, match=r"cannot reach .* \(retried \d+ times in \d+\.\d s\)") as ei:
+        c.complete(prompt_ids=PROMPT, max_tokens=2)
+    assert ei.value.code == "unreachable" and 1.5 <= time.monotonic() - t0 < 5
 
 
 def test_persistent_cache_survives_restart_and_corruption(tiny_bundle, cloud, reference, tmp_path):
