@@ -127,7 +127,8 @@ def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, pass_on)
-    log.info("serving with %d front-end workers on %s:%d", config.workers, config.host, config.port)
+    # the port bound (--port 0 picks one: it logged ':0', the one place an operator could have learned it)
+    log.info("serving with %d front-end workers on %s:%d", config.workers, config.host, socks[0].getsockname()[1])
     deadline = None
     try:
         while any(p.is_alive() for p in procs.values()):

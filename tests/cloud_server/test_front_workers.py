@@ -262,3 +262,24 @@ def test_sigterm_drains_every_worker_then_exits(servers, tiny_bundle):
         err, close = seen["late"]
         assert err.code == "draining" and close == 1013
     assert code == 0
+
+
+def test_port_0_logs_the_port_the_workers_listen_on(tiny_bundle, tmp_path):
+    """--workers 2 --port 0 logged 'on 127.0.0.1:0': the port the kernel picked was nowhere to be read."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-c", "import sys; from cloud_server.cli import main; sys.exit(main())", "serve",
+           str(tiny_bundle), "--port", "0", "--workers", "2", *ARGS]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (said := re.search(r"front-end workers on 127\.0\.0\.1:(\d+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        assert int(said.group(1)) != 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
