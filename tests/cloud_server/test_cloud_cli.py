@@ -125,6 +125,20 @@ def test_paths_under_home_in_a_config_file_or_env_are_expanded_as_a_shell_would(
     assert _resolve(["--full", "tiny-glm4", "--device", "cpu"]).full == "tiny-glm4"
     assert _resolve(["~nosuchuser/b", "--device", "cpu"]).bundle == Path("~nosuchuser/b")  # as a shell leaves it
 
+def test_every_serve_flag_has_a_row_in_the_docs_options_table():
+    """--model-name and --config were in --help, not in docs/cloud.md's table of the options."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cloud.md").read_text()
+    table = doc[doc.index("## Options"):]
+    table = table[:table.index("\n## ")]
+    rows = {m for line in table.splitlines() if line.startswith("| `")
+            for m in re.findall(r"`(--[a-z0-9\[\]-]+)", line.split("|")[1])}
+    rows = {f for r in rows for f in ([r.replace("[no-]", ""), r.replace("[no-]", "no-")] if "[no-]" in r else [r])}
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    assert not flags - rows, sorted(flags - rows)
+
 def test_main_reports_errors_without_a_traceback(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
     assert "not a bundle" in capsys.readouterr().err
