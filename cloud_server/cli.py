@@ -27,6 +27,7 @@ from cloud_server.config import ConfigError, EngineConfig, ServerConfig
 from shared.user_paths import user_path
 
 ENV_PREFIX = "AUTOGLM_CLOUD_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _bool(text: str) -> bool:
@@ -158,8 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help=f"{_help(o)} [env {env}]")
         else:
             s.add_argument(flag, dest=o.name, type=o.kind, default=None, help=f"{_help(o)} [env {env}]")
-    s.add_argument("--log-level", default=os.environ.get(ENV_PREFIX + "LOG_LEVEL", "info"),
-                   choices=["debug", "info", "warning", "error"],
+    s.add_argument("--log-level", choices=LOG_LEVELS,
                    help="server log level (default info; env or command line only, not --config) "
                         f"[env {ENV_PREFIX}LOG_LEVEL]")
     return ap
@@ -206,6 +206,19 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     if "device" not in engine:
         engine["device"] = _default_device()
     return ServerConfig(engine=EngineConfig(**engine), **server)
+
+
+def log_level(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:
+    """``--log-level``, else ``AUTOGLM_CLOUD_LOG_LEVEL`` (any case; empty is unset, as for every twin), else info.
+    The variable was taken unchecked: ``verbose`` or an empty value was a ValueError traceback from logging."""
+    if args.log_level is not None:
+        return args.log_level
+    raw = (os.environ if environ is None else environ).get(ENV_PREFIX + "LOG_LEVEL", "")
+    if not raw:
+        return "info"
+    if raw.strip().lower() not in LOG_LEVELS:
+        raise ConfigError(f"{ENV_PREFIX}LOG_LEVEL={raw!r}: expected one of {', '.join(LOG_LEVELS)}")
+    return raw.strip().lower()
 
 
 def _default_device() -> str:
@@ -296,8 +309,9 @@ def _main(argv: list[str] | None) -> int:
 
         return keys_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        args.log_level = log_level(args)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = resolve(args)
     except ConfigError as e:
         print(f"autoglm-cloud: error: {e}", file=sys.stderr)

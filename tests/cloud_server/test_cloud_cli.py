@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cloud_server.cli import OPTIONS, build_parser, main, resolve
+from cloud_server.cli import OPTIONS, build_parser, log_level, main, resolve
 from cloud_server.config import ConfigError
 
 
@@ -138,6 +138,15 @@ def test_every_serve_flag_has_a_row_in_the_docs_options_table():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
     assert not flags - rows, sorted(flags - rows)
+
+def test_a_bad_log_level_variable_is_a_one_line_error_and_an_empty_one_is_unset(tmp_path, capsys, monkeypatch):
+    """Both were a ValueError traceback from logging.basicConfig (the variable was never checked)."""
+    monkeypatch.setenv("AUTOGLM_CLOUD_LOG_LEVEL", "verbose")
+    assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "AUTOGLM_CLOUD_LOG_LEVEL='verbose': expected one of debug, info" in err and "Traceback" not in err
+    args = build_parser().parse_args(["serve", str(tmp_path)])
+    assert [log_level(args, {"AUTOGLM_CLOUD_LOG_LEVEL": v}) for v in ("", "WARNING")] == ["info", "warning"]
 
 def test_main_reports_errors_without_a_traceback(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
