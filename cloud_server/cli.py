@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -114,9 +115,9 @@ def _load_file(path: str) -> dict:
             import tomllib
         except ImportError:  # Python 3.10
             raise ConfigError(f"--config {path}: TOML needs Python 3.11+; use JSON") from None
-        parse = tomllib.loads
+        parse = tomllib.loads  # a key given twice is TOML's own error
     else:
-        parse = json.loads
+        parse = functools.partial(json.loads, object_pairs_hook=_once)
     try:
         data = parse(text)
     except Exception as e:  # noqa: BLE001 - json / toml errors
@@ -126,8 +127,21 @@ def _load_file(path: str) -> dict:
     known = {o.name for o in OPTIONS} | {"bundle"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ConfigError(f"--config {path}: unknown option(s) {', '.join(unknown)}")
+        hint = [f"{k} -> {k.replace('-', '_')}" for k in unknown if k.replace("-", "_") in known]
+        raise ConfigError(f"--config {path}: unknown option(s) {', '.join(unknown)}"
+                          + (f" (keys are spelt with _: {', '.join(hint)})" if hint else ""))
     return data
+
+
+def _once(pairs: list) -> dict:
+    """A JSON object whose keys are each given once: ``{"port": 1, "port": 2}`` served on 2 without a word (the
+    rig's scenarios and TOML refuse it too)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} given twice")
+        out[key] = value
+    return out
 
 
 def _help(o: Option) -> str:

@@ -148,6 +148,15 @@ def test_a_bad_log_level_variable_is_a_one_line_error_and_an_empty_one_is_unset(
     args = build_parser().parse_args(["serve", str(tmp_path)])
     assert [log_level(args, {"AUTOGLM_CLOUD_LOG_LEVEL": v}) for v in ("", "WARNING")] == ["info", "warning"]
 
+def test_a_config_key_given_twice_is_refused_and_a_dashed_key_gets_its_spelling(tmp_path):
+    conf = tmp_path / "c.json"
+    conf.write_text('{"bundle": "b", "port": 1, "port": 2}')  # served on 2 without a word
+    with pytest.raises(ConfigError, match="key 'port' given twice"):
+        _resolve(["--config", str(conf)])
+    conf.write_text('{"bundle": "b", "max-sessions": 3}')
+    with pytest.raises(ConfigError, match="keys are spelt with _: max-sessions -> max_sessions"):
+        _resolve(["--config", str(conf)])
+
 def test_main_reports_errors_without_a_traceback(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
     assert "not a bundle" in capsys.readouterr().err
