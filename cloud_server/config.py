@@ -166,6 +166,8 @@ class ServerConfig:
             self.full = str(user_path(self.full))
         if self.more_bundles and self.bundle is None:
             raise ConfigError("more_bundles: further bundles are served beside a BUNDLE (split mode)")
+        if not self.host.strip():  # `--host "$HOST"` with HOST unset listened on every interface, IPv4 and IPv6
+            raise ConfigError("host is empty: give the listen address (0.0.0.0 for every interface)")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port")
         if self.api_key is not None and not self.api_key:  # an unset secret, `--api-key "$KEY"` with KEY unset

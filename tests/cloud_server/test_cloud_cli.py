@@ -92,6 +92,8 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     # an empty key (the deployment's secret made from an unset $KEY) served with no auth at all, silently
     (["B", "--device", "cpu", "--api-key", ""], {}, "api_key is empty"),
     (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_API_KEY": ""}, "api_key is empty"),
+    # an empty host (`--host "$HOST"`, HOST unset) listened on every interface, where the default is loopback only
+    (["B", "--device", "cpu", "--host", ""], {}, "host is empty"),
 ])
 def test_bad_configuration_is_a_one_line_error(argv, env, message):
     if message is None:
