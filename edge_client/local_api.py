@@ -113,14 +113,16 @@ class _EdgeBackend:
         run = functools.partial(self.client.agenerate, **source, max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS,
                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop,
                                 precision=req.precision)
+        loop = asyncio.get_running_loop()
         try:
-            if not _has_media(req):
-                return _EdgeStream(run())
-            # media are read, fetched (up to MediaPolicy.fetch_timeout_s) and encoded off the event loop, one
+            # the prompt is tokenized (0.5 s for SmolLM2's longest: every open stream stalled that long) and media
+            # are read, fetched (up to MediaPolicy.fetch_timeout_s) and encoded off the event loop, media one
             # request's at a time: the endpoint keeps answering meanwhile - an image_url naming this very server
             # is fetched like any other
+            if not _has_media(req):
+                return _EdgeStream(await asyncio.to_thread(run, loop=loop))
             async with self._media_turn:
-                return _EdgeStream(await asyncio.to_thread(run, loop=asyncio.get_running_loop()))
+                return _EdgeStream(await asyncio.to_thread(run, loop=loop))
         except EdgeClientError as e:  # a bad image / audio clip, refused before any network traffic
             raise oc.OpenAIRequestError(str(e), "messages", e.code) from None
         except ValueError as e:  # e.g. a prompt that tokenizes to nothing, or a sampling value the wire cannot carry

@@ -132,8 +132,11 @@ class EdgeTokenizer:
         return cls(edge / "tokenizer.json", config, template, manifest.eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
+        """The text's token ids. Through ``encode_batch``, which releases the GIL while it works (``encode`` held
+        it: 0.5 s for SmolLM2's longest prompt, stalling every thread - the local API's event loop included -
+        however it was called): a caller's worker thread leaves the others running."""
         try:
-            return self.tok.encode(text, add_special_tokens=False).ids
+            return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:  # tokenizers' answer to a lone surrogate ('\ud800'): a string that is no UTF-8 text
             text.encode("utf-8")  # the UnicodeEncodeError (a ValueError) naming the character, as ByteTokenizer's
             raise

@@ -5,6 +5,8 @@ test_end_to_end.py); what is tested is the HTTP/SSE surface: streaming, usage, s
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -16,6 +18,7 @@ from edge_client.local_api import create_app
 from edge_client.request import RequestSpec
 from edge_client.tokenizer import ByteTokenizer
 
+SLOW_PROMPT = "a prompt that takes long to tokenize"
 SCRIPT = ["<thi", "nk>I should gr", "eet.</th", "ink>Hel", "lo the", "re! STOP here", " and more"]
 
 
@@ -67,6 +70,8 @@ class _ScriptedClient:
             prompt = prompt_ids
         elif not prompt.strip():  # what EdgeClient does with a prompt that tokenizes to nothing
             raise ValueError("empty prompt")
+        elif prompt == SLOW_PROMPT:  # as long as EdgeClient takes to tokenize SmolLM2's longest prompt
+            time.sleep(0.5)
         RequestSpec(prompt_ids=[1], **{k: kw[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
                                                            "stop")})  # and with its sampling arguments
         g = _ScriptedGeneration(self, prompt, kw)
@@ -210,6 +215,20 @@ def test_upstream_failure_is_a_clear_error(server):
         assert any("bundle_mismatch" in line for line in lines) and lines[-2] == "data: [DONE]"
     finally:
         server.client.fail = False
+
+
+def test_a_prompt_is_tokenized_off_the_event_loop(server):
+    """start() ran EdgeClient.agenerate - tokenizing the prompt, 0.5 s for SmolLM2's longest - on the event loop:
+    every open stream (here /health) waited that long."""
+    slow = threading.Thread(target=httpx.post, args=(f"{server.url}/v1/completions",),
+                            kwargs={"json": {"model": "m", "prompt": SLOW_PROMPT, "max_tokens": 1}, "timeout": 30})
+    slow.start()
+    time.sleep(0.15)  # the request is being tokenized
+    t0 = time.perf_counter()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    waited = time.perf_counter() - t0
+    slow.join()
+    assert waited < 0.2, waited
 
 
 def test_penalties_and_logprobs_are_refused_by_name_not_dropped(server):

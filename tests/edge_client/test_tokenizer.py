@@ -129,3 +129,30 @@ def test_a_lone_surrogate_is_a_value_error_naming_it(tok_dir):
     for tok in (_edge(tok_dir), ByteTokenizer(300, [2])):
         with pytest.raises(ValueError, match="surrogates not allowed"):
             tok.encode("a\ud800b")
+
+
+
+def test_tokenizing_on_a_worker_thread_leaves_the_event_loop_running(tok_dir):
+    """EdgeTokenizer.encode held the GIL throughout (tokenizers' ``encode``): tokenizing SmolLM2's longest prompt
+    (0.5 s) on a worker thread stalled the local API's event loop - every open stream - as long."""
+    import asyncio
+    import time
+
+    edge = _edge(tok_dir)
+    text = " ".join(f"w{i % 997} {TEXT[i % 50:i % 50 + 9]}" for i in range(30_000))
+    t0 = time.perf_counter()
+    ids = edge.encode(text)
+    alone = time.perf_counter() - t0
+    assert ids == edge.tok.encode(text, add_special_tokens=False).ids
+
+    async def tokenize_beside_a_ticker() -> float:
+        worker = asyncio.ensure_future(asyncio.to_thread(edge.encode, text))
+        gap, last = 0.0, time.perf_counter()
+        while not worker.done():
+            await asyncio.sleep(0.002)
+            gap, last = max(gap, time.perf_counter() - last), time.perf_counter()
+        await worker
+        return gap
+
+    gap = asyncio.run(tokenize_beside_a_ticker())
+    assert gap < max(0.05, alone / 3), (gap, alone)
