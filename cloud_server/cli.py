@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -186,6 +187,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     file = _load_file(cfg_path) if cfg_path else {}
     server: dict = {}
     engine: dict = {}
+    origin: dict[str, str] = {}  # option -> the variable or file it came from (not the command line)
 
     def pick(name: str, kind: type, cli_value):
         if cli_value is not None:
@@ -194,11 +196,13 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         # an empty variable is unset, except the API key: an empty one (a Kubernetes secret made from an unset
         # shell variable) served without any key, silently; ServerConfig refuses it
         if raw is not None and (raw != "" or name == "api_key"):
+            origin[name] = ENV_PREFIX + name.upper()
             try:
                 return _bool(raw) if kind is bool else kind(raw)
             except ValueError as e:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: {e}") from None
         if name in file:
+            origin[name] = f"--config {cfg_path}"
             value = file[name]
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
@@ -219,7 +223,13 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             (server if o.target == "server" else engine)[o.name] = value
     if "device" not in engine:
         engine["device"] = _default_device()
-    return ServerConfig(engine=EngineConfig(**engine), **server)
+    try:
+        return ServerConfig(engine=EngineConfig(**engine), **server)
+    except ConfigError as e:  # "keys_file and api_key: give one" left the operator hunting for an api_key never typed
+        named = [f"{name} from {where}" for name, where in origin.items() if re.search(rf"\b{name}\b", str(e))]
+        if not named:
+            raise
+        raise ConfigError(f"{e} [{'; '.join(named)}]") from None
 
 
 def log_level(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:

@@ -159,6 +159,17 @@ def test_a_config_key_given_twice_is_refused_and_a_dashed_key_gets_its_spelling(
     with pytest.raises(ConfigError, match="keys are spelt with _: max-sessions -> max_sessions"):
         _resolve(["--config", str(conf)])
 
+def test_a_bad_value_from_a_variable_or_the_config_file_names_where_it_came_from(tmp_path):
+    """'keys_file and api_key: give one' with no --api-key typed: the key was the environment's."""
+    with pytest.raises(ConfigError, match=r"give one .*\[api_key from AUTOGLM_CLOUD_API_KEY\]$"):
+        _resolve(["B", "--device", "cpu", "--keys-file", "k"], {"AUTOGLM_CLOUD_API_KEY": "abc"})
+    conf = tmp_path / "c.json"
+    conf.write_text('{"bundle": "b", "port": 70000}')
+    with pytest.raises(ConfigError, match=rf"not a TCP port \[port from --config {conf}\]$"):
+        _resolve(["--config", str(conf), "--device", "cpu"])
+    with pytest.raises(ConfigError, match=r"max_sessions must be > 0 \(got 0\)$"):  # typed: said as it was
+        _resolve(["B", "--device", "cpu", "--max-sessions", "0"], {"AUTOGLM_CLOUD_MAX_SESSIONS": "0"})
+
 def test_main_reports_errors_without_a_traceback(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
     assert "not a bundle" in capsys.readouterr().err
