@@ -45,6 +45,7 @@ import logging
 import os
 import secrets
 import signal
+import stat
 import sys
 import threading
 import time
@@ -289,6 +290,11 @@ def add_key(path: str | Path, tenant: str, max_sessions: int | None = None,
         parse_keys(json.dumps(data), str(path))  # the new entry is valid (tenant name, cap)
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        if path.exists():  # the file's mode and owner stay: a root:autoglm 0640 file became root:root 0600,
+            st = path.stat()  # which the server (user autoglm) could no longer read
+            os.fchmod(fd, stat.S_IMODE(st.st_mode))
+            with contextlib.suppress(PermissionError):  # only root (or the group's member) may give it back
+                os.fchown(fd, st.st_uid, st.st_gid)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)
             f.write("\n")

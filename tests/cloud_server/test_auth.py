@@ -125,6 +125,18 @@ def test_keys_add_into_a_folder_that_is_not_there_names_the_folder(tmp_path, cap
     assert auth.keys_main(["add", "k.json", "--tenant", "acme"]) == 2  # a UnicodeDecodeError traceback
     assert "k.json: not UTF-8 text" in capsys.readouterr().err
 
+def test_keys_add_keeps_the_files_mode_and_owner(tmp_path):
+    """A root:autoglm 0640 file came back root:root 0600 from 'keys add' (the .tmp's): the server's user could no
+    longer read it."""
+    path = tmp_path / "keys.json"
+    auth.add_key(path, "alice")
+    path.chmod(0o640)
+    group = 1 if os.geteuid() == 0 else os.getgid()  # root can give it another group
+    os.chown(path, -1, group)
+    auth.add_key(path, "bob")
+    st = path.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o640, group) and len(json.loads(path.read_text())["keys"]) == 2
+
 def _add_one(args):
     path, tenant = args
     return auth.add_key(path, tenant)[1]
