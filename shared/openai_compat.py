@@ -270,8 +270,6 @@ MEDIA_PARTS = ("image_url", "input_audio")  # content parts a media-capable back
 def _flatten_content(content: Any, where: str, media: bool = False) -> str | list[dict[str, Any]]:
     """A message's content as text; with ``media``, a list holding image/audio parts is kept as parts (the
     backend places them: edge_client.media)."""
-    if content is None:
-        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -322,7 +320,14 @@ def parse_chat_request(body: Any, media: bool = False) -> ChatRequest:
         role = m.get("role")
         if role not in ROLES:
             raise OpenAIRequestError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}", "messages")
-        msg: dict[str, Any] = {"role": role, "content": _flatten_content(m.get("content"), where, media)}
+        content = m.get("content")
+        if content is None:  # OpenAI's 400 too; it was read as empty text (no prompt at all: the model babbled)
+            if not (role == "assistant" and m.get("tool_calls")):
+                raise OpenAIRequestError(f"{where}.content: {'null' if 'content' in m else 'missing'}; expected a "
+                                         "string or an array of parts (null only in an assistant turn with "
+                                         "tool_calls)", "messages")
+            content = ""  # an earlier tool-calling turn of the history: its text is empty (tool_calls not rendered)
+        msg: dict[str, Any] = {"role": role, "content": _flatten_content(content, where, media)}
         if role == "assistant" and isinstance(m.get("reasoning_content"), str):
             msg["reasoning_content"] = m["reasoning_content"]
         parsed.append(msg)

@@ -66,6 +66,23 @@ def test_a_text_part_beside_media_is_checked_as_one_alone(text):
     assert kept.messages[0]["content"] == [{"type": "text", "text": "a"}, image]
 
 
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
+                                     {"role": "system", "content": None}, {"role": "tool", "content": None},
+                                     {"role": "assistant", "content": None}, {"role": "assistant"},
+                                     {"role": "assistant", "content": None, "tool_calls": []}])
+def test_a_message_without_content_is_refused_as_openai_does(message):
+    """A message with no content, or content null, was read as empty text (a 200 answering nothing); OpenAI
+    refuses it with a 400 - null is only an assistant turn's with tool_calls, which a history may hold."""
+    with pytest.raises(OpenAIRequestError, match=r"messages\[1\]\.content: (null|missing)") as ei:
+        parse_chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}, message]})
+    assert ei.value.param == "messages" and ei.value.status == 400
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    r = parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": call},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}, {"role": "user", "content": "so?"}]})
+    assert r.messages[1] == {"role": "assistant", "content": ""}
+
+
 @pytest.mark.parametrize("body, param", [
     ([], None),
     ({"model": "m", "messages": []}, "messages"),
