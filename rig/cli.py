@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shared.cli_exit import run_command
+from shared.user_paths import user_path
 
 
 def _env(name: str, default=None):
@@ -66,7 +67,9 @@ class OutDirError(ValueError):
 
 
 def check_out_dir(out: Path) -> Path:
-    """Make ``out`` (and ``out/logs``) and prove a file can be written there; OutDirError otherwise."""
+    """Make ``out`` (and ``out/logs``) and prove a file can be written there; OutDirError otherwise. A leading
+    ``~`` is the home (``AUTOGLM_RIG_OUT=~/reports`` made a folder named ``~`` here)."""
+    out = user_path(out)
     try:
         (out / "logs").mkdir(parents=True, exist_ok=True)
         probe = out / ".autoglm-rig-write-test"

@@ -8,6 +8,7 @@ from cli_support import undocumented
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -154,6 +155,15 @@ def test_an_output_path_that_cannot_be_written_is_exit_2_before_anything_starts(
     err = capsys.readouterr().err
     assert "autoglm-rig run: error: --out" in err and "starting" not in err
 
+
+def test_an_output_path_under_home_from_the_environment_is_the_home(tmp_path, monkeypatch):
+    """AUTOGLM_RIG_OUT=~/reports (no shell expands a variable's ~) made a folder named '~' in the working directory."""
+    from rig.cli import check_out_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert check_out_dir(Path("~/reports")) == tmp_path / "home" / "reports"
+    assert (tmp_path / "home" / "reports" / "logs").is_dir() and not (tmp_path / "~").exists()
 
 def _children(pid: int) -> set[int]:
     try:
