@@ -89,7 +89,10 @@ class RetryPolicy:
 
     def backoff(self, attempt: int, rand: float = 0.5) -> float:
         """Delay before reconnect attempt ``attempt`` (0-based); ``rand`` in [0, 1) draws the jitter."""
-        base = min(self.backoff_max_s, self.backoff_initial_s * self.backoff_multiplier ** attempt)
+        try:
+            base = min(self.backoff_max_s, self.backoff_initial_s * self.backoff_multiplier ** attempt)
+        except OverflowError:  # the thousandth retry of a long window of short ones: long at the cap
+            base = self.backoff_max_s
         return base * (1.0 + self.backoff_jitter * (2.0 * rand - 1.0))
 
 

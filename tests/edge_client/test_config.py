@@ -21,6 +21,7 @@ def test_backoff_grows_to_its_cap_with_bounded_jitter():
     r = RetryPolicy(backoff_initial_s=0.1, backoff_max_s=1.0, backoff_multiplier=2.0, backoff_jitter=0.2)
     assert [round(r.backoff(k), 3) for k in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]  # rand=0.5: no jitter
     assert r.backoff(0, 0.0) == pytest.approx(0.08) and r.backoff(10, 0.999) <= 1.2
+    assert r.backoff(5000) == 1.0  # a reconnect window of many short retries (2.0 ** 1100 overflowed)
 
 
 @pytest.mark.parametrize("kw, field", [(dict(url="http://x"), "url"), (dict(threads=0), "threads"),
