@@ -172,6 +172,11 @@ class ServerConfig:
             raise ConfigError(f"port: {self.port} is not a TCP port")
         if self.api_key is not None and not self.api_key:  # an unset secret, `--api-key "$KEY"` with KEY unset
             raise ConfigError("api_key is empty: give the key, or leave the option unset to serve without one")
+        if self.api_key is not None and (self.api_key != self.api_key.strip() or not self.api_key.isprintable()):
+            # a secret file's trailing newline (a Kubernetes secret from `kubectl create secret --from-file`): the
+            # header's token is read stripped, so no client could ever match it - every request was a 401
+            raise ConfigError("api_key has whitespace at an end or a control character (a secret file's trailing "
+                              "newline?): no client can send it in a header")
         _positive("max_sessions", self.max_sessions)
         _positive("session_grace_s", self.session_grace_s)
         _positive("step_timeout_s", self.step_timeout_s)

@@ -92,6 +92,9 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     # an empty key (the deployment's secret made from an unset $KEY) served with no auth at all, silently
     (["B", "--device", "cpu", "--api-key", ""], {}, "api_key is empty"),
     (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_API_KEY": ""}, "api_key is empty"),
+    # a secret file's trailing newline: the header's token is stripped, so every client got 401
+    (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_API_KEY": "abc\n"}, "api_key has whitespace at an end"),
+    (["B", "--device", "cpu", "--api-key", "a\tb"], {}, "or a control character"),
     # an empty host (`--host "$HOST"`, HOST unset) listened on every interface, where the default is loopback only
     (["B", "--device", "cpu", "--host", ""], {}, "host is empty"),
 ])
