@@ -130,8 +130,9 @@ class EdgeClient:
         return self.session.connected
 
     def connect(self) -> dict:
-        """Open the session now (otherwise the first request does); returns the server's Welcome as a dict."""
-        return self._call(self.session.ensure_connected())
+        """Open the session now (otherwise the first request does), retrying as a request does; returns the
+        server's Welcome as a dict."""
+        return self._call(self.session.connect())
 
     def close(self) -> None:
         if self._closed:

@@ -326,14 +326,14 @@ class Session:
 
     async def _reconnect(self, req: _Request, stats: RequestStats, cause: Exception) -> bool:
         """Reconnect with backoff; True if the cloud session (and the request) survived."""
-        await self._connect_retrying(cause)
+        await self.connect(cause)
         stats.reconnects += 1
         return bool(getattr(self.welcome, "resumed", False))
 
-    async def _connect_retrying(self, cause: Exception | None) -> None:
+    async def connect(self, cause: Exception | None = None) -> dict:
         """Connect (resuming the session after ``cause``, the link's drop), retrying with backoff while the
-        retry policy's ``reconnect_window_s`` lasts (and ``max_retries`` allows); then the request fails
-        ``unreachable``."""
+        retry policy's ``reconnect_window_s`` lasts (and ``max_retries`` allows), then EdgeClientError
+        ``unreachable``; returns the Welcome as a dict. Requests and :meth:`EdgeClient.connect` both come here."""
         retry = self.config.retry
         start = time.monotonic()
         deadline = start + retry.reconnect_window_s
@@ -351,8 +351,7 @@ class Session:
                 await asyncio.sleep(delay)
                 self.welcome = None
             try:
-                await self.ensure_connected(resume=cause is not None)
-                return
+                return await self.ensure_connected(resume=cause is not None)
             except LinkDown as e:
                 last = e
 
@@ -408,7 +407,7 @@ class Session:
             if self.state.phase == DRAINING:  # this server takes no new request (module docstring, Drain)
                 await self.link.close()
             self._private = spec.prefix_secret is not None
-            await self._connect_retrying(None)
+            await self.connect()
             limit, whose = self.prompt_room()
             if len(spec.prompt_ids) > limit:
                 raise EdgeClientError(f"prompt of {len(spec.prompt_ids)} tokens exceeds {whose}", "context_full")

@@ -279,6 +279,19 @@ def test_a_dead_cloud_is_retried_for_the_reconnect_window_then_fails(tiny_bundle
     assert ei.value.code == "unreachable" and 1.5 <= time.monotonic() - t0 < 5
 
 
+def test_connect_to_a_dead_cloud_is_retried_and_fails_unreachable(tiny_bundle):
+    """``EdgeClient.connect()`` retries as a request does and fails with an EdgeClientError (it raised the
+    transport's internal LinkDown at the first refusal)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    retry = RetryPolicy(connect_timeout_s=2.0, reconnect_window_s=0.5, backoff_initial_s=0.05, backoff_max_s=0.1)
+    with EdgeClient(tiny_bundle, f"ws://127.0.0.1:{port}", retry=retry) as c, \
+            pytest.raises(EdgeClientError, match=r"cannot reach .* \(retried [1-9]\d* times") as ei:
+        c.connect()
+    assert ei.value.code == "unreachable"
+
+
 def test_persistent_cache_survives_restart_and_corruption(tiny_bundle, cloud, reference, tmp_path):
     cloud.drop_after_tokens, cloud.forget_sessions = None, False
     kw = dict(codec="fp16", retry=FAST_RETRY, cache_dir=tmp_path)
