@@ -112,6 +112,10 @@ class Scenario:
 
             if not (Path(str(self.whole)) / WHOLE_GRAPH).is_file():
                 raise ScenarioError(f"whole {self.whole}: not a whole-model export (no {WHOLE_GRAPH})")
+        for arg in self.cloud_args:
+            if (owned := _rig_owned_flag(arg)) is not None:
+                raise ScenarioError(f"cloud_args: {arg}{'' if arg == owned else f' ({owned})'}: the rig sets it "
+                                    f"itself or needs it unset (its servers listen on 127.0.0.1 without a key or TLS)")
         if not self.profiles or not self.workloads:
             raise ScenarioError("a scenario needs at least one profile and one workload")
         names = [p.name for p in self.profiles] + (["loopback"] if self.plan_check else [])
@@ -194,6 +198,22 @@ def _flag(value) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ScenarioError(f"cloud_args: each item is a flag or a value (a string or a number), got {value!r}")
     return str(value)
+
+
+def _rig_owned_flag(arg: str) -> str | None:
+    """The flag of :data:`rig.servers.RIG_OWNED_FLAGS` that ``arg`` (``--flag`` or ``--flag=value``, or a prefix
+    argparse takes for it) gives, else None."""
+    from cloud_server.cli import OPTIONS
+
+    from .servers import RIG_OWNED_FLAGS
+
+    name = arg.split("=", 1)[0]
+    if not name.startswith("--"):
+        return None
+    flags = [f"--{o.name.replace('_', '-')}" for o in OPTIONS] + [f"--no-{o.name.replace('_', '-')}" for o in OPTIONS
+                                                                  if o.kind is bool]
+    meant = [name] if name in flags else [f for f in flags if f.startswith(name)]
+    return meant[0] if len(meant) == 1 and meant[0] in RIG_OWNED_FLAGS else None
 
 
 def _path_component(key: str, value: str) -> None:

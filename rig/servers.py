@@ -33,6 +33,16 @@ def die_with_rig(cores: list[int] | None = None):
     return setup
 
 
+# `autoglm-cloud serve` flags a scenario's cloud_args may not give: the rig sets the address and the mode itself (a
+# later flag wins: a --port there left the rig waiting 300 s for /ready on its own port), and its phones and /ready
+# probes carry no key and speak plain ws:// and http://
+RIG_OWNED_FLAGS = ("--host", "--port", "--full", "--api-key", "--keys-file", "--ssl-certfile", "--ssl-keyfile",
+                   "--no-open-probes")
+# their environment twins, the bundle's (beside --full: 'exactly one of') and a config file's, which may set them
+RIG_OWNED_VARIABLES = {"AUTOGLM_CLOUD_" + f.removeprefix("--no-").removeprefix("--").replace("-", "_").upper()
+                       for f in RIG_OWNED_FLAGS} | {"AUTOGLM_CLOUD_BUNDLE", "AUTOGLM_CLOUD_CONFIG"}
+
+
 class CloudProcess:
     """One ``autoglm-cloud serve`` subprocess on localhost. ``bundle`` serves a split bundle's back half;
     ``full`` serves a whole model OpenAI-compatibly (exactly one of the two)."""
@@ -62,7 +72,8 @@ class CloudProcess:
         cmd = [sys.executable, "-c", "import sys; from cloud_server.cli import main; sys.exit(main())", "serve",
                *target, "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                "--log-level", "warning", *self.extra_args]
-        env = dict(os.environ)
+        # nor from the rig's environment (an operator's own AUTOGLM_CLOUD_API_KEY locked the phones out)
+        env = {k: v for k, v in os.environ.items() if k not in RIG_OWNED_VARIABLES}
         if self.cores:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch's pool: one thread per pinned core
                 env[var] = str(len(self.cores))

@@ -165,6 +165,21 @@ def test_an_output_path_under_home_from_the_environment_is_the_home(tmp_path, mo
     assert check_out_dir(Path("~/reports")) == tmp_path / "home" / "reports"
     assert (tmp_path / "home" / "reports" / "logs").is_dir() and not (tmp_path / "~").exists()
 
+def test_the_operators_own_cloud_settings_do_not_reach_the_rigs_servers(tiny_glm4_fp32_bundle, tmp_path,
+                                                                          monkeypatch):
+    """An AUTOGLM_CLOUD_API_KEY (or keys file, TLS, closed probes) exported for the operator's own server locked the
+    rig's keyless phones out; an AUTOGLM_CLOUD_BUNDLE beside the all-cloud server's --full stopped it."""
+    import httpx
+
+    from rig.servers import CloudProcess
+
+    monkeypatch.setenv("AUTOGLM_CLOUD_API_KEY", "operators-key")
+    monkeypatch.setenv("AUTOGLM_CLOUD_OPEN_PROBES", "false")
+    monkeypatch.setenv("AUTOGLM_CLOUD_BUNDLE", str(tmp_path))
+    with CloudProcess(bundle=tiny_glm4_fp32_bundle, log_path=tmp_path / "cloud.log",
+                      extra_args=["--num-blocks", "16", "--block-size", "4"]) as cloud:
+        assert httpx.get(f"http://127.0.0.1:{cloud.port}/v1/models", timeout=10).status_code == 200
+
 def _children(pid: int) -> set[int]:
     try:
         return {int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()}

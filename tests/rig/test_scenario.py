@@ -70,6 +70,11 @@ workloads:
     ({"name": "a\0b"}, "name 'a.x00b': a NUL character"),
     ({"model": "a\0b"}, "model 'a.x00b': a NUL character"),
     ({"cloud_args": [{"a": 1}]}, "cloud_args: each item"),
+    # the rig's own address, or what locks its phones out: a --port there left it waiting 300 s for /ready
+    ({"cloud_args": ["--port", 9000]}, "cloud_args: --port: the rig sets it"),
+    ({"cloud_args": ["--po=9000"]}, r"cloud_args: --po=9000 \(--port\)"),
+    ({"cloud_args": ["--api-key", "k"]}, "cloud_args: --api-key"),
+    ({"cloud_args": ["--no-open-probes"]}, "cloud_args: --no-open-probes"),
     ({"profiles": [{"name": "../x", "rtt_ms": 10, "down_mbps": 1, "up_mbps": 1}]}, "profiles: name '../x'"),
     ({"plan_check": True, "profiles": [{"name": "loopback", "rtt_ms": 10, "down_mbps": 1, "up_mbps": 1}]},
      "names must be unique"),
