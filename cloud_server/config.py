@@ -168,6 +168,8 @@ class ServerConfig:
             raise ConfigError("more_bundles: further bundles are served beside a BUNDLE (split mode)")
         if not self.host.strip():  # `--host "$HOST"` with HOST unset listened on every interface, IPv4 and IPv6
             raise ConfigError("host is empty: give the listen address (0.0.0.0 for every interface)")
+        if self.host.startswith("[") and self.host.endswith("]"):  # a URL's spelling: "Name or service not known"
+            raise ConfigError(f"host {self.host}: give an IPv6 address without brackets ({self.host[1:-1]})")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port")
         if self.api_key is not None and not self.api_key:  # an unset secret, `--api-key "$KEY"` with KEY unset

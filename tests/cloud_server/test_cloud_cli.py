@@ -97,6 +97,7 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B", "--device", "cpu", "--api-key", "a\tb"], {}, "or a control character"),
     # an empty host (`--host "$HOST"`, HOST unset) listened on every interface, where the default is loopback only
     (["B", "--device", "cpu", "--host", ""], {}, "host is empty"),
+    (["B", "--device", "cpu", "--host", "[::1]"], {}, r"host \[::1\]: give an IPv6 address without brackets \(::1\)"),
 ])
 def test_bad_configuration_is_a_one_line_error(argv, env, message):
     if message is None:
