@@ -247,10 +247,15 @@ def still_authorized(ws) -> bool:
 
 
 def install_sighup(store: KeyStore | None) -> bool:
-    """Reload ``store`` on SIGHUP (main thread only; returns whether the handler is installed)."""
-    if store is None or not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+    """Reload ``store`` on SIGHUP (main thread only; returns whether the handler is installed). Without a keys file
+    the signal is noted in the log: its default action ended the server at once, undrained (status 129; with
+    front-end workers, each worker the main process passes it to)."""
+    if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
         return False
-    signal.signal(signal.SIGHUP, lambda *_: store.reload())
+    if store is None:
+        signal.signal(signal.SIGHUP, lambda *_: log.info("SIGHUP: no keys file to reload (nothing else reloads)"))
+    else:
+        signal.signal(signal.SIGHUP, lambda *_: store.reload())
     return True
 
 

@@ -137,6 +137,17 @@ def test_keys_add_keeps_the_files_mode_and_owner(tmp_path):
     st = path.stat()
     assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o640, group) and len(json.loads(path.read_text())["keys"]) == 2
 
+def test_sighup_without_a_keys_file_leaves_the_server_running():
+    """serve (and each front-end worker) installed no SIGHUP handler without a keys file: a `kill -HUP` (a reload
+    habit, logrotate's postrotate) ended it at once by the signal, undrained (status 129)."""
+    import subprocess
+    import sys
+
+    code = ("import logging, os, signal; logging.basicConfig(level='INFO'); from cloud_server.auth import "
+            "install_sighup; assert install_sighup(None); os.kill(os.getpid(), signal.SIGHUP); print('alive')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert (r.returncode, r.stdout.strip()) == (0, "alive") and "no keys file to reload" in r.stderr
+
 def _add_one(args):
     path, tenant = args
     return auth.add_key(path, tenant)[1]
