@@ -17,7 +17,10 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
    ``.<name>.versions/<bundle id>-<edge quant>/``, replaced by one ``rename(2)`` of a new link over it. A
    plain directory there (the first update) is moved into the versions folder first; a crash between that
    move and the link's rename is finished by :func:`recover` at the next start. The previous version is kept
-   (rollback: point the link back); older ones are removed. Two updaters of one bundle path (two processes
+   (rollback: point the link back); older ones are removed, except one a running client still uses: every
+   client resolves the link once when it opens the bundle and holds a shared ``flock`` on that version's
+   directory until it closes (:class:`HeldVersion`), so it runs on one version for its lifetime - its encoders,
+   opened later, included - and that version stays until a later update finds it unused. Two updaters of one bundle path (two processes
    of an app, an app beside ``preload --update``) take turns on a lock file beside it; the second finds the
    bundle current and returns;
 4. the caller then drops the activation cache of the bundle it left (:func:`retire_cache`): its blocks of this
@@ -303,6 +306,67 @@ def recover(bundle: Path) -> None:
         log.info("%s: finished an interrupted bundle switch", bundle)
 
 
+class HeldVersion(os.PathLike):
+    """The bundle version a client runs on for its lifetime: the bundle path resolved once, when the client opens
+    it, and a shared ``flock`` on that directory, which :func:`switch` honours (no update removes it before
+    :meth:`close`). As a path (``os.fspath``) it is that directory wherever it is now: the first update moves a
+    plain bundle directory into the versions folder, where it is found (by its inode)."""
+
+    def __init__(self, bundle: str | Path):
+        self.bundle = Path(bundle)
+        self.path, self._fd = self.bundle, None  # no directory to hold: the caller's load says what is wrong
+        for _ in range(3):
+            directory = self.bundle.resolve()
+            try:
+                fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError:
+                return
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal in progress (switch holds it exclusively)
+            if (directory / MANIFEST_NAME).is_file():
+                self.path, self._fd = directory, fd
+                return
+            os.close(fd)  # removed by an update between the resolve and the lock: the link names another now
+
+    def __fspath__(self) -> str:
+        if self._fd is not None and not _is_dir_of(self.path, self._fd):
+            versions = versions_dir(self.bundle)
+            moved = [p for p in versions.iterdir() if _is_dir_of(p, self._fd)] if versions.is_dir() else []
+            self.path = moved[0] if moved else self.path
+        return str(self.path)
+
+    def close(self) -> None:
+        """Let go: a later update may remove this version."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _is_dir_of(path: Path, fd: int) -> bool:
+    try:
+        a, b = os.stat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _remove_unless_held(version: Path) -> None:
+    """Remove an old version, unless a running client holds it (:class:`HeldVersion`)."""
+    try:
+        fd = os.open(version, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # not a directory
+        shutil.rmtree(version, ignore_errors=True)
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("%s: kept, a running client uses it (a later update removes it)", version)
+            return
+        shutil.rmtree(version, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
 def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None = None) -> Path:
     """Download the edge half of ``bundle_id`` (variant ``edge``) beside ``bundle``; returns its verified
     directory ``.<name>.versions/<id>-<edge>``. Resumes a staging directory an earlier call left."""
@@ -398,7 +462,7 @@ def _sha256(path: Path) -> str:
 
 def switch(bundle: Path, new: Path) -> None:
     """Make ``bundle`` point at the verified version ``new`` (one rename of a link over it; see the module
-    docstring). The version it pointed at stays; older ones are removed."""
+    docstring). The version it pointed at stays; older ones are removed unless a running client holds them."""
     bundle = Path(bundle)
     versions = versions_dir(bundle)
     previous: Path | None = None
@@ -419,7 +483,7 @@ def switch(bundle: Path, new: Path) -> None:
     keep = {new.resolve(), previous.resolve() if previous is not None else None}
     for old in versions.iterdir():
         if old.resolve() not in keep:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_unless_held(old)
 
 
 def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),

@@ -78,14 +78,14 @@ class EdgeClient:
             cfg = EdgeConfig(bundle=Path(bundle), api_key=api_key, **kw, **overrides)
         self.config = cfg
         bundle_sync.recover(cfg.bundle)  # a bundle switch that a crash interrupted
-        self.manifest, self.runtime, self.tokenizer, self.cache = self._open_bundle()
+        self.manifest, self.runtime, self.tokenizer, self.cache, self._version = self._open_bundle()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="autoglm-edge-loop", daemon=True)
         self._thread.start()
         self.session = Session(cfg, self.manifest, self.runtime, self.cache, self.tokenizer)
         if cfg.auto_update:  # on bundle_mismatch: download the server's bundle and carry on with it
             self.session.on_bundle_mismatch = self._update_bundle
-        self.media = MediaEncoders(cfg.bundle, cfg.threads)  # opened on the first image / audio clip
+        self.media = MediaEncoders(self._version, cfg.threads)  # opened on the first image / audio clip
         self.media_policy = media_policy or MediaPolicy()
         self.whole_model, self.all_cloud = whole_model, all_cloud
         self.prefix_secret = prefix_secret if prefix_secret is not None else os.urandom(32)
@@ -94,17 +94,26 @@ class EdgeClient:
         self._inflight: dict[concurrent.futures.Future, Any] = {}  # unfinished requests -> their sinks
         self._inflight_lock = threading.Lock()
 
-    def _open_bundle(self) -> tuple[Manifest, FrontRuntime, EdgeTokenizer, ActivationCache]:
-        """The configured bundle's manifest, front runtime, tokenizer and activation cache."""
+    def _open_bundle(self) -> tuple[Manifest, FrontRuntime, EdgeTokenizer, ActivationCache, bundle_sync.HeldVersion]:
+        """The configured bundle's manifest, front runtime, tokenizer and activation cache, and its version
+        (``bundle_sync.HeldVersion``): the bundle path is resolved once, so everything read from it (the
+        encoders, opened later, included) is of one version, whatever another process switches the path to, and
+        no update removes that version while this client holds it."""
         cfg = self.config
-        manifest = Manifest.load(cfg.bundle)
-        runtime = FrontRuntime(cfg.bundle, threads=cfg.threads, chunk=cfg.prefill_chunk, verify=cfg.verify_bundle)
-        tokenizer = EdgeTokenizer.from_bundle(cfg.bundle, manifest)
-        cache = ActivationCache(
-            manifest.bundle_id, runtime.n_layers, runtime.kv_heads, runtime.head_dim,
-            runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
-            cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.states_variant)
-        return manifest, runtime, tokenizer, cache
+        version = bundle_sync.HeldVersion(cfg.bundle)
+        directory = Path(version)
+        try:
+            manifest = Manifest.load(directory)
+            runtime = FrontRuntime(directory, threads=cfg.threads, chunk=cfg.prefill_chunk, verify=cfg.verify_bundle)
+            tokenizer = EdgeTokenizer.from_bundle(directory, manifest)
+            cache = ActivationCache(
+                manifest.bundle_id, runtime.n_layers, runtime.kv_heads, runtime.head_dim,
+                runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
+                cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.states_variant)
+        except BaseException:
+            version.close()
+            raise
+        return manifest, runtime, tokenizer, cache, version
 
     async def _update_bundle(self, bundle_ids: list[str]) -> bool:
         """The cloud refused this bundle (``bundle_ids``: what it serves): download its bundle of the same model,
@@ -118,9 +127,10 @@ class EdgeClient:
         except bundle_sync.BundleSyncError as e:
             raise EdgeClientError(f"the cloud serves another bundle and updating to it failed: {e}", e.code) from None
         self.cache.close()  # the bundle it left: its cache files go, unless another client has them open
+        self._version.close()  # and a later update may remove its version
         await asyncio.to_thread(bundle_sync.retire_cache, self.config, self.manifest, opened[0])
-        self.manifest, self.runtime, self.tokenizer, self.cache = opened
-        self.media = MediaEncoders(self.config.bundle, self.config.threads)
+        self.manifest, self.runtime, self.tokenizer, self.cache, self._version = opened
+        self.media = MediaEncoders(self._version, self.config.threads)
         self.session.use_bundle(self.manifest, self.runtime, self.cache, self.tokenizer)
         return True
 
@@ -150,6 +160,7 @@ class EdgeClient:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
         self.cache.close()  # its scope is free to retire (edge_client.bundle_sync.retire_cache)
+        self._version.close()  # and its bundle version free to remove (bundle_sync.switch)
 
     async def _shutdown(self) -> None:
         """The loop's last work: the session closed (orderly: the server frees it at once), then every task still

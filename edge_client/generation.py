@@ -180,7 +180,7 @@ class Session:
         self.cache = cache
         self.tokenizer = tokenizer
         self.link = Link(config.url, config.api_key, config.retry, ca_file=config.ca_file)
-        self.codecs = C.available_codecs(_calibration(config.bundle))  # name -> BoundaryCodec
+        self.codecs = C.available_codecs(_calibration(runtime.bundle_dir))  # name -> BoundaryCodec
         self.welcome = None
         self.resume_token: str | None = None
         # prefix keys the cloud holds as far as this session knows: Welcome.cached_prefixes, and the keys of the
@@ -205,14 +205,14 @@ class Session:
                    tokenizer: EdgeTokenizer | None) -> None:
         """Carry on with another bundle of the same model (after an update): its front, cache and codecs."""
         self.manifest, self.runtime, self.cache, self.tokenizer = manifest, runtime, cache, tokenizer
-        self.codecs = C.available_codecs(_calibration(self.config.bundle))
+        self.codecs = C.available_codecs(_calibration(runtime.bundle_dir))
         self.bundle_gen += 1
         self.ushape = self._open_ushape()
         self._open_head()
 
     def _open_head(self) -> None:
         cfg = self.config
-        self.head = open_draft_head(cfg.bundle, self.manifest, cfg.threads)
+        self.head = open_draft_head(self.runtime.bundle_dir, self.manifest, cfg.threads)  # the front's version
         prior = DRAFTER_SIZERS[self.head.kind if self.head is not None else "lens"]
         self.head_sizer = DraftSizer(self.drafter.config.max_drafts, prior.with_fixed_k(cfg.draft_k))
         self.cloud_sizer = DraftSizer(self.drafter.config.max_drafts, DRAFTER_SIZERS["cloud"].with_fixed_k(cfg.draft_k))
@@ -221,7 +221,7 @@ class Session:
         if not self.manifest.tail_layers:
             return None
         cfg = self.config
-        return UShape(self, TailRuntime(cfg.bundle, threads=cfg.threads, chunk=cfg.prefill_chunk,
+        return UShape(self, TailRuntime(self.runtime.bundle_dir, threads=cfg.threads, chunk=cfg.prefill_chunk,
                                         verify=cfg.verify_bundle))
 
     # -- connection -----------------------------------------------------------------------------

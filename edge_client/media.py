@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import os
 import re
 import socket
 import threading
@@ -442,10 +443,11 @@ def extract_parts(messages: list[dict], placeholder: Callable[[str], str]) -> tu
 
 
 class MediaEncoders:
-    """A bundle's encoders, each opened on first use: a text-only app never loads them."""
+    """A bundle's encoders, each opened on first use: a text-only app never loads them. ``bundle_dir`` is taken as
+    a path then (``EdgeClient`` passes its ``bundle_sync.HeldVersion``: the version its front runs on)."""
 
-    def __init__(self, bundle_dir: str | Path, threads: int = 2):
-        self.bundle_dir = Path(bundle_dir)
+    def __init__(self, bundle_dir: str | os.PathLike, threads: int = 2):
+        self.bundle_dir = bundle_dir
         self.threads = threads
         self._vision = None
         self._audio = None

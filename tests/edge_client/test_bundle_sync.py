@@ -353,6 +353,32 @@ def test_an_update_drops_the_left_bundles_cache_unless_another_client_uses_it(bu
     assert not old.exists() and Manifest.load(other).bundle_id == Manifest.load(bundle_l1).bundle_id
 
 
+def test_a_running_client_keeps_its_version_whatever_another_process_switches_to(bundle_l1, edge_l2):
+    """The encoders (opened on a client's first image or clip) were read through the bundle path: after another
+    process's update a running client paired the new version's encoders with its old front, and after two more its
+    version folder was removed under it. A client resolves the path once and holds that version until it closes:
+    its encoders come from it (also from a plain directory the first update moved), no update removes it meanwhile."""
+    versions, m2 = bundle_sync.versions_dir(edge_l2), Manifest.load(edge_l2)
+
+    def another_process_updates_to(name: str, src: Path) -> None:
+        shutil.copytree(src, versions / name, ignore=shutil.ignore_patterns("cloud"))
+        bundle_sync.switch(edge_l2, versions / name)
+
+    def encoders_read(c: EdgeClient) -> str:
+        return Manifest.load(Path(c.media.bundle_dir)).bundle_id
+
+    with EdgeClient(edge_l2, "ws://127.0.0.1:9") as plain:  # the first update moves its directory
+        another_process_updates_to("a", bundle_l1)
+        assert encoders_read(plain) == m2.bundle_id
+        with EdgeClient(edge_l2, "ws://127.0.0.1:9") as linked:  # opened on version a, through the link
+            another_process_updates_to("b", edge_l2)
+            another_process_updates_to("c", edge_l2)
+            assert encoders_read(plain) == m2.bundle_id and encoders_read(linked) == Manifest.load(bundle_l1).bundle_id
+            assert (versions / "a").is_dir() and Path(plain.media.bundle_dir).parent == versions
+    another_process_updates_to("d", bundle_l1)  # unused now: the older versions go
+    assert sorted(p.name for p in versions.iterdir()) == ["c", "d"]
+
+
 # -- the client ---------------------------------------------------------------------------------------------
 
 def test_the_refusal_names_the_served_bundle(bundle_l1, edge_l2):
