@@ -232,6 +232,20 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         raise ConfigError(f"{e} [{'; '.join(named)}]") from None
 
 
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """``AUTOGLM_CLOUD_*`` variables that name no option, each with the nearest one's name when there is one: a
+    typo (``AUTOGLM_CLOUD_API_KEYS``) was ignored without a word - there, a server without a key."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    known = [name.upper() for name in [o.name for o in OPTIONS] + ["bundle", "config", "log_level"]]
+    out = []
+    for name in sorted(k for k in env if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):] not in known):
+        near = difflib.get_close_matches(name[len(ENV_PREFIX):], known, n=1)
+        out.append(f"{name} (did you mean {ENV_PREFIX}{near[0]}?)" if near else name)
+    return out
+
+
 def log_level(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str:
     """``--log-level``, else ``AUTOGLM_CLOUD_LOG_LEVEL`` (any case; empty is unset, as for every twin), else info.
     The variable was taken unchecked: ``verbose`` or an empty value was a ValueError traceback from logging."""
@@ -336,6 +350,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         args.log_level = log_level(args)
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if unknown := unknown_variables():  # warned, not refused: the environment is shared with other programs
+            logging.getLogger("autoglm.cloud").warning("ignoring unknown variable(s): %s", ", ".join(unknown))
         config = resolve(args)
     except ConfigError as e:
         print(f"autoglm-cloud: error: {e}", file=sys.stderr)

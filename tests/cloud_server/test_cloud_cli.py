@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,20 @@ def test_a_bad_value_from_a_variable_or_the_config_file_names_where_it_came_from
         _resolve(["--config", str(conf), "--device", "cpu"])
     with pytest.raises(ConfigError, match=r"max_sessions must be > 0 \(got 0\)$"):  # typed: said as it was
         _resolve(["B", "--device", "cpu", "--max-sessions", "0"], {"AUTOGLM_CLOUD_MAX_SESSIONS": "0"})
+
+def test_an_unknown_variable_of_the_prefix_is_warned_with_the_nearest_name(tmp_path, monkeypatch, caplog):
+    """AUTOGLM_CLOUD_API_KEYS=... (a typo) was ignored without a word: a server without a key."""
+    import os
+
+    for name in [k for k in os.environ if k.startswith("AUTOGLM_CLOUD_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AUTOGLM_CLOUD_API_KEYS", "secret")
+    monkeypatch.setenv("AUTOGLM_CLOUD_ZZZ", "1")
+    with caplog.at_level(logging.WARNING, logger="autoglm.cloud"):
+        assert main(["serve", str(tmp_path), "--device", "cpu", "--port", "70000"]) == 2
+    said = [r.getMessage() for r in caplog.records if "unknown variable" in r.getMessage()]
+    assert said == ["ignoring unknown variable(s): AUTOGLM_CLOUD_API_KEYS (did you mean AUTOGLM_CLOUD_API_KEY?), "
+                    "AUTOGLM_CLOUD_ZZZ"]
 
 def test_main_reports_errors_without_a_traceback(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
