@@ -336,8 +336,11 @@ def keys_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         key_id, key = add_key(args.file, args.tenant, args.max_sessions, args.role)
-    except (KeysFileError, OSError) as e:
+    except KeysFileError as e:
         print(f"autoglm-cloud keys: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # it named the lock or .tmp file beside the keys file, which the user never asked for
+        print(f"autoglm-cloud keys: error: {args.file}: cannot write it there ({e.strerror or e})", file=sys.stderr)
         return 2
     print(key)
     print(f"added {args.role} key {key_id} for tenant {args.tenant} to {args.file}; the key is shown only now",

@@ -121,6 +121,9 @@ def test_keys_add_into_a_folder_that_is_not_there_names_the_folder(tmp_path, cap
     assert auth.keys_main(["add", where, "--tenant", "acme"]) == 2
     err = capsys.readouterr().err
     assert said in err and ".lock" not in err and ".tmp" not in err  # it named .keys.json.lock
+    assert auth.keys_main(["add", "/proc/keys.json", "--tenant", "acme"]) == 2  # a folder that takes no new file
+    err = capsys.readouterr().err
+    assert "/proc/keys.json: cannot write it there" in err and ".lock" not in err
     (tmp_path / "k.json").write_bytes(b"\xff\xfe")
     assert auth.keys_main(["add", "k.json", "--tenant", "acme"]) == 2  # a UnicodeDecodeError traceback
     assert "k.json: not UTF-8 text" in capsys.readouterr().err
