@@ -58,6 +58,10 @@ class RetryPolicy:
     # ~5-15 s for a tiny model on a busy CPU box, about a minute for a 9B GPU server), after which the request
     # resumes or is replayed; a server that stays dead fails the request after this long, not never.
     reconnect_window_s: float = 90.0
+    # The same for a client that has not reached the cloud yet (a wrong URL, a server not started): a
+    # misconfiguration shows in seconds, as an HTTP client's connect error does; from its first Welcome on,
+    # reconnect_window_s applies.
+    first_connect_window_s: float = 10.0
     # At most this many retries within the window (None: as many as the backoff fits in it); 0 never retries.
     max_retries: int | None = None
     # Backoff before reconnect attempt k: min(max, initial * multiplier**k) * (1 +- jitter). Jitter keeps a
@@ -72,7 +76,8 @@ class RetryPolicy:
     keepalive_timeout_s: float | None = 20.0
 
     def __post_init__(self):
-        for name in ("connect_timeout_s", "reply_timeout_s", "reconnect_window_s", "backoff_initial_s",
+        for name in ("connect_timeout_s", "reply_timeout_s", "reconnect_window_s", "first_connect_window_s",
+                     "backoff_initial_s",
                      "backoff_max_s"):
             if not getattr(self, name) > 0:  # (nan too)
                 raise ConfigError(f"RetryPolicy.{name} must be > 0, got {getattr(self, name)}")

@@ -183,6 +183,7 @@ class Session:
         self.codecs = C.available_codecs(_calibration(runtime.bundle_dir))  # name -> BoundaryCodec
         self.welcome = None
         self.resume_token: str | None = None
+        self.reached = False  # a Welcome came once: a failed connect is then retried for the longer window
         # prefix keys the cloud holds as far as this session knows: Welcome.cached_prefixes, and the keys of the
         # prompts it completed since (advisory: a prefix_miss says one was lost)
         self.cloud_keys: dict[str, None] = {}  # an ordered set: oldest first (CLOUD_KEYS_KEPT)
@@ -290,6 +291,7 @@ class Session:
             self._learn_keys(reversed(w.cached_prefixes))  # listed most recently used first
             self.welcome = w
             self.resume_token = w.resume_token
+            self.reached = True
         return P.to_dict(self.welcome)
 
     async def _send(self, msg) -> int:
@@ -332,11 +334,14 @@ class Session:
 
     async def connect(self, cause: Exception | None = None) -> dict:
         """Connect (resuming the session after ``cause``, the link's drop), retrying with backoff while the
-        retry policy's ``reconnect_window_s`` lasts (and ``max_retries`` allows), then EdgeClientError
-        ``unreachable``; returns the Welcome as a dict. Requests and :meth:`EdgeClient.connect` both come here."""
+        retry policy's ``reconnect_window_s`` lasts - ``first_connect_window_s`` before this client first reached
+        the cloud - (and ``max_retries`` allows), then EdgeClientError ``unreachable``; returns the Welcome as a
+        dict. Requests and :meth:`EdgeClient.connect` both come here."""
         retry = self.config.retry
         start = time.monotonic()
-        deadline = start + retry.reconnect_window_s
+        window = retry.reconnect_window_s if self.reached else min(retry.first_connect_window_s,
+                                                                   retry.reconnect_window_s)
+        deadline = start + window
         last, attempt = cause, 0
         while True:
             if last is not None:

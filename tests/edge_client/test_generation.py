@@ -279,6 +279,21 @@ def test_a_dead_cloud_is_retried_for_the_reconnect_window_then_fails(tiny_bundle
     assert ei.value.code == "unreachable" and 1.5 <= time.monotonic() - t0 < 5
 
 
+def test_a_client_that_never_reached_the_cloud_gives_up_after_the_first_connect_window(tiny_bundle):
+    """A wrong URL or a server not started shows in seconds (``first_connect_window_s``), not after the long
+    window a reached cloud's restart gets."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    retry = RetryPolicy(connect_timeout_s=2.0, reconnect_window_s=60.0, first_connect_window_s=0.5,
+                        backoff_initial_s=0.05, backoff_max_s=0.1)
+    t0 = time.monotonic()
+    with EdgeClient(tiny_bundle, f"ws://127.0.0.1:{port}", retry=retry) as c, \
+            pytest.raises(EdgeClientError, match="cannot reach") as ei:
+        c.complete(prompt_ids=PROMPT, max_tokens=2)
+    assert ei.value.code == "unreachable" and time.monotonic() - t0 < 5
+
+
 def test_connect_to_a_dead_cloud_is_retried_and_fails_unreachable(tiny_bundle):
     """``EdgeClient.connect()`` retries as a request does and fails with an EdgeClientError (it raised the
     transport's internal LinkDown at the first refusal)."""
