@@ -103,33 +103,35 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
 )
 
 
-def _load_file(path: str) -> dict:
+def _load_file(path: str, label: str) -> dict:
+    """The options of the config file ``path``; its errors start with ``label``, the file as it was given (``--config
+    FILE`` or ``AUTOGLM_CLOUD_CONFIG=FILE``)."""
     p = user_path(path)
     if not p.is_file():
-        raise ConfigError(f"--config {path}: no such file")
+        raise ConfigError(f"{label}: {'not a file' if p.exists() else 'no such file'}")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--config {path}: cannot read ({e})") from None
+        raise ConfigError(f"{label}: cannot read ({e})") from None
     if p.suffix == ".toml":
         try:
             import tomllib
         except ImportError:  # Python 3.10
-            raise ConfigError(f"--config {path}: TOML needs Python 3.11+; use JSON") from None
+            raise ConfigError(f"{label}: TOML needs Python 3.11+; use JSON") from None
         parse = tomllib.loads  # a key given twice is TOML's own error
     else:
         parse = functools.partial(json.loads, object_pairs_hook=_once)
     try:
         data = parse(text)
     except Exception as e:  # noqa: BLE001 - json / toml errors
-        raise ConfigError(f"--config {path}: cannot parse ({type(e).__name__}: {e})".splitlines()[0]) from None
+        raise ConfigError(f"{label}: cannot parse ({type(e).__name__}: {e})".splitlines()[0]) from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: expected a table/object of options")
+        raise ConfigError(f"{label}: expected a table/object of options")
     known = {o.name for o in OPTIONS} | {"bundle"}
     unknown = sorted(set(data) - known)
     if unknown:
         hint = [f"{k} -> {k.replace('-', '_')}" for k in unknown if k.replace("-", "_") in known]
-        raise ConfigError(f"--config {path}: unknown option(s) {', '.join(unknown)}"
+        raise ConfigError(f"{label}: unknown option(s) {', '.join(unknown)}"
                           + (f" (keys are spelt with _: {', '.join(hint)})" if hint else ""))
     return data
 
@@ -184,7 +186,8 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     """Merge command line, environment and config file into a validated :class:`ServerConfig`."""
     env = os.environ if environ is None else environ
     cfg_path = args.config or env.get(ENV_PREFIX + "CONFIG")
-    file = _load_file(cfg_path) if cfg_path else {}
+    cfg_label = f"--config {cfg_path}" if args.config else f"{ENV_PREFIX}CONFIG={cfg_path}"
+    file = _load_file(cfg_path, cfg_label) if cfg_path else {}
     server: dict = {}
     engine: dict = {}
     origin: dict[str, str] = {}  # option -> the variable or file it came from (not the command line)
@@ -202,7 +205,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             except ValueError as e:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: {e}") from None
         if name in file:
-            origin[name] = f"--config {cfg_path}"
+            origin[name] = cfg_label
             value = file[name]
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)

@@ -172,6 +172,8 @@ def test_a_bad_value_from_a_variable_or_the_config_file_names_where_it_came_from
     conf.write_text('{"bundle": "b", "port": 70000}')
     with pytest.raises(ConfigError, match=rf"not a TCP port \[port from --config {conf}\]$"):
         _resolve(["--config", str(conf), "--device", "cpu"])
+    with pytest.raises(ConfigError, match=rf"^AUTOGLM_CLOUD_CONFIG={tmp_path}: not a file$"):  # was "--config ...:
+        _resolve(["--device", "cpu"], {"AUTOGLM_CLOUD_CONFIG": str(tmp_path)})  # no such file", a flag never typed
     with pytest.raises(ConfigError, match=r"max_sessions must be > 0 \(got 0\)$"):  # typed: said as it was
         _resolve(["B", "--device", "cpu", "--max-sessions", "0"], {"AUTOGLM_CLOUD_MAX_SESSIONS": "0"})
 
