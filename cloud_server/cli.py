@@ -366,7 +366,8 @@ def _main(argv: list[str] | None) -> int:
     for name in ("ssl_certfile", "ssl_keyfile", "keys_file"):
         path = getattr(config, name)
         if path is not None and not Path(path).is_file():
-            print(f"autoglm-cloud: error: --{name.replace('_', '-')} {path}: no such file", file=sys.stderr)
+            print(f"autoglm-cloud: error: --{name.replace('_', '-')} {path}: "
+                  f"{'not a file' if Path(path).exists() else 'no such file'}", file=sys.stderr)
             return 2
     problem = _startup_problem(config)
     if problem:

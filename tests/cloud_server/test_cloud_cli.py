@@ -288,6 +288,7 @@ def test_what_would_fail_the_start_is_a_one_line_error_before_it(tiny_bundle, tm
         (["--num-blocks", str(10**12)], "the KV pool needs at least"),
         (["--keys-file", str(not_utf8)], "--keys-file"),
         (["--config", str(not_utf8)], "cannot read"),
+        (["--keys-file", str(tmp_path)], f"--keys-file {tmp_path}: not a file"),  # was "no such file"
     ]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "no such CUDA device"))
