@@ -483,6 +483,13 @@ def check_messages(messages: Any) -> None:
     if not (isinstance(messages, list) and messages
             and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
         raise ValueError("messages must be a non-empty list of {\"role\": ..., \"content\": ...} dicts")
+    for i, m in enumerate(messages):  # the template failed on a null content ('can only concatenate str ...')
+        content = m.get("content")
+        if content is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise ValueError(f"messages[{i}].content: missing or null (a string or a list of content parts)")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}].content must be a string or a list of content parts, "
+                             f"got {type(content).__name__}")
 
 
 def _template_kwargs(given: Any, enable_thinking: Any) -> dict:

@@ -115,6 +115,10 @@ def client(tiny_bundle):
     ({"messages": []}, "messages must be a non-empty list"),  # rendered as the template's default system prompt
     ({"messages": [{"content": "hi"}]}, "messages must be a non-empty list"),  # rendered as some other turn
     ({"messages": [{"role": None, "content": "hi"}]}, "messages must be a non-empty list"),
+    # a null or missing content: the chat template's 'can only concatenate str (not NoneType)' before
+    ({"messages": [{"role": "user", "content": None}]}, r"messages\[0\]\.content: missing or null"),
+    ({"messages": [{"role": "system", "content": "s"}, {"role": "user"}]}, r"messages\[1\]\.content: missing"),
+    ({"messages": [{"role": "user", "content": 5}]}, r"messages\[0\]\.content must be a string"),
     # the template's variables: a bare TypeError ('multiple values for argument') or dict()'s ValueError before
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}, "may not be set"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}},
