@@ -14,8 +14,9 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
    changed on the server starts over). Each file is checked against the manifest's sha256 and size before it
    takes its name; the manifest's bundle id must re-derive from its hashes (``Manifest.load``);
 3. switches atomically: the configured bundle path becomes (or already is) a symbolic link into
-   ``.<name>.versions/<bundle id>-<edge quant>/``, replaced by one ``rename(2)`` of a new link over it. A
-   plain directory there (the first update) is moved into the versions folder first; a crash between that
+   ``.<name>.versions/<bundle id>-<edge quant>/`` (``...~<manifest hash>`` when another export of that id holds
+   the name: :func:`_version_path`), replaced by one ``rename(2)`` of a new link over it. A plain directory
+   there (the first update) is moved into the versions folder first, under a free name; a crash between that
    move and the link's rename is finished by :func:`recover` at the next start. The previous version is kept
    (rollback: point the link back); older ones are removed, except one a running client still uses: every
    client resolves the link once when it opens the bundle and holds a shared ``flock`` on that version's
@@ -43,7 +44,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -369,17 +372,14 @@ def _remove_unless_held(version: Path) -> None:
 
 def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None = None) -> Path:
     """Download the edge half of ``bundle_id`` (variant ``edge``) beside ``bundle``; returns its verified
-    directory ``.<name>.versions/<id>-<edge>``. Resumes a staging directory an earlier call left."""
+    directory in the versions folder (:func:`_version_path`). Resumes a staging directory an earlier call left.
+    Removes no version: :func:`switch` does, unless a running client holds it."""
     _check_names(bundle_id, edge)  # before either becomes a path
-    final = versions_dir(bundle) / f"{bundle_id}-{edge}"
-    stage = final.with_name(final.name + ".partial")
     raw = server.manifest_bytes(bundle_id, edge)
-    # An edge file may change under one bundle id (the id covers the cloud half only): what an earlier run left
-    # counts only if it was made for this very manifest.
-    if final.is_dir():
-        if _same_manifest(final, raw):  # complete from an earlier run (verified before it took this name)
-            return final
-        shutil.rmtree(final)
+    final = _version_path(bundle, bundle_id, edge, raw, reuse=True)
+    if final.is_dir():  # complete from an earlier run (verified before it took this name)
+        return final
+    stage = final.with_name(final.name + ".partial")
     if stage.is_dir() and not _same_manifest(stage, raw):
         shutil.rmtree(stage)
     stage.mkdir(parents=True, exist_ok=True)
@@ -413,6 +413,25 @@ def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progres
     os.replace(stage, final)
     log.info("bundle %s (%s edge): %d files, %d bytes, verified", bundle_id, edge, len(todo), total)
     return final
+
+
+def _version_path(bundle: Path, bundle_id: str, edge: str, raw: bytes, *, reuse: bool) -> Path:
+    """The versions-folder directory of the version ``<bundle_id>-<edge>`` whose manifest is ``raw``: that name,
+    or, when a directory of another export holds it - an edge half re-exported under one bundle id (the id covers
+    the cloud half only), a plain copy put back at the bundle path - ``<that>~<12 hex of the manifest's sha256>``
+    (then ``.2``, ``.3``...): a taken name is never freed here, so no version a running client holds is removed
+    or replaced (:func:`switch` removes old versions, unless held). ``reuse``: a directory of this very manifest
+    already there is the answer (a complete download: verified before it took its name)."""
+    base = versions_dir(bundle) / f"{bundle_id}-{edge}"
+    if reuse:
+        taken = [base, *sorted(base.parent.glob(glob.escape(base.name) + "~*"))]
+        for path in taken:
+            if not path.name.endswith(".partial") and path.is_dir() and _same_manifest(path, raw):
+                return path
+    tag = hashlib.sha256(raw).hexdigest()[:12]
+    names = itertools.chain([base.name, f"{base.name}~{tag}"],
+                            (f"{base.name}~{tag}.{n}" for n in itertools.count(2)))
+    return next(path for path in map(base.with_name, names) if not (path.exists() or path.is_symlink()))
 
 
 def _same_manifest(directory: Path, raw: bytes) -> bool:
@@ -468,11 +487,10 @@ def switch(bundle: Path, new: Path) -> None:
     previous: Path | None = None
     if bundle.is_symlink():
         previous = (bundle.parent / os.readlink(bundle)).resolve()
-    elif bundle.is_dir():  # the first update: the plain directory becomes a version
+    elif bundle.is_dir():  # the first update: the plain directory becomes a version (under a free name)
         m = Manifest.load(bundle)
-        previous = versions / f"{m.bundle_id}-{m.edge_quant}"
-        if previous.exists():
-            shutil.rmtree(previous)
+        raw = (bundle / MANIFEST_NAME).read_bytes()
+        previous = _version_path(bundle, m.bundle_id, m.edge_quant, raw, reuse=False)
     tmp = _link_tmp(bundle)
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
@@ -538,8 +556,15 @@ def _update_lock(bundle: Path):
 
 
 def _is_version(bundle: Path, bundle_id: str, edge: str) -> bool:
-    """Is the bundle at ``bundle`` already the verified version ``<bundle_id>-<edge>``?"""
-    return bundle.is_symlink() and bundle.resolve() == (versions_dir(bundle) / f"{bundle_id}-{edge}").resolve()
+    """Is the bundle at ``bundle`` already a verified version of ``bundle_id`` with edge variant ``edge`` (whatever
+    its folder's name: :func:`_version_path`)?"""
+    if not bundle.is_symlink():
+        return False
+    try:
+        m = Manifest.load(bundle)
+    except BundleError:
+        return False
+    return (m.bundle_id, m.edge_quant) == (bundle_id, edge)
 
 
 class LogProgress:

@@ -187,7 +187,8 @@ def test_an_edge_re_export_under_the_same_id_is_fetched_again(tmp_path, bundle_l
     assert Manifest.load(served).bundle_id == m1.bundle_id
     with Serving(_app(served)) as srv:
         again = bundle_sync.fetch(BundleServer(srv.ws_url), m1.bundle_id, "fp32", edge_l2)
-    assert again == first and (again / FRONT).read_bytes() == bytes(data)
+    assert again.name.startswith(f"{first.name}~") and (again / FRONT).read_bytes() == bytes(data)
+    assert Manifest.load(first).artifacts[FRONT].sha256 != m1.artifacts[FRONT].sha256  # fetch removes no version
     _assert_edge_half(again)
 
 
@@ -377,6 +378,54 @@ def test_a_running_client_keeps_its_version_whatever_another_process_switches_to
             assert (versions / "a").is_dir() and Path(plain.media.bundle_dir).parent == versions
     another_process_updates_to("d", bundle_l1)  # unused now: the older versions go
     assert sorted(p.name for p in versions.iterdir()) == ["c", "d"]
+
+
+def _still_held(c: EdgeClient, bundle_id: str) -> bool:
+    """Does ``c`` still run on its own version directory (the one it locked), of ``bundle_id``?"""
+    held = Path(c.media.bundle_dir)
+    return bundle_sync._is_dir_of(held, c._version._fd) and Manifest.load(held).bundle_id == bundle_id
+
+
+def test_a_first_update_over_a_held_version_of_the_same_name_keeps_it(bundle_l1, edge_l2):
+    """The first update (a plain directory at the bundle path) moved it to ``<id>-<edge>`` in the versions folder and
+    removed what had that name first: a version a running client held (its directory moved there by an earlier
+    update, then the app reinstalled its plain copy). The plain directory now goes under a free name."""
+    m2 = Manifest.load(edge_l2)
+    with Serving(_app(bundle_l1)) as srv, EdgeClient(edge_l2, "ws://127.0.0.1:9") as running:
+        config = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
+        bundle_sync.update(config, m2)  # the plain directory the client holds moves to <id>-fp32
+        kept = Path(running.media.bundle_dir)
+        edge_l2.unlink()
+        shutil.copytree(kept, edge_l2)  # the app reinstalled: a plain copy of that bundle again
+        bundle_sync.update(config, m2)
+        assert _still_held(running, m2.bundle_id) and kept.name == f"{m2.bundle_id}-fp32"
+    assert edge_l2.is_symlink() and Manifest.load(edge_l2).bundle_id == Manifest.load(bundle_l1).bundle_id
+    assert len(list(bundle_sync.versions_dir(edge_l2).glob(f"{kept.name}~*"))) == 1  # the copy, the rollback
+
+
+def test_an_edge_re_export_leaves_the_held_export_of_that_id(tmp_path, bundle_l1, edge_l2):
+    """Fetching an edge half re-exported under a bundle id removed the folder of that id's earlier export, which a
+    running client may hold (it opened the bundle on it; the link moved on since). The new export gets its own folder;
+    the held one stays until a later update finds it unused."""
+    served, m2 = tmp_path / "served", Manifest.load(edge_l2)
+    shutil.copytree(bundle_l1, served)
+    m1 = Manifest.load(served)
+    with Serving(_app(served)) as srv:
+        bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), m2)
+    versions = bundle_sync.versions_dir(edge_l2)
+    with EdgeClient(edge_l2, "ws://127.0.0.1:9") as running:  # on the first export of m1's id
+        bundle_sync.switch(edge_l2, versions / f"{m2.bundle_id}-fp32")  # rolled back meanwhile
+        data = bytearray((served / FRONT).read_bytes())
+        data[len(data) // 2] ^= 0xFF  # the edge graph re-exported: the bundle id (cloud half) stays
+        (served / FRONT).write_bytes(bytes(data))
+        m1.add_artifact(served, FRONT, "edge")
+        m1.save(served)
+        with Serving(_app(served)) as srv:
+            bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), m2)
+        assert _still_held(running, m1.bundle_id) and (edge_l2 / FRONT).read_bytes() == bytes(data)
+        assert (Path(running.media.bundle_dir) / FRONT).read_bytes() != bytes(data)
+    bundle_sync.switch(edge_l2, versions / f"{m2.bundle_id}-fp32")  # unused now: the first export goes
+    assert not (versions / f"{m1.bundle_id}-fp32").exists()
 
 
 # -- the client ---------------------------------------------------------------------------------------------
