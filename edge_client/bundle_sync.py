@@ -316,7 +316,7 @@ class HeldVersion(os.PathLike):
     plain bundle directory into the versions folder, where it is found (by its inode)."""
 
     def __init__(self, bundle: str | Path):
-        self.bundle = Path(bundle)
+        self.bundle = Path(bundle).absolute()  # its versions folder is looked in later, whatever the cwd is then
         self.path, self._fd = self.bundle, None  # no directory to hold: the caller's load says what is wrong
         for _ in range(3):
             directory = self.bundle.resolve()

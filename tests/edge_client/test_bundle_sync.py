@@ -380,6 +380,19 @@ def test_a_running_client_keeps_its_version_whatever_another_process_switches_to
     assert sorted(p.name for p in versions.iterdir()) == ["c", "d"]
 
 
+def test_a_client_opened_by_a_relative_path_finds_its_moved_version_after_a_chdir(monkeypatch, bundle_l1, edge_l2):
+    """A client that opened a plain bundle directory by a relative path looked for it, once the first update had
+    moved it, in the versions folder relative to the working directory of that moment: after a chdir it read the
+    bundle path - now the new version - and paired that version's encoders with its old front."""
+    monkeypatch.chdir(edge_l2.parent)
+    versions, m2 = bundle_sync.versions_dir(edge_l2), Manifest.load(edge_l2)
+    with EdgeClient(edge_l2.name, "ws://127.0.0.1:9") as running:
+        shutil.copytree(bundle_l1, versions / "a", ignore=shutil.ignore_patterns("cloud"))
+        bundle_sync.switch(edge_l2, versions / "a")  # another process's first update moves the plain directory
+        monkeypatch.chdir(versions.parent.parent)
+        assert Manifest.load(Path(running.media.bundle_dir)).bundle_id == m2.bundle_id
+
+
 def _still_held(c: EdgeClient, bundle_id: str) -> bool:
     """Does ``c`` still run on its own version directory (the one it locked), of ``bundle_id``?"""
     held = Path(c.media.bundle_dir)
