@@ -48,7 +48,7 @@ from cloud_server.auth import principal_of, still_authorized
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.engine.speculation import MAX_DRAFTS
 from cloud_server.idle_deadline import IdleDeadline
-from cloud_server.limits import session_cap_refusal
+from cloud_server.limits import RETRY_AFTER_MS, session_cap_refusal
 from cloud_server.precision_select import load_fraction, session_plan
 from cloud_server.session_store import Session, SessionRegistry
 from cloud_server.split_translate import SplitTranslator
@@ -80,7 +80,10 @@ def session_limits(cfg: ServerConfig) -> P.SessionLimits:
     """What this server accepts on a session (``Welcome.limits``), from its configuration."""
     ecfg = cfg.engine
     return P.SessionLimits(
-        max_frame_bytes=DEFAULTS.max_frame_bytes, max_context=ecfg.max_model_len,
+        # a request holds its whole context in the KV pool: one longer than the pool could never finish (its
+        # every replay dropped for load), so the pool bounds it too and the edge stops there (finish "length")
+        max_frame_bytes=DEFAULTS.max_frame_bytes,
+        max_context=min(ecfg.max_model_len, ecfg.num_blocks * ecfg.block_size),
         max_prefill_chunk_tokens=ecfg.max_num_batched_tokens,
         max_concurrent_requests=max(1, min(ecfg.max_num_seqs, DEFAULTS.max_concurrent_requests)),
         prefix_block_tokens=ecfg.block_size,
@@ -256,7 +259,7 @@ class SplitEndpoint:
         if rt.draining and not resumed:  # a session held here resumes, so that its open requests can finish
             metrics.refused.labels(rt.model_name, "draining").inc()
             await self._refuse(ws, "draining", "server is draining; connect to another replica",
-                               CLOSE_TRY_LATER, retry_after_ms=5000)
+                               CLOSE_TRY_LATER, retry_after_ms=RETRY_AFTER_MS["draining"])
             return None
         if not resumed:
             session_id, token = self.registry.mint()
@@ -267,7 +270,8 @@ class SplitEndpoint:
                 return None
             if refusal is not None:
                 metrics.refused.labels(rt.model_name, refusal[0]).inc()
-                await self._refuse(ws, "overloaded", refusal[1], CLOSE_TRY_LATER, retry_after_ms=1000)
+                await self._refuse(ws, "overloaded", refusal[1], CLOSE_TRY_LATER,
+                                   retry_after_ms=RETRY_AFTER_MS["overloaded"])
                 return None
             session = self.registry.create(codecs, session_plan(hello, codecs, rt.facts, self._load()), tenant,
                                            session_id, token)

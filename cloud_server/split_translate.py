@@ -41,6 +41,7 @@ from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 from cloud_server.engine.sequence import InputChunk
 from cloud_server.engine_facts import EngineFacts
+from cloud_server.limits import RETRY_AFTER_MS
 from cloud_server.loop_inbox import LoopInbox
 from cloud_server.precision_select import request_compute
 from cloud_server.session_store import RequestRecord, Session
@@ -58,7 +59,6 @@ WIRE_CODES = {"too_long": "context_full", "kv_cache_full": "overloaded", "engine
               "duplicate_request": "duplicate_request", "prefix_miss": "prefix_miss"}
 # engine finish reason -> wire finish reason
 WIRE_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "cancelled": "cancelled"}
-RETRY_AFTER_MS = {"overloaded": 500, "draining": 5000}  # request-level refusals worth retrying
 # A loop turn's decode steps are decoded on the loop below this many (cloud_server.step_pipeline): with the
 # one-pass row decoders (fp16 ~5 us, int8-outlier ~9 us a row on a slow CPU) the hop to the worker thread
 # and back (two GIL hand-overs and a self-pipe wakeup) cost the loop more than decoding 64 rows itself
@@ -432,7 +432,7 @@ class SplitTranslator:
         if out.error_code is not None and out.token_id is None:
             code = WIRE_CODES.get(out.error_code, "internal")
             session.send(P.Error(code=code, message=out.error_message or out.error_code, request_id=rec.request_id,
-                                 retry_after_ms=1000 if code == "overloaded" else None))
+                                 retry_after_ms=RETRY_AFTER_MS.get(code)))
             return
         rec.cached_tokens = out.num_cached_tokens
         if out.states is not None:  # u-shape: the middle's hidden states, coded as the request's uplink

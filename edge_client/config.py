@@ -100,6 +100,16 @@ class RetryPolicy:
             base = self.backoff_max_s
         return base * (1.0 + self.backoff_jitter * (2.0 * rand - 1.0))
 
+    def wait(self, attempt: int, left: float, at_least: float | None = None, rand: float = 0.5) -> float | None:
+        """Delay before retry ``attempt`` (0-based) with ``left`` seconds of the window to go: the backoff, never
+        shorter than ``at_least`` (the server's ``retry_after_ms``), the last one ending at the window's end.
+        None: give up - the window or ``max_retries`` is spent, or the server asks for longer than is left."""
+        if left <= 0 or (self.max_retries is not None and attempt >= self.max_retries):
+            return None
+        if at_least is not None and at_least > left:
+            return None
+        return min(max(self.backoff(attempt, rand), at_least or 0.0), left)
+
 
 @dataclass(slots=True)
 class EdgeConfig:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -74,7 +75,7 @@ from .request import RequestSpec, RequestStats, mark_token
 from .front import FrontRuntime
 from .tail import TailRuntime
 from .tokenizer import EdgeTokenizer
-from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown, route_key
+from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown, retry_after_s, route_key
 from .ushape import UShape
 
 from shared.version import __version__ as CLIENT_VERSION
@@ -131,6 +132,8 @@ class _Request:
         self.opened = False  # the current request id's first Prefill (params, keys) has been sent
         self.pending: list = []  # token messages received during recovery, to process in order
         self.finish: str | None = None
+        # (since, replays, tokens held then): the cloud dropping it for load with no token since (the wait's window)
+        self.overload: tuple[float, int, int] | None = None
         self.spec_step: _Spec | None = None  # the speculative step awaiting its verdict
         self.plain_started: float | None = None  # when the DecodeStep in flight began (the sizer's timing)
         self.cloud_drafts: list[int] = []  # the cloud's proposal after the last token received (Tokens.draft_ids)
@@ -346,10 +349,10 @@ class Session:
         while True:
             if last is not None:
                 left = deadline - time.monotonic()
-                if left <= 0 or (retry.max_retries is not None and attempt >= retry.max_retries):
+                delay = retry.wait(attempt, left, getattr(last, "retry_after_s", None), random.random())
+                if delay is None:
                     raise EdgeClientError(f"cannot reach the cloud at {self.config.url} (retried {attempt} times "
                                           f"in {time.monotonic() - start:.1f} s): {last}", "unreachable")
-                delay = min(self.link.backoff(attempt), left)
                 attempt += 1
                 log.info("%s (%s); retry %d in %.2f s (%.0f s left to reconnect)",
                          "link down" if cause is not None else "cannot connect", last, attempt, delay, left)
@@ -655,9 +658,29 @@ class Session:
             return None
         if isinstance(msg, P.Error) and msg.code == "draining":  # its Drain was unread when the request went up
             await self.link.close()
-            await self._recover(req, stats, LinkDown(f"server draining: {msg.message}"))
+            await self._recover(req, stats, LinkDown(f"server draining: {msg.message}", retry_after_s(msg)))
+            return None
+        if isinstance(msg, P.Error) and msg.code == "overloaded":  # dropped for load (the cloud's KV pool ran out)
+            await self._replay_after_overload(req, stats, msg)
             return None
         return msg
+
+    async def _replay_after_overload(self, req: _Request, stats: RequestStats, error: P.Error) -> None:
+        """The cloud dropped ``req`` for load: wait (its backoff, never less than the ``retry_after_ms`` asked),
+        then replay it on this session, the tokens received kept. A request that gets no further token for the
+        reconnect window (or ``max_retries``) fails ``overloaded``."""
+        retry, now = self.config.retry, time.monotonic()
+        since, attempt, have = req.overload if req.overload is not None and req.overload[2] == len(req.tokens) \
+            else (now, 0, len(req.tokens))
+        delay = retry.wait(attempt, since + retry.reconnect_window_s - now, retry_after_s(error), random.random())
+        if delay is None:
+            raise EdgeClientError(f"cloud error overloaded: {error.message} (replayed {attempt} times in "
+                                  f"{now - since:.1f} s)", "overloaded")
+        req.overload = (since, attempt + 1, have)
+        log.info("trace=%s overloaded (%s); replay %d in %.2f s", req.trace_id, error.message, attempt + 1, delay)
+        await asyncio.sleep(delay)
+        stats.replays += 1
+        await self._guarded(req, stats, self._resend_all(req, stats))
 
     async def _tokens(self, req: _Request, stats: RequestStats):
         """Yield new tokens in order; drives decode steps, prefix misses and recovery."""

@@ -7,7 +7,8 @@ missed pong closes the link, which the client treats as a drop).
 
 Failure classes (the client's retry decisions hang on them):
 
-* :class:`LinkDown` - the connection dropped, timed out or could not be opened: retry with backoff.
+* :class:`LinkDown` - the connection dropped, timed out or could not be opened, or the server said "not now"
+  (:data:`RETRYABLE_REFUSALS`): retry with backoff, never sooner than the server's ``retry_after_ms``.
 * :class:`HandshakeRefused` - the server said no (bundle mismatch, bad API key, at capacity): not retried.
 * :class:`GarbageFromServer` - the peer is not speaking our protocol (a non-WebSocket HTTP reply, an
   undecodable frame): not retried; the message says what arrived.
@@ -30,7 +31,6 @@ carried, not what the payloads weighed.
 from __future__ import annotations
 
 import asyncio
-import random
 import ssl
 
 import websockets
@@ -58,7 +58,12 @@ def route_key(ids, scope: KeyScope, block_tokens: int, api_key: str | None) -> s
 
 
 class LinkDown(Exception):
-    """The link is gone (closed, timed out, unreachable); reconnecting may help."""
+    """The link is gone (closed, timed out, unreachable) or the server refused it for now; reconnecting may help,
+    not before ``retry_after_s`` (the refusal's ``retry_after_ms``; None: the backoff alone)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class HandshakeRefused(Exception):
@@ -146,7 +151,7 @@ class Link:
         if isinstance(reply, P.Error):
             await self.close()
             if reply.code in RETRYABLE_REFUSALS:  # another attempt (or replica) may be accepted
-                raise LinkDown(f"server busy: {reply.code}: {reply.message}")
+                raise LinkDown(f"server busy: {reply.code}: {reply.message}", retry_after_s(reply))
             raise HandshakeRefused(reply.code, f"server refused the session: {reply.code}: {reply.message}",
                                    reply.bundle_ids)
         if not isinstance(reply, P.Welcome):
@@ -203,5 +208,7 @@ class Link:
             except (asyncio.TimeoutError, ConnectionClosed, OSError):
                 pass
 
-    def backoff(self, attempt: int) -> float:
-        return self.retry.backoff(attempt, random.random())
+
+def retry_after_s(error: P.Error) -> float | None:
+    """The wait an ``Error`` asks for before another attempt, in seconds (None: it names none)."""
+    return error.retry_after_ms / 1000 if error.retry_after_ms is not None else None

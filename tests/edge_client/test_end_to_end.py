@@ -219,6 +219,68 @@ def test_restart_cloud_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_to
         assert c.runtime.stats.tokens == len(PROMPT) + N_NEW - 1
 
 
+@pytest.fixture(scope="module")
+def small_pool_cloud(tiny_bundle, tmp_path_factory):
+    """A real server whose KV pool holds 64 positions (4 blocks of 16) and two sessions: two requests outgrow it."""
+    with LocalCloud(tiny_bundle, extra_args=["--num-blocks", "4", "--block-size", "16", "--max-sessions", "2"],
+                    log_path=tmp_path_factory.mktemp("cloud-log") / "small-pool.log") as cloud:
+        yield cloud
+
+
+def test_a_request_the_cloud_dropped_for_load_waits_as_asked_and_is_replayed_without_loss(
+        tiny_bundle, tiny_reference, small_pool_cloud):
+    """Two requests outgrow the pool: the cloud drops the later one (``Error(overloaded)``, ``retry_after_ms``)
+    after tokens streamed. It failed at once; the edge waits what the server asks and replays it, every token
+    once. A request longer than the pool alone is cut to it (``Welcome.limits.max_context``, "length"): it
+    could never finish, and was dropped for load on every try."""
+    prompt = PROMPT[:20]
+    reference = hf_greedy(tiny_reference, prompt, 40)
+    retry = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, reconnect_window_s=20.0,
+                        backoff_initial_s=0.05, backoff_max_s=0.1)
+    out = {}
+
+    def run(i):
+        time.sleep(0.3 * i)
+        with EdgeClient(tiny_bundle, small_pool_cloud.ws_url, codec="fp16", retry=retry) as c:
+            t0 = time.monotonic()
+            gen = c.complete(prompt_ids=prompt, max_tokens=40)
+            out[i] = gen, time.monotonic() - t0
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [out[i][0].token_ids for i in range(2)] == [reference, reference]
+    dropped = [gen for gen, _ in out.values() if gen.stats.replays]
+    assert len(dropped) == 1 and dropped[0].finish_reason == "length"
+    assert max(s for _, s in out.values()) >= 1.0  # the server's retry_after_ms (1 s), not the 0.05 s backoff
+    with EdgeClient(tiny_bundle, small_pool_cloud.ws_url, codec="fp16", retry=retry) as c:
+        alone = c.complete(prompt_ids=prompt, max_tokens=60)
+        assert alone.finish_reason == "length" and len(alone.token_ids) == 64 - len(prompt)
+        assert alone.stats.replays == 0
+
+
+def test_a_busy_refusal_at_hello_is_retried_no_sooner_than_the_server_asks(tiny_bundle, small_pool_cloud):
+    """A server at --max-sessions refuses a Hello with ``overloaded`` and ``retry_after_ms`` 1000: the edge
+    retried on its own 0.05 s backoff instead; it now waits the second, and gives up at once when the second
+    does not fit the window left."""
+    fast = dict(connect_timeout_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.1)
+    url = small_pool_cloud.ws_url
+    with EdgeClient(tiny_bundle, url, retry=RetryPolicy(**fast)) as a, \
+            EdgeClient(tiny_bundle, url, retry=RetryPolicy(**fast)) as b:
+        a.connect(), b.connect()  # the server's two sessions
+        with EdgeClient(tiny_bundle, url, retry=RetryPolicy(first_connect_window_s=0.5, **fast)) as c, \
+                pytest.raises(EdgeClientError, match=r"retried 0 times .*overloaded") as ei:
+            c.connect()
+        assert ei.value.code == "unreachable"
+        with EdgeClient(tiny_bundle, url, retry=RetryPolicy(first_connect_window_s=5.0, **fast)) as c:
+            threading.Timer(0.2, b.close).start()  # a session frees soon after the refusal
+            t0 = time.monotonic()
+            c.connect()
+            assert time.monotonic() - t0 >= 1.0
+
+
 def test_mismatched_bundle_is_refused(smollm2_cloud, tiny_bundle):
     t0 = time.monotonic()
     with EdgeClient(tiny_bundle, smollm2_cloud.ws_url, retry=RETRY) as c, \
