@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from edge_client.config import RetryPolicy
 from edge_client.demo import LocalCloud, free_port
 from edge_client.errors import EdgeClientError
 from rig.link import LinkEmulator
+from shared.link_profiles import LinkProfile
 
 PROMPT = [int(t) for t in np.random.RandomState(7).randint(4, 512, 50)]
 N_NEW = 16
@@ -228,33 +231,31 @@ def small_pool_cloud(tiny_bundle, tmp_path_factory):
 
 
 def test_a_request_the_cloud_dropped_for_load_waits_as_asked_and_is_replayed_without_loss(
-        tiny_bundle, tiny_reference, small_pool_cloud):
+        tiny_bundle, tiny_reference, small_pool_cloud, caplog):
     """Two requests outgrow the pool: the cloud drops the later one (``Error(overloaded)``, ``retry_after_ms``)
     after tokens streamed. It failed at once; the edge waits what the server asks and replays it, every token
     once. A request longer than the pool alone is cut to it (``Welcome.limits.max_context``, "length"): it
     could never finish, and was dropped for load on every try."""
     prompt = PROMPT[:20]
-    reference = hf_greedy(tiny_reference, prompt, 40)
+    reference = hf_greedy(tiny_reference, prompt, 30)
     retry = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, reconnect_window_s=20.0,
                         backoff_initial_s=0.05, backoff_max_s=0.1)
-    out = {}
-
-    def run(i):
-        time.sleep(0.3 * i)
-        with EdgeClient(tiny_bundle, small_pool_cloud.ws_url, codec="fp16", retry=retry) as c:
-            t0 = time.monotonic()
-            gen = c.complete(prompt_ids=prompt, max_tokens=40)
-            out[i] = gen, time.monotonic() - t0
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert [out[i][0].token_ids for i in range(2)] == [reference, reference]
-    dropped = [gen for gen, _ in out.values() if gen.stats.replays]
-    assert len(dropped) == 1 and dropped[0].finish_reason == "length"
-    assert max(s for _, s in out.values()) >= 1.0  # the server's retry_after_ms (1 s), not the 0.05 s backoff
+    slow = LinkProfile("slow-test", rtt_ms=60.0, jitter_ms=0.0, down_mbps=100.0, up_mbps=100.0, loss=0.0)
+    with LinkEmulator(small_pool_cloud.port, slow) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}", codec="fp16", retry=retry) as a, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}", codec="fp16", retry=retry) as b:
+        a.connect(), b.connect()
+        first = a.generate(prompt_ids=prompt, max_tokens=30)
+        tokens = first.iter_tokens()
+        next(tokens)  # a holds 2 of the 4 blocks and steps every 60 ms: b's prompt is admitted beside it
+        with caplog.at_level(logging.INFO, "edge_client.generation"):
+            later = b.complete(prompt_ids=prompt, max_tokens=30)
+        list(tokens)
+    assert first.token_ids == reference and later.token_ids == reference
+    assert first.stats.replays == 0 and later.stats.replays >= 1 and later.finish_reason == "length"
+    waits = [float(m.group(1)) for r in caplog.records if (m := re.search(r"overloaded .*replay \d+ in ([\d.]+) s",
+                                                                           r.getMessage()))]
+    assert waits and min(waits) >= 1.0  # the server's retry_after_ms (1 s), not the 0.05 s backoff
     with EdgeClient(tiny_bundle, small_pool_cloud.ws_url, codec="fp16", retry=retry) as c:
         alone = c.complete(prompt_ids=prompt, max_tokens=60)
         assert alone.finish_reason == "length" and len(alone.token_ids) == 64 - len(prompt)
