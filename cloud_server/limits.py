@@ -19,8 +19,9 @@ import json
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After / retry_after_ms)
 # Error.retry_after_ms of the refusals worth retrying, at Hello and for a request alike (the edge waits at least this):
-# a busy server soon has room; a draining one is going away (a replica or its replacement takes the retry)
-RETRY_AFTER_MS = {"overloaded": RETRY_AFTER_S * 1000, "draining": 5000}
+# a busy server soon has room; a draining one is going away, and another replica (a load balancer's next pick) or
+# its replacement usually answers within a second - a longer wait would stall every drain's failover
+RETRY_AFTER_MS = {"overloaded": RETRY_AFTER_S * 1000, "draining": 1000}
 
 
 def session_cap_refusal(registry, principal) -> str | None:
