@@ -71,6 +71,12 @@ class EngineConfig:
     # cloud drafter (cloud/draft_inputs.npy) and the edge asks; each costs one decode row of the back layers. 0 = off.
     cloud_drafts: int = 4
 
+    @property
+    def max_context(self) -> int:
+        """Positions one request may fill (prompt + answer): ``max_model_len``, and no more than the whole KV pool -
+        a request longer than the pool could never finish (the engine drops it for load on every try)."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
     def __post_init__(self):
         if isinstance(self.variants, str):
             self.variants = tuple(v.strip() for v in self.variants.split(",") if v.strip())

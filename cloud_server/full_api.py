@@ -166,7 +166,7 @@ class _EngineBackend:
                              self._variant(req.precision, len(ids)), req.sampling.stop)
 
     def _params(self, s: oc.SamplingOptions, prompt_len: int, param: str) -> SamplingParams:
-        limit, prompt_limit = self.rt.config.engine.max_model_len, self.rt.config.prompt_limit
+        limit, prompt_limit = self.rt.config.engine.max_context, self.rt.config.prompt_limit  # the pool bounds it too
         if prompt_len > prompt_limit:
             raise oc.OpenAIRequestError(f"prompt of {prompt_len} tokens is over the limit of {prompt_limit} "
                                         "(max_prompt_tokens)", param, code="prompt_too_long")

@@ -80,10 +80,8 @@ def session_limits(cfg: ServerConfig) -> P.SessionLimits:
     """What this server accepts on a session (``Welcome.limits``), from its configuration."""
     ecfg = cfg.engine
     return P.SessionLimits(
-        # a request holds its whole context in the KV pool: one longer than the pool could never finish (its
-        # every replay dropped for load), so the pool bounds it too and the edge stops there (finish "length")
-        max_frame_bytes=DEFAULTS.max_frame_bytes,
-        max_context=min(ecfg.max_model_len, ecfg.num_blocks * ecfg.block_size),
+        # the pool bounds a request's context too (EngineConfig.max_context): the edge stops there (finish "length")
+        max_frame_bytes=DEFAULTS.max_frame_bytes, max_context=ecfg.max_context,
         max_prefill_chunk_tokens=ecfg.max_num_batched_tokens,
         max_concurrent_requests=max(1, min(ecfg.max_num_seqs, DEFAULTS.max_concurrent_requests)),
         prefix_block_tokens=ecfg.block_size,

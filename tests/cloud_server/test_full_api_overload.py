@@ -68,3 +68,29 @@ def test_a_request_aborted_for_kv_is_a_503_overloaded(server, stream):
         if not stream:
             assert status == 503 and headers["retry-after"] == "1"
     assert _ask(server, stream)[1] is None  # alone, it fits
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(tiny_lm):
+    """A pool of 32 positions under a max_model_len of 48."""
+    lm = copy.copy(tiny_lm)
+    lm.tokenizer = _Letters()
+    cfg = ServerConfig(full="tiny-glm4", model_name="tiny",
+                       engine=EngineConfig(num_blocks=8, block_size=4, max_model_len=48))
+    rt = CloudRuntime(cfg, loaded=lm).start()
+    with ServerThread(create_app(rt)) as srv:
+        yield srv
+    rt.stop()
+
+
+def test_a_request_longer_than_the_pool_stops_at_it_or_is_refused(small_pool_server):
+    """The context a request may fill is the pool's when that is smaller than max_model_len: the answer ends
+    'length' at the pool, and a prompt that fills it is a 400 - it was a 503 overloaded on every try (the engine
+    dropped it for load, alone on the server)."""
+    body = {"prompt": list(range(5, 35)), "max_tokens": 36, "temperature": 0.0}  # 30 + 36 > 32 positions
+    r = httpx.post(small_pool_server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 2
+    body["prompt"] = list(range(5, 38))  # 33 positions
+    r = httpx.post(small_pool_server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "context of 32" in r.json()["error"]["message"]
