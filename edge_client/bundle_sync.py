@@ -334,7 +334,10 @@ class HeldVersion(os.PathLike):
         if self._fd is not None and not _is_dir_of(self.path, self._fd):
             versions = versions_dir(self.bundle)
             moved = [p for p in versions.iterdir() if _is_dir_of(p, self._fd)] if versions.is_dir() else []
-            self.path = moved[0] if moved else self.path
+            if not moved:  # moved or deleted by hand: the path may name another version now - never mix them
+                raise FileNotFoundError(f"{self.path}: the bundle version this client runs on was moved or removed "
+                                        "while it ran; open the client again")
+            self.path = moved[0]
         return str(self.path)
 
     def close(self) -> None:

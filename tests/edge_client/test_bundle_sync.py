@@ -393,6 +393,18 @@ def test_a_client_opened_by_a_relative_path_finds_its_moved_version_after_a_chdi
         assert Manifest.load(Path(running.media.bundle_dir)).bundle_id == m2.bundle_id
 
 
+def test_a_version_removed_by_hand_under_a_running_client_is_an_error_not_another_version(bundle_l1, edge_l2):
+    """A held version that went from both its place and the versions folder (a user's rm) made the client read
+    whatever the bundle path named then - another version's encoders beside its old front, silently."""
+    versions = bundle_sync.versions_dir(edge_l2)
+    with EdgeClient(edge_l2, "ws://127.0.0.1:9") as running:
+        shutil.copytree(bundle_l1, versions / "a", ignore=shutil.ignore_patterns("cloud"))
+        bundle_sync.switch(edge_l2, versions / "a")  # the plain directory moves into the versions folder
+        shutil.rmtree(Path(running.media.bundle_dir))  # then a user removes it by hand
+        with pytest.raises(FileNotFoundError, match="moved or removed while it ran"):
+            Path(running.media.bundle_dir)
+
+
 def _still_held(c: EdgeClient, bundle_id: str) -> bool:
     """Does ``c`` still run on its own version directory (the one it locked), of ``bundle_id``?"""
     held = Path(c.media.bundle_dir)
