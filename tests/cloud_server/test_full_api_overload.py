@@ -6,6 +6,7 @@ requests finish and the pool empties. One tiny server for the module (a pool of 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import threading
@@ -29,18 +30,27 @@ class _Letters:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_lm):
+@contextlib.contextmanager
+def _serving(tiny_lm, num_blocks: int):
+    """A full-model server of the tiny model (letters for text), pool ``num_blocks`` x 4 positions, context 48."""
     lm = copy.copy(tiny_lm)
     lm.tokenizer = _Letters()
     cfg = ServerConfig(full="tiny-glm4", model_name="tiny",
-                       engine=EngineConfig(num_blocks=16, block_size=4, max_model_len=48))
+                       engine=EngineConfig(num_blocks=num_blocks, block_size=4, max_model_len=48))
     rt = CloudRuntime(cfg, loaded=lm).start()
-    with ServerThread(create_app(rt)) as srv:
-        srv.runtime = rt
+    try:
+        with ServerThread(create_app(rt)) as srv:
+            srv.runtime = rt
+            yield srv
+    finally:
+        rt.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_lm):
+    with _serving(tiny_lm, 16) as srv:
         _ask(srv, False)  # the model's first steps (warm-up) here, not in a test
         yield srv
-    rt.stop()
 
 
 def _ask(srv, stream: bool) -> tuple[int, dict, dict]:
@@ -73,14 +83,8 @@ def test_a_request_aborted_for_kv_is_a_503_overloaded(server, stream):
 @pytest.fixture(scope="module")
 def small_pool_server(tiny_lm):
     """A pool of 32 positions under a max_model_len of 48."""
-    lm = copy.copy(tiny_lm)
-    lm.tokenizer = _Letters()
-    cfg = ServerConfig(full="tiny-glm4", model_name="tiny",
-                       engine=EngineConfig(num_blocks=8, block_size=4, max_model_len=48))
-    rt = CloudRuntime(cfg, loaded=lm).start()
-    with ServerThread(create_app(rt)) as srv:
+    with _serving(tiny_lm, 8) as srv:
         yield srv
-    rt.stop()
 
 
 def test_a_request_longer_than_the_pool_stops_at_it_or_is_refused(small_pool_server):
