@@ -58,6 +58,14 @@ def _prompts(n, seed=0, lo=3, hi=20):
     return [torch.randint(4, 512, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
 
 
+async def _open_request(edge, loaded_front, prompt, max_tokens: int):
+    """Connect, start greedy request "r" on a fresh fork of the front: (welcome, front, its first Tokens)."""
+    welcome = await edge.connect()
+    front = loaded_front.fork()
+    await edge.prefill("r", front, prompt, P.SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return welcome, front, await edge.recv()
+
+
 async def _decode_to_end(edge, front, prompt_len: int, tokens: list[int]) -> None:
     """Feed request "r" one decode step per returned token until it finishes; ``tokens`` grows in place."""
     while True:
@@ -487,10 +495,7 @@ def test_a_link_that_drops_during_the_drain_resumes_and_its_request_finishes_the
     try:
         async def main():
             edge = _edge(srv, tiny_bundle, loaded_front)
-            welcome = await edge.connect()
-            front = loaded_front.fork()
-            await edge.prefill("r", front, prompt, P.SamplingParams(max_tokens=8, temperature=0.0))
-            first = await edge.recv()
+            welcome, front, first = await _open_request(edge, loaded_front, prompt, 8)
             srv.server.handle_exit(signal.SIGTERM, None)  # what the signal handler does
             assert isinstance(await edge.recv(), P.Drain)
             edge.kill()  # the phone's link drops during the drain
@@ -623,10 +628,7 @@ def test_a_reconnect_takes_over_a_session_whose_old_link_is_not_yet_seen_dead(se
 
     async def main():
         old = _edge(server, tiny_bundle, loaded_front)
-        welcome = await old.connect()
-        front = loaded_front.fork()
-        await old.prefill("r", front, prompt, P.SamplingParams(max_tokens=6, temperature=0.0))
-        first = await old.recv()
+        welcome, front, first = await _open_request(old, loaded_front, prompt, 6)
         new = _edge(server, tiny_bundle, loaded_front)  # the old socket is still open as far as anyone knows
         w2 = await new.connect(resume_token=welcome.resume_token)
         with pytest.raises(websockets.ConnectionClosed) as closed:
