@@ -59,6 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.prefix_keys import PREFIX_KEY_VERSION, KeyScope, block_keys, chain_key
+from shared.user_paths import user_path
 
 log = logging.getLogger("edge_client.activation_cache")
 
@@ -500,7 +501,7 @@ def retire(cache_dir: str | Path, bundle_id: str, edge_variant: str, dtype: str 
     ``cache_dir`` - a bundle the edge moved off -, and the bundle's folder when nothing else is left in it; False
     (nothing removed) while a cache holds the scope open (another client still on that bundle). Other scopes'
     blocks stay; so do another client's temporary files, except those a crash left (see :data:`STALE_TMP_S`)."""
-    directory = Path(cache_dir).expanduser() / bundle_id
+    directory = user_path(cache_dir) / bundle_id
     scope = KeyScope(bundle_id, edge_variant, f"cache-{dtype}")
     path = directory / _scope_lock_name(scope, block_tokens)
     try:

@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from shared.manifest import BundleError, Manifest
+from shared.user_paths import user_path
 
 DEMO_PROMPT = "In three sentences, explain why splitting a language model between a phone and a server helps."
 DEMO_LAYER = 8
@@ -33,7 +34,7 @@ DEMO_LAYER = 8
 def cache_root() -> Path:
     """``$AUTOGLM_CACHE`` (a leading ``~`` is the home directory, as in every path the edge takes), else
     ``~/.cache/autoglm-split``."""
-    return Path(os.environ.get("AUTOGLM_CACHE") or Path.home() / ".cache" / "autoglm-split").expanduser()
+    return user_path(os.environ.get("AUTOGLM_CACHE") or Path.home() / ".cache" / "autoglm-split")
 
 
 def ensure_bundle(out: Path | None = None, source: str = "smollm2", layer: int = DEMO_LAYER,
