@@ -45,7 +45,9 @@ def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
                             "(default off; env AUTOGLM_EDGE_AUTO_UPDATE)")
         g.add_argument("--reconnect-window-s", type=float,
                        help="keep retrying an unreachable cloud (a dropped link, a server restarting) this many "
-                            "seconds before a request fails (default 90; env AUTOGLM_EDGE_RECONNECT_WINDOW_S)")
+                            "seconds before a request fails (default 90; env AUTOGLM_EDGE_RECONNECT_WINDOW_S). A "
+                            "client that never reached the cloud gives up after 10 s (env "
+                            "AUTOGLM_EDGE_FIRST_CONNECT_WINDOW_S)")
     g.add_argument("--threads", type=int, help="onnxruntime threads for the front layers (default 2)")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per front forward (default 128)")
     g.add_argument("--codec", help="wire codec for hidden states (default: the server's precision plan)")
