@@ -1,7 +1,8 @@
 """``autoglm-partition``: split / draft-head / verify / inspect / plan a GLM-family checkpoint.
 
 Every value flag but ``--preset`` has an environment-variable twin (``AUTOGLM_PARTITION_<FLAG>``, e.g.
-``AUTOGLM_PARTITION_LAYER``); the switches (``--fp32-prefill``, ``--cloud``, ``--json``) have none. Bad input ends in one line on
+``AUTOGLM_PARTITION_LAYER``; a path there may start with ``~``, a home as on a shell's command line); the switches
+(``--fp32-prefill``, ``--cloud``, ``--json``) have none. Bad input ends in one line on
 stderr and exit status 2; a failed verification exits 1.
 """
 
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 from shared.cli_exit import run_command
+from shared.user_paths import user_path
 
 
 def _env(name: str, default=None):
@@ -299,8 +301,16 @@ class UsageError(Exception):
     pass
 
 
+# the arguments that name a file or directory (a preset's name passes unchanged): '~' there is a home, as a shell
+# expands it - an environment twin (AUTOGLM_PARTITION_OUT=~/b) reaches the CLI as written
+PATH_ARGS = ("source", "out", "audio_encoder", "bundle", "text", "cloud_results")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name in PATH_ARGS:
+        if isinstance(getattr(args, name, None), str):
+            setattr(args, name, str(user_path(getattr(args, name))))
     from shared.manifest import BundleError
 
     from .adapters import UnsupportedArchitecture

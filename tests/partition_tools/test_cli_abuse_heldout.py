@@ -74,6 +74,25 @@ def test_bad_environment_twins_are_usage_errors(tmp_path, capsys, monkeypatch):
     _fails_in_one_line(["plan", "tiny-glm4"], capsys, "argument --edge-memory-mb: invalid float value")
 
 
+def test_a_path_under_home_from_the_environment_is_the_home(tmp_path, capsys, monkeypatch):
+    """AUTOGLM_PARTITION_OUT=~/b (a unit file's or Dockerfile's ENV: no shell expands it) split into a folder named
+    '~' in the working directory; --cloud-results and the other path twins were looked for there too."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "b").write_text("a file, not a bundle")
+    monkeypatch.setenv("AUTOGLM_PARTITION_OUT", "~/b")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1"], capsys,
+                       f"--out {tmp_path / 'home' / 'b'}: exists and is not a directory")
+    (tmp_path / "home" / "gpu.json").write_text("not json")
+    monkeypatch.setenv("AUTOGLM_PARTITION_CLOUD_RESULTS", "~/gpu.json")
+    _fails_in_one_line(["plan", "tiny-glm4"], capsys, f"--cloud-results {tmp_path / 'home' / 'gpu.json'}: not JSON")
+    assert not (tmp_path / "~").exists()
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--edge-threads", "0"], "threads must be >= 1"),
     (["--codec", "bogus"], "--codec 'bogus'"),
