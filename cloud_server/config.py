@@ -12,7 +12,9 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.cli_exit import host_problem
 from shared.messages import MAX_POSITION
+from shared.prefix_keys import bearer_key_problem
 from shared.user_paths import user_path
 
 COMPUTE_VARIANTS = ("fp32", "bf16", "fp16", "int8")
@@ -172,19 +174,15 @@ class ServerConfig:
             self.full = str(user_path(self.full))
         if self.more_bundles and self.bundle is None:
             raise ConfigError("more_bundles: further bundles are served beside a BUNDLE (split mode)")
-        if not self.host.strip():  # `--host "$HOST"` with HOST unset listened on every interface, IPv4 and IPv6
-            raise ConfigError("host is empty: give the listen address (0.0.0.0 for every interface)")
-        if self.host.startswith("[") and self.host.endswith("]"):  # a URL's spelling: "Name or service not known"
-            raise ConfigError(f"host {self.host}: give an IPv6 address without brackets ({self.host[1:-1]})")
+        if (problem := host_problem(self.host, "host")) is not None:
+            raise ConfigError(problem)
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port")
         if self.api_key is not None and not self.api_key:  # an unset secret, `--api-key "$KEY"` with KEY unset
             raise ConfigError("api_key is empty: give the key, or leave the option unset to serve without one")
-        if self.api_key is not None and (self.api_key != self.api_key.strip() or not self.api_key.isprintable()):
-            # a secret file's trailing newline (a Kubernetes secret from `kubectl create secret --from-file`): the
-            # header's token is read stripped, so no client could ever match it - every request was a 401
-            raise ConfigError("api_key has whitespace at an end or a control character (a secret file's trailing "
-                              "newline?): no client can send it in a header")
+        if self.api_key is not None and (problem := bearer_key_problem(self.api_key)) is not None:
+            # a Kubernetes secret from `kubectl create secret --from-file`: every request was a 401
+            raise ConfigError(f"api_key {problem}")
         _positive("max_sessions", self.max_sessions)
         _positive("session_grace_s", self.session_grace_s)
         _positive("step_timeout_s", self.step_timeout_s)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from shared.prefix_keys import bearer_key_problem
 from shared.user_paths import user_path
 
 DEFAULT_SPLIT_PATH = "/v1/split"  # the cloud server's WebSocket route for split sessions
@@ -153,6 +154,9 @@ class EdgeConfig:
         if self.ca_file is not None:
             self.ca_file = user_path(self.ca_file)
         self.url = split_url(self.url)
+        if self.api_key and (problem := bearer_key_problem(self.api_key)) is not None:
+            # a newline failed every connect as 'not a WebSocket server (InvalidHeaderValue ...)'
+            raise ConfigError(f"api_key {problem}")
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
         if self.prefill_chunk < 1:

@@ -35,13 +35,26 @@ def run_command(prog: str, command: str, handler: Callable[[object], int], args,
         return 141
 
 
+def host_problem(host: str, name: str = "--host") -> str | None:
+    """Why ``host`` (the option ``name``) is no listen address to give a server, or None: an empty one (``--host
+    "$HOST"`` with HOST unset) listened on every interface, IPv4 and IPv6, where the default is loopback only, and
+    an IPv6 address in a URL's brackets failed as 'Name or service not known'."""
+    if not host.strip():
+        return f"{name} is empty: give the listen address (0.0.0.0 for every interface)"
+    if host.startswith("[") and host.endswith("]"):
+        return f"{name} {host}: give an IPv6 address without brackets ({host[1:-1]})"
+    return None
+
+
 def listen_problem(host: str, port: int) -> str | None:
-    """Why a server could not listen on ``host:port`` (the port in use, an address not this machine's, a
-    privileged port), or None: a probe bound as uvicorn binds (IPv6 for a host with ':', SO_REUSEADDR) and closed
-    at once. The servers call it before they load a model, so a taken port is a one-line usage error instead of
-    uvicorn's bind error, exit 3, after the load."""
+    """Why a server could not listen on ``host:port`` (:func:`host_problem`, the port in use, an address not this
+    machine's, a privileged port), or None: a probe bound as uvicorn binds (IPv6 for a host with ':',
+    SO_REUSEADDR) and closed at once. The servers call it before they load a model, so a taken port is a one-line
+    usage error instead of uvicorn's bind error, exit 3, after the load."""
     import socket
 
+    if (problem := host_problem(host)) is not None:
+        return problem
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -117,6 +117,16 @@ def bearer_token(authorization: str | None) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
+def bearer_key_problem(key: str) -> str | None:
+    """Why ``key`` cannot be an API key, or None: whitespace at an end or a control character (a secret file's
+    trailing newline) - :func:`bearer_token` reads a header's token stripped, so a server's such key never matches,
+    and a client's cannot be sent (a newline) or is not the key it names."""
+    if key != key.strip() or not key.isprintable():
+        return ("has whitespace at an end or a control character (a secret file's trailing newline?): an "
+                "'Authorization: Bearer' header cannot carry it")
+    return None
+
+
 def tenant_of(authorization: str | None) -> str:
     """The tenant a client's ``Authorization`` header names: a digest of its bearer token (never the token
     itself), or :data:`PUBLIC_TENANT` without one."""

@@ -15,6 +15,14 @@ from edge_client.cli import build_parser, main
     (["chat", "--bundle", "/no/such/bundle", "--url", "ws://x"], "no such bundle directory"),
     (["serve", "--bundle", "/no/such/bundle", "--url", "http://x"], "expected ws:// or wss://"),
     (["chat", "--bundle", "/b", "--url", "ws://x", "--threads", "0"], "threads must be >= 1"),
+    # the cloud's serve refuses these (one rule, shared.cli_exit.host_problem / shared.prefix_keys.bearer_key_problem):
+    # an empty host listened on every interface, a key with a secret file's newline was a 401 on every local request
+    # or failed every connect as "not a WebSocket server (InvalidHeaderValue ...)"
+    (["serve", "--bundle", "/b", "--url", "ws://x", "--host", ""], "--host is empty"),
+    (["serve", "--bundle", "/b", "--url", "ws://x", "--host", "[::1]"], "give an IPv6 address without brackets (::1)"),
+    (["serve", "--bundle", "/b", "--url", "ws://x", "--local-api-key", "k\n"], "--local-api-key has whitespace at an end"),
+    (["chat", "--bundle", "/b", "--url", "ws://x", "--api-key", "k\n"], "api_key has whitespace at an end"),
+    (["chat", "--bundle", "/b", "--url", "ws://x", "--api-key", "a\tb"], "or a control character"),
 ])
 def test_bad_input_is_one_line(argv, needle, capsys):
     assert main(argv) == 2
