@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tail", type=int, default=_env("TAIL", "0"),
                    help="M > 0: a u-shape bundle, the last M layers + norm + lm_head on the edge too (the cloud "
                         "runs the middle and never sees an output token)")
-    s.add_argument("--seed", type=int, default=_env("SEED", "0"), help="seed for random-weight presets")
+    s.add_argument("--seed", type=int, default=_env("SEED", "0"), help="seed for random-weight presets (0 to 2^64 - 1)")
 
     d = sub.add_parser("draft-head", help="add a drafter to a bundle for speculative decoding: a draft head "
                                          "(default), a layer-skipping drafter (--layers) or the cloud drafter (--cloud)",

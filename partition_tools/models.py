@@ -421,8 +421,14 @@ def load_bundle_source(bundle: str | Path, source: str | None = None) -> LoadedM
     return load_model(source, int(seed) if seed.isdigit() else 0)
 
 
+MAX_SEED = (1 << 64) - 1  # torch.manual_seed's range, from 0: a negative seed is another seed's alias to torch
+
+
 def load_model(source: str, seed: int = 0) -> LoadedModel:
-    """Load a preset name, a checkpoint directory or a GGUF file (see the module docstring)."""
+    """Load a preset name, a checkpoint directory or a GGUF file (see the module docstring); ``seed``: a random
+    preset's, 0 to ``MAX_SEED`` (ModelLoadError otherwise)."""
+    if not 0 <= seed <= MAX_SEED:  # a negative one split a bundle nothing reloads (load_bundle_source), a larger a traceback
+        raise ModelLoadError(f"--seed {seed}: expected 0 to {MAX_SEED}")
     if source in _random_presets():
         config, dtype = _random_presets()[source]
         return LoadedModel(_random_model(config(), seed, dtype), None, _preset_identity(source, seed), source)

@@ -66,6 +66,15 @@ def test_split_vision_quant_for_a_model_without_a_vision_tower(tmp_path, capsys)
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("seed", ["-1", str(1 << 64)])
+def test_a_seed_out_of_range_is_refused(seed, tmp_path, capsys):
+    """--seed -1 split a bundle that verify, draft-head and plan could not reload (they read the seed back from the
+    identity as 0: 'not the bundle's source'); a seed past 64 bits was a ValueError traceback from torch."""
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--seed", seed, "--out",
+                        str(tmp_path / "b")], capsys, f"--seed {seed}: expected 0 to {(1 << 64) - 1}")
+    assert not (tmp_path / "b").exists()
+
+
 def test_bad_environment_twins_are_usage_errors(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("AUTOGLM_PARTITION_TAIL", "x")
     _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(tmp_path / "b")], capsys,
