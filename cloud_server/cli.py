@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="autoglm-cloud", description="The autoglm-split cloud server.")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("keys", help="manage the API keys file: `autoglm-cloud keys add FILE --tenant NAME`")
+    h = sub.add_parser("health", help="exit 0 if the server process answers /health where its own options put it",
+                       description="Is the `autoglm-cloud serve` process PID answering /health where its command line, "
+                                   "environment and --config file put it (port, host, TLS, --api-key)? Exit 0 if so, "
+                                   "else 1 with one line saying why. The image's HEALTHCHECK (deploy/Dockerfile).")
+    h.add_argument("--pid", type=int, default=1, help="the server process (default 1: a container's main process)")
     s = sub.add_parser("serve", help="serve a bundle's cloud half (split mode) or a whole model (--full)",
                        description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("bundle", nargs="*", help="bundle directory written by `autoglm-partition split`; several: "
@@ -350,6 +355,10 @@ def _main(argv: list[str] | None) -> int:
 
         return keys_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "health":  # the image's HEALTHCHECK
+        from cloud_server.health_check import main as health_main
+
+        return health_main(args.pid)
     try:
         args.log_level = log_level(args)
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

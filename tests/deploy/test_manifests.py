@@ -13,12 +13,13 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_support import DEPLOY, Router, http_get
+from deploy_support import DEPLOY, Router, http_get, routing_bench
 
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 NOT_RESOURCES = {"prometheus-adapter-values.yaml"}  # Helm values, not a Kubernetes object
@@ -134,20 +135,69 @@ def live_metrics(replica_pool) -> str:
     return rep.metrics()
 
 
-def test_the_images_healthcheck_follows_the_port_it_is_given(live_metrics, replica_pool):
-    """The Dockerfile's HEALTHCHECK, run as Docker runs it: healthy on the port AUTOGLM_CLOUD_PORT names (it was
-    hard-wired to 8000: a container moved to another port or to TLS reported unhealthy), unhealthy on a dead one."""
-    cmd = json.loads(re.search(r"^HEALTHCHECK .*\n\s+CMD (\[.*\])$", (DEPLOY / "Dockerfile").read_text(), re.M).group(1))
-    [rep] = replica_pool.get(1)
-    port = rep.http.rsplit(":", 1)[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOGLM_CLOUD_")}
-    ok = subprocess.run([sys.executable, *cmd[1:]], env={**env, "AUTOGLM_CLOUD_PORT": port}, capture_output=True)
-    assert ok.returncode == 0, ok.stderr.decode()
+def _healthcheck(pid: int) -> subprocess.CompletedProcess:
+    """The Dockerfile's HEALTHCHECK command, as Docker runs it, pointed at the server process ``pid`` (PID 1 in
+    the container)."""
+    cmd = json.loads(re.search(r"^HEALTHCHECK .* CMD (\[.*\])$", (DEPLOY / "Dockerfile").read_text(), re.M).group(1))
+    return subprocess.run([*cmd, "--pid", str(pid)], capture_output=True, text=True, timeout=30, check=False)
+
+
+def _listening(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = str(s.getsockname()[1])
-    bad = subprocess.run([sys.executable, *cmd[1:]], env={**env, "AUTOGLM_CLOUD_PORT": dead}, capture_output=True)
-    assert bad.returncode != 0
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "autoglm.example")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
+    (tmp / "tls.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))
+    return tmp / "tls.pem", tmp / "tls.key"
+
+
+def test_the_images_healthcheck_follows_the_servers_own_options(live_metrics, replica_pool, tiny_glm4_fp32_bundle,
+                                                                 tmp_path):
+    """The Dockerfile's HEALTHCHECK against real servers: one given its port on the command line (the pool's
+    replica), and one started as the image starts it - the image's ENV, then `autoglm-cloud serve BUNDLE --config
+    FILE` whose file turns on TLS and closes the probes behind an API key. The check read the image's environment
+    only, so it probed http:// without a key there and reported a healthy server unhealthy. A dead one is not."""
+    [rep] = replica_pool.get(1)
+    ok = _healthcheck(rep.proc.pid)
+    assert ok.returncode == 0, ok.stderr
+    cert, key = _self_signed(tmp_path)
+    (tmp_path / "cloud.json").write_text(json.dumps({"ssl_certfile": "tls.pem", "ssl_keyfile": "tls.key",
+                                                     "open_probes": False, "api_key": "k-health"}))
+    image_env = dict(re.findall(r"(AUTOGLM_\w+)=(\S+)", (DEPLOY / "Dockerfile").read_text().split("\nFROM ")[-1]))
+    port = routing_bench.free_port()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AUTOGLM_CLOUD_")}, **image_env,
+           "AUTOGLM_CLOUD_PORT": str(port)}
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "serve", str(tiny_glm4_fp32_bundle),
+                                 "--config", "cloud.json"], cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not _listening(port):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-2000:]
+            time.sleep(0.1)
+        ok = _healthcheck(proc.pid)
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+    bad = _healthcheck(proc.pid)
+    assert bad.returncode == 1 and bad.stderr.startswith("autoglm-cloud health: "), bad.stderr
 
 
 def test_dashboard_metric_names_exist_on_a_live_server(live_metrics):
