@@ -95,6 +95,22 @@ def check_out_dir(out: Path) -> None:
     parent = next((p for p in out.absolute().parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise BundleError(f"--out {out}: {parent} is not a directory")
+    # the bundle is staged beside --out, then moved into it when it exists: both must take new files (a read-only
+    # mount, a folder of another user), found before the model loads rather than after the export
+    for folder in (parent, out if out.is_dir() else None):
+        problem = folder is not None and _cannot_write_in(folder)
+        if problem:
+            raise BundleError(f"--out {out}: cannot write in {folder} ({problem})")
+
+
+def _cannot_write_in(folder: Path) -> str | None:
+    """Why no file can be made in ``folder`` (read-only file system, no permission), or None: a probe directory made
+    and removed (``os.access`` passes root on a read-only mount and in sysfs)."""
+    try:
+        tempfile.TemporaryDirectory(dir=folder, prefix=".autoglm-probe-").cleanup()
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def sample_text() -> str:

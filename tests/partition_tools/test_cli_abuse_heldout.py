@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,35 @@ def test_split_out_that_is_a_file(tmp_path, capsys):
                        "exists and is not a directory")
     _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(f / "sub")], capsys,
                        "is not a directory")
+
+
+def _empty_folder_that_takes_no_files() -> Path | None:
+    """An empty folder no process, root included, can make a file in: sysfs's (a read-only mount's stand-in)."""
+    import os
+
+    for d in sorted(Path("/sys/class").iterdir()) if Path("/sys/class").is_dir() else []:
+        try:
+            if d.is_dir() and not any(d.iterdir()):
+                os.mkdir(d / "probe")
+                os.rmdir(d / "probe")
+        except OSError:
+            return d
+    return None
+
+
+def test_split_into_a_folder_that_takes_no_files_is_refused_before_loading(capsys, monkeypatch):
+    """An existing --out on a read-only mount (or another user's folder) passed the checks: the model loaded and the
+    bundle was written beside it, then moving it in ended in an OSError traceback (Read-only file system)."""
+    import partition_tools.models as models
+
+    folder = _empty_folder_that_takes_no_files()
+    if folder is None:
+        pytest.skip("no empty sysfs folder here")
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(folder)], capsys,
+                       f"--out {folder}: cannot write in ")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(folder / "sub" / "b")],
+                       capsys, f"--out {folder / 'sub' / 'b'}: cannot write in {folder} (")
 
 
 def test_split_refuses_a_foreign_directory_before_loading(tmp_path, capsys, monkeypatch):
