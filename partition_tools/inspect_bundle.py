@@ -56,7 +56,16 @@ def _split_line(r: dict) -> str:
 
 
 def recipe_summary(report: dict) -> str:
-    """One line on how the edge front was quantized, from a manifest's ``quant_report`` ("" for fp32)."""
+    """One line on how the edge front was quantized, from a manifest's ``quant_report`` ("" for fp32). The report is
+    outside the bundle id, so a hand edit loads: one its entries do not read as split writes them is said to be so
+    (inspect is where such a bundle is looked into; it stopped there with a KeyError / TypeError traceback)."""
+    try:
+        return _recipe_summary(report)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        return "quant_report not as split writes it (edited?)"
+
+
+def _recipe_summary(report: dict) -> str:
     kv = [f"KV cache {report['kv_cache']}"] if report.get("kv_cache") else []  # split --edge-kv int8
     if report.get("method") != "MatMulNBits":
         return ", ".join(kv)

@@ -177,6 +177,20 @@ def test_edited_manifest_is_one_line_naming_it(edit, match, command, tiny_glm4_b
     assert str(d / "manifest.json") in _fails_in_one_line([command, str(d)], capsys, match)
 
 
+@pytest.mark.parametrize("edit", [lambda q: q.pop("block_size"), lambda q: q.__setitem__("outlier_channels", 8),
+                                  lambda q: q.__setitem__("smoothing", "yes")])
+def test_inspect_of_an_edited_recipe_says_so(edit, tiny_glm4_bundle, tmp_path, capsys):
+    """quant_report is outside the bundle id, so an edited one loads - and inspect, where such a bundle is looked
+    into, stopped on it with a KeyError / TypeError traceback."""
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    m = json.loads((d / "manifest.json").read_text())
+    edit(m["quant_report"])
+    (d / "manifest.json").write_text(json.dumps(m))
+    assert main(["inspect", str(d)]) == 0
+    assert "edge quant int8 (quant_report not as split writes it (edited?))" in capsys.readouterr().out
+
+
 def test_inspect_counts_a_cloud_drafter_table(tiny_glm4_bundle, tmp_path, capsys):
     """The cloud drafter's role ("cloud-draft", outside the bundle id) made inspect raise KeyError."""
     from shared.manifest import Manifest
