@@ -453,7 +453,7 @@ class SplitEndpoint:
                 if e.request_id is None:  # no request to fail: answer and go on
                     session.send(e.to_error())
                 else:
-                    self.translate.fail(session, e.request_id, e.code, e.message)
+                    self.translate.fail(session, e.request_id, e.code, e.message, e.retry_after_ms)
                 continue
             if isinstance(msg, P.Close) or isinstance(msg, P.Error) and msg.fatal:  # the edge ends the session
                 self._close_session(session)

@@ -399,15 +399,17 @@ class SplitTranslator:
             return
         session.send(P.Resumed(request_id=rec.request_id, received=have, index=0, token_ids=[]))
 
-    def fail(self, session: Session, rid: str, code: str, message: str) -> None:
-        """Close request ``rid`` with ``Error(code)``: the engine drops it, the state machine records it."""
-        if self._pipeline.defer(self.fail, session, rid, code, message):
+    def fail(self, session: Session, rid: str, code: str, message: str, retry_after_ms: int | None = None) -> None:
+        """Close request ``rid`` with ``Error(code)``: the engine drops it, the state machine records it.
+        ``retry_after_ms``: the wait it asks for (default: ``RETRY_AFTER_MS`` of ``code``)."""
+        if self._pipeline.defer(self.fail, session, rid, code, message, retry_after_ms):
             return
         rec = session.record(rid)
         if rec is not None and rec.active:
             self.rt.engine.abort(rec.engine_id, "error")
             self._resuming.pop(rec.engine_id, None)
-        session.send(P.Error(code=code, message=message, request_id=rid, retry_after_ms=RETRY_AFTER_MS.get(code)))
+        session.send(P.Error(code=code, message=message, request_id=rid,
+                             retry_after_ms=RETRY_AFTER_MS.get(code) if retry_after_ms is None else retry_after_ms))
 
     # -- engine outputs (event loop thread) -------------------------------------------------------
     def on_output(self, session: Session, rec: RequestRecord, out: RequestOutput) -> None:

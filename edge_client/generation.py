@@ -973,7 +973,8 @@ class Session:
                 req.pending.append(msg)
 
     async def _resume(self, req: _Request, stats: RequestStats) -> bool:
-        """Ask the surviving session where the request stands; resend what it lacks. False: replay instead.
+        """Ask the surviving session where the request stands; resend what it lacks. False: replay instead (True
+        too after a refusal that asks for a wait, ``retry_after_ms``: the request is replayed once it is over).
         u-shape: ``have`` counts the positions whose States the edge holds (``UShape.resume_point``); the cloud
         rolls back to it and the inputs from there go up again (the States sent meanwhile are of positions it
         recomputes: dropped)."""
@@ -997,6 +998,9 @@ class Session:
             if isinstance(msg, P.Error) and msg.fatal:
                 raise EdgeClientError(f"cloud error {msg.code}: {msg.message}", msg.code)
             if isinstance(msg, P.Error) and getattr(msg, "request_id", None) in (None, req.rid):
+                if msg.retry_after_ms is not None:  # dropped for load while we were away: replay after the wait
+                    await self._replay_after_overload(req, stats, msg)
+                    return True
                 return False  # unknown request (finished, timed out or aborted while we were away)
             if isinstance(msg, P.Resumed) and msg.request_id == req.rid:
                 break

@@ -83,13 +83,15 @@ FINISHED_KEPT = 16  # finished requests whose track is kept: a Resume after the 
 class SessionError(Exception):
     """A message not allowed in the session's state; ``code`` is a session error code (shared.errors)."""
 
-    def __init__(self, code: str, message: str, request_id: str | None = None, fatal: bool = False):
+    def __init__(self, code: str, message: str, request_id: str | None = None, fatal: bool = False,
+                 retry_after_ms: int | None = None):
         super().__init__(f"{code}: {message}")
         self.code, self.message, self.request_id, self.fatal = code, message, request_id, fatal
+        self.retry_after_ms = retry_after_ms  # the wait to ask for (a Resume of a request dropped for load)
 
     def to_error(self, retry_after_ms: int | None = None) -> Error:
         return Error(code=self.code, message=self.message, request_id=self.request_id, fatal=self.fatal,
-                     retry_after_ms=retry_after_ms)
+                     retry_after_ms=retry_after_ms if retry_after_ms is not None else self.retry_after_ms)
 
 
 @dataclass(slots=True, eq=False)
@@ -107,6 +109,7 @@ class RequestTrack:
     states: bool = False  # u-shape: the server returns States, never tokens
     answered: int = 0  # u-shape: positions [0, answered) whose States the server sent
     resume_at: int | None = None  # u-shape: a Resume to this position awaits its Resumed (no input until then)
+    failed: Error | None = None  # the Error that ended it: a Resume of it says why (retry_after_ms: overloaded)
 
     @property
     def prompt_done(self) -> bool:
@@ -121,6 +124,15 @@ class RequestTrack:
         if self.states:
             return self.answered >= self.received
         return self.received < self.prompt_len + self.tokens
+
+
+def _failed_while_away(req: RequestTrack) -> SessionError:
+    """A Resume's answer for a request an Error ended while the link was down (the Error went nowhere): replay it,
+    after the wait that Error asked for - a request dropped for load (``overloaded``) replayed at once met the
+    same full pool."""
+    why = f" ({req.failed.code}: {req.failed.message})" if req.failed is not None else ""
+    return SessionError("resume_failed", f"request {req.request_id} failed while the link was down{why}: replay it",
+                        req.request_id, retry_after_ms=req.failed.retry_after_ms if req.failed is not None else None)
 
 
 class SessionState:
@@ -195,7 +207,7 @@ class SessionState:
             if req.states:
                 return self._resume_states(req, msg)
             if req.finish == "error":  # failed while the link was down (its Error went nowhere): no tokens to resend
-                raise SessionError("resume_failed", f"request {rid} failed while the link was down: replay it", rid)
+                raise _failed_while_away(req)
             if msg.have_tokens > req.tokens:
                 raise SessionError("bad_position", f"client claims {msg.have_tokens} tokens, server sent "
                                                    f"{req.tokens}", rid)
@@ -206,6 +218,8 @@ class SessionState:
     def _resume_states(req: RequestTrack, msg: Resume) -> RequestTrack:
         """u-shape: ``have_tokens`` = positions whose States the client holds; the server rolls back to it."""
         rid = req.request_id
+        if req.finish == "error":
+            raise _failed_while_away(req)
         if req.finish is not None:
             raise SessionError("resume_failed", f"u-shape request {rid} finished ({req.finish}): replay it", rid)
         if msg.have_tokens > req.answered:
@@ -399,6 +413,7 @@ class SessionState:
             if msg.fatal:
                 self.phase = CLOSED
             elif msg.request_id is not None and msg.request_id in self.requests:
+                self.requests[msg.request_id].failed = msg
                 self._finish(self.requests[msg.request_id], "error")
         elif isinstance(msg, Drain):
             if self.phase != CLOSED:

@@ -262,6 +262,47 @@ def test_a_request_the_cloud_dropped_for_load_waits_as_asked_and_is_replayed_wit
         assert alone.stats.replays == 0
 
 
+def test_a_request_dropped_for_load_while_its_link_was_down_is_replayed_after_the_wait(
+        tiny_bundle, small_pool_cloud, caplog):
+    """b's link goes down; meanwhile a's request outgrows the pool and the cloud drops b's (the youngest): its
+    ``Error(overloaded)`` goes nowhere. b's ``Resume`` was answered ``resume_failed`` alone and b replayed at once,
+    into the pool still full; the answer now carries the overload's ``retry_after_ms``, which b waits. b's answer is a's
+    (undisturbed, greedy) one: no token lost or repeated."""
+    prompt = PROMPT[:20]
+    retry = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, reconnect_window_s=30.0,
+                        backoff_initial_s=0.05, backoff_max_s=0.1)
+    slow, faster = (LinkProfile(f"{ms}ms-test", rtt_ms=ms, jitter_ms=0.0, down_mbps=100.0, up_mbps=100.0, loss=0.0)
+                    for ms in (60.0, 20.0))
+    log = Path(small_pool_cloud.log_path)
+    with LinkEmulator(small_pool_cloud.port, faster) as link_a, LinkEmulator(small_pool_cloud.port, slow) as link_b, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{link_a.port}", codec="fp16", retry=retry) as a, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{link_b.port}", codec="fp16", retry=retry) as b:
+        a.connect(), b.connect()
+        first = a.generate(prompt_ids=prompt, max_tokens=30)  # 4 blocks by its end
+        tokens_a = first.iter_tokens()
+        next(tokens_a)
+        later = b.generate(prompt_ids=prompt, max_tokens=16)
+        tokens_b = later.iter_tokens()
+        next(tokens_b)  # b holds a block of its own (the first is shared): a needs it at 49 positions
+        port_b = link_b.port
+        link_b.stop()  # b's link is down (refused) until the cloud has dropped its request
+        drained = threading.Thread(target=list, args=(tokens_a,))
+        drained.start()
+        deadline = time.monotonic() + 30
+        while not [line for line in log.read_text().splitlines()
+                   if f"trace={later.stats.trace_id} " in line and "error=overloaded" in line]:
+            assert time.monotonic() < deadline, "the cloud never dropped b's request for load"
+            time.sleep(0.05)
+        with LinkEmulator(small_pool_cloud.port, port=port_b), \
+                caplog.at_level(logging.INFO, "edge_client.generation"):
+            list(tokens_b)
+        drained.join()
+    assert len(first.token_ids) == 30 and later.token_ids == first.token_ids[:16]
+    waits = [float(m.group(1)) for r in caplog.records
+             if (m := re.search(r"failed while the link was down \(overloaded.*replay 1 in ([\d.]+) s", r.getMessage()))]
+    assert waits and waits[0] >= 1.0, [r.getMessage() for r in caplog.records]  # the server's retry_after_ms
+
+
 def test_a_busy_refusal_at_hello_is_retried_no_sooner_than_the_server_asks(tiny_bundle, small_pool_cloud):
     """A server at --max-sessions refuses a Hello with ``overloaded`` and ``retry_after_ms`` 1000: the edge
     retried on its own 0.05 s backoff instead; it now waits the second, and gives up at once when the second

@@ -150,6 +150,23 @@ def test_a_request_that_failed_while_the_link_was_down_is_resume_failed():
     assert s.on_client(P.Resume(request_id="done", have_tokens=0)).finish == "length"
 
 
+def test_a_resume_of_a_request_dropped_for_load_asks_the_wait_its_error_asked():
+    """Dropped for load while the link was down (``overloaded``, ``retry_after_ms``): its Resume's refusal said
+    resume_failed alone, and the edge replayed at once into the same full pool; it carries the wait now."""
+    s = ready()
+    s.on_client(prefill(rid="dropped"))
+    s.on_server(P.Error(code="overloaded", message="the KV pool is exhausted", request_id="dropped",
+                        retry_after_ms=1000))
+    s.reconnect()
+    s.on_client(P.Hello(bundle_id="b", codecs=["fp16"], resume_token="t"))
+    s.on_server(P.Welcome(session_id="s", resume_token="t", resumed=True, codecs=["fp16"]))
+    with pytest.raises(SessionError) as ei:
+        s.on_client(P.Resume(request_id="dropped", have_tokens=0))
+    error = ei.value.to_error()
+    assert (error.code, error.retry_after_ms, error.request_id) == ("resume_failed", 1000, "dropped")
+    assert "overloaded" in error.message
+
+
 def test_drain_errors_and_cancel():
     s = ready()
     s.on_client(prefill())
