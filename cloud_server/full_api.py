@@ -169,10 +169,10 @@ class _EngineBackend:
         limit, prompt_limit = self.rt.config.engine.max_context, self.rt.config.prompt_limit  # the pool bounds it too
         if prompt_len > prompt_limit:
             raise oc.OpenAIRequestError(f"prompt of {prompt_len} tokens is over the limit of {prompt_limit} "
-                                        "(max_prompt_tokens)", param, code="prompt_too_long")
+                                        "(max_prompt_tokens)", param, oc.CONTEXT_LENGTH_EXCEEDED)
         if limit - prompt_len < 1:
             raise oc.OpenAIRequestError(f"prompt of {prompt_len} tokens leaves no room in the context of "
-                                        f"{limit}", param)
+                                        f"{limit}", param, oc.CONTEXT_LENGTH_EXCEEDED)
         eos = getattr(self.rt.tokenizer, "eos_token_id", None)  # e.g. a chat model's end-of-turn token
         try:
             return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,

@@ -43,7 +43,7 @@ from shared.manifest import Manifest
 from . import bundle_sync
 from .activation_cache import ActivationCache
 from .config import EdgeConfig
-from .errors import EdgeClientError
+from .errors import EdgeClientError, PromptTooLongError
 from .request import RequestSpec, RequestStats
 from .front import FrontError, FrontRuntime
 from .generation import Session
@@ -232,8 +232,8 @@ class EdgeClient:
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw)
         if prompt_ids is None and len(prompt) > MAX_CHARS_PER_POSITION * self.runtime.max_positions:
             # no tokenizing a text that cannot fit (a 48 MB prompt held the local API's event loop for seconds)
-            raise ValueError(f"prompt of {len(prompt)} characters exceeds the edge graph's "
-                             f"{self.runtime.max_positions} positions")
+            raise PromptTooLongError(f"prompt of {len(prompt)} characters exceeds the edge graph's "
+                                     f"{self.runtime.max_positions} positions")
         ids = list(prompt_ids) if prompt_ids is not None else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("empty prompt")
@@ -243,7 +243,7 @@ class EdgeClient:
             raise ValueError(f"prompt_ids: {e}") from None
         room, whose = self.session.prompt_room()
         if len(ids) > room:  # the answer needs one position at least (as in full mode)
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds {whose}")
+            raise PromptTooLongError(f"prompt of {len(ids)} tokens exceeds {whose}")
         parts += _sources("image", images) + _sources("audio", audio)
         if not parts:
             return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)

@@ -10,3 +10,12 @@ class EdgeClientError(Exception):
     def __init__(self, message: str, code: str = "error"):
         super().__init__(message)
         self.code = code
+
+
+class PromptTooLongError(ValueError):
+    """A prompt longer than the context leaves room for (the edge graph's positions, or the cloud's context or
+    prompt limit, less one for the answer): a bad argument, refused before any network traffic. ``code`` is the
+    wire's for it, as a cloud's refusal would carry (the local API's 400 answers it as OpenAI's
+    ``context_length_exceeded``)."""
+
+    code = "context_full"

@@ -131,7 +131,7 @@ class _EdgeBackend:
             message = str(e)
             if param == "max_tokens":  # EdgeClient's name for it: the error names the field the client sent
                 param, message = s.max_tokens_param, message.replace("max_tokens", s.max_tokens_param, 1)
-            raise oc.OpenAIRequestError(message, param) from None
+            raise oc.OpenAIRequestError(message, param, getattr(e, "code", oc.INVALID_REQUEST)) from None
 
 
 def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None,

@@ -53,20 +53,30 @@ VLLM_EXTRAS = {"guided_json": None, "guided_regex": None, "guided_choice": None,
                "use_beam_search": False, "include_stop_str_in_output": False, "prompt_logprobs": None}
 
 
+INVALID_REQUEST = "invalid_request_error"
+# A prompt that does not fit - the context (the engine's too_long, the wire's context_full) or the prompt limit
+# (prompt_too_long) - has one code over HTTP, OpenAI's, which clients test (the openai client's
+# BadRequestError.code) to shorten the conversation and retry; the rest keep theirs.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+_OPENAI_CODES = dict.fromkeys(("too_long", "context_full", "prompt_too_long"), CONTEXT_LENGTH_EXCEEDED)
+
+
 class OpenAIRequestError(Exception):
     """An answer in OpenAI's error shape (:meth:`to_dict`) with HTTP ``status``: 400 for a request refused
-    (``param`` names the offending field), or the status the caller gives (401, 503, ...)."""
+    (``param`` names the offending field), or the status the caller gives (401, 503, ...). ``code`` is the
+    engine's or the wire's, or OpenAI's (a prompt over the context is ``context_length_exceeded`` whatever
+    refused it)."""
 
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request_error",
+    def __init__(self, message: str, param: str | None = None, code: str = INVALID_REQUEST,
                  status: int = 400):
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
+        self.code = _OPENAI_CODES.get(code, code)
         self.status = status
 
     def to_dict(self) -> dict[str, Any]:
-        err_type = "invalid_request_error" if self.status < 500 else "server_error"
+        err_type = INVALID_REQUEST if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": err_type, "param": self.param, "code": self.code}}
 
 

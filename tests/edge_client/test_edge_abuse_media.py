@@ -153,7 +153,7 @@ def test_decompression_bombs_are_refused_from_their_header_before_any_decode_or_
 
     for png, code in ((_png_bomb(30000, 30000, rows=2), "image_too_large"),
                       (_png_bomb(10000, 10000, rows=2), "image_too_large"),
-                      (_png_bomb(6300, 6300), "context_full")):
+                      (_png_bomb(6300, 6300), "context_length_exceeded")):  # OpenAI's code for context_full
         assert len(png) < 64_000
         t0 = time.monotonic()
         with pytest.raises(openai.BadRequestError) as e:
@@ -170,7 +170,7 @@ def test_too_many_images_are_refused_before_any_is_encoded(served, no_tower, mon
     v, _, _, _ = served
     one = _image(_data_url(_encoded(Image.new("RGB", (1, 1)))))
     r = _chat(v, *[one] * 300)
-    assert _code(r) == "context_full" and "image 140 of 300" in r.json()["error"]["message"]
+    assert _code(r) == "context_length_exceeded" and "image 140 of 300" in r.json()["error"]["message"]
     assert no_tower == []
     monkeypatch.undo()  # the tower back
     assert _ok(_chat(v, *[one] * 50))["usage"]["prompt_tokens_details"]["image_tokens"] == 50 * 9
@@ -549,7 +549,7 @@ def test_too_many_clips_are_refused_before_any_is_encoded(served, no_tower, monk
     """45 two-second clips (50 audio tokens each: 2250 > 2048 positions): context_full, no encoder run."""
     _, a, _, _ = served
     clip = _audio(wav(tone(2.0)))
-    assert _code(_chat(a, *[clip] * 45)) == "context_full"
+    assert _code(_chat(a, *[clip] * 45)) == "context_length_exceeded"
     assert no_tower == []
     monkeypatch.undo()
     _ok(_chat(a, NORMAL_AUDIO))

@@ -55,6 +55,17 @@ def test_a_prompt_that_leaves_no_room_is_a_400(edge):
         oa.completions.create(model="e", prompt=_prompt(client.runtime.max_positions), max_tokens=1)
 
 
+def test_a_prompt_over_the_context_is_openais_context_length_exceeded(edge):
+    """OpenAI's code for a prompt that does not fit, which clients test (the openai client's BadRequestError.code)
+    to shorten the conversation and retry: the edge answered invalid_request_error (full mode prompt_too_long)."""
+    client, oa = edge
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            oa.completions.create(model="e", prompt=_prompt(client.runtime.max_positions), max_tokens=1,
+                                  stream=stream)
+        assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "prompt")
+
+
 def test_a_request_failing_on_the_phone_cancels_its_cloud_request(edge, tiny_cloud, monkeypatch):
     client, oa = edge
 

@@ -172,15 +172,18 @@ def test_a_stream_of_token_ids_is_answered_as_token_ids(api):
     (GenerationError("no reply in time", "timeout", upstream=True), 504),
     (GenerationError("too busy", "overloaded", upstream=True), 503),
     (GenerationError("too long for the context", "context_full", upstream=True), 400),
+    (GenerationError("over the prompt limit", "prompt_too_long"), 400),
 ])
 def test_generation_errors_have_one_shape_and_status(api, error, status):
+    """A prompt that does not fit is OpenAI's context_length_exceeded (the code clients test), whoever refused it."""
     client, backend = api
     backend.error = error
+    code = "context_length_exceeded" if error.code in ("context_full", "prompt_too_long") else error.code
     for path, body in (("/v1/chat/completions", _chat()), ("/v1/completions", {"prompt": "x"})):
         r = client.post(path, json=body)
         err = r.json()["error"]
         assert r.status_code == status and set(err) == {"message", "type", "param", "code"}
-        assert err["code"] == error.code and err["message"] == error.message
+        assert err["code"] == code and err["message"] == error.message
         assert err["type"] == ("server_error" if status >= 500 else "invalid_request_error")
         assert backend.started[-1][2].closed and (r.headers.get("retry-after") == "1") == (status == 503)
         # streamed: the text so far, then the same error body as an event, then [DONE]
