@@ -75,7 +75,7 @@ from .request import RequestSpec, RequestStats, mark_token
 from .front import FrontRuntime
 from .tail import TailRuntime
 from .tokenizer import EdgeTokenizer
-from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown, retry_after_s, route_key
+from .transport import GarbageFromServer, HandshakeRefused, Link, LinkDown, ServerBusy, retry_after_s, route_key
 from .ushape import UShape
 
 from shared.version import __version__ as CLIENT_VERSION
@@ -264,12 +264,13 @@ class Session:
         return P.Hello(bundle_id=self.manifest.bundle_id, codecs=list(self.codecs), hints=hints,
                        resume_token=self.resume_token if resume else None)
 
-    async def ensure_connected(self, resume: bool = False) -> dict:
+    async def ensure_connected(self, resume: bool = False, route: bool = True) -> dict:
+        """Connect unless connected (``route``: send the route key, if any and not at a private level)."""
         if not self.connected:
             for attempt in (0, 1):  # a second Hello after a bundle update
                 hello = self._hello(resume and attempt == 0)
                 try:
-                    w = await self.link.connect(hello, route=not self._private)
+                    w = await self.link.connect(hello, route=route and not self._private)
                     break
                 except HandshakeRefused as e:
                     if attempt == 0 and e.code == "bundle_mismatch" and self.on_bundle_mismatch is not None \
@@ -358,8 +359,11 @@ class Session:
                          "link down" if cause is not None else "cannot connect", last, attempt, delay, left)
                 await asyncio.sleep(delay)
                 self.welcome = None
+            # after a refusal for now (full, draining) or a Drain, the proxy's hash would pick the same replica
+            # again: without the route key it balances the upgrade onto another one
+            route = not isinstance(last, ServerBusy) and self.state.phase != DRAINING
             try:
-                return await self.ensure_connected(resume=cause is not None)
+                return await self.ensure_connected(resume=cause is not None, route=route)
             except LinkDown as e:
                 last = e
 
@@ -658,7 +662,7 @@ class Session:
             return None
         if isinstance(msg, P.Error) and msg.code == "draining":  # its Drain was unread when the request went up
             await self.link.close()
-            await self._recover(req, stats, LinkDown(f"server draining: {msg.message}", retry_after_s(msg)))
+            await self._recover(req, stats, ServerBusy(f"server draining: {msg.message}", retry_after_s(msg)))
             return None
         if isinstance(msg, P.Error) and msg.code == "overloaded":  # dropped for load (the cloud's KV pool ran out)
             await self._replay_after_overload(req, stats, msg)
@@ -930,7 +934,7 @@ class Session:
                 if self.state.phase == DRAINING:  # resumed on a draining server, which takes no replay: elsewhere
                     self.resume_token = None
                     await self.link.close()
-                    raise LinkDown("the draining server cannot resume the request")
+                    raise ServerBusy("the draining server cannot resume the request")
                 if req.rid in self.state.requests:  # the cloud holds part of a span: drop its copy, replay ours
                     await self._send(P.Cancel(request_id=req.rid))
                 stats.replays += 1

@@ -22,7 +22,8 @@ by tenant: :func:`route_key`), every upgrade carries it in :data:`ROUTE_HEADER`,
 (deploy/nginx/autoglm-split.conf) sends phones that share a system prompt to the replica that caches it. The
 key is a hash chain over the prompt's token ids and the bundle id, never the ids; without a preloaded prompt
 no header is sent (the proxy balances round-robin), nor on a connection opened for a request at a private level
-(``connect(route=False)``): the key is unsalted, and would confirm a guessed system prompt.
+(``connect(route=False)``): the key is unsalted, and would confirm a guessed system prompt; nor on the upgrade
+after the hashed replica refused the session for now or drains (:class:`ServerBusy`: the hash would pick it again).
 
 Byte counters include every frame in both directions, so the client's "bytes up/down" are what the link
 carried, not what the payloads weighed.
@@ -64,6 +65,12 @@ class LinkDown(Exception):
     def __init__(self, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class ServerBusy(LinkDown):
+    """The server refused the session for now (:data:`RETRYABLE_REFUSALS`: full, draining, its engine not running),
+    or is draining: another replica may take it. Behind a proxy that hashes on :data:`ROUTE_HEADER` the next upgrade
+    goes without it (``Session.connect``), or every retry would reach this same replica."""
 
 
 class HandshakeRefused(Exception):
@@ -151,7 +158,7 @@ class Link:
         if isinstance(reply, P.Error):
             await self.close()
             if reply.code in RETRYABLE_REFUSALS:  # another attempt (or replica) may be accepted
-                raise LinkDown(f"server busy: {reply.code}: {reply.message}", retry_after_s(reply))
+                raise ServerBusy(f"server busy: {reply.code}: {reply.message}", retry_after_s(reply))
             raise HandshakeRefused(reply.code, f"server refused the session: {reply.code}: {reply.message}",
                                    reply.bundle_ids)
         if not isinstance(reply, P.Welcome):

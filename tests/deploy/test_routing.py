@@ -160,3 +160,42 @@ def test_the_public_router_passes_the_api_and_not_the_probes_or_metrics(replicas
             code, body = http_get(base + path)
             assert code == 404 and json.loads(body)["error"]["code"] == "not_found", (path, code, body[:200])
         assert http_get(f"http://127.0.0.1:{replicas[0].port}/metrics")[0] == 200  # the pods still serve it
+
+
+def test_a_phone_whose_hashed_replica_is_full_lands_on_another(tiny_glm4_fp32_bundle, replicas, nginx_bin, tmp_path):
+    """The route key pins every phone of a system prompt to one replica. When that replica refused the session for
+    now (full at --max-sessions; or draining), every retry carried the key and nginx hashed it there again: the phone
+    failed 'unreachable' beside a replica with room. After such a refusal the edge's upgrade goes without the key,
+    and nginx balances it onto another replica."""
+    import contextlib
+
+    from websockets.sync.client import connect
+
+    from shared import protocol as P
+
+    manifest = Manifest.load(tiny_glm4_fp32_bundle)
+    system = [int(t) for t in np.random.RandomState(13).randint(4, 512, 32)]
+    retry = RetryPolicy(connect_timeout_s=5.0, reply_timeout_s=30.0, first_connect_window_s=8.0,
+                        backoff_initial_s=0.1, backoff_max_s=0.5)
+    with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router, \
+            contextlib.ExitStack() as held:
+        phones = [EdgeClient(tiny_glm4_fp32_bundle, router.ws_url, codec="fp16", retry=retry) for _ in range(2)]
+        try:
+            for phone in phones:
+                phone._call(phone.session.preload(system))  # both send the prompt's route key
+            phones[0].connect()
+            [pinned] = [r for r in replicas if metric_sum(r.metrics(), "autoglm:sessions_open") == 1]
+            while True:  # fill the pinned replica's sessions, directly, up to its refusal
+                ws = held.enter_context(connect(f"ws://127.0.0.1:{pinned.port}/v1/split", compression=None))
+                ws.send(P.encode_message(P.Hello(bundle_id=manifest.bundle_id, codecs=["fp16"])))
+                if isinstance(P.decode_message(ws.recv(10)), P.Error):
+                    break
+                held.callback(ws.send, P.encode_message(P.Close()))  # freed at once, not after the resume grace
+            phones[1].connect()  # refused there once (overloaded), then balanced onto the other replica
+            other = next(r for r in replicas if r is not pinned)
+            assert metric_sum(other.metrics(), "autoglm:sessions_open") == 1
+        finally:
+            for phone in phones:
+                phone.close()
+    attempts = [line for line in router.access_log() if "/v1/split" in line]
+    assert any("prefix=-" in line and str(other.port) in line for line in attempts), attempts
