@@ -274,29 +274,33 @@ def test_a_request_dropped_for_load_while_its_link_was_down_is_replayed_after_th
     slow, faster = (LinkProfile(f"{ms}ms-test", rtt_ms=ms, jitter_ms=0.0, down_mbps=100.0, up_mbps=100.0, loss=0.0)
                     for ms in (60.0, 20.0))
     log = Path(small_pool_cloud.log_path)
-    with LinkEmulator(small_pool_cloud.port, faster) as link_a, LinkEmulator(small_pool_cloud.port, slow) as link_b, \
-            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{link_a.port}", codec="fp16", retry=retry) as a, \
-            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{link_b.port}", codec="fp16", retry=retry) as b:
-        a.connect(), b.connect()
-        first = a.generate(prompt_ids=prompt, max_tokens=30)  # 4 blocks by its end
-        tokens_a = first.iter_tokens()
-        next(tokens_a)
-        later = b.generate(prompt_ids=prompt, max_tokens=16)
-        tokens_b = later.iter_tokens()
-        next(tokens_b)  # b holds a block of its own (the first is shared): a needs it at 49 positions
-        port_b = link_b.port
-        link_b.stop()  # b's link is down (refused) until the cloud has dropped its request
-        drained = threading.Thread(target=list, args=(tokens_a,))
-        drained.start()
-        deadline = time.monotonic() + 30
-        while not [line for line in log.read_text().splitlines()
-                   if f"trace={later.stats.trace_id} " in line and "error=overloaded" in line]:
-            assert time.monotonic() < deadline, "the cloud never dropped b's request for load"
-            time.sleep(0.05)
-        with LinkEmulator(small_pool_cloud.port, port=port_b), \
-                caplog.at_level(logging.INFO, "edge_client.generation"):
-            list(tokens_b)
-        drained.join()
+    link_b = LinkEmulator(small_pool_cloud.port, slow).start()
+    try:
+        with LinkEmulator(small_pool_cloud.port, faster) as link_a, \
+                EdgeClient(tiny_bundle, f"ws://127.0.0.1:{link_a.port}", codec="fp16", retry=retry) as a, \
+                EdgeClient(tiny_bundle, f"ws://127.0.0.1:{link_b.port}", codec="fp16", retry=retry) as b:
+            a.connect(), b.connect()
+            first = a.generate(prompt_ids=prompt, max_tokens=30)  # 4 blocks by its end
+            tokens_a = first.iter_tokens()
+            next(tokens_a)
+            later = b.generate(prompt_ids=prompt, max_tokens=16)
+            tokens_b = later.iter_tokens()
+            next(tokens_b)  # b holds a block of its own (the first is shared): a needs it at 49 positions
+            port_b = link_b.port
+            link_b.stop()  # b's link is down (refused) until the cloud has dropped its request
+            drained = threading.Thread(target=list, args=(tokens_a,))
+            drained.start()
+            deadline = time.monotonic() + 30
+            while not [line for line in log.read_text().splitlines()
+                       if f"trace={later.stats.trace_id} " in line and "error=overloaded" in line]:
+                assert time.monotonic() < deadline, "the cloud never dropped b's request for load"
+                time.sleep(0.05)
+            link_b = LinkEmulator(small_pool_cloud.port, port=port_b).start()  # up again (b's Close goes through it)
+            with caplog.at_level(logging.INFO, "edge_client.generation"):
+                list(tokens_b)
+            drained.join()
+    finally:
+        link_b.stop()
     assert len(first.token_ids) == 30 and later.token_ids == first.token_ids[:16]
     waits = [float(m.group(1)) for r in caplog.records
              if (m := re.search(r"failed while the link was down \(overloaded.*replay 1 in ([\d.]+) s", r.getMessage()))]
