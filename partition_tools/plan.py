@@ -107,6 +107,8 @@ class PlanConfig:
             raise PlanError(f"--edge-memory-mb {self.edge_memory_mb:g}: expected > 0")
         if self.candidates is not None and (not self.candidates or min(self.candidates) < 1):
             raise PlanError(f"--candidates {self.candidates}: expected split layers >= 1")
+        if self.candidates is not None:  # each once, in order (--candidates 8,2,8 printed and timed rows twice)
+            self.candidates = sorted(set(self.candidates))
         if self.cloud_results is not None:
             read_cloud_results(self.cloud_results)
 
@@ -459,7 +461,7 @@ def plan(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) -> dict:
     splits = [r for r in rows if isinstance(r["n"], int) and r["fits"]]
     pick = min(splits, key=lambda r: r["agent_step_ms"])["n"] if splits else None
     return {"link": cfg.link.to_dict(), "edge_threads": cfg.edge_threads, "codec": cfg.codec,
-            "overhead_ms": cfg.overhead_ms, "costs": _costs_dict(costs), "rows": rows, "pick": pick,
+            "overhead_ms": cfg.overhead_ms, "edge_memory_budget_mb": cfg.edge_memory_mb, "costs": _costs_dict(costs), "rows": rows, "pick": pick,
             "chat": _shape_dict(cfg.chat), "agent": _shape_dict(cfg.agent)}
 
 
@@ -521,7 +523,12 @@ def format_plan(result: dict) -> str:
                      f"{r['agent_ttft_ms']:>9.0f}ms {r['agent_per_token_ms']:>8.1f}ms {r['agent_step_ms']:>9.0f}ms "
                      f"{r['edge_memory_mb']:>8.1f} {r['chat_upload_bytes'] / 1024:>8.1f}K "
                      f"{r['agent_upload_bytes'] / 1024:>8.1f}K {_pct(r['recovered_fraction']):>9}{mark}")
-    lines.append(f"pick: N = {result['pick']} (fastest agent step within the edge memory budget)")
+    if result["pick"] is not None:
+        lines.append(f"pick: N = {result['pick']} (fastest agent step within the edge memory budget)")
+    else:  # it said 'pick: N = None'
+        least = min((r for r in result["rows"] if isinstance(r["n"], int)), key=lambda r: r["edge_memory_mb"])
+        lines.append(f"pick: none - no split fits the edge memory budget of {result['edge_memory_budget_mb']:g} MB "
+                     f"(N = {least['n']} needs {least['edge_memory_mb']:.1f} MB; --edge-memory-mb)")
     lines.append("recovered: prompt tokens an inversion attack recovered from the boundary states "
                  "(docs/security.md; '-' where unmeasured for this model and codec)")
     return "\n".join(lines)

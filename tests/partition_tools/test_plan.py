@@ -63,6 +63,16 @@ def test_plan_cli_on_a_bundle(tiny_glm4_int8_bundle, capsys):
     assert "unknown link profile" in capsys.readouterr().err
 
 
+def test_a_budget_no_split_fits_is_said_and_each_candidate_is_one_row(tiny_glm4_int8_bundle, capsys):
+    """With no split within --edge-memory-mb the plan ended 'pick: N = None (fastest agent step within the edge
+    memory budget)'; --candidates 2,1,2 gave three rows, 2 twice, out of order."""
+    assert main(["plan", "tiny-glm4", "--bundle", str(tiny_glm4_int8_bundle), "--edge-threads", "1",
+                 "--candidates", "2,1,2", "--edge-memory-mb", "0.001"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines if line.split()[:1] in (["1"], ["2"])] == ["1", "2"]
+    assert lines[-2].startswith("pick: none - no split fits the edge memory budget of 0.001 MB (N = 1 needs "), lines
+
+
 def test_plan_rows_show_what_the_cloud_can_read():
     from types import SimpleNamespace
 
