@@ -17,7 +17,7 @@ Contract:
   may call it more than once; an unfinished generation must be cancelled then.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and one set of statuses on
   both ends: 400 a request refused, 401 a wrong key (the app's auth), 413 a body over the adapter's limit
-  (``install(max_body_bytes=...)``), 503 not ready, draining or overloaded (with ``Retry-After``),
+  (``install(max_body_bytes=...)``), 415 a compressed body (``Content-Encoding``), 503 not ready, draining or overloaded (with ``Retry-After``),
   504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here. Once a stream has started
   (HTTP 200 sent), an error is one ``data: {"error": ...}`` event, then ``data: [DONE]``.
 """
@@ -94,13 +94,21 @@ RETRY_AFTER_S = 1  # a 503 (not ready, draining, overloaded) says when to try ag
 
 
 def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+    # 415 (a compressed body): the codings taken, as RFC 9110 15.5.16 asks
+    headers = ({"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else {"Accept-Encoding": "identity"}
+               if e.status == 415 else None)
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
 async def read_body(request: Request, max_bytes: int | None) -> bytes:
     """The request's body; over ``max_bytes`` (None: no limit) an ``OpenAIRequestError`` with status 413, raised
-    before the rest is read (a declared ``Content-Length`` over it: before any)."""
+    before the rest is read (a declared ``Content-Length`` over it: before any). A compressed body
+    (``Content-Encoding: gzip``, ...) is a 415 before any is read: its bytes were parsed as JSON, and refused as
+    'not valid JSON' that was valid once decompressed."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise oc.OpenAIRequestError(f"Content-Encoding {encoding!r} is not supported: send the JSON body "
+                                    "uncompressed", None, "unsupported_content_encoding", 415)
     try:
         if max_bytes is None:
             return await request.body()

@@ -9,6 +9,7 @@ request on the same server produces exactly what it produces alone. One server f
 from __future__ import annotations
 
 import copy
+import gzip
 import threading
 import time
 
@@ -59,6 +60,9 @@ def _stream_text(server, pace: float = 0.0) -> str:
 
 CASES = {  # name -> (request, documented status)
     "malformed JSON": (lambda s: _post(s, "/v1/completions", content=b"{not json"), 400),
+    "gzip-compressed body (Content-Encoding: gzip)": (  # was 400 'not valid JSON'
+        lambda s: _post(s, "/v1/completions", headers={**AUTH, "Content-Encoding": "gzip"},
+                        content=gzip.compress(b'{"model": "tiny", "prompt": "x"}')), 415),
     "wrong type (max_tokens a string)": (
         lambda s: _post(s, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "many"}), 400),
     "missing messages": (lambda s: _post(s, "/v1/chat/completions", {"model": "tiny"}), 400),
