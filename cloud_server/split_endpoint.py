@@ -90,11 +90,11 @@ def session_limits(cfg: ServerConfig) -> P.SessionLimits:
         max_prompt_tokens=cfg.max_prompt_tokens or 0)  # 0: max_context bounds the prompt
 
 
-def held_prefix_keys(engine, spaces: tuple[str, ...], limit: int) -> list[str]:
-    """Up to ``limit`` prefix keys the default variant's pool holds in the namespaces ``spaces`` (namespace
+def held_prefix_keys(engine, variant: str, spaces: tuple[str, ...], limit: int) -> list[str]:
+    """Up to ``limit`` prefix keys the pool of compute ``variant`` holds in the namespaces ``spaces`` (namespace
     stripped), the most recently used first (a busy tenant's hot system prompt is listed, not its oldest blocks), on
     the engine thread; module-level so a front-end worker can send it (``engine.call``)."""
-    keys = (k.partition("/")[2] for k in engine.block_managers[engine.default_variant].keys_by_recency()
+    keys = (k.partition("/")[2] for k in engine.block_managers[variant].keys_by_recency()
             if k.startswith(spaces))
     return list(dict.fromkeys(k for _, k in zip(range(limit), keys)))
 
@@ -284,7 +284,7 @@ class SplitEndpoint:
             session.expiry.cancel()
             session.expiry = None
         # read before attaching: an engine output queued during this await would reach the edge before Welcome
-        cached = await self._cached_keys(session.prefix_scope)
+        cached = await self._cached_keys(session.prefix_scope, session.plan.compute)
         if session.closed:  # closed while we waited (a Close on the link this one replaces)
             await self._refuse(ws, "bad_state", "the session closed while resuming; open a new one", CLOSE_NORMAL)
             return None
@@ -344,12 +344,14 @@ class SplitEndpoint:
                             load=float(self._load()), max_draft_tokens=MAX_DRAFTS,
                             cloud_drafts=self.rt.facts.cloud_drafts)
 
-    async def _cached_keys(self, scope: str, limit: int = 256) -> list[str]:
-        """Prefix keys the default variant holds that a session of prefix ``scope`` can hit: its own and the
-        shared scope's (advisory: the edge may skip uploading those blocks), read on the engine thread."""
+    async def _cached_keys(self, scope: str, variant: str, limit: int = 256) -> list[str]:
+        """Prefix keys the pool of ``variant`` (the session plan's compute, ``Welcome.plan.compute``: the edge notes
+        them for that variant only) holds that a session of prefix ``scope`` can hit: its own and the shared scope's
+        (advisory: the edge may skip uploading those blocks), read on the engine thread."""
         spaces = (tenant_scoped(scope, ""), tenant_scoped(SHARED_SCOPE, ""))
         try:
-            fut = self.rt.engine.call(functools.partial(held_prefix_keys, spaces=spaces, limit=limit))
+            fut = self.rt.engine.call(functools.partial(held_prefix_keys, variant=variant, spaces=spaces,
+                                                        limit=limit))
             return await asyncio.wait_for(asyncio.wrap_future(fut), 5.0)
         except (EngineDeadError, asyncio.TimeoutError):
             return []

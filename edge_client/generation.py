@@ -187,9 +187,10 @@ class Session:
         self.welcome = None
         self.resume_token: str | None = None
         self.reached = False  # a Welcome came once: a failed connect is then retried for the longer window
-        # prefix keys the cloud holds as far as this session knows: Welcome.cached_prefixes, and the keys of the
-        # prompts it completed since (advisory: a prefix_miss says one was lost)
-        self.cloud_keys: dict[str, None] = {}  # an ordered set: oldest first (CLOUD_KEYS_KEPT)
+        # prefix keys the cloud holds as far as this session knows, per compute variant (each has its own KV pool:
+        # a block held for one is a prefix_miss for another): Welcome.cached_prefixes (of Welcome.plan.compute),
+        # and the keys of the prompts it completed since (advisory: a prefix_miss says one was lost)
+        self.cloud_keys: dict[str, dict[str, None]] = {}  # compute -> an ordered set: oldest first (CLOUD_KEYS_KEPT)
         self.state = SessionState()  # the protocol's rules, as the cloud enforces them
         self._lock: asyncio.Lock | None = None
         # the request running keys its prefixes with a secret (a private level): its connections carry no route key
@@ -292,7 +293,7 @@ class Session:
             # what the cloud holds: its list, and on the same session what its requests published since
             if not w.resumed:
                 self.cloud_keys = {}
-            self._learn_keys(reversed(w.cached_prefixes))  # listed most recently used first
+            self._learn_keys(w.plan.compute, reversed(w.cached_prefixes))  # listed most recently used first
             self.welcome = w
             self.resume_token = w.resume_token
             self.reached = True
@@ -512,23 +513,25 @@ class Session:
             req.prefix_keys = block_keys(named, scope, self.block_size, content)
         return req.prefix_keys
 
-    def _learn_keys(self, keys) -> None:
-        """Note ``keys`` as held by the cloud (most recent last), forgetting the oldest past CLOUD_KEYS_KEPT."""
+    def _learn_keys(self, compute: str, keys) -> None:
+        """Note ``keys`` as held by the cloud for the ``compute`` variant (most recent last), forgetting its oldest
+        past CLOUD_KEYS_KEPT."""
+        held = self.cloud_keys.setdefault(compute, {})
         for key in keys:
-            self.cloud_keys.pop(key, None)
-            self.cloud_keys[key] = None
-        for key in list(self.cloud_keys)[: max(0, len(self.cloud_keys) - CLOUD_KEYS_KEPT)]:
-            del self.cloud_keys[key]
+            held.pop(key, None)
+            held[key] = None
+        for key in list(held)[: max(0, len(held) - CLOUD_KEYS_KEPT)]:
+            del held[key]
 
     def _held_prefix(self, req: _Request, cached: int) -> int:
         """Positions of the prompt's first ``cached`` (those the activation cache holds) not to upload: the whole
-        cloud blocks, from the first, whose keys :attr:`cloud_keys` holds (none for u-shape: the tail needs every
-        position)."""
+        cloud blocks, from the first, whose keys :attr:`cloud_keys` holds for the request's compute variant (none for
+        u-shape: the tail needs every position)."""
         if req.spec.ushape:
             return 0
-        n = 0
+        n, held = 0, self.cloud_keys.get(req.compute, {})
         for key in self._prefix_keys(req)[: cached // self.block_size]:
-            if key not in self.cloud_keys:
+            if key not in held:
                 break
             n += 1
         return n * self.block_size
@@ -696,7 +699,7 @@ class Session:
                 if msg.code == "prefix_miss":  # the cloud lost a block it held: none skipped until republished
                     stats.prefix_misses += 1
                     for key in self._prefix_keys(req):
-                        self.cloud_keys.pop(key, None)
+                        self.cloud_keys.get(req.compute, {}).pop(key, None)
                     stats.uploaded_prompt_tokens = req.prompt_len
                     await self._guarded(req, stats, self._resend_all(req, stats))
                     continue
@@ -706,7 +709,7 @@ class Session:
             if isinstance(msg, P.Tokens) and msg.usage is not None:
                 stats.cloud_cached_tokens = msg.usage.cached_tokens
             if isinstance(msg, P.Tokens) and msg.index == 0:  # its prompt is computed: the cloud published the
-                self._learn_keys(self._prefix_keys(req))  # blocks its keys name
+                self._learn_keys(req.compute, self._prefix_keys(req))  # blocks its keys name, in its variant's pool
             new = self._accept(req, msg.index, msg.token_ids, msg.finish_reason)
             held_s = 0.0  # the server held these tokens while it drafted the next ones (not this step's cost)
             if new and isinstance(msg, P.Tokens):  # a proposal follows the message's last token, or none

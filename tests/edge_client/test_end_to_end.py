@@ -224,8 +224,10 @@ def test_restart_cloud_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_to
 
 @pytest.fixture(scope="module")
 def small_pool_cloud(tiny_bundle, tmp_path_factory):
-    """A real server whose KV pool holds 64 positions (4 blocks of 16) and two sessions: two requests outgrow it."""
-    with LocalCloud(tiny_bundle, extra_args=["--num-blocks", "4", "--block-size", "16", "--max-sessions", "2"],
+    """A real server whose KV pool holds 64 positions (4 blocks of 16) and two sessions: two requests outgrow it.
+    It loads the int8 compute variant beside the default fp32 (a pool each)."""
+    with LocalCloud(tiny_bundle, extra_args=["--num-blocks", "4", "--block-size", "16", "--max-sessions", "2",
+                                             "--variants", "fp32,int8"],
                     log_path=tmp_path_factory.mktemp("cloud-log") / "small-pool.log") as cloud:
         yield cloud
 
@@ -325,6 +327,29 @@ def test_a_busy_refusal_at_hello_is_retried_no_sooner_than_the_server_asks(tiny_
             t0 = time.monotonic()
             c.connect()
             assert time.monotonic() - t0 >= 1.0
+
+
+def test_the_blocks_known_held_by_the_cloud_are_those_of_the_requests_compute_variant(tiny_bundle, small_pool_cloud,
+                                                                                      tmp_path):
+    """Each compute variant has its own KV pool. The Welcome listed the default variant's keys and the edge noted
+    a request's published keys for every variant: a request on another one (``precision="int8"``, or the policy's
+    int8 under load) skipped uploading blocks its pool lacked and paid a ``prefix_miss`` round trip, the prompt
+    going up twice. The Welcome lists its plan's variant's keys and the edge notes keys per variant."""
+    first, second = ([int(t) for t in np.random.RandomState(seed).randint(4, 512, 40)] for seed in (70, 71))
+    kw = dict(codec="fp16", retry=RETRY, prefix_secret=b"compute-variants-test-secret-0123", cache_dir=tmp_path)
+
+    def run(client, prompt, precision=None):
+        st = client.complete(prompt_ids=prompt, max_tokens=2, precision=precision).stats
+        return st.compute, st.prefix_misses, st.uploaded_prompt_tokens
+
+    with EdgeClient(tiny_bundle, small_pool_cloud.ws_url, **kw) as a:
+        assert run(a, first) == ("fp32", 0, 40)  # the fp32 pool holds its 2 blocks now
+    with EdgeClient(tiny_bundle, small_pool_cloud.ws_url, **kw) as b:  # its Welcome lists them (plan fp32)
+        assert run(b, first, "int8") == ("int8", 0, 40)  # the int8 pool lacks them: all go up, once
+        assert run(b, first) == ("fp32", 0, 40 - 32)  # the fp32 pool has them
+        assert run(b, second) == ("fp32", 0, 40)
+        assert run(b, second, "int8") == ("int8", 0, 40)  # published by the fp32 request only
+        assert run(b, second, "int8") == ("int8", 0, 40 - 32)
 
 
 def test_mismatched_bundle_is_refused(smollm2_cloud, tiny_bundle):

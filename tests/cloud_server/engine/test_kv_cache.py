@@ -157,7 +157,7 @@ def test_the_welcome_lists_the_most_recently_used_keys_first():
     sys_block = bm.lookup(["a/sys"])
     bm.acquire(sys_block, queried=1)
     bm.release(sys_block)  # ... until a request reuses it
-    engine = SimpleNamespace(block_managers={"fp32": bm}, default_variant="fp32")
+    engine = SimpleNamespace(block_managers={"fp32": bm})
     spaces = (tenant_scoped("a", ""), tenant_scoped(SHARED_SCOPE, ""))
-    assert held_prefix_keys(engine, spaces, limit=3) == ["busy", "op", "sys"]  # t[5] is still in use
-    assert held_prefix_keys(engine, spaces, limit=10) == ["busy", "op", "sys", "old2", "old1"]
+    assert held_prefix_keys(engine, "fp32", spaces, limit=3) == ["busy", "op", "sys"]  # t[5] is still in use
+    assert held_prefix_keys(engine, "fp32", spaces, limit=10) == ["busy", "op", "sys", "old2", "old1"]
