@@ -49,6 +49,7 @@ from shared.link_profiles import MSS, LinkProfile
 from .adapters import ModelAdapter, call_layer
 from .models import LoadedModel
 from .privacy import recovered_fraction
+from .progress import Steps
 
 UP_MSG_OVERHEAD = 90  # bytes: a DecodeStep's msgpack header + WebSocket frame around the coded hidden state
 DOWN_PER_TOKEN = 60  # bytes: one token message (id, text delta, framing) down the WebSocket
@@ -419,12 +420,21 @@ def measure_costs(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) 
                             "its front's timings are not this model's")
     contexts = sorted({cfg.chat.prompt_tokens + cfg.chat.output_tokens // 2,
                        cfg.agent.prompt_tokens + cfg.agent.output_tokens // 2})
+    started = time.perf_counter()
+    steps = Steps(3 + (bundle is None) + (cfg.whole is not None), "plan")
     with tempfile.TemporaryDirectory() as tmp, _Pinned(cfg.edge_cores):
+        if bundle is None:
+            steps.next(f"split a probe bundle at {min(cfg.probe_layers, L - 1)} (int8) to time its front")
         timed = Path(bundle) if bundle is not None else _probe_bundle(lm, min(cfg.probe_layers, L - 1), Path(tmp))
+        steps.next(f"time the edge front ({cfg.edge_threads} thread(s))")
         edge = edge_layer_times(timed, cfg.edge_threads, cfg.prefill_chunk, contexts)
         edge["front"] = str(timed) if bundle is not None else f"probe bundle split at {cfg.probe_layers} (int8)"
+        if cfg.whole is not None:
+            steps.next("time the whole-model graph (all-edge)")
         whole = (whole_model_times(cfg.whole, cfg.edge_threads, cfg.prefill_chunk, contexts)
                  if cfg.whole is not None else None)
+    steps.next("read the GPU cloud costs" if cfg.cloud_results is not None else
+               f"time a cloud layer in torch ({cfg.cloud_threads} thread(s))")
     with _Pinned(cfg.cloud_cores):
         cloud = (cloud_gpu_times(cfg.cloud_results, adapter, contexts) if cfg.cloud_results is not None
                  else cloud_layer_times(adapter, cfg.cloud_threads, cfg.prefill_chunk, contexts))
@@ -432,9 +442,12 @@ def measure_costs(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) 
     cands = cfg.candidates or default_candidates(L)
     head_params = adapter.lm_head.weight.numel()
     decode_ref = _ctx_time(edge["decode"], contexts[-1])
+    steps.next(f"boundary bytes per token of each codec at N = {', '.join(map(str, sorted(set(cands))))}")
+    codec_bytes = codec_bytes_per_token(lm, adapter, sorted(set(cands)))
+    steps.done(time.perf_counter() - started)
     return Costs(
         num_layers=L, edge=edge, cloud=cloud,
-        codec_bytes=codec_bytes_per_token(lm, adapter, sorted(set(cands))),
+        codec_bytes=codec_bytes,
         layer_weight_bytes=layer_params * (1 + 4 / 32),  # int8 + an fp32 scale per block of 32
         embed_weight_bytes=adapter.vocab_size * adapter.hidden_size * (1 + 4 / 32),
         head_edge_s=decode_ref * head_params / layer_params,  # memory-bound: time scales with weight bytes

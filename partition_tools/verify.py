@@ -19,6 +19,7 @@ Thresholds depend on the edge quantization (``THRESHOLDS``); ``verify`` fails wh
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -109,20 +110,29 @@ def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str |
 
     from .evaluate import evaluate_split, fp16_round_trip
     from .models import load_bundle_source
+    from .progress import Steps
 
+    started = time.perf_counter()
     bundle_dir = Path(bundle_dir)
     manifest = Manifest.load(bundle_dir)
+    steps = Steps(4 + bool(manifest.tail_layers), "verify")
+    steps.next("re-hash the bundle's files")
     manifest.verify_files(bundle_dir)
     positions = FrontRuntime(bundle_dir, verify=False, prefill_graph=None).max_positions
     if max_tokens > positions:  # the edge graph refused them with a FrontError traceback after the reference ran
         raise BundleError(f"--max-tokens {max_tokens}: the bundle's edge graph holds {positions} positions")
+    steps.next(f"load {source or manifest.source}")
     lm = load_bundle_source(bundle_dir, source)
+    steps.next(f"score up to {max_tokens} tokens: split vs unsplit")
     report = evaluate_split(bundle_dir, text=text, max_tokens=max_tokens, codec=fp16_round_trip, lm=lm)
     # The incremental check exercises the graph's KV plumbing; any ids will do.
+    steps.next("decode steps vs the full sequence")
     ids = np.random.default_rng(0).integers(4, manifest.vocab_size, 16)
     report["incremental_rel_err"] = incremental_check(bundle_dir, ids)
     if manifest.tail_layers:  # u-shape: greedy generation through the phone's two ends and the cloud's middle
+        steps.next("u-shape: greedy tokens through front, middle and tail")
         report.update(ushape_greedy_check(bundle_dir, lm.model, ids[:12].astype(np.int64)))
+    steps.done(time.perf_counter() - started)
     untrained = is_untrained(report["ppl_reference"], manifest.vocab_size)
     # an int8 KV cache (split --edge-kv int8) is lossy: an fp32 front with it is gated as an int8 one
     gate = "int8" if manifest.edge_quant == "fp32" and manifest.quant_report.get("kv_cache") else manifest.edge_quant

@@ -38,6 +38,19 @@ def test_verify_passes_on_default_bundle(tiny_glm4_bundle, capsys):
     assert r["edge_quant"] == "int8" and r["incremental_rel_err"] < 1e-3
 
 
+def test_verify_and_plan_show_their_steps(tiny_glm4_bundle, capsys, monkeypatch):
+    """verify (minutes on a real model: the reload, 1,024 tokens scored twice) and plan (a probe split, timings) ran
+    without a word until their report; each step is a line on stderr, as split's are."""
+    monkeypatch.setenv("AUTOGLM_PROGRESS", "1")
+    assert main(["verify", str(tiny_glm4_bundle), "--max-tokens", "64", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "[verify 1/4] re-hash the bundle's files" in err and "[verify 4/4] decode steps" in err, err
+    assert "[verify] done in " in err
+    assert main(["plan", "tiny-glm4", "--bundle", str(tiny_glm4_bundle), "--candidates", "1", "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "[plan 1/3] time the edge front" in err and "[plan 3/3] boundary bytes" in err and "[plan] done" in err, err
+
+
 def test_a_bundle_of_a_seeded_preset_is_verified_against_that_seed(split_bundle, capsys, monkeypatch):
     """``split --preset tiny-glm4 --seed 3``: verify, draft-head and plan --bundle reloaded the preset with seed 0
     and refused the bundle as another model's; they reload it with the seed the manifest's source identity
