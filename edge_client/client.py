@@ -214,7 +214,7 @@ class EdgeClient:
             raise EdgeClientError(str(e), e.code) from None
 
     def _placeholder(self, kind: str) -> str:
-        return self.tokenizer.decode(self.media.placeholder_ids(kind))
+        return self.tokenizer.token_text(self.media.placeholder_ids(kind))  # decode() hides special tokens
 
     def _media_spec(self, prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs, images, audio,
                     **sampling: Any) -> RequestSpec:
@@ -245,11 +245,12 @@ class EdgeClient:
         if len(ids) > room:  # the answer needs one position at least (as in full mode)
             raise PromptTooLongError(f"prompt of {len(ids)} tokens exceeds {whose}")
         parts += _sources("image", images) + _sources("audio", audio)
-        if not parts:
+        placeholders = self.media.placeholders()
+        if not parts and placeholders.isdisjoint(ids):
             return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)
         # every placeholder becomes its rows: they must fit too, counted before any is decoded or encoded
         items = self.media.items(parts, self.media_policy, room=(room - len(ids), whose))
-        media = assemble([int(t) for t in ids], items, self.runtime.hidden_size, self.media.merge_size)
+        media = assemble([int(t) for t in ids], items, self.runtime.hidden_size, self.media.merge_size, placeholders)
         media.encode(self.session.cached_prefix(media))  # an item inside the cached prefix is not encoded again
         return RequestSpec(prompt_ids=media.ids, media=media, **sampling)
 

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,10 +109,12 @@ class MediaPrompt:
         return content_digests(len(self.ids) if n_tokens is None else n_tokens, block_tokens, self.spans)
 
 
-def expand(ids: Sequence[int], items: Sequence[MediaItem]) -> tuple[list[int], list[MediaItem], list[int]]:
+def expand(ids: Sequence[int], items: Sequence[MediaItem],
+           placeholders: Collection[int] = ()) -> tuple[list[int], list[MediaItem], list[int]]:
     """Replace each single placeholder by its item's rows (the k-th placeholder of a token by the k-th item
-    of that token) -> (ids, items in prompt order, their starts)."""
-    queues: dict[int, list[MediaItem]] = {}
+    of that token) -> (ids, items in prompt order, their starts). ``placeholders``: the placeholder tokens of the
+    bundle's encoders; each one in ``ids`` needs an item too, whether or not any input of its kind was given."""
+    queues: dict[int, list[MediaItem]] = {int(t): [] for t in placeholders}
     for it in items:
         queues.setdefault(it.token_id, []).append(it)
     out: list[int] = []
@@ -140,10 +142,11 @@ def _check_rows(it: MediaItem, rows: np.ndarray, hidden_size: int) -> None:
         raise MediaError(f"{it.kind} embeddings {list(rows.shape)}: expected [{it.rows}, {hidden_size}]", "bad_media")
 
 
-def assemble(ids: Sequence[int], items: Sequence[MediaItem], hidden_size: int, merge: int = 2) -> MediaPrompt:
+def assemble(ids: Sequence[int], items: Sequence[MediaItem], hidden_size: int, merge: int = 2,
+             placeholders: Collection[int] = ()) -> MediaPrompt:
     """The prompt of ``ids`` (one placeholder per item) with ``items`` placed (see the module docstring);
-    deferred items' rows are filled in by :meth:`MediaPrompt.encode`."""
-    full, items, starts = expand(ids, items)
+    deferred items' rows are filled in by :meth:`MediaPrompt.encode`. ``placeholders``: as :func:`expand`'s."""
+    full, items, starts = expand(ids, items, placeholders)
     s = len(full)
     embeds = np.zeros((s, hidden_size), np.float32)
     mask = np.zeros(s, np.bool_)
@@ -451,6 +454,7 @@ class MediaEncoders:
         self.threads = threads
         self._vision = None
         self._audio = None
+        self._placeholders: frozenset[int] | None = None
 
     @property
     def vision(self):
@@ -474,6 +478,19 @@ class MediaEncoders:
             sp = self.vision.spec
             return [sp.image_start_token_id, sp.image_token_id, sp.image_end_token_id]
         return [self.audio.spec.audio_token_id]
+
+    def placeholders(self) -> frozenset[int]:
+        """The token each of the bundle's encoders expands into its rows (image, audio; none for a text bundle): in
+        a prompt, each needs an input of its kind (:func:`expand`)."""
+        if self._placeholders is None:
+            found = set()
+            for kind in ("image", "audio"):
+                try:
+                    found.add(self.vision.spec.image_token_id if kind == "image" else self.audio.spec.audio_token_id)
+                except MediaError:  # no such encoder: its token is text
+                    pass
+            self._placeholders = frozenset(found)
+        return self._placeholders
 
     def warmup(self, kinds: Sequence[str] = ("image", "audio")) -> dict[str, float]:
         """Load and run each available encoder of ``kinds`` once; kind -> seconds (absent: none in the bundle)."""

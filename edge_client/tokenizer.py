@@ -33,6 +33,7 @@ class TokenizerLike(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_text(self, ids: list[int]) -> str: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str: ...
 
@@ -144,6 +145,11 @@ class EdgeTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([i for i in ids if i not in self._hidden_ids], skip_special_tokens=False)
 
+    def token_text(self, ids: list[int]) -> str:
+        """The text that encodes to ``ids``, special tokens written out (:meth:`decode`, for answers, hides them):
+        a media placeholder in a prompt's text (GLM-4.1V's ``<|begin_of_image|><|image|><|end_of_image|>``)."""
+        return "".join(self.tok.decode([i], skip_special_tokens=False) for i in ids)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if self.template is None:
             raise ValueError("this bundle's tokenizer has no chat template; send a raw prompt instead")
@@ -172,6 +178,8 @@ class ByteTokenizer:
         # Ids past the byte range (a random model samples them) have no text.
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.offset + 256)
         return data.decode("utf-8", errors="replace")
+
+    token_text = decode  # no token is special here
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)

@@ -561,3 +561,63 @@ def test_an_image_for_a_bundle_without_a_vision_tower(served, tiny_glm4v_audio_b
     r = _chat(a, NORMAL_IMAGE)
     assert _code(r) == "no_encoder" and str(tiny_glm4v_audio_bundle) not in r.json()["error"]["message"]
     _ok(_chat(a, NORMAL_AUDIO))
+
+
+def _with_a_trained_tokenizer(bundle, out):
+    """A copy of ``bundle`` with a tokenizer.json whose media placeholder tokens are special added tokens, as a
+    trained vision model's are (GLM-4.1V: ``<|begin_of_image|>``, ``<|image|>``, ``<|end_of_image|>``); the tiny
+    preset itself has none (ByteTokenizer), so nothing showed what a real one does."""
+    import json
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    shutil.copytree(bundle, out)
+    specials = {10: "<|image|>", 12: "<|begin_of_image|>", 13: "<|end_of_image|>", 2: "<|endoftext|>", 3: "<|user|>",
+                4: "<|assistant|>"}
+    vocab = {f"w{i}": i for i in range(512) if i not in specials} | {t: i for i, t in specials.items()}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w20"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in specials.values()])
+    tok.save(str(out / "edge" / "tokenizer.json"))
+    (out / "edge" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": (
+        "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")}))
+    return out
+
+
+def test_an_image_part_reaches_the_prompt_when_its_placeholder_tokens_are_special(served, tiny_glm4v_fp32_bundle,
+                                                                                  tmp_path):
+    """An image part becomes its placeholder's text in the chat, written as decode(placeholder ids); decode hides
+    special tokens (an answer must not show them), and a trained tokenizer's image tokens are special: the text was
+    empty, so every image sent through messages= or the local API was refused bad_media '1 media input(s) without
+    a placeholder in the prompt'. The placeholder is written out (token_text) and the image is seen."""
+    _, _, vc, _ = served
+    bundle = _with_a_trained_tokenizer(tiny_glm4v_fp32_bundle, tmp_path / "b")
+    with EdgeClient(bundle, vc.config.url, codec="fp16", retry=RETRY) as c:
+        assert c.tokenizer.decode([12, 10, 13]) == ""  # answers still hide them
+        picture = {"type": "image", "image": _encoded(Image.new("RGB", (64, 64)))}
+        r = c.complete(messages=[{"role": "user", "content": [{"type": "text", "text": "w5 w6"}, picture]}],
+                       max_tokens=2)
+    assert r.stats.image_tokens == 9 and r.stats.prompt_tokens == 1 + 2 + 1 + 9 + 1 + 1, r.stats  # <|user|> .. <|assistant|>
+
+
+def test_a_placeholder_without_its_input_is_refused_even_when_no_input_is_given(served):
+    """One image placeholder with ``images=[]`` (an agent loop whose screen capture failed), the placeholder ids with
+    no images, or its text in a text-only chat: the request ran as text, the image token's plain embedding where
+    the picture should be - an answer about no picture, without a word - while two placeholders and one image were
+    bad_media. Every placeholder of a bundle's encoder needs its input: bad_media before any traffic, a 400. The
+    audio bundle has no vision tower: the image token is plain text there."""
+    v, a, vc, ac = served
+    image_placeholder = vc._placeholder("image")
+    for kw in ({"prompt": "look " + image_placeholder, "images": []},
+               {"prompt_ids": [30, 31, 12, 10, 13, 32]},
+               {"messages": [{"role": "user", "content": "look " + image_placeholder}]}):
+        with pytest.raises(EdgeClientError) as e:
+            vc.complete(max_tokens=2, **kw)
+        assert e.value.code == "bad_media" and "placeholders" in str(e.value), (kw, e.value)
+    r = httpx.post(v + "/v1/chat/completions", timeout=60, json={
+        "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "look " + image_placeholder}]})
+    assert _code(r) == "bad_media"
+    assert ac.complete(prompt_ids=[30, 31, 12, 10, 13, 32], max_tokens=2).stats.image_tokens == 0
+    _ok(_chat(v, NORMAL_IMAGE))
