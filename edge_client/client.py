@@ -491,6 +491,9 @@ def check_messages(messages: Any) -> None:
         if content is not None and not isinstance(content, (str, list)):
             raise ValueError(f"messages[{i}].content must be a string or a list of content parts, "
                              f"got {type(content).__name__}")
+        for j, part in enumerate(content if isinstance(content, list) else ()):  # a null text was rendered 'None'
+            if isinstance(part, dict) and part.get("type") == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content[{j}].text: expected a string")
 
 
 def _template_kwargs(given: Any, enable_thinking: Any) -> dict:

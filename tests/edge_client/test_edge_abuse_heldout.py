@@ -119,6 +119,10 @@ def client(tiny_bundle):
     ({"messages": [{"role": "user", "content": None}]}, r"messages\[0\]\.content: missing or null"),
     ({"messages": [{"role": "system", "content": "s"}, {"role": "user"}]}, r"messages\[1\]\.content: missing"),
     ({"messages": [{"role": "user", "content": 5}]}, r"messages\[0\]\.content must be a string"),
+    # a text part's null or missing text beside an image (or alone) was rendered 'None' (or nothing) and answered
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": None}, {"type": "image", "image": b"png"}]}]},
+     r"messages\[0\]\.content\[0\]\.text: expected a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, r"messages\[0\]\.content\[0\]\.text"),
     # the template's variables: a bare TypeError ('multiple values for argument') or dict()'s ValueError before
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}}, "may not be set"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}},
