@@ -207,7 +207,7 @@ def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> b
     elif scheme in ("http", "https"):
         data = _fetch(src, policy, kind)
     elif scheme == "file":  # a URL: its path percent-encoded (file:///sdcard/My%20shot.png)
-        data = _local(urllib.parse.unquote(src[len("file://"):]), policy, kind)
+        data = _local(urllib.parse.unquote(_FILE_URL.sub("", src, count=1)), policy, kind)
     elif scheme is not None:
         raise MediaError(f"{src[:40]}: unsupported URL scheme (accepted: data:, http(s)://, file:// and paths)",
                          "bad_media")
@@ -220,15 +220,20 @@ def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> b
 
 _C0_AND_SPACE = "".join(map(chr, range(0x21)))  # what the URL standard strips from both ends of a URL
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(//)?")
+# what precedes a file: URL's path (RFC 8089): file:///p, file://localhost/p, and file:/p (Java's File.toURI())
+_FILE_URL = re.compile(r"file:(//(localhost(?=/))?)?", re.IGNORECASE)
 
 
 def _scheme(src: str) -> str | None:
-    """The URL scheme of ``src``, lower case (schemes are case-insensitive): ``data`` for ``data:...``, else
-    one followed by ``//``; None for a path."""
+    """The URL scheme of ``src``, lower case (schemes are case-insensitive): ``data`` for ``data:...``, ``file``
+    for ``file:/...``, else one followed by ``//``; None for a path."""
     m = _URL_SCHEME.match(src)
-    if m is None or (m.group(2) is None and m.group(1).lower() != "data"):
+    if m is None:
         return None
-    return m.group(1).lower()
+    scheme = m.group(1).lower()
+    if m.group(2) is None and scheme != "data" and not (scheme == "file" and src[m.end():].startswith("/")):
+        return None
+    return scheme
 
 
 def b64decode(text: str, what: str, code: str = "bad_media") -> bytes:

@@ -311,7 +311,9 @@ def test_a_request_with_media_never_runs_where_its_rows_cannot_go(served):
 def test_a_file_url_is_percent_decoded(served, tmp_path):
     """Round 4: a file:// URL's path is percent-encoded (what an Android app's Uri.toString() or pathlib's
     as_uri() gives for 'Screenshot 1.png'); it was looked up as written, 'no such file in the media folder'. Its
-    encoded '../' is still refused as outside the folder."""
+    encoded '../' is still refused as outside the folder. The same file as RFC 8089's other forms, 'file:/path'
+    (Java's File.toURI()) and 'file://localhost/path', was looked up as 'file:/...' or 'localhost/...' inside the
+    media folder: 'no such file'; served."""
     v, _, vc, _ = served
     (tmp_path / "Screenshot 1 #2.png").write_bytes(_encoded(Image.new("RGB", (64, 64), (3, 60, 9))))
     (tmp_path / "media").mkdir()
@@ -321,6 +323,8 @@ def test_a_file_url_is_percent_decoded(served, tmp_path):
         url = (tmp_path / "Screenshot 1 #2.png").as_uri()
         assert "%20" in url
         _ok(_chat(v, _image(url)))
+        for other in ("file:" + url.removeprefix("file://"), "file://localhost" + url.removeprefix("file://")):
+            _ok(_chat(v, _image(other)))
         vc.media_policy = replace(before, local_dir=tmp_path / "media")
         assert _code(_chat(v, _image("file://%2E%2E/Screenshot%201%20%232.png"))) == "path_refused"
     finally:
