@@ -135,8 +135,12 @@ def cmd_serve(args) -> int:
 
     from .local_api import ClosingServer, create_app
 
-    if args.media_dir is not None and not Path(args.media_dir).is_dir():  # else every local image path is refused
-        raise ValueError(f"--media-dir {args.media_dir}: not a directory")
+    from shared.user_paths import user_path
+
+    if args.media_dir is not None:  # AUTOGLM_EDGE_MEDIA_DIR=~/shots, --media-dir=~/shots: no shell expanded the '~'
+        args.media_dir = user_path(args.media_dir)
+        if not args.media_dir.is_dir():  # else every local image path is refused
+            raise ValueError(f"--media-dir {args.media_dir}: not a directory")
     if args.local_api_key == "":  # `--local-api-key "$KEY"` with KEY unset served every local app without a key
         raise ValueError("--local-api-key is empty: give the key, or leave the option out to serve without one")
     if args.local_api_key and (problem := bearer_key_problem(args.local_api_key)) is not None:
@@ -263,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this device only)")
     serve.add_argument("--media-dir", default=os.environ.get("AUTOGLM_EDGE_MEDIA_DIR"),
-                       help="the one folder whose images image_url parts may name by local path (default: none)")
+                       help="the one folder whose images image_url parts may name by local path (default: none; "
+                            "env AUTOGLM_EDGE_MEDIA_DIR)")
     serve.add_argument("--port", type=port_number, default=8001, help="listen port (default 8001; 0: a free one, which the banner names)")
     serve.add_argument("--fetch-urls", action=argparse.BooleanOptionalAction, default=True,
                        help="fetch http(s) image_url parts on the phone (--no-fetch-urls: refuse them, url_refused; "

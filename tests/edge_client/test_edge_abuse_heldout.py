@@ -95,6 +95,21 @@ def test_cli_bad_flags_exit_2_in_one_line(argv, match, tiny_bundle, capsys, monk
     _usage_error(argv, capsys, match)
 
 
+@pytest.mark.parametrize("given", [["--media-dir=~/shots"], []])
+def test_a_media_dir_under_home_is_the_homes(given, tiny_bundle, tmp_path, monkeypatch):
+    """AUTOGLM_EDGE_MEDIA_DIR=~/shots (a variable no shell expands), or --media-dir=~/shots, was refused as 'not a
+    directory'; the '~' is the home directory (shared.user_paths, the one rule), as for the other edge paths."""
+    from edge_client.local_api import ClosingServer
+
+    (tmp_path / "shots").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AUTOGLM_EDGE_MEDIA_DIR", "~/shots")
+    served = []
+    monkeypatch.setattr(ClosingServer, "run", lambda self: served.append(self.client.media_policy.local_dir))
+    assert edge_main(["serve", "--bundle", str(tiny_bundle), "--url", DEAD_URL, *given]) == 0
+    assert served == [tmp_path / "shots"]
+
+
 # -- the client API ----------------------------------------------------------------------------------------
 
 
