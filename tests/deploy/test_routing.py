@@ -199,3 +199,20 @@ def test_a_phone_whose_hashed_replica_is_full_lands_on_another(tiny_glm4_fp32_bu
                 phone.close()
     attempts = [line for line in router.access_log() if "/v1/split" in line]
     assert any("prefix=-" in line and str(other.port) in line for line in attempts), attempts
+
+
+def test_the_router_leaves_the_body_limit_to_the_replica(replicas, nginx_bin, tmp_path):
+    """nginx's default client_max_body_size (1 MiB) refused a larger /v1 body with its own HTML 413, though a
+    full-model replica reads up to max(1 MiB, 64 bytes x --max-model-len) (cloud_server.full_api.max_body_bytes:
+    a 128k-token CJK prompt is 1-2 MB of JSON) and refuses beyond it in OpenAI's shape. The router passes the body
+    on, unbuffered, and the replica's own answer comes back."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": "m", "prompt": "\u4e00" * (3 << 20)}).encode()  # ~3 MB, JSON-escaped
+    with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router:
+        request = urllib.request.Request(f"http://127.0.0.1:{router.port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:  # a split-mode replica serves no completions
+            urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 404 and json.loads(e.value.read())["error"]["code"] == "not_found"
