@@ -123,8 +123,9 @@ class _EdgeBackend:
                 return _EdgeStream(await asyncio.to_thread(run, loop=loop))
             async with self._media_turn:
                 return _EdgeStream(await asyncio.to_thread(run, loop=loop))
-        except EdgeClientError as e:  # a bad image / audio clip, refused before any network traffic
-            raise oc.OpenAIRequestError(str(e), "messages", e.code) from None
+        except EdgeClientError as e:  # a bad image / audio clip (or a placeholder without one), before any traffic
+            raise oc.OpenAIRequestError(str(e), "messages" if isinstance(req, oc.ChatRequest) else "prompt",
+                                        e.code) from None
         except ValueError as e:  # e.g. a prompt that tokenizes to nothing, or a sampling value the wire cannot carry
             param = getattr(e, "param", None) or ("precision" if isinstance(e, PrecisionError) else
                                                   "messages" if isinstance(req, oc.ChatRequest) else "prompt")

@@ -622,6 +622,9 @@ def test_a_placeholder_without_its_input_is_refused_even_when_no_input_is_given(
         assert e.value.code == "bad_media" and "placeholders" in str(e.value), (kw, e.value)
     r = httpx.post(v + "/v1/chat/completions", timeout=60, json={
         "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "look " + image_placeholder}]})
-    assert _code(r) == "bad_media"
+    assert _code(r) == "bad_media" and r.json()["error"]["param"] == "messages"
+    r = httpx.post(v + "/v1/completions", timeout=60, json={"model": "m", "max_tokens": 2,
+                                                           "prompt": "look " + image_placeholder})
+    assert _code(r) == "bad_media" and r.json()["error"]["param"] == "prompt"  # the field it came in
     assert ac.complete(prompt_ids=[30, 31, 12, 10, 13, 32], max_tokens=2).stats.image_tokens == 0
     _ok(_chat(v, NORMAL_IMAGE))
