@@ -460,16 +460,19 @@ class Session:
                 sink(("token", token, text))
                 if stopped:  # a stop string: the text ends before it, the cloud stops generating
                     await self._cancel(req)
-                    return "stop"
-            if decoder is not None:  # bytes held back for an incomplete character, and text held for stops
-                tail = stop.finish(decoder.flush())
-                if tail:
-                    sink(("token", -1, tail))
-            if req.finish == "error":  # ended by the cloud without an Error saying why: a failure, not an answer
-                raise EdgeClientError(f"the cloud ended the request with an error after {len(req.tokens)} tokens",
-                                      "internal")
-            self.drafter.remember(req.tokens)  # later requests (the next agent step) draft from it
-            return req.finish or "stop"
+                    break
+            else:  # the request's own end
+                if decoder is not None:  # bytes held back for an incomplete character, and text held for stops
+                    tail = stop.finish(decoder.flush())
+                    if tail:
+                        sink(("token", -1, tail))
+                if req.finish == "error":  # ended by the cloud without an Error saying why: a failure, not an answer
+                    raise EdgeClientError(f"the cloud ended the request with an error after {len(req.tokens)} "
+                                          "tokens", "internal")
+            # later requests (the next agent step) draft from the tokens it answered - up to a stop string too (an
+            # answer a stop string ended was never remembered)
+            self.drafter.remember(req.tokens[:stats.completion_tokens])
+            return "stop" if stop.stopped else req.finish or "stop"
         except (asyncio.CancelledError, Exception):  # a failure here too: the cloud would hold the request's KV
             if req is not None and req.opened:      # until its step timeout (a Cancel of one it ended is ignored)
                 await asyncio.shield(self._cancel(req))

@@ -69,6 +69,24 @@ def test_seeded_sampled_speculation_emits_the_plain_runs_tokens(tiny_bundle, tin
     assert spec.stats.accepted_draft_tokens > 0 and spec.stats.decode_round_trips < N_NEW - 1
 
 
+def test_an_answer_a_stop_string_ended_is_drafted_from_later(tiny_bundle, tiny_cloud):
+    """Prompt lookup drafts from earlier answers (the next agent step repeats them): one that a stop string ended
+    (agents stop at their action's end) was never remembered, so the next request found nothing to draft from.
+    Seeded sampling: the answers are the same but the context alone proposes nothing the cloud accepts."""
+    kw = dict(prompt_ids=PROMPT, max_tokens=N_NEW, temperature=0.7, seed=1234)
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, draft_k=K) as c:
+        text = c.complete(**kw).text
+    i = len(text) // 2
+    stop = text[i:i + 2]
+    assert text.find(stop) == i  # the answer ends there, after several tokens
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, draft_k=K) as c:
+        cut = c.complete(**kw, stop=[stop])
+        assert cut.finish_reason == "stop" and cut.text == text[:i] and len(cut.token_ids) > 2
+        spec = c.complete(**kw, speculate=True)
+    assert spec.text == text
+    assert spec.stats.accepted_draft_tokens >= len(cut.token_ids) // 2
+
+
 def _cut_after_spec(client: EdgeClient, proxy: LinkEmulator, which: int, delay_s: float) -> list[int]:
     """Cut ``proxy`` ``delay_s`` after the ``which``-th SpecStep leaves the edge; returns a list that gets the
     positions of the SpecSteps sent."""
