@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("draft-head", help="add a drafter to a bundle for speculative decoding: a draft head "
                                          "(default), a layer-skipping drafter (--layers) or the cloud drafter (--cloud)",
                        description="Add a drafter to a bundle for speculative decoding: a draft head (default), "
-                                   "a layer-skipping drafter (--layers) or the cloud drafter (--cloud).")
+                                   "a layer-skipping drafter (--layers) or the cloud drafter (--cloud). A u-shape "
+                                   "bundle (split with --tail) takes none: it drafts by prompt lookup.")
     d.add_argument("bundle", help="bundle directory written by split")
     d.add_argument("--source", default=_env("SOURCE"),
                    help="the model it was split from (default: the manifest's); another model, even of the same "

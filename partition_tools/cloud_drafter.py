@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.manifest import CLOUD_DRAFT_INPUTS, BundleError
+from shared.manifest import CLOUD_DRAFT_INPUTS
 
 from .adapters import ModelAdapter, call_layer
 from .draft_head import bundle_of
@@ -144,8 +144,6 @@ def add_cloud_drafter(lm: LoadedModel, bundle: Path, cfg: CloudDrafterConfig | N
     cfg = cfg or CloudDrafterConfig()
     bundle = Path(bundle)
     manifest, adapter = bundle_of(lm, bundle)
-    if manifest.tail_layers:
-        raise BundleError(f"{bundle}: a u-shape bundle's cloud never sees a token, so it cannot draft")
     split = manifest.split_layer
     seqs = calibration(lm, adapter, DraftLayersConfig(text=cfg.text, prompts=cfg.prompts,
                                                       answer_tokens=cfg.answer_tokens))

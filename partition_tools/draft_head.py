@@ -163,8 +163,13 @@ def _no_preprocess_advice(record) -> bool:
 def bundle_of(lm: LoadedModel, bundle: Path) -> tuple[Manifest, ModelAdapter]:
     """The manifest of ``bundle`` and the adapter of ``lm``, the model it must have been split from: the same
     identity (``LoadedModel.identity``, the manifest's ``source_identity``, as ``verify`` checks it) - a model of
-    the same shape with other weights would give a drafter that proposes the wrong tokens - and the same shape."""
+    the same shape with other weights would give a drafter that proposes the wrong tokens - and the same shape.
+    A u-shape bundle takes no drafter: its requests draft by prompt lookup only (the phone's drafters are not run
+    on them, and its cloud never sees a token)."""
     manifest = Manifest.load(bundle)
+    if manifest.tail_layers:  # the lens was written, hashed in and opened by every client, never run
+        raise BundleError(f"{bundle}: a u-shape bundle (split with --tail) drafts by prompt lookup only; it takes "
+                          "no drafter")
     if not same_source(lm.identity, manifest.source_identity):
         raise BundleError(f"{bundle}: the bundle was not split from {lm.source} (model {lm.identity}, the "
                           f"bundle's source is {manifest.source} {manifest.source_identity}); give --source the "

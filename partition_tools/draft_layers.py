@@ -359,8 +359,6 @@ def add_draft_layers(lm: LoadedModel, bundle: Path, cfg: DraftLayersConfig | Non
     cfg = cfg or DraftLayersConfig()
     bundle = Path(bundle)
     manifest, adapter = bundle_of(lm, bundle)
-    if manifest.tail_layers:
-        raise BundleError(f"{bundle}: a u-shape bundle (split with --tail) drafts by prompt lookup only")
     split = manifest.split_layer
     layers = None if cfg.layers is None else _checked_layers(cfg.layers, split, adapter.num_layers)
     held = held_out_prose(lm, adapter)

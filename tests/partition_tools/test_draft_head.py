@@ -101,6 +101,22 @@ def test_cli_refuses_a_source_that_is_another_model_of_the_same_shape(tiny_glm4_
     assert (bundle / "manifest.json").read_bytes() == before
 
 
+@pytest.mark.parametrize("kind", [[], ["--layers", "1"], ["--cloud"]], ids=["head", "layers", "cloud"])
+def test_cli_refuses_every_drafter_for_a_u_shape_bundle(tiny_glm4_ushape_bundle, tmp_path, capsys, kind):
+    """A u-shape bundle's requests draft by prompt lookup only: --layers and --cloud refused it, but the default
+    lens was fit, written and hashed into the bundle (every client then opened it), and never run."""
+    from partition_tools.cli import main
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_glm4_ushape_bundle, bundle)
+    before = (bundle / "manifest.json").read_bytes()
+    assert main(["draft-head", str(bundle), *kind]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"autoglm-partition draft-head: error: {bundle}: a u-shape bundle (split with --tail) drafts by "
+                   "prompt lookup only; it takes no drafter\n"), err
+    assert (bundle / "manifest.json").read_bytes() == before and not (bundle / DRAFT_HEAD).exists()
+
+
 def test_cli_accepts_the_source_named_by_its_identity(tiny_glm4_fp32_bundle, tmp_path, capsys):
     from partition_tools.cli import main
 
