@@ -187,8 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerConfig:
-    """Merge command line, environment and config file into a validated :class:`ServerConfig`."""
+def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None,
+            overridden: list[str] | None = None) -> ServerConfig:
+    """Merge command line, environment and config file into a validated :class:`ServerConfig`. ``overridden``
+    collects, for a warning, each config-file value that a variable set otherwise: the image's
+    ``AUTOGLM_CLOUD_PORT`` (deploy/Dockerfile) beat a ``--config`` file's port without a word."""
     env = os.environ if environ is None else environ
     cfg_path = args.config or env.get(ENV_PREFIX + "CONFIG")
     cfg_label = f"--config {cfg_path}" if args.config else f"{ENV_PREFIX}CONFIG={cfg_path}"
@@ -206,9 +209,13 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         if raw is not None and (raw != "" or name == "api_key"):
             origin[name] = ENV_PREFIX + name.upper()
             try:
-                return _bool(raw) if kind is bool else kind(raw)
+                value = _bool(raw) if kind is bool else kind(raw)
             except ValueError as e:
                 raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: {e}") from None
+            if name in file and file[name] != value and overridden is not None:
+                overridden.append(f"{ENV_PREFIX}{name.upper()}={raw} overrides {name} = {json.dumps(file[name])} of "
+                                  f"{cfg_label} (command line > environment > config file)")
+            return value
         if name in file:
             origin[name] = cfg_label
             value = file[name]
@@ -364,7 +371,10 @@ def _main(argv: list[str] | None) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if unknown := unknown_variables():  # warned, not refused: the environment is shared with other programs
             logging.getLogger("autoglm.cloud").warning("ignoring unknown variable(s): %s", ", ".join(unknown))
-        config = resolve(args)
+        overridden: list[str] = []
+        config = resolve(args, overridden=overridden)
+        for line in overridden:  # the operator's file says otherwise: it may be the one they meant
+            logging.getLogger("autoglm.cloud").warning("%s", line)
     except ConfigError as e:
         print(f"autoglm-cloud: error: {e}", file=sys.stderr)
         return 2

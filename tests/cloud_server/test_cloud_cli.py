@@ -191,6 +191,25 @@ def test_an_unknown_variable_of_the_prefix_is_warned_with_the_nearest_name(tmp_p
     assert said == ["ignoring unknown variable(s): AUTOGLM_CLOUD_API_KEYS (did you mean AUTOGLM_CLOUD_API_KEY?), "
                     "AUTOGLM_CLOUD_ZZZ"]
 
+def test_a_config_file_value_a_variable_overrides_is_warned(tmp_path, monkeypatch, caplog):
+    """The image sets AUTOGLM_CLOUD_PORT=8000 and _HOST=0.0.0.0 (deploy/Dockerfile): `docker run IMAGE --config F`
+    whose file says port 9000 served on 8000 without a word (the environment beats the file)."""
+    import os
+
+    for name in [k for k in os.environ if k.startswith("AUTOGLM_CLOUD_")]:
+        monkeypatch.delenv(name)
+    conf = tmp_path / "cloud.json"
+    conf.write_text(json.dumps({"port": 9000, "host": "0.0.0.0", "drain_timeout_s": 60}))
+    monkeypatch.setenv("AUTOGLM_CLOUD_PORT", "8000")
+    monkeypatch.setenv("AUTOGLM_CLOUD_HOST", "0.0.0.0")  # the same value: nothing to say
+    monkeypatch.setenv("AUTOGLM_CLOUD_DRAIN_TIMEOUT_S", "60")
+    with caplog.at_level(logging.WARNING, logger="autoglm.cloud"):
+        assert main(["serve", str(tmp_path), "--config", str(conf), "--device", "cpu"]) == 2  # not a bundle
+    said = [r.getMessage() for r in caplog.records if "overrides" in r.getMessage()]
+    assert said == [f"AUTOGLM_CLOUD_PORT=8000 overrides port = 9000 of --config {conf} (command line > environment > "
+                    "config file)"]
+
+
 def test_main_reports_errors_without_a_traceback(tmp_path, capsys):
     assert main(["serve", str(tmp_path), "--device", "cpu"]) == 2
     assert "not a bundle" in capsys.readouterr().err
