@@ -168,24 +168,33 @@ def _source(args) -> str:
     return source
 
 
-def _text_needs_a_tokenizer(args) -> None:
-    """``--text`` for a bundle whose source has no tokenizer (a random preset, calibrated and verified on random
-    token ids): verify stopped with a ValueError traceback and the draft head ignored the file without a word."""
+def _text(args) -> str | None:
+    """``--text``'s contents, checked before the model loads: UTF-8 text, and a source with a tokenizer to read it
+    (a random preset, calibrated and verified on random token ids: verify stopped with a ValueError traceback and
+    the draft head ignored the file without a word). draft-head read the file only after the model loaded: a
+    missing one was said minutes later, one not UTF-8 was a UnicodeDecodeError traceback."""
     if not args.text:
-        return
+        return None
+    try:
+        text = Path(args.text).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--text {args.text}: {e}") from None
+    if not text.strip():
+        raise UsageError(f"--text {args.text}: the file holds no text")
     from .models import has_tokenizer
 
     source = _source(args)
     if not has_tokenizer(source):
         raise UsageError(f"--text {args.text}: {source} has no tokenizer to read it with (without one, random "
                          "token ids are used); leave --text out")
+    return text
 
 
 def _cmd_draft_head(args) -> int:
     from .draft_head import DraftHeadConfig, add_draft_head
     from .models import load_bundle_source
 
-    _text_needs_a_tokenizer(args)
+    _text(args)
     vocab = int(args.vocab) if args.vocab is not None else None
     text = Path(args.text) if args.text else None
     if args.cloud:
@@ -239,15 +248,9 @@ def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
 def _cmd_verify(args) -> int:
     from .verify import verify_bundle
 
-    text = None
-    if args.text:
-        try:
-            text = Path(args.text).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UsageError(f"--text {args.text}: {e}") from None
     if args.max_tokens < 16:
         raise UsageError("--max-tokens must be at least 16")
-    _text_needs_a_tokenizer(args)
+    text = _text(args)
     r = verify_bundle(args.bundle, source=_source(args), text=text, max_tokens=args.max_tokens)
     if args.json:
         print(json.dumps(r, sort_keys=True))

@@ -63,8 +63,8 @@ def evaluation_ids(lm: LoadedModel, text: str | None, max_tokens: int) -> np.nda
 
         text = sample_text()
     ids = np.asarray(lm.tokenizer(text).input_ids, dtype=np.int64)[:max_tokens]
-    if ids.size < 2:
-        raise ValueError(f"text tokenizes to {ids.size} token(s); need at least 2")
+    if ids.size < 2:  # (verify --text of an empty file: a ValueError traceback after the model loaded)
+        raise BundleError(f"the text tokenizes to {ids.size} token(s); scoring needs at least 2")
     return ids
 
 

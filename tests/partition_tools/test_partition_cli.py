@@ -175,6 +175,25 @@ def test_every_subcommand_and_option_has_help_text():
     assert undocumented(parser) == [] and "draft-head" in parser.description
 
 
+@pytest.mark.parametrize("command", [["verify"], ["draft-head"], ["draft-head", "--layers", "auto"]])
+@pytest.mark.parametrize("content, match", [(b"", "the file holds no text"), (b" \n\t\n", "the file holds no text"),
+                                            (b"\xff\xfe\x00binary", "'utf-8' codec can't decode")])
+def test_text_that_is_no_text_is_a_usage_error_before_the_model_loads(tiny_glm4_bundle, tmp_path, capsys, monkeypatch,
+                                                                      command, content, match):
+    """verify --text of an empty file loaded the model, then stopped with a ValueError traceback ('text tokenizes to 0
+    token(s)'); draft-head read its --text only after the model loaded: a file not UTF-8 was a UnicodeDecodeError
+    traceback (SmolLM2: after a minute's load), a missing one said so as late."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    f = tmp_path / "t.txt"
+    f.write_bytes(content)
+    assert main([*command[:1], str(tiny_glm4_bundle), *command[1:], "--text", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"autoglm-partition {command[0]}: error: --text {f}: ") and match in err, err
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("command", [["verify"], ["draft-head"], ["draft-head", "--cloud"], ["draft-head",
                                                                                                "--layers", "3"]])
 def test_text_for_a_source_without_a_tokenizer_is_a_usage_error(tiny_glm4_bundle, tmp_path, capsys, command):
