@@ -6,6 +6,8 @@ link emulator.
 * a cut of the link while a SpecStep is in flight - the step lost on the way up, or its verdict lost on the
   way down - still gives the same tokens (resume, no replay);
 * a restart of the cloud while a SpecStep is in flight replays and still gives the same tokens;
+* so does a seeded sampled request, cut (resume) or restarted (replay) with drafts in flight: the undisturbed
+  plain run's tokens;
 * a cut inside a prompt span the session's limits cut into several Prefills resends the rest of the span;
 * drafts from the bundle's draft head (where prompt lookup has none) keep greedy parity too, and so do the
   layer-skipping drafter's (tiny GLM-4, SmolLM2), whose KV mirror never keeps a rejected draft.
@@ -118,6 +120,40 @@ def test_cut_mid_speculative_step_keeps_parity(tiny_bundle, tiny_cloud, plain_to
     assert proxy.cuts == 1 and gen.stats.reconnects >= 1 and gen.stats.resumes >= 1 and gen.stats.replays == 0
     if lost == "the SpecStep":  # it was sent again at the same position after the resume
         assert len(positions) != len(set(positions))
+
+
+# a restart costs a server start (~10 s on two busy cores): slow, as the greedy twin below
+@pytest.mark.parametrize("fault", ["cut", pytest.param("restart", marks=pytest.mark.slow)])
+def test_seeded_sampled_speculation_interrupted_emits_the_undisturbed_runs_tokens(tiny_bundle, tiny_cloud, fault):
+    """A seeded sampled request with drafts in flight, interrupted - the link cut while the verdict is on its way
+    (resume), or the server SIGKILLed and restarted as the SpecStep goes out (replay, the drafts dropped) - emits
+    the tokens of an undisturbed plain run with that seed (the cloud draws by seed and position)."""
+    kw = dict(prompt_ids=PROMPT, max_tokens=N_NEW, temperature=0.7, seed=1234)
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        plain = c.complete(**kw).token_ids
+    with LinkEmulator(tiny_cloud.port, SLOW if fault == "cut" else None) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16", retry=RETRY,
+                       draft_k=K) as c:
+        c.session.drafter.remember(plain)  # an earlier answer to draft from (sampled text repeats nothing)
+        if fault == "cut":
+            _cut_after_spec(c, proxy, 2, 0.3)
+        else:
+            real_send, seen = c.session._send, []
+
+            async def send(msg):
+                if isinstance(msg, P.SpecStep):
+                    seen.append(msg.position)
+                    if len(seen) == 2:  # the server dies as the second SpecStep goes out, and comes back on its port
+                        await asyncio.to_thread(tiny_cloud.kill)
+                        await asyncio.to_thread(tiny_cloud.start)
+                return await real_send(msg)
+
+            c.session._send = send
+        gen = c.complete(**kw, speculate=True)
+    st = gen.stats
+    assert gen.token_ids == plain
+    assert st.accepted_draft_tokens > 0 and st.reconnects >= 1
+    assert (st.resumes, st.replays) == ((1, 0) if fault == "cut" else (0, 1))
 
 
 @pytest.mark.slow  # a restart's replay stays in the default suite (test_end_to_end, test_ushape_resume)
