@@ -522,7 +522,7 @@ class MediaEncoders:
         for i, p in enumerate(parts):
             data = p.source if p.kind == "image" and is_pil_image(p.source) else load_source(p.source, policy, p.kind)
             if p.kind == "image":
-                src, n = self.vision.check(data, policy.max_pixels)
+                src, n = self.vision.check(data, policy.max_pixels, policy.max_bytes)
             elif p.kind == "audio":
                 src, n = self.audio.check(data)
             else:

@@ -328,10 +328,10 @@ class VisionEncoder(LazyEncoder):
         """Encoded image bytes (or a PIL image) -> :class:`PreparedImage` (:meth:`check`, then :meth:`prepared`)."""
         return self.prepared(self.check(data, max_pixels)[0], max_pixels)
 
-    def check(self, data, max_pixels: int | None = None) -> tuple[object, int]:
+    def check(self, data, max_pixels: int | None = None, max_bytes: int = MAX_IMAGE_BYTES) -> tuple[object, int]:
         """Encoded image bytes (or a PIL image) -> (the :func:`open_image` result, its visual tokens at a pixel budget), from the
-        header alone: nothing decoded yet."""
-        img = open_image(data)
+        header alone: nothing decoded yet. ``max_bytes``: the size limit (``MediaPolicy.max_bytes``)."""
+        img = open_image(data, max_bytes)
         w, h = img.size  # an EXIF rotation swaps the sides, not the count
         return img, visual_tokens(h, w, self.spec, max_pixels)
 

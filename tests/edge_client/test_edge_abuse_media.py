@@ -628,3 +628,25 @@ def test_a_placeholder_without_its_input_is_refused_even_when_no_input_is_given(
     assert _code(r) == "bad_media" and r.json()["error"]["param"] == "prompt"  # the field it came in
     assert ac.complete(prompt_ids=[30, 31, 12, 10, 13, 32], max_tokens=2).stats.image_tokens == 0
     _ok(_chat(v, NORMAL_IMAGE))
+
+
+def test_an_image_within_a_raised_byte_limit_is_served(served):
+    """``MediaPolicy.max_bytes`` raised for a phone camera's large photos let the bytes be loaded, and the image was
+    then refused image_too_large 'exceeds the 20971520-byte limit' - the default, checked again by the image's own
+    opening; the policy's limit is the one limit. (A PNG over 20 MB: a small picture with a big private chunk.)"""
+    _, _, vc, _ = served
+    png = _encoded(Image.new("RGB", (64, 64), (10, 200, 30)))
+    chunk = bytes(21 << 20)
+    big = png[:33] + struct.pack(">I", len(chunk)) + b"prVt" + chunk + struct.pack(">I", zlib.crc32(b"prVt" + chunk)) \
+        + png[33:]  # after IHDR: an ancillary chunk PIL skips
+    prompt = "what is here? " + vc._placeholder("image")
+    before = vc.media_policy
+    try:
+        vc.media_policy = replace(before, max_bytes=32 << 20)
+        assert vc.complete(prompt=prompt, images=big, max_tokens=2).stats.image_tokens == 9
+        vc.media_policy = replace(before, max_bytes=len(big) - 1)
+        with pytest.raises(EdgeClientError) as e:
+            vc.complete(prompt=prompt, images=big, max_tokens=2)
+        assert e.value.code == "image_too_large"
+    finally:
+        vc.media_policy = before
