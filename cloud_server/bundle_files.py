@@ -3,7 +3,8 @@
 Routes (behind the API key, like every ``/v1`` route):
 
 * ``GET /v1/bundles`` - the served bundles: id, model, split layer, and the edge variants on offer
-  (``edge_quant``, bytes, files). Several bundle directories with one bundle id are edge variants of one
+  (``edge_quant``, bytes, files, ``manifest_sha256``: which export of that edge half, ``shared.manifest.
+  export_digest``). Several bundle directories with one bundle id are edge variants of one
   bundle (an int8 and an fp32 front of the same split: the id ignores the edge quantization);
 * ``GET /v1/bundles/{id}/manifest[?edge=VARIANT]`` - that variant's ``manifest.json``, byte for byte (its
   ``bundle_id`` re-derives from its hashes, so a client checks it with ``Manifest.load``); default variant:
@@ -35,7 +36,7 @@ from pathlib import Path
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 
-from shared.manifest import EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleError, Manifest, sha256_file
+from shared.manifest import EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleError, Manifest, export_digest, sha256_file
 
 log = logging.getLogger("autoglm.cloud.bundles")
 
@@ -68,7 +69,8 @@ class EdgeVariant:
 
     def summary(self) -> dict:
         served = [a for a in self.manifest.artifacts.values() if a.role in EDGE_HALF_ROLES]
-        return {"edge_quant": self.edge_quant, "files": len(served), "bytes": sum(a.bytes for a in served)}
+        return {"edge_quant": self.edge_quant, "files": len(served), "bytes": sum(a.bytes for a in served),
+                "manifest_sha256": export_digest(self.manifest_bytes)}
 
 
 class BundleCatalog:

@@ -7,7 +7,10 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
 
 1. asks ``GET /v1/bundles`` what the server hosts and picks the bundle of *the same model* (same
    ``source_identity``; an update never changes the model), preferring the ids the Error named and the edge
-   variant (``edge_quant``) it has now;
+   variant (``edge_quant``) it has now. A server serving the held bundle id serves the phone's bundle, unless its
+   export of the held edge variant is another one (``manifest_sha256`` in the listing,
+   ``shared.manifest.export_digest``: an edge half re-exported under the id - another quantization recipe, a fixed
+   tokenizer - keeps the id, which covers the cloud half): that export is the update;
 2. downloads that bundle's ``manifest.json`` and every ``edge``/``shared`` artifact into a staging directory
    next to the old bundle. A file grows as ``<name>.part``; an interrupted download (a killed app, a dropped
    link) continues where it stopped with ``Range: bytes=<have>-`` and ``If-Range: <etag>`` (a file that
@@ -62,7 +65,8 @@ from http.client import HTTPException
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from shared.manifest import EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleError, Manifest, same_source
+from shared.manifest import (EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleError, Manifest, export_digest,
+                             same_source)
 
 from . import tls
 from .activation_cache import retire
@@ -252,16 +256,26 @@ class BundleServer:
                                                "again to resume")
 
 
-def choose(current: Manifest, listing: list[dict], preferred_ids: list[str] = ()) -> tuple[str, str] | None:
+def choose(current: Manifest, listing: list[dict], preferred_ids: list[str] = (),
+           current_export: str | None = None) -> tuple[str, str] | None:
     """The (bundle id, edge variant) to update to; None when the server already serves ``current``.
 
-    Candidates are the server's bundles of the same model (``source_identity`` and ``architecture``), the
+    ``current_export``: the held export's ``export_digest``. A server serving ``current``'s bundle id serves it
+    unless its export of the held edge variant is another one (the edge half re-exported under the id, which
+    leaves the edge graphs out): then that export (a server or an export that names no digest: the id decides).
+    Else the candidates are the server's bundles of the same model (``source_identity`` and ``architecture``), the
     ids in ``preferred_ids`` (the refusal's ``bundle_ids``) first; the edge variant is the one held now when
     offered, else the server's first. Entries of the listing that are no mapping are ignored; an id or a
     variant that is no plain name is refused (``http_error``): they become directory names here."""
     listing = [b for b in listing if isinstance(b, dict)]
-    if any(b.get("id") == current.bundle_id for b in listing):
-        return None
+    served = next((b for b in listing if b.get("id") == current.bundle_id), None)
+    if served is not None:
+        held = [v for v in _variants(served) if v.get("edge_quant") == current.edge_quant]
+        if not held or current_export is None or held[0].get("manifest_sha256") in (None, current_export):
+            return None
+        pick = current.bundle_id, current.edge_quant
+        _check_names(*pick)
+        return pick
     same = [b for b in listing if same_source(str(b.get("source_identity")), current.source_identity)
             and b.get("architecture") == current.architecture]
     if not same:
@@ -271,13 +285,18 @@ def choose(current: Manifest, listing: list[dict], preferred_ids: list[str] = ()
                                     "never changes the model")
     rank = {bid: i for i, bid in enumerate(preferred_ids)}
     best = min(same, key=lambda b: rank.get(b.get("id"), len(rank)))
-    offered = best.get("edge_variants")
-    variants = [v.get("edge_quant") for v in offered if isinstance(v, dict)] if isinstance(offered, list) else []
+    variants = [v.get("edge_quant") for v in _variants(best)]
     if not variants:
         raise BundleSyncError("not_served", f"bundle {best.get('id')!r} offers no edge half for download")
     pick = best.get("id"), current.edge_quant if current.edge_quant in variants else variants[0]
     _check_names(*pick)
     return pick
+
+
+def _variants(entry: dict) -> list[dict]:
+    """A listing entry's edge variants (mappings only)."""
+    offered = entry.get("edge_variants")
+    return [v for v in offered if isinstance(v, dict)] if isinstance(offered, list) else []
 
 
 def _check_names(bundle_id, edge) -> None:
@@ -431,7 +450,7 @@ def _version_path(bundle: Path, bundle_id: str, edge: str, raw: bytes, *, reuse:
         for path in taken:
             if not path.name.endswith(".partial") and path.is_dir() and _same_manifest(path, raw):
                 return path
-    tag = hashlib.sha256(raw).hexdigest()[:12]
+    tag = export_digest(raw)[:12]
     names = itertools.chain([base.name, f"{base.name}~{tag}"],
                             (f"{base.name}~{tag}.{n}" for n in itertools.count(2)))
     return next(path for path in map(base.with_name, names) if not (path.exists() or path.is_symlink()))
@@ -512,7 +531,7 @@ def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
     """Bring ``config.bundle`` to the server's bundle of the same model; returns the new manifest, or None
     when the server serves ``current`` already. Raises BundleSyncError."""
     server = BundleServer(config.url, config.api_key, config.ca_file, timeout_s=config.retry.reply_timeout_s)
-    pick = choose(current, server.listing(), list(preferred_ids))
+    pick = choose(current, server.listing(), list(preferred_ids), _export_at(Path(config.bundle)))
     if pick is None:
         return None
     bundle_id, edge = pick
@@ -521,7 +540,7 @@ def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
     bundle = Path(config.bundle)
     try:
         with _update_lock(bundle):
-            if _is_version(bundle, bundle_id, edge):  # another updater of this path got there while we waited
+            if _is_version(bundle, server.manifest_bytes(bundle_id, edge)):  # another updater got there first
                 return Manifest.load(bundle)
             switch(bundle, fetch(server, bundle_id, edge, bundle, progress))
     except OSError as e:  # the phone's storage (the network's OSErrors are BundleSyncErrors by now)
@@ -558,16 +577,18 @@ def _update_lock(bundle: Path):
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _is_version(bundle: Path, bundle_id: str, edge: str) -> bool:
-    """Is the bundle at ``bundle`` already a verified version of ``bundle_id`` with edge variant ``edge`` (whatever
-    its folder's name: :func:`_version_path`)?"""
-    if not bundle.is_symlink():
-        return False
+def _is_version(bundle: Path, raw: bytes) -> bool:
+    """Is the bundle at ``bundle`` already a verified version of the export whose manifest is ``raw`` (whatever its
+    folder's name: :func:`_version_path`)?"""
+    return bundle.is_symlink() and _same_manifest(bundle, raw)
+
+
+def _export_at(bundle: Path) -> str | None:
+    """The ``export_digest`` of the bundle at ``bundle`` (None: no manifest to read; its load says why)."""
     try:
-        m = Manifest.load(bundle)
-    except BundleError:
-        return False
-    return (m.bundle_id, m.edge_quant) == (bundle_id, edge)
+        return export_digest((bundle / MANIFEST_NAME).read_bytes())
+    except OSError:
+        return None
 
 
 class LogProgress:

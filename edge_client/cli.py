@@ -205,7 +205,8 @@ def _update(cfg) -> None:
         print(f"{cfg.bundle}: up to date (bundle {current.bundle_id})", file=sys.stderr)
     else:
         bundle_sync.retire_cache(cfg, current, new)
-        print(f"{cfg.bundle}: updated to bundle {new.bundle_id} (split layer {new.split_layer}, "
+        what = "another export of bundle" if new.bundle_id == current.bundle_id else "bundle"
+        print(f"{cfg.bundle}: updated to {what} {new.bundle_id} (split layer {new.split_layer}, "
               f"{new.edge_quant} edge); the previous one is kept beside it", file=sys.stderr)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import os
 import queue
 import threading
@@ -50,6 +51,8 @@ from .generation import Session
 from .media import MediaEncoders, MediaPart, MediaPolicy, assemble, extract_parts
 from .tokenizer import EdgeTokenizer
 from .vision import MediaError
+
+log = logging.getLogger("edge_client.client")
 
 __all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "RequestStats"]
 
@@ -83,8 +86,9 @@ class EdgeClient:
         self._thread = threading.Thread(target=self._loop.run_forever, name="autoglm-edge-loop", daemon=True)
         self._thread.start()
         self.session = Session(cfg, self.manifest, self.runtime, self.cache, self.tokenizer)
-        if cfg.auto_update:  # on bundle_mismatch: download the server's bundle and carry on with it
+        if cfg.auto_update:  # on bundle_mismatch, or another export of this id: download it and carry on with it
             self.session.on_bundle_mismatch = self._update_bundle
+            self.session.on_new_session = self._follow_export
         self.media = MediaEncoders(self._version, cfg.threads)  # opened on the first image / audio clip
         self.media_policy = media_policy or MediaPolicy()
         self.whole_model, self.all_cloud = whole_model, all_cloud
@@ -133,6 +137,17 @@ class EdgeClient:
         self.media = MediaEncoders(self._version, self.config.threads)
         self.session.use_bundle(self.manifest, self.runtime, self.cache, self.tokenizer)
         return True
+
+    async def _follow_export(self) -> None:
+        """A new cloud session (the first, or after a restart: how a re-export is deployed): the server may serve
+        another export of this bundle id's edge half (another recipe, a fixed tokenizer: the id covers the cloud
+        half, so the Hello was not refused); switch to it as :meth:`_update_bundle` does. A failure is logged, not
+        raised: the bundle held works with this cloud."""
+        try:
+            await self._update_bundle([])
+        except EdgeClientError as e:
+            log.warning("checking the cloud for another export of bundle %s: %s; carrying on with the one held",
+                        self.manifest.bundle_id, e)
 
     # -- lifecycle ----------------------------------------------------------------------------
     @property

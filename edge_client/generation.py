@@ -203,6 +203,9 @@ class Session:
         self._open_head()
         # async (server's bundle ids) -> bool: the client's bundle update on bundle_mismatch (EdgeConfig.auto_update)
         self.on_bundle_mismatch = None
+        # async () -> None: after the Welcome of a new session, the client's check for another export of its bundle
+        # id (EdgeConfig.auto_update: a re-exported edge half keeps the id, so no Hello is refused for it)
+        self.on_new_session = None
         self.bundle_gen = 0  # bumped by use_bundle: a request opened under an older bundle is rebuilt
         self.ushape = self._open_ushape()  # a bundle split with --tail: its tail and the u-shape loop
 
@@ -297,6 +300,8 @@ class Session:
             self.welcome = w
             self.resume_token = w.resume_token
             self.reached = True
+            if not w.resumed and attempt == 0 and self.on_new_session is not None:  # (1: it has just updated)
+                await self.on_new_session()
         return P.to_dict(self.welcome)
 
     async def _send(self, msg) -> int:

@@ -273,6 +273,14 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON value")
 
 
+def export_digest(manifest_bytes: bytes) -> str:
+    """The identity of one export of a bundle's edge half: the sha256 of its ``manifest.json`` as written. The bundle
+    id leaves the edge graphs out (an edge half re-exported - another recipe, a fixed tokenizer - keeps it), so two
+    exports of one id and edge variant are told apart by this (``/v1/bundles`` names it, ``bundle_sync`` compares
+    it)."""
+    return hashlib.sha256(manifest_bytes).hexdigest()
+
+
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -331,6 +331,35 @@ def test_preload_update_on_the_command_line(bundle_l1, edge_l2, capsys):
     assert Manifest.load(edge_l2).bundle_id == m1.bundle_id
 
 
+def test_a_re_export_of_the_held_bundle_id_is_an_update(tmp_path, tiny_bundle, edge_l2, capsys):
+    """The edge half re-exported under the bundle id the phone holds (another recipe, a fixed tokenizer: the id
+    covers the cloud half) never reached the phone: ``choose`` compared ids only, 'up to date'. The listing names
+    each export (``manifest_sha256``); the phone switches to the served one, its own kept beside it, and back."""
+    from edge_client.cli import main
+
+    served = tmp_path / "served"
+    shutil.copytree(tiny_bundle, served)
+    m = Manifest.load(served)
+    data = bytearray((served / FRONT).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the edge graph re-exported: the bundle id stays
+    (served / FRONT).write_bytes(bytes(data))
+    m.add_artifact(served, FRONT, "edge")
+    m.save(served)
+    assert Manifest.load(served).bundle_id == Manifest.load(edge_l2).bundle_id
+    update = ["preload", "--bundle", str(edge_l2), "--url", None, "--update"]
+    with Serving(_app(served)) as srv:
+        update[4] = srv.ws_url
+        assert main(update) == 0
+        assert f"updated to another export of bundle {m.bundle_id}" in capsys.readouterr().err
+        assert (edge_l2 / FRONT).read_bytes() == bytes(data) and edge_l2.is_symlink()
+        assert main(update) == 0 and "up to date" in capsys.readouterr().err
+    with Serving(_app(tiny_bundle)) as srv:  # the first export served again: the kept version comes back
+        update[4] = srv.ws_url
+        assert main(update) == 0 and "updated to another export" in capsys.readouterr().err
+    assert (edge_l2 / FRONT).read_bytes() == (tiny_bundle / FRONT).read_bytes()
+    assert len(list(bundle_sync.versions_dir(edge_l2).iterdir())) == 2
+
+
 def test_an_update_drops_the_left_bundles_cache_unless_another_client_uses_it(bundle_l1, edge_l2, tmp_path):
     """The activation cache of the bundle an update left stayed in cache_dir for good (up to cache_max_bytes per
     retired bundle). `preload --update` (and auto_update) removes it, but not while another client on that bundle
@@ -484,6 +513,28 @@ def test_the_edge_updates_from_split_2_to_split_1_and_generates(bundle_l1, edge_
     with Serving(_app(bundle_l1, engine=True)) as srv, \
             EdgeClient(edge_l2, srv.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
         assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == reference_tokens
+
+
+def test_an_auto_updating_client_follows_a_re_export_of_its_bundle_id(tmp_path, tiny_bundle, edge_l2,
+                                                                      reference_tokens):
+    """A re-export of the edge half keeps the bundle id, so the Hello is not refused and ``auto_update`` never
+    looked: the client ran its old export for good. A new session now checks the listing and switches."""
+    import onnx
+
+    served = tmp_path / "served"
+    shutil.copytree(tiny_bundle, served)
+    front = onnx.load(served / FRONT)
+    front.producer_version += "+re-export"  # another exporter's bytes, the same graph and weights
+    onnx.save(front, served / FRONT)
+    m = Manifest.load(served)
+    m.add_artifact(served, FRONT, "edge")
+    m.save(served)
+    with Serving(_app(served, engine=True)) as srv, \
+            EdgeClient(edge_l2, srv.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
+        assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == reference_tokens
+        assert c.manifest.states_variant == m.states_variant
+        assert (Path(c.runtime.bundle_dir) / FRONT).read_bytes() == (served / FRONT).read_bytes()
+    assert edge_l2.is_symlink() and (edge_l2 / FRONT).read_bytes() == (served / FRONT).read_bytes()
 
 
 def test_the_server_moving_bundles_mid_generation_is_followed(monkeypatch, tiny_bundle, bundle_l1, edge_l2,
