@@ -313,7 +313,7 @@ PATH_ARGS = ("source", "out", "audio_encoder", "bundle", "text", "cloud_results"
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for name in PATH_ARGS:
-        if isinstance(getattr(args, name, None), str):
+        if isinstance(getattr(args, name, None), str) and getattr(args, name):  # "" stays unset (Path("") is ".")
             setattr(args, name, str(user_path(getattr(args, name))))
     from shared.manifest import BundleError
 

@@ -132,6 +132,14 @@ def test_a_path_under_home_from_the_environment_is_the_home(tmp_path, capsys, mo
     assert not (tmp_path / "~").exists()
 
 
+def test_an_empty_path_twin_is_unset(tiny_glm4_bundle, capsys, monkeypatch):
+    """AUTOGLM_PARTITION_TEXT="" (a unit file's empty value) is no --text, not the working directory ('.')."""
+    monkeypatch.setenv("AUTOGLM_PARTITION_TEXT", "")
+    monkeypatch.setenv("AUTOGLM_PARTITION_SOURCE", "")
+    _fails_in_one_line(["draft-head", str(tiny_glm4_bundle), "--cloud", "--layers", "1"], capsys,
+                       "--cloud takes neither --layers nor --vocab")
+
+
 @pytest.mark.parametrize("flags, match", [
     (["--edge-threads", "0"], "threads must be >= 1"),
     (["--codec", "bogus"], "--codec 'bogus'"),
