@@ -164,6 +164,24 @@ def is_pil_image(x) -> bool:
     return pil is not None and isinstance(x, pil.Image)
 
 
+HEIF_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"hevx": "HEIC", b"heim": "HEIC", b"heis": "HEIC",
+               b"mif1": "HEIF", b"msf1": "HEIF", b"avif": "AVIF", b"avis": "AVIF"}  # an ISO-BMFF ftyp's major brand
+
+
+def _format_pil_cannot_open(data: bytes) -> str | None:
+    """The name of an image format PIL does not open here but a phone or a web page sends (HEIC/HEIF, what a camera
+    may save; AVIF where PIL lacks it; SVG, JPEG XL), from the first bytes; None for any other bytes."""
+    head = bytes(data[:256])
+    if head[4:8] == b"ftyp" and head[8:12] in HEIF_BRANDS:
+        return HEIF_BRANDS[head[8:12]]
+    if head.startswith((b"\xff\x0a", b"\x00\x00\x00\x0cJXL ")):
+        return "JPEG XL"
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if text.startswith(b"<svg") or text.startswith(b"<?xml") and b"<svg" in bytes(data[:4096]).lower():
+        return "SVG"
+    return None
+
+
 def open_image(data, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INPUT_PIXELS):
     """Encoded bytes -> a PIL image whose header alone is read: format and size checked, nothing decoded yet
     (:func:`load_image` decodes it). Its size tells the visual tokens before any pixel is decoded. A PIL image
@@ -176,6 +194,9 @@ def open_image(data, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INP
         raise MediaError("empty image (0 bytes)", "bad_image")
     elif len(data) > max_bytes:
         raise MediaError(f"image of {len(data)} bytes exceeds the {max_bytes}-byte limit", "image_too_large")
+    elif (known := _format_pil_cannot_open(data)) is not None:  # was bad_image 'corrupt, or an unsupported format'
+        raise MediaError(f"unsupported image format {known!r} (accepted: {', '.join(IMAGE_FORMATS)})",
+                         "unsupported_format")
     else:
         with _pil_errors(max_pixels):
             img = Image.open(io.BytesIO(data))

@@ -650,3 +650,18 @@ def test_an_image_within_a_raised_byte_limit_is_served(served):
         assert e.value.code == "image_too_large"
     finally:
         vc.media_policy = before
+
+
+def test_formats_pil_cannot_open_are_unsupported_formats_by_name(served):
+    """A phone camera's HEIC/HEIF photo, an SVG icon or a JPEG XL image was bad_image 'not a recognised image
+    (corrupt, or an unsupported format)' - the code for broken bytes, where the table's unsupported_format (TIFF's)
+    is what an app acts on (convert, then resend); they are unsupported_format naming the format (from the first
+    bytes: PIL cannot open them here). Broken bytes stay bad_image."""
+    v, _, _, _ = served
+    heic = struct.pack(">I", 24) + b"ftypheic" + bytes(4) + b"mif1heic" + bytes(64)  # what an iPhone's .heic starts with
+    for data, name in ((heic, "HEIC"), (b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>', "SVG"),
+                       (b"\x00\x00\x00\x0cJXL \r\n\x87\n" + bytes(64), "JPEG XL")):
+        r = _chat(v, _image(_data_url(data)))
+        assert _code(r) == "unsupported_format" and f"'{name}'" in r.json()["error"]["message"], r.text
+    assert _code(_chat(v, _image(_data_url(b"<html>not an image</html>")))) == "bad_image"
+    _ok(_chat(v, NORMAL_IMAGE))
