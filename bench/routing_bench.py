@@ -28,6 +28,7 @@ import re
 import shlex
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -57,8 +58,10 @@ def free_port() -> int:
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    """GET ``url``: (status, body); an https:// certificate is not verified (test certificates)."""
+    context = ssl._create_unverified_context() if url.startswith("https:") else None  # noqa: S323
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -107,17 +110,23 @@ class Replica:
 
 
 class Router:
-    """nginx with deploy/nginx/autoglm-split.conf, its upstream being ``replicas`` (host:port strings)."""
+    """nginx with deploy/nginx/autoglm-split.conf, its upstream being ``replicas`` (host:port strings); with ``tls``
+    (certificate, key) it listens as the cluster's router does (deploy/nginx/k8s/autoglm-listen.conf), on TLS."""
 
-    def __init__(self, nginx: str, workdir: Path, upstreams: list[str]):
+    def __init__(self, nginx: str, workdir: Path, upstreams: list[str], tls: tuple[Path, Path] | None = None):
         self.nginx, self.dir, self.port = nginx, workdir, free_port()
+        self.scheme = "https" if tls else "http"
         for sub in ("conf", "logs", "tmp"):
             (workdir / sub).mkdir(parents=True, exist_ok=True)
         (workdir / "conf" / "autoglm-upstreams.conf").write_text(
             "".join(f"server {u} max_fails=1 fail_timeout=30s;\n" for u in upstreams))
-        split_conf = (DEPLOY / "nginx" / "autoglm-split.conf").read_text().replace("listen 8080;",
-                                                                                   f"listen 127.0.0.1:{self.port};")
-        (workdir / "conf" / "autoglm-split.conf").write_text(split_conf)
+        listen = f"listen 127.0.0.1:{self.port};\n"
+        if tls:
+            listen = (DEPLOY / "nginx" / "k8s" / "autoglm-listen.conf").read_text().replace(
+                "listen 8443 ", f"listen 127.0.0.1:{self.port} ").replace(
+                "/etc/nginx/tls/tls.crt", str(tls[0])).replace("/etc/nginx/tls/tls.key", str(tls[1]))
+        (workdir / "conf" / "autoglm-listen.conf").write_text(listen)
+        (workdir / "conf" / "autoglm-split.conf").write_text((DEPLOY / "nginx" / "autoglm-split.conf").read_text())
         t = workdir / "tmp"
         (workdir / "conf" / "nginx.conf").write_text(f"""
 worker_processes 1;
@@ -146,7 +155,7 @@ http {{
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nginx exited: {self.proc.stderr.read().decode()[-2000:]}")
             try:
-                if http_get(f"http://127.0.0.1:{self.port}/router/health")[0] == 200:
+                if http_get(f"{self.scheme}://127.0.0.1:{self.port}/router/health")[0] == 200:
                     return self
             except OSError:
                 time.sleep(0.05)
@@ -162,7 +171,7 @@ http {{
 
     @property
     def ws_url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/split"
+        return f"{'wss' if self.scheme == 'https' else 'ws'}://127.0.0.1:{self.port}/v1/split"
 
     def access_log(self) -> list[str]:
         path = self.dir / "logs" / "access.log"

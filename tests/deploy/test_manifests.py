@@ -19,7 +19,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_support import DEPLOY, Router, http_get, routing_bench
+from deploy_support import DEPLOY, Router, http_get, routing_bench, self_signed
 
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 NOT_RESOURCES = {"prometheus-adapter-values.yaml"}  # Helm values, not a Kubernetes object
@@ -147,26 +147,6 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "autoglm.example")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1)).sign(key, hashes.SHA256()))
-    (tmp / "tls.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tmp / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                    serialization.NoEncryption()))
-    return tmp / "tls.pem", tmp / "tls.key"
-
-
 def test_the_images_healthcheck_follows_the_servers_own_options(live_metrics, replica_pool, tiny_glm4_fp32_bundle,
                                                                  tmp_path):
     """The Dockerfile's HEALTHCHECK against real servers: one given its port on the command line (the pool's
@@ -176,7 +156,7 @@ def test_the_images_healthcheck_follows_the_servers_own_options(live_metrics, re
     [rep] = replica_pool.get(1)
     ok = _healthcheck(rep.proc.pid)
     assert ok.returncode == 0, ok.stderr
-    cert, key = _self_signed(tmp_path)
+    self_signed(tmp_path)
     (tmp_path / "cloud.json").write_text(json.dumps({"ssl_certfile": "tls.pem", "ssl_keyfile": "tls.key",
                                                      "open_probes": False, "api_key": "k-health"}))
     image_env = dict(re.findall(r"(AUTOGLM_\w+)=(\S+)", (DEPLOY / "Dockerfile").read_text().split("\nFROM ")[-1]))

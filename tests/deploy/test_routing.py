@@ -16,8 +16,9 @@ import re
 
 import numpy as np
 import pytest
+import yaml
 from model_support import hf_greedy
-from deploy_support import Router, hit_rate, metric_sum
+from deploy_support import DEPLOY, Router, hit_rate, http_get, metric_sum, self_signed
 
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
@@ -150,8 +151,6 @@ def test_the_real_edge_sends_its_preloaded_prompts_route_key_and_lands_where_it_
 def test_the_public_router_passes_the_api_and_not_the_probes_or_metrics(replicas, nginx_bin, tmp_path):
     """The router is the LoadBalancer Service; it proxied every path, so anyone outside could read /metrics (which
     names tenants) and the probes that security.md says to keep internal. Only /v1/ goes through now."""
-    from deploy_support import http_get
-
     with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router:
         base = f"http://127.0.0.1:{router.port}"
         assert http_get(base + "/v1/models")[0] == 200
@@ -216,3 +215,18 @@ def test_the_router_leaves_the_body_limit_to_the_replica(replicas, nginx_bin, tm
         with pytest.raises(urllib.error.HTTPError) as e:  # a split-mode replica serves no completions
             urllib.request.urlopen(request, timeout=30)
     assert e.value.code == 404 and json.loads(e.value.read())["error"]["code"] == "not_found"
+
+
+def test_the_clusters_router_speaks_tls_only(tiny_glm4_fp32_bundle, replicas, nginx_bin, tmp_path):
+    """The router is the public LoadBalancer; it listened on plain HTTP (port 80), so a phone's API key, its prompt's
+    hidden states and the tokens crossed the internet in the clear (docs/security.md: never beyond a private
+    network). Its listen lines in the cluster (deploy/nginx/k8s/autoglm-listen.conf) are TLS only, on 443."""
+    cert, key = self_signed(tmp_path)
+    with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas], tls=(cert, key)) as router:
+        assert router.ws_url.startswith("wss://")
+        with EdgeClient(tiny_glm4_fp32_bundle, router.ws_url, codec="fp16", retry=RETRY, ca_file=cert) as phone:
+            assert len(phone.complete(prompt_ids=[5, 17, 99, 4, 250], max_tokens=3).token_ids) == 3
+        code, _ = http_get(f"http://127.0.0.1:{router.port}/v1/models")
+        assert code == 400  # nginx: a plain HTTP request sent to the HTTPS port
+    service = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "router.yaml").read_text()) if d["kind"] == "Service"]
+    assert [(p["port"], p["targetPort"]) for p in service[0]["spec"]["ports"]] == [(443, "https")]
