@@ -250,6 +250,7 @@ def b64decode(text: str, what: str, code: str = "bad_media") -> bytes:
 
 
 FETCH_CHUNK = 64 << 10  # bytes read per socket read while fetching
+UNTYPED = ("application/octet-stream", "binary/octet-stream")  # bytes of no stated type (the second: S3's default)
 
 
 class _Deadline:
@@ -352,7 +353,7 @@ def _fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
     try:
         with _opener(guard, shown).open(url, timeout=policy.fetch_timeout_s) as r:
             ctype = (r.headers.get_content_type() if r.headers.get("Content-Type") else "").lower()
-            if ctype and not ctype.startswith(f"{kind}/") and ctype != "application/octet-stream":
+            if ctype and not ctype.startswith(f"{kind}/") and ctype not in UNTYPED:
                 raise MediaError(f"{shown}: serves {ctype}, not {'an image' if kind == 'image' else kind}",
                                  f"bad_{kind}")
             length = r.headers.get("Content-Length")

@@ -184,7 +184,8 @@ class _ImageServer:
                           "/big.png": lambda: self._reply(big, "image/png"),  # refused by its Content-Length
                           "/big-stream.png": lambda: self._reply(big, "image/png", length=False),  # while reading
                           "/slow.png": lambda: self._reply(png, "image/png", pause=0.3),  # 8 x 0.3 s > 1 s
-                          "/page.html": lambda: self._reply(b"<html>not a picture</html>", "text/html")}
+                          "/page.html": lambda: self._reply(b"<html>not a picture</html>", "text/html"),
+                          "/s3-object": lambda: self._reply(png, "binary/octet-stream")}  # S3's untyped object
                 route = routes.get(self.path)
                 if route is None:
                     self.send_error(404)
@@ -236,6 +237,8 @@ def test_http_image_urls_are_fetched_by_the_phone_within_limits(tiny_glm4v_lm, b
         assert "HTTP 404" in str(e.value)
         again = c.complete(prompt_ids=PROMPT, images=[srv.url("shot.png")], max_tokens=N_NEW)
         assert again.token_ids == ok.token_ids  # the next request is served
+        # an object uploaded to S3 without a type is served as binary/octet-stream: it was bad_image 'not an image'
+        assert c.complete(prompt_ids=PROMPT, images=[srv.url("s3-object")], max_tokens=N_NEW).token_ids == ok.token_ids
         http = TestClient(create_app(c))
         body = {"model": "m", "max_tokens": 4, "temperature": 0}
         for name, code in (("slow.png", "fetch_timeout"), ("page.html", "bad_image")):
