@@ -18,8 +18,9 @@ Contract:
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and one set of statuses on
   both ends: 400 a request refused, 401 a wrong key (the app's auth), 413 a body over the adapter's limit
   (``install(max_body_bytes=...)``), 415 a compressed body (``Content-Encoding``), 503 not ready, draining or overloaded (with ``Retry-After``),
-  504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here. Once a stream has started
-  (HTTP 200 sent), an error is one ``data: {"error": ...}`` event, then ``data: [DONE]``.
+  504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here. A stream's HTTP 200 goes with
+  its first delta: a generation that fails before it has its status too; after it, an error is one
+  ``data: {"error": ...}`` event, then ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -172,7 +173,7 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
         except Exception as e:  # noqa: BLE001 - whatever it is, the client gets OpenAI's shape
             return error_response(_internal(e))
         reply = _Reply(req, prompt, req.model or backend.model_name, ids_only=getattr(stream, "ids_only", False))
-        return (await _whole(stream, reply, request)) if not req.stream else _streamed(stream, reply)
+        return await (_streamed if req.stream else _whole)(stream, reply, request)
 
     async def chat(request: Request):
         return await serve(request, chat=True)
@@ -194,6 +195,31 @@ def _prepare(backend: TextBackend, raw: bytes, chat: bool) -> tuple[oc.ChatReque
     return req, backend.render_chat(req)
 
 
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_gone(work: Awaitable[Any], request: Request) -> Any:
+    """``work``'s result, or :class:`_ClientGone` once the client has gone away first (``work`` cancelled)."""
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise _ClientGone
+        return task.result()
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+_GONE = oc.OpenAIRequestError("the client went away before the answer was whole", None, "client_disconnected")
+
+
 async def _whole(stream: TextStream, reply: _Reply, request: Request) -> JSONResponse:
     """The whole answer as one JSON response. A client that goes away first (the openai client's timeout, which
     it then retries) cancels the generation, as a stream's does: it ran to its end before, so each retry added
@@ -202,38 +228,46 @@ async def _whole(stream: TextStream, reply: _Reply, request: Request) -> JSONRes
         async for delta in stream:
             reply.add(delta)
 
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    work, watch = asyncio.ensure_future(consume()), asyncio.ensure_future(gone())
     try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            work.cancel()
-            return error_response(oc.OpenAIRequestError("the client went away before the answer was whole", None,
-                                                        "client_disconnected"))
-        work.result()
+        await _unless_gone(consume(), request)
+    except _ClientGone:
+        return error_response(_GONE)
     except GenerationError as e:
         return error_response(e)
     except Exception as e:  # noqa: BLE001
         return error_response(_internal(e))
     finally:
-        for task in (work, watch):
-            task.cancel()
-        await asyncio.gather(work, watch, return_exceptions=True)
         await stream.aclose()
     return JSONResponse(reply.response(stream.finish_reason or "stop", stream.usage()))
 
 
-def _streamed(stream: TextStream, reply: _Reply) -> StreamingResponse:
+_END = object()  # a stream that ended before its first delta
+
+
+async def _streamed(stream: TextStream, reply: _Reply, request: Request) -> StreamingResponse | JSONResponse:
+    """SSE events of ``stream``, sent once its first delta (or its end) is there: a generation that fails before
+    it (the edge's cloud unreachable or busy, a prompt the cloud refuses) is answered with its status as a JSON
+    error, as a request refused before it started is, so the openai client raises the status's error and retries
+    a 5xx; it was a 200 and an error event, which clients neither classify nor retry. After it, an error is an
+    event, then ``[DONE]``."""
+    deltas = aiter(stream)
+    try:
+        head = await _unless_gone(anext(deltas, _END), request)
+    except Exception as e:  # noqa: BLE001
+        await stream.aclose()
+        return error_response(_GONE if isinstance(e, _ClientGone) else e if isinstance(e, GenerationError)
+                              else _internal(e))
+
     async def events():
         try:
             for chunk in reply.opening():
                 yield oc.sse(chunk)
-            async for delta in stream:
-                for chunk in reply.chunks(delta):
+            if head is not _END:
+                for chunk in reply.chunks(head):
                     yield oc.sse(chunk)
+                async for delta in deltas:
+                    for chunk in reply.chunks(delta):
+                        yield oc.sse(chunk)
             for chunk in reply.chunks(None):
                 yield oc.sse(chunk)
             yield oc.sse(reply.chunk({} if reply.chat else "", stream.finish_reason or "stop"))
