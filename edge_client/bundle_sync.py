@@ -374,22 +374,34 @@ def _is_dir_of(path: Path, fd: int) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _remove_unless_held(version: Path) -> None:
-    """Remove an old version, unless a running client holds it (:class:`HeldVersion`)."""
+@contextlib.contextmanager
+def unheld(directory: Path):
+    """Whether no running client holds ``directory`` (:class:`HeldVersion`): True, and none opens it until the
+    block ends (an exclusive ``flock``: a client opening it waits, then reads what the block left there); False when
+    one holds it, which must then not be changed or removed. True for a path that is no directory."""
     try:
-        fd = os.open(version, os.O_RDONLY | os.O_DIRECTORY)
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:  # not a directory
-        shutil.rmtree(version, ignore_errors=True)
+        yield True
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _remove_unless_held(version: Path) -> None:
+    """Remove an old version, unless a running client holds it (:class:`HeldVersion`)."""
+    with unheld(version) as free:
+        if not free:
             log.info("%s: kept, a running client uses it (a later update removes it)", version)
             return
         shutil.rmtree(version, ignore_errors=True)
-    finally:
-        os.close(fd)
 
 
 def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None = None) -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge_client.bundle_sync import unheld
 from edge_client.front import FRONT, PREFILL_GRAPH
 from shared.manifest import FORMAT_VERSION, MANIFEST_NAME, BundleError, Manifest
 
@@ -82,6 +83,7 @@ def check_out_dir(out: Path) -> None:
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
         raise BundleError(f"--out {out}: exists and is not a bundle; refusing to overwrite")
     if (out / MANIFEST_NAME).is_file():  # an earlier bundle: replaced whole, so it must hold nothing else
+        _refuse_if_held(out)
         try:
             listed = set(json.loads((out / MANIFEST_NAME).read_text())["artifacts"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -101,6 +103,17 @@ def check_out_dir(out: Path) -> None:
         problem = folder is not None and _cannot_write_in(folder)
         if problem:
             raise BundleError(f"--out {out}: cannot write in {folder} ({problem})")
+
+
+def _refuse_if_held(out: Path) -> None:
+    with unheld(out) as free:
+        if not free:
+            raise _held(out)
+
+
+def _held(out: Path) -> BundleError:
+    return BundleError(f"--out {out}: a running edge client holds this bundle (its files must not change under it); "
+                       "close it first, or split into another directory")
 
 
 def _cannot_write_in(folder: Path) -> str | None:
@@ -207,11 +220,14 @@ def _swap_in(staged: Path, out: Path) -> None:
     if not out.exists():
         staged.rename(out)
         return
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    for p in list(out.iterdir()):
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    for p in sorted(staged.iterdir(), key=lambda p: p.name == MANIFEST_NAME):
-        shutil.move(str(p), out / p.name)
+    with unheld(out) as free:  # a running edge client (bundle_sync.HeldVersion) reads its version's files on
+        if not free:  # demand (the encoders): another bundle's under it would pair them with its front
+            raise _held(out)
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        for p in list(out.iterdir()):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        for p in sorted(staged.iterdir(), key=lambda p: p.name == MANIFEST_NAME):
+            shutil.move(str(p), out / p.name)
 
 
 def _write_bundle(lm: LoadedModel, cfg: SplitConfig, adapter: ModelAdapter, started: float) -> Manifest:

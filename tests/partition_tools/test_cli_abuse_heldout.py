@@ -89,6 +89,26 @@ def test_split_keeps_files_that_are_not_the_earlier_bundles(tiny_glm4_bundle, tm
     assert (d / "edge" / "notes.txt").read_text() == "keep me"
 
 
+def test_split_over_a_bundle_a_running_edge_client_holds_is_refused(tiny_glm4_bundle, tmp_path, capsys, monkeypatch):
+    """split --out an earlier bundle replaced its files in place under a running edge client (which holds its version,
+    bundle_sync.HeldVersion, and reads its encoders and drafter from it on demand), though an update never touches
+    a held version; now refused before the model loads, and the swap itself takes the version's lock."""
+    import partition_tools.models as models
+    from edge_client.bundle_sync import HeldVersion
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    before = (d / "manifest.json").read_bytes()
+    held = HeldVersion(d)
+    try:
+        _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "2", "--out", str(d)], capsys,
+                           f"--out {d}: a running edge client holds this bundle")
+    finally:
+        held.close()
+    assert (d / "manifest.json").read_bytes() == before
+
+
 def test_split_vision_quant_for_a_model_without_a_vision_tower(tmp_path, capsys):
     """--vision-quant int8/fp32 on a text-only model was ignored without a word (the bundle had no vision tower)."""
     _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--vision-quant", "fp32", "--out",
