@@ -185,18 +185,20 @@ class MediaPolicy:
     max_pixels: int | None = None  # the pixel budget (None: the model's default, smart_resize's max_pixels)
 
 
-def load_source(src: bytes | str, policy: MediaPolicy, kind: str = "image") -> bytes:
+def load_source(src: bytes | str | os.PathLike, policy: MediaPolicy, kind: str = "image") -> bytes:
     """Raw bytes as given; a ``data:`` URL decoded; ``http(s)`` fetched within the policy's size and time
-    limits (``kind``: the content type it must serve, ``image`` or ``audio``); a local path (or ``file://``)
-    only from inside ``policy.local_dir``. A string's leading and trailing spaces and control characters are
-    not part of it (the URL standard strips them)."""
+    limits (``kind``: the content type it must serve, ``image`` or ``audio``); a local path (a string, a
+    ``pathlib.Path`` or ``file:``) only from inside ``policy.local_dir``. A string's leading and trailing spaces
+    and control characters are not part of it (the URL standard strips them)."""
     if isinstance(src, str):
         src = src.strip(_C0_AND_SPACE)
     if isinstance(src, (bytes, bytearray, memoryview)):
         data = bytes(src)
+    elif isinstance(src, os.PathLike):  # a pathlib.Path: a local path as its string is (it was 'not PosixPath')
+        data = _local(os.fsdecode(src), policy, kind)
     elif not isinstance(src, str) or not src:
-        what = "an image is bytes, a URL or path string or a PIL image" if kind == "image" else \
-            "an audio clip is bytes or a URL or path string"
+        what = "an image is bytes, a URL or path string, a path or a PIL image" if kind == "image" else \
+            "an audio clip is bytes, a URL or path string or a path"
         raise MediaError(f"{what}, not {'an empty string' if isinstance(src, str) else type(src).__name__}",
                          "bad_media")
     elif (scheme := _scheme(src)) == "data":  # RFC 2397; the media type is not checked: the bytes tell
@@ -385,7 +387,8 @@ def _fetch(url: str, policy: MediaPolicy, kind: str) -> bytes:
 
 def _local(path: str, policy: MediaPolicy, kind: str) -> bytes:
     if policy.local_dir is None:
-        raise MediaError("local file paths are not accepted here (no allow-listed media folder)", "path_refused")
+        raise MediaError("local file paths are not accepted here (no allow-listed media folder: MediaPolicy.local_dir, "
+                         "autoglm-edge serve --media-dir)", "path_refused")
     shown = path[:200]
     try:  # a NUL byte (ValueError) or a name too long for the file system (OSError) is no file of the folder
         root = Path(policy.local_dir).resolve()

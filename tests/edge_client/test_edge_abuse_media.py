@@ -603,7 +603,7 @@ def test_an_image_part_reaches_the_prompt_when_its_placeholder_tokens_are_specia
         picture = {"type": "image", "image": _encoded(Image.new("RGB", (64, 64)))}
         r = c.complete(messages=[{"role": "user", "content": [{"type": "text", "text": "w5 w6"}, picture]}],
                        max_tokens=2)
-    assert r.stats.image_tokens == 9 and r.stats.prompt_tokens == 1 + 2 + 1 + 9 + 1 + 1, r.stats  # <|user|> .. <|assistant|>
+    assert r.stats.image_tokens == 9 and r.stats.prompt_tokens == 1 + 2 + 1 + 9 + 1 + 1, r.stats  # <|user|>...
 
 
 def test_a_placeholder_without_its_input_is_refused_even_when_no_input_is_given(served):
@@ -658,10 +658,35 @@ def test_formats_pil_cannot_open_are_unsupported_formats_by_name(served):
     is what an app acts on (convert, then resend); they are unsupported_format naming the format (from the first
     bytes: PIL cannot open them here). Broken bytes stay bad_image."""
     v, _, _, _ = served
-    heic = struct.pack(">I", 24) + b"ftypheic" + bytes(4) + b"mif1heic" + bytes(64)  # what an iPhone's .heic starts with
+    heic = struct.pack(">I", 24) + b"ftypheic" + bytes(4) + b"mif1heic" + bytes(64)  # an iPhone .heic's start
     for data, name in ((heic, "HEIC"), (b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>', "SVG"),
                        (b"\x00\x00\x00\x0cJXL \r\n\x87\n" + bytes(64), "JPEG XL")):
         r = _chat(v, _image(_data_url(data)))
         assert _code(r) == "unsupported_format" and f"'{name}'" in r.json()["error"]["message"], r.text
     assert _code(_chat(v, _image(_data_url(b"<html>not an image</html>")))) == "bad_image"
     _ok(_chat(v, NORMAL_IMAGE))
+
+
+def test_a_pathlib_path_is_a_local_path(served, tmp_path):
+    """``images=Path(...)`` / ``audio=Path(...)`` (or such a path in an ``image`` part), the Python way to name a
+    file, was bad_media 'not PosixPath' where its string was read from the media folder; a path is a local path:
+    read from inside ``MediaPolicy.local_dir``, refused without one (path_refused, saying where it is set)."""
+    _, _, vc, ac = served
+    shot, clip = tmp_path / "shot.png", tmp_path / "clip.wav"
+    shot.write_bytes(_encoded(Image.new("RGB", (64, 64), (40, 80, 120))))
+    clip.write_bytes(wav(tone(0.5)))
+    image_prompt = "what is here? " + vc._placeholder("image")
+    audio_prompt = "what does it say? " + ac._placeholder("audio")
+    befores = vc.media_policy, ac.media_policy
+    try:
+        for c in (vc, ac):
+            c.media_policy = replace(c.media_policy, local_dir=tmp_path)
+        by_path = vc.complete(prompt=image_prompt, images=shot, max_tokens=3)
+        assert by_path.token_ids == vc.complete(prompt=image_prompt, images=str(shot), max_tokens=3).token_ids
+        assert ac.complete(prompt=audio_prompt, audio=[clip], max_tokens=2).stats.audio_tokens == 13
+        vc.media_policy = befores[0]
+        with pytest.raises(EdgeClientError) as e:
+            vc.complete(prompt=image_prompt, images=shot, max_tokens=2)
+        assert e.value.code == "path_refused" and "MediaPolicy.local_dir" in str(e.value)
+    finally:
+        vc.media_policy, ac.media_policy = befores
