@@ -365,9 +365,10 @@ class Session:
                          "link down" if cause is not None else "cannot connect", last, attempt, delay, left)
                 await asyncio.sleep(delay)
                 self.welcome = None
-            # after a refusal for now (full, draining) or a Drain, the proxy's hash would pick the same replica
-            # again: without the route key it balances the upgrade onto another one
-            route = not isinstance(last, ServerBusy) and self.state.phase != DRAINING
+            # after a refusal for now (full, draining), or for a new request after a Drain, the proxy's hash would
+            # pick the same replica again: without the route key it balances the upgrade onto another one (a dropped
+            # link's reconnect keeps it: the draining replica still resumes the session's open request)
+            route = not isinstance(last, ServerBusy) and not (cause is None and self.state.phase == DRAINING)
             try:
                 return await self.ensure_connected(resume=cause is not None, route=route)
             except LinkDown as e:
