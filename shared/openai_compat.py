@@ -291,9 +291,10 @@ def _flatten_content(content: Any, where: str, media: bool = False) -> str | lis
         for i, part in enumerate(content):
             if keep and part["type"] != "text":  # the backend checks its media parts
                 continue
-            if part["type"] != "text":
+            if part["type"] != "text":  # the edge's local API takes media too: it is no text-only endpoint
+                accepted = "accepted: " + ", ".join(("text",) + MEDIA_PARTS) if media else "text only"
                 raise OpenAIRequestError(f"{where}.content[{i}]: part type {part['type']!r} is not supported "
-                                         "by this endpoint (text only)", "messages")
+                                         f"by this endpoint ({accepted})", "messages")
             if not isinstance(part.get("text"), str):  # beside an image too (it was rendered as 'None')
                 raise OpenAIRequestError(f"{where}.content[{i}].text: expected a string", "messages")
             texts.append(part["text"])

@@ -66,6 +66,18 @@ def test_a_text_part_beside_media_is_checked_as_one_alone(text):
     assert kept.messages[0]["content"] == [{"type": "text", "text": "a"}, image]
 
 
+@pytest.mark.parametrize("media, says", [(False, "(text only)"), (True, "(accepted: text, image_url, input_audio)")])
+def test_an_unknown_part_type_names_what_the_endpoint_takes(media, says):
+    """An endpoint that takes images and audio (the edge's local API) refused an unknown part (the Responses API's
+    input_image, vLLM's audio_url) as 'not supported by this endpoint (text only)' - as if it took no media; it
+    names the parts it takes."""
+    for kind in ("input_image", "audio_url"):
+        with pytest.raises(OpenAIRequestError) as e:
+            parse_chat_request({"model": "m", "messages": [{"role": "user", "content": [{"type": kind}]}]},
+                               media=media)
+        assert str(e.value).endswith(f"part type '{kind}' is not supported by this endpoint {says}"), e.value
+
+
 @pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
                                      {"role": "system", "content": None}, {"role": "tool", "content": None},
                                      {"role": "assistant", "content": None}, {"role": "assistant"},
