@@ -207,6 +207,7 @@ class Session:
         # id (EdgeConfig.auto_update: a re-exported edge half keeps the id, so no Hello is refused for it)
         self.on_new_session = None
         self.bundle_gen = 0  # bumped by use_bundle: a request opened under an older bundle is rebuilt
+        self.ushape: UShape | None = None
         self.ushape = self._open_ushape()  # a bundle split with --tail: its tail and the u-shape loop
 
     def use_bundle(self, manifest: Manifest, runtime: FrontRuntime, cache: ActivationCache,
@@ -226,11 +227,18 @@ class Session:
         self.cloud_sizer = DraftSizer(self.drafter.config.max_drafts, DRAFTER_SIZERS["cloud"].with_fixed_k(cfg.draft_k))
 
     def _open_ushape(self) -> UShape | None:
+        """The u-shape loop of a bundle split with --tail (None without one). After a bundle update the loop stays
+        and takes the new bundle's tail, empty: a u-shape request open across the update runs it over the new
+        middle's States of its whole context (:meth:`_rebuild`), never the old tail over them."""
         if not self.manifest.tail_layers:
             return None
         cfg = self.config
-        return UShape(self, TailRuntime(self.runtime.bundle_dir, threads=cfg.threads, chunk=cfg.prefill_chunk,
-                                        verify=cfg.verify_bundle))
+        tail = TailRuntime(self.runtime.bundle_dir, threads=cfg.threads, chunk=cfg.prefill_chunk,
+                           verify=cfg.verify_bundle)
+        if self.ushape is None:
+            return UShape(self, tail)
+        self.ushape.tail = tail
+        return self.ushape
 
     # -- connection -----------------------------------------------------------------------------
     @property

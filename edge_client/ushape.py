@@ -26,6 +26,8 @@ run, cut back to the start of a recorded input they end inside); the cloud drops
 edge resends its recorded inputs from there (prompt chunks, or the StatesStep in flight), so only the states
 lost in flight are computed again. Else it replays the request from the record: the front states go up again,
 the cloud returns the middle states of the whole context, and the tail skips the positions it already holds.
+A bundle update under the request (``Session._rebuild``) gives the loop the new bundle's tail, empty: it runs the
+new middle's States of the whole context (the old tail's KV came from the old middle).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class UShape:
         try:
             while req.finish is None:
                 msg = await s._next_message(req, stats)
+                if self.tail is not tail:  # a bundle update rebuilt the request (Session._rebuild): the new bundle's
+                    stats.edge_tail_s += tail.stats.seconds - t_tail0  # tail runs its States from position 0
+                    tail, t_tail0 = self.tail, self.tail.stats.seconds
                 if isinstance(msg, P.Error):
                     raise EdgeClientError(f"cloud error {msg.code}: {msg.message}", msg.code)
                 if not isinstance(msg, P.States) or msg.request_id != req.rid:

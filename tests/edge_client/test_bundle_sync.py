@@ -570,6 +570,52 @@ def test_the_server_moving_bundles_mid_generation_is_followed(monkeypatch, tiny_
             new.__exit__(None, None, None)
 
 
+
+@pytest.fixture(scope="module")
+def ushape_l2(split_bundle, tiny_glm4_lm) -> Path:
+    """tiny-glm4 split at layer 2 with a tail of 1 (the middle is layer 2 alone): the u-shape bundle the server
+    moves to from tests/conftest.py's (split at 1, tail 2)."""
+    return split_bundle("glm4-ushape-l2-t1", tiny_glm4_lm, 2, "fp32", tail=1)
+
+
+def test_a_u_shape_request_follows_the_server_moving_bundles_mid_generation(monkeypatch, tmp_path,
+                                                                            tiny_glm4_ushape_bundle, ushape_l2,
+                                                                            reference_tokens):
+    """u-shape (tail on the phone): the old tail, whose KV came from the old middle, ran the new bundle's middle
+    States after the switch - other tokens than the model's from the 6th on; the new bundle's tail runs them."""
+    from edge_client.ushape import UShape
+
+    edge = tmp_path / "phone" / "bundle"
+    shutil.copytree(tiny_glm4_ushape_bundle, edge, ignore=shutil.ignore_patterns("cloud"))
+    switched = threading.Event()
+    step = UShape._step
+
+    async def after_the_switch(self, req, stats):  # hold the 5th token's step until the roll-over
+        if len(req.tokens) == 5:
+            await asyncio.to_thread(switched.wait, 60)
+        return await step(self, req, stats)
+
+    monkeypatch.setattr(UShape, "_step", after_the_switch)
+    port = free_port()
+    old = Serving(_app(tiny_glm4_ushape_bundle, engine=True), port).__enter__()
+    new = None
+    try:
+        with EdgeClient(edge, old.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
+            gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW, mode="u-shape")
+            for i, _ in enumerate(gen.iter_tokens()):
+                if i == 4:
+                    old.__exit__(None, None, None)
+                    new = Serving(_app(ushape_l2, engine=True), port).__enter__()
+                    switched.set()
+            assert gen.token_ids == reference_tokens
+            assert gen.stats.exec_mode == "u-shape" and gen.stats.replays == 1 and c.runtime.n_layers == 2
+    finally:
+        switched.set()
+        old.__exit__(None, None, None)
+        if new is not None:
+            new.__exit__(None, None, None)
+
+
 # -- hostile or careless servers -----------------------------------------------------------------------------
 
 class _ManifestOnly:
