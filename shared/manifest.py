@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 FORMAT_VERSION = 1
@@ -160,11 +160,22 @@ class Manifest:
             raise BundleError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(raw, dict):
             raise BundleError(f"{path}: expected a JSON object")
-        if raw.get("format_version") != FORMAT_VERSION:
-            raise BundleError(f"{path}: format version {raw.get('format_version')!r}, expected {FORMAT_VERSION}")
+        version = raw.get("format_version")
+        if version != FORMAT_VERSION:
+            newer = _is_int(version) and version > FORMAT_VERSION  # a bundle split by a later release
+            raise BundleError(f"{path}: format version {version!r}, expected {FORMAT_VERSION}"
+                              + (" (written by a newer autoglm-partition: upgrade autoglm-split to read it)"
+                                 if newer else ""))
+        names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        unknown, missing = sorted(set(raw) - names), sorted(required - set(raw))
+        if unknown or missing:  # (was Python's 'Manifest.__init__() got an unexpected keyword argument ...')
+            raise BundleError(f"{path}: malformed manifest (" + "; ".join(
+                ([f"unknown field(s) {', '.join(unknown)}: a manifest of a newer autoglm-partition?"] if unknown
+                 else []) + ([f"missing field(s) {', '.join(missing)}"] if missing else [])) + ")")
         try:
             m = cls(**raw)
-        except TypeError as e:
+        except TypeError as e:  # an artifact entry that is no {sha256, bytes, role} object
             raise BundleError(f"{path}: malformed manifest ({e})") from None
         except BundleError as e:
             raise BundleError(f"{path}: {e}") from None

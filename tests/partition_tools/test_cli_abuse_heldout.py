@@ -194,6 +194,13 @@ def test_plan_refuses_a_bundle_of_another_model(tiny_glm4_bundle, capsys, monkey
     (lambda m: m["quant_report"].__setitem__("prefill", "fp32"), "quant_report.prefill 'fp32'"),
     # Python's json reads NaN, JSON has none: inspect --json printed a report no JSON parser reads
     (lambda m: m["quant_report"].__setitem__("alpha", float("nan")), "not valid JSON (NaN is not a JSON value)"),
+    # a bundle of a later release: Python's "Manifest.__init__() got an unexpected keyword argument", or a bare
+    # "format version 2, expected 1"
+    (lambda m: m.__setitem__("edge_kv_layout", "x"),
+     "malformed manifest (unknown field(s) edge_kv_layout: a manifest of a newer autoglm-partition?)"),
+    (lambda m: m.pop("rope"), "malformed manifest (missing field(s) rope)"),
+    (lambda m: m.__setitem__("format_version", 2),
+     "format version 2, expected 1 (written by a newer autoglm-partition: upgrade autoglm-split to read it)"),
 ])
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_edited_manifest_is_one_line_naming_it(edit, match, command, tiny_glm4_bundle, tmp_path, capsys):
