@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -207,9 +208,26 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     try:
         manifest = _write_bundle(lm, replace(cfg, out=staged), adapter, started)
         _swap_in(staged, out)
+    except Exception as e:
+        reason = _no_room(e)
+        if reason is None:
+            raise
+        raise BundleError(f"--out {cfg.out}: the bundle does not fit ({reason}); make room and split again") from None
     finally:
         shutil.rmtree(staged, ignore_errors=True)
     return manifest
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, the file size limit (ulimit -f)
+
+
+def _no_room(e: Exception) -> str | None:
+    """Why writing the bundle failed for want of room, or None: an OSError's errno, or the system's words inside a
+    library's own error (safetensors' SafetensorError 'No space left on device (os error 28)'), which ended the
+    split in a traceback after all its work."""
+    if isinstance(e, OSError) and e.errno in _NO_ROOM:
+        return e.strerror
+    return next((os.strerror(n) for n in _NO_ROOM if os.strerror(n) in str(e)), None)
 
 
 def _swap_in(staged: Path, out: Path) -> None:
@@ -242,7 +260,7 @@ def _write_bundle(lm: LoadedModel, cfg: SplitConfig, adapter: ModelAdapter, star
     # 1. edge front -> ONNX (fp32), then quantize
     steps.next(f"export layers [0, {cfg.layer}) to ONNX")
     quant_report: dict = {"mode": "fp32"}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=out) as tmp:  # on --out's file system, not /tmp (often a small tmpfs)
         fp32, graph_kind = build_front(adapter, cfg.layer, Path(tmp) / "front.onnx", cfg.edge_graph)
         if cfg.edge_kv != "fp32" and graph_kind != "fused":
             raise BundleError(f"--edge-kv {cfg.edge_kv} needs the fused edge graph, and this model's front fell back "

@@ -109,6 +109,23 @@ def test_split_over_a_bundle_a_running_edge_client_holds_is_refused(tiny_glm4_bu
     assert (d / "manifest.json").read_bytes() == before
 
 
+def test_a_bundle_that_does_not_fit_is_one_line_and_leaves_nothing(tmp_path):
+    """A disk that fills up mid-split (here the file size limit, ulimit -f: the same refusal of a write) ended in an
+    OSError or SafetensorError traceback after all the work; the fp32 front went to /tmp, not --out's disk."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, resource.RLIM_INFINITY)); "
+            "from partition_tools.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = tmp_path / "b"
+    r = subprocess.run([sys.executable, "-c", code, "split", "--preset", "tiny-glm4", "--layer", "1", "--edge-quant",
+                        "fp32", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f"autoglm-partition split: error: --out {out}: the bundle does not fit "
+                                                 "(File too large); make room and split again")
+    assert list(tmp_path.iterdir()) == []  # neither the bundle nor its staging directory
+
+
 def test_split_vision_quant_for_a_model_without_a_vision_tower(tmp_path, capsys):
     """--vision-quant int8/fp32 on a text-only model was ignored without a word (the bundle had no vision tower)."""
     _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--vision-quant", "fp32", "--out",
