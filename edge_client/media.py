@@ -239,14 +239,18 @@ def _scheme(src: str) -> str | None:
 
 
 def b64decode(text: str, what: str, code: str = "bad_media") -> bytes:
-    """Standard base64 (``what``: the field, for the error), ASCII whitespace ignored as in a data: URL (line
-    breaks of ``base64``'s output, a trailing newline); anything else outside the alphabet is refused."""
+    """Standard base64 (``what``: the field, for the error) as the URL standard's forgiving-base64 decode reads a
+    data: URL's: ASCII whitespace ignored (line breaks of ``base64``'s output, a trailing newline), the ``=``
+    padding optional (unpadded encoders); anything else outside the alphabet is refused."""
     try:
         if isinstance(text, (bytes, bytearray)):
             text = bytes(text).decode("ascii")  # UnicodeDecodeError: a ValueError
         if not isinstance(text, str) or not text.isascii():
             raise ValueError
-        return base64.b64decode("".join(text.split()), validate=True)
+        text = "".join(text.split())
+        if len(text) % 4 == 1:  # no base64 of any padding
+            raise ValueError
+        return base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
     except (binascii.Error, ValueError):
         raise MediaError(f"{what}: invalid base64", code) from None
 

@@ -366,7 +366,8 @@ def test_data_url_forms(served):
                 "DATA:image/png;BASE64," + b64,
                 "data:text/plain;base64," + b64,
                 "data:image/png;base64," + escaped,
-                "  data:image/png;base64," + b64 + " \n"):
+                "  data:image/png;base64," + b64 + " \n",
+                "data:image/png;base64," + b64.rstrip("=")):  # unpadded, as the URL standard takes it (was refused)
         _ok(_chat(v, _image(url), max_tokens=1))
     urlsafe = base64.urlsafe_b64encode(png).decode()
     assert urlsafe != b64
