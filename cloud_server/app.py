@@ -10,7 +10,8 @@ Routes:
 * ``WS  /v1/split`` split mode: the edge's session (``cloud_server.split_endpoint``);
 * ``GET /v1/bundles[/{id}/manifest | /{id}/files/{path}]`` split mode: the served bundles' edge halves, for
   phones to download or update (``cloud_server.bundle_files``);
-* ``POST /v1/chat/completions``, ``POST /v1/completions``: full-model mode (``cloud_server.full_api``).
+* ``POST /v1/chat/completions``, ``POST /v1/completions``: full-model mode (``cloud_server.full_api``); in split
+  mode a 404 that says where they are.
 
 Split mode over several bundles (``ServerConfig.more_bundles`` with other ids): one runtime per bundle id, the
 Hello's id picking its endpoint (``cloud_server.bundle_set``); the app starts and stops the further runtimes
@@ -284,6 +285,16 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         catalog = bundle_files.BundleCatalog([cfg.bundle, *cfg.more_bundles], cfg.model_name)
         bundle_files.install(app, catalog, auth)
         bundles = BundleSet(runtime, catalog)  # one engine per bundle id; the Hello's id picks one
+
+        # an OpenAI client pointed here (the model is in /v1/models) got a bare 404 'Not Found': say where chat is
+        @app.post("/v1/chat/completions", dependencies=[auth])
+        @app.post("/v1/completions", dependencies=[auth])
+        async def full_mode_only(request: Request):
+            err = oc.OpenAIRequestError(
+                f"{request.url.path} is served in full-model mode (autoglm-cloud serve --full); this server runs "
+                "split mode: apps reach the model through the edge's local API (autoglm-edge serve), which "
+                "streams to WS /v1/split here", None, "not_found", 404)
+            return JSONResponse(err.to_dict(), status_code=err.status)
         endpoint = bundles if len(bundles.endpoints) > 1 else bundles.default
         app.state.split = endpoint
 

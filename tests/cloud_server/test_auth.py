@@ -206,6 +206,21 @@ def test_http_needs_the_header_and_probes_can_be_closed(keyed):
     assert httpx.get(keyed.url + "/ready", headers=_bearer(keyed.bob)).status_code == 200
 
 
+def test_an_openai_client_pointed_at_a_split_server_is_told_where_chat_is(keyed):
+    """The model is listed in /v1/models, and chat was a bare 404 'Not Found': the openai client's NotFoundError
+    now says that chat is full-model mode's and the edge's local API's. Behind the key, as every /v1 route."""
+    import openai
+
+    oa = openai.OpenAI(base_url=keyed.url + "/v1", api_key=keyed.alice, max_retries=0)
+    assert [m.id for m in oa.models.list().data] == ["tiny"]
+    for create in (lambda: oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}]),
+                   lambda: oa.completions.create(model="tiny", prompt="hi")):
+        with pytest.raises(openai.NotFoundError, match="split mode.*autoglm-edge serve") as e:
+            create()
+        assert e.value.code == "not_found"
+    assert httpx.post(keyed.url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+
+
 def test_websocket_keys_caps_usage_and_trace(keyed, tiny_bundle, caplog):
     async def main():
         with pytest.raises(websockets.InvalidStatus) as nokey:
