@@ -203,12 +203,12 @@ def test_a_phone_whose_hashed_replica_is_full_lands_on_another(tiny_glm4_fp32_bu
 def test_the_router_leaves_the_body_limit_to_the_replica(replicas, nginx_bin, tmp_path):
     """nginx's default client_max_body_size (1 MiB) refused a larger /v1 body with its own HTML 413, though a
     full-model replica reads up to max(1 MiB, 64 bytes x --max-model-len) (cloud_server.full_api.max_body_bytes:
-    a 128k-token CJK prompt is 1-2 MB of JSON) and refuses beyond it in OpenAI's shape. The router passes the body
-    on, unbuffered, and the replica's own answer comes back."""
+    a 128k-token CJK prompt is 1-2 MB of JSON) and refuses beyond it in OpenAI's shape. The router passes such a
+    body on (up to 16 MiB), and the replica's own answer comes back."""
     import urllib.error
     import urllib.request
 
-    body = json.dumps({"model": "m", "prompt": "\u4e00" * (3 << 20)}).encode()  # ~3 MB, JSON-escaped
+    body = json.dumps({"model": "m", "prompt": "\u4e00" * (1 << 19)}).encode()  # ~3 MB, JSON-escaped
     with Router(nginx_bin, tmp_path / "nginx", [f"127.0.0.1:{r.port}" for r in replicas]) as router:
         request = urllib.request.Request(f"http://127.0.0.1:{router.port}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
