@@ -338,7 +338,11 @@ def parse_chat_request(body: Any, media: bool = False) -> ChatRequest:
                                          "string or an array of parts (null only in an assistant turn with "
                                          "tool_calls)", "messages")
             content = ""  # an earlier tool-calling turn of the history: its text is empty (tool_calls not rendered)
-        msg: dict[str, Any] = {"role": role, "content": _flatten_content(content, where, media)}
+        # developer: OpenAI's newer name for the system prompt (its clients send their instructions so); the chat
+        # templates served here know no such role - SmolLM2's rendered it after its own default system prompt,
+        # GLM's drops a role it does not know - so it is rendered as the system turn it is
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                               "content": _flatten_content(content, where, media)}
         if role == "assistant" and isinstance(m.get("reasoning_content"), str):
             msg["reasoning_content"] = m["reasoning_content"]
         parsed.append(msg)

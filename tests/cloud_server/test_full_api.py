@@ -44,6 +44,17 @@ def _expected(smol_lm, messages, n, **kw):
     return tok.decode([t for t in out if t != tok.eos_token_id], skip_special_tokens=True), len(ids), len(out)
 
 
+def test_a_developer_message_is_the_system_prompt(server, smol_lm):
+    """OpenAI's developer role (its newer clients send their instructions so) reached the chat template as a role
+    it does not know: SmolLM2's rendered '<|im_start|>developer' after its own default system prompt (GLM's drops
+    such a turn). It is the system prompt: the same prompt and answer as a system message's."""
+    user = {"role": "user", "content": "What is the capital of France?"}
+    text, prompt_tokens, _ = _expected(smol_lm, [{"role": "system", "content": "Answer in one word."}, user], 4)
+    r = _client(server).post("/v1/chat/completions", json={"max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "developer", "content": "Answer in one word."}, user]}).json()
+    assert (r["usage"]["prompt_tokens"], r["choices"][0]["message"]["content"]) == (prompt_tokens, text)
+
+
 def test_probes_models_and_auth(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     r = httpx.get(server.url + "/ready")
