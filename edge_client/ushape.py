@@ -10,11 +10,12 @@ link (docs/protocol.md, "U-shape")::
     ... until a stop token, max_tokens or a stop string: Cancel (the phone alone knows when to stop)
 
 Speculation (``speculate``): the phone drafts k tokens (``edge_client.drafting``), runs the last token and the
-drafts through the front as one chunk and sends one StatesStep of k + 1 rows (no draft id leaves the phone);
-the cloud's k + 1 middle states come back, the tail turns them into k + 1 logits rows and the phone verifies
-them with the shared rule (``shared.speculative_sampling``: the tokens of plain decoding, greedy or sampled
-with the same seed). The front and the tail truncate their KV past the first rejected draft; the
-next StatesStep starts there, which rolls the cloud's KV back in the same message.
+drafts through the front's decode graph as one chunk (``FrontRuntime.step``, as plain steps) and sends one
+StatesStep of k + 1 rows (no draft id leaves the phone); the cloud's k + 1 middle states come back, the tail
+turns them into k + 1 logits rows and the phone verifies them with the shared rule
+(``shared.speculative_sampling``: the tokens of plain decoding, greedy or sampled with the same seed). The front
+and the tail truncate their KV past the first rejected draft; the next StatesStep starts there, which rolls the
+cloud's KV back in the same message.
 
 Costs against split: the downlink carries a hidden row per position (prompt positions included) instead of a
 token id; the phone runs the tail (and the lm_head) per token; there is no cloud prefix cache (a cached
@@ -185,7 +186,7 @@ class UShape:
         pos = rt.length
         if drafts:
             t0 = time.perf_counter()
-            hidden = await _compute(rt.prefill, [last, *drafts])  # [k + 1, H]
+            hidden = await _compute(rt.step, [last, *drafts])  # [k + 1, H]: the decode graph, as plain steps
             msg = P.StatesStep(request_id=req.rid, position=pos,
                                hidden=codec.encode(hidden, zstd=s.config.wire_zstd))
             req.spec_step = _Spec(pos, list(drafts), hidden, msg, t0)

@@ -70,6 +70,25 @@ def test_tiny_ushape_greedy_equals_unsplit(tiny_glm4_ushape_bundle, cloud, refer
         assert any(m.n_tokens > 1 for m in sent if isinstance(m, P.StatesStep))
 
 
+@pytest.fixture(scope="module")
+def phased_bundle(tiny_glm4_lm, split_bundle):
+    """The u-shape bundle's twin with an int8 front and an fp32 copy for the prompt (the same cloud half and id)."""
+    return split_bundle("glm4-ushape-phased", tiny_glm4_lm, 1, "int8", fp32_prefill=True, tail=2)
+
+
+def test_speculation_on_a_bundle_with_an_fp32_prompt_graph_keeps_plain_decodings_tokens(phased_bundle, cloud):
+    """Precision by phase (``split --fp32-prefill``: an int8 front for steps, an fp32 copy for the prompt): a
+    speculative StatesStep ran its token and drafts through the prompt's graph, where plain steps run the decode
+    graph, so its rows - and the front KV kept - were another graph's and the greedy answer differed from the plain
+    one (the split's SpecStep runs the decode graph: FrontRuntime.step)."""
+    with EdgeClient(phased_bundle, cloud.ws_url, codec="fp16", retry=RETRY, draft_k=4) as c:
+        assert c.runtime.phased
+        plain = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+        spec = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True)
+    assert spec.stats.exec_mode == "u-shape" and spec.stats.accepted_draft_tokens > 0
+    assert spec.token_ids == plain.token_ids
+
+
 def test_the_stats_name_the_codec_the_steps_travel_in(tiny_glm4_ushape_bundle, cloud):
     """A u-shape request's steps travel in its prompt's codec (as its States do); a prompt long enough for the
     policy's int8-outlier used to report the split's fp16 step codec for them."""
