@@ -112,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_split(args) -> int:
-    from .models import load_model
-    from .split import SplitConfig, split
+    from .models import layer_count, load_model
+    from .split import SplitConfig, check_layers, split
 
     source = args.preset or args.source
     if not source:
@@ -125,6 +125,8 @@ def _cmd_split(args) -> int:
     cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant,
                       vision_quant=args.vision_quant, audio_encoder=args.audio_encoder, tail=args.tail,
                       fp32_prefill=args.fp32_prefill, edge_kv=args.edge_kv)
+    if (layers := layer_count(source)) is not None:  # before the weights load (minutes for a 9B model)
+        check_layers(cfg, layers)
     t0 = time.perf_counter()
     lm = load_model(source, seed=args.seed)
     m = split(lm, cfg)

@@ -409,6 +409,18 @@ def source_identity(source: str, seed: int = 0) -> str:
     return _gguf_identity(path) if path.is_file() else _dir_identity(path, _load_config(path))
 
 
+def layer_count(source: str) -> int | None:
+    """The text decoder's layers of ``source`` from its config alone (a preset's, a checkpoint directory's
+    config.json), or None where only loading tells (a .gguf); ModelLoadError as ``check_source``."""
+    from .adapters import text_config
+
+    check_source(source)
+    if source in _random_presets():
+        return int(text_config(_random_presets()[source][0]()).num_hidden_layers)
+    path = Path(source)
+    return int(text_config(_load_config(path)).num_hidden_layers) if path.is_dir() else None
+
+
 def load_bundle_source(bundle: str | Path, source: str | None = None) -> LoadedModel:
     """The model ``bundle`` was split from, reloaded: ``source`` (default: the manifest's), a random preset with the
     seed the bundle's ``source_identity`` records (``split --seed 3``: ``preset:tiny-glm4@seed3``), since the same

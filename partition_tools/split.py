@@ -74,6 +74,17 @@ class SplitConfig:
         check_out_dir(self.out)
 
 
+def check_layers(cfg: SplitConfig, num_layers: int) -> None:
+    """``--layer`` and ``--tail`` fit a model of ``num_layers`` layers: BundleError otherwise (the CLI checks them
+    from the config before the weights load, split again on the loaded model)."""
+    L = num_layers
+    if not 0 < cfg.layer < L:
+        raise BundleError(f"--layer {cfg.layer}: must be between 1 and {L - 1} (the model has {L} layers)")
+    if cfg.tail and cfg.layer + cfg.tail >= L:
+        raise BundleError(f"--tail {cfg.tail} with --layer {cfg.layer}: the cloud must keep at least one of the "
+                          f"{L} layers (layer + tail < {L})")
+
+
 def check_out_dir(out: Path) -> None:
     """``out`` can take a bundle: absent, an empty directory or an earlier bundle (replaced); BundleError otherwise,
     checked before the model loads."""
@@ -186,11 +197,7 @@ def _export_vision(lm: LoadedModel, cfg: SplitConfig) -> dict:
 def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     adapter = ModelAdapter(lm.model)
     L = adapter.num_layers
-    if not 0 < cfg.layer < L:
-        raise BundleError(f"--layer {cfg.layer}: must be between 1 and {L - 1} (the model has {L} layers)")
-    if cfg.tail and cfg.layer + cfg.tail >= L:
-        raise BundleError(f"--tail {cfg.tail} with --layer {cfg.layer}: the cloud must keep at least one of the "
-                          f"{L} layers (layer + tail < {L})")
+    check_layers(cfg, L)
     if cfg.vision_quant not in (None, "none") and not _has_vision_tower(lm):
         raise BundleError(f"--vision-quant {cfg.vision_quant}: {lm.source} has no vision tower (GLM-4.1V's); leave "
                           "it out")

@@ -126,6 +126,19 @@ def test_a_bundle_that_does_not_fit_is_one_line_and_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []  # neither the bundle nor its staging directory
 
 
+def test_split_layers_the_model_lacks_are_refused_before_it_loads(llama_dir, tmp_path, capsys, monkeypatch):
+    """--layer / --tail were checked against the loaded model: glm4v-9b-random --layer 40 built a 9B model (minutes,
+    ~18 GB) to say 'must be between 1 and 39'; a checkpoint directory's config tells it without the weights."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    out = str(tmp_path / "b")
+    _fails_in_one_line(["split", "--preset", "glm4v-9b-random", "--layer", "40", "--out", out], capsys,
+                       "--layer 40: must be between 1 and 39 (the model has 40 layers)")
+    _fails_in_one_line(["split", str(llama_dir), "--layer", "1", "--tail", "2", "--out", out], capsys,
+                       "--tail 2 with --layer 1: the cloud must keep at least one of the 3 layers")
+
+
 def test_split_vision_quant_for_a_model_without_a_vision_tower(tmp_path, capsys):
     """--vision-quant int8/fp32 on a text-only model was ignored without a word (the bundle had no vision tower)."""
     _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--vision-quant", "fp32", "--out",
