@@ -49,7 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cloud_server.auth import Authenticator
 from cloud_server.engine.async_engine import EngineDeadError
-from cloud_server.limits import HttpConcurrencyLimit
+from cloud_server.limits import ConnectionLimit, HttpConcurrencyLimit
 from cloud_server.ws_protocol import protocol_class
 from shared import openai_compat as oc
 
@@ -153,11 +153,11 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app: FastAPI, config, log_level: str = "info") -> uvicorn.Config:
     """uvicorn's settings for ``app`` under ``autoglm-cloud serve`` (a :class:`~cloud_server.config.ServerConfig`):
-    address, TLS, the connection limit, the event loop, a 5 s graceful shutdown after the drain."""
+    address, TLS, the event loop, a 5 s graceful shutdown after the drain."""
     tls = {"ssl_certfile": str(config.ssl_certfile), "ssl_keyfile": str(config.ssl_keyfile)} \
         if config.ssl_certfile else {}
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5,
-                          limit_concurrency=config.max_connections, loop=config.loop, **tls)
+                          loop=config.loop, **tls)  # max_connections: cloud_server.limits.ConnectionLimit
 
 
 def loop_factory(name: str):
@@ -201,6 +201,7 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
     app.state.runtime = runtime
     app.state.auth = authn = Authenticator(cfg.keys_file, cfg.api_key)
     app.add_middleware(HttpConcurrencyLimit, limit=cfg.max_http_requests)
+    app.add_middleware(ConnectionLimit, limit=cfg.max_connections)  # outermost: counts every connection
 
     async def require_key(request: Request):
         if authn.authenticate(request.headers.get("authorization")) is None:

@@ -7,8 +7,9 @@ Every limit here answers at once with a "try later" and never parks work in an u
   ``Error(overloaded, retry_after_ms)`` and close code 1013;
 * HTTP ``/v1`` requests (full-model mode's OpenAI routes, ``/v1/models``): at most ``max_http_requests`` in
   flight (:class:`HttpConcurrencyLimit`); the next gets ``429`` with ``Retry-After`` and an OpenAI error body;
-* connections of any kind: uvicorn's ``limit_concurrency`` (``ServerConfig.max_connections``), which answers
-  503 to the excess, and the handshake timeout, which closes a WebSocket that sends no Hello.
+* connections, WebSockets and HTTP requests alike: at most ``max_connections`` open (:class:`ConnectionLimit`);
+  the next gets 503 with ``Retry-After`` (a WebSocket before its upgrade), and the handshake timeout closes a
+  WebSocket that sends no Hello. The probes are neither counted nor refused.
 
 Frame sizes, context length and timeouts are the session's ``Welcome.limits`` (``cloud_server.split_endpoint``).
 """
@@ -63,6 +64,49 @@ class HttpConcurrencyLimit:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
+
+
+PROBES = ("/health", "/ready", "/metrics")
+
+
+class ConnectionLimit:
+    """ASGI middleware: at most ``limit`` WebSockets and HTTP requests open at once; beyond, 503 + Retry-After (for a
+    WebSocket, before the upgrade: a proxy tries its next replica). The probes pass uncounted, so a server at its
+    cap stays alive and scraped. uvicorn's ``limit_concurrency`` did this job: it never refused a WebSocket (an
+    upgrade skips its check) but counted them, so once the phones' sessions reached the cap every probe got 503 -
+    the liveness probe restarted a busy pod and the autoscaler lost its metrics."""
+
+    def __init__(self, app, limit: int):
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1 (got {limit})")
+        self.app, self.limit = app, limit
+        self.open = 0  # event-loop thread only
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or scope["path"] in PROBES:
+            await self.app(scope, receive, send)
+            return
+        if self.open >= self.limit:
+            await _unavailable(scope, send, self.limit)
+            return
+        self.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.open -= 1
+
+
+async def _unavailable(scope, send, limit: int) -> None:
+    body = json.dumps({"error": {"message": f"server at its limit of {limit} open connections; retry later",
+                                 "type": "server_error", "param": None, "code": "overloaded"}}).encode()
+    kind = "websocket.http.response" if scope["type"] == "websocket" else "http.response"
+    if kind == "websocket.http.response" and "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1013})  # no denial responses here: HTTP 403
+        return
+    await send({"type": f"{kind}.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode()),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": f"{kind}.body", "body": body})
 
 
 async def _too_many(send, limit: int) -> None:

@@ -189,3 +189,31 @@ def test_a_download_nobody_reads_gives_its_request_slot_back(monkeypatch, tmp_pa
                 break
             time.sleep(0.2)
         assert codes[0] == 429 and codes[-1] == 200, codes  # the stalled download let go of its slot
+
+
+def test_the_connection_cap_holds_websockets_and_lets_the_probes_through(tiny_glm4_fp32_bundle):
+    """--max-connections was uvicorn's limit_concurrency, which an upgrade skips: it refused no WebSocket (8 sessions
+    opened under a cap of 3) but counted them, and once the phones' sessions reached it every probe and /metrics
+    got 503 - the liveness probe restarted a busy pod, the autoscaler lost its metrics. Now the cap refuses the
+    excess WebSocket before its upgrade (503, a proxy's next replica), counts HTTP requests too, and never the
+    probes."""
+    import httpx
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    from cloud_server.app import uvicorn_config
+
+    cfg = ServerConfig(bundle=tiny_glm4_fp32_bundle, api_key=KEY, max_connections=2, engine=EngineConfig(device="cpu"))
+    app = create_app(CloudRuntime(cfg))  # the routes and the upgrade need no engine
+    served = uvicorn_config(app, cfg)  # what `autoglm-cloud serve` gives uvicorn
+    with ServerThread(app, limit_concurrency=served.limit_concurrency) as srv:
+        url = srv.ws_url
+        with connect(url, additional_headers=AUTH), connect(url, additional_headers=AUTH):  # the cap, open
+            with pytest.raises(InvalidStatus) as refused:
+                with connect(url, additional_headers=AUTH):
+                    pass
+            assert refused.value.response.status_code == 503
+            assert httpx.get(srv.url + "/v1/bundles", headers=AUTH).status_code == 503
+            for probe in ("/health", "/metrics"):
+                assert httpx.get(srv.url + probe).status_code == 200, probe
+        assert httpx.get(srv.url + "/v1/bundles", headers=AUTH).status_code == 200
