@@ -215,7 +215,7 @@ def load_image(img, max_pixels: int = MAX_INPUT_PIXELS):
     """An :func:`open_image` result -> a decoded PIL RGB image: turned upright by its EXIF orientation (a phone
     photo's tag, as every viewer and transformers' ``load_image`` apply it), transparency on white (as the
     processor's ``convert_to_rgb``)."""
-    from PIL import Image, ImageOps
+    from PIL import Image
 
     with _pil_errors(max_pixels):
         img.load()  # decode now: truncated or corrupt data fails here, not later
@@ -223,8 +223,11 @@ def load_image(img, max_pixels: int = MAX_INPUT_PIXELS):
         orientation = img.getexif().get(ORIENTATION_TAG, 1)
     except (OSError, ValueError, SyntaxError, KeyError, TypeError, struct.error):  # unreadable metadata: as stored
         orientation = 1
-    if orientation in range(2, 9):
-        img = ImageOps.exif_transpose(img)
+    if isinstance(orientation, int) and orientation in range(2, 9):  # ImageOps.exif_transpose's turn, without its
+        # rewrite of the metadata, which raised (struct.error, TypeError) on a tag PIL reads but cannot write back
+        t = Image.Transpose
+        img = img.transpose({2: t.FLIP_LEFT_RIGHT, 3: t.ROTATE_180, 4: t.FLIP_TOP_BOTTOM, 5: t.TRANSPOSE,
+                             6: t.ROTATE_270, 7: t.TRANSVERSE, 8: t.ROTATE_90}[orientation])
     with _pil_errors(max_pixels):  # a mode PIL cannot convert (an app's own image): bad_image, not a ValueError
         if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):  # 16-bit grayscale (PNG): to 8 bits, not clipped
             img = Image.fromarray((np.clip(np.asarray(img, np.int64), 0, 65535) >> 8).astype(np.uint8))  # mode L

@@ -195,6 +195,28 @@ def test_exif_orientation_is_applied(served):
     assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
 
 
+def test_a_photo_whose_exif_pil_cannot_write_back_is_turned_upright(served):
+    """A sideways photo (Orientation 6) whose EXIF holds a tag PIL reads but cannot write back (MaxSampleValue,
+    SHORT by the standard, stored as text: a quirky camera's writer) failed inside ImageOps.exif_transpose, which
+    rewrites the metadata - struct.error out of generate(), a 500 on the local API; it is turned upright (the
+    same transpose) and answered as the upright picture."""
+    v, _, _, _ = served
+    rng = np.random.default_rng(3)
+    sideways = Image.fromarray(rng.integers(0, 256, (60, 150, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112], exif[0x010F] = 6, "Cam"
+    raw = exif.tobytes()
+    quirky = raw.replace(b"\x01\x0f\x00\x02", b"\x01\x19\x00\x02")  # Make (0x010F, ASCII) as tag 0x0119
+    assert quirky != raw
+    photo = _encoded(sideways, "JPEG", quality=95, exif=quirky)
+    plain = _encoded(Image.open(io.BytesIO(_encoded(sideways, "JPEG", quality=95))).transpose(
+        Image.Transpose.ROTATE_270))
+    a = _ok(_chat(v, _image(_data_url(photo, "image/jpeg")), max_tokens=6))
+    b = _ok(_chat(v, _image(_data_url(plain)), max_tokens=6))
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+
+
 def test_odd_but_valid_images_are_served_and_broken_ones_are_400s(served):
     """Already handled before this round, kept: a 1x1, CMYK JPEG, 16-bit gray and 16-bit RGBA PNG, palette with
     transparency, LA, 1-bit, animated GIF and WebP (the first frame), BMP: 200; truncated PNG / JPEG: bad_image;
