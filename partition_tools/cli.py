@@ -314,6 +314,9 @@ PATH_ARGS = ("source", "out", "audio_encoder", "bundle", "text", "cloud_results"
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .progress import quiet_library_bars
+
+    quiet_library_bars()
     for name in PATH_ARGS:
         if isinstance(getattr(args, name, None), str) and getattr(args, name):  # "" stays unset (Path("") is ".")
             setattr(args, name, str(user_path(getattr(args, name))))

@@ -17,6 +17,13 @@ def enabled() -> bool:
     return sys.stderr.isatty()
 
 
+def quiet_library_bars() -> None:
+    """The libraries' own progress bars (transformers' 'Loading weights', 'Converting and de-quantizing GGUF
+    tensors') follow the same rule: off when :func:`enabled` is not (they filled CI logs with carriage returns)."""
+    if not enabled():
+        os.environ.setdefault("TQDM_DISABLE", "1")  # tqdm's own default for every bar (transformers' are tqdm)
+
+
 class Steps:
     def __init__(self, total: int, label: str):
         self.total, self.label, self.i = total, label, 0

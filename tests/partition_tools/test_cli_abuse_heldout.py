@@ -425,6 +425,20 @@ def test_a_gguf_split_cannot_use_is_refused(blocks, match, tmp_path, capsys):
     assert not (tmp_path / "b").exists()
 
 
+def test_no_library_progress_bars_off_a_terminal(llama_dir, tmp_path):
+    """split's steps are quiet when stderr is no terminal (a CI log), but transformers' 'Loading weights' bar (and a
+    GGUF's 'Converting and de-quantizing') still wrote its carriage-return lines there; AUTOGLM_PROGRESS=1 keeps both."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "AUTOGLM_PROGRESS"}
+    r = subprocess.run([sys.executable, "-m", "partition_tools.cli", "split", str(llama_dir), "--layer", "1",
+                        "--edge-quant", "fp32", "--out", str(tmp_path / "b")], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
 def test_a_checkpoint_whose_tokenizer_does_not_load_is_refused(llama_dir, tmp_path, capsys):
     """A tokenizer.json that does not parse was taken for no tokenizer: split wrote a bundle that takes no text,
     exit 0, and verify --text then ended in a ValueError traceback ('has no tokenizer')."""
