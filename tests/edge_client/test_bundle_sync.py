@@ -537,6 +537,32 @@ def test_an_auto_updating_client_follows_a_re_export_of_its_bundle_id(tmp_path, 
     assert edge_l2.is_symlink() and (edge_l2 / FRONT).read_bytes() == (served / FRONT).read_bytes()
 
 
+def _roll_over_mid_generation(old_bundle: Path, new_bundle: Path, edge: Path, switched: threading.Event,
+                              reference_tokens: list[int], n_layers: int, mode: str | None = None) -> None:
+    """An auto-updating client generates against a server of ``old_bundle``; after its 5th token the operator rolls
+    the server over to ``new_bundle`` on the same port (``switched`` then releases the step the test holds). The
+    answer is the model's, after one replay, on the new bundle's front of ``n_layers``."""
+    port = free_port()
+    old = Serving(_app(old_bundle, engine=True), port).__enter__()
+    new = None
+    try:
+        with EdgeClient(edge, old.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
+            gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW, **({"mode": mode} if mode else {}))
+            for i, _ in enumerate(gen.iter_tokens()):
+                if i == 4:
+                    old.__exit__(None, None, None)
+                    new = Serving(_app(new_bundle, engine=True), port).__enter__()
+                    switched.set()
+            assert gen.token_ids == reference_tokens
+            assert gen.stats.replays == 1 and c.runtime.n_layers == n_layers
+            assert mode is None or gen.stats.exec_mode == mode
+    finally:
+        switched.set()
+        old.__exit__(None, None, None)
+        if new is not None:
+            new.__exit__(None, None, None)
+
+
 def test_the_server_moving_bundles_mid_generation_is_followed(monkeypatch, tiny_bundle, bundle_l1, edge_l2,
                                                               reference_tokens):
     from edge_client.generation import Session
@@ -550,24 +576,7 @@ def test_the_server_moving_bundles_mid_generation_is_followed(monkeypatch, tiny_
         return await decode_and_send(self, req, new, stats)
 
     monkeypatch.setattr(Session, "_decode_and_send", after_the_switch)
-    port = free_port()
-    old = Serving(_app(tiny_bundle, engine=True), port).__enter__()
-    new = None
-    try:
-        with EdgeClient(edge_l2, old.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
-            gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
-            for i, _ in enumerate(gen.iter_tokens()):
-                if i == 4:  # the operator rolls the server over to the split at layer 1
-                    old.__exit__(None, None, None)
-                    new = Serving(_app(bundle_l1, engine=True), port).__enter__()
-                    switched.set()
-            assert gen.token_ids == reference_tokens
-            assert gen.stats.replays == 1 and c.runtime.n_layers == 1
-    finally:
-        switched.set()
-        old.__exit__(None, None, None)
-        if new is not None:
-            new.__exit__(None, None, None)
+    _roll_over_mid_generation(tiny_bundle, bundle_l1, edge_l2, switched, reference_tokens, n_layers=1)
 
 
 
@@ -596,24 +605,8 @@ def test_a_u_shape_request_follows_the_server_moving_bundles_mid_generation(monk
         return await step(self, req, stats)
 
     monkeypatch.setattr(UShape, "_step", after_the_switch)
-    port = free_port()
-    old = Serving(_app(tiny_glm4_ushape_bundle, engine=True), port).__enter__()
-    new = None
-    try:
-        with EdgeClient(edge, old.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
-            gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW, mode="u-shape")
-            for i, _ in enumerate(gen.iter_tokens()):
-                if i == 4:
-                    old.__exit__(None, None, None)
-                    new = Serving(_app(ushape_l2, engine=True), port).__enter__()
-                    switched.set()
-            assert gen.token_ids == reference_tokens
-            assert gen.stats.exec_mode == "u-shape" and gen.stats.replays == 1 and c.runtime.n_layers == 2
-    finally:
-        switched.set()
-        old.__exit__(None, None, None)
-        if new is not None:
-            new.__exit__(None, None, None)
+    _roll_over_mid_generation(tiny_glm4_ushape_bundle, ushape_l2, edge, switched, reference_tokens, n_layers=2,
+                              mode="u-shape")
 
 
 # -- hostile or careless servers -----------------------------------------------------------------------------
