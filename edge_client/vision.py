@@ -211,6 +211,14 @@ def open_image(data, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INP
     return img
 
 
+def _sixteen_bit(img) -> bool:
+    """Whether a PIL image holds 16-bit grayscale samples: the 'I;16' modes, or 'I' read from a PNG (as an older Pillow
+    opens a 16-bit PNG). Any other 'I' image (32-bit integers: an app's ``convert("I")`` of an 8-bit image,
+    an int32 array) has no bit depth to scale from; PIL's conversion, as the model's processor, reads its values
+    as 8-bit levels (clipped to 0..255)."""
+    return img.mode.startswith("I;16") or img.mode == "I" and img.format == "PNG"
+
+
 def load_image(img, max_pixels: int = MAX_INPUT_PIXELS):
     """An :func:`open_image` result -> a decoded PIL RGB image: turned upright by its EXIF orientation (a phone
     photo's tag, as every viewer and transformers' ``load_image`` apply it), transparency on white (as the
@@ -219,6 +227,7 @@ def load_image(img, max_pixels: int = MAX_INPUT_PIXELS):
 
     with _pil_errors(max_pixels):
         img.load()  # decode now: truncated or corrupt data fails here, not later
+    sixteen_bit = _sixteen_bit(img)  # before the turn: a transposed image has no format
     try:
         orientation = img.getexif().get(ORIENTATION_TAG, 1)
     except (OSError, ValueError, SyntaxError, KeyError, TypeError, struct.error):  # unreadable metadata: as stored
@@ -229,7 +238,7 @@ def load_image(img, max_pixels: int = MAX_INPUT_PIXELS):
         img = img.transpose({2: t.FLIP_LEFT_RIGHT, 3: t.ROTATE_180, 4: t.FLIP_TOP_BOTTOM, 5: t.TRANSPOSE,
                              6: t.ROTATE_270, 7: t.TRANSVERSE, 8: t.ROTATE_90}[orientation])
     with _pil_errors(max_pixels):  # a mode PIL cannot convert (an app's own image): bad_image, not a ValueError
-        if img.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):  # 16-bit grayscale (PNG): to 8 bits, not clipped
+        if sixteen_bit:  # 16-bit grayscale: to 8 bits (the top byte), not clipped to white
             img = Image.fromarray((np.clip(np.asarray(img, np.int64), 0, 65535) >> 8).astype(np.uint8))  # mode L
         if img.mode in ("La", "RGBa"):  # premultiplied alpha ("La" converts to nothing else): straight alpha first
             img = img.convert(img.mode.upper())

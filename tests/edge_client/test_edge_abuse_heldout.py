@@ -343,6 +343,28 @@ def test_16_bit_grayscale_keeps_its_levels():
     assert rgb.shape == (4, 4, 3) and (rgb[..., 0] == (levels >> 8)).all()  # not clipped to white above 255
 
 
+def test_a_32_bit_integer_image_is_read_as_pil_reads_it_and_only_16_bit_samples_are_scaled():
+    """A PIL mode 'I' image (32-bit integers) was taken for 16-bit grayscale and scaled by 1/256: an app's
+    ``convert("I")`` of an 8-bit picture (levels 0..255) came out black. Only 16-bit samples are scaled (the 'I;16'
+    modes, a 16-bit PNG, EXIF-turned or not); any other 'I' image converts as PIL and the model's processor do."""
+    from PIL import Image
+
+    from edge_client.vision import decode_image, load_image, open_image
+
+    gray = Image.fromarray((np.arange(48).reshape(6, 8) * 5).astype(np.uint8))  # levels 0 .. 235
+    as_int32 = np.asarray(load_image(open_image(gray.convert("I"))))
+    assert (as_int32 == np.asarray(gray.convert("RGB"))).all()  # was all 0
+    wide = Image.fromarray(np.array([[-5, 0, 200, 70000, 2**31 - 1]], np.int32))
+    assert np.asarray(load_image(open_image(wide)))[0, :, 0].tolist() == [0, 0, 200, 255, 255]  # PIL's clip
+    levels = (np.arange(48).reshape(6, 8) * 1300).astype(np.uint16)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # a sideways photo: the turned image has no format to tell its depth by
+    buf = io.BytesIO()
+    Image.fromarray(levels).save(buf, format="PNG", exif=exif)
+    turned = np.asarray(decode_image(buf.getvalue()))[..., 0]
+    assert (turned == np.rot90(levels >> 8, -1)).all()
+
+
 def _wav(frames: int, rate: int = 16000) -> bytes:
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
