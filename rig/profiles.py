@@ -26,7 +26,7 @@ def resolve_profile(spec: str | dict | LinkProfile) -> LinkProfile:
         raise LinkProfileError(f"link profile: expected a name or a mapping, got {type(spec).__name__}")
     values = dict(spec)
     base = values.pop("base", None)
-    unknown = sorted(set(values) - _FIELDS)
+    unknown = sorted(str(k) for k in set(values) - _FIELDS)  # (a number key: "sequence item 0: expected str")
     if unknown:
         raise LinkProfileError(f"link profile: unknown field(s) {', '.join(unknown)}")
     if base is not None:

@@ -39,6 +39,7 @@ MAX_PHONES = 256  # phone processes (and links) of one burst: each loads its own
 MAX_THREADS = 256  # onnxruntime threads per phone
 MAX_REQUESTS = 100_000  # requests per phone and workload
 MAX_TOKENS = 1 << 20  # output tokens per request
+MAX_NAME_BYTES = 200  # a name, and a profile's, in file names: phone-<profile>-agent-all-cloud-255.log fits NAME_MAX
 
 
 class ScenarioError(ValueError):
@@ -219,6 +220,8 @@ def _rig_owned_flag(arg: str) -> str | None:
 def _path_component(key: str, value: str) -> None:
     if value in (".", "..") or "/" in value or "\\" in value:
         raise ScenarioError(f"{key} {value!r}: one path component (no '/', not '.' or '..')")
+    if len(value.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:  # else open() failed mid-run: a traceback
+        raise ScenarioError(f"{key} {value[:20]!r}...: at most {MAX_NAME_BYTES} bytes (it names files)")
 
 
 def _int(key: str, value, low: int, high: int | None = None) -> None:

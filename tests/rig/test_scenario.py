@@ -79,6 +79,13 @@ workloads:
     ({"plan_check": True, "profiles": [{"name": "loopback", "rtt_ms": 10, "down_mbps": 1, "up_mbps": 1}]},
      "names must be unique"),
     ({"workloads": [{"kind": "chat"}, {"kind": "chat", "max_tokens": 200}]}, "one workload per kind"),
+    # a profile name too long for its log files' names was an OSError traceback as the run opened them; a number
+    # key in a profile was "sequence item 0: expected str instance, int found"
+    ({"profiles": [{"name": "p" * 201, "rtt_ms": 10, "down_mbps": 1, "up_mbps": 1}]}, "profiles: name 'p+'...: at "
+     "most 200 bytes"),
+    ({"name": "\u00e9" * 101}, "name .*: at most 200 bytes"),
+    ({"profiles": [{"base": "4g", 1: 2}]}, r"unknown field\(s\) 1$"),
+    ({"profiles": [{"base": "4g", 1: 2, "x": 3}]}, r"unknown field\(s\) 1, x"),
 ])
 def test_bad_scenarios_name_the_problem(data, match):
     with pytest.raises(ScenarioError, match=match):
