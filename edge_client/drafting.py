@@ -6,7 +6,10 @@ screen, the previous step's action), so the tokens after the longest earlier occ
 n-gram are a good guess at what comes next: *prompt lookup decoding* (Saxena 2023; "n-gram lookahead" in
 arXiv 2602.16760 on a split Mistral-7B). :class:`PromptLookupDrafter` proposes them from the current context
 first (most recent occurrence wins) and then from a bounded memory of earlier outputs
-(:meth:`PromptLookupDrafter.remember`).
+(:meth:`PromptLookupDrafter.remember`). An output the cloud never saw as tokens (a u-shape answer, sampled on
+the phone) is drawn from only by a proposal whose drafts stay on the phone (u-shape's): a split SpecStep sends
+its drafts' ids up, and such an output must not reach the cloud as drafts (after a bundle update from a u-shape
+bundle to a plain one, or as a ``private`` request's drafts, which may be only tokens the cloud produced).
 
 :class:`DraftSizer` picks k per step. A draft is accepted with a probability ``alpha`` (measured: accepted
 drafts over drafts that were tried), so a step with k drafts emits ``(1 - alpha^(k+1)) / (1 - alpha)`` tokens
@@ -77,34 +80,50 @@ class PromptLookupDrafter:
     def __init__(self, config: DraftConfig | None = None):
         self.config = config or DraftConfig()
         self._memory: deque[int] = deque(maxlen=self.config.memory_tokens or 1)
-        self._memory_arr: np.ndarray | None = None  # cached array of the memory (rebuilt after remember)
+        # per remembered token: True for an output the cloud never saw as tokens (a u-shape answer, sampled here)
+        self._phone_only: deque[bool] = deque(maxlen=self.config.memory_tokens or 1)
+        self._arrays: dict[bool, np.ndarray] = {}  # phone_only -> the memory as lookups see it (rebuilt after remember)
 
-    def remember(self, tokens: Sequence[int]) -> None:
-        """Keep an output (an earlier agent step's action, an answer) for later lookups."""
+    def remember(self, tokens: Sequence[int], phone_only: bool = False) -> None:
+        """Keep an output (an earlier agent step's action, an answer) for later lookups. ``phone_only``: the cloud
+        never saw it as tokens (a u-shape answer): only a proposal whose drafts stay on the phone draws from it."""
         if not self.config.memory_tokens or not tokens:
             return
         self._memory.extend(int(t) for t in tokens)
         self._memory.append(_SEP)
-        self._memory_arr = None
+        self._phone_only.extend([phone_only] * (len(tokens) + 1))
+        self._arrays = {}
 
     def forget(self) -> None:
         self._memory.clear()
-        self._memory_arr = None
+        self._phone_only.clear()
+        self._arrays = {}
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``context`` (the tokens so far, ending with the last emitted one)."""
+    def _memory_for(self, phone_only: bool) -> np.ndarray:
+        """The memory a proposal may draw from: all of it where the drafts stay on the phone, else the outputs the
+        cloud saw, the others' tokens masked as separators (a draft id that goes up never comes from them)."""
+        if phone_only not in self._arrays:
+            arr = np.asarray(self._memory, dtype=np.int64)
+            if not phone_only:
+                arr[np.asarray(self._phone_only, dtype=bool)] = _SEP
+            self._arrays[phone_only] = arr
+        return self._arrays[phone_only]
+
+    def propose(self, context: Sequence[int], k: int, phone_only: bool = False) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``context`` (the tokens so far, ending with the last emitted one).
+        ``phone_only``: the drafts never leave the phone as ids (u-shape verifies them here), so the outputs the
+        cloud never saw may be drawn from too; otherwise they go up in a SpecStep and those are left out."""
         cfg = self.config
         k = min(k, cfg.max_drafts)
         if k <= 0 or not context:
             return []
         text = np.asarray(context, dtype=np.int64)  # [L]
-        if self._memory_arr is None:
-            self._memory_arr = np.asarray(self._memory, dtype=np.int64)
+        memory = self._memory_for(phone_only)
         for n in range(min(cfg.max_ngram, text.size), cfg.min_ngram - 1, -1):
             suffix = text[-n:]
             found = _lookup(text, suffix, k, exclude_tail=True)
-            if not found and self._memory_arr.size:
-                found = _lookup(self._memory_arr, suffix, k, exclude_tail=False)
+            if not found and memory.size:
+                found = _lookup(memory, suffix, k, exclude_tail=False)
             if found:
                 return found
         return []

@@ -485,7 +485,8 @@ class Session:
                                           "tokens", "internal")
             # later requests (the next agent step) draft from the tokens it answered - up to a stop string too (an
             # answer a stop string ended was never remembered)
-            self.drafter.remember(req.tokens[:stats.completion_tokens])
+            # (a u-shape answer, which the cloud never saw as tokens, only for drafts that stay on the phone)
+            self.drafter.remember(req.tokens[:stats.completion_tokens], phone_only=spec.ushape)
             return "stop" if stop.stopped else req.finish or "stop"
         except (asyncio.CancelledError, Exception):  # a failure here too: the cloud would hold the request's KV
             if req is not None and req.opened:      # until its step timeout (a Cancel of one it ended is ignored)
@@ -800,9 +801,9 @@ class Session:
         k = self.sizer.choose(self._room(req))
         if k <= 0:
             return []
-        # the private levels: only tokens the cloud produced itself may go up as drafts
+        # the private levels: only tokens the cloud produced itself may go up as drafts; u-shape's stay on the phone
         context = req.tokens if req.spec.drafts_from_outputs_only else [*req.spec.prompt_ids, *req.tokens]
-        return self.drafter.propose(context, k)
+        return self.drafter.propose(context, k, phone_only=req.spec.ushape)
 
     def _ask(self, req: _Request) -> int:
         """Cloud drafts to ask for with the next token (0: none; the cloud's sizer picks k, capped by what the

@@ -609,6 +609,40 @@ def test_a_u_shape_request_follows_the_server_moving_bundles_mid_generation(monk
                               mode="u-shape")
 
 
+def test_a_u_shape_answer_never_goes_up_as_a_draft_after_an_update_to_a_split_bundle(monkeypatch, tmp_path,
+                                                                                       tiny_glm4_ushape_bundle,
+                                                                                       tiny_bundle, edge_l2):
+    """A u-shape answer (sampled on the phone: the cloud never sees it as tokens) entered the session's prompt-lookup
+    memory like any other, and once the server moved to a plain split bundle (auto_update), a speculating split
+    request sent it up as SpecStep draft ids. It now drafts as a client that never ran u-shape does."""
+    from edge_client.generation import Session
+
+    sent: list[list[int]] = []
+    send = Session._send
+
+    async def recording(self, msg):
+        if isinstance(msg, P.SpecStep):
+            sent.append(list(msg.draft_ids))
+        return await send(self, msg)
+
+    monkeypatch.setattr(Session, "_send", recording)
+    edge = tmp_path / "phone-u" / "bundle"
+    shutil.copytree(tiny_glm4_ushape_bundle, edge, ignore=shutil.ignore_patterns("cloud"))
+    port = free_port()
+    with EdgeClient(edge, f"ws://127.0.0.1:{port}", codec="fp16", retry=RETRY, auto_update=True, draft_k=4) as c:
+        with Serving(_app(tiny_glm4_ushape_bundle, engine=True), port):
+            answer = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True)
+        assert answer.stats.exec_mode == "u-shape" and not sent  # its drafts stayed on the phone
+        with Serving(_app(tiny_bundle, engine=True), port) as srv:
+            c.connect()  # bundle_mismatch: the update to the plain split bundle
+            after = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True)
+            assert after.stats.exec_mode == "split" and c.runtime.n_layers == 2
+            switched, sent[:] = list(sent), []
+            with EdgeClient(edge_l2, srv.ws_url, codec="fp16", retry=RETRY, draft_k=4) as fresh:
+                assert fresh.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True).token_ids == after.token_ids
+    assert switched == sent  # the u-shape answer added no draft
+
+
 # -- hostile or careless servers -----------------------------------------------------------------------------
 
 class _ManifestOnly:
