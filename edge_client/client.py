@@ -296,14 +296,13 @@ class EdgeClient:
         ``privacy`` (``standard`` | ``private`` | ``output-private``) and ``mode`` (an override: ``split``,
         ``u-shape`` (a bundle split with ``--tail``), ``all-cloud``, ``edge-only``) pick where the request runs (``shared.exec_mode``); the choice and why are
         in ``stats.exec_mode`` / ``stats.exec_reason``. An impossible combination raises EdgeClientError."""
-        t0 = self.media.seconds
         spec = self._spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs, images, audio,
                           max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                           stop=_stops(stop), precision=precision, speculate=speculate)
         decision = self._decide(spec, privacy, mode)
         q: queue.Queue = queue.Queue()
         gen = Generation(self, spec, q)
-        gen._media_stats(self.media.seconds - t0)
+        gen._media_stats()
         gen.stats.exec_mode, gen.stats.exec_reason = decision.mode, decision.reason
         self._submit(gen, self._execute(decision, spec, q.put, gen.stats), q.put)
         return gen
@@ -394,14 +393,13 @@ class EdgeClient:
         worker thread with ``loop``, the event loop that consumes the generation (its media are loaded, fetched
         and encoded by the calling thread: ``edge_client.local_api`` keeps them off its event loop)."""
         caller = loop or asyncio.get_running_loop()
-        t0 = self.media.seconds
         spec = self._spec(prompt, kwargs.pop("messages", None), kwargs.pop("prompt_ids", None),
                           kwargs.pop("enable_thinking", None), kwargs.pop("chat_template_kwargs", None),
                           kwargs.pop("images", None), kwargs.pop("audio", None), **_sampling_defaults(kwargs))
         decision = self._decide(spec, privacy, mode)
         aq: asyncio.Queue = asyncio.Queue()
         gen = AsyncGeneration(self, spec, aq)
-        gen._media_stats(self.media.seconds - t0)
+        gen._media_stats()
         gen.stats.exec_mode, gen.stats.exec_reason = decision.mode, decision.reason
         def sink(item):
             try:
@@ -568,12 +566,12 @@ class _GenerationBase:
         self._future: concurrent.futures.Future | None = None
         self._done = False
 
-    def _media_stats(self, encode_s: float) -> None:
+    def _media_stats(self) -> None:
         media = self.spec.media
         if media is not None:
             self.stats.image_tokens = media.tokens_by_kind.get("image", 0)
             self.stats.audio_tokens = media.tokens_by_kind.get("audio", 0)
-            self.stats.media_encode_s = encode_s
+            self.stats.media_encode_s = media.encode_s  # this request's: others' encoding meanwhile is theirs
 
     def cancel(self) -> None:
         """Stop generating: the cloud is told to drop the request; iteration ends with finish_reason

@@ -1,9 +1,9 @@
-"""An encoder graph (``edge/vision.onnx``, ``edge/audio.onnx``) opened on first use, timed per run.
+"""An encoder graph (``edge/vision.onnx``, ``edge/audio.onnx``) opened on first use.
 
 Encoders load lazily so a text-only app never pays their memory; :class:`LazySession` is the one place that
 does it for every encoder: thread-safe first open (``edge_client.front.open_session``, the phone's session
-options), a clear ``MediaError("no_encoder")`` when the bundle lacks the graph, and the cumulative seconds
-spent running it (``RequestStats.media_encode_s`` is read from them). :class:`LazyEncoder` is the base of
+options), a clear ``MediaError("no_encoder")`` when the bundle lacks the graph, and a count of its runs (a session runs
+in several threads at once: requests' media are encoded side by side). :class:`LazyEncoder` is the base of
 ``VisionEncoder`` and ``AudioEncoder``.
 
 Only onnxruntime: this module runs on the phone.
@@ -12,7 +12,6 @@ Only onnxruntime: this module runs on the phone.
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,6 @@ class LazySession:
         self.path = Path(path)
         self.threads = threads
         self.what = what
-        self.seconds = 0.0  # cumulative time inside run()
         self.runs = 0
         self._session = None
         self._lock = threading.Lock()
@@ -48,11 +46,8 @@ class LazySession:
         return self._session
 
     def run(self, output: str, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        """The graph's ``output`` for ``feeds``; the time it took is added to :attr:`seconds`."""
-        session = self.open()
-        t0 = time.perf_counter()
-        out = session.run([output], feeds)[0]
-        self.seconds += time.perf_counter() - t0
+        """The graph's ``output`` for ``feeds``."""
+        out = self.open().run([output], feeds)[0]
         self.runs += 1
         return out
 
@@ -66,8 +61,3 @@ class LazyEncoder:
     @property
     def loaded(self) -> bool:
         return self.graph.loaded
-
-    @property
-    def seconds(self) -> float:
-        """Cumulative encode time."""
-        return self.graph.seconds

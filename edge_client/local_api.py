@@ -13,6 +13,7 @@ codec. Requests run one at a time (the edge runtime holds one sequence); later o
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import hmac
 import sys
@@ -40,6 +41,10 @@ DEFAULT_MAX_TOKENS = 512
 # A request body over this is refused (413) before it is read whole: room for an image at the media limit as a
 # base64 data URL (20 MiB -> 27 MiB) beside the text; a text prompt itself is at most 64 characters a position.
 MAX_BODY_BYTES = 32 << 20
+# Requests whose media are prepared (read, fetched, decoded, encoded) at once; more wait for a thread. Their own
+# threads: slow image_urls never hold the ones text prompts are tokenized on, and a burst of 40 MP photos
+# decodes a few at a time.
+MEDIA_THREADS = 4
 
 
 class _EdgeStream:
@@ -86,7 +91,7 @@ class _EdgeBackend:
 
     def __init__(self, client: EdgeClient, model_name: str):
         self.client, self.model_name = client, model_name
-        self._media_turn = asyncio.Lock()  # one request's media are prepared at a time (the encoders are shared)
+        self._media_threads = concurrent.futures.ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="edge-media")
 
     def check_ready(self) -> None:
         """Always ready: the client connects (and reconnects) to the cloud per request."""
@@ -116,13 +121,12 @@ class _EdgeBackend:
         loop = asyncio.get_running_loop()
         try:
             # the prompt is tokenized (0.5 s for SmolLM2's longest: every open stream stalled that long) and media
-            # are read, fetched (up to MediaPolicy.fetch_timeout_s) and encoded off the event loop, media one
-            # request's at a time: the endpoint keeps answering meanwhile - an image_url naming this very server
-            # is fetched like any other
+            # are read, fetched (up to MediaPolicy.fetch_timeout_s) and encoded off the event loop, each request's
+            # on its own (MEDIA_THREADS at once): the endpoint keeps answering meanwhile - an image_url naming this
+            # very server is fetched like any other - and one request's media never wait for another's slow fetch
             if not _has_media(req):
                 return _EdgeStream(await asyncio.to_thread(run, loop=loop))
-            async with self._media_turn:
-                return _EdgeStream(await asyncio.to_thread(run, loop=loop))
+            return _EdgeStream(await loop.run_in_executor(self._media_threads, functools.partial(run, loop=loop)))
         except EdgeClientError as e:  # a bad image / audio clip (or a placeholder without one), before any traffic
             raise oc.OpenAIRequestError(str(e), "messages" if isinstance(req, oc.ChatRequest) else "prompt",
                                         e.code) from None

@@ -71,11 +71,12 @@ class MediaPrompt:
     tokens_by_kind: dict[str, int] = field(default_factory=dict)  # usage: image / audio tokens
     items_by_kind: dict[str, int] = field(default_factory=dict)  # images / audio clips
     pending: list[tuple[int, MediaItem]] = field(default_factory=list)  # (start, item) of deferred items not run yet
+    encode_s: float = 0.0  # seconds its encoders ran for this prompt (another request's runs beside it not counted)
 
     def encode(self, start: int = 0) -> float:
         """Run the deferred encoders of the items with rows at ``start`` or beyond and place their rows; the
         items wholly before ``start`` stay pending (the activation cache covers their positions: the front
-        never reads their rows). Returns the seconds spent."""
+        never reads their rows). Returns the seconds spent (added to :attr:`encode_s`)."""
         seconds, left = 0.0, []
         for a, it in self.pending:
             if a + it.rows <= start:
@@ -87,6 +88,7 @@ class MediaPrompt:
             _check_rows(it, rows, self.embeds.shape[1])
             self.embeds[a:a + it.rows] = rows
         self.pending = left
+        self.encode_s += seconds
         return seconds
 
     def count(self, kind: str) -> int:
@@ -554,11 +556,6 @@ class MediaEncoders:
                 items.append(MediaItem("audio", enc.spec.audio_token_id, None, clip.digest, None,
                                        functools.partial(enc.encode, clip), clip.n_tokens))
         return items
-
-    @property
-    def seconds(self) -> float:
-        """Cumulative encode time of the encoders opened so far."""
-        return sum(e.seconds for e in (self._vision, self._audio) if e is not None)
 
     @property
     def merge_size(self) -> int:

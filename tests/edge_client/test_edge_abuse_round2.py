@@ -107,6 +107,27 @@ def test_an_image_url_naming_this_server_does_not_freeze_it(api):
     assert done and _code(done[0]) in ("fetch_failed", "fetch_timeout")
 
 
+def test_a_request_with_media_never_waits_for_another_requests_media(api):
+    """The local API prepared one request's media at a time: a second client's image (here a data: URL that is no
+    image, refused at once) waited out the first one's fetch from a server that does not answer - up to
+    fetch_timeout_s (10 s) for every request with media behind it. Each request's media are prepared on its own."""
+    base, _, client = api
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/shot.png"
+        done: list[httpx.Response] = []
+        th = threading.Thread(target=lambda: done.append(_chat(base, _image(url))))
+        th.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        r = _chat(base, _image("data:image/png;base64,AAAA"))
+        assert _code(r) == "bad_image" and time.monotonic() - t0 < 3 and not done  # while the fetch waits
+        silent.close()
+        th.join(timeout=20)
+    assert done and _code(done[0]) in ("fetch_failed", "fetch_timeout")
+
+
 def test_no_fetch_urls_refuses_http_image_urls_without_fetching(api):
     """``autoglm-edge serve --no-fetch-urls``: an http(s) image_url is url_refused, nothing is fetched (the URL
     names a port where nothing listens, which a fetch would answer fetch_failed)."""
