@@ -240,21 +240,18 @@ def _dir_identity(path: Path, config) -> str:
     return f"dir:{path.name}#{meta.hexdigest()[:16]}+{content.hexdigest()[:16]}"
 
 
-_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types
+_GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_SCALAR_BYTES = {k: struct.calcsize("<" + f) for k, f in _GGUF_SCALAR_FORMATS.items()}  # GGUF value types
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def _gguf_truncation(path: Path) -> str | None:
-    """Why the GGUF file at ``path`` (its magic already checked) is cut short, or None: its header (metadata and
-    tensor table) is read - not the tensors - and every tensor's bytes must lie within the file. Tensor types
-    the ``gguf`` package does not know (or no ``gguf`` package) are left to the loader."""
+def _gguf_header(path: Path) -> tuple[dict, list, int, int]:
+    """The header of the GGUF file at ``path`` (its magic already checked), the tensors' bytes left unread:
+    (its scalar and string metadata by key - arrays skipped -, its tensor table as (name, dims, type, offset),
+    where the tensor data starts, the file's size). ``struct.error`` / ``RecursionError`` when the header does not
+    fit in the file."""
     import mmap
-    import struct
 
-    try:
-        from gguf import GGML_QUANT_SIZES
-    except ImportError:
-        GGML_QUANT_SIZES = {}
     size = path.stat().st_size
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         (version,) = struct.unpack_from("<I", buf, 4) if size >= 8 else (0,)
@@ -278,41 +275,52 @@ def _gguf_truncation(path: Path) -> str | None:
             skip(n)
             return bytes(buf[pos - n:pos])
 
-        def skip_value(kind: int):
+        def value(kind: int):
+            """The value of ``kind`` at ``pos`` (None for an array, skipped)."""
             if kind == _GGUF_STRING:
-                string()
-            elif kind == _GGUF_ARRAY:
+                return string().decode("utf-8", "replace")
+            if kind == _GGUF_ARRAY:
                 item, count = take("IQ")
                 if item in _GGUF_SCALAR_BYTES:
                     skip(count * _GGUF_SCALAR_BYTES[item])
                 else:
                     for _ in range(count):
-                        skip_value(item)
-            elif kind in _GGUF_SCALAR_BYTES:
-                skip(_GGUF_SCALAR_BYTES[kind])
-            else:
-                raise struct.error(f"unknown value type {kind}")
+                        value(item)
+                return None
+            if kind in _GGUF_SCALAR_BYTES:
+                return take(_GGUF_SCALAR_FORMATS[kind])[0]
+            raise struct.error(f"unknown value type {kind}")
 
-        try:
-            _version, n_tensors, n_kv = take("IQQ")
-            alignment = 32
-            for _ in range(n_kv):
-                key = string()
-                (kind,) = take("I")
-                if key == b"general.alignment" and kind == 4:
-                    alignment = take("I")[0] or 32
-                else:
-                    skip_value(kind)
-            tensors = []
-            for _ in range(n_tensors):
-                name = string()
-                (n_dims,) = take("I")
-                dims = take(f"{n_dims}Q")
-                kind, offset = take("IQ")
-                tensors.append((name.decode("utf-8", "replace"), dims, kind, offset))
-        except (struct.error, RecursionError):
-            return f"the file is cut short or corrupt (its header does not fit in its {size} bytes)"
-    data = -(-pos // alignment) * alignment
+        _version, n_tensors, n_kv = take("IQQ")
+        metadata = {}
+        for _ in range(n_kv):
+            key = string().decode("utf-8", "replace")
+            (kind,) = take("I")
+            metadata[key] = value(kind)
+        tensors = []
+        for _ in range(n_tensors):
+            name = string()
+            (n_dims,) = take("I")
+            dims = take(f"{n_dims}Q")
+            kind, offset = take("IQ")
+            tensors.append((name.decode("utf-8", "replace"), dims, kind, offset))
+    alignment = metadata.get("general.alignment")
+    alignment = alignment if type(alignment) is int and alignment > 0 else 32
+    return metadata, tensors, -(-pos // alignment) * alignment, size
+
+
+def _gguf_truncation(path: Path) -> str | None:
+    """Why the GGUF file at ``path`` (its magic already checked) is cut short, or None: its header (metadata and
+    tensor table) is read - not the tensors - and every tensor's bytes must lie within the file. Tensor types
+    the ``gguf`` package does not know (or no ``gguf`` package) are left to the loader."""
+    try:
+        from gguf import GGML_QUANT_SIZES
+    except ImportError:
+        GGML_QUANT_SIZES = {}
+    try:
+        _, tensors, data, size = _gguf_header(path)
+    except (struct.error, RecursionError):
+        return f"the file is cut short or corrupt (its header does not fit in its {path.stat().st_size} bytes)"
     for name, dims, kind, offset in tensors:
         if kind not in GGML_QUANT_SIZES:
             continue
@@ -324,6 +332,16 @@ def _gguf_truncation(path: Path) -> str | None:
         if stop > size:
             return f"the file is cut short (tensor {name!r} ends at byte {stop}, the file has {size})"
     return None
+
+
+def _gguf_layer_count(path: Path) -> int | None:
+    """The decoder layers a GGUF file's metadata names (``<general.architecture>.block_count``), or None."""
+    try:
+        metadata = _gguf_header(path)[0]
+    except (struct.error, RecursionError):
+        return None
+    count = metadata.get(f"{metadata.get('general.architecture')}.block_count")
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
 
 
 def _gguf_packages() -> None:
@@ -411,14 +429,15 @@ def source_identity(source: str, seed: int = 0) -> str:
 
 def layer_count(source: str) -> int | None:
     """The text decoder's layers of ``source`` from its config alone (a preset's, a checkpoint directory's
-    config.json), or None where only loading tells (a .gguf); ModelLoadError as ``check_source``."""
+    config.json, a GGUF file's metadata: the smollm2 preset's too), or None where only loading tells (a GGUF whose
+    metadata names no block count); ModelLoadError as ``check_source``."""
     from .adapters import text_config
 
     check_source(source)
     if source in _random_presets():
         return int(text_config(_random_presets()[source][0]()).num_hidden_layers)
-    path = Path(source)
-    return int(text_config(_load_config(path)).num_hidden_layers) if path.is_dir() else None
+    path = smollm2_gguf_path() if source == "smollm2" else Path(source)
+    return int(text_config(_load_config(path)).num_hidden_layers) if path.is_dir() else _gguf_layer_count(path)
 
 
 def load_bundle_source(bundle: str | Path, source: str | None = None) -> LoadedModel:

@@ -128,7 +128,8 @@ def test_a_bundle_that_does_not_fit_is_one_line_and_leaves_nothing(tmp_path):
 
 def test_split_layers_the_model_lacks_are_refused_before_it_loads(llama_dir, tmp_path, capsys, monkeypatch):
     """--layer / --tail were checked against the loaded model: glm4v-9b-random --layer 40 built a 9B model (minutes,
-    ~18 GB) to say 'must be between 1 and 39'; a checkpoint directory's config tells it without the weights."""
+    ~18 GB) to say 'must be between 1 and 39'; a checkpoint directory's config tells it without the weights, a GGUF
+    file's metadata too (a .gguf, the smollm2 preset's: checked only after the load, a minute for SmolLM2)."""
     import partition_tools.models as models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
@@ -137,6 +138,11 @@ def test_split_layers_the_model_lacks_are_refused_before_it_loads(llama_dir, tmp
                        "--layer 40: must be between 1 and 39 (the model has 40 layers)")
     _fails_in_one_line(["split", str(llama_dir), "--layer", "1", "--tail", "2", "--out", out], capsys,
                        "--tail 2 with --layer 1: the cloud must keep at least one of the 3 layers")
+    gguf = _tiny_gguf(tmp_path / "m.gguf")
+    _fails_in_one_line(["split", str(gguf), "--layer", "2", "--out", out], capsys,
+                       "--layer 2: must be between 1 and 1 (the model has 2 layers)")
+    _fails_in_one_line(["split", str(gguf), "--layer", "1", "--tail", "1", "--out", out], capsys,
+                       "--tail 1 with --layer 1: the cloud must keep at least one of the 2 layers")
 
 
 def test_split_vision_quant_for_a_model_without_a_vision_tower(tmp_path, capsys):
