@@ -157,9 +157,7 @@ class LocalCloud:
         """Graceful stop: SIGINT (drain), then SIGTERM, then SIGKILL; returns the exit code."""
         proc, self.proc = self.proc, None
         stop_gracefully(proc, timeout)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        self._close_log()
         return None if proc is None else proc.returncode
 
     def kill(self) -> None:
@@ -168,6 +166,12 @@ class LocalCloud:
             self.proc.kill()
             self.proc.wait(10.0)
         self.proc = None
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def __enter__(self) -> LocalCloud:
         return self.start()

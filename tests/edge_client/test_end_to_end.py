@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -211,12 +212,19 @@ def test_an_abandoned_stream_is_cancelled_sync_or_async(tiny_bundle, tiny_cloud,
         assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == tiny_reference_tokens
 
 
+def _open_fds(path) -> list[str]:
+    """This process's file descriptors open on ``path``."""
+    path = os.path.realpath(path)
+    return [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == path]
+
+
 def test_restart_cloud_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_tokens):
     with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
         gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
         for i, _ in enumerate(gen.iter_tokens()):
             if i == 5:
                 tiny_cloud.kill()  # the server dies with the session and its KV cache...
+                assert _open_fds(tiny_cloud.log_path) == []  # ...and its log is closed (kill() left it open)
                 tiny_cloud.start()  # ...and a fresh one comes up on the same port
         assert gen.token_ids == tiny_reference_tokens
         assert gen.stats.replays == 1 and gen.stats.reconnects >= 1
