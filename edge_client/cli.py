@@ -1,7 +1,7 @@
 """``autoglm-edge``: chat with a split model, serve it as a local OpenAI endpoint, or run the demo.
 
-    autoglm-edge chat  --bundle B --url ws://HOST:PORT/v1/split [--api-key K] [--thinking]
-    autoglm-edge serve --bundle B --url ws://... [--port 8001] [--preload prompts.txt]
+    autoglm-edge chat  --bundle B --url ws://HOST:PORT/v1/split [--api-key K] [--thinking] [--speculate]
+    autoglm-edge serve --bundle B --url ws://... [--port 8001] [--preload prompts.txt] [--speculate]
     autoglm-edge preload --bundle B --cache-dir D prompts.txt
     autoglm-edge preload --bundle B --url ws://... --update      (download the server's bundle if it moved)
     autoglm-edge demo
@@ -64,6 +64,7 @@ def _config(args):
                                api_key=getattr(args, "api_key", None), ca_file=getattr(args, "ca_file", None),
                                auto_update=getattr(args, "auto_update", None),
                                reconnect_window_s=getattr(args, "reconnect_window_s", None),
+                               speculate=getattr(args, "speculate", None),
                                threads=args.threads,
                                prefill_chunk=args.prefill_chunk, codec=args.codec, cache_dir=args.cache_dir,
                                cache_max_bytes=args.cache_max_bytes)
@@ -77,6 +78,13 @@ def _client(args):
         n = client.preload_prompts(path)
         print(f"preloaded {path}: {n} tokens cached", file=sys.stderr)
     return client
+
+
+def _speculate_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculate", action=argparse.BooleanOptionalAction, default=None,
+                   help="speculative decoding on every answer: drafts (prompt lookup, the server's cloud drafts, the "
+                        "bundle's draft head) verified several per round trip, the same answer in fewer round trips "
+                        "(default off; env AUTOGLM_EDGE_SPECULATE)")
 
 
 def cmd_chat(args) -> int:
@@ -123,7 +131,8 @@ def cmd_chat(args) -> int:
             st = gen.stats
             if args.stats:
                 print(f"  [{gen.finish_reason}] TTFT {1000 * (st.ttft_s or 0):.0f} ms, {st.tokens_per_s:.1f} tok/s, "
-                      f"up {st.bytes_up} B, down {st.bytes_down} B, cached {st.cached_tokens} prompt tokens",
+                      f"up {st.bytes_up} B, down {st.bytes_down} B, cached {st.cached_tokens} prompt tokens"
+                      + (f", {st.accepted_draft_tokens} of {st.draft_tokens} drafts accepted" if st.draft_tokens else ""),
                       file=sys.stderr)
     finally:
         client.close()
@@ -259,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--precision", help="wire codec override for every request (fp16, int8-b32, ...)")
     chat.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                       help="enable_thinking for the chat template (default: the template's)")
+    _speculate_flag(chat)
     chat.add_argument("--stats", action=argparse.BooleanOptionalAction, default=True,
                       help="print TTFT, tokens/s and bytes after each answer (default on)")
     chat.set_defaults(func=cmd_chat)
@@ -274,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fetch-urls", action=argparse.BooleanOptionalAction, default=True,
                        help="fetch http(s) image_url parts on the phone (--no-fetch-urls: refuse them, url_refused; "
                             "a fetch may reach whatever the phone reaches, localhost included)")
+    _speculate_flag(serve)
     serve.add_argument("--model-name", help="model id reported by /v1/models (default: from the bundle id)")
     serve.add_argument("--local-api-key", help="require this Bearer key from local apps (default: none)")
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug",

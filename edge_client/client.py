@@ -222,6 +222,8 @@ class EdgeClient:
         ``prompt_ids``) are loaded, checked and encoded here: a bad one raises EdgeClientError before any
         network traffic."""
         self._check_open()
+        if sampling.get("speculate") is None:  # the request does not say: the client's setting
+            sampling["speculate"] = self.config.speculate
         try:
             return self._media_spec(prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs,
                                     images, audio, **sampling)
@@ -274,7 +276,7 @@ class EdgeClient:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
                  precision: str | None = None, enable_thinking: bool | None = None,
                  chat_template_kwargs: dict | None = None, images: list | None = None,
-                 audio: list | None = None, speculate: bool = False, privacy: str = "standard",
+                 audio: list | None = None, speculate: bool | None = None, privacy: str = "standard",
                  mode: str | None = None) -> Generation:
         """Start a request; iterate the result for text deltas. Exactly one of ``prompt`` (raw text),
         ``messages`` (rendered by the bundle's chat template) or ``prompt_ids`` (token ids).
@@ -291,7 +293,7 @@ class EdgeClient:
         from the server's own layers when it offers cloud drafts (whichever is expected to yield more tokens per
         second), else from the bundle's drafter if it has one (``edge_client.draft_head``); the cloud verifies
         several per round trip (``edge_client.drafting``); the output is plain decoding's, greedy or sampled with
-        the same ``seed``.
+        the same ``seed``. None: ``EdgeConfig.speculate`` (off unless set).
 
         ``privacy`` (``standard`` | ``private`` | ``output-private``) and ``mode`` (an override: ``split``,
         ``u-shape`` (a bundle split with ``--tail``), ``all-cloud``, ``edge-only``) pick where the request runs (``shared.exec_mode``); the choice and why are
@@ -464,7 +466,7 @@ def _runner_timings(stats: RequestStats, result: Any, n: int) -> None:
 
 def _sampling_defaults(kw: dict) -> dict:
     out = dict(max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, precision=None,
-               speculate=False)
+               speculate=None)
     unknown = set(kw) - set(out)
     if unknown:
         raise TypeError(f"unexpected arguments: {', '.join(sorted(unknown))}")

@@ -144,6 +144,9 @@ class EdgeConfig:
     # Ask a server that offers cloud drafts (Welcome.server.cloud_drafts: it drafts with its own layers from an
     # approximate boundary state, docs/protocol.md "Cloud drafts") for them when a request speculates.
     cloud_drafts: bool = True
+    # Speculate on every request that does not say (generate(speculate=None); autoglm-edge chat / serve
+    # --speculate): drafts verified k + 1 per round trip, the answer plain decoding's (docs/edge.md, "Speculation").
+    speculate: bool = False
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self):
@@ -168,8 +171,9 @@ class EdgeConfig:
         if self.draft_k is not None and (type(self.draft_k) is not int or self.draft_k < 0):
             # (2.5 failed the first speculative step as an internal error, "3" raised a TypeError here)
             raise ConfigError(f"draft_k must be an integer >= 0 or None, got {self.draft_k!r}")
-        if not isinstance(self.cloud_drafts, bool):  # "no" is a true value
-            raise ConfigError(f"cloud_drafts must be True or False, got {self.cloud_drafts!r}")
+        for name in ("cloud_drafts", "speculate"):  # "no" is a true value
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cache_dtype not in ("float32", "float16"):
             raise ConfigError(f"cache_dtype {self.cache_dtype!r}: expected float32 or float16")
         if self.codec is not None:

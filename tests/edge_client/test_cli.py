@@ -233,3 +233,38 @@ def test_a_turn_that_fails_leaves_the_chat_and_its_conversation_going(tiny_bundl
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\nhello\n"))
     assert main([*argv, "--precision", "int8"]) == 1
     assert capsys.readouterr().err.count("compute 'int8' is not available") == 2  # both turns were asked
+
+
+def test_speculate_is_a_flag_of_chat_and_serve_with_an_environment_twin(tiny_bundle, tiny_cloud, monkeypatch, capsys):
+    """Speculation (docs/edge.md, "Speculation"; the draft heads `autoglm-partition draft-head` adds) could be turned
+    on from the Python API only: chat and serve had no flag, their every answer ran one token per round trip."""
+    from edge_client.cli import _config
+    from edge_client.generation import Session
+
+    asked = []
+    run = Session.run
+
+    async def recording(self, spec, sink, stats):
+        asked.append(spec.speculate)
+        return await run(self, spec, sink, stats)
+
+    monkeypatch.setattr(Session, "run", recording)
+    argv = ["chat", "--bundle", str(tiny_bundle), "--url", tiny_cloud.ws_url, "--max-tokens", "8", "--temperature",
+            "0"]
+    for flags, env, want in (([], None, False), (["--speculate"], None, True), ([], "1", True),
+                             (["--no-speculate"], "1", False)):
+        if env is None:
+            monkeypatch.delenv("AUTOGLM_EDGE_SPECULATE", raising=False)
+        else:
+            monkeypatch.setenv("AUTOGLM_EDGE_SPECULATE", env)
+        monkeypatch.setattr("sys.stdin", io.StringIO("ab ab ab ab\n"))
+        assert main([*argv, *flags]) == 0
+        assert asked.pop() is want and not asked
+    monkeypatch.delenv("AUTOGLM_EDGE_SPECULATE")
+    serve = build_parser().parse_args(["serve", "--bundle", str(tiny_bundle), "--speculate"])
+    assert _config(serve).speculate is True  # the local API's requests take the client's setting
+    monkeypatch.setenv("AUTOGLM_EDGE_SPECULATE", "maybe")
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "AUTOGLM_EDGE_SPECULATE='maybe'" in err and err.count("\n") == 1
