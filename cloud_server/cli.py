@@ -400,17 +400,29 @@ def _main(argv: list[str] | None) -> int:
     return serve(config, args.log_level)
 
 
-def _device_problem(device: str) -> str | None:
-    """``--device cuda`` (device 0) or ``cuda:N`` that this host does not have, else None."""
+def _device_problem(device: str, tp: int = 1) -> str | None:
+    """``--device cuda`` (device 0) or ``cuda:N`` that this host does not have, or with ``--tp`` above 1 a device
+    a rank runs on (rank r on ``cuda:r``: ``cloud_server.tp.rank_device``) that it does not have; else None."""
     if not device.startswith("cuda"):
         return None
     import torch
 
-    suffix = device.partition(":")[2]
-    index = 0 if not suffix else int(suffix) if suffix.isdigit() else -1
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if not 0 <= index < count:
+
+    def missing(name: str) -> bool:
+        suffix = name.partition(":")[2]
+        index = 0 if not suffix else int(suffix) if suffix.isdigit() else -1
+        return not 0 <= index < count
+
+    if missing(device):
         return f"--device {device}: no such CUDA device ({count} visible)"
+    if tp > 1:
+        from cloud_server.tp import rank_device
+
+        for rank in range(tp):
+            if missing(rank_device(device, rank)):
+                return (f"--tp {tp}: rank {rank} runs on {rank_device(device, rank)}: no such CUDA device "
+                        f"({count} visible)")
     return None
 
 
@@ -430,7 +442,7 @@ def _startup_problem(config) -> str | None:
         ecfg.resolved_variants()  # bf16 / fp16 on a CPU
     except ConfigError as e:
         return str(e)
-    if (problem := _device_problem(ecfg.device)) is not None:
+    if (problem := _device_problem(ecfg.device, ecfg.tp)) is not None:
         return problem
     if config.keys_file is not None:
         try:

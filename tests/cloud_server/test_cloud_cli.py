@@ -408,6 +408,24 @@ def test_the_device_check_counts_bare_cuda_as_device_0(monkeypatch, device, ok):
     assert problem is None if ok else "no such CUDA device (1 visible)" in problem
 
 
+def test_tp_2_needs_a_device_for_every_rank(monkeypatch, tiny_bundle, capsys):
+    """`--device cuda --tp 2` on a one-GPU host passed the check (device 0 is there) and failed after it, in rank 1's
+    process (cuda:1); every rank's device is checked before anything loads, through torch's own device count."""
+    import torch
+
+    import cloud_server.cli as cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["serve", str(tiny_bundle), "--port", "1", "--device", "cuda", "--tp", "2",
+                 "--variants", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "--tp 2: rank 1 runs on cuda:1: no such CUDA device (1 visible)" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli._device_problem("cuda", 2) is None and cli._device_problem("cuda:1", 2) is None
+
+
 def test_serve_help_shows_plain_backticks_not_rst_markup():
     """serve --help printed the module docstring's reST ``literals`` as they are."""
     text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
