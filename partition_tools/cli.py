@@ -9,6 +9,7 @@ stderr and exit status 2; a failed verification exits 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -193,8 +194,7 @@ def _text(args) -> str | None:
 
 
 def _cmd_draft_head(args) -> int:
-    from .draft_head import DraftHeadConfig, add_draft_head
-    from .models import load_bundle_source
+    from .draft_head import STEPS, DraftHeadConfig, add_draft_head
 
     _text(args)
     vocab = int(args.vocab) if args.vocab is not None else None
@@ -208,19 +208,33 @@ def _cmd_draft_head(args) -> int:
     if args.quant == "int4":
         raise UsageError("--quant int4 is for --layers drafters (the lens head is int8 or fp32)")
     cfg = DraftHeadConfig(text=text, vocab=vocab, quant=args.quant)
-    lm = load_bundle_source(args.bundle, _source(args))
-    r = add_draft_head(lm, Path(args.bundle), cfg)
+    with _drafter_progress(args, STEPS) as (lm, progress):
+        r = add_draft_head(lm, Path(args.bundle), cfg, progress)
     print(f"draft head -> {args.bundle}: {r['vocab']} tokens, {r['quant']}, calibrated on {r['calibration_tokens']} "
           f"tokens; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on {r['held_out_tokens']} held-out")
     return 0
 
 
-def _cloud_drafter(args, text: Path | None) -> int:
-    from .cloud_drafter import CloudDrafterConfig, add_cloud_drafter
+@contextlib.contextmanager
+def _drafter_progress(args, steps: int):
+    """The source of the bundle loaded, and the progress lines of draft-head (``partition_tools.progress``: the
+    source's load, then the drafter's ``steps``) until the block ends."""
     from .models import load_bundle_source
+    from .progress import Steps
 
-    lm = load_bundle_source(args.bundle, _source(args))
-    r = add_cloud_drafter(lm, Path(args.bundle), CloudDrafterConfig(text=text))
+    started = time.perf_counter()
+    progress = Steps(1 + steps, "draft-head")
+    source = _source(args)
+    progress.next(f"load {source}")
+    yield load_bundle_source(args.bundle, source), progress
+    progress.done(time.perf_counter() - started)
+
+
+def _cloud_drafter(args, text: Path | None) -> int:
+    from .cloud_drafter import STEPS, CloudDrafterConfig, add_cloud_drafter
+
+    with _drafter_progress(args, STEPS) as (lm, progress):
+        r = add_cloud_drafter(lm, Path(args.bundle), CloudDrafterConfig(text=text), progress)
     print(f"cloud drafter -> {args.bundle}: {r['file']} ({r['bytes'] / 1e6:.1f} MB, ridge lambda {r['ridge_lambda']}, "
           f"{r['positions']} calibration positions); top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on "
           f"{r['held_out_tokens']} held-out")
@@ -228,8 +242,7 @@ def _cloud_drafter(args, text: Path | None) -> int:
 
 
 def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
-    from .draft_layers import DraftLayersConfig, add_draft_layers
-    from .models import load_bundle_source
+    from .draft_layers import STEPS, DraftLayersConfig, add_draft_layers
 
     if args.layers == "auto":
         layers = None
@@ -239,8 +252,8 @@ def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
         except ValueError:
             raise UsageError(f"--layers {args.layers!r}: 'auto' or comma-separated layer numbers") from None
     cfg = DraftLayersConfig(layers=layers, budget=args.budget, text=text, vocab=vocab, quant=args.quant)
-    lm = load_bundle_source(args.bundle, _source(args))
-    r = add_draft_layers(lm, Path(args.bundle), cfg)
+    with _drafter_progress(args, STEPS) as (lm, progress):
+        r = add_draft_layers(lm, Path(args.bundle), cfg, progress)
     print(f"draft layers -> {args.bundle}: layers {r['layers']} ({r['chosen_by']}) + norm + lm_head, {r['quant']}, "
           f"{r['vocab']} tokens, {r['bytes'] / 1e6:.1f} MB; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % "
           f"on {r['held_out_tokens']} held-out")

@@ -32,6 +32,7 @@ from shared.manifest import BundleError, Manifest, same_source
 
 from .adapters import ModelAdapter, call_layer
 from .models import LoadedModel
+from .progress import Steps
 
 HELD_OUT = 1024  # the first tokens of the calibration text are held out to measure agreement
 WINDOW = 512  # calibration tokens per forward pass
@@ -180,16 +181,25 @@ def bundle_of(lm: LoadedModel, bundle: Path) -> tuple[Manifest, ModelAdapter]:
     return manifest, adapter
 
 
-def add_draft_head(lm: LoadedModel, bundle: Path, cfg: DraftHeadConfig | None = None) -> dict:
-    """Fit, export and register the draft head of ``bundle`` (split from ``lm``); returns its report."""
+STEPS = 3  # the progress lines add_draft_head prints (partition_tools.progress)
+
+
+def add_draft_head(lm: LoadedModel, bundle: Path, cfg: DraftHeadConfig | None = None,
+                   progress: Steps | None = None) -> dict:
+    """Fit, export and register the draft head of ``bundle`` (split from ``lm``); returns its report. ``steps``: the
+    progress it goes on (its ``STEPS`` lines)."""
     cfg = cfg or DraftHeadConfig()
+    progress = progress or Steps(STEPS, "draft-head")
     bundle = Path(bundle)
     manifest, adapter = bundle_of(lm, bundle)
     ids = _ids(lm, adapter, cfg)
+    progress.next(f"boundary and final states of {ids.numel()} calibration tokens")
     h, y, nxt = boundary_and_final(adapter, ids, manifest.split_layer)
     lm_head = adapter.lm_head.weight.detach().float().numpy()  # [V, H]
+    progress.next(f"fit the lens, export {DRAFT_HEAD} ({cfg.quant})")
     lens = fit(h[HELD_OUT:], y[HELD_OUT:], nxt[HELD_OUT:], lm_head, cfg)
     export(lens, bundle / DRAFT_HEAD, cfg.quant)
+    progress.next("held-out agreement of the exported head, manifest")
     proposed = DraftHead(bundle / DRAFT_HEAD).next_tokens(h[:HELD_OUT])  # the exported graph, as the phone runs it
     report = {"quant": cfg.quant, "vocab": int(lens.vocab.size), "ridge": cfg.ridge,
               "calibration_tokens": int(ids.numel() - HELD_OUT),

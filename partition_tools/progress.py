@@ -1,4 +1,5 @@
-"""Step-by-step progress for long partition work: one line per step on stderr, with elapsed time.
+"""Step-by-step progress for long partition work (split, verify, plan, draft-head): one line per step on stderr,
+with elapsed time.
 
 Quiet when stderr is not a terminal unless ``AUTOGLM_PROGRESS=1`` (CI logs stay short).
 """

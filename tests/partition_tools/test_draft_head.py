@@ -83,6 +83,25 @@ def test_cli_adds_a_draft_head(tiny_glm4_fp32_bundle, tmp_path, capsys):
     assert Manifest.load(bundle).quant_report["draft_head"]["vocab"] == 64
 
 
+@pytest.mark.parametrize("kind, steps", [([], 4), (["--layers", "3"], 5), (["--cloud"], 4)],
+                         ids=["head", "layers", "cloud"])
+def test_draft_head_shows_its_steps(kind, steps, tiny_glm4_fp32_bundle, tmp_path, capsys, monkeypatch):
+    """draft-head (minutes on a real model: the reload, calibration forward passes, a layer search) ran without a word
+    until its report, where split, verify and plan print a line per step on stderr (AUTOGLM_PROGRESS)."""
+    from partition_tools.cli import main
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, bundle)
+    monkeypatch.setenv("AUTOGLM_PROGRESS", "1")
+    assert main(["draft-head", str(bundle), *kind]) == 0
+    err = capsys.readouterr().err
+    assert f"[draft-head 1/{steps}] load tiny-glm4" in err and f"[draft-head {steps}/{steps}] held-out agreement" in err
+    assert "[draft-head] done in " in err, err
+    monkeypatch.setenv("AUTOGLM_PROGRESS", "0")
+    assert main(["draft-head", str(bundle), *kind]) == 0
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("kind", [[], ["--layers", "3"], ["--cloud"]], ids=["head", "layers", "cloud"])
 def test_cli_refuses_a_source_that_is_another_model_of_the_same_shape(tiny_glm4_fp32_bundle, tmp_path, capsys,
                                                                       kind):
