@@ -18,7 +18,9 @@ a malformed frame or a fatal rule violation with 1002; each after an ``Error`` n
 the edge caused (those two, a revoked key) ends its session at once, as a ``Close`` does: nothing to resume. A rule
 broken by one request (``too_large``, ``bad_position``, ``context_full``, ...) fails that request and leaves
 the session open. Frames up to :data:`OVERSIZE_SLACK` bytes over ``max_frame_bytes`` are still parsed, so an
-over-size chunk fails its request (``too_large``) rather than the session; larger ones close it (1009).
+over-size chunk fails its request (``too_large``) rather than the session; larger ones are not read: the ASGI
+server closes the link (1009) and the session ends with it, as after a fatal ``too_large`` (a frame the server
+could not read names no request it could fail: nothing to resume).
 
 Disconnects: the session is detached, not dropped; its requests keep their KV for ``session_grace_s``
 (``limits.resume_window_ms``) and a reconnect with the resume token reattaches it (``Welcome.resumed``,
@@ -432,9 +434,11 @@ class SplitEndpoint:
                     await outbox.room.wait()  # the lost link ends the writer, which makes room
             try:
                 frame = await ws.receive()
-            except WebSocketDisconnect:
-                return
+            except WebSocketDisconnect as e:
+                frame = {"type": "websocket.disconnect", "code": e.code}
             if frame.get("type") == "websocket.disconnect":
+                if frame.get("code") == CLOSE_TOO_BIG:  # a frame over what the server reads at all: a fatal too_large
+                    self._close_session(session)
                 return
             deadline.touch()
             data = frame.get("bytes")

@@ -236,6 +236,32 @@ def test_every_bad_input_gets_its_documented_answer_while_a_bystander_streams(se
     print(f"{len(CATALOGUE)} cases, each answered as documented; bystander: {len(beside)} tokens, identical")
 
 
+def test_a_frame_too_large_to_read_ends_the_session(server):
+    """A frame beyond max_frame_bytes + 1 MiB (not read: close 1009) left the session resumable, its open request
+    holding KV, where a fatal too_large (a frame within the slack naming no request) ends it, as docs/protocol.md
+    says of a fatal Error: a reconnect with the resume token is a new session."""
+    async def main():
+        p = Probe(server)
+        welcome = await p.open()
+        await p.send(P.Prefill(request_id="r", start=0, hidden=_h(4), params=_params(8)))
+        assert isinstance(await p.recv(), P.Tokens)  # a request open, waiting for its next step
+        try:
+            await p.send(b"\0" * (P.SessionLimits().max_frame_bytes + (2 << 20)))
+            closed = (await p.answer())[1]
+        except ConnectionClosed as e:
+            closed = e.rcvd.code if e.rcvd else None
+        again = Probe(server)
+        await again.open(hello=False)
+        await again.send(P.Hello(bundle_id=server.bundle_id, codecs=["fp16"], resume_token=welcome.resume_token))
+        resumed = await again.recv()
+        await again.send(P.Close())
+        return closed, resumed
+
+    closed, resumed = asyncio.run(main())
+    assert closed == 1009
+    assert isinstance(resumed, P.Welcome) and not resumed.resumed, resumed
+
+
 def test_a_flood_of_idle_and_half_open_sockets_is_shed_and_a_session_still_serves(server, front, tiny_bundle):
     """Raw TCP sockets that never speak, half-sent HTTP upgrades, and WebSockets that never send Hello: the
     honest session is served through it, the WebSockets are closed at the handshake timeout (bad_state)."""
