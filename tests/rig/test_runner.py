@@ -205,6 +205,23 @@ def _reap(rig, kids: set[int]) -> None:
             os.kill(k, signal.SIGKILL)
 
 
+def _wait_for_a_running_request(kids: set[int], deadline: float) -> None:
+    """Until the cloud server among ``kids`` (the rig's ``serve --port P``) runs a request: the phone connected and
+    asked (a fixed sleep was too short on a loaded host, and a waste on a quiet one)."""
+    import time
+
+    import httpx
+
+    argv = next(a for k in kids if "serve" in (a := open(f"/proc/{k}/cmdline").read().split("\0")))
+    url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}/metrics"
+    while time.monotonic() < deadline:
+        running = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", httpx.get(url, timeout=10).text, re.M)
+        if running and float(running[1]) > 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the rig's phone never had a request running on its server")
+
+
 def test_sigterm_stops_the_servers_and_phones_it_started(tiny_glm4_fp32_bundle, tmp_path):
     """SIGTERM (a CI cancel, `timeout`, systemd) cleans up as Ctrl-C does; it left the cloud server (its own
     session) and the phones running. A second one during the server's drain (an impatient Ctrl-C) left the server
@@ -225,9 +242,9 @@ def test_sigterm_stops_the_servers_and_phones_it_started(tiny_glm4_fp32_bundle, 
         while not (out / "logs" / "phone-wifi-chat-split-0.log").exists() and time.monotonic() < deadline:
             kids |= _children(rig.pid)
             time.sleep(0.1)
-        time.sleep(2.0)  # the phone connects and asks: the server has a request open, so its drain takes a while
         kids |= _children(rig.pid)
         assert len(kids) == 2, "the rig started no server and phone"
+        _wait_for_a_running_request(kids, deadline)  # the server's drain then takes a while
         rig.send_signal(signal.SIGTERM)
         err = []
         while not any("stopping the cloud server" in line for line in err):
