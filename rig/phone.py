@@ -66,7 +66,8 @@ def run_split(job: dict) -> None:
         client.complete(messages=WARMUP, max_tokens=2)
         _ready(t0)
         for i, req in enumerate(job["requests"]):
-            gen = client.generate(messages=req["messages"], max_tokens=req["max_tokens"], temperature=0.0)
+            gen = client.generate(messages=req["messages"], max_tokens=req["max_tokens"], temperature=0.0,
+                                  speculate=job["speculate"])
             for delta in gen:
                 if job.get("stream_first") and i == 0:
                     _emit({"event": "delta", "text": delta})
@@ -76,7 +77,8 @@ def run_split(job: dict) -> None:
                           bytes_up=st.bytes_up, bytes_down=st.bytes_down, edge_compute_s=st.edge_compute_s,
                           edge_cached_tokens=st.cached_tokens, cloud_cached_tokens=st.cloud_cached_tokens,
                           codec=st.codec, reconnects=st.reconnects, text=gen.text, token_ids=gen.token_ids,
-                          finish_reason=gen.finish_reason))
+                          finish_reason=gen.finish_reason, decode_round_trips=st.decode_round_trips,
+                          draft_tokens=st.draft_tokens, accepted_draft_tokens=st.accepted_draft_tokens))
 
 
 def run_all_cloud(job: dict) -> None:

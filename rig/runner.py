@@ -105,7 +105,7 @@ def _phone_job(sc: Scenario, targets: Targets, mode: str, phone: int, port: int 
         cores = [sc.phone_cores[phone % len(sc.phone_cores)]] if sc.phones > 1 else list(sc.phone_cores)
     return {"phone": phone, "mode": mode, "bundle": str(targets.bundle),
             "whole": str(targets.whole) if targets.whole else None, "url": url, "threads": sc.edge_threads,
-            "cores": cores, "requests": requests, "stream_first": stream_first}
+            "cores": cores, "requests": requests, "stream_first": stream_first, "speculate": sc.speculate}
 
 
 def _reader(proc: subprocess.Popen, phone: int, events: queue.Queue) -> None:

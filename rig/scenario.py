@@ -12,6 +12,7 @@
     cloud_cores: [0]          # pin the cloud servers here
     seed: 0                   # the links' random draws
     plan_check: false         # then predict every row with the planner and compare (rig.plan_check)
+    speculate: false          # split phones decode speculatively (drafts verified several per round trip)
     disconnects: []           # [{at_s: 3.0, down_s: 0.5}]: cuts on every split/all-cloud link (from the burst)
     workloads:
       - {kind: chat, requests: 6, max_tokens: 48}
@@ -78,6 +79,7 @@ class Scenario:
     workloads: list[Workload] = field(default_factory=lambda: [Workload("chat")])
     cloud_args: list[str] = field(default_factory=list)  # extra `autoglm-cloud serve` flags (e.g. --num-blocks)
     plan_check: bool = False  # after the run: the planner's predictions vs these measurements (rig.plan_check)
+    speculate: bool = False  # split phones decode speculatively (EdgeClient's speculate=True; docs/edge.md)
 
     def __post_init__(self):
         for key in ("name", "model"):
@@ -96,8 +98,9 @@ class Scenario:
         _int("edge_threads", self.edge_threads, 1, MAX_THREADS)
         _int("split_layer", self.split_layer, 1)
         _int("seed", self.seed, 0)
-        if not isinstance(self.plan_check, bool):
-            raise ScenarioError(f"plan_check {self.plan_check!r}: expected true or false")
+        for key in ("plan_check", "speculate"):
+            if not isinstance(getattr(self, key), bool):
+                raise ScenarioError(f"{key} {getattr(self, key)!r}: expected true or false")
         for d in self.disconnects:
             for key in ("at_s", "down_s"):
                 _number(f"disconnects: {key}", getattr(d, key))
@@ -170,7 +173,7 @@ class Scenario:
             "disconnects": [{"at_s": d.at_s, "down_s": d.down_s} for d in self.disconnects],
             "workloads": [{"kind": w.kind, "requests": w.requests, "max_tokens": w.max_tokens}
                           for w in self.workloads],
-            "cloud_args": list(self.cloud_args), "plan_check": self.plan_check,
+            "cloud_args": list(self.cloud_args), "plan_check": self.plan_check, "speculate": self.speculate,
         }
 
 

@@ -25,6 +25,8 @@ def test_small_rig_run(tiny_glm4_fp32_bundle, tiny_whole, tmp_path, capsys):
         "workloads": [{"kind": "chat", "requests": 2, "max_tokens": 6}],
         # from the burst's start: counted from the link's, it fell in the phones' setup (or failed their connect)
         "disconnects": [{"at_s": 0.0, "down_s": 0.3}],
+        # the split phones speculate (a scenario could not ask for it: the phones decoded one token per round trip)
+        "speculate": True,
     })
     streamed = []
     stale = [tmp_path / "logs" / "phone-wifi-chat-split-0.log", tmp_path / "logs" / "cloud-split-wifi.log"]
@@ -38,9 +40,10 @@ def test_small_rig_run(tiny_glm4_fp32_bundle, tiny_whole, tmp_path, capsys):
     recs = {m: sorted((r for r in report["records"] if r["mode"] == m), key=key) for m in ("split", "all-edge")}
     assert [len(v) for v in recs.values()] == [4, 4]
     assert {r["label"] for r in recs["split"] if r["phone"] == 1} == {"chat/1", "chat/2"}  # phone 1 starts at 1
-    # fp32 edge, fp32 cloud half, fp32 whole model: the split's greedy tokens are the whole model's
+    # fp32 edge, fp32 cloud half, fp32 whole model: the split's greedy tokens are the whole model's, speculating too
     for a, b in zip(recs["split"], recs["all-edge"]):
         assert key(a) == key(b) and a["token_ids"] == b["token_ids"] and len(a["token_ids"]) > 0
+    assert sum(r["draft_tokens"] for r in recs["split"]) > 0
     split = next(r for r in recs["split"] if r["phone"] == 0 and r["label"] == "chat/0")
     assert split["ttft_s"] >= 0.020  # at least the wifi RTT (20 ms) went by before the first token
     assert split["bytes_up"] > split["prompt_tokens"] * 64 and split["bytes_down"] > 0

@@ -52,6 +52,7 @@ workloads:
     ({"model": None}, "model None"),
     ({"edge_quant": "int3"}, "edge_quant 'int3'"),
     ({"plan_check": "yes"}, "plan_check 'yes'"),
+    ({"speculate": "yes"}, "speculate 'yes'"),
     ({"whole": "/etc/passwd"}, "not a whole-model export"),
     ({"cloud_cores": [4096]}, "not usable here"),
     ({"phone_cores": [True]}, "phone_cores"),
