@@ -322,9 +322,10 @@ class EdgeClient:
             self._inflight.pop(future, None)
 
     # -- execution mode ---------------------------------------------------------------------------
-    def _decide(self, spec: RequestSpec, privacy: str, mode: str | None) -> ModeDecision:
+    def _decide(self, spec: RequestSpec, privacy: str, mode: str | None, session_only: bool = False) -> ModeDecision:
         """The request's mode (``shared.exec_mode``) from what this client can run and what it measured; a
-        private level also restricts drafts to the cloud's own outputs and keys prefixes with the secret."""
+        private level also restricts drafts to the cloud's own outputs and keys prefixes with the secret.
+        ``session_only``: among the cloud session's modes only (split or u-shape, whichever the bundle has)."""
         sizer = self.session.sizer
         tail = self.session.ushape is not None  # a bundle split with --tail: its cloud returns states, never samples
         # speculation's gain: the better of prompt lookup and, where the server offers them, the cloud's drafts (a
@@ -338,7 +339,7 @@ class EdgeClient:
         # to run edge-only on the placeholder ids, the same answer for every screenshot); and they decode
         # greedily, so a sampled request runs split or u-shape too (its temperature and seed were ignored)
         media, sampled = spec.media is not None, spec.temperature >= MIN_TEMPERATURE
-        runners = not (media or sampled)
+        runners = not (media or sampled or session_only)
         dep = Deployment(split=not tail, u_shape=tail, all_cloud=self.all_cloud is not None and runners,
                          edge_only=self.whole_model is not None and runners,
                          boundary_bytes_per_token=2.0 * self.runtime.hidden_size, split_tokens_per_round_trip=gain)
@@ -348,21 +349,29 @@ class EdgeClient:
         try:
             decision = choose_mode(shape, privacy, link, dep, mode)
         except ExecModeError as e:
-            dropped = not runners and (self.all_cloud is not None or self.whole_model is not None)  # modes ruled out
+            dropped = not (runners or session_only) and (self.all_cloud is not None or self.whole_model is not None)
             why = ("" if not dropped else "; a request with images or audio runs split or u-shape only" if media else
                    "; a sampled request (temperature > 0) runs split or u-shape only: the edge-only and all-cloud "
                    "runners decode greedily")
             raise EdgeClientError(f"{e}{why}", "exec_mode") from None
-        if decision.drafts_from_outputs_only:
-            spec.drafts_from_outputs_only = True
-        if decision.secret_prefix_keys:
-            spec.prefix_secret = self.prefix_secret
+        spec.drafts_from_outputs_only = decision.drafts_from_outputs_only
+        spec.prefix_secret = self.prefix_secret if decision.secret_prefix_keys else None
         spec.ushape = decision.mode == "u-shape"
         return decision
 
+    def _redecide(self, spec: RequestSpec, decision: ModeDecision, stats: RequestStats) -> None:
+        """The request's connect updated the bundle to one of the other kind (a tail gained or lost: auto_update),
+        so the mode chosen for the old one no longer runs: the request takes the new bundle's session mode where
+        its privacy level and override allow it (EdgeClientError ``exec_mode`` otherwise, before any traffic)."""
+        try:
+            again = self._decide(spec, decision.privacy, decision.override, session_only=True)
+        except EdgeClientError as e:
+            raise EdgeClientError(f"the cloud moved to another bundle, on which {e}", e.code) from None
+        stats.exec_mode, stats.exec_reason = again.mode, f"{again.reason}; the bundle was updated"
+
     async def _execute(self, decision: ModeDecision, spec: RequestSpec, sink, stats: RequestStats) -> None:
         if decision.mode in ("split", "u-shape"):
-            await self.session.run(spec, sink, stats)
+            await self.session.run(spec, sink, stats, redecide=lambda: self._redecide(spec, decision, stats))
             return
         runner = self.whole_model if decision.mode == "edge-only" else self.all_cloud
         t0 = time.perf_counter()

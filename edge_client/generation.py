@@ -383,14 +383,17 @@ class Session:
                 last = e
 
     # -- requests -------------------------------------------------------------------------------
-    async def run(self, spec: RequestSpec, sink: Callable, stats: RequestStats) -> None:
+    async def run(self, spec: RequestSpec, sink: Callable, stats: RequestStats,
+                  redecide: Callable[[], None] | None = None) -> None:
         """Run one request, feeding ``sink`` with ("token", id, text) items, then ("end", reason) or
-        ("error", exc). Cancellation (the caller cancels the task) ends it with reason "cancelled"."""
+        ("error", exc). Cancellation (the caller cancels the task) ends it with reason "cancelled".
+        ``redecide``: called when the connect updated the bundle to one of the other kind (a tail gained or lost),
+        to choose the request's mode (``spec.ushape``) anew (the client's: it raises if none may serve it)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         try:
             async with self._lock:
-                reason = await self._run(spec, sink, stats)
+                reason = await self._run(spec, sink, stats, redecide)
             sink(("end", reason))
         except asyncio.CancelledError:
             sink(("end", "cancelled"))
@@ -424,7 +427,8 @@ class Session:
         except PrecisionError as e:
             raise EdgeClientError(f"precision: {e}", "codec_not_negotiated") from None
 
-    async def _run(self, spec: RequestSpec, sink: Callable, stats: RequestStats) -> str:
+    async def _run(self, spec: RequestSpec, sink: Callable, stats: RequestStats,
+                   redecide: Callable[[], None] | None) -> str:
         t0 = time.perf_counter()
         up0, down0 = self.link.bytes_up, self.link.bytes_down
         compute0 = self.runtime.stats.seconds
@@ -435,6 +439,11 @@ class Session:
                 await self.link.close()
             self._private = spec.prefix_secret is not None
             await self.connect()
+            if spec.ushape != (self.ushape is not None):  # the connect's update moved to a bundle of the other kind
+                if redecide is None:
+                    raise EdgeClientError("the cloud moved to a bundle " + ("without" if spec.ushape else "with")
+                                          + " a u-shape tail; send the request again", "bundle_changed")
+                redecide()
             limit, whose = self.prompt_room()
             if len(spec.prompt_ids) > limit:
                 raise EdgeClientError(f"prompt of {len(spec.prompt_ids)} tokens exceeds {whose}", "context_full")
@@ -462,8 +471,6 @@ class Session:
                 await self._sync_head(req)
                 req.head_ready = asyncio.ensure_future(_compute(self.head.catch_up))
             last_t = None
-            if spec.ushape and self.ushape is None:
-                raise EdgeClientError("u-shape needs a bundle split with --tail", "exec_mode")
             async for token in (self.ushape.tokens(req, stats) if spec.ushape else self._tokens(req, stats)):
                 last_t = mark_token(stats, t0, last_t)
                 stats.completion_tokens += 1
@@ -971,6 +978,9 @@ class Session:
         if req.spec.media is not None:
             raise EdgeClientError("the cloud changed bundles during a request with images or audio; send it "
                                   "again", "bundle_changed")
+        if req.spec.ushape != (self.ushape is not None):  # its answer so far came from the other mode's loop
+            raise EdgeClientError("the cloud moved to a bundle " + ("without" if req.spec.ushape else "with")
+                                  + " a u-shape tail during the request; send it again", "bundle_changed")
         req.rid = f"{req.trace_id}.b{uuid.uuid4().hex[:6]}"
         log.info("trace=%s rebuilt on bundle %s as request %s", req.trace_id, self.manifest.bundle_id, req.rid)
         req.spec_step, req.opened, req.sent, req.prefix_raw, req.pending = None, False, [], None, []

@@ -93,6 +93,7 @@ class ModeDecision:
     estimates_s: dict[str, float] = field(default_factory=dict)  # mode -> estimated request time
     drafts_from_outputs_only: bool = False  # private levels in split: no prompt n-gram leaves as a draft
     secret_prefix_keys: bool = False  # private levels: prefix keys keyed with the tenant secret
+    override: str | None = None  # the client's mode override it obeyed (None: chosen by the estimates)
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "privacy": self.privacy, "reason": self.reason,
@@ -151,7 +152,7 @@ def choose_mode(req: RequestShape, privacy: str = "standard", link: LinkState | 
             raise ExecModeError(f"mode {override} would send what privacy level {privacy} keeps on the phone")
         if not _available(override, link, dep):
             raise ExecModeError(f"mode {override} is not available here (link {'up' if link.connected else 'down'})")
-        return ModeDecision(override, reason=f"client override ({privacy})", **common(override))
+        return ModeDecision(override, reason=f"client override ({privacy})", override=override, **common(override))
     live = [m for m in allowed if _available(m, link, dep)]
     if not live:
         why = "the link is down" if not link.connected else "this deployment runs none of them"

@@ -643,6 +643,32 @@ def test_a_u_shape_answer_never_goes_up_as_a_draft_after_an_update_to_a_split_bu
     assert switched == sent  # the u-shape answer added no draft
 
 
+@pytest.mark.parametrize("to_tail", [False, True], ids=["u-shape-to-split", "split-to-u-shape"])
+def test_a_request_whose_connect_updates_to_a_bundle_of_the_other_kind_runs_on_it(tmp_path, tiny_glm4_ushape_bundle,
+                                                                                  tiny_bundle, reference_tokens,
+                                                                                  to_tail):
+    """The mode was chosen for the bundle held when the request started; when its connect met a server moved to a
+    bundle with a tail where there was none, or without one (auto_update), it failed: u-shape -> split 'u-shape
+    needs a bundle split with --tail' (exec_mode, as if the request were wrong), split -> u-shape the cloud's
+    bad_input. It runs in the new bundle's mode, as its privacy level allows (output-private never runs split)."""
+    old, new = (tiny_bundle, tiny_glm4_ushape_bundle) if to_tail else (tiny_glm4_ushape_bundle, tiny_bundle)
+    edge = tmp_path / "phone-kind" / "bundle"
+    shutil.copytree(old, edge, ignore=shutil.ignore_patterns("cloud"))
+    port = free_port()
+    with EdgeClient(edge, f"ws://127.0.0.1:{port}", codec="fp16", retry=RETRY, auto_update=True) as c:
+        with Serving(_app(old, engine=True), port):
+            assert c.complete(prompt_ids=PROMPT, max_tokens=2).token_ids == reference_tokens[:2]
+        with Serving(_app(new, engine=True), port):
+            if not to_tail:
+                with pytest.raises(EdgeClientError) as ei:
+                    c.complete(prompt_ids=PROMPT, max_tokens=2, privacy="output-private")
+                assert ei.value.code == "exec_mode" and "the cloud moved to another bundle" in str(ei.value)
+            gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, speculate=True)
+    assert gen.token_ids == reference_tokens and gen.finish_reason == "length"
+    assert gen.stats.exec_mode == ("u-shape" if to_tail else "split")
+    assert ("the bundle was updated" in gen.stats.exec_reason) is to_tail  # chosen anew at its connect (else before)
+
+
 # -- hostile or careless servers -----------------------------------------------------------------------------
 
 class _ManifestOnly:
