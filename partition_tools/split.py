@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -26,6 +28,10 @@ from .progress import Steps
 from .quantize import EDGE_QUANT_CHOICES, KV_MODES, quantize_front, resolve_edge_quant
 
 CALIBRATION = "calibration.json"
+# the bundle being written (split's staging directory): inside --out when that is a directory - on its file system,
+# a mount point's included, where the finished bundle then moves in by renames -, else beside it as
+# ``.<name>.autoglm-split.partial``; a split holds it (flock) from start to end and removes it
+STAGING = ".autoglm-split.partial"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -92,7 +98,9 @@ def check_out_dir(out: Path) -> None:
         raise BundleError(f"--out {out}: a symbolic link (an updated edge bundle?); give its target or a new directory")
     if out.exists() and not out.is_dir():
         raise BundleError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+    if _split_running(_staging_path(out)):
+        raise _busy(out)
+    if out.is_dir() and any(p.name != STAGING for p in out.iterdir()) and not (out / MANIFEST_NAME).is_file():
         raise BundleError(f"--out {out}: exists and is not a bundle; refusing to overwrite")
     if (out / MANIFEST_NAME).is_file():  # an earlier bundle: replaced whole, so it must hold nothing else
         _refuse_if_held(out)
@@ -102,19 +110,20 @@ def check_out_dir(out: Path) -> None:
             raise BundleError(f"--out {out}: its {MANIFEST_NAME} does not list a bundle's files; refusing to "
                               "overwrite") from None
         files = (p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir())
-        foreign = sorted(rel for rel in files if rel != MANIFEST_NAME and rel not in listed)
+        foreign = sorted(rel for rel in files if rel != MANIFEST_NAME and rel not in listed
+                         and not rel.startswith(STAGING + "/"))  # a killed split's, cleared by the next
         if foreign:
             raise BundleError(f"--out {out}: holds {len(foreign)} file(s) not of its bundle (e.g. {foreign[0]}); "
                               "refusing to overwrite")
     parent = next((p for p in out.absolute().parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise BundleError(f"--out {out}: {parent} is not a directory")
-    # the bundle is staged beside --out, then moved into it when it exists: both must take new files (a read-only
-    # mount, a folder of another user), found before the model loads rather than after the export
-    for folder in (parent, out if out.is_dir() else None):
-        problem = folder is not None and _cannot_write_in(folder)
-        if problem:
-            raise BundleError(f"--out {out}: cannot write in {folder} ({problem})")
+    # the bundle is staged in --out when it exists, else beside it (STAGING): that folder must take new files (a
+    # read-only mount, a folder of another user), found before the model loads rather than after the export
+    folder = out if out.is_dir() else parent
+    problem = folder is not None and _cannot_write_in(folder)
+    if problem:
+        raise BundleError(f"--out {out}: cannot write in {folder} ({problem})")
 
 
 def _refuse_if_held(out: Path) -> None:
@@ -126,6 +135,62 @@ def _refuse_if_held(out: Path) -> None:
 def _held(out: Path) -> BundleError:
     return BundleError(f"--out {out}: a running edge client holds this bundle (its files must not change under it); "
                        "close it first, or split into another directory")
+
+
+def _busy(out: Path) -> BundleError:
+    return BundleError(f"--out {out}: another autoglm-partition split is writing this bundle; wait for it to end, or "
+                       "split into another directory")
+
+
+def _staging_path(out: Path) -> Path:
+    """Where a split into ``out`` writes its bundle (``STAGING``)."""
+    return out / STAGING if out.is_dir() else out.parent / f".{out.name}{STAGING}"
+
+
+def _split_running(staged: Path) -> bool:
+    """Whether a split holds the staging directory ``staged`` now (one a killed split left is not held)."""
+    try:
+        fd = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _staging(out: Path, shown: Path):
+    """The empty staging directory of a split into ``out`` (``STAGING``), held until the block ends, then removed: a
+    second split into the same ``out`` is refused (``_busy``) rather than replacing the first's bundle as it ends,
+    and a killed split's leftovers are cleared."""
+    staged = _staging_path(out)
+    for _ in range(3):  # (the held directory renamed or removed between its open and its lock: another round)
+        try:
+            staged.mkdir(parents=True, exist_ok=True)
+            fd = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise BundleError(f"--out {shown}: cannot write there ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise _busy(shown) from None
+        if staged.is_dir() and os.path.samestat(os.stat(staged), os.fstat(fd)):
+            break
+        os.close(fd)
+    else:
+        raise _busy(shown)
+    try:
+        for p in list(staged.iterdir()):  # a killed split's
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        yield staged
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+        os.close(fd)
 
 
 def _cannot_write_in(folder: Path) -> str | None:
@@ -204,24 +269,21 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     started = time.perf_counter()
     cfg = replace(cfg, edge_quant=resolve_edge_quant(cfg.edge_quant, adapter, cfg.layer))
     check_out_dir(cfg.out)
-    # written aside, then swapped in whole: an interrupted or failed split leaves neither half a bundle at --out
-    # (it blocked a rerun there: "not a bundle") nor an earlier bundle there removed
+    # written aside (STAGING), then swapped in whole: an interrupted or failed split leaves neither half a bundle at
+    # --out (it blocked a rerun there: "not a bundle") nor an earlier bundle there removed
     out = Path(os.path.abspath(cfg.out))
-    staged = out.parent / f".{out.name}.partial-{os.getpid()}-{time.time_ns()}"
-    try:
-        staged.mkdir(parents=True)
-    except OSError as e:
-        raise BundleError(f"--out {cfg.out}: cannot write there ({e.strerror or e})") from None
-    try:
-        manifest = _write_bundle(lm, replace(cfg, out=staged), adapter, started)
-        _swap_in(staged, out)
-    except Exception as e:
-        reason = _no_room(e)
-        if reason is None:
-            raise
-        raise BundleError(f"--out {cfg.out}: the bundle does not fit ({reason}); make room and split again") from None
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)
+    with _staging(out, cfg.out) as staged:
+        try:
+            manifest = _write_bundle(lm, replace(cfg, out=staged), adapter, started)
+            _swap_in(staged, out)
+        except Exception as e:
+            reason = _no_room(e)
+            if reason is None:
+                raise
+            kept = " (the earlier bundle at --out is kept until the new one is written)" \
+                if (out / MANIFEST_NAME).is_file() else ""
+            raise BundleError(f"--out {cfg.out}: the bundle does not fit ({reason}); make room{kept} and split again") \
+                from None
     return manifest
 
 
@@ -240,8 +302,9 @@ def _no_room(e: Exception) -> str | None:
 def _swap_in(staged: Path, out: Path) -> None:
     """Put the finished bundle ``staged`` at ``out``: renamed there when ``out`` is absent; else ``out`` (an empty
     directory or an earlier bundle: perhaps a mount point, or someone's working directory) keeps its inode and has
-    its contents replaced, the old manifest going first and the new one last, so it never holds a manifest over
-    files of another bundle."""
+    its contents replaced by renames on its own file system (``staged`` is inside it: a copy across file systems
+    that failed half-way destroyed the earlier bundle and left a partial one a rerun refused), the old manifest
+    going first and the new one last, so it never holds a manifest over files of another bundle."""
     if not out.exists():
         staged.rename(out)
         return
@@ -250,7 +313,8 @@ def _swap_in(staged: Path, out: Path) -> None:
             raise _held(out)
         (out / MANIFEST_NAME).unlink(missing_ok=True)
         for p in list(out.iterdir()):
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            if p != staged:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         for p in sorted(staged.iterdir(), key=lambda p: p.name == MANIFEST_NAME):
             shutil.move(str(p), out / p.name)
 

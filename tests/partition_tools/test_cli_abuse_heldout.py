@@ -4,6 +4,7 @@ and before any slow work (loading a model, measuring)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -124,6 +125,65 @@ def test_a_bundle_that_does_not_fit_is_one_line_and_leaves_nothing(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (f"autoglm-partition split: error: --out {out}: the bundle does not fit "
                                                  "(File too large); make room and split again")
     assert list(tmp_path.iterdir()) == []  # neither the bundle nor its staging directory
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, kib: int):
+    """A tmpfs of ``kib`` KiB mounted at ``path`` (made) until the block ends: a mount point of its own file system;
+    skipped where this process may not mount one (not root)."""
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(path)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_split_into_a_mount_point_writes_on_its_file_system(tiny_glm4_bundle, tmp_path, capsys):
+    """--out a mount point holding an earlier bundle: the bundle was staged beside it (another file system) and copied
+    in after the earlier one was removed; a copy that ran out of room left --out partial, the earlier bundle gone, and
+    the 'split again' the error advised refused the folder ('exists and is not a bundle'). It is staged inside --out:
+    the earlier bundle stays whole, nothing is left, and a parent that takes no files (/mnt of a mounted disk, here
+    read-only: it was refused 'cannot write in') no longer matters."""
+    import subprocess
+
+    from shared.manifest import Manifest
+
+    with _tmpfs(tmp_path / "ro", 64) as parent:
+        with _tmpfs(parent / "disk", sum(f.stat().st_size for f in tiny_glm4_bundle.rglob("*") if f.is_file()) // 1024
+                    + 96) as disk:
+            subprocess.run(["mount", "-o", "remount,ro", str(parent)], check=True)  # under the mounted disk
+            shutil.copytree(tiny_glm4_bundle, disk, dirs_exist_ok=True)
+            before = Manifest.load(disk).bundle_id
+            _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "2", "--edge-quant", "fp32", "--out",
+                                str(disk)], capsys, "the bundle does not fit (No space left on device); make room (the earlier bundle at --out is kept until the new one is written)")
+            assert Manifest.load(disk).bundle_id == before  # the earlier bundle, whole
+            Manifest.load(disk).verify_files(disk)
+            assert sorted(p.name for p in disk.iterdir()) == sorted(p.name for p in tiny_glm4_bundle.iterdir())
+
+
+def test_a_second_split_into_the_same_out_is_refused_naming_it(tiny_glm4_bundle, tmp_path, capsys):
+    """Two splits into one --out: the later to finish replaced the other's bundle (both said 'bundle ... -> out'), and
+    one checking the folder while the other moved its bundle in was told a running edge client held it. A split holds
+    its staging directory until it ends; another split into the folder is refused, naming what runs."""
+    from partition_tools.split import _staging, _staging_path
+
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    for out in (d, tmp_path / "new"):  # an earlier bundle (staged inside it), a folder to make (staged beside)
+        with _staging(out.absolute(), out) as staged:
+            assert staged == _staging_path(out.absolute())
+            _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(out)], capsys,
+                               f"--out {out}: another autoglm-partition split is writing this bundle; wait for it")
+        assert not staged.exists()
+    (d / ".autoglm-split.partial" / "edge").mkdir(parents=True)  # a killed split's leftovers: cleared
+    (d / ".autoglm-split.partial" / "edge" / "front.onnx").write_bytes(b"x")
+    assert main(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(d)]) == 0
+    assert not (d / ".autoglm-split.partial").exists()
 
 
 def test_split_layers_the_model_lacks_are_refused_before_it_loads(llama_dir, tmp_path, capsys, monkeypatch):
