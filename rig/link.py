@@ -16,7 +16,7 @@ byte leaves only after the bytes before it: serialization delay = size / bandwid
 then one-way propagation delay with uniform jitter, then a retransmission delay (one RTO) on a seeded
 fraction of TCP segments. TCP delivers in order, so a late segment holds back every byte behind it
 (head-of-line blocking): what a loss looks like to an application. A new connection waits one RTT before its
-first byte moves (the TCP handshake). ``disconnects`` cut every connection at given times and refuse new ones
+first byte moves (the TCP handshake); an end's FIN or reset reaches the other end behind its bytes, one way later. ``disconnects`` cut every connection at given times and refuse new ones
 for a while (a tunnel, a handover).
 
 Reproducible: the random draws (jitter, loss) of connection ``i`` in direction ``up``/``down`` come from a
@@ -122,6 +122,11 @@ class LinkModel:
             left -= piece
         self.stats.bytes += nbytes
         return out
+
+    def end(self, now: float) -> float:
+        """When the FIN or RST the sender hands over at ``now`` arrives: behind every byte before it, one-way delay
+        after it leaves the bottleneck (it carries no payload: no serialization, no draw)."""
+        return max(max(self.free_at, now) + self.one_way_s, self.last_arrival)
 
 
 @dataclass(slots=True)
@@ -416,17 +421,22 @@ class LinkEmulator:
                     direction: str) -> None:
         loop = asyncio.get_running_loop()
         model: LinkModel = conn.models[direction]
-        queue: collections.deque[tuple[float, bytes]] = collections.deque()
-        state = {"queued": 0, "eof": False}
+        queue: collections.deque[tuple[float, bytes | None]] = collections.deque()  # None: the end (FIN or RST)
+        state = {"queued": 0}
         wake = asyncio.Event()
         room = asyncio.Event()
         room.set()
 
         async def deliver() -> None:
-            while True:
+            try:
+                await deliver_all()
+            finally:  # ended (or failed: the other end is gone): the reader must not wait for room that never comes
+                room.set()
+
+        async def deliver_all() -> None:
+            end = False
+            while not end:
                 if not queue:
-                    if state["eof"]:
-                        return
                     wake.clear()
                     await wake.wait()
                     continue
@@ -436,8 +446,10 @@ class LinkEmulator:
                     continue
                 horizon = loop.time() + TIMER_SLACK_S  # what is due within half a millisecond goes in one write
                 batch = []
-                while queue and queue[0][0] <= horizon:
-                    batch.append(queue.popleft()[1])
+                while queue and queue[0][0] <= horizon and not end:
+                    piece = queue.popleft()[1]
+                    end = piece is None
+                    batch.append(piece or b"")
                 data = b"".join(batch)
                 state["queued"] -= len(data)
                 if state["queued"] <= self.max_queue_bytes:
@@ -446,11 +458,17 @@ class LinkEmulator:
                 await dst.drain()
 
         sender = asyncio.ensure_future(deliver())
-        tripped = False
+        tripped = reset = False
         try:
             while not tripped:
                 await room.wait()
-                data = await src.read(65536)
+                if sender.done():  # a write failed: its error is raised below
+                    break
+                try:
+                    data = await src.read(65536)
+                except (ConnectionError, OSError):  # the sender reset: what it sent before is on the wire already
+                    reset = True
+                    break
                 if not data:
                     break
                 trip = conn.trip.get(direction)
@@ -468,16 +486,18 @@ class LinkEmulator:
                 if state["queued"] > self.max_queue_bytes:
                     room.clear()
                 wake.set()
-            state["eof"] = True
+            queue.append((model.end(loop.time()), None))  # the FIN or RST travels too, behind the bytes in flight
             wake.set()
-            await sender  # everything in flight arrives before the FIN (or the reset)
+            await sender
             if tripped:
                 self._cut_now(0.0, conn.index)
+            elif reset:  # a reset from one end reaches the other as a reset, not as an end-of-stream
+                _reset(dst.transport)
             elif dst.can_write_eof():  # a half-close passes on as one: the other direction keeps flowing
                 dst.write_eof()
             else:
                 dst.close()
-        except (ConnectionError, OSError):  # a reset (or a failed write) on one side resets the other
+        except (ConnectionError, OSError):  # a failed write: the other end is gone
             _reset(dst.transport)
         except asyncio.CancelledError:
             if conn.index in self._conns and direction in conn.pumps and not dst.is_closing() \
@@ -489,6 +509,8 @@ class LinkEmulator:
             raise
         finally:
             sender.cancel()
+            if sender.done() and not sender.cancelled():
+                sender.exception()  # retrieved: asyncio would log "Task exception was never retrieved"
 
 
 def _reset(transport: asyncio.BaseTransport) -> None:

@@ -373,6 +373,41 @@ def test_a_cut_resets_both_ends():
         client.close()
 
 
+def _read_to_end(s: socket.socket) -> tuple[bytes, str]:
+    got, s_end = b"", "FIN"
+    s.settimeout(5)
+    try:
+        while chunk := s.recv(4096):
+            got += chunk
+    except ConnectionResetError:
+        s_end = "RST"
+    return got, s_end
+
+
+@pytest.mark.parametrize("closer", ["server", "client"])
+@pytest.mark.parametrize("how", ["RST", "FIN"])
+def test_an_end_closing_reaches_the_other_after_its_bytes_one_way_later(closer, how):
+    """A reset from one end overtook what that end had sent before it: the other end read the reset at once (0 ms on a
+    200 ms link), none of the 1,000 bytes already on the wire; a FIN with nothing queued came at once too."""
+    slow = LinkProfile("slow", rtt_ms=200.0, jitter_ms=0.0, down_mbps=100.0, up_mbps=100.0, loss=0.0)
+    with socket.create_server(("127.0.0.1", 0)) as srv, LinkEmulator(srv.getsockname()[1], slow) as link:
+        client = socket.create_connection(("127.0.0.1", link.port))
+        client.sendall(b"e")
+        server, _ = srv.accept()
+        assert server.recv(1) == b"e"
+        sender, receiver = (server, client) if closer == "server" else (client, server)
+        t0 = time.perf_counter()
+        if how == "RST":
+            sender.sendall(b"A" * 1000)
+            sender.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sender.close()
+        got, end = _read_to_end(receiver)
+        took = time.perf_counter() - t0
+        receiver.close()
+    assert (len(got), end) == ((1000 if how == "RST" else 0), how)
+    assert 0.095 <= took < 0.5  # one way (100 ms), not at once
+
+
 def test_cutting_one_connection_leaves_the_others(peer):
     cut = []
     with LinkEmulator(peer.port) as link, socket.create_connection(("127.0.0.1", link.port)) as a, \
