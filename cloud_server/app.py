@@ -254,8 +254,11 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         if peers is not None:  # a front-end worker (--workers): the engine process merges every process's
             try:
                 body = await asyncio.wait_for(peers.metrics(), 10.0)
-            except (EngineDeadError, RuntimeError, asyncio.TimeoutError):
-                body = runtime.metrics.render()  # this worker's own, rather than nothing
+            except (EngineDeadError, RuntimeError, asyncio.TimeoutError) as e:
+                # a failed scrape, not this worker's share alone: the engine's series would vanish and every sum
+                # drop to one worker's, which Prometheus reads as counter resets (rates counted twice)
+                return Response(f"metrics: the engine process did not answer ({str(e) or 'timed out'})",
+                                status_code=503, media_type="text/plain")
             return Response(body, media_type=runtime.metrics.content_type)
         if len(_runtimes(app)) > 1:  # several bundles: their registries in one exposition
             return Response(app.state.split.render_metrics(), media_type=runtime.metrics.content_type)

@@ -41,7 +41,7 @@ import torch
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine_link import FrameReader, facts_to_wire, frame, pack_output, take_socket, unpack_chunks
-from cloud_server.metrics import render_merged
+from cloud_server.metrics import lasting, merge, render_merged
 from cloud_server.session_ledger import LedgerEntry, SessionLedger
 
 log = logging.getLogger("autoglm.cloud.host")
@@ -64,6 +64,7 @@ class WorkerPort:
         self._closing = False  # close once the unsent bytes are out
         self._reader = FrameReader()
         self._gone = False
+        self.families: list | None = None  # its worker's metric families as last sent (None: not started yet)
 
     def send(self, msg: tuple) -> None:
         """Send ``msg`` to this worker (any thread; in order): at once on the engine thread, else posted to it."""
@@ -176,7 +177,7 @@ class WorkerPort:
             elif kind == "release":
                 self.host.ledger.release(msg[1])
             elif kind == "rendered":
-                self.host.rendered(msg[1], msg[2])
+                self.host.rendered(self, msg[1], msg[2])
             else:
                 raise ValueError(f"unknown engine-link message {kind!r}")
         except EngineDeadError as e:  # the worker hears "dead" too; requests it just sent end here
@@ -204,7 +205,8 @@ class EngineHost:
         self._lock = threading.Lock()
         self._serials = itertools.count()
         self._tokens = itertools.count()
-        self._renders: dict[int, tuple[threading.Event, list, int]] = {}  # token -> (done, families, expected)
+        self._renders: dict[int, tuple[threading.Event, set[int]]] = {}  # token -> (done, serials yet to answer)
+        self._retired: list = []  # the counters and histograms of workers gone (metrics.lasting), merged
         self._scrapes = ThreadPoolExecutor(1, thread_name_prefix="autoglm-scrape")
         self._dead_told = False
         self._sel = selectors.DefaultSelector()
@@ -277,9 +279,16 @@ class EngineHost:
         return port
 
     def worker_gone(self, port: WorkerPort) -> None:
-        """``port``'s link closed (engine thread): abort what its worker left running and forget its sessions."""
+        """``port``'s link closed (engine thread): abort what its worker left running and forget its sessions;
+        its counters stay in the scrapes' sums."""
         with self._lock:
             self.ports.pop(port.serial, None)
+            if port.families is not None:
+                self._retired = merge([self._retired, lasting(port.families)])
+            for done, waiting in self._renders.values():  # a scrape in progress waits for it no longer
+                waiting.discard(port.serial)
+                if not waiting:
+                    done.set()
         try:
             self._sel.unregister(port.sock)
         except (KeyError, ValueError):
@@ -343,28 +352,35 @@ class EngineHost:
             port.send(("reply", cid, False, f"unknown request {op!r}"))
 
     def _scrape(self) -> bytes:
-        """The engine's metric families and every worker's, merged into one exposition."""
+        """The engine's metric families and every worker's, merged into one exposition. Only started workers (they
+        sent their families once, unasked) are asked and waited for: one still starting has counted nothing, and
+        waiting for it held every scrape during a start for ``RENDER_TIMEOUT_S``. One that does not answer in
+        time adds its last families, one that is gone its counters (``metrics.lasting``): no sum goes down."""
         token = next(self._tokens)
-        ports = list(self.ports.values())
-        done, families = threading.Event(), []
+        done = threading.Event()
         with self._lock:
-            self._renders[token] = (done, families, len(ports))
+            ports = [p for p in self.ports.values() if p.families is not None]
+            waiting = {p.serial for p in ports}
+            self._renders[token] = (done, waiting)
         for port in ports:
             port.send(("render", token))
         if ports and not done.wait(RENDER_TIMEOUT_S):
-            log.warning("metrics: %d of %d workers answered within %.0f s", len(families), len(ports),
-                        RENDER_TIMEOUT_S)
+            log.warning("metrics: %d of %d workers answered within %.0f s (their last metrics used)",
+                        len(ports) - len(waiting), len(ports), RENDER_TIMEOUT_S)
         with self._lock:
             self._renders.pop(token, None)
-            gathered = list(families)
-        return render_merged([list(self.rt.metrics.registry.collect()), *gathered])
+            gathered = [p.families for p in self.ports.values() if p.families is not None]
+            retired = self._retired
+        return render_merged([list(self.rt.metrics.registry.collect()), *gathered, retired])
 
-    def rendered(self, token: int, families: list) -> None:
+    def rendered(self, port: WorkerPort, token: int | None, families: list) -> None:
+        """``port``'s worker sent its metric families: for the scrape ``token``, or unasked (None) once it started."""
         with self._lock:
+            port.families = families
             entry = self._renders.get(token)
-            if entry is None:  # too late: that scrape has answered
+            if entry is None:  # unasked, or too late: that scrape has answered
                 return
-            done, got, expected = entry
-            got.append(families)
-            if len(got) >= expected:
+            done, waiting = entry
+            waiting.discard(port.serial)
+            if not waiting:
                 done.set()

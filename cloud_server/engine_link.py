@@ -19,6 +19,7 @@ worker -> engine
                                                              the engine thread), ``"admit"``, ``"metrics"``
     ``("release", session_id)``                              a session closed (the session ledger)
     ``("rendered", token, families)``                        this worker's metric families, for a ``render``
+                                                             (``token`` None: unasked, once, when it started)
 engine -> worker
     ``("hello", facts, model_name)``                         first frame: the engine's fixed facts
     ``("outputs", outs, open_requests)``                     a step's outputs for this worker's requests

@@ -58,30 +58,51 @@ def worker_config(config: ServerConfig) -> ServerConfig:
 
 
 def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:
-    """One bound (not yet listening) TCP socket per worker, all on one port with SO_REUSEPORT, so the kernel
-    spreads new connections over the workers by each connection's hash (nginx's ``reuseport``) instead of
-    letting whichever worker wakes first take them all. Port 0 picks one free port for all. Without
-    SO_REUSEPORT (not Linux/BSD) the workers share one socket (uvicorn's own multi-worker way). The engine
-    process keeps every socket open, so connections queued for a worker that died wait for its replacement."""
+    """One bound (not yet listening: its worker listens once it serves) TCP socket per worker, all on one port with
+    SO_REUSEPORT, so the kernel spreads new connections over the workers by each connection's hash (nginx's
+    ``reuseport``) instead of letting whichever worker wakes first take them all. Port 0 picks one free port for
+    all. Without SO_REUSEPORT (not Linux/BSD) the workers share one socket (uvicorn's own multi-worker way)."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
     shared = not hasattr(socket, "SO_REUSEPORT")
     socks: list[socket.socket] = []
     try:
         for _ in range(1 if shared else n):
-            s = socket.socket(family, kind, proto)
-            socks.append(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if not shared:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            s.bind(addr)
-            addr = (addr[0], s.getsockname()[1], *addr[2:])  # port 0: the others join the port the first got
-            s.set_inheritable(True)
+            socks.append(_port_socket(family, kind, proto, addr, not shared))
+            addr = (addr[0], socks[-1].getsockname()[1], *addr[2:])  # port 0: the others join the port the first got
     except OSError:
         for s in socks:
             s.close()
         raise
     return socks * n if shared else socks
+
+
+def _port_socket(family, kind, proto, addr, reuse_port: bool) -> socket.socket:
+    s = socket.socket(family, kind, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(addr)
+        s.set_inheritable(True)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
+def fresh_socket(socks: list[socket.socket], index: int) -> None:
+    """A dead worker's listening socket replaced by a new, bound one on the port for its replacement: kept listening
+    (by this process's copy), it stayed in the port's group, so the kernel went on handing it its share of new
+    connections - probes, scrapes, phones - which waited unanswered until the replacement started (~10 s: a
+    spawn imports torch). The few connections its queue held when it closes are reset (a client retries
+    them at once, on a live worker). A shared socket (no SO_REUSEPORT) is served by the other workers: kept."""
+    old = socks[index]
+    if socks.count(old) > 1:
+        return
+    sock = _port_socket(old.family, old.type, old.proto, old.getsockname(), True)
+    old.close()
+    socks[index] = sock
 
 
 def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
@@ -151,6 +172,7 @@ def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
                     on_signal(signal.SIGTERM, None)
                     break
                 log.error("front-end worker %d exited with %s: replaced", i, p.exitcode)
+                fresh_socket(socks, i)
                 procs[i], started[i] = spawn(i), time.monotonic()
             time.sleep(POLL_S)
     finally:

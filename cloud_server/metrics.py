@@ -18,7 +18,9 @@ timestamps of another machine.
 
 Several processes (``--workers N``): the engine process counts the engine's series, each front-end worker the
 network's (its own :class:`ServerMetrics`); :func:`render_merged` sums their samples into one exposition with
-the same names, so a dashboard reads one server.
+the same names, so a dashboard reads one server. A worker that has not started yet adds nothing, one slow to
+answer its last families, and one that died its counters and histograms (:func:`lasting`): a summed counter never
+goes down while the server runs.
 """
 
 from __future__ import annotations
@@ -245,9 +247,24 @@ class ServerMetrics:
 
 
 def render_merged(collections: list[list[Metric]]) -> bytes:
-    """One exposition of several processes' metric families (``registry.collect()`` of each): samples of the
-    same name and labels are summed (counters, histograms, and gauges such as open sessions, which each
-    process counts for its own part), ``*_created`` timestamps take the earliest."""
+    """One exposition of several processes' metric families (``registry.collect()`` of each), :func:`merge`\ d."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(merge(collections)))
+    return generate_latest(registry)
+
+
+def lasting(families: list[Metric]) -> list[Metric]:
+    """What a process that is gone (a front-end worker that died) still adds to the merged exposition: its counters
+    and histograms, so that their sums never go down (Prometheus reads any drop as a reset and counts the whole
+    sum again as new), as prometheus_client's multiprocess mode keeps a dead process's; not its gauges (its open
+    sessions are gone with it)."""
+    return [fam for fam in families if fam.type != "gauge"]
+
+
+def merge(collections: list[list[Metric]]) -> list[Metric]:
+    """Several processes' metric families as one list: samples of the same name and labels are summed
+    (counters, histograms, and gauges such as open sessions, which each process counts for its own part),
+    ``*_created`` timestamps take the earliest."""
     merged: dict[str, Metric] = {}
     values: dict[str, dict[tuple, Sample]] = {}
     for families in collections:
@@ -266,9 +283,7 @@ def render_merged(collections: list[list[Metric]]) -> bytes:
                     into[key] = old._replace(value=both)
     for name, fam in merged.items():
         fam.samples = list(values[name].values())
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(list(merged.values())))
-    return generate_latest(registry)
+    return list(merged.values())
 
 
 class _Families:

@@ -146,6 +146,12 @@ class RemoteEngine:
         if self.dead is None:
             self._post(("release", session_id))
 
+    def offer_metrics(self, families: Callable[[], list]) -> None:
+        """This worker's metric families come from ``families`` (called on the event loop for each scrape); they
+        are sent once now, unasked: from then on the engine process waits for this worker's at a scrape."""
+        self.families = families
+        self._send([("rendered", None, families())])
+
     async def metrics(self) -> bytes:
         """Every process's metrics merged into one Prometheus exposition (gathered by the engine process)."""
         return await asyncio.wrap_future(self._ask("metrics", None))

@@ -41,7 +41,7 @@ class WorkerRuntime:
         self.engine.start(loop, HELLO_TIMEOUT_S)
         self.facts, self.model_name = self.engine.facts, self.engine.model_name
         self.metrics = ServerMetrics(self.model_name)
-        self.engine.families = lambda: list(self.metrics.registry.collect())
+        self.engine.offer_metrics(lambda: list(self.metrics.registry.collect()))
         return self
 
     def stop(self) -> None:

@@ -202,18 +202,10 @@ def _front_pids(main: int) -> set[int]:
 
 
 def test_a_killed_worker_is_replaced_and_the_server_keeps_serving(servers, tiny_bundle):
+    """Its replacement serves, and /metrics goes on as one server's: a scrape while the replacement started waited
+    2 s for it (the scrapes one after another), and the killed worker's counts left the sums, so a summed counter
+    went down - a reset to Prometheus, which counts the whole sum again as new."""
     cloud, reference = servers
-    before = _front_pids(cloud.proc.pid)
-    assert len(before) == 2
-    os.kill(min(before), signal.SIGKILL)
-    seen, deadline = set(), time.monotonic() + 60
-    while seen != {0, 1} and time.monotonic() < deadline:  # the replacement answers once it listens
-        try:
-            seen.add(httpx.get(cloud.http_url + "/ready", timeout=5).json()["worker"])
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    assert seen == {0, 1} and len(_front_pids(cloud.proc.pid) - before) == 1
 
     async def both():
         edges = await _one_per_worker(cloud, tiny_bundle)
@@ -222,6 +214,23 @@ def test_a_killed_worker_is_replaced_and_the_server_keeps_serving(servers, tiny_
             await e.close()
         return got
 
+    assert asyncio.run(both()) == [reference[tuple(PROMPTS[1])]] * 2  # each worker has sent tokens
+    sent = _metric(cloud, "autoglm:downlink_bytes_total")
+    before = _front_pids(cloud.proc.pid)
+    assert len(before) == 2
+    os.kill(min(before), signal.SIGKILL)
+    seen, scrapes, deadline = set(), [], time.monotonic() + 60
+    while seen != {0, 1} and time.monotonic() < deadline:  # the replacement answers once it listens
+        try:
+            seen.add(httpx.get(cloud.http_url + "/ready", timeout=5).json()["worker"])
+            start = time.monotonic()
+            scrapes.append((_metric(cloud, "autoglm:downlink_bytes_total"), time.monotonic() - start))
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    assert seen == {0, 1} and len(_front_pids(cloud.proc.pid) - before) == 1
+    assert min(n for n, _ in scrapes) >= sent > 0  # the dead worker's bytes still counted
+    assert max(s for _, s in scrapes) < 1.5, scrapes  # no scrape waited for the worker starting
     assert asyncio.run(both()) == [reference[tuple(PROMPTS[1])]] * 2
 
 
