@@ -201,7 +201,13 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
     app.state.runtime = runtime
     app.state.auth = authn = Authenticator(cfg.keys_file, cfg.api_key)
     app.add_middleware(HttpConcurrencyLimit, limit=cfg.max_http_requests)
-    app.add_middleware(ConnectionLimit, limit=cfg.max_connections)  # outermost: counts every connection
+
+    def refused_at_the_cap(scope) -> None:  # a phone's session refused for load, as the split endpoint counts its own
+        if scope["type"] == "websocket" and runtime.metrics is not None:
+            runtime.metrics.on_refused("max_connections")
+
+    # outermost: counts every connection
+    app.add_middleware(ConnectionLimit, limit=cfg.max_connections, on_refused=refused_at_the_cap)
 
     async def require_key(request: Request):
         if authn.authenticate(request.headers.get("authorization")) is None:

@@ -17,6 +17,7 @@ Frame sizes, context length and timeouts are the session's ``Welcome.limits`` (`
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After / retry_after_ms)
 # Error.retry_after_ms of the refusals worth retrying, at Hello and for a request alike (the edge waits at least this):
@@ -76,10 +77,10 @@ class ConnectionLimit:
     upgrade skips its check) but counted them, so once the phones' sessions reached the cap every probe got 503 -
     the liveness probe restarted a busy pod and the autoscaler lost its metrics."""
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, limit: int, on_refused: Callable[[dict], None] | None = None):
         if limit < 1:
             raise ValueError(f"limit must be >= 1 (got {limit})")
-        self.app, self.limit = app, limit
+        self.app, self.limit, self.on_refused = app, limit, on_refused  # on_refused(scope): one refused (metrics)
         self.open = 0  # event-loop thread only
 
     async def __call__(self, scope, receive, send):
@@ -87,6 +88,8 @@ class ConnectionLimit:
             await self.app(scope, receive, send)
             return
         if self.open >= self.limit:
+            if self.on_refused is not None:
+                self.on_refused(scope)
             await _unavailable(scope, send, self.limit)
             return
         self.open += 1

@@ -239,6 +239,11 @@ class ServerMetrics:
         for n in sizes:
             children[1].observe(n)
 
+    def on_refused(self, reason: str) -> None:
+        """A session refused (``reason``: a protocol error code, ``key_session_cap``, ``max_connections``: a fixed
+        set, never a client's words)."""
+        self.refused.labels(self.model_name, reason).inc()
+
     def on_downlink(self, nbytes: int) -> None:
         self._downlink.inc(nbytes)
 
@@ -247,7 +252,7 @@ class ServerMetrics:
 
 
 def render_merged(collections: list[list[Metric]]) -> bytes:
-    """One exposition of several processes' metric families (``registry.collect()`` of each), :func:`merge`\ d."""
+    """One exposition of several processes' metric families (``registry.collect()`` of each), by :func:`merge`."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(merge(collections)))
     return generate_latest(registry)

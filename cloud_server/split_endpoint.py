@@ -205,7 +205,13 @@ class SplitEndpoint:
             await asyncio.gather(writer, return_exceptions=True)  # the link is gone either way
 
     async def _refuse(self, ws: WebSocket, code: str, message: str, close_code: int,
-                      retry_after_ms: int | None = None, bundle_ids: list[str] | None = None) -> None:
+                      retry_after_ms: int | None = None, bundle_ids: list[str] | None = None,
+                      reason: str | None = None) -> None:
+        """A connection's session refused at its handshake: a fatal ``Error(code)``, the close, and one count in
+        ``autoglm:sessions_refused_total{reason}`` (``reason``: ``code`` unless told; every refusal, so that a
+        fleet of phones refused for their protocol version or codecs shows on the dashboard)."""
+        if self.rt.metrics is not None:
+            self.rt.metrics.on_refused(reason or code)
         try:
             await ws.send_bytes(P.encode_message(P.Error(code=code, message=message, fatal=True,
                                                          retry_after_ms=retry_after_ms,
@@ -237,7 +243,6 @@ class SplitEndpoint:
             await self._refuse(ws, e.code, e.message, CLOSE_PROTOCOL)
             return None
         if hello.bundle_id != rt.bundle_id:
-            metrics.refused.labels(rt.model_name, "bundle_mismatch").inc()
             await self._refuse(ws, "bundle_mismatch", f"this server serves bundle {rt.bundle_id}, the edge has "
                                                       f"{hello.bundle_id}", CLOSE_POLICY,
                                bundle_ids=self.served_bundle_ids or [rt.bundle_id])  # GET /v1/bundles has them
@@ -257,7 +262,6 @@ class SplitEndpoint:
         session = self.registry.for_resume(hello.resume_token, tenant)
         resumed = session is not None
         if rt.draining and not resumed:  # a session held here resumes, so that its open requests can finish
-            metrics.refused.labels(rt.model_name, "draining").inc()
             await self._refuse(ws, "draining", "server is draining; connect to another replica",
                                CLOSE_TRY_LATER, retry_after_ms=RETRY_AFTER_MS["draining"])
             return None
@@ -269,9 +273,8 @@ class SplitEndpoint:
                 await self._refuse(ws, "internal", str(e), CLOSE_INTERNAL)
                 return None
             if refusal is not None:
-                metrics.refused.labels(rt.model_name, refusal[0]).inc()
                 await self._refuse(ws, "overloaded", refusal[1], CLOSE_TRY_LATER,
-                                   retry_after_ms=RETRY_AFTER_MS["overloaded"])
+                                   retry_after_ms=RETRY_AFTER_MS["overloaded"], reason=refusal[0])
                 return None
             session = self.registry.create(codecs, session_plan(hello, codecs, rt.facts, self._load()), tenant,
                                            session_id, token)

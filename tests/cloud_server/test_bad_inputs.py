@@ -8,6 +8,7 @@ its tokens exactly as it does alone. One server for the module; ``-s`` prints th
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 
 import numpy as np
@@ -68,7 +69,7 @@ class Probe:
         self.ws = await websockets.connect(self.server.ws_url, additional_headers=headers, max_size=None)
         if hello:
             await self.send(P.Hello(bundle_id=hello_kw.pop("bundle_id", self.server.bundle_id),
-                                    codecs=hello_kw.pop("codecs", ["fp16"])))
+                                    codecs=hello_kw.pop("codecs", ["fp16"]), **hello_kw))
             return await self.recv()
         return None
 
@@ -260,6 +261,31 @@ def test_a_frame_too_large_to_read_ends_the_session(server):
     closed, resumed = asyncio.run(main())
     assert closed == 1009
     assert isinstance(resumed, P.Welcome) and not resumed.resumed, resumed
+
+
+def _refused(server) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {r: float(v) for r, v in re.findall(r'^autoglm:sessions_refused_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$',
+                                               text, re.M)}
+
+
+def test_every_refused_session_is_counted_by_its_reason(server):
+    """autoglm:sessions_refused_total counted bundle_mismatch, draining and the session caps only: a fleet of phones
+    refused for their protocol version or their codecs (an upgrade gone wrong), or for a bad first frame, showed
+    no refusal on the dashboard."""
+    async def main():
+        await _hello_refusal(server, codecs=["fp7"])
+        await _fatal_first_frame(server, b"\xc1\x93\xff\x00garbage")
+        return await _hello_refusal(server, protocol_version=P.PROTOCOL_VERSION + 1)  # a later major version
+
+    before = _refused(server)
+    version = asyncio.run(main())
+    after = _refused(server)
+    assert version == ("version", 1008)
+    assert {r: after.get(r, 0) - before.get(r, 0) for r in ("codec_not_negotiated", "bad_frame", "version")} == \
+        {"codec_not_negotiated": 1, "bad_frame": 1, "version": 1}, (before, after)
 
 
 def test_a_flood_of_idle_and_half_open_sockets_is_shed_and_a_session_still_serves(server, front, tiny_bundle):

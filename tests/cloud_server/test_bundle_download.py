@@ -196,15 +196,19 @@ def test_the_connection_cap_holds_websockets_and_lets_the_probes_through(tiny_gl
     opened under a cap of 3) but counted them, and once the phones' sessions reached it every probe and /metrics
     got 503 - the liveness probe restarted a busy pod, the autoscaler lost its metrics. Now the cap refuses the
     excess WebSocket before its upgrade (503, a proxy's next replica), counts HTTP requests too, and never the
-    probes."""
+    probes. The refused session is counted (autoglm:sessions_refused_total{reason="max_connections"}: it was not,
+    so phones turned away for load showed nowhere)."""
     import httpx
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
     from cloud_server.app import uvicorn_config
+    from cloud_server.metrics import ServerMetrics
 
     cfg = ServerConfig(bundle=tiny_glm4_fp32_bundle, api_key=KEY, max_connections=2, engine=EngineConfig(device="cpu"))
-    app = create_app(CloudRuntime(cfg))  # the routes and the upgrade need no engine
+    runtime = CloudRuntime(cfg)
+    runtime.metrics = ServerMetrics("tiny")  # what a started runtime has; the routes and the upgrade need no engine
+    app = create_app(runtime)
     served = uvicorn_config(app, cfg)  # what `autoglm-cloud serve` gives uvicorn
     with ServerThread(app, limit_concurrency=served.limit_concurrency) as srv:
         url = srv.ws_url
@@ -216,4 +220,6 @@ def test_the_connection_cap_holds_websockets_and_lets_the_probes_through(tiny_gl
             assert httpx.get(srv.url + "/v1/bundles", headers=AUTH).status_code == 503
             for probe in ("/health", "/metrics"):
                 assert httpx.get(srv.url + probe).status_code == 200, probe
+            assert 'autoglm:sessions_refused_total{model_name="tiny",reason="max_connections"} 1.0' in \
+                httpx.get(srv.url + "/metrics").text
         assert httpx.get(srv.url + "/v1/bundles", headers=AUTH).status_code == 200
