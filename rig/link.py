@@ -177,7 +177,10 @@ class LinkEmulator:
         self.bytes_up = 0
         self.bytes_down = 0
         self._conns: dict[int, _Connection] = {}
-        self._closed: list[_Connection] = []
+        # what is kept of a closed connection: its draws for segment_delays() (not its sockets, tasks and generators:
+        # ~12 KB a connection, which a soak's link, thousands of reconnects long, kept to the end)
+        self._closed_draws: dict[int, dict[str, array]] = {}
+        self._closed_retransmitted = 0
         self._down_until = 0.0
         self._hold_until = 0.0  # a stall of every connection: nothing is delivered before this loop time
         self._armed: list[tuple[str, int]] = []  # (direction, bytes): trips for the next connections to open
@@ -355,20 +358,23 @@ class LinkEmulator:
             if task is not me:
                 task.cancel()
         if self._conns.pop(conn.index, None) is not None:
-            self._closed.append(conn)
+            self._closed_draws[conn.index] = {d: m.draws for d, m in conn.models.items()}
+            self._closed_retransmitted += sum(m.stats.retransmitted for m in conn.models.values())
 
     @property
     def retransmitted(self) -> int:
         """Segments that drew a loss so far, over every connection and both directions."""
-        conns = list(self._conns.values()) + self._closed
-        return sum(m.stats.retransmitted for c in conns for m in c.models.values())
+        return self._closed_retransmitted + sum(m.stats.retransmitted for c in list(self._conns.values())
+                                                for m in c.models.values())
 
     def segment_delays(self, connection: int, direction: str) -> list[float]:
         """The per-segment extra delays drawn so far for one direction of one connection (reproducibility)."""
-        for conn in list(self._conns.values()) + self._closed:
-            if conn.index == connection:
-                return list(conn.models[direction].draws)
-        raise KeyError(f"no connection {connection}")
+        conn = self._conns.get(connection)
+        kept = {d: m.draws for d, m in conn.models.items()} if conn is not None else self._closed_draws.get(connection)
+        draws = (kept or {}).get(direction)
+        if draws is None:
+            raise KeyError(f"no connection {connection}")
+        return list(draws)
 
     # -- the proxy --------------------------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -457,6 +457,37 @@ def test_cut_after_delivers_exactly_that_many_bytes_then_resets(peer):
             assert len(got) == 700 and link.cuts == 2  # the ping's byte counted: 700 of the 1,000 came down
 
 
+def test_a_closed_connection_leaves_only_its_draws_behind(peer):
+    """Each closed connection stayed whole in the link (its sockets, tasks and random generators: ~12 KB) until the
+    link stopped - a soak's link, thousands of reconnects long, grew by that much each."""
+    import gc
+    import tracemalloc
+
+    lossy = replace(FLAT, rtt_ms=0.0, loss=0.5, rto_ms=1.0, down_mbps=1000.0, up_mbps=1000.0)
+    with LinkEmulator(peer.port, lossy, seed=3) as link:
+        for _ in range(20):  # warm: the allocator's pools, the loop's structures
+            with socket.create_connection(("127.0.0.1", link.port)) as s:
+                _ping_ms(s)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(200):
+                with socket.create_connection(("127.0.0.1", link.port)) as s:
+                    _ping_ms(s)
+            deadline = time.monotonic() + 5
+            while link.connection_info() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            gc.collect()
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert grown < 200 * 3000, f"{grown / 200:.0f} bytes kept a connection"
+        assert len(link.segment_delays(5, "up")) == 1 and link.retransmitted == sum(
+            d > 0.0005 for i in range(220) for way in ("up", "down") for d in link.segment_delays(i, way))
+        with pytest.raises(KeyError):
+            link.segment_delays(999, "up")
+
+
 def test_a_stall_delays_every_byte_and_loses_none(peer):
     with LinkEmulator(peer.port) as link, socket.create_connection(("127.0.0.1", link.port)) as s:
         assert _ping_ms(s) < 50
