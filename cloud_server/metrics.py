@@ -43,6 +43,9 @@ from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
+# a whole request, and a first token that waited for admission: minutes to a long generation over a mobile link (a
+# round trip per token), so vLLM's tail up to 7680 s - above 80 s every quantile read 80
+_REQUEST_BUCKETS = (*_LATENCY_BUCKETS, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # an edge's round trip per token: localhost (sub-millisecond) to a slow mobile link
 _ROUND_TRIP_BUCKETS = (0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
                        1.0, 2.0, 5.0)
@@ -109,10 +112,10 @@ class ServerMetrics:
         lab = ["model_name"]
         self.model_name = model_name
         one = {"model_name": model_name}  # the per-token series: fed by the engine thread (_HotHistogram)
-        self.ttft = _HotHistogram("vllm:time_to_first_token_seconds", "Time to first token", one, _LATENCY_BUCKETS, r)
+        self.ttft = _HotHistogram("vllm:time_to_first_token_seconds", "Time to first token", one, _REQUEST_BUCKETS, r)
         self.itl = _HotHistogram("vllm:inter_token_latency_seconds", "Inter-token latency", one, _LATENCY_BUCKETS, r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", lab,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+                             buckets=_REQUEST_BUCKETS, registry=r)
         self.running = Gauge("vllm:num_requests_running", "Requests holding KV blocks", lab, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for admission", lab, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", lab, registry=r)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -88,6 +89,21 @@ def test_several_processes_metrics_merge_into_one_exposition_with_their_sums():
     assert s[("autoglm:downlink_bytes_created", lab)] == min(created)  # a timestamp: the earliest, not a sum
     assert text.count("# TYPE vllm:generation_tokens_total") == 1
     assert render_merged([list(engine.registry.collect())]) == engine.render()  # one process: unchanged
+
+
+def test_a_long_request_lands_in_a_finite_bucket():
+    """The end-to-end and first-token histograms ended at 80 s: a split generation over a mobile link (a round trip
+    per token: 1000 tokens at 150 ms is 150 s) counted in +Inf only, and every quantile of them read 80 s."""
+    m = ServerMetrics("glm")
+    seq = SimpleNamespace(arrival_time=0.0, last_token_time=None, finish_reason="stop")
+    m.on_token(seq, 100.0)  # a first token after 100 s in the admission queue
+    seq.arrival_time = time.monotonic() - 150.0
+    m.on_finish(seq)
+    s, lab = _samples(m), (("model_name", "glm"),)
+    for name, above, within in (("vllm:e2e_request_latency_seconds", "120.0", "240.0"),
+                                ("vllm:time_to_first_token_seconds", "80.0", "120.0")):
+        assert s[(name + "_bucket", (("le", above),) + lab)] == 0, name
+        assert s[(name + "_bucket", (("le", within),) + lab)] == 1, name
 
 
 def test_the_per_token_histograms_bucket_like_prometheus_and_merge_across_processes():
