@@ -52,8 +52,8 @@ def head_dim_of(text) -> int:
 
 
 def eos_ids_of(*configs) -> list[int]:
-    """End-of-sequence ids: the first ``eos_token_id`` set among ``configs`` (text config, model config,
-    generation config, in the caller's order; ``None`` entries are skipped), as a list."""
+    """End-of-sequence ids: the first ``eos_token_id`` set among ``configs`` (generation config, text config, model
+    config, in the caller's order; ``None`` entries are skipped), as a list."""
     for c in configs:
         eos = getattr(c, "eos_token_id", None) if c is not None else None
         if eos is not None:
@@ -147,7 +147,10 @@ class ModelAdapter:
         return int(self.config.vocab_size)
 
     def eos_token_ids(self) -> list[int]:
-        return eos_ids_of(self.config, self.model.config, getattr(self.model, "generation_config", None))
+        """Where the model's ``generate`` stops: its generation config's ids (generation_config.json, else made from
+        the config by transformers), the config's only without one - a config's own id (Llama-3-Instruct's
+        <|end_of_text|> alone, or LlamaConfig's default 2 where the file names none) missed the chat turn's end."""
+        return eos_ids_of(getattr(self.model, "generation_config", None), self.config, self.model.config)
 
     def rope_settings(self) -> dict:
         rope = getattr(self.config, "rope_parameters", None) or {}

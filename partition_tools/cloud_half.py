@@ -1,6 +1,7 @@
 """The cloud half of a bundle: its on-disk format, and :class:`CloudModel`, the one module that runs it.
 
-A bundle stores the source's full config (``cloud/config.json``) and the back-half weights
+A bundle stores the source's full config (``cloud/config.json``), its generation config
+(``cloud/generation_config.json``, bundles split since it was added) and the back-half weights
 (``cloud/back.safetensors``: ``layers.{i}.*`` renumbered from 0, ``norm.*``, ``lm_head.weight``). A u-shape
 bundle's (``Manifest.tail_layers`` M > 0) holds the middle layers [N, L - M) alone: no norm, no lm_head, and
 its :class:`CloudModel` returns hidden states (the phone runs the tail and samples).
@@ -29,6 +30,9 @@ from .adapters import (ModelAdapter, adapter_for_config, call_layer, eos_ids_of,
 
 BACK_WEIGHTS = "cloud/back.safetensors"
 BACK_CONFIG = "cloud/config.json"
+# the source's generation config, where the manifest's eos_token_ids come from (ModelAdapter.eos_token_ids): a
+# cloud file, so the bundle id covers them - two splits stopping at other tokens are two cloud halves
+GENERATION_CONFIG = "cloud/generation_config.json"
 
 
 def back_state_dict(adapter: ModelAdapter, split_layer: int, tail_layers: int = 0) -> dict[str, torch.Tensor]:

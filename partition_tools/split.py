@@ -21,7 +21,7 @@ from edge_client.front import FRONT, PREFILL_GRAPH
 from shared.manifest import FORMAT_VERSION, MANIFEST_NAME, BundleError, Manifest
 
 from .adapters import ModelAdapter, call_layer
-from .cloud_half import BACK_CONFIG, BACK_WEIGHTS, back_state_dict
+from .cloud_half import BACK_CONFIG, BACK_WEIGHTS, GENERATION_CONFIG, back_state_dict
 from .export import build_front
 from .models import LoadedModel
 from .progress import Steps
@@ -381,6 +381,8 @@ def _write_bundle(lm: LoadedModel, cfg: SplitConfig, adapter: ModelAdapter, star
 
     save_file(back_state_dict(adapter, cfg.layer, cfg.tail), str(out / BACK_WEIGHTS))
     (out / BACK_CONFIG).write_text(lm.model.config.to_json_string())
+    if getattr(lm.model, "generation_config", None) is not None:
+        (out / GENERATION_CONFIG).write_text(lm.model.generation_config.to_json_string())
 
     # 3. tokenizer + chat template
     steps.next("tokenizer, chat template, calibration")

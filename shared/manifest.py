@@ -9,6 +9,7 @@ A bundle directory looks like::
     edge/tokenizer.json ...    tokenizer files and chat_template.jinja (when the source has them)
     cloud/back.safetensors     layers [N, L) renumbered from 0, final norm, lm_head (u-shape: [N, L - M) only)
     cloud/config.json          the source's full HF config (the cloud rebuilds its modules from it)
+    cloud/generation_config.json  the source's generation config: the eos_token_ids' origin, so the id covers them
     calibration.json           boundary statistics: outlier channels, attention-sink threshold
 
 ``bundle_id`` is a hash over the model description and the sha256 of every artifact *except* the edge

@@ -59,6 +59,26 @@ def test_bundle_id_ties_halves_and_ignores_edge_variant(tiny_glm4_fp32_bundle, t
     assert a.bundle_id == b.bundle_id != c.bundle_id
 
 
+def test_the_generation_configs_stop_tokens_are_the_bundles_and_in_its_id(llama_dir, tmp_path):
+    """A checkpoint whose generation_config.json ends turns on more ids than its config (Llama-3-Instruct's
+    <|eot_id|>) was split with the config's eos alone (the model's generate stops where the bundle did not), and
+    that file was in neither the source identity nor a cloud file: two splits stopping at other tokens shared one
+    bundle id, so a phone holding one edge half was served the other cloud half. The bundle stops where generate
+    does, and the generation config is a cloud file under the id."""
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(llama_dir, d)
+    g = json.loads((d / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**g, "eos_token_id": [2, 7]}))  # the config says 2
+    m = split(load_model(str(d)), SplitConfig(layer=1, out=tmp_path / "b", edge_quant="fp32"))
+    assert m.eos_token_ids == [2, 7]
+    assert json.loads((tmp_path / "b" / "cloud" / "generation_config.json").read_text())["eos_token_id"] == [2, 7]
+    assert m.artifacts["cloud/generation_config.json"].role == "cloud"  # under the id: another file, another id
+    m.artifacts["cloud/generation_config.json"].sha256 = "0" * 64
+    assert m.compute_bundle_id() != m.bundle_id
+
+
 def test_edited_manifest_is_refused(tiny_glm4_bundle, tmp_path):
     import shutil
 
