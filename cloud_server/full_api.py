@@ -27,6 +27,7 @@ from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 from cloud_server.engine.sequence import InputChunk
 from cloud_server.split_translate import WIRE_CODES
+from shared import chat_tokens
 from shared import openai_compat as oc
 from shared import openai_routes
 from shared.detokenizer import StreamDecoder
@@ -142,11 +143,29 @@ class _EngineBackend:
             raise self._no_tokenizer("chat needs one (and its chat template)", "messages")
         if not getattr(tok, "chat_template", None):
             raise oc.OpenAIRequestError("this model has no chat template: use /v1/completions")
-        try:
-            return tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False,
-                                           **req.template_kwargs())
+        control = self._control()
+        try:  # the messages' special tokens' strings marked: start() tokenizes them as text (shared.chat_tokens)
+            return tok.apply_chat_template(chat_tokens.mark_messages(req.messages, control),
+                                           add_generation_prompt=True, tokenize=False,
+                                           **chat_tokens.mark(req.template_kwargs(), control))
         except (jinja2.TemplateError, ValueError, TypeError) as e:  # TypeError: a template variable of a bad type
             raise oc.OpenAIRequestError(f"chat template refused the messages: {e}", "messages") from None
+
+    def _control(self):
+        """The pattern of the strings that are text inside a message (``shared.chat_tokens.control_tokens``)."""
+        tok = self.rt.tokenizer
+        added = ((t.content, t.special) for t in tok.added_tokens_decoder.values())
+        return chat_tokens.control_tokens(added, str(tok.chat_template or ""))
+
+    def _encode(self, prompt: str, chat: bool) -> list[int]:
+        """A raw prompt's ids, the tokenizer's own special tokens added; a chat's (a :meth:`render_chat` prompt):
+        the template's special tokens as tokens, the messages' as text."""
+        tok = self.rt.tokenizer
+        if not chat:
+            return tok(prompt, add_special_tokens=True).input_ids
+        return chat_tokens.encode_chat(prompt, partial(tok.encode, add_special_tokens=False),
+                                       partial(tok.encode, add_special_tokens=False, split_special_tokens=True),
+                                       tok.added_tokens_decoder.__contains__)
 
     async def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EngineStream:
         param = "messages" if isinstance(req, oc.ChatRequest) else "prompt"
@@ -158,8 +177,11 @@ class _EngineBackend:
         elif self.rt.tokenizer is None:  # chat stopped in render_chat
             raise self._no_tokenizer("a text prompt needs one", param)
         else:  # a chat prompt carries its special tokens in the template; a raw prompt gets the tokenizer's
-            encode = partial(self.rt.tokenizer, prompt, add_special_tokens=isinstance(req, oc.CompletionRequest))
-            ids = (await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)).input_ids
+            encode = partial(self._encode, prompt, isinstance(req, oc.ChatRequest))
+            try:
+                ids = await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)
+            except ValueError as e:  # a message's text the tokenizer cannot keep as text (shared.chat_tokens)
+                raise oc.OpenAIRequestError(str(e), param) from None
         if self.rt.tokenizer is None and req.sampling.stop:
             raise self._no_tokenizer("stop strings need text", "stop")
         return _EngineStream(self.rt, ids, self._params(req.sampling, len(ids), param),

@@ -35,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from shared.chat_tokens import Placeholder
 from shared.detokenizer import StreamDecoder
 from shared.exec_mode import Deployment, ExecModeError, LinkState, ModeDecision, RequestShape, choose_mode
 from shared.messages import MIN_TEMPERATURE
@@ -230,8 +231,9 @@ class EdgeClient:
         except MediaError as e:
             raise EdgeClientError(str(e), e.code) from None
 
-    def _placeholder(self, kind: str) -> str:
-        return self.tokenizer.token_text(self.media.placeholder_ids(kind))  # decode() hides special tokens
+    def _placeholder(self, kind: str) -> Placeholder:
+        # decode() hides special tokens; a Placeholder keeps them tokens where a message's text would not
+        return Placeholder(self.tokenizer.token_text(self.media.placeholder_ids(kind)))
 
     def _media_spec(self, prompt, messages, prompt_ids, enable_thinking, chat_template_kwargs, images, audio,
                     **sampling: Any) -> RequestSpec:
@@ -246,12 +248,14 @@ class EdgeClient:
         if messages is not None:
             messages, parts = extract_parts(messages, self._placeholder)
             kw = _template_kwargs(chat_template_kwargs, enable_thinking)
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kw)
+            prompt = self.tokenizer.render_chat(messages, add_generation_prompt=True, **kw)
         if prompt_ids is None and len(prompt) > MAX_CHARS_PER_POSITION * self.runtime.max_positions:
             # no tokenizing a text that cannot fit (a 48 MB prompt held the local API's event loop for seconds)
             raise PromptTooLongError(f"prompt of {len(prompt)} characters exceeds the edge graph's "
                                      f"{self.runtime.max_positions} positions")
-        ids = list(prompt_ids) if prompt_ids is not None else self.tokenizer.encode(prompt)
+        # a chat's messages are text (a special token's string in one is no token); a raw prompt is the caller's own
+        ids = (list(prompt_ids) if prompt_ids is not None
+               else self.tokenizer.encode_chat(prompt) if messages is not None else self.tokenizer.encode(prompt))
         if not ids:
             raise ValueError("empty prompt")
         try:
@@ -442,15 +446,11 @@ class EdgeClient:
         tokens = 0
         for p in prompts:
             if isinstance(p, str):
-                if as_system:
-                    text = self.tokenizer.apply_chat_template([{"role": "system", "content": p}],
-                                                              add_generation_prompt=False)
-                else:
-                    text = p
-                ids = self.tokenizer.encode(text)
+                ids = (self.tokenizer.chat_ids([{"role": "system", "content": p}], add_generation_prompt=False)
+                       if as_system else self.tokenizer.encode(p))
             else:  # image / audio parts as their placeholders, as a request renders them (they were repr()'d)
                 messages, parts = extract_parts(p, self._placeholder)
-                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+                ids = self.tokenizer.chat_ids(messages, add_generation_prompt=False)
                 if parts:  # no encoder runs here: the text before the first placeholder is what gets cached
                     first = {self.media.placeholder_ids(part.kind)[0] for part in parts}
                     ids = ids[:next((i for i, t in enumerate(ids) if t in first), len(ids))]

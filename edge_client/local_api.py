@@ -99,7 +99,7 @@ class _EdgeBackend:
     def render_chat(self, req: oc.ChatRequest) -> str:
         if _has_media(req):
             return ""  # rendered in start(), where the media parts become placeholder tokens
-        try:
+        try:  # the routes' text of the prompt; start() has the client render and tokenize the messages themselves
             return self.client.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True,
                                                              **req.template_kwargs())
         except ValueError as e:
@@ -112,8 +112,11 @@ class _EdgeBackend:
                                        ("repetition_penalty", 1.0)) if getattr(s, n) != d)
             raise oc.OpenAIRequestError(f"{name}: not supported by the edge's API (the split path samples "
                                         "without penalties)", name)
-        source = ({"messages": req.messages, "chat_template_kwargs": req.template_kwargs()} if _has_media(req)
-                  else {"prompt_ids": req.prompt_ids} if getattr(req, "prompt_ids", None) is not None
+        # a chat as its messages: the client tokenizes their text as text (shared.chat_tokens), never as the tokens
+        # it may spell; a completion's prompt is the app's own text, special tokens included
+        source = ({"messages": req.messages, "chat_template_kwargs": req.template_kwargs()}
+                  if isinstance(req, oc.ChatRequest)
+                  else {"prompt_ids": req.prompt_ids} if req.prompt_ids is not None
                   else {"prompt": prompt})
         run = functools.partial(self.client.agenerate, **source, max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS,
                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop,

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.chat_tokens import Placeholder
 from shared.prefix_keys import content_digests
 
 from .mrope import ImageSpan, rope_index, text_positions
@@ -421,21 +422,29 @@ class MediaPart:
     source: object  # raw bytes or a URL / path (load_source); an image may be a PIL image (vision.open_image)
 
 
-def extract_parts(messages: list[dict], placeholder: Callable[[str], str]) -> tuple[list[dict], list[MediaPart]]:
-    """OpenAI chat messages -> (messages with string content, the media parts in order). An ``image_url``
+def extract_parts(messages: list[dict],
+                  placeholder: Callable[[str], Placeholder]) -> tuple[list[dict], list[MediaPart]]:
+    """OpenAI chat messages -> (messages with text content, the media parts in order). An ``image_url``
     part (``{"url": ...}``), an ``image`` part (raw bytes, the Python API) or an ``input_audio`` part
-    (``{"data": base64 WAV, "format": "wav"}``) becomes ``placeholder(kind)`` in the text."""
+    (``{"data": base64 WAV, "format": "wav"}``) becomes ``placeholder(kind)`` (a ``shared.chat_tokens.Placeholder``:
+    its special tokens stay tokens) between the text parts, which are joined: the content is a list of pieces, the
+    text and the placeholders (``EdgeTokenizer.render_chat`` joins them, the text's special tokens' strings marked
+    as text)."""
     out, parts = [], []
     for i, m in enumerate(messages):
         content = m.get("content")
         if not isinstance(content, list):
             out.append(m)
             continue
-        text = []
+        text: list[str] = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text":
-                text.append(str(part.get("text", "")))
+            if kind == "text":  # joined with the text before it: a special token's string split over two parts
+                piece = str(part.get("text", ""))  # is one string, marked as text
+                if text and not isinstance(text[-1], Placeholder):
+                    text[-1] += piece
+                else:
+                    text.append(piece)
                 continue
             if kind == "image_url":
                 url = part.get("image_url")
@@ -456,7 +465,7 @@ def extract_parts(messages: list[dict], placeholder: Callable[[str], str]) -> tu
             else:
                 raise MediaError(f"messages[{i}].content[{j}]: part type {kind!r} is not supported", "bad_media")
             text.append(placeholder(parts[-1].kind))
-        out.append({**m, "content": "".join(text)})
+        out.append({**m, "content": text})
     return out, parts
 
 

@@ -9,6 +9,11 @@
   UTF-8 bytes shifted past the model's special ids, and a ChatML-like template. Good enough to drive the
   pipeline by text; tests that compare against the unsplit model drive it by token ids.
 
+A chat is tokenized by :meth:`render_chat` then :meth:`encode_chat` (``shared.chat_tokens``): a special token's string
+inside a message is text, never the token (it could forge a turn); the template's own special tokens and the media
+placeholders the runtime writes stay tokens, and a chat without such a string gets the ids of its whole text.
+``apply_chat_template`` + ``encode`` (transformers' and vLLM's way) make the token of it.
+
 Streaming decode (token ids to text deltas) is :class:`shared.detokenizer.StreamDecoder` over
 :meth:`EdgeTokenizer.decode`, the same code the cloud's full-model routes run.
 
@@ -22,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from shared import chat_tokens
 from shared.manifest import BundleError, Manifest
 
 # Tags the reasoning splitter must see even when the tokenizer marks them special.
@@ -36,6 +42,32 @@ class TokenizerLike(Protocol):
     def token_text(self, ids: list[int]) -> str: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str: ...
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str: ...
+    def encode_chat(self, prompt: str) -> list[int]: ...
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]: ...
+
+
+class _ChatMixin:
+    """Chats tokenized with their messages' text as text (``shared.chat_tokens``); ``_control`` is the pattern of
+    the strings that are text inside a message."""
+
+    _control = None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The chat's prompt for :meth:`encode_chat`: the template's text, the special tokens' strings inside the
+        messages and the template variables marked (a content may hold ``chat_tokens.Placeholder`` pieces)."""
+        return self.apply_chat_template(chat_tokens.mark_messages(messages, self._control), add_generation_prompt,
+                                        **chat_tokens.mark(kwargs, self._control))
+
+    def encode_chat(self, prompt: str) -> list[int]:
+        """The ids of a :meth:`render_chat` prompt: the template's special tokens as tokens, the messages' as text."""
+        return chat_tokens.encode_chat(prompt, self.encode, self.encode_text, self._is_control)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        return self.encode_chat(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+    def _is_control(self, token_id: int) -> bool:
+        return False
 
 
 def _jinja_env():
@@ -80,7 +112,7 @@ class ChatTemplate:
             raise ValueError(f"chat template refused the messages: {e}") from None
 
 
-class EdgeTokenizer:
+class EdgeTokenizer(_ChatMixin):
     """A bundle's trained tokenizer (``tokenizers``) and chat template (jinja2)."""
 
     def __init__(self, tokenizer_json: Path, config: dict, template: str | None, eos_token_ids: list[int]):
@@ -107,6 +139,8 @@ class EdgeTokenizer:
         self.eos_token_ids = eos
         added = self.tok.get_added_tokens_decoder()  # {id: AddedToken}
         self._hidden_ids = {i for i, t in added.items() if t.special and t.content not in THINKING_TAGS}
+        self._added_ids = set(added)
+        self._control = chat_tokens.control_tokens(((t.content, t.special) for t in added.values()), template)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
     @classmethod
@@ -142,6 +176,18 @@ class EdgeTokenizer:
             text.encode("utf-8")  # the UnicodeEncodeError (a ValueError) naming the character, as ByteTokenizer's
             raise
 
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of ``text`` with every added token's string as plain text (the model's own pieces of it): the
+        tokenizer's normalizer, pre-tokenizer and model, without its added tokens (transformers'
+        ``_encode_without_added_tokens``; no switch on the shared tokenizer, so threads may call it at once)."""
+        if self.tok.normalizer is not None:
+            text = self.tok.normalizer.normalize_str(text)
+        splits = [s for s, _ in self.tok.pre_tokenizer.pre_tokenize_str(text)] if self.tok.pre_tokenizer else [text]
+        return [t.id for s in splits for t in self.tok.model.tokenize(s)]
+
+    def _is_control(self, token_id: int) -> bool:
+        return token_id in self._added_ids
+
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([i for i in ids if i not in self._hidden_ids], skip_special_tokens=False)
 
@@ -156,8 +202,9 @@ class EdgeTokenizer:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
 
-class ByteTokenizer:
-    """Byte-level fallback: id = byte + offset (offset skips the model's pad/bos/eos ids)."""
+class ByteTokenizer(_ChatMixin):
+    """Byte-level fallback: id = byte + offset (offset skips the model's pad/bos/eos ids). No token is special: a
+    chat is its whole text's bytes."""
 
     TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
@@ -180,6 +227,7 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
     token_text = decode  # no token is special here
+    encode_text = encode
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)

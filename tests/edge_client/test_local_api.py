@@ -70,7 +70,9 @@ class _ScriptedClient:
         self.fail = False
         self.slow_on_loop: list[bool] = []  # per SLOW_PROMPT: tokenized on the server's event loop?
 
-    def agenerate(self, prompt=None, prompt_ids=None, **kw):
+    def agenerate(self, prompt=None, prompt_ids=None, messages=None, chat_template_kwargs=None, **kw):
+        if messages is not None:  # what EdgeClient does with a chat: its tokenizer renders the messages
+            prompt = self.tokenizer.render_chat(messages, **(chat_template_kwargs or {}))
         if prompt_ids is not None:  # what EdgeClient does with ids outside the vocabulary
             if max(prompt_ids) >= self.tokenizer.vocab_size:
                 raise ValueError("prompt_ids: token id out of range")
