@@ -266,9 +266,10 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
                 return Response(f"metrics: the engine process did not answer ({str(e) or 'timed out'})",
                                 status_code=503, media_type="text/plain")
             return Response(body, media_type=runtime.metrics.content_type)
-        if len(_runtimes(app)) > 1:  # several bundles: their registries in one exposition
-            return Response(app.state.split.render_metrics(), media_type=runtime.metrics.content_type)
-        return Response(runtime.metrics.render(), media_type=runtime.metrics.content_type)
+        # rendered off the event loop: ~1 ms bare, ~45 ms with a keys file of 1000 tenants (six series each), which
+        # every session's decode step on this loop waited for at each scrape
+        render = app.state.split.render_metrics if len(_runtimes(app)) > 1 else runtime.metrics.render
+        return Response(await asyncio.to_thread(render), media_type=runtime.metrics.content_type)
 
     @app.get("/v1/models", dependencies=[auth])
     async def models():

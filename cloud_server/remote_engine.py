@@ -221,10 +221,13 @@ class RemoteEngine:
         elif kind == "reclaim":
             if self.on_reclaim is not None:
                 self.on_reclaim(msg[1])
-        elif kind == "render":
-            self._send([("rendered", msg[1], self.families() if self.families is not None else [])])
+        elif kind == "render":  # collected off the event loop (tens of ms with many tenants), sent from there
+            self.loop.run_in_executor(None, self._render, msg[1])
         elif kind == "dead":
             self._fail(msg[1])
+
+    def _render(self, token: int) -> None:
+        self._send([("rendered", token, self.families() if self.families is not None else [])])
 
     def _deliver(self, out: RequestOutput) -> None:
         rid = out.request_id
