@@ -104,8 +104,8 @@ class PlanConfig:
         sized = [c for c in CODEC_NAMES if c not in BASIS_CODECS]  # the codecs codec_bytes_per_token sizes
         if self.codec not in sized:
             raise PlanError(f"--codec {self.codec!r}: expected one of {', '.join(sized)}")
-        if not self.edge_memory_mb > 0:
-            raise PlanError(f"--edge-memory-mb {self.edge_memory_mb:g}: expected > 0")
+        if not 0 < self.edge_memory_mb < math.inf:  # inf (or 1e400) printed 'Infinity' in --json: no JSON
+            raise PlanError(f"--edge-memory-mb {self.edge_memory_mb:g}: expected > 0 and finite")
         if self.candidates is not None and (not self.candidates or min(self.candidates) < 1):
             raise PlanError(f"--candidates {self.candidates}: expected split layers >= 1")
         if self.candidates is not None:  # each once, in order (--candidates 8,2,8 printed and timed rows twice)

@@ -261,6 +261,8 @@ def test_an_empty_path_twin_is_unset(tiny_glm4_bundle, capsys, monkeypatch):
     (["--codec", "bogus"], "--codec 'bogus'"),
     (["--codec", "pca-fine"], "--codec 'pca-fine'"),  # the planner sizes no basis codec
     (["--edge-memory-mb", "-1"], "--edge-memory-mb -1: expected > 0"),
+    (["--edge-memory-mb", "inf"], "--edge-memory-mb inf: expected > 0 and finite"),  # --json printed Infinity
+    (["--edge-memory-mb", "1e400"], "--edge-memory-mb inf: expected > 0 and finite"),
     (["--candidates", "a,b"], "expected split layers, comma-separated"),
     (["--candidates", "0"], "expected split layers >= 1"),
     (["--candidates", "2,99"], "the model has 4 layers"),
