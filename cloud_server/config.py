@@ -178,10 +178,9 @@ class ServerConfig:
             raise ConfigError(problem)
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port")
-        if self.api_key is not None and not self.api_key:  # an unset secret, `--api-key "$KEY"` with KEY unset
-            raise ConfigError("api_key is empty: give the key, or leave the option unset to serve without one")
         if self.api_key is not None and (problem := bearer_key_problem(self.api_key)) is not None:
-            # a Kubernetes secret from `kubectl create secret --from-file`: every request was a 401
+            # empty: an unset secret, `--api-key "$KEY"` with KEY unset (served without any key); a Kubernetes
+            # secret from `kubectl create secret --from-file` (its newline): every request was a 401
             raise ConfigError(f"api_key {problem}")
         _positive("max_sessions", self.max_sessions)
         _positive("session_grace_s", self.session_grace_s)

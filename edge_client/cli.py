@@ -150,10 +150,10 @@ def cmd_serve(args) -> int:
         args.media_dir = user_path(args.media_dir)
         if not args.media_dir.is_dir():  # else every local image path is refused
             raise ValueError(f"--media-dir {args.media_dir}: not a directory")
-    if args.local_api_key == "":  # `--local-api-key "$KEY"` with KEY unset served every local app without a key
-        raise ValueError("--local-api-key is empty: give the key, or leave the option out to serve without one")
-    if args.local_api_key and (problem := bearer_key_problem(args.local_api_key)) is not None:
-        raise ValueError(f"--local-api-key {problem}")  # a secret file's newline: every local request was a 401
+    if args.local_api_key is not None and (problem := bearer_key_problem(args.local_api_key)) is not None:
+        # empty: `--local-api-key "$KEY"` with KEY unset served every local app without a key; a secret file's
+        # newline: every local request was a 401
+        raise ValueError(f"--local-api-key {problem}")
     from shared.cli_exit import listen_problem
 
     if (problem := listen_problem(args.host, args.port)) is not None:  # was uvicorn's bind error, exit 3

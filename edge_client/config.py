@@ -157,8 +157,9 @@ class EdgeConfig:
         if self.ca_file is not None:
             self.ca_file = user_path(self.ca_file)
         self.url = split_url(self.url)
-        if self.api_key and (problem := bearer_key_problem(self.api_key)) is not None:
-            # a newline failed every connect as 'not a WebSocket server (InvalidHeaderValue ...)'
+        if self.api_key is not None and (problem := bearer_key_problem(self.api_key)) is not None:
+            # empty: connected without the key, silently (every request a 401 from a protected cloud); a newline
+            # failed every connect as 'not a WebSocket server (InvalidHeaderValue ...)'
             raise ConfigError(f"api_key {problem}")
         if self.threads < 1:
             raise ConfigError(f"threads must be >= 1, got {self.threads}")
@@ -205,7 +206,14 @@ class EdgeConfig:
             for f in fields(owner):
                 if f.name == "retry":
                     continue
-                raw = os.environ.get(f"AUTOGLM_EDGE_{f.name.upper()}") or os.environ.get(aliases.get(f.name, "-"))
+                names = (f"AUTOGLM_EDGE_{f.name.upper()}", aliases.get(f.name, "-"))
+                if f.name == "api_key" and overrides.get("api_key") is None:
+                    # an empty variable is unset, except the key's (the cloud's rule): an empty one, a secret made
+                    # from an unset variable, connected without the key, silently; named with its problem here
+                    for name in names:
+                        if (key := os.environ.get(name)) is not None and (problem := bearer_key_problem(key)):
+                            raise ConfigError(f"{name} {problem}")
+                raw = os.environ.get(names[0]) or os.environ.get(names[1])
                 if raw is not None:
                     into[f.name] = _coerce(f.name, f.type, raw)
         retry_names = {f.name for f in fields(RetryPolicy)}

@@ -118,9 +118,13 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 def bearer_key_problem(key: str) -> str | None:
-    """Why ``key`` cannot be an API key, or None: whitespace at an end or a control character (a secret file's
-    trailing newline) - :func:`bearer_token` reads a header's token stripped, so a server's such key never matches,
-    and a client's cannot be sent (a newline) or is not the key it names."""
+    """Why ``key`` cannot be an API key, or None: empty (``--api-key "$KEY"`` with KEY unset, a secret made from an
+    unset variable: taken as no key, a server meant to be protected served everyone, a client went without the key
+    it was given), or whitespace at an end or a control character (a secret file's trailing newline) -
+    :func:`bearer_token` reads a header's token stripped, so a server's such key never matches, and a client's
+    cannot be sent (a newline) or is not the key it names. The one rule for every key option (cloud and edge)."""
+    if not key:
+        return "is empty (an unset variable?): give the key, or leave the option unset for none"
     if key != key.strip() or not key.isprintable():
         return ("has whitespace at an end or a control character (a secret file's trailing newline?): an "
                 "'Authorization: Bearer' header cannot carry it")

@@ -95,6 +95,29 @@ def test_cli_bad_flags_exit_2_in_one_line(argv, match, tiny_bundle, capsys, monk
     _usage_error(argv, capsys, match)
 
 
+@pytest.mark.parametrize("argv, env, match", [
+    (["--api-key", ""], {}, "api_key is empty"),
+    ([], {"AUTOGLM_API_KEY": ""}, "AUTOGLM_API_KEY is empty"),
+    ([], {"AUTOGLM_EDGE_API_KEY": "", "AUTOGLM_API_KEY": "k"}, "AUTOGLM_EDGE_API_KEY is empty"),
+    ([], {"AUTOGLM_API_KEY": "k\n"}, "AUTOGLM_API_KEY has whitespace at an end"),
+])
+def test_an_empty_cloud_key_is_refused_as_the_clouds_serve_refuses_its_own(argv, env, match, tiny_bundle, capsys,
+                                                                            monkeypatch):
+    """serve --api-key "" (a KEY unset in ``--api-key "$KEY"``) or AUTOGLM_API_KEY="" (a secret made from an unset
+    variable) started and connected without any key, silently: every request a 502 'API key refused' from a
+    protected cloud. Refused at start as the cloud's serve refuses its own empty key (one rule,
+    shared.prefix_keys.bearer_key_problem), the variable named; a flag given still wins over the variables."""
+    from edge_client.local_api import ClosingServer
+
+    monkeypatch.setattr(ClosingServer, "run", lambda self: None)  # it served (forever): here it returns, exit 0
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _usage_error(["serve", "--bundle", str(tiny_bundle), "--url", DEAD_URL, *argv], capsys, match)
+    from edge_client.config import EdgeConfig
+
+    assert EdgeConfig.from_env(bundle=tiny_bundle, api_key="given").api_key == "given"
+
+
 @pytest.mark.parametrize("given", [["--media-dir=~/shots"], []])
 def test_a_media_dir_under_home_is_the_homes(given, tiny_bundle, tmp_path, monkeypatch):
     """AUTOGLM_EDGE_MEDIA_DIR=~/shots (a variable no shell expands), or --media-dir=~/shots, was refused as 'not a
