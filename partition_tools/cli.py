@@ -220,15 +220,26 @@ def _cmd_draft_head(args) -> int:
 @contextlib.contextmanager
 def _drafter_progress(args, steps: int):
     """The source of the bundle loaded, and the progress lines of draft-head (``partition_tools.progress``: the
-    source's load, then the drafter's ``steps``) until the block ends."""
+    source's load, then the drafter's ``steps``) until the block ends; a write the disk had no room for (an
+    OSError traceback) is one line."""
+    from shared.manifest import BundleError
+
     from .models import load_bundle_source
     from .progress import Steps
+    from .split import no_room
 
     started = time.perf_counter()
     progress = Steps(1 + steps, "draft-head")
     source = _source(args)
     progress.next(f"load {source}")
-    yield load_bundle_source(args.bundle, source), progress
+    try:
+        yield load_bundle_source(args.bundle, source), progress
+    except Exception as e:
+        reason = no_room(e)
+        if reason is None:
+            raise
+        raise BundleError(f"{args.bundle}: the drafter does not fit ({reason}); make room and run draft-head "
+                          "again") from None
     progress.done(time.perf_counter() - started)
 
 

@@ -139,6 +139,17 @@ def agreement(adapter: ModelAdapter, table: np.ndarray, seqs: Sequences, split: 
     return hit / max(total, 1), total
 
 
+def _save_npy(path: Path, table: np.ndarray) -> None:
+    """``np.save``'s file, written through Python's file object: numpy's own writer reports a full disk as a bare
+    OSError ('65536 requested and 32704 written', no errno), which ended draft-head in a traceback."""
+    from numpy.lib import format as npy
+
+    table = np.ascontiguousarray(table)
+    with open(path, "wb") as f:
+        npy.write_array_header_1_0(f, npy.header_data_from_array_1_0(table))
+        f.write(memoryview(table).cast("B"))
+
+
 STEPS = 3  # the progress lines add_cloud_drafter prints (partition_tools.progress)
 
 
@@ -160,7 +171,7 @@ def add_cloud_drafter(lm: LoadedModel, bundle: Path, cfg: CloudDrafterConfig | N
     table = table_of(adapter, w)
     path = bundle / CLOUD_DRAFT_INPUTS
     path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path, table)
+    _save_npy(path, table)
     progress.next("held-out agreement of the table's drafts, manifest")
     held = held_out_prose(lm, adapter)
     held_agree, held_n = agreement(adapter, table, held, split)

@@ -277,7 +277,7 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
             manifest = _write_bundle(lm, replace(cfg, out=staged), adapter, started)
             _swap_in(staged, out)
         except Exception as e:
-            reason = _no_room(e)
+            reason = no_room(e)
             if reason is None:
                 raise
             kept = " (the earlier bundle at --out is kept until the new one is written)" \
@@ -290,7 +290,7 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
 _NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, the file size limit (ulimit -f)
 
 
-def _no_room(e: Exception) -> str | None:
+def no_room(e: Exception) -> str | None:
     """Why writing the bundle failed for want of room, or None: an OSError's errno, or the system's words inside a
     library's own error (safetensors' SafetensorError 'No space left on device (os error 28)'), which ended the
     split in a traceback after all its work."""

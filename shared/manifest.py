@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -145,8 +146,16 @@ class Manifest:
         return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
     def save(self, bundle_dir: Path) -> None:
+        """Written whole or not at all (a temporary file renamed over it): a write cut short - a full disk under
+        draft-head's update of a bundle - left a truncated manifest, and the whole bundle unreadable."""
         self.bundle_id = self.compute_bundle_id()
-        (Path(bundle_dir) / MANIFEST_NAME).write_text(self.to_json())
+        path = Path(bundle_dir) / MANIFEST_NAME
+        tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(self.to_json())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, bundle_dir: str | Path) -> Manifest:

@@ -166,6 +166,25 @@ def test_split_into_a_mount_point_writes_on_its_file_system(tiny_glm4_bundle, tm
             assert sorted(p.name for p in disk.iterdir()) == sorted(p.name for p in tiny_glm4_bundle.iterdir())
 
 
+def test_draft_head_on_a_full_disk_is_one_line_and_keeps_the_bundle(tiny_glm4_bundle, tmp_path, capsys):
+    """draft-head writing into a bundle on a disk that filled up ended in an OSError traceback ('No space left on
+    device'); and a manifest rewrite cut short by it left the bundle's manifest truncated (shared.manifest: saved
+    whole or not at all)."""
+    from shared.manifest import Manifest
+
+    with _tmpfs(tmp_path / "disk", 2048) as disk:
+        shutil.copytree(tiny_glm4_bundle, disk / "b")
+        import os
+
+        st = os.statvfs(disk)
+        with open(disk / "filler", "wb") as f:  # room for 16 pages: not the 65,664-byte drafter table
+            os.posix_fallocate(f.fileno(), 0, (st.f_bavail - 16) * st.f_frsize)
+        _fails_in_one_line(["draft-head", str(disk / "b"), "--cloud"], capsys,
+                           f"{disk / 'b'}: the drafter does not fit (No space left on device); make room and run "
+                           "draft-head again")
+        Manifest.load(disk / "b").verify_files(disk / "b")
+
+
 def test_a_second_split_into_the_same_out_is_refused_naming_it(tiny_glm4_bundle, tmp_path, capsys):
     """Two splits into one --out: the later to finish replaced the other's bundle (both said 'bundle ... -> out'), and
     one checking the folder while the other moved its bundle in was told a running edge client held it. A split holds

@@ -79,6 +79,25 @@ def test_the_generation_configs_stop_tokens_are_the_bundles_and_in_its_id(llama_
     assert m.compute_bundle_id() != m.bundle_id
 
 
+def test_a_manifest_save_cut_short_keeps_the_manifest_before_it(tiny_glm4_bundle, tmp_path):
+    """Manifest.save rewrote manifest.json in place: a write cut short (a full disk, here the file size limit, under
+    draft-head's update of a bundle) left it truncated, and the whole bundle unreadable."""
+    import shutil
+    import subprocess
+    import sys
+
+    b = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, b)
+    before = (b / "manifest.json").read_bytes()
+    code = ("import resource, sys; from shared.manifest import Manifest; m = Manifest.load(sys.argv[1]); "
+            "m.quant_report['note'] = 'x' * 4000; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+            "m.save(sys.argv[1])")
+    r = subprocess.run([sys.executable, "-c", code, str(b)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "File too large" in r.stderr, r.stderr
+    assert (b / "manifest.json").read_bytes() == before and sorted(p.name for p in b.iterdir()) == sorted(
+        p.name for p in tiny_glm4_bundle.iterdir())
+
+
 def test_edited_manifest_is_refused(tiny_glm4_bundle, tmp_path):
     import shutil
 
