@@ -217,4 +217,5 @@ class _EngineBackend:
 def install(app: FastAPI, runtime, auth) -> None:
     """Add the OpenAI text routes over ``runtime`` (a full-model ``CloudRuntime``) behind ``auth``."""
     openai_routes.install(app, _EngineBackend(runtime), dependencies=[auth],
-                          max_body_bytes=max_body_bytes(runtime.config))
+                          max_body_bytes=max_body_bytes(runtime.config),
+                          body_stall_s=runtime.config.handshake_timeout_s)  # a vanished client's upload ends

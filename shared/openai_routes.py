@@ -97,30 +97,39 @@ RETRY_AFTER_S = 1  # a 503 (not ready, draining, overloaded) says when to try ag
 def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
     # 415 (a compressed body): the codings taken, as RFC 9110 15.5.16 asks
     headers = ({"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else {"Accept-Encoding": "identity"}
-               if e.status == 415 else None)
+               if e.status == 415 else {"Connection": "close"} if e.status == 408 else None)  # 408: the body's
+    # rest will not come, and the server must not read it as the connection's next request: it closes the connection
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
-async def read_body(request: Request, max_bytes: int | None) -> bytes:
+async def read_body(request: Request, max_bytes: int | None, stall_s: float | None = None) -> bytes:
     """The request's body; over ``max_bytes`` (None: no limit) an ``OpenAIRequestError`` with status 413, raised
     before the rest is read (a declared ``Content-Length`` over it: before any). A compressed body
     (``Content-Encoding: gzip``, ...) is a 415 before any is read: its bytes were parsed as JSON, and refused as
-    'not valid JSON' that was valid once decompressed."""
+    'not valid JSON' that was valid once decompressed. A body none of which arrives for ``stall_s`` seconds (None:
+    no limit) is a 408 (and the connection closes): a client that vanished mid-upload without a FIN or RST (a phone
+    losing coverage) held its request - a ``--max-http-requests`` slot - and its socket forever."""
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise oc.OpenAIRequestError(f"Content-Encoding {encoding!r} is not supported: send the JSON body "
                                     "uncompressed", None, "unsupported_content_encoding", 415)
     try:
-        if max_bytes is None:
-            return await request.body()
         declared = request.headers.get("content-length", "")
         too_large = oc.OpenAIRequestError(f"request body over {max_bytes} bytes", None, "request_too_large", 413)
-        if declared.isdigit() and int(declared) > max_bytes:
+        if max_bytes is not None and declared.isdigit() and int(declared) > max_bytes:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
+        stream = request.stream()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), stall_s)
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                raise oc.OpenAIRequestError(f"the request body stopped arriving ({size} bytes in {stall_s:g} s "
+                                            "ago)", None, "request_timeout", 408) from None
             size += len(chunk)
-            if size > max_bytes:
+            if max_bytes is not None and size > max_bytes:
                 raise too_large
             chunks.append(chunk)
         return b"".join(chunks)
@@ -153,14 +162,15 @@ def parse_json_body(raw: bytes) -> Any:
 
 
 def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = (),
-            max_body_bytes: int | None = None) -> None:
+            max_body_bytes: int | None = None, body_stall_s: float | None = None) -> None:
     """Add the two routes to ``app``; ``dependencies`` (e.g. an API-key check) run before each; a body over
-    ``max_body_bytes`` (None: no limit) is refused with 413."""
+    ``max_body_bytes`` (None: no limit) is refused with 413, one that stops arriving for ``body_stall_s`` with 408
+    (:func:`read_body`)."""
 
     async def serve(request: Request, chat: bool):
         try:
             backend.check_ready()
-            raw = await read_body(request, max_body_bytes)
+            raw = await read_body(request, max_body_bytes, body_stall_s)
             # decoding, checking and the chat template cost in proportion to the body (a 32 MiB body of a million
             # one-letter messages took 4 s on the edge): on a worker thread, so the streams already running keep
             # their pace meanwhile

@@ -26,12 +26,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_LEN = 128
 MAX_PROMPT = 64  # --max-prompt-tokens
 STREAM = {"model": "tiny", "prompt": "a b c", "max_tokens": 24, "temperature": 0.0, "stream": True}
+STALL_S = 1.5  # --handshake-timeout-s: also how long a request body may stop arriving
 
 
 @pytest.fixture(scope="module")
 def server(smol_lm):
     cfg = ServerConfig(full="smollm2", api_key=KEY, model_name="tiny", max_http_requests=1,
-                       max_prompt_tokens=MAX_PROMPT,
+                       max_prompt_tokens=MAX_PROMPT, handshake_timeout_s=STALL_S,
                        engine=EngineConfig(num_blocks=64, block_size=4, max_model_len=MAX_LEN))
     rt = CloudRuntime(cfg, loaded=copy.copy(smol_lm)).start()  # the runtime sets fields of its model
     with ServerThread(create_app(rt)) as srv:
@@ -117,3 +118,26 @@ def test_overload_is_refused_at_once_with_429_and_retry_after(server):
     assert result["text"] == alone  # the request holding the slot was not disturbed
     assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
     print(f"\noverload: 429 + Retry-After in {waited * 1000:.0f} ms; the streaming request's text unchanged")
+
+
+def test_a_client_that_vanishes_mid_body_frees_its_slot_and_socket(server):
+    """A client gone silent mid-upload (a phone losing coverage: no FIN, no RST) held its request - the only
+    --max-http-requests slot here - and its socket for ever: every later request got 429. After the handshake
+    timeout with no byte of the body it gets 408 and the connection closes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2}'
+    with socket.create_connection((url.hostname, url.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10])
+        time.sleep(0.3)
+        assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 429
+        s.settimeout(STALL_S + 10)
+        answer = b""
+        while chunk := s.recv(4096):  # the answer, then the end of the connection
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer.lower()
+    assert b'"request_timeout"' in answer
+    assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
