@@ -339,6 +339,10 @@ class ActivationCache:
             raise OtherScope("written by another edge variant, dtype or block size")
         if header.get("shapes") != [list(s) for s in self._shapes()]:
             raise CacheFileError("array shapes do not match this bundle's front")
+        if type(header.get("payload_bytes")) is not int or header["payload_bytes"] != self.block_bytes:
+            raise CacheFileError("payload size is not a block's")  # the bound counts it before the payload is read
+        if not (type(header.get("index")) is int and header["index"] >= 0):  # Infinity: an OverflowError crashed it
+            raise CacheFileError("header's block index is not a position in a chain")
         tokens, parent, content = header.get("tokens"), header.get("parent"), header.get("content")
         if not (isinstance(tokens, list) and len(tokens) == self.block_tokens and isinstance(parent, str)
                 and (content is None or isinstance(content, str))):

@@ -166,7 +166,8 @@ def test_retiring_blocks_a_directory_will_not_remove_leaves_them(rt, tmp_path, m
     assert len(_cache(rt, cache_dir=tmp_path)) == 4
 
 
-@pytest.mark.parametrize("damage", ["payload", "truncate", "magic", "header", "garbage", "tokens"])
+@pytest.mark.parametrize("damage", ["payload", "truncate", "magic", "header", "garbage", "tokens", "index",
+                                    "payload_bytes"])
 def test_corrupt_file_is_rejected_and_removed(rt, tmp_path, caplog, damage):
     cache = _cache(rt, cache_dir=tmp_path)
     _fill(rt, cache)
@@ -181,10 +182,15 @@ def test_corrupt_file_is_rejected_and_removed(rt, tmp_path, caplog, damage):
         data[:4] = b"JUNK"
     elif damage == "header":
         data[20:24] = b"\xff\xfe{]"
-    elif damage == "tokens":  # a token id past int64 (an OverflowError out of the key check crashed the client)
+    elif damage in ("tokens", "index", "payload_bytes"):
+        # a token id past int64 (an OverflowError out of the key check crashed the client), and JSON's Infinity as
+        # the block's index or payload size (OverflowError out of the scan: the client did not start)
         (hlen,) = struct.unpack("<I", data[8:12])
         header = json.loads(bytes(data[12:12 + hlen]))
-        header["tokens"][0] = 2 ** 64
+        if damage == "tokens":
+            header["tokens"][0] = 2 ** 64
+        else:
+            header[damage] = float("inf")
         hb = json.dumps(header).encode()
         data = bytearray(MAGIC + struct.pack("<I", len(hb)) + hb + data[12 + hlen:])
     else:
