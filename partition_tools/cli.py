@@ -123,8 +123,8 @@ def _cmd_split(args) -> int:
         raise UsageError("split needs SOURCE or --preset NAME")
     if args.preset and args.source:
         raise UsageError("give SOURCE or --preset, not both")
-    if args.layer is None or args.out is None:
-        raise UsageError("split needs --layer N and --out DIR")
+    if args.layer is None or not args.out:  # an empty one (AUTOGLM_PARTITION_OUT="") is none: it was the working
+        raise UsageError("split needs --layer N and --out DIR")  # directory, where the bundle then went
     cfg = SplitConfig(layer=int(args.layer), out=Path(args.out), edge_quant=args.edge_quant,
                       vision_quant=args.vision_quant, audio_encoder=args.audio_encoder, tail=args.tail,
                       fp32_prefill=args.fp32_prefill, edge_kv=args.edge_kv)

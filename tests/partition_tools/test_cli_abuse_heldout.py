@@ -267,12 +267,19 @@ def test_a_path_under_home_from_the_environment_is_the_home(tmp_path, capsys, mo
     assert not (tmp_path / "~").exists()
 
 
-def test_an_empty_path_twin_is_unset(tiny_glm4_bundle, capsys, monkeypatch):
+def test_an_empty_path_twin_is_unset(tiny_glm4_bundle, tmp_path, capsys, monkeypatch):
     """AUTOGLM_PARTITION_TEXT="" (a unit file's empty value) is no --text, not the working directory ('.')."""
     monkeypatch.setenv("AUTOGLM_PARTITION_TEXT", "")
     monkeypatch.setenv("AUTOGLM_PARTITION_SOURCE", "")
     _fails_in_one_line(["draft-head", str(tiny_glm4_bundle), "--cloud", "--layers", "1"], capsys,
                        "--cloud takes neither --layers nor --vocab")
+    # AUTOGLM_PARTITION_OUT="" (or --out ''): split wrote the bundle into the working directory
+    monkeypatch.setenv("AUTOGLM_PARTITION_OUT", "")
+    monkeypatch.chdir(tmp_path)
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1"], capsys, "split needs --layer N and --out DIR")
+    _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", ""], capsys,
+                       "split needs --layer N and --out DIR")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("flags, match", [
