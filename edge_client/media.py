@@ -479,21 +479,24 @@ class MediaEncoders:
         self._vision = None
         self._audio = None
         self._placeholders: frozenset[int] | None = None
+        self._opening = threading.Lock()  # requests side by side (serve) open each encoder once: one graph in memory
 
     @property
     def vision(self):
-        if self._vision is None:
-            from .vision import VisionEncoder
+        with self._opening:
+            if self._vision is None:
+                from .vision import VisionEncoder
 
-            self._vision = VisionEncoder(self.bundle_dir, self.threads)
+                self._vision = VisionEncoder(self.bundle_dir, self.threads)
         return self._vision
 
     @property
     def audio(self):
-        if self._audio is None:
-            from .audio import AudioEncoder
+        with self._opening:
+            if self._audio is None:
+                from .audio import AudioEncoder
 
-            self._audio = AudioEncoder(self.bundle_dir, self.threads)
+                self._audio = AudioEncoder(self.bundle_dir, self.threads)
         return self._audio
 
     def placeholder_ids(self, kind: str) -> list[int]:

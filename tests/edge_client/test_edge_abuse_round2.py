@@ -128,6 +128,32 @@ def test_a_request_with_media_never_waits_for_another_requests_media(api):
     assert done and _code(done[0]) in ("fetch_failed", "fetch_timeout")
 
 
+def test_requests_side_by_side_open_one_vision_encoder(tiny_glm4v_fp32_bundle, monkeypatch):
+    """Since requests' media are prepared side by side, two first images at once each created the bundle's
+    VisionEncoder (a race on MediaEncoders.vision: two graphs loaded, one dropped - twice a phone's tower memory
+    for a while). Here its opening takes 50 ms, as a slow disk's read of the spec would."""
+    from edge_client import vision
+    from edge_client.media import MediaEncoders
+
+    opened = []
+    real = vision.VisionEncoder.__init__
+
+    def slow_open(self, *a, **kw):
+        real(self, *a, **kw)
+        opened.append(self)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(vision.VisionEncoder, "__init__", slow_open)
+    encoders = MediaEncoders(tiny_glm4v_fp32_bundle)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(encoders.vision)) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(opened) == 1 and all(g is opened[0] for g in got)
+
+
 def test_no_fetch_urls_refuses_http_image_urls_without_fetching(api):
     """``autoglm-edge serve --no-fetch-urls``: an http(s) image_url is url_refused, nothing is fetched (the URL
     names a port where nothing listens, which a fetch would answer fetch_failed)."""
