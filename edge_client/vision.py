@@ -239,7 +239,11 @@ def load_image(img, max_pixels: int = MAX_INPUT_PIXELS):
                              6: t.ROTATE_270, 7: t.TRANSVERSE, 8: t.ROTATE_90}[orientation])
     with _pil_errors(max_pixels):  # a mode PIL cannot convert (an app's own image): bad_image, not a ValueError
         if sixteen_bit:  # 16-bit grayscale: to 8 bits (the top byte), not clipped to white
-            img = Image.fromarray((np.clip(np.asarray(img, np.int64), 0, 65535) >> 8).astype(np.uint8))  # mode L
+            levels = np.asarray(img, np.int64)
+            key = img.info.get("transparency")  # a PNG's tRNS: the 16-bit level that is transparent
+            img = Image.fromarray((np.clip(levels, 0, 65535) >> 8).astype(np.uint8))  # mode L, no info
+            if isinstance(key, int):  # kept as alpha: on white below, as every other transparent image
+                img.putalpha(Image.fromarray(np.where(levels == key, 0, 255).astype(np.uint8)))
         if img.mode in ("La", "RGBa"):  # premultiplied alpha ("La" converts to nothing else): straight alpha first
             img = img.convert(img.mode.upper())
         if "A" in img.getbands() or img.info.get("transparency") is not None:

@@ -388,6 +388,22 @@ def test_a_32_bit_integer_image_is_read_as_pil_reads_it_and_only_16_bit_samples_
     assert (turned == np.rot90(levels >> 8, -1)).all()
 
 
+def test_a_16_bit_png_with_a_transparent_level_is_on_white():
+    """A 16-bit grayscale PNG's tRNS (one transparent level) was dropped when it was scaled to 8 bits: its transparent
+    pixels came out as their gray, where every other transparent image is composited on white."""
+    from PIL import Image
+
+    from edge_client.vision import decode_image
+
+    levels = np.full((3, 5), 1000, np.uint16)
+    levels[0, 0] = levels[2, 4] = 5000
+    buf = io.BytesIO()
+    Image.fromarray(levels).save(buf, format="PNG", transparency=5000)
+    rgb = np.asarray(decode_image(buf.getvalue()))
+    assert (rgb[0, 0] == 255).all() and (rgb[2, 4] == 255).all()  # was 19: 5000 >> 8
+    assert (rgb[1, 1] == 1000 >> 8).all()
+
+
 def _wav(frames: int, rate: int = 16000) -> bytes:
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
