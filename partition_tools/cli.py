@@ -100,12 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Choose the split layer N from measured edge/cloud/link costs.")
     pl.add_argument("source", help="checkpoint directory, .gguf file or preset name")
     pl.add_argument("--link", default=_env("LINK", "4g"), help="link profile: wifi, 5g, 4g, 3g-poor (default 4g)")
-    pl.add_argument("--edge-threads", type=int, default=_env("EDGE_THREADS", "2"), help="edge onnxruntime threads")
+    pl.add_argument("--edge-threads", type=int, default=_env("EDGE_THREADS", "2"), help="edge onnxruntime threads (1 to 256)")
     pl.add_argument("--bundle", default=_env("BUNDLE"), help="time this bundle's front instead of a probe export (a bundle of "
                                                             "SOURCE: another model's is refused)")
     pl.add_argument("--cloud-results", default=_env("CLOUD_RESULTS"),
                     help="cloud costs from a cloud_gpu.json (default: measure torch on this CPU)")
-    pl.add_argument("--cloud-threads", type=int, default=_env("CLOUD_THREADS", "1"), help="CPU cloud threads")
+    pl.add_argument("--cloud-threads", type=int, default=_env("CLOUD_THREADS", "1"), help="CPU cloud threads (1 to 256)")
     pl.add_argument("--codec", default=_env("CODEC", "int8-outlier"), help="wire codec of the prediction")
     pl.add_argument("--edge-memory-mb", type=float, default=_env("EDGE_MEMORY_MB", "1024"),
                     help="edge memory budget (MB)")

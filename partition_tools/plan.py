@@ -55,6 +55,9 @@ UP_MSG_OVERHEAD = 90  # bytes: a DecodeStep's msgpack header + WebSocket frame a
 DOWN_PER_TOKEN = 60  # bytes: one token message (id, text delta, framing) down the WebSocket
 SSE_PER_TOKEN = 200  # bytes: one streamed chat.completion.chunk (all-cloud)
 HTTP_REQUEST_OVERHEAD = 250  # bytes: request line + headers of the all-cloud POST
+# threads a measurement may ask for (--edge-threads, --cloud-threads): onnxruntime spent minutes starting 100,000,
+# torch.set_num_threads(1,000,000) crashed the process (SIGSEGV)
+MAX_THREADS = 256
 
 
 class PlanError(ValueError):
@@ -99,8 +102,9 @@ class PlanConfig:
     def __post_init__(self):
         from shared.codecs import BASIS_CODECS, CODEC_NAMES
 
-        if self.edge_threads < 1 or self.cloud_threads < 1:
-            raise PlanError("edge and cloud threads must be >= 1")
+        if not (1 <= self.edge_threads <= MAX_THREADS and 1 <= self.cloud_threads <= MAX_THREADS):
+            raise PlanError(f"edge and cloud threads must be >= 1 and <= {MAX_THREADS} (--edge-threads "
+                            f"{self.edge_threads}, --cloud-threads {self.cloud_threads})")
         sized = [c for c in CODEC_NAMES if c not in BASIS_CODECS]  # the codecs codec_bytes_per_token sizes
         if self.codec not in sized:
             raise PlanError(f"--codec {self.codec!r}: expected one of {', '.join(sized)}")

@@ -284,6 +284,8 @@ def test_an_empty_path_twin_is_unset(tiny_glm4_bundle, tmp_path, capsys, monkeyp
 
 @pytest.mark.parametrize("flags, match", [
     (["--edge-threads", "0"], "threads must be >= 1"),
+    (["--edge-threads", "100000"], "threads must be >= 1 and <= 256"),  # onnxruntime took minutes to start them
+    (["--cloud-threads", "1000000"], "threads must be >= 1 and <= 256"),  # torch crashed the process (SIGSEGV)
     (["--codec", "bogus"], "--codec 'bogus'"),
     (["--codec", "pca-fine"], "--codec 'pca-fine'"),  # the planner sizes no basis codec
     (["--edge-memory-mb", "-1"], "--edge-memory-mb -1: expected > 0"),
