@@ -264,6 +264,8 @@ def read_cloud_results(path: Path) -> tuple[int, float, float, float]:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"--cloud-results {path}: not JSON ({e})") from None
+    except OSError as e:  # (was "[Errno 21] Is a directory: '/etc'", naming no flag)
+        raise PlanError(f"--cloud-results {path}: {e.strerror or e}") from None
     try:
         m = data["model"]
         layers = int(m["num_layers"])

@@ -473,6 +473,14 @@ def test_plan_cloud_results_that_are_no_measurements(edit, match, tmp_path, caps
     _fails_in_one_line(["plan", "tiny-glm4", "--cloud-results", str(f)], capsys, match)
 
 
+def test_plan_cloud_results_that_is_no_file_names_the_flag(tmp_path, capsys):
+    """--cloud-results naming a folder or nothing: "[Errno 21] Is a directory: '...'", no flag named."""
+    _fails_in_one_line(["plan", "tiny-glm4", "--cloud-results", str(tmp_path)], capsys,
+                       f"--cloud-results {tmp_path}: Is a directory")
+    _fails_in_one_line(["plan", "tiny-glm4", "--cloud-results", str(tmp_path / "none.json")], capsys,
+                       f"--cloud-results {tmp_path / 'none.json'}: No such file or directory")
+
+
 def test_verify_more_tokens_than_the_edge_graph_holds(tiny_glm4_bundle, capsys, monkeypatch):
     """--max-tokens past the model's context (2,048 positions): the reference ran, then the edge graph raised
     FrontError as a traceback, exit 1; now one line, before the model loads."""
