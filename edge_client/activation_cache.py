@@ -30,7 +30,8 @@ own (``<key>.<pid>-<random>.tmp``) and renamed into place, and a scan removes on
 (per scope): a client that has written re-reads the directory, indexes the blocks the others wrote (they serve
 it too), drops the ones they evicted and evicts by file mtime, which every client's use sets. A directory that cannot be
 created or written (read-only, full) costs persistence, never a request: the blocks it refuses are kept in
-memory only, the first refusal is logged and :attr:`ActivationCache.write_error` says why.
+memory only, the first refusal is logged and :attr:`ActivationCache.write_error` says why. A folder removed under
+a running cache (a phone's cache cleaner) is made again at the next write.
 
 A bundle the edge moved off (``edge_client.bundle_sync``) leaves its blocks behind: :func:`retire` removes one
 scope's files (and the bundle's folder once nothing else is in it) unless a cache still holds that scope open -
@@ -138,16 +139,24 @@ class ActivationCache:
         self._skipped: set[str] = set()  # files left alone: other scopes' blocks, bad files it cannot remove
         self._bytes = 0
         self._lock = threading.RLock()
-        if self.dir is not None:
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-            except OSError as err:  # its blocks then live in memory only (each write fails the same way)
-                self._unwritable(err)
-            else:
-                fd = _hold_scope(self.dir, _scope_lock_name(self.scope, block_tokens))
-                if fd is not None:  # closing the descriptor releases the lock: at close(), else when collected
-                    self._scope_lock = weakref.finalize(self, os.close, fd)
-                self._scan()
+        if self.dir is not None and self._open_dir():
+            self._scan()
+
+    def _open_dir(self) -> bool:
+        """Create the bundle's folder and hold this scope open in it (see :func:`retire`); False, the reason
+        noted (:meth:`_unwritable`), where the directory refuses: its blocks then live in memory only."""
+        assert self.dir is not None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            self._unwritable(err)
+            return False
+        if self._scope_lock is not None:  # a lock on a file that went with its folder holds nothing
+            self._scope_lock()
+        fd = _hold_scope(self.dir, _scope_lock_name(self.scope, self.block_tokens))
+        if fd is not None:  # closing the descriptor releases the lock: at close(), else when collected
+            self._scope_lock = weakref.finalize(self, os.close, fd)
+        return True
 
     def close(self) -> None:
         """Stop holding this scope open (its blocks stay; :func:`retire` may remove them now)."""
@@ -310,7 +319,15 @@ class ActivationCache:
         # this write's own name: another client (or another cache of this process) may write the same block now
         tmp = self.dir / f"{e.key}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
         try:
-            with open(tmp, "wb") as f:
+            try:
+                f = open(tmp, "wb")
+            except FileNotFoundError:  # the folder went (a phone's cache cleaner, the user): made again
+                if self.dir.is_dir():
+                    raise
+                if not self._open_dir():  # (the reason noted)
+                    return None
+                f = open(tmp, "wb")
+            with f:
                 f.write(MAGIC + struct.pack("<I", len(hb)) + hb + payload)
             os.replace(tmp, path)  # atomic: a crash mid-write leaves no half file under the real name
         except OSError as err:

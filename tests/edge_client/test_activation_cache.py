@@ -272,6 +272,21 @@ def test_a_directory_that_refuses_writes_keeps_blocks_in_memory(rt, tmp_path, ca
     assert sum("kept in memory only" in r.message for r in caplog.records) == 2
 
 
+def test_a_cache_folder_removed_under_a_running_client_is_made_again(rt, tmp_path):
+    """A phone's system empties an app's cache folder under storage pressure (Android's cache dir), a user clears
+    it: the running client then failed every write ('No such file or directory') and kept its blocks in memory only
+    until a restart - nothing it cached since persisted. The folder is made again (and the scope held open in it,
+    against a retire) at the next write."""
+    from edge_client.activation_cache import retire
+
+    cache = _cache(rt, cache_dir=tmp_path)
+    shutil.rmtree(tmp_path / rt.manifest.bundle_id)
+    assert _fill(rt, cache)[0] == 4 and cache.write_error is None and cache.stats.unwritten_blocks == 0
+    assert not retire(tmp_path, rt.manifest.bundle_id, rt.manifest.edge_quant, block_tokens=B)  # held again
+    cache.close()
+    assert _cache(rt, cache_dir=tmp_path).contains(IDS) == 64  # they survive a restart
+
+
 def test_clients_sharing_a_directory_keep_it_within_the_bound(rt, tmp_path):
     """Each client bounded only the blocks it wrote itself, so n clients sharing a directory kept up to n times
     cache_max_bytes on disk (three writers bounded to 200 KB each: 634 KB). A client that writes now indexes the
