@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cloud_server.auth import Authenticator
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.limits import ConnectionLimit, HttpConcurrencyLimit
+from cloud_server.http_protocol import protocol_class as http_protocol_class
 from cloud_server.ws_protocol import protocol_class
 from shared import openai_compat as oc
 
@@ -106,6 +107,9 @@ class DrainingServer(uvicorn.Server):
         config.ws_per_message_deflate = False
         if config.ws == "auto":  # fewer system calls per frame (cloud_server.ws_protocol); None: uvicorn's own
             config.ws = protocol_class() or "auto"
+        runtime = getattr(app.state, "runtime", None)  # (None: an app not made by create_app)
+        if config.http == "auto" and runtime is not None:  # a socket that never sends a whole request head is closed
+            config.http = http_protocol_class(runtime.config.handshake_timeout_s)
         super().__init__(config)
         self.app = app
         self._loop: asyncio.AbstractEventLoop | None = None

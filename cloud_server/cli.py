@@ -76,7 +76,8 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
     Option("open_probes", bool, "server", "serve /health, /ready and /metrics without a key"),
     Option("ssl_certfile", str, "server", "TLS certificate chain (PEM): serve https:// and wss://"),
     Option("ssl_keyfile", str, "server", "TLS private key (PEM), with --ssl-certfile"),
-    Option("handshake_timeout_s", float, "server", "close a WebSocket that sends no Hello, or a request whose body stops arriving (408), within this"),
+    Option("handshake_timeout_s", float, "server", "close a socket without a whole request head, a WebSocket "
+           "without Hello, or a request whose body stops arriving (408) within this"),
     Option("max_connections", int, "server", "open WebSockets and HTTP requests before 503 (probes aside)"),
     Option("max_http_requests", int, "server", "HTTP /v1 requests in flight before 429 + Retry-After"),
     Option("max_prompt_tokens", int, "server", "prompt positions per request (default: --max-model-len)"),

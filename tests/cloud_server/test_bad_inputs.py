@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -286,6 +287,35 @@ def test_every_refused_session_is_counted_by_its_reason(server):
     assert version == ("version", 1008)
     assert {r: after.get(r, 0) - before.get(r, 0) for r in ("codec_not_negotiated", "bad_frame", "version")} == \
         {"codec_not_negotiated": 1, "bad_frame": 1, "version": 1}, (before, after)
+
+
+def test_sockets_that_never_send_a_whole_request_head_are_closed_at_the_handshake_timeout(server):
+    """A socket that sent nothing, or half a request head, and then went silent (a phone losing coverage during its
+    upgrade: no FIN, no RST) was kept for ever - the server's descriptors only grew. Closed at the handshake timeout
+    now; one that finished its request in time is answered, and its keep-alive connection is held to the same
+    deadline for its next head."""
+    port = int(server.url.rsplit(":", 1)[1])
+    silent = socket.create_connection(("127.0.0.1", port))
+    half = socket.create_connection(("127.0.0.1", port))
+    half.sendall(b"GET /v1/split HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n")
+    kept = socket.create_connection(("127.0.0.1", port))
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(HANDSHAKE_S / 2)
+    kept.sendall(b"GET /hea")  # the next request's head, begun and never finished
+    t0 = time.monotonic()
+    ends = []
+    for s in (silent, half, kept):
+        s.settimeout(HANDSHAKE_S + 10)
+        got = b""
+        try:
+            while chunk := s.recv(4096):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        ends.append(got)
+        s.close()
+    assert ends[0] == ends[1] == b"" and ends[2].startswith(b"HTTP/1.1 200 ") and ends[2].count(b"HTTP/1.1") == 1
+    assert time.monotonic() - t0 < HANDSHAKE_S + 5
 
 
 def test_a_flood_of_idle_and_half_open_sockets_is_shed_and_a_session_still_serves(server, front, tiny_bundle):
