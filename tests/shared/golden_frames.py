@@ -4,7 +4,10 @@
 that name; ``tests/shared/golden/frames.json`` describes each (type code, message name, every field as JSON,
 ``bytes`` fields as hex, the frame's hex and SHA-256), so a Kotlin or Swift implementation can check both
 directions: decode each ``.bin`` to the described fields, and encode the described fields to the same bytes.
-``tests/shared/test_golden_frames.py`` holds our encoder and decoder to them.
+``tests/shared/golden/codecs.json`` does the same for the calibration-free codecs' payloads: float32 input
+rows (:data:`CODEC_ROWS`: rounding ties, an all-zero block, a short last block, a scale below float16's
+smallest step, float16's largest value), the payload each codec's encoder writes for them, and what it decodes
+to. ``tests/shared/test_golden_frames.py`` holds our encoder and decoder to them.
 
 Regenerate (only for a deliberate wire change, which docs/protocol.md's Versioning rules govern)::
 
@@ -28,6 +31,14 @@ GOLDEN_DIR = Path(__file__).with_name("golden")
 
 _ROWS = np.array([[0.5, -1.0, 2.0, 0.0], [1.5, 0.25, -0.125, 3.0]], np.float32)  # [2, 4]
 _ROW40 = (np.arange(40, dtype=np.float32) - 20) / 8  # [40]
+
+_F16_STEP = float(np.float16(1 / 128))  # a float16 scale: 127 * it / 127 is exact, so codes x / scale tie below
+CODEC_ROWS = np.zeros((3, 40), np.float32)  # [3, 40]: one full block of 32 and a short one of 8 (int8-b32)
+CODEC_ROWS[0, :4] = [127 * _F16_STEP, 2.5 * _F16_STEP, 3.5 * _F16_STEP, -2.5 * _F16_STEP]  # int8 codes 2, 4, -2
+CODEC_ROWS[0, 32:] = [0.1, -0.2, 0.3, 1 / 3, -1e-3, 0.0, 7.0, -7.0]  # scale 7/127 rounded up to float16
+CODEC_ROWS[1, 32:] = [1e-8, -1e-8, 0, 0, 0, 0, 0, 2e-8]  # block 0 all zero; block 1's scale under float16's step
+CODEC_ROWS[2, :6] = [1.00390625, 1.01171875, 65504.0, -65504.0, 6e-8, -3.0]  # bf16 ties to even, float16's max
+CODEC_NAMES = ("fp32", "fp16", "bf16", "int8-b32", "int8-b64", "int4-b32")  # the codecs needing no calibration
 
 GOLDEN: dict[str, P.Message] = {
     "hello": P.Hello(bundle_id="0123456789abcdef0123456789abcdef", codecs=["int8-outlier", "fp16"],
@@ -94,6 +105,15 @@ def describe(name: str, msg: P.Message) -> dict:
             "frame_hex": frame.hex(), "sha256": hashlib.sha256(frame).hexdigest(), "bytes": len(frame)}
 
 
+def codec_vector(codec: str) -> dict:
+    """The JSON record of ``codec``'s payload for :data:`CODEC_ROWS`."""
+    c = C.get_codec(codec)
+    payload = c.encode(CODEC_ROWS).data
+    decoded = c.decode_payload(payload, *CODEC_ROWS.shape).astype("<f4")
+    return {"codec": codec, "shape": list(CODEC_ROWS.shape), "input_f32le": CODEC_ROWS.astype("<f4").tobytes().hex(),
+            "payload": payload.hex(), "decoded_f32le": decoded.tobytes().hex()}
+
+
 def write(directory: Path = GOLDEN_DIR) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     records = []
@@ -102,6 +122,8 @@ def write(directory: Path = GOLDEN_DIR) -> None:
         records.append(describe(name, msg))
     doc = {"protocol_version": P.PROTOCOL_VERSION, "spec": "docs/protocol.md", "frames": records}
     (directory / "frames.json").write_text(json.dumps(doc, indent=1) + "\n")
+    vectors = {"spec": "docs/protocol.md#codec-payloads", "vectors": [codec_vector(c) for c in CODEC_NAMES]}
+    (directory / "codecs.json").write_text(json.dumps(vectors, indent=1) + "\n")
 
 
 if __name__ == "__main__":
