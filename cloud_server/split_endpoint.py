@@ -496,13 +496,13 @@ class SplitEndpoint:
         """Act on a message the state machine accepted; ``track`` None: nothing to do (a late message)."""
         if isinstance(msg, P.Error):
             log.info("edge %s reports %s: %s", session.session_id, msg.code, msg.message)
-        elif track is None:
+        if track is None:
             return
-        elif isinstance(msg, P.Prefill) and track.owner is None:
+        if isinstance(msg, P.Prefill) and track.owner is None:
             self.translate.open(session, track, msg, nbytes)
         elif isinstance(msg, (P.Prefill, P.DecodeStep, P.SpecStep, P.StatesStep)):
             self.translate.more_input(session, track, msg, nbytes)
-        elif isinstance(msg, P.Cancel):
+        elif isinstance(msg, (P.Cancel, P.Error)):  # an edge's Error naming an open request closes it as a Cancel
             self.translate.cancel(track)
         elif isinstance(msg, P.Resume):
             self.translate.resume(session, track, msg)

@@ -165,9 +165,16 @@ class SessionState:
         return self.requests.get(request_id) or self.finished.get(request_id)
 
     # -- client -> server -----------------------------------------------------------------------------------
+    def _cancel(self, rid: str | None) -> RequestTrack | None:
+        """Mark an open request cancelled (a Cancel, or the client's Error naming it); None when none is open."""
+        req = self.requests.get(rid)
+        if req is not None:
+            req.cancelled = True
+        return req
+
     def on_client(self, msg, frame_bytes: int | None = None) -> RequestTrack | None:
         """Check a client message (of ``frame_bytes`` bytes on the wire, if known) against the state and
-        advance it. Returns the request it concerns, or None when nothing is to be done (Hello, Close, Error,
+        advance it. Returns the request it concerns, or None when nothing is to be done (Hello, Close, a fatal Error,
         and late messages about a request that already finished)."""
         if self.phase == CLOSED:
             raise SessionError("bad_state", f"{type(msg).__name__} after the session closed", fatal=True)
@@ -185,10 +192,11 @@ class SessionState:
         if isinstance(msg, Close):
             self.phase = CLOSED
             return None
-        if isinstance(msg, Error):  # the client reports a failure; fatal ends the session
+        if isinstance(msg, Error):  # the client reports a failure: fatal ends the session, else its request
             if msg.fatal:
                 self.phase = CLOSED
-            return None
+                return None
+            return self._cancel(rid)  # closed as by a Cancel (its final Tokens follow); None: nothing open
         if isinstance(msg, Prefill):
             return self._prefill(msg, frame_bytes)
         if isinstance(msg, (DecodeStep, SpecStep)):
@@ -196,10 +204,7 @@ class SessionState:
         if isinstance(msg, StatesStep):
             return self._states_step(msg, frame_bytes)
         if isinstance(msg, Cancel):
-            req = self.requests.get(rid)
-            if req is not None:
-                req.cancelled = True
-            return req  # None: finished or unknown - Cancel is idempotent, nothing to answer
+            return self._cancel(rid)  # None: finished or unknown - Cancel is idempotent, nothing to answer
         if isinstance(msg, Resume):
             req = self.track(rid)
             if req is None:

@@ -225,7 +225,7 @@ class ScriptedServer:
 
     def _on(self, sess: _Session, msg, track) -> list:
         if track is None:
-            return []  # a late message about a finished request, an Error from the client: nothing to do
+            return []  # a late message about a finished request, a fatal Error from the client: nothing to do
         rid = track.request_id
         try:
             if isinstance(msg, P.Prefill):
@@ -237,7 +237,7 @@ class ScriptedServer:
         except (P.ProtocolError, SessionError) as e:
             sess.requests.pop(rid, None)
             return [P.Error(code=e.code, message=e.message, request_id=rid)]
-        if isinstance(msg, P.Cancel):
+        if isinstance(msg, (P.Cancel, P.Error)):  # the client's Error naming a request closes it as a Cancel
             req = sess.requests[rid]
             req.finish = "cancelled"
             return [P.Tokens(request_id=rid, index=len(req.out), token_ids=[], finish_reason="cancelled")]

@@ -1,0 +1,308 @@
+"""A clean-room client of the split protocol, written only from docs/protocol.md and its golden files, against
+the real server on a tiny-glm4 bundle (split at layer 2, int8 edge: what `autoglm-partition split --preset
+tiny-glm4 --layer 2` writes).
+
+The client below (everything above the tests) must NOT import the repository's wire code - no ``shared``,
+``edge_client`` or ``cloud_server`` module: only ``msgpack``, ``numpy``, ``onnxruntime``, ``websockets`` and
+``zstandard``, as a developer porting the protocol to another language has them. It runs the bundle's edge
+ONNX itself (docs/protocol.md, "Boundary states"), codes states with the byte-exact codecs (``fp32``, ``fp16``,
+``bf16``, ``int8-b32``), streams and decodes tokens, cancels, resumes after a dropped link and handles Error
+frames (the server's, and its own: an edge's Error naming a request closes it). Where it fails, the doc (or
+the server) is wrong. The repo's ``EdgeClient`` is used only as the
+reference its greedy tokens must equal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import onnxruntime as ort
+import pytest
+import websockets
+import zstandard
+
+# -- the clean-room client: docs/protocol.md only ----------------------------------------------------------
+HELLO, WELCOME, PREFILL, DECODE, TOKENS, CANCEL, RESUME, ERROR, DRAIN, CLOSE, RESUMED = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
+GOLDEN = Path(__file__).parents[1] / "shared" / "golden"
+KEY = "cleanroom-key-0123456789"
+PROMPT = [5, 17, 99, 200, 301, 42, 7, 8, 9, 10, 123, 77]
+
+
+def pack(msg) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(frame: bytes):
+    return msgpack.unpackb(frame, raw=False)
+
+
+def encode(codec: str, x, zstd: bool = False) -> list:
+    """EncodedTensor ``[codec, [S, H], data, zstd]`` ("Codec payloads")."""
+    x = np.ascontiguousarray(x, np.float32)
+    s, h = x.shape
+    if codec == "fp32":
+        data = x.astype("<f4").tobytes()
+    elif codec == "fp16":
+        data = x.astype("<f2").tobytes()
+    elif codec == "bf16":  # the upper 16 bits, rounded to nearest even
+        u = x.view("<u4").astype(np.uint64)
+        data = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    elif codec == "int8-b32":
+        nb = -(-h // 32)
+        scales, codes = np.zeros((s, nb), "<f2"), np.zeros((s, h), np.int8)
+        for j in range(nb):
+            blk = x[:, 32 * j:32 * (j + 1)]
+            want = np.abs(blk).max(axis=1) / np.float32(127)
+            sc = want.astype(np.float16)
+            low = sc.astype(np.float32) < want  # rounded *up* to float16
+            sc[low] = np.nextafter(sc[low], np.float16(np.inf))
+            scales[:, j] = sc
+            d = sc.astype(np.float32)[:, None]
+            codes[:, 32 * j:32 * (j + 1)] = np.clip(np.rint(np.divide(blk, d, out=np.zeros_like(blk), where=d > 0)),
+                                                    -127, 127)
+        data = scales.tobytes() + codes.tobytes()
+    else:
+        raise ValueError(codec)
+    if zstd:
+        data = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(data)
+    return [codec, [s, h], data, zstd]
+
+
+def params(max_tokens: int) -> list:
+    """SamplingParams, greedy (temperature 0)."""
+    return [max_tokens, 0.0, 1.0, 0, None, [], False, False, 0, 0.0, 0.0, 1.0]
+
+
+class Front:
+    """The bundle's fused front graph, edge/front.onnx ("Boundary states")."""
+
+    def __init__(self, bundle: Path):
+        self.manifest = json.loads((bundle / "manifest.json").read_text())
+        self.graph = ort.InferenceSession(str(bundle / "edge" / "front.onnx"), providers=["CPUExecutionProvider"])
+        meta = self.graph.get_modelmeta().custom_metadata_map
+        assert meta["autoglm.edge_graph"] == "fused-gqa", meta
+        self.capacity = min(int(meta["autoglm.max_positions"]), 256)
+        self.reset()
+
+    def reset(self) -> None:
+        m = self.manifest
+        self.p = 0
+        self.kv = {f"past_{kv}.{i}": np.zeros((1, m["num_kv_heads"], self.capacity, m["head_dim"]), np.float32)
+                   for i in range(m["split_layer"]) for kv in ("key", "value")}
+
+    def run(self, ids: list[int]) -> np.ndarray:
+        s = len(ids)
+        feeds = {"input_ids": np.array([ids], np.int64), "seqlens_k": np.array([self.p + s - 1], np.int32),
+                 "total_sequence_length": np.array(self.p + s, np.int32), **self.kv}
+        out = self.graph.run(["hidden_states"] + [k.replace("past_", "present_") for k in self.kv], feeds)
+        self.kv = dict(zip(self.kv, out[1:]))
+        self.p += s
+        return out[0][0]
+
+
+class Session:
+    def __init__(self, url: str, bundle_id: str, codecs: list[str], key: str | None = KEY):
+        self.url, self.bundle_id, self.codecs, self.key = url, bundle_id, codecs, key
+
+    async def connect(self, resume_token: str | None = None, version: int = 1, bundle_id: str | None = None):
+        """Hello; returns the Welcome as a dict, or the refusing Error frame and the close code."""
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        self.ws = await websockets.connect(self.url, additional_headers=headers, compression=None)
+        await self.send([HELLO, version, bundle_id or self.bundle_id, self.codecs,
+                         [None, None, "unknown", None, None, "cleanroom/1"], resume_token])
+        first = await self.recv()
+        if first[0] == ERROR:
+            return first, await self.closed()
+        names = ["type", "protocol_version", "session_id", "resume_token", "resumed", "limits", "plan", "codecs",
+                 "server", "cached_prefixes", "requests"]
+        self.welcome = dict(zip(names, first))
+        return self.welcome
+
+    async def send(self, msg) -> None:
+        await self.ws.send(pack(msg))
+
+    async def recv(self, timeout: float = 30.0):
+        frame = await asyncio.wait_for(self.ws.recv(), timeout)
+        assert isinstance(frame, bytes)
+        return unpack(frame)
+
+    async def closed(self) -> int | None:
+        try:
+            while True:
+                await asyncio.wait_for(self.ws.recv(), 10)
+        except websockets.ConnectionClosed as e:
+            return e.rcvd.code if e.rcvd else None
+
+    async def quiet(self, seconds: float = 0.3) -> list:
+        """Everything the server sends within ``seconds``."""
+        got = []
+        try:
+            while True:
+                got.append(await self.recv(seconds))
+        except (asyncio.TimeoutError, TimeoutError):
+            return got
+
+    async def answer(self, rid: str):
+        """The next Tokens (progress skipped) or Error for ``rid``."""
+        while True:
+            m = await self.recv()
+            if m[0] == TOKENS and m[1] == rid and (m[3] or m[6] is not None):
+                return m
+            if m[0] == ERROR and m[3] in (rid, None):
+                return m
+
+
+async def generate(sess: Session, front: Front, rid: str, max_tokens: int, codec: str, stop_after: int = 0,
+                   chunk: int = 0, zstd: bool = False) -> list[int]:
+    """A greedy request: Prefill (in chunks of ``chunk``), then a DecodeStep per token; returns early (no step
+    sent for the last token) once ``stop_after`` tokens came."""
+    front.reset()
+    h = front.run(PROMPT)
+    cut = chunk or len(PROMPT)
+    for start in range(0, len(PROMPT), cut):
+        first, last = start == 0, start + cut >= len(PROMPT)
+        await sess.send([PREFILL, rid, start, encode(codec, h[start:start + cut], zstd), last,
+                         params(max_tokens) if first else None])
+    out: list[int] = []
+    while True:
+        m = await sess.answer(rid)
+        assert m[0] == TOKENS and m[2] == len(out), m
+        out += m[3]
+        if m[6] is not None or len(out) == stop_after:
+            return out
+        pos = front.p
+        await sess.send([DECODE, rid, pos, encode(codec, front.run([out[-1]]), zstd), None, 0])
+
+
+async def finish(sess: Session, front: Front, rid: str, out: list[int], codec: str) -> list[int]:
+    while True:
+        pos = front.p
+        await sess.send([DECODE, rid, pos, encode(codec, front.run([out[-1]])), None, 0])
+        m = await sess.answer(rid)
+        assert m[0] == TOKENS and m[2] == len(out), m
+        out += m[3]
+        if m[6] is not None:
+            return out
+
+
+# -- the tests -------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(tiny_glm4_int8_bundle):
+    from cloud_support import serving
+
+    from cloud_server.config import ServerConfig
+
+    with serving(ServerConfig(bundle=tiny_glm4_int8_bundle, api_key=KEY, session_grace_s=30.0)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def front(tiny_glm4_int8_bundle):
+    return Front(tiny_glm4_int8_bundle)
+
+
+def test_the_doc_only_encoders_write_the_golden_bytes():
+    """The frames of frames.json and the payloads of codecs.json, from the doc's rules alone."""
+    def fields(v):
+        if isinstance(v, dict):
+            return bytes.fromhex(v["hex"]) if set(v) == {"hex"} else [fields(x) for x in v.values()]
+        return [fields(x) for x in v] if isinstance(v, list) else v
+
+    for f in json.loads((GOLDEN / "frames.json").read_text())["frames"]:
+        msg = [f["type"]] + [fields(v) for v in f["fields"].values()]
+        assert pack(msg) == (GOLDEN / f["file"]).read_bytes(), f["file"]
+        assert unpack((GOLDEN / f["file"]).read_bytes()) == msg
+    for v in json.loads((GOLDEN / "codecs.json").read_text())["vectors"]:
+        if v["codec"] in ("fp32", "fp16", "bf16", "int8-b32"):
+            x = np.frombuffer(bytes.fromhex(v["input_f32le"]), "<f4").reshape(v["shape"])
+            assert encode(v["codec"], x)[2].hex() == v["payload"], v["codec"]
+
+
+def test_a_doc_only_client_gets_the_edge_clients_greedy_tokens(server, front, tiny_glm4_int8_bundle):
+    from edge_client.client import EdgeClient  # the reference only
+
+    async def ours():
+        sess = Session(server.ws_url, front.manifest["bundle_id"], ["fp32", "fp16", "bf16", "int8-b32"])
+        w = await sess.connect()
+        assert w["protocol_version"] == 1 and not w["resumed"] and set(w["codecs"]) == {"fp32", "fp16", "bf16",
+                                                                                        "int8-b32"}
+        got = {c: await generate(sess, front, f"r-{c}", 10, c) for c in ("fp32", "fp16", "bf16", "int8-b32")}
+        got["fp32 chunked zstd"] = await generate(sess, front, "r-chunks", 10, "fp32", chunk=5, zstd=True)
+        await sess.send([CLOSE, "done"])
+        assert await sess.closed() == 1000
+        return got
+
+    got = asyncio.run(ours())
+    with EdgeClient(tiny_glm4_int8_bundle, server.url.replace("http", "ws"), api_key=KEY) as client:
+        for codec in ("fp32", "fp16", "bf16", "int8-b32"):
+            gen = client.generate(prompt_ids=PROMPT, max_tokens=10, precision=codec)
+            want = [tok for tok, _ in gen.iter_tokens()]
+            assert gen.stats.codec == gen.stats.step_codec == codec
+            assert got[codec] == want, codec
+    assert got["fp32 chunked zstd"] == got["fp32"]
+
+
+def test_a_doc_only_client_cancels_resumes_and_handles_errors(server, front):
+    bid = front.manifest["bundle_id"]
+
+    async def run():
+        sess = Session(server.ws_url, bid, ["fp32", "fp16"])
+        await sess.connect()
+        whole = await generate(sess, front, "whole", 12, "fp32")
+        # Cancel: the final Tokens has no tokens and counts those sent; a second Cancel gets nothing
+        assert len(await generate(sess, front, "c1", 50, "fp32", stop_after=3)) == 3
+        await sess.send([CANCEL, "c1"])
+        m = await sess.answer("c1")
+        assert (m[2], m[3], m[6]) == (3, [], "cancelled")
+        await sess.send([CANCEL, "c1"])
+        assert await sess.quiet() == []
+        # a request-level Error: that request is closed, the session goes on
+        out = await generate(sess, front, "e1", 50, "fp32", stop_after=2)
+        await sess.send([DECODE, "e1", front.p + 3, encode("fp32", front.run([out[-1]])), None, 0])
+        m = await sess.answer("e1")
+        assert m[0] == ERROR and (m[1], m[3], m[4]) == ("bad_position", "e1", False)
+        assert await generate(sess, front, "after", 12, "fp16") == whole
+        # the client's own non-fatal Error naming its request: that request is closed (as by a Cancel)
+        assert len(await generate(sess, front, "edge-failed", 50, "fp32", stop_after=2)) == 2
+        await sess.send([ERROR, "internal", "the front failed", "edge-failed", False])
+        [m] = await sess.quiet(2.0)
+        assert m[0] == TOKENS and (m[1], m[2], m[3], m[6]) == ("edge-failed", 2, [], "cancelled"), m
+        await sess.send([DECODE, "edge-failed", front.p, encode("fp32", front.run([5])), None, 0])
+        assert await sess.quiet() == []  # a late step of a closed request: ignored
+        # resume after a dropped link: a TCP reset, then a WebSocket close without a Close message
+        for how in ("reset", "websocket close"):
+            rid = f"res-{how.split()[0]}"
+            out = await generate(sess, front, rid, 12, "fp32", stop_after=4)
+            token = sess.welcome["resume_token"]
+            if how == "reset":
+                sess.ws.transport.abort()
+            else:
+                await sess.ws.close()
+            sess = Session(server.ws_url, bid, ["fp32", "fp16"])
+            w = await sess.connect(resume_token=token)
+            assert w["resumed"] and w["requests"] == [[rid, len(PROMPT) + 3, 4]], w
+            await sess.send([RESUME, rid, len(out)])
+            m = await sess.recv()
+            assert m[0] == RESUMED and m[1:5] == [rid, front.p, 4, []], m
+            assert await finish(sess, front, rid, out, "fp32") == whole
+        await sess.send([RESUME, "never-opened", 0])
+        m = await sess.recv()
+        assert m[0] == ERROR and (m[1], m[3], m[4]) == ("resume_failed", "never-opened", False)
+        # a fatal Error: a text frame, then close 1002
+        await sess.ws.send("text")
+        m = await sess.recv()
+        assert m[0] == ERROR and (m[1], m[4]) == ("bad_frame", True)
+        assert await sess.closed() == 1002
+        # refusals at the handshake
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            await Session(server.ws_url, bid, ["fp32"], key="wrong-key-0123456789").connect()
+        assert refused.value.response.status_code == 401
+        err, code = await Session(server.ws_url, bid, ["fp32"]).connect(version=2)
+        assert (err[1], err[4], code) == ("version", True, 1008)
+        err, code = await Session(server.ws_url, bid, ["fp32"]).connect(bundle_id="0" * 32)
+        assert (err[1], err[4], err[6], code) == ("bundle_mismatch", True, [bid], 1008)
+
+    asyncio.run(run())
