@@ -6,7 +6,7 @@ The client below (everything above the tests) must NOT import the repository's w
 ``edge_client`` or ``cloud_server`` module: only ``msgpack``, ``numpy``, ``onnxruntime``, ``websockets`` and
 ``zstandard``, as a developer porting the protocol to another language has them. It runs the bundle's edge
 ONNX itself (docs/protocol.md, "Boundary states"), codes states with the byte-exact codecs (``fp32``, ``fp16``,
-``bf16``, ``int8-b32``), streams and decodes tokens, cancels, resumes after a dropped link and handles Error
+``bf16``, ``int8-b32``), names prefix blocks by the doc's key derivation, speculates (SpecStep), streams and decodes tokens, cancels, resumes after a dropped link and handles Error
 frames (the server's, and its own: an edge's Error naming a request closes it). Where it fails, the doc (or
 the server) is wrong. The repo's ``EdgeClient`` is used only as the
 reference its greedy tokens must equal."""
@@ -14,7 +14,9 @@ reference its greedy tokens must equal."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import struct
 from pathlib import Path
 
 import msgpack
@@ -29,6 +31,7 @@ HELLO, WELCOME, PREFILL, DECODE, TOKENS, CANCEL, RESUME, ERROR, DRAIN, CLOSE, RE
 GOLDEN = Path(__file__).parents[1] / "shared" / "golden"
 KEY = "cleanroom-key-0123456789"
 PROMPT = [5, 17, 99, 200, 301, 42, 7, 8, 9, 10, 123, 77]
+LONG = [(i * 37 + 11) % 500 + 4 for i in range(40)]  # two full prefix blocks of 16
 
 
 def pack(msg) -> bytes:
@@ -74,6 +77,25 @@ def encode(codec: str, x, zstd: bool = False) -> list:
 def params(max_tokens: int) -> list:
     """SamplingParams, greedy (temperature 0)."""
     return [max_tokens, 0.0, 1.0, 0, None, [], False, False, 0, 0.0, 0.0, 1.0]
+
+
+def prefix_keys(manifest: dict, ids: list[int], block: int, encoding: str) -> list[str]:
+    """The keys of the full blocks of a text prompt ("Prefix keys", key version 2)."""
+    def lp(s: str) -> bytes:
+        return struct.pack("<I", len(s.encode())) + s.encode()
+
+    arts = manifest["artifacts"]
+    graphs = [g for g in ("edge/front.onnx", "edge/front_prefill.onnx", "edge/vision.onnx", "edge/audio.onnx")
+              if g in arts]
+    digest = hashlib.sha256("".join(f"{g}={arts[g]['sha256']};" for g in graphs).encode()).hexdigest()[:16]
+    variant = manifest["edge_quant"] + ("+fp32-prefill" if "edge/front_prefill.onnx" in arts else "") + "#" + digest
+    k = hashlib.sha256(b"autoglm-prefix-key\x00" + struct.pack("<I", 2) + lp(manifest["bundle_id"]) + lp(variant)
+                       + lp(encoding)).digest()
+    keys = []
+    for i in range(len(ids) // block):
+        k = hashlib.sha256(k + np.array(ids[i * block:(i + 1) * block], "<i8").tobytes() + bytes(32)).digest()
+        keys.append(k.hex())
+    return keys
 
 
 class Front:
@@ -156,25 +178,45 @@ class Session:
 
 
 async def generate(sess: Session, front: Front, rid: str, max_tokens: int, codec: str, stop_after: int = 0,
-                   chunk: int = 0, zstd: bool = False) -> list[int]:
-    """A greedy request: Prefill (in chunks of ``chunk``), then a DecodeStep per token; returns early (no step
-    sent for the last token) once ``stop_after`` tokens came."""
+                   chunk: int = 0, zstd: bool = False, prompt: list[int] = PROMPT, cached: int = 0,
+                   keys: list[str] = ()) -> list[int]:
+    """A greedy request: Prefill (in chunks of ``chunk``; from ``cached``, the server's prefix cache holding the
+    positions before, named by ``keys``), then a DecodeStep per token; returns early (no step sent for the last
+    token) once ``stop_after`` tokens came. ``sess.usage``: the final Tokens' usage."""
     front.reset()
-    h = front.run(PROMPT)
-    cut = chunk or len(PROMPT)
-    for start in range(0, len(PROMPT), cut):
-        first, last = start == 0, start + cut >= len(PROMPT)
+    h = front.run(prompt)
+    cut = chunk or len(prompt)
+    for start in range(cached, len(prompt), cut):
+        first, last = start == cached, start + cut >= len(prompt)
         await sess.send([PREFILL, rid, start, encode(codec, h[start:start + cut], zstd), last,
-                         params(max_tokens) if first else None])
+                         params(max_tokens) if first else None, list(keys) if first else []])
     out: list[int] = []
     while True:
         m = await sess.answer(rid)
         assert m[0] == TOKENS and m[2] == len(out), m
+        sess.usage = m[7]
         out += m[3]
         if m[6] is not None or len(out) == stop_after:
             return out
         pos = front.p
         await sess.send([DECODE, rid, pos, encode(codec, front.run([out[-1]]), zstd), None, 0])
+
+
+async def speculate(sess: Session, front: Front, rid: str, guide: list[int]) -> list[int]:
+    """Greedy SpecSteps whose 3 drafts come from ``guide``, the last one wrong: each answer accepts a prefix."""
+    assert sess.welcome["server"][4] >= 3  # max_draft_tokens
+    out = (await generate(sess, front, rid, len(guide), "fp32", stop_after=1))
+    while True:
+        drafts = guide[len(out):len(out) + 3] or [1]
+        drafts[-1] = (drafts[-1] + 1) % 512
+        pos = front.p
+        await sess.send([12, rid, pos, encode("fp32", front.run([out[-1]] + drafts)), drafts, None, 0])
+        m = await sess.answer(rid)
+        assert m[0] == TOKENS and m[2] == len(out) and 1 <= len(m[3]) <= len(drafts) + 1, m
+        out += m[3]
+        front.p = pos + len(m[3])  # keep the fed token and the accepted drafts; the KV rows past P are unused
+        if m[6] is not None:
+            return out
 
 
 async def finish(sess: Session, front: Front, rid: str, out: list[int], codec: str) -> list[int]:
@@ -231,9 +273,20 @@ def test_a_doc_only_client_gets_the_edge_clients_greedy_tokens(server, front, ti
                                                                                         "int8-b32"}
         got = {c: await generate(sess, front, f"r-{c}", 10, c) for c in ("fp32", "fp16", "bf16", "int8-b32")}
         got["fp32 chunked zstd"] = await generate(sess, front, "r-chunks", 10, "fp32", chunk=5, zstd=True)
+        got["fp32 speculative"] = await speculate(sess, front, "r-spec", got["fp32"])
         await sess.send([CLOSE, "done"])
         assert await sess.closed() == 1000
         return got
+
+    async def from_the_edge_clients_blocks():
+        """The EdgeClient's request published LONG's two full blocks: keys derived from the doc name them."""
+        sess = Session(server.ws_url, front.manifest["bundle_id"], ["fp32"])
+        w = await sess.connect()
+        keys = prefix_keys(front.manifest, LONG, w["limits"][4], "fp32")
+        assert len(keys) == 2 and set(keys) <= set(w["cached_prefixes"])
+        tokens = await generate(sess, front, "r-cached", 6, "fp32", prompt=LONG, cached=32, keys=keys)
+        assert sess.usage == [len(LONG), 6, 32]
+        return tokens
 
     got = asyncio.run(ours())
     with EdgeClient(tiny_glm4_int8_bundle, server.url.replace("http", "ws"), api_key=KEY) as client:
@@ -242,7 +295,10 @@ def test_a_doc_only_client_gets_the_edge_clients_greedy_tokens(server, front, ti
             want = [tok for tok, _ in gen.iter_tokens()]
             assert gen.stats.codec == gen.stats.step_codec == codec
             assert got[codec] == want, codec
-    assert got["fp32 chunked zstd"] == got["fp32"]
+        gen = client.generate(prompt_ids=LONG, max_tokens=6, precision="fp32")
+        want = [tok for tok, _ in gen.iter_tokens()]
+    assert got["fp32 chunked zstd"] == got["fp32 speculative"] == got["fp32"]
+    assert asyncio.run(from_the_edge_clients_blocks()) == want
 
 
 def test_a_doc_only_client_cancels_resumes_and_handles_errors(server, front):
@@ -268,7 +324,7 @@ def test_a_doc_only_client_cancels_resumes_and_handles_errors(server, front):
         # the client's own non-fatal Error naming its request: that request is closed (as by a Cancel)
         assert len(await generate(sess, front, "edge-failed", 50, "fp32", stop_after=2)) == 2
         await sess.send([ERROR, "internal", "the front failed", "edge-failed", False])
-        [m] = await sess.quiet(2.0)
+        m = await sess.recv(5.0)
         assert m[0] == TOKENS and (m[1], m[2], m[3], m[6]) == ("edge-failed", 2, [], "cancelled"), m
         await sess.send([DECODE, "edge-failed", front.p, encode("fp32", front.run([5])), None, 0])
         assert await sess.quiet() == []  # a late step of a closed request: ignored
