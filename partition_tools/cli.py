@@ -222,8 +222,9 @@ def _drafter_progress(args, steps: int):
     """The source of the bundle loaded, and the progress lines of draft-head (``partition_tools.progress``: the
     source's load, then the drafter's ``steps``) until the block ends; a write the disk had no room for (an
     OSError traceback) is one line."""
-    from shared.manifest import BundleError
+    from shared.manifest import BundleError, Manifest
 
+    from .draft_head import check_takes_a_drafter
     from .models import load_bundle_source
     from .progress import Steps
     from .split import no_room
@@ -231,6 +232,7 @@ def _drafter_progress(args, steps: int):
     started = time.perf_counter()
     progress = Steps(1 + steps, "draft-head")
     source = _source(args)
+    check_takes_a_drafter(args.bundle, Manifest.load(args.bundle))
     progress.next(f"load {source}")
     try:
         yield load_bundle_source(args.bundle, source), progress
@@ -255,6 +257,7 @@ def _cloud_drafter(args, text: Path | None) -> int:
 
 
 def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
+    from .draft_head import check_takes_a_drafter
     from .draft_layers import STEPS, DraftLayersConfig, add_draft_layers
 
     if args.layers == "auto":
@@ -265,6 +268,11 @@ def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
         except ValueError:
             raise UsageError(f"--layers {args.layers!r}: 'auto' or comma-separated layer numbers") from None
     cfg = DraftLayersConfig(layers=layers, budget=args.budget, text=text, vocab=vocab, quant=args.quant)
+    from shared.manifest import Manifest
+
+    manifest = Manifest.load(args.bundle)
+    check_takes_a_drafter(args.bundle, manifest)
+    cfg.checked_layers(manifest.split_layer, manifest.num_layers)  # before the model loads
     with _drafter_progress(args, STEPS) as (lm, progress):
         r = add_draft_layers(lm, Path(args.bundle), cfg, progress)
     print(f"draft layers -> {args.bundle}: layers {r['layers']} ({r['chosen_by']}) + norm + lm_head, {r['quant']}, "

@@ -161,6 +161,14 @@ def _no_preprocess_advice(record) -> bool:
     return "run pre-processing before quantization" not in record.getMessage()
 
 
+def check_takes_a_drafter(bundle: Path, manifest: Manifest) -> None:
+    """BundleError for a bundle that takes no drafter, from its manifest alone (the CLI checks it before the model
+    loads: minutes for a 9B source)."""
+    if manifest.tail_layers:  # the lens was written, hashed in and opened by every client, never run
+        raise BundleError(f"{bundle}: a u-shape bundle (split with --tail) drafts by prompt lookup only; it takes "
+                          "no drafter")
+
+
 def bundle_of(lm: LoadedModel, bundle: Path) -> tuple[Manifest, ModelAdapter]:
     """The manifest of ``bundle`` and the adapter of ``lm``, the model it must have been split from: the same
     identity (``LoadedModel.identity``, the manifest's ``source_identity``, as ``verify`` checks it) - a model of
@@ -168,9 +176,7 @@ def bundle_of(lm: LoadedModel, bundle: Path) -> tuple[Manifest, ModelAdapter]:
     A u-shape bundle takes no drafter: its requests draft by prompt lookup only (the phone's drafters are not run
     on them, and its cloud never sees a token)."""
     manifest = Manifest.load(bundle)
-    if manifest.tail_layers:  # the lens was written, hashed in and opened by every client, never run
-        raise BundleError(f"{bundle}: a u-shape bundle (split with --tail) drafts by prompt lookup only; it takes "
-                          "no drafter")
+    check_takes_a_drafter(bundle, manifest)
     if not same_source(lm.identity, manifest.source_identity):
         raise BundleError(f"{bundle}: the bundle was not split from {lm.source} (model {lm.identity}, the "
                           f"bundle's source is {manifest.source} {manifest.source_identity}); give --source the "

@@ -74,6 +74,16 @@ class DraftLayersConfig:
             if bad:
                 raise BundleError(f"draft layers {what}")
 
+    def checked_layers(self, split: int, num_layers: int) -> list[int] | None:
+        """The given layers, sorted, or None for a search; BundleError when they, or the search's budget, do not
+        fit a bundle split at ``split`` of ``num_layers`` layers (the manifest's: the CLI checks them before the
+        model loads, rather than after it and the calibration)."""
+        if self.layers is None:
+            if self.budget > num_layers - split:
+                raise BundleError(f"draft layers budget {self.budget}: the cloud has {num_layers - split} layers")
+            return None
+        return _checked_layers(self.layers, split, num_layers)
+
 
 @dataclass(slots=True)
 class Sequences:
@@ -366,7 +376,7 @@ def add_draft_layers(lm: LoadedModel, bundle: Path, cfg: DraftLayersConfig | Non
     bundle = Path(bundle)
     manifest, adapter = bundle_of(lm, bundle)
     split = manifest.split_layer
-    layers = None if cfg.layers is None else _checked_layers(cfg.layers, split, adapter.num_layers)
+    layers = cfg.checked_layers(split, adapter.num_layers)
     progress.next("calibration: held-out prose" + (", chat answers" if layers is None or cfg.vocab is not None
                                                    else "") + " through the model")
     held = held_out_prose(lm, adapter)

@@ -267,6 +267,24 @@ def test_a_path_under_home_from_the_environment_is_the_home(tmp_path, capsys, mo
     assert not (tmp_path / "~").exists()
 
 
+def test_drafters_a_bundle_cannot_take_are_refused_before_the_model_loads(tiny_glm4_bundle, tiny_glm4_ushape_bundle,
+                                                                          capsys, monkeypatch):
+    """draft-head --layers past the model's, a --budget over the cloud's layers, any drafter for a u-shape bundle:
+    each said so only after the source loaded (minutes for a 9B model) - the budget after the calibration too -
+    though the manifest tells it."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    b = str(tiny_glm4_bundle)  # split at 2 of 4 layers
+    _fails_in_one_line(["draft-head", b, "--layers", "2,9"], capsys, "draft layers [2, 9]: need distinct cloud layers "
+                       "of [2, 4)")
+    _fails_in_one_line(["draft-head", b, "--layers", "auto", "--budget", "3"], capsys,
+                       "draft layers budget 3: the cloud has 2 layers")
+    for kind in ([], ["--cloud"], ["--layers", "auto"]):
+        _fails_in_one_line(["draft-head", str(tiny_glm4_ushape_bundle), *kind], capsys,
+                           "a u-shape bundle (split with --tail) drafts by prompt lookup only")
+
+
 def test_an_empty_path_twin_is_unset(tiny_glm4_bundle, tmp_path, capsys, monkeypatch):
     """AUTOGLM_PARTITION_TEXT="" (a unit file's empty value) is no --text, not the working directory ('.')."""
     monkeypatch.setenv("AUTOGLM_PARTITION_TEXT", "")
