@@ -7,7 +7,8 @@ The client below (everything above the tests) must NOT import the repository's w
 ``zstandard``, as a developer porting the protocol to another language has them. It runs the bundle's edge
 ONNX itself (docs/protocol.md, "Boundary states"), codes states with the byte-exact codecs (``fp32``, ``fp16``,
 ``bf16``, ``int8-b32``), names prefix blocks by the doc's key derivation, speculates (SpecStep), streams and decodes tokens, cancels, resumes after a dropped link and handles Error
-frames (the server's, and its own: an edge's Error naming a request closes it). Where it fails, the doc (or
+frames (the server's, and its own: an edge's Error naming a request closes it); a u-shape client runs the
+bundle's tail (edge/tail.onnx) over the States it gets back. Where it fails, the doc (or
 the server) is wrong. The repo's ``EdgeClient`` is used only as the
 reference its greedy tokens must equal."""
 
@@ -123,6 +124,32 @@ class Front:
         self.kv = dict(zip(self.kv, out[1:]))
         self.p += s
         return out[0][0]
+
+
+class Tail:
+    """A u-shape bundle's tail, edge/tail.onnx ("U-shape"): the middle's States -> logits of the last rows."""
+
+    def __init__(self, bundle: Path, manifest: dict):
+        self.graph = ort.InferenceSession(str(bundle / "edge" / "tail.onnx"), providers=["CPUExecutionProvider"])
+        assert self.graph.get_modelmeta().custom_metadata_map["autoglm.edge_graph"] == "fused-gqa-tail"
+        self.past = [i.name for i in self.graph.get_inputs() if i.name.startswith("past_")]
+        self.p, self.kv = 0, {n: np.zeros((1, manifest["num_kv_heads"], 256, manifest["head_dim"]), np.float32)
+                              for n in self.past}
+
+    def run(self, states: np.ndarray, rows: int) -> np.ndarray:
+        s = states.shape[0]
+        feeds = {"boundary_states": states[None], "seqlens_k": np.array([self.p + s - 1], np.int32),
+                 "total_sequence_length": np.array(self.p + s, np.int32), "logits_rows": np.array([rows], np.int64),
+                 **self.kv}
+        out = self.graph.run(["logits"] + [n.replace("past_", "present_") for n in self.past], feeds)
+        self.kv = dict(zip(self.past, out[1:]))
+        self.p += s
+        return out[0][0]
+
+
+def decode_fp32(t: list) -> np.ndarray:
+    assert t[0] == "fp32" and not t[3]
+    return np.frombuffer(t[2], "<f4").reshape(t[1])
 
 
 class Session:
@@ -362,3 +389,47 @@ def test_a_doc_only_client_cancels_resumes_and_handles_errors(server, front):
         assert (err[1], err[4], err[6], code) == ("bundle_mismatch", True, [bid], 1008)
 
     asyncio.run(run())
+
+
+def test_a_doc_only_u_shape_client_samples_the_edge_clients_greedy_tokens(tiny_glm4_ushape_bundle):
+    """Prefill(return_states) -> States -> the phone's tail -> its own token -> StatesStep; one speculative
+    StatesStep with a wrong draft, rolled back by the next one; Cancel ends it."""
+    from cloud_support import serving
+
+    from cloud_server.config import ServerConfig
+    from edge_client.client import EdgeClient  # the reference only
+
+    bundle = tiny_glm4_ushape_bundle
+    front = Front(bundle)
+    tail = Tail(bundle, front.manifest)
+
+    async def ours(url):
+        sess = Session(url, front.manifest["bundle_id"], ["fp32"], key=None)
+        await sess.connect()
+        h = front.run(PROMPT)
+        await sess.send([PREFILL, "u1", 0, encode("fp32", h), True, params(10), [], None, None, True])
+        out: list[int] = []
+        rows, kept = 1, len(PROMPT)  # logits rows wanted; positions the phone keeps after this answer
+        while True:
+            m = await sess.recv()
+            assert m[0] == 14 and m[1] == "u1" and m[2] == tail.p, m  # States of the positions after the tail's
+            token = int(np.argmax(tail.run(decode_fp32(m[3]), rows)[0]))
+            assert rows == 1 or token != draft  # the draft is wrong on purpose: rejected
+            out.append(token)
+            front.p = tail.p = kept  # a rejected draft's position is dropped on both ends of the phone
+            if len(out) == 10:
+                break
+            rows, draft = (2 if len(out) == 3 else 1), (token + 1) % 512
+            kept = front.p + 1
+            await sess.send([13, "u1", front.p, encode("fp32", front.run([token, draft][:rows])), None])
+        await sess.send([CANCEL, "u1"])
+        m = await sess.answer("u1")
+        assert (m[3], m[6]) == ([], "cancelled"), m
+        return out
+
+    with serving(ServerConfig(bundle=bundle)) as srv:
+        got = asyncio.run(ours(srv.ws_url))
+        with EdgeClient(bundle, srv.url.replace("http", "ws")) as client:
+            gen = client.generate(prompt_ids=PROMPT, max_tokens=10, mode="u-shape", precision="fp32")
+            assert got == [tok for tok, _ in gen.iter_tokens()]
+            assert gen.stats.exec_mode == "u-shape"
