@@ -99,7 +99,7 @@ def run_all_cloud(job: dict) -> None:
                               ttft_s=r.ttft_s or r.total_s, itl_s=r.itl_s, total_s=r.total_s,
                               bytes_up=r.bytes_up, bytes_down=r.bytes_down, edge_compute_s=0.0,
                               edge_cached_tokens=0, cloud_cached_tokens=r.cached_tokens, codec="text",
-                              reconnects=0, text=r.text, token_ids=None, finish_reason=r.finish_reason))
+                              reconnects=r.reconnects, text=r.text, token_ids=None, finish_reason=r.finish_reason))
         finally:
             await client.close()
 

@@ -88,3 +88,48 @@ def test_error_status_is_raised():
 def test_bad_url():
     with pytest.raises(ValueError, match="http://"):
         FullModelClient("ws://127.0.0.1:1")
+
+
+def test_a_cut_link_is_retried_and_the_answer_shows_once():
+    """A scenario's disconnects cut the all-cloud phone's connection as they cut the split phone's, which resumes;
+    the all-cloud phone failed (CloudAPIError: ConnectionResetError) and with it the whole run (exit 1). It sends
+    the request again, as the split's client retries, and the user sees the answer once, from where it stopped."""
+    from rig.link import Disconnect, LinkEmulator
+
+    async def main(link_port: int, link):
+        client = FullModelClient(f"http://127.0.0.1:{link_port}")
+        deltas: list[str] = []
+
+        def on_delta(text):
+            deltas.append(text)
+            if len(deltas) == 1:
+                link.cut(down_s=0.3)  # mid-answer, and the reconnect is refused for a while
+
+        run = await client.chat([{"role": "user", "content": "hi"}], 3, on_delta)
+        after = await client.chat([{"role": "user", "content": "again"}], 2)
+        await client.close()
+        return run, after, deltas
+
+    async def serve():
+        return await asyncio.start_server(lambda r, w: _serve(r, w, conns, 200), "127.0.0.1", 0)
+
+    conns: list = []
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(serve())
+    import threading
+
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        with LinkEmulator(server.sockets[0].getsockname()[1], disconnects=[Disconnect(at_s=600)]) as link:
+            run, after, deltas = asyncio.run(main(link.port, link))
+    finally:
+        async def shut():
+            server.close()
+            for task in asyncio.all_tasks(loop) - {asyncio.current_task()}:
+                task.cancel()
+            loop.stop()
+
+        loop.call_soon_threadsafe(lambda: loop.create_task(shut()))
+    assert run.text == "Hello world" and "".join(deltas) == "Hello world" and deltas[0] == "Hel"
+    assert run.reconnects >= 1 and len(run.itl_s) == len(deltas) - 1 and run.total_s > 0.3  # the refused ones too
+    assert after.text == "Hello" and after.reconnects == 0 and len(conns) == 2  # the cut one, the one after it
