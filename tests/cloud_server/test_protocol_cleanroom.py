@@ -409,7 +409,7 @@ def test_a_doc_only_u_shape_client_samples_the_edge_clients_greedy_tokens(tiny_g
         h = front.run(PROMPT)
         await sess.send([PREFILL, "u1", 0, encode("fp32", h), True, params(10), [], None, None, True])
         out: list[int] = []
-        rows, kept = 1, len(PROMPT)  # logits rows wanted; positions the phone keeps after this answer
+        rows, kept, draft = 1, len(PROMPT), None  # logits rows wanted; positions kept after the answer; the draft
         while True:
             m = await sess.recv()
             assert m[0] == 14 and m[1] == "u1" and m[2] == tail.p, m  # States of the positions after the tail's
