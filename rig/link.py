@@ -385,9 +385,9 @@ class LinkEmulator:
 
     async def _proxy(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
-        if loop.time() < self._down_until:  # the link is down: the connect fails
+        if loop.time() < self._down_until:  # the link is down: the connect fails (a reset, as a refused one reads)
             self.refused += 1
-            writer.transport.abort()
+            _reset(writer.transport)
             return
         index = self.connections
         self.connections += 1
@@ -407,9 +407,8 @@ class LinkEmulator:
             if self.profile.rtt_ms > 0:
                 await asyncio.sleep(self.profile.rtt_ms / 1000.0)  # SYN / SYN-ACK before the first byte
             up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except (OSError, asyncio.CancelledError):
-            writer.transport.abort()
-            self._drop(conn)
+        except (OSError, asyncio.CancelledError):  # no server there (or cut meanwhile): the client's connect fails
+            self._drop(conn, reset=True)
             return
         conn.transports.append(up_writer.transport)
         if index not in self._conns:  # cut while connecting

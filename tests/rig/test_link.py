@@ -290,6 +290,25 @@ def test_scheduled_disconnect_cuts_and_refuses(peer):
         assert link.cuts == 1 and link.refused == 1 and link.connections == 2
 
 
+def test_a_refused_connection_reads_as_a_reset():
+    """A connection refused while the link is down, or to a server that is not there, ended with a clean FIN: the
+    client read an empty answer (a server that closed), where a refused connect fails with an error."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        nothing = free.getsockname()[1]
+    with LinkEmulator(nothing) as dead, socket.create_connection(("127.0.0.1", dead.port)) as s:
+        s.settimeout(5)
+        with pytest.raises(ConnectionResetError):
+            s.recv(1)
+    with socket.create_server(("127.0.0.1", 0)) as srv, LinkEmulator(srv.getsockname()[1]) as link:
+        link.cut(down_s=5)
+        with socket.create_connection(("127.0.0.1", link.port)) as s:
+            s.settimeout(5)
+            with pytest.raises(ConnectionResetError):
+                s.recv(1)
+        assert link.refused == 1
+
+
 def test_disconnects_scheduled_later_count_from_then(peer):
     """The rig starts its phones' disconnect clock at the burst: counted from the link's start, a cut landed in the
     phones' setup (a first connect refused: the run failed) or at a time unrelated to the measured requests."""
