@@ -269,10 +269,14 @@ class EdgeClient:
         placeholders = self.media.placeholders()
         if not parts and placeholders.isdisjoint(ids):
             return RequestSpec(prompt_ids=[int(t) for t in ids], **sampling)
-        # every placeholder becomes its rows: they must fit too, counted before any is decoded or encoded
-        items = self.media.items(parts, self.media_policy, room=(room - len(ids), whose))
-        media = assemble([int(t) for t in ids], items, self.runtime.hidden_size, self.media.merge_size, placeholders)
-        media.encode(self.session.cached_prefix(media))  # an item inside the cached prefix is not encoded again
+        # every placeholder becomes its rows: they must fit too, counted before any is decoded or encoded; the
+        # media are read and fetched side by side with other requests', decoded and encoded one request at a time
+        checked = self.media.check(parts, self.media_policy, room=(room - len(ids), whose))
+        with self.media.turn:
+            items = self.media.items(checked, self.media_policy)
+            media = assemble([int(t) for t in ids], items, self.runtime.hidden_size, self.media.merge_size,
+                             placeholders)
+            media.encode(self.session.cached_prefix(media))  # an item inside the cached prefix is not encoded again
         return RequestSpec(prompt_ids=media.ids, media=media, **sampling)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,

@@ -41,9 +41,9 @@ DEFAULT_MAX_TOKENS = 512
 # A request body over this is refused (413) before it is read whole: room for an image at the media limit as a
 # base64 data URL (20 MiB -> 27 MiB) beside the text; a text prompt itself is at most 64 characters a position.
 MAX_BODY_BYTES = 32 << 20
-# Requests whose media are prepared (read, fetched, decoded, encoded) at once; more wait for a thread. Their own
-# threads: slow image_urls never hold the ones text prompts are tokenized on, and a burst of 40 MP photos
-# decodes a few at a time.
+# Requests whose media are prepared at once (read and fetched side by side, decoded and encoded one request at a
+# time: MediaEncoders.turn); more wait for a thread. Their own threads: slow image_urls never hold the ones text
+# prompts are tokenized on.
 MEDIA_THREADS = 4
 
 

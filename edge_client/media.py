@@ -480,6 +480,7 @@ class MediaEncoders:
         self._audio = None
         self._placeholders: frozenset[int] | None = None
         self._opening = threading.Lock()  # requests side by side (serve) open each encoder once: one graph in memory
+        self.turn = threading.Lock()  # held by a request while its media are decoded and encoded (items, encode)
 
     @property
     def vision(self):
@@ -530,10 +531,10 @@ class MediaEncoders:
             out[kind] = enc.warmup()
         return out
 
-    def items(self, parts: Sequence[MediaPart], policy: MediaPolicy,
-              room: tuple[int, str] | None = None) -> list[MediaItem]:
-        """Load, check and preprocess every part (MediaError on the first bad one); the encoder runs are
-        deferred (:meth:`MediaPrompt.encode`).
+    def check(self, parts: Sequence[MediaPart], policy: MediaPolicy,
+              room: tuple[int, str] | None = None) -> list[tuple[str, object]]:
+        """Load (read, fetch) and check every part (MediaError on the first bad one): (kind, source) per part for
+        :meth:`items`, nothing decoded yet.
 
         ``room``: how many positions the prompt may grow by when each part's one placeholder becomes its rows,
         and whose limit that is (None: no bound). Every part is loaded and checked, and its rows counted (an image's from its header),
@@ -555,6 +556,12 @@ class MediaEncoders:
                                  f"take {grow} positions beyond their placeholders, {max(room[0], 0)} are left "
                                  f"({room[1]})", "context_full")
             checked.append((p.kind, src))
+        return checked
+
+    def items(self, checked: Sequence[tuple[str, object]], policy: MediaPolicy) -> list[MediaItem]:
+        """:meth:`check`'s parts decoded and preprocessed; the encoder runs are deferred (:meth:`MediaPrompt.encode`).
+        A caller preparing several requests' media at once decodes and encodes them one request at a time
+        (:attr:`turn`): a 40 MP photo peaks near 0.5 GB, and the phone's cores are the encoders' anyway."""
         items = []
         for kind, src in checked:
             if kind == "image":

@@ -154,6 +154,42 @@ def test_requests_side_by_side_open_one_vision_encoder(tiny_glm4v_fp32_bundle, m
     assert len(opened) == 1 and all(g is opened[0] for g in got)
 
 
+def test_requests_side_by_side_decode_their_media_one_at_a_time(api, monkeypatch):
+    """Fetched side by side (above), but decoded and encoded one request at a time: four 40 MP photos at once
+    would hold four times the ~0.5 GB one takes while it is decoded."""
+    from PIL import Image
+
+    from edge_client import vision
+    from edge_client.client import _sampling_defaults
+
+    _, _, client = api
+    inside, most = [], []
+    real = vision.VisionEncoder.prepared
+
+    def timed(self, *a, **kw):
+        inside.append(1)
+        most.append(len(inside))
+        time.sleep(0.1)
+        try:
+            return real(self, *a, **kw)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(vision.VisionEncoder, "prepared", timed)
+    prompt = "what is here? " + client._placeholder("image")
+
+    def spec():
+        client._spec(prompt, None, None, None, None, [Image.new("RGB", (64, 64), (9, 90, 200))], None,
+                     **_sampling_defaults({}))
+
+    threads = [threading.Thread(target=spec) for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(most) == 3 and max(most) == 1
+
+
 def test_no_fetch_urls_refuses_http_image_urls_without_fetching(api):
     """``autoglm-edge serve --no-fetch-urls``: an http(s) image_url is url_refused, nothing is fetched (the URL
     names a port where nothing listens, which a fetch would answer fetch_failed)."""
