@@ -316,8 +316,8 @@ def _cmd_inspect(args) -> int:
 def _cmd_plan(args) -> int:
     from shared.link_profiles import LinkProfileError, get_profile
 
-    from .models import load_bundle_source, load_model
-    from .plan import PlanConfig, format_plan, plan
+    from .models import layer_count, load_bundle_source, load_model
+    from .plan import PlanConfig, check_candidates, format_plan, plan
 
     try:
         link = get_profile(args.link)
@@ -331,6 +331,8 @@ def _cmd_plan(args) -> int:
     cfg = PlanConfig(link=link, edge_threads=args.edge_threads, cloud_threads=args.cloud_threads, codec=args.codec,
                      edge_memory_mb=args.edge_memory_mb, candidates=cands,
                      cloud_results=Path(args.cloud_results) if args.cloud_results else None)
+    if (layers := layer_count(args.source)) is not None:  # before the weights load (minutes for a 9B model)
+        check_candidates(cfg, layers)
     lm = load_bundle_source(args.bundle, args.source) if args.bundle else load_model(args.source)
     r = plan(lm, cfg, Path(args.bundle) if args.bundle else None)
     print(json.dumps(r, indent=1) if args.json else format_plan(r))

@@ -412,11 +412,18 @@ def default_candidates(num_layers: int) -> list[int]:
     return sorted(n for n in picks if 1 <= n < num_layers)
 
 
+def check_candidates(cfg: PlanConfig, num_layers: int) -> None:
+    """``--candidates`` fit a model of ``num_layers`` layers: PlanError otherwise (the CLI checks them from the
+    config or GGUF metadata before the weights load, measure_costs again on the loaded model)."""
+    L = num_layers
+    if cfg.candidates and max(cfg.candidates) >= L:
+        raise PlanError(f"--candidates {max(cfg.candidates)}: the model has {L} layers (split layers 1 to {L - 1})")
+
+
 def measure_costs(lm: LoadedModel, cfg: PlanConfig, bundle: Path | None = None) -> Costs:
     adapter = ModelAdapter(lm.model)
     L = adapter.num_layers
-    if cfg.candidates and max(cfg.candidates) >= L:
-        raise PlanError(f"--candidates {max(cfg.candidates)}: the model has {L} layers (split layers 1 to {L - 1})")
+    check_candidates(cfg, L)
     if bundle is not None:  # its front's per-layer costs stand for this model's layers
         from shared.manifest import Manifest, same_source
 

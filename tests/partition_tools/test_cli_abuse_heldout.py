@@ -317,6 +317,18 @@ def test_plan_bad_flags(flags, match, capsys):
     _fails_in_one_line(["plan", "tiny-glm4", *flags], capsys, match)
 
 
+def test_plan_candidates_the_model_lacks_are_refused_before_it_loads(llama_dir, tmp_path, capsys, monkeypatch):
+    """plan --candidates past the model's layers was said after the load (SmolLM2's GGUF: 38 s; minutes for a 9B
+    model); the config or the GGUF metadata tells it first, as for split --layer."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    _fails_in_one_line(["plan", str(llama_dir), "--candidates", "1,3"], capsys,
+                       "--candidates 3: the model has 3 layers (split layers 1 to 2)")
+    _fails_in_one_line(["plan", str(_tiny_gguf(tmp_path / "m.gguf")), "--candidates", "2"], capsys,
+                       "--candidates 2: the model has 2 layers (split layers 1 to 1)")
+
+
 def test_plan_refuses_a_bundle_of_another_model(tiny_glm4_bundle, capsys, monkeypatch):
     """--bundle split from another model: its front was timed as this model's layers, and the plan built on it."""
     import partition_tools.plan as plan
