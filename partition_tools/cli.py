@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_split(args) -> int:
-    from .models import layer_count, load_model
-    from .split import SplitConfig, check_layers, split
+    from .models import has_vision_tower, layer_count, load_model
+    from .split import SplitConfig, check_layers, check_vision, split
 
     source = args.preset or args.source
     if not source:
@@ -130,6 +130,7 @@ def _cmd_split(args) -> int:
                       fp32_prefill=args.fp32_prefill, edge_kv=args.edge_kv)
     if (layers := layer_count(source)) is not None:  # before the weights load (minutes for a 9B model)
         check_layers(cfg, layers)
+    check_vision(cfg, source, has_vision_tower(source))
     t0 = time.perf_counter()
     lm = load_model(source, seed=args.seed)
     m = split(lm, cfg)

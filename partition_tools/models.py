@@ -440,6 +440,19 @@ def layer_count(source: str) -> int | None:
     return int(text_config(_load_config(path)).num_hidden_layers) if path.is_dir() else _gguf_layer_count(path)
 
 
+def has_vision_tower(source: str) -> bool:
+    """Whether ``source`` has a vision tower (GLM-4.1V's), from its config alone: a preset's, a checkpoint directory's
+    config.json; a GGUF loads a text model only. ModelLoadError as ``check_source``."""
+    check_source(source)
+    if source in _random_presets():
+        config = _random_presets()[source][0]()
+    elif Path(source).is_dir():
+        config = _load_config(Path(source))
+    else:
+        return False
+    return getattr(config, "vision_config", None) is not None
+
+
 def load_bundle_source(bundle: str | Path, source: str | None = None) -> LoadedModel:
     """The model ``bundle`` was split from, reloaded: ``source`` (default: the manifest's), a random preset with the
     seed the bundle's ``source_identity`` records (``split --seed 3``: ``preset:tiny-glm4@seed3``), since the same

@@ -91,6 +91,14 @@ def check_layers(cfg: SplitConfig, num_layers: int) -> None:
                           f"{L} layers (layer + tail < {L})")
 
 
+def check_vision(cfg: SplitConfig, source: str, has_vision_tower: bool) -> None:
+    """``--vision-quant`` asks for a tower ``source`` has: BundleError otherwise (the CLI checks it from the config
+    before the weights load, split again on the loaded model)."""
+    if cfg.vision_quant not in (None, "none") and not has_vision_tower:
+        raise BundleError(f"--vision-quant {cfg.vision_quant}: {source} has no vision tower (GLM-4.1V's); leave "
+                          "it out")
+
+
 def check_out_dir(out: Path) -> None:
     """``out`` can take a bundle: absent, an empty directory or an earlier bundle (replaced); BundleError otherwise,
     checked before the model loads."""
@@ -263,9 +271,7 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     adapter = ModelAdapter(lm.model)
     L = adapter.num_layers
     check_layers(cfg, L)
-    if cfg.vision_quant not in (None, "none") and not _has_vision_tower(lm):
-        raise BundleError(f"--vision-quant {cfg.vision_quant}: {lm.source} has no vision tower (GLM-4.1V's); leave "
-                          "it out")
+    check_vision(cfg, lm.source, _has_vision_tower(lm))
     started = time.perf_counter()
     cfg = replace(cfg, edge_quant=resolve_edge_quant(cfg.edge_quant, adapter, cfg.layer))
     check_out_dir(cfg.out)

@@ -224,10 +224,18 @@ def test_split_layers_the_model_lacks_are_refused_before_it_loads(llama_dir, tmp
                        "--tail 1 with --layer 1: the cloud must keep at least one of the 2 layers")
 
 
-def test_split_vision_quant_for_a_model_without_a_vision_tower(tmp_path, capsys):
-    """--vision-quant int8/fp32 on a text-only model was ignored without a word (the bundle had no vision tower)."""
+def test_split_vision_quant_for_a_model_without_a_vision_tower(llama_dir, tmp_path, capsys, monkeypatch):
+    """--vision-quant int8/fp32 on a text-only model was ignored without a word (the bundle had no vision tower); it
+    is refused, and from the config, before the weights load (a 9B GLM-4 checkpoint: minutes)."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
     _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--vision-quant", "fp32", "--out",
                         str(tmp_path / "b")], capsys, "--vision-quant fp32: tiny-glm4 has no vision tower")
+    _fails_in_one_line(["split", str(llama_dir), "--layer", "1", "--vision-quant", "int8", "--out",
+                        str(tmp_path / "b")], capsys, f"--vision-quant int8: {llama_dir} has no vision tower")
+    _fails_in_one_line(["split", str(_tiny_gguf(tmp_path / "m.gguf")), "--layer", "1", "--vision-quant", "int8",
+                        "--out", str(tmp_path / "b")], capsys, "has no vision tower")
     assert not (tmp_path / "b").exists()
 
 
