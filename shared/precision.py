@@ -27,7 +27,10 @@ prompts and images - but every tier rests on the numbers in docs/quality.md (Smo
   fp16's range was not measured - longer contexts, images and audio. Weight-only int8 costs the most (top-1
   -1.5 %, KL ~2e-3, and no less on short prompts: positions 0-127 are the most sensitive), so it is used only
   for short text prompts *and* only when the server is busy: short requests are decode-bound, where
-  weight-only int8 gains most - a throughput lever with a measured price, not a free lunch.
+  weight-only int8 gains most - a throughput lever with a measured price, not a free lunch. It is taken only
+  from requests that leave their whole precision to the policy: one that pins any of it (a codec too:
+  ``precision={"codec": "fp32"}``, ``EdgeConfig.codec``, a bare ``"fp16"`` on a server without that compute)
+  asked for its answer's precision, and the server's load never moves it to int8.
 
 References: docs/quality.md ("Boundary codecs", "Compute variants"); the articles' rule (int8 < 128 tokens,
 fp16 up to 512, bf16 beyond or with images), of which the 512 moved to 1024 and int8 became load-gated.
@@ -210,7 +213,8 @@ def choose_precision(features: RequestFeatures, override=None, available_codecs=
     elif f.multimodal or f.prompt_tokens > p.long_prompt_tokens:
         compute = _first(("bf16", "fp32", "fp16"), available_compute)
         why_compute = "multimodal" if f.multimodal else f"long prompt (> {p.long_prompt_tokens})"
-    elif f.prompt_tokens < p.short_prompt_tokens and f.server_load >= p.int8_min_load and "int8" in available_compute:
+    elif (ov is None and f.prompt_tokens < p.short_prompt_tokens and f.server_load >= p.int8_min_load
+          and "int8" in available_compute):  # load moves only a request that pinned nothing
         compute, why_compute = "int8", f"short prompt under load {f.server_load:.2f}"
     else:
         compute = _first(("fp16", "bf16", "fp32"), available_compute)

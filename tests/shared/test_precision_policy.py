@@ -38,6 +38,17 @@ def test_text_tiers():
     assert plan(5000, server_load=0.9).compute == "bf16"
 
 
+def test_the_load_never_moves_a_request_that_pinned_its_precision_to_int8():
+    """A busy server's int8 compute is for requests that left their precision to the policy: a client pinning the
+    lossless fp32 codec for the unsplit model's answers (docs/edge.md: precision={"codec": "fp32"} or
+    EdgeConfig.codec; the edge's bare "fp16" on a CPU server names the codec only) got int8 weights under load."""
+    for override in ("fp32", {"codec": "fp32"}, PrecisionOverride(codec="fp16"), "int8-b32"):
+        p = plan(50, override=override, server_load=1.0, compute=("fp32", "int8"))
+        assert p.compute == "fp32" and "load" not in p.reason
+    assert plan(50, server_load=1.0, compute=("fp32", "int8")).compute == "int8"  # nothing pinned: the policy's
+    assert plan(50, override="int8", compute=("fp32", "int8")).compute == "int8"  # pinned int8 stays int8
+
+
 def test_multimodal_uses_calibration_free_codec_and_bf16():
     p = plan(50, images=1, server_load=1.0)
     assert (p.codec, p.compute) == ("int8-b32", "bf16")
