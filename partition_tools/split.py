@@ -197,7 +197,9 @@ def _staging(out: Path, shown: Path):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         yield staged
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        with contextlib.suppress(OSError):  # unless renamed to --out (then the path may be another split's)
+            if os.path.samestat(os.stat(staged), os.fstat(fd)):
+                shutil.rmtree(staged, ignore_errors=True)
         os.close(fd)
 
 
