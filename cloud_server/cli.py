@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cloud_server.config import ConfigError, EngineConfig, ServerConfig
+from shared.json_keys import unique_keys
 from shared.user_paths import user_path
 
 ENV_PREFIX = "AUTOGLM_CLOUD_"
@@ -121,7 +122,7 @@ def _load_file(path: str, label: str) -> dict:
             raise ConfigError(f"{label}: TOML needs Python 3.11+; use JSON") from None
         parse = tomllib.loads  # a key given twice is TOML's own error
     else:
-        parse = functools.partial(json.loads, object_pairs_hook=_once)
+        parse = functools.partial(json.loads, object_pairs_hook=unique_keys)
     try:
         data = parse(text)
     except Exception as e:  # noqa: BLE001 - json / toml errors
@@ -135,17 +136,6 @@ def _load_file(path: str, label: str) -> dict:
         raise ConfigError(f"{label}: unknown option(s) {', '.join(unknown)}"
                           + (f" (keys are spelt with _: {', '.join(hint)})" if hint else ""))
     return data
-
-
-def _once(pairs: list) -> dict:
-    """A JSON object whose keys are each given once: ``{"port": 1, "port": 2}`` served on 2 without a word (the
-    rig's scenarios and TOML refuse it too)."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key!r} given twice")
-        out[key] = value
-    return out
 
 
 def _help(o: Option) -> str:

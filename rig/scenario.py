@@ -249,7 +249,7 @@ def load_scenario(path: str | Path) -> Scenario:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ScenarioError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if path.suffix in (".yaml", ".yml"):
+    if path.suffix.lower() in (".yaml", ".yml"):  # (Scenario.YAML was read as JSON: "not valid JSON")
         import yaml
 
         try:
@@ -259,9 +259,11 @@ def load_scenario(path: str | Path) -> Scenario:
     else:
         import json
 
+        from shared.json_keys import unique_keys
+
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
+            data = json.loads(text, object_pairs_hook=unique_keys)  # a key given twice kept the last one silently
+        except ValueError as e:  # (JSONDecodeError is one)
             raise ScenarioError(f"{path}: not valid JSON ({e})") from None
     if data is None:  # it ran every default (smollm2, three modes, a few minutes) as if asked to
         raise ScenarioError(f"{path}: empty (no keys; write {{}} to run every default)")

@@ -138,6 +138,22 @@ def test_yaml_reads_exponent_numbers_and_refuses_a_key_given_twice(tmp_path):
             load_scenario(path)
 
 
+def test_a_json_scenario_refuses_a_key_given_twice_and_an_upper_case_yaml_suffix_is_yaml(tmp_path):
+    """A JSON scenario kept the last of two equal keys without a word (YAML's and the cloud's --config refuse it), and
+    Scenario.YAML was read as JSON: "not valid JSON"."""
+    path = tmp_path / "s.json"
+    path.write_text('{"phones": 1, "workloads": [{"kind": "chat", "requests": 2, "requests": 3}]}')
+    with pytest.raises(ScenarioError, match="not valid JSON .*key 'requests' given twice"):
+        load_scenario(path)
+    path.write_text('{"phones": 2, "phones": 1}')
+    with pytest.raises(ScenarioError, match="key 'phones' given twice"):
+        load_scenario(path)
+    upper = tmp_path / "Phone.YAML"
+    upper.write_text("phones: 2\nprofiles: [wifi]\n")
+    sc = load_scenario(upper)
+    assert sc.phones == 2 and [p.name for p in sc.profiles] == ["wifi"]
+
+
 def test_profile_validation():
     with pytest.raises(LinkProfileError, match="jitter"):
         resolve_profile({"name": "j", "rtt_ms": 10, "jitter_ms": 6, "down_mbps": 1, "up_mbps": 1})
