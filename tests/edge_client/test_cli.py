@@ -244,9 +244,9 @@ def test_speculate_is_a_flag_of_chat_and_serve_with_an_environment_twin(tiny_bun
     asked = []
     run = Session.run
 
-    async def recording(self, spec, sink, stats):
+    async def recording(self, spec, sink, stats, **kw):
         asked.append(spec.speculate)
-        return await run(self, spec, sink, stats)
+        return await run(self, spec, sink, stats, **kw)
 
     monkeypatch.setattr(Session, "run", recording)
     argv = ["chat", "--bundle", str(tiny_bundle), "--url", tiny_cloud.ws_url, "--max-tokens", "8", "--temperature",
