@@ -661,8 +661,24 @@ class Session:
         except LinkDown as e:
             await self._recover(req, stats, e)
 
+    def _check_offered(self, req: _Request) -> None:
+        """A request carried to a new session (a replay after a restart or onto another replica, a bundle update)
+        keeps its plan: its codecs and compute variant must be offered there, or it fails ``codec_not_negotiated``
+        - the server served a compute it lacks by another variant without a word (a pinned ``int8`` answered in
+        fp32 from the replay on, the stats still saying int8)."""
+        w = self.welcome
+        lacking = [f"codec {c!r}" for c in dict.fromkeys((req.codec, req.step_codec))
+                   if c not in w.codecs or c not in self.codecs]
+        if req.compute is not None and req.compute not in w.server.compute_variants:
+            lacking.append(f"compute {req.compute!r}")
+        if lacking:
+            raise EdgeClientError(f"precision: the cloud session that took the request over does not offer its "
+                                  f"{' and '.join(lacking)} (codecs: {', '.join(w.codecs)}; compute: "
+                                  f"{', '.join(w.server.compute_variants)}); send it again", "codec_not_negotiated")
+
     async def _resend_all(self, req: _Request, stats: RequestStats) -> None:
         """Open a fresh request with everything recorded: the cached prefix (coded now) and every span."""
+        self._check_offered(req)
         req.rid = f"{req.trace_id}.r{uuid.uuid4().hex[:6]}"
         log.info("trace=%s replayed as request %s", req.trace_id, req.rid)
         self._abandon_spec(req)
@@ -981,6 +997,7 @@ class Session:
         if req.spec.ushape != (self.ushape is not None):  # its answer so far came from the other mode's loop
             raise EdgeClientError("the cloud moved to a bundle " + ("without" if req.spec.ushape else "with")
                                   + " a u-shape tail during the request; send it again", "bundle_changed")
+        self._check_offered(req)
         req.rid = f"{req.trace_id}.b{uuid.uuid4().hex[:6]}"
         log.info("trace=%s rebuilt on bundle %s as request %s", req.trace_id, self.manifest.bundle_id, req.rid)
         req.spec_step, req.opened, req.sent, req.prefix_raw, req.pending = None, False, [], None, []

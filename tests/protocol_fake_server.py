@@ -77,6 +77,7 @@ class ScriptedServer:
         self.garbage = False  # answer every Hello with junk bytes
         self.drop_after_tokens: int | None = None  # abort the TCP connection after this many tokens (once)
         self.forget_sessions = False  # treat every resume token as unknown
+        self.compute_variants = ["fp32"]  # what the next Welcome offers (a replica restarted with other variants)
         self.api_key: str | None = None  # when set, the upgrade needs "Authorization: Bearer <key>"
         self.auth_headers: list[str | None] = []
         self.hellos = 0
@@ -175,7 +176,7 @@ class ScriptedServer:
         welcome = P.Welcome(
             session_id=sess.token[:16], resume_token=sess.token, resumed=resumed, limits=self.limits,
             plan=P.PrecisionPlan(codec=codecs[0], compute="fp32"), codecs=codecs,
-            server=P.ServerInfo(name="scripted-fake", compute_variants=["fp32"]),
+            server=P.ServerInfo(name="scripted-fake", compute_variants=list(self.compute_variants)),
             requests=[P.RequestState(request_id=t.request_id, received=t.received, tokens=t.tokens)
                       for t in sess.state.requests.values()] if resumed else [])
         try:

@@ -145,6 +145,23 @@ def test_lost_session_is_replayed(client, cloud, reference):
     assert client.runtime.stats.tokens - front_before <= len(PROMPT) + N_NEW - 1
 
 
+def test_a_replay_on_a_session_without_the_requests_compute_fails_instead_of_running_on_another(tiny_bundle, cloud):
+    """A pinned precision="int8" replayed after a restart onto a server that no longer loads int8 was served in
+    fp32 from the replay on without a word (the server falls back to a loaded variant), its stats still saying
+    int8 (reproduced with autoglm-cloud serve --variants fp32,int8 killed mid-answer, restarted with fp32)."""
+    cloud.drop_after_tokens, cloud.forget_sessions, cloud.compute_variants = 3, True, ["fp32", "int8"]
+    try:
+        with EdgeClient(tiny_bundle, cloud.url, retry=FAST_RETRY) as c:
+            c.connect()  # a Welcome offering int8
+            cloud.compute_variants = ["fp32"]  # what the session the request is replayed on offers
+            with pytest.raises(EdgeClientError, match="does not offer its compute 'int8'") as e:
+                c.complete(prompt_ids=PROMPT, max_tokens=N_NEW, precision="int8")
+            assert e.value.code == "codec_not_negotiated"
+            assert c.complete(prompt_ids=PROMPT[:8], max_tokens=2).stats.compute == "fp32"  # the client serves on
+    finally:
+        cloud.drop_after_tokens, cloud.forget_sessions, cloud.compute_variants = None, False, ["fp32"]
+
+
 def test_cut_tcp_connection_repeatedly(tiny_bundle, cloud, reference):
     cloud.drop_after_tokens, cloud.forget_sessions = None, False
     with LinkEmulator(cloud.port) as proxy, \
