@@ -228,15 +228,16 @@ def _drafter_progress(args, steps: int):
     from .draft_head import check_takes_a_drafter
     from .models import load_bundle_source
     from .progress import Steps
-    from .split import no_room
+    from .split import no_room, writing
 
     started = time.perf_counter()
     progress = Steps(1 + steps, "draft-head")
     source = _source(args)
     check_takes_a_drafter(args.bundle, Manifest.load(args.bundle))
-    progress.next(f"load {source}")
     try:
-        yield load_bundle_source(args.bundle, source), progress
+        with writing(Path(args.bundle)):  # one writer of a bundle at a time (split.writing)
+            progress.next(f"load {source}")
+            yield load_bundle_source(args.bundle, source), progress
     except Exception as e:
         reason = no_room(e)
         if reason is None:

@@ -107,7 +107,7 @@ def check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise BundleError(f"--out {out}: exists and is not a directory")
     if _split_running(_staging_path(out)):
-        raise _busy(out)
+        raise _busy(f"--out {out}")
     if out.is_dir() and any(p.name != STAGING for p in out.iterdir()) and not (out / MANIFEST_NAME).is_file():
         raise BundleError(f"--out {out}: exists and is not a bundle; refusing to overwrite")
     if (out / MANIFEST_NAME).is_file():  # an earlier bundle: replaced whole, so it must hold nothing else
@@ -145,9 +145,9 @@ def _held(out: Path) -> BundleError:
                        "close it first, or split into another directory")
 
 
-def _busy(out: Path) -> BundleError:
-    return BundleError(f"--out {out}: another autoglm-partition split is writing this bundle; wait for it to end, or "
-                       "split into another directory")
+def _busy(shown: str) -> BundleError:
+    return BundleError(f"{shown}: another autoglm-partition split or draft-head is writing this bundle; wait for it "
+                       "to end")
 
 
 def _staging_path(out: Path) -> Path:
@@ -156,7 +156,8 @@ def _staging_path(out: Path) -> Path:
 
 
 def _split_running(staged: Path) -> bool:
-    """Whether a split holds the staging directory ``staged`` now (one a killed split left is not held)."""
+    """Whether a split (or draft-head: ``writing``) holds the staging directory ``staged`` now (one a killed split
+    left is not held)."""
     try:
         fd = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
@@ -171,17 +172,26 @@ def _split_running(staged: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _staging(out: Path, shown: Path):
+def writing(bundle: Path):
+    """``bundle`` held against every other split into it or draft-head on it until the block ends (draft-head: two at
+    once on one bundle each saved the manifest it had read, and the later dropped the other's drafter from it);
+    BundleError naming ``bundle`` when one holds it."""
+    with _staging(Path(os.path.abspath(bundle)), str(bundle)):
+        yield
+
+
+@contextlib.contextmanager
+def _staging(out: Path, shown: str):
     """The empty staging directory of a split into ``out`` (``STAGING``), held until the block ends, then removed: a
     second split into the same ``out`` is refused (``_busy``) rather than replacing the first's bundle as it ends,
-    and a killed split's leftovers are cleared."""
+    and a killed split's leftovers are cleared. ``shown``: what errors name (``--out DIR``)."""
     staged = _staging_path(out)
     for _ in range(3):  # (the held directory renamed or removed between its open and its lock: another round)
         try:
             staged.mkdir(parents=True, exist_ok=True)
             fd = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as e:
-            raise BundleError(f"--out {shown}: cannot write there ({e.strerror or e})") from None
+            raise BundleError(f"{shown}: cannot write there ({e.strerror or e})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -280,7 +290,7 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
     # written aside (STAGING), then swapped in whole: an interrupted or failed split leaves neither half a bundle at
     # --out (it blocked a rerun there: "not a bundle") nor an earlier bundle there removed
     out = Path(os.path.abspath(cfg.out))
-    with _staging(out, cfg.out) as staged:
+    with _staging(out, f"--out {cfg.out}") as staged:
         try:
             manifest = _write_bundle(lm, replace(cfg, out=staged), adapter, started)
             _swap_in(staged, out)

@@ -166,6 +166,25 @@ def test_split_into_a_mount_point_writes_on_its_file_system(tiny_glm4_bundle, tm
             assert sorted(p.name for p in disk.iterdir()) == sorted(p.name for p in tiny_glm4_bundle.iterdir())
 
 
+def test_a_draft_head_while_another_writes_the_bundle_is_refused(tiny_glm4_bundle, tmp_path, capsys, monkeypatch):
+    """Two draft-heads at once on one bundle (the head and the cloud table, run side by side) both said they added
+    theirs: each saved the manifest it had read, and the later dropped the other's drafter from it (its file left
+    unlisted, which a later split --out refuses). One command writes a bundle at a time (split.writing)."""
+    import partition_tools.models as models
+    from partition_tools.split import writing
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    with writing(d):  # another draft-head's, or a split's into it
+        for kind in ([], ["--cloud"]):
+            _fails_in_one_line(["draft-head", str(d), *kind], capsys,
+                               f"{d}: another autoglm-partition split or draft-head is writing this bundle")
+        _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(d)], capsys,
+                           f"--out {d}: another autoglm-partition split or draft-head is writing this bundle")
+    assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in tiny_glm4_bundle.iterdir())
+
+
 def test_draft_head_on_a_full_disk_is_one_line_and_keeps_the_bundle(tiny_glm4_bundle, tmp_path, capsys):
     """draft-head writing into a bundle on a disk that filled up ended in an OSError traceback ('No space left on
     device'); and a manifest rewrite cut short by it left the bundle's manifest truncated (shared.manifest: saved
@@ -194,10 +213,10 @@ def test_a_second_split_into_the_same_out_is_refused_naming_it(tiny_glm4_bundle,
     d = tmp_path / "b"
     shutil.copytree(tiny_glm4_bundle, d)
     for out in (d, tmp_path / "new"):  # an earlier bundle (staged inside it), a folder to make (staged beside)
-        with _staging(out.absolute(), out) as staged:
+        with _staging(out.absolute(), f"--out {out}") as staged:
             assert staged == _staging_path(out.absolute())
             _fails_in_one_line(["split", "--preset", "tiny-glm4", "--layer", "1", "--out", str(out)], capsys,
-                               f"--out {out}: another autoglm-partition split is writing this bundle; wait for it")
+                               f"--out {out}: another autoglm-partition split or draft-head is writing this bundle")
         assert not staged.exists()
     (d / ".autoglm-split.partial" / "edge").mkdir(parents=True)  # a killed split's leftovers: cleared
     (d / ".autoglm-split.partial" / "edge" / "front.onnx").write_bytes(b"x")
