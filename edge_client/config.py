@@ -232,9 +232,11 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 def _coerce(name: str, annotation: str, raw: str):
     """An environment twin's text as its field's type (the dataclass annotation: ``int``, ``float``, ``bool``, with
-    or without ``| None``, where ``none`` is None); other fields keep the text (``__post_init__`` converts paths)."""
+    or without ``| None``, where ``none`` is None - for every field that may be None, as docs/edge.md says: the
+    codec's ``none`` is the precision policy's choice, not a codec named 'none'); other fields keep the text
+    (``__post_init__`` converts paths)."""
     kind = annotation.split("|")[0].strip()
-    if "None" in annotation and raw.strip().lower() == "none" and kind in ("int", "float"):
+    if "None" in annotation and raw.strip().lower() == "none":
         return None
     if kind in ("int", "float"):
         try:

@@ -69,6 +69,18 @@ def test_every_typed_field_parses_from_its_environment_twin(tmp_path, monkeypatc
         monkeypatch.delenv(f"AUTOGLM_EDGE_{f.name.upper()}")
 
 
+def test_none_in_an_optional_fields_twin_is_none(tmp_path, monkeypatch):
+    """docs/edge.md: an environment twin's ``none`` is None for a field that may be None. AUTOGLM_EDGE_CODEC=none
+    (the precision policy decides) was refused as "codec 'none'", AUTOGLM_EDGE_CACHE_DIR=none cached into ./none."""
+    monkeypatch.setenv("AUTOGLM_BUNDLE", str(tmp_path))
+    for name in ("CODEC", "CACHE_DIR", "CA_FILE", "DRAFT_K"):
+        monkeypatch.setenv(f"AUTOGLM_EDGE_{name}", "None")
+    cfg = EdgeConfig.from_env()
+    assert (cfg.codec, cfg.cache_dir, cfg.ca_file, cfg.draft_k) == (None, None, None, None)
+    monkeypatch.setenv("AUTOGLM_EDGE_CODEC", "fp32")
+    assert EdgeConfig.from_env().codec == "fp32"
+
+
 def test_the_reconnect_window_has_a_flag_and_an_environment_twin(tmp_path, monkeypatch):
     """The retry policy's fields have environment twins as the config's do (none had), the CLI's
     ``--reconnect-window-s`` wins over its twin, and a bad value is refused naming it."""
