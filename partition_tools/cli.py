@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layer", type=int, default=_env("LAYER"), help="N: layers [0, N) run on the edge")
     s.add_argument("--out", default=_env("OUT"), help="bundle directory to write: new, empty, or an earlier bundle holding none "
                         "but its own files (replaced whole, once the new one is written beside it on its file "
-                        "system); it must take new files, or its parent when it does not exist yet. One split at a "
-                        "time per directory")
+                        "system); it must take new files, or its parent when it does not exist yet. One split or "
+                        "draft-head at a time per directory")
     s.add_argument("--edge-quant", choices=("auto", "int8", "int4", "fp32"), default=_env("EDGE_QUANT", "auto"),
                    help="edge weight precision (default auto: int4 for a checkpoint already on a 4-bit grid, "
                         "e.g. a Q4 GGUF, whose own codes then run exactly with fp32 activations; int8 otherwise)")
