@@ -327,7 +327,13 @@ class EdgeClient:
 
     def _finished(self, future: concurrent.futures.Future) -> None:
         with self._inflight_lock:
-            self._inflight.pop(future, None)
+            sink = self._inflight.pop(future, None)
+        if sink is not None and not future.cancelled() and (e := future.exception()) is not None:
+            # a failure no runner path handled (an edge-only / all-cloud runner's malformed result): its consumer
+            # waited on the stream for ever; it ends with the error
+            log.error("edge request failed", exc_info=e)
+            sink(("error", e if isinstance(e, EdgeClientError) else
+                  EdgeClientError(f"internal error: {type(e).__name__}: {e}", "internal")))
 
     # -- execution mode ---------------------------------------------------------------------------
     def _decide(self, spec: RequestSpec, privacy: str, mode: str | None, session_only: bool = False) -> ModeDecision:

@@ -283,3 +283,26 @@ def test_edge_only_and_all_cloud_answers_have_a_ttft_and_a_decode_rate(tiny_bund
     with EdgeClient(tiny_bundle, cloud.ws_url, retry=RETRY, whole_model=Plain()) as c:
         st = c.complete(prompt=PROMPT, max_tokens=12, mode="edge-only").stats
         assert st.ttft_s == st.total_s > 0 and st.tokens_per_s == 0.0
+
+
+def test_a_runner_result_that_fails_after_its_generate_ends_the_request_with_an_error(tiny_bundle):
+    """An edge-only / all-cloud runner whose result the client cannot read (a token id that is no integer) raised
+    on the client's loop after the runner's guarded call, and nothing told the stream: the caller's iteration (and
+    the local API's response) waited for ever. The request ends with an internal EdgeClientError."""
+
+    class Malformed:
+        def generate(self, prompt_ids, max_tokens):
+            return type("Result", (), {"token_ids": [1, "x"]})()
+
+    with EdgeClient(tiny_bundle, "ws://127.0.0.1:9", retry=RETRY, whole_model=Malformed()) as c:
+        gen = c.generate(prompt_ids=[5, 6, 7], max_tokens=4, mode="edge-only")
+        with pytest.raises(EdgeClientError) as ei:
+            list(gen)
+        assert ei.value.code == "internal" and "ValueError" in str(ei.value)
+
+        async def consume():
+            async for _ in c.agenerate(prompt_ids=[5, 6, 7], max_tokens=4, mode="edge-only"):
+                pass
+
+        with pytest.raises(EdgeClientError, match="ValueError"):
+            asyncio.run(asyncio.wait_for(consume(), 30))
