@@ -138,21 +138,28 @@ async def read_body(request: Request, max_bytes: int | None, stall_s: float | No
                                     "client_disconnected") from None
 
 
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def parse_json_body(raw: bytes) -> Any:
     """The decoded JSON of a request body; ``OpenAIRequestError`` (400) for anything that is not JSON text a
     response can carry back: bad syntax or UTF-8, nesting past the parser's recursion, an integer past Python's
     4300-digit conversion limit (a plain ValueError), a ``\\uD800``-style escape of a lone surrogate (valid JSON
-    syntax, but no UTF-8 text: the tokenizer and the response's encoder fail on it)."""
+    syntax, but no UTF-8 text: the tokenizer and the response's encoder fail on it) or its bytes (``ED A0 80``:
+    ``json.loads`` of bytes decodes them with ``surrogatepass``, so they came through as that surrogate)."""
     try:
-        body = json.loads(raw)
+        text = raw.decode(json.detect_encoding(raw))  # strict; UTF-8 (with or without a BOM), or UTF-16/32
+    except UnicodeDecodeError:
+        raise oc.OpenAIRequestError("request body is not valid JSON: not UTF-8 text") from None
+    try:
+        body = json.loads(text)
     except RecursionError:
         raise oc.OpenAIRequestError("request body is not valid JSON: nested too deeply") from None
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+    except ValueError:  # JSONDecodeError, int digits limit
         raise oc.OpenAIRequestError("request body is not valid JSON") from None
-    if _SURROGATE_ESCAPE.search(raw):  # a pair decodes to one character; only a lone half fails here
+    # searched in the text (a UTF-16 body's escape is no run of ASCII bytes); a pair decodes to one character, only
+    # a lone half fails here
+    if _SURROGATE_ESCAPE.search(text):
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:

@@ -218,6 +218,11 @@ BAD_JSON_TEXT = {  # name -> (path, raw body, param); each was a 500 with a trac
                                       '[{"role": "user", "content": "a"}]}', None),
     "chat_template_kwargs 900 deep": ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a"}], '
                                       '"chat_template_kwargs": {"x": ' + _DEEP + "}}", "chat_template_kwargs"),
+    # raw bytes: json.loads took a surrogate's (invalid UTF-8: a 500 echoing the model) and missed a UTF-16 escape
+    "a surrogate's bytes in the model": ("/v1/chat/completions", b'{"model": "\xed\xa0\x80", "messages": '
+                                         b'[{"role": "user", "content": "a"}]}', None),
+    "a surrogate's bytes in the prompt": ("/v1/completions", b'{"prompt": "a\xed\xbf\xbf"}', None),
+    "a lone surrogate in a UTF-16 body": ("/v1/completions", '{"prompt": "a\\ud800"}'.encode("utf-16"), None),
 }
 
 
@@ -225,7 +230,8 @@ BAD_JSON_TEXT = {  # name -> (path, raw body, param); each was a 500 with a trac
 def test_json_the_server_cannot_take_is_a_400_naming_its_field(api, name):
     client, backend = api
     path, raw, param = BAD_JSON_TEXT[name]
-    r = client.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    r = client.post(path, content=raw if isinstance(raw, bytes) else raw.encode(),
+                    headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
     assert backend.started == []
