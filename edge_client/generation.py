@@ -414,13 +414,16 @@ class Session:
                                    hidden_size=self.runtime.hidden_size)
         try:
             override = PrecisionOverride.parse(spec.precision)
-            if override is None and self.config.codec is not None:
-                override = PrecisionOverride(codec=self.config.codec)
             # a bare name of both ("fp16") names the codec only where this server computes otherwise; an explicit
             # {"codec": ..., "compute": ...} is held to both (its compute was dropped without a word)
             if (isinstance(spec.precision, str) and override.codec is not None and override.compute is not None
                     and override.compute not in w.server.compute_variants):
                 override = PrecisionOverride(codec=override.codec)
+            # the config's codec is every request's that names none - one pinning only its compute too (it was
+            # dropped then, the prompt going up in the policy's lossy codec under EdgeConfig.codec="fp32")
+            if self.config.codec is not None and (override is None or override.codec is None):
+                override = PrecisionOverride(codec=self.config.codec,
+                                             compute=override.compute if override is not None else None)
             plan = choose_precision(features, override, available_codecs=w.codecs,
                                     available_compute=w.server.compute_variants)
             return plan, step_codec(plan, override, available_codecs=w.codecs)

@@ -93,6 +93,18 @@ def test_fp32_wire_is_lossless_end_to_end(tiny_bundle, tiny_cloud, tiny_referenc
         gen = c.complete(prompt_ids=PROMPT[:-1], max_tokens=N_NEW, precision={"codec": "fp32"})
         assert gen.stats.codec == "fp32" and gen.stats.bytes_up > (len(PROMPT) - 1) * 64 * 4
 
+def test_the_configs_codec_holds_for_a_request_that_pins_only_its_compute(tiny_bundle, tiny_cloud):
+    """EdgeConfig.codec (--codec) is the codec of every request that names none: one pinning its compute alone
+    (protocol.md's way to reproducible answers) went up in the policy's codec (int8-outlier, steps fp16)."""
+    bulk = [4 + (i * 7) % 500 for i in range(600)]  # past the lossless small-prompt rule
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp32", retry=RETRY) as c:
+        for precision in ({"compute": "fp32"}, {}, None):
+            st = c.complete(prompt_ids=bulk, max_tokens=2, precision=precision).stats
+            assert (st.codec, st.step_codec, st.compute) == ("fp32", "fp32", "fp32"), precision
+        st = c.complete(prompt_ids=bulk, max_tokens=2, precision="int8-b32").stats  # the request's own codec wins
+        assert (st.codec, st.step_codec) == ("int8-b32", "int8-b32")
+
+
 def test_a_compute_variant_the_server_lacks_is_refused_unless_a_bare_name_names_it(tiny_bundle, tiny_cloud):
     """On a CPU server (fp32 only) "fp16" names the codec only (docs/edge.md); an explicit compute, alone or beside
     a codec, is codec_not_negotiated - {"codec": ..., "compute": "bf16"} used to run in fp32 without a word."""
