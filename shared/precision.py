@@ -213,8 +213,8 @@ def choose_precision(features: RequestFeatures, override=None, available_codecs=
     elif f.multimodal or f.prompt_tokens > p.long_prompt_tokens:
         compute = _first(("bf16", "fp32", "fp16"), available_compute)
         why_compute = "multimodal" if f.multimodal else f"long prompt (> {p.long_prompt_tokens})"
-    elif (ov is None and f.prompt_tokens < p.short_prompt_tokens and f.server_load >= p.int8_min_load
-          and "int8" in available_compute):  # load moves only a request that pinned nothing
+    elif ((ov is None or ov.codec is None) and f.prompt_tokens < p.short_prompt_tokens  # load moves only a
+          and f.server_load >= p.int8_min_load and "int8" in available_compute):  # request that pinned nothing
         compute, why_compute = "int8", f"short prompt under load {f.server_load:.2f}"
     else:
         compute = _first(("fp16", "bf16", "fp32"), available_compute)

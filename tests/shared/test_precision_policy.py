@@ -45,7 +45,8 @@ def test_the_load_never_moves_a_request_that_pinned_its_precision_to_int8():
     for override in ("fp32", {"codec": "fp32"}, PrecisionOverride(codec="fp16"), "int8-b32"):
         p = plan(50, override=override, server_load=1.0, compute=("fp32", "int8"))
         assert p.compute == "fp32" and "load" not in p.reason
-    assert plan(50, server_load=1.0, compute=("fp32", "int8")).compute == "int8"  # nothing pinned: the policy's
+    for nothing in (None, {}, PrecisionOverride()):  # nothing pinned: the policy's
+        assert plan(50, override=nothing, server_load=1.0, compute=("fp32", "int8")).compute == "int8"
     assert plan(50, override="int8", compute=("fp32", "int8")).compute == "int8"  # pinned int8 stays int8
 
 
