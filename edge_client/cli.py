@@ -108,19 +108,9 @@ def cmd_chat(args) -> int:
             history.append({"role": "user", "content": line})
             # a turn that fails (too long for the context, the cloud unreachable through every retry) is said in
             # one line and dropped; the chat and its conversation go on (they ended with the process)
-            gen = None
             try:
-                gen = client.generate(messages=history, max_tokens=args.max_tokens, temperature=args.temperature,
-                                      enable_thinking=args.thinking, precision=args.precision)
-                print("assistant> ", end="", flush=True)
-                try:
-                    for delta in gen:
-                        print(delta, end="", flush=True)
-                except KeyboardInterrupt:
-                    gen.close()
+                gen = _answer(client, history, args)
             except (ValueError, EdgeClientError) as e:
-                if gen is not None:  # after "assistant> "
-                    print()
                 print(f"autoglm-edge chat: {e}", file=sys.stderr)
                 history.pop()
                 status = 1
@@ -137,6 +127,48 @@ def cmd_chat(args) -> int:
     finally:
         client.close()
     return status
+
+
+def _answer(client, history: list[dict], args):
+    """The finished generation answering the conversation's last message, streamed to stdout. A conversation the
+    context cannot hold forgets its oldest exchanges (the system prompt stays) until it fits - once full, it failed
+    every later turn; with nothing left to forget the refusal is raised, the conversation kept whole."""
+    from .errors import EdgeClientError
+
+    turns = list(history)
+    while True:
+        gen = None
+        try:
+            gen = client.generate(messages=turns, max_tokens=args.max_tokens, temperature=args.temperature,
+                                  enable_thinking=args.thinking, precision=args.precision)
+            print("assistant> ", end="", flush=True)
+            try:
+                for delta in gen:
+                    print(delta, end="", flush=True)
+            except KeyboardInterrupt:
+                gen.close()
+            history[:] = turns
+            return gen
+        except (ValueError, EdgeClientError) as e:
+            if gen is not None:  # after "assistant> "
+                print()
+            if getattr(e, "code", None) != "context_full" or not _forget_oldest_exchange(turns):
+                raise
+            print("autoglm-edge chat: the conversation is over the context: its oldest exchange is forgotten",
+                  file=sys.stderr)
+
+
+def _forget_oldest_exchange(turns: list[dict]) -> bool:
+    """Drop the first user message and the answers up to the next one, never the system prompt or the message being
+    asked (the last); False when there is none before it."""
+    first = 1 if turns and turns[0]["role"] == "system" else 0
+    end = first + 1
+    while end < len(turns) - 1 and turns[end]["role"] != "user":
+        end += 1
+    if end >= len(turns):
+        return False
+    del turns[first:end]
+    return True
 
 
 def cmd_serve(args) -> int:

@@ -235,6 +235,20 @@ def test_a_turn_that_fails_leaves_the_chat_and_its_conversation_going(tiny_bundl
     assert capsys.readouterr().err.count("compute 'int8' is not available") == 2  # both turns were asked
 
 
+def test_a_conversation_over_the_context_forgets_its_oldest_exchange_and_goes_on(tiny_bundle, tiny_cloud, monkeypatch,
+                                                                                capsys):
+    """Once a chat's turns filled the context (the edge graph's 2048 positions here: ~620 tokens a turn), every later
+    message was refused 'prompt of N tokens exceeds ...' and the chat could only be quit; the oldest exchanges are
+    forgotten until the conversation fits (the system prompt stays), and it goes on."""
+    argv = ["chat", "--bundle", str(tiny_bundle), "--url", tiny_cloud.ws_url, "--max-tokens", "3", "--no-stats",
+            "--temperature", "0", "--system", "be brief"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{'ab'[i % 2]} " * 300 + "\n" for i in range(5))))
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("assistant> ") == 5, captured.err
+    assert captured.err.count("its oldest exchange is forgotten") == 2 and "exceeds" not in captured.err
+
+
 def test_speculate_is_a_flag_of_chat_and_serve_with_an_environment_twin(tiny_bundle, tiny_cloud, monkeypatch, capsys):
     """Speculation (docs/edge.md, "Speculation"; the draft heads `autoglm-partition draft-head` adds) could be turned
     on from the Python API only: chat and serve had no flag, their every answer ran one token per round trip."""
