@@ -48,7 +48,7 @@ def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
                             "seconds before a request fails (default 90; env AUTOGLM_EDGE_RECONNECT_WINDOW_S). A "
                             "client that never reached the cloud gives up after 10 s (env "
                             "AUTOGLM_EDGE_FIRST_CONNECT_WINDOW_S)")
-    g.add_argument("--threads", type=int, help="onnxruntime threads for the front layers (default 2)")
+    g.add_argument("--threads", type=int, help="onnxruntime threads for the front layers (1 to 256, default 2)")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per front forward (default 128)")
     g.add_argument("--codec", help="wire codec for hidden states (default: the server's precision plan)")
     g.add_argument("--cache-dir", type=Path, help="persist the activation cache here (default: memory only)")
@@ -278,8 +278,12 @@ class _Bar:
 def cmd_demo(args) -> int:
     from .demo import DEMO_PROMPT, run_demo
 
-    if args.max_tokens < 1 or args.threads < 1:  # checked before minutes of building the bundle
-        raise ValueError(f"--max-tokens ({args.max_tokens}) and --threads ({args.threads}) must be >= 1")
+    from shared.threads import threads_problem
+
+    if args.max_tokens < 1:  # checked before minutes of building the bundle
+        raise ValueError(f"--max-tokens ({args.max_tokens}) must be >= 1")
+    if (problem := threads_problem(args.threads)) is not None:
+        raise ValueError(f"--threads {problem}")
     run_demo(prompt=args.prompt or DEMO_PROMPT, max_tokens=args.max_tokens, bundle=args.bundle,
              rebuild=args.rebuild, threads=args.threads, port=args.port)
     return 0
@@ -342,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--bundle", type=Path, help="use this bundle; absent, the SmolLM2 one is built there "
                                                         "(default: $AUTOGLM_CACHE/bundles/smollm2-l8)")
     demo.add_argument("--rebuild", action="store_true", help="rebuild the cached bundle")
-    demo.add_argument("--threads", type=int, default=2, help="onnxruntime threads of the edge front (default 2)")
+    demo.add_argument("--threads", type=int, default=2, help="onnxruntime threads of the edge front (1 to 256, default 2)")
     demo.add_argument("--port", type=port_number, help="cloud server port (default: a free one)")
     demo.set_defaults(func=cmd_demo)
     return p

@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from shared.prefix_keys import bearer_key_problem
+from shared.threads import threads_problem
 from shared.user_paths import user_path
 
 DEFAULT_SPLIT_PATH = "/v1/split"  # the cloud server's WebSocket route for split sessions
@@ -161,8 +162,8 @@ class EdgeConfig:
             # empty: connected without the key, silently (every request a 401 from a protected cloud); a newline
             # failed every connect as 'not a WebSocket server (InvalidHeaderValue ...)'
             raise ConfigError(f"api_key {problem}")
-        if self.threads < 1:
-            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if (problem := threads_problem(self.threads)) is not None:  # 100,000: onnxruntime hung starting them
+            raise ConfigError(f"threads {problem}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if self.cache_max_bytes < 0:

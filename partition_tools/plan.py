@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from shared.link_profiles import MSS, LinkProfile
+from shared.threads import MAX_THREADS
 
 from .adapters import ModelAdapter, call_layer
 from .models import LoadedModel
@@ -55,9 +56,6 @@ UP_MSG_OVERHEAD = 90  # bytes: a DecodeStep's msgpack header + WebSocket frame a
 DOWN_PER_TOKEN = 60  # bytes: one token message (id, text delta, framing) down the WebSocket
 SSE_PER_TOKEN = 200  # bytes: one streamed chat.completion.chunk (all-cloud)
 HTTP_REQUEST_OVERHEAD = 250  # bytes: request line + headers of the all-cloud POST
-# threads a measurement may ask for (--edge-threads, --cloud-threads): onnxruntime spent minutes starting 100,000,
-# torch.set_num_threads(1,000,000) crashed the process (SIGSEGV)
-MAX_THREADS = 256
 
 
 class PlanError(ValueError):

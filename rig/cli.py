@@ -28,7 +28,7 @@ def _env(name: str, default=None):
 
 def _threads(value: str) -> int:
     """``demo --threads``: the scenario's ``edge_threads`` range, said of the flag (it was "edge_threads 0: ...")."""
-    from .scenario import MAX_THREADS
+    from shared.threads import MAX_THREADS
 
     try:
         n = int(value)

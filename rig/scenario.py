@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from shared.threads import MAX_THREADS
 from shared.user_paths import user_path
 
 from .link import Disconnect
@@ -37,7 +38,6 @@ from .profiles import LinkProfile, LinkProfileError, resolve_profile
 MODES = ("split", "all-cloud", "all-edge")
 EDGE_QUANTS = ("auto", "int8", "int4", "fp32")  # autoglm-partition split --edge-quant
 MAX_PHONES = 256  # phone processes (and links) of one burst: each loads its own onnxruntime session
-MAX_THREADS = 256  # onnxruntime threads per phone
 MAX_REQUESTS = 100_000  # requests per phone and workload
 MAX_TOKENS = 1 << 20  # output tokens per request
 MAX_NAME_BYTES = 200  # a name, and a profile's, in file names: phone-<profile>-agent-all-cloud-255.log fits NAME_MAX

@@ -15,6 +15,12 @@ from edge_client.cli import build_parser, main
     (["chat", "--bundle", "/no/such/bundle", "--url", "ws://x"], "no such bundle directory"),
     (["serve", "--bundle", "/no/such/bundle", "--url", "http://x"], "expected ws:// or wss://"),
     (["chat", "--bundle", "/b", "--url", "ws://x", "--threads", "0"], "threads must be >= 1"),
+    # no upper bound: 100,000 hung the load (onnxruntime starting its threads); plan's and the rig's bound
+    # (shared.threads), said before anything loads - demo's before minutes of building its bundle
+    (["chat", "--bundle", "/b", "--url", "ws://x", "--threads", "100000"], "threads must be >= 1 and <= 256"),
+    (["serve", "--bundle", "/b", "--url", "ws://x", "--threads", "257"], "threads must be >= 1 and <= 256"),
+    (["preload", "--bundle", "/b", "--threads", "100000", "p.txt"], "threads must be >= 1 and <= 256"),
+    (["demo", "--threads", "100000"], "--threads must be >= 1 and <= 256"),
     # the cloud's serve refuses these (one rule, shared.cli_exit.host_problem / shared.prefix_keys.bearer_key_problem):
     # an empty host listened on every interface, a key with a secret file's newline was a 401 on every local request
     # or failed every connect as "not a WebSocket server (InvalidHeaderValue ...)"
