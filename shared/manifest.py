@@ -160,6 +160,9 @@ class Manifest:
     @classmethod
     def load(cls, bundle_dir: str | Path) -> Manifest:
         path = Path(bundle_dir) / MANIFEST_NAME
+        if Path(bundle_dir).exists() and not Path(bundle_dir).is_dir():  # was "no such bundle directory"
+            raise BundleError(f"{bundle_dir}: a file, not a bundle directory (give the directory split --out "
+                              "wrote, the one holding its manifest.json)")
         if not Path(bundle_dir).is_dir():
             raise BundleError(f"{bundle_dir}: no such bundle directory")
         if not path.is_file():

@@ -123,6 +123,16 @@ def test_console_script_prints_no_traceback(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "no such bundle directory" in r.stderr
 
 
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_file_given_for_a_bundle_is_said_to_be_a_file(command, tmp_path, capsys):
+    """An existing regular file (a bundle's manifest.json, a tarball) was 'no such bundle directory'."""
+    f = tmp_path / "manifest.json"
+    f.write_text("{}")
+    assert main([command, str(f)]) == 2
+    assert capsys.readouterr().err == f"autoglm-partition {command}: error: {f}: a file, not a bundle directory " \
+        "(give the directory split --out wrote, the one holding its manifest.json)\n"
+
+
 def test_split_with_an_int8_edge_kv_cache(tmp_path, capsys):
     """``--edge-kv int8``: the front's cache is int8 (a quarter of the bytes), said by split and inspect, named in
     the edge variant (so prefix keys never mix its states with an fp32 cache's), and the bundle verifies."""
