@@ -127,6 +127,9 @@ class EdgeConfig:
     prefill_chunk: int = 128
     # Wire codec for boundary activations; None lets the server's precision plan decide per request.
     codec: str | None = None
+    # The phone's uplink in kbit/s (Hello.hints.link_kbps): the precision policy sends a bulk prompt whose upload
+    # would take over 1.5 s in the compact codec (int4-outlier). None: unknown, the near-lossless codec.
+    link_kbps: float | None = None
     wire_zstd: bool = False  # zstd over coded payloads: ~1.1x on activations, not worth a phone core by default
     # Activation cache for common prompts (see activation_cache.py). None: in memory only.
     cache_dir: Path | None = None
@@ -178,6 +181,9 @@ class EdgeConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cache_dtype not in ("float32", "float16"):
             raise ConfigError(f"cache_dtype {self.cache_dtype!r}: expected float32 or float16")
+        if self.link_kbps is not None and (isinstance(self.link_kbps, bool) or not isinstance(self.link_kbps, (int, float))
+                                           or not 0 < self.link_kbps <= 1e9):  # the wire's range (ClientHints)
+            raise ConfigError(f"link_kbps must be a number of kbit/s in (0, 1e9] or None, got {self.link_kbps!r}")
         if self.codec is not None:
             from shared.precision import PrecisionError, PrecisionOverride
 

@@ -271,8 +271,8 @@ class Session:
         return self.limits.prefix_block_tokens
 
     def _hello(self, resume: bool):
-        hints = P.ClientHints(edge_quant=self.manifest.edge_quant, threads=self.config.threads,
-                              client=f"autoglm-edge/{CLIENT_VERSION}")
+        hints = P.ClientHints(link_kbps=self.config.link_kbps, edge_quant=self.manifest.edge_quant,
+                              threads=self.config.threads, client=f"autoglm-edge/{CLIENT_VERSION}")
         return P.Hello(bundle_id=self.manifest.bundle_id, codecs=list(self.codecs), hints=hints,
                        resume_token=self.resume_token if resume else None)
 
@@ -411,7 +411,7 @@ class Session:
         features = RequestFeatures(prompt_tokens=len(spec.prompt_ids), server_load=w.server.load,
                                    images=spec.media.count("image") if spec.media is not None else 0,
                                    audio=spec.media.count("audio") if spec.media is not None else 0,
-                                   hidden_size=self.runtime.hidden_size)
+                                   link_kbps=self.config.link_kbps, hidden_size=self.runtime.hidden_size)
         try:
             override = PrecisionOverride.parse(spec.precision)
             # a bare name of both ("fp16") names the codec only where this server computes otherwise; an explicit

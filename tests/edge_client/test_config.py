@@ -28,7 +28,9 @@ def test_backoff_grows_to_its_cap_with_bounded_jitter():
                                        (dict(cache_dtype="int8"), "cache_dtype"),
                                        (dict(prefill_chunk=0), "prefill_chunk"), (dict(draft_k=-1), "draft_k"),
                                        (dict(draft_k=2.5), "draft_k"), (dict(draft_k="3"), "draft_k"),
-                                       (dict(draft_k=True), "draft_k"), (dict(cloud_drafts="no"), "cloud_drafts")])
+                                       (dict(draft_k=True), "draft_k"), (dict(cloud_drafts="no"), "cloud_drafts"),
+                                       (dict(link_kbps=0), "link_kbps"), (dict(link_kbps=float("nan")), "link_kbps"),
+                                       (dict(link_kbps="fast"), "link_kbps")])
 def test_edge_config_refuses_bad_values(tmp_path, kw, field):
     with pytest.raises(ConfigError, match=field):
         EdgeConfig(bundle=tmp_path, **kw)

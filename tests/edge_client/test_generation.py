@@ -162,6 +162,19 @@ def test_a_replay_on_a_session_without_the_requests_compute_fails_instead_of_run
         cloud.drop_after_tokens, cloud.forget_sessions, cloud.compute_variants = None, False, ["fp32"]
 
 
+def test_a_configured_slow_uplink_sends_a_bulk_prompt_in_the_compact_codec(tiny_bundle, cloud):
+    """The policy's slow-link tier (int4-outlier when the near-lossless upload would take over 1.5 s: quality.md,
+    protocol.md's hints.link_kbps) was out of the reference edge's reach: it had no link rate to give the policy
+    or the Hello. EdgeConfig.link_kbps (env AUTOGLM_EDGE_LINK_KBPS) is both."""
+    cloud.drop_after_tokens, cloud.forget_sessions = None, False
+    bulk = [4 + (i * 7) % 500 for i in range(600)]  # 600 x 64 x 1.02 B: 3.1 s at 100 kbit/s, 31 ms at 10 Mbit/s
+    for kbps, codec in ((100, "int4-outlier"), (10_000, "int8-outlier")):
+        with EdgeClient(tiny_bundle, cloud.url, link_kbps=kbps, retry=FAST_RETRY) as c:
+            assert c.session._hello(False).hints.link_kbps == kbps
+            st = c.complete(prompt_ids=bulk, max_tokens=2).stats
+            assert st.codec == codec, kbps
+
+
 def test_cut_tcp_connection_repeatedly(tiny_bundle, cloud, reference):
     cloud.drop_after_tokens, cloud.forget_sessions = None, False
     with LinkEmulator(cloud.port) as proxy, \
