@@ -405,6 +405,9 @@ class ActivationCache:
                 self._skipped.add(path.name)  # another client's valid block: not ours to use or to remove
             except (CacheFileError, OSError, KeyError, ValueError, TypeError) as err:
                 self._reject(path, err)
+        # names of files gone since (another scope's client evicted them, or cleared the folder): a long-running
+        # client sharing the folder kept every name it had ever skipped
+        self._skipped.intersection_update(p.name for p in paths)
         for e in [e for e in self._entries.values() if e.path is not None and e.key not in on_disk]:
             self._entries.pop(e.key)  # another client evicted it: the directory's LRU decided
             self._bytes -= e.nbytes

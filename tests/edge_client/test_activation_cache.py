@@ -142,6 +142,19 @@ def test_a_retired_bundles_blocks_go_unless_a_client_still_holds_them(rt, tmp_pa
     assert not retire(**scope)
 
 
+def test_the_names_of_another_scopes_files_are_forgotten_once_they_are_gone(rt, tmp_path):
+    """A client sharing its folder with another scope's (an int8 client beside it) remembered the name of every
+    file of that scope it had ever skipped, long after they were evicted: its memory grew for as long as it ran."""
+    from edge_client.activation_cache import retire
+
+    ours = _cache(rt, cache_dir=tmp_path)
+    other = _cache(rt, cache_dir=tmp_path, edge_variant="int8")
+    _fill(rt, other)
+    other.close()
+    assert _fill(rt, ours)[0] == 4 and len(ours._skipped) == 4  # the int8 blocks, left alone
+    assert retire(cache_dir=tmp_path, bundle_id=rt.manifest.bundle_id, edge_variant="int8", block_tokens=B)
+    assert _fill(rt, ours, IDS[::-1])[0] == 4 and ours._skipped == set()
+
 
 def test_retiring_blocks_a_directory_will_not_remove_leaves_them(rt, tmp_path, monkeypatch, caplog):
     """A cache directory that refuses removals (read-only for the app; simulated: the tests run as root, whom
