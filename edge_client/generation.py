@@ -277,12 +277,13 @@ class Session:
                        resume_token=self.resume_token if resume else None)
 
     async def ensure_connected(self, resume: bool = False, route: bool = True) -> dict:
-        """Connect unless connected (``route``: send the route key, if any and not at a private level)."""
+        """Connect unless connected (``route``: send the route key, if any, not at a private level, and not for a
+        u-shape bundle, whose requests send no prefix keys: the key would only tell the cloud the system prompt)."""
         if not self.connected:
             for attempt in (0, 1):  # a second Hello after a bundle update
                 hello = self._hello(resume and attempt == 0)
                 try:
-                    w = await self.link.connect(hello, route=route and not self._private)
+                    w = await self.link.connect(hello, route=route and not self._private and self.ushape is None)
                     break
                 except HandshakeRefused as e:
                     if attempt == 0 and e.code == "bundle_mismatch" and self.on_bundle_mismatch is not None \

@@ -154,6 +154,23 @@ def test_a_private_request_opens_its_link_without_the_unsalted_route_key(tiny_bu
     assert f"{ROUTE_HEADER}: {route}" in upgrades["standard"]
 
 
+def test_a_u_shape_bundles_link_carries_no_route_key(tiny_glm4_ushape_bundle, ushape_cloud, tmp_path):
+    """A u-shape request sends no prefix keys (security.md: the cloud prefix cache is off in u-shape), but a client
+    that preloaded a system prompt sent its first prefix key - unsalted - as the routing header on the upgrade of
+    its u-shape bundle's link: the one key that confirms a guessed system prompt, for no routing gain."""
+    from edge_client.transport import ROUTE_HEADER
+
+    (tmp_path / "system.txt").write_text(SECRET)
+    with RecordingProxy(ushape_cloud.port) as proxy, \
+            EdgeClient(tiny_glm4_ushape_bundle, f"ws://127.0.0.1:{proxy.port}/v1/split", codec="fp16",
+                       retry=RETRY) as c:
+        c.preload_prompts(tmp_path / "system.txt", as_system=False)
+        gen = c.complete(prompt=PROMPT, max_tokens=2)
+    assert gen.stats.exec_mode == "u-shape"
+    upgrade = bytes(proxy.up[: proxy.up.index(b"\r\n\r\n")]).decode()
+    assert ROUTE_HEADER not in upgrade
+
+
 def test_the_privacy_level_changes_what_leaves_not_the_answer(tiny_bundle, cloud):
     with EdgeClient(tiny_bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
         gen = c.complete(prompt=PROMPT, max_tokens=24, speculate=True)
