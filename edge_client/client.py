@@ -57,9 +57,6 @@ log = logging.getLogger("edge_client.client")
 
 __all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "RequestStats"]
 
-MAX_CHARS_PER_POSITION = 64  # a text longer than this many characters per graph position cannot fit
-
-
 class EdgeClient:
     """The edge runtime, tokenizer, activation cache and cloud session of one bundle."""
 
@@ -249,7 +246,7 @@ class EdgeClient:
             messages, parts = extract_parts(messages, self._placeholder)
             kw = _template_kwargs(chat_template_kwargs, enable_thinking)
             prompt = self.tokenizer.render_chat(messages, add_generation_prompt=True, **kw)
-        if prompt_ids is None and len(prompt) > MAX_CHARS_PER_POSITION * self.runtime.max_positions:
+        if prompt_ids is None and len(prompt) > self.tokenizer.max_token_chars * self.runtime.max_positions:
             # no tokenizing a text that cannot fit (a 48 MB prompt held the local API's event loop for seconds)
             raise PromptTooLongError(f"prompt of {len(prompt)} characters exceeds the edge graph's "
                                      f"{self.runtime.max_positions} positions")

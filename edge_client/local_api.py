@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_TOKENS = 512
 # A request body over this is refused (413) before it is read whole: room for an image at the media limit as a
-# base64 data URL (20 MiB -> 27 MiB) beside the text; a text prompt itself is at most 64 characters a position.
+# base64 data URL (20 MiB -> 27 MiB) beside the text; a text prompt itself is at most the tokenizer's longest
+# token (EdgeTokenizer.max_token_chars) a position.
 MAX_BODY_BYTES = 32 << 20
 # Requests whose media are prepared at once (read and fetched side by side, decoded and encoded one request at a
 # time: MediaEncoders.turn); more wait for a thread. Their own threads: slow image_urls never hold the ones text

@@ -36,6 +36,7 @@ THINKING_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 class TokenizerLike(Protocol):
     eos_token_ids: list[int]
+    max_token_chars: int  # the most characters of text one token stands for: a longer text per position cannot fit
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
@@ -142,6 +143,10 @@ class EdgeTokenizer(_ChatMixin):
         self._added_ids = set(added)
         self._control = chat_tokens.control_tokens(((t.content, t.special) for t in added.values()), template)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        # the vocabulary's longest piece: a byte-level piece has a character per byte of its text, a byte-fallback
+        # piece ("<0xE4>") more; SmolLM2's is a newline and 80 spaces (a guess of 64 refused prompts that fit). (A
+        # tokenizer that drops text, such as a whitespace splitter, has no such bound; an LLM's keeps every byte.)
+        self.max_token_chars = max(map(len, self.tok.get_vocab(with_added_tokens=True)), default=1)
 
     @classmethod
     def from_bundle(cls, bundle_dir: str | Path, manifest: Manifest | None = None) -> TokenizerLike:
@@ -208,6 +213,7 @@ class ByteTokenizer(_ChatMixin):
 
     TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    max_token_chars = 1  # a token is a byte: a character is one or more
 
     def __init__(self, vocab_size: int, eos_token_ids: list[int], offset: int = 4):
         if vocab_size < offset + 256:

@@ -191,17 +191,38 @@ def test_prompt_longer_than_the_edge_context_is_refused(client):
 
 
 def test_a_text_too_long_for_the_context_is_refused_before_tokenizing(client, monkeypatch):
-    from edge_client.client import MAX_CHARS_PER_POSITION
-
     def no_tokenizing(text):
         raise AssertionError("tokenized")
 
     monkeypatch.setattr(client.tokenizer, "encode", no_tokenizing)
-    n = MAX_CHARS_PER_POSITION * client.runtime.max_positions + 1
+    n = client.tokenizer.max_token_chars * client.runtime.max_positions + 1
     with pytest.raises(ValueError, match=f"prompt of {n} characters exceeds"):
         client.generate(prompt="a" * n)
     with pytest.raises(ValueError, match="characters exceeds"):
         client.generate(messages=[{"role": "user", "content": "a" * n}])
+
+
+def test_a_text_whose_tokens_are_long_is_not_refused_by_its_characters(client, monkeypatch, tmp_path):
+    """The bound assumed at most 64 characters a token, but SmolLM2's vocabulary has an 81-character one (a newline
+    and 80 spaces): a prompt that fits was refused 'prompt of N characters exceeds the edge graph's positions'. The
+    bound is the tokenizer's longest token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from edge_client.tokenizer import EdgeTokenizer
+
+    word = "x" * 100
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, word: 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(word, "isolated")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    monkeypatch.setattr(client, "tokenizer", EdgeTokenizer(tmp_path / "tokenizer.json", {}, None, [2]))
+    assert client.tokenizer.max_token_chars == 100
+    n = client.runtime.max_positions - 1  # fills the edge graph, one position left for the answer
+    gen = client.generate(prompt=word * n, max_tokens=1)
+    assert gen.spec.prompt_ids == [5] * n
+    gen.cancel()
+    gen.close()
+    with pytest.raises(ValueError, match="characters exceeds"):
+        client.generate(prompt=word * client.runtime.max_positions + "x")
 
 
 def test_a_stop_string_is_one_stop_not_its_characters(client):
