@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cloud_server.auth import Authenticator
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.limits import ConnectionLimit, HttpConcurrencyLimit
+from cloud_server.metrics import HttpRefusals
 from cloud_server.http_protocol import protocol_class as http_protocol_class
 from cloud_server.ws_protocol import protocol_class
 from shared import openai_compat as oc
@@ -210,8 +211,10 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         if scope["type"] == "websocket" and runtime.metrics is not None:
             runtime.metrics.on_refused("max_connections")
 
-    # outermost: counts every connection
+    # outside the admission limits: counts every connection
     app.add_middleware(ConnectionLimit, limit=cfg.max_connections, on_refused=refused_at_the_cap)
+    # outermost: counts every HTTP refusal, the limits' included (autoglm:http_requests_refused_total)
+    app.add_middleware(HttpRefusals, metrics=lambda: runtime.metrics)
 
     async def require_key(request: Request):
         if authn.authenticate(request.headers.get("authorization")) is None:

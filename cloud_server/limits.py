@@ -11,7 +11,8 @@ Every limit here answers at once with a "try later" and never parks work in an u
   the next gets 503 with ``Retry-After`` (a WebSocket before its upgrade), and the handshake timeout closes a
   WebSocket that sends no Hello. The probes are neither counted nor refused.
 
-Frame sizes, context length and timeouts are the session's ``Welcome.limits`` (``cloud_server.split_endpoint``).
+Every HTTP refusal is counted by ``cloud_server.metrics.HttpRefusals`` (by its status and error code); a refused
+WebSocket by ``on_refused``. Frame sizes, context length and timeouts are the session's ``Welcome.limits`` (``cloud_server.split_endpoint``).
 """
 
 from __future__ import annotations
@@ -50,14 +51,12 @@ class HttpConcurrencyLimit:
             raise ValueError(f"limit must be >= 1 (got {limit})")
         self.app, self.limit, self.prefix = app, limit, prefix
         self.in_flight = 0  # event-loop thread only
-        self.refused = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.limit:
-            self.refused += 1
             await _too_many(send, self.limit)
             return
         self.in_flight += 1

@@ -5,7 +5,8 @@ Names follow vLLM's so existing dashboards work: ``vllm:time_to_first_token_seco
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries`` /
 ``vllm:prefix_cache_hits`` (tokens), ``vllm:prompt_tokens`` / ``vllm:generation_tokens``,
 ``vllm:request_success`` (by finish reason). Split-specific ones carry the ``autoglm:`` prefix: wire bytes up
-(edge -> cloud hidden states) and down (tokens), bytes per token by codec, open and refused sessions, the
+(edge -> cloud hidden states) and down (tokens), bytes per token by codec, open and refused sessions, HTTP requests
+answered with an error status (``autoglm:http_requests_refused_total{status, reason}``, :class:`HttpRefusals`), the
 edges' round trip per token (``autoglm:edge_round_trip_seconds``, measured at the engine), and where the engine
 thread's time goes per step: in the step (``autoglm:engine_step_seconds``) or waiting for inputs while requests
 are open (``autoglm:engine_input_wait_seconds``), the steady decode step's device time on CUDA
@@ -25,9 +26,12 @@ goes down while the server runs.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -40,6 +44,8 @@ from prometheus_client import (
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from cloud_server.limits import PROBES
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
@@ -136,6 +142,9 @@ class ServerMetrics:
         self.sessions = Gauge("autoglm:sessions_open", "Split sessions open (connected or resumable)", lab,
                               registry=r)
         self.refused = Counter("autoglm:sessions_refused", "Sessions refused", lab + ["reason"], registry=r)
+        self.http_refused = Counter("autoglm:http_requests_refused",
+                                    "HTTP requests (not the probes) answered with an error status, by status and "
+                                    "the error body's code", lab + ["status", "reason"], registry=r)
         self.engine_step = Histogram("autoglm:engine_step_seconds",
                                      "Engine thread: time in one step (launch, wait for the device, postprocess), "
                                      "per step that delivered outputs", lab, buckets=_STEP_BUCKETS, registry=r)
@@ -247,11 +256,67 @@ class ServerMetrics:
         set, never a client's words)."""
         self.refused.labels(self.model_name, reason).inc()
 
+    def on_http_refused(self, status: int, reason: str) -> None:
+        """An HTTP request answered ``status`` >= 400 (``reason``: the server's own error code, see
+        :class:`HttpRefusals`)."""
+        self.http_refused.labels(self.model_name, str(status), reason).inc()
+
     def on_downlink(self, nbytes: int) -> None:
         self._downlink.inc(nbytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_CODE = re.compile(r"[a-z0-9_]{1,64}")
+
+
+class HttpRefusals:
+    """ASGI middleware (the outermost, so the connection cap's 503s and ``--max-http-requests``' 429s are seen too):
+    every HTTP request but the probes answered with a status >= 400 is counted by ``metrics()`` (None: nothing to
+    count in yet) under its status and its reason, the ``code`` of its OpenAI error body (``overloaded``,
+    ``draining``, ``unavailable``, ``context_length_exceeded``, ``invalid_request_error``, ``invalid_api_key``,
+    ``not_found``, ...: the server's own words, never a client's), ``other`` for a body without one, ``internal`` for
+    an exception before any answer. No path label: a scanner's 404s add one series, not one per path."""
+
+    def __init__(self, app, metrics: Callable[[], ServerMetrics | None]):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in PROBES:
+            await self.app(scope, receive, send)
+            return
+        status = None  # the answer's, once started; counted at its first body message
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and status is not None and status >= 400:
+                self._count(status, _error_code(message.get("body", b""), message.get("more_body", False)))
+                status = None
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if status is None:  # nothing answered: starlette's 500 follows
+                self._count(500, "internal")
+            raise
+
+    def _count(self, status: int, reason: str) -> None:
+        metrics = self.metrics()
+        if metrics is not None:
+            metrics.on_http_refused(status, reason)
+
+
+def _error_code(body: bytes, more: bool) -> str:
+    """The ``code`` of an OpenAI error body (whole in one message), else ``other``."""
+    try:
+        code = json.loads(body)["error"]["code"] if not more else None
+    except (ValueError, KeyError, TypeError):
+        code = None
+    return code if isinstance(code, str) and _CODE.fullmatch(code) else "other"
 
 
 def render_merged(collections: list[list[Metric]]) -> bytes:

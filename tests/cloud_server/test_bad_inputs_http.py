@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import re
 import threading
 import time
 
@@ -36,6 +37,7 @@ def server(smol_lm):
                        engine=EngineConfig(num_blocks=64, block_size=4, max_model_len=MAX_LEN))
     rt = CloudRuntime(cfg, loaded=copy.copy(smol_lm)).start()  # the runtime sets fields of its model
     with ServerThread(create_app(rt)) as srv:
+        srv.runtime = rt
         yield srv
     rt.stop()
 
@@ -141,3 +143,45 @@ def test_a_client_that_vanishes_mid_body_frees_its_slot_and_socket(server):
     assert answer.startswith(b"HTTP/1.1 408 ") and b"connection: close" in answer.lower()
     assert b'"request_timeout"' in answer
     assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def _refused(server) -> dict[tuple[str, str], float]:
+    """``autoglm:http_requests_refused_total`` of the server's /metrics: (status, reason) -> count."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {(m["status"], m["reason"]): float(v) for m, v in
+            ((dict(re.findall(r'(\w+)="([^"]*)"', labels)), v) for labels, v in
+             re.findall(r"^autoglm:http_requests_refused_total\{([^}]*)\} (\S+)$", text, re.M))}
+
+
+def test_refused_http_requests_are_counted_by_status_and_reason(server):
+    """A 429 of --max-http-requests, a draining 503, a 400 and a 401 each count once in
+    autoglm:http_requests_refused_total{status, reason} (they were counted nowhere: HttpConcurrencyLimit's own
+    count was never exported); the probes and the answered requests are not counted."""
+    import socket
+    from urllib.parse import urlsplit
+
+    before = _refused(server)
+    url = urlsplit(server.url)
+    with socket.create_connection((url.hostname, url.port)) as s:  # a body that never ends holds the only slot
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
+        time.sleep(0.3)
+        assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x"}).status_code == 429
+    deadline = time.monotonic() + STALL_S + 5  # the slot is free once the server saw the client go
+    while (r := _post(server, "/v1/completions", {"model": "tiny", "prompt": "a " * (4 * MAX_LEN)})).status_code \
+            == 429 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.status_code == 400  # over the context
+    server.runtime.draining = True
+    try:
+        assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x"}).status_code == 503
+    finally:
+        server.runtime.draining = False
+    assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x"}, headers={}).status_code == 401
+    assert httpx.get(server.url + "/ready", timeout=5).status_code == 200
+    after = _refused(server)
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    retried = grew.pop(("429", "overloaded"))  # the wait above may have met the slot still held
+    assert retried >= 1
+    grew.pop(("400", "client_disconnected"), None)  # the held request's own end, when the server answered it
+    assert grew == {("400", "context_length_exceeded"): 1, ("503", "draining"): 1, ("401", "invalid_api_key"): 1}

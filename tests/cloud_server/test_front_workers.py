@@ -117,6 +117,11 @@ def test_metrics_sum_the_workers_counters(servers, tiny_bundle):
     # the engine counts tokens in the engine process; each worker counts what it sent: the sums agree
     assert _metric(cloud, "vllm:generation_tokens_total") - before == 2 * N_NEW
     assert _metric(cloud, "autoglm:tenant_generation_tokens_total") - tenant_before == 2 * N_NEW
+    # each worker counts the HTTP requests it refused (here the 404 of chat in split mode): the sum is every one
+    refused_before = _metric(cloud, "autoglm:http_requests_refused_total")
+    for _ in range(4):  # new connections: the kernel spreads them over the workers
+        assert httpx.post(cloud.http_url + "/v1/chat/completions", json={}, timeout=10).status_code == 404
+    assert _metric(cloud, "autoglm:http_requests_refused_total") - refused_before == 4
 
 
 def test_a_bad_frame_on_one_worker_leaves_the_other_workers_session_alone(servers, tiny_bundle):
