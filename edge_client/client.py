@@ -410,15 +410,19 @@ class EdgeClient:
         sink(("end", "stop" if stop.stopped or len(tokens) < spec.max_tokens else "length"))
 
     def agenerate(self, prompt: str | None = None, *, loop: asyncio.AbstractEventLoop | None = None,
-                  privacy: str = "standard", mode: str | None = None, **kwargs: Any) -> AsyncGeneration:
+                  privacy: str = "standard", mode: str | None = None, abandoned: threading.Event | None = None,
+                  **kwargs: Any) -> AsyncGeneration:
         """The async twin of :meth:`generate` (same arguments); call it inside a running event loop, or on a
         worker thread with ``loop``, the event loop that consumes the generation (its media are loaded, fetched
-        and encoded by the calling thread: ``edge_client.local_api`` keeps them off its event loop)."""
+        and encoded by the calling thread: ``edge_client.local_api`` keeps them off its event loop). ``abandoned``
+        set by then (the caller's own client went away meanwhile): EdgeClientError ``cancelled``, nothing sent."""
         caller = loop or asyncio.get_running_loop()
         spec = self._spec(prompt, kwargs.pop("messages", None), kwargs.pop("prompt_ids", None),
                           kwargs.pop("enable_thinking", None), kwargs.pop("chat_template_kwargs", None),
                           kwargs.pop("images", None), kwargs.pop("audio", None), **_sampling_defaults(kwargs))
         decision = self._decide(spec, privacy, mode)
+        if abandoned is not None and abandoned.is_set():
+            raise EdgeClientError("the request was abandoned before it started", "cancelled")
         aq: asyncio.Queue = asyncio.Queue()
         gen = AsyncGeneration(self, spec, aq)
         gen._media_stats()

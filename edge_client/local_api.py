@@ -79,6 +79,25 @@ class _EdgeStream:
         await self.gen.aclose()  # cancels the cloud request if it has not finished
 
 
+async def _unless_abandoned(loop, executor, run) -> AsyncGeneration:
+    """``run(loop=, abandoned=)`` on ``executor``'s thread. Cancelled meanwhile (the app went away while its
+    prompt was tokenized or its media fetched and encoded: ``openai_routes``), it starts nothing - nothing goes to
+    the cloud - or, started already, its generation is closed at once (it ran until garbage-collected)."""
+    abandoned = threading.Event()
+    work = loop.run_in_executor(executor, functools.partial(run, loop=loop, abandoned=abandoned))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        abandoned.set()
+        work.add_done_callback(_close_abandoned)
+        raise
+
+
+def _close_abandoned(work: asyncio.Future) -> None:
+    if work.exception() is None:  # (its error, EdgeClientError cancelled among them: no one to tell)
+        asyncio.ensure_future(work.result().aclose())
+
+
 def _has_media(req) -> bool:
     return isinstance(req, oc.ChatRequest) and any(isinstance(m["content"], list) for m in req.messages)
 
@@ -128,9 +147,7 @@ class _EdgeBackend:
             # are read, fetched (up to MediaPolicy.fetch_timeout_s) and encoded off the event loop, each request's
             # on its own (MEDIA_THREADS at once): the endpoint keeps answering meanwhile - an image_url naming this
             # very server is fetched like any other - and one request's media never wait for another's slow fetch
-            if not _has_media(req):
-                return _EdgeStream(await asyncio.to_thread(run, loop=loop))
-            return _EdgeStream(await loop.run_in_executor(self._media_threads, functools.partial(run, loop=loop)))
+            return _EdgeStream(await _unless_abandoned(loop, self._media_threads if _has_media(req) else None, run))
         except EdgeClientError as e:  # a bad image / audio clip (or a placeholder without one), before any traffic
             raise oc.OpenAIRequestError(str(e), "messages" if isinstance(req, oc.ChatRequest) else "prompt",
                                         e.code) from None

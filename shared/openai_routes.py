@@ -183,8 +183,10 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
             # their pace meanwhile
             req, prompt = await asyncio.to_thread(_prepare, backend, raw, chat)
             stream = backend.start(req, prompt)
-            if inspect.isawaitable(stream):
-                stream = await stream
+            if inspect.isawaitable(stream):  # (an app gone while it prepares - media fetched - starts nothing)
+                stream = await _unless_gone(stream, request)
+        except _ClientGone:
+            return error_response(_GONE)
         except oc.OpenAIRequestError as e:
             return error_response(e)
         except Exception as e:  # noqa: BLE001 - whatever it is, the client gets OpenAI's shape

@@ -406,6 +406,9 @@ class _Misbehaving:
     ftp://; and one good image."""
 
     def __init__(self, png: bytes):
+        self.served: list[str] = []  # the paths answered whole
+        served = self.served
+
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
@@ -421,12 +424,14 @@ class _Misbehaving:
 
             def do_GET(self):  # noqa: N802 - http.server's name
                 try:
-                    if self.path == "/ok.png":
+                    if self.path in ("/ok.png", "/slow.png"):
+                        time.sleep(1.5 if self.path == "/slow.png" else 0.0)
                         self.send_response(200)
                         self.send_header("Content-Type", "image/png")
                         self.send_header("Content-Length", str(len(png)))
                         self.end_headers()
                         self.wfile.write(png)
+                        served.append(self.path)
                     elif self.path == "/trickle.png":  # a header line every 0.25 s for 10 s
                         self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n")
                         for i in range(40):
@@ -474,6 +479,31 @@ def test_the_fetch_deadline_covers_headers_and_redirects(served):
         vc.media_policy = before
         srv.close()
     _ok(_chat(v, NORMAL_IMAGE))
+
+
+def test_an_app_gone_while_its_image_is_fetched_starts_nothing(served, monkeypatch):
+    """An app that hung up while its request's media were prepared (an image_url still being fetched) still had
+    its generation started once they were - its prompt sent up the link, its answer run to the end for no one -
+    and cancelled only when garbage-collected; the request is dropped as it goes, and nothing reaches the cloud."""
+    v, _, vc, _ = served
+    srv = _Misbehaving(_encoded(Image.new("RGB", (64, 64), (1, 2, 3))))
+    submitted = []
+    submit = vc._submit
+    monkeypatch.setattr(vc, "_submit", lambda gen, *rest: (submitted.append(gen), submit(gen, *rest))[1])
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the app gives up after 0.5 s, the fetch takes 1.5 s
+            httpx.post(v + "/v1/chat/completions", timeout=0.5, json={
+                "model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "look "}, _image(srv.url("/slow.png"))]}]})
+        deadline = time.monotonic() + 10
+        while not srv.served and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the image decoded and encoded: where the generation started
+        assert srv.served == ["/slow.png"] and submitted == []
+    finally:
+        srv.close()
+    _ok(_chat(v, NORMAL_IMAGE))
+    assert len(submitted) == 1
 
 
 # -- audio and a bundle without a vision tower ------------------------------------------------------------------
