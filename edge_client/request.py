@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from shared.errors import ProtocolError
 from shared.messages import MAX_POSITION, MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, MIN_TOP_P, SamplingParams
+from shared.openai_compat import stop_problem
 from shared.precision import PrecisionOverride
 
 
@@ -53,6 +54,8 @@ class RequestSpec:
             raise SamplingRangeError("speculate", f"speculate must be True or False, got {self.speculate!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise SamplingRangeError("stop", f"stop must be a string or a list of strings, got {self.stop!r}")
+        if (problem := stop_problem(self.stop)) is not None:  # the local API's rule (an empty one was dropped)
+            raise SamplingRangeError("stop", f"{problem}, got {self.stop!r}")
         try:  # the wire's own rule (types and ranges): a value it cannot carry fails here, not after the prompt ran
             SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                            top_k=self.top_k, seed=self.seed)

@@ -84,6 +84,17 @@ class OpenAIRequestError(Exception):
 # requests
 
 
+MAX_STOPS = 16
+
+
+def stop_problem(stops: list[str]) -> str | None:
+    """What is wrong with a request's stop strings (checked strings), or None: every path's one rule (the OpenAI
+    routes and ``EdgeClient.generate``). An empty one would end every answer before its first character."""
+    if len(stops) > MAX_STOPS or not all(stops):
+        return f"stop: at most {MAX_STOPS} non-empty strings"
+    return None
+
+
 @dataclass(slots=True)
 class SamplingOptions:
     """The sampling fields common to both endpoints (OpenAI names; ``top_k`` and ``seed`` as vLLM spells them)."""
@@ -112,8 +123,8 @@ class SamplingOptions:
             raise OpenAIRequestError("top_k must be >= 0 (0 disables it)", "top_k")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise OpenAIRequestError(f"seed must be in [0, {MAX_SEED}]", "seed")
-        if len(self.stop) > 16 or any(not s for s in self.stop):
-            raise OpenAIRequestError("stop: at most 16 non-empty strings", "stop")
+        if (problem := stop_problem(self.stop)) is not None:
+            raise OpenAIRequestError(problem, "stop")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise OpenAIRequestError(f"{name} must be in [-2, 2]", name)

@@ -173,6 +173,10 @@ def client(tiny_bundle):
     ({"prompt": "hi", "stop": [1]}, "stop"),
     ({"prompt": "hi", "stop": 3}, "stop must be a string or a list"),  # TypeError: 'int' object is not iterable
     ({"prompt": "hi", "stop": {"a": 1}}, "stop must be a string or a list"),  # its keys were taken as the stops
+    # the local API's rule (a 400 there): an empty stop was dropped without a word, and any number taken
+    ({"prompt": "hi", "stop": ""}, "stop: at most 16 non-empty strings"),
+    ({"prompt": "hi", "stop": ["a", ""]}, "stop: at most 16 non-empty strings"),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "stop: at most 16 non-empty strings"),
     # the wire's types too: these passed the range checks and failed after the prompt ran ('internal' + traceback)
     ({"prompt": "hi", "top_k": 1.5}, "top_k must be an integer"),
     ({"prompt": "hi", "top_p": True}, "top_p must be a number"),
