@@ -118,6 +118,22 @@ def test_a_compute_variant_the_server_lacks_is_refused_unless_a_bare_name_names_
         assert c.complete(prompt_ids=PROMPT[:8], max_tokens=2).token_ids  # the session serves on
 
 
+def test_no_client_warms_the_clouds_prefix_cache_for_another_edge_variant_or_codec(tiny_bundle, tiny_int8_bundle,
+                                                                                   tiny_cloud):
+    """protocol.md, Prefix keys: a request's tokens do not depend on which clients came before. Clients of one tenant
+    on one bundle id - an int8 and an fp32 edge, fp16 and int8-b32 on the wire - send one prompt: none is served
+    another's blocks, and the one that hits its own (the fp32 edge in fp16, again) answers as it did cold."""
+    prompt = [int(t) for t in np.random.RandomState(73).randint(4, 512, 40)]
+    runs = []
+    for bundle, codec in ((tiny_int8_bundle, "fp16"), (tiny_bundle, "int8-b32"), (tiny_bundle, "fp16"),
+                          (tiny_bundle, "fp16")):
+        with EdgeClient(bundle, tiny_cloud.ws_url, codec=codec, retry=RETRY) as c:
+            gen = c.complete(prompt_ids=prompt, max_tokens=6, precision={"compute": "fp32"})
+            runs.append((gen.stats.cloud_cached_tokens, gen.token_ids))
+    assert [cached for cached, _ in runs] == [0, 0, 0, 32]
+    assert runs[3][1] == runs[2][1]
+
+
 def test_tiny_int8_edge_agreement_is_measured(tiny_int8_bundle, tiny_cloud, tiny_reference):
     # the int8 edge talks to the same cloud half (the bundle id ignores the edge quantization)
     rng = np.random.RandomState(11)
