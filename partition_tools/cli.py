@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "(default), a layer-skipping drafter (--layers) or the cloud drafter (--cloud)",
                        description="Add a drafter to a bundle for speculative decoding: a draft head (default), "
                                    "a layer-skipping drafter (--layers) or the cloud drafter (--cloud). A u-shape "
-                                   "bundle (split with --tail) takes none: it drafts by prompt lookup.")
+                                   "bundle (split with --tail) takes none: it drafts by prompt lookup. Its files "
+                                   "are written aside and go in with the manifest, all or nothing; refused while a "
+                                   "running edge client holds the bundle, or another split or draft-head writes it.")
     d.add_argument("bundle", help="bundle directory written by split")
     d.add_argument("--source", default=_env("SOURCE"),
                    help="the model it was split from (default: the manifest's); another model, even of the same "
@@ -211,8 +213,8 @@ def _cmd_draft_head(args) -> int:
     if args.quant == "int4":
         raise UsageError("--quant int4 is for --layers drafters (the lens head is int8 or fp32)")
     cfg = DraftHeadConfig(text=text, vocab=vocab, quant=args.quant)
-    with _drafter_progress(args, STEPS) as (lm, progress):
-        r = add_draft_head(lm, Path(args.bundle), cfg, progress)
+    with _drafter_progress(args, STEPS) as (lm, progress, staged):
+        r = add_draft_head(lm, Path(args.bundle), cfg, progress, staged)
     print(f"draft head -> {args.bundle}: {r['vocab']} tokens, {r['quant']}, calibrated on {r['calibration_tokens']} "
           f"tokens; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on {r['held_out_tokens']} held-out")
     return 0
@@ -220,24 +222,25 @@ def _cmd_draft_head(args) -> int:
 
 @contextlib.contextmanager
 def _drafter_progress(args, steps: int):
-    """The source of the bundle loaded, and the progress lines of draft-head (``partition_tools.progress``: the
-    source's load, then the drafter's ``steps``) until the block ends; a write the disk had no room for (an
-    OSError traceback) is one line."""
+    """The source of the bundle loaded, the progress lines of draft-head (``partition_tools.progress``: the
+    source's load, then the drafter's ``steps``) and the bundle's staging directory, held (``split.writing``) until
+    the block ends; a write the disk had no room for (an OSError traceback) is one line."""
     from shared.manifest import BundleError, Manifest
 
     from .draft_head import check_takes_a_drafter
     from .models import load_bundle_source
     from .progress import Steps
-    from .split import no_room, writing
+    from .split import no_room, refuse_if_held, writing
 
     started = time.perf_counter()
     progress = Steps(1 + steps, "draft-head")
     source = _source(args)
     check_takes_a_drafter(args.bundle, Manifest.load(args.bundle))
     try:
-        with writing(Path(args.bundle)):  # one writer of a bundle at a time (split.writing)
+        with writing(Path(args.bundle)) as staged:  # one writer of a bundle at a time (split.writing)
+            refuse_if_held(Path(args.bundle))  # before the load; again as its files go in (split.add_files)
             progress.next(f"load {source}")
-            yield load_bundle_source(args.bundle, source), progress
+            yield load_bundle_source(args.bundle, source), progress, staged
     except Exception as e:
         reason = no_room(e)
         if reason is None:
@@ -250,8 +253,8 @@ def _drafter_progress(args, steps: int):
 def _cloud_drafter(args, text: Path | None) -> int:
     from .cloud_drafter import STEPS, CloudDrafterConfig, add_cloud_drafter
 
-    with _drafter_progress(args, STEPS) as (lm, progress):
-        r = add_cloud_drafter(lm, Path(args.bundle), CloudDrafterConfig(text=text), progress)
+    with _drafter_progress(args, STEPS) as (lm, progress, staged):
+        r = add_cloud_drafter(lm, Path(args.bundle), CloudDrafterConfig(text=text), progress, staged)
     print(f"cloud drafter -> {args.bundle}: {r['file']} ({r['bytes'] / 1e6:.1f} MB, ridge lambda {r['ridge_lambda']}, "
           f"{r['positions']} calibration positions); top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % on "
           f"{r['held_out_tokens']} held-out")
@@ -275,8 +278,8 @@ def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
     manifest = Manifest.load(args.bundle)
     check_takes_a_drafter(args.bundle, manifest)
     cfg.checked_layers(manifest.split_layer, manifest.num_layers)  # before the model loads
-    with _drafter_progress(args, STEPS) as (lm, progress):
-        r = add_draft_layers(lm, Path(args.bundle), cfg, progress)
+    with _drafter_progress(args, STEPS) as (lm, progress, staged):
+        r = add_draft_layers(lm, Path(args.bundle), cfg, progress, staged)
     print(f"draft layers -> {args.bundle}: layers {r['layers']} ({r['chosen_by']}) + norm + lm_head, {r['quant']}, "
           f"{r['vocab']} tokens, {r['bytes'] / 1e6:.1f} MB; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % "
           f"on {r['held_out_tokens']} held-out")

@@ -36,6 +36,7 @@ from .draft_head import bundle_of
 from .draft_layers import DraftLayersConfig, Sequences, calibration, held_out_prose
 from .models import LoadedModel
 from .progress import Steps
+from .split import add_files, writing_unless
 
 LAMBDAS = (0.1, 1.0, 10.0, 30.0, 100.0)  # ridge strengths tried, relative to the mean diagonal of X^T X / 1000
 VOCAB_CHUNK = 8192  # vocabulary rows per table matmul
@@ -154,32 +155,34 @@ STEPS = 3  # the progress lines add_cloud_drafter prints (partition_tools.progre
 
 
 def add_cloud_drafter(lm: LoadedModel, bundle: Path, cfg: CloudDrafterConfig | None = None,
-                      progress: Steps | None = None) -> dict:
+                      progress: Steps | None = None,
+                      staged: Path | None = None) -> dict:
     """Fit, write and register ``cloud/draft_inputs.npy`` of ``bundle`` (split from ``lm``); returns the report
     recorded in its manifest (``quant_report["cloud_drafter"]``). ``progress``: the progress it goes on (its ``STEPS``
     lines)."""
     cfg = cfg or CloudDrafterConfig()
     progress = progress or Steps(STEPS, "draft-head")
     bundle = Path(bundle)
-    manifest, adapter = bundle_of(lm, bundle)
-    split = manifest.split_layer
-    progress.next("calibration: text and chat answers through the model")
-    seqs = calibration(lm, adapter, DraftLayersConfig(text=cfg.text, prompts=cfg.prompts,
-                                                      answer_tokens=cfg.answer_tokens))
-    progress.next(f"fit the table, write {CLOUD_DRAFT_INPUTS}")
-    w, fit_report = fit(adapter, seqs, split)
-    table = table_of(adapter, w)
-    path = bundle / CLOUD_DRAFT_INPUTS
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _save_npy(path, table)
-    progress.next("held-out agreement of the table's drafts, manifest")
-    held = held_out_prose(lm, adapter)
-    held_agree, held_n = agreement(adapter, table, held, split)
-    report = {"file": CLOUD_DRAFT_INPUTS, "map": "ridge [e(t), 1] -> h_N(t)", **fit_report,
-              "calibration": "; ".join(seqs.source), "held_out": "; ".join(held.source),
-              "held_out_tokens": held_n, "held_out_top1_agreement": round(held_agree, 4),
-              "bytes": path.stat().st_size}
-    manifest.quant_report["cloud_drafter"] = report
-    manifest.add_artifact(bundle, CLOUD_DRAFT_INPUTS, "cloud-draft")  # outside the bundle id (shared.manifest)
-    manifest.save(bundle)
+    with writing_unless(bundle, staged) as staged:  # the new file written there, then put in
+        manifest, adapter = bundle_of(lm, bundle)
+        split = manifest.split_layer
+        progress.next("calibration: text and chat answers through the model")
+        seqs = calibration(lm, adapter, DraftLayersConfig(text=cfg.text, prompts=cfg.prompts,
+                                                          answer_tokens=cfg.answer_tokens))
+        progress.next(f"fit the table, write {CLOUD_DRAFT_INPUTS}")
+        w, fit_report = fit(adapter, seqs, split)
+        table = table_of(adapter, w)
+        path = staged / CLOUD_DRAFT_INPUTS
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _save_npy(path, table)
+        progress.next("held-out agreement of the table's drafts, manifest")
+        held = held_out_prose(lm, adapter)
+        held_agree, held_n = agreement(adapter, table, held, split)
+        report = {"file": CLOUD_DRAFT_INPUTS, "map": "ridge [e(t), 1] -> h_N(t)", **fit_report,
+                  "calibration": "; ".join(seqs.source), "held_out": "; ".join(held.source),
+                  "held_out_tokens": held_n, "held_out_top1_agreement": round(held_agree, 4),
+                  "bytes": path.stat().st_size}
+        manifest.quant_report["cloud_drafter"] = report
+        manifest.add_artifact(staged, CLOUD_DRAFT_INPUTS, "cloud-draft")  # outside the bundle id (shared.manifest)
+        add_files(bundle, staged, [CLOUD_DRAFT_INPUTS], manifest)  # all or nothing, as no client holds the bundle
     return report

@@ -33,6 +33,7 @@ from shared.manifest import BundleError, Manifest, same_source
 from .adapters import ModelAdapter, call_layer
 from .models import LoadedModel
 from .progress import Steps
+from .split import add_files, writing_unless
 
 HELD_OUT = 1024  # the first tokens of the calibration text are held out to measure agreement
 WINDOW = 512  # calibration tokens per forward pass
@@ -191,28 +192,32 @@ STEPS = 3  # the progress lines add_draft_head prints (partition_tools.progress)
 
 
 def add_draft_head(lm: LoadedModel, bundle: Path, cfg: DraftHeadConfig | None = None,
-                   progress: Steps | None = None) -> dict:
+                   progress: Steps | None = None,
+                   staged: Path | None = None) -> dict:
     """Fit, export and register the draft head of ``bundle`` (split from ``lm``); returns its report. ``steps``: the
-    progress it goes on (its ``STEPS`` lines)."""
+    progress it goes on (its ``STEPS`` lines). ``staged``: the bundle's staging directory where the caller holds it
+    (``split.writing``; else held here). Every drafter's files go in with its manifest, all or nothing
+    (``split.add_files``)."""
     cfg = cfg or DraftHeadConfig()
     progress = progress or Steps(STEPS, "draft-head")
     bundle = Path(bundle)
-    manifest, adapter = bundle_of(lm, bundle)
-    ids = _ids(lm, adapter, cfg)
-    progress.next(f"boundary and final states of {ids.numel()} calibration tokens")
-    h, y, nxt = boundary_and_final(adapter, ids, manifest.split_layer)
-    lm_head = adapter.lm_head.weight.detach().float().numpy()  # [V, H]
-    progress.next(f"fit the lens, export {DRAFT_HEAD} ({cfg.quant})")
-    lens = fit(h[HELD_OUT:], y[HELD_OUT:], nxt[HELD_OUT:], lm_head, cfg)
-    export(lens, bundle / DRAFT_HEAD, cfg.quant)
-    progress.next("held-out agreement of the exported head, manifest")
-    proposed = DraftHead(bundle / DRAFT_HEAD).next_tokens(h[:HELD_OUT])  # the exported graph, as the phone runs it
-    report = {"quant": cfg.quant, "vocab": int(lens.vocab.size), "ridge": cfg.ridge,
-              "calibration_tokens": int(ids.numel() - HELD_OUT),
-              "calibration": str(cfg.text) if cfg.text is not None else "built-in sample text (tail)",
-              "held_out_tokens": HELD_OUT,
-              "held_out_top1_agreement": round(float((proposed == nxt[:HELD_OUT]).mean()), 4)}
-    manifest.quant_report["draft_head"] = report
-    manifest.add_artifact(bundle, DRAFT_HEAD, "edge")
-    manifest.save(bundle)
+    with writing_unless(bundle, staged) as staged:  # the new file written there, then put in
+        manifest, adapter = bundle_of(lm, bundle)
+        ids = _ids(lm, adapter, cfg)
+        progress.next(f"boundary and final states of {ids.numel()} calibration tokens")
+        h, y, nxt = boundary_and_final(adapter, ids, manifest.split_layer)
+        lm_head = adapter.lm_head.weight.detach().float().numpy()  # [V, H]
+        progress.next(f"fit the lens, export {DRAFT_HEAD} ({cfg.quant})")
+        lens = fit(h[HELD_OUT:], y[HELD_OUT:], nxt[HELD_OUT:], lm_head, cfg)
+        export(lens, staged / DRAFT_HEAD, cfg.quant)
+        progress.next("held-out agreement of the exported head, manifest")
+        proposed = DraftHead(staged / DRAFT_HEAD).next_tokens(h[:HELD_OUT])  # the exported graph, as the phone runs it
+        report = {"quant": cfg.quant, "vocab": int(lens.vocab.size), "ridge": cfg.ridge,
+                  "calibration_tokens": int(ids.numel() - HELD_OUT),
+                  "calibration": str(cfg.text) if cfg.text is not None else "built-in sample text (tail)",
+                  "held_out_tokens": HELD_OUT,
+                  "held_out_top1_agreement": round(float((proposed == nxt[:HELD_OUT]).mean()), 4)}
+        manifest.quant_report["draft_head"] = report
+        manifest.add_artifact(staged, DRAFT_HEAD, "edge")
+        add_files(bundle, staged, [DRAFT_HEAD], manifest)  # all or nothing, as no client holds the bundle
     return report

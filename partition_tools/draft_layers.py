@@ -45,6 +45,7 @@ from .export_tail import tail_recipe
 from .graph_builder import build_fused_stack
 from .models import LoadedModel
 from .progress import Steps
+from .split import add_files, writing_unless
 
 PROMPTS = Path(__file__).parent / "data" / "draft_prompts.txt"
 BATCH_TOKENS = 4096  # token slots per torch forward (padding included)
@@ -368,45 +369,47 @@ STEPS = 4  # the progress lines add_draft_layers prints (partition_tools.progres
 
 
 def add_draft_layers(lm: LoadedModel, bundle: Path, cfg: DraftLayersConfig | None = None,
-                     progress: Steps | None = None) -> dict:
+                     progress: Steps | None = None,
+                     staged: Path | None = None) -> dict:
     """Choose (or take), export and register the layer drafter of ``bundle`` (split from ``lm``); returns the
     report recorded in its manifest. ``progress``: the progress it goes on (its ``STEPS`` lines)."""
     cfg = cfg or DraftLayersConfig()
     progress = progress or Steps(STEPS, "draft-head")
     bundle = Path(bundle)
-    manifest, adapter = bundle_of(lm, bundle)
-    split = manifest.split_layer
-    layers = cfg.checked_layers(split, adapter.num_layers)
-    progress.next("calibration: held-out prose" + (", chat answers" if layers is None or cfg.vocab is not None
-                                                   else "") + " through the model")
-    held = held_out_prose(lm, adapter)
-    held_probe = LayerProbe(adapter, held, split)
-    # the calibration data: for the search, or the vocabulary of given layers (none needed otherwise)
-    seqs = calibration(lm, adapter, cfg) if layers is None or cfg.vocab is not None else None
-    probe = None if seqs is None else LayerProbe(adapter, seqs, split)
-    progress.next(f"greedy search for {cfg.budget} of the cloud's layers" if layers is None else
-                  f"layers {layers} as given")
-    if layers is None:
-        steps = search(probe, cfg.budget, held_probe)
-        layers, how = steps[-1]["layers"], f"greedy forward selection, budget {cfg.budget}"
-    else:
-        how, steps = cfg.chosen_by or "given", []
-    vocab = None if cfg.vocab is None or cfg.vocab >= adapter.vocab_size else \
-        frequent_vocab(probe, cfg.vocab, adapter.vocab_size)
-    progress.next(f"export layers {layers} + norm + lm_head ({cfg.quant})")
-    quant = export_drafter(adapter, layers, bundle / DRAFT_LAYERS, cfg.quant, vocab)
-    report = {"layers": layers, "chosen_by": how, "quant": cfg.quant,
-              "vocab": adapter.vocab_size if vocab is None else int(vocab.size),
-              "calibration": "; ".join(seqs.source) if seqs is not None else None,
-              "calibration_tokens": seqs.scored_tokens if seqs is not None else 0,
-              "held_out": "; ".join(held.source), "held_out_tokens": held.scored_tokens,
-              "calibration_top1_agreement_torch_fp32": round(probe.agreement(layers), 4) if probe else None,
-              "held_out_top1_agreement_torch_fp32": round(held_probe.agreement(layers), 4),
-              "search": steps, "bytes": (bundle / DRAFT_LAYERS).stat().st_size, "weights": quant}
-    progress.next("held-out agreement of the exported drafter, manifest")
-    drafter = LayerDrafter(bundle / DRAFT_LAYERS, manifest, len(layers))
-    report["held_out_top1_agreement"] = round(exported_agreement(bundle, drafter, held_probe, held), 4)
-    manifest.quant_report["draft_layers"] = report
-    manifest.add_artifact(bundle, DRAFT_LAYERS, "edge")
-    manifest.save(bundle)
+    with writing_unless(bundle, staged) as staged:  # the new file written there, then put in
+        manifest, adapter = bundle_of(lm, bundle)
+        split = manifest.split_layer
+        layers = cfg.checked_layers(split, adapter.num_layers)
+        progress.next("calibration: held-out prose" + (", chat answers" if layers is None or cfg.vocab is not None
+                                                       else "") + " through the model")
+        held = held_out_prose(lm, adapter)
+        held_probe = LayerProbe(adapter, held, split)
+        # the calibration data: for the search, or the vocabulary of given layers (none needed otherwise)
+        seqs = calibration(lm, adapter, cfg) if layers is None or cfg.vocab is not None else None
+        probe = None if seqs is None else LayerProbe(adapter, seqs, split)
+        progress.next(f"greedy search for {cfg.budget} of the cloud's layers" if layers is None else
+                      f"layers {layers} as given")
+        if layers is None:
+            steps = search(probe, cfg.budget, held_probe)
+            layers, how = steps[-1]["layers"], f"greedy forward selection, budget {cfg.budget}"
+        else:
+            how, steps = cfg.chosen_by or "given", []
+        vocab = None if cfg.vocab is None or cfg.vocab >= adapter.vocab_size else \
+            frequent_vocab(probe, cfg.vocab, adapter.vocab_size)
+        progress.next(f"export layers {layers} + norm + lm_head ({cfg.quant})")
+        quant = export_drafter(adapter, layers, staged / DRAFT_LAYERS, cfg.quant, vocab)
+        report = {"layers": layers, "chosen_by": how, "quant": cfg.quant,
+                  "vocab": adapter.vocab_size if vocab is None else int(vocab.size),
+                  "calibration": "; ".join(seqs.source) if seqs is not None else None,
+                  "calibration_tokens": seqs.scored_tokens if seqs is not None else 0,
+                  "held_out": "; ".join(held.source), "held_out_tokens": held.scored_tokens,
+                  "calibration_top1_agreement_torch_fp32": round(probe.agreement(layers), 4) if probe else None,
+                  "held_out_top1_agreement_torch_fp32": round(held_probe.agreement(layers), 4),
+                  "search": steps, "bytes": (staged / DRAFT_LAYERS).stat().st_size, "weights": quant}
+        progress.next("held-out agreement of the exported drafter, manifest")
+        drafter = LayerDrafter(staged / DRAFT_LAYERS, manifest, len(layers))
+        report["held_out_top1_agreement"] = round(exported_agreement(bundle, drafter, held_probe, held), 4)
+        manifest.quant_report["draft_layers"] = report
+        manifest.add_artifact(staged, DRAFT_LAYERS, "edge")
+        add_files(bundle, staged, [DRAFT_LAYERS], manifest)  # all or nothing, as no client holds the bundle
     return report

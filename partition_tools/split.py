@@ -145,6 +145,18 @@ def _held(out: Path) -> BundleError:
                        "close it first, or split into another directory")
 
 
+def refuse_if_held(bundle: Path) -> None:
+    """BundleError while a running edge client holds ``bundle`` (draft-head: its files must not change under it)."""
+    with unheld(bundle) as free:
+        if not free:
+            raise _held_by_a_client(bundle)
+
+
+def _held_by_a_client(bundle: Path) -> BundleError:
+    return BundleError(f"{bundle}: a running edge client holds this bundle (its files must not change under it); "
+                       "close it first")
+
+
 def _busy(shown: str) -> BundleError:
     return BundleError(f"{shown}: another autoglm-partition split or draft-head is writing this bundle; wait for it "
                        "to end")
@@ -175,9 +187,46 @@ def _split_running(staged: Path) -> bool:
 def writing(bundle: Path):
     """``bundle`` held against every other split into it or draft-head on it until the block ends (draft-head: two at
     once on one bundle each saved the manifest it had read, and the later dropped the other's drafter from it);
-    BundleError naming ``bundle`` when one holds it."""
-    with _staging(Path(os.path.abspath(bundle)), str(bundle)):
-        yield
+    BundleError naming ``bundle`` when one holds it. Yields its staging directory (``STAGING``), where new files are
+    written before :func:`add_files` puts them in."""
+    with _staging(Path(os.path.abspath(bundle)), str(bundle)) as staged:
+        yield staged
+
+
+def writing_unless(bundle: Path, staged: Path | None):
+    """:func:`writing` ``bundle``, or the caller's ``staged`` where it holds it already (the CLI, from before the
+    model loads)."""
+    return contextlib.nullcontext(staged) if staged is not None else writing(bundle)
+
+
+def add_files(bundle: Path, staged: Path, names: list[str], manifest: Manifest) -> None:
+    """Move the files ``names`` (paths in the bundle), written in ``staged`` (:func:`writing`'s), into ``bundle`` and
+    save ``manifest``, which lists them: all or nothing - a failure (no room for the manifest, an error) puts back
+    the files they replaced, so the bundle is as it was (a drafter file left unlisted, or the new one over an earlier
+    one whose hash the manifest still gave, failed verify, inspect and loading); a kill leaves the new files in
+    ``staged``, which the next writer clears. Refused while a running edge client holds the bundle."""
+    with unheld(bundle) as free:
+        if not free:
+            raise _held_by_a_client(bundle)
+        done: list[tuple[Path, Path | None]] = []  # (target, the file it replaced, kept in staged)
+        try:
+            for i, rel in enumerate(names):
+                target, earlier = bundle / rel, staged / f"replaced-{i}"
+                if target.exists():
+                    os.replace(target, earlier)
+                else:
+                    earlier = None
+                done.append((target, earlier))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staged / rel, target)
+            manifest.save(bundle)
+        except BaseException:
+            for target, earlier in reversed(done):
+                if earlier is not None:
+                    os.replace(earlier, target)
+                else:
+                    target.unlink(missing_ok=True)
+            raise
 
 
 @contextlib.contextmanager

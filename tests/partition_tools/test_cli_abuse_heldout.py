@@ -185,6 +185,73 @@ def test_a_draft_head_while_another_writes_the_bundle_is_refused(tiny_glm4_bundl
     assert sorted(p.name for p in d.iterdir()) == sorted(p.name for p in tiny_glm4_bundle.iterdir())
 
 
+def test_a_draft_head_on_a_bundle_a_running_edge_client_holds_is_refused(tiny_glm4_bundle, tmp_path, capsys,
+                                                                        monkeypatch):
+    """draft-head changed a bundle's files in place under a running edge client (bundle_sync.HeldVersion), which
+    split --out refuses: refused before the model loads, and again as its files go in (a client opened meanwhile),
+    the bundle as it was."""
+    import partition_tools.models as models
+    from edge_client.bundle_sync import HeldVersion
+    from partition_tools.split import add_files, writing
+    from shared.manifest import CLOUD_DRAFT_INPUTS, BundleError, Manifest
+
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+    load = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    held = HeldVersion(d)
+    try:
+        for kind in ([], ["--cloud"], ["--layers", "2"]):
+            _fails_in_one_line(["draft-head", str(d), *kind], capsys,
+                               f"{d}: a running edge client holds this bundle (its files must not change under it); "
+                               "close it first")
+        monkeypatch.setattr(models, "load_model", load)
+        with writing(d) as staged:
+            (staged / "cloud").mkdir()
+            (staged / CLOUD_DRAFT_INPUTS).write_bytes(b"x")
+            with pytest.raises(BundleError, match="a running edge client holds this bundle"):
+                add_files(d, staged, [CLOUD_DRAFT_INPUTS], Manifest.load(d))
+    finally:
+        held.close()
+    assert sorted(p.relative_to(d) for p in d.rglob("*")) == sorted(p.relative_to(tiny_glm4_bundle)
+                                                                    for p in tiny_glm4_bundle.rglob("*"))
+
+
+@pytest.mark.parametrize("fails_at", ["the agreement", "the manifest"])
+def test_a_draft_head_that_fails_leaves_the_bundle_as_it_was(fails_at, tiny_glm4_bundle, tmp_path, capsys,
+                                                             monkeypatch):
+    """A draft-head that failed mid-way (an error, no room for the manifest) left its new drafter file in the
+    bundle: unlisted, or over the earlier drafter whose hash the manifest still gave (verify, inspect and loading
+    failed). Its files are written aside and put in with the manifest, all or nothing."""
+    import hashlib
+
+    import partition_tools.cloud_drafter as cloud_drafter
+    from shared.manifest import Manifest
+
+    d = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, d)
+
+    def state():
+        return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(d.rglob("*")) if p.is_file()}
+
+    for earlier in (False, True):  # a bundle without a drafter, then one with an earlier one
+        if earlier:
+            assert main(["draft-head", str(d), "--cloud"]) == 0
+            capsys.readouterr()
+        before = state()
+        with monkeypatch.context() as m:
+            if fails_at == "the agreement":
+                m.setattr(cloud_drafter, "agreement", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+            else:
+                m.setattr(Manifest, "save", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+            with contextlib.suppress(RuntimeError):  # (an internal error: its traceback)
+                assert main(["draft-head", str(d), "--cloud"]) != 0
+        capsys.readouterr()
+        assert state() == before and not (d / ".autoglm-split.partial").exists()
+        Manifest.load(d).verify_files(d)
+
+
 def test_draft_head_on_a_full_disk_is_one_line_and_keeps_the_bundle(tiny_glm4_bundle, tmp_path, capsys):
     """draft-head writing into a bundle on a disk that filled up ended in an OSError traceback ('No space left on
     device'); and a manifest rewrite cut short by it left the bundle's manifest truncated (shared.manifest: saved
