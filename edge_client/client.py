@@ -46,7 +46,7 @@ from . import bundle_sync
 from .activation_cache import ActivationCache
 from .config import EdgeConfig
 from .errors import EdgeClientError, PromptTooLongError
-from .request import RequestSpec, RequestStats
+from .request import RequestSpec, RequestStats, answer_end
 from .front import FrontError, FrontRuntime
 from .generation import Session
 from .media import MediaEncoders, MediaPart, MediaPolicy, assemble, extract_parts
@@ -385,6 +385,7 @@ class EdgeClient:
             await self.session.run(spec, sink, stats, redecide=lambda: self._redecide(spec, decision, stats))
             return
         runner = self.whole_model if decision.mode == "edge-only" else self.all_cloud
+        self.session.fit(spec)  # the split's context bound: a max_tokens past it is cut (and ends "length")
         t0 = time.perf_counter()
         try:
             result = await asyncio.to_thread(runner.generate, list(spec.prompt_ids), spec.max_tokens)
@@ -394,7 +395,10 @@ class EdgeClient:
         stats.total_s = time.perf_counter() - t0
         decoder, stop = StreamDecoder(self.tokenizer.decode), StopMatcher(spec.stop)
         tokens: list[int] = []
-        ids = [int(t) for t in result.token_ids]
+        # the answer ends as the split's does (request.answer_end): its end-of-sequence token counted, "length" at
+        # max_tokens; a runner's answer that ended before both (it left its end-of-sequence token out) is "stop"
+        ids, finish = answer_end(0, [int(t) for t in result.token_ids], spec.max_tokens,
+                                 set(self.session.manifest.eos_token_ids))
         for t in ids:  # the stop strings end the text as in split mode (the stop itself not included)
             tokens.append(t)
             text, stopped = stop.feed(decoder.push(t))
@@ -407,7 +411,7 @@ class EdgeClient:
         _runner_timings(stats, result, len(tokens))
         if decision.mode == "all-cloud":  # the cloud produced it: a draft source; an edge-only answer never is
             self.session.drafter.remember(tokens)
-        sink(("end", "stop" if stop.stopped or len(tokens) < spec.max_tokens else "length"))
+        sink(("end", "stop" if stop.stopped else finish or "stop"))
 
     def agenerate(self, prompt: str | None = None, *, loop: asyncio.AbstractEventLoop | None = None,
                   privacy: str = "standard", mode: str | None = None, abandoned: threading.Event | None = None,

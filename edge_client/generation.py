@@ -266,6 +266,16 @@ class Session:
                      (lim.prompt_limit, f"the cloud's prompt limit of {lim.prompt_limit}")]
         return min(room, key=lambda r: r[0])
 
+    def fit(self, spec: RequestSpec) -> None:
+        """Refuse a prompt over :meth:`prompt_room` (EdgeClientError ``context_full``) and cut ``spec.max_tokens``
+        to the context left (the answer then ends ``"length"`` there), as in full mode - every mode's rule: the
+        front failed at the edge graph's last position before (an internal error after the whole answer's work),
+        and the edge-only and all-cloud runners answered past the context."""
+        limit, whose = self.prompt_room()
+        if len(spec.prompt_ids) > limit:
+            raise EdgeClientError(f"prompt of {len(spec.prompt_ids)} tokens exceeds {whose}", "context_full")
+        spec.max_tokens = min(spec.max_tokens, self.max_context - len(spec.prompt_ids))
+
     @property
     def block_size(self) -> int:
         return self.limits.prefix_block_tokens
@@ -448,13 +458,7 @@ class Session:
                     raise EdgeClientError("the cloud moved to a bundle " + ("without" if spec.ushape else "with")
                                           + " a u-shape tail; send the request again", "bundle_changed")
                 redecide()
-            limit, whose = self.prompt_room()
-            if len(spec.prompt_ids) > limit:
-                raise EdgeClientError(f"prompt of {len(spec.prompt_ids)} tokens exceeds {whose}", "context_full")
-            room = self.max_context - len(spec.prompt_ids)
-            # a max_tokens over the context left is cut to it (finish_reason "length"), as in full mode: the front
-            # failed at the edge graph's last position before (an internal error after the whole answer's work)
-            spec.max_tokens = min(spec.max_tokens, room)
+            self.fit(spec)
             plan, steps = self._plan_for(spec)
             # u-shape steps travel in the request's codec, as its States do (docs/protocol.md, "U-shape"): the
             # stats named the split's step codec (fp16) for them

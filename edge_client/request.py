@@ -68,6 +68,19 @@ class RequestSpec:
             PrecisionOverride.parse(self.precision)  # a codec or compute name; PrecisionError (a ValueError)
 
 
+def answer_end(done: int, new: list[int], max_tokens: int, stops: set[int]) -> tuple[list[int], str | None]:
+    """``new`` (tokens after ``done`` already answered) up to the first that ends the answer, and the finish reason
+    (None: it goes on): an end-of-sequence token in ``stops`` ends it, counted, as ``"stop"``; the
+    ``max_tokens``-th (cut to the context by ``Session.fit``) as ``"length"``. The u-shape loop, the edge-only
+    and all-cloud runners and the rig's edge-only answers end by it, as the cloud's engine does split."""
+    for j, t in enumerate(new):
+        if t in stops:
+            return new[:j + 1], "stop"
+        if done + j + 1 >= max_tokens:
+            return new[:j + 1], "length"
+    return new, None
+
+
 def mark_token(stats, t0: float, last: float | None) -> float:
     """Record one token's arrival on ``stats`` (anything with ``ttft_s`` and ``itl_s``): the first token sets
     ``ttft_s = now - t0``, every later one appends its gap to ``itl_s``. ``last``: the previous token's time or

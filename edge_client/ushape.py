@@ -43,6 +43,7 @@ from shared.speculative_sampling import accept_drafts
 from shared.tensors import WireArray
 
 from .errors import EdgeClientError
+from .request import answer_end
 from .sampling import EdgeSampler
 from .tail import TailRuntime
 
@@ -85,7 +86,7 @@ class UShape:
                 new = await self._next_tokens(req, rows, sampler, stats)
                 if not req.tokens:  # the first token: the prompt's tail work ends here
                     stats.edge_tail_prefill_s = tail.stats.seconds - t_tail0
-                new, req.finish = self._cut(req, new, stops)
+                new, req.finish = answer_end(len(req.tokens), new, req.spec.max_tokens, stops)
                 req.tokens.extend(new)
                 for t in new:
                     yield t
@@ -164,16 +165,6 @@ class UShape:
         stats.accepted_draft_tokens += keep - 1
         s.sizer.observe(k, keep - 1, time.perf_counter() - step.started)
         return new
-
-    @staticmethod
-    def _cut(req, new: list[int], stops: set[int]) -> tuple[list[int], str | None]:
-        """``new`` up to the first token that ends the request, and the finish reason (None: it goes on)."""
-        for j, t in enumerate(new):
-            if t in stops:
-                return new[:j + 1], "stop"
-            if len(req.tokens) + j + 1 >= req.spec.max_tokens:
-                return new[:j + 1], "length"
-        return new, None
 
     async def _step(self, req, stats) -> None:
         """Feed the last token through the front (with drafts when the request speculates); one StatesStep."""

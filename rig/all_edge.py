@@ -78,7 +78,8 @@ class WholeModelRunner:
         return out[0][0]  # [V] logits of the last position
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> EdgeRun:
-        """Greedy continuation of ``prompt_ids``; stops at an eos token (not returned) or ``max_tokens``."""
+        """Greedy continuation of ``prompt_ids``; stops at an eos token (returned and counted, as the split's
+        answer counts it: ``edge_client.request.answer_end``) or ``max_tokens``."""
         if not prompt_ids:
             raise ValueError("empty prompt")
         t0 = time.perf_counter()
@@ -99,11 +100,9 @@ class WholeModelRunner:
         last = None
         while len(tokens) < max_tokens:
             token = int(np.argmax(logits))
-            if token in self.eos:
-                break
             last = mark_token(run, t0, last)
             tokens.append(token)
-            if len(tokens) == max_tokens:
+            if token in self.eos or len(tokens) == max_tokens:
                 break
             c0 = time.perf_counter()
             logits = self._forward([token])

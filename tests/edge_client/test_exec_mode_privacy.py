@@ -323,3 +323,25 @@ def test_a_runner_result_that_fails_after_its_generate_ends_the_request_with_an_
 
         with pytest.raises(EdgeClientError, match="ValueError"):
             asyncio.run(asyncio.wait_for(consume(), 30))
+
+
+def test_every_mode_ends_an_answer_by_the_splits_rule(tiny_bundle, cloud, whole_model, tiny_glm4_whole):
+    """The edge-only and all-cloud runners answered past the context (max_tokens never cut to it) and called a short
+    answer "stop" whatever cut it, and WholeModelRunner left its end-of-sequence token out of the count the split
+    keeps it in. Every mode cuts max_tokens to the context (Session.fit) and ends by request.answer_end."""
+    from rig.all_edge import WholeModelRunner
+
+    with EdgeClient(tiny_bundle, cloud.ws_url, retry=RETRY, whole_model=whole_model, all_cloud=whole_model) as c:
+        c.complete(prompt_ids=[5, 6, 7], max_tokens=1, mode="split")  # the session's limits known
+        ids = [5 + i % 50 for i in range(c.session.max_context - 3)]  # room for 3 tokens
+        got = {mode: c.complete(prompt_ids=ids, max_tokens=10, mode=mode) for mode in ("split", "edge-only",
+                                                                                       "all-cloud")}
+        assert {(g.finish_reason, g.stats.completion_tokens, len(g.token_ids)) for g in got.values()} == \
+            {("length", 3, 3)}
+    runner = WholeModelRunner(tiny_glm4_whole, threads=1)
+    full = runner.generate([5, 6, 7], 10).token_ids
+    k = next(i for i in range(1, len(full)) if full[i] not in full[:i])
+    runner.eos = {full[k]}  # the answer's (k+1)-th token ends it: counted, as the split counts its eos
+    with EdgeClient(tiny_bundle, cloud.ws_url, retry=RETRY, whole_model=runner) as c:
+        g = c.complete(prompt_ids=[5, 6, 7], max_tokens=10, mode="edge-only")
+    assert g.token_ids == full[:k + 1] and g.stats.completion_tokens == k + 1 and g.finish_reason == "stop"
