@@ -65,6 +65,10 @@ _DEVICE_BUCKETS = (0.0005, 0.001, 0.0015, *(round(0.002 + 0.00025 * i, 5) for i 
 _BYTES_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 
 
+ALERTED_HTTP_REFUSALS = (("429", "overloaded"), ("503", "draining"))  # (status, reason) at 0 from the start
+ALERTED_SESSION_REFUSALS = ("overloaded", "key_session_cap", "max_connections", "draining")
+
+
 class _HotHistogram:
     """A histogram of one label set fed once per token or row by the engine thread: ``observe`` is a bisect and
     two adds (prometheus_client's takes a lock per bucket and sum, ~2 us: 64 rows a step add up). One writer
@@ -172,6 +176,13 @@ class ServerMetrics:
                   self.downlink, self.sessions, self.engine_step, self.engine_wait,
                   self.device_step):
             m.labels(model_name)
+        # The refusals an operator alerts on are series from the start too (0), so that a rate of them needs no
+        # `or vector(0)` until the first: the HTTP 429 of --max-http-requests and 503 of a drain, the sessions
+        # refused for load (--max-sessions, a key's cap, --max-connections) and for a drain.
+        for status, reason in ALERTED_HTTP_REFUSALS:
+            self.http_refused.labels(model_name, status, reason)
+        for reason in ALERTED_SESSION_REFUSALS:
+            self.refused.labels(model_name, reason)
         # Bound children for the per-token hooks: ``labels()`` costs a lock and a dict lookup per call, and
         # these run once per token (engine thread) or per frame (event loop).
         self._e2e = self.e2e.labels(model_name)

@@ -122,6 +122,11 @@ def test_metrics_sum_the_workers_counters(servers, tiny_bundle):
     for _ in range(4):  # new connections: the kernel spreads them over the workers
         assert httpx.post(cloud.http_url + "/v1/chat/completions", json={}, timeout=10).status_code == 404
     assert _metric(cloud, "autoglm:http_requests_refused_total") - refused_before == 4
+    # the refusals alerts rate exist from the start in the engine and every worker: one series each on the page
+    text = httpx.get(cloud.http_url + "/metrics", timeout=10).text
+    for series in ('autoglm:http_requests_refused_total{model_name="b",reason="draining",status="503"}',
+                   'autoglm:sessions_refused_total{model_name="b",reason="overloaded"}'):
+        assert len(re.findall(rf"^{re.escape(series)} ", text, re.M)) == 1, series
 
 
 def test_a_bad_frame_on_one_worker_leaves_the_other_workers_session_alone(servers, tiny_bundle):

@@ -28,6 +28,11 @@ def test_series_exist_before_the_first_request_and_count_afterwards():
     assert s[("autoglm:engine_device_step_seconds_count", lab)] == 0
     passes = {b: (("batch", b),) + lab for b in ("persistent", "rebuilt")}
     assert s[("autoglm:engine_forward_passes_total", passes["persistent"])] == 0
+    # the refusals an alert rates: at 0 before the first (a rate of a series that is absent needed `or vector(0)`)
+    for status, reason in (("429", "overloaded"), ("503", "draining")):
+        assert s[("autoglm:http_requests_refused_total", lab + (("reason", reason), ("status", status)))] == 0
+    for reason in ("overloaded", "key_session_cap", "max_connections", "draining"):
+        assert s[("autoglm:sessions_refused_total", lab + (("reason", reason),))] == 0
     seq = SimpleNamespace(num_prompt_tokens=20, num_cached_tokens=16, prefix_keys=["k"], variant="fp32",
                           arrival_time=100.0, last_token_time=None, finish_reason="stop")
     m.on_admit(seq)
@@ -88,6 +93,9 @@ def test_several_processes_metrics_merge_into_one_exposition_with_their_sums():
     created = [m.downlink.labels("glm")._created for m in (engine, w0, w1)]
     assert s[("autoglm:downlink_bytes_created", lab)] == min(created)  # a timestamp: the earliest, not a sum
     assert text.count("# TYPE vllm:generation_tokens_total") == 1
+    # the refusal series every process creates at 0 (--workers): one series each, not one per process
+    assert text.count('autoglm:http_requests_refused_total{model_name="glm",reason="draining",status="503"}') == 1
+    assert text.count('autoglm:sessions_refused_total{model_name="glm",reason="overloaded"}') == 1
     assert render_merged([list(engine.registry.collect())]) == engine.render()  # one process: unchanged
 
 
