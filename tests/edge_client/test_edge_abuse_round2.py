@@ -6,6 +6,7 @@ naming this very server, which must not freeze the endpoint while it is fetched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -91,6 +92,16 @@ def test_an_image_url_naming_this_server_does_not_freeze_it(api):
     assert _code(r) == "bad_image" and "application/json" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 3
     # and while a fetch waits on a server that does not answer, the endpoint still does
+    with _a_fetch_that_waits(base) as done:
+        t1 = time.monotonic()
+        assert httpx.get(base + "/health", timeout=5).status_code == 200
+        assert time.monotonic() - t1 < 1.5 and not done  # answered during the fetch
+
+
+@contextlib.contextmanager
+def _a_fetch_that_waits(base):
+    """A chat request whose image_url names a server that accepts and never answers, sent on a thread; inside the
+    block its fetch waits (``done`` stays empty); on leaving, the server closes and the request fails its fetch."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
@@ -99,9 +110,7 @@ def test_an_image_url_naming_this_server_does_not_freeze_it(api):
         th = threading.Thread(target=lambda: done.append(_chat(base, _image(url))))
         th.start()
         time.sleep(0.3)
-        t1 = time.monotonic()
-        assert httpx.get(base + "/health", timeout=5).status_code == 200
-        assert time.monotonic() - t1 < 1.5 and not done  # answered during the fetch
+        yield done
         silent.close()  # the fetch fails now (or times out)
         th.join(timeout=20)
     assert done and _code(done[0]) in ("fetch_failed", "fetch_timeout")
@@ -112,20 +121,10 @@ def test_a_request_with_media_never_waits_for_another_requests_media(api):
     image, refused at once) waited out the first one's fetch from a server that does not answer - up to
     fetch_timeout_s (10 s) for every request with media behind it. Each request's media are prepared on its own."""
     base, _, client = api
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        url = f"http://127.0.0.1:{silent.getsockname()[1]}/shot.png"
-        done: list[httpx.Response] = []
-        th = threading.Thread(target=lambda: done.append(_chat(base, _image(url))))
-        th.start()
-        time.sleep(0.3)
+    with _a_fetch_that_waits(base) as done:
         t0 = time.monotonic()
         r = _chat(base, _image("data:image/png;base64,AAAA"))
         assert _code(r) == "bad_image" and time.monotonic() - t0 < 3 and not done  # while the fetch waits
-        silent.close()
-        th.join(timeout=20)
-    assert done and _code(done[0]) in ("fetch_failed", "fetch_timeout")
 
 
 def test_requests_side_by_side_open_one_vision_encoder(tiny_glm4v_fp32_bundle, monkeypatch):
