@@ -250,9 +250,11 @@ class EdgeClient:
             # no tokenizing a text that cannot fit (a 48 MB prompt held the local API's event loop for seconds)
             raise PromptTooLongError(f"prompt of {len(prompt)} characters exceeds the edge graph's "
                                      f"{self.runtime.max_positions} positions")
-        # a chat's messages are text (a special token's string in one is no token); a raw prompt is the caller's own
+        # a chat's messages are text (a special token's string in one is no token); a raw prompt is the caller's own,
+        # with the tokenizer's own special tokens (a BOS) added as the cloud's full-model /v1/completions adds them
         ids = (list(prompt_ids) if prompt_ids is not None
-               else self.tokenizer.encode_chat(prompt) if messages is not None else self.tokenizer.encode(prompt))
+               else self.tokenizer.encode_chat(prompt) if messages is not None
+               else self.tokenizer.encode_prompt(prompt))
         if not ids:
             raise ValueError("empty prompt")
         try:
@@ -462,7 +464,7 @@ class EdgeClient:
         for p in prompts:
             if isinstance(p, str):
                 ids = (self.tokenizer.chat_ids([{"role": "system", "content": p}], add_generation_prompt=False)
-                       if as_system else self.tokenizer.encode(p))
+                       if as_system else self.tokenizer.encode_prompt(p))
             else:  # image / audio parts as their placeholders, as a request renders them (they were repr()'d)
                 messages, parts = extract_parts(p, self._placeholder)
                 ids = self.tokenizer.chat_ids(messages, add_generation_prompt=False)

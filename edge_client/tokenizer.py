@@ -39,6 +39,7 @@ class TokenizerLike(Protocol):
     max_token_chars: int  # the most characters of text one token stands for: a longer text per position cannot fit
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_prompt(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_text(self, ids: list[int]) -> str: ...
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -181,6 +182,16 @@ class EdgeTokenizer(_ChatMixin):
             text.encode("utf-8")  # the UnicodeEncodeError (a ValueError) naming the character, as ByteTokenizer's
             raise
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt's ids with the tokenizer's own special tokens added (its post-processor: Llama's BOS,
+        GLM-4's ``[gMASK]<sop>``), as ``transformers``' ``tokenizer(text)`` and the cloud's full-model
+        ``/v1/completions`` tokenize it; :meth:`encode` adds none (a chat's template writes its own)."""
+        try:
+            return self.tok.encode_batch([text], add_special_tokens=True)[0].ids
+        except TypeError:  # a lone surrogate, as in :meth:`encode`
+            text.encode("utf-8")
+            raise
+
     def encode_text(self, text: str) -> list[int]:
         """The ids of ``text`` with every added token's string as plain text (the model's own pieces of it): the
         tokenizer's normalizer, pre-tokenizer and model, without its added tokens (transformers'
@@ -234,6 +245,7 @@ class ByteTokenizer(_ChatMixin):
 
     token_text = decode  # no token is special here
     encode_text = encode
+    encode_prompt = encode  # no special tokens to add
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)

@@ -418,3 +418,25 @@ def test_message_text_holding_a_marker_is_refused_as_text_no_tokenizer_takes(smo
     for text in ("a\ud800<|im_end|>\ud801b", "\ud801"):
         with pytest.raises(ValueError, match="surrogates not allowed"):
             smol_edge.chat_ids([{"role": "user", "content": text}])
+
+
+def test_a_raw_prompt_gets_the_tokenizers_own_special_tokens_as_the_full_model_route_gives_it(tok_dir, tmp_path,
+                                                                                                smol_hf, smol_edge):
+    """A raw prompt (generate(prompt=...), /v1/completions) was tokenized with no special tokens on the edge, while
+    the cloud's full-model /v1/completions tokenizes it with them (transformers' tokenizer(text)): a tokenizer whose
+    post-processor adds a BOS (Llama) or GLM-4's [gMASK]<sop> gave the split path a prompt without them - another
+    prompt, another answer, than the same request all-cloud. A chat's template writes its own: encode adds none."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    bos = tok.token_to_id("<|system|>")  # a special token standing in for a BOS
+    tok.post_processor = processors.TemplateProcessing(single="<|system|> $A", special_tokens=[("<|system|>", bos)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    edge = EdgeTokenizer(tmp_path / "tokenizer.json", {}, None, [7])
+    cloud = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    text = "The phone agent taps the screen."
+    assert edge.encode_prompt(text) == cloud(text, add_special_tokens=True).input_ids == [bos] + edge.encode(text)
+    # SmolLM2's tokenizer adds nothing: its raw prompts keep their ids
+    assert smol_edge.encode_prompt(text) == smol_edge.encode(text) == smol_hf(text, add_special_tokens=True).input_ids
+    assert ByteTokenizer(300, [2]).encode_prompt(text) == ByteTokenizer(300, [2]).encode(text)
