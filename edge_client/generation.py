@@ -424,12 +424,7 @@ class Session:
                                    audio=spec.media.count("audio") if spec.media is not None else 0,
                                    link_kbps=self.config.link_kbps, hidden_size=self.runtime.hidden_size)
         try:
-            override = PrecisionOverride.parse(spec.precision)
-            # a bare name of both ("fp16") names the codec only where this server computes otherwise; an explicit
-            # {"codec": ..., "compute": ...} is held to both (its compute was dropped without a word)
-            if (isinstance(spec.precision, str) and override.codec is not None and override.compute is not None
-                    and override.compute not in w.server.compute_variants):
-                override = PrecisionOverride(codec=override.codec)
+            override = self._override(spec)
             # the config's codec is every request's that names none - one pinning only its compute too (it was
             # dropped then, the prompt going up in the policy's lossy codec under EdgeConfig.codec="fp32")
             if self.config.codec is not None and (override is None or override.codec is None):
@@ -440,6 +435,16 @@ class Session:
             return plan, step_codec(plan, override, available_codecs=w.codecs)
         except PrecisionError as e:
             raise EdgeClientError(f"precision: {e}", "codec_not_negotiated") from None
+
+    def _override(self, spec: RequestSpec) -> PrecisionOverride | None:
+        """The request's own precision override on this session (raises PrecisionError for a bad one): a bare name
+        of both ("fp16") names the codec only where this server computes otherwise; an explicit {"codec": ...,
+        "compute": ...} is held to both (its compute was dropped without a word)."""
+        override = PrecisionOverride.parse(spec.precision)
+        if (isinstance(spec.precision, str) and override.codec is not None and override.compute is not None
+                and override.compute not in self.welcome.server.compute_variants):
+            override = PrecisionOverride(codec=override.codec)
+        return override
 
     async def _run(self, spec: RequestSpec, sink: Callable, stats: RequestStats,
                    redecide: Callable[[], None] | None) -> str:
@@ -669,16 +674,21 @@ class Session:
         except LinkDown as e:
             await self._recover(req, stats, e)
 
-    def _check_offered(self, req: _Request) -> None:
+    def _check_offered(self, req: _Request, stats: RequestStats) -> None:
         """A request carried to a new session (a replay after a restart or onto another replica, a bundle update)
-        keeps its plan: its codecs and compute variant must be offered there, or it fails ``codec_not_negotiated``
-        - the server served a compute it lacks by another variant without a word (a pinned ``int8`` answered in
-        fp32 from the replay on, the stats still saying int8)."""
+        keeps its plan: its codecs (its spans went up coded in them) and a compute variant it pinned must be offered
+        there, or it fails ``codec_not_negotiated`` - the server served a compute it lacks by another variant
+        without a word (a pinned ``int8`` answered in fp32 from the replay on, the stats still saying int8). A
+        compute the policy chose is chosen again from the new session's variants, as a new request's would be."""
         w = self.welcome
         lacking = [f"codec {c!r}" for c in dict.fromkeys((req.codec, req.step_codec))
                    if c not in w.codecs or c not in self.codecs]
         if req.compute is not None and req.compute not in w.server.compute_variants:
-            lacking.append(f"compute {req.compute!r}")
+            override = self._override(req.spec)  # parsed when the request started: it cannot raise here
+            if override is not None and override.compute is not None:
+                lacking.append(f"compute {req.compute!r}")
+            elif not lacking:
+                req.compute = stats.compute = self._plan_for(req.spec)[0].compute
         if lacking:
             raise EdgeClientError(f"precision: the cloud session that took the request over does not offer its "
                                   f"{' and '.join(lacking)} (codecs: {', '.join(w.codecs)}; compute: "
@@ -686,7 +696,7 @@ class Session:
 
     async def _resend_all(self, req: _Request, stats: RequestStats) -> None:
         """Open a fresh request with everything recorded: the cached prefix (coded now) and every span."""
-        self._check_offered(req)
+        self._check_offered(req, stats)
         req.rid = f"{req.trace_id}.r{uuid.uuid4().hex[:6]}"
         log.info("trace=%s replayed as request %s", req.trace_id, req.rid)
         self._abandon_spec(req)
@@ -1005,7 +1015,7 @@ class Session:
         if req.spec.ushape != (self.ushape is not None):  # its answer so far came from the other mode's loop
             raise EdgeClientError("the cloud moved to a bundle " + ("without" if req.spec.ushape else "with")
                                   + " a u-shape tail during the request; send it again", "bundle_changed")
-        self._check_offered(req)
+        self._check_offered(req, stats)
         req.rid = f"{req.trace_id}.b{uuid.uuid4().hex[:6]}"
         log.info("trace=%s rebuilt on bundle %s as request %s", req.trace_id, self.manifest.bundle_id, req.rid)
         req.spec_step, req.opened, req.sent, req.prefix_raw, req.pending = None, False, [], None, []

@@ -162,6 +162,22 @@ def test_a_replay_on_a_session_without_the_requests_compute_fails_instead_of_run
         cloud.drop_after_tokens, cloud.forget_sessions, cloud.compute_variants = None, False, ["fp32"]
 
 
+def test_a_replayed_request_whose_compute_the_policy_chose_runs_on_the_new_sessions(tiny_bundle, cloud, reference):
+    """A request that pinned no compute - the policy chose fp16 where the server offered it - failed its replay
+    onto a server (a restart, another replica) that offers fp32 only (codec_not_negotiated: the pinned case's rule
+    taken for every request), where a new request there just runs in fp32: the policy chooses it again."""
+    cloud.drop_after_tokens, cloud.forget_sessions, cloud.compute_variants = 3, True, ["fp16", "fp32"]
+    try:
+        with EdgeClient(tiny_bundle, cloud.url, codec="fp16", retry=FAST_RETRY) as c:
+            c.connect()  # a Welcome offering fp16: a short prompt's compute
+            cloud.compute_variants = ["fp32"]  # what the session the request is replayed on offers
+            gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+        assert gen.token_ids == reference and gen.stats.replays >= 1
+        assert gen.stats.compute == "fp32"
+    finally:
+        cloud.drop_after_tokens, cloud.forget_sessions, cloud.compute_variants = None, False, ["fp32"]
+
+
 def test_a_configured_slow_uplink_sends_a_bulk_prompt_in_the_compact_codec(tiny_bundle, cloud):
     """The policy's slow-link tier (int4-outlier when the near-lossless upload would take over 1.5 s: quality.md,
     protocol.md's hints.link_kbps) was out of the reference edge's reach: it had no link rate to give the policy
