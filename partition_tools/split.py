@@ -111,7 +111,7 @@ def check_out_dir(out: Path) -> None:
     if out.is_dir() and any(p.name != STAGING for p in out.iterdir()) and not (out / MANIFEST_NAME).is_file():
         raise BundleError(f"--out {out}: exists and is not a bundle; refusing to overwrite")
     if (out / MANIFEST_NAME).is_file():  # an earlier bundle: replaced whole, so it must hold nothing else
-        _refuse_if_held(out)
+        refuse_if_held(out, f"--out {out}", _SPLIT_ADVICE)
         try:
             listed = set(json.loads((out / MANIFEST_NAME).read_text())["artifacts"])
         except (OSError, ValueError, KeyError, TypeError):
@@ -134,27 +134,20 @@ def check_out_dir(out: Path) -> None:
         raise BundleError(f"--out {out}: cannot write in {folder} ({problem})")
 
 
-def _refuse_if_held(out: Path) -> None:
-    with unheld(out) as free:
-        if not free:
-            raise _held(out)
-
-
-def _held(out: Path) -> BundleError:
-    return BundleError(f"--out {out}: a running edge client holds this bundle (its files must not change under it); "
-                       "close it first, or split into another directory")
-
-
-def refuse_if_held(bundle: Path) -> None:
-    """BundleError while a running edge client holds ``bundle`` (draft-head: its files must not change under it)."""
+def refuse_if_held(bundle: Path, shown: str | None = None, advice: str = "close it first") -> None:
+    """BundleError while a running edge client holds ``bundle`` (split --out, draft-head: its files must not change
+    under it); ``shown``: how the message names it (the bundle's path)."""
     with unheld(bundle) as free:
         if not free:
-            raise _held_by_a_client(bundle)
+            raise _held(shown or str(bundle), advice)
 
 
-def _held_by_a_client(bundle: Path) -> BundleError:
-    return BundleError(f"{bundle}: a running edge client holds this bundle (its files must not change under it); "
-                       "close it first")
+_SPLIT_ADVICE = "close it first, or split into another directory"
+
+
+def _held(shown: str, advice: str = "close it first") -> BundleError:
+    return BundleError(f"{shown}: a running edge client holds this bundle (its files must not change under it); "
+                       f"{advice}")
 
 
 def _busy(shown: str) -> BundleError:
@@ -207,7 +200,7 @@ def add_files(bundle: Path, staged: Path, names: list[str], manifest: Manifest) 
     ``staged``, which the next writer clears. Refused while a running edge client holds the bundle."""
     with unheld(bundle) as free:
         if not free:
-            raise _held_by_a_client(bundle)
+            raise _held(str(bundle))
         done: list[tuple[Path, Path | None]] = []  # (target, the file it replaced, kept in staged)
         try:
             for i, rel in enumerate(names):
@@ -377,7 +370,7 @@ def _swap_in(staged: Path, out: Path) -> None:
         return
     with unheld(out) as free:  # a running edge client (bundle_sync.HeldVersion) reads its version's files on
         if not free:  # demand (the encoders): another bundle's under it would pair them with its front
-            raise _held(out)
+            raise _held(f"--out {out}", _SPLIT_ADVICE)
         (out / MANIFEST_NAME).unlink(missing_ok=True)
         for p in list(out.iterdir()):
             if p != staged:
