@@ -57,6 +57,7 @@ log = logging.getLogger("edge_client.client")
 
 __all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "RequestStats"]
 
+
 class EdgeClient:
     """The edge runtime, tokenizer, activation cache and cloud session of one bundle."""
 

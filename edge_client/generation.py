@@ -172,6 +172,12 @@ def _calibration(bundle: Path) -> dict | None:
     return C.load_calibration(bundle)
 
 
+def _moved_kind(ushape: bool, when: str) -> EdgeClientError:
+    """A request's bundle was updated to one of the other kind (a u-shape tail gained or lost)."""
+    return EdgeClientError(f"the cloud moved to a bundle {'without' if ushape else 'with'} a u-shape tail{when}; send "
+                           "the request again", "bundle_changed")
+
+
 class Session:
     """The link, the Welcome it got, and the request loop (see the module docstring)."""
 
@@ -460,8 +466,7 @@ class Session:
             await self.connect()
             if spec.ushape != (self.ushape is not None):  # the connect's update moved to a bundle of the other kind
                 if redecide is None:
-                    raise EdgeClientError("the cloud moved to a bundle " + ("without" if spec.ushape else "with")
-                                          + " a u-shape tail; send the request again", "bundle_changed")
+                    raise _moved_kind(spec.ushape, "")
                 redecide()
             self.fit(spec)
             plan, steps = self._plan_for(spec)
@@ -1013,8 +1018,7 @@ class Session:
             raise EdgeClientError("the cloud changed bundles during a request with images or audio; send it "
                                   "again", "bundle_changed")
         if req.spec.ushape != (self.ushape is not None):  # its answer so far came from the other mode's loop
-            raise EdgeClientError("the cloud moved to a bundle " + ("without" if req.spec.ushape else "with")
-                                  + " a u-shape tail during the request; send it again", "bundle_changed")
+            raise _moved_kind(req.spec.ushape, " during the request")
         self._check_offered(req, stats)
         req.rid = f"{req.trace_id}.b{uuid.uuid4().hex[:6]}"
         log.info("trace=%s rebuilt on bundle %s as request %s", req.trace_id, self.manifest.bundle_id, req.rid)
