@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from shared.link_profiles import MSS, LinkProfile
-from shared.threads import MAX_THREADS
+from shared.threads import threads_problem
 
 from .adapters import ModelAdapter, call_layer
 from .models import LoadedModel
@@ -100,9 +100,9 @@ class PlanConfig:
     def __post_init__(self):
         from shared.codecs import BASIS_CODECS, CODEC_NAMES
 
-        if not (1 <= self.edge_threads <= MAX_THREADS and 1 <= self.cloud_threads <= MAX_THREADS):
-            raise PlanError(f"edge and cloud threads must be >= 1 and <= {MAX_THREADS} (--edge-threads "
-                            f"{self.edge_threads}, --cloud-threads {self.cloud_threads})")
+        for flag, n in (("--edge-threads", self.edge_threads), ("--cloud-threads", self.cloud_threads)):
+            if (problem := threads_problem(n)) is not None:
+                raise PlanError(f"{flag} {problem}")
         sized = [c for c in CODEC_NAMES if c not in BASIS_CODECS]  # the codecs codec_bytes_per_token sizes
         if self.codec not in sized:
             raise PlanError(f"--codec {self.codec!r}: expected one of {', '.join(sized)}")
