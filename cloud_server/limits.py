@@ -99,22 +99,23 @@ class ConnectionLimit:
 
 
 async def _unavailable(scope, send, limit: int) -> None:
-    body = json.dumps({"error": {"message": f"server at its limit of {limit} open connections; retry later",
-                                 "type": "server_error", "param": None, "code": "overloaded"}}).encode()
-    kind = "websocket.http.response" if scope["type"] == "websocket" else "http.response"
-    if kind == "websocket.http.response" and "websocket.http.response" not in scope.get("extensions", {}):
+    if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
         await send({"type": "websocket.close", "code": 1013})  # no denial responses here: HTTP 403
         return
-    await send({"type": f"{kind}.start", "status": 503,
-                "headers": [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode()),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": f"{kind}.body", "body": body})
+    await _refuse(send, "websocket.http.response" if scope["type"] == "websocket" else "http.response", 503,
+                  f"server at its limit of {limit} open connections; retry later", "server_error")
 
 
 async def _too_many(send, limit: int) -> None:
-    body = json.dumps({"error": {"message": f"server at its limit of {limit} concurrent requests; retry later",
-                                 "type": "rate_limit_error", "param": None, "code": "overloaded"}}).encode()
-    await send({"type": "http.response.start", "status": 429,
+    await _refuse(send, "http.response", 429, f"server at its limit of {limit} concurrent requests; retry later",
+                  "rate_limit_error")
+
+
+async def _refuse(send, kind: str, status: int, message: str, error_type: str) -> None:
+    """An ``overloaded`` refusal in OpenAI's error shape, with Retry-After (``kind``: the ASGI response type)."""
+    body = json.dumps({"error": {"message": message, "type": error_type, "param": None,
+                                 "code": "overloaded"}}).encode()
+    await send({"type": f"{kind}.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode()),
                             (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": f"{kind}.body", "body": body})
