@@ -40,36 +40,57 @@ def session_cap_refusal(registry, principal) -> str | None:
     return None
 
 
-class HttpConcurrencyLimit:
+class _SlotLimit:
+    """ASGI middleware holding one slot per request it :meth:`counts` while it runs; with ``limit`` held, the next is
+    :meth:`refused` at once."""
+
+    def __init__(self, app, limit: int):
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1 (got {limit})")
+        self.app, self.limit = app, limit
+        self.held = 0  # event-loop thread only
+
+    def counts(self, scope) -> bool:
+        raise NotImplementedError
+
+    async def refused(self, scope, send) -> None:
+        raise NotImplementedError
+
+    async def __call__(self, scope, receive, send):
+        if not self.counts(scope):
+            await self.app(scope, receive, send)
+            return
+        if self.held >= self.limit:
+            await self.refused(scope, send)
+            return
+        self.held += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.held -= 1
+
+
+class HttpConcurrencyLimit(_SlotLimit):
     """ASGI middleware: at most ``limit`` HTTP requests under ``prefix`` in flight; beyond, 429 + Retry-After.
 
     Probes (``/health``, ``/ready``, ``/metrics``) and WebSockets are not counted: a probe must answer under
     load, and sessions have their own caps. A streamed response holds its slot until its last byte."""
 
     def __init__(self, app, limit: int, prefix: str = "/v1/"):
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1 (got {limit})")
-        self.app, self.limit, self.prefix = app, limit, prefix
-        self.in_flight = 0  # event-loop thread only
+        super().__init__(app, limit)
+        self.prefix = prefix
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
-            await self.app(scope, receive, send)
-            return
-        if self.in_flight >= self.limit:
-            await _too_many(send, self.limit)
-            return
-        self.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.in_flight -= 1
+    def counts(self, scope) -> bool:
+        return scope["type"] == "http" and scope["path"].startswith(self.prefix)
+
+    async def refused(self, scope, send) -> None:
+        await _too_many(send, self.limit)
 
 
 PROBES = ("/health", "/ready", "/metrics")
 
 
-class ConnectionLimit:
+class ConnectionLimit(_SlotLimit):
     """ASGI middleware: at most ``limit`` WebSockets and HTTP requests open at once; beyond, 503 + Retry-After (for a
     WebSocket, before the upgrade: a proxy tries its next replica). The probes pass uncounted, so a server at its
     cap stays alive and scraped. uvicorn's ``limit_concurrency`` did this job: it never refused a WebSocket (an
@@ -77,25 +98,16 @@ class ConnectionLimit:
     the liveness probe restarted a busy pod and the autoscaler lost its metrics."""
 
     def __init__(self, app, limit: int, on_refused: Callable[[dict], None] | None = None):
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1 (got {limit})")
-        self.app, self.limit, self.on_refused = app, limit, on_refused  # on_refused(scope): one refused (metrics)
-        self.open = 0  # event-loop thread only
+        super().__init__(app, limit)
+        self.on_refused = on_refused  # on_refused(scope): one refused (metrics)
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or scope["path"] in PROBES:
-            await self.app(scope, receive, send)
-            return
-        if self.open >= self.limit:
-            if self.on_refused is not None:
-                self.on_refused(scope)
-            await _unavailable(scope, send, self.limit)
-            return
-        self.open += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.open -= 1
+    def counts(self, scope) -> bool:
+        return scope["type"] in ("http", "websocket") and scope["path"] not in PROBES
+
+    async def refused(self, scope, send) -> None:
+        if self.on_refused is not None:
+            self.on_refused(scope)
+        await _unavailable(scope, send, self.limit)
 
 
 async def _unavailable(scope, send, limit: int) -> None:
