@@ -5,7 +5,8 @@
 The job (a JSON object): ``phone`` (index), ``mode`` (split | all-cloud | all-edge), ``bundle`` (split
 bundle: its edge half and tokenizer), ``whole`` (all-edge: the whole-model export dir), ``url`` (split:
 ``ws://.../v1/split``; all-cloud: ``http://host:port``; both through this phone's emulated link),
-``threads`` (onnxruntime intra-op threads), ``cores`` (CPU ids to pin to, or null), ``requests``
+``threads`` (onnxruntime intra-op threads), ``link_kbps`` (the link's uplink, split: the edge client is told it as an
+app is, ``EdgeConfig.link_kbps``), ``cores`` (CPU ids to pin to, or null), ``requests``
 (``rig.workloads.Request.to_dict()`` items), ``stream_first`` (emit the first answer's text deltas).
 
 Out, one JSON object per line: ``{"event": "ready", "setup_s": ...}`` (then it waits for a ``go`` line on
@@ -61,7 +62,7 @@ def run_split(job: dict) -> None:
     from edge_client.client import EdgeClient
 
     t0 = time.perf_counter()
-    with EdgeClient(job["bundle"], job["url"], threads=job["threads"]) as client:
+    with EdgeClient(job["bundle"], job["url"], threads=job["threads"], link_kbps=job["link_kbps"]) as client:
         client.connect()
         client.complete(messages=WARMUP, max_tokens=2)
         _ready(t0)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from shared.manifest import BundleError
 
 from .link import IDEAL, LinkEmulator
+from .profiles import LinkProfile
 from .report import percentile_ms, summarize
 from .scenario import Scenario, ScenarioError
 from .servers import CloudProcess, die_with_rig, stop_all
@@ -94,7 +95,9 @@ class Targets:
 
 
 def _phone_job(sc: Scenario, targets: Targets, mode: str, phone: int, port: int | None, requests: list[dict],
-               stream_first: bool) -> dict:
+               stream_first: bool, link: LinkProfile | None) -> dict:
+    """Phone ``phone``'s job (rig.phone): ``link_kbps`` is its link's uplink, which its edge client is told as an
+    app on that link is (EdgeConfig.link_kbps, the platform's estimate): the precision policy's slow-link tier."""
     url = None
     if mode == "split":
         url = f"ws://127.0.0.1:{port}/v1/split"
@@ -105,7 +108,8 @@ def _phone_job(sc: Scenario, targets: Targets, mode: str, phone: int, port: int 
         cores = [sc.phone_cores[phone % len(sc.phone_cores)]] if sc.phones > 1 else list(sc.phone_cores)
     return {"phone": phone, "mode": mode, "bundle": str(targets.bundle),
             "whole": str(targets.whole) if targets.whole else None, "url": url, "threads": sc.edge_threads,
-            "cores": cores, "requests": requests, "stream_first": stream_first, "speculate": sc.speculate}
+            "cores": cores, "requests": requests, "stream_first": stream_first, "speculate": sc.speculate,
+            "link_kbps": link.up_mbps * 1000 if link is not None else None}
 
 
 def _reader(proc: subprocess.Popen, phone: int, events: queue.Queue) -> None:
@@ -121,16 +125,16 @@ def _reader(proc: subprocess.Popen, phone: int, events: queue.Queue) -> None:
 
 def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[int | None], log_dir: Path,
                tag: str, progress: Progress, on_delta=None, timeout_s: float = 1800.0,
-               on_go: Callable[[], None] | None = None) -> list[dict]:
+               on_go: Callable[[], None] | None = None, link: LinkProfile | None = None) -> list[dict]:
     """Start ``sc.phones`` phone processes for one (workload, mode, link), release them together, collect
-    their request records. ``ports[i]`` is phone i's link port (None for all-edge); ``on_go`` runs as they are
-    released (the links' scheduled disconnects start then)."""
+    their request records. ``ports[i]`` is phone i's link port (None for all-edge), ``link`` the profile of those
+    links; ``on_go`` runs as they are released (the links' scheduled disconnects start then)."""
     events: queue.Queue = queue.Queue()
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS=str(sc.edge_threads), PYTHONWARNINGS="ignore")
     for i in range(sc.phones):
         reqs = [r.to_dict() for r in build(workload.kind, workload.requests, workload.max_tokens, offset=i)]
-        job = _phone_job(sc, targets, mode, i, ports[i], reqs, stream_first=on_delta is not None and i == 0)
+        job = _phone_job(sc, targets, mode, i, ports[i], reqs, stream_first=on_delta is not None and i == 0, link=link)
         log = open(log_dir / f"phone-{tag}-{i}.log", "ab")
         p = subprocess.Popen([sys.executable, "-m", "rig.phone"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=log, env=env, text=True, cwd=str(Path(__file__).resolve().parent.parent),
@@ -304,7 +308,8 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
                             targets = Targets(bundle, whole)
                             recs = run_phones(sc, targets, mode, workload, [lk.port for lk in links], log_dir,
                                               tag.replace("/", "-"), progress, take_stream(),
-                                              on_go=lambda lks=links: [lk.schedule(sc.disconnects) for lk in lks])
+                                              on_go=lambda lks=links: [lk.schedule(sc.disconnects) for lk in lks],
+                                              link=prof)
                         finally:
                             for link in links:
                                 link.stop()

@@ -19,7 +19,9 @@ class LinkProfileError(ValueError):
 
 
 MAX_DELAY_MS = 60_000.0  # rtt_ms, jitter_ms, rto_ms: beyond a minute no connection would ever open
-MIN_MBPS, MAX_MBPS = 0.001, 1e7  # 1 kbit/s .. 10 Tbit/s (the loopback pass-through uses 1e6)
+# 1 kbit/s .. 1 Tbit/s: the loopback pass-through's 1e6, and the most an edge client's link hint (EdgeConfig.link_kbps,
+# at most 1e9 kbit/s on the wire) can say - the rig tells its split phones their link's uplink
+MIN_MBPS, MAX_MBPS = 0.001, 1e6
 
 
 @dataclass(frozen=True, slots=True)

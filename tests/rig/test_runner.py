@@ -333,3 +333,24 @@ def test_a_failed_run_keeps_the_runs_that_finished_before_it(tiny_glm4_fp32_bund
     assert report["failed"] == "[wifi/agent/split] phone 0: an injected failure"
     assert [r["workload"] for r in report["records"]] == ["chat"]
     assert f"partial report (the 1 requests of the runs that finished): {out / 'report.json'}" in err
+
+
+def test_a_split_phone_on_a_slow_uplink_gives_its_edge_client_the_links_rate(tiny_glm4_fp32_bundle, tmp_path,
+                                                                             monkeypatch):
+    """The rig's split phones gave their EdgeClient no link rate (EdgeConfig.link_kbps, as an app sets it from the
+    platform's estimate of its uplink), so the precision policy's slow-link tier never ran in the rig: a bulk
+    prompt over a 100 kbit/s uplink went up in the fast link's int8-outlier."""
+    import rig.runner
+    from rig.workloads import Request
+
+    bulk = [Request([{"role": "user", "content": "Describe this. " * 45}], 2, "chat/bulk")]  # ~690 tokens x 64 x
+    # 1.02 B: 3.5 s up at 100 kbit/s, over the policy's 1.5 s
+    monkeypatch.setattr(rig.runner, "build", lambda kind, count, max_tokens, offset=0: bulk)
+    sc = Scenario.from_dict({
+        "name": "slow-up", "model": "tiny-glm4", "split_layer": 2, "edge_quant": "fp32", "modes": ["split"],
+        "profiles": [{"name": "slow-up", "rtt_ms": 10, "down_mbps": 10, "up_mbps": 0.1}],
+        "workloads": [{"kind": "chat", "requests": 1, "max_tokens": 2}],
+    })
+    report = run_scenario(sc, tmp_path, Progress(), bundle=tiny_glm4_fp32_bundle)
+    [rec] = report["records"]
+    assert rec["prompt_tokens"] > 600 and rec["codec"] == "int4-outlier"

@@ -170,6 +170,8 @@ def test_profile_validation():
     ({"down_mbps": float("nan")}, "down_mbps"),
     ({"up_mbps": float("inf")}, "up_mbps"),
     ({"down_mbps": 1e-12}, "down_mbps must be in"),
+    # past what a split phone's link hint can say (EdgeConfig.link_kbps, at most 1e9 kbit/s), which the rig gives it
+    ({"up_mbps": 2e6}, r"up_mbps must be in \[0.001, 1e\+06\]"),
     ({"jitter_ms": float("nan")}, "jitter_ms"),
     ({"rto_ms": float("inf")}, "rto_ms"),  # a lost segment never arrived
     ({"loss": 1.0}, "loss must be in"),
