@@ -221,10 +221,11 @@ def _cmd_draft_head(args) -> int:
 
 
 @contextlib.contextmanager
-def _drafter_progress(args, steps: int):
+def _drafter_progress(args, steps: int, check=None):
     """The source of the bundle loaded, the progress lines of draft-head (``partition_tools.progress``: the
     source's load, then the drafter's ``steps``) and the bundle's staging directory, held (``split.writing``) until
-    the block ends; a write the disk had no room for (an OSError traceback) is one line."""
+    the block ends; a write the disk had no room for (an OSError traceback) is one line. ``check(manifest)``: the
+    drafter's own checks of the bundle, after the one every drafter makes and before the model loads."""
     from shared.manifest import BundleError, Manifest
 
     from .draft_head import check_takes_a_drafter
@@ -235,7 +236,10 @@ def _drafter_progress(args, steps: int):
     started = time.perf_counter()
     progress = Steps(1 + steps, "draft-head")
     source = _source(args)
-    check_takes_a_drafter(args.bundle, Manifest.load(args.bundle))
+    manifest = Manifest.load(args.bundle)
+    check_takes_a_drafter(args.bundle, manifest)
+    if check is not None:
+        check(manifest)
     try:
         with writing(Path(args.bundle)) as staged:  # one writer of a bundle at a time (split.writing)
             refuse_if_held(Path(args.bundle))  # before the load; again as its files go in (split.add_files)
@@ -262,7 +266,6 @@ def _cloud_drafter(args, text: Path | None) -> int:
 
 
 def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
-    from .draft_head import check_takes_a_drafter
     from .draft_layers import STEPS, DraftLayersConfig, add_draft_layers
 
     if args.layers == "auto":
@@ -273,12 +276,11 @@ def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
         except ValueError:
             raise UsageError(f"--layers {args.layers!r}: 'auto' or comma-separated layer numbers") from None
     cfg = DraftLayersConfig(layers=layers, budget=args.budget, text=text, vocab=vocab, quant=args.quant)
-    from shared.manifest import Manifest
 
-    manifest = Manifest.load(args.bundle)
-    check_takes_a_drafter(args.bundle, manifest)
-    cfg.checked_layers(manifest.split_layer, manifest.num_layers)  # before the model loads
-    with _drafter_progress(args, STEPS) as (lm, progress, staged):
+    def layers_fit(manifest) -> None:  # before the model loads
+        cfg.checked_layers(manifest.split_layer, manifest.num_layers)
+
+    with _drafter_progress(args, STEPS, layers_fit) as (lm, progress, staged):
         r = add_draft_layers(lm, Path(args.bundle), cfg, progress, staged)
     print(f"draft layers -> {args.bundle}: layers {r['layers']} ({r['chosen_by']}) + norm + lm_head, {r['quant']}, "
           f"{r['vocab']} tokens, {r['bytes'] / 1e6:.1f} MB; top-1 agreement {100 * r['held_out_top1_agreement']:.1f} % "
