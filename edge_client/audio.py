@@ -125,19 +125,20 @@ def log_mel(samples: np.ndarray, spec: AudioSpec) -> np.ndarray:
 # decoding
 
 
-def _riff_layout(data: bytes) -> tuple[int, bytearray, bool]:
+def _riff_layout(data: bytes) -> tuple[int, bytearray, bool, int]:
     """A WAV's sample format (WAVE_PCM, WAVE_FLOAT or another tag; WAVE_FORMAT_EXTENSIBLE's sub-format read
     through), ``data`` with that fmt tag set to PCM where it is PCM or float, so that stdlib ``wave`` (PCM
     only; Python 3.11 not even extensible PCM, which ffmpeg writes for 24-bit or multichannel audio) reads it,
     and whether its data chunk is streamed: size 0xFFFFFFFF, what ffmpeg writes to a pipe (``-f wav -``), which
-    cannot seek back to fill it in - the samples run to the end of the file. One copy of ``data``, its fmt tags
+    cannot seek back to fill it in - the samples run to the end of the file -, and the bytes after its data chunk's
+    header (0 without one): the most its samples can hold. One copy of ``data``, its fmt tags
     set in place, and a file of over MAX_CHUNKS chunks before its samples refused: bytes of tiny chunks cost a
     Python loop turn each, here and in ``wave`` (16 MB of them: 16 s)."""
     tag, pos, out, chunks = WAVE_PCM, 12, bytearray(data), 0  # no fmt chunk: wave says what is wrong
     while data[:4] == b"RIFF" and data[8:12] == b"WAVE" and pos + 8 <= len(data):
         cid, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
         if cid == b"data":
-            return tag, out, size == STREAMED_SIZE
+            return tag, out, size == STREAMED_SIZE, max(len(data) - pos - 8, 0)
         if (chunks := chunks + 1) > MAX_CHUNKS:
             raise MediaError(f"not a WAV file (over {MAX_CHUNKS} chunks before its samples)", "bad_audio")
         if cid == b"fmt " and pos + 10 <= len(data):
@@ -148,28 +149,33 @@ def _riff_layout(data: bytes) -> tuple[int, bytearray, bool]:
             if tag in (WAVE_PCM, WAVE_FLOAT):
                 out[pos + 8:pos + 10] = WAVE_PCM.to_bytes(2, "little")
         pos += 8 + size + (size & 1)
-    return tag, out, False
+    return tag, out, False, 0
 
 
-def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarray, int]:
+def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES,
+               spec: AudioSpec | None = None) -> tuple[np.ndarray, int]:
     """A WAV file of integer PCM (8-, 16-, 24- or 32-bit) or float samples (32- or 64-bit), any channels, plain
-    or WAVE_FORMAT_EXTENSIBLE -> (mono float32 samples, integers scaled to [-1, 1]; sample rate)."""
+    or WAVE_FORMAT_EXTENSIBLE -> (mono float32 samples, integers scaled to [-1, 1]; sample rate). ``spec``: the
+    encoder whose rate and window (:func:`check_fits`) the header's rate and frames must fit before any sample is
+    read (a 16 MB WAV of an hour at 1 kHz, or 17 minutes at 16 kHz, peaked at 160 MB decoded before its refusal)."""
     if not data:
         raise MediaError("empty audio (0 bytes)", "bad_audio")
     if len(data) > max_bytes:
         raise MediaError(f"audio of {len(data)} bytes exceeds the {max_bytes}-byte limit", "audio_too_large")
-    tag, data, streamed = _riff_layout(data)
+    tag, data, streamed, room = _riff_layout(data)
     if tag not in (WAVE_PCM, WAVE_FLOAT):
         raise MediaError(f"WAV sample format {tag:#06x} (accepted: integer PCM, float)", "unsupported_format")
     try:
         with wave.open(io.BytesIO(data)) as w:
             rate, width, channels, n = w.getframerate(), w.getsampwidth(), w.getnchannels(), w.getnframes()
+            if width not in ((4, 8) if tag == WAVE_FLOAT else (1, 2, 3, 4)):
+                raise MediaError(f"unsupported WAV sample width {width * 8} bits"
+                                 f"{' (float)' if tag == WAVE_FLOAT else ''}", "unsupported_format")
+            if spec is not None:  # the frames the header declares, at most those its bytes hold
+                check_fits(min(n, room // (width * channels)), rate, spec)
             raw = w.readframes(n)
     except (wave.Error, EOFError, RuntimeError) as e:  # RuntimeError: wave's seek past a chunk the file lacks
         raise MediaError(f"not a WAV file ({str(e) or 'cut short inside its chunks'})", "bad_audio") from None
-    if width not in ((4, 8) if tag == WAVE_FLOAT else (1, 2, 3, 4)):
-        raise MediaError(f"unsupported WAV sample width {width * 8} bits{' (float)' if tag == WAVE_FLOAT else ''}",
-                         "unsupported_format")
     if streamed:  # whole frames to the end of the file
         n = len(raw) // (width * channels)
     elif len(raw) < n * width * channels:  # the data chunk ends before the frames its header declares
@@ -189,21 +195,26 @@ def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarra
     return x.reshape(-1, channels).mean(axis=1), rate
 
 
-def check_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> np.ndarray:
-    """Samples -> float32 [n] the encoder takes; refuses empty, silent, wrongly sampled or too long clips."""
-    x = np.asarray(samples, np.float32).reshape(-1)
+def check_fits(n_samples: int, sample_rate: int, spec: AudioSpec) -> None:
+    """A clip of ``n_samples`` at ``sample_rate`` must be at the encoder's rate and within its window."""
     if sample_rate != spec.sample_rate:
         raise MediaError(f"audio at {sample_rate} Hz: the encoder takes {spec.sample_rate} Hz (resample first)",
                          "bad_sample_rate")
+    if n_samples > spec.max_samples:
+        raise MediaError(f"audio of {n_samples / spec.sample_rate:.1f} s exceeds the encoder's "
+                         f"{spec.max_samples / spec.sample_rate:.1f} s window", "audio_too_long")
+
+
+def check_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> np.ndarray:
+    """Samples -> float32 [n] the encoder takes; refuses wrongly sampled, too long, empty or silent clips."""
+    x = np.asarray(samples, np.float32).reshape(-1)
+    check_fits(x.size, sample_rate, spec)
     if x.size == 0:
         raise MediaError("empty audio (no samples)", "bad_audio")
     if not np.isfinite(x).all():
         raise MediaError("audio samples are not finite", "bad_audio")
     if float(np.abs(x).max()) < SILENCE_PEAK:
         raise MediaError("the audio is silent", "silent_audio")
-    if x.size > spec.max_samples:
-        raise MediaError(f"audio of {x.size / spec.sample_rate:.1f} s exceeds the encoder's "
-                         f"{spec.max_samples / spec.sample_rate:.1f} s window", "audio_too_long")
     return x
 
 
@@ -233,7 +244,7 @@ class AudioEncoder(LazyEncoder):
     def check(self, data: bytes) -> tuple[np.ndarray, int]:
         """WAV bytes -> (the clip's samples at the encoder's rate, its audio tokens): every check of
         :meth:`prepare`, no features yet."""
-        x = check_audio(*decode_wav(data), self.spec)
+        x = check_audio(*decode_wav(data, spec=self.spec), self.spec)
         return x, self.spec.tokens_for(x.size)
 
     def prepared(self, samples: np.ndarray) -> PreparedAudio:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -37,3 +38,39 @@ def test_a_wav_of_many_chunks_is_refused_and_one_of_a_few_is_read():
     few = [fmt, _chunk(b"LIST", b"INFOISFT\x05\0\0\0Lavf\0"), _chunk(b"junk", bytes(3))] * 21  # 63 + fmt: 64
     samples, rate = decode_wav(_wav_with_chunks(x, few))
     assert rate == 16000 and np.array_equal(samples, reference)
+
+
+def _pcm8(seconds: float, rate: int) -> bytes:
+    """An 8-bit mono PCM WAV of a tone lasting ``seconds`` at ``rate`` (one byte a sample: the longest clip a byte
+    budget holds)."""
+    x = tone(seconds, rate)
+    body = (b"WAVE" + _chunk(b"fmt ", struct.pack("<HHIIHH", 1, 1, rate, rate, 1, 8))
+            + _chunk(b"data", (x * 127 + 128).astype(np.uint8).tobytes()))
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def test_a_wav_too_long_or_at_another_rate_is_refused_from_its_header(tmp_path):
+    """An hour at 1 kHz (3.6 MB) or 15 minutes at 16 kHz (14 MB), both within the 16 MB limit, were decoded whole
+    (~10x their bytes as float32: 160 MB for 16 MB) before bad_sample_rate / audio_too_long refused them; the
+    header's rate and frames are checked before any sample is read, and a clip that fits is read as before."""
+    import tracemalloc
+
+    from edge_client.audio import AUDIO_CONFIG, AudioEncoder
+
+    (tmp_path / AUDIO_CONFIG).parent.mkdir()
+    (tmp_path / AUDIO_CONFIG).write_text(json.dumps(dict(  # Whisper's: a 30 s window; no graph needed to check
+        sample_rate=16000, n_fft=400, hop_length=160, n_mels=80, window_frames=3000, pool=2, hidden_size=64,
+        audio_token_id=16)))
+    enc = AudioEncoder(tmp_path)
+    for data, code in ((_pcm8(3600, 1000), "bad_sample_rate"), (_pcm8(900, 16000), "audio_too_long")):
+        tracemalloc.start()
+        try:
+            with pytest.raises(MediaError) as e:
+                enc.check(data)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert e.value.code == code, e.value
+        assert peak < 3 * len(data), (code, peak, len(data))
+    samples, n = enc.check(_pcm8(30, 16000))
+    assert samples.size == 30 * 16000 and n == enc.spec.tokens_for(samples.size)
