@@ -457,8 +457,9 @@ class SplitTranslator:
         rec.plan_sent = True
         return msg
 
-    @staticmethod
-    def _tokens(rec: RequestRecord, ids: list[int], out: RequestOutput, finish: str | None) -> P.Tokens:
+    def _tokens(self, rec: RequestRecord, ids: list[int], out: RequestOutput, finish: str | None) -> P.Tokens:
+        """``ids`` as Tokens; the final one (``finish``) also says the server's load: the edge plans the session's
+        next request by it (docs/protocol.md, "Precision")."""
         total_ms = (time.monotonic() - rec.last_input) * 1000
         msg = P.Tokens(
             request_id=rec.request_id, index=len(rec.tokens) - len(ids), token_ids=ids,
@@ -470,6 +471,7 @@ class SplitTranslator:
                           cached_tokens=rec.cached_tokens) if finish is not None else None,
             timings=P.ServerTimings(total_ms=max(0.0, total_ms), draft_ms=min(max(0.0, total_ms), out.draft_s * 1000)),
             plan=None if rec.plan_sent else P.PrecisionPlan(codec=rec.codec, compute=rec.compute),
-            draft_ids=out.draft_ids if finish is None else None)
+            draft_ids=out.draft_ids if finish is None else None,
+            load=None if finish is None else float(self.load()))
         rec.plan_sent = True
         return msg

@@ -191,6 +191,9 @@ class Session:
         self.link = Link(config.url, config.api_key, config.retry, ca_file=config.ca_file)
         self.codecs = C.available_codecs(_calibration(runtime.bundle_dir))  # name -> BoundaryCodec
         self.welcome = None
+        # the server's busy fraction (the policy's load input): the Welcome's, then each final Tokens' (Tokens.load),
+        # so a session held for hours plans its requests at the server's load of late, not of its connect
+        self.server_load = 0.0
         self.resume_token: str | None = None
         self.reached = False  # a Welcome came once: a failed connect is then retried for the longer window
         # prefix keys the cloud holds as far as this session knows, per compute variant (each has its own KV pool:
@@ -323,6 +326,7 @@ class Session:
                 self.cloud_keys = {}
             self._learn_keys(w.plan.compute, reversed(w.cached_prefixes))  # listed most recently used first
             self.welcome = w
+            self.server_load = w.server.load
             self.resume_token = w.resume_token
             self.reached = True
             if not w.resumed and attempt == 0 and self.on_new_session is not None:  # (1: it has just updated)
@@ -339,11 +343,14 @@ class Session:
         return await self.link.send_frame(frame)
 
     async def _recv(self, timeout: float):
-        """The next message from the cloud, recorded in the protocol state. A fatal Error ends the session: the
-        link is closed here and the resume token dropped (the request it ended fails with its code; the next
-        request opens a new session, as a long-lived client - ``autoglm-edge serve`` - needs)."""
+        """The next message from the cloud, recorded in the protocol state (a Tokens' load in :attr:`server_load`).
+        A fatal Error ends the session: the link is closed here and the resume token dropped (the request it ended
+        fails with its code; the next request opens a new session, as a long-lived client - ``autoglm-edge serve`` -
+        needs)."""
         msg = await self.link.recv(timeout)
         self.state.on_server(msg)
+        if isinstance(msg, P.Tokens) and msg.load is not None:
+            self.server_load = msg.load
         if isinstance(msg, P.Error) and msg.fatal:
             log.warning("the cloud ended the session: %s: %s", msg.code, msg.message)
             self.welcome, self.resume_token = None, None
@@ -425,7 +432,7 @@ class Session:
         override (or the config's codec) winning, and the codec of its decode steps. Both ends run the same policy
         (shared.precision)."""
         w = self.welcome
-        features = RequestFeatures(prompt_tokens=len(spec.prompt_ids), server_load=w.server.load,
+        features = RequestFeatures(prompt_tokens=len(spec.prompt_ids), server_load=self.server_load,
                                    images=spec.media.count("image") if spec.media is not None else 0,
                                    audio=spec.media.count("audio") if spec.media is not None else 0,
                                    link_kbps=self.config.link_kbps, hidden_size=self.runtime.hidden_size)

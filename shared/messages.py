@@ -139,7 +139,7 @@ class ServerInfo:
     name: str = "autoglm-cloud"
     version: str = ""
     compute_variants: list[str] = field(default_factory=lambda: ["bf16"])  # what this deployment can run
-    load: float = 0.0  # busy fraction in [0, 1] at the time of the Welcome (the policy's load input)
+    load: float = 0.0  # busy fraction in [0, 1] at the time of the Welcome (the policy's load input; Tokens.load since)
     # drafts one SpecStep may carry (its hidden states: max_draft_tokens + 1 rows); 0: this server takes no
     # SpecStep (servers from before the message omit the field, so it decodes as 0)
     max_draft_tokens: int = 0
@@ -485,11 +485,16 @@ class Tokens:
     # the cloud drafter's proposal for the tokens after the last of ``token_ids`` (asked with ask_drafts): the
     # edge may send them back as a SpecStep's drafts; None: no proposal
     draft_ids: list[int] | None = None
+    # the server's busy fraction in [0, 1] as it sent this message (ServerInfo.load's meaning), on a request's final
+    # Tokens: what the session's next request is planned with (a Welcome's is as old as the session); None: not said
+    load: float | None = None
 
     def __post_init__(self):
         _ident(self.request_id, "request_id")
         _int(self.index, "index")
         _list(self.token_ids, "token_ids", 1 << 16)
+        if self.load is not None:
+            _float(self.load, "load", 0.0, 1.0)
         if self.draft_ids is not None:
             _list(self.draft_ids, "draft_ids", MAX_DRAFT_TOKENS)
             for t in self.draft_ids:

@@ -77,7 +77,7 @@ GOLDEN: dict[str, P.Message] = {
                        plan=P.PrecisionPlan(codec="fp16", compute="bf16")),
     "tokens_progress": P.Tokens(request_id="r1", index=0, token_ids=[]),  # docs/protocol.md, "Progress"
     "tokens_final": P.Tokens(request_id="r1", index=5, token_ids=[2], finish_reason="stop",
-                             usage=P.Usage(prompt_tokens=700, completion_tokens=6, cached_tokens=640)),
+                             usage=P.Usage(prompt_tokens=700, completion_tokens=6, cached_tokens=640), load=0.25),
     "cancel": P.Cancel(request_id="r1"),
     "resume": P.Resume(request_id="r1", have_tokens=3),
     "resumed": P.Resumed(request_id="r1", received=703, index=3, token_ids=[11, 12], finish_reason=None),
