@@ -152,31 +152,63 @@ def _riff_layout(data: bytes) -> tuple[int, bytearray, bool, int]:
     return tag, out, False, 0
 
 
-def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES,
-               spec: AudioSpec | None = None) -> tuple[np.ndarray, int]:
-    """A WAV file of integer PCM (8-, 16-, 24- or 32-bit) or float samples (32- or 64-bit), any channels, plain
-    or WAVE_FORMAT_EXTENSIBLE -> (mono float32 samples, integers scaled to [-1, 1]; sample rate). ``spec``: the
-    encoder whose rate and window (:func:`check_fits`) the header's rate and frames must fit before any sample is
-    read (a 16 MB WAV of an hour at 1 kHz, or 17 minutes at 16 kHz, peaked at 160 MB decoded before its refusal)."""
+@dataclass(frozen=True, slots=True)
+class WavHeader:
+    """What a WAV file's header says (:func:`wav_header`), checked: its samples not read yet."""
+
+    tag: int  # WAVE_PCM or WAVE_FLOAT
+    streamed: bool  # a data chunk of size STREAMED_SIZE: its samples run to the end of the file
+    rate: int
+    width: int  # bytes per sample
+    channels: int
+    declared: int  # the frames the header declares
+    held: int  # the frames the file's bytes after the data chunk's header hold
+
+    @property
+    def frames(self) -> int:
+        """The clip's length at most: the frames declared (streamed: to the file's end), at most those held."""
+        return self.held if self.streamed else min(self.declared, self.held)
+
+
+def _wave(data: bytearray, frames: int) -> tuple[int, int, int, int, bytes]:
+    """stdlib ``wave`` over a :func:`_riff_layout` result: (rate, sample width, channels, the frames the header
+    declares, the bytes of the first ``frames`` frames)."""
+    try:
+        with wave.open(io.BytesIO(data)) as w:
+            return w.getframerate(), w.getsampwidth(), w.getnchannels(), w.getnframes(), w.readframes(frames)
+    except (wave.Error, EOFError, RuntimeError) as e:  # RuntimeError: wave's seek past a chunk the file lacks
+        raise MediaError(f"not a WAV file ({str(e) or 'cut short inside its chunks'})", "bad_audio") from None
+
+
+def _read_header(data: bytes, max_bytes: int) -> tuple[bytearray, WavHeader]:
+    """Every check of a WAV file's header: (the :func:`_riff_layout` bytes ``wave`` reads, the header)."""
     if not data:
         raise MediaError("empty audio (0 bytes)", "bad_audio")
     if len(data) > max_bytes:
         raise MediaError(f"audio of {len(data)} bytes exceeds the {max_bytes}-byte limit", "audio_too_large")
-    tag, data, streamed, room = _riff_layout(data)
+    tag, out, streamed, room = _riff_layout(data)
     if tag not in (WAVE_PCM, WAVE_FLOAT):
         raise MediaError(f"WAV sample format {tag:#06x} (accepted: integer PCM, float)", "unsupported_format")
-    try:
-        with wave.open(io.BytesIO(data)) as w:
-            rate, width, channels, n = w.getframerate(), w.getsampwidth(), w.getnchannels(), w.getnframes()
-            if width not in ((4, 8) if tag == WAVE_FLOAT else (1, 2, 3, 4)):
-                raise MediaError(f"unsupported WAV sample width {width * 8} bits"
-                                 f"{' (float)' if tag == WAVE_FLOAT else ''}", "unsupported_format")
-            if spec is not None:  # the frames the header declares, at most those its bytes hold
-                check_fits(min(n, room // (width * channels)), rate, spec)
-            raw = w.readframes(n)
-    except (wave.Error, EOFError, RuntimeError) as e:  # RuntimeError: wave's seek past a chunk the file lacks
-        raise MediaError(f"not a WAV file ({str(e) or 'cut short inside its chunks'})", "bad_audio") from None
-    if streamed:  # whole frames to the end of the file
+    rate, width, channels, n, _ = _wave(out, 0)
+    if width not in ((4, 8) if tag == WAVE_FLOAT else (1, 2, 3, 4)):
+        raise MediaError(f"unsupported WAV sample width {width * 8} bits{' (float)' if tag == WAVE_FLOAT else ''}",
+                         "unsupported_format")
+    return out, WavHeader(tag, streamed, rate, width, channels, n, room // (width * channels))
+
+
+def wav_header(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> WavHeader:
+    """A WAV file's header, read and checked as :func:`decode_wav` does, no sample read: the clip's rate and length
+    before it is decoded (16 MB of 8-bit samples take 160 MB on the way to mono float32)."""
+    return _read_header(data, max_bytes)[1]
+
+
+def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarray, int]:
+    """A WAV file of integer PCM (8-, 16-, 24- or 32-bit) or float samples (32- or 64-bit), any channels, plain
+    or WAVE_FORMAT_EXTENSIBLE -> (mono float32 samples, integers scaled to [-1, 1]; sample rate)."""
+    data, h = _read_header(data, max_bytes)
+    tag, rate, width, channels, n = h.tag, h.rate, h.width, h.channels, h.declared
+    raw = _wave(data, n)[4]
+    if h.streamed:  # whole frames to the end of the file
         n = len(raw) // (width * channels)
     elif len(raw) < n * width * channels:  # the data chunk ends before the frames its header declares
         raise MediaError(f"truncated WAV: {len(raw) // (width * channels)} of the {n} frames its header declares",
@@ -241,15 +273,17 @@ class AudioEncoder(LazyEncoder):
         """WAV bytes -> :class:`PreparedAudio` (:meth:`check`, then :meth:`prepared`)."""
         return self.prepared(self.check(data)[0])
 
-    def check(self, data: bytes) -> tuple[np.ndarray, int]:
-        """WAV bytes -> (the clip's samples at the encoder's rate, its audio tokens): every check of
-        :meth:`prepare`, no features yet."""
-        x = check_audio(*decode_wav(data, spec=self.spec), self.spec)
-        return x, self.spec.tokens_for(x.size)
+    def check(self, data: bytes) -> tuple[bytes, int]:
+        """WAV bytes -> (the bytes, the clip's audio tokens), from the header alone (:func:`wav_header`): a clip at
+        another rate or longer than the encoder's window is refused, nothing is decoded yet."""
+        h = wav_header(data)
+        check_fits(h.frames, h.rate, self.spec)
+        return data, self.spec.tokens_for(h.frames)
 
-    def prepared(self, samples: np.ndarray) -> PreparedAudio:
-        """A :meth:`check` result's samples -> :class:`PreparedAudio` (the log-mel features)."""
-        return checked_audio(samples, self.spec)
+    def prepared(self, data: bytes) -> PreparedAudio:
+        """A :meth:`check` result's bytes -> :class:`PreparedAudio`: decoded, :func:`check_audio` (empty, not
+        finite, silent), the log-mel features."""
+        return checked_audio(check_audio(*decode_wav(data), self.spec), self.spec)
 
     def encode(self, clip: PreparedAudio) -> np.ndarray:
         """Audio embeddings float32 [n_tokens, H] of one clip."""

@@ -537,7 +537,7 @@ class MediaEncoders:
         :meth:`items`, nothing decoded yet.
 
         ``room``: how many positions the prompt may grow by when each part's one placeholder becomes its rows,
-        and whose limit that is (None: no bound). Every part is loaded and checked, and its rows counted (an image's from its header),
+        and whose limit that is (None: no bound). Every part is loaded and checked, and its rows counted (from its header: an image's size, a clip's frames),
         before any is decoded in full or encoded: parts whose rows do not fit are refused (``context_full``)
         without running an encoder, so a small file declaring a huge image, or a message of many images, costs
         no tower run (a 38 KB 6300 x 6300 PNG used to take 36 s and 14 GB here before the cloud refused it)."""

@@ -49,28 +49,66 @@ def _pcm8(seconds: float, rate: int) -> bytes:
     return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
+def _spec_only_bundle(path, window_frames: int):
+    """A bundle directory holding only ``edge/audio.json`` (Whisper's mel parameters): checking and decoding a clip
+    need no graph."""
+    from edge_client.audio import AUDIO_CONFIG
+
+    (path / AUDIO_CONFIG).parent.mkdir()
+    (path / AUDIO_CONFIG).write_text(json.dumps(dict(
+        sample_rate=16000, n_fft=400, hop_length=160, n_mels=80, window_frames=window_frames, pool=2, hidden_size=64,
+        audio_token_id=16)))
+    return path
+
+
+def _peak(run) -> tuple[object, int]:
+    """``run()``'s result and the most memory it held at once (tracemalloc: numpy's arrays included)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        return run(), tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_a_wav_too_long_or_at_another_rate_is_refused_from_its_header(tmp_path):
     """An hour at 1 kHz (3.6 MB) or 15 minutes at 16 kHz (14 MB), both within the 16 MB limit, were decoded whole
     (~10x their bytes as float32: 160 MB for 16 MB) before bad_sample_rate / audio_too_long refused them; the
     header's rate and frames are checked before any sample is read, and a clip that fits is read as before."""
-    import tracemalloc
+    from edge_client.audio import AudioEncoder
 
-    from edge_client.audio import AUDIO_CONFIG, AudioEncoder
-
-    (tmp_path / AUDIO_CONFIG).parent.mkdir()
-    (tmp_path / AUDIO_CONFIG).write_text(json.dumps(dict(  # Whisper's: a 30 s window; no graph needed to check
-        sample_rate=16000, n_fft=400, hop_length=160, n_mels=80, window_frames=3000, pool=2, hidden_size=64,
-        audio_token_id=16)))
-    enc = AudioEncoder(tmp_path)
+    enc = AudioEncoder(_spec_only_bundle(tmp_path, 3000))  # Whisper's window: 30 s
     for data, code in ((_pcm8(3600, 1000), "bad_sample_rate"), (_pcm8(900, 16000), "audio_too_long")):
-        tracemalloc.start()
-        try:
+        def refused():
             with pytest.raises(MediaError) as e:
-                enc.check(data)
-            peak = tracemalloc.get_traced_memory()[1]
-        finally:
-            tracemalloc.stop()
-        assert e.value.code == code, e.value
-        assert peak < 3 * len(data), (code, peak, len(data))
-    samples, n = enc.check(_pcm8(30, 16000))
-    assert samples.size == 30 * 16000 and n == enc.spec.tokens_for(samples.size)
+                enc.check(data)  # noqa: B023 - run here, in this turn
+            return e.value
+        err, peak = _peak(refused)
+        size = len(data)
+        assert err.code == code and peak < 3 * size, (err, peak, size)
+    data, n = enc.check(_pcm8(30, 16000))
+    assert n == enc.spec.tokens_for(30 * 16000) and enc.prepared(data).n_tokens == n
+
+
+def test_a_clips_check_reads_its_header_and_items_decode_it(tmp_path):
+    """``MediaEncoders.check``, which requests run side by side (local_api.MEDIA_THREADS), decoded each clip whole:
+    four 16 MB WAVs that fit the window (2 s of 500 channels of 8 bits) held 500 MB at once where one takes 170 MB.
+    The check reads the header (the rows counted from it) and ``items``, one request at a time
+    (``MediaEncoders.turn``), decodes, as for images."""
+    from edge_client.media import MediaEncoders, MediaPart, MediaPolicy
+
+    media = MediaEncoders(_spec_only_bundle(tmp_path, 200))  # the tiny preset's window: 2 s
+    x = tone(2.0)
+    channels = 500
+    pcm = np.repeat((x * 127 + 128).astype(np.uint8)[:, None], channels, axis=1).tobytes()  # [frames, channels]
+    body = (b"WAVE" + _chunk(b"fmt ", struct.pack("<HHIIHH", 1, channels, 16000, 16000 * channels, channels, 8))
+            + _chunk(b"data", pcm))
+    data = b"RIFF" + struct.pack("<I", len(body)) + body
+    checked, peak = _peak(lambda: media.check([MediaPart("audio", data)], MediaPolicy()))
+    size = len(data)
+    assert peak < 3 * size, (peak, size)
+    (item,) = media.items(checked, MediaPolicy())  # decoded: every channel the same, the mono clip is that channel
+    samples, _ = decode_wav(data)
+    assert item.rows == media.audio.spec.tokens_for(x.size) and samples.size == x.size
+    assert np.array_equal(samples, (np.frombuffer(pcm, np.uint8)[::channels].astype(np.float32) - 128) / 128)
