@@ -33,16 +33,35 @@ from shared import openai_routes
 from shared.detokenizer import StreamDecoder
 
 DEFAULT_MAX_TOKENS = 1024  # when the request names none (bounded by the context left)
-# A request body over max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len) is refused (413) before it is read
-# whole: a prompt that fills the context fits many times over (JSON-escaped CJK text is ~12 bytes a token), and
-# an unbounded body would be held in memory and tokenized on the event loop (about 1.5 s per MB).
-BODY_BYTES_PER_TOKEN = 64
+# The bounds on a request's size follow from the tokens its prompt may fill (prompt_positions), never from a guess
+# of bytes a token: a body over max_body_bytes is refused (413) before it is read whole, a prompt text longer than
+# its positions of the tokenizer's longest token is refused (400 context_length_exceeded) before it is tokenized
+# (about 1.5-4 s a MB, on the one tokenizer thread every request waits for). A fixed 64 bytes a position refused a
+# prompt that fit (SmolLM2's lines of 80 spaces are 82 bytes a token; JSON may spell any character as \uXXXX)
+# and tokenized bodies of 30 contexts' text.
+JSON_BYTES_PER_UNIT = 6  # JSON's longest spelling of one UTF-16 code unit: \uXXXX (Python's ensure_ascii, Go's <>&)
+ID_BYTES = 64  # a prompt token id in any usual JSON layout (indented, one a line)
 MIN_BODY_BYTES = 1 << 20
 
 
-def max_body_bytes(config) -> int:
-    """The largest ``/v1`` request body a full-model server of ``config`` (a ``ServerConfig``) reads."""
-    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * config.engine.max_model_len)
+def prompt_positions(config) -> int:
+    """The most tokens a prompt may fill on a full-model server of ``config`` (a ``ServerConfig``): the prompt limit,
+    and one position short of the context (the answer's first token)."""
+    return min(config.prompt_limit, config.engine.max_context - 1)
+
+
+def longest_token(tokenizer) -> int:
+    """The most UTF-16 code units the text of one token of ``tokenizer`` takes (None: 0), added tokens included: its
+    vocabulary string's, which is at least its text's (a byte-level vocabulary spells a byte as one character, a
+    SentencePiece one spells its text, a byte-fallback token as ``<0xNN>``)."""
+    return 0 if tokenizer is None else max(len(s.encode("utf-16-le")) // 2 for s in tokenizer.get_vocab())
+
+
+def max_body_bytes(config, longest: int) -> int:
+    """The largest ``/v1`` request body a full-model server of ``config`` reads, for a tokenizer whose longest token
+    is ``longest`` code units (:func:`longest_token`): a prompt that fills its positions, every token's text in
+    JSON's longest spelling (or every token an id)."""
+    return max(MIN_BODY_BYTES, max(ID_BYTES, JSON_BYTES_PER_UNIT * longest) * prompt_positions(config))
 
 
 class _EngineStream:
@@ -119,6 +138,7 @@ class _EngineBackend:
 
     def __init__(self, runtime):
         self.rt = runtime
+        self._longest: int | None = None  # longest_token(rt.tokenizer), once the runtime has loaded it
         # the prompt's tokenization off the event loop (a long prompt takes ~1 s a MB there, stalling every
         # stream), one thread: one tokenizer object is never used by two threads at once
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="autoglm-tokenize")
@@ -126,6 +146,15 @@ class _EngineBackend:
     @property
     def model_name(self) -> str:
         return self.rt.model_name
+
+    @property
+    def longest_token(self) -> int:
+        if self._longest is None:
+            self._longest = longest_token(self.rt.tokenizer)
+        return self._longest
+
+    def max_body_bytes(self) -> int:
+        return max_body_bytes(self.rt.config, self.longest_token)
 
     def _no_tokenizer(self, what: str, param: str) -> oc.OpenAIRequestError:
         return oc.OpenAIRequestError(f"model {self.rt.model_name!r} has no tokenizer: {what}; /v1/completions takes a "
@@ -177,6 +206,7 @@ class _EngineBackend:
         elif self.rt.tokenizer is None:  # chat stopped in render_chat
             raise self._no_tokenizer("a text prompt needs one", param)
         else:  # a chat prompt carries its special tokens in the template; a raw prompt gets the tokenizer's
+            self._check_length(prompt, param)
             encode = partial(self._encode, prompt, isinstance(req, oc.ChatRequest))
             try:
                 ids = await asyncio.get_running_loop().run_in_executor(self._tokenize, encode)
@@ -186,6 +216,16 @@ class _EngineBackend:
             raise self._no_tokenizer("stop strings need text", "stop")
         return _EngineStream(self.rt, ids, self._params(req.sampling, len(ids), param),
                              self._variant(req.precision, len(ids)), req.sampling.stop)
+
+    def _check_length(self, prompt: str, param: str) -> None:
+        """Refuse a prompt whose text cannot fit its positions, before it is tokenized: every character but the
+        markers (``shared.chat_tokens``) is in a token, and no token holds more than :attr:`longest_token`."""
+        chars = len(prompt) - prompt.count(chat_tokens.START) - prompt.count(chat_tokens.END)
+        positions = prompt_positions(self.rt.config)
+        if chars > self.longest_token * positions:
+            raise oc.OpenAIRequestError(f"prompt of {chars} characters is over {positions} tokens (no token of this "
+                                        f"tokenizer holds more than {self.longest_token}), the most a prompt may "
+                                        "fill here", param, oc.CONTEXT_LENGTH_EXCEEDED)
 
     def _params(self, s: oc.SamplingOptions, prompt_len: int, param: str) -> SamplingParams:
         limit, prompt_limit = self.rt.config.engine.max_context, self.rt.config.prompt_limit  # the pool bounds it too
@@ -216,6 +256,7 @@ class _EngineBackend:
 
 def install(app: FastAPI, runtime, auth) -> None:
     """Add the OpenAI text routes over ``runtime`` (a full-model ``CloudRuntime``) behind ``auth``."""
-    openai_routes.install(app, _EngineBackend(runtime), dependencies=[auth],
-                          max_body_bytes=max_body_bytes(runtime.config),
+    backend = _EngineBackend(runtime)
+    openai_routes.install(app, backend, dependencies=[auth],
+                          max_body_bytes=backend.max_body_bytes,
                           body_stall_s=runtime.config.handshake_timeout_s)  # a vanished client's upload ends

@@ -31,7 +31,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -169,15 +169,16 @@ def parse_json_body(raw: bytes) -> Any:
 
 
 def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = (),
-            max_body_bytes: int | None = None, body_stall_s: float | None = None) -> None:
+            max_body_bytes: int | Callable[[], int] | None = None, body_stall_s: float | None = None) -> None:
     """Add the two routes to ``app``; ``dependencies`` (e.g. an API-key check) run before each; a body over
-    ``max_body_bytes`` (None: no limit) is refused with 413, one that stops arriving for ``body_stall_s`` with 408
-    (:func:`read_body`)."""
+    ``max_body_bytes`` (None: no limit; a function: asked once the backend is ready, for a limit that depends on
+    what it loaded) is refused with 413, one that stops arriving for ``body_stall_s`` with 408 (:func:`read_body`)."""
 
     async def serve(request: Request, chat: bool):
         try:
             backend.check_ready()
-            raw = await read_body(request, max_body_bytes, body_stall_s)
+            limit = max_body_bytes() if callable(max_body_bytes) else max_body_bytes
+            raw = await read_body(request, limit, body_stall_s)
             # decoding, checking and the chat template cost in proportion to the body (a 32 MiB body of a million
             # one-letter messages took 4 s on the edge): on a worker thread, so the streams already running keep
             # their pace meanwhile

@@ -476,12 +476,17 @@ def test_penalties_over_http_reach_the_engine(http):
     assert penalized.json()["choices"][0]["text"] != plain
 
 
-def test_a_long_prompt_is_tokenized_off_the_event_loop(http):
-    """A body near the limit takes the byte tokenizer ~0.6 s; meanwhile the same server answers /health at once
-    (on the event loop it would wait the whole tokenization). The prompt is then refused as over the context."""
+def test_a_long_prompt_is_tokenized_off_the_event_loop(http, monkeypatch):
+    """A tokenization that takes 0.6 s (a long prompt's; a text that cannot fit is refused before it, so here one
+    made slow) leaves the same server answering /health at once (on the event loop it would wait the whole
+    tokenization). The prompt is then refused as over the context."""
     import threading
 
-    body = {**COMPLETION, "prompt": "ab c" * ((MIN_BODY_BYTES - 200) // 4)}
+    from cloud_server import full_api
+
+    encode = full_api._EngineBackend._encode
+    monkeypatch.setattr(full_api._EngineBackend, "_encode", lambda self, *a: time.sleep(0.6) or encode(self, *a))
+    body = {**COMPLETION, "prompt": "ab c" * 100}  # 400 characters: no more than 127 positions of 5 hold
     result = {}
 
     def big():

@@ -266,3 +266,46 @@ def test_a_forged_system_turn_in_a_user_message_reaches_the_model_as_text(server
     (ids,) = seen
     assert [t for t in ids if t in specials] == [1, 2, 1, 2, 1]  # default system, user, the answer's turn
     assert tok.decode(ids) == whole and r.json()["usage"]["prompt_tokens"] == len(ids) != len(forged)
+
+
+def test_a_prompt_that_fits_is_read_whatever_its_bytes_a_token(smol_lm):
+    """The body limit was 64 bytes a position of --max-model-len: a prompt of SmolLM2's one-token lines of 80 spaces
+    (82 bytes of JSON a token) that fit a context of 16384 was refused 413 before it was read. The limit is a prompt
+    of the positions it may fill, each token its tokenizer's longest in JSON's longest spelling: this one is read,
+    tokenized and answered by its token count (here one position too many, so nothing runs)."""
+    cfg = ServerConfig(full="smollm2", model_name="smol",
+                       engine=EngineConfig(num_blocks=1024, block_size=16, max_model_len=16384))
+    rt = CloudRuntime(cfg, loaded=copy.copy(smol_lm)).start()
+    try:
+        with ServerThread(create_app(rt)) as srv:
+            line = "\n" + " " * 80
+            assert len(smol_lm.tokenizer("x y" + line * 10).input_ids) == 12
+            body = json.dumps({"prompt": "x y" + line * 16382, "max_tokens": 1}).encode()
+            assert len(body) > 64 * 16384
+            r = httpx.post(srv.url + "/v1/completions", content=body, timeout=60,
+                           headers={"content-type": "application/json"})
+    finally:
+        rt.stop()
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", err
+    assert err["message"].startswith("prompt of 16384 tokens leaves no room")
+
+
+def test_a_prompt_text_too_long_for_the_context_is_refused_before_it_is_tokenized(server, monkeypatch):
+    """A body far over the context (600,000 characters of 'a ' for 511 positions) was tokenized whole - seconds on
+    the one tokenizer thread every request waits for - before it was refused. No token of SmolLM2 holds more than
+    81 characters, so its text cannot fit: refused at once, by the same code, the tokenizer never called."""
+    from cloud_server import full_api
+
+    calls = []
+    encode = full_api._EngineBackend._encode
+    monkeypatch.setattr(full_api._EngineBackend, "_encode", lambda self, *a: calls.append(1) or encode(self, *a))
+    with _client(server) as c:
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+        for path, body in (("/v1/completions", {"prompt": "a " * 300_000}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 300_000}]})):
+            r = c.post(path, json={**body, "max_tokens": 1})
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["code"] == "context_length_exceeded", err
+            assert "over 511 tokens" in err["message"] and "81" in err["message"]
+    assert len(calls) == 1  # the first request's only

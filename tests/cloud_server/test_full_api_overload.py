@@ -29,6 +29,9 @@ class _Letters:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(97 + i % 26) for i in ids)
 
+    def get_vocab(self):  # what the server bounds a body by (cloud_server.full_api.longest_token)
+        return {chr(97 + i): i for i in range(26)}
+
 
 @contextlib.contextmanager
 def _serving(tiny_lm, num_blocks: int):

@@ -202,9 +202,9 @@ def test_a_phone_whose_hashed_replica_is_full_lands_on_another(tiny_glm4_fp32_bu
 
 def test_the_router_leaves_the_body_limit_to_the_replica(replicas, nginx_bin, tmp_path):
     """nginx's default client_max_body_size (1 MiB) refused a larger /v1 body with its own HTML 413, though a
-    full-model replica reads up to max(1 MiB, 64 bytes x --max-model-len) (cloud_server.full_api.max_body_bytes:
-    a 128k-token CJK prompt is 1-2 MB of JSON) and refuses beyond it in OpenAI's shape. The router passes such a
-    body on (up to 16 MiB), and the replica's own answer comes back."""
+    full-model replica reads more (cloud_server.full_api.max_body_bytes, by its prompt positions and its
+    tokenizer's longest token: a 128k-token CJK prompt is 1-2 MB of JSON) and refuses beyond it in OpenAI's shape.
+    The router passes such a body on (up to 16 MiB), and the replica's own answer comes back."""
     import urllib.error
     import urllib.request
 
