@@ -141,6 +141,9 @@ class ServerConfig:
     step_timeout_s: float = 120.0
     # On shutdown: stop admitting, then let open requests finish for up to this long.
     drain_timeout_s: float = 30.0
+    # An engine step running this long is a wedged engine (a hung device, a deadlock): the server stops, exit 1, to
+    # be restarted; it answered its probes while no request moved. A real step takes milliseconds to seconds.
+    engine_stall_s: float = 120.0
     model_name: str | None = None  # served model id (/v1/models); default: the bundle's or source's name
     # API keys file of hashes, one entry per key naming its tenant (cloud_server.auth); excludes api_key.
     keys_file: Path | None = None
@@ -185,6 +188,7 @@ class ServerConfig:
         _positive("max_sessions", self.max_sessions)
         _positive("session_grace_s", self.session_grace_s)
         _positive("step_timeout_s", self.step_timeout_s)
+        _positive("engine_stall_s", self.engine_stall_s)
         if not self.drain_timeout_s >= 0:
             raise ConfigError(f"drain_timeout_s must be >= 0 (got {self.drain_timeout_s!r})")
         # sent as int32 milliseconds: in Welcome.limits, and the drain timeout in Drain.grace_ms (nan / inf /

@@ -79,7 +79,7 @@ class CloudRuntime:
         idle_hook = self._heartbeat if self._tp_comm is not None else None
         self.engine = AsyncEngine(engine, idle_timeout_s=cfg.step_timeout_s, idle_hook=idle_hook,
                                   on_round_trip=self.metrics.on_edge_round_trip,
-                                  on_step=self.metrics.on_engine_time).start()
+                                  on_step=self.metrics.on_engine_time, stall_s=cfg.engine_stall_s).start()
         log.info("serving %s (%s mode, variants %s, tp %d)", self.model_name, cfg.mode, variants, ecfg.tp)
         return self
 

@@ -34,6 +34,9 @@ command. So the links are served by the engine thread itself, not by a second th
 
 A model-runner exception is fatal for the engine: every open request gets an ``engine_error`` output, the
 loop stops and ``dead`` says why (``/ready`` turns false); a pump goes on being polled (its links hear it).
+A step that runs longer than ``stall_s`` (a wedged device, a deadlock: the thread never comes back to say so) makes
+``dead`` say that too, for whoever reads it next (the server's watch, ``/ready``), so the server stops to be
+restarted instead of answering its probes while no request moves.
 Requests idle longer than ``idle_timeout_s`` (an edge that stopped sending decode steps) are aborted with reason
 ``timeout``.
 """
@@ -71,7 +74,7 @@ class AsyncEngine:
                  on_fatal: Callable[[str], None] | None = None, idle_hook: Callable[[], None] | None = None,
                  idle_hook_every_s: float = 20.0, gather_max_s: float | None = None,
                  on_round_trip: Callable[[float], None] | None = None,
-                 on_step: Callable[[float, float], None] | None = None):
+                 on_step: Callable[[float, float], None] | None = None, stall_s: float | None = None):
         gather_max_s = GATHER_MAX_S if gather_max_s is None else gather_max_s  # None: the module's default
         if gather_max_s < 0:
             raise ValueError(f"gather_max_s must be >= 0, got {gather_max_s}")
@@ -81,11 +84,13 @@ class AsyncEngine:
         self.idle_hook, self.idle_hook_every_s = idle_hook, idle_hook_every_s
         self.idle_timeout_s = idle_timeout_s
         self.on_fatal = on_fatal
+        self.stall_s = stall_s  # a step running longer than this is a wedged engine (None: never)
+        self._step_began: float | None = None  # when the step now running began (None: not in a step)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="autoglm-engine", daemon=True)
-        self.dead: str | None = None
+        self._dead: str | None = None
         self.steps = 0
         self.gather_max_s = gather_max_s
         self._awaiting: set[str] = set()  # decoding requests handed a token whose next input has not come yet
@@ -113,6 +118,17 @@ class AsyncEngine:
         self._wake_pump()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine stopped (None while it runs): a step raised, or the step now running has run for over
+        ``stall_s`` - a wedged device or a deadlock, which no exception ever reports."""
+        began = self._step_began
+        if self._dead is None and self.stall_s is not None and began is not None \
+                and time.monotonic() - began > self.stall_s:
+            self._dead = f"an engine step has run for over {self.stall_s:g} s (a wedged device or a deadlock)"
+            log.error("engine stalled: %s", self._dead)
+        return self._dead
 
     @property
     def alive(self) -> bool:
@@ -282,7 +298,9 @@ class AsyncEngine:
                 self._deliver(outs)
                 now = time.monotonic()
                 if self.llm.has_work():
+                    self._step_began = now
                     outs = self.llm.step()
+                    self._step_began = None
                     self._stepping_s += time.monotonic() - now  # with overlap: a launch, then its postprocess
                     if outs:
                         self._step_s += (0.2 if self._step_s else 1.0) * (self._stepping_s - self._step_s)
@@ -300,7 +318,8 @@ class AsyncEngine:
                     self._deliver(self.llm.abort_idle(self.idle_timeout_s))
         except Exception as e:
             log.exception("engine step failed")
-            self.dead = f"{type(e).__name__}: {e}".splitlines()[0]
+            self._step_began = None
+            self._dead = f"{type(e).__name__}: {e}".splitlines()[0]
             for rid, sink in list(self._sinks.items()):
                 try:
                     sink(RequestOutput(rid, finish_reason="error", error_code="engine_error",
