@@ -71,7 +71,7 @@ from .config import EdgeConfig
 from .draft_head import open_draft_head
 from .drafting import DRAFTER_SIZERS, DraftSizer, PromptLookupDrafter, SizerConfig
 from .errors import EdgeClientError
-from .request import RequestSpec, RequestStats, mark_token
+from .request import RequestSpec, RequestStats, fit_answer, mark_token
 from .front import FrontRuntime
 from .tail import TailRuntime
 from .tokenizer import EdgeTokenizer
@@ -280,10 +280,7 @@ class Session:
         to the context left (the answer then ends ``"length"`` there), as in full mode - every mode's rule: the
         front failed at the edge graph's last position before (an internal error after the whole answer's work),
         and the edge-only and all-cloud runners answered past the context."""
-        limit, whose = self.prompt_room()
-        if len(spec.prompt_ids) > limit:
-            raise EdgeClientError(f"prompt of {len(spec.prompt_ids)} tokens exceeds {whose}", "context_full")
-        spec.max_tokens = min(spec.max_tokens, self.max_context - len(spec.prompt_ids))
+        spec.max_tokens = fit_answer(len(spec.prompt_ids), spec.max_tokens, self.prompt_room(), self.max_context)
 
     @property
     def block_size(self) -> int:

@@ -10,6 +10,8 @@ from shared.messages import MAX_POSITION, MAX_SEED, MAX_TEMPERATURE, MAX_TOP_K, 
 from shared.openai_compat import stop_problem
 from shared.precision import PrecisionOverride
 
+from .errors import EdgeClientError
+
 
 _RANGES = {"max_tokens": f"an integer in [1, {MAX_POSITION}]", "temperature": f"a number in [0, {MAX_TEMPERATURE:g}]",
            "top_p": f"a number in [{MIN_TOP_P:g}, 1]", "top_k": f"an integer in [0, {MAX_TOP_K}] (0: off)",
@@ -66,6 +68,16 @@ class RequestSpec:
             raise ValueError("prompt_ids must be the media prompt's (placeholders expanded)")
         if self.precision is not None:
             PrecisionOverride.parse(self.precision)  # a codec or compute name; PrecisionError (a ValueError)
+
+
+def fit_answer(prompt_len: int, max_tokens: int, room: tuple[int, str], context: int) -> int:
+    """``max_tokens`` cut to the ``context`` positions a prompt of ``prompt_len`` leaves (the answer then ends
+    ``"length"`` there: :func:`answer_end`); a prompt over ``room`` (the most it may fill, and whose limit that is)
+    is refused, EdgeClientError ``context_full``. ``Session.fit`` and the rig's all-edge runner fit by it."""
+    limit, whose = room
+    if prompt_len > limit:
+        raise EdgeClientError(f"prompt of {prompt_len} tokens exceeds {whose}", "context_full")
+    return min(max_tokens, context - prompt_len)
 
 
 def answer_end(done: int, new: list[int], max_tokens: int, stops: set[int]) -> tuple[list[int], str | None]:

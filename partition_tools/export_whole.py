@@ -11,7 +11,8 @@ Interface (``rig.all_edge`` runs it; the KV convention is the front graph's, see
              present_key.{i}, present_value.{i}  float32 [1, KVH, P + S, D]
 
 ``export_whole(lm, out_dir, quant)`` writes ``out_dir/model.onnx`` and ``out_dir/whole.json`` (what the
-runner needs: layers, KV heads, head dim, vocab, eos ids, quantization report).
+runner needs: layers, KV heads, head dim, vocab, eos ids, the positions a request may fill -
+``graph_builder.model_positions``, as the split's front -, quantization report).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from shared.whole_model import WHOLE_GRAPH, WHOLE_META
 
 from .adapters import ModelAdapter
 from .export import FrontModule, _param_bytes, example_inputs, input_names, quiet_exporter_logs
+from .graph_builder import model_positions
 from .models import LoadedModel
 from .quantize import QUANT_MODES, QuantizationError, _save, quantize_front, recipe_for
 
@@ -128,7 +130,8 @@ def export_whole(lm: LoadedModel, out_dir: Path, quant: str = "int8") -> dict:
     meta = {
         "source": lm.source, "source_identity": lm.identity, "num_layers": adapter.num_layers,
         "hidden_size": adapter.hidden_size, "num_kv_heads": adapter.num_kv_heads, "head_dim": adapter.head_dim,
-        "vocab_size": adapter.vocab_size, "eos_token_ids": adapter.eos_token_ids(), "quant": quant,
+        "vocab_size": adapter.vocab_size, "eos_token_ids": adapter.eos_token_ids(),
+        "max_positions": model_positions(adapter), "quant": quant,
         "quant_report": report,
     }
     (out_dir / WHOLE_META).write_text(json.dumps(meta, indent=1) + "\n")

@@ -135,6 +135,13 @@ def layer_weights(adapter: ModelAdapter, i: int) -> LayerWeights:
                         float(eps), scaling)
 
 
+def model_positions(adapter: ModelAdapter) -> int:
+    """Positions a graph of the model serves (prompt + answer): its ``max_position_embeddings`` (4,096 when the
+    config names none), at most ``MAX_CACHED_POSITIONS``; the fused graphs' rotary caches and the whole-model
+    export (the all-edge baseline's context) both."""
+    return min(int(getattr(adapter.config, "max_position_embeddings", 4096)), MAX_CACHED_POSITIONS)
+
+
 def rotary_dim(adapter: ModelAdapter) -> int:
     """Rotated channels per head (R): head_dim x partial_rotary_factor."""
     return int(adapter.head_dim * adapter.rope_settings()["partial_rotary_factor"])
@@ -255,8 +262,7 @@ def build_fused_stack(adapter: ModelAdapter, layer_ids: Sequence[int], out_path:
                               "default-type angles only")
     interleaved = int(adapter.family.name in _INTERLEAVED)
     layers = [layer_weights(adapter, i) for i in layer_ids]
-    n_pos = max_positions or min(int(getattr(adapter.config, "max_position_embeddings", 4096)),
-                                 MAX_CACHED_POSITIONS)
+    n_pos = max_positions or model_positions(adapter)
 
     g = _Graph()
     cap = "capacity"

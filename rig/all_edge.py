@@ -2,14 +2,15 @@
 
 Runs the graph ``partition_tools.export_whole`` writes (same quantization recipe as the edge front). Like
 the split edge it keeps the KV cache of its last request and reuses the longest common token prefix (an
-agent's system prompt is computed once), so the comparison with the split's activation cache is fair.
+agent's system prompt is computed once), so the comparison with the split's activation cache is fair. A request fits the context as the split's does
+(``edge_client.request.fit_answer``): a prompt of the export's ``max_positions`` or more is refused, and
+``max_tokens`` is cut to the positions left (the answer then ends ``"length"`` there).
 
 Only numpy and onnxruntime: this is phone-side code.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from edge_client.request import mark_token
-from shared.whole_model import WHOLE_GRAPH, WHOLE_META
+from edge_client.request import answer_end, fit_answer, mark_token
+from shared.whole_model import WHOLE_GRAPH, read_meta
 
 
 @dataclass(slots=True)
@@ -29,6 +30,7 @@ class EdgeRun:
     total_s: float = 0.0
     compute_s: float = 0.0
     cached_tokens: int = 0  # prompt tokens whose KV the previous request left in the cache
+    finish_reason: str = "stop"  # "length": max_tokens (cut to the context) ended it (edge_client.request.answer_end)
 
 
 class WholeModelRunner:
@@ -36,14 +38,12 @@ class WholeModelRunner:
 
     def __init__(self, whole_dir: str | Path, threads: int = 2, chunk: int = 128):
         whole_dir = Path(whole_dir)
-        meta_path = whole_dir / WHOLE_META
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{whole_dir}: no {WHOLE_META} (export it with partition_tools.export_whole)")
-        self.meta = json.loads(meta_path.read_text())
+        self.meta = read_meta(whole_dir)
         self.n_layers = int(self.meta["num_layers"])
         self.kv_heads = int(self.meta["num_kv_heads"])
         self.head_dim = int(self.meta["head_dim"])
         self.eos = set(int(t) for t in self.meta["eos_token_ids"])
+        self.max_positions = int(self.meta["max_positions"])  # prompt + answer
         self.chunk = chunk
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads
@@ -79,9 +79,12 @@ class WholeModelRunner:
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> EdgeRun:
         """Greedy continuation of ``prompt_ids``; stops at an eos token (returned and counted, as the split's
-        answer counts it: ``edge_client.request.answer_end``) or ``max_tokens``."""
+        answer counts it: ``edge_client.request.answer_end``) or ``max_tokens``, cut to the context left
+        (EdgeClientError ``context_full`` for a prompt that leaves no room)."""
         if not prompt_ids:
             raise ValueError("empty prompt")
+        max_tokens = fit_answer(len(prompt_ids), max_tokens, (self.max_positions - 1, f"the whole graph's "
+                                f"{self.max_positions} positions less one for the answer"), self.max_positions)
         t0 = time.perf_counter()
         common = 0
         for a, b in zip(self.ids, prompt_ids[:-1]):  # keep at least one token to run: its logits start decoding
@@ -102,7 +105,9 @@ class WholeModelRunner:
             token = int(np.argmax(logits))
             last = mark_token(run, t0, last)
             tokens.append(token)
-            if token in self.eos or len(tokens) == max_tokens:
+            _, finish = answer_end(len(tokens) - 1, [token], max_tokens, self.eos)
+            if finish is not None:
+                run.finish_reason = finish
                 break
             c0 = time.perf_counter()
             logits = self._forward([token])

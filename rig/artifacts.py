@@ -7,7 +7,6 @@ partition tools (torch): the developer machine's job, done before any phone star
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tempfile
@@ -15,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from edge_client.demo import cache_root, ensure_bundle
-from shared.whole_model import WHOLE_GRAPH, WHOLE_META
+from shared.whole_model import WHOLE_GRAPH, read_meta
 
 __all__ = ["ensure_bundle", "ensure_whole", "quiet_build_logs"]
 
@@ -48,15 +47,15 @@ def quiet_build_logs() -> None:
 
 
 def ensure_whole(source: str = "smollm2", quant: str = "int8", out: Path | None = None, quiet: bool = False) -> Path:
-    """The cached whole-model ONNX export of ``source`` at ``quant`` (built if absent or incomplete)."""
+    """The cached whole-model ONNX export of ``source`` at ``quant`` (built if absent, incomplete or older than a
+    ``whole.json`` key the runner reads)."""
     out = Path(out) if out is not None else cache_root() / "whole" / f"{source}-{quant}"
-    meta = out / WHOLE_META
-    if meta.is_file() and (out / WHOLE_GRAPH).is_file():
+    if (out / WHOLE_GRAPH).is_file():
         try:
-            m = json.loads(meta.read_text())
+            m = read_meta(out)
             if m.get("source") == source and m.get("quant") == quant:
                 return out
-        except json.JSONDecodeError:
+        except ValueError:  # none, unreadable, or older than a key the runner reads: built again
             pass
     if not quiet:
         print(f"exporting the whole {source} model ({quant}) for the all-edge baseline in {out} - once", flush=True)

@@ -108,7 +108,6 @@ def run_all_cloud(job: dict) -> None:
 
 
 def run_all_edge(job: dict) -> None:
-    from edge_client.request import answer_end
     from edge_client.tokenizer import EdgeTokenizer
 
     from .all_edge import WholeModelRunner
@@ -129,7 +128,7 @@ def run_all_edge(job: dict) -> None:
                       ttft_s=r.ttft_s, itl_s=r.itl_s, total_s=r.total_s, bytes_up=0,
                       bytes_down=0, edge_compute_s=r.compute_s, edge_cached_tokens=r.cached_tokens,
                       cloud_cached_tokens=0, codec="none", reconnects=0, text=text, token_ids=r.token_ids,
-                      finish_reason=answer_end(0, r.token_ids, req["max_tokens"], runner.eos)[1] or "stop"))
+                      finish_reason=r.finish_reason))
 
 
 RUNNERS = {"split": run_split, "all-cloud": run_all_cloud, "all-edge": run_all_edge}

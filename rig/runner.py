@@ -209,7 +209,7 @@ def check_artifacts(sc: Scenario, identity: str) -> None:
     measured one model's split against another's full server and all-edge export, and the report (and the plan
     check's predictions) named ``model`` and ``split_layer``."""
     from shared.manifest import Manifest, same_source
-    from shared.whole_model import WHOLE_META
+    from shared.whole_model import read_meta
 
     if sc.bundle is not None:
         try:
@@ -224,9 +224,9 @@ def check_artifacts(sc: Scenario, identity: str) -> None:
                                 f"{sc.split_layer}: make them agree")
     if sc.whole is not None and "all-edge" in sc.modes:
         try:
-            whole_identity = json.loads((Path(sc.whole) / WHOLE_META).read_text()).get("source_identity")
-        except (OSError, ValueError, AttributeError) as e:
-            raise ScenarioError(f"whole {sc.whole}: no readable {WHOLE_META} ({e})") from None
+            whole_identity = read_meta(sc.whole).get("source_identity")
+        except ValueError as e:
+            raise ScenarioError(f"whole {e}") from None
         if not isinstance(whole_identity, str) or not same_source(whole_identity, identity):
             raise ScenarioError(f"whole {sc.whole}: exported from another model ({whole_identity}), not model "
                                 f"{sc.model} ({identity})")
