@@ -184,5 +184,5 @@ def add_cloud_drafter(lm: LoadedModel, bundle: Path, cfg: CloudDrafterConfig | N
                   "bytes": path.stat().st_size}
         manifest.quant_report["cloud_drafter"] = report
         manifest.add_artifact(staged, CLOUD_DRAFT_INPUTS, "cloud-draft")  # outside the bundle id (shared.manifest)
-        add_files(bundle, staged, [CLOUD_DRAFT_INPUTS], manifest)  # all or nothing, as no client holds the bundle
+        add_files(bundle, staged, manifest)  # all or nothing, as no client holds the bundle
     return report

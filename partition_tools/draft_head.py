@@ -219,5 +219,5 @@ def add_draft_head(lm: LoadedModel, bundle: Path, cfg: DraftHeadConfig | None = 
                   "held_out_top1_agreement": round(float((proposed == nxt[:HELD_OUT]).mean()), 4)}
         manifest.quant_report["draft_head"] = report
         manifest.add_artifact(staged, DRAFT_HEAD, "edge")
-        add_files(bundle, staged, [DRAFT_HEAD], manifest)  # all or nothing, as no client holds the bundle
+        add_files(bundle, staged, manifest)  # all or nothing, as no client holds the bundle
     return report

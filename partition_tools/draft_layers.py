@@ -411,5 +411,5 @@ def add_draft_layers(lm: LoadedModel, bundle: Path, cfg: DraftLayersConfig | Non
         report["held_out_top1_agreement"] = round(exported_agreement(bundle, drafter, held_probe, held), 4)
         manifest.quant_report["draft_layers"] = report
         manifest.add_artifact(staged, DRAFT_LAYERS, "edge")
-        add_files(bundle, staged, [DRAFT_LAYERS], manifest)  # all or nothing, as no client holds the bundle
+        add_files(bundle, staged, manifest)  # all or nothing, as no client holds the bundle
     return report

@@ -18,7 +18,8 @@ import torch
 
 from edge_client.bundle_sync import unheld
 from edge_client.front import FRONT, PREFILL_GRAPH
-from shared.manifest import FORMAT_VERSION, MANIFEST_NAME, BundleError, Manifest
+from shared.manifest import (FORMAT_VERSION, JOURNAL, MANIFEST_NAME, STAGING, BundleError, Manifest, finish_move,
+                             finish_update, move_in)
 
 from .adapters import ModelAdapter, call_layer
 from .cloud_half import BACK_CONFIG, BACK_WEIGHTS, GENERATION_CONFIG, back_state_dict
@@ -28,10 +29,10 @@ from .progress import Steps
 from .quantize import EDGE_QUANT_CHOICES, KV_MODES, quantize_front, resolve_edge_quant
 
 CALIBRATION = "calibration.json"
-# the bundle being written (split's staging directory): inside --out when that is a directory - on its file system,
-# a mount point's included, where the finished bundle then moves in by renames -, else beside it as
-# ``.<name>.autoglm-split.partial``; a split holds it (flock) from start to end and removes it
-STAGING = ".autoglm-split.partial"
+# the bundle being written (split's staging directory, ``shared.manifest.STAGING``): inside --out when that is a
+# directory - on its file system, a mount point's included, where the finished bundle then moves in by renames
+# (``shared.manifest.move_in``) -, else beside it as ``.<name>.autoglm-split.partial``; a split holds it (flock) from
+# start to end and removes it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -108,6 +109,8 @@ def check_out_dir(out: Path) -> None:
         raise BundleError(f"--out {out}: exists and is not a directory")
     if _split_running(_staging_path(out)):
         raise _busy(f"--out {out}")
+    if out.is_dir():  # a killed split or draft-head's move in, finished: its new files are no foreign ones
+        finish_update(out)
     if out.is_dir() and any(p.name != STAGING for p in out.iterdir()) and not (out / MANIFEST_NAME).is_file():
         raise BundleError(f"--out {out}: exists and is not a bundle; refusing to overwrite")
     if (out / MANIFEST_NAME).is_file():  # an earlier bundle: replaced whole, so it must hold nothing else
@@ -192,34 +195,18 @@ def writing_unless(bundle: Path, staged: Path | None):
     return contextlib.nullcontext(staged) if staged is not None else writing(bundle)
 
 
-def add_files(bundle: Path, staged: Path, names: list[str], manifest: Manifest) -> None:
-    """Move the files ``names`` (paths in the bundle), written in ``staged`` (:func:`writing`'s), into ``bundle`` and
-    save ``manifest``, which lists them: all or nothing - a failure (no room for the manifest, an error) puts back
-    the files they replaced, so the bundle is as it was (a drafter file left unlisted, or the new one over an earlier
-    one whose hash the manifest still gave, failed verify, inspect and loading); a kill leaves the new files in
-    ``staged``, which the next writer clears. Refused while a running edge client holds the bundle."""
+def add_files(bundle: Path, staged: Path, manifest: Manifest) -> None:
+    """Move the new files written in ``staged`` (:func:`writing`'s, at their paths in the bundle) into ``bundle`` with
+    ``manifest``, which lists them (``shared.manifest.move_in``): all or nothing - no room for the manifest leaves the
+    bundle as it was, and a move cut short (a kill, an error) is finished by whoever opens the bundle next
+    (``Manifest.load``, the next writer: the new bundle; a drafter file left unlisted, or the new one over an earlier
+    one whose hash the manifest still gave, failed verify, inspect and loading, and the next writer deleted the
+    earlier one). Refused while a running edge client holds the bundle."""
+    manifest.save(staged)
     with unheld(bundle) as free:
         if not free:
             raise _held(str(bundle))
-        done: list[tuple[Path, Path | None]] = []  # (target, the file it replaced, kept in staged)
-        try:
-            for i, rel in enumerate(names):
-                target, earlier = bundle / rel, staged / f"replaced-{i}"
-                if target.exists():
-                    os.replace(target, earlier)
-                else:
-                    earlier = None
-                done.append((target, earlier))
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staged / rel, target)
-            manifest.save(bundle)
-        except BaseException:
-            for target, earlier in reversed(done):
-                if earlier is not None:
-                    os.replace(earlier, target)
-                else:
-                    target.unlink(missing_ok=True)
-            raise
+        move_in(bundle, staged)
 
 
 @contextlib.contextmanager
@@ -245,12 +232,15 @@ def _staging(out: Path, shown: str):
     else:
         raise _busy(shown)
     try:
+        if staged.parent == out and (staged / JOURNAL).is_file():  # a killed writer's move in: finished
+            finish_move(out, staged)
         for p in list(staged.iterdir()):  # a killed split's
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         yield staged
     finally:
-        with contextlib.suppress(OSError):  # unless renamed to --out (then the path may be another split's)
-            if os.path.samestat(os.stat(staged), os.fstat(fd)):
+        with contextlib.suppress(OSError):  # unless renamed to --out (then the path may be another split's), or an
+            # update's move in was cut short by an error (its journal: finished by the bundle's next opener)
+            if os.path.samestat(os.stat(staged), os.fstat(fd)) and not (staged / JOURNAL).is_file():
                 shutil.rmtree(staged, ignore_errors=True)
         os.close(fd)
 
@@ -363,20 +353,20 @@ def _swap_in(staged: Path, out: Path) -> None:
     """Put the finished bundle ``staged`` at ``out``: renamed there when ``out`` is absent; else ``out`` (an empty
     directory or an earlier bundle: perhaps a mount point, or someone's working directory) keeps its inode and has
     its contents replaced by renames on its own file system (``staged`` is inside it: a copy across file systems
-    that failed half-way destroyed the earlier bundle and left a partial one a rerun refused), the old manifest
-    going first and the new one last, so it never holds a manifest over files of another bundle."""
+    that failed half-way destroyed the earlier bundle and left a partial one a rerun refused): the earlier bundle's
+    files go, then ``shared.manifest.move_in`` puts the new ones in, the manifest last; a kill mid-way is finished by
+    whoever opens ``out`` next (``Manifest.load``, the next split: it left a folder without a manifest, which loaders
+    and a rerun refused)."""
     if not out.exists():
         staged.rename(out)
         return
     with unheld(out) as free:  # a running edge client (bundle_sync.HeldVersion) reads its version's files on
         if not free:  # demand (the encoders): another bundle's under it would pair them with its front
             raise _held(f"--out {out}", _SPLIT_ADVICE)
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
         for p in list(out.iterdir()):
-            if p != staged:
+            if p not in (staged, out / MANIFEST_NAME):
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        for p in sorted(staged.iterdir(), key=lambda p: p.name == MANIFEST_NAME):
-            shutil.move(str(p), out / p.name)
+        move_in(out, staged)
 
 
 def _write_bundle(lm: LoadedModel, cfg: SplitConfig, adapter: ModelAdapter, started: float) -> Manifest:
@@ -427,7 +417,7 @@ def _write_bundle(lm: LoadedModel, cfg: SplitConfig, adapter: ModelAdapter, star
         from .export_audio import export_audio
 
         quant_report["audio"] = {"mode": "fp32", "encoder": str(cfg.audio_encoder),
-                                 **asdict(export_audio(cfg.audio_encoder, adapter.hidden_size, out))}
+                                 **asdict(export_audio(cfg.audio_encoder, adapter.hidden_size, adapter.vocab_size, out))}
 
     if cfg.tail:  # u-shape: the tail on the edge as well
         from .export_tail import TAIL, export_tail

@@ -22,11 +22,12 @@ A *u-shape* bundle (``tail_layers`` M > 0) keeps the last M layers, the final no
 phone too: its cloud half runs the middle layers [N, L - M) and returns hidden states, never a token
 (docs/protocol.md, "U-shape"). ``tail_layers`` is part of the id (a plain bundle's id is unchanged by it).
 
-Pure Python (json + hashlib): the phone reads manifests too.
+Pure Python (the standard library): the phone reads manifests too.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -35,6 +36,10 @@ from pathlib import Path
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# a writer's staging directory inside the bundle it changes (autoglm-partition split into an earlier bundle,
+# draft-head): the new files, then the new manifest, the update's journal (:func:`move_in`, :func:`finish_update`)
+STAGING = ".autoglm-split.partial"
+JOURNAL = "manifest.json.next"  # in STAGING: the manifest of an update whose files are going in (move_in)
 # the cloud drafter (partition_tools.cloud_drafter): [V, H] float16, row v approximates token v's boundary state
 CLOUD_DRAFT_INPUTS = "cloud/draft_inputs.npy"
 ID_EXCLUDED_ROLES = ("edge", "cloud-draft")  # artifacts outside the bundle id (docstring)
@@ -165,6 +170,7 @@ class Manifest:
                               "wrote, the one holding its manifest.json)")
         if not Path(bundle_dir).is_dir():
             raise BundleError(f"{bundle_dir}: no such bundle directory")
+        finish_update(Path(bundle_dir))
         if not path.is_file():
             raise BundleError(f"{path}: missing (not a bundle written by `autoglm-partition split`)")
         try:
@@ -280,15 +286,21 @@ def _check_fields(m: Manifest) -> None:
 
 def _check_artifact(rel, art: Artifact) -> None:
     """An artifact entry: a relative path inside the bundle, a sha256, a size, a known role."""
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel \
-            or any(part in ("", ".", "..") for part in rel.split("/")):
-        raise BundleError(f"artifact path {rel!r}: expected a relative path inside the bundle")
+    _check_path(rel)
     if not isinstance(art.sha256, str):
         raise BundleError(f"artifact {rel}: sha256 {art.sha256!r}: expected a string")
     if not _is_int(art.bytes) or art.bytes < 0:
         raise BundleError(f"artifact {rel}: bytes {art.bytes!r}: expected a size >= 0")
     if art.role not in ARTIFACT_ROLES:
         raise BundleError(f"artifact {rel}: role {art.role!r}: expected one of {', '.join(ARTIFACT_ROLES)}")
+
+
+def _check_path(rel) -> None:
+    """An artifact's path: relative, inside the bundle, outside its writer's staging directory (a listed journal there
+    - a server's, downloaded into an edge bundle - would be finished into the bundle at its next load)."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel \
+            or any(part in ("", ".", "..") for part in rel.split("/")) or rel.split("/")[0] == STAGING:
+        raise BundleError(f"artifact path {rel!r}: expected a relative path inside the bundle")
 
 
 def _refuse_constant(name: str):
@@ -303,6 +315,51 @@ def export_digest(manifest_bytes: bytes) -> str:
     exports of one id and edge variant are told apart by this (``/v1/bundles`` names it, ``bundle_sync`` compares
     it)."""
     return hashlib.sha256(manifest_bytes).hexdigest()
+
+
+def move_in(bundle: Path, staged: Path) -> None:
+    """Put the bundle staged in ``staged`` (``STAGING``: every new file, then its manifest) into ``bundle``: the
+    manifest becomes the update's journal (``JOURNAL``), each file it lists that is still in ``staged`` replaces its
+    namesake, then the journal replaces the bundle's manifest - the commit, one rename. Once the journal is there the
+    update goes through: a move cut short (a killed writer, an error) is finished by :func:`finish_update`. The caller
+    holds ``staged`` and makes sure no running client holds ``bundle``."""
+    os.replace(staged / MANIFEST_NAME, staged / JOURNAL)
+    finish_move(bundle, staged)
+
+
+def finish_move(bundle: Path, staged: Path) -> None:
+    """The rest of :func:`move_in` from its journal, by the holder of ``staged``."""
+    listed = json.loads((staged / JOURNAL).read_text())["artifacts"]
+    for rel in sorted(listed):
+        _check_path(rel)
+        if (staged / rel).is_file():
+            (bundle / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged / rel, bundle / rel)
+    os.replace(staged / JOURNAL, bundle / MANIFEST_NAME)
+
+
+def finish_update(bundle: Path) -> None:
+    """Finish a :func:`move_in` a killed writer (split, draft-head) left half-done in ``bundle`` - its manifest and its
+    files out of step: a drafter missing, or another one than the manifest's hash, refused by every loader -, so a
+    reader sees the old bundle or the new one, never a mix. Waits for a live writer's commit to end (it holds its
+    staging directory); BundleError when the bundle cannot be written (a read-only mount). No journal: nothing."""
+    staged = bundle / STAGING
+    if not (staged / JOURNAL).is_file():
+        return
+    try:
+        fd = os.open(staged, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # removed by its writer since
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if (staged / JOURNAL).is_file():  # (another reader finished it while this one waited: nothing left)
+            finish_move(bundle, staged)
+    except (OSError, ValueError, KeyError, TypeError, BundleError) as e:
+        raise BundleError(f"{bundle}: an update (autoglm-partition split or draft-head) was interrupted and cannot be "
+                          f"finished here ({getattr(e, 'strerror', None) or e}); open the bundle once where it can be "
+                          "written") from None
+    finally:
+        os.close(fd)
 
 
 def sha256_file(path: Path) -> str:
