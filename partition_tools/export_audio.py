@@ -7,7 +7,8 @@ directory holding
   layout: a real Whisper checkpoint works unchanged; only its encoder is used);
 * ``projector.json`` (``{"pool": k, "hidden_size": H, "audio_token_id": id}``) and ``projector.safetensors``
   (``proj1.*``, ``proj2.*``): ``k`` consecutive encoder frames are stacked and mapped by
-  ``Linear(k d, H) -> GELU -> Linear(H, H)`` (the Qwen2-Audio / LLaVA-style adapter).
+  ``Linear(k d, H) -> GELU -> Linear(H, H)`` (the Qwen2-Audio / LLaVA-style adapter); ``k`` must divide the encoder's
+  frames a window, ``id`` be a token of the LM's vocabulary (:class:`AudioEncoderError` otherwise).
 
 The preset name ``tiny-whisper`` instead builds a random 2-layer encoder and projector (tests, benchmarks):
 its outputs carry no meaning, and neither would any projector not trained against this LM.
@@ -82,8 +83,10 @@ def tiny_audio_encoder(hidden_size: int, seed: int = 0) -> tuple[torch.nn.Module
     return encoder, proj, {"pool": 2, "hidden_size": hidden_size, "audio_token_id": TINY_AUDIO_TOKEN}
 
 
-def load_audio_encoder(source: str | Path, hidden_size: int) -> tuple[torch.nn.Module, Projector, dict]:
-    """(encoder, projector, projector config) of a checkpoint directory or the ``tiny-whisper`` preset."""
+def load_audio_encoder(source: str | Path, hidden_size: int,
+                       vocab_size: int) -> tuple[torch.nn.Module, Projector, dict]:
+    """(encoder, projector, projector config) of a checkpoint directory or the ``tiny-whisper`` preset, for an LM of
+    ``hidden_size`` and ``vocab_size`` (the audio placeholder token must be one of its tokens)."""
     if str(source) == TINY_PRESET:
         return tiny_audio_encoder(hidden_size)
     from safetensors.torch import load_file
@@ -99,14 +102,39 @@ def load_audio_encoder(source: str | Path, hidden_size: int) -> tuple[torch.nn.M
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise AudioEncoderError(f"{d}: cannot load the Whisper encoder: {type(e).__name__}: {e}".splitlines()[0]) \
             from None
-    pcfg = json.loads((d / "projector.json").read_text())
-    if int(pcfg["hidden_size"]) != hidden_size:
-        raise AudioEncoderError(f"{d}: projector maps to hidden size {pcfg['hidden_size']}, the LM has {hidden_size}")
-    proj = Projector(int(encoder.config.d_model), hidden_size, int(pcfg["pool"]))
-    missing, unexpected = proj.load_state_dict(load_file(str(d / "projector.safetensors")), strict=False)
+    pcfg = _projector_config(d / "projector.json", hidden_size, vocab_size, int(encoder.config.max_source_positions))
+    proj = Projector(int(encoder.config.d_model), hidden_size, pcfg["pool"])
+    try:
+        missing, unexpected = proj.load_state_dict(load_file(str(d / "projector.safetensors")), strict=False)
+    except RuntimeError as e:  # a weight of another shape than the pool and the two widths give
+        raise AudioEncoderError(f"{d}/projector.safetensors: {str(e).splitlines()[-1].strip()} (pool "
+                                f"{pcfg['pool']})") from None
     if missing or unexpected:
         raise AudioEncoderError(f"{d}/projector.safetensors: missing {missing[:3]} unexpected {unexpected[:3]}")
     return encoder, proj.eval(), pcfg
+
+
+def _projector_config(path: Path, hidden_size: int, vocab_size: int, frames: int) -> dict:
+    """``projector.json`` checked against the LM (its hidden size, its vocabulary: the placeholder token the edge
+    expands into the clip's rows) and the encoder (``frames`` rows a window, which ``pool`` must divide)."""
+    try:
+        pcfg = json.loads(path.read_text())
+    except ValueError as e:  # not JSON, not UTF-8
+        raise AudioEncoderError(f"{path}: not JSON ({e})") from None
+    if not isinstance(pcfg, dict):
+        raise AudioEncoderError(f"{path}: expected an object with pool, hidden_size and audio_token_id")
+    for key in ("pool", "hidden_size", "audio_token_id"):
+        if type(pcfg.get(key)) is not int:
+            raise AudioEncoderError(f"{path}: {key} must be an integer, got {pcfg.get(key)!r}")
+    if pcfg["hidden_size"] != hidden_size:
+        raise AudioEncoderError(f"{path}: the projector maps to hidden size {pcfg['hidden_size']}, the LM has "
+                                f"{hidden_size}")
+    if pcfg["pool"] < 1 or frames % pcfg["pool"]:
+        raise AudioEncoderError(f"{path}: pool {pcfg['pool']} does not divide the encoder's {frames} frames a window")
+    if not 0 <= pcfg["audio_token_id"] < vocab_size:
+        raise AudioEncoderError(f"{path}: audio_token_id {pcfg['audio_token_id']} is not a token of the LM's "
+                                f"vocabulary (0 to {vocab_size - 1})")
+    return pcfg
 
 
 def save_audio_encoder(encoder_model: torch.nn.Module, projector: Projector, pcfg: dict, out: Path) -> Path:
@@ -128,9 +156,10 @@ def audio_spec(encoder: torch.nn.Module, pcfg: dict) -> AudioSpec:
                      audio_token_id=int(pcfg["audio_token_id"]))
 
 
-def export_audio(source: str | Path, hidden_size: int, bundle_dir: Path) -> AudioSpec:
-    """Write ``edge/audio.onnx`` + ``edge/audio.json`` of the encoder at ``source`` into a bundle (fp32)."""
-    encoder, projector, pcfg = load_audio_encoder(source, hidden_size)
+def export_audio(source: str | Path, hidden_size: int, vocab_size: int, bundle_dir: Path) -> AudioSpec:
+    """Write ``edge/audio.onnx`` + ``edge/audio.json`` of the encoder at ``source`` into a bundle (fp32), for an LM of
+    ``hidden_size`` and ``vocab_size`` (:func:`load_audio_encoder`)."""
+    encoder, projector, pcfg = load_audio_encoder(source, hidden_size, vocab_size)
     encoder.config._attn_implementation = "sdpa"
     spec = audio_spec(encoder, pcfg)
     tower = AudioTower(encoder, projector).eval()

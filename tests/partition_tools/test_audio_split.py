@@ -18,6 +18,7 @@ from partition_tools.export_audio import (TINY_PRESET, AudioEncoderError, load_a
                                           tiny_audio_encoder)
 
 DECODE_STEPS = 16
+VOCAB = 1000  # an LM vocabulary holding the preset's audio token (16)
 
 
 def test_features_match_whisper_feature_extractor(tiny_glm4v_audio_bundle):
@@ -45,15 +46,49 @@ def test_a_checkpoint_directory_round_trips(tmp_path):
     whole = WhisperModel(WhisperConfig(**{**enc.config.to_dict()}))
     whole.encoder.load_state_dict(enc.state_dict())
     save_audio_encoder(whole, proj, pcfg, tmp_path / "enc")
-    enc2, proj2, _ = load_audio_encoder(tmp_path / "enc", 64)
+    enc2, proj2, _ = load_audio_encoder(tmp_path / "enc", 64, VOCAB)
     feats = torch.randn(1, 80, 200)
     with torch.no_grad():
         np.testing.assert_allclose(proj2(enc2(feats).last_hidden_state[0]).numpy(),
                                    proj(enc(feats).last_hidden_state[0]).numpy(), atol=1e-6)
     with pytest.raises(AudioEncoderError, match="hidden size"):
-        load_audio_encoder(tmp_path / "enc", 128)
+        load_audio_encoder(tmp_path / "enc", 128, VOCAB)
     with pytest.raises(AudioEncoderError, match="projector.json"):
-        load_audio_encoder(tmp_path, 64)
+        load_audio_encoder(tmp_path, 64, VOCAB)
+
+
+def test_a_projector_config_the_lm_or_the_encoder_cannot_use_is_refused(tmp_path):
+    """projector.json was taken as written: an audio_token_id outside the LM's vocabulary (or negative) made a bundle
+    whose every audio request failed bad_media ('1 media input(s) without a placeholder', the app blamed), and a
+    pool that does not divide the encoder's frames or a value that is no integer ended split in a traceback. Each
+    is an AudioEncoderError (split: exit 2) naming the field."""
+    import json
+
+    from transformers import WhisperConfig, WhisperModel
+
+    from partition_tools.export_audio import Projector
+
+    enc, proj, pcfg = tiny_audio_encoder(64)
+    whole = WhisperModel(WhisperConfig(**{**enc.config.to_dict()}))
+    whole.encoder.load_state_dict(enc.state_dict())
+    cases = [({"audio_token_id": VOCAB}, proj, "audio_token_id 1000 is not a token"),
+             ({"audio_token_id": -1}, proj, "audio_token_id -1 is not a token"),
+             ({"audio_token_id": "16"}, proj, "audio_token_id must be an integer"),
+             ({"pool": 0}, proj, "pool 0 does not divide the encoder's 100 frames"),
+             ({"pool": 3}, Projector(32, 64, 3), "pool 3 does not divide the encoder's 100 frames"),
+             ({"pool": 4}, proj, "projector.safetensors: size mismatch for proj1.weight")]
+    for i, (change, projector, message) in enumerate(cases):
+        d = save_audio_encoder(whole, projector, {**pcfg, **change}, tmp_path / str(i))
+        with pytest.raises(AudioEncoderError) as e:
+            load_audio_encoder(d, 64, VOCAB)
+        assert message in str(e.value) and "\n" not in str(e.value), e.value
+    (d / "projector.json").write_text("{pool: 2")
+    with pytest.raises(AudioEncoderError, match="projector.json: not JSON"):
+        load_audio_encoder(d, 64, VOCAB)
+    (d / "projector.json").write_text(json.dumps(pcfg))
+    (d / "projector.safetensors").unlink()
+    save_audio_encoder(whole, proj, {**pcfg, "pool": 2}, d)
+    assert load_audio_encoder(d, 64, VOCAB)[2] == pcfg  # a valid one still loads
 
 
 @torch.no_grad()
