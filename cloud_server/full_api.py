@@ -219,7 +219,9 @@ class _EngineBackend:
 
     def _check_length(self, prompt: str, param: str) -> None:
         """Refuse a prompt whose text cannot fit its positions, before it is tokenized: every character but the
-        markers (``shared.chat_tokens``) is in a token, and no token holds more than :attr:`longest_token`."""
+        markers (``shared.chat_tokens``) is in a token, and no token holds more than :attr:`longest_token` (so in a
+        byte-level or byte-fallback vocabulary, every served family's; a WordPiece ``[UNK]`` or a fused ``<unk>``
+        would swallow any run of characters)."""
         chars = len(prompt) - prompt.count(chat_tokens.START) - prompt.count(chat_tokens.END)
         positions = prompt_positions(self.rt.config)
         if chars > self.longest_token * positions:
