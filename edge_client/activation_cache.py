@@ -10,7 +10,7 @@ and they are scoped to what produced the states: ``shared.prefix_keys`` (the der
 cache uses too) over the bundle id, the edge front's weights (``edge_variant``) and the storage dtype
 (``encoding = "cache-<dtype>"``), plus a content digest per block for image/audio spans. An fp32 and an
 int8 front of the same bundle, or a float16 and a float32 cache, sharing one directory never read each
-other's blocks (they skip, and keep, each other's files).
+other's blocks (they skip each other's files, which count in the directory's bound).
 
 Only full blocks are cached, and a lookup never covers a prompt's last token (its hidden state must be
 computed and sent for the cloud to sample the first new token).
@@ -26,15 +26,17 @@ and treated as a miss; it never crashes the client. Files survive restarts; thei
 
 Several clients (processes) may share the directory at once: a block is written to a temporary file of its
 own (``<key>.<pid>-<random>.tmp``) and renamed into place, and a scan removes only temporary files older than
-``STALE_TMP_S`` (left by a crash), never another client's write in progress. The byte bound is the directory's
-(per scope): a client that has written re-reads the directory, indexes the blocks the others wrote (they serve
-it too), drops the ones they evicted and evicts by file mtime, which every client's use sets. A directory that cannot be
+``STALE_TMP_S`` (left by a crash), never another client's write in progress. The byte bound is the whole
+directory's, every bundle's folder in it: a client that has written re-reads its bundle's folder, indexes the blocks
+the others of its scope wrote (they serve it too), drops the ones they evicted, and evicts the least recently used
+block files of the directory by mtime, which every client's use sets - its own, and those of other scopes and
+bundles (counted by their size on disk: a bundle the edge left, whose blocks no client retired, goes that way). A directory that cannot be
 created or written (read-only, full) costs persistence, never a request: the blocks it refuses are kept in
 memory only, the first refusal is logged and :attr:`ActivationCache.write_error` says why. A folder removed under
 a running cache (a phone's cache cleaner) is made again at the next write.
 
 A bundle the edge moved off (``edge_client.bundle_sync``) leaves its blocks behind: :func:`retire` removes one
-scope's files (and the bundle's folder once nothing else is in it) unless a cache still holds that scope open -
+scope's files at once (and the bundle's folder once nothing else is in it) unless a cache still holds that scope open -
 every open cache with a directory holds a shared ``flock`` on its scope's lock file (``.scope-<digest>.lock`` in
 the bundle's folder) until :meth:`ActivationCache.close`, and the retirer needs it exclusively. Other scopes'
 files (another client's edge variant, dtype or block size) are never touched.
@@ -48,6 +50,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import struct
 import threading
@@ -66,6 +69,7 @@ log = logging.getLogger("edge_client.activation_cache")
 
 MAGIC = b"AGLMACT1"
 FILE_SUFFIX = ".blk"
+_BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.blk")  # a block file's name: its key (a sha256, hex)
 _HEADER_LIMIT = 1 << 20
 STALE_TMP_S = 600.0  # a temporary file older than this is a write a crash cut short (a block takes milliseconds)
 
@@ -280,11 +284,39 @@ class ActivationCache:
                 except OSError:
                     pass
 
-    def _evict(self) -> None:
-        while self._bytes > self.max_bytes and self._entries:
-            _, e = next(iter(self._entries.items()))
-            self._remove(e)
-            self.stats.evicted_blocks += 1
+    def _evict(self, others: list[tuple[float, int, Path]] = ()) -> None:
+        """Remove the least recently used blocks until the bound holds: this cache's and ``others`` (the directory's
+        other block files, :meth:`_others`), oldest first."""
+        others = sorted(others, reverse=True)  # the oldest last, taken first
+        total = self._bytes + sum(size for _, size, _ in others)
+        while total > self.max_bytes and (self._entries or others):
+            e = next(iter(self._entries.values()), None)
+            if others and (e is None or others[-1][0] < e.used):
+                _, size, path = others.pop()
+                _remove_block_file(path)
+                total -= size
+            else:
+                self._remove(e)
+                total -= e.nbytes
+                self.stats.evicted_blocks += 1
+
+    def _others(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of the block files in the cache directory that are not this cache's: other scopes' in
+        its bundle's folder, and every other bundle's folder's (a bundle the edge left, another app's)."""
+        assert self.dir is not None
+        try:
+            folders = [p for p in self.dir.parent.iterdir() if p.is_dir() and not p.is_symlink()]
+        except OSError:
+            return []
+        found = []
+        for folder in folders:
+            with contextlib.suppress(OSError):
+                for path in folder.iterdir():
+                    if _BLOCK_NAME.fullmatch(path.name) and not (folder == self.dir and path.stem in self._entries):
+                        with contextlib.suppress(OSError):
+                            st = path.stat()
+                            found.append((st.st_mtime, st.st_size, path))
+        return found
 
     def _remove(self, e: _Entry) -> None:
         if self._entries.pop(e.key, None) is not None:
@@ -376,7 +408,7 @@ class ActivationCache:
         """Bring the index in line with the directory, then evict down to the bound: at start every block of this
         scope there; after an insert, the blocks other clients sharing the directory wrote since (they serve this
         one too) and the ones they removed, every block ordered by its file's mtime (each client's use sets it).
-        The bound is the directory's, however many clients write to it."""
+        The bound is the whole directory's, however many clients, scopes and bundles write to it."""
         assert self.dir is not None
         try:
             paths = list(self.dir.iterdir())
@@ -412,7 +444,7 @@ class ActivationCache:
             self._entries.pop(e.key)  # another client evicted it: the directory's LRU decided
             self._bytes -= e.nbytes
         self._entries = OrderedDict(sorted(self._entries.items(), key=lambda kv: kv[1].used))  # oldest first
-        self._evict()
+        self._evict(self._others())
 
     def _index(self, path: Path) -> _Entry:
         """An entry for a block file of this scope (its payload is read on first use); raises if it is not one."""
@@ -491,6 +523,15 @@ def _raw_header(path: Path) -> tuple[dict, int]:
     if not isinstance(header, dict):
         raise CacheFileError("header is not a JSON object")
     return header, len(MAGIC) + 4 + hlen
+
+
+def _remove_block_file(path: Path) -> None:
+    """Remove another scope's or bundle's block file (an activation-cache file: its magic is checked first)."""
+    with contextlib.suppress(OSError):
+        with open(path, "rb") as f:
+            if f.read(len(MAGIC)) != MAGIC:
+                return
+        path.unlink()
 
 
 def _scope_lock_name(scope: KeyScope, block_tokens: int) -> str:

@@ -317,6 +317,33 @@ def test_clients_sharing_a_directory_keep_it_within_the_bound(rt, tmp_path):
     assert len(list(d.glob("*.blk"))) == 6 and a.nbytes <= bound and a.contains(other) == 64 - 2 * B
 
 
+def test_a_bundle_left_behind_counts_in_the_directorys_bound(rt, tmp_path):
+    """The bound held per bundle (per scope): a bundle the edge updated away from, whose blocks no client retired (a
+    second client still had them open, then exited; a crash before the retire), kept its blocks for good beside the
+    new bundle's - 12 blocks in a directory bounded to 6. The directory's least recently used block files go first,
+    whichever bundle or scope wrote them; a file that is no activation-cache block stays."""
+    from edge_client.activation_cache import retire
+
+    bound = 6 * _cache(rt).block_bytes
+    old = _cache(rt, cache_dir=tmp_path, max_bytes=bound)
+    _fill(rt, old)  # 4 blocks of the bundle left behind
+    second = _cache(rt, cache_dir=tmp_path, max_bytes=bound)  # another app process on it
+    old.close()
+    assert not retire(tmp_path, rt.manifest.bundle_id, rt.manifest.edge_quant, block_tokens=B)
+    second.close()  # it exits without updating: nobody retires those blocks
+    stranger = tmp_path / "elsewhere" / ("0" * 64 + ".blk")  # a block's name, not a block
+    stranger.parent.mkdir()
+    stranger.write_bytes(b"x" * 10)
+    time.sleep(0.01)
+    new = ActivationCache("f" * 32, rt.n_layers, rt.kv_heads, rt.head_dim, rt.hidden_size, block_tokens=B,
+                          max_bytes=bound, cache_dir=tmp_path, edge_variant=rt.manifest.edge_quant)
+    for seed in (2, 3):
+        _fill(rt, new, list(np.random.RandomState(seed).randint(4, 512, 64)))
+    assert len(list((tmp_path / rt.manifest.bundle_id).glob("*.blk"))) == 0
+    assert len(list((tmp_path / ("f" * 32)).glob("*.blk"))) == 6 and new.nbytes <= bound
+    assert stranger.exists()
+
+
 def test_a_bad_file_that_cannot_be_removed_is_reported_once_and_a_vanished_one_is_a_plain_miss(rt, tmp_path, caplog):
     """Since a client re-reads its directory after each write, a bad file it could not remove (in a read-only
     directory; here a folder under a block's name) was logged and counted again at every write; and a block
