@@ -23,7 +23,8 @@ by tenant: :func:`route_key`), every upgrade carries it in :data:`ROUTE_HEADER`,
 key is a hash chain over the prompt's token ids and the bundle id, never the ids; without a preloaded prompt
 no header is sent (the proxy balances round-robin), nor on a connection opened for a request at a private level
 (``connect(route=False)``): the key is unsalted, and would confirm a guessed system prompt; nor on the upgrade
-after the hashed replica refused the session for now or drains (:class:`ServerBusy`: the hash would pick it again).
+after the hashed replica refused the session for now or drains, or left the upgrade unanswered (:class:`ServerBusy`,
+:class:`NoAnswer`: the hash would pick it again).
 
 Byte counters include every frame in both directions, so the client's "bytes up/down" are what the link
 carried, not what the payloads weighed.
@@ -71,6 +72,12 @@ class ServerBusy(LinkDown):
     """The server refused the session for now (:data:`RETRYABLE_REFUSALS`: full, draining, its engine not running),
     or is draining: another replica may take it. Behind a proxy that hashes on :data:`ROUTE_HEADER` the next upgrade
     goes without it (``Session.connect``), or every retry would reach this same replica."""
+
+
+class NoAnswer(ServerBusy):
+    """The WebSocket upgrade went unanswered within ``connect_timeout_s``. Behind a proxy that is a replica which takes
+    connections and answers nothing (hung: the proxy sees no error, so it never skips it); as after a refusal, the next
+    upgrade goes without :data:`ROUTE_HEADER`, which pinned every retry to it."""
 
 
 class HandshakeRefused(Exception):
@@ -151,7 +158,9 @@ class Link:
             raise GarbageFromServer(f"{self.url}: not a WebSocket server ({type(e).__name__}: {e})") from None
         except ssl.SSLError as e:  # an unverifiable certificate, or no TLS behind wss://: retrying will not help
             raise HandshakeRefused(*tls.explain(self.url, e, self.ca_file)) from None
-        except (OSError, asyncio.TimeoutError, ConnectionClosed) as e:
+        except asyncio.TimeoutError as e:  # (an OSError too)
+            raise NoAnswer(f"{self.url}: cannot connect ({type(e).__name__}: {e or 'timed out'})") from None
+        except (OSError, ConnectionClosed) as e:
             raise LinkDown(f"{self.url}: cannot connect ({type(e).__name__}: {e or 'timed out'})") from None
         await self.send(hello)
         reply = await self.recv(self.retry.connect_timeout_s)
