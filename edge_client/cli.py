@@ -234,6 +234,7 @@ def _update(cfg) -> None:
     from . import bundle_sync
     from .errors import EdgeClientError
 
+    bundle_sync.recover(cfg.bundle)  # a switch a crash interrupted (as EdgeClient does at its start)
     current = Manifest.load(cfg.bundle)
     bar = _Bar()
     try:

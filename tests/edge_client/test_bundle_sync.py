@@ -304,15 +304,33 @@ def test_an_update_never_changes_the_model(edge_l2):
     assert ei.value.code == "other_model"
 
 
-def test_an_interrupted_switch_is_finished_at_the_next_start(bundle_l1, edge_l2, tmp_path):
+def _interrupted_switch(bundle_l1, edge_l2) -> Manifest:
+    """The state a crash between a switch's two renames leaves: the old directory moved away, the link to the new
+    version not in place. Returns the new version's manifest."""
     m1 = Manifest.load(bundle_l1)
     new = bundle_sync.versions_dir(edge_l2) / f"{m1.bundle_id}-fp32"
     shutil.copytree(bundle_l1, new, ignore=shutil.ignore_patterns("cloud"))
-    # the state a crash between the two renames leaves: the old directory moved away, the link not in place
     tmp = edge_l2.parent / f".{edge_l2.name}.link-tmp"
     tmp.symlink_to(Path(bundle_sync.versions_dir(edge_l2).name) / new.name)
     shutil.move(edge_l2, bundle_sync.versions_dir(edge_l2) / "old")
+    return m1
+
+
+def test_an_interrupted_switch_is_finished_at_the_next_start(bundle_l1, edge_l2, tmp_path):
+    m1 = _interrupted_switch(bundle_l1, edge_l2)
     bundle_sync.recover(edge_l2)
+    assert edge_l2.is_symlink() and Manifest.load(edge_l2).bundle_id == m1.bundle_id
+
+
+def test_preload_update_finishes_an_interrupted_switch(bundle_l1, edge_l2, capsys):
+    """An EdgeClient finished a switch a crash interrupted at its start, `preload --update` did not: it failed
+    '<bundle>: no such bundle directory' until a chat or serve ran."""
+    from edge_client.cli import main
+
+    m1 = _interrupted_switch(bundle_l1, edge_l2)
+    with Serving(_app(bundle_l1)) as srv:
+        assert main(["preload", "--bundle", str(edge_l2), "--url", srv.ws_url, "--update"]) == 0
+    assert "up to date" in capsys.readouterr().err
     assert edge_l2.is_symlink() and Manifest.load(edge_l2).bundle_id == m1.bundle_id
 
 
