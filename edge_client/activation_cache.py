@@ -39,7 +39,8 @@ A bundle the edge moved off (``edge_client.bundle_sync``) leaves its blocks behi
 scope's files at once (and the bundle's folder once nothing else is in it) unless a cache still holds that scope open -
 every open cache with a directory holds a shared ``flock`` on its scope's lock file (``.scope-<digest>.lock`` in
 the bundle's folder) until :meth:`ActivationCache.close`, and the retirer needs it exclusively. Other scopes'
-files (another client's edge variant, dtype or block size) are never touched.
+files (another client's edge variant, dtype or block size) are never touched by it. What no retire removes (that
+client exited first, a crash came before it) is evicted under the directory's bound, the oldest first.
 """
 
 from __future__ import annotations
