@@ -466,13 +466,21 @@ def _startup_problem(config) -> str | None:
     if config.ssl_certfile is not None:
         import ssl
 
+        class Encrypted(Exception):
+            """The key asked for a passphrase (a server that prompted for one would never start unattended)."""
+
         def no_passphrase():
-            raise ssl.SSLError("the key is passphrase-protected (give an unencrypted key)")
+            raise Encrypted
 
         try:
             ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
                 config.ssl_certfile, config.ssl_keyfile, password=no_passphrase)
-        except (ssl.SSLError, OSError) as e:
+        except Encrypted:  # (raised as ssl.SSLError, its message read "(('the key is ...',))")
+            return f"--ssl-keyfile {config.ssl_keyfile}: the key is passphrase-protected (give an unencrypted key)"
+        except OSError as e:  # ssl.SSLError too
+            if getattr(e, "reason", None) == "KEY_VALUES_MISMATCH":  # both load: the key of another certificate
+                return (f"--ssl-keyfile {config.ssl_keyfile} is not the key of the certificate in --ssl-certfile "
+                        f"{config.ssl_certfile} ({e})")
             return (f"--ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: not a PEM "
                     f"certificate and its key ({e})")
     if config.full is not None:

@@ -275,15 +275,27 @@ def test_the_ca_file_reaches_the_edge_config_from_the_flag_and_the_environment(t
 
 def test_a_certificate_and_key_that_do_not_load_are_refused_before_the_server_starts(tiny_bundle, pki, tmp_path,
                                                                                        capsys):
-    """Not PEM, or a key of another certificate: a one-line error and exit 2, not an ssl traceback at startup."""
+    """Not PEM, a key of another certificate or a passphrase-protected key: a one-line error naming what is wrong, exit
+    2, not an ssl traceback at startup. The mismatch read 'not a PEM certificate' and the passphrase a tuple's repr
+    ("(('the key is passphrase-protected ...',))")."""
+    from cryptography.hazmat.primitives import serialization
+
     from cloud_server import cli
 
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate\n")
-    for cert, key in ((junk, junk), (pki["cert"], junk), (pki["ca"], pki["key"])):
+    locked = tmp_path / "locked.key"
+    locked.write_bytes(serialization.load_pem_private_key(pki["key"].read_bytes(), None).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")))
+    for cert, key, said in ((junk, junk, "not a PEM certificate and its key"),
+                            (pki["cert"], junk, "not a PEM certificate and its key"),
+                            (pki["ca"], pki["key"], f"--ssl-keyfile {pki['key']} is not the key of the certificate "
+                                                    f"in --ssl-certfile {pki['ca']} ("),
+                            (pki["cert"], locked, f"--ssl-keyfile {locked}: the key is passphrase-protected (give an "
+                                                  f"unencrypted key)\n")):
         assert cli.main(["serve", str(tiny_bundle), "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)]) == 2
         err = capsys.readouterr().err
-        assert "not a PEM certificate and its key" in err and "Traceback" not in err
+        assert said in err and "Traceback" not in err and "(('" not in err, err
 
 
 def test_an_expired_certificate_is_served_with_a_warning_a_valid_one_without(tiny_bundle, tls_server, pki,
