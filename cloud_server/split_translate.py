@@ -193,9 +193,10 @@ class SplitTranslator:
             return
         self.rt.metrics.on_uplink(nbytes, msg.hidden.codec, msg.n_tokens)
         end = msg.start + msg.n_tokens
-        # The prompt's length is known when its first message is also its last; else it is at least a chunk.
-        prompt_guess = end if msg.last else max(end, session.state.limits.max_prefill_chunk_tokens)
-        planned = msg.compute or request_compute(self.facts, self.load(), session.codecs, prompt_guess,
+        # The prompt's length: said (Prefill.prompt_len), or known when its first message is also its last; else
+        # unknown, and planned as at least max_prefill_chunk_tokens (by default beyond the policy's long prompt).
+        prompt = msg.prompt_len or (end if msg.last else max(end, session.state.limits.max_prefill_chunk_tokens))
+        planned = msg.compute or request_compute(self.facts, self.load(), session.codecs, prompt,
                                                  msg.rope_positions is not None)
         rec = RequestRecord(track, f"{session.session_id}/{rid}", msg.hidden.codec,
                             self.facts.resolve_variant(planned), prompt_tokens=end)

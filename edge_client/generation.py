@@ -539,15 +539,17 @@ class Session:
 
     # -- prefill --------------------------------------------------------------------------------
     def _open_fields(self, req: _Request) -> dict:
-        """What a request's first Prefill carries (and no other): sampling params, prefix keys, compute."""
+        """What a request's first Prefill carries (and no other): sampling params, prefix keys, compute, the
+        context's length."""
         spec = req.spec
         req.opened = True
         if spec.ushape:  # the phone samples: only the length goes up; no prefix keys (no cloud prefix reuse)
             return {"params": P.SamplingParams(max_tokens=spec.max_tokens), "compute": req.compute,
-                    "return_states": True}
+                    "return_states": True, "prompt_len": req.context_len}
         params = P.SamplingParams(max_tokens=spec.max_tokens - len(req.tokens), temperature=spec.temperature,
                                   top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed)
-        return {"params": params, "prefix_keys": self._prefix_keys(req), "compute": req.compute}
+        return {"params": params, "prefix_keys": self._prefix_keys(req), "compute": req.compute,
+                "prompt_len": req.context_len}
 
     def _prefix_keys(self, req: _Request) -> list[str]:
         """The keys of the prompt's first full blocks in the cloud's scope, as its first Prefill names them (the

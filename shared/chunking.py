@@ -24,11 +24,12 @@ _BIN_HEADER = 5  # msgpack bin32 header: the most a payload's length prefix can 
 def prefill_messages(request_id: str, hidden: np.ndarray, codec: BoundaryCodec, limits: SessionLimits, *,
                      start: int = 0, last: bool = True, params: SamplingParams | None = None,
                      prefix_keys: list[str] | None = None, compute: str | None = None, zstd: bool = False,
-                     rope_positions: np.ndarray | None = None, return_states: bool = False) -> list[Prefill]:
+                     rope_positions: np.ndarray | None = None, return_states: bool = False,
+                     prompt_len: int | None = None) -> list[Prefill]:
     """Prefill messages for positions ``[start, start + S)`` of ``hidden`` [S, H].
 
-    ``params`` / ``prefix_keys`` / ``compute`` / ``return_states`` (u-shape) go on the first message only (the
-    protocol's rule);
+    ``params`` / ``prefix_keys`` / ``compute`` / ``return_states`` (u-shape) / ``prompt_len`` go on the first
+    message only (the protocol's rule);
     ``last`` marks the final chunk. ``rope_positions``: int32 [3, S] for multimodal RoPE, sliced per chunk.
     Raises ``ProtocolError("too_large")`` if not even one token fits in a frame.
     """
@@ -44,7 +45,7 @@ def prefill_messages(request_id: str, hidden: np.ndarray, codec: BoundaryCodec, 
     while i < s:
         first = not out
         meta = {"params": params, "prefix_keys": list(prefix_keys or []), "compute": compute,
-                "return_states": return_states} if first else {}
+                "return_states": return_states, "prompt_len": prompt_len} if first else {}
         probe = Prefill(request_id=request_id, start=start + i,
                         hidden=EncodedTensor(codec=codec.name, shape=(1, h), data=b""), last=last, **meta,
                         rope_positions=None if rope_positions is None else

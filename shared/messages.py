@@ -342,11 +342,16 @@ class Prefill:
     # the chunk with ``last``: ask the server to propose up to this many drafts with the first token
     # (ServerInfo.cloud_drafts caps it; 0: none)
     ask_drafts: int = 0
+    # first Prefill only: the positions the whole prompt fills (the chunk with ``last`` ends there), so that a
+    # server choosing the compute variant plans for the real length; None: not said
+    prompt_len: int | None = None
 
     def __post_init__(self):
         _ident(self.request_id, "request_id")
         _int(self.start, "start")
         _int(self.ask_drafts, "ask_drafts", 0, MAX_DRAFT_TOKENS)
+        if self.prompt_len is not None:
+            _int(self.prompt_len, "prompt_len", 1)
         _rows(self.start, self.hidden.shape[0], "Prefill")
         _list(self.prefix_keys, "prefix_keys", MAX_PREFIX_KEYS)
         for k in self.prefix_keys:

@@ -42,9 +42,10 @@ flight are recomputed from the inputs the edge resends); until the ``Resumed`` n
 
 Messages cross in flight, so the rules only forbid what a correct client can never send: a second Hello,
 a DecodeStep nobody asked for, positions that skip or repeat, a request opened without sampling parameters
-or under a used id, a later Prefill carrying what the first decides (params, return_states, prefix_keys), more
-open requests, tokens per chunk, frame bytes or context than ``Welcome.limits``
-allow, a codec that was not negotiated. What a correct client *can* send - a later chunk or decode step of a
+or under a used id, a later Prefill carrying what the first decides (params, return_states, prefix_keys,
+prompt_len), a prompt ending elsewhere than its first Prefill's ``prompt_len`` said, more open requests, tokens per
+chunk, frame bytes or context than ``Welcome.limits`` allow (a said ``prompt_len`` too), a codec that was not
+negotiated. What a correct client *can* send - a later chunk or decode step of a
 request the server has just finished or refused, a Cancel for it - is ignored (``on_client`` returns None).
 
 References: docs/protocol.md ("Session state machine"); vLLM v1 (errors fatal for the engine vs for one
@@ -101,6 +102,7 @@ class RequestTrack:
     request_id: str
     received: int = 0  # positions [0, received) sent by the client (prefix-cache hits included)
     prompt_len: int | None = None  # set by the Prefill with last=True
+    said_len: int | None = None  # the first Prefill's prompt_len: where the Prefill with last=True ends
     tokens: int = 0  # tokens the server has sent
     cancelled: bool = False
     finish: str | None = None  # finish reason ("stop", ..., "error") once finished
@@ -248,9 +250,7 @@ class SessionState:
         if msg.hidden.codec not in self.codecs:
             raise SessionError("codec_not_negotiated", f"codec {msg.hidden.codec!r} not in {sorted(self.codecs)}",
                                msg.request_id)
-        if end > self.limits.max_context:
-            raise SessionError("context_full", f"position {end} beyond max_context {self.limits.max_context}",
-                               msg.request_id)
+        self._check_context(msg.request_id, end)
 
     def _prefill(self, msg: Prefill, frame_bytes: int | None) -> RequestTrack | None:
         rid, n = msg.request_id, msg.n_tokens
@@ -271,8 +271,9 @@ class SessionState:
         if msg.params is not None:
             raise SessionError("duplicate_request", f"request {rid} is already open (params travel on its first "
                                                     "Prefill only)", rid)
-        if msg.return_states or msg.prefix_keys:  # as params: the first Prefill decides them, later ones carry none
-            field = "return_states" if msg.return_states else "prefix_keys"
+        if msg.return_states or msg.prefix_keys or msg.prompt_len is not None:  # as params: the first Prefill
+            field = ("return_states" if msg.return_states else  # decides them, later ones carry none
+                     "prefix_keys" if msg.prefix_keys else "prompt_len")
             raise SessionError("bad_state", f"{field} on a later Prefill of request {rid} (the first Prefill alone "
                                             "carries it)", rid)
         self._check_frame(rid, frame_bytes)
@@ -283,15 +284,29 @@ class SessionState:
         if msg.start != req.received:
             raise SessionError("bad_position", f"Prefill starts at {msg.start}, the server holds {req.received}", rid)
         self._check_tensor(msg, msg.start + n)
-        self._check_prompt(msg)
+        self._check_prompt(rid, msg.start + n)
+        self._check_said_len(msg, req.said_len)
         self._advance(req, msg)
         return req
 
-    def _check_prompt(self, msg: Prefill) -> None:
-        end, cap = msg.start + msg.n_tokens, self.limits.prompt_limit
+    def _check_context(self, rid: str, end: int) -> None:
+        if end > self.limits.max_context:
+            raise SessionError("context_full", f"position {end} beyond max_context {self.limits.max_context}", rid)
+
+    def _check_prompt(self, rid: str, end: int) -> None:
+        cap = self.limits.prompt_limit
         if end > cap:
             raise SessionError("prompt_too_long", f"prompt reaches position {end}, beyond max_prompt_tokens {cap}",
-                               msg.request_id)
+                               rid)
+
+    @staticmethod
+    def _check_said_len(msg: Prefill, said: int | None) -> None:
+        """A prompt whose first Prefill said its length (``prompt_len``, ``said``) ends there: no chunk reaches past
+        it, and the one with ``last`` reaches it."""
+        end = msg.start + msg.n_tokens
+        if said is not None and (end > said or msg.last and end < said):
+            raise SessionError("bad_position", f"Prefill {'ends the prompt' if msg.last else 'reaches'} at {end}; its "
+                                               f"first Prefill said prompt_len {said}", msg.request_id)
 
     def _check_chunk(self, msg: Prefill) -> None:
         if msg.n_tokens > self.limits.max_prefill_chunk_tokens:
@@ -315,9 +330,13 @@ class SessionState:
             raise SessionError("bad_position", f"start {msg.start}: a prefix must be whole blocks of {block} "
                                                f"covered by prefix_keys ({len(msg.prefix_keys)})", rid)
         self._check_tensor(msg, msg.start + msg.n_tokens)
-        self._check_prompt(msg)
+        self._check_prompt(rid, msg.start + msg.n_tokens)
+        if msg.prompt_len is not None:  # the whole prompt's length, said up front: held to the limits before its upload
+            self._check_said_len(msg, msg.prompt_len)
+            self._check_context(rid, msg.prompt_len)
+            self._check_prompt(rid, msg.prompt_len)
         req = self.requests[rid] = RequestTrack(rid, received=msg.start, states=msg.return_states,
-                                                answered=msg.start)
+                                                answered=msg.start, said_len=msg.prompt_len)
         self._advance(req, msg)
         return req
 

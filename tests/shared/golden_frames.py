@@ -53,7 +53,7 @@ GOLDEN: dict[str, P.Message] = {
                          requests=[P.RequestState(request_id="r1", received=703, tokens=4)]),
     "prefill": P.Prefill(request_id="r1", start=0, hidden=C.get_codec("fp16").encode(_ROWS), last=False,
                          params=P.SamplingParams(max_tokens=64, temperature=0.0, seed=7, stop_token_ids=[2]),
-                         prefix_keys=["k0"], compute="bf16", rope_positions=None),
+                         prefix_keys=["k0"], compute="bf16", rope_positions=None, prompt_len=703),
     "prefill_multimodal": P.Prefill(request_id="r2", start=0, hidden=C.get_codec("bf16").encode(_ROWS), last=True,
                                     params=P.SamplingParams(),
                                     rope_positions=P.WireArray.from_numpy(np.array([[0, 1], [0, 2], [0, 3]],

@@ -53,6 +53,12 @@ def test_rope_positions_are_sliced_per_chunk():
     assert np.array_equal(np.concatenate([m.rope_positions.to_numpy() for m in msgs], axis=1), rope)
 
 
+def test_the_prompts_length_goes_on_the_first_chunk_only():
+    msgs = prefill_messages("r", np.ones((10, 16), np.float32), C.get_codec("fp16"),
+                            P.SessionLimits(max_prefill_chunk_tokens=4), params=P.SamplingParams(), prompt_len=10)
+    assert [m.prompt_len for m in msgs] == [10, None, None]
+
+
 def test_not_last_leaves_the_request_open():
     msgs = prefill_messages("r", np.ones((5, 8), np.float32), C.get_codec("fp16"), P.SessionLimits(), last=False)
     assert not any(m.last for m in msgs)

@@ -76,9 +76,10 @@ def test_order_violations():
 
 def test_a_later_chunk_that_changes_what_the_first_decided_is_bad_state():
     """return_states and prefix_keys are the first Prefill's (as params): a later chunk carrying them was accepted
-    and silently ignored. Refused like other request-level violations: that request closes, the session serves on."""
+    and silently ignored. Refused like other request-level violations: that request closes, the session serves on.
+    prompt_len too."""
     s = ready()
-    for rid, change in (("u", {"return_states": True}), ("k", {"prefix_keys": ["k0"]})):
+    for rid, change in (("u", {"return_states": True}), ("k", {"prefix_keys": ["k0"]}), ("n", {"prompt_len": 6})):
         s.on_client(prefill(rid=rid, n=4, last=False))
         later = P.Prefill(request_id=rid, start=4, hidden=hidden(2), **change)
         e = refused(s, later, "bad_state")
@@ -116,6 +117,31 @@ def test_a_prompt_over_max_prompt_tokens_is_prompt_too_long_and_generation_may_g
         s.on_client(P.DecodeStep(request_id="ok", position=8 + i, hidden=hidden(1)))
     assert P.SessionLimits(max_context=20).prompt_limit == 20  # 0: max_context bounds the prompt
     assert P.SessionLimits(max_context=20, max_prompt_tokens=8).prompt_limit == 8
+
+
+def test_a_prompt_ends_where_its_first_prefill_said_and_a_said_length_meets_the_limits_before_its_upload():
+    """Prefill.prompt_len (the first Prefill's): the prompt's chunks reach no further, the last one reaches it; a
+    length over max_context or max_prompt_tokens is refused at the first chunk, not when its chunk comes."""
+    s = ready(max_context=20, max_prompt_tokens=12, max_prefill_chunk_tokens=10)
+
+    def said(rid, n, length, last=False):
+        return P.Prefill(request_id=rid, start=0, hidden=hidden(n), last=last, params=P.SamplingParams(),
+                         prompt_len=length)
+
+    refused(s, said("short", 4, 3), "bad_position")  # its first chunk already reaches past it
+    refused(s, said("early", 4, 6, last=True), "bad_position")  # the prompt ends before it
+    refused(s, said("ctx", 4, 21), "context_full")
+    refused(s, said("long", 4, 13), "prompt_too_long")
+    s.on_client(said("over", 4, 6))
+    refused(s, prefill(rid="over", start=4, n=3, params=False), "bad_position")  # past it
+    s.on_client(said("under", 4, 10))
+    refused(s, prefill(rid="under", start=4, n=2, params=False), "bad_position")  # last, short of it
+    s.on_client(said("ok", 4, 10))
+    s.on_client(prefill(rid="ok", start=4, n=2, last=False, params=False))
+    s.on_client(prefill(rid="ok", start=6, n=4, params=False))
+    assert s.track("ok").prompt_len == 10
+    s.on_client(said("one", 5, 5, last=True))  # one chunk: it says what last says
+    assert s.track("one").prompt_len == 5
 
 
 def test_resume_and_reconnect():
