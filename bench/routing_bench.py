@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import shlex
 import signal
@@ -128,7 +129,11 @@ class Router:
         (workdir / "conf" / "autoglm-listen.conf").write_text(listen)
         (workdir / "conf" / "autoglm-split.conf").write_text((DEPLOY / "nginx" / "autoglm-split.conf").read_text())
         t = workdir / "tmp"
+        # run as root (a test box), the workers would be `nobody`, who cannot read the test certificate under a private
+        # temporary directory: the listen conf reads it at each handshake, in the worker (deploy/nginx/k8s)
+        user = "user root;" if os.geteuid() == 0 else ""
         (workdir / "conf" / "nginx.conf").write_text(f"""
+{user}
 worker_processes 1;
 pid {workdir}/nginx.pid;
 error_log {workdir}/logs/error.log info;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,3 +231,33 @@ def test_the_clusters_router_speaks_tls_only(tiny_glm4_fp32_bundle, replicas, ng
         assert code == 400  # nginx: a plain HTTP request sent to the HTTPS port
     service = [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "router.yaml").read_text()) if d["kind"] == "Service"]
     assert [(p["port"], p["targetPort"]) for p in service[0]["spec"]["ports"]] == [(443, "https")]
+
+
+def test_the_clusters_router_presents_a_renewed_certificate_without_a_restart(nginx_bin, tmp_path):
+    """The router's certificate is the Secret autoglm-router-tls, which a renewal (cert-manager, kubectl apply) updates
+    in place. nginx read it once, at start, and went on presenting the old one until it expired: every phone then
+    failed tls_verify_failed. The cluster's listen lines read it at each handshake."""
+    import shutil
+    import socket
+    import ssl
+
+    live, first, renewed = (tmp_path / d for d in ("live", "first", "renewed"))
+    for d in (live, first, renewed):
+        d.mkdir()
+    old, new = self_signed(first), self_signed(renewed)
+    for src, name in zip(old, ("tls.pem", "tls.key")):
+        shutil.copy(src, live / name)
+
+    def presented(port: int) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s, \
+                ssl._create_unverified_context().wrap_socket(s) as tls:  # noqa: S323 - the test's own certificates
+            return tls.getpeercert(binary_form=True)
+
+    def der(pem: Path) -> bytes:
+        return ssl.PEM_cert_to_DER_cert(pem.read_text())
+
+    with Router(nginx_bin, tmp_path / "nginx", ["127.0.0.1:1"], tls=(live / "tls.pem", live / "tls.key")) as router:
+        assert presented(router.port) == der(old[0])
+        for src, name in zip(new, ("tls.pem", "tls.key")):  # the Secret renewed
+            shutil.copy(src, live / name)
+        assert presented(router.port) == der(new[0])  # no reload, no restart
