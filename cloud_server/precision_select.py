@@ -7,8 +7,9 @@ The load is the caller's figure: open requests over the engine's sequence capaci
 It is applied at three points:
 
 * :func:`session_plan` - the session's default plan, sent in ``Welcome.plan``;
-* :func:`request_compute` - a split request's compute variant when its ``Prefill.compute`` is empty
-  (the first ``Tokens`` reports the plan used);
+* :func:`request_compute` - a split request's compute variant when its ``Prefill.compute`` is empty, for the
+  length its first Prefill says (``Prefill.prompt_len``; docs/protocol.md, "Precision") (the first ``Tokens``
+  reports the plan used);
 * :func:`compute_variant` - a full-model request's variant, with the OpenAI ``precision`` override.
 
 Decode steps and SpecSteps may travel in another negotiated codec than the prompt (``shared.precision.

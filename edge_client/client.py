@@ -294,8 +294,9 @@ class EdgeClient:
         images -, or one) fill the image / audio placeholder tokens of ``prompt`` / ``prompt_ids`` in order.
         They are encoded on the phone; only hidden states leave it.
 
-        ``temperature=0`` is greedy. ``precision`` overrides the server's choice of wire codec for this
-        request (e.g. ``"fp16"``, ``"int8-b32"``). ``stop`` strings end the text (not included).
+        ``temperature=0`` is greedy. ``precision`` overrides the precision policy's choice for this request: a
+        wire codec (``"int8-b32"``), a compute variant (``"int8"``), a name that is both (``"fp16"``) or a dict
+        (docs/edge.md, "Precision per request"). ``stop`` strings end the text (not included).
 
         ``speculate``: drafts come from prompt lookup on the phone (the prompt, this answer, earlier answers) or
         from the server's own layers when it offers cloud drafts (whichever is expected to yield more tokens per

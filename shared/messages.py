@@ -320,9 +320,10 @@ class Welcome:
 class Prefill:
     """C->S: boundary hidden states of prompt positions ``[start, start + hidden.shape[0])``.
 
-    The first Prefill of a request opens it and carries ``params`` (and ``prefix_keys``, ``return_states``);
-    later chunks carry ``params=None``, an empty ``prefix_keys`` and ``return_states=False`` (the session
-    rulebook refuses others: ``duplicate_request`` for params, ``bad_state`` for the other two). ``start > 0`` on the first chunk asks the server to
+    The first Prefill of a request opens it and carries ``params`` (and ``prefix_keys``, ``return_states``,
+    ``prompt_len``); later chunks carry ``params=None``, an empty ``prefix_keys``, ``return_states=False`` and
+    ``prompt_len=None`` (the session rulebook refuses others: ``duplicate_request`` for params, ``bad_state`` for
+    the rest). ``start > 0`` on the first chunk asks the server to
     take positions ``[0, start)`` from its prefix cache under ``prefix_keys`` (``Error(prefix_miss)`` if it
     cannot). ``last`` marks the chunk that completes the context: the server samples after it.
     """
