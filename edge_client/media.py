@@ -40,6 +40,7 @@ import numpy as np
 from shared.chat_tokens import Placeholder
 from shared.prefix_keys import content_digests
 
+from .audio import MAX_AUDIO_BYTES
 from .mrope import ImageSpan, rope_index, text_positions
 from .vision import MAX_IMAGE_BYTES, MediaError, is_pil_image
 
@@ -208,7 +209,8 @@ def load_source(src: bytes | str | os.PathLike, policy: MediaPolicy, kind: str =
         head, _, payload = src.partition(",")
         if ";base64" not in head.lower():
             raise MediaError("data URL without base64 encoding", "bad_media")
-        data = b64decode(urllib.parse.unquote(payload), "data URL")  # a URL: %2B, %2F, %3D are +, /, =
+        data = b64decode(urllib.parse.unquote(payload), "data URL",  # a URL: %2B, %2F, %3D are +, /, =
+                         limit=(policy.max_bytes, kind))
     elif scheme in ("http", "https"):
         data = _fetch(src, policy, kind)
     elif scheme == "file":  # a URL: its path percent-encoded (file:///sdcard/My%20shot.png)
@@ -241,19 +243,38 @@ def _scheme(src: str) -> str | None:
     return scheme
 
 
-def b64decode(text: str, what: str, code: str = "bad_media") -> bytes:
+_SPLIT_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"  # the ASCII characters str.split() drops
+_COUNT_STEP = 1 << 20  # characters of base64 counted at a time
+
+
+def _decoded_at_least(text: str) -> int:
+    """The fewest bytes the ASCII ``text`` decodes to as base64: 3 per 4 characters but whitespace, less the (at
+    most two) '=' of its padding; counted a slice at a time, never a copy of the whole text."""
+    chars = sum(len(text[i:i + _COUNT_STEP].encode("ascii").translate(None, _SPLIT_SPACE))
+                for i in range(0, len(text), _COUNT_STEP))
+    return chars * 3 // 4 - 2
+
+
+def b64decode(text: str, what: str, code: str = "bad_media", limit: tuple[int, str] | None = None) -> bytes:
     """Standard base64 (``what``: the field, for the error) as the URL standard's forgiving-base64 decode reads a
     data: URL's: ASCII whitespace ignored (line breaks of ``base64``'s output, a trailing newline), the ``=``
-    padding optional (unpadded encoders); anything else outside the alphabet is refused."""
+    padding optional (unpadded encoders); anything else outside the alphabet is refused. ``limit``: (bytes, kind):
+    a text that holds more is ``{kind}_too_large`` before it is decoded or copied whole (an hour of WAV as 154 MB of
+    base64 was decoded, 4.5 s and 131 MB, before its size was refused)."""
     try:
         if isinstance(text, (bytes, bytearray)):
             text = bytes(text).decode("ascii")  # UnicodeDecodeError: a ValueError
         if not isinstance(text, str) or not text.isascii():
             raise ValueError
+        if limit is not None and len(text) * 3 // 4 - 2 > limit[0] and (least := _decoded_at_least(text)) > limit[0]:
+            raise MediaError(f"{what}: {limit[1]} of at least {least} bytes exceeds the {limit[0]}-byte limit",
+                             f"{limit[1]}_too_large")
         text = "".join(text.split())
         if len(text) % 4 == 1:  # no base64 of any padding
             raise ValueError
         return base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except MediaError:  # a ValueError: raised above, with its own code
+        raise
     except (binascii.Error, ValueError):
         raise MediaError(f"{what}: invalid base64", code) from None
 
@@ -461,7 +482,8 @@ def extract_parts(messages: list[dict],
                     raise MediaError(f"messages[{i}].content[{j}]: audio format {a.get('format')!r} (accepted: wav)",
                                      "unsupported_format")
                 parts.append(MediaPart("audio", b64decode(a.get("data") or "",
-                                                          f"messages[{i}].content[{j}].input_audio.data", "bad_audio")))
+                                                          f"messages[{i}].content[{j}].input_audio.data", "bad_audio",
+                                                          (MAX_AUDIO_BYTES, "audio"))))
             else:
                 raise MediaError(f"messages[{i}].content[{j}]: part type {kind!r} is not supported", "bad_media")
             text.append(placeholder(parts[-1].kind))

@@ -112,3 +112,32 @@ def test_a_clips_check_reads_its_header_and_items_decode_it(tmp_path):
     samples, _ = decode_wav(data)
     assert item.rows == media.audio.spec.tokens_for(x.size) and samples.size == x.size
     assert np.array_equal(samples, (np.frombuffer(pcm, np.uint8)[::channels].astype(np.float32) - 128) / 128)
+
+
+def test_base64_audio_over_the_limit_is_refused_before_it_is_decoded():
+    """An input_audio part's base64 (or a data: URL's) was decoded whole before its size was checked: an hour of
+    WAV, 154 MB of base64, took 4.5 s and 131 MB on the phone before audio_too_large. Its length says enough: refused
+    with no copy of it, and one within the limit, in base64's 76-character lines, is read as before."""
+    import base64
+
+    from edge_client.audio import MAX_AUDIO_BYTES
+    from edge_client.media import MediaPolicy, extract_parts, load_source
+
+    big = _pcm8(1.0, 16000)[:44] + bytes(MAX_AUDIO_BYTES)  # the header of a short clip, then 16 MB of samples
+    text = base64.b64encode(big).decode()
+    part, size = {"type": "input_audio", "input_audio": {"data": text, "format": "wav"}}, len(text)
+    url = "data:audio/wav;base64," + text
+    # (how it is called, its limit, the most it may hold: a data: URL's payload is split off it, a copy)
+    for run, limit, most in ((lambda: extract_parts([{"role": "user", "content": [part]}], str), MAX_AUDIO_BYTES, 0),
+                             (lambda: load_source(url, MediaPolicy(max_bytes=1 << 20), "audio"), 1 << 20, size)):
+        def refused():
+            with pytest.raises(MediaError) as e:
+                run()  # noqa: B023 - run here, in this turn
+            return e.value
+        err, peak = _peak(refused)
+        assert err.code == "audio_too_large" and f"the {limit}-byte limit" in str(err), err
+        assert peak < most + size // 4, (peak, size)  # slices of it counted; decoded whole: 3/4 of it at least
+    clip = _pcm8(1.0, 16000)
+    _, parts = extract_parts([{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.encodebytes(clip).decode(), "format": "wav"}}]}], str)
+    assert parts[0].source == clip
