@@ -6,8 +6,11 @@ or half a request line and stops - a phone losing coverage during its WebSocket 
 tell - was kept for ever, and over a long run the server's file descriptors only grew (at its limit, no more
 accepts). :func:`protocol_class` returns the h11 protocol with that deadline: a connection that has not sent a whole
 request head within ``head_timeout_s`` (the server's ``--handshake-timeout-s``) of opening, or of its previous
-response, is closed. A request under way (its body, its answer) and a WebSocket after its upgrade are not timed
-here (``shared.openai_routes.read_body``, the split endpoint's Hello deadline).
+response, is closed. So is one still sending the body of a request answered before its body was read (a 413, 415
+or 401) that long after the answer: uvicorn reads such a body's rest to throw it away, and the first bytes of it
+cancelled its keep-alive timeout, so a client that sent a few and went silent was kept for ever too. A request under
+way (its body, its answer) and a WebSocket after its upgrade are not timed here (``shared.openai_routes.read_body``,
+the split endpoint's Hello deadline).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ class HeadDeadlineProtocol(H11Protocol):
         self._head_timer = None
         if self.transport.is_closing() or self.transport.get_protocol() is not self:  # gone, or a WebSocket now
             return
-        if self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:  # no whole head, no answer due
+        no_head = self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE  # and no answer due
+        answered_mid_body = self.conn.their_state is h11.SEND_BODY and self.conn.our_state is h11.DONE
+        if no_head or answered_mid_body:
             self.conn.send(h11.ConnectionClosed())
             self.transport.close()
 

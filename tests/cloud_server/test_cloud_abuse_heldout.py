@@ -507,3 +507,40 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(http, monkeypatch):
     assert result["r"].status_code == 400 and result["r"].json()["error"]["param"] == "prompt"
     assert result["s"] > 0.4 and waits  # the tokenization took long enough to be seen
     assert max(waits) < 0.5 * result["s"], (waits, result["s"])
+
+
+def test_a_connection_still_sending_the_body_of_an_answered_request_is_closed_at_the_handshake_timeout(tiny_lm):
+    """A request refused before its body was read (413: a declared length over the limit; 415: a compressed body) is
+    answered at once; uvicorn then reads the body's rest to throw it away, and its first bytes cancelled the
+    keep-alive timeout: a client that sent a few more and went silent held its connection (a descriptor) for ever,
+    as a silent socket did before its first head (test_bad_inputs.py). Closed at --handshake-timeout-s after the
+    answer now, like a keep-alive connection whose next head never comes."""
+    import socket
+
+    lm = copy.copy(tiny_lm)
+    lm.tokenizer = _byte_tokenizer()
+    cfg = ServerConfig(full="tiny-glm4", model_name="tiny", handshake_timeout_s=2,
+                       engine=EngineConfig(num_blocks=64, block_size=4, max_model_len=128))
+    rt = CloudRuntime(cfg, loaded=lm).start()
+    try:
+        with ServerThread(create_app(rt)) as srv:
+            heads = {413: f"Content-Length: {MIN_BODY_BYTES + 1}", 415: "Content-Length: 5000\r\nContent-Encoding: gzip"}
+            socks = {}
+            for status, head in heads.items():
+                s = socks[status] = socket.create_connection(("127.0.0.1", srv.port))
+                s.settimeout(15)
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n\r\n".encode())
+                assert s.recv(4096).startswith(f"HTTP/1.1 {status} ".encode())
+                s.sendall(b"a" * 1000)  # more of a body the server will not read; then silence
+            t0, ended = time.monotonic(), {}
+            for status, s in socks.items():
+                try:
+                    while s.recv(4096):
+                        pass
+                    ended[status] = time.monotonic() - t0
+                except TimeoutError:
+                    ended[status] = None  # still open
+                s.close()
+    finally:
+        rt.stop()
+    assert all(t is not None and t < 2 + 3 for t in ended.values()), ended
