@@ -34,6 +34,7 @@ MAX_AUDIO_BYTES = 16 << 20
 WAVE_PCM, WAVE_FLOAT, WAVE_EXTENSIBLE = 1, 3, 0xFFFE  # a WAV fmt chunk's format tags
 KSDATAFORMAT_TAIL = bytes.fromhex("000000001000800000aa00389b71")  # an extensible sub-format GUID after its tag
 STREAMED_SIZE = 0xFFFFFFFF  # a chunk size a writer that cannot seek back leaves in place: "to the end of the file"
+SOX_UNSPEC = 0x7FFFF000  # SoX's (rec ... -t wav -), rounded down to whole frames: "the length is unknown"
 MAX_CHUNKS = 64  # chunks before the samples: a WAV has a few (fmt, fact, LIST, bext, junk, ...)
 
 
@@ -129,20 +130,22 @@ def _riff_layout(data: bytes) -> tuple[int, bytearray, bool, int]:
     """A WAV's sample format (WAVE_PCM, WAVE_FLOAT or another tag; WAVE_FORMAT_EXTENSIBLE's sub-format read
     through), ``data`` with that fmt tag set to PCM where it is PCM or float, so that stdlib ``wave`` (PCM
     only; Python 3.11 not even extensible PCM, which ffmpeg writes for 24-bit or multichannel audio) reads it,
-    and whether its data chunk is streamed: size 0xFFFFFFFF, what ffmpeg writes to a pipe (``-f wav -``), which
-    cannot seek back to fill it in - the samples run to the end of the file -, and the bytes after its data chunk's
-    header (0 without one): the most its samples can hold. One copy of ``data``, its fmt tags
-    set in place, and a file of over MAX_CHUNKS chunks before its samples refused: bytes of tiny chunks cost a
-    Python loop turn each, here and in ``wave`` (16 MB of them: 16 s)."""
-    tag, pos, out, chunks = WAVE_PCM, 12, bytearray(data), 0  # no fmt chunk: wave says what is wrong
+    and whether its data chunk is streamed - size 0xFFFFFFFF, what ffmpeg writes to a pipe (``-f wav -``), which
+    cannot seek back to fill it in, or the whole frames of SOX_UNSPEC, what SoX writes there: the samples run to the
+    end of the file -, and the bytes after its data chunk's header (0 without one): the most its samples can hold.
+    One copy of ``data``, its fmt tags set in place, and a file of over MAX_CHUNKS chunks before its samples
+    refused: bytes of tiny chunks cost a Python loop turn each, here and in ``wave`` (16 MB of them: 16 s)."""
+    tag, pos, out, chunks, align = WAVE_PCM, 12, bytearray(data), 0, 0  # no fmt chunk: wave says what is wrong
     while data[:4] == b"RIFF" and data[8:12] == b"WAVE" and pos + 8 <= len(data):
         cid, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
         if cid == b"data":
-            return tag, out, size == STREAMED_SIZE, max(len(data) - pos - 8, 0)
+            streamed = size == STREAMED_SIZE or (align > 0 and size == SOX_UNSPEC // align * align)
+            return tag, out, streamed, max(len(data) - pos - 8, 0)
         if (chunks := chunks + 1) > MAX_CHUNKS:
             raise MediaError(f"not a WAV file (over {MAX_CHUNKS} chunks before its samples)", "bad_audio")
         if cid == b"fmt " and pos + 10 <= len(data):
             tag = int.from_bytes(data[pos + 8:pos + 10], "little")
+            align = int.from_bytes(data[pos + 20:pos + 22], "little")  # nBlockAlign: bytes a frame
             sub = data[pos + 32:pos + 48]  # WAVEFORMATEXTENSIBLE's SubFormat GUID: its format tag, then a fixed tail
             if tag == WAVE_EXTENSIBLE and size >= 40 and sub[2:] == KSDATAFORMAT_TAIL:
                 tag = int.from_bytes(sub[:2], "little")

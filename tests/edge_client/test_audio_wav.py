@@ -141,3 +141,26 @@ def test_base64_audio_over_the_limit_is_refused_before_it_is_decoded():
     _, parts = extract_parts([{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": base64.encodebytes(clip).decode(), "format": "wav"}}]}], str)
     assert parts[0].source == clip
+
+
+def test_a_wav_sox_wrote_to_a_pipe_is_read_to_its_end():
+    """SoX writing a WAV it cannot seek back in (``rec -r 16000 -c 1 -b 16 -t wav -``, a stream of unknown length)
+    leaves the data size 0x7ffff000 rounded down to whole frames ('unspecified', as its own reader takes it), as
+    ffmpeg leaves 0xFFFFFFFF: the file was refused as truncated; its samples are read to the end of the file, as
+    ffmpeg's are. Any other size past the end is still a truncated WAV."""
+    x = tone(0.5)
+    reference, _ = decode_wav(wav(x))
+    pcm = (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+    fmt = _chunk(b"fmt ", struct.pack("<HHIIHH", 1, 1, 16000, 32000, 2, 16))
+
+    def sox(size: int, samples: bytes) -> bytes:  # wavwritehdr's layout: RIFF length from the data size
+        return (b"RIFF" + struct.pack("<I", 4 + len(fmt) + 8 + size) + b"WAVE" + fmt + b"data"
+                + struct.pack("<I", size) + samples)
+
+    samples, rate = decode_wav(sox(0x7FFFF000 // 2 * 2, pcm))
+    assert rate == 16000 and np.array_equal(samples, reference)
+    samples, _ = decode_wav(sox(0x7FFFF000 // 2 * 2, pcm + b"\x01"))  # a partial frame at the end: dropped
+    assert np.array_equal(samples, reference)
+    with pytest.raises(MediaError) as e:
+        decode_wav(sox(0x7FFFF000 - 2, pcm))
+    assert e.value.code == "bad_audio" and "truncated" in str(e.value)
