@@ -261,3 +261,56 @@ def test_the_clusters_router_presents_a_renewed_certificate_without_a_restart(ng
         for src, name in zip(new, ("tls.pem", "tls.key")):  # the Secret renewed
             shutil.copy(src, live / name)
         assert presented(router.port) == der(new[0])  # no reload, no restart
+
+
+def test_a_post_that_a_draining_replica_refuses_is_passed_to_another(nginx_bin, tmp_path):
+    """A draining (or not yet ready) full-model replica answers every new request 503 ``draining``. nginx's
+    proxy_next_upstream passes a request on after a 503 only when it is idempotent unless told ``non_idempotent``,
+    so every POST /v1/chat/completions and /v1/completions that the router sent to a draining replica during a rolling
+    update came back as that 503 (every other one, with two replicas) while a replica with room stood beside it.
+    Here the draining replica is a stub answering exactly what cloud_server answers while draining."""
+    import threading
+    import urllib.error
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    def replica(status: int, body: dict) -> ThreadingHTTPServer:
+        class Answer(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server's name
+                self.rfile.read(int(self.headers["Content-Length"]))
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if status == 503:
+                    self.send_header("Retry-After", "1")
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
+
+    draining = replica(503, {"error": {"message": "the server is draining", "type": "server_error", "param": None,
+                                       "code": "draining"}})
+    serving = replica(200, {"object": "text_completion", "choices": [{"index": 0, "text": "ok"}]})
+    try:
+        upstreams = [f"127.0.0.1:{s.server_address[1]}" for s in (draining, serving)]
+        with Router(nginx_bin, tmp_path / "nginx", upstreams) as router:
+            got = []
+            for path in ("/v1/completions", "/v1/chat/completions") * 3:
+                request = urllib.request.Request(f"http://127.0.0.1:{router.port}{path}", data=b'{"model": "m"}',
+                                                 headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=10) as r:
+                        got.append(r.status)
+                except urllib.error.HTTPError as e:
+                    got.append(e.code)
+    finally:
+        for s in (draining, serving):
+            s.shutdown()
+            s.server_close()
+    assert got == [200] * 6, got
