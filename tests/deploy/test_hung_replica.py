@@ -45,9 +45,14 @@ def test_an_upgrade_left_unanswered_is_no_answer():
     assert not isinstance(refused.value, NoAnswer)
 
 
-def test_a_phone_pinned_to_a_hung_replica_moves_to_the_other(tiny_glm4_fp32_bundle, tiny_glm4_lm, replica_pool,
-                                                              nginx_bin, tmp_path):
-    replicas = replica_pool.get(2)
+@pytest.fixture
+def replicas(replica_pool):
+    """Two live, idle replicas of the deploy tests' pool (tests/deploy/conftest.py); the test kills the one it hangs."""
+    return replica_pool.get(2)
+
+
+def test_a_phone_pinned_to_a_hung_replica_moves_to_the_other(tiny_glm4_fp32_bundle, tiny_glm4_lm, replicas, nginx_bin,
+                                                              tmp_path):
     system = [int(t) for t in np.random.RandomState(21).randint(4, 512, 32)]
     prompt = system + [9, 8, 7]
     want = hf_greedy(tiny_glm4_lm.model, prompt, 4)
