@@ -126,17 +126,30 @@ def _cmd_run(args) -> int:
     report = keep_partial(out, lambda: run_scenario(sc, out, Progress()))
     report["command"] = f"autoglm-rig run {args.scenario}" + (f" --out {args.out}" if args.out else "")
     if sc.plan_check:
-        from .plan_check import check_plan, format_check
-
-        print("checking the planner's predictions (measuring its costs on the same cores)", file=sys.stderr)
-        report["plan_check"] = check_plan(report, sc, Path(report["bundle"]),
-                                          Path(report["whole"]) if report["whole"] else None)
+        report = keep_partial(out, lambda: _with_plan_check(report, sc))
     files = write_report(report, out, plots=not args.no_plots)
     print(format_table(report["summary"]))
     if "plan_check" in report:
+        from .plan_check import format_check
+
         print("\n" + format_check(report["plan_check"]))
     print("report: " + ", ".join(str(f) for f in files))
     return 0
+
+
+def _with_plan_check(report: dict, sc) -> dict:
+    """``report`` with its ``plan_check``; a Ctrl-C or SIGTERM during the check interrupts the run as one during
+    its runs does: the report, every run's records in it, is written marked ``interrupted``."""
+    from .runner import RunInterrupted
+
+    try:
+        print("checking the planner's predictions (measuring its costs on the same cores)", file=sys.stderr)
+        from .plan_check import check_plan
+
+        return dict(report, plan_check=check_plan(report, sc, Path(report["bundle"]),
+                                                  Path(report["whole"]) if report["whole"] else None))
+    except KeyboardInterrupt:
+        raise RunInterrupted(report) from None
 
 
 def _cmd_demo(args) -> int:

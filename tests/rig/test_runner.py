@@ -354,3 +354,57 @@ def test_a_split_phone_on_a_slow_uplink_gives_its_edge_client_the_links_rate(tin
     report = run_scenario(sc, tmp_path, Progress(), bundle=tiny_glm4_fp32_bundle)
     [rec] = report["records"]
     assert rec["prompt_tokens"] > 600 and rec["codec"] == "int4-outlier"
+
+
+def test_an_interrupt_during_the_plan_check_keeps_every_runs_records(tmp_path, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM while the planner's costs were measured, after every run had finished, exited 130 with no
+    report.json: the whole run's records were lost (an interrupt during the runs keeps those that finished)."""
+    import rig.plan_check
+    import rig.runner
+    from rig.cli import main
+
+    records = [{"profile": "wifi", "workload": "chat", "mode": "split", "ttft_s": 0.1}]
+    finished = {"scenario": {}, "bundle": str(tmp_path / "b"), "whole": None, "summary": [], "links": [],
+                "records": records}
+
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rig.runner, "run_scenario", lambda *args, **kw: dict(finished))
+    monkeypatch.setattr(rig.plan_check, "check_plan", interrupted)
+    path = _scenario_file(tmp_path, None, plan_check=True)
+    out = tmp_path / "out"
+    assert main(["run", path, "--out", str(out), "--no-plots"]) == 130
+    report = json.loads((out / "report.json").read_text())
+    assert report["interrupted"] is True and report["records"] == records and "plan_check" not in report
+    assert f"partial report (the 1 requests of the runs that finished): {out / 'report.json'}" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.slow  # a real run (~90 s on two busy cores), then its plan check
+def test_sigterm_during_the_plan_check_writes_the_finished_runs(tiny_glm4_fp32_bundle, tiny_whole, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle, whole=str(tiny_whole), modes=["split", "all-edge"],
+                          plan_check=True)
+    out = tmp_path / "out"
+    rig = subprocess.Popen([sys.executable, "-m", "rig.cli", "run", path, "--out", str(out), "--no-plots"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        err = []
+        while not any("checking the planner's predictions" in line for line in err):
+            err.append(rig.stderr.readline())
+            assert err[-1], err
+        rig.send_signal(signal.SIGTERM)
+        assert rig.wait(60) == 130
+        err = "".join(err) + rig.stderr.read()
+        report = json.loads((out / "report.json").read_text())
+        assert report["interrupted"] is True, err
+        assert {(r["profile"], r["mode"]) for r in report["records"]} == \
+            {("loopback", "split"), ("wifi", "split"), ("loopback", "all-edge"), ("wifi", "all-edge")}
+    finally:
+        if rig.poll() is None:
+            rig.kill()
+            rig.wait()
