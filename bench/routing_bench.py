@@ -114,6 +114,8 @@ class Router:
     """nginx with deploy/nginx/autoglm-split.conf, its upstream being ``replicas`` (host:port strings); with ``tls``
     (certificate, key) it listens as the cluster's router does (deploy/nginx/k8s/autoglm-listen.conf), on TLS."""
 
+    START_S = 20.0  # how long nginx may take to answer /router/health
+
     def __init__(self, nginx: str, workdir: Path, upstreams: list[str], tls: tuple[Path, Path] | None = None):
         self.nginx, self.dir, self.port = nginx, workdir, free_port()
         self.scheme = "https" if tls else "http"
@@ -155,16 +157,21 @@ http {{
     def __enter__(self) -> Router:
         self.proc = subprocess.Popen([self.nginx, "-p", str(self.dir), "-c", str(self.conf), "-g", "daemon off;"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + self.START_S
+        while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nginx exited: {self.proc.stderr.read().decode()[-2000:]}")
             try:
                 if http_get(f"{self.scheme}://127.0.0.1:{self.port}/router/health")[0] == 200:
                     return self
             except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("nginx did not start")
+                pass
+            if time.monotonic() > deadline:  # stopped, not left running (an orphan nginx after the failed test)
+                self.__exit__(None, None, None)
+                error_log = self.dir / "logs" / "error.log"
+                raise RuntimeError(f"nginx did not answer /router/health in {self.START_S:.0f} s: "
+                                   f"{error_log.read_text(errors='replace')[-2000:] if error_log.exists() else ''}")
+            time.sleep(0.05)
 
     def __exit__(self, *exc) -> None:
         self.proc.send_signal(signal.SIGQUIT)  # graceful: finish the log lines

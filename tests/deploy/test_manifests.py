@@ -197,3 +197,14 @@ def test_autoscaling_metric_names_exist_on_a_live_server(live_metrics):
     series = {n.replace("(running|waiting)", x) for n in re.findall(r'"\^?((?:vllm|autoglm):[a-z_()|]+)\$?"', text)
               for x in ("running", "waiting")}
     assert series and series <= _exposed_names(live_metrics), sorted(series - _exposed_names(live_metrics))
+
+
+def test_a_router_that_does_not_come_up_is_stopped_not_left_running(nginx_bin, tmp_path, monkeypatch):
+    """The deploy tests' Router raised 'nginx did not start' when /router/health never answered and left that nginx
+    running: an orphan master and worker after the failed test (one such was found still running 16 minutes on)."""
+    router = Router(nginx_bin, tmp_path, ["127.0.0.1:1"])
+    router.scheme = "https"  # its health check speaks TLS to the plain listener: never a 200
+    monkeypatch.setattr(Router, "START_S", 1.0)
+    with pytest.raises(RuntimeError, match="did not answer /router/health"):
+        router.__enter__()
+    assert router.proc.poll() is not None
