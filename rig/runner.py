@@ -39,6 +39,8 @@ from .scenario import Scenario, ScenarioError
 from .servers import CloudProcess, die_with_rig, stop_all
 from .workloads import build
 
+STALL_S = 1800.0  # a run whose phones have all said nothing (no request done, no streamed text) this long is hung
+
 
 class RigError(RuntimeError):
     """A phone or a server failed; the message says which and where its log is. ``report``: the runs that
@@ -124,11 +126,12 @@ def _reader(proc: subprocess.Popen, phone: int, events: queue.Queue) -> None:
 
 
 def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[int | None], log_dir: Path,
-               tag: str, progress: Progress, on_delta=None, timeout_s: float = 1800.0,
+               tag: str, progress: Progress, on_delta=None, stall_s: float = STALL_S,
                on_go: Callable[[], None] | None = None, link: LinkProfile | None = None) -> list[dict]:
     """Start ``sc.phones`` phone processes for one (workload, mode, link), release them together, collect
     their request records. ``ports[i]`` is phone i's link port (None for all-edge), ``link`` the profile of those
-    links; ``on_go`` runs as they are released (the links' scheduled disconnects start then)."""
+    links; ``on_go`` runs as they are released (the links' scheduled disconnects start then). The run may take as
+    long as its phones keep reporting: a RigError when none has said anything for ``stall_s`` (a hung phone)."""
     events: queue.Queue = queue.Queue()
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS=str(sc.edge_threads), PYTHONWARNINGS="ignore")
@@ -147,13 +150,13 @@ def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[
     records: list[dict] = []
     ready, exited = set(), set()
     total = sc.phones * workload.requests
-    deadline = time.monotonic() + timeout_s
     try:
         while len(exited) < len(procs):
             try:
-                phone, ev = events.get(timeout=max(0.1, deadline - time.monotonic()))
+                phone, ev = events.get(timeout=stall_s)
             except queue.Empty:
-                raise RigError(f"[{tag}] phones did not finish within {timeout_s:.0f} s") from None
+                raise RigError(f"[{tag}] {len(procs) - len(exited)} phone(s) said nothing for {stall_s:g} s "
+                               f"({len(records)}/{total} requests done; logs: {log_dir}/phone-{tag}-*.log)") from None
             kind = ev.get("event")
             if kind == "ready":
                 ready.add(phone)

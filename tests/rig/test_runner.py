@@ -408,3 +408,40 @@ def test_sigterm_during_the_plan_check_writes_the_finished_runs(tiny_glm4_fp32_b
         if rig.poll() is None:
             rig.kill()
             rig.wait()
+
+
+_FAKE_PHONE = """
+import json, sys, time
+sys.stdin.readline()  # the job
+print(json.dumps({"event": "ready"}), flush=True)
+sys.stdin.readline()  # go
+for gap in GAPS:
+    time.sleep(gap)
+    print(json.dumps({"event": "request", "ttft_s": 0.1, "tokens_per_s": 9.0, "completion_tokens": 3}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("gaps, hung", [([0.4] * 6, False), ([0.2, 2.5], True)])
+def test_a_run_lasts_as_long_as_its_phones_report_and_a_silent_one_is_hung(tmp_path, monkeypatch, gaps, hung):
+    """run_phones stopped every run 1,800 s after it began, phones reporting or not (a long agent scenario on a
+    slow profile failed 'did not finish'); the limit is now on silence: a run whose phones keep finishing requests
+    goes on past it (here 2.4 s against 1 s), one whose phones have said nothing for it is a RigError."""
+    import subprocess
+    import types
+
+    import rig.runner
+
+    script = tmp_path / "phone.py"
+    script.write_text(_FAKE_PHONE.replace("GAPS", repr(gaps)))
+    real = subprocess.Popen
+    monkeypatch.setattr(rig.runner.subprocess, "Popen",
+                        lambda cmd, **kw: real([cmd[0], str(script)], **{**kw, "cwd": str(tmp_path)}))
+    sc = types.SimpleNamespace(phones=1, edge_threads=1, phone_cores=None, speculate=False)
+    workload = types.SimpleNamespace(kind="chat", requests=len(gaps), max_tokens=3)
+    run = lambda: rig.runner.run_phones(sc, rig.runner.Targets(tmp_path, None), "all-edge", workload, [None],  # noqa: E731
+                                        tmp_path, "t", Progress(), stall_s=1.0)
+    if hung:
+        with pytest.raises(rig.runner.RigError, match=r"said nothing for 1 s \(1/2 requests done"):
+            run()
+    else:
+        assert len(run()) == len(gaps)
