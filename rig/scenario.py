@@ -243,12 +243,16 @@ def _number(key: str, value) -> None:
 def load_scenario(path: str | Path) -> Scenario:
     """Read a YAML (``.yaml``/``.yml``) or JSON scenario file."""
     path = Path(path)
+    if path.is_dir():
+        raise ScenarioError(f"{path}: a directory, not a scenario file")
     if not path.is_file():
         raise ScenarioError(f"{path}: no such scenario file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ScenarioError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:  # unreadable: its permissions, a FIFO gone
+        raise ScenarioError(f"{path}: cannot be read ({e.strerror or e})") from None
     if path.suffix.lower() in (".yaml", ".yml"):  # (Scenario.YAML was read as JSON: "not valid JSON")
         import yaml
 

@@ -96,6 +96,8 @@ def test_bad_scenarios_name_the_problem(data, match):
 def test_bad_files(tmp_path):
     with pytest.raises(ScenarioError, match="no such"):
         load_scenario(tmp_path / "missing.yaml")
+    with pytest.raises(ScenarioError, match="a directory, not a scenario file"):  # it said 'no such scenario file'
+        load_scenario(tmp_path)
     bad = tmp_path / "bad.yaml"
     bad.write_text("profiles: [wifi\n")
     with pytest.raises(ScenarioError, match="YAML"):
