@@ -111,6 +111,23 @@ def test_nginx_config_passes_nginx_t(nginx_bin, tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def _seconds(block: str, directive: str) -> float:
+    m = re.search(rf"^\s*{directive} (\d+)s;", block, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_post_is_passed_on_only_before_its_answer_could_be_due():
+    """The router passes a /v1 POST to the next replica after a 502/503, a failed connection or a timeout
+    (non_idempotent); with no proxy_next_upstream_timeout (0: no limit) a non-streamed completion whose answer had not
+    begun within proxy_read_timeout was run again on each replica, 3 x 600 s, each answer thrown away. Passing on
+    must end before the read timeout can fire: that request gets its 504 once."""
+    conf = (DEPLOY / "nginx" / "autoglm-split.conf").read_text()
+    block = re.search(r"location /v1/ \{(.*?)\n    \}", conf, re.S).group(1)
+    assert "non_idempotent" in block
+    passing_on = _seconds(block, "proxy_next_upstream_timeout")
+    assert 0 < passing_on < _seconds(block, "proxy_read_timeout"), (passing_on, _seconds(block, "proxy_read_timeout"))
+
+
 # -- metric names against a live server ----------------------------------------------------------------------
 
 def _exposed_names(text: str) -> set[str]:
