@@ -47,6 +47,7 @@ from cloud_server.session_ledger import LedgerEntry, SessionLedger
 log = logging.getLogger("autoglm.cloud.host")
 RENDER_TIMEOUT_S = 2.0  # a scrape waits this long for the workers' metric families
 READ_BYTES = 1 << 18  # one recv's most
+TELL_WAIT_S = 1.0  # how long the supervisor waits for the engine thread to tell the workers the engine stopped
 
 
 class WorkerPort:
@@ -303,12 +304,24 @@ class EngineHost:
 
     def check_engine(self) -> bool:
         """Tell every worker once when the engine has stopped (called periodically by the supervisor); True when
-        this call told them."""
+        this call told them. A stalled engine (``AsyncEngine.stalled``) is told as ``engine_gone``: its requests did
+        nothing wrong and their edges replay them elsewhere, as after a killed engine process; and since its thread
+        is stuck in the step, the message is written from here when that thread does not take it."""
         if self.engine.dead is None or self._dead_told:
             return False
         self._dead_told = True
-        for port in list(self.ports.values()):
-            port.send(("dead", self.engine.dead))
+        msg = frame([("dead", self.engine.dead, "engine_gone" if self.engine.stalled else "engine_error")])
+        told = threading.Event()
+
+        def tell() -> None:
+            for port in list(self.ports.values()):
+                port._write(msg)
+            told.set()
+
+        self.on_engine_thread(tell)
+        if not told.wait(TELL_WAIT_S):  # stuck in a step: were the workers told on it, their requests waited for ever
+            log.warning("engine link: the engine thread is stuck; telling the workers from here")
+            tell()
         return True
 
     def stop(self) -> None:

@@ -26,7 +26,8 @@ engine -> worker
     ``("reply", call_id, ok, value)``                        ``ok`` False: ``value`` is the error text
     ``("reclaim", session_id)``                              close this session: its edge resumed elsewhere
     ``("render", token)``                                    send your metric families (a scrape elsewhere)
-    ``("dead", message)``                                    the engine stopped
+    ``("dead", message, code)``                              the engine stopped: its open requests end with
+                                                             ``code`` (engine_error; engine_gone if it stalled)
 
 Hidden states cross as numpy arrays (raw bytes in the pickle, never torch's shared-memory reducers): the
 chunks of an ``inputs`` message share one ``[n, H]`` float32 array. Both ends run the pipe's socket on an event

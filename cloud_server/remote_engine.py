@@ -17,7 +17,8 @@ one frame and are handed to the sinks in order on the loop, with no thread betwe
 loop for the interpreter). If the engine process goes away (killed), every open request gets an ``engine_gone``
 output (on the wire ``draining``: its edge takes it to the restarted server or another replica, as after a
 whole server's crash) and ``dead`` says so (the worker's server then stops: ``cloud_server.app.DrainingServer``).
-A fatal engine error the engine process reports (``dead``) is ``engine_error`` (``internal``: not retried).
+A fatal engine error the engine process reports (``dead``) is ``engine_error`` (``internal``: not retried); a
+stalled engine (a step that never came back, ``--engine-stall-s``) is ``engine_gone``, as a killed one.
 """
 
 from __future__ import annotations
@@ -223,8 +224,8 @@ class RemoteEngine:
                 self.on_reclaim(msg[1])
         elif kind == "render":  # collected off the event loop (tens of ms with many tenants), sent from there
             self.loop.run_in_executor(None, self._render, msg[1])
-        elif kind == "dead":
-            self._fail(msg[1])
+        elif kind == "dead":  # the engine's fatal error (engine_error), or a stalled engine (engine_gone)
+            self._fail(msg[1], msg[2])
 
     def _render(self, token: int) -> None:
         self._send([("rendered", token, self.families() if self.families is not None else [])])

@@ -86,6 +86,7 @@ class AsyncEngine:
         self.on_fatal = on_fatal
         self.stall_s = stall_s  # a step running longer than this is a wedged engine (None: never)
         self._step_began: float | None = None  # when the step now running began (None: not in a step)
+        self.stalled = False  # ``dead`` is a step that never came back (its requests may run elsewhere), not an error
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._stop = threading.Event()
@@ -127,6 +128,7 @@ class AsyncEngine:
         if self._dead is None and self.stall_s is not None and began is not None \
                 and time.monotonic() - began > self.stall_s:
             self._dead = f"an engine step has run for over {self.stall_s:g} s (a wedged device or a deadlock)"
+            self.stalled = True
             log.error("engine stalled: %s", self._dead)
         return self._dead
 

@@ -69,14 +69,18 @@ sys.exit(main(sys.argv[2:]))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
 def test_a_replica_whose_engine_wedges_stops_and_its_phones_finish_on_another(
-        tiny_glm4_fp32_bundle, tiny_glm4_lm, replica_pool, nginx_bin, tmp_path):
+        tiny_glm4_fp32_bundle, tiny_glm4_lm, replica_pool, nginx_bin, tmp_path, workers):
+    """With ``--workers 2`` the engine process told its workers 'dead' through the engine thread, the one stuck in
+    the step: they never heard it, their phones' requests ended 'internal' at the drain timeout, not replayed."""
     [healthy] = replica_pool.get(1)
     wedge = tmp_path / "wedge"
     port = routing_bench.free_port()
     with open(tmp_path / "wedged.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", WEDGEABLE, str(wedge), "serve", str(tiny_glm4_fp32_bundle),
-                                 "--port", str(port), "--engine-stall-s", "2", "--log-level", "warning"],
+                                 "--port", str(port), "--engine-stall-s", "2", "--log-level", "warning",
+                                 "--workers", str(workers)],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     rng = np.random.RandomState(5)
