@@ -306,10 +306,18 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
     return 0
 
 
+def _interrupt(_sig, _frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """``autoglm-cloud``; Ctrl-C where the server does not take it as a drain (while the command starts, before
-    it serves) ends as every console script's does (``shared.cli_exit``): ``interrupted``, exit 130. Run as the
+    it serves) ends as every console script's does (``shared.cli_exit``): ``interrupted``, exit 130. So does a
+    SIGTERM then: as a container's PID 1 the process ignored it (the default disposition), so a pod stopped while
+    its server loaded and hashed its bundle waited out its whole grace period for the SIGKILL. Run as the
     console script (``argv`` None) it ends the process itself once the command is done (:func:`_exit_now`)."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # serving, uvicorn's handler drains instead
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         code = _main(argv)
     except KeyboardInterrupt:

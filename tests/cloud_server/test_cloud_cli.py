@@ -467,6 +467,24 @@ def test_ctrl_c_before_the_server_serves_is_interrupted_exit_130(tiny_bundle, ca
     assert capsys.readouterr().err == "interrupted\n"
 
 
+def test_sigterm_before_the_server_serves_is_interrupted_exit_130(tiny_bundle):
+    """A SIGTERM while the command starts (its model loading, its bundle's hashes) ended the process by the
+    default disposition - and as a container's PID 1, which ignores a signal left at its default, it was not
+    heard at all: a pod stopped then waited out its grace period. It ends as Ctrl-C does then: 'interrupted', 130."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, time\n"
+            "import cloud_server.cli as cli\n"
+            "def loading(*_a, **_k):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(30)\n"
+            "cli.serve = loading\n"
+            f"sys.exit(cli.main(['serve', {str(tiny_bundle)!r}, '--device', 'cpu', '--port', '1']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stderr.strip().splitlines()[-1:]) == (130, ["interrupted"]), (r.returncode, r.stderr)
+
+
 def test_a_second_sigterm_just_after_a_drain_never_kills_the_process(tiny_bundle, tmp_path):
     """With nothing open the first SIGTERM drained at once, and the interpreter's teardown (about a second of torch's
     and onnxruntime's native finalizers) ran with the default dispositions back: a second SIGTERM then ended the
