@@ -299,6 +299,9 @@ def test_a_pump_is_polled_on_the_engine_thread_and_other_threads_wake_it(engine)
         assert {o.request_id for o in got if o.finished} == {"a", "b"}
         assert pump.woken == 0  # commands read on the engine thread need no wakeup
         assert ae.call(lambda e: len(e.seqs)).result(5) == 0  # from this thread: it wakes the poll
+        deadline = time.monotonic() + 5  # an engine thread between two polls ran the call first, then reads the wake
+        while pump.woken == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert pump.woken >= 1 and pump.threads == {"autoglm-engine"}
     finally:
         ae.shutdown()
