@@ -429,8 +429,11 @@ def _write_bundle(lm: LoadedModel, cfg: SplitConfig, adapter: ModelAdapter, star
     steps.next(f"write layers [{cfg.layer}, {L - cfg.tail})" + ("" if cfg.tail else " + norm + lm_head"))
     from safetensors.torch import save_file
 
-    save_file(back_state_dict(adapter, cfg.layer, cfg.tail), str(out / BACK_WEIGHTS))
     (out / BACK_CONFIG).write_text(lm.model.config.to_json_string())
+    save_file(back_state_dict(adapter, cfg.layer, cfg.tail), str(out / BACK_WEIGHTS))
+    # safetensors writes through a private temporary file (0600): the mode open() gives a new file (0666 less the
+    # umask), as the bundle's other files have, so a server running as another user can read it
+    shutil.copymode(out / BACK_CONFIG, out / BACK_WEIGHTS)
     if getattr(lm.model, "generation_config", None) is not None:
         (out / GENERATION_CONFIG).write_text(lm.model.generation_config.to_json_string())
 

@@ -51,6 +51,17 @@ def test_manifest_records_model_and_hashes(tiny_glm4_bundle):
     assert len(calib["outlier_channels"]) == 8 and len(calib["channel_absmax"]) == 64
 
 
+def test_every_file_of_a_bundle_has_the_mode_a_new_file_gets(tiny_glm4_bundle):
+    """safetensors writes through a private temporary file: cloud/back.safetensors came out 0600 where every other
+    file is 0644 (umask 022), so a server running as another user - the Dockerfile's uid 10001 over a volume of
+    bundles split by someone else - could not read the cloud half it must serve."""
+    import stat
+
+    modes = {p.relative_to(tiny_glm4_bundle).as_posix(): stat.S_IMODE(p.stat().st_mode)
+             for p in tiny_glm4_bundle.rglob("*") if p.is_file()}
+    assert set(modes.values()) == {modes["manifest.json"]}, modes
+
+
 def test_bundle_id_ties_halves_and_ignores_edge_variant(tiny_glm4_fp32_bundle, tiny_glm4_int8_bundle,
                                                         tiny_glm4_l1_bundle):
     # tiny-glm4 split at 2 (fp32 edge), at 2 (int8 edge), at 1 (fp32 edge): the session's bundles
