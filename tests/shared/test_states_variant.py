@@ -34,3 +34,19 @@ def test_encoders_count_and_drafters_do_not():
     assert _manifest(**base, **{"edge/draft_head.onnx": "d" * 64}).states_variant == plain  # proposes, never computes
     assert _manifest(**base, **{"edge/vision.onnx": "v" * 64}).states_variant != plain  # its rows are states
     assert _manifest(**base, **{"edge/front_prefill.onnx": "p" * 64}).states_variant != plain
+
+
+def test_the_protocol_doc_names_every_edge_variant_suffix():
+    """docs/protocol.md ("Prefix keys") is all a client in another language has to derive the keys' edge variant
+    from: it named `+fp32-prefill` but not `+int8-kv` (`split --edge-kv int8`), so such a client's keys never
+    matched the reference edge's blocks of the same tenant."""
+    from pathlib import Path
+    row = next(line for line in (Path(__file__).parents[2] / "docs" / "protocol.md").read_text().splitlines()
+               if line.startswith("| `edge_variant` |"))
+    for report in ({"prefill": {"mode": "fp32"}}, {"kv_cache": "int8 PER_CHANNEL"},
+                   {"prefill": {"mode": "fp32"}, "kv_cache": "int8 PER_CHANNEL"}):
+        m = _manifest(**{"edge/front.onnx": "a" * 64})
+        m.quant_report = report
+        suffix = m.edge_variant[len(m.edge_quant):]
+        assert suffix and f"`{suffix}`" in row, (report, suffix)
+    assert "else `+int8-kv`" in row  # the prefill suffix wins when both apply
