@@ -177,6 +177,8 @@ class Manifest:
             raw = json.loads(path.read_text(), parse_constant=_refuse_constant)
         except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError, _refuse_constant
             raise BundleError(f"{path}: not valid JSON ({e})") from None
+        except OSError as e:  # another user's file (mode 0600): a PermissionError traceback in cloud serve, the edge
+            raise BundleError(unreadable(path, e)) from None
         if not isinstance(raw, dict):
             raise BundleError(f"{path}: expected a JSON object")
         version = raw.get("format_version")
@@ -216,15 +218,18 @@ class Manifest:
             if art.role not in roles:
                 continue
             p = Path(bundle_dir) / rel
-            if art.role in if_present and not p.exists():
-                continue
-            if not p.is_file():
-                raise BundleError(f"{p}: missing artifact")
-            size = p.stat().st_size
-            if size != art.bytes:
-                raise BundleError(f"{p}: {size} bytes, manifest says {art.bytes} (truncated or replaced)")
-            if hashes and sha256_file(p) != art.sha256:
-                raise BundleError(f"{p}: sha256 mismatch (tampered or corrupt)")
+            try:
+                if art.role in if_present and not p.exists():
+                    continue
+                if not p.is_file():
+                    raise BundleError(f"{p}: missing artifact")
+                size = p.stat().st_size
+                if size != art.bytes:
+                    raise BundleError(f"{p}: {size} bytes, manifest says {art.bytes} (truncated or replaced)")
+                if hashes and sha256_file(p) != art.sha256:
+                    raise BundleError(f"{p}: sha256 mismatch (tampered or corrupt)")
+            except OSError as e:  # (was a PermissionError traceback in cloud serve and autoglm-edge)
+                raise BundleError(unreadable(p, e)) from None
 
 
 ARTIFACT_ROLES = ("edge", "cloud", "shared", "cloud-draft")
@@ -253,6 +258,12 @@ def same_source(a: str, b: str) -> bool:
     meta_a, _, content_a = hash_a.partition("+")
     meta_b, _, content_b = hash_b.partition("+")
     return content_a == content_b if content_a and content_b else meta_a == meta_b
+
+
+def unreadable(path: Path, e: OSError) -> str:
+    """The one line for a bundle file this process cannot read (``e``): another user's file (mode 0600), a folder
+    it may not enter, an I/O error of the disk."""
+    return f"{path}: cannot be read ({e.strerror or e}); the user running this needs read access to the bundle's files"
 
 
 def _is_int(v) -> bool:

@@ -273,6 +273,29 @@ def test_a_damaged_bundle_is_refused_in_one_line_before_the_server_starts(tiny_b
         assert "missing artifact" in capsys.readouterr().err
 
 
+def test_a_bundle_file_the_server_may_not_read_is_refused_in_one_line(tiny_bundle, tmp_path):
+    """Another user's bundle (cloud/back.safetensors came out 0600 from split): reading the manifest or hashing a
+    cloud file raised PermissionError, a traceback, exit 1. The server runs where file modes bind it (as root:
+    without the capabilities that bypass them)."""
+    import os
+    import shutil
+
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: file modes do not bind")
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
+                  "--inh-caps=-dac_override,-dac_read_search", "--"]
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_bundle, bundle)
+    for rel in ("cloud/back.safetensors", "manifest.json"):
+        (bundle / rel).chmod(0)
+        r = subprocess.run([*prefix, sys.executable, "-m", "cloud_server.cli", "serve", str(bundle), "--device", "cpu",
+                            "--port", "1"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"{bundle / rel}: cannot be read (Permission denied)" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
 def test_a_cloud_file_changed_in_place_is_refused_in_one_line_before_the_server_starts(tiny_bundle, tmp_path,
                                                                                           capsys, monkeypatch):
     """Same size, other bytes (a back half swapped from another model of the same shape, bit rot): the start check
