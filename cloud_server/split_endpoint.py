@@ -14,12 +14,13 @@ translation the translator's, and what the engine is (variants, sizes) comes fro
 at start: nothing here reads the running engine.
 
 Refusals: a bundle mismatch closes with 1008, an overload (``max_sessions``) or a draining server with 1013,
-a malformed frame or a fatal rule violation with 1002; each after an ``Error`` naming the cause. A fatal ``Error``
-the edge caused (those two, a revoked key) ends its session at once, as a ``Close`` does: nothing to resume. A rule
-broken by one request (``too_large``, ``bad_position``, ``context_full``, ...) fails that request and leaves
-the session open. Frames up to :data:`OVERSIZE_SLACK` bytes over ``max_frame_bytes`` are still parsed, so an
-over-size chunk fails its request (``too_large``) rather than the session; larger ones are not read: the ASGI
-server closes the link (1009) and the session ends with it, as after a fatal ``too_large`` (a frame the server
+a malformed frame or a fatal rule violation with 1002 (``version`` 1008, ``too_large`` 1009:
+:func:`fatal_close_code`); each after an ``Error`` naming the cause. A fatal ``Error`` the edge caused (those
+two, a revoked key) ends its session at once, as a ``Close`` does: nothing to resume. A rule broken by one request
+(``too_large``, ``bad_position``, ``context_full``, ...) fails that request and leaves the session open. Frames
+up to :data:`OVERSIZE_SLACK` bytes over ``max_frame_bytes`` are still parsed, so an over-size chunk fails its
+request (``too_large``) rather than the session; larger ones are not read: the ASGI server closes the link (1009)
+and the session ends with it, as after a fatal ``too_large`` (a frame the server
 could not read names no request it could fail: nothing to resume).
 
 Disconnects: the session is detached, not dropped; its requests keep their KV for ``session_grace_s``
@@ -66,6 +67,15 @@ log = logging.getLogger("autoglm.cloud.split")
 
 CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_LATER = (
     1000, 1002, 1008, 1009, 1011, 1013)
+
+
+def fatal_close_code(code: str) -> int:
+    """The close that follows a fatal ``Error(code)`` of the edge's making (a frame or a rule, at the handshake or
+    later): ``version`` 1008, ``too_large`` 1009 (a frame over what the decoder or ``max_frame_bytes`` takes), any
+    other 1002 (docs/protocol.md, "Transport")."""
+    return {"version": CLOSE_POLICY, "too_large": CLOSE_TOO_BIG}.get(code, CLOSE_PROTOCOL)
+
+
 HELLO_TIMEOUT_S = 30.0  # a connection that sends no Hello within this is closed (bad_state)
 IDLE_FLOOR_S = 300.0  # a quiet session (a user reading) is closed after max(step timeout, this); it stays resumable
 OVERSIZE_SLACK = 1 << 20  # frames this far over max_frame_bytes are parsed and refused per request
@@ -235,12 +245,8 @@ class SplitEndpoint:
         except asyncio.TimeoutError:
             await self._refuse(ws, "bad_state", f"no Hello within {rt.config.handshake_timeout_s:g} s", CLOSE_PROTOCOL)
             return None
-        except P.ProtocolError as e:
-            close = CLOSE_POLICY if e.code == "version" else CLOSE_PROTOCOL
-            await self._refuse(ws, e.code, e.message, close)
-            return None
-        except SessionError as e:
-            await self._refuse(ws, e.code, e.message, CLOSE_PROTOCOL)
+        except (P.ProtocolError, SessionError) as e:
+            await self._refuse(ws, e.code, e.message, fatal_close_code(e.code))
             return None
         if hello.bundle_id != rt.bundle_id:
             await self._refuse(ws, "bundle_mismatch", f"this server serves bundle {rt.bundle_id}, the edge has "
@@ -453,11 +459,11 @@ class SplitEndpoint:
                 session.usage.on_received(session, msg, len(data))
             except P.ProtocolError as e:
                 await self._end(session, ws, P.Error(code=e.code, message=e.message, fatal=True),
-                                CLOSE_TOO_BIG if e.code == "too_large" else CLOSE_PROTOCOL)
+                                fatal_close_code(e.code))
                 return
             except SessionError as e:
                 if e.fatal:
-                    await self._end(session, ws, e.to_error(), CLOSE_PROTOCOL)
+                    await self._end(session, ws, e.to_error(), fatal_close_code(e.code))
                     return
                 if e.request_id is None:  # no request to fail: answer and go on
                     session.send(e.to_error())

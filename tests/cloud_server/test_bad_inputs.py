@@ -264,6 +264,22 @@ def test_a_frame_too_large_to_read_ends_the_session(server):
     assert isinstance(resumed, P.Welcome) and not resumed.resumed, resumed
 
 
+def test_a_fatal_too_large_closes_1009_wherever_it_is_found(server):
+    """docs/protocol.md: a fatal ``too_large`` closes 1009, as the read loop's decoder limits did; a msgpack array over
+    them as the first frame (the handshake) and a frame over max_frame_bytes naming no request (a Close with a large
+    trailing field, "fatal (too_large)") were closed 1002, so a client could not tell them from a protocol error."""
+    import msgpack
+
+    async def main():
+        first = await _fatal_first_frame(server, b"\xdd\xff\xff\xff\xff\x01")  # array32 of 2^32 - 1 entries
+        p = Probe(server)
+        await p.open()
+        await p.send(msgpack.packb([10, "", b"\0" * (P.SessionLimits().max_frame_bytes + 100)], use_bin_type=True))
+        return first, await p.answer()
+
+    assert asyncio.run(main()) == (("too_large", 1009), ("too_large", 1009))
+
+
 def _refused(server) -> dict[str, float]:
     import httpx
 
