@@ -224,7 +224,8 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         name = "functions" if present("functions") else "function_call"
         raise OpenAIRequestError(f"{name}: function calling is not supported by this server", name)
     fmt = body.get("response_format")
-    if chat and fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+    # both routes: vLLM's /v1/completions takes it too (JSON mode / a schema), answered unconstrained before
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
         raise OpenAIRequestError("response_format: only {'type': 'text'} is supported by this server (no JSON "
                                  "mode or schema-constrained output)", "response_format")
     modalities = body.get("modalities")

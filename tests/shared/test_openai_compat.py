@@ -157,12 +157,16 @@ def test_features_not_offered_are_refused_by_name_not_ignored(extra, param):
 
 @pytest.mark.parametrize("extra, param", [({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix"),
                                           ({"logit_bias": {"1": 5}}, "logit_bias"), ({"logprobs": 2}, "logprobs"),
-                                          ({"logprobs": 0}, "logprobs")])  # 0: the sampled token's own (was null)
+                                          ({"logprobs": 0}, "logprobs"),  # 0: the sampled token's own (was null)
+                                          # vLLM's /v1/completions takes JSON mode / a schema: answered
+                                          # unconstrained with a 200 before
+                                          ({"response_format": {"type": "json_object"}}, "response_format")])
 def test_completion_features_not_offered_are_refused(extra, param):
     with pytest.raises(OpenAIRequestError) as ei:
         parse_completion_request({"prompt": "once", **extra})
     assert ei.value.param == param
-    assert parse_completion_request({"prompt": "once", "best_of": 1, "suffix": None, "logprobs": None}).prompt == "once"
+    assert parse_completion_request({"prompt": "once", "best_of": 1, "suffix": None, "logprobs": None,
+                                     "response_format": {"type": "text"}}).prompt == "once"
     # chat's logprobs is a boolean: false and top_logprobs 0 ask for nothing
     parse_chat_request(_body(logprobs=False, top_logprobs=0))
 
