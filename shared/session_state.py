@@ -180,6 +180,10 @@ class SessionState:
         and late messages about a request that already finished)."""
         if self.phase == CLOSED:
             raise SessionError("bad_state", f"{type(msg).__name__} after the session closed", fatal=True)
+        rid = getattr(msg, "request_id", None)
+        if frame_bytes is not None and frame_bytes > self.limits.max_frame_bytes and rid is None:  # a Hello too
+            raise SessionError(TOO_LARGE, f"{frame_bytes}-byte frame (max_frame_bytes {self.limits.max_frame_bytes})",
+                               fatal=True)
         if isinstance(msg, Hello):
             if self.phase != AWAIT_HELLO:
                 raise SessionError("bad_state", "Hello twice on one connection", fatal=True)
@@ -187,10 +191,6 @@ class SessionState:
             return None
         if self.phase in (AWAIT_HELLO, AWAIT_WELCOME):
             raise SessionError("bad_state", f"{type(msg).__name__} before the Welcome", fatal=True)
-        rid = getattr(msg, "request_id", None)
-        if frame_bytes is not None and frame_bytes > self.limits.max_frame_bytes and rid is None:
-            raise SessionError(TOO_LARGE, f"{frame_bytes}-byte frame (max_frame_bytes {self.limits.max_frame_bytes})",
-                               fatal=True)
         if isinstance(msg, Close):
             self.phase = CLOSED
             return None

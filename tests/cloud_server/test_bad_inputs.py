@@ -280,6 +280,16 @@ def test_a_fatal_too_large_closes_1009_wherever_it_is_found(server):
     assert asyncio.run(main()) == (("too_large", 1009), ("too_large", 1009))
 
 
+def test_a_hello_over_max_frame_bytes_is_a_fatal_too_large(server):
+    """A frame over max_frame_bytes that names no request is fatal (docs/protocol.md, "Session state machine"): a Hello
+    of 16 MiB and more (a large trailing field, which receivers otherwise ignore) was welcomed."""
+    import msgpack
+
+    pad = b"\0" * (P.SessionLimits().max_frame_bytes + 100)
+    hello = msgpack.packb([1, 1, server.bundle_id, ["fp16"], [], None, pad], use_bin_type=True)
+    assert asyncio.run(_fatal_first_frame(server, hello)) == ("too_large", 1009)
+
+
 def _refused(server) -> dict[str, float]:
     import httpx
 
