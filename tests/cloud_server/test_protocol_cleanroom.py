@@ -328,6 +328,33 @@ def test_a_doc_only_client_gets_the_edge_clients_greedy_tokens(server, front, ti
     assert asyncio.run(from_the_edge_clients_blocks()) == want
 
 
+def test_the_timings_a_doc_only_client_reads_are_the_ones_the_doc_describes(server, front):
+    """Tokens.timings: the doc called queue_ms and compute_ms "durations for this message's work", and the
+    reference server sends 0 for both on every message (only total_ms and draft_ms are measured): a client
+    that showed its users the queue wait read 0 under any load. The doc's row must say which are sent."""
+    async def run():
+        sess = Session(server.ws_url, front.manifest["bundle_id"], ["fp32"])
+        await sess.connect()
+        front.reset()
+        await sess.send([PREFILL, "t1", 0, encode("fp32", front.run(PROMPT)), True, params(3)])
+        seen = []
+        while True:
+            m = await sess.answer("t1")
+            seen.append(m[8])
+            if m[6] is not None:
+                break
+            await sess.send([DECODE, "t1", front.p, encode("fp32", front.run(m[3][-1:])), None, 0])
+        await sess.send([CLOSE, ""])
+        return seen
+
+    seen = asyncio.run(run())
+    assert len(seen) == 3 and all(t[2] > 0 for t in seen)  # total_ms: the server's time for each answer
+    row = next(line for line in (Path(__file__).parents[2] / "docs" / "protocol.md").read_text().splitlines()
+               if line.startswith("| 7 | timings |"))
+    if all(t[0] == 0 and t[1] == 0 for t in seen):
+        assert "sends 0 for both" in row, row
+
+
 def test_a_doc_only_client_cancels_resumes_and_handles_errors(server, front):
     bid = front.manifest["bundle_id"]
 
