@@ -124,3 +124,30 @@ def test_to_dict_is_json_friendly():
     d = P.to_dict(P.DecodeStep(request_id="r", position=3, hidden=t))
     assert d["type"] == "DecodeStep" and d["hidden"]["data"] == "<4 bytes>"
     json.dumps(d)
+
+
+def test_the_documented_sampling_ranges_are_the_ones_the_wire_checks():
+    """docs/protocol.md's SamplingParams gave top_p (0, 1], top_k >= 0 and max_tokens >= 1 where the decoder takes
+    [1e-9, 1], [0, 2^24] and [1, 2^31 - 1]: a doc-only client's top_p 1e-12 or top_k 2^30 was a fatal bad_value
+    that ended its session. Each documented bound is accepted and the next value past it refused."""
+    import re
+    from pathlib import Path
+
+    doc = " ".join((Path(__file__).parents[2] / "docs" / "protocol.md").read_text().split())
+
+    def bounds(field: str, kind: str) -> tuple[float, float]:
+        m = re.search(rf"{field}: {kind}\[([^,\]]+), ([^\]]+)\]", doc)
+        assert m, f"{field}: no documented range {kind}[lo, hi]"
+        return tuple(eval(v.replace("^", "**"), {}) for v in m.groups())  # numbers like 1e-9, 2^31 - 1
+
+    lo, hi = bounds("top_p", "float")
+    P.SamplingParams(top_p=lo), P.SamplingParams(top_p=hi)
+    for bad in (lo / 2, 1.0000001):
+        with pytest.raises(P.ProtocolError):
+            P.SamplingParams(top_p=bad)
+    for field in ("top_k", "max_tokens"):
+        lo, hi = bounds(field, "int")
+        P.SamplingParams(**{field: lo}), P.SamplingParams(**{field: hi})
+        for bad in (lo - 1, hi + 1):
+            with pytest.raises(P.ProtocolError):
+                P.SamplingParams(**{field: bad})
