@@ -15,12 +15,12 @@ at start: nothing here reads the running engine.
 
 Refusals: a bundle mismatch closes with 1008, an overload (``max_sessions``) or a draining server with 1013,
 a malformed frame or a fatal rule violation with 1002 (``version`` 1008, ``too_large`` 1009:
-:func:`fatal_close_code`); each after an ``Error`` naming the cause. A fatal ``Error`` the edge caused (those
-two, a revoked key) ends its session at once, as a ``Close`` does: nothing to resume. A rule broken by one request
-(``too_large``, ``bad_position``, ``context_full``, ...) fails that request and leaves the session open. Frames
-up to :data:`OVERSIZE_SLACK` bytes over ``max_frame_bytes`` are still parsed, so an over-size chunk fails its
-request (``too_large``) rather than the session; larger ones are not read: the ASGI server closes the link (1009)
-and the session ends with it, as after a fatal ``too_large`` (a frame the server
+``shared.errors.fatal_close_code``); each after an ``Error`` naming the cause. A fatal ``Error`` the edge caused
+(those two, a revoked key) ends its session at once, as a ``Close`` does: nothing to resume. A rule broken by one
+request (``too_large``, ``bad_position``, ``context_full``, ...) fails that request and leaves the session open.
+Frames up to :data:`OVERSIZE_SLACK` bytes over ``max_frame_bytes`` are still parsed, so an over-size chunk fails
+its request (``too_large``) rather than the session; larger ones are not read: the ASGI server closes the link
+(1009) and the session ends with it, as after a fatal ``too_large`` (a frame the server
 could not read names no request it could fail: nothing to resume).
 
 Disconnects: the session is detached, not dropped; its requests keep their KV for ``session_grace_s``
@@ -59,6 +59,7 @@ from cloud_server.usage import TenantUsage
 from cloud_server.ws_protocol import ABORT, SEND_NOW
 from shared import protocol as P
 from shared.codecs import available_codecs, load_calibration
+from shared.errors import fatal_close_code
 from shared.prefix_keys import SHARED_SCOPE, tenant_scoped
 from shared.session_state import SessionError, SessionState
 from shared.version import __version__
@@ -67,15 +68,6 @@ log = logging.getLogger("autoglm.cloud.split")
 
 CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_LATER = (
     1000, 1002, 1008, 1009, 1011, 1013)
-
-
-def fatal_close_code(code: str) -> int:
-    """The close that follows a fatal ``Error(code)`` of the edge's making (a frame or a rule, at the handshake or
-    later): ``version`` 1008, ``too_large`` 1009 (a frame over what the decoder or ``max_frame_bytes`` takes), any
-    other 1002 (docs/protocol.md, "Transport")."""
-    return {"version": CLOSE_POLICY, "too_large": CLOSE_TOO_BIG}.get(code, CLOSE_PROTOCOL)
-
-
 HELLO_TIMEOUT_S = 30.0  # a connection that sends no Hello within this is closed (bad_state)
 IDLE_FLOOR_S = 300.0  # a quiet session (a user reading) is closed after max(step timeout, this); it stays resumable
 OVERSIZE_SLACK = 1 << 20  # frames this far over max_frame_bytes are parsed and refused per request

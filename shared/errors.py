@@ -45,6 +45,13 @@ SESSION_ERROR_CODES = (
 )
 
 
+def fatal_close_code(code: str) -> int:
+    """The WebSocket close code that follows a fatal ``Error(code)`` about what the peer sent (a frame, or a rule it
+    broke; docs/protocol.md, "Transport"): ``version`` 1008, ``too_large`` 1009 (a frame over the decoder's limits or
+    over ``max_frame_bytes`` naming no request), any other 1002. The server and the scripted fake close by it."""
+    return {VERSION: 1008, TOO_LARGE: 1009}.get(code, 1002)
+
+
 class ProtocolError(ValueError):
     """Malformed or out-of-contract wire input. ``code`` is one of :data:`PROTOCOL_ERROR_CODES`."""
 

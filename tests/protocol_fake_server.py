@@ -37,6 +37,7 @@ from websockets.asyncio.server import serve
 
 from shared import codecs as C
 from shared import protocol as P
+from shared.errors import fatal_close_code
 from shared.session_state import SessionError, SessionState
 
 SPLIT_PATH = "/v1/split"
@@ -150,7 +151,7 @@ class ScriptedServer:
             fresh.on_client(hello, len(frame))
         except (P.ProtocolError, SessionError) as e:
             await ws.send(P.encode_message(P.Error(code=e.code, message=e.message, fatal=True)))
-            await ws.close(1008 if e.code == "version" else 1002)
+            await ws.close(fatal_close_code(e.code))
             return
         except websockets.ConnectionClosed:
             return
@@ -198,12 +199,12 @@ class ScriptedServer:
                 track = sess.state.on_client(msg, len(frame))
             except P.ProtocolError as e:
                 await self._send(ws, sess, P.Error(code=e.code, message=e.message, fatal=True))
-                await ws.close(1002)
+                await ws.close(fatal_close_code(e.code))
                 return
             except SessionError as e:
                 await self._send(ws, sess, e.to_error())
                 if e.fatal:
-                    await ws.close(1002)
+                    await ws.close(fatal_close_code(e.code))
                     return
                 continue
             if isinstance(msg, P.Close):

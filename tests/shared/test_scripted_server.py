@@ -98,3 +98,24 @@ def test_other_paths_have_no_split_endpoint(fake_url):
         return refused.value.response.status_code
 
     assert asyncio.run(main()) == 404
+
+
+def test_the_fake_closes_as_the_real_server_does(fake_url):
+    """protocol.md: the scripted server refuses "with the real server's rulebook ... same codes"; a fatal too_large
+    (a msgpack array over the decoder's limit, before the Hello and after the Welcome) closed 1002, where the real
+    server closes 1009 (shared.errors.fatal_close_code: one rule for both)."""
+    async def fatal(hello: bool) -> tuple[str, int]:
+        if hello:
+            ws, _ = await _session(fake_url)
+        else:
+            ws = await websockets.connect(fake_url)
+        await ws.send(b"\xdd\xff\xff\xff\xff\x01")  # array32 of 2^32 - 1 entries
+        err = P.decode_message(await ws.recv())
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await ws.recv()
+        return err.code, closed.value.rcvd.code
+
+    async def main():
+        return [await fatal(False), await fatal(True)]
+
+    assert asyncio.run(main()) == [("too_large", 1009)] * 2
