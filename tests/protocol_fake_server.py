@@ -157,7 +157,7 @@ class ScriptedServer:
             return
         if hello.bundle_id != self.bundle_id:
             await ws.send(P.encode_message(P.Error(code="bundle_mismatch", message=f"this server serves "
-                                                   f"{self.bundle_id}", fatal=True)))
+                                                   f"{self.bundle_id}", fatal=True, bundle_ids=[self.bundle_id])))
             await ws.close(1008)
             return
         codecs = [c for c in hello.codecs if c in self.codecs]

@@ -119,3 +119,18 @@ def test_the_fake_closes_as_the_real_server_does(fake_url):
         return [await fatal(False), await fatal(True)]
 
     assert asyncio.run(main()) == [("too_large", 1009)] * 2
+
+
+def test_a_bundle_mismatch_names_the_served_bundle(fake_url):
+    """protocol.md: Error.bundle_ids is set on bundle_mismatch (the bundles a client may download instead); the
+    fake's refusal left it empty, so a foreign client's update path could not be tested against it."""
+    async def main():
+        ws = await websockets.connect(fake_url)
+        await ws.send(P.encode_message(P.Hello(bundle_id="another-bundle", codecs=["fp16"])))
+        err = P.decode_message(await ws.recv())
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await ws.recv()
+        return err, closed.value.rcvd.code
+
+    err, code = asyncio.run(main())
+    assert (err.code, err.fatal, err.bundle_ids, code) == ("bundle_mismatch", True, ["demo-bundle"], 1008)
