@@ -46,11 +46,15 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
-# vLLM's request extensions that change the answer (schema-constrained output, other sampling and stopping rules):
-# refused, as OpenAI's unsupported fields are; the value that asks for nothing passes.
+# vLLM's request extensions that change the answer (schema-constrained output, other sampling and stopping rules,
+# the tokens allowed or banned, a prompt rendered or cut otherwise - continue_final_message's assistant prefix was
+# answered as a new turn): refused, as OpenAI's unsupported fields are; the value that asks for nothing passes.
 VLLM_EXTRAS = {"guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-               "structured_outputs": None, "min_p": 0, "min_tokens": 0, "stop_token_ids": [], "ignore_eos": False,
-               "use_beam_search": False, "include_stop_str_in_output": False, "prompt_logprobs": None}
+               "structured_outputs": None, "structural_tag": None, "min_p": 0, "min_tokens": 0, "stop_token_ids": [],
+               "ignore_eos": False, "use_beam_search": False, "include_stop_str_in_output": False,
+               "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": [], "logits_processors": None,
+               "continue_final_message": False, "add_generation_prompt": True, "chat_template": None,
+               "documents": None, "truncate_prompt_tokens": None}
 
 
 INVALID_REQUEST = "invalid_request_error"

@@ -171,6 +171,24 @@ def test_completion_features_not_offered_are_refused(extra, param):
     parse_chat_request(_body(logprobs=False, top_logprobs=0))
 
 
+@pytest.mark.parametrize("field, value", [
+    ("continue_final_message", True), ("add_generation_prompt", False), ("allowed_token_ids", [100, 200]),
+    ("bad_words", ["Hello"]), ("truncate_prompt_tokens", 8), ("structural_tag", "{}"), ("chat_template", "{{ x }}"),
+    ("documents", [{"text": "d"}]), ("logits_processors", ["p"])])
+def test_vllm_prompt_and_token_rules_are_refused_by_name_not_ignored(field, value):
+    """vLLM clients' continue_final_message (an assistant prefix to continue: it was answered as a new turn),
+    allowed_token_ids / bad_words (a 200 with the tokens they banned), truncate_prompt_tokens, a chat_template and
+    the rest were dropped without a word, on both endpoints; their neutral values pass."""
+    for parse, body in ((parse_chat_request, _body()), (parse_completion_request, {"prompt": "once"})):
+        with pytest.raises(OpenAIRequestError) as ei:
+            parse({**body, field: value})
+        assert ei.value.param == field and ei.value.status == 400
+    neutral = {"continue_final_message": False, "add_generation_prompt": True, "allowed_token_ids": None,
+               "bad_words": [], "truncate_prompt_tokens": None, "chat_template": None}
+    parse_chat_request(_body(**neutral))
+    parse_completion_request({"prompt": "once", **neutral})
+
+
 def test_parse_completion():
     r = parse_completion_request({"model": "m", "prompt": ["once"], "max_tokens": 4})
     assert r.prompt == "once" and r.sampling.max_tokens == 4 and r.prompt_ids is None
