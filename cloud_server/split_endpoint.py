@@ -241,9 +241,11 @@ class SplitEndpoint:
             await self._refuse(ws, e.code, e.message, fatal_close_code(e.code))
             return None
         if hello.bundle_id != rt.bundle_id:
-            await self._refuse(ws, "bundle_mismatch", f"this server serves bundle {rt.bundle_id}, the edge has "
-                                                      f"{hello.bundle_id}", CLOSE_POLICY,
-                               bundle_ids=self.served_bundle_ids or [rt.bundle_id])  # GET /v1/bundles has them
+            served = self.served_bundle_ids or [rt.bundle_id]  # GET /v1/bundles has them
+            # every served id in the words too: naming the default alone said a several-bundle server served it only
+            await self._refuse(ws, "bundle_mismatch", f"this server serves bundle{'s' * (len(served) > 1)} "
+                                                      f"{', '.join(served)}, the edge has {hello.bundle_id}",
+                               CLOSE_POLICY, bundle_ids=served)
             return None
         if rt.engine is None or not rt.engine.alive:
             await self._refuse(ws, "internal", f"engine not running: {rt.engine.dead if rt.engine else 'starting'}",

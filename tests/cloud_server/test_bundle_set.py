@@ -64,6 +64,7 @@ def test_an_unknown_bundle_is_refused_with_every_served_id(two_bundles, tiny_bun
         asyncio.run(link.connect(P.Hello(bundle_id="f" * 32, codecs=["fp16"])))
     ids = [Manifest.load(tiny_bundle).bundle_id, Manifest.load(bundle_l1).bundle_id]
     assert ei.value.code == "bundle_mismatch" and ei.value.bundle_ids == ids
+    assert all(i in str(ei.value) for i in ids), str(ei.value)  # the words named the default bundle alone
 
 
 def test_ready_models_listing_and_one_merged_metrics_page(two_bundles, tiny_bundle, bundle_l1):
