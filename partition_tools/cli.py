@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("bundle", help="bundle directory written by split")
     v.add_argument("--source", default=_env("SOURCE"), help="reference model (default: the manifest's source)")
     v.add_argument("--text", default=_env("TEXT"), help="UTF-8 text file to evaluate on (default: built-in sample)")
-    v.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS", "1024"), help="tokens to evaluate (at most the positions the edge graph holds: the model's context)")
+    v.add_argument("--max-tokens", type=int, default=_env("MAX_TOKENS"), help="tokens to evaluate (default 1024, or the "
+                        "positions the edge graph holds - the model's context - when fewer; at most those positions)")
     v.add_argument("--json", action="store_true", help="print exactly one JSON object")
 
     i = sub.add_parser("inspect", help="show what a bundle holds and re-check its hashes",
@@ -291,7 +292,7 @@ def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
 def _cmd_verify(args) -> int:
     from .verify import verify_bundle
 
-    if args.max_tokens < 16:
+    if args.max_tokens is not None and args.max_tokens < 16:
         raise UsageError("--max-tokens must be at least 16")
     text = _text(args)
     r = verify_bundle(args.bundle, source=_source(args), text=text, max_tokens=args.max_tokens)

@@ -103,9 +103,14 @@ def ushape_greedy_check(bundle_dir: Path, model, ids: np.ndarray, n_new: int = 1
     return {"ushape_tokens": got, "reference_tokens": ref, "ushape_matching_prefix": same}
 
 
+DEFAULT_TOKENS = 1024  # tokens verify scores unless told (fewer where the edge graph holds fewer positions)
+
+
 def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str | None = None,
-                  max_tokens: int = 1024) -> dict:
-    """Run both checks; returns the report dict with a ``passed`` flag and the ``failures`` list."""
+                  max_tokens: int | None = None) -> dict:
+    """Run both checks; returns the report dict with a ``passed`` flag and the ``failures`` list. ``max_tokens``:
+    at most the positions the edge graph holds (BundleError past them); None: ``DEFAULT_TOKENS``, or those positions
+    when fewer (a model of a 512-token context was refused its default with no --max-tokens given)."""
     from edge_client.front import FrontRuntime
 
     from .evaluate import evaluate_split, fp16_round_trip
@@ -119,6 +124,8 @@ def verify_bundle(bundle_dir: str | Path, source: str | None = None, text: str |
     steps.next("re-hash the bundle's files")
     manifest.verify_files(bundle_dir)
     positions = FrontRuntime(bundle_dir, verify=False, prefill_graph=None).max_positions
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_TOKENS, positions)
     if max_tokens > positions:  # the edge graph refused them with a FrontError traceback after the reference ran
         raise BundleError(f"--max-tokens {max_tokens}: the bundle's edge graph holds {positions} positions")
     steps.next(f"load {source or manifest.source}")

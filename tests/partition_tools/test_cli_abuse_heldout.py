@@ -615,6 +615,29 @@ def test_verify_more_tokens_than_the_edge_graph_holds(tiny_glm4_bundle, capsys, 
                        "--max-tokens 3000: the bundle's edge graph holds 2048 positions")
 
 
+def test_verify_of_a_model_of_a_short_context_scores_what_it_holds(tiny_glm4_bundle, tmp_path, capsys):
+    """Without --max-tokens, a bundle whose edge graph holds 512 positions (a checkpoint of a 512-token context; here
+    tiny-glm4's graph says so): the default 1024 was refused ('--max-tokens 1024: the bundle's edge graph holds 512
+    positions', exit 2) - a flag never given; it scores the 512 the graph holds."""
+    import onnx
+
+    from edge_client.front import MAX_POSITIONS_KEY
+    from shared.manifest import Manifest
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny_glm4_bundle, bundle)
+    graph = onnx.load(str(bundle / "edge/front.onnx"))
+    for prop in graph.metadata_props:
+        if prop.key == MAX_POSITIONS_KEY:
+            prop.value = "512"
+    onnx.save(graph, str(bundle / "edge/front.onnx"))
+    m = Manifest.load(bundle)
+    m.add_artifact(bundle, "edge/front.onnx", "edge")  # (outside the bundle id)
+    m.save(bundle)
+    assert main(["verify", str(bundle), "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["tokens"] == 512
+
+
 def _tiny_gguf(path, blocks_written: int = 2):
     """A 2-layer llama GGUF of random weights and a 64-token vocabulary; layers from ``blocks_written`` on left out."""
     import numpy as np
