@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from shared.manifest import BundleError, Manifest
+from shared.manifest import BundleError, Manifest, same_source
 from shared.user_paths import user_path
 
 DEMO_PROMPT = "In three sentences, explain why splitting a language model between a phone and a server helps."
@@ -38,14 +38,17 @@ def cache_root() -> Path:
 
 
 def ensure_bundle(out: Path | None = None, source: str = "smollm2", layer: int = DEMO_LAYER,
-                  edge_quant: str = "int8", rebuild: bool = False, quiet: bool = False) -> Path:
-    """The cached bundle at ``out`` (default ``<cache>/bundles/smollm2-l8``), built if absent or broken."""
+                  edge_quant: str = "int8", rebuild: bool = False, quiet: bool = False,
+                  identity: str | None = None) -> Path:
+    """The cached bundle at ``out`` (default ``<cache>/bundles/smollm2-l8``), built if absent or broken, or, given
+    ``identity`` (``source``'s source identity), if split from other weights (another model at that path before)."""
     out = Path(out) if out is not None else cache_root() / "bundles" / f"{source}-l{layer}"
     if not rebuild:
         try:
             m = Manifest.load(out)
             m.verify_files(out)
-            if m.split_layer == layer and m.edge_quant == edge_quant:
+            if m.split_layer == layer and m.edge_quant == edge_quant and (
+                    identity is None or same_source(m.source_identity, identity)):
                 return out
         except BundleError:
             pass

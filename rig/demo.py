@@ -32,16 +32,18 @@ def demo_scenario(profile: str = "4g", threads: int = 1) -> Scenario:
 def run_demo(profile: str = "4g", threads: int = 1, out: Path | None = None, rebuild: bool = False,
              stream=sys.stdout) -> dict:
     """Steps 1-4 of the module docstring; returns the report."""
-    from .artifacts import ensure_bundle, ensure_whole, quiet_build_logs
+    from .artifacts import cache_dir, ensure_bundle, ensure_whole, quiet_build_logs
     from .cli import keep_partial, write_report
     from .report import format_table
-    from .runner import Progress, run_scenario
+    from .runner import Progress, check_model, run_scenario
     from .workloads import CHAT_PROMPTS
 
     sc = demo_scenario(profile, threads)
     quiet_build_logs()
-    bundle = ensure_bundle(None, source=sc.model, layer=sc.split_layer, edge_quant=sc.edge_quant, rebuild=rebuild)
-    whole = ensure_whole(sc.model, sc.edge_quant) if not rebuild else _rebuild_whole(sc)
+    identity = check_model(sc)  # (a ScenarioError when the model is not there: the SmolLM2 GGUF)
+    bundle = ensure_bundle(cache_dir("bundles", sc.model, f"l{sc.split_layer}"), source=sc.model,
+                           layer=sc.split_layer, edge_quant=sc.edge_quant, rebuild=rebuild, identity=identity)
+    whole = ensure_whole(sc.model, sc.edge_quant, identity=identity) if not rebuild else _rebuild_whole(sc)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="autoglm-rig-demo-"))
     p = sc.profiles[0]
     print(f"link {p.name}: RTT {p.rtt_ms:.0f} ms, {p.down_mbps:g} Mbps down / {p.up_mbps:g} Mbps up, "
@@ -74,9 +76,7 @@ def run_demo(profile: str = "4g", threads: int = 1, out: Path | None = None, reb
 def _rebuild_whole(sc: Scenario) -> Path:
     import shutil
 
-    from edge_client.demo import cache_root
+    from .artifacts import cache_dir, ensure_whole
 
-    from .artifacts import ensure_whole
-
-    shutil.rmtree(cache_root() / "whole" / f"{sc.model}-{sc.edge_quant}", ignore_errors=True)
+    shutil.rmtree(cache_dir("whole", sc.model, sc.edge_quant), ignore_errors=True)
     return ensure_whole(sc.model, sc.edge_quant)

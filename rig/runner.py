@@ -188,11 +188,11 @@ def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[
     return records
 
 
-def check_model(sc: Scenario) -> None:
+def check_model(sc: Scenario) -> str:
     """ScenarioError, before anything is built or started, for a ``model`` the run cannot use: no preset,
     checkpoint directory or .gguf (it was a ModelLoadError traceback), or, with ``all-cloud``, a model without a
     tokenizer (the random presets: the full server refuses every text request, so the run failed only at its
-    first all-cloud phone); then :func:`check_artifacts`."""
+    first all-cloud phone); then :func:`check_artifacts`. Returns the model's source identity."""
     from partition_tools.models import ModelLoadError, has_tokenizer, source_identity
 
     try:
@@ -204,6 +204,7 @@ def check_model(sc: Scenario) -> None:
         raise ScenarioError(f"modes: all-cloud needs a model with a tokenizer (the full server's OpenAI API takes "
                             f"text) and model {sc.model} has none: use smollm2 or a checkpoint with tokenizer "
                             f"files, or drop all-cloud")
+    return identity
 
 
 def check_artifacts(sc: Scenario, identity: str) -> None:
@@ -239,7 +240,7 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
                  bundle: Path | None = None, whole: Path | None = None) -> dict:
     """Run every (workload, mode, profile) of ``sc``; returns the report dict (also the JSON written by the
     CLI). ``on_delta`` receives the first phone's first answer text of the first run, as it streams."""
-    from .artifacts import ensure_bundle, ensure_whole, quiet_build_logs
+    from .artifacts import cache_dir, ensure_bundle, ensure_whole, quiet_build_logs
 
     progress = progress or Progress()
     out_dir = Path(out_dir)
@@ -249,15 +250,16 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
         old.unlink()  # (the processes append: its lines would mix with this run's)
     started = time.time()
     quiet_build_logs()
-    check_model(sc)
-    try:
-        bundle = Path(bundle or sc.bundle or ensure_bundle(None, source=sc.model, layer=sc.split_layer,
-                                                           edge_quant=sc.edge_quant))
+    identity = check_model(sc)
+    try:  # (the cache's, when made from the model's present weights)
+        bundle = Path(bundle or sc.bundle or ensure_bundle(cache_dir("bundles", sc.model, f"l{sc.split_layer}"),
+                                                           source=sc.model, layer=sc.split_layer,
+                                                           edge_quant=sc.edge_quant, identity=identity))
     except BundleError as e:  # e.g. a split_layer past the model's layers: a bad value, not a failed run
         raise ScenarioError(f"cannot build the {sc.model} bundle (split_layer {sc.split_layer}, edge_quant "
                             f"{sc.edge_quant}): {e}") from None
     if "all-edge" in sc.modes:
-        whole = Path(whole or sc.whole or ensure_whole(sc.model, sc.edge_quant))
+        whole = Path(whole or sc.whole or ensure_whole(sc.model, sc.edge_quant, identity=identity))
     records: list[dict] = []
     links_report: list[dict] = []
     state = {"stream": on_delta}

@@ -85,3 +85,76 @@ def test_an_export_older_than_max_positions_is_a_scenario_error_and_rebuilt_in_t
     meta = json.loads((cached / "whole.json").read_text())
     assert (meta["source"], meta["quant"]) == ("tiny-glm4", "fp32")  # the cache's match, but for the missing key
     assert artifacts.ensure_whole("tiny-glm4", "fp32", out=cached, quiet=True) == cached and len(exported) == 1
+
+
+def test_the_cached_bundle_and_export_are_the_models_own(tiny_glm4_lm, tiny_glm4_fp32_bundle, tiny_whole, tmp_path,
+                                                         monkeypatch):
+    """The rig's cache named a bundle and an export by the ``model`` string: ``model: ckpt`` run from another folder
+    (another checkpoint there) took the first folder's cached bundle, so the split rows measured another model than
+    the all-edge ones; its export was exported again on every run (its whole.json holds the absolute path, never
+    equal to ``ckpt``); and an absolute ``model`` put both beside the model, outside the cache. The builders are
+    faked (copies of the session's artifacts, stamped with the identity of the model they were given)."""
+    import copy
+    import shutil
+
+    import torch
+
+    from partition_tools.models import source_identity
+    from rig import runner
+    from rig.scenario import Scenario
+    from shared.manifest import Manifest, same_source
+    from shared.whole_model import read_meta
+
+    for folder, bump in (("a", 0.0), ("b", 1.0)):  # one config, other weights
+        model = copy.deepcopy(tiny_glm4_lm.model)
+        with torch.no_grad():
+            model.lm_head.weight.add_(bump)
+        model.save_pretrained(tmp_path / folder / "ckpt")
+    built = {"bundle": 0, "whole": 0}
+
+    def split(lm, cfg):
+        built["bundle"] += 1
+        shutil.copytree(tiny_glm4_fp32_bundle, cfg.out)
+        manifest = Manifest.load(cfg.out)
+        manifest.source, manifest.source_identity = lm.source, lm.identity
+        manifest.save(cfg.out)
+
+    def export_whole(lm, out, quant):
+        built["whole"] += 1
+        shutil.copytree(tiny_whole, out)
+        meta = json.loads((out / "whole.json").read_text())
+        (out / "whole.json").write_text(json.dumps(dict(meta, source=lm.source, source_identity=lm.identity,
+                                                        quant=quant)))
+
+    monkeypatch.setattr("partition_tools.split.split", split)
+    monkeypatch.setattr("partition_tools.export_whole.export_whole", export_whole)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("AUTOGLM_CACHE", str(cache))
+    used = []
+
+    def run_phones(sc, targets, *args, **kwargs):  # the artifacts the run would measure; no phone starts
+        used.append(targets)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_phones", run_phones)
+
+    def run(model: str):
+        sc = Scenario.from_dict({"name": "c", "model": model, "split_layer": 2, "edge_quant": "fp32",
+                                 "modes": ["all-edge"], "workloads": [{"kind": "chat", "requests": 1}]})
+        with pytest.raises(runner.RunInterrupted):
+            runner.run_scenario(sc, tmp_path / "out")
+        targets = used[-1]
+        identity = source_identity(model)
+        assert same_source(Manifest.load(targets.bundle).source_identity, identity), targets.bundle
+        assert same_source(read_meta(targets.whole)["source_identity"], identity), targets.whole
+        assert cache in targets.bundle.parents and cache in targets.whole.parents
+        return targets
+
+    monkeypatch.chdir(tmp_path / "a")
+    first = run("ckpt")
+    monkeypatch.chdir(tmp_path / "b")
+    second = run("ckpt")  # another model by the same name: its own bundle and export
+    assert run("ckpt") == second and built == {"bundle": 2, "whole": 2}  # cached: not built again
+    assert first.bundle != second.bundle
+    # an absolute path: in the cache too, the entry of the relative name that named the same folder
+    assert run(str(tmp_path / "a" / "ckpt")) == first and built == {"bundle": 2, "whole": 2}
