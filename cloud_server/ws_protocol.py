@@ -10,6 +10,9 @@ event loop's thread lets the engine thread take the GIL (the loop then waits for
   (many frames back to back) still does: at most a couple of frames, plus what one read brought, are held;
 * **a peer that reads nothing**: :meth:`SplitWSProtocol.abort_link`, offered under :data:`ABORT`, drops the
   connection at once (the parent's close handshake waits for a send buffer such a peer never drains);
+* **a first message** (the ``Hello``, a few hundred bytes) is held to :data:`FIRST_MESSAGE_MAX` as it arrives: the
+  parent held up to the server's message limit (``max_frame_bytes`` + 1 MiB) of one until the handshake timeout,
+  so connections that never finished a huge first frame pinned 17 MiB each; beyond it the link fails (1009);
 * **writing**: the app's ``send`` goes through Starlette's ``WebSocket.send``, the ASGI middleware wrappers and
   a writer task per connection. :meth:`SplitWSProtocol.send_bytes_now` writes one binary message at once, with
   the same checks the ASGI ``send`` makes; it is offered to the app in ``scope["extensions"]`` under
@@ -31,6 +34,8 @@ log = logging.getLogger("autoglm.cloud")
 SEND_NOW = "autoglm.send_now"  # scope["extensions"] key: a callable bytes -> bool (written now, or not)
 ABORT = "autoglm.abort"  # scope["extensions"] key: drop the TCP connection now (no close handshake)
 PAUSE_AT = 2  # messages waiting for the app at which the socket stops being read
+FIRST_MESSAGE_MAX = 1 << 16  # bytes of a connection's first message (its Hello: a few hundred) held before the
+# link fails (1009); the server's message limit (max_frame_bytes + slack) applies from the second message on
 
 try:
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
@@ -52,10 +57,24 @@ if WebSocketsSansIOProtocol is not None:
             super().handle_connect(event)
             scope = getattr(self, "scope", None)  # set by the parent unless the handshake was refused
             if scope is not None:
+                self.first_message_due = True  # its size is held to FIRST_MESSAGE_MAX (data_received)
                 extensions = scope.setdefault("extensions", {})
                 extensions[SEND_NOW], extensions[ABORT] = self.send_bytes_now, self.abort_link
 
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if getattr(self, "first_message_due", False) and not self.close_sent:
+                reader = getattr(self.conn, "reader", None)
+                held = len(getattr(reader, "buffer", b"")) + sum(map(len, getattr(self, "frames", ())))
+                if held > FIRST_MESSAGE_MAX:  # a Hello is a few hundred bytes: no need to hold 17 MiB of one
+                    self.conn.fail(1009, f"first message over {FIRST_MESSAGE_MAX} bytes (a Hello is far smaller)")
+                    if self.conn.close_sent is not None:
+                        self.handle_parser_exception()  # the close (1009) to the peer, the disconnect to the app
+                    else:  # before the app accepted: no close to send
+                        self.transport.close()
+
         def send_receive_event_to_app(self) -> None:
+            self.first_message_due = False
             if self.read_paused or self.queue.qsize() + 1 >= PAUSE_AT:
                 super().send_receive_event_to_app()  # pauses reading, as uvicorn does
                 return

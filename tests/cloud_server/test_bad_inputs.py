@@ -282,12 +282,61 @@ def test_a_fatal_too_large_closes_1009_wherever_it_is_found(server):
 
 def test_a_hello_over_max_frame_bytes_is_a_fatal_too_large(server):
     """A frame over max_frame_bytes that names no request is fatal (docs/protocol.md, "Session state machine"): a Hello
-    of 16 MiB and more (a large trailing field, which receivers otherwise ignore) was welcomed."""
+    of 16 MiB and more (a large trailing field, which receivers otherwise ignore) was welcomed. The server now
+    refuses any first message over 64 KiB as it arrives (1009, test below); the rulebook's own refusal
+    (shared.session_state, the scripted server's too) is what a Hello between the two limits would meet."""
     import msgpack
+
+    from shared.session_state import SessionError, SessionState
 
     pad = b"\0" * (P.SessionLimits().max_frame_bytes + 100)
     hello = msgpack.packb([1, 1, server.bundle_id, ["fp16"], [], None, pad], use_bin_type=True)
-    assert asyncio.run(_fatal_first_frame(server, hello)) == ("too_large", 1009)
+    with pytest.raises(SessionError) as refused:
+        SessionState().on_client(P.decode_message(hello), len(hello))
+    assert refused.value.code == "too_large" and refused.value.fatal
+
+    async def main():
+        p = Probe(server)
+        await p.open(hello=False)
+        try:
+            await p.send(hello)
+        except ConnectionClosed as e:  # refused while it was still being written
+            return None, e.rcvd.code if e.rcvd else None
+        return await p.answer()
+
+    assert asyncio.run(main())[1] == 1009
+
+
+def test_a_first_message_is_not_held_past_64_kib(server):
+    """Before its Hello a connection could make the server hold a frame of up to max_frame_bytes + 1 MiB (17 MiB)
+    until the handshake timeout: 20 such connections held 330 MB of RSS, --max-connections (2048) of them 34 GB.
+    A first message - a Hello, a few hundred bytes - over 64 KiB now fails the link at once (close 1009)."""
+    import base64
+    import os
+    import struct
+
+    host, port = server.ws_url.split("//")[1].split("/")[0].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    try:
+        sock.sendall((f"GET /v1/split HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                      f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {server.key}\r\n\r\n").encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        t0 = time.monotonic()
+        sock.sendall(struct.pack("!BBQ", 0x82, 0x80 | 127, 16 << 20) + b"\0" * 4 + b"\0" * (100 << 10))  # masked
+        got = head.partition(b"\r\n\r\n")[2]
+        while len(got) < 4:
+            more = sock.recv(4096)
+            assert more, "closed without a close frame"
+            got += more
+        waited = time.monotonic() - t0
+    finally:
+        sock.close()
+    assert got[0] == 0x88 and struct.unpack("!H", got[2:4])[0] == 1009, got[:40]  # a close frame, no Error first
+    assert waited < HANDSHAKE_S, waited  # at once, not at the handshake timeout
 
 
 def _refused(server) -> dict[str, float]:
