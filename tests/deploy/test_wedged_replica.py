@@ -109,14 +109,17 @@ def test_a_replica_whose_engine_wedges_stops_and_its_phones_finish_on_another(
                 ready = http_get(url + "/ready")
                 while ready[0] == 200:  # until the stall is seen (then the server stops listening)
                     time.sleep(0.05)
-                    ready = http_get(url + "/ready")
+                    try:
+                        ready = http_get(url + "/ready")
+                    except OSError:  # it stopped listening between two polls (a loaded host): its log says why
+                        ready = (None, (tmp_path / "wedged.log").read_text())
                 for s in streams:
                     for _ in s:
                         pass
             finally:
                 for c in clients:
                     c.close()
-        assert ready[0] == 503 and "an engine step has run for over 2 s" in ready[1], ready
+        assert ready[0] in (503, None) and "an engine step has run for over 2 s" in ready[1], ready
         assert proc.wait(timeout=60) == 1  # stopped to be restarted, not serving probes with no engine
         assert [g.token_ids for g in gens] == want  # every token, the wedged replica's session replayed elsewhere
         assert sorted(g.stats.replays for g in gens) == [0, 1]
