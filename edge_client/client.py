@@ -242,6 +242,9 @@ class EdgeClient:
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__} (token ids go in prompt_ids=)")
         if messages is not None:
             check_messages(messages)
+        elif enable_thinking is not None or chat_template_kwargs is not None:  # a raw prompt is not rendered
+            raise ValueError("enable_thinking and chat_template_kwargs apply to messages= (the chat template renders "
+                             "them); a prompt= or prompt_ids= request is sent as given")
         parts: list[MediaPart] = []
         if messages is not None:
             messages, parts = extract_parts(messages, self._placeholder)
@@ -287,7 +290,8 @@ class EdgeClient:
                  audio: list | None = None, speculate: bool | None = None, privacy: str = "standard",
                  mode: str | None = None) -> Generation:
         """Start a request; iterate the result for text deltas. Exactly one of ``prompt`` (raw text),
-        ``messages`` (rendered by the bundle's chat template) or ``prompt_ids`` (token ids).
+        ``messages`` (rendered by the bundle's chat template, with ``enable_thinking`` and ``chat_template_kwargs``:
+        with the other two, sent as given, either is a ValueError) or ``prompt_ids`` (token ids).
 
         Media: ``messages`` may hold OpenAI ``image_url`` / ``input_audio`` parts (and ``{"type": "image",
         "image": bytes or a PIL image}``); ``images`` / ``audio`` (a list of bytes or URLs - images also PIL

@@ -167,6 +167,10 @@ def client(tiny_bundle):
      "add_generation_prompt may not be set"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"}, "must be a dict, got str"),
     ({"messages": [{"role": "user", "content": "hi"}], "enable_thinking": "no"}, "enable_thinking must be"),
+    # they shape the chat template's rendering of messages=; a raw prompt is not rendered: they were ignored, silently
+    ({"prompt": "hi", "enable_thinking": False}, "apply to messages="),
+    ({"prompt": "hi", "enable_thinking": "no"}, "apply to messages="),
+    ({"prompt_ids": [5, 6], "chat_template_kwargs": {"enable_thinking": False}}, "apply to messages="),
     ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
     ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
