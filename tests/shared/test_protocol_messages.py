@@ -151,3 +151,20 @@ def test_the_documented_sampling_ranges_are_the_ones_the_wire_checks():
         for bad in (lo - 1, hi + 1):
             with pytest.raises(P.ProtocolError):
                 P.SamplingParams(**{field: bad})
+
+
+def test_the_documented_hint_ranges_are_the_ones_the_wire_checks():
+    """docs/protocol.md's ClientHints gave link_kbps and rtt_ms as any float; the decoder takes [0, 1e9] and
+    [0, 1e7], and a Hello outside them is a fatal bad_value (no session at all)."""
+    import re
+    from pathlib import Path
+
+    doc = " ".join((Path(__file__).parents[2] / "docs" / "protocol.md").read_text().split())
+    for field in ("link_kbps", "rtt_ms"):
+        m = re.search(rf"{field}: float\[([^,\]]+), ([^\]]+)\]\|nil", doc)
+        assert m, f"{field}: no documented range float[lo, hi]|nil"
+        lo, hi = (float(v) for v in m.groups())
+        P.ClientHints(**{field: lo}), P.ClientHints(**{field: hi})
+        for bad in (-1.0, hi * 1.5):
+            with pytest.raises(P.ProtocolError):
+                P.ClientHints(**{field: bad})
