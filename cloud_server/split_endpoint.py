@@ -68,6 +68,15 @@ log = logging.getLogger("autoglm.cloud.split")
 
 CLOSE_NORMAL, CLOSE_PROTOCOL, CLOSE_POLICY, CLOSE_TOO_BIG, CLOSE_INTERNAL, CLOSE_TRY_LATER = (
     1000, 1002, 1008, 1009, 1011, 1013)
+CLOSE_REASON_BYTES = 123  # RFC 6455 5.5: a close frame's payload is at most 125 bytes, 2 of them the code
+
+
+def close_reason(text: str) -> str:
+    """``text`` cut to what a close frame carries: 123 bytes of UTF-8, whole characters only. An Error message that
+    echoes a peer's non-ASCII id, cut at 120 characters, was longer: the close failed and the peer got none (1006)."""
+    return text.encode()[:CLOSE_REASON_BYTES].decode(errors="ignore")
+
+
 HELLO_TIMEOUT_S = 30.0  # a connection that sends no Hello within this is closed (bad_state)
 IDLE_FLOOR_S = 300.0  # a quiet session (a user reading) is closed after max(step timeout, this); it stays resumable
 OVERSIZE_SLACK = 1 << 20  # frames this far over max_frame_bytes are parsed and refused per request
@@ -218,7 +227,7 @@ class SplitEndpoint:
             await ws.send_bytes(P.encode_message(P.Error(code=code, message=message, fatal=True,
                                                          retry_after_ms=retry_after_ms,
                                                          bundle_ids=list(bundle_ids or []))))
-            await ws.close(code=close_code, reason=message[:120])
+            await ws.close(code=close_code, reason=close_reason(message))
         except Exception:  # the peer may already be gone
             log.debug("refusal not delivered", exc_info=True)
 
@@ -340,7 +349,7 @@ class SplitEndpoint:
         if flush:
             await asyncio.sleep(0.05)
         try:
-            await ws.close(code=code, reason=reason[:120])
+            await ws.close(code=code, reason=close_reason(reason))
         except Exception:  # a disconnected peer: nothing to close
             log.debug("close after disconnect", exc_info=True)
 

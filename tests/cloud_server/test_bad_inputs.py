@@ -339,6 +339,23 @@ def test_a_first_message_is_not_held_past_64_kib(server):
     assert waited < HANDSHAKE_S, waited  # at once, not at the handshake timeout
 
 
+def test_an_error_echoing_non_ascii_input_still_closes_with_its_code(server):
+    """A fatal Error's message quotes the offending value (a request id of 64 'é', a bundle id of emoji); the close
+    reason was that message cut to 120 characters - over the 123 bytes a close frame carries in UTF-8 - so the
+    close failed and the client saw the link drop (1006, no code) instead of 1002."""
+    import msgpack
+
+    async def after_hello():
+        p = Probe(server)
+        await p.open()
+        await p.send(msgpack.packb([6, "\u00e9" * 64], use_bin_type=True))  # Cancel: not an id
+        return await p.answer()
+
+    hello = msgpack.packb([1, 1, "\U0001F600" * 100, ["fp16"]], use_bin_type=True)
+    assert asyncio.run(after_hello()) == ("bad_value", 1002)
+    assert asyncio.run(_fatal_first_frame(server, hello)) == ("bad_value", 1002)
+
+
 def _refused(server) -> dict[str, float]:
     import httpx
 
