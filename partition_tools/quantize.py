@@ -245,6 +245,7 @@ def quantize_front(src: Path, dst: Path, mode: str, block_size: int = 32, accura
     if kv_cache != "fp32" and kv_ids is None:
         raise QuantizationError("an int8 KV cache needs calibration ids (kv_calibration_ids or calibration_ids)")
     model = onnx.load(str(src))
+    calibration_ids, kv_ids = (_fitting(model, ids) for ids in (calibration_ids, kv_ids))
     kv_report = {}
     if kv_cache == "int8":
         from .kv_quant import quantize_kv
@@ -442,6 +443,20 @@ def on_source_grid(adapter, split_layer: int, block: int = SOURCE_GRID_BLOCK) ->
     linears = [m for layer in list(adapter.layers)[:split_layer] for m in layer.modules()
                if isinstance(m, torch.nn.Linear)]
     return bool(linears) and all(fit_grid(m.weight.detach().float().numpy().T, block) is not None for m in linears)
+
+
+def _fitting(model: onnx.ModelProto, ids) -> np.ndarray | None:
+    """Calibration ``ids`` [T] as one prefill of ``model`` takes them: the first of them that fit the positions its
+    rotary caches hold (the fused graph's ``MAX_POSITIONS_KEY``; the plain graph names none, all fit). A checkpoint
+    of a 256-token context was calibrated on 512: an onnxruntime InvalidArgument traceback ('cos_cache dimension
+    0 shall not be less than total_sequence_length') out of split."""
+    from edge_client.front import MAX_POSITIONS_KEY
+
+    if ids is None:
+        return None
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)  # [T]
+    held = {p.key: p.value for p in model.metadata_props}.get(MAX_POSITIONS_KEY)
+    return ids[: int(held)] if held is not None else ids
 
 
 def recipe_for(adapter, split_layer: int, mode: str = "int8", tokenizer=None) -> dict:

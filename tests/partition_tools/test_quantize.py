@@ -100,6 +100,21 @@ def test_int4_recipe_runs_and_is_not_absurd(front, tmp_path):
     assert np.isfinite(out).all() and np.abs(out - ref).max() < 0.5 * np.abs(ref).max()
 
 
+def test_a_graph_of_fewer_positions_than_the_calibration_is_calibrated_on_those_it_holds(tmp_path):
+    """A checkpoint of a 64-token context (its fused front's rotary caches hold 64 positions) split to an int8 edge:
+    the recipe's 512 calibration tokens (and an int8 KV cache's) went through it in one prefill - an onnxruntime
+    InvalidArgument traceback out of split ('cos_cache dimension 0 shall not be less than total_sequence_length')."""
+    from partition_tools.graph_builder import build_fused_front
+
+    lm = load_model("tiny-glm4")
+    adapter = ModelAdapter(lm.model)
+    fp32 = build_fused_front(adapter, 1, tmp_path / "fp32.onnx", max_positions=64)
+    recipe = recipe_for(adapter, 1, "int8", lm.tokenizer)
+    assert recipe["calibration_ids"].size > 64
+    report = quantize_front(fp32, tmp_path / "int8.onnx", "int8", **recipe, kv_cache="int8")
+    assert report["kv_calibration_tokens"] == 64
+
+
 def test_smoothing_keeps_the_fp32_function(front, tmp_path):
     lm, fp32 = front
     model = onnx.load(str(fp32))
