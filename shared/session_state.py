@@ -302,11 +302,15 @@ class SessionState:
     @staticmethod
     def _check_said_len(msg: Prefill, said: int | None) -> None:
         """A prompt whose first Prefill said its length (``prompt_len``, ``said``) ends there: no chunk reaches past
-        it, and the one with ``last`` reaches it."""
+        it, and the one that reaches it is the one with ``last`` (a chunk holds a row at least, so none could follow:
+        the request would wait for its sampling until it timed out)."""
         end = msg.start + msg.n_tokens
         if said is not None and (end > said or msg.last and end < said):
             raise SessionError("bad_position", f"Prefill {'ends the prompt' if msg.last else 'reaches'} at {end}; its "
                                                f"first Prefill said prompt_len {said}", msg.request_id)
+        if said is not None and not msg.last and end == said:
+            raise SessionError("bad_position", f"Prefill reaches the said prompt_len {said} without last=true (the "
+                                               "chunk that completes the prompt is the last)", msg.request_id)
 
     def _check_chunk(self, msg: Prefill) -> None:
         if msg.n_tokens > self.limits.max_prefill_chunk_tokens:

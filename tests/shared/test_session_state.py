@@ -136,6 +136,9 @@ def test_a_prompt_ends_where_its_first_prefill_said_and_a_said_length_meets_the_
     refused(s, prefill(rid="over", start=4, n=3, params=False), "bad_position")  # past it
     s.on_client(said("under", 4, 10))
     refused(s, prefill(rid="under", start=4, n=2, params=False), "bad_position")  # last, short of it
+    refused(s, said("whole", 6, 6), "bad_position")  # reaches it without last: no chunk could follow
+    s.on_client(said("open", 4, 10))
+    refused(s, prefill(rid="open", start=4, n=6, last=False, params=False), "bad_position")  # likewise, later
     s.on_client(said("ok", 4, 10))
     s.on_client(prefill(rid="ok", start=4, n=2, last=False, params=False))
     s.on_client(prefill(rid="ok", start=6, n=4, params=False))
