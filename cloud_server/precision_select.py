@@ -63,9 +63,10 @@ def request_compute(facts: EngineFacts, load: float, codecs: list[str], prompt_t
 
 def compute_variant(override: str | None, prompt_len: int, rt) -> str:
     """Full-model mode: the variant for a prompt of ``prompt_len`` tokens; ``override`` (the request's
-    ``precision``: a compute variant, or a codec, which has no meaning without a wire and is ignored) wins.
+    ``precision``: a compute variant, or a codec, which has no meaning without a wire and is ignored; a name of
+    both, the codec only where this server computes otherwise, as on the edge) wins.
     Raises ``PrecisionError`` for a variant this server did not load."""
-    ov = PrecisionOverride.parse(override)
+    ov = PrecisionOverride.for_server(override, rt.facts.variants)
     ov = PrecisionOverride(compute=ov.compute) if ov is not None and ov.compute is not None else None
     load = load_fraction(rt.num_active_requests(), rt.facts)
     plan = choose_precision(_features(rt.facts, load, prompt_len), ov, available_compute=list(rt.facts.variants))

@@ -398,8 +398,12 @@ class Session:
             # pick the same replica again: without the route key it balances the upgrade onto another one (a dropped
             # link's reconnect keeps it: the draining replica still resumes the session's open request)
             route = not isinstance(last, ServerBusy) and not (cause is None and self.state.phase == DRAINING)
+            # a new request resumes the session of a link that dropped while it was idle too (a new session left that
+            # one on the server for its grace, with the KV of a request cancelled while the link was down:
+            # _cancel_abandoned), not one a Drain ended (the draining server would take no request on it)
+            resume = cause is not None or self.state.phase != DRAINING
             try:
-                return await self.ensure_connected(resume=cause is not None, route=route)
+                return await self.ensure_connected(resume=resume, route=route)
             except LinkDown as e:
                 last = e
 
@@ -450,11 +454,7 @@ class Session:
         """The request's own precision override on this session (raises PrecisionError for a bad one): a bare name
         of both ("fp16") names the codec only where this server computes otherwise; an explicit {"codec": ...,
         "compute": ...} is held to both (its compute was dropped without a word)."""
-        override = PrecisionOverride.parse(spec.precision)
-        if (isinstance(spec.precision, str) and override.codec is not None and override.compute is not None
-                and override.compute not in self.welcome.server.compute_variants):
-            override = PrecisionOverride(codec=override.codec)
-        return override
+        return PrecisionOverride.for_server(spec.precision, self.welcome.server.compute_variants)
 
     async def _run(self, spec: RequestSpec, sink: Callable, stats: RequestStats,
                    redecide: Callable[[], None] | None) -> str:
@@ -468,6 +468,7 @@ class Session:
                 await self.link.close()
             self._private = spec.prefix_secret is not None
             await self.connect()
+            await self._cancel_abandoned()
             if spec.ushape != (self.ushape is not None):  # the connect's update moved to a bundle of the other kind
                 if redecide is None:
                     raise _moved_kind(spec.ushape, "")
@@ -529,6 +530,14 @@ class Session:
             stats.bytes_down = self.link.bytes_down - down0
             stats.edge_compute_s = self.runtime.stats.seconds - compute0
             stats.edge_draft_s = (self.head.seconds - draft0) if self.head is not None else 0.0
+
+    async def _cancel_abandoned(self) -> None:
+        """Cancel the requests the resumed session still holds open for this client: ended here (closed, abandoned,
+        a stop string) while the link was down, their Cancel never went out, and the cloud went on generating them
+        into its KV. A new request holds the session's lock: no other request of this client runs."""
+        for rid, track in list(self.state.requests.items()):
+            if not track.cancelled:
+                await self._send(P.Cancel(request_id=rid))
 
     async def _cancel(self, req: _Request) -> None:
         if self.link.open:

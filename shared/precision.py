@@ -121,6 +121,19 @@ class PrecisionOverride:
             return cls(codec=value if is_codec else None, compute=value if is_compute else None)
         raise PrecisionError(f"precision override of type {type(value).__name__}")
 
+    @classmethod
+    def for_server(cls, value: PrecisionOverride | PrecisionPlan | dict | str | None,
+                   compute_variants) -> PrecisionOverride | None:
+        """:meth:`parse` on a server that computes in ``compute_variants``: a bare name of both ("fp16", "bf16",
+        "fp32") names the codec only where that server computes otherwise; an explicit {"codec": ..., "compute":
+        ...} is held to both. The edge's split requests and the cloud's full-model requests (the OpenAI
+        ``precision`` field) alike: a full-mode "bf16" on a CPU server was a 400 where the edge ran it."""
+        override = cls.parse(value)
+        if (isinstance(value, str) and override.codec is not None and override.compute is not None
+                and override.compute not in compute_variants):
+            override = cls(codec=override.codec)
+        return override
+
 
 @dataclass(slots=True)
 class PrecisionPolicy:

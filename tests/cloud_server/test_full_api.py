@@ -309,3 +309,18 @@ def test_a_prompt_text_too_long_for_the_context_is_refused_before_it_is_tokenize
             assert r.status_code == 400 and err["code"] == "context_length_exceeded", err
             assert "over 511 tokens" in err["message"] and "81" in err["message"]
     assert len(calls) == 1  # the first request's only
+
+
+def test_a_name_of_both_the_server_cannot_compute_in_runs_the_loaded_variant(server):
+    """A request's precision "fp16" / "bf16" on a CPU server (fp32 loaded) was a 400 'compute ... is not
+    available here', where the edge's local API - the same routes - runs it: a name of both a codec and a compute
+    variant names the codec only where the server computes otherwise (docs/edge.md; a codec has no wire here).
+    A compute variant the server did not load stays a 400 naming the field."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
+    with _client(server) as c:
+        plain = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        for name in ("fp16", "bf16", "int8-b32"):
+            r = c.post("/v1/completions", json={**body, "precision": name})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain, (name, r.text)
+        r = c.post("/v1/completions", json={**body, "precision": "int8"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "precision", r.text
