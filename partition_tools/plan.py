@@ -152,6 +152,9 @@ def edge_layer_times(bundle: Path, threads: int, chunk: int, contexts: list[int]
     from edge_client.front import FrontRuntime
 
     rt = FrontRuntime(bundle, threads=threads, chunk=chunk, capacity=max(contexts) + chunk + 8)
+    if max(contexts) >= rt.max_positions:  # (a FrontError traceback: '792 positions exceed the edge graph's 512')
+        raise PlanError(f"the model's edge graph holds {rt.max_positions} positions (its context), fewer than the "
+                        f"{max(contexts) + 1} plan times a decode step at (its agent step's context)")
     n = rt.n_layers
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(4, min(rt.vocab_size, 1000), max(chunk, *contexts))]

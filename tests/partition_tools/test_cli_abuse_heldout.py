@@ -619,23 +619,37 @@ def test_verify_of_a_model_of_a_short_context_scores_what_it_holds(tiny_glm4_bun
     """Without --max-tokens, a bundle whose edge graph holds 512 positions (a checkpoint of a 512-token context; here
     tiny-glm4's graph says so): the default 1024 was refused ('--max-tokens 1024: the bundle's edge graph holds 512
     positions', exit 2) - a flag never given; it scores the 512 the graph holds."""
+    bundle = _holding_512_positions(tiny_glm4_bundle, tmp_path / "b")
+    assert main(["verify", str(bundle), "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["tokens"] == 512
+
+
+def _holding_512_positions(bundle: Path, out: Path) -> Path:
+    """A copy of ``bundle`` at ``out`` whose edge graph says it holds 512 positions, as a checkpoint of a 512-token
+    context's does (its manifest re-hashed: the edge graph is outside the bundle id)."""
     import onnx
 
     from edge_client.front import MAX_POSITIONS_KEY
     from shared.manifest import Manifest
 
-    bundle = tmp_path / "b"
-    shutil.copytree(tiny_glm4_bundle, bundle)
-    graph = onnx.load(str(bundle / "edge/front.onnx"))
+    shutil.copytree(bundle, out)
+    graph = onnx.load(str(out / "edge/front.onnx"))
     for prop in graph.metadata_props:
         if prop.key == MAX_POSITIONS_KEY:
             prop.value = "512"
-    onnx.save(graph, str(bundle / "edge/front.onnx"))
-    m = Manifest.load(bundle)
-    m.add_artifact(bundle, "edge/front.onnx", "edge")  # (outside the bundle id)
-    m.save(bundle)
-    assert main(["verify", str(bundle), "--json"]) == 0, capsys.readouterr().err
-    assert json.loads(capsys.readouterr().out)["tokens"] == 512
+    onnx.save(graph, str(out / "edge/front.onnx"))
+    m = Manifest.load(out)
+    m.add_artifact(out, "edge/front.onnx", "edge")
+    m.save(out)
+    return out
+
+
+def test_plan_of_a_model_of_a_context_shorter_than_its_agent_step_is_one_line(tiny_glm4_bundle, tmp_path, capsys):
+    """A front of 512 positions (a checkpoint of a 512-token context): plan timed its decode at the agent step's 792
+    tokens of context, a FrontError traceback ('792 positions exceed the edge graph's 512')."""
+    bundle = _holding_512_positions(tiny_glm4_bundle, tmp_path / "b")
+    _fails_in_one_line(["plan", "tiny-glm4", "--bundle", str(bundle)], capsys,
+                       "the model's edge graph holds 512 positions (its context), fewer than the 793 plan times")
 
 
 def _tiny_gguf(path, blocks_written: int = 2):
