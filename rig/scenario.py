@@ -221,6 +221,8 @@ def _rig_owned_flag(arg: str) -> str | None:
 
 
 def _path_component(key: str, value: str) -> None:
+    if "\0" in value:  # a profile's: open() raised ValueError as the run started its cloud server (a traceback)
+        raise ScenarioError(f"{key} {value!r}: a NUL character cannot be in a file name")
     if value in (".", "..") or "/" in value or "\\" in value:
         raise ScenarioError(f"{key} {value!r}: one path component (no '/', not '.' or '..')")
     if len(value.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:  # else open() failed mid-run: a traceback

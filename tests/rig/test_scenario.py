@@ -70,6 +70,7 @@ workloads:
     ({"profiles": [{"base": ["4g"]}]}, r"unknown link profile \['4g'\]"),
     ({"name": "a\0b"}, "name 'a.x00b': a NUL character"),
     ({"model": "a\0b"}, "model 'a.x00b': a NUL character"),
+    ({"profiles": [{"base": "wifi", "name": "a\0b"}]}, "profiles: name 'a.x00b': a NUL character"),  # (a traceback)
     ({"cloud_args": [{"a": 1}]}, "cloud_args: each item"),
     # the rig's own address, or what locks its phones out: a --port there left it waiting 300 s for /ready
     ({"cloud_args": ["--port", 9000]}, "cloud_args: --port: the rig sets it"),
