@@ -225,7 +225,11 @@ def _path_component(key: str, value: str) -> None:
         raise ScenarioError(f"{key} {value!r}: a NUL character cannot be in a file name")
     if value in (".", "..") or "/" in value or "\\" in value:
         raise ScenarioError(f"{key} {value!r}: one path component (no '/', not '.' or '..')")
-    if len(value.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:  # else open() failed mid-run: a traceback
+    try:
+        encoded = value.encode("utf-8", "surrogateescape")  # as the file system takes a name
+    except UnicodeEncodeError:  # a lone surrogate a JSON file can give ("\ud800"): a traceback
+        raise ScenarioError(f"{key} {value!r}: not a file name (a lone surrogate character)") from None
+    if len(encoded) > MAX_NAME_BYTES:  # else open() failed mid-run: a traceback
         raise ScenarioError(f"{key} {value[:20]!r}...: at most {MAX_NAME_BYTES} bytes (it names files)")
 
 
