@@ -144,6 +144,7 @@ class Scenario:
     def from_dict(cls, data: dict) -> Scenario:
         if not isinstance(data, dict):
             raise ScenarioError("a scenario is a mapping of keys")
+        _text(data, "")
         known = {f.name for f in fields(cls)}
         unknown = sorted(str(k) for k in set(data) - known)
         if unknown:
@@ -175,6 +176,24 @@ class Scenario:
                           for w in self.workloads],
             "cloud_args": list(self.cloud_args), "plan_check": self.plan_check, "speculate": self.speculate,
         }
+
+
+def _text(value, key: str) -> None:
+    """Every string in ``value`` can be a file name or an argument (UTF-8, as the file system takes them): a lone
+    surrogate (JSON's or YAML's ``"\\ud800"``) in a name, ``model``, ``bundle`` or ``cloud_args`` was a
+    UnicodeEncodeError traceback, before the run or as it started its servers."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _text(k, key or "a key")
+            _text(v, f"{key}: {k}" if key else str(k))
+    elif isinstance(value, list):
+        for v in value:
+            _text(v, key)
+    elif isinstance(value, str):
+        try:
+            value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raise ScenarioError(f"{key} {value!r}: not text (a lone surrogate character)") from None
 
 
 def _list(value, key: str) -> list:
@@ -225,11 +244,7 @@ def _path_component(key: str, value: str) -> None:
         raise ScenarioError(f"{key} {value!r}: a NUL character cannot be in a file name")
     if value in (".", "..") or "/" in value or "\\" in value:
         raise ScenarioError(f"{key} {value!r}: one path component (no '/', not '.' or '..')")
-    try:
-        encoded = value.encode("utf-8", "surrogateescape")  # as the file system takes a name
-    except UnicodeEncodeError:  # a lone surrogate a JSON file can give ("\ud800"): a traceback
-        raise ScenarioError(f"{key} {value!r}: not a file name (a lone surrogate character)") from None
-    if len(encoded) > MAX_NAME_BYTES:  # else open() failed mid-run: a traceback
+    if len(value.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:  # else open() failed mid-run: a traceback
         raise ScenarioError(f"{key} {value[:20]!r}...: at most {MAX_NAME_BYTES} bytes (it names files)")
 
 

@@ -71,7 +71,11 @@ workloads:
     ({"name": "a\0b"}, "name 'a.x00b': a NUL character"),
     ({"model": "a\0b"}, "model 'a.x00b': a NUL character"),
     ({"profiles": [{"base": "wifi", "name": "a\0b"}]}, "profiles: name 'a.x00b': a NUL character"),  # (a traceback)
-    ({"name": "a\ud800"}, "name 'a.ud800': not a file name"),  # (JSON's "\ud800": a UnicodeEncodeError traceback)
+    # a lone surrogate (JSON's or YAML's "\ud800"): UnicodeEncodeError tracebacks, before the run or as it started
+    ({"name": "a\ud800"}, "name 'a.ud800': not text"),
+    ({"model": "a\ud800"}, "model 'a.ud800': not text"),
+    ({"cloud_args": ["--num-blocks", "\ud800"]}, "cloud_args '.ud800': not text"),
+    ({"profiles": [{"base": "4g", "name": "\ud800"}]}, "profiles: name '.ud800': not text"),
     ({"cloud_args": [{"a": 1}]}, "cloud_args: each item"),
     # the rig's own address, or what locks its phones out: a --port there left it waiting 300 s for /ready
     ({"cloud_args": ["--port", 9000]}, "cloud_args: --port: the rig sets it"),
