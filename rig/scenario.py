@@ -179,9 +179,10 @@ class Scenario:
 
 
 def _text(value, key: str) -> None:
-    """Every string in ``value`` can be a file name or an argument (UTF-8, as the file system takes them): a lone
-    surrogate (JSON's or YAML's ``"\\ud800"``) in a name, ``model``, ``bundle`` or ``cloud_args`` was a
-    UnicodeEncodeError traceback, before the run or as it started its servers."""
+    """Every string in ``value`` can be a file name or an argument: no NUL, and UTF-8 as the file system takes them.
+    A lone surrogate (JSON's or YAML's ``"\\ud800"``) in a name, ``model``, ``bundle`` or ``cloud_args`` was a
+    UnicodeEncodeError traceback, a NUL in a profile's name or ``cloud_args`` a ValueError one as the run started
+    its servers."""
     if isinstance(value, dict):
         for k, v in value.items():
             _text(k, key or "a key")
@@ -190,6 +191,8 @@ def _text(value, key: str) -> None:
         for v in value:
             _text(v, key)
     elif isinstance(value, str):
+        if "\0" in value:
+            raise ScenarioError(f"{key} {value!r}: a NUL character cannot be in a file name or an argument")
         try:
             value.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:
@@ -240,8 +243,6 @@ def _rig_owned_flag(arg: str) -> str | None:
 
 
 def _path_component(key: str, value: str) -> None:
-    if "\0" in value:  # a profile's: open() raised ValueError as the run started its cloud server (a traceback)
-        raise ScenarioError(f"{key} {value!r}: a NUL character cannot be in a file name")
     if value in (".", "..") or "/" in value or "\\" in value:
         raise ScenarioError(f"{key} {value!r}: one path component (no '/', not '.' or '..')")
     if len(value.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:  # else open() failed mid-run: a traceback

@@ -75,6 +75,7 @@ workloads:
     ({"name": "a\ud800"}, "name 'a.ud800': not text"),
     ({"model": "a\ud800"}, "model 'a.ud800': not text"),
     ({"cloud_args": ["--num-blocks", "\ud800"]}, "cloud_args '.ud800': not text"),
+    ({"cloud_args": ["--num-blocks", "6\0"]}, "cloud_args '6.x00': a NUL character"),  # (a traceback at its start)
     ({"profiles": [{"base": "4g", "name": "\ud800"}]}, "profiles: name '.ud800': not text"),
     ({"cloud_args": [{"a": 1}]}, "cloud_args: each item"),
     # the rig's own address, or what locks its phones out: a --port there left it waiting 300 s for /ready
