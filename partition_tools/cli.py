@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.cli_exit import run_command
+from shared.cli_exit import run_command, sigterm_unwinds
 from shared.user_paths import user_path
 
 
@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     expected = (UsageError, BundleError, ModelLoadError, UnsupportedArchitecture, PlanError, FileNotFoundError,
                 PermissionError, IsADirectoryError, AudioEncoderError)
     handlers = {"split": _cmd_split, "draft-head": _cmd_draft_head, "verify": _cmd_verify, "inspect": _cmd_inspect, "plan": _cmd_plan}
+    sigterm_unwinds()  # a split or draft-head killed so removes its staging directory, as on Ctrl-C
     return run_command("autoglm-partition", args.command, handlers[args.command], args, expected)
 
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from shared.cli_exit import run_command
+from shared.cli_exit import run_command, sigterm_unwinds
 from shared.user_paths import user_path
 
 
@@ -160,12 +159,6 @@ def _cmd_demo(args) -> int:
     return 0
 
 
-def _terminated(signum, frame) -> None:
-    """SIGTERM (a CI cancel, ``timeout``, systemd): unwind as Ctrl-C does, so that every ``finally`` stops the
-    phones, links and cloud servers this run started (exit 130, "interrupted")."""
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .profiles import LinkProfileError
@@ -173,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from .scenario import ScenarioError
 
     handler = {"run": _cmd_run, "demo": _cmd_demo}[args.command]
-    signal.signal(signal.SIGTERM, _terminated)  # clean up as on Ctrl-C: the servers run in their own sessions
+    sigterm_unwinds()  # clean up as on Ctrl-C: the servers run in their own sessions
     return run_command("autoglm-rig", args.command, handler, args,
                        (ScenarioError, LinkProfileError, FileNotFoundError, OutDirError), (RigError,))
 

@@ -3,13 +3,14 @@
 ``run_command`` calls the chosen subcommand's handler and turns what it raises into the exit status users and scripts
 rely on: 2 and ``<prog> <command>: error: <message>`` for bad input (``usage_errors``: a wrong argument, a
 missing or broken file), 1 and ``<prog> <command>: <message>`` for a run that failed (``failure_errors``),
-130 on Ctrl-C, 141 and no message when the reader of stdout went away (``| head``: SIGPIPE's status, as a
+130 on Ctrl-C (and on SIGTERM where the script installs :func:`sigterm_unwinds`), 141 and no message when the reader of stdout went away (``| head``: SIGPIPE's status, as a
 shell tool ends). Anything else is a bug and propagates with its traceback.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -33,6 +34,18 @@ def run_command(prog: str, command: str, handler: Callable[[object], int], args,
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not raise again
         return 141
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def sigterm_unwinds() -> None:
+    """SIGTERM (a CI cancel, ``timeout``, systemd, ``kill``) unwinds as Ctrl-C does - a KeyboardInterrupt, so every
+    ``finally`` runs (the rig's phones and servers stopped, a split's staging directory removed: a killed split left
+    ``.<out>.autoglm-split.partial`` behind, as big as the bundle) and :func:`run_command` ends 'interrupted', 130.
+    Call it from the main thread before the command runs."""
+    signal.signal(signal.SIGTERM, _terminated)
 
 
 def host_problem(host: str, name: str = "--host") -> str | None:

@@ -218,3 +218,27 @@ def test_text_for_a_source_without_a_tokenizer_is_a_usage_error(tiny_glm4_bundle
     assert err == (f"autoglm-partition {command[0]}: error: --text {text}: tiny-glm4 has no tokenizer to read it "
                    "with (without one, random token ids are used); leave --text out\n")
     assert sorted(p.name for p in bundle.rglob("*")) == sorted(p.name for p in tiny_glm4_bundle.rglob("*"))
+
+
+def test_a_split_sent_sigterm_removes_its_staging_directory_and_says_interrupted(tmp_path):
+    """SIGTERM (``timeout``, a CI cancel, systemd, ``kill``) ended a split by the signal (status -15, no word), its
+    finally never ran: ``.<out>.autoglm-split.partial`` stayed beside --out, as big as the bundle it was writing,
+    until a later split into the same place. It unwinds as Ctrl-C does (shared.cli_exit.sigterm_unwinds)."""
+    import signal
+    import time
+
+    out = tmp_path / "b"
+    staging = tmp_path / ".b.autoglm-split.partial"
+    proc = subprocess.Popen([sys.executable, "-m", "partition_tools.cli", "split", "tiny-glm4", "--layer", "2",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not staging.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the CLI holds its staging directory from before the model loads
+        assert staging.exists(), proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", (proc.returncode, err)
+    assert not staging.exists() and not out.exists()
