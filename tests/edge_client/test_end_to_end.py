@@ -201,6 +201,41 @@ def test_cut_connection_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_t
         assert proxy.cuts == 2 and gen.stats.reconnects >= 2 and gen.stats.replays == 0
 
 
+def _metric(cloud, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{cloud.http_url}/metrics", timeout=5).read().decode()
+    return float(re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.eE+-]+)$", text, re.M).group(1))
+
+
+def test_links_dropped_while_idle_or_cancelling_leave_no_session_or_request_behind(tiny_bundle, tiny_cloud,
+                                                                                    tiny_reference_tokens):
+    """A phone's link drops between requests, or while a stream is closed (its Cancel cannot go out). The next
+    request opened a new session without the resume token: each drop left a session on the server for its grace
+    (30 s: 3 drops, 3 sessions open after close()), and the closed stream's request ran on there, holding its KV.
+    The next request now resumes the session and cancels what this client ended meanwhile."""
+    sessions0 = _metric(tiny_cloud, "autoglm:sessions_open")
+    with LinkEmulator(tiny_cloud.port) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}", codec="fp16", retry=RETRY) as c:
+        gen = c.generate(prompt_ids=PROMPT, max_tokens=4000)
+        for i, _ in enumerate(gen):
+            if i == 2:
+                proxy.cut(down_s=0.5)
+                break
+        gen.close()  # while the link is down
+        assert gen.finish_reason == "cancelled"
+        for _ in range(2):  # dropped while idle
+            assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == tiny_reference_tokens
+            proxy.cut()
+        assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == tiny_reference_tokens
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline and (_metric(tiny_cloud, "autoglm:sessions_open") > sessions0
+                                           or _metric(tiny_cloud, "vllm:num_requests_running")):
+        time.sleep(0.1)
+    assert _metric(tiny_cloud, "autoglm:sessions_open") <= sessions0
+    assert _metric(tiny_cloud, "vllm:num_requests_running") == 0
+
+
 def test_an_abandoned_stream_is_cancelled_sync_or_async(tiny_bundle, tiny_cloud, tiny_reference_tokens):
     """Leaving a stream without close() (a loop left, a consuming task cancelled by a timeout) drops the request
     once the generation is unreferenced: the async one ran on to max_tokens, holding the session (the next
