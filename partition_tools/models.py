@@ -202,7 +202,19 @@ def _load_dir(path: Path, source: str) -> LoadedModel:
         except Exception as e:  # noqa: BLE001 - taken for a model without one, split wrote a bundle that takes no text
             raise ModelLoadError(f"{path}: its tokenizer files do not load ({type(e).__name__}: {e}); mend them, or "
                                  "remove them to split a model that takes token ids".splitlines()[0]) from None
+        _refuse_foreign_tokenizer(path, model, tokenizer)
     return LoadedModel(model.eval(), tokenizer, _dir_identity(path, config), source)
+
+
+def _refuse_foreign_tokenizer(path: Path, model, tokenizer) -> None:
+    """ModelLoadError when the tokenizer has ids past the model's embedding rows - another model's tokenizer saved
+    beside it: split's calibration text indexed past the table (an onnxruntime Gather traceback), and every answer
+    would. Fewer ids than rows (a table padded to a round size) is usual and fine."""
+    rows = model.get_input_embeddings().num_embeddings
+    top = max(tokenizer.get_vocab().values(), default=-1)
+    if top >= rows:
+        raise ModelLoadError(f"{path}: its tokenizer has ids up to {top}, the model's vocabulary {rows} (its embedding "
+                             "rows): the tokenizer of another model? Save the model's own tokenizer beside it")
 
 
 def _refuse_missing_tensors(path: Path, loading_info: dict) -> None:

@@ -704,6 +704,27 @@ def test_no_library_progress_bars_off_a_terminal(llama_dir, tmp_path):
     assert r.returncode == 0 and r.stderr == "", r.stderr
 
 
+def test_a_checkpoint_with_another_models_tokenizer_is_refused(llama_dir, tmp_path, capsys):
+    """A tokenizer of more ids than the model's 300 embedding rows saved beside it: split's calibration text indexed
+    past the table, an onnxruntime Gather traceback ('indices element out of data bounds')."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from partition_tools.split import sample_text
+
+    words = sorted(set(sample_text().split()))[:200]
+    vocab = {**{f"t{i}": i for i in range(300)}, **{w: 300 + i for i, w in enumerate(words)}, "[UNK]": 500}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    d = tmp_path / "ckpt"
+    shutil.copytree(llama_dir, d)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(d)
+    capsys.readouterr()
+    assert main(["split", str(d), "--layer", "1", "--out", str(tmp_path / "b")]) == 2
+    assert f"{d}: its tokenizer has ids up to 500, the model's vocabulary 300" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
 def test_a_checkpoint_whose_tokenizer_does_not_load_is_refused(llama_dir, tmp_path, capsys):
     """A tokenizer.json that does not parse was taken for no tokenizer: split wrote a bundle that takes no text,
     exit 0, and verify --text then ended in a ValueError traceback ('has no tokenizer')."""
