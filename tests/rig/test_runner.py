@@ -99,9 +99,15 @@ def test_a_cloud_server_that_fails_to_start_is_exit_1_with_its_log(tiny_glm4_fp3
     from rig.cli import main
 
     path = _scenario_file(tmp_path, tiny_glm4_fp32_bundle, cloud_args=["--no-such-flag"])
-    assert main(["run", path, "--out", str(tmp_path / "out"), "--no-plots"]) == 1  # was a RuntimeError traceback
+    out = tmp_path / "out"
+    stale = [out / "report.json", out / "rig_chat.png"]  # an earlier, successful run's, in the same --out: they
+    for f in stale:  # stayed beside this run's fresh logs, a report.json of success after a run that failed
+        f.parent.mkdir(exist_ok=True)
+        f.write_text("{}")
+    assert main(["run", path, "--out", str(out), "--no-plots"]) == 1  # was a RuntimeError traceback
     err = capsys.readouterr().err
     assert "split cloud server" in err and "cloud-split-wifi.log" in err
+    assert not any(f.exists() for f in stale)
 
 
 @pytest.mark.parametrize("extra, match", [
