@@ -323,9 +323,14 @@ class EdgeClient:
         return gen
 
     def _submit(self, gen: _GenerationBase, coro, sink) -> None:
-        """Run a request's coroutine on the client's loop, known to :meth:`close` until it ends."""
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        with self._inflight_lock:
+        """Run a request's coroutine on the client's loop, known to :meth:`close` until it ends; EdgeClientError
+        ``closed`` when another thread closed the client while this one prepared the request (encoded its media):
+        submitted to the stopped loop, it never ran and its stream was read for ever."""
+        with self._inflight_lock:  # close() sets _closed, then takes the requests in flight under this lock
+            if self._closed:
+                coro.close()  # never scheduled: no "never awaited" warning
+                raise EdgeClientError("the client was closed before the request started", "closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
             self._inflight[future] = sink
         future.add_done_callback(self._finished)
         gen._future = future

@@ -296,6 +296,24 @@ def test_closing_the_client_ends_its_unfinished_requests(tiny_bundle):
     assert not orphan._done  # close() ran past it: 'RuntimeError: Event loop is closed' raised out of it
 
 
+def test_a_request_being_prepared_when_another_thread_closes_the_client_fails_closed(tiny_bundle):
+    """generate() prepares a request on its caller's thread (tokenizes it, encodes its images: a second or more)
+    before handing it to the client's loop. Closed by another thread meanwhile, the request went to the stopped
+    loop, never ran, and its stream was read for ever; it now fails as ``closed``."""
+    from edge_client import EdgeClient
+
+    c = EdgeClient(tiny_bundle, DEAD_URL)
+    decide = c._decide
+
+    def closed_meanwhile(*args, **kwargs):  # the last step before the hand-over: the other thread's close() lands
+        decision = decide(*args, **kwargs)
+        c.close()
+        return decision
+
+    c._decide = closed_meanwhile
+    assert _outcomes_on_a_thread((lambda: list(c.generate(prompt="hi", max_tokens=2)),), timeout_s=5.0) == ["closed"]
+
+
 def test_closing_the_client_ends_a_call_waiting_on_another_thread(tiny_bundle):
     """close() stopped the client's loop under a connect() or preload_prompts() another thread was waiting on: that
     thread waited forever, and the stopped task was logged 'destroyed but pending' (Ctrl-C in `autoglm-edge
