@@ -246,14 +246,15 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
     out_dir = Path(out_dir)
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    # an earlier run's, in this --out: its logs (the processes append: its lines would mix with this run's), its
-    # report and plots (a run that failed before any run finished, or was interrupted building, left them there)
-    for old in [*log_dir.glob("phone-*.log"), *log_dir.glob("cloud-*.log"), out_dir / "report.json",
-                *out_dir.glob("rig_*.png")]:
-        old.unlink(missing_ok=True)
     started = time.time()
     quiet_build_logs()
     identity = check_model(sc)
+    # an earlier run's, in this --out (a model refused above leaves them): its logs (the processes append: its lines
+    # would mix with this run's), its report and plots (a run that failed before any run finished, or was
+    # interrupted building, left them there)
+    for old in [*log_dir.glob("phone-*.log"), *log_dir.glob("cloud-*.log"), out_dir / "report.json",
+                *out_dir.glob("rig_*.png")]:
+        old.unlink(missing_ok=True)
     try:  # (the cache's, when made from the model's present weights)
         bundle = Path(bundle or sc.bundle or ensure_bundle(cache_dir("bundles", sc.model, f"l{sc.split_layer}"),
                                                            source=sc.model, layer=sc.split_layer,
