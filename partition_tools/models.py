@@ -207,11 +207,14 @@ def _load_dir(path: Path, source: str) -> LoadedModel:
 
 
 def _refuse_foreign_tokenizer(path: Path, model, tokenizer) -> None:
-    """ModelLoadError when the tokenizer has ids past the model's embedding rows - another model's tokenizer saved
-    beside it: split's calibration text indexed past the table (an onnxruntime Gather traceback), and every answer
-    would. Fewer ids than rows (a table padded to a round size) is usual and fine."""
+    """ModelLoadError when the tokenizer's vocabulary has ids past the model's embedding rows - another model's
+    tokenizer saved beside it: split's calibration text indexed past the table (an onnxruntime Gather traceback), and
+    every answer would. Fewer ids than rows (a table padded to a round size) is usual and fine, and so are added
+    tokens past them (a [PAD] appended without resizing the table: no text becomes it)."""
     rows = model.get_input_embeddings().num_embeddings
-    top = max(tokenizer.get_vocab().values(), default=-1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.get_vocab(with_added_tokens=False) if backend is not None else tokenizer.get_vocab()
+    top = max(vocab.values(), default=-1)
     if top >= rows:
         raise ModelLoadError(f"{path}: its tokenizer has ids up to {top}, the model's vocabulary {rows} (its embedding "
                              "rows): the tokenizer of another model? Save the model's own tokenizer beside it")

@@ -723,6 +723,16 @@ def test_a_checkpoint_with_another_models_tokenizer_is_refused(llama_dir, tmp_pa
     assert main(["split", str(d), "--layer", "1", "--out", str(tmp_path / "b")]) == 2
     assert f"{d}: its tokenizer has ids up to 500, the model's vocabulary 300" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+    # the model's own vocabulary with a [PAD] added past the table (no text becomes it) is the model's tokenizer
+    own = Tokenizer(models.WordLevel({f"t{i}": i for i in range(299)} | {"[UNK]": 299}, unk_token="[UNK]"))
+    shutil.rmtree(d)
+    shutil.copytree(llama_dir, d)
+    fast = PreTrainedTokenizerFast(tokenizer_object=own, unk_token="[UNK]")
+    fast.add_special_tokens({"pad_token": "[PAD]"})
+    fast.save_pretrained(d)
+    from partition_tools.models import load_model
+
+    assert len(load_model(str(d)).tokenizer) == 301
 
 
 def test_a_checkpoint_whose_tokenizer_does_not_load_is_refused(llama_dir, tmp_path, capsys):
