@@ -173,6 +173,8 @@ class EdgeClient:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():  # its executor's threads (front work, to_thread) end now: a closed client
+            self._loop.close()           # kept by the app kept them until it was collected
         self.cache.close()  # its scope is free to retire (edge_client.bundle_sync.retire_cache)
         self._version.close()  # and its bundle version free to remove (bundle_sync.switch)
 

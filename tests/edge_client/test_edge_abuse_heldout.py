@@ -314,6 +314,23 @@ def test_a_request_being_prepared_when_another_thread_closes_the_client_fails_cl
     assert _outcomes_on_a_thread((lambda: list(c.generate(prompt="hi", max_tokens=2)),), timeout_s=5.0) == ["closed"]
 
 
+def test_a_closed_client_leaves_no_thread_behind(tiny_bundle, tmp_path):
+    """close() stopped the client's loop but never closed it: the threads its executor ran the front on stayed, one
+    or two a client, for as long as the app kept the closed client (ten kept: eleven threads)."""
+    from edge_client import EdgeClient
+
+    before = set(threading.enumerate())
+    (tmp_path / "system.txt").write_text("You are a phone agent.")
+    c = EdgeClient(tiny_bundle, DEAD_URL)
+    assert c.preload_prompts(tmp_path / "system.txt", as_system=False) > 0  # the front runs on the executor
+    c.close()
+    deadline = time.monotonic() + 3.0
+    while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, sorted(t.name for t in left)
+    assert c._closed  # kept by the test all along
+
+
 def test_closing_the_client_ends_a_call_waiting_on_another_thread(tiny_bundle):
     """close() stopped the client's loop under a connect() or preload_prompts() another thread was waiting on: that
     thread waited forever, and the stopped task was logged 'destroyed but pending' (Ctrl-C in `autoglm-edge
