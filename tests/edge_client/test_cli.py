@@ -213,6 +213,39 @@ def test_demo_uses_the_bundle_it_is_given(tiny_bundle, tmp_path, monkeypatch):
     assert served == [bundle] and (bundle / "edge").is_dir()  # the tiny bundle itself, untouched
 
 
+def test_a_demo_sent_sigterm_stops_its_local_cloud(tiny_bundle):
+    """SIGTERM (``timeout``, ``kill``, a CI cancel) ended ``autoglm-edge demo`` by the signal (status -15) before
+    its ``with LocalCloud`` block could stop the server: the cloud process (its own session, so a terminal's Ctrl-C
+    reaches only the demo) ran on, orphaned, holding its port and the model's memory. It unwinds as Ctrl-C does."""
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "demo", "--bundle", str(tiny_bundle),
+                             "--max-tokens", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "cloud server ready" not in line and proc.poll() is None:
+            line = proc.stdout.readline()
+        port = int(re.search(r":(\d+)/v1/split", line).group(1))  # the answer streams meanwhile (max_tokens: the context)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", (proc.returncode, err)
+    deadline = time.monotonic() + 5  # LocalCloud.stop waited for the server to exit
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the demo's cloud server still listens on {port}")
+
+
 @pytest.mark.parametrize("content, match", [
     ('{"messages": [5]}\n', "item 0: messages must be a non-empty list"),  # an AttributeError traceback
     ('"ok"\n{"messages": []}\n', "item 1: messages must be a non-empty list"),  # 0 tokens cached, silently
