@@ -380,7 +380,11 @@ def _main(argv: list[str] | None) -> int:
         print(f"autoglm-cloud: error: {e}", file=sys.stderr)
         return 2
     for bundle in [config.bundle, *config.more_bundles] if config.bundle is not None else []:
-        if not (Path(bundle) / "manifest.json").is_file():
+        try:
+            missing = not (Path(bundle) / "manifest.json").is_file()
+        except OSError:  # a folder it may not enter (a PermissionError traceback): the manifest's load names it
+            missing = False
+        if missing:
             print(f"autoglm-cloud: error: {bundle}: not a bundle (no manifest.json)", file=sys.stderr)
             return 2
     for name in ("ssl_certfile", "ssl_keyfile", "keys_file"):

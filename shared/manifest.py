@@ -170,6 +170,13 @@ class Manifest:
                               "wrote, the one holding its manifest.json)")
         if not Path(bundle_dir).is_dir():
             raise BundleError(f"{bundle_dir}: no such bundle directory")
+        try:
+            os.listdir(bundle_dir)
+            os.stat(path)
+        except FileNotFoundError:
+            pass  # (said below)
+        except OSError as e:  # a folder it may not enter (another user's 0700): a PermissionError traceback
+            raise BundleError(unreadable(Path(bundle_dir), e)) from None
         finish_update(Path(bundle_dir))
         if not path.is_file():
             raise BundleError(f"{path}: missing (not a bundle written by `autoglm-partition split`)")

@@ -288,12 +288,14 @@ def test_a_bundle_file_the_server_may_not_read_is_refused_in_one_line(tiny_bundl
                   "--inh-caps=-dac_override,-dac_read_search", "--"]
     bundle = tmp_path / "b"
     shutil.copytree(tiny_bundle, bundle)
-    for rel in ("cloud/back.safetensors", "manifest.json"):
+    for rel in ("cloud/back.safetensors", "manifest.json", "."):  # ".": a bundle folder it may not enter
         (bundle / rel).chmod(0)
         r = subprocess.run([*prefix, sys.executable, "-m", "cloud_server.cli", "serve", str(bundle), "--device", "cpu",
                             "--port", "1"], capture_output=True, text=True, timeout=60)
+        (bundle / rel).chmod(0o755)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-        assert f"{bundle / rel}: cannot be read (Permission denied)" in r.stderr.strip().splitlines()[-1], r.stderr
+        named = bundle if rel == "." else bundle / rel
+        assert f"{named}: cannot be read (Permission denied)" in r.stderr.strip().splitlines()[-1], r.stderr
 
 
 def test_a_cloud_file_changed_in_place_is_refused_in_one_line_before_the_server_starts(tiny_bundle, tmp_path,
