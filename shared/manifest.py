@@ -171,8 +171,7 @@ class Manifest:
         if not Path(bundle_dir).is_dir():
             raise BundleError(f"{bundle_dir}: no such bundle directory")
         try:
-            os.listdir(bundle_dir)
-            os.stat(path)
+            os.stat(path)  # (not a listing: a folder others may enter but not list, mode 0711, serves)
         except FileNotFoundError:
             pass  # (said below)
         except OSError as e:  # a folder it may not enter (another user's 0700): a PermissionError traceback

@@ -296,6 +296,11 @@ def test_a_bundle_file_the_server_may_not_read_is_refused_in_one_line(tiny_bundl
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         named = bundle if rel == "." else bundle / rel
         assert f"{named}: cannot be read (Permission denied)" in r.stderr.strip().splitlines()[-1], r.stderr
+    bundle.chmod(0o311)  # one it may enter but not list (as others may a 0711 one) serves: the next check says so
+    r = subprocess.run([*prefix, sys.executable, "-m", "cloud_server.cli", "serve", str(bundle), "--device", "cpu",
+                        "--num-blocks", str(1 << 40), "--port", "1"], capture_output=True, text=True, timeout=60)
+    bundle.chmod(0o755)
+    assert r.returncode == 2 and "the KV pool needs at least" in r.stderr, r.stderr
 
 
 def test_a_cloud_file_changed_in_place_is_refused_in_one_line_before_the_server_starts(tiny_bundle, tmp_path,
