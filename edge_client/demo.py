@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -26,6 +27,22 @@ from pathlib import Path
 
 from shared.manifest import BundleError, Manifest, same_source
 from shared.user_paths import user_path
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here: not after a fork
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(cores: list[int] | None = None):
+    """A ``preexec_fn`` for a server or phone process this one starts: SIGTERM when this process ends, however it
+    ends (a SIGKILL, the OOM killer: the servers run in their own sessions and served on, orphaned), and pinned
+    to ``cores``. (Linux; the signal follows the thread that started the child, so start it from one that lives.)"""
+    def setup() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if cores:
+            os.sched_setaffinity(0, cores)
+    return setup
+
 
 DEMO_PROMPT = "In three sentences, explain why splitting a language model between a phone and a server helps."
 DEMO_LAYER = 8
@@ -120,8 +137,9 @@ class LocalCloud:
     """A cloud server subprocess (``autoglm-cloud serve``) on localhost."""
 
     def __init__(self, bundle: Path, port: int | None = None, api_key: str | None = None,
-                 extra_args: list[str] | None = None, log_path: Path | None = None):
+                 extra_args: list[str] | None = None, log_path: Path | None = None, die_with_parent: bool = False):
         self.bundle = Path(bundle)
+        self.die_with_parent = die_with_parent  # the server ends with this process, a SIGKILL'd one too
         self.port = port or free_port()
         self.api_key = api_key
         self.extra_args = list(extra_args or [])
@@ -147,7 +165,8 @@ class LocalCloud:
         if self.log_path is not None:
             self._log = open(self.log_path, "ab")
         out = self._log if self._log is not None else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent() if self.die_with_parent else None)
         try:
             wait_ready(self.proc, f"{self.http_url}/ready", timeout,
                        "cloud server" + (f" (log: {self.log_path})" if self.log_path else ""))
@@ -200,7 +219,7 @@ def run_demo(prompt: str = DEMO_PROMPT, max_tokens: int = 96, bundle: Path | Non
     print(f"bundle {path} ({m.source}, layers [0, {m.split_layer}) on the edge as {m.edge_quant}, "
           f"[{m.split_layer}, {m.num_layers}) in the cloud)", file=out, flush=True)
     log = Path(tempfile.gettempdir()) / "autoglm-demo-cloud.log"
-    with LocalCloud(path, port=port, log_path=log) as cloud:
+    with LocalCloud(path, port=port, log_path=log, die_with_parent=True) as cloud:
         print(f"cloud server ready on {cloud.ws_url}\n", file=out, flush=True)
         with EdgeClient(path, cloud.ws_url, threads=threads) as client:
             print(f"user> {prompt}\nassistant> ", end="", file=out, flush=True)

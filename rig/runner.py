@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import TextIO
 from collections.abc import Callable
 
+from edge_client.demo import die_with_parent
 from shared.manifest import BundleError
 
 from .link import IDEAL, LinkEmulator
 from .profiles import LinkProfile
 from .report import percentile_ms, summarize
 from .scenario import Scenario, ScenarioError
-from .servers import CloudProcess, die_with_rig, stop_all
+from .servers import CloudProcess, stop_all
 from .workloads import build
 
 STALL_S = 1800.0  # a run whose phones have all said nothing (no request done, no streamed text) this long is hung
@@ -127,11 +128,13 @@ def _reader(proc: subprocess.Popen, phone: int, events: queue.Queue) -> None:
 
 def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[int | None], log_dir: Path,
                tag: str, progress: Progress, on_delta=None, stall_s: float = STALL_S,
-               on_go: Callable[[], None] | None = None, link: LinkProfile | None = None) -> list[dict]:
+               on_go: Callable[[], None] | None = None, link: LinkProfile | None = None,
+               servers: tuple[CloudProcess, ...] = ()) -> list[dict]:
     """Start ``sc.phones`` phone processes for one (workload, mode, link), release them together, collect
     their request records. ``ports[i]`` is phone i's link port (None for all-edge), ``link`` the profile of those
     links; ``on_go`` runs as they are released (the links' scheduled disconnects start then). The run may take as
-    long as its phones keep reporting: a RigError when none has said anything for ``stall_s`` (a hung phone)."""
+    long as its phones keep reporting: a RigError when none has said anything for ``stall_s`` (a hung phone), or
+    at once when one of ``servers`` (the cloud server the phones talk to) exits."""
     events: queue.Queue = queue.Queue()
     procs = []
     env = dict(os.environ, OMP_NUM_THREADS=str(sc.edge_threads), PYTHONWARNINGS="ignore")
@@ -141,7 +144,7 @@ def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[
         log = open(log_dir / f"phone-{tag}-{i}.log", "ab")
         p = subprocess.Popen([sys.executable, "-m", "rig.phone"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=log, env=env, text=True, cwd=str(Path(__file__).resolve().parent.parent),
-                             preexec_fn=die_with_rig())
+                             preexec_fn=die_with_parent())
         log.close()
         p.stdin.write(json.dumps(job) + "\n")
         p.stdin.flush()
@@ -150,13 +153,22 @@ def run_phones(sc: Scenario, targets: Targets, mode: str, workload, ports: list[
     records: list[dict] = []
     ready, exited = set(), set()
     total = sc.phones * workload.requests
+    heard = time.monotonic()  # when a phone last said something
     try:
         while len(exited) < len(procs):
+            for srv in servers:  # (a dead one's phones retried for their reconnect window, 90 s, then failed naming
+                # their own logs: "cannot reach the cloud")
+                if srv.proc is not None and (code := srv.proc.poll()) is not None:
+                    raise RigError(f"[{tag}] the {srv.mode} cloud server exited with code {code} mid-run "
+                                   f"({len(records)}/{total} requests done; log: {srv.log_path})")
             try:
-                phone, ev = events.get(timeout=stall_s)
+                phone, ev = events.get(timeout=min(1.0, stall_s))
             except queue.Empty:
+                if time.monotonic() - heard < stall_s:
+                    continue
                 raise RigError(f"[{tag}] {len(procs) - len(exited)} phone(s) said nothing for {stall_s:g} s "
                                f"({len(records)}/{total} requests done; logs: {log_dir}/phone-{tag}-*.log)") from None
+            heard = time.monotonic()
             kind = ev.get("event")
             if kind == "ready":
                 ready.add(phone)
@@ -318,7 +330,7 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
                             recs = run_phones(sc, targets, mode, workload, [lk.port for lk in links], log_dir,
                                               tag.replace("/", "-"), progress, take_stream(),
                                               on_go=lambda lks=links: [lk.schedule(sc.disconnects) for lk in lks],
-                                              link=prof)
+                                              link=prof, servers=(servers[mode],))
                         finally:
                             for link in links:
                                 link.stop()

@@ -8,30 +8,13 @@ server so that library output never reaches the rig's terminal.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from edge_client.demo import free_port, stop_gracefully, wait_ready
-
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here: not after a fork
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_rig(cores: list[int] | None = None):
-    """A ``preexec_fn`` for the rig's children: SIGTERM when the rig's process ends, however it ends (a SIGKILL, the
-    OOM killer: the cloud servers run in their own sessions and served on, orphaned), and pinned to ``cores``."""
-    def setup() -> None:
-        if _LIBC is not None:
-            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if cores:
-            os.sched_setaffinity(0, cores)
-    return setup
-
+from edge_client.demo import die_with_parent, free_port, stop_gracefully, wait_ready
 
 # `autoglm-cloud serve` flags a scenario's cloud_args may not give: the rig sets the address and the mode itself (a
 # later flag wins: a --port there left the rig waiting 300 s for /ready on its own port), and its phones and /ready
@@ -81,7 +64,7 @@ class CloudProcess:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, preexec_fn=die_with_rig(self.cores),
+                                         env=env, preexec_fn=die_with_parent(self.cores),
                                          start_new_session=True)
         finally:
             log.close()

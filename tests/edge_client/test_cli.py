@@ -246,6 +246,37 @@ def test_a_demo_sent_sigterm_stops_its_local_cloud(tiny_bundle):
         raise AssertionError(f"the demo's cloud server still listens on {port}")
 
 
+def test_a_demo_killed_outright_takes_its_local_cloud_with_it(tiny_bundle):
+    """SIGKILL (the OOM killer, ``kill -9``) gives the demo no time to stop its server: the server (its own session)
+    served on, orphaned. It is told SIGTERM when the demo's process ends (``die_with_parent``, as the rig's are)."""
+    import re
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "demo", "--bundle", str(tiny_bundle),
+                             "--max-tokens", "100000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = ""
+        while "cloud server ready" not in line and proc.poll() is None:
+            line = proc.stdout.readline()
+        port = int(re.search(r":(\d+)/v1/split", line).group(1))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 30  # SIGTERM: the server drains its one (now dropped) session and exits
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the killed demo's cloud server still listens on {port}")
+
+
 @pytest.mark.parametrize("content, match", [
     ('{"messages": [5]}\n', "item 0: messages must be a non-empty list"),  # an AttributeError traceback
     ('"ok"\n{"messages": []}\n', "item 1: messages must be a non-empty list"),  # 0 tokens cached, silently
