@@ -63,7 +63,7 @@ from shared.messages import MAX_PREFIX_KEYS
 from shared.openai_compat import StopMatcher
 from shared.precision import PrecisionError, PrecisionOverride, RequestFeatures, choose_precision, step_codec
 from shared.prefix_keys import KeyScope, block_keys
-from shared.session_state import DRAINING, SessionError, SessionState
+from shared.session_state import DRAINING, RequestTrack, SessionError, SessionState
 from shared.tensors import WireArray
 
 from .activation_cache import ActivationCache
@@ -535,14 +535,15 @@ class Session:
         """Cancel the requests the resumed session still holds open for this client: ended here (closed, abandoned,
         a stop string) while the link was down, their Cancel never went out, and the cloud went on generating them
         into its KV. A new request holds the session's lock: no other request of this client runs."""
-        for rid, track in list(self.state.requests.items()):
+        for track in list(self.state.requests.values()):
             if not track.cancelled:
-                await self._send(P.Cancel(request_id=rid))
+                await self._cancel(track)  # best effort: the request's own sends find a link down and recover
 
-    async def _cancel(self, req: _Request) -> None:
+    async def _cancel(self, req: _Request | RequestTrack) -> None:
+        """Cancel ``req`` (this client's request, or a track the session holds open); a link down drops it."""
         if self.link.open:
             try:
-                await self._send(P.Cancel(request_id=req.rid))
+                await self._send(P.Cancel(request_id=req.rid if isinstance(req, _Request) else req.request_id))
             except (LinkDown, EdgeClientError):
                 pass
 

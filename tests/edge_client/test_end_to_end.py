@@ -236,6 +236,33 @@ def test_links_dropped_while_idle_or_cancelling_leave_no_session_or_request_behi
     assert _metric(tiny_cloud, "vllm:num_requests_running") == 0
 
 
+def test_a_link_that_drops_as_the_abandoned_request_is_cancelled_is_recovered_by_the_next(
+        tiny_bundle, tiny_cloud, tiny_reference_tokens):
+    """The next request cancels what the resumed session holds open for a stream closed while the link was down;
+    a drop just then (that Cancel failing) failed the request as ``internal`` ('LinkDown') before any of its own
+    messages went out. The Cancel is best effort as every other; the request's own sends find the link down and
+    recover."""
+    from edge_client.transport import LinkDown
+
+    with LinkEmulator(tiny_cloud.port) as proxy, \
+            EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}", codec="fp16", retry=RETRY) as c:
+        gen = c.generate(prompt_ids=PROMPT, max_tokens=4000)
+        for i, _ in enumerate(gen):
+            if i == 2:
+                proxy.cut(down_s=0.5)
+                break
+        gen.close()  # while the link is down: its Cancel waits for the next request
+        send = c.session._send
+
+        async def drop_on_cancel(msg):
+            if type(msg).__name__ == "Cancel":
+                raise LinkDown("the link dropped as the Cancel went out")
+            return await send(msg)
+
+        c.session._send = drop_on_cancel
+        assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == tiny_reference_tokens
+
+
 def test_an_abandoned_stream_is_cancelled_sync_or_async(tiny_bundle, tiny_cloud, tiny_reference_tokens):
     """Leaving a stream without close() (a loop left, a consuming task cancelled by a timeout) drops the request
     once the generation is unreferenced: the async one ran on to max_tokens, holding the session (the next
