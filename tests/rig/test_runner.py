@@ -451,3 +451,33 @@ def test_a_run_lasts_as_long_as_its_phones_report_and_a_silent_one_is_hung(tmp_p
             run()
     else:
         assert len(run()) == len(gaps)
+
+
+def test_a_cloud_server_that_dies_mid_run_fails_the_run_at_once_naming_its_log(tiny_glm4_fp32_bundle, tmp_path,
+                                                                              monkeypatch):
+    """A split server killed mid-run (the OOM killer, a crash) went unnoticed: its phones retried for their reconnect
+    window (90 s), then the run failed naming a phone's log ("cannot reach the cloud"), never the server's."""
+    import time
+
+    import rig.runner
+    from rig.runner import RigError
+
+    launched = []
+    real_launch = rig.runner.CloudProcess.launch
+    monkeypatch.setattr(rig.runner.CloudProcess, "launch", lambda self: launched.append(self) or real_launch(self))
+    sc = Scenario.from_dict({
+        "name": "dies", "model": "tiny-glm4", "split_layer": 2, "edge_quant": "fp32", "modes": ["split"],
+        "profiles": [{"name": "slow", "rtt_ms": 200, "down_mbps": 1, "up_mbps": 1}],
+        "workloads": [{"kind": "chat", "requests": 4, "max_tokens": 8}],
+    })
+    killed = []
+
+    def kill_the_server(text):  # the first answer is streaming: the run is under way
+        if not killed:
+            killed.append(time.monotonic())
+            launched[0].proc.kill()
+
+    with pytest.raises(RigError, match=r"\[slow-chat-split\] the split cloud server exited with code -9 mid-run "
+                                       r"\(\d/4 requests done; log: .*cloud-split-slow\.log\)"):
+        run_scenario(sc, tmp_path, Progress(), on_delta=kill_the_server, bundle=tiny_glm4_fp32_bundle)
+    assert killed and time.monotonic() - killed[0] < 10
