@@ -99,10 +99,10 @@ class Sequences:
             self.ids.append(ids)
             self.scored.append(scored)
 
-    def add_prose(self, ids: torch.Tensor) -> None:
-        """Windows of ``WINDOW`` tokens, every position but the last scored."""
-        for s in range(0, ids.numel(), WINDOW):
-            w = ids[s:s + WINDOW]
+    def add_prose(self, ids: torch.Tensor, window: int = WINDOW) -> None:
+        """Windows of ``window`` tokens, every position but the last scored."""
+        for s in range(0, ids.numel(), window):
+            w = ids[s:s + window]
             scored = torch.ones(w.numel(), dtype=torch.bool)
             scored[-1] = False
             self.add(w, scored)
@@ -151,13 +151,22 @@ def chat_answers(lm: LoadedModel, prompts: list[str], new: int) -> Sequences:
     return seqs
 
 
+def prose_window(adapter: ModelAdapter) -> int:
+    """Tokens per prose window: ``WINDOW``, or fewer for a model of a shorter context - the exported front and
+    drafter hold its positions only (a 256-token model's held-out windows of 512 were a FrontError traceback)."""
+    from .graph_builder import model_positions
+
+    return min(WINDOW, model_positions(adapter))
+
+
 def calibration(lm: LoadedModel, adapter: ModelAdapter, cfg: DraftLayersConfig) -> Sequences:
     """The search's data: calibration prose (the sample text after its held-out head) and the model's answers
     to the calibration prompts; random ids for presets without a tokenizer."""
     if lm.tokenizer is None:
         seqs = Sequences()
         gen = torch.Generator().manual_seed(2)
-        seqs.add_prose(torch.randint(4, adapter.vocab_size, (max(cfg.prose_tokens, 2),), generator=gen))
+        seqs.add_prose(torch.randint(4, adapter.vocab_size, (max(cfg.prose_tokens, 2),), generator=gen),
+                       prose_window(adapter))
         seqs.source.append("random ids (no tokenizer)")
         return seqs
     from .split import sample_text
@@ -166,7 +175,7 @@ def calibration(lm: LoadedModel, adapter: ModelAdapter, cfg: DraftLayersConfig) 
     ids = lm.tokenizer(text, return_tensors="pt").input_ids[0]
     seqs = chat_answers(lm, read_prompts(cfg.prompts), cfg.answer_tokens) if cfg.answer_tokens else Sequences()
     prose = ids[HELD_OUT:HELD_OUT + cfg.prose_tokens]
-    seqs.add_prose(prose)
+    seqs.add_prose(prose, prose_window(adapter))
     seqs.source.append(f"{prose.numel()} tokens of {cfg.text or 'the built-in sample text'} after its first "
                        f"{HELD_OUT}")
     return seqs
@@ -177,11 +186,11 @@ def held_out_prose(lm: LoadedModel, adapter: ModelAdapter) -> Sequences:
     seqs = Sequences()
     if lm.tokenizer is None:
         gen = torch.Generator().manual_seed(3)
-        seqs.add_prose(torch.randint(4, adapter.vocab_size, (HELD_OUT,), generator=gen))
+        seqs.add_prose(torch.randint(4, adapter.vocab_size, (HELD_OUT,), generator=gen), prose_window(adapter))
     else:
         from .split import sample_text
 
-        seqs.add_prose(lm.tokenizer(sample_text(), return_tensors="pt").input_ids[0][:HELD_OUT])
+        seqs.add_prose(lm.tokenizer(sample_text(), return_tensors="pt").input_ids[0][:HELD_OUT], prose_window(adapter))
     seqs.source.append(f"the first {HELD_OUT} tokens of the built-in sample text")
     return seqs
 

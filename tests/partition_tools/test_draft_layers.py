@@ -99,6 +99,24 @@ def test_greedy_search_is_nested_and_all_layers_are_the_model(tiny_glm4_lm):
         search(probe, 4)
 
 
+def test_prose_windows_fit_a_model_of_a_shorter_context():
+    """A checkpoint of a 256-token context: the held-out and calibration prose came in windows of 512, more than its
+    exported front holds - draft-head --layers ended in a FrontError traceback ('384 positions exceed the edge
+    graph's 256') as it scored the drafter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from partition_tools.draft_layers import calibration, held_out_prose
+    from partition_tools.models import LoadedModel
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    lm = LoadedModel(model.eval(), None, "test:short-context", "test")
+    adapter = ModelAdapter(lm.model)
+    for seqs in (held_out_prose(lm, adapter), calibration(lm, adapter, DraftLayersConfig())):
+        assert max(ids.numel() for ids in seqs.ids) == 256
+
+
 def test_add_draft_layers_to_a_bundle(tiny_glm4_fp32_bundle, tiny_glm4_lm, tmp_path):
     bundle = tmp_path / "b"
     shutil.copytree(tiny_glm4_fp32_bundle, bundle)
