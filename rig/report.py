@@ -1,6 +1,7 @@
 """The rig's report: per-request records in, one summary row per (profile, workload, mode) out.
 
-Each row: TTFT and inter-token latency p50/p95/p99 (ms), decode tokens/s (mean over requests), bytes up and
+Each row: TTFT and inter-token latency p50/p95/p99 (ms), decode tokens/s (mean over the requests that decoded:
+a one-token answer has no decode rate, not a rate of 0; None when none did), bytes up and
 down per request and per token (up: per prompt + generated token, since the split uploads one state per
 position; down: per generated token), edge compute per request (ms), and the cache hit rates (prompt tokens
 the edge's activation cache served; prompt tokens the cloud's prefix cache served). ``format_table`` is the
@@ -17,6 +18,13 @@ MODE_ORDER = ("split", "all-cloud", "all-edge")
 def percentile_ms(values: list[float], q: float) -> float | None:
     """The ``q``-th percentile of ``values`` (seconds) in ms (numpy's linear interpolation), None for none."""
     return float(np.percentile(values, q)) * 1000.0 if values else None
+
+
+def decode_rate(records: list[dict]) -> float | None:
+    """Mean decode tokens/s over the records with inter-token gaps (None for none): a record of one token (a
+    ``stop`` at once, ``max_tokens`` 1) has no decode time, and counted as 0 it pulled the mean down."""
+    rates = [r["tokens_per_s"] for r in records if r.get("itl_s")]
+    return float(np.mean(rates)) if rates else None
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -39,7 +47,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "ttft_ms_p99": percentile_ms(ttft, 99),
             "itl_ms_p50": percentile_ms(itl, 50), "itl_ms_p95": percentile_ms(itl, 95),
             "itl_ms_p99": percentile_ms(itl, 99),
-            "tokens_per_s": float(np.mean([r["tokens_per_s"] for r in rs])),
+            "tokens_per_s": decode_rate(rs),
             "total_s_mean": float(np.mean([r["total_s"] for r in rs])),
             "bytes_up_per_request": up / len(rs), "bytes_down_per_request": down / len(rs),
             "bytes_up_per_token": up / max(1, prompt + gen), "bytes_down_per_token": down / max(1, gen),
@@ -78,7 +86,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['profile']:<8} {r['workload']:<6} {r['mode']:<9} {r['requests']:>3} {_f(r['ttft_ms_p50']):>9} "
             f"{_f(r['ttft_ms_p95']):>7} {_f(r['itl_ms_p50']):>8} {_f(r['itl_ms_p95']):>6} "
-            f"{r['tokens_per_s']:>6.1f} {_size(r['bytes_up_per_request']):>8} "
+            f"{_f(r['tokens_per_s'], '.1f'):>6} {_size(r['bytes_up_per_request']):>8} "
             f"{_size(r['bytes_down_per_request']):>8} {r['bytes_up_per_token']:>7.0f} "
             f"{r['edge_compute_ms_per_request']:>8.0f} {100 * r['edge_cache_hit_rate']:>5.0f}% "
             f"{100 * r['cloud_cache_hit_rate']:>5.0f}%")

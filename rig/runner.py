@@ -35,7 +35,7 @@ from shared.manifest import BundleError
 
 from .link import IDEAL, LinkEmulator
 from .profiles import LinkProfile
-from .report import percentile_ms, summarize
+from .report import decode_rate, percentile_ms, summarize
 from .scenario import Scenario, ScenarioError
 from .servers import CloudProcess, stop_all
 from .workloads import build
@@ -295,8 +295,9 @@ def run_scenario(sc: Scenario, out_dir: Path, progress: Progress | None = None, 
 
     def finished(tag: str, recs: list[dict]) -> None:
         ttft = percentile_ms([r["ttft_s"] for r in recs], 50)  # the summary's p50: the table shows the same
+        rate = decode_rate(recs)
         progress.line(f"[{tag}] {len(recs)} requests, TTFT p50 {ttft:.0f} ms, "
-                      f"{sum(r['tokens_per_s'] for r in recs) / len(recs):.1f} tok/s")
+                      f"{'-' if rate is None else format(rate, '.1f')} tok/s")
 
     try:
         # 1. over each link profile: fresh cloud servers (cold prefix caches, so no profile inherits another's);

@@ -481,3 +481,21 @@ def test_a_cloud_server_that_dies_mid_run_fails_the_run_at_once_naming_its_log(t
                                        r"\(\d/4 requests done; log: .*cloud-split-slow\.log\)"):
         run_scenario(sc, tmp_path, Progress(), on_delta=kill_the_server, bundle=tiny_glm4_fp32_bundle)
     assert killed and time.monotonic() - killed[0] < 10
+
+
+def test_a_one_token_answer_has_no_decode_rate_and_does_not_pull_the_mean_down():
+    """summarize's tokens/s averaged every record's, and a one-token answer (no inter-token gap) counted 0: a
+    group of two answers decoding at 10 tok/s and one stop at once read 6.7 tok/s."""
+    from rig.report import summarize
+
+    def rec(gaps):
+        return {"profile": "wifi", "workload": "chat", "mode": "split", "ttft_s": 0.1, "itl_s": gaps,
+                "tokens_per_s": len(gaps) / sum(gaps) if gaps else 0.0, "prompt_tokens": 4,
+                "completion_tokens": len(gaps) + 1, "bytes_up": 10, "bytes_down": 10, "total_s": 1.0,
+                "edge_compute_s": 0.0, "edge_cached_tokens": 0, "cloud_cached_tokens": 0}
+
+    [row] = summarize([rec([0.1, 0.1]), rec([0.1] * 4), rec([])])
+    assert row["tokens_per_s"] == pytest.approx(10.0)
+    [row] = summarize([rec([])])
+    assert row["tokens_per_s"] is None
+    assert " - " in format_table([row]).splitlines()[2]
