@@ -196,6 +196,7 @@ class Session:
         self.server_load = 0.0
         self.resume_token: str | None = None
         self.reached = False  # a Welcome came once: a failed connect is then retried for the longer window
+        self.down_since: float | None = None  # monotonic time of the first failure since the cloud last answered
         # prefix keys the cloud holds as far as this session knows, per compute variant (each has its own KV pool:
         # a block held for one is a prefix_miss for another): Welcome.cached_prefixes (of Welcome.plan.compute),
         # and the keys of the prompts it completed since (advisory: a prefix_miss says one was lost)
@@ -380,7 +381,13 @@ class Session:
         start = time.monotonic()
         window = retry.reconnect_window_s if self.reached else min(retry.first_connect_window_s,
                                                                    retry.reconnect_window_s)
-        deadline = start + window
+        if cause is not None and self.down_since is None:
+            self.down_since = start
+        # the window counts from the first failure since the cloud last answered, whichever request met it: the
+        # requests queued behind one that retried through it (other threads) each retried a whole window of their
+        # own, the 4th of 4 failing after 4 windows (6 minutes); each still tries once
+        began = self.down_since if self.down_since is not None else start
+        deadline = began + window
         last, attempt = cause, 0
         while True:
             if last is not None:
@@ -388,7 +395,7 @@ class Session:
                 delay = retry.wait(attempt, left, getattr(last, "retry_after_s", None), random.random())
                 if delay is None:
                     raise EdgeClientError(f"cannot reach the cloud at {self.config.url} (retried {attempt} times "
-                                          f"in {time.monotonic() - start:.1f} s): {last}", "unreachable")
+                                          f"in {time.monotonic() - began:.1f} s): {last}", "unreachable")
                 attempt += 1
                 log.info("%s (%s); retry %d in %.2f s (%.0f s left to reconnect)",
                          "link down" if cause is not None else "cannot connect", last, attempt, delay, left)
@@ -403,9 +410,14 @@ class Session:
             # _cancel_abandoned), not one a Drain ended (the draining server would take no request on it)
             resume = cause is not None or self.state.phase != DRAINING
             try:
-                return await self.ensure_connected(resume=resume, route=route)
+                welcome = await self.ensure_connected(resume=resume, route=route)
             except LinkDown as e:
                 last = e
+                if self.down_since is None:
+                    self.down_since = start
+                continue
+            self.down_since = None
+            return welcome
 
     # -- requests -------------------------------------------------------------------------------
     async def run(self, spec: RequestSpec, sink: Callable, stats: RequestStats,

@@ -326,6 +326,31 @@ def test_a_dead_cloud_is_retried_for_the_reconnect_window_then_fails(tiny_bundle
     assert ei.value.code == "unreachable" and 1.5 <= time.monotonic() - t0 < 5
 
 
+def test_requests_queued_behind_one_retrying_share_its_reconnect_window(tiny_bundle):
+    """Four threads' requests on one client while the cloud is down: each retried a whole window of its own once
+    the one before it had failed, the fourth failing after four windows (six minutes at the default 90 s). The
+    window counts from the first failure since the cloud last answered; each request still tries once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    retry = RetryPolicy(connect_timeout_s=2.0, first_connect_window_s=1.5, backoff_initial_s=0.05, backoff_max_s=0.2)
+    codes, t0 = [], time.monotonic()
+
+    def request(c):
+        try:
+            c.complete(prompt_ids=PROMPT, max_tokens=2)
+        except EdgeClientError as e:
+            codes.append(e.code)
+
+    with EdgeClient(tiny_bundle, f"ws://127.0.0.1:{port}", retry=retry) as c:
+        threads = [threading.Thread(target=request, args=(c,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+    assert codes == ["unreachable"] * 4 and time.monotonic() - t0 < 4.5  # four windows: 6 s and more
+
+
 def test_a_client_that_never_reached_the_cloud_gives_up_after_the_first_connect_window(tiny_bundle):
     """A wrong URL or a server not started shows in seconds (``first_connect_window_s``), not after the long
     window a reached cloud's restart gets."""
