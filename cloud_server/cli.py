@@ -286,7 +286,16 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
     from cloud_server.auth import install_sighup
     from cloud_server.runtime import CloudRuntime
 
-    app = create_app(CloudRuntime(config), owns_runtime=True)
+    loaded = None
+    if config.full is not None:  # loaded here, not in the app's startup: uvicorn logs a failure there as a
+        from partition_tools.models import ModelLoadError, load_model  # traceback and exits 3
+
+        try:
+            loaded = load_model(config.full)
+        except ModelLoadError as e:
+            print(f"autoglm-cloud: error: --full {e}", file=sys.stderr)
+            return 2
+    app = create_app(CloudRuntime(config, loaded), owns_runtime=True)
     install_sighup(app.state.auth.store)  # `kill -HUP` reloads the keys file
     server = DrainingServer(uvicorn_config(app, config, log_level), app)
     # a signal outside uvicorn's handling (after its shutdown, before the process ends) is noted, not a

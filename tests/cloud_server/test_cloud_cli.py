@@ -388,6 +388,28 @@ def test_a_truncated_gguf_for_full_is_refused_in_one_line_before_the_server_star
         assert len(err.strip().splitlines()) == 1, err
 
 
+def test_a_checkpoint_whose_weights_do_not_load_is_refused_in_one_line_before_the_server_starts(tmp_path, capsys):
+    """A checkpoint directory that passes the start checks (config.json, a weights file) but whose weights do not
+    load (a safetensors file cut short) failed the runtime's load inside uvicorn's lifespan: a ModelLoadError
+    traceback, 'Application startup failed', exit 3. The model is loaded before the server starts."""
+    import socket
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    capsys.readouterr()  # save_pretrained's progress bar
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["serve", "--full", str(tmp_path / "m"), "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"autoglm-cloud: error: --full {tmp_path / 'm'}: cannot load weights") and \
+        "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_full_source_the_load_would_refuse_is_refused_in_one_line_before_the_server_starts(tmp_path, capsys,
                                                                                           monkeypatch):
     """A directory without config.json, the smollm2 preset on a machine without its GGUF, and a GGUF without the
