@@ -133,9 +133,13 @@ def _riff_layout(data: bytes) -> tuple[int, bytearray, bool, int]:
     and whether its data chunk is streamed - size 0xFFFFFFFF, what ffmpeg writes to a pipe (``-f wav -``), which
     cannot seek back to fill it in, or the whole frames of SOX_UNSPEC, what SoX writes there: the samples run to the
     end of the file -, and the bytes after its data chunk's header (0 without one): the most its samples can hold.
+    The RIFF size is not read: the copy's is set to the file's (as ffmpeg reads a WAV: the data chunk's size says
+    where the samples end; a RIFF size of 0, or the data's alone, was 'not a WAVE file' or 'truncated').
     One copy of ``data``, its fmt tags set in place, and a file of over MAX_CHUNKS chunks before its samples
     refused: bytes of tiny chunks cost a Python loop turn each, here and in ``wave`` (16 MB of them: 16 s)."""
     tag, pos, out, chunks, align = WAVE_PCM, 12, bytearray(data), 0, 0  # no fmt chunk: wave says what is wrong
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":  # the RIFF size as the file's: ``wave`` reads no chunk past
+        out[4:8] = (len(data) - 8).to_bytes(4, "little")  # the one it declares, and writers leave it 0 or wrong
     while data[:4] == b"RIFF" and data[8:12] == b"WAVE" and pos + 8 <= len(data):
         cid, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
         if cid == b"data":

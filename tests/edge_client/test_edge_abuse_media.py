@@ -590,6 +590,29 @@ def test_extensible_and_float_wavs_are_read_and_broken_headers_are_400s(served):
     _ok(_chat(a, NORMAL_AUDIO))
 
 
+def test_a_wav_whose_riff_size_is_wrong_is_read_by_its_data_chunk(served):
+    """A WAV whose RIFF size is wrong - 0 (a recorder's placeholder never filled in), the data's size alone (a
+    hand-written header's slip) or smaller than its chunks with a streamed data chunk - was refused: bad_audio 'not
+    a WAVE file', 'truncated WAV: 7982 of the 8000 frames' or 'empty audio', its samples all there (stdlib wave
+    reads no chunk past the RIFF size). The RIFF size is not read, as ffmpeg does: the same samples and answer as
+    the right header's; a data chunk cut short is still truncated."""
+    _, a, _, _ = served
+    x = tone(0.5)
+    good = _riff((x * 32767).astype("<i2").tobytes())
+    reference, _ = decode_wav(good)
+    plain = _ok(_chat(a, _audio(good), max_tokens=4))["choices"][0]["message"]["content"]
+    for riff_size, data_size in ((0, None), (len(good) - 44, None), (36, 0xFFFFFFFF)):
+        data = bytearray(good)
+        data[4:8] = struct.pack("<I", riff_size)
+        if data_size is not None:
+            data[40:44] = struct.pack("<I", data_size)
+        samples, _ = decode_wav(bytes(data))
+        assert np.array_equal(samples, reference), (riff_size, data_size)
+        assert _ok(_chat(a, _audio(bytes(data)), max_tokens=4))["choices"][0]["message"]["content"] == plain
+    r = _chat(a, _audio(good[:-1000]))
+    assert _code(r) == "bad_audio" and "truncated" in r.json()["error"]["message"]
+
+
 def test_an_audio_source_over_the_limit_is_audio_too_large(served):
     """Round 4: audio over ``MediaPolicy.max_bytes`` (a data: URL or a file given to ``audio=``) was refused as
     image_too_large 'media of ... bytes'; audio_too_large now, as a WAV over 16 MB already was."""
