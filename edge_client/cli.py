@@ -51,7 +51,7 @@ def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
     g.add_argument("--threads", type=int, help="onnxruntime threads for the front layers (1 to 256, default 2)")
     g.add_argument("--prefill-chunk", type=int, help="prompt tokens per front forward (default 128)")
     g.add_argument("--codec", help="wire codec for hidden states (default: the server's precision plan)")
-    g.add_argument("--cache-dir", type=Path, help="persist the activation cache here (default: memory only)")
+    g.add_argument("--cache-dir", help="persist the activation cache here (default: memory only)")
     g.add_argument("--cache-max-bytes", type=int, help="activation cache bound in bytes (default 512 MiB)")
     g.add_argument("--preload", type=Path, action="append", default=[],
                    help="common prompts to cache first (.txt: one system prompt; .jsonl/.json: several)")

@@ -157,6 +157,11 @@ class EdgeConfig:
         # "~/..." is the user's home, as a shell would expand it (an app's setting or an environment twin is not)
         self.bundle = user_path(self.bundle)
         if self.cache_dir is not None:
+            if isinstance(self.cache_dir, str) and not self.cache_dir.strip():
+                # `--cache-dir "$DIR"` with DIR unset: Path("") is ".", so the cache (and its directory-wide bound's
+                # scan) went into the current directory, where an empty environment twin means no cache_dir
+                raise ConfigError("cache_dir is empty (an unset variable?): give a directory, or leave it unset "
+                                  "for a memory-only cache")
             self.cache_dir = user_path(self.cache_dir)
         if self.ca_file is not None:
             self.ca_file = user_path(self.ca_file)

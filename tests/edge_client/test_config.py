@@ -30,7 +30,8 @@ def test_backoff_grows_to_its_cap_with_bounded_jitter():
                                        (dict(draft_k=2.5), "draft_k"), (dict(draft_k="3"), "draft_k"),
                                        (dict(draft_k=True), "draft_k"), (dict(cloud_drafts="no"), "cloud_drafts"),
                                        (dict(link_kbps=0), "link_kbps"), (dict(link_kbps=float("nan")), "link_kbps"),
-                                       (dict(link_kbps="fast"), "link_kbps")])
+                                       (dict(link_kbps="fast"), "link_kbps"),
+                                       (dict(cache_dir=""), "cache_dir is empty"), (dict(cache_dir=" "), "cache_dir")])
 def test_edge_config_refuses_bad_values(tmp_path, kw, field):
     with pytest.raises(ConfigError, match=field):
         EdgeConfig(bundle=tmp_path, **kw)

@@ -87,6 +87,7 @@ def _usage_error(argv, capsys, match):
     (["chat", "--url", "ws://127.0.0.1:99999"], "Port out of range"),
     (["serve", "--media-dir", "/no/such/folder"], "--media-dir /no/such/folder: not a directory"),  # it served on
     (["serve", "--local-api-key", ""], "--local-api-key is empty"),  # it served with no key, silently
+    (["preload", "--cache-dir", "", "p.txt"], "cache_dir is empty"),  # it cached into the current directory
 ])
 def test_cli_bad_flags_exit_2_in_one_line(argv, match, tiny_bundle, capsys, monkeypatch):
     monkeypatch.setenv("AUTOGLM_BUNDLE", str(tiny_bundle))
