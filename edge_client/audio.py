@@ -130,7 +130,7 @@ def _riff_layout(data: bytes) -> tuple[int, bytearray, bool, int]:
     """A WAV's sample format (WAVE_PCM, WAVE_FLOAT or another tag; WAVE_FORMAT_EXTENSIBLE's sub-format read
     through), ``data`` with that fmt tag set to PCM where it is PCM or float, so that stdlib ``wave`` (PCM
     only; Python 3.11 not even extensible PCM, which ffmpeg writes for 24-bit or multichannel audio) reads it,
-    and whether its data chunk is streamed - size 0xFFFFFFFF, what ffmpeg writes to a pipe (``-f wav -``), which
+    and whether its data chunk is streamed - size 0 (a header's placeholder never filled in) or 0xFFFFFFFF, what ffmpeg writes to a pipe (``-f wav -``), which
     cannot seek back to fill it in, or the whole frames of SOX_UNSPEC, what SoX writes there: the samples run to the
     end of the file -, and the bytes after its data chunk's header (0 without one): the most its samples can hold.
     The RIFF size is not read: the copy's is set to the file's (as ffmpeg reads a WAV: the data chunk's size says
@@ -143,8 +143,12 @@ def _riff_layout(data: bytes) -> tuple[int, bytearray, bool, int]:
     while data[:4] == b"RIFF" and data[8:12] == b"WAVE" and pos + 8 <= len(data):
         cid, size = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
         if cid == b"data":
-            streamed = size == STREAMED_SIZE or (align > 0 and size == SOX_UNSPEC // align * align)
-            return tag, out, streamed, max(len(data) - pos - 8, 0)
+            streamed = size in (0, STREAMED_SIZE) or (align > 0 and size == SOX_UNSPEC // align * align)  # 0: a
+            # recorder's placeholder, never filled in (an app stopped mid-recording), as ffmpeg reads it
+            room = max(len(data) - pos - 8, 0)
+            if streamed:  # the copy's size is what the file holds: ``wave`` reads no sample past the declared size
+                out[pos + 4:pos + 8] = room.to_bytes(4, "little")
+            return tag, out, streamed, room
         if (chunks := chunks + 1) > MAX_CHUNKS:
             raise MediaError(f"not a WAV file (over {MAX_CHUNKS} chunks before its samples)", "bad_audio")
         if cid == b"fmt " and pos + 10 <= len(data):

@@ -613,6 +613,23 @@ def test_a_wav_whose_riff_size_is_wrong_is_read_by_its_data_chunk(served):
     assert _code(r) == "bad_audio" and "truncated" in r.json()["error"]["message"]
 
 
+def test_a_wav_whose_data_size_was_never_filled_in_is_read_to_its_end(served):
+    """A WAV whose data chunk's size is 0 with its samples after it (a recorder writes the header first, sizes 0, and
+    fills them in when it stops: an app stopped mid-recording leaves them 0) was 'empty audio (no samples)'; its
+    samples run to the end of the file, as ffmpeg reads it (and as a size of 0xFFFFFFFF): the right header's
+    answer. A header alone is still empty audio."""
+    _, a, _, _ = served
+    x = tone(0.5)
+    good = _riff((x * 32767).astype("<i2").tobytes())
+    plain = _ok(_chat(a, _audio(good), max_tokens=4))["choices"][0]["message"]["content"]
+    unfilled = bytearray(good)
+    unfilled[4:8] = unfilled[40:44] = struct.pack("<I", 0)
+    assert np.array_equal(decode_wav(bytes(unfilled))[0], decode_wav(good)[0])
+    assert _ok(_chat(a, _audio(bytes(unfilled)), max_tokens=4))["choices"][0]["message"]["content"] == plain
+    r = _chat(a, _audio(_riff(b"")))
+    assert _code(r) == "bad_audio" and "empty" in r.json()["error"]["message"]
+
+
 def test_an_audio_source_over_the_limit_is_audio_too_large(served):
     """Round 4: audio over ``MediaPolicy.max_bytes`` (a data: URL or a file given to ``audio=``) was refused as
     image_too_large 'media of ... bytes'; audio_too_large now, as a WAV over 16 MB already was."""
