@@ -375,8 +375,12 @@ class ActivationCache:
         """The directory refused to create or keep a block: blocks stay in memory only (logged once)."""
         self.stats.unwritten_blocks += 1
         if self.write_error is None:  # the first refusal says why (later writes into a missing directory follow)
-            log.warning("activation cache: cannot write in %s (%s); new blocks are kept in memory only", self.dir, err)
-            self.write_error = f"cannot write in {self.dir}: {err.strerror or err}"
+            why = err.strerror or str(err)
+            if isinstance(err, FileExistsError) and err.filename and os.path.islink(err.filename) \
+                    and not os.path.exists(err.filename):  # mkdir through a dangling symlink: 'File exists' said nothing
+                why = f"{err.filename} is a symlink to {os.readlink(err.filename)}, which does not exist"
+            log.warning("activation cache: cannot write in %s (%s); new blocks are kept in memory only", self.dir, why)
+            self.write_error = f"cannot write in {self.dir}: {why}"
 
     def _read_header(self, path: Path) -> tuple[dict, int]:
         header, offset = _raw_header(path)

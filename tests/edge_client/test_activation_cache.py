@@ -285,6 +285,15 @@ def test_a_directory_that_refuses_writes_keeps_blocks_in_memory(rt, tmp_path, ca
     assert sum("kept in memory only" in r.message for r in caplog.records) == 2
 
 
+def test_a_cache_dir_that_is_a_dangling_symlink_says_so(rt, tmp_path):
+    """A cache_dir symlinked to a place that is gone (an unmounted card, a removed folder) kept blocks in memory as
+    it should, but said only 'File exists' (mkdir's error on the link), in write_error and in preload's exit 1."""
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    cache = _cache(rt, cache_dir=tmp_path / "link")
+    assert _fill(rt, cache)[0] == 4 and cache.lookup(IDS).tokens == 64
+    assert f"{tmp_path / 'link'} is a symlink to {tmp_path / 'gone'}, which does not exist" in cache.write_error
+
+
 def test_a_cache_folder_removed_under_a_running_client_is_made_again(rt, tmp_path):
     """A phone's system empties an app's cache folder under storage pressure (Android's cache dir), a user clears
     it: the running client then failed every write ('No such file or directory') and kept its blocks in memory only
