@@ -75,12 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--text", default=_env("TEXT"), help="calibration text, UTF-8 (default: built-in sample's tail)")
     d.add_argument("--vocab", type=int, default=_env("VOCAB"),
                    help="K: propose only the K most frequent calibration tokens (default: the whole vocabulary)")
-    d.add_argument("--quant", choices=("int8", "int4", "fp32"), default=_env("QUANT", "int8"),
-                   help="drafter weights (int4: --layers only)")
+    d.add_argument("--quant", choices=("int8", "int4", "fp32"), default=_env("QUANT"),
+                   help="drafter weights (default int8; int4: --layers only; not --cloud: its table is float16)")
     d.add_argument("--layers", default=_env("LAYERS"),
                    help="a layer-skipping drafter instead of the lens: 'auto' (greedy search for --budget of the "
                         "cloud's layers on calibration data) or the cloud layers, comma-separated (e.g. 8,12,29)")
-    d.add_argument("--budget", type=int, default=_env("BUDGET", "6"), help="M: layers --layers auto picks")
+    d.add_argument("--budget", type=int, default=_env("BUDGET"), help="M: layers --layers auto picks (default 6; "
+                   "--layers auto only)")
     d.add_argument("--cloud", action="store_true",
                    help="the cloud drafter instead: a table mapping each token to an approximate boundary state, so "
                         "the server drafts the next tokens with its own layers (cloud/draft_inputs.npy)")
@@ -205,15 +206,21 @@ def _cmd_draft_head(args) -> int:
     _text(args)
     vocab = int(args.vocab) if args.vocab is not None else None
     text = Path(args.text) if args.text else None
+    # a flag that does not apply to the drafter asked for is refused, never ignored (a user would get another drafter)
+    if args.budget is not None and args.layers != "auto":
+        raise UsageError("--budget is for --layers auto (the number of layers its search picks)")
     if args.cloud:
         if args.layers is not None or vocab is not None:
             raise UsageError("--cloud takes neither --layers nor --vocab (the table covers the whole vocabulary)")
+        if args.quant is not None:
+            raise UsageError(f"--quant {args.quant} is not for --cloud (the cloud drafter's table is float16)")
         return _cloud_drafter(args, text)
+    quant = args.quant or "int8"
     if args.layers is not None:
-        return _draft_layers(args, text, vocab)
-    if args.quant == "int4":
+        return _draft_layers(args, text, vocab, quant)
+    if quant == "int4":
         raise UsageError("--quant int4 is for --layers drafters (the lens head is int8 or fp32)")
-    cfg = DraftHeadConfig(text=text, vocab=vocab, quant=args.quant)
+    cfg = DraftHeadConfig(text=text, vocab=vocab, quant=quant)
     with _drafter_progress(args, STEPS) as (lm, progress, staged):
         r = add_draft_head(lm, Path(args.bundle), cfg, progress, staged)
     print(f"draft head -> {args.bundle}: {r['vocab']} tokens, {r['quant']}, calibrated on {r['calibration_tokens']} "
@@ -266,7 +273,7 @@ def _cloud_drafter(args, text: Path | None) -> int:
     return 0
 
 
-def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
+def _draft_layers(args, text: Path | None, vocab: int | None, quant: str) -> int:
     from .draft_layers import STEPS, DraftLayersConfig, add_draft_layers
 
     if args.layers == "auto":
@@ -276,7 +283,8 @@ def _draft_layers(args, text: Path | None, vocab: int | None) -> int:
             layers = tuple(int(x) for x in args.layers.split(",") if x.strip())
         except ValueError:
             raise UsageError(f"--layers {args.layers!r}: 'auto' or comma-separated layer numbers") from None
-    cfg = DraftLayersConfig(layers=layers, budget=args.budget, text=text, vocab=vocab, quant=args.quant)
+    budget = {} if args.budget is None else {"budget": args.budget}  # else DraftLayersConfig's default
+    cfg = DraftLayersConfig(layers=layers, text=text, vocab=vocab, quant=quant, **budget)
 
     def layers_fit(manifest) -> None:  # before the model loads
         cfg.checked_layers(manifest.split_layer, manifest.num_layers)

@@ -379,6 +379,20 @@ def test_drafters_a_bundle_cannot_take_are_refused_before_the_model_loads(tiny_g
                            "a u-shape bundle (split with --tail) drafts by prompt lookup only")
 
 
+def test_draft_head_flags_the_drafter_asked_for_does_not_take_are_refused(tiny_glm4_bundle, capsys, monkeypatch):
+    """--cloud --quant int4 wrote the float16 table and --budget without --layers auto (a lens, the cloud drafter,
+    given layers) was dropped, each with exit 0 and no word: the user got another drafter than the one asked for."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model first"))
+    b = str(tiny_glm4_bundle)
+    _fails_in_one_line(["draft-head", b, "--cloud", "--quant", "int4"], capsys, "--quant int4 is not for --cloud")
+    for kind in ([], ["--cloud"], ["--layers", "3"]):
+        _fails_in_one_line(["draft-head", b, *kind, "--budget", "1"], capsys, "--budget is for --layers auto")
+    monkeypatch.setenv("AUTOGLM_PARTITION_QUANT", "fp32")  # an environment twin is a flag given too, as --vocab's
+    _fails_in_one_line(["draft-head", b, "--cloud"], capsys, "--quant fp32 is not for --cloud")
+
+
 def test_an_empty_path_twin_is_unset(tiny_glm4_bundle, tmp_path, capsys, monkeypatch):
     """AUTOGLM_PARTITION_TEXT="" (a unit file's empty value) is no --text, not the working directory ('.')."""
     monkeypatch.setenv("AUTOGLM_PARTITION_TEXT", "")
