@@ -106,7 +106,8 @@ def test_a_prompt_over_max_prompt_tokens_names_its_limit_and_generation_may_pass
 def test_overload_is_refused_at_once_with_429_and_retry_after(server):
     alone = _stream_text(server)
     result = {}
-    busy = threading.Thread(target=lambda: result.update(text=_stream_text(server, pace=0.05)))
+    busy = threading.Thread(target=lambda: result.update(text=_stream_text(server, pace=0.05),
+                                                        done=time.monotonic()))
     busy.start()
     time.sleep(0.5)  # the slow stream holds the only slot (max_http_requests=1)
     t0 = time.monotonic()
@@ -116,7 +117,8 @@ def test_overload_is_refused_at_once_with_429_and_retry_after(server):
     busy.join(60)
     assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == "overloaded"
-    assert waited < 1.0 and probe.status_code == 200
+    # at once: while the slot is still held, not queued behind it (an absolute bound flaked on a loaded host)
+    assert t0 + waited < result["done"] and waited < 5.0 and probe.status_code == 200
     assert result["text"] == alone  # the request holding the slot was not disturbed
     assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
     print(f"\noverload: 429 + Retry-After in {waited * 1000:.0f} ms; the streaming request's text unchanged")

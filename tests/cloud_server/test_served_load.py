@@ -40,7 +40,9 @@ def test_four_sessions_against_a_real_server(tiny_bundle, tmp_path):
     assert rec["procs"] == 2
     assert rec["codec"] == "int8-outlier"  # the tiny bundle is calibrated: the realistic codec was negotiated
     assert rec["step_codec"] == "fp16"  # decode steps as the default EdgeClient sends them (--step-codec policy)
-    assert rec["served_tokens_per_s"] > 0 and rec["served_tokens_per_s_overall"] > 0
+    assert rec["served_tokens_per_s_overall"] > 0
+    # the steady window: every session decoding at once; on a loaded host one can finish before another's first token
+    assert (rec["served_tokens_per_s"] or 1) > 0 and (rec["served_tokens_per_s"] is None) == (rec["steady_window_s"] <= 0)
     assert 0 < rec["itl_p50_ms"] <= rec["itl_p99_ms"]
     assert 0 < rec["ttft_p50_ms"] <= rec["ttft_p99_ms"]
     assert rec["engine_tokens_per_s"] is None and rec["direct_tokens_per_s"] is None  # no --engine-json given
