@@ -5,6 +5,12 @@ from __future__ import annotations
 from cli_support import undocumented
 
 import io
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -38,8 +44,6 @@ def test_bad_input_is_one_line(argv, needle, capsys):
 
 def test_serve_on_a_port_in_use_is_one_line_before_the_bundle_loads(tiny_bundle, capsys):
     """It loaded the bundle, printed its endpoint, then uvicorn's bind error ended it with exit status 3."""
-    import socket
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -117,7 +121,6 @@ def test_chat_samples_at_0_7_by_default_as_its_help_and_the_docs_say_and_the_api
     """chat's defaults (temperature 0.7, 512 tokens) differ from EdgeClient.generate's (greedy, 256): the edge
     guide said only the API's, so chat's sampling was a surprise."""
     import inspect
-    import re
     from pathlib import Path
 
     from edge_client.client import EdgeClient
@@ -213,68 +216,48 @@ def test_demo_uses_the_bundle_it_is_given(tiny_bundle, tmp_path, monkeypatch):
     assert served == [bundle] and (bundle / "edge").is_dir()  # the tiny bundle itself, untouched
 
 
-def test_a_demo_sent_sigterm_stops_its_local_cloud(tiny_bundle):
-    """SIGTERM (``timeout``, ``kill``, a CI cancel) ended ``autoglm-edge demo`` by the signal (status -15) before
-    its ``with LocalCloud`` block could stop the server: the cloud process (its own session, so a terminal's Ctrl-C
-    reaches only the demo) ran on, orphaned, holding its port and the model's memory. It unwinds as Ctrl-C does."""
-    import re
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "demo", "--bundle", str(tiny_bundle),
+def _demo_signalled_once_its_cloud_serves(bundle, sig, **wait) -> tuple[subprocess.Popen, str, int]:
+    """``autoglm-edge demo`` on ``bundle``, sent ``sig`` once its local cloud serves (the answer streams meanwhile:
+    max_tokens is the context): the ended process, its stderr and the cloud's port."""
+    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "demo", "--bundle", str(bundle),
                              "--max-tokens", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = ""
         while "cloud server ready" not in line and proc.poll() is None:
             line = proc.stdout.readline()
-        port = int(re.search(r":(\d+)/v1/split", line).group(1))  # the answer streams meanwhile (max_tokens: the context)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        port = int(re.search(r":(\d+)/v1/split", line).group(1))
+        proc.send_signal(sig)
+        _, err = proc.communicate(**wait)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", (proc.returncode, err)
-    deadline = time.monotonic() + 5  # LocalCloud.stop waited for the server to exit
+    return proc, err, port
+
+
+def _until_nothing_listens(port: int, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) != 0:
-                break
+                return
         time.sleep(0.2)
-    else:
-        raise AssertionError(f"the demo's cloud server still listens on {port}")
+    raise AssertionError(f"the demo's cloud server still listens on {port}")
+
+
+def test_a_demo_sent_sigterm_stops_its_local_cloud(tiny_bundle):
+    """SIGTERM (``timeout``, ``kill``, a CI cancel) ended ``autoglm-edge demo`` by the signal (status -15) before
+    its ``with LocalCloud`` block could stop the server: the cloud process (its own session, so a terminal's Ctrl-C
+    reaches only the demo) ran on, orphaned, holding its port and the model's memory. It unwinds as Ctrl-C does."""
+    proc, err, port = _demo_signalled_once_its_cloud_serves(tiny_bundle, signal.SIGTERM, timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", (proc.returncode, err)
+    _until_nothing_listens(port, 5)  # LocalCloud.stop waited for the server to exit
 
 
 def test_a_demo_killed_outright_takes_its_local_cloud_with_it(tiny_bundle):
     """SIGKILL (the OOM killer, ``kill -9``) gives the demo no time to stop its server: the server (its own session)
     served on, orphaned. It is told SIGTERM when the demo's process ends (``die_with_parent``, as the rig's are)."""
-    import re
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "demo", "--bundle", str(tiny_bundle),
-                             "--max-tokens", "100000"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = ""
-        while "cloud server ready" not in line and proc.poll() is None:
-            line = proc.stdout.readline()
-        port = int(re.search(r":(\d+)/v1/split", line).group(1))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        proc.kill()
-    deadline = time.monotonic() + 30  # SIGTERM: the server drains its one (now dropped) session and exits
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) != 0:
-                break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"the killed demo's cloud server still listens on {port}")
+    proc, _, port = _demo_signalled_once_its_cloud_serves(tiny_bundle, signal.SIGKILL, timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    _until_nothing_listens(port, 30)  # SIGTERM: the server drains its one (now dropped) session and exits
 
 
 @pytest.mark.parametrize("content, match", [

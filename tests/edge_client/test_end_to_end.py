@@ -208,6 +208,17 @@ def _metric(cloud, name: str) -> float:
     return float(re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.eE+-]+)$", text, re.M).group(1))
 
 
+def _closed_while_the_link_is_down(client, proxy):
+    """A long stream read for 3 tokens, then closed while ``proxy`` holds the link down (0.5 s): the generation."""
+    gen = client.generate(prompt_ids=PROMPT, max_tokens=4000)
+    for i, _ in enumerate(gen):
+        if i == 2:
+            proxy.cut(down_s=0.5)
+            break
+    gen.close()
+    return gen
+
+
 def test_links_dropped_while_idle_or_cancelling_leave_no_session_or_request_behind(tiny_bundle, tiny_cloud,
                                                                                     tiny_reference_tokens):
     """A phone's link drops between requests, or while a stream is closed (its Cancel cannot go out). The next
@@ -217,13 +228,7 @@ def test_links_dropped_while_idle_or_cancelling_leave_no_session_or_request_behi
     sessions0 = _metric(tiny_cloud, "autoglm:sessions_open")
     with LinkEmulator(tiny_cloud.port) as proxy, \
             EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}", codec="fp16", retry=RETRY) as c:
-        gen = c.generate(prompt_ids=PROMPT, max_tokens=4000)
-        for i, _ in enumerate(gen):
-            if i == 2:
-                proxy.cut(down_s=0.5)
-                break
-        gen.close()  # while the link is down
-        assert gen.finish_reason == "cancelled"
+        assert _closed_while_the_link_is_down(c, proxy).finish_reason == "cancelled"
         for _ in range(2):  # dropped while idle
             assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == tiny_reference_tokens
             proxy.cut()
@@ -246,12 +251,7 @@ def test_a_link_that_drops_as_the_abandoned_request_is_cancelled_is_recovered_by
 
     with LinkEmulator(tiny_cloud.port) as proxy, \
             EdgeClient(tiny_bundle, f"ws://127.0.0.1:{proxy.port}", codec="fp16", retry=RETRY) as c:
-        gen = c.generate(prompt_ids=PROMPT, max_tokens=4000)
-        for i, _ in enumerate(gen):
-            if i == 2:
-                proxy.cut(down_s=0.5)
-                break
-        gen.close()  # while the link is down: its Cancel waits for the next request
+        _closed_while_the_link_is_down(c, proxy)  # its Cancel waits for the next request
         send = c.session._send
 
         async def drop_on_cancel(msg):
