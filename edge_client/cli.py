@@ -216,12 +216,19 @@ def cmd_preload(args) -> int:
 
     client = EdgeClient(cfg)
     try:
-        for path in [*args.preload, *args.files]:
-            tokens = client.preload_prompts(path)
+        paths, cached = [*args.preload, *args.files], []
+        for path in paths:
+            cached.append(client.preload_prompts(path))
             if client.cache.write_error is not None:  # cached in this process's memory only: nothing was kept
                 raise EdgeClientError(f"{path}: the activation cache was not saved: {client.cache.write_error}",
                                       "cache_unwritable")
-            print(f"{path}: {tokens} tokens cached in {cfg.cache_dir}")
+        held = [client.preloaded_tokens(path) for path in paths]  # what the bound kept, not what went in
+        for path, n in zip(paths, held):
+            print(f"{path}: {n} tokens cached in {cfg.cache_dir}")
+        if sum(held) < sum(cached):
+            raise EdgeClientError(f"--cache-max-bytes {cfg.cache_max_bytes} holds {sum(held)} of the {sum(cached)} "
+                                  "tokens preloaded: later prompts' blocks evicted earlier ones (raise the bound)",
+                                  "cache_too_small")
     finally:
         client.close()
     return 0

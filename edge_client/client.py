@@ -472,9 +472,17 @@ class EdgeClient:
         first request that uses it (its hidden states come from this cache, not the front layers). Messages with
         image / audio parts: the blocks before the first one are cached (no encoder runs)."""
         self._check_open()
-        prompts = _read_prompts(Path(path))
-        tokens = 0
-        for p in prompts:
+        return sum(self._call(self.session.preload(ids)) for ids in self._preload_ids(path, as_system))
+
+    def preloaded_tokens(self, path: str | Path, as_system: bool = True) -> int:
+        """Tokens of ``path``'s prompts (as :meth:`preload_prompts` reads them) the activation cache holds now: a
+        ``cache_max_bytes`` too small for them all evicts earlier prompts' blocks as later ones are cached."""
+        self._check_open()
+        return sum(self.cache.contains(ids) for ids in self._preload_ids(path, as_system))
+
+    def _preload_ids(self, path: str | Path, as_system: bool) -> list[list[int]]:
+        out = []
+        for p in _read_prompts(Path(path)):
             if isinstance(p, str):
                 ids = (self.tokenizer.chat_ids([{"role": "system", "content": p}], add_generation_prompt=False)
                        if as_system else self.tokenizer.encode_prompt(p))
@@ -484,8 +492,8 @@ class EdgeClient:
                 if parts:  # no encoder runs here: the text before the first placeholder is what gets cached
                     first = {self.media.placeholder_ids(part.kind)[0] for part in parts}
                     ids = ids[:next((i for i, t in enumerate(ids) if t in first), len(ids))]
-            tokens += self._call(self.session.preload(ids))
-        return tokens
+            out.append(ids)
+        return out
 
 
 def _runner_timings(stats: RequestStats, result: Any, n: int) -> None:

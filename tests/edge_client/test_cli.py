@@ -90,6 +90,26 @@ def test_preload_persists_common_prompts(tiny_bundle, tmp_path, capsys):
     assert main(["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(bad)]) == 2
 
 
+def test_preload_reports_what_the_cache_bound_kept_and_fails_when_it_could_not_keep_it_all(tiny_bundle, tmp_path,
+                                                                                          capsys):
+    """With a --cache-max-bytes too small for its prompts, preload printed each file's tokens as they went in and
+    exited 0, while the later file's blocks evicted the earlier's: the folder held far less than it said."""
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("You are a phone agent. Tap, swipe and type to finish the task. " * 3)
+    second.write_text("Answer briefly and politely, in the user's language, and never guess. " * 3)
+    argv = ["preload", "--bundle", str(tiny_bundle), "--cache-dir", str(tmp_path / "c"), str(first), str(second)]
+    assert main(argv) == 0  # the default bound holds both
+    both = {line.split(":")[0]: int(line.split()[1]) for line in capsys.readouterr().out.splitlines()}
+    assert both[str(first)] > 0 and both[str(second)] > 0
+    block_bytes = sum(f.stat().st_size for f in (tmp_path / "c").rglob("*") if f.is_file()) // (
+        sum(both.values()) // 16)  # tiny bundles' blocks are 16 tokens
+    assert main([*argv[:4], str(tmp_path / "d"), "--cache-max-bytes", str(block_bytes * 3), *argv[5:]]) == 1
+    out, err = capsys.readouterr()
+    held = {line.split(":")[0]: int(line.split()[1]) for line in out.splitlines()}
+    assert sum(held.values()) <= 3 * 16 < sum(both.values()), (held, both)
+    assert "later prompts' blocks evicted earlier ones (raise the bound)" in err and err.count("\n") == 1, err
+
+
 def test_preload_into_a_directory_that_refuses_writes_fails_saying_so(tiny_bundle, tmp_path, capsys):
     """A read-only (or full) --cache-dir ended `autoglm-edge preload` in an OSError traceback; the cache now keeps
     such blocks in memory, so preload (whose whole point is the files) says none were saved: one line, exit 1."""
