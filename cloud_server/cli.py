@@ -315,10 +315,6 @@ def serve(config: ServerConfig, log_level: str = "info") -> int:
     return 0
 
 
-def _interrupt(_sig, _frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     """``autoglm-cloud``; Ctrl-C where the server does not take it as a drain (while the command starts, before
     it serves) ends as every console script's does (``shared.cli_exit``): ``interrupted``, exit 130. So does a
@@ -326,7 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     its server loaded and hashed its bundle waited out its whole grace period for the SIGKILL. Run as the
     console script (``argv`` None) it ends the process itself once the command is done (:func:`_exit_now`)."""
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # serving, uvicorn's handler drains instead
-        signal.signal(signal.SIGTERM, _interrupt)
+        from shared.cli_exit import sigterm_unwinds
+
+        sigterm_unwinds()
     try:
         code = _main(argv)
     except KeyboardInterrupt:
