@@ -240,8 +240,9 @@ class BundleServer:
             with open(part, "ab" if have else "wb") as f:
                 left = art.bytes - have  # never a byte past the manifest's size (a broken server may send more)
                 while left > 0:
-                    try:
-                        chunk = r.body.read(min(CHUNK_BYTES, left))
+                    try:  # read1: what has arrived (one recv); read(n) waits for n bytes, and a reset or a timeout
+                        # meanwhile lost all it had read - up to CHUNK_BYTES, a whole edge file, every resume
+                        chunk = r.body.read1(min(CHUNK_BYTES, left))
                     except (HTTPException, OSError, ssl.SSLError):  # OSError covers timeouts
                         chunk = b""  # the connection broke: what arrived is kept
                     if not chunk:

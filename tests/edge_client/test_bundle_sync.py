@@ -32,6 +32,7 @@ from edge_client.config import EdgeConfig, RetryPolicy
 from edge_client.demo import free_port
 from edge_client.errors import EdgeClientError
 from edge_client.transport import HandshakeRefused, Link
+from rig.link import LinkEmulator
 from shared import protocol as P
 from shared.manifest import Manifest
 
@@ -171,6 +172,26 @@ def test_a_cut_transfer_resumes_by_itself(bundle_l1, edge_l2):
     assert cut.ranges == [None, b"bytes=5000-"]
     assert server.bytes_received == _served_bytes(m1)  # nothing came twice
     _assert_edge_half(new)
+
+
+def test_a_link_reset_mid_file_keeps_the_bytes_that_came(bundle_l1, edge_l2):
+    """A link reset mid-file (a phone leaving Wi-Fi, the rig's link cut: RST, or a read timing out) lost every byte
+    of the read in progress - 1 MiB, a whole edge file here - so the part stayed empty and a link dropping every
+    100 KB never finished; what came is kept and the resume asks for the rest."""
+    m1 = Manifest.load(bundle_l1)
+    art = m1.artifacts[FRONT]
+    part = edge_l2.parent / "front.onnx.part"
+    with Serving(_app(bundle_l1)) as srv, LinkEmulator(srv.port) as link:
+        server = BundleServer(f"ws://127.0.0.1:{link.port}", timeout_s=10)
+        link.cut_after("down", 100_000)  # headers and ~99.7 KB of the file, then a reset
+        with pytest.raises(BundleSyncError) as ei:
+            server.download(m1.bundle_id, "fp32", FRONT, part, art, lambda n: None)
+        assert ei.value.code == "truncated"
+        kept = part.stat().st_size
+        assert 50_000 < kept < 100_000  # (0 before)
+        server.download(m1.bundle_id, "fp32", FRONT, part, art, lambda n: None)
+    assert server.bytes_received == art.bytes  # nothing came twice
+    assert bundle_sync._sha256(part) == art.sha256
 
 
 def test_an_edge_re_export_under_the_same_id_is_fetched_again(tmp_path, bundle_l1, edge_l2):
