@@ -440,9 +440,9 @@ def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progres
         dest = stage / rel
         if not _safe(stage, dest):
             raise BundleSyncError("bad_manifest", f"artifact path {rel!r} leaves the bundle directory")
-        if dest.is_file() and dest.stat().st_size == art.bytes:  # verified when it took its name
-            on_bytes(art.bytes)
-            continue
+        if dest.is_file() and dest.stat().st_size == art.bytes and _sha256(dest) == art.sha256:
+            on_bytes(art.bytes)  # verified when it took its name, and hashed again: the phone's storage may have
+            continue             # changed it since (else the switch put a version no client opens in place)
         dest.parent.mkdir(parents=True, exist_ok=True)
         _download_verified(server, bundle_id, edge, rel, dest, art, on_bytes)
     os.replace(stage, final)

@@ -135,6 +135,21 @@ def test_a_killed_download_resumes_with_range_and_verifies(monkeypatch, bundle_l
     assert Manifest.load(edge_l2).split_layer == 2  # fetching alone switches nothing
 
 
+def test_a_staged_file_damaged_on_the_phone_is_fetched_again_not_switched_to(bundle_l1, edge_l2):
+    """A file of the staging directory that had taken its name (verified) and was damaged there since, its size
+    intact (the phone's storage, a crash), was trusted by its size: the update switched to a version whose front
+    no client opens ('sha256 mismatch'), and 'preload --update' then said 'up to date'; it is hashed again."""
+    m1 = Manifest.load(bundle_l1)
+    stage = bundle_sync.versions_dir(edge_l2) / f"{m1.bundle_id}-fp32.partial"
+    (stage / "edge").mkdir(parents=True)
+    shutil.copy(bundle_l1 / "manifest.json", stage / "manifest.json")  # the served one, byte for byte
+    (stage / FRONT).write_bytes(bytes(m1.artifacts[FRONT].bytes))  # the right size, not the right bytes
+    with Serving(_app(bundle_l1)) as srv:
+        assert bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY),
+                                  Manifest.load(edge_l2)).bundle_id == m1.bundle_id
+    _assert_edge_half(edge_l2)  # hashed: the front came down again
+
+
 class CutFirstTransfer:
     """ASGI wrapper: the first download of the front graph breaks after ``after`` bytes of body."""
 
