@@ -54,6 +54,7 @@ from cloud_server.metrics import HttpRefusals
 from cloud_server.http_protocol import protocol_class as http_protocol_class
 from cloud_server.ws_protocol import protocol_class
 from shared import openai_compat as oc
+from shared.openai_routes import get_route
 
 log = logging.getLogger("autoglm.cloud")
 GIL_SWITCH_S = 0.0005  # sys.setswitchinterval while serving (see DrainingServer.serve)
@@ -240,11 +241,11 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         err = oc.OpenAIRequestError(str(exc.detail), None, code, exc.status_code)
         return JSONResponse(err.to_dict(), status_code=exc.status_code, headers=exc.headers)  # 405: Allow
 
-    @app.get("/health", dependencies=probe)
+    @get_route(app, "/health", dependencies=probe)
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready", dependencies=probe)
+    @get_route(app, "/ready", dependencies=probe)
     async def ready():
         runtimes = _runtimes(app)
         is_ready = all(rt.ready for rt in runtimes)
@@ -259,7 +260,7 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
             body["error"] = "; ".join(dead)
         return JSONResponse(body, status_code=200 if is_ready else 503)
 
-    @app.get("/metrics", dependencies=metrics_probe)
+    @get_route(app, "/metrics", dependencies=metrics_probe)
     async def metrics():
         if runtime.metrics is None:
             return Response(b"", media_type="text/plain")
@@ -278,11 +279,11 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         render = app.state.split.render_metrics if len(_runtimes(app)) > 1 else runtime.metrics.render
         return Response(await asyncio.to_thread(render), media_type=runtime.metrics.content_type)
 
-    @app.get("/v1/models", dependencies=[auth])
+    @get_route(app, "/v1/models", dependencies=[auth])
     async def models():
         return oc.model_list([rt.model_name for rt in _runtimes(app) if rt.model_name])
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[auth])  # the openai client's models.retrieve()
+    @get_route(app, "/v1/models/{model_id:path}", dependencies=[auth])  # the openai client's models.retrieve()
     async def model(model_id: str):
         found = [m for m in (await models())["data"] if m["id"] == model_id]
         if found:

@@ -37,6 +37,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
 
 from shared.manifest import EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleError, Manifest, export_digest, sha256_file
+from shared.openai_routes import get_route
 
 log = logging.getLogger("autoglm.cloud.bundles")
 
@@ -269,16 +270,16 @@ def install(app: FastAPI, catalog: BundleCatalog, auth) -> None:
         except KeyError as e:
             raise HTTPException(404, detail=str(e.args[0])) from None
 
-    @app.get("/v1/bundles", dependencies=[auth])
+    @get_route(app, "/v1/bundles", dependencies=[auth])
     async def bundles():
         return {"object": "list", "data": catalog.listing()}
 
-    @app.get("/v1/bundles/{bundle_id}/manifest", dependencies=[auth])
+    @get_route(app, "/v1/bundles/{bundle_id}/manifest", dependencies=[auth])
     async def manifest(bundle_id: str, edge: str | None = None):
         v = lookup(catalog.variant, bundle_id, edge)
         return Response(v.manifest_bytes, media_type="application/json")
 
-    @app.api_route("/v1/bundles/{bundle_id}/files/{rel:path}", methods=["GET", "HEAD"], dependencies=[auth])
+    @get_route(app, "/v1/bundles/{bundle_id}/files/{rel:path}", dependencies=[auth])
     async def file(request: Request, bundle_id: str, rel: str, edge: str | None = None):
         path, art = lookup(catalog.artifact, bundle_id, edge, rel)
         try:

@@ -187,15 +187,15 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
             return openai_routes.error_response(refused)
         return await call_next(request)
 
-    @app.get("/health")
+    @openai_routes.get_route(app, "/health")
     async def health():
         return {"status": "ok", "bundle_id": client.manifest.bundle_id, "connected": client.connected}
 
-    @app.get("/v1/models")
+    @openai_routes.get_route(app, "/v1/models")
     async def models():
         return oc.model_list([model_id])
 
-    @app.get("/v1/models/{name:path}")  # the openai client's models.retrieve()
+    @openai_routes.get_route(app, "/v1/models/{name:path}")  # the openai client's models.retrieve()
     async def model(name: str):
         if name == model_id:
             return oc.model_list([model_id])["data"][0]

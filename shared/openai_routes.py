@@ -168,6 +168,13 @@ def parse_json_body(raw: bytes) -> Any:
     return body
 
 
+def get_route(app: FastAPI, path: str, **kwargs: Any) -> Callable:
+    """``app.get(path, **kwargs)`` that answers HEAD too (the GET's status and headers; uvicorn sends no body), as RFC
+    9110 (9.1) asks of a server wherever it answers GET: FastAPI's ``get`` takes GET alone, so ``curl -I`` and an
+    uptime monitor's HEAD probe of ``/health`` got 405. Every GET route of both servers is declared with it."""
+    return app.api_route(path, methods=["GET", "HEAD"], **kwargs)
+
+
 def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = (),
             max_body_bytes: int | Callable[[], int] | None = None, body_stall_s: float | None = None) -> None:
     """Add the two routes to ``app``; ``dependencies`` (e.g. an API-key check) run before each; a body over

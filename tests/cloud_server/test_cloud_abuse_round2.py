@@ -92,6 +92,20 @@ def test_only_edge_files_are_served_and_only_with_a_key(srv):
     assert _get(srv, f"/v1/bundles/{bid}/files/{FRONT}", key=None, method="HEAD").status_code == 401
 
 
+def test_every_get_route_answers_head_with_the_gets_status_and_headers(srv):
+    """HEAD on the GET routes (/health, /ready, /v1/models, the bundle listing and manifest) was a 405 (FastAPI's
+    ``get`` takes GET alone), though RFC 9110 asks a server to answer HEAD wherever it answers GET: ``curl -I`` and
+    uptime monitors that probe with HEAD read a healthy server as failing. Only the bundle files took it."""
+    bid = srv.manifest.bundle_id
+    for path in ("/health", "/ready", "/metrics", "/v1/models", "/v1/models/tiny", "/v1/models/nope", "/v1/bundles",
+                 f"/v1/bundles/{bid}/manifest"):
+        got, head = _get(srv, path), _get(srv, path, method="HEAD")
+        assert (head.status_code, head.content) == (got.status_code, b""), (path, head.status_code)
+        assert head.headers["content-length"] == str(len(got.content)), path
+        assert _get(srv, path, key=None, method="HEAD").status_code == 401, path  # the key still guards it
+    assert _get(srv, "/v1/completions", method="HEAD").status_code == 405  # a POST route takes no HEAD
+
+
 # -- WebSocket resume ---------------------------------------------------------------------------------------
 def _edge(srv, tiny_bundle, key: str, front=None) -> EdgeSim:
     return EdgeSim(srv.ws_url, tiny_bundle, srv.manifest.bundle_id, api_key=getattr(srv, key), front=front)

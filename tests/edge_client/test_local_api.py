@@ -284,6 +284,16 @@ def test_values_the_wire_cannot_carry_and_unknown_routes_get_openai_errors(serve
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
+def test_get_routes_answer_head(server):
+    """HEAD /health (``curl -I``, an uptime monitor's probe) and HEAD /v1/models were 405s: FastAPI's ``get`` takes
+    GET alone, where RFC 9110 asks a server to answer HEAD wherever it answers GET."""
+    for path in ("/health", "/v1/models", "/v1/models/split-test", "/v1/models/nope"):
+        got, head = httpx.get(server.url + path), httpx.head(server.url + path)
+        assert (head.status_code, head.content) == (got.status_code, b""), (path, head.status_code)
+        assert head.headers["content-length"] == str(len(got.content)), path
+    assert httpx.head(f"{server.url}/v1/completions").status_code == 405  # a POST route takes no HEAD
+
+
 def test_max_completion_tokens_past_the_wire_limit_is_refused_by_its_name(server):
     """max_completion_tokens (what the openai client sends) past 2^31 - 1 was a 400 naming max_tokens, a field the
     client never sent: the error names the field as sent, in param and message."""
