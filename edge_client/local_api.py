@@ -169,7 +169,8 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
         client.media_policy = replace(client.media_policy, local_dir=Path(media_dir))
     if not fetch_urls:
         client.media_policy = replace(client.media_policy, allow_http=False)
-    app = FastAPI(title="autoglm-edge", docs_url=None, redoc_url=None)
+    # no /docs, /redoc, /openapi.json: routes outside the API (docs/edge.md) are 404s, as on the cloud
+    app = FastAPI(title="autoglm-edge", docs_url=None, redoc_url=None, openapi_url=None)
     model_id = model_name or f"autoglm-split-{client.manifest.bundle_id[:12]}"
 
     @app.exception_handler(StarletteHTTPException)  # the router's own 404 / 405, in OpenAI's error shape as well

@@ -294,6 +294,16 @@ def test_get_routes_answer_head(server):
     assert httpx.head(f"{server.url}/v1/completions").status_code == 405  # a POST route takes no HEAD
 
 
+def test_routes_outside_the_api_are_404s_without_or_with_a_key():
+    """/openapi.json, a route outside the documented API, answered 200 with the app's schema - without the
+    --local-api-key too (the key guards /v1/ only); the cloud serves none. Now a 404 in OpenAI's shape."""
+    client = _ScriptedClient()
+    with local_server(create_app(client, model_name="m", api_key="sk-local")) as url:
+        for headers in ({}, {"Authorization": "Bearer sk-local"}):
+            r = httpx.get(f"{url}/openapi.json", headers=headers)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text[:80]
+
+
 def test_max_completion_tokens_past_the_wire_limit_is_refused_by_its_name(server):
     """max_completion_tokens (what the openai client sends) past 2^31 - 1 was a 400 naming max_tokens, a field the
     client never sent: the error names the field as sent, in param and message."""
