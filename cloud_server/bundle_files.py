@@ -17,9 +17,9 @@ Routes (behind the API key, like every ``/v1`` route):
 What is served is looked up by exact name in the manifest's artifacts, never joined from the request path:
 a name that is not an edge/shared artifact (the cloud weights, ``../`` anything, the manifest's own
 neighbours) is 404, and a listed file that resolves outside its bundle directory (a symlink) is 404 too.
-A file whose size or sha256 on disk differs from the manifest is refused (500): the server never sends bytes
-that cannot verify. The hash is taken off the event loop on a file's first request and again only when its
-size, mtime or inode changes (:meth:`BundleCatalog.check`). A download whose client takes no byte for ``SEND_STALL_S`` is dropped (the client resumes with
+A file that is missing on disk or whose size or sha256 there differs from the manifest is refused (500, and
+logged): the server never sends bytes that cannot verify. The hash is taken off the event loop on a file's first
+request and again only when its size, mtime or inode changes (:meth:`BundleCatalog.check`). A download whose client takes no byte for ``SEND_STALL_S`` is dropped (the client resumes with
 ``Range``), so a reader that stalls gives back its ``--max-http-requests`` slot.
 
 References: RFC 9110 sections 13.1.5 (If-Range), 14 (range requests), 8.8.3 (ETag).
@@ -134,9 +134,9 @@ class BundleCatalog:
             raise KeyError(f"{rel!r} is not an edge file of bundle {bundle_id}")
         root = v.directory.resolve()
         path = (v.directory / rel).resolve()
-        if not path.is_relative_to(root) or not path.is_file():
+        if not path.is_relative_to(root):
             raise KeyError(f"{rel!r} is not an edge file of bundle {bundle_id}")
-        return path, art
+        return path, art  # (missing on disk: check() says so, 500 and logged - the operator's, not the client's)
 
     async def check(self, path: Path, art: Artifact) -> None:
         """Raise :class:`Tampered` unless ``path`` is the file ``art`` names: its size, and its sha256 - hashed

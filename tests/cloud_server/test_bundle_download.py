@@ -137,6 +137,20 @@ def test_a_file_changed_on_disk_is_refused(tmp_path, tiny_glm4_fp32_bundle):
         assert c.get(url, headers=AUTH).content == good
 
 
+def test_a_listed_edge_file_missing_on_the_server_is_a_logged_500(tmp_path, tiny_glm4_fp32_bundle, caplog):
+    """A server deployed with its bundle's cloud half only (the edge folder left out) offered the edge for download
+    and answered its front 404 "'edge/front.onnx' is not an edge file of bundle ...", logging nothing: the phone
+    was told the manifest's own file is none of it, the operator never heard; it is the server's fault (500) and
+    logged, as a changed file is."""
+    b = tmp_path / "b"
+    shutil.copytree(tiny_glm4_fp32_bundle, b, ignore=shutil.ignore_patterns("edge"))
+    m = Manifest.load(b)
+    with _client(b) as c, caplog.at_level("ERROR", logger="autoglm.cloud.bundles"):
+        r = c.get(f"/v1/bundles/{m.bundle_id}/files/{FRONT}", headers=AUTH)
+    assert r.status_code == 500 and "tell the operator" in r.text, (r.status_code, r.text)  # (404 before)
+    assert str(b / FRONT) in caplog.text
+
+
 def test_the_routes_need_the_api_key(http, tiny_glm4_fp32_bundle):
     bid = Manifest.load(tiny_glm4_fp32_bundle).bundle_id
     for url in ("/v1/bundles", f"/v1/bundles/{bid}/manifest", f"/v1/bundles/{bid}/files/{FRONT}"):
