@@ -317,6 +317,16 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         endpoint = bundles if len(bundles.endpoints) > 1 else bundles.default
         app.state.split = endpoint
 
+        # an HTTP request to the WebSocket's path (curl, or a proxy that does not pass Upgrade and Connection on) got
+        # 404 'Not Found', and the edge sent the operator to check a right URL and mode: say what it lacked
+        @get_route(app, "/v1/split", dependencies=[auth])
+        async def split_without_upgrade():
+            err = oc.OpenAIRequestError(
+                "/v1/split takes a WebSocket upgrade: this request lacked 'Upgrade: websocket' (a proxy that does not "
+                "pass Upgrade and Connection on?)", None, "upgrade_required", 426)  # (the edge shows 200 bytes of it)
+            return JSONResponse(err.to_dict(), status_code=err.status,
+                                headers={"Upgrade": "websocket", "Connection": "Upgrade"})
+
         @app.websocket("/v1/split")
         async def split(ws: WebSocket):
             principal = authn.authenticate(ws.headers.get("authorization"))

@@ -106,6 +106,19 @@ def test_every_get_route_answers_head_with_the_gets_status_and_headers(srv):
     assert _get(srv, "/v1/completions", method="HEAD").status_code == 405  # a POST route takes no HEAD
 
 
+def test_a_plain_http_request_to_the_split_endpoint_is_told_it_lacks_the_upgrade(srv):
+    """/v1/split without 'Upgrade: websocket' (curl, or a proxy that does not pass Upgrade and Connection on) was a
+    404 'Not Found' on the route the docs name, and the edge said 'no split endpoint at .../v1/split ... the cloud
+    serves it at <base URL>/v1/split, unless it runs in full-model mode': the operator checked a right URL and
+    mode. It is 426 Upgrade Required saying what the request lacked (with a key; without one, 401 as the upgrade)."""
+    for method in ("GET", "HEAD"):
+        r = _get(srv, "/v1/split", method=method)
+        assert r.status_code == 426 and r.headers["upgrade"] == "websocket", (method, r.status_code)
+    r = _get(srv, "/v1/split")
+    assert r.json()["error"]["code"] == "upgrade_required" and "Upgrade: websocket" in r.json()["error"]["message"]
+    assert _get(srv, "/v1/split", key=None).status_code == 401
+
+
 # -- WebSocket resume ---------------------------------------------------------------------------------------
 def _edge(srv, tiny_bundle, key: str, front=None) -> EdgeSim:
     return EdgeSim(srv.ws_url, tiny_bundle, srv.manifest.bundle_id, api_key=getattr(srv, key), front=front)
