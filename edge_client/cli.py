@@ -97,6 +97,8 @@ def cmd_chat(args) -> int:
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("autoglm-edge chat: empty line or Ctrl-D quits; Ctrl-C stops an answer.", file=sys.stderr)
     status = 0  # the last turn's: 1 when it failed
+    if hasattr(sys.stdin, "reconfigure"):  # a byte that is no UTF-8 is the message's problem, not the chat's end
+        sys.stdin.reconfigure(errors="surrogateescape")
     try:
         while True:
             try:
@@ -105,6 +107,10 @@ def cmd_chat(args) -> int:
                 break
             if not line.strip():
                 break
+            if (problem := _not_utf8(line)) is not None:
+                print(f"autoglm-edge chat: {problem}: not sent", file=sys.stderr)
+                status = 1
+                continue
             history.append({"role": "user", "content": line})
             # a turn that fails (too long for the context, the cloud unreachable through every retry) is said in
             # one line and dropped; the chat and its conversation go on (they ended with the process)
@@ -127,6 +133,16 @@ def cmd_chat(args) -> int:
     finally:
         client.close()
     return status
+
+
+def _not_utf8(line: str) -> str | None:
+    """Why a line read from stdin (decoded with surrogateescape) is no message, or None: bytes that are no UTF-8 (a
+    Latin-1 terminal's 'é', a binary file piped in) ended the chat, exit 2, on a strict stdin, or failed the turn as
+    "can't encode character '\\udce9' ... surrogates not allowed" on a surrogateescape one."""
+    for i, ch in enumerate(line):
+        if 0xDC80 <= ord(ch) <= 0xDCFF:  # surrogateescape's stand-in for the byte ord(ch) - 0xDC00
+            return f"the message is not UTF-8 text (byte 0x{ord(ch) - 0xDC00:02x} after {line[max(0, i - 20):i]!r})"
+    return None
 
 
 def _answer(client, history: list[dict], args):

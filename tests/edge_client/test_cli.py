@@ -355,3 +355,20 @@ def test_speculate_is_a_flag_of_chat_and_serve_with_an_environment_twin(tiny_bun
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "AUTOGLM_EDGE_SPECULATE='maybe'" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])  # a UTF-8 locale's stdin; C.UTF-8's (UTF-8 mode)
+def test_a_message_that_is_not_utf8_is_one_line_and_the_chat_goes_on(errors, tiny_bundle, tiny_cloud, monkeypatch,
+                                                                       capsys):
+    """A byte that is no UTF-8 on stdin (a Latin-1 terminal's 'é', a binary file piped in) ended the chat and its
+    conversation with 'error: 'utf-8' codec can't decode byte 0xff', exit 2 (strict stdin: the earlier message in the
+    same read was never answered), or failed its turn as "can't encode character '\\udcff' ... surrogates not
+    allowed" (surrogateescape stdin); the message is refused in one line naming the byte, the chat goes on."""
+    argv = ["chat", "--bundle", str(tiny_bundle), "--url", tiny_cloud.ws_url, "--max-tokens", "2", "--no-stats",
+            "--temperature", "0"]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"hi\ncaf\xe9 \xff\nok\n"), encoding="utf-8",
+                                                      errors=errors))
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("assistant> ") == 2
+    assert "autoglm-edge chat: the message is not UTF-8 text (byte 0xe9 after 'caf'): not sent\n" in captured.err, captured.err
