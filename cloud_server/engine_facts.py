@@ -24,7 +24,7 @@ class EngineFacts:
     mrope: bool  # the model takes 3-D multimodal RoPE positions (GLM-4.1V)
     eos_token_ids: tuple[int, ...]
     block_size: int  # tokens per KV block = the prefix-cache granularity
-    max_context: int  # positions per sequence (prompt + generated)
+    max_context: int  # positions per sequence (prompt + generated): EngineConfig.max_context
     max_num_seqs: int  # sequences the engine runs at once (the load figure's denominator)
     max_num_batched_tokens: int  # tokens per engine step
     returns_states: bool = False  # u-shape: the model ends at its middle layers (States, never tokens)
@@ -47,6 +47,6 @@ class EngineFacts:
                    variant_for=MappingProxyType({v: engine.resolve_variant(v) for v in (None, *COMPUTE_VARIANTS)}),
                    hidden_size=int(model.hidden_size), vocab_size=int(engine.vocab_size), mrope=bool(model.mrope),
                    eos_token_ids=tuple(int(t) for t in engine.eos_token_ids), block_size=int(cfg.block_size),
-                   max_context=int(cfg.max_model_len), max_num_seqs=int(cfg.max_num_seqs),
+                   max_context=int(cfg.max_context), max_num_seqs=int(cfg.max_num_seqs),
                    max_num_batched_tokens=int(cfg.max_num_batched_tokens),
                    returns_states=bool(engine.output_states), cloud_drafts=int(engine.max_cloud_drafts))

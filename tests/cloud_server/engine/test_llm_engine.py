@@ -284,3 +284,24 @@ def test_overlap_never_queues_a_prompt_only_step_behind_decodes(tiny_bundle):
     # the step holds max_num_seqs + 5 = 9 positions: 7 for the prompt beside the 2 decode rows
     assert launched[:4] == [[("d0", 1), ("d1", 1), ("long", 7)]] * 3 + [[("d0", 1), ("d1", 1), ("long", 2)]]
     assert all(("d0", 1) in b for b in launched)  # no prompt-only step
+
+
+def test_a_request_ends_length_where_a_pool_smaller_than_max_model_len_ends_its_context(tiny_bundle):
+    """The context is ``EngineConfig.max_context``, the pool's 32 positions here (Welcome.limits.max_context): a
+    request asking for more ends ``length`` there (prompt + answer = 32), as it does at ``max_model_len``. It ran on
+    to a 33rd position - a token the pool could not hold once fed back - and was dropped for load (over the wire:
+    that token, then ``context_full`` at its DecodeStep), while the same request ended ``length`` where
+    ``max_model_len`` was the smaller."""
+    for kw in ({"num_blocks": 8, "block_size": 4}, {"num_blocks": 64, "block_size": 4, "max_model_len": 32}):
+        eng = _engine(tiny_bundle, **kw)
+        assert eng.config.max_context == 32
+        eng.add_request("r", InputChunk(0, hidden=torch.randn(29, 64)), SamplingParams(0.0, max_tokens=12,
+                                                                                      ignore_eos=True))
+        outs = []
+        while eng.seqs:
+            for o in eng.step():
+                outs.append(o)
+                if not o.finished:
+                    eng.add_input("r", InputChunk(29 + len(outs) - 1, hidden=torch.randn(1, 64)))
+        assert [o.finish_reason for o in outs] == [None, None, "length"], (kw, outs[-1])
+        assert eng.num_used_blocks() == 0
