@@ -152,7 +152,9 @@ def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
     log.info("serving with %d front-end workers on %s:%d", config.workers, config.host, socks[0].getsockname()[1])
     deadline = None
     try:
-        while any(p.is_alive() for p in procs.values()):
+        # until signalled, dead workers are replaced (all of them at once too: the loop ran while any lived, so
+        # workers killed together ended the server, exit 0 without a word); then until the last has drained
+        while not signals or any(p.is_alive() for p in procs.values()):
             if host.check_engine() and not signals:  # a fatal engine error: stop, to be restarted (status 1)
                 log.error("the engine stopped (%s): stopping the workers", runtime.engine.dead)
                 status = 1

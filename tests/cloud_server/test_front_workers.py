@@ -245,6 +245,26 @@ def test_a_killed_worker_is_replaced_and_the_server_keeps_serving(servers, tiny_
     assert asyncio.run(both()) == [reference[tuple(PROMPTS[1])]] * 2
 
 
+def test_workers_killed_all_at_once_are_all_replaced(servers, tiny_bundle):
+    """Every worker dead at once (the OOM killer taking both, a SIGKILL to each): the main process's loop ran while
+    any worker lived, so it ended there and the server exited 0 without a word, where a supervisor restarts only a
+    failure. They are replaced as one dead worker is."""
+    cloud, reference = servers
+    before = _front_pids(cloud.proc.pid)
+    assert len(before) == 2
+    for pid in before:
+        os.kill(pid, signal.SIGKILL)
+    seen, deadline = set(), time.monotonic() + 90
+    while seen != {0, 1} and time.monotonic() < deadline and cloud.proc.poll() is None:
+        try:
+            seen.add(httpx.get(cloud.http_url + "/ready", timeout=5).json()["worker"])
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    assert cloud.proc.poll() is None, f"the server exited with {cloud.proc.returncode}"
+    assert seen == {0, 1} and not _front_pids(cloud.proc.pid) & before
+    assert _generate(tiny_bundle, cloud.ws_url.rsplit("/v1", 1)[0], PROMPTS[0]) == reference[tuple(PROMPTS[0])]
+
+
 def test_sigterm_drains_every_worker_then_exits(servers, tiny_bundle):
     """Last: stops the module's server. The request in flight finishes, ``/ready`` says 503 on whichever worker
     answers, a new session is refused (``draining``, 1013, or the connection itself once every listener has
