@@ -7,11 +7,12 @@ import asyncio
 
 import pytest
 import websockets
+from websockets.frames import Frame, Opcode
 from cloud_support import ServerThread
 from fastapi import FastAPI, WebSocket
 
 from cloud_server.split_endpoint import Outbox, ws_send_now
-from cloud_server.ws_protocol import PAUSE_AT, SEND_NOW, SplitWSProtocol, protocol_class
+from cloud_server.ws_protocol import FEED_SLICE, FRAMES_PER_TURN, PAUSE_AT, SEND_NOW, SplitWSProtocol, protocol_class
 
 pytestmark = pytest.mark.skipif(SplitWSProtocol is None, reason="uvicorn without the websockets-sansio protocol")
 
@@ -101,6 +102,45 @@ def test_a_burst_the_app_does_not_read_pauses_reading_and_keeps_every_frame_in_o
         assert not proto.read_paused
         await ws.close()
     asyncio.run(run())
+
+
+def test_a_flood_of_tiny_frames_is_parsed_a_bounded_number_per_turn_of_the_loop_in_order(echo):
+    """One read of a tiny-frame flood (a peer's 20,000 one-byte messages, or one message cut into 20,000 empty
+    fragments) was parsed whole, and its messages taken by the app, in one turn of the event loop: every other
+    session on the server waited seconds. Frames parsed per turn are bounded, and every message still arrives."""
+    turns = [0]
+    per_turn: dict[int, int] = {}
+
+    def tick():  # counts the server loop's turns
+        turns[0] += 1
+        echo.app.state.loop.call_soon(tick)
+
+    def counting(handler):
+        def handle(*args):
+            per_turn[turns[0]] = per_turn.get(turns[0], 0) + 1
+            return handler(*args)
+        return handle
+
+    async def run():
+        ws = await _connected(echo, hold=False)
+        (proto,) = _protocols(echo)
+        proto.handle_bytes, proto.handle_cont = counting(proto.handle_bytes), counting(proto.handle_cont)
+        echo.app.state.loop.call_soon_threadsafe(tick)
+        n = 20_000
+        flood = b"".join(Frame(Opcode.BINARY, i.to_bytes(2, "big")).serialize(mask=True, extensions=[])
+                         for i in range(n))
+        ws.transport.write(flood)  # one write: the server reads it in a few large reads
+        got = [await ws.recv() for _ in range(n)]
+        assert got == [i.to_bytes(2, "big") for i in range(n)]
+        fragments = [Frame(Opcode.BINARY, b"<", fin=False)] + [Frame(Opcode.CONT, b"", fin=False)] * n
+        ws.transport.write(b"".join(f.serialize(mask=True, extensions=[])
+                                    for f in fragments + [Frame(Opcode.CONT, b">")]))
+        assert await ws.recv() == b"<>"
+        await ws.close()
+    asyncio.run(run())
+    most = max(per_turn.values())
+    assert sum(per_turn.values()) == 2 * 20_000 + 2
+    assert most <= FRAMES_PER_TURN + FEED_SLICE // 6, most  # 6 bytes: the smallest client frame
 
 
 def test_send_now_refuses_what_must_wait():
