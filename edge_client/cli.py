@@ -99,6 +99,7 @@ def cmd_chat(args) -> int:
     status = 0  # the last turn's: 1 when it failed
     if hasattr(sys.stdin, "reconfigure"):  # a byte that is no UTF-8 is the message's problem, not the chat's end
         sys.stdin.reconfigure(errors="surrogateescape")
+    _terminal_editing()
     try:
         while True:
             try:
@@ -133,6 +134,20 @@ def cmd_chat(args) -> int:
     finally:
         client.close()
     return status
+
+
+def _terminal_editing() -> None:
+    """On a terminal, read messages with readline and bracketed paste: a paste of several lines is one message that
+    Enter sends (it was a message per line, each answered, and its first blank line ended the chat - the lines after
+    it went to the user's shell, which ran them); arrow keys edit the line. A terminal that does not bracket pastes
+    gets a message per line, as before; piped input is read line by line without readline."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):  # input() uses readline on a terminal only
+        return
+    try:
+        import readline
+    except ImportError:  # no readline on this platform: line by line
+        return
+    readline.parse_and_bind("set enable-bracketed-paste on")  # Python's readline module turns it off
 
 
 def _not_utf8(line: str) -> str | None:

@@ -372,3 +372,46 @@ def test_a_message_that_is_not_utf8_is_one_line_and_the_chat_goes_on(errors, tin
     captured = capsys.readouterr()
     assert captured.out.count("assistant> ") == 2
     assert "autoglm-edge chat: the message is not UTF-8 text (byte 0xe9 after 'caf'): not sent\n" in captured.err, captured.err
+
+
+def _on_a_terminal(argv: list[str], keys: list[bytes], within_s: float = 60) -> tuple[int, str]:
+    """``autoglm-edge`` run on a pseudo-terminal (an xterm, which brackets pastes): each of ``keys`` is typed once
+    the chat prompts for it, then Ctrl-D. Its exit status and what it wrote (both streams)."""
+    import os
+    import select
+
+    main_fd, tty_fd = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", *argv], stdin=tty_fd, stdout=tty_fd,
+                            stderr=tty_fd, env={**os.environ, "TERM": "xterm"}, close_fds=True)
+    os.close(tty_fd)
+    shown, keys, sent, deadline = b"", [*keys, b"\x04"], 0, time.monotonic() + within_s
+    try:
+        while time.monotonic() < deadline:
+            if select.select([main_fd], [], [], 0.2)[0]:
+                try:
+                    chunk = os.read(main_fd, 65536)
+                except OSError:  # the terminal's last writer exited
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            if sent < len(keys) and shown.count(b"you> ") > sent:  # a new prompt: type the next keys
+                os.write(main_fd, keys[sent])
+                sent += 1
+            if proc.poll() is not None and not select.select([main_fd], [], [], 0.2)[0]:
+                break
+        return proc.wait(timeout=10), shown.decode(errors="replace")
+    finally:
+        proc.kill()
+        os.close(main_fd)
+
+
+def test_a_message_pasted_on_a_terminal_is_one_message_blank_lines_and_all(tiny_bundle, tiny_cloud):
+    """A paste of several lines was one message per line, each answered; its first blank line ended the chat (the
+    conversation lost) and the lines after it went to the user's shell, which ran them. On a terminal the chat reads
+    with line editing and bracketed paste (readline): a paste is one message, Enter sends it."""
+    argv = ["chat", "--bundle", str(tiny_bundle), "--url", tiny_cloud.ws_url, "--max-tokens", "2", "--temperature",
+            "0"]
+    status, shown = _on_a_terminal(argv, [b"\x1b[200~Summarise:\rone\rtwo\r\rthree\x1b[201~\r", b"ok\r"])
+    assert status == 0 and shown.count("assistant> ") == 2, shown  # the paste's answer and ok's (it was 3, then exit)
+    assert "^[[200~" not in shown  # the terminal's paste marks are no text of the message
