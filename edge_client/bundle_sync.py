@@ -32,7 +32,8 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
 
 Errors are :class:`BundleSyncError` with a code: ``no_bundle_endpoint`` (the server hosts no bundles:
 an older server, or full-model mode), ``not_served`` / ``other_model`` (nothing to update to),
-``hash_mismatch`` (a file that does not verify, after one fresh download), ``truncated`` (the transfer kept
+``hash_mismatch`` (a file that does not verify, after one fresh download), ``bundle_changed`` (the server moved to
+another export of the bundle during the download, twice: run again), ``truncated`` (the transfer kept
 stopping short; the part file stays, run again to resume), ``unauthorized``, ``tls_verify_failed`` /
 ``tls_required`` / ``tls_error`` (as the split link's, ``edge_client.tls``), ``unreachable``, ``http_error``
 (also a bundle id or edge variant that is no plain name: they name directories here), ``bad_manifest``,
@@ -229,9 +230,10 @@ class BundleServer:
             if r.status == 416:  # what we hold is no prefix of the file: start over
                 part.unlink()
                 raise BundleSyncError("truncated", f"{rel}: the server refused the resume range; starting over")
-            if r.headers.get("etag") not in (None, etag):
-                raise BundleSyncError("hash_mismatch", f"{rel}: the server's copy has ETag {r.headers['etag']}, "
-                                                       f"its manifest says sha256 {art.sha256}")
+            if r.headers.get("etag") not in (None, etag):  # not a damaged copy: another export's file
+                raise BundleSyncError("bundle_changed", f"{rel}: the server serves another export of the bundle now "
+                                      f"(ETag {r.headers['etag']}, the manifest this download began with says sha256 "
+                                      f"{art.sha256}: it restarted on a new one, or another replica answered)")
             if r.status == 200 and have:  # the server sent the whole file (it ignored the range)
                 on_bytes(-have)
                 have = 0
@@ -408,8 +410,20 @@ def _remove_unless_held(version: Path) -> None:
 def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None = None) -> Path:
     """Download the edge half of ``bundle_id`` (variant ``edge``) beside ``bundle``; returns its verified
     directory in the versions folder (:func:`_version_path`). Resumes a staging directory an earlier call left.
-    Removes no version: :func:`switch` does, unless a running client holds it."""
+    Removes no version: :func:`switch` does, unless a running client holds it. A server that moves to another export
+    of the bundle meanwhile (``bundle_changed``: a restart on a re-export) is followed once, from its new manifest."""
     _check_names(bundle_id, edge)  # before either becomes a path
+    try:
+        return _fetch(server, bundle_id, edge, bundle, progress)
+    except BundleSyncError as e:
+        if e.code != "bundle_changed":
+            raise
+        log.info("%s; starting over with the server's manifest", e)
+    return _fetch(server, bundle_id, edge, bundle, progress)
+
+
+def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None) -> Path:
+    """:func:`fetch` over the manifest the server serves now."""
     raw = server.manifest_bytes(bundle_id, edge)
     final = _version_path(bundle, bundle_id, edge, raw, reuse=True)
     if final.is_dir():  # complete from an earlier run (verified before it took this name)

@@ -228,6 +228,47 @@ def test_an_edge_re_export_under_the_same_id_is_fetched_again(tmp_path, bundle_l
     _assert_edge_half(again)
 
 
+def _re_export(tmp_path: Path, bundle: Path) -> Path:
+    """A copy of ``bundle`` with its edge graph re-exported (one byte other, same size): the bundle id (cloud half)
+    stays, its manifest and the front's sha256 change."""
+    served = tmp_path / "re-exported"
+    shutil.copytree(bundle, served)
+    m = Manifest.load(served)
+    data = bytearray((served / FRONT).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (served / FRONT).write_bytes(bytes(data))
+    m.add_artifact(served, FRONT, "edge")
+    m.save(served)
+    assert Manifest.load(served).bundle_id == m.bundle_id
+    return served
+
+
+class RestartedMidDownload:
+    """ASGI: ``before`` until it has answered one file, then ``after`` - a server restarted on a re-export of its
+    bundle while a phone downloads it (or replicas of two exports behind one address)."""
+
+    def __init__(self, before, after):
+        self.apps, self.files = (before, after), 0
+
+    async def __call__(self, scope, receive, send):
+        app = self.apps[min(self.files, 1)]
+        if scope["type"] == "http" and "/files/" in scope["path"]:
+            self.files += 1
+        await app(scope, receive, send)
+
+
+def test_a_server_restarted_on_a_re_export_mid_download_is_followed(tmp_path, bundle_l1, edge_l2):
+    """The server moved to a re-export of the bundle between the manifest and the front graph: the update failed
+    'hash_mismatch' - "the server's copy has ETag ..., its manifest says ...", the code of a damaged server copy -
+    where the docs said a file that changed on the server starts over; it starts over from the new manifest."""
+    served = _re_export(tmp_path, bundle_l1)
+    with Serving(RestartedMidDownload(_app(bundle_l1), _app(served))) as srv:
+        m = bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), Manifest.load(edge_l2))
+    assert m.artifacts[FRONT].sha256 == Manifest.load(served).artifacts[FRONT].sha256
+    _assert_edge_half(edge_l2)
+    assert (edge_l2 / FRONT).read_bytes() == (served / FRONT).read_bytes()
+
+
 def test_a_file_that_does_not_verify_is_refused_and_the_old_bundle_stays(monkeypatch, tmp_path, bundle_l1, edge_l2):
     bad = tmp_path / "bad"
     shutil.copytree(bundle_l1, bad)
