@@ -102,13 +102,19 @@ def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
+MIN_BODY_RATE = 500  # bytes/s a request body keeps up once read_body's stall_s has passed (Apache mod_reqtimeout's)
+
+
 async def read_body(request: Request, max_bytes: int | None, stall_s: float | None = None) -> bytes:
     """The request's body; over ``max_bytes`` (None: no limit) an ``OpenAIRequestError`` with status 413, raised
     before the rest is read (a declared ``Content-Length`` over it: before any). A compressed body
     (``Content-Encoding: gzip``, ...) is a 415 before any is read: its bytes were parsed as JSON, and refused as
     'not valid JSON' that was valid once decompressed. A body none of which arrives for ``stall_s`` seconds (None:
     no limit) is a 408 (and the connection closes): a client that vanished mid-upload without a FIN or RST (a phone
-    losing coverage) held its request - a ``--max-http-requests`` slot - and its socket forever."""
+    losing coverage) held its request - a ``--max-http-requests`` slot - and its socket forever. So is one that
+    arrives slower than :data:`MIN_BODY_RATE` once ``stall_s`` has passed (its deadline: ``stall_s`` after the head,
+    a second more for each ``MIN_BODY_RATE`` bytes that came): a slowloris dribbling a byte at a time, never silent
+    for ``stall_s``, held its slot as long as it went on."""
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise oc.OpenAIRequestError(f"Content-Encoding {encoding!r} is not supported: send the JSON body "
@@ -120,14 +126,21 @@ async def read_body(request: Request, max_bytes: int | None, stall_s: float | No
             raise too_large
         chunks, size = [], 0
         stream = request.stream()
+        loop = asyncio.get_running_loop()
+        started = last = loop.time()
         while True:
+            if stall_s is not None:  # a stall of stall_s, or the rate's deadline, whichever comes first
+                stall_at, rate_at = last + stall_s, started + stall_s + size / MIN_BODY_RATE
             try:
-                chunk = await asyncio.wait_for(anext(stream), stall_s)
+                chunk = await asyncio.wait_for(anext(stream), None if stall_s is None else
+                                               max(min(stall_at, rate_at) - loop.time(), 0.0))
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
-                raise oc.OpenAIRequestError(f"the request body stopped arriving ({size} bytes in {stall_s:g} s "
-                                            "ago)", None, "request_timeout", 408) from None
+                why = (f"stopped arriving ({size} bytes in {stall_s:g} s ago)" if stall_at <= rate_at else
+                       f"arrives slower than {MIN_BODY_RATE} bytes/s ({size} bytes in {loop.time() - started:.1f} s)")
+                raise oc.OpenAIRequestError(f"the request body {why}", None, "request_timeout", 408) from None
+            last = loop.time()
             size += len(chunk)
             if max_bytes is not None and size > max_bytes:
                 raise too_large

@@ -147,6 +147,41 @@ def test_a_client_that_vanishes_mid_body_frees_its_slot_and_socket(server):
     assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_client_that_dribbles_its_body_is_cut_off_and_frees_its_slot(server):
+    """A slowloris dribbling its body a byte at a time - never silent for the stall timeout - held the only
+    --max-http-requests slot for as long as it went on (a 1 MiB body at a byte every 29 s: a year; 256 such
+    sockets shut a default server's /v1 to everyone). A body must keep up MIN_BODY_RATE bytes a second once the
+    stall timeout has passed: this one gets 408 and its connection closes, and the slot serves others again."""
+    import select
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2}' + b" " * 4096  # 200 s at this pace
+    t0, answer = time.monotonic(), b""
+    with socket.create_connection((url.hostname, url.port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+        for i in range(len(body)):  # a byte each 50 ms: 20 B/s, never silent for STALL_S
+            if time.monotonic() - t0 > STALL_S + 10 or select.select([s], [], [], 0.05)[0]:
+                break
+            try:
+                s.sendall(body[i:i + 1])
+            except OSError:
+                break
+        s.settimeout(5)
+        try:
+            while chunk := s.recv(4096):  # the answer, then the end of the connection
+                answer += chunk
+        except OSError:
+            pass
+    took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"request_timeout"' in answer, (round(took, 1), answer[:80])
+    assert took < STALL_S + 10
+    assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
 def _refused(server) -> dict[tuple[str, str], float]:
     """``autoglm:http_requests_refused_total`` of the server's /metrics: (status, reason) -> count."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
