@@ -76,7 +76,7 @@ from .config import DEFAULT_SPLIT_PATH, EdgeConfig, split_url
 log = logging.getLogger("edge_client.bundle_sync")
 
 CHUNK_BYTES = 1 << 20  # read per step of a download
-MAX_ATTEMPTS = 5  # transfers of one file that stop short before giving up (each resumes the last)
+MAX_ATTEMPTS = 5  # transfers of one file that stop short or get no answer before giving up (each resumes the last)
 BUSY_WAIT_S = 120.0  # a server at its request limit (429/503 + Retry-After) is waited for this long per request
 BUSY_WAIT_STEP_S = 10.0  # the longest one Retry-After is taken at its word
 # What the server names a bundle and an edge variant becomes a directory name here (``<id>-<edge>``): only a
@@ -504,8 +504,9 @@ def _download_verified(server: BundleServer, bundle_id: str, edge: str, rel: str
             try:
                 server.download(bundle_id, edge, rel, part, art, on_bytes)
                 break
-            except BundleSyncError as e:
-                if e.code != "truncated" or attempt == MAX_ATTEMPTS - 1:
+            except BundleSyncError as e:  # unreachable: also a link dropped before the answer's first byte (a reset,
+                # a timeout), no less resumable than one dropped after it
+                if e.code not in ("truncated", "unreachable") or attempt == MAX_ATTEMPTS - 1:
                     raise
                 log.info("%s; resuming (%d/%d)", e, attempt + 1, MAX_ATTEMPTS - 1)
                 time.sleep(min(2.0, 0.1 * 2 ** attempt))

@@ -135,6 +135,21 @@ def test_a_killed_download_resumes_with_range_and_verifies(monkeypatch, bundle_l
     assert Manifest.load(edge_l2).split_layer == 2  # fetching alone switches nothing
 
 
+def test_a_link_dropped_before_the_answer_is_resumed_too(bundle_l1, edge_l2):
+    """A link reset before the first byte of the body (within the answer's headers) failed the whole update
+    'unreachable' ('cannot connect ... Connection reset by peer') at once, where one a byte later was resumed: on a
+    slow link a file's round trip is most of its time; it is tried again as a transfer cut short is."""
+    m1 = Manifest.load(bundle_l1)
+    art = m1.artifacts[FRONT]
+    dest = edge_l2.parent / "front.onnx"
+    with Serving(_app(bundle_l1)) as srv, LinkEmulator(srv.port) as link:
+        server = BundleServer(f"ws://127.0.0.1:{link.port}", timeout_s=10)
+        link.cut_after("down", 100)  # a reset within the response's headers
+        bundle_sync._download_verified(server, m1.bundle_id, "fp32", FRONT, dest, art, lambda n: None)
+        assert link.cuts == 1
+    assert bundle_sync._sha256(dest) == art.sha256
+
+
 def test_a_staged_file_damaged_on_the_phone_is_fetched_again_not_switched_to(bundle_l1, edge_l2):
     """A file of the staging directory that had taken its name (verified) and was damaged there since, its size
     intact (the phone's storage, a crash), was trusted by its size: the update switched to a version whose front
