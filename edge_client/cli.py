@@ -209,6 +209,9 @@ def cmd_serve(args) -> int:
 
     from shared.user_paths import user_path
 
+    if args.media_dir == "":  # Path('') is '.': every local app could read the working directory's files
+        raise ValueError("--media-dir is empty (an unset variable?): give the folder, or leave it unset to refuse "
+                         "local paths")
     if args.media_dir is not None:  # AUTOGLM_EDGE_MEDIA_DIR=~/shots, --media-dir=~/shots: no shell expanded the '~'
         args.media_dir = user_path(args.media_dir)
         if not args.media_dir.is_dir():  # else every local image path is refused
@@ -354,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Local OpenAI-compatible endpoint (/v1/chat/completions).")
     _config_flags(serve)
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1: this device only)")
-    serve.add_argument("--media-dir", default=os.environ.get("AUTOGLM_EDGE_MEDIA_DIR"),
+    serve.add_argument("--media-dir", default=os.environ.get("AUTOGLM_EDGE_MEDIA_DIR") or None,  # empty: unset
                        help="the one folder whose images image_url parts may name by local path (default: none; "
                             "env AUTOGLM_EDGE_MEDIA_DIR)")
     serve.add_argument("--port", type=port_number, default=8001, help="listen port (default 8001; 0: a free one, which the banner names)")

@@ -415,3 +415,21 @@ def test_a_message_pasted_on_a_terminal_is_one_message_blank_lines_and_all(tiny_
     status, shown = _on_a_terminal(argv, [b"\x1b[200~Summarise:\rone\rtwo\r\rthree\x1b[201~\r", b"ok\r"])
     assert status == 0 and shown.count("assistant> ") == 2, shown  # the paste's answer and ok's (it was 3, then exit)
     assert "^[[200~" not in shown  # the terminal's paste marks are no text of the message
+
+
+def test_an_empty_media_dir_allows_no_local_paths_instead_of_the_working_directory(tiny_bundle, monkeypatch, capsys):
+    """AUTOGLM_EDGE_MEDIA_DIR='' (an empty environment twin is unset) or `--media-dir "$DIR"` with DIR unset became
+    Path('') = '.': every local app could read the images and audio of the directory serve was started in (its
+    home, a repository) by relative path, where unset refuses local paths. The variable is unset; the flag is refused
+    in one line."""
+    from edge_client.local_api import ClosingServer
+
+    served = []
+    monkeypatch.setattr(ClosingServer, "run", lambda self: served.append(self.client.media_policy.local_dir))
+    argv = ["serve", "--bundle", str(tiny_bundle), "--url", "ws://127.0.0.1:1", "--port", "0"]
+    monkeypatch.setenv("AUTOGLM_EDGE_MEDIA_DIR", "")
+    assert main(argv) == 0 and served == [None]
+    assert main([*argv, "--media-dir", ""]) == 2
+    err = capsys.readouterr().err
+    assert err == ("autoglm-edge serve: error: --media-dir is empty (an unset variable?): give the folder, or leave "
+                   "it unset to refuse local paths\n"), err
