@@ -110,8 +110,6 @@ class LLMEngine:
         if not runners:
             raise ValueError("an engine needs at least one model variant")
         self.config = config
-        # positions one request may fill: max_model_len, and no more than the pool holds (what Welcome.limits says)
-        self.max_context = config.max_context
         self.runners = runners
         self.default_variant = next(iter(runners))
         # A runner may reserve pool blocks for itself (a fast path's padding block): never hand those out.
@@ -257,8 +255,9 @@ class LLMEngine:
     def _push(self, seq: Sequence, chunk: InputChunk) -> list[RequestOutput]:
         """``chunk`` (its own checks passed) is ``seq``'s next input: the request-level rules, then queued."""
         try:
-            if chunk.end > self.max_context:
-                raise RequestError("too_long", f"position {chunk.end} exceeds the context of {self.max_context}")
+            if chunk.end > self.config.max_context:
+                raise RequestError("too_long", f"position {chunk.end} exceeds the context of "
+                                               f"{self.config.max_context}")
             if chunk.is_spec and seq.params.logprobs is not None:
                 raise RequestError("bad_input", "speculative steps do not report logprobs: send DecodeSteps")
             if self.output_states and chunk.start < seq.num_received:  # u-shape: the edge rolled back drafts
@@ -595,7 +594,7 @@ class LLMEngine:
         """After ``out`` (a token that does not finish ``seq``): if its edge asked for cloud drafts, hold ``out``
         back and feed the token's draft row (module docstring, "cloud drafts"); True when held."""
         goal = min(seq.ask_drafts, self.max_cloud_drafts, seq.params.max_tokens - len(seq.output_ids) - 1,
-                   self.max_context - seq.num_received - 2)
+                   self.config.max_context - seq.num_received - 2)
         if out.finished or goal <= 0 or seq.feed_back_tokens or seq.params.logprobs is not None:
             return False
         seq.begin_drafting(out, goal)
@@ -633,7 +632,7 @@ class LLMEngine:
             p = seq.params
             if t in p.stop_token_ids or (not p.ignore_eos and t in self.eos_token_ids):
                 reason = "stop"
-            elif len(seq.output_ids) + j + 1 >= p.max_tokens or chunk.start + j + 2 >= self.max_context:
+            elif len(seq.output_ids) + j + 1 >= p.max_tokens or chunk.start + j + 2 >= self.config.max_context:
                 reason = "length"
             if reason is not None:
                 tokens = tokens[:j + 1]
@@ -655,7 +654,7 @@ class LLMEngine:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_received + 1 >= self.max_context:
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_received + 1 >= self.config.max_context:
             reason = "length"  # (max_context: the token itself needs a position)
         else:
             reason = None
