@@ -219,7 +219,8 @@ class ClosingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:  # the address bound: --port 0 takes a free port, which the banner names (it said 0)
             port = self.servers[0].sockets[0].getsockname()[1]
-            print(f"autoglm-edge: OpenAI-compatible endpoint on http://{self.config.host}:{port}/v1 "
+            host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host  # IPv6 in a URL
+            print(f"autoglm-edge: OpenAI-compatible endpoint on http://{host}:{port}/v1 "
                   f"(cloud {self.client.config.url})", file=sys.stderr, flush=True)
 
     def handle_exit(self, sig, frame) -> None:

@@ -433,3 +433,19 @@ def test_an_empty_media_dir_allows_no_local_paths_instead_of_the_working_directo
     err = capsys.readouterr().err
     assert err == ("autoglm-edge serve: error: --media-dir is empty (an unset variable?): give the folder, or leave "
                    "it unset to refuse local paths\n"), err
+
+
+def test_the_serve_banner_names_a_url_an_openai_client_takes_on_an_ipv6_host(tiny_bundle, monkeypatch, capsys):
+    """`--host ::1` printed 'endpoint on http://::1:PORT/v1', which no client parses (an IPv6 host is bracketed in a
+    URL), while --port 0 leaves the banner as the one place that names the port."""
+    from edge_client.local_api import ClosingServer
+
+    startup = ClosingServer.startup
+
+    async def started_then_stopping(self, sockets=None):
+        await startup(self, sockets)
+        self.should_exit = True
+
+    monkeypatch.setattr(ClosingServer, "startup", started_then_stopping)
+    assert main(["serve", "--bundle", str(tiny_bundle), "--url", "ws://127.0.0.1:1", "--port", "0", "--host", "::1"]) == 0
+    assert re.search(r"endpoint on http://\[::1\]:\d+/v1 ", capsys.readouterr().err)
