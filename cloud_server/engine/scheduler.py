@@ -7,8 +7,9 @@ whose next input chunk starts where its KV ends), in this order:
 1. running sequences with a one-position chunk (decode steps: latency-critical, cheap) or a speculative
    step (the last token and the edge's drafts, verified together: never split across steps);
 2. running sequences with a longer chunk (prefill continuing), oldest first;
-3. waiting sequences (not yet holding KV), first come first served: admission stops at the first one that
-   does not fit, so a long prompt is not starved by later short ones.
+3. waiting sequences (not yet holding KV), first come first served: one is admitted once the blocks of all its
+   ready prompt positions can be its own (taken then), and admission stops at the first one that does not fit,
+   so a long prompt is not starved by later short ones.
 
 Each takes ``min(ready positions, remaining budget)``; a partially taken chunk is a *prefill chunk* and its
 rest stays pending for the next step. KV blocks are allocated as positions are scheduled; a sequence that
@@ -182,9 +183,14 @@ class Scheduler:
             n = seq.num_ready_tokens
             if not n:  # its first chunk is still arriving in pieces? (never: add() pushes one)
                 break
-            k = self._fit(seq, prefill.limit(budget), n)
-            if k == 0:
-                break  # FCFS: later arrivals do not overtake a blocked one
+            # admitted once the blocks of all its ready prompt positions are its own, or it waits (FCFS: later
+            # arrivals do not overtake a blocked one). Admitted with the few blocks free, it ran out of pool at its
+            # next chunk and, the youngest, was the victim of the first step where nobody else was ready (at once
+            # in split mode, where a decoding phone is away most of the time): dropped for load, never queued
+            limit = prefill.limit(budget)
+            if not limit or not self.block_managers[seq.variant].ensure(seq.block_table, seq.num_computed + n):
+                break
+            k = self._fit(seq, limit, n)  # min(n, limit): its blocks are held
             self.waiting.popleft()
             seq.start_running()
             self.running.append(seq)

@@ -72,9 +72,32 @@ def test_admission_is_first_come_first_served_when_blocks_are_short():
     s.add(big, InputChunk(0, hidden=_h(12)))  # needs 3 blocks: must wait
     s.add(small, InputChunk(0, hidden=_h(2)))  # would fit, but may not overtake
     batches, victims = s.schedule()
-    # big gets the 2 free blocks' worth as a partial prefill chunk (8 of 12 positions); small waits.
-    assert [(it.seq.request_id, it.chunk.n) for b in batches for it in b.items] == [("big", 8)]
-    assert small.status is SequenceStatus.WAITING and not victims
+    # big waits for its 3 blocks (2 are free); small waits behind it.
+    assert batches == [] and not victims
+    assert big.status is SequenceStatus.WAITING and small.status is SequenceStatus.WAITING
+    s.remove(hog, "finished")
+    [batch], victims = s.schedule()
+    assert [(it.seq.request_id, it.chunk.n) for it in batch.items] == [("big", 12), ("small", 2)] and not victims
+
+
+def test_a_prompt_the_free_blocks_cannot_hold_waits_instead_of_being_dropped_for_load():
+    """docs/cloud.md, KV admission: a request waits until its prompt's blocks fit. It was admitted with the blocks
+    free (8 of its 12 positions), ran out of pool at its next chunk and, the youngest running, was the victim of the
+    next step in which the sequence holding the pool waited for its phone - at once in split mode (over the wire:
+    ``overloaded`` 0.0 s after its Prefill, ``vllm:num_requests_waiting`` never counting it)."""
+    s = _sched(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    hog, big = _seq("hog"), _seq("big")
+    s.add(hog, InputChunk(0, hidden=_h(8)))
+    _run(s, s.schedule()[0])  # hog holds 2 of 4 blocks; its phone is computing its next step
+    s.add(big, InputChunk(0, hidden=_h(12)))
+    for _ in range(3):
+        batches, victims = s.schedule()
+        assert not victims, "the request that arrived was dropped for load"
+        _run(s, batches)
+    assert big.status is SequenceStatus.WAITING and s.num_waiting == 1
+    hog.push(InputChunk(8, hidden=_h(1)))  # hog decodes on, within its blocks
+    [batch], _ = s.schedule()
+    assert [it.seq.request_id for it in batch.items] == ["hog"]
 
 
 def test_youngest_running_sequence_is_the_victim_when_the_pool_is_exhausted():
