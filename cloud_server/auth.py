@@ -246,6 +246,16 @@ def still_authorized(ws) -> bool:
     return authn is None or authn.authenticate(ws.headers.get("authorization")) is not None
 
 
+def hold_sighup() -> None:
+    """SIGHUP noted, not acted on, until :func:`install_sighup` (call it from the main thread as the command starts).
+    Its default action ended a server still starting - its checks, its bundle's hashes, its model's load: minutes for
+    a large one - at once, with no word (status 129), e.g. a keys rotation's ``kill -HUP`` or ``systemctl reload``
+    just after a restart; the keys file is read as the server starts (and again whenever it changes). A SIGHUP
+    ignored (``nohup``) stays ignored."""
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, lambda *_: log.info("SIGHUP while the server starts: nothing to reload yet"))
+
+
 def install_sighup(store: KeyStore | None) -> bool:
     """Reload ``store`` on SIGHUP (main thread only; returns whether the handler is installed). Without a keys file
     the signal is noted in the log: its default action ended the server at once, undrained (status 129; with

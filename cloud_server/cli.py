@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         from shared.cli_exit import sigterm_unwinds
 
         sigterm_unwinds()
+    from cloud_server.auth import hold_sighup
+
+    hold_sighup()  # until serve() installs its reload (cloud_server.auth.install_sighup)
     try:
         code = _main(argv)
     except KeyboardInterrupt:

@@ -120,7 +120,13 @@ def serve_workers(config: ServerConfig, log_level: str = "info") -> int:
         ours, theirs = ctx.Pipe(duplex=True)
         proc = ctx.Process(target=worker_main, args=(wcfg, index, socks[index], theirs, log_level),
                            name=f"autoglm-front-{index}", daemon=False)
-        proc.start()
+        # the worker starts with SIGHUP ignored (an exec keeps that) until it installs its reload: a SIGHUP passed on
+        # while it imported and started ended it by the default action (a worker killed, replaced)
+        hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGHUP, hup)
         theirs.close()
         host.attach(index, ours)
         return proc

@@ -537,6 +537,26 @@ def test_sigterm_before_the_server_serves_is_interrupted_exit_130(tiny_bundle):
     assert (r.returncode, r.stderr.strip().splitlines()[-1:]) == (130, ["interrupted"]), (r.returncode, r.stderr)
 
 
+def test_a_sighup_before_the_server_serves_leaves_it_starting(tiny_bundle):
+    """A SIGHUP while the command starts (its checks, its bundle's hashes, a --full model's load) ended the process
+    by the default action, no word, status 129 (a keys rotation's `kill -HUP` just after a restart); it is noted and
+    the start goes on to serve (which then reloads the keys file on SIGHUP)."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, sys, time\n"
+            "import cloud_server.cli as cli\n"
+            "def loading(*_a, **_k):\n"
+            "    os.kill(os.getpid(), signal.SIGHUP)\n"
+            "    time.sleep(0.5)\n"
+            "    print('served')\n"
+            "    return 0\n"
+            "cli.serve = loading\n"
+            f"sys.exit(cli.main(['serve', {str(tiny_bundle)!r}, '--device', 'cpu', '--port', '0']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout.strip()) == (0, "served"), (r.returncode, r.stderr)
+
+
 def test_a_second_sigterm_just_after_a_drain_never_kills_the_process(tiny_bundle, tmp_path):
     """With nothing open the first SIGTERM drained at once, and the interpreter's teardown (about a second of torch's
     and onnxruntime's native finalizers) ran with the default dispositions back: a second SIGTERM then ended the

@@ -245,6 +245,28 @@ def test_a_killed_worker_is_replaced_and_the_server_keeps_serving(servers, tiny_
     assert asyncio.run(both()) == [reference[tuple(PROMPTS[1])]] * 2
 
 
+def test_a_sighup_while_a_worker_starts_does_not_kill_it(servers, tiny_bundle):
+    """The main process passes SIGHUP on to every worker (each reloads its keys file); one still starting (importing,
+    its runtime's start: a killed worker's replacement, every worker at the server's start) had no handler yet and
+    was ended by it - one more worker killed and replaced per SIGHUP. It starts with the signal ignored."""
+    cloud, reference = servers
+    before = _front_pids(cloud.proc.pid)
+    assert len(before) == 2
+    os.kill(min(before), signal.SIGKILL)
+    seen, started, deadline = set(), set(), time.monotonic() + 90
+    while seen != {0, 1} and time.monotonic() < deadline:
+        started |= _front_pids(cloud.proc.pid) - before
+        os.kill(cloud.proc.pid, signal.SIGHUP)  # while the replacement starts
+        try:
+            seen.add(httpx.get(cloud.http_url + "/ready", timeout=5).json()["worker"])
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    started |= _front_pids(cloud.proc.pid) - before
+    assert seen == {0, 1} and len(started) == 1, started  # one replacement, never killed in turn
+    assert _generate(tiny_bundle, cloud.ws_url.rsplit("/v1", 1)[0], PROMPTS[0]) == reference[tuple(PROMPTS[0])]
+
+
 def test_workers_killed_all_at_once_are_all_replaced(servers, tiny_bundle):
     """Every worker dead at once (the OOM killer taking both, a SIGKILL to each): the main process's loop ran while
     any worker lived, so it ended there and the server exited 0 without a word, where a supervisor restarts only a
