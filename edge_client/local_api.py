@@ -21,6 +21,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -160,6 +161,19 @@ class _EdgeBackend:
             raise oc.OpenAIRequestError(message, param, getattr(e, "code", oc.INVALID_REQUEST)) from None
 
 
+def _loopback_origin(origin: str) -> bool:
+    """Whether a request's ``Origin`` is a page served on this device's loopback. Browsers send ``Origin`` on every
+    POST and cross-origin request, apps (the openai client, curl) none: without this check any page open in the
+    device's browser drove the endpoint - a text/plain POST needs no CORS preflight (its answer unreadable, the
+    generation and the cloud's quota spent all the same), and a page whose name was rebound to 127.0.0.1 (DNS
+    rebinding) read the answers too. ``null`` (a sandboxed frame, a file:// page) is no loopback origin."""
+    try:
+        host = urlsplit(origin).hostname
+    except ValueError:  # a malformed one ('http://[x')
+        return False
+    return host in ("localhost", "127.0.0.1", "::1")
+
+
 def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None,
                media_dir: str | Path | None = None, fetch_urls: bool = True) -> FastAPI:
     """The FastAPI app serving ``client``; ``api_key`` (optional) is required as a Bearer token.
@@ -181,6 +195,11 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
+        if (origin := request.headers.get("origin")) is not None and not _loopback_origin(origin):
+            refused = oc.OpenAIRequestError(
+                f"requests from web pages are refused here (Origin: {origin[:100]}): apps send none", None,
+                "forbidden_origin", 403)
+            return openai_routes.error_response(refused)
         token = bearer_token(request.headers.get("authorization"))  # decoded as latin-1: its bytes as sent
         if (api_key and request.url.path.startswith("/v1/")
                 and not hmac.compare_digest((token or "").encode("latin-1"), api_key.encode())):

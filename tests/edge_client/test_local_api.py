@@ -304,6 +304,26 @@ def test_routes_outside_the_api_are_404s_without_or_with_a_key():
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text[:80]
 
 
+def test_a_web_page_in_the_devices_browser_cannot_drive_the_endpoint(server):
+    """Any page open in the phone's browser could POST to http://127.0.0.1:8001/v1/...: a text/plain body needs no
+    CORS preflight (its answer unreadable, the generation and the cloud's quota spent all the same), and a page
+    whose name was rebound to 127.0.0.1 (DNS rebinding) read the answers too. Browsers send Origin on every POST;
+    apps (the openai client, curl, langchain) send none. A request from a page not on this device's loopback is a
+    403 before anything runs; a local page and an app are served as before."""
+    body = b'{"model": "m", "prompt": "Once", "max_tokens": 2}'
+    port = server.url.rsplit(":", 1)[1]
+    calls = len(server.client.calls)
+    for headers in ({"Origin": "https://evil.example", "Content-Type": "text/plain;charset=UTF-8"},
+                    {"Origin": f"http://evil.example:{port}", "Host": f"evil.example:{port}"},  # rebound
+                    {"Origin": "null"}):  # a sandboxed frame, a file:// page
+        r = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_origin", (headers, r.text[:100])
+    assert len(server.client.calls) == calls  # nothing ran
+    for headers in ({}, {"Origin": f"http://localhost:{port}"}, {"Origin": "http://127.0.0.1:3000"},
+                    {"Origin": "http://[::1]:3000"}):
+        assert httpx.post(f"{server.url}/v1/completions", content=body, headers=headers).status_code == 200, headers
+
+
 def test_max_completion_tokens_past_the_wire_limit_is_refused_by_its_name(server):
     """max_completion_tokens (what the openai client sends) past 2^31 - 1 was a 400 naming max_tokens, a field the
     client never sent: the error names the field as sent, in param and message."""
