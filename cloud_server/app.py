@@ -331,6 +331,8 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
         async def split(ws: WebSocket):
             principal = authn.authenticate(ws.headers.get("authorization"))
             if principal is None:
+                if runtime.metrics is not None:  # a session refused at its handshake, as the endpoint counts its own
+                    runtime.metrics.on_refused("unauthorized")
                 err = oc.OpenAIRequestError("missing or wrong API key (Authorization: Bearer <key>)", None,
                                             "unauthorized", 401)
                 try:  # an HTTP 401 before the upgrade, where the server supports denial responses

@@ -263,6 +263,27 @@ def test_websocket_keys_caps_usage_and_trace(keyed, tiny_bundle, caplog):
     assert any("open" in m for m in lines) and any("finish=length tokens=4" in m for m in lines), lines
 
 
+def test_a_websocket_refused_for_its_key_is_counted(keyed, tiny_bundle):
+    """A WebSocket upgrade without a key or with a wrong one (a revoked phone, a guesser on /v1/split) got its 401
+    and was counted nowhere - neither in autoglm:http_requests_refused_total (HTTP routes only) nor in
+    autoglm:sessions_refused_total, which names every session refused at its handshake: an operator could not see
+    it. It counts as a refused session, reason unauthorized (the protocol's code for it)."""
+    series = 'autoglm:sessions_refused_total{model_name="tiny",reason="unauthorized"} '
+
+    def refused() -> float:
+        text = httpx.get(keyed.url + "/metrics", headers=_bearer(keyed.ops)).text
+        return next((float(line.split()[-1]) for line in text.splitlines() if line.startswith(series)), 0.0)
+
+    async def upgrade(key):
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await _edge(keyed, tiny_bundle, key).connect()
+        return e.value.response.status_code
+
+    before = refused()
+    assert [asyncio.run(upgrade(key)) for key in (None, "agk_guess")] == [401, 401]
+    assert refused() == before + 2
+
+
 def test_a_key_added_to_the_file_works_without_a_restart(keyed, tiny_bundle):
     _, carol = auth.add_key(keyed.keys_path, "carol")
     os.utime(keyed.keys_path, (time.time() + 5, time.time() + 5))
