@@ -320,13 +320,16 @@ class _Bar:
 def cmd_demo(args) -> int:
     from .demo import DEMO_PROMPT, run_demo
 
-    from shared.cli_exit import sigterm_unwinds
+    from shared.cli_exit import listen_problem, sigterm_unwinds
     from shared.threads import threads_problem
 
     if args.max_tokens < 1:  # checked before minutes of building the bundle
         raise ValueError(f"--max-tokens ({args.max_tokens}) must be >= 1")
     if (problem := threads_problem(args.threads)) is not None:
         raise ValueError(f"--threads {problem}")
+    if args.port is not None and (problem := listen_problem("127.0.0.1", args.port, f"--port {args.port}")):
+        # taken: a traceback once its server failed to bind, or the demo ran against the server holding the port
+        raise ValueError(problem)
     sigterm_unwinds()  # its LocalCloud runs in a session of its own: a SIGTERM'd demo left it running, orphaned
     run_demo(prompt=args.prompt or DEMO_PROMPT, max_tokens=args.max_tokens, bundle=args.bundle,
              rebuild=args.rebuild, threads=args.threads, port=args.port)

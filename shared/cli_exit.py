@@ -59,11 +59,12 @@ def host_problem(host: str, name: str = "--host") -> str | None:
     return None
 
 
-def listen_problem(host: str, port: int) -> str | None:
+def listen_problem(host: str, port: int, named: str | None = None) -> str | None:
     """Why a server could not listen on ``host:port`` (:func:`host_problem`, the port in use, an address not this
     machine's, a privileged port), or None: a probe bound as uvicorn binds (IPv6 for a host with ':',
     SO_REUSEADDR) and closed at once. The servers call it before they load a model, so a taken port is a one-line
-    usage error instead of uvicorn's bind error, exit 3, after the load."""
+    usage error instead of uvicorn's bind error, exit 3, after the load. ``named``: the options the message names
+    (default ``--host H --port P``; the demo, which has no --host, names its ``--port P``)."""
     import socket
 
     if (problem := host_problem(host)) is not None:
@@ -74,5 +75,5 @@ def listen_problem(host: str, port: int) -> str | None:
         try:
             s.bind((host, port))
         except OSError as e:  # socket.gaierror included: a host name that does not resolve
-            return f"--host {host} --port {port}: cannot listen there ({e.strerror or e})"
+            return f"{named or f'--host {host} --port {port}'}: cannot listen there ({e.strerror or e})"
     return None

@@ -449,3 +449,16 @@ def test_the_serve_banner_names_a_url_an_openai_client_takes_on_an_ipv6_host(tin
     monkeypatch.setattr(ClosingServer, "startup", started_then_stopping)
     assert main(["serve", "--bundle", str(tiny_bundle), "--url", "ws://127.0.0.1:1", "--port", "0", "--host", "::1"]) == 0
     assert re.search(r"endpoint on http://\[::1\]:\d+/v1 ", capsys.readouterr().err)
+
+
+def test_demo_on_a_port_in_use_is_one_line_before_anything_runs(tiny_bundle, capsys):
+    """`demo --port P` with P taken ended in a RuntimeError traceback ('cloud server ... exited with code 2 before it
+    was ready') - or, with another cloud server on P, ran the demo against that server (its /ready answered first),
+    numbers and all. It is serve's one-line usage error (shared.cli_exit.listen_problem), before the bundle loads."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["demo", "--bundle", str(tiny_bundle), "--port", str(port), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"autoglm-edge demo: error: --port {port}: cannot listen there (Address already in use)\n", err
