@@ -91,6 +91,8 @@ def cmd_chat(args) -> int:
     from .errors import EdgeClientError
     from .request import RequestSpec
 
+    if args.system is not None and (problem := _not_utf8(args.system)) is not None:  # argv: surrogateescape
+        raise ValueError(f"--system is {problem}")
     # the per-answer flags, checked before the bundle loads (the rules of every request: RequestSpec)
     RequestSpec(prompt_ids=[0], max_tokens=args.max_tokens, temperature=args.temperature, precision=args.precision)
     client = _client(args)
@@ -109,7 +111,7 @@ def cmd_chat(args) -> int:
             if not line.strip():
                 break
             if (problem := _not_utf8(line)) is not None:
-                print(f"autoglm-edge chat: {problem}: not sent", file=sys.stderr)
+                print(f"autoglm-edge chat: the message is {problem}: not sent", file=sys.stderr)
                 status = 1
                 continue
             history.append({"role": "user", "content": line})
@@ -151,12 +153,12 @@ def _terminal_editing() -> None:
 
 
 def _not_utf8(line: str) -> str | None:
-    """Why a line read from stdin (decoded with surrogateescape) is no message, or None: bytes that are no UTF-8 (a
+    """Why text from stdin or argv (decoded with surrogateescape) is no message, or None: bytes that are no UTF-8 (a
     Latin-1 terminal's 'é', a binary file piped in) ended the chat, exit 2, on a strict stdin, or failed the turn as
     "can't encode character '\\udce9' ... surrogates not allowed" on a surrogateescape one."""
     for i, ch in enumerate(line):
         if 0xDC80 <= ord(ch) <= 0xDCFF:  # surrogateescape's stand-in for the byte ord(ch) - 0xDC00
-            return f"the message is not UTF-8 text (byte 0x{ord(ch) - 0xDC00:02x} after {line[max(0, i - 20):i]!r})"
+            return f"not UTF-8 text (byte 0x{ord(ch) - 0xDC00:02x} after {line[max(0, i - 20):i]!r})"
     return None
 
 

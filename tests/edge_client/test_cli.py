@@ -462,3 +462,11 @@ def test_demo_on_a_port_in_use_is_one_line_before_anything_runs(tiny_bundle, cap
         assert main(["demo", "--bundle", str(tiny_bundle), "--port", str(port), "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err == f"autoglm-edge demo: error: --port {port}: cannot listen there (Address already in use)\n", err
+
+
+def test_a_system_prompt_that_is_not_utf8_is_one_line_before_the_bundle_loads(capsys):
+    """`--system "$(cat prompt.txt)"` of a Windows-1252 file (argv decoded with surrogateescape) failed every turn
+    as "can't encode character '\\udce9' ... surrogates not allowed"; it is a usage error naming the flag and the byte."""
+    assert main(["chat", "--bundle", "/no/such/bundle", "--system", "caf\udce9 au lait"]) == 2
+    err = capsys.readouterr().err
+    assert err == "autoglm-edge chat: error: --system is not UTF-8 text (byte 0xe9 after 'caf')\n", err
