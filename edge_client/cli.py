@@ -211,6 +211,8 @@ def cmd_serve(args) -> int:
 
     from shared.user_paths import user_path
 
+    if args.model_name is not None and (problem := _not_utf8(args.model_name)) is not None:  # every answer a 500
+        raise ValueError(f"--model-name is {problem}")
     if args.media_dir == "":  # Path('') is '.': every local app could read the working directory's files
         raise ValueError("--media-dir is empty (an unset variable?): give the folder, or leave it unset to refuse "
                          "local paths")

@@ -470,3 +470,11 @@ def test_a_system_prompt_that_is_not_utf8_is_one_line_before_the_bundle_loads(ca
     assert main(["chat", "--bundle", "/no/such/bundle", "--system", "caf\udce9 au lait"]) == 2
     err = capsys.readouterr().err
     assert err == "autoglm-edge chat: error: --system is not UTF-8 text (byte 0xe9 after 'caf')\n", err
+
+
+def test_a_model_name_that_is_not_utf8_is_one_line_before_the_bundle_loads(capsys):
+    """`--model-name` of bytes that are no UTF-8 (argv decodes them with surrogateescape) served every /v1/models
+    and every completion as a 500 (the JSON body could not be encoded: a traceback per request in the log)."""
+    assert main(["serve", "--bundle", "/no/such/bundle", "--port", "0", "--model-name", "caf\udce9"]) == 2
+    err = capsys.readouterr().err
+    assert err == "autoglm-edge serve: error: --model-name is not UTF-8 text (byte 0xe9 after 'caf')\n", err
