@@ -327,6 +327,8 @@ def cmd_demo(args) -> int:
     from shared.cli_exit import listen_problem, sigterm_unwinds
     from shared.threads import threads_problem
 
+    if args.prompt is not None and (problem := _not_utf8(args.prompt)) is not None:
+        raise ValueError(f"--prompt is {problem}")
     if args.max_tokens < 1:  # checked before minutes of building the bundle
         raise ValueError(f"--max-tokens ({args.max_tokens}) must be >= 1")
     if (problem := threads_problem(args.threads)) is not None:

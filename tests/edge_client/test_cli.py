@@ -478,3 +478,10 @@ def test_a_model_name_that_is_not_utf8_is_one_line_before_the_bundle_loads(capsy
     assert main(["serve", "--bundle", "/no/such/bundle", "--port", "0", "--model-name", "caf\udce9"]) == 2
     err = capsys.readouterr().err
     assert err == "autoglm-edge serve: error: --model-name is not UTF-8 text (byte 0xe9 after 'caf')\n", err
+
+
+def test_a_demo_prompt_that_is_not_utf8_is_one_line_before_anything_runs(capsys):
+    """It failed once the local cloud had started, as "'utf-8' codec can't encode character '\\udce9' ..."."""
+    assert main(["demo", "--bundle", "/no/such/bundle", "--prompt", "caf\udce9"]) == 2
+    err = capsys.readouterr().err
+    assert err == "autoglm-edge demo: error: --prompt is not UTF-8 text (byte 0xe9 after 'caf')\n", err
