@@ -111,6 +111,51 @@ def test_nginx_config_passes_nginx_t(nginx_bin, tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def test_the_clusters_router_opens_as_many_files_as_its_connections(nginx_bin, tmp_path):
+    """deploy/nginx/k8s/nginx.conf gives each worker 16384 connections (a phone session holds two: client and
+    upstream), but a worker opens no more files than the process limit, whose soft value in a container is often
+    1024 (containerd 2): nginx warned '16384 worker_connections exceed open file resource limit: 1024', and two
+    workers behind it took ~1090 WebSockets, then answered 500s ('accept4() failed (24: Too many open files)').
+    Its workers raise the limit (worker_rlimit_nofile). The cluster's files run here with a static upstream and a
+    plain listener (Debian's nginx has no `server ... resolve`) and the cluster's paths moved under tmp_path."""
+    import resource
+
+    conf = tmp_path / "autoglm"
+    conf.mkdir()
+    for f in [DEPLOY / "nginx" / "autoglm-split.conf", *(DEPLOY / "nginx" / "k8s").glob("*.conf")]:
+        (conf / f.name).write_text(f.read_text())
+    main = (conf / "nginx.conf").read_text()
+    main = main.replace(" /tmp/", f" {tmp_path}/").replace("/etc/nginx/autoglm", str(conf))
+    main = re.sub(r"resolver \S+", "resolver 127.0.0.1", main)
+    (conf / "nginx.conf").write_text(main)
+    (conf / "autoglm-upstreams.conf").write_text("server 127.0.0.1:1;\n")
+    (conf / "autoglm-listen.conf").write_text(f"listen 127.0.0.1:{routing_bench.free_port()};\n")
+    connections = int(re.search(r"worker_connections (\d+);", main).group(1))
+
+    def soft_1024():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    checked = subprocess.run([nginx_bin, "-t", "-c", str(conf / "nginx.conf")], capture_output=True, text=True,
+                             timeout=30, check=False, preexec_fn=soft_1024)
+    assert checked.returncode == 0 and "exceed open file resource limit" not in checked.stderr, checked.stderr
+    proc = subprocess.Popen([nginx_bin, "-c", str(conf / "nginx.conf"), "-g", "daemon off;"], preexec_fn=soft_1024,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline, workers = time.monotonic() + 20, []
+        while not workers and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            workers = [int(k) for t in os.listdir(f"/proc/{proc.pid}/task")
+                       for k in open(f"/proc/{proc.pid}/task/{t}/children").read().split()]
+        time.sleep(0.5)  # the workers set their limit as they start
+        assert workers, proc.stderr.read().decode() if proc.poll() is not None else "no worker"
+        for pid in workers:
+            soft = int(re.search(r"^Max open files\s+(\d+)", Path(f"/proc/{pid}/limits").read_text(), re.M).group(1))
+            assert soft >= connections, (pid, soft, connections)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def _seconds(block: str, directive: str) -> float:
     m = re.search(rf"^\s*{directive} (\d+)s;", block, re.M)
     return float(m.group(1)) if m else 0.0
