@@ -18,7 +18,8 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
    takes its name; the manifest's bundle id must re-derive from its hashes (``Manifest.load``);
 3. switches atomically: the configured bundle path becomes (or already is) a symbolic link into
    ``.<name>.versions/<bundle id>-<edge quant>/`` (``...~<manifest hash>`` when another export of that id holds
-   the name: :func:`_version_path`), replaced by one ``rename(2)`` of a new link over it. A plain directory
+   the name: :func:`_version_path`), replaced by one ``rename(2)`` of a new link over it (the version's files and
+   every rename are fsynced first: a power cut after the switch finds the whole version). A plain directory
    there (the first update) is moved into the versions folder first, under a free name; a crash between that
    move and the link's rename is finished by :func:`recover` at the next start. The previous version is kept
    (rollback: point the link back); older ones are removed, except one a running client still uses: every
@@ -459,9 +460,33 @@ def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progre
             continue             # changed it since (else the switch put a version no client opens in place)
         dest.parent.mkdir(parents=True, exist_ok=True)
         _download_verified(server, bundle_id, edge, rel, dest, art, on_bytes)
+    _sync_tree(stage)  # on storage before it takes its name: a power cut after the switch finds whole files
     os.replace(stage, final)
+    _sync_dir(final.parent)
     log.info("bundle %s (%s edge): %d files, %d bytes, verified", bundle_id, edge, len(todo), total)
     return final
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root``: a rename is atomic, but without this the renamed
+    directory may hold empty or partly written files after a power cut (ext4 / f2fs delayed allocation)."""
+    for here, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(here, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _sync_dir(Path(here))
+
+
+def _sync_dir(directory: Path) -> None:
+    """fsync a directory: the renames and new names in it survive a power cut."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _version_path(bundle: Path, bundle_id: str, edge: str, raw: bytes, *, reuse: bool) -> Path:
@@ -547,7 +572,9 @@ def switch(bundle: Path, new: Path) -> None:
     tmp.symlink_to(os.path.relpath(new, bundle.parent))
     if previous is not None and not bundle.is_symlink():
         os.replace(bundle, previous)  # a crash right here is what recover() finishes
+        _sync_dir(previous.parent)
     os.replace(tmp, bundle)
+    _sync_dir(bundle.parent)
     keep = {new.resolve(), previous.resolve() if previous is not None else None}
     for old in versions.iterdir():
         if old.resolve() not in keep:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import threading
 import time
@@ -593,6 +594,31 @@ def test_an_edge_re_export_leaves_the_held_export_of_that_id(tmp_path, bundle_l1
 
 
 # -- the client ---------------------------------------------------------------------------------------------
+
+def test_the_new_version_is_on_storage_before_the_switch_names_it(monkeypatch, bundle_l1, edge_l2):
+    """Renames are atomic, but without an fsync a power cut just after the switch could leave the link on a
+    version whose files are empty or half written (delayed allocation): every client start then fails its
+    hashes. Every file of the new version is fsynced before the version takes its name, and each rename's
+    directory after it."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a), str(b))),
+                                                     real_replace(a, b))[1])
+    m1 = Manifest.load(bundle_l1)
+    with Serving(_app(bundle_l1)) as srv:
+        new = bundle_sync.fetch(BundleServer(srv.ws_url), m1.bundle_id, "fp32", edge_l2)
+    bundle_sync.switch(edge_l2, new)
+    named = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(new))
+    stage = events[named][1]
+    synced_before = {e[1] for e in events[:named] if e[0] == "fsync"}
+    files = [str(p.relative_to(new)) for p in new.rglob("*") if p.is_file()]
+    assert files and all(os.path.join(stage, f) in synced_before for f in files)
+    assert ("fsync", str(new.parent)) in events[named:]
+    linked = max(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(edge_l2))
+    assert ("fsync", str(edge_l2.parent)) in events[linked:]
+
 
 def test_the_refusal_names_the_served_bundle(bundle_l1, edge_l2):
     m1, m2 = Manifest.load(bundle_l1), Manifest.load(edge_l2)
