@@ -120,7 +120,14 @@ class Scheduler:
             raise PrefixMiss(f"positions [0, {first.start}) were omitted but the prefix cache holds only "
                              f"[0, {have}) of the named keys")
         bm.acquire(blocks, queried=min(len(seq.prefix_keys), limit))
-        seq.admit(first, blocks, bs)
+        # a prefix hit runs at once with the blocks of the rest of its prompt as received (taken now), or waits
+        # holding its hits until they fit, as a waiting prompt does (schedule()): running with what was free it
+        # was the victim of the next step where nobody else was ready, a shared system prompt's every request
+        rest = bm.blocks_for(first.end) - len(blocks)
+        fits = not blocks or bm.can_allocate(rest)
+        seq.admit(first, blocks, bs, wait=not fits)
+        if blocks and fits:
+            bm.ensure(seq.block_table, first.end)
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).append(seq)
 
     def remove(self, seq: Sequence, reason: str) -> None:
@@ -201,6 +208,12 @@ class Scheduler:
         victims: list[Sequence] = []
         if preempt and not batches and blocked_running:
             victims.append(max(self.running, key=lambda s: s.arrival_time))
+        elif preempt and not batches and not self.running and self.waiting:
+            # the head waits for blocks that waiting prefix hits hold, and nobody runs to free any: the youngest
+            # of those goes, as a running sequence would
+            holders = [s for s in self.waiting if s.block_table]
+            if holders:
+                victims.append(max(holders, key=lambda s: s.arrival_time))
         return batches, victims
 
     def _schedule_decodes(self, preempt: bool) -> tuple[list[ScheduledBatch], list[Sequence]] | None:

@@ -149,10 +149,11 @@ class Sequence:
         self.waiting_since = now  # when it last became idle waiting for input (step timeouts)
 
     # -- transitions ----------------------------------------------------------------------------
-    def admit(self, first: InputChunk, cached_blocks: list[int], block_size: int) -> None:
+    def admit(self, first: InputChunk, cached_blocks: list[int], block_size: int, wait: bool = False) -> None:
         """Start with ``first``; ``cached_blocks`` (prefix-cache hits) already hold positions
         ``[0, len(cached_blocks) * block_size)``, so their inputs are dropped and they count as computed.
-        A sequence holding cached blocks is RUNNING at once; otherwise it WAITS for admission to a step."""
+        A sequence holding cached blocks is RUNNING at once (unless ``wait``: the rest of its prompt's blocks are
+        not free, and it waits holding its hits); otherwise it WAITS for admission to a step."""
         cached = len(cached_blocks) * block_size
         self.block_table = list(cached_blocks)
         self.num_cached_tokens = self.num_computed = cached
@@ -165,7 +166,7 @@ class Sequence:
             _, self.pending[0] = self.pending[0].split(cached - self.pending[0].start)
         self.num_received = max(self.num_received, cached)
         self.num_prompt_tokens = first.end
-        if cached_blocks:
+        if cached_blocks and not wait:
             self.status = SequenceStatus.RUNNING
 
     def push(self, chunk: InputChunk) -> None:

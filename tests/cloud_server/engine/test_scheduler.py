@@ -100,6 +100,52 @@ def test_a_prompt_the_free_blocks_cannot_hold_waits_instead_of_being_dropped_for
     assert [it.seq.request_id for it in batch.items] == ["hog"]
 
 
+def test_a_prefix_hit_whose_rest_the_free_blocks_cannot_hold_waits_holding_its_hits():
+    """As above for a request whose prompt starts with cached blocks (a shared system prompt): it ran at once with
+    what was free and was dropped for load the next step (a real server: ``overloaded`` 0.0 s after its Prefill while
+    the request holding the pool decoded). It waits holding its hits; should nobody run to free blocks while the
+    waiting head needs those it holds, the youngest holder goes, as a running one would."""
+    s = _sched(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    bm = s.block_managers["fp32"]
+    pub = _seq("pub", keys=["k0"])
+    s.add(pub, InputChunk(0, hidden=_h(5)))
+    _run(s, s.schedule()[0])
+    s.remove(pub, "finished")  # block k0 cached, evictable
+    hog = _seq("hog")
+    s.add(hog, InputChunk(0, hidden=_h(8)))
+    _run(s, s.schedule()[0])  # 2 of 4 blocks; its phone is away
+    hit = _seq("hit", keys=["k0", "k1", "k2"])
+    s.add(hit, InputChunk(0, hidden=_h(12)))  # k0 cached: 2 more blocks wanted, 1 free
+    for _ in range(3):
+        batches, victims = s.schedule()
+        assert not victims, "the prefix hit was dropped for load"
+        _run(s, batches)
+    assert hit.status is SequenceStatus.WAITING and hit.num_cached_tokens == 4
+    s.remove(hog, "finished")
+    [batch], victims = s.schedule()
+    assert [(it.seq.request_id, it.chunk.start, it.chunk.n) for it in batch.items] == [("hit", 4, 8)] and not victims
+    bm.check()
+    # the head needs the whole pool; a waiting hit behind it holds a block, and nobody runs
+    s = _sched(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    pub = _seq("pub", keys=["k0"])
+    s.add(pub, InputChunk(0, hidden=_h(5)))
+    _run(s, s.schedule()[0])
+    s.remove(pub, "finished")
+    hog2, whole, hit2 = _seq("hog2"), _seq("whole"), _seq("hit2", keys=["k0"])
+    s.add(hog2, InputChunk(0, hidden=_h(8)))
+    _run(s, s.schedule()[0])
+    s.add(whole, InputChunk(0, hidden=_h(16)))
+    s.add(hit2, InputChunk(0, hidden=_h(12)))
+    assert hit2.status is SequenceStatus.WAITING and len(hit2.block_table) == 1
+    s.remove(hog2, "finished")
+    batches, victims = s.schedule()
+    assert batches == [] and victims == [hit2]
+    s.remove(hit2, "abort")
+    [batch], _ = s.schedule()
+    assert [(it.seq.request_id, it.chunk.n) for it in batch.items] == [("whole", 16)]
+    s.block_managers["fp32"].check()
+
+
 def test_youngest_running_sequence_is_the_victim_when_the_pool_is_exhausted():
     s = _sched(num_blocks=2, block_size=2)
     old, young = _seq("old"), _seq("young")
