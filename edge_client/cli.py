@@ -74,10 +74,34 @@ def _client(args):
     from .client import EdgeClient
 
     client = EdgeClient(_config(args))
-    for path in args.preload:
-        n = client.preload_prompts(path)
-        print(f"preloaded {path}: {n} tokens cached", file=sys.stderr)
+    try:
+        _preload(client, args.preload, lambda path, n: print(f"preloaded {path}: {n} tokens cached", file=sys.stderr))
+    except BaseException:
+        client.close()
+        raise
     return client
+
+
+def _preload(client, paths: list, report, saved: bool = False) -> None:
+    """Cache ``paths``' prompts, then ``report(path, tokens)`` what the cache holds of each once all are in (not what
+    went in: a ``cache_max_bytes`` too small for them all evicts earlier files' blocks as later ones go in);
+    EdgeClientError ``cache_too_small`` when it holds less than went in. ``saved``: a cache directory must have kept
+    each file (``cache_unwritable``)."""
+    from .errors import EdgeClientError
+
+    cached = []
+    for path in paths:
+        cached.append(client.preload_prompts(path))
+        if saved and client.cache.write_error is not None:  # cached in this process's memory only: nothing was kept
+            raise EdgeClientError(f"{path}: the activation cache was not saved: {client.cache.write_error}",
+                                  "cache_unwritable")
+    held = [client.preloaded_tokens(path) for path in paths]  # what the bound kept, not what went in
+    for path, n in zip(paths, held):
+        report(path, n)
+    if sum(held) < sum(cached):
+        raise EdgeClientError(f"--cache-max-bytes {client.config.cache_max_bytes} holds {sum(held)} of the "
+                              f"{sum(cached)} tokens preloaded: later prompts' blocks evicted earlier ones (raise the "
+                              "bound)", "cache_too_small")
 
 
 def _speculate_flag(p: argparse.ArgumentParser) -> None:
@@ -250,23 +274,10 @@ def cmd_preload(args) -> int:
         return 0
     if cfg.cache_dir is None:
         raise ValueError("preload needs --cache-dir (or AUTOGLM_EDGE_CACHE_DIR): a memory cache dies with the process")
-    from .errors import EdgeClientError
-
     client = EdgeClient(cfg)
     try:
-        paths, cached = [*args.preload, *args.files], []
-        for path in paths:
-            cached.append(client.preload_prompts(path))
-            if client.cache.write_error is not None:  # cached in this process's memory only: nothing was kept
-                raise EdgeClientError(f"{path}: the activation cache was not saved: {client.cache.write_error}",
-                                      "cache_unwritable")
-        held = [client.preloaded_tokens(path) for path in paths]  # what the bound kept, not what went in
-        for path, n in zip(paths, held):
-            print(f"{path}: {n} tokens cached in {cfg.cache_dir}")
-        if sum(held) < sum(cached):
-            raise EdgeClientError(f"--cache-max-bytes {cfg.cache_max_bytes} holds {sum(held)} of the {sum(cached)} "
-                                  "tokens preloaded: later prompts' blocks evicted earlier ones (raise the bound)",
-                                  "cache_too_small")
+        _preload(client, [*args.preload, *args.files], lambda path, n: print(f"{path}: {n} tokens cached in "
+                                                                             f"{cfg.cache_dir}"), saved=True)
     finally:
         client.close()
     return 0

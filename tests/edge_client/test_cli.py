@@ -485,3 +485,29 @@ def test_a_demo_prompt_that_is_not_utf8_is_one_line_before_anything_runs(capsys)
     assert main(["demo", "--bundle", "/no/such/bundle", "--prompt", "caf\udce9"]) == 2
     err = capsys.readouterr().err
     assert err == "autoglm-edge demo: error: --prompt is not UTF-8 text (byte 0xe9 after 'caf')\n", err
+
+
+def test_chat_and_serve_preload_report_what_the_cache_bound_kept_and_fail_when_it_could_not_keep_it_all(
+        tiny_bundle, tmp_path, monkeypatch, capsys):
+    """`chat/serve --preload a --preload b` printed each file's tokens as they went in ('preloaded a: 64 tokens
+    cached') while b's blocks evicted a's (0 held): preload's own rule (what the cache holds once all are in; exit 1,
+    cache_too_small, when the bound kept less) did not reach their --preload."""
+    from edge_client import EdgeClient
+
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("You are a phone agent. Tap, swipe and type to finish the task. " * 3)
+    second.write_text("Answer briefly and politely, in the user's language, and never guess. " * 3)
+    with EdgeClient(tiny_bundle, "ws://127.0.0.1:1") as client:
+        client.preload_prompts(first)
+        one_file = client.cache._bytes  # payload bytes of a's blocks
+    argv = ["chat", "--bundle", str(tiny_bundle), "--url", "ws://127.0.0.1:1", "--preload", str(first), "--preload",
+            str(second)]
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(argv) == 0  # the default bound holds both
+    full = {p: int(n) for p, n in re.findall(r"preloaded (.*): (\d+) tokens cached", capsys.readouterr().err)}
+    assert main([*argv, "--cache-max-bytes", str(one_file * 3 // 2)]) == 1
+    err = capsys.readouterr().err
+    held = {p: int(n) for p, n in re.findall(r"preloaded (.*): (\d+) tokens cached", err)}
+    assert held[str(first)] < full[str(first)] and held[str(second)] == full[str(second)], (held, full)
+    assert "later prompts' blocks evicted earlier ones" in err, err
+    assert "empty line or Ctrl-D quits" not in err  # it fails before the chat starts
