@@ -278,6 +278,10 @@ def _default_device() -> str:
 
 def serve(config: ServerConfig, log_level: str = "info") -> int:
     """Serve until drained; returns the exit status."""
+    from cloud_server.limits import raise_open_files
+
+    if (short := raise_open_files(config.max_connections)) is not None:  # (the workers inherit the raised limit)
+        logging.getLogger("autoglm.cloud").warning("%s", short)
     if config.workers > 1:  # the engine here, the WebSocket front ends in worker processes
         from cloud_server.front_workers import serve_workers
 

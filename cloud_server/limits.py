@@ -27,6 +27,34 @@ RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After / retry_
 RETRY_AFTER_MS = {"overloaded": RETRY_AFTER_S * 1000, "draining": 1000}
 
 
+OWN_FILES = 1024  # descriptors beside the connections: bundle and model files, worker pipes, logs, the probes
+
+
+def raise_open_files(max_connections: int) -> str | None:
+    """Raise this process's soft open-file limit (``RLIMIT_NOFILE``; front-end workers inherit it) to hold
+    ``max_connections`` sockets and :data:`OWN_FILES`, as far as the hard limit allows (vLLM's server raises it too).
+    The usual soft limit, 1024, held about 1000 sockets: past them every accept failed (EMFILE, a log line each) and the
+    probes timed out, far below the connection cap that answers 503 and lets them through. Returns a warning when the
+    hard limit is lower than that, else None."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    want = max_connections + OWN_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            new = soft
+        if new < want:
+            return (f"the open-file limit is {new} (hard {hard}), below --max-connections {max_connections} + "
+                    f"{OWN_FILES}: past ~{max(new - OWN_FILES, 0)} connections accepts fail and the probes with them; "
+                    "raise it (ulimit -n, the container's nofile) or lower --max-connections")
+    return None
+
+
 def session_cap_refusal(registry, principal) -> str | None:
     """Why ``principal`` may not open another split session (None: it may). Counts the sessions its key holds,
     attached or within their resume grace (both hold KV)."""

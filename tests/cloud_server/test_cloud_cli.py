@@ -557,6 +557,46 @@ def test_a_sighup_before_the_server_serves_leaves_it_starting(tiny_bundle):
     assert (r.returncode, r.stdout.strip()) == (0, "served"), (r.returncode, r.stderr)
 
 
+def test_the_server_opens_as_many_files_as_its_connection_cap(tiny_bundle, tmp_path):
+    """Under the usual soft open-file limit of 1024 (a shell's, a container's) the server held ~1000 sockets, far
+    below its --max-connections (2048): then every accept failed (EMFILE, 'socket.accept() out of system resource',
+    tens of thousands of log lines) and /health and /ready timed out - a liveness restart - though the cap's own
+    refusal (503, the probes let through) never came. It raises its soft limit for the cap (up to the hard limit)."""
+    import resource
+    import socket
+    import time
+    import urllib.request
+
+    from edge_client.demo import stop_gracefully, wait_ready
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1400:  # this test's own 1100 sockets
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from cloud_server.cli import main; sys.exit(main())", "serve",
+             str(tiny_bundle), "--device", "cpu", "--variants", "fp32", "--num-blocks", "32", "--port", str(port),
+             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
+    idle: list[socket.socket] = []
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}/ready", 120, "the server")
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(1100)]  # each holds a socket there
+        time.sleep(1.0)
+        start = time.monotonic()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=20) as r:
+            assert r.status == 200
+        assert time.monotonic() - start < 10
+    finally:
+        for s in idle:
+            s.close()
+        stop_gracefully(proc)
+    assert "out of system resource" not in (tmp_path / "serve.log").read_text()
+
+
 def test_a_second_sigterm_just_after_a_drain_never_kills_the_process(tiny_bundle, tmp_path):
     """With nothing open the first SIGTERM drained at once, and the interpreter's teardown (about a second of torch's
     and onnxruntime's native finalizers) ran with the default dispositions back: a second SIGTERM then ended the
