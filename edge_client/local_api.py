@@ -195,14 +195,15 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
 
     @app.middleware("http")
     async def auth(request: Request, call_next):
-        if (origin := request.headers.get("origin")) is not None and not _loopback_origin(origin):
+        token = bearer_token(request.headers.get("authorization"))  # decoded as latin-1: its bytes as sent
+        keyed = bool(api_key) and hmac.compare_digest((token or "").encode("latin-1"), api_key.encode())
+        # a page presenting the key is the app's own (a WebView loading its UI from the app's site): served
+        if (origin := request.headers.get("origin")) is not None and not keyed and not _loopback_origin(origin):
             refused = oc.OpenAIRequestError(
                 f"requests from web pages are refused here (Origin: {origin[:100]}): apps send none", None,
                 "forbidden_origin", 403)
             return openai_routes.error_response(refused)
-        token = bearer_token(request.headers.get("authorization"))  # decoded as latin-1: its bytes as sent
-        if (api_key and request.url.path.startswith("/v1/")
-                and not hmac.compare_digest((token or "").encode("latin-1"), api_key.encode())):
+        if api_key and request.url.path.startswith("/v1/") and not keyed:
             refused = oc.OpenAIRequestError("invalid API key", None, "invalid_api_key", 401)
             return openai_routes.error_response(refused)
         return await call_next(request)

@@ -106,6 +106,11 @@ def test_the_local_api_key_is_a_bearer_token_in_any_case_and_a_non_ascii_guess_i
         assert status("Bearer wrong") == status("Basic local-secret") == 401
         assert status("Bearer café".encode()) == 401
         assert httpx.get(url + "/v1/models").status_code == 401
+        # a web page is refused unless it presents the key (the app's own UI in a WebView loaded from its site)
+        page = {"Origin": "https://app.example"}
+        assert httpx.get(url + "/v1/models", headers=page).status_code == 403
+        assert httpx.get(url + "/v1/models", headers={**page, "Authorization": "Bearer wrong"}).status_code == 403
+        assert httpx.get(url + "/v1/models", headers={**page, "Authorization": "Bearer local-secret"}).status_code == 200
 
 
 def test_models_and_health(server):
