@@ -46,7 +46,7 @@ def raise_open_files(max_connections: int) -> str | None:
         new = want if hard == resource.RLIM_INFINITY else min(want, hard)
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        except (ValueError, OSError):
+        except (ValueError, OSError, OverflowError):  # above the kernel's nr_open; an absurd cap past a C long
             new = soft
         if new < want:
             return (f"the open-file limit is {new} (hard {hard}), below --max-connections {max_connections} + "
