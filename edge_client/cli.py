@@ -112,6 +112,8 @@ def _speculate_flag(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_chat(args) -> int:
+    from shared.cli_exit import sigterm_unwinds
+
     from .errors import EdgeClientError
     from .request import RequestSpec
 
@@ -125,6 +127,7 @@ def cmd_chat(args) -> int:
     status = 0  # the last turn's: 1 when it failed
     if hasattr(sys.stdin, "reconfigure"):  # a byte that is no UTF-8 is the message's problem, not the chat's end
         sys.stdin.reconfigure(errors="surrogateescape")
+    sigterm_unwinds()  # a SIGTERM killed it with readline's terminal left without echo, the answer's request open
     _terminal_editing()
     try:
         while True:
@@ -190,6 +193,8 @@ def _answer(client, history: list[dict], args):
     """The finished generation answering the conversation's last message, streamed to stdout. A conversation the
     context cannot hold forgets its oldest exchanges (the system prompt stays) until it fits - once full, it failed
     every later turn; with nothing left to forget the refusal is raised, the conversation kept whole."""
+    from shared.cli_exit import Terminated
+
     from .errors import EdgeClientError
 
     turns = list(history)
@@ -202,8 +207,10 @@ def _answer(client, history: list[dict], args):
             try:
                 for delta in gen:
                     print(delta, end="", flush=True)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:
                 gen.close()
+                if isinstance(e, Terminated):  # a SIGTERM ends the chat; Ctrl-C only this answer
+                    raise
             history[:] = turns
             return gen
         except (ValueError, EdgeClientError) as e:

@@ -36,8 +36,13 @@ def run_command(prog: str, command: str, handler: Callable[[object], int], args,
         return 141
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, unwinding as Ctrl-C does (:func:`sigterm_unwinds`); apart from a Ctrl-C for a handler that gives
+    Ctrl-C a meaning of its own (the edge chat's stops an answer: a SIGTERM ends the chat)."""
+
+
 def _terminated(signum, frame) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 def sigterm_unwinds() -> None:

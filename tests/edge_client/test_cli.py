@@ -374,11 +374,14 @@ def test_a_message_that_is_not_utf8_is_one_line_and_the_chat_goes_on(errors, tin
     assert "autoglm-edge chat: the message is not UTF-8 text (byte 0xe9 after 'caf'): not sent\n" in captured.err, captured.err
 
 
-def _on_a_terminal(argv: list[str], keys: list[bytes], within_s: float = 60) -> tuple[int, str]:
+def _on_a_terminal(argv: list[str], keys: list, within_s: float = 60,
+                   sigterm_after: bytes | None = None) -> tuple[int, str, bool]:
     """``autoglm-edge`` run on a pseudo-terminal (an xterm, which brackets pastes): each of ``keys`` is typed once
-    the chat prompts for it, then Ctrl-D. Its exit status and what it wrote (both streams)."""
+    the chat prompts for it (a signal number: sent to it), then Ctrl-D; ``sigterm_after``: a SIGTERM once it has
+    written that. Its exit status, what it wrote (both streams) and whether the terminal echoes once it is gone."""
     import os
     import select
+    import termios
 
     main_fd, tty_fd = os.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", *argv], stdin=tty_fd, stdout=tty_fd,
@@ -396,11 +399,17 @@ def _on_a_terminal(argv: list[str], keys: list[bytes], within_s: float = 60) -> 
                     break
                 shown += chunk
             if sent < len(keys) and shown.count(b"you> ") > sent:  # a new prompt: type the next keys
-                os.write(main_fd, keys[sent])
+                time.sleep(0.2)  # readline has taken the terminal
+                os.write(main_fd, keys[sent]) if isinstance(keys[sent], bytes) else proc.send_signal(keys[sent])
                 sent += 1
+            if sigterm_after is not None and sigterm_after in shown:
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGTERM)
+                sigterm_after = None
             if proc.poll() is not None and not select.select([main_fd], [], [], 0.2)[0]:
                 break
-        return proc.wait(timeout=10), shown.decode(errors="replace")
+        status = proc.wait(timeout=10)
+        return status, shown.decode(errors="replace"), bool(termios.tcgetattr(main_fd)[3] & termios.ECHO)
     finally:
         proc.kill()
         os.close(main_fd)
@@ -413,7 +422,7 @@ def test_a_message_pasted_on_a_terminal_is_one_message_blank_lines_and_all(tiny_
     pytest.importorskip("readline")  # a Python built without it reads line by line, as before
     argv = ["chat", "--bundle", str(tiny_bundle), "--url", tiny_cloud.ws_url, "--max-tokens", "2", "--temperature",
             "0"]
-    status, shown = _on_a_terminal(argv, [b"\x1b[200~Summarise:\rone\rtwo\r\rthree\x1b[201~\r", b"ok\r"])
+    status, shown, _ = _on_a_terminal(argv, [b"\x1b[200~Summarise:\rone\rtwo\r\rthree\x1b[201~\r", b"ok\r"])
     assert status == 0 and shown.count("assistant> ") == 2, shown  # the paste's answer and ok's (it was 3, then exit)
     assert "^[[200~" not in shown  # the terminal's paste marks are no text of the message
 
@@ -512,3 +521,20 @@ def test_chat_and_serve_preload_report_what_the_cache_bound_kept_and_fail_when_i
     assert held[str(first)] < full[str(first)] and held[str(second)] == full[str(second)], (held, full)
     assert "later prompts' blocks evicted earlier ones" in err, err
     assert "empty line or Ctrl-D quits" not in err  # it fails before the chat starts
+
+
+@pytest.mark.parametrize("when", ["at the prompt", "mid-answer"])
+def test_a_chat_sent_sigterm_on_a_terminal_leaves_it_as_it_found_it(when, tiny_bundle, tiny_cloud):
+    """With readline reading the prompt, a SIGTERM (kill, a parent's timeout) killed the chat with the terminal left
+    without echo and in bracketed-paste mode - under a parent that does not reset it (dash, a script) the user typed
+    blind. It unwinds as Ctrl-C does ('interrupted', 130, shared.cli_exit.sigterm_unwinds), the terminal restored -
+    mid-answer too, where Ctrl-C only stops the answer: a SIGTERM ends the chat."""
+    pytest.importorskip("readline")
+    argv = ["chat", "--bundle", str(tiny_bundle), "--url", tiny_cloud.ws_url, "--temperature", "0", "--no-stats"]
+    if when == "at the prompt":
+        status, shown, echoes = _on_a_terminal(argv, [signal.SIGTERM])
+    else:  # the answer streams for a while (the context's worth): SIGTERM it once it has begun
+        status, shown, echoes = _on_a_terminal([*argv, "--max-tokens", "100000"], [b"hi\r"],
+                                               sigterm_after=b"assistant> ")
+    assert status == 130 and shown.rstrip().endswith("interrupted") and echoes, (status, shown)
+    assert shown.count("\x1b[?2004h") == shown.count("\x1b[?2004l")  # bracketed paste off again
