@@ -12,7 +12,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.cli_exit import host_problem
+from shared.cli_exit import host_problem, not_utf8
 from shared.messages import MAX_POSITION
 from shared.prefix_keys import bearer_key_problem
 from shared.user_paths import user_path
@@ -179,6 +179,8 @@ class ServerConfig:
             raise ConfigError("more_bundles: further bundles are served beside a BUNDLE (split mode)")
         if (problem := host_problem(self.host, "host")) is not None:
             raise ConfigError(problem)
+        if self.model_name is not None and (problem := not_utf8(self.model_name)) is not None:
+            raise ConfigError(f"model_name is {problem}")  # else /v1/models and /metrics answered 500
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port: {self.port} is not a TCP port")
         if self.api_key is not None and (problem := bearer_key_problem(self.api_key)) is not None:

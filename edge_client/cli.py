@@ -19,6 +19,8 @@ import os
 import sys
 from pathlib import Path
 
+from shared.cli_exit import not_utf8
+
 
 def port_number(text: str) -> int:
     """argparse type of a TCP port to listen on: 0 (any free one) to 65535."""
@@ -117,7 +119,7 @@ def cmd_chat(args) -> int:
     from .errors import EdgeClientError
     from .request import RequestSpec
 
-    if args.system is not None and (problem := _not_utf8(args.system)) is not None:  # argv: surrogateescape
+    if args.system is not None and (problem := not_utf8(args.system)) is not None:  # argv: surrogateescape
         raise ValueError(f"--system is {problem}")
     # the per-answer flags, checked before the bundle loads (the rules of every request: RequestSpec)
     RequestSpec(prompt_ids=[0], max_tokens=args.max_tokens, temperature=args.temperature, precision=args.precision)
@@ -137,7 +139,7 @@ def cmd_chat(args) -> int:
                 break
             if not line.strip():
                 break
-            if (problem := _not_utf8(line)) is not None:
+            if (problem := not_utf8(line)) is not None:
                 print(f"autoglm-edge chat: the message is {problem}: not sent", file=sys.stderr)
                 status = 1
                 continue
@@ -177,16 +179,6 @@ def _terminal_editing() -> None:
     except ImportError:  # no readline on this platform: line by line
         return
     readline.parse_and_bind("set enable-bracketed-paste on")  # Python's readline module turns it off
-
-
-def _not_utf8(line: str) -> str | None:
-    """Why text from stdin or argv (decoded with surrogateescape) is no message, or None: bytes that are no UTF-8 (a
-    Latin-1 terminal's 'é', a binary file piped in) ended the chat, exit 2, on a strict stdin, or failed the turn as
-    "can't encode character '\\udce9' ... surrogates not allowed" on a surrogateescape one."""
-    for i, ch in enumerate(line):
-        if 0xDC80 <= ord(ch) <= 0xDCFF:  # surrogateescape's stand-in for the byte ord(ch) - 0xDC00
-            return f"not UTF-8 text (byte 0x{ord(ch) - 0xDC00:02x} after {line[max(0, i - 20):i]!r})"
-    return None
 
 
 def _answer(client, history: list[dict], args):
@@ -242,7 +234,7 @@ def cmd_serve(args) -> int:
 
     from shared.user_paths import user_path
 
-    if args.model_name is not None and (problem := _not_utf8(args.model_name)) is not None:  # every answer a 500
+    if args.model_name is not None and (problem := not_utf8(args.model_name)) is not None:  # every answer a 500
         raise ValueError(f"--model-name is {problem}")
     if args.media_dir == "":  # Path('') is '.': every local app could read the working directory's files
         raise ValueError("--media-dir is empty (an unset variable?): give the folder, or leave it unset to refuse "
@@ -345,7 +337,7 @@ def cmd_demo(args) -> int:
     from shared.cli_exit import listen_problem, sigterm_unwinds
     from shared.threads import threads_problem
 
-    if args.prompt is not None and (problem := _not_utf8(args.prompt)) is not None:
+    if args.prompt is not None and (problem := not_utf8(args.prompt)) is not None:
         raise ValueError(f"--prompt is {problem}")
     if args.max_tokens < 1:  # checked before minutes of building the bundle
         raise ValueError(f"--max-tokens ({args.max_tokens}) must be >= 1")

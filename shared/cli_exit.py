@@ -64,6 +64,17 @@ def host_problem(host: str, name: str = "--host") -> str | None:
     return None
 
 
+def not_utf8(text: str) -> str | None:
+    """Why ``text`` from argv or stdin (decoded with surrogateescape) is no text to use, or None: bytes that are no
+    UTF-8 (a Latin-1 terminal's 'é', a binary file piped in) ended the edge chat, exit 2, on a strict stdin, failed
+    its turns as "can't encode character '\\udce9' ... surrogates not allowed" on a surrogateescape one, and as a
+    served model name made every answer naming it (/v1/models, /metrics) a 500."""
+    for i, ch in enumerate(text):
+        if 0xDC80 <= ord(ch) <= 0xDCFF:  # surrogateescape's stand-in for the byte ord(ch) - 0xDC00
+            return f"not UTF-8 text (byte 0x{ord(ch) - 0xDC00:02x} after {text[max(0, i - 20):i]!r})"
+    return None
+
+
 def listen_problem(host: str, port: int, named: str | None = None) -> str | None:
     """Why a server could not listen on ``host:port`` (:func:`host_problem`, the port in use, an address not this
     machine's, a privileged port), or None: a probe bound as uvicorn binds (IPv6 for a host with ':',

@@ -99,6 +99,8 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     # an empty host (`--host "$HOST"`, HOST unset) listened on every interface, where the default is loopback only
     (["B", "--device", "cpu", "--host", ""], {}, "host is empty"),
     (["B", "--device", "cpu", "--host", "[::1]"], {}, r"host \[::1\]: give an IPv6 address without brackets \(::1\)"),
+    # argv's bytes that are no UTF-8 (surrogateescape): every /v1/models and /metrics answer was a 500
+    (["B", "--device", "cpu", "--model-name", "caf\udce9"], {}, "model_name is not UTF-8 text \\(byte 0xe9 after 'caf'\\)"),
 ])
 def test_bad_configuration_is_a_one_line_error(argv, env, message):
     if message is None:
