@@ -72,6 +72,8 @@ def not_utf8(text: str) -> str | None:
     for i, ch in enumerate(text):
         if 0xDC80 <= ord(ch) <= 0xDCFF:  # surrogateescape's stand-in for the byte ord(ch) - 0xDC00
             return f"not UTF-8 text (byte 0x{ord(ch) - 0xDC00:02x} after {text[max(0, i - 20):i]!r})"
+        if 0xD800 <= ord(ch) <= 0xDFFF:  # a config file's or variable's "\ud800" escape
+            return f"not text (a lone surrogate U+{ord(ch):04X} after {text[max(0, i - 20):i]!r})"
     return None
 
 

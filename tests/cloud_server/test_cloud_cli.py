@@ -101,6 +101,7 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B", "--device", "cpu", "--host", "[::1]"], {}, r"host \[::1\]: give an IPv6 address without brackets \(::1\)"),
     # argv's bytes that are no UTF-8 (surrogateescape): every /v1/models and /metrics answer was a 500
     (["B", "--device", "cpu", "--model-name", "caf\udce9"], {}, "model_name is not UTF-8 text \\(byte 0xe9 after 'caf'\\)"),
+    (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_MODEL_NAME": "m\ud800"}, "model_name is not text \\(a lone surrogate U\\+D800"),
 ])
 def test_bad_configuration_is_a_one_line_error(argv, env, message):
     if message is None:
