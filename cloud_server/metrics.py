@@ -196,6 +196,8 @@ class ServerMetrics:
 
     # -- engine hooks (called from the engine thread) ------------------------------------------
     def on_admit(self, seq) -> None:
+        """``seq``'s whole prompt has arrived (the chunk ending its first input turn: the engine calls it then, so
+        a prompt sent in chunks counts all its positions)."""
         m = self.model_name
         self.prompt_tokens.labels(m).inc(seq.num_prompt_tokens)
         if seq.prefix_keys:

@@ -201,7 +201,7 @@ class LLMEngine:
             self.scheduler.remove(seq, "error")
             return [self._error_output(request_id, e.code, e.message)]
         self.seqs[request_id] = seq
-        if self.metrics is not None:
+        if self.metrics is not None and seq.prompt_complete:  # (a prompt sent in chunks: at its last, _push)
             self.metrics.on_admit(seq)
         return []
 
@@ -263,7 +263,10 @@ class LLMEngine:
             if self.output_states and chunk.start < seq.num_received:  # u-shape: the edge rolled back drafts
                 seq.rewind(chunk.start)
                 self.block_managers[seq.variant].truncate(seq.block_table, chunk.start)
+            counted = seq.prompt_complete
             seq.push(chunk)
+            if not counted and seq.prompt_complete and self.metrics is not None:  # its prompt's last chunk: the
+                self.metrics.on_admit(seq)  # counters take the whole prompt (its first chunk was 128 of 700)
         except (RequestError, ValueError) as e:
             code = e.code if isinstance(e, RequestError) else "bad_input"
             return [self._finish(seq, "error", code, str(e))]

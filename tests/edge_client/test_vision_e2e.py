@@ -11,6 +11,7 @@ encoding screenshots on the device (vision ONNX, 3-D rope positions on the wire)
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pytest
@@ -265,3 +266,28 @@ def test_a_prompt_over_the_clouds_limit_is_refused_before_encoding_or_upload(bun
         assert c.session.link.bytes_up == up
         monkeypatch.undo()
         assert c.complete(prompt_ids=[BOI, IMG, EOI, 30], images=[_png(1)], max_tokens=2).stats.image_tokens == 24
+
+
+def _counter(cloud, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{cloud.http_url}/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.eE+-]+)$", text, re.M))
+
+
+def test_an_agents_steps_count_their_whole_prompts_on_the_servers_counters(bundle, cloud):
+    """Two agent steps (a long instruction and a screenshot, then the history and a new one): the server's prompt
+    and prefix-cache counters grow by each step's whole prompt and its cached part, as the client's stats say. They
+    counted the first Prefill chunk only - 128 of the first step's 325 positions - so the prefix hit rate of an
+    agent's dashboard read 0 / 128, then hits over whole prompts."""
+    names = ("vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+    ids = [int(t) for t in np.random.RandomState(5).randint(20, 500, 300)] + [BOI, IMG, EOI]
+    with EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY, prefill_chunk=128) as c:
+        for step in range(2):
+            before = [_counter(cloud, n) for n in names]
+            g = c.complete(prompt_ids=ids, images=[_png(20 + k) for k in range(step + 1)], max_tokens=4)
+            grew = [_counter(cloud, n) - b for n, b in zip(names, before)]
+            st = g.stats
+            assert st.prompt_tokens > 300 and (step == 0) == (st.cloud_cached_tokens == 0)
+            assert grew == [st.prompt_tokens, st.prompt_tokens, st.cloud_cached_tokens], (step, grew, st.to_dict())
+            ids += g.token_ids + [int(t) for t in np.arange(20) + 40] + [BOI, IMG, EOI]
