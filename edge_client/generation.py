@@ -735,6 +735,7 @@ class Session:
         self._abandon_spec(req)
         req.opened = False
         req.index_base = len(req.tokens)  # the new request's token 0 is the next one we lack
+        stats.uploaded_prompt_tokens = req.prompt_len  # the whole prompt goes up again (a replay kept the first count)
         if req.prefix_raw is not None and len(req.prefix_raw):
             await self._send_span(req, 0, req.prefix_raw, stats, record=False)
         for span in req.sent:
@@ -792,7 +793,6 @@ class Session:
                     stats.prefix_misses += 1
                     for key in self._prefix_keys(req):
                         self.cloud_keys.get(req.compute, {}).pop(key, None)
-                    stats.uploaded_prompt_tokens = req.prompt_len
                     await self._guarded(req, stats, self._resend_all(req, stats))
                     continue
                 raise EdgeClientError(f"cloud error {msg.code}: {msg.message}", msg.code)
@@ -1055,6 +1055,7 @@ class Session:
         req.index_base = len(req.tokens)
         req.head_notes, req.head_ready = [], None  # a new bundle, a new drafter (use_bundle): it starts empty
         stats.replays += 1
+        stats.uploaded_prompt_tokens = req.prompt_len  # (as _resend_all's)
         self.runtime.reset()
         chunks = self.runtime.prefill_chunks([*req.spec.prompt_ids, *req.tokens])
         while (item := await _compute(next, chunks, None)) is not None:

@@ -322,6 +322,22 @@ def test_restart_cloud_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_to
         assert c.runtime.stats.tokens == len(PROMPT) + N_NEW - 1
 
 
+def test_a_replay_counts_the_whole_prompt_as_uploaded(tiny_bundle, tiny_cloud, tiny_reference_tokens):
+    """An agent's next step finds its prefix on the cloud (2 of 50 positions go up); the server restarts mid-answer
+    and the client replays the whole context to the new one: its stats say the 50 went up. They kept the 2 (a
+    restarted agent loop's step read as an upload of 2 positions and no cloud cache)."""
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        c.complete(prompt_ids=PROMPT, max_tokens=2)
+        gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
+        for i, _ in enumerate(gen.iter_tokens()):
+            if i == 0:
+                assert gen.stats.uploaded_prompt_tokens == len(PROMPT) % 16
+                tiny_cloud.kill()
+                tiny_cloud.start()
+        assert gen.token_ids == tiny_reference_tokens and gen.stats.replays == 1
+        assert (gen.stats.uploaded_prompt_tokens, gen.stats.cloud_cached_tokens) == (len(PROMPT), 0)
+
+
 @pytest.fixture(scope="module")
 def small_pool_cloud(tiny_bundle, tmp_path_factory):
     """A real server whose KV pool holds 64 positions (4 blocks of 16) and two sessions: two requests outgrow it.
