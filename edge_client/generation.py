@@ -595,9 +595,9 @@ class Session:
             del held[key]
 
     def _held_prefix(self, req: _Request, cached: int) -> int:
-        """Positions of the prompt's first ``cached`` (those the activation cache holds) not to upload: the whole
-        cloud blocks, from the first, whose keys :attr:`cloud_keys` holds for the request's compute variant (none for
-        u-shape: the tail needs every position)."""
+        """Positions of the prompt's first ``cached`` not to upload: the whole cloud blocks, from the first, whose
+        keys :attr:`cloud_keys` holds for the request's compute variant (none for u-shape: the tail needs every
+        position)."""
         if req.spec.ushape:
             return 0
         n, held = 0, self.cloud_keys.get(req.compute, {})
@@ -667,9 +667,10 @@ class Session:
         stats.cached_tokens = h
         if media is not None:  # items cached_prefix() left out whose blocks were evicted since: encoded now
             stats.media_encode_s += await _compute(media.encode, h)
-        # 2. the cloud has [0, c) under the same keys (as far as the session knows): those positions are not uploaded
-        c = self._held_prefix(req, h)
-        req.prefix_raw = hit.hidden[:c] if hit is not None else None
+        # 2. the cloud has [0, c) under the same keys (as far as the session knows): those positions are not uploaded,
+        # also past h (an app restarted with a memory cache: the front runs over them for its KV, nothing goes up)
+        c = self._held_prefix(req, len(ids) - 1)  # (the last position goes up: the cloud samples after it)
+        req.prefix_raw = hit.hidden[:c] if hit is not None and c <= h else None  # [c, H]; c > h: once computed
         stats.uploaded_prompt_tokens = len(ids) - c
         parts: list[np.ndarray] = [hit.hidden] if hit is not None else []
         if h > c:
@@ -688,6 +689,13 @@ class Session:
                 break
             start, hidden = item  # hidden: [n, H]
             parts.append(hidden)
+            end = start + hidden.shape[0]
+            if end <= c:  # the cloud holds these positions
+                continue
+            if req.prefix_raw is None:  # the first chunk past c: the states of [0, c) are complete (for a replay)
+                req.prefix_raw = np.concatenate(parts, axis=0)[:c]
+            if start < c:
+                start, hidden = c, hidden[c - start:]
             await self._guarded(req, stats, self._send_span(req, start, hidden, stats))
             if req.bundle_gen != self.bundle_gen:  # the cloud moved to another bundle: _rebuild sent it all
                 return

@@ -91,7 +91,8 @@ def test_fp32_wire_is_lossless_end_to_end(tiny_bundle, tiny_cloud, tiny_referenc
         assert gen.stats.bytes_up > (len(PROMPT) + N_NEW - 1) * 64 * 4
     with EdgeClient(tiny_bundle, tiny_cloud.ws_url, retry=RETRY) as c:
         gen = c.complete(prompt_ids=PROMPT[:-1], max_tokens=N_NEW, precision={"codec": "fp32"})
-        assert gen.stats.codec == "fp32" and gen.stats.bytes_up > (len(PROMPT) - 1) * 64 * 4
+        st = gen.stats  # (the blocks the first client's request left on the cloud do not go up)
+        assert st.codec == "fp32" and st.bytes_up > (st.uploaded_prompt_tokens + N_NEW - 1) * 64 * 4
 
 def test_the_configs_codec_holds_for_a_request_that_pins_only_its_compute(tiny_bundle, tiny_cloud):
     """EdgeConfig.codec (--codec) is the codec of every request that names none: one pinning its compute alone
@@ -321,6 +322,26 @@ def test_restart_cloud_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_to
         # the front layers did not run again for the replay: one forward per position
         assert c.runtime.stats.tokens == len(PROMPT) + N_NEW - 1
 
+
+def test_a_fresh_client_does_not_upload_what_the_clouds_welcome_lists(tiny_bundle, tiny_cloud, tiny_reference_tokens):
+    """An agent app restarted mid-task (its activation cache in memory: empty) sends the conversation so far; the
+    cloud still holds its blocks and lists them in the Welcome: the phone runs its front over them (it needs their
+    KV) but uploads only the rest - it uploaded all 50 positions and the cloud recomputed them. The answer is the
+    same, and a replay after a restart still has the skipped states to resend."""
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        c.complete(prompt_ids=PROMPT, max_tokens=2)  # the first run of the app: the cloud publishes 3 blocks
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        g = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
+        assert g.token_ids == tiny_reference_tokens and g.stats.cached_tokens == 0
+        assert (g.stats.uploaded_prompt_tokens, g.stats.cloud_cached_tokens) == (len(PROMPT) % 16, 48)
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, cache_prompts=False) as c:
+        gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
+        for i, _ in enumerate(gen.iter_tokens()):
+            if i == 0:
+                assert gen.stats.uploaded_prompt_tokens == len(PROMPT) % 16
+                tiny_cloud.kill()
+                tiny_cloud.start()
+        assert gen.token_ids == tiny_reference_tokens and gen.stats.replays == 1
 
 def test_a_replay_counts_the_whole_prompt_as_uploaded(tiny_bundle, tiny_cloud, tiny_reference_tokens):
     """An agent's next step finds its prefix on the cloud (2 of 50 positions go up); the server restarts mid-answer
