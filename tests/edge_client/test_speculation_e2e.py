@@ -300,4 +300,5 @@ def test_cut_inside_a_prompt_span_of_several_prefills_keeps_parity(tiny_bundle, 
         gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
     assert gen.token_ids == plain_tokens
     assert proxy.cuts == 1 and gen.stats.reconnects >= 1
-    assert prefills[:2] == [0, 4] and max(prefills) == 4 * ((len(PROMPT) - 1) // 4)  # the span went up whole
+    first = prefills[0]  # 0, or past the blocks an earlier test left on the shared server (they do not go up)
+    assert first % 16 == 0 and prefills[1] == first + 4 and max(prefills) == 4 * ((len(PROMPT) - 1) // 4)  # whole
