@@ -323,6 +323,16 @@ def test_restart_cloud_mid_generation(tiny_bundle, tiny_cloud, tiny_reference_to
         assert c.runtime.stats.tokens == len(PROMPT) + N_NEW - 1
 
 
+def _restart_at_the_first_token(gen, cloud) -> None:
+    """Read ``gen`` to its end, restarting ``cloud`` at its first token (only the prompt's tail went up: the cloud
+    held its blocks): the request is replayed to the restarted server."""
+    for i, _ in enumerate(gen.iter_tokens()):
+        if i == 0:
+            assert gen.stats.uploaded_prompt_tokens == len(PROMPT) % 16
+            cloud.kill()
+            cloud.start()
+
+
 def test_a_fresh_client_does_not_upload_what_the_clouds_welcome_lists(tiny_bundle, tiny_cloud, tiny_reference_tokens):
     """An agent app restarted mid-task (its activation cache in memory: empty) sends the conversation so far; the
     cloud still holds its blocks and lists them in the Welcome: the phone runs its front over them (it needs their
@@ -336,12 +346,9 @@ def test_a_fresh_client_does_not_upload_what_the_clouds_welcome_lists(tiny_bundl
         assert (g.stats.uploaded_prompt_tokens, g.stats.cloud_cached_tokens) == (len(PROMPT) % 16, 48)
     with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY, cache_prompts=False) as c:
         gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
-        for i, _ in enumerate(gen.iter_tokens()):
-            if i == 0:
-                assert gen.stats.uploaded_prompt_tokens == len(PROMPT) % 16
-                tiny_cloud.kill()
-                tiny_cloud.start()
+        _restart_at_the_first_token(gen, tiny_cloud)
         assert gen.token_ids == tiny_reference_tokens and gen.stats.replays == 1
+
 
 def test_a_replay_counts_the_whole_prompt_as_uploaded(tiny_bundle, tiny_cloud, tiny_reference_tokens):
     """An agent's next step finds its prefix on the cloud (2 of 50 positions go up); the server restarts mid-answer
@@ -350,11 +357,7 @@ def test_a_replay_counts_the_whole_prompt_as_uploaded(tiny_bundle, tiny_cloud, t
     with EdgeClient(tiny_bundle, tiny_cloud.ws_url, codec="fp16", retry=RETRY) as c:
         c.complete(prompt_ids=PROMPT, max_tokens=2)
         gen = c.generate(prompt_ids=PROMPT, max_tokens=N_NEW)
-        for i, _ in enumerate(gen.iter_tokens()):
-            if i == 0:
-                assert gen.stats.uploaded_prompt_tokens == len(PROMPT) % 16
-                tiny_cloud.kill()
-                tiny_cloud.start()
+        _restart_at_the_first_token(gen, tiny_cloud)
         assert gen.token_ids == tiny_reference_tokens and gen.stats.replays == 1
         assert (gen.stats.uploaded_prompt_tokens, gen.stats.cloud_cached_tokens) == (len(PROMPT), 0)
 

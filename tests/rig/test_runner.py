@@ -55,7 +55,10 @@ def test_small_rig_run(tiny_glm4_fp32_bundle, tiny_whole, tmp_path, capsys):
     # the progress line's p50 is the table's (it took the upper middle of an even count)
     assert f"[wifi/chat/split] 4 requests, TTFT p50 {rows['split']['ttft_ms_p50']:.0f} ms" in capsys.readouterr().err
     link = report["links"][0]
-    assert link["bytes_up"] >= sum(r["bytes_up"] for r in recs["split"])
+    # the link reads at least what the phones counted, less what a cut lost in flight (sent, counted by the phone,
+    # never read by the link: at most about one request's upload per cut; a double count would be far over)
+    lost = link["cuts"] * max(r["bytes_up"] for r in recs["split"])
+    assert link["bytes_up"] >= sum(r["bytes_up"] for r in recs["split"]) - lost
     assert link["cuts"] == 2 and link["connections"] > 2  # each phone's link was cut once, and it reconnected
     assert min(r["total_s"] for r in recs["split"] if r["label"] == f"chat/{r['phone']}") >= 0.3  # (down 0.3 s)
     files = write_report(report, tmp_path / "out")
