@@ -6,6 +6,13 @@ engine to them: the model's tokenizer and chat template make the prompt, the eng
 token back itself), :class:`shared.detokenizer.StreamDecoder` makes text of its tokens and stop strings cut
 it. A stream that ends early (stop string, client gone) aborts its engine request: its KV is freed at once.
 
+A request the engine drops for load (``kv_cache_full``: running requests outgrew the KV pool together and it was the
+youngest) is replayed here, as the edge replays a split request (docs/edge.md, "Dropped links"): after the wait a
+split client is told (``RETRY_AFTER_S``), it goes to the engine again under a new id, its prompt followed by the
+tokens generated so far, and the stream goes on at the next token - the same tokens as with a pool large enough
+(greedy; sampled: the request keeps its key, so each token is drawn from the same uniforms at the same position).
+:class:`ReplayPolicy` bounds it; a client gone meanwhile cancels it (the routes cancel the wait and ``aclose()``).
+
 A model without a tokenizer (the random presets) serves ``/v1/completions`` with a prompt of token ids only: its
 answer is token ids (``choices[].token_ids``, vLLM's field; ``text`` stays empty), and a chat request, a text
 prompt or ``stop`` strings (all need text) are a 400 that says so.
@@ -14,7 +21,10 @@ prompt or ``stop`` strings (all need text) are a 400 that says so.
 from __future__ import annotations
 
 import asyncio
+import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -26,6 +36,7 @@ from cloud_server.engine.async_engine import RequestStream
 from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 from cloud_server.engine.sequence import InputChunk
+from cloud_server.limits import RETRY_AFTER_S
 from cloud_server.split_translate import WIRE_CODES
 from shared import chat_tokens
 from shared import openai_compat as oc
@@ -64,11 +75,28 @@ def max_body_bytes(config, longest: int) -> int:
     return max(MIN_BODY_BYTES, max(ID_BYTES, JSON_BYTES_PER_UNIT * longest) * prompt_positions(config))
 
 
-class _EngineStream:
-    """One engine request as a :class:`shared.openai_routes.TextStream`: detokenized, stop strings applied; for a
-    model without a tokenizer (``ids_only``) its deltas are the sampled token ids instead (no stop strings)."""
+@dataclass(frozen=True)
+class ReplayPolicy:
+    """How a request the engine dropped for load is replayed (module docstring). The bounds count from its last new
+    token, as the edge's ``RetryPolicy`` does: a request that makes progress between drops is never failed for
+    them. A request with penalties is not replayed (the engine applies them over its own sequence's tokens, which a
+    replay's would lack: its tokens would differ): it fails ``overloaded``, as before."""
 
-    def __init__(self, rt, ids: list[int], params: SamplingParams, variant: str | None, stops: list[str]):
+    max_replays: int = 8  # replays without a new token; the next drop fails the request (503 / an error event)
+    window_s: float = 30.0  # from the first drop without a new token since: no replay, nor a wait for its token, past it
+    wait_s: float = RETRY_AFTER_S  # before each replay: what a dropped split request's edge is told to wait
+
+
+REPLAY = ReplayPolicy()  # the servers' (a backend reads it when it is made)
+
+
+class _EngineStream:
+    """One request as a :class:`shared.openai_routes.TextStream`: detokenized, stop strings applied; for a model
+    without a tokenizer (``ids_only``) its deltas are the sampled token ids instead (no stop strings). It is one
+    engine request, or several when the engine drops it for load and it is replayed (:class:`ReplayPolicy`)."""
+
+    def __init__(self, rt, ids: list[int], params: SamplingParams, variant: str | None, stops: list[str],
+                 replay: ReplayPolicy):
         self.rt, self.prompt_tokens = rt, len(ids)
         self.eos = set(rt.eos_token_ids()) | set(params.stop_token_ids)
         self.ids_only = rt.tokenizer is None
@@ -77,35 +105,87 @@ class _EngineStream:
         self.stop = oc.StopMatcher(stops)
         self.finish_reason: str | None = None
         self.completion_tokens = self.cached_tokens = 0
+        if params.seed is None and not params.greedy:  # a key of its own, which its replays keep (the engine would
+            params = replace(params, seed=secrets.randbits(63))  # give each engine request a fresh one)
+        self.ids, self.params, self.variant, self.replay = list(ids), params, variant, replay
+        self.tokens: list[int] = []  # every token sampled so far, in order (a replay's prompt ends with them)
+        self.replays = 0
+        self.dropped: tuple[float, int] | None = None  # (first drop, replays) since the last new token
+        self._submit()
+
+    def _submit(self) -> None:
+        """Hand the engine the request's context (the prompt, then the tokens sampled so far) under a new id, to
+        sample the rest of its ``max_tokens``."""
         self.rid = oc.new_id("req")
         self.outputs = RequestStream()
-        self.engine_done = False  # the engine finished the request (or was told to abort it)
-        rt.engine.add_request(self.rid, self.outputs.sink, InputChunk(0, token_ids=torch.tensor(ids)), params,
-                              variant)
+        self.engine_done = False  # the engine finished this engine request (or was told to abort it)
+        context = torch.tensor(self.ids + self.tokens)  # [P + generated]
+        self.rt.engine.add_request(self.rid, self.outputs.sink, InputChunk(0, token_ids=context),
+                                   replace(self.params, max_tokens=self.params.max_tokens - len(self.tokens)),
+                                   self.variant)
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> str | list[int]:
         while self.finish_reason is None:
-            delta = self._consume(await self.outputs.get())
+            out = await self._next()
+            if out.error_code == "kv_cache_full" and self._may_replay():
+                await asyncio.sleep(self.replay.wait_s)  # (cancelled when the client goes: nothing is replayed)
+                self.replays += 1
+                if self.rt.metrics is not None:
+                    self.rt.metrics.on_preemption()
+                self._submit()
+                continue
+            delta = self._consume(out)
             if delta:
                 return delta
         raise StopAsyncIteration
+
+    async def _next(self) -> RequestOutput:
+        """The engine's next output; after a drop, within the replay window only (past it the request fails)."""
+        if self.dropped is None:
+            return await self.outputs.get()
+        try:
+            return await asyncio.wait_for(self.outputs.get(), self.dropped[0] + self.replay.window_s - time.monotonic())
+        except asyncio.TimeoutError:
+            await self.aclose()
+            self.finish_reason = "error"
+            raise openai_routes.GenerationError(f"the KV pool is exhausted: no token in {self.replay.window_s:g} s "
+                                                f"after the request was replayed {self.dropped[1]} times",
+                                                "overloaded") from None
+
+    def _may_replay(self) -> bool:
+        """The engine dropped the request for load: whether to replay it (:class:`ReplayPolicy`'s bounds), counted."""
+        now = time.monotonic()
+        since, replays = self.dropped or (now, 0)
+        if (self.params.penalized or replays >= self.replay.max_replays
+                or now + self.replay.wait_s >= since + self.replay.window_s):
+            return False
+        self.dropped = (since, replays + 1)
+        return True
 
     def _consume(self, out: RequestOutput) -> str | list[int]:
         """The text ``out`` adds (``ids_only``: its token id, the end-of-sequence token left out as the text leaves
         it out); sets ``finish_reason`` when the stream ends here."""
         self.engine_done = self.engine_done or out.finished
-        self.cached_tokens = out.num_cached_tokens
+        if not self.replays:  # (a replay's prompt is the first one's and its tokens)
+            self.cached_tokens = out.num_cached_tokens
         if out.error_code is not None:
             self.finish_reason = "error"
             # the engine's code as the split endpoint sends it (kv_cache_full -> overloaded: a 503 with Retry-After)
             code = WIRE_CODES.get(out.error_code, out.error_code)
-            raise openai_routes.GenerationError(out.error_message or out.error_code, code)
+            message = out.error_message or out.error_code
+            if out.error_code == "kv_cache_full":  # dropped for load, and not replayed again (_may_replay)
+                message += (" (a request with penalties is not replayed)" if self.params.penalized else
+                            f" (replayed {self.dropped[1]} times in {time.monotonic() - self.dropped[0]:.1f} s "
+                            "without a new token)" if self.dropped else " (not replayed)")
+            raise openai_routes.GenerationError(message, code)
         sampled = None  # the token the answer shows
         if out.token_id is not None:
             self.completion_tokens += 1
+            self.tokens.append(out.token_id)
+            self.dropped = None
             if not (out.finish_reason == "stop" and out.token_id in self.eos):
                 sampled = out.token_id
         if self.ids_only:
@@ -127,7 +207,7 @@ class _EngineStream:
         return oc.usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     async def aclose(self) -> None:
-        self.outputs.close()
+        self.outputs.close()  # (the current engine request's: a replay's wait is cancelled before this)
         if not self.engine_done:
             self.engine_done = True
             self.rt.engine.abort(self.rid)
@@ -138,6 +218,7 @@ class _EngineBackend:
 
     def __init__(self, runtime):
         self.rt = runtime
+        self.replay = REPLAY
         self._longest: int | None = None  # longest_token(rt.tokenizer), once the runtime has loaded it
         # the prompt's tokenization off the event loop (a long prompt takes ~1 s a MB there, stalling every
         # stream), one thread: one tokenizer object is never used by two threads at once
@@ -215,7 +296,7 @@ class _EngineBackend:
         if self.rt.tokenizer is None and req.sampling.stop:
             raise self._no_tokenizer("stop strings need text", "stop")
         return _EngineStream(self.rt, ids, self._params(req.sampling, len(ids), param),
-                             self._variant(req.precision, len(ids)), req.sampling.stop)
+                             self._variant(req.precision, len(ids)), req.sampling.stop, self.replay)
 
     def _check_length(self, prompt: str, param: str) -> None:
         """Refuse a prompt whose text cannot fit its positions, before it is tokenized: every character but the

@@ -168,13 +168,16 @@ class ServerMetrics:
                                         "Split decoding: a token leaving the engine -> the edge's next state reaching "
                                         "it (link both ways, the phone's front step, the server's front end)", one,
                                         _ROUND_TRIP_BUCKETS, r)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests the engine dropped for load (running "
+                                   "requests outgrew the KV pool) that full-model mode replayed (a split request's "
+                                   "replay is its edge's)", lab, registry=r)
         self.variant_requests = Counter("autoglm:requests_by_variant", "Requests by compute variant",
                                         lab + ["variant"], registry=r)
         # Series exist from the start (0), so dashboards and alerts see them before the first request.
         for m in (self.e2e, self.running, self.waiting, self.kv_usage, self.prefix_queries,
                   self.prefix_hits, self.prompt_tokens, self.batched_tokens,
                   self.downlink, self.sessions, self.engine_step, self.engine_wait,
-                  self.device_step):
+                  self.device_step, self.preemptions):
             m.labels(model_name)
         # The refusals an operator alerts on are series from the start too (0), so that a rate of them needs no
         # `or vector(0)` until the first: the HTTP 429 of --max-http-requests and 503 of a drain, the sessions
@@ -215,6 +218,10 @@ class ServerMetrics:
     def on_finish(self, seq) -> None:
         self._e2e.observe(time.monotonic() - seq.arrival_time)
         self.success.labels(self.model_name, seq.finish_reason or "abort").inc()
+
+    def on_preemption(self) -> None:
+        """Full-model mode replays a request the engine dropped for load (event loop)."""
+        self.preemptions.labels(self.model_name).inc()
 
     def on_edge_round_trip(self, seconds: float) -> None:
         self.round_trip.observe(seconds)

@@ -1,8 +1,9 @@
 """Full-model mode's OpenAI routes when the KV pool runs out under concurrent requests: the request the engine
 aborts (``kv_cache_full``, docs/cloud.md "Capacity and overload": "the youngest is aborted with `overloaded`")
-gets a 503 ``overloaded`` with ``Retry-After`` (JSON) or that error event (SSE), as every other overload does -
-it was a 500 ``server_error`` "kv_cache_full", which the openai client retried without a hint - while the other
-requests finish and the pool empties. One tiny server for the module (a pool of 64 positions)."""
+is replayed by the server (``cloud_server.full_api.ReplayPolicy``) with the tokens it has, so every answer is the one
+a large pool gives - it was a 503 ``overloaded`` (JSON) or that error event mid-stream (SSE), the answer lost. A
+request past the replays' bounds (or with penalties) still gets that 503 / event. One tiny server for the module
+(a pool of 64 positions) beside one with a pool that holds them all."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import contextlib
 import copy
 import json
 import threading
+import time
 
 import httpx
 import pytest
 from cloud_support import ServerThread
 
+from cloud_server import full_api
 from cloud_server.app import create_app
 from cloud_server.config import EngineConfig, ServerConfig
 from cloud_server.runtime import CloudRuntime
@@ -49,38 +52,123 @@ def _serving(tiny_lm, num_blocks: int):
         rt.stop()
 
 
+_QUICK = full_api.ReplayPolicy(wait_s=0.05)  # the tests' replays wait less than a client is told to (1 s)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_lm):
-    with _serving(tiny_lm, 16) as srv:
-        _ask(srv, False)  # the model's first steps (warm-up) here, not in a test
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(full_api, "REPLAY", _QUICK)
+        with _serving(tiny_lm, 16) as srv:
+            _ask(srv, False)  # the model's first steps (warm-up) here, not in a test
+            yield srv
+
+
+@pytest.fixture(scope="module")
+def large_pool_server(tiny_lm):
+    """A pool of 1024 positions: every answer of these tests undisturbed."""
+    with _serving(tiny_lm, 256) as srv:
         yield srv
 
 
-def _ask(srv, stream: bool) -> tuple[int, dict, dict]:
-    """(status, error or None, headers) of one completion that wants 40 positions; 3 at once outgrow 64."""
-    body = {"prompt": [5, 6, 7, 8], "max_tokens": 36, "temperature": 0.0, "stream": stream}
+def _ask(srv, stream: bool, **sampling) -> tuple[int, dict, dict, str]:
+    """(status, error or None, headers, text) of one completion that wants 40 positions; 3 at once outgrow 64."""
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 36, "temperature": 0.0, "stream": stream, **sampling}
     r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
     if not stream:
-        return r.status_code, r.json().get("error"), r.headers
+        answer = r.json()
+        return r.status_code, answer.get("error"), r.headers, answer["choices"][0]["text"] if "choices" in answer \
+            else ""
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-    return r.status_code, next((e["error"] for e in events if "error" in e), None), r.headers
+    return (r.status_code, next((e["error"] for e in events if "error" in e), None), r.headers,
+            "".join(c["text"] for e in events for c in e.get("choices", [])))
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_request_aborted_for_kv_is_a_503_overloaded(server, stream):
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(_ask(server, stream))) for _ in range(3)]
+def _together(srv, stream: bool, samplings: list[dict]) -> list[tuple[int, dict, dict, str]]:
+    """The answers of one request per entry of ``samplings``, all sent at once (in that order)."""
+    results = [None] * len(samplings)
+
+    def ask(i):
+        results[i] = _ask(srv, stream, **samplings[i])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(samplings))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    errors = [(status, err, headers) for status, err, headers in results if err is not None]
+    return results
+
+
+def _replays(srv) -> float:
+    return srv.runtime.metrics.registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "tiny"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded", "unseeded"])
+def test_requests_that_outgrow_the_pool_together_all_get_the_large_pools_answers(server, large_pool_server, stream,
+                                                                                   sampling, monkeypatch):
+    """Four requests on a pool for one and a half: the ones the engine drops are replayed with their tokens and
+    answer what they answer alone on a large pool. Sampled: a seeded request draws the same tokens, and so does an
+    unseeded one (its key, here made known, is kept by its replays)."""
+    monkeypatch.setattr(full_api.secrets, "randbits", lambda bits: 1234)  # an unseeded request's key
+    samplings = [{"greedy": {}, "seeded": {"temperature": 0.9, "seed": 7 + i},
+                  "unseeded": {"temperature": 0.9}}[sampling] for i in range(4)]
+    for s, first in zip(samplings, (5, 9, 13, 17)):
+        s["prompt"] = [first, 6, 7, 8]
+    before = _replays(server)
+    answers = _together(server, stream, samplings)
+    assert _replays(server) > before  # the pool did run out
+    wanted = [_ask(large_pool_server, stream, **(s if sampling != "unseeded" else {**s, "seed": 1234}))
+              for s in samplings]
+    for (status, err, _, text), (_, _, _, alone) in zip(answers, wanted):
+        assert status == 200 and err is None and len(text) == 36
+        assert text == alone
+    assert server.runtime.engine.llm.num_used_blocks() == 0
+
+
+def _dropped_for_load(srv, stream: bool, **sampling) -> list[dict]:
+    """The errors of three requests at once that the pool cannot hold together."""
+    errors = [err for _, err, _, _ in _together(srv, stream, [sampling] * 3) if err is not None]
     assert errors and len(errors) < 3  # the youngest went, the others finished
-    for status, err, headers in errors:
+    for err in errors:
         assert err["code"] == "overloaded" and err["type"] == "server_error"
-        if not stream:
-            assert status == 503 and headers["retry-after"] == "1"
-    assert _ask(server, stream)[1] is None  # alone, it fits
+    return errors
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_with_penalties_is_not_replayed_and_fails_overloaded(server, stream):
+    """The engine applies penalties over its own request's tokens, which a replay's would lack."""
+    for err in _dropped_for_load(server, stream, presence_penalty=0.5):
+        assert "penalties is not replayed" in err["message"]
+    assert _ask(server, stream, presence_penalty=0.5)[1] is None  # alone, it fits
+
+
+def test_a_request_past_its_replays_fails_overloaded_with_a_503(tiny_lm, monkeypatch):
+    monkeypatch.setattr(full_api, "REPLAY", full_api.ReplayPolicy(max_replays=0))
+    with _serving(tiny_lm, 16) as srv:
+        status, err, headers, _ = next(r for r in _together(srv, False, [{}] * 3) if r[1] is not None)
+        assert status == 503 and headers["retry-after"] == "1"
+        assert err["code"] == "overloaded" and "not replayed" in err["message"]
+
+
+def test_a_client_gone_while_its_request_waits_for_its_replay_cancels_it(tiny_lm, monkeypatch):
+    """Streams closed while the dropped request waits: it is not replayed, and the pool empties."""
+    monkeypatch.setattr(full_api, "REPLAY", full_api.ReplayPolicy(wait_s=2.0))
+    with _serving(tiny_lm, 16) as srv, httpx.Client(timeout=60) as client:
+        dropped = {"model_name": "tiny", "finished_reason": "error"}
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 36, "temperature": 0.0, "stream": True}
+        streams = [client.stream("POST", srv.url + "/v1/completions", json=body) for _ in range(3)]
+        with contextlib.ExitStack() as stack:
+            for s in streams:
+                stack.enter_context(s)
+            deadline = time.monotonic() + 30
+            while not srv.runtime.metrics.registry.get_sample_value("vllm:request_success_total", dropped):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        # every stream closed within the replay's wait
+        time.sleep(2.5)
+        assert _replays(srv) == 0
+        assert srv.runtime.engine.llm.num_used_blocks() == 0 and not srv.runtime.engine.llm.seqs
 
 
 @pytest.fixture(scope="module")
