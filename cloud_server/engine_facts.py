@@ -29,6 +29,7 @@ class EngineFacts:
     max_num_batched_tokens: int  # tokens per engine step
     returns_states: bool = False  # u-shape: the model ends at its middle layers (States, never tokens)
     cloud_drafts: int = 0  # drafts the engine proposes per Tokens at most (0: no cloud drafter)
+    prefix_cache: bool = True  # full prompt blocks are published and reused across requests (EngineConfig)
 
     @property
     def default_variant(self) -> str:
@@ -49,4 +50,5 @@ class EngineFacts:
                    eos_token_ids=tuple(int(t) for t in engine.eos_token_ids), block_size=int(cfg.block_size),
                    max_context=int(cfg.max_context), max_num_seqs=int(cfg.max_num_seqs),
                    max_num_batched_tokens=int(cfg.max_num_batched_tokens),
-                   returns_states=bool(engine.output_states), cloud_drafts=int(engine.max_cloud_drafts))
+                   returns_states=bool(engine.output_states), cloud_drafts=int(engine.max_cloud_drafts),
+                   prefix_cache=bool(cfg.enable_prefix_cache))

@@ -356,7 +356,7 @@ class SplitEndpoint:
     def _server_info(self) -> P.ServerInfo:
         return P.ServerInfo(version=__version__, compute_variants=list(self.rt.facts.variants),
                             load=float(self._load()), max_draft_tokens=MAX_DRAFTS,
-                            cloud_drafts=self.rt.facts.cloud_drafts)
+                            cloud_drafts=self.rt.facts.cloud_drafts, prefix_cache=self.rt.facts.prefix_cache)
 
     async def _cached_keys(self, scope: str, variant: str, limit: int = 256) -> list[str]:
         """Prefix keys the pool of ``variant`` (the session plan's compute, ``Welcome.plan.compute``: the edge notes

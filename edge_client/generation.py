@@ -17,7 +17,10 @@ listed, and those of the prompts this session completed since - the cloud publis
 has computed them); the rest goes up. A prefix the edge cached alone (``preload``; a restarted or another
 cloud) is therefore uploaded with the first request, without a round trip lost. The list is advisory: if
 the cloud lost a block since (evicted), it answers ``Error(prefix_miss)`` and the edge resends the whole
-prompt, the prefix's hidden states coming from its cache (the front layers still do not run).
+prompt, the prefix's hidden states coming from its cache (the front layers still do not run). A cloud whose
+Welcome says it keeps no prefix cache (``ServerInfo.prefix_cache`` false: ``serve --no-enable-prefix-cache``)
+gets no keys at all, so every prompt goes up whole in its first Prefill; one whose Welcome omits the field (an
+older server) is taken to keep one.
 
 Resume: the edge keeps, for the whole context, every hidden state it sent (coded, as sent) and every token
 it received. When the link drops it reconnects with backoff and presents its resume token:
@@ -575,7 +578,10 @@ class Session:
 
     def _prefix_keys(self, req: _Request) -> list[str]:
         """The keys of the prompt's first full blocks in the cloud's scope, as its first Prefill names them (the
-        first 4096 at most), computed once per request and bundle."""
+        first 4096 at most), computed once per request and bundle; none for a cloud that keeps no prefix cache
+        (``Welcome.server.prefix_cache`` false): nothing is skipped, learned or published, and no key goes up."""
+        if self.welcome is not None and not self.welcome.server.prefix_cache:
+            return []
         if req.prefix_keys is None:
             spec = req.spec
             scope = self._cloud_scope(req.codec, spec.prefix_secret)  # private levels: the cloud cannot recompute them

@@ -146,6 +146,10 @@ class ServerInfo:
     # drafts the server itself proposes with a Tokens (the cloud drafter, docs/protocol.md "Cloud drafts"),
     # at most; 0: it proposes none (a bundle without cloud/draft_inputs.npy, or switched off)
     cloud_drafts: int = 0
+    # False: this server keeps no prefix cache (``serve --no-enable-prefix-cache``): it neither takes a Prefill's
+    # start > 0 from cached blocks (prefix_miss) nor publishes any; servers from before the field omit it, so it
+    # decodes as True (their blocks may be cached)
+    prefix_cache: bool = True
 
     def __post_init__(self):
         _text(self.name, "server.name", 64)

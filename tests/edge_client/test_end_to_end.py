@@ -492,6 +492,32 @@ def test_the_blocks_known_held_by_the_cloud_are_those_of_the_requests_compute_va
         assert run(b, second, "int8") == ("int8", 0, 40 - 32)
 
 
+@pytest.fixture(scope="module", params=[pytest.param([], id="one-process"),
+                                        pytest.param(["--workers", "2"], id="workers-2", marks=pytest.mark.slow)])
+def no_prefix_cache_cloud(request, tiny_bundle, tmp_path_factory):
+    """A real server started with ``--no-enable-prefix-cache``, alone and (slow: three processes to start) with two
+    front-end workers, whose Welcome comes from the engine's facts sent over to them."""
+    with LocalCloud(tiny_bundle, extra_args=["--no-enable-prefix-cache", *request.param],
+                    log_path=tmp_path_factory.mktemp("cloud-log") / "no-prefix-cache.log") as cloud:
+        yield cloud
+
+
+def test_agent_steps_against_a_cloud_without_a_prefix_cache_pay_no_prefix_miss(tiny_bundle, no_prefix_cache_cloud):
+    """An agent's steps share the system prompt and the conversation so far. The edge skipped uploading the blocks
+    its last step had published, but a server with ``--no-enable-prefix-cache`` publishes none: every step after
+    the first went up twice (a prefix_miss round trip, then the whole prompt). Its Welcome now says the cache is
+    off (``ServerInfo.prefix_cache``) and the edge sends each prompt whole, once, naming no prefix keys."""
+    history = [{"role": "system", "content": "You are a phone agent. Tap, swipe and type until the task is done."},
+               {"role": "user", "content": "Open the settings app."}]
+    with EdgeClient(tiny_bundle, no_prefix_cache_cloud.ws_url, codec="fp16", retry=RETRY) as c:
+        for step in range(3):
+            st = c.complete(messages=history, max_tokens=2).stats
+            assert (st.prefix_misses, st.uploaded_prompt_tokens, st.cloud_cached_tokens) == (0, st.prompt_tokens, 0)
+            assert st.cached_tokens >= (16 if step else 0)  # the edge's own cache still skips its front layers
+            history += [{"role": "assistant", "content": f"tap({step})"}, {"role": "user", "content": "Done?"}]
+        assert c.session.welcome.server.prefix_cache is False
+
+
 def test_mismatched_bundle_is_refused(smollm2_cloud, tiny_bundle):
     t0 = time.monotonic()
     with EdgeClient(tiny_bundle, smollm2_cloud.ws_url, retry=RETRY) as c, \

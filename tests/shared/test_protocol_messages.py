@@ -39,6 +39,16 @@ def test_trailing_optional_fields_may_be_omitted_and_extra_fields_are_ignored():
     assert msg == P.Cancel(request_id="r1")
 
 
+def test_a_welcome_from_a_server_before_server_prefix_cache_says_its_prefix_cache_is_on():
+    """``ServerInfo.prefix_cache`` is a trailing field: an older server's Welcome (its ServerInfo ending at
+    ``cloud_drafts``) decodes as a server that keeps a prefix cache, the edge's behaviour before the field."""
+    fields = msgpack.unpackb(P.encode_message(P.Welcome(session_id="s", resume_token="t",
+                                                        server=P.ServerInfo(prefix_cache=False))))
+    assert fields[8][-1] is False  # [type, protocol_version, ..., server (field 7), ...]
+    fields[8] = fields[8][:-1]
+    assert P.decode_message(msgpack.packb(fields)).server.prefix_cache is True
+
+
 def test_missing_required_field_is_bad_type():
     with pytest.raises(P.ProtocolError) as e:
         P.decode_message(msgpack.packb([7, "r1"]))  # Resume without have_tokens
