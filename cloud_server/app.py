@@ -51,9 +51,9 @@ from cloud_server.auth import Authenticator
 from cloud_server.engine.async_engine import EngineDeadError
 from cloud_server.limits import ConnectionLimit, HttpConcurrencyLimit
 from cloud_server.metrics import HttpRefusals
-from cloud_server.http_protocol import protocol_class as http_protocol_class
 from cloud_server.ws_protocol import protocol_class
 from shared import openai_compat as oc
+from shared.http_protocol import protocol_class as http_protocol_class
 from shared.openai_routes import get_route
 
 log = logging.getLogger("autoglm.cloud")

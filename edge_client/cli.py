@@ -230,7 +230,7 @@ def _forget_oldest_exchange(turns: list[dict]) -> bool:
 def cmd_serve(args) -> int:
     from shared.prefix_keys import bearer_key_problem
 
-    from .local_api import ClosingServer, create_app
+    from .local_api import HANDSHAKE_TIMEOUT_S, ClosingServer, create_app, handshake_timeout_problem
 
     from shared.user_paths import user_path
 
@@ -247,13 +247,17 @@ def cmd_serve(args) -> int:
         # empty: `--local-api-key "$KEY"` with KEY unset served every local app without a key; a secret file's
         # newline: every local request was a 401
         raise ValueError(f"--local-api-key {problem}")
+    if args.handshake_timeout_s is None:
+        args.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
+    if (problem := handshake_timeout_problem(args.handshake_timeout_s)) is not None:  # before the bundle loads
+        raise ValueError(f"--handshake-timeout-s {problem}")
     from shared.cli_exit import listen_problem
 
     if (problem := listen_problem(args.host, args.port)) is not None:  # was uvicorn's bind error, exit 3
         raise ValueError(problem)
     client = _client(args)
     app = create_app(client, model_name=args.model_name, api_key=args.local_api_key, media_dir=args.media_dir,
-                     fetch_urls=args.fetch_urls)
+                     fetch_urls=args.fetch_urls, handshake_timeout_s=args.handshake_timeout_s)
     try:
         ClosingServer(app, client, host=args.host, port=args.port, log_level=args.log_level).run()
     finally:
@@ -386,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     _speculate_flag(serve)
     serve.add_argument("--model-name", help="model id reported by /v1/models (default: from the bundle id)")
     serve.add_argument("--local-api-key", help="require this Bearer key from local apps (default: none)")
+    serve.add_argument("--handshake-timeout-s", type=float,
+                       help="close a connection without a whole request head within this many seconds, and answer "
+                            "408 to a request body that stops arriving this long or, after this long, arrives "
+                            "slower than 500 bytes/s (default 30, as the cloud's flag)")
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug",
                                                                   "trace"),
                        help="uvicorn's log level: info logs every request (default warning)")

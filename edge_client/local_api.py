@@ -8,6 +8,12 @@ module adapts to one :class:`~edge_client.client.EdgeClient`: the bundle's chat 
 :meth:`EdgeClient.agenerate` runs it (front layers here, the rest in the cloud; stop strings cancel the cloud
 request), and the cloud's failures are ``upstream`` (502). ``precision`` (an extension) overrides the wire
 codec. Requests run one at a time (the edge runtime holds one sequence); later ones queue.
+
+Every connection has ``handshake_timeout_s`` (``autoglm-edge serve --handshake-timeout-s``, as the cloud's flag) to
+send a whole request head (:mod:`shared.http_protocol`, applied by :class:`ClosingServer`), and a request body that
+stops arriving for that long, or arrives slower than :data:`shared.openai_routes.MIN_BODY_RATE` once that long has
+passed, is a 408 (``openai_routes.read_body``): anything reaching the port - a local app that opens connections and
+leaves them, sends half a request line, or dribbles a body a byte at a time - held its socket and request for ever.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import asyncio
 import concurrent.futures
 import functools
 import hmac
+import math
 import sys
 import threading
 from dataclasses import replace
@@ -30,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared import openai_compat as oc
 from shared import openai_routes
+from shared.http_protocol import protocol_class as http_protocol_class
 from shared.precision import PrecisionError
 from shared.prefix_keys import bearer_token
 
@@ -47,6 +55,16 @@ MAX_BODY_BYTES = 32 << 20
 # time: MediaEncoders.turn); more wait for a thread. Their own threads: slow image_urls never hold the ones text
 # prompts are tokenized on.
 MEDIA_THREADS = 4
+# Seconds a connection has to send a whole request head, and a request body to keep arriving (the cloud's default)
+HANDSHAKE_TIMEOUT_S = 30.0
+
+
+def handshake_timeout_problem(seconds: float) -> str | None:
+    """Why ``seconds`` is no deadline for a request's head and body (None: it is one): 0, a negative, NaN or
+    infinity would time out every request or none."""
+    if not 0 < seconds < math.inf:
+        return f"must be a number of seconds > 0 (got {seconds!r})"
+    return None
 
 
 class _EdgeStream:
@@ -175,16 +193,22 @@ def _loopback_origin(origin: str) -> bool:
 
 
 def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None,
-               media_dir: str | Path | None = None, fetch_urls: bool = True) -> FastAPI:
+               media_dir: str | Path | None = None, fetch_urls: bool = True,
+               handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving ``client``; ``api_key`` (optional) is required as a Bearer token.
     ``media_dir``: the one folder whose files ``image_url`` may name by local path (default: none);
-    ``fetch_urls=False``: http(s) ``image_url``s are refused (``url_refused``) instead of fetched."""
+    ``fetch_urls=False``: http(s) ``image_url``s are refused (``url_refused``) instead of fetched.
+    ``handshake_timeout_s``: a request body that stalls this long is a 408 (the module docstring); kept as
+    ``app.state.handshake_timeout_s``, the request heads' deadline under :class:`ClosingServer`."""
+    if (problem := handshake_timeout_problem(handshake_timeout_s)) is not None:
+        raise ValueError(f"handshake_timeout_s {problem}")
     if media_dir is not None:
         client.media_policy = replace(client.media_policy, local_dir=Path(media_dir))
     if not fetch_urls:
         client.media_policy = replace(client.media_policy, allow_http=False)
     # no /docs, /redoc, /openapi.json: routes outside the API (docs/edge.md) are 404s, as on the cloud
     app = FastAPI(title="autoglm-edge", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.handshake_timeout_s = handshake_timeout_s
     model_id = model_name or f"autoglm-split-{client.manifest.bundle_id[:12]}"
 
     @app.exception_handler(StarletteHTTPException)  # the router's own 404 / 405, in OpenAI's error shape as well
@@ -222,17 +246,21 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
             return oc.model_list([model_id])["data"][0]
         return openai_routes.error_response(oc.model_not_found(name))
 
-    openai_routes.install(app, _EdgeBackend(client, model_id), max_body_bytes=MAX_BODY_BYTES)
+    openai_routes.install(app, _EdgeBackend(client, model_id), max_body_bytes=MAX_BODY_BYTES,
+                          body_stall_s=handshake_timeout_s)
     return app
 
 
 class ClosingServer(uvicorn.Server):
     """uvicorn for ``autoglm-edge serve``: Ctrl-C / SIGTERM also closes the client, so the answers still streaming
     end at once with an error event (``closed``; their cloud requests cancelled) and the server stops. uvicorn
-    alone waited for every open stream to finish: a long answer held a stopped server for minutes."""
+    alone waited for every open stream to finish: a long answer held a stopped server for minutes. Its HTTP
+    protocol closes a connection without a whole request head within the app's ``handshake_timeout_s``
+    (:mod:`shared.http_protocol`)."""
 
     def __init__(self, app: FastAPI, client: EdgeClient, **config: Any):
-        super().__init__(uvicorn.Config(app, **config))
+        http = http_protocol_class(app.state.handshake_timeout_s)
+        super().__init__(uvicorn.Config(app, http=http, **config))
         self.client = client
 
     async def startup(self, sockets=None) -> None:

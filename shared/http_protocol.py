@@ -1,16 +1,18 @@
-"""uvicorn's HTTP/1.1 protocol (h11), with a deadline for every request head.
+"""uvicorn's HTTP/1.1 protocol (h11), with a deadline for every request head: both servers' (``autoglm-cloud
+serve``'s ``--handshake-timeout-s``, ``autoglm-edge serve``'s own).
 
 uvicorn closes a keep-alive connection that stays idle after a response (``timeout_keep_alive``), but gives a
 connection's first request head no deadline, nor a later one once a byte of it came: a socket that sends nothing,
 or half a request line and stops - a phone losing coverage during its WebSocket upgrade, with no FIN or RST to
-tell - was kept for ever, and over a long run the server's file descriptors only grew (at its limit, no more
-accepts). :func:`protocol_class` returns the h11 protocol with that deadline: a connection that has not sent a whole
-request head within ``head_timeout_s`` (the server's ``--handshake-timeout-s``) of opening, or of its previous
-response, is closed. So is one still sending the body of a request answered before its body was read (a 413, 415
-or 401) that long after the answer: uvicorn reads such a body's rest to throw it away, and the first bytes of it
-cancelled its keep-alive timeout, so a client that sent a few and went silent was kept for ever too. A request under
-way (its body, its answer) and a WebSocket after its upgrade are not timed here (``shared.openai_routes.read_body``,
-the split endpoint's Hello deadline).
+tell, or a local app on the phone that opens connections to the edge's endpoint and leaves them - was kept for
+ever, and over a long run the server's file descriptors only grew (at its limit, no more accepts).
+:func:`protocol_class` returns the h11 protocol with that deadline: a connection that has not sent a whole
+request head within ``head_timeout_s`` of opening, or of its previous response, is closed. So is one still sending
+the body of a request answered before its body was read (a 413, 415 or 401) that long after the answer: uvicorn
+reads such a body's rest to throw it away, and the first bytes of it cancelled its keep-alive timeout, so a client
+that sent a few and went silent was kept for ever too. A request under way (its body, its answer) and a WebSocket
+after its upgrade are not timed here (``shared.openai_routes.read_body``'s ``stall_s``, the split endpoint's Hello
+deadline).
 """
 
 from __future__ import annotations

@@ -1,0 +1,98 @@
+"""``autoglm-edge serve``'s deadlines on a request's head and body (``--handshake-timeout-s``), against a real
+``autoglm-edge serve`` process: anything reaching the local port (a local app, a page's fetch, a stray client) that
+opened a connection and sent nothing, half a request line, or a request body that stopped or came a byte at a time
+held its socket and request for ever - the cloud's front closed and answered those (shared.http_protocol,
+shared.openai_routes.read_body), the edge's did neither."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from edge_client.cli import main as edge_main
+
+DEAD_URL = "ws://127.0.0.1:9"  # nothing listens: none of these requests reaches a cloud
+DEADLINE_S = 1.5
+POST_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\n\r\n{")
+
+
+def _serve(bundle, *flags: str) -> tuple[subprocess.Popen, int]:
+    """A real ``autoglm-edge serve`` on a free port, and the port its banner names."""
+    proc = subprocess.Popen([sys.executable, "-m", "edge_client.cli", "serve", "--bundle", str(bundle), "--url",
+                             DEAD_URL, "--port", "0", *flags], stderr=subprocess.PIPE, text=True)
+    banner = proc.stderr.readline()  # the first line: the banner, or the error it exited with
+    found = re.search(r"http://127\.0\.0\.1:(\d+)/v1", banner)
+    if found is None:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"autoglm-edge serve did not start: {banner}{proc.stderr.read()}")
+    return proc, int(found.group(1))
+
+
+def _answer(sock: socket.socket, within_s: float) -> bytes:
+    """What the server sends ``sock`` until it closes it; fails if it is still open after ``within_s``."""
+    sock.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        pytest.fail(f"still open after {within_s} s (sent {data[:80]!r})")
+    return data
+
+
+def _assert_408(reply: bytes, why: str) -> None:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), reply[:200]
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and why in error["message"], error
+
+
+def test_serve_closes_silent_and_half_sent_heads_and_answers_stalled_bodies_408(tiny_bundle):
+    proc, port = _serve(tiny_bundle, "--handshake-timeout-s", str(DEADLINE_S))
+    try:
+        conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        silent, half_head, stalled, dribbled = conns
+        half_head.sendall(b"POST /v1/chat/comp")
+        stalled.sendall(POST_HEAD % 100)
+        dribbled.sendall(POST_HEAD % 100_000)
+        opened = time.monotonic()
+        dribbled.settimeout(0.2)
+        dribbled_reply = b""
+        while time.monotonic() - opened < DEADLINE_S + 3:  # 5 bytes/s: never silent for the deadline, far under
+            try:  # the 500 bytes/s a body keeps up once the deadline has passed
+                if not (chunk := dribbled.recv(65536)):
+                    break
+                dribbled_reply += chunk
+            except TimeoutError:
+                dribbled.send(b" ")
+        _assert_408(dribbled_reply, "arrives slower than 500 bytes/s")
+        _assert_408(_answer(stalled, 3), "the request body")  # (1 byte, then silence: either of read_body's whys)
+        for sock in (silent, half_head):
+            assert _answer(sock, 3) == b""  # closed, nothing said: there is no request to answer
+        assert time.monotonic() - opened < DEADLINE_S + 3
+        with socket.create_connection(("127.0.0.1", port)) as ok:  # the endpoint still answers
+            ok.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert _answer(ok, 10).startswith(b"HTTP/1.1 200 ")
+        for sock in conns:
+            sock.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_handshake_timeout_that_is_no_deadline_is_refused_in_one_line(value, tiny_bundle, capsys):
+    """0 or a negative would time out every request; NaN or infinity none."""
+    assert edge_main(["serve", "--bundle", str(tiny_bundle), "--url", DEAD_URL, "--port", "0",
+                      "--handshake-timeout-s", value]) == 2
+    err = capsys.readouterr().err
+    assert err == f"autoglm-edge serve: error: --handshake-timeout-s must be a number of seconds > 0 (got " \
+                  f"{float(value)!r})\n", err
