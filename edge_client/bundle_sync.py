@@ -15,7 +15,12 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
    next to the old bundle. A file grows as ``<name>.part``; an interrupted download (a killed app, a dropped
    link) continues where it stopped with ``Range: bytes=<have>-`` and ``If-Range: <etag>`` (a file that
    changed on the server starts over). Each file is checked against the manifest's sha256 and size before it
-   takes its name; the manifest's bundle id must re-derive from its hashes (``Manifest.load``);
+   takes its name; the manifest's bundle id must re-derive from its hashes (``Manifest.load``). Then every edge
+   graph (``edge/*.onnx``: front, prompt-phase graph, tail, drafters, encoders) is opened with this device's
+   onnxruntime, as the phone opens it (``edge_client.front.open_session``), one at a time, and let go
+   (:func:`check_loads`): a bundle whose files verify but which this runtime cannot run (an IR version or opset
+   newer than it supports, a contrib op its build lacks) never becomes a version - it stays staged, the link
+   stays on the version held (``unloadable``);
 3. switches atomically: the configured bundle path becomes (or already is) a symbolic link into
    ``.<name>.versions/<bundle id>-<edge quant>/`` (``...~<manifest hash>`` when another export of that id holds
    the name: :func:`_version_path`), replaced by one ``rename(2)`` of a new link over it (the version's files and
@@ -33,7 +38,10 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
 
 Errors are :class:`BundleSyncError` with a code: ``no_bundle_endpoint`` (the server hosts no bundles:
 an older server, or full-model mode), ``not_served`` / ``other_model`` (nothing to update to),
-``hash_mismatch`` (a file that does not verify, after one fresh download), ``bundle_changed`` (the server moved to
+``hash_mismatch`` (a file that does not verify, after one fresh download), ``unloadable`` (the files verify
+but this device's onnxruntime cannot load an edge graph of them: the bundle held stays in use, and its requests are
+refused ``bundle_mismatch`` unless the server still serves it; the staged files stay, so a run after an onnxruntime
+upgrade needs no download), ``bundle_changed`` (the server moved to
 another export of the bundle during the download, twice: run again), ``truncated`` (the transfer kept
 stopping short; the part file stays, run again to resume), ``unauthorized``, ``tls_verify_failed`` /
 ``tls_required`` / ``tls_error`` (as the split link's, ``edge_client.tls``), ``unreachable``, ``http_error``
@@ -73,6 +81,7 @@ from shared.manifest import (EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleErr
 from . import tls
 from .activation_cache import retire
 from .config import DEFAULT_SPLIT_PATH, EdgeConfig, split_url
+from .front import open_session
 
 log = logging.getLogger("edge_client.bundle_sync")
 
@@ -408,22 +417,26 @@ def _remove_unless_held(version: Path) -> None:
         shutil.rmtree(version, ignore_errors=True)
 
 
-def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None = None) -> Path:
+def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None = None,
+          threads: int = 2) -> Path:
     """Download the edge half of ``bundle_id`` (variant ``edge``) beside ``bundle``; returns its verified
-    directory in the versions folder (:func:`_version_path`). Resumes a staging directory an earlier call left.
+    directory in the versions folder (:func:`_version_path`), whose edge graphs load with this onnxruntime
+    (:func:`check_loads`, with ``threads`` intra-op threads: ``EdgeConfig.threads``; else ``unloadable``, the
+    download left staged). Resumes a staging directory an earlier call left.
     Removes no version: :func:`switch` does, unless a running client holds it. A server that moves to another export
     of the bundle meanwhile (``bundle_changed``: a restart on a re-export) is followed once, from its new manifest."""
     _check_names(bundle_id, edge)  # before either becomes a path
     try:
-        return _fetch(server, bundle_id, edge, bundle, progress)
+        return _fetch(server, bundle_id, edge, bundle, progress, threads)
     except BundleSyncError as e:
         if e.code != "bundle_changed":
             raise
         log.info("%s; starting over with the server's manifest", e)
-    return _fetch(server, bundle_id, edge, bundle, progress)
+    return _fetch(server, bundle_id, edge, bundle, progress, threads)
 
 
-def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None) -> Path:
+def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None,
+           threads: int) -> Path:
     """:func:`fetch` over the manifest the server serves now."""
     raw = server.manifest_bytes(bundle_id, edge)
     final = _version_path(bundle, bundle_id, edge, raw, reuse=True)
@@ -460,11 +473,25 @@ def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progre
             continue             # changed it since (else the switch put a version no client opens in place)
         dest.parent.mkdir(parents=True, exist_ok=True)
         _download_verified(server, bundle_id, edge, rel, dest, art, on_bytes)
+    check_loads(stage, m, threads)  # a version is one this phone runs: else it stays staged, never switched to
     _sync_tree(stage)  # on storage before it takes its name: a power cut after the switch finds whole files
     os.replace(stage, final)
     _sync_dir(final.parent)
     log.info("bundle %s (%s edge): %d files, %d bytes, verified", bundle_id, edge, len(todo), total)
     return final
+
+
+def check_loads(directory: Path, m: Manifest, threads: int) -> None:
+    """Open every edge graph of the bundle ``m`` in ``directory`` (its ``edge`` artifacts ending ``.onnx``) with
+    this device's onnxruntime and the phone's session options (``edge_client.front.open_session``), one at a time,
+    each let go before the next. Raises BundleSyncError("unloadable") naming the first graph that does not load."""
+    for rel in sorted(r for r, a in m.artifacts.items() if a.role == "edge" and r.endswith(".onnx")):
+        try:
+            session = open_session(directory / rel, threads)
+        except BundleError as e:  # onnxruntime's first line, e.g. "Unsupported model IR version: ..."
+            raise BundleSyncError("unloadable", f"bundle {m.bundle_id} ({m.edge_quant} edge) verifies but this "
+                                                f"device cannot run it: {e}") from None
+        del session
 
 
 def _sync_tree(root: Path) -> None:
@@ -597,12 +624,29 @@ def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
         with _update_lock(bundle):
             if _is_version(bundle, server.manifest_bytes(bundle_id, edge)):  # another updater got there first
                 return Manifest.load(bundle)
-            switch(bundle, fetch(server, bundle_id, edge, bundle, progress))
+            switch(bundle, fetch(server, bundle_id, edge, bundle, progress, config.threads))
+    except BundleSyncError as e:
+        if e.code != "unloadable":
+            raise
+        raise BundleSyncError(e.code, f"{e}. Kept bundle {current.bundle_id} ({current.edge_quant} edge) at "
+                                      f"{config.bundle}, not switched (the verified download stays staged: the next "
+                                      f"update checks it again without downloading it); "
+                                      + _after_unloadable(current, bundle_id)) from None
     except OSError as e:  # the phone's storage (the network's OSErrors are BundleSyncErrors by now)
         raise BundleSyncError("write_failed", f"cannot write the new bundle beside {config.bundle}: "
                                               f"{e.strerror or e} ({e.filename or 'a file'}); what came down is "
                                               "kept: make room and run again to resume") from None
     return Manifest.load(config.bundle)
+
+
+def _after_unloadable(current: Manifest, bundle_id: str) -> str:
+    """What an edge left on ``current`` can do when the server's bundle ``bundle_id`` does not load here."""
+    if bundle_id == current.bundle_id:  # another export of the held id: the server still takes its Hello
+        return ("the server serves this bundle id, so the edge carries on with the export it holds (the cloud half "
+                "is the same)")
+    return (f"this edge cannot run against a server that serves only bundle {bundle_id}: its requests are "
+            "refused (bundle_mismatch) until the server also serves the bundle held or an export this onnxruntime "
+            "loads, or the app ships an onnxruntime that loads this one")
 
 
 def retire_cache(config: EdgeConfig, old: Manifest, new: Manifest) -> None:

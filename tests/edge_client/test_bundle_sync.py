@@ -306,6 +306,80 @@ def test_a_file_that_does_not_verify_is_refused_and_the_old_bundle_stays(monkeyp
     assert not edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 2
 
 
+def _unloadable(tmp_path: Path, bundle: Path, how: str) -> Path:
+    """A copy of ``bundle`` whose edge graph verifies (manifest re-hashed, as the exporter writes it) but which this
+    onnxruntime refuses: an IR version or an opset newer than it supports, or a contrib op its build lacks."""
+    import onnx
+
+    served = tmp_path / f"unloadable-{how}"
+    shutil.copytree(bundle, served)
+    model = onnx.load(served / FRONT)
+    if how == "ir_version":
+        model.ir_version = 99
+    elif how == "opset":
+        next(o for o in model.opset_import if o.domain == "").version = 99
+    else:
+        next(n for n in model.graph.node if n.domain == "com.microsoft").op_type = "NoSuchContribOp"
+    onnx.save(model, served / FRONT)
+    m = Manifest.load(served)
+    m.add_artifact(served, FRONT, "edge")
+    m.save(served)
+    return served
+
+
+@pytest.mark.parametrize("how", ["ir_version", "opset", "contrib_op"])
+def test_a_bundle_this_onnxruntime_cannot_load_is_not_switched_to(monkeypatch, tmp_path, bundle_l1, edge_l2, how):
+    """The switch came once the files verified, before any graph of the new version was opened here: a bundle this
+    onnxruntime refuses became the link's target, and every later start of the phone failed ('onnxruntime cannot
+    load it') until someone pointed the link back by hand. The update opens the new version's edge graphs first; one
+    that does not load is ``unloadable``, the bundle held stays in use, the download stays staged (a second update
+    checks it again without downloading it), and a loadable bundle later switches as before."""
+    served, m2 = _unloadable(tmp_path, bundle_l1, how), Manifest.load(edge_l2)
+    downloads = []
+    download = BundleServer.download
+    monkeypatch.setattr(BundleServer, "download", lambda self, *a: downloads.append(a[2]) or download(self, *a))
+    with Serving(_app(served)) as srv:
+        cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY)
+        for _ in range(2):
+            with pytest.raises(BundleSyncError, match="cannot run it") as ei:
+                bundle_sync.update(cfg, m2)
+            assert ei.value.code == "unloadable"
+            assert f"Kept bundle {m2.bundle_id}" in str(ei.value) and "refused (bundle_mismatch)" in str(ei.value)
+            assert not edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 2
+            assert [p.name for p in bundle_sync.versions_dir(edge_l2).iterdir()] == [
+                f"{Manifest.load(served).bundle_id}-fp32.partial"]  # staged, never a version
+        assert downloads.count(FRONT) == 1  # the second update downloaded nothing
+        with EdgeClient(edge_l2, srv.ws_url, retry=RETRY) as c:  # the phone still starts
+            assert c.manifest.bundle_id == m2.bundle_id
+    with Serving(_app(bundle_l1)) as srv:  # a bundle that loads: switched as before, the staged one removed
+        assert bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), m2).split_layer == 1
+    assert edge_l2.is_symlink() and not list(bundle_sync.versions_dir(edge_l2).glob("*.partial"))
+
+
+def test_an_edge_re_export_this_onnxruntime_cannot_load_leaves_the_held_export_in_use(tmp_path, tiny_bundle, edge_l2):
+    """Another export of the held bundle id (same cloud half) that does not load here: the error says the edge carries
+    on with its own export, which that server still takes (the Hello names the id), not that it is refused."""
+    served = _unloadable(tmp_path, tiny_bundle, "ir_version")
+    with Serving(_app(served)) as srv, pytest.raises(BundleSyncError, match="carries on with the export it holds") as ei:
+        bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), Manifest.load(edge_l2))
+    assert ei.value.code == "unloadable" and not edge_l2.is_symlink()
+    assert (edge_l2 / FRONT).read_bytes() == (tiny_bundle / FRONT).read_bytes()
+
+
+def test_an_auto_updating_client_refused_for_a_bundle_it_cannot_load_says_so_and_keeps_its_own(tmp_path, bundle_l1,
+                                                                                                  edge_l2):
+    """Through EdgeClient (``auto_update``): the request fails ``unloadable`` saying the server's bundle does not
+    run here and this edge is refused until that changes, instead of an 'internal' error from a client left on a
+    version it cannot open."""
+    served, m2 = _unloadable(tmp_path, bundle_l1, "ir_version"), Manifest.load(edge_l2)
+    with Serving(_app(served, engine=True)) as srv, \
+            EdgeClient(edge_l2, srv.ws_url, codec="fp16", retry=RETRY, auto_update=True) as c:
+        with pytest.raises(EdgeClientError, match="cannot run against a server that serves only") as ei:
+            c.complete(prompt_ids=PROMPT, max_tokens=2)
+        assert ei.value.code == "unloadable" and c.manifest.bundle_id == m2.bundle_id
+    assert not edge_l2.is_symlink()
+
+
 def test_a_server_sending_more_than_the_manifest_says_fills_no_storage(monkeypatch, bundle_l1, edge_l2):
     """A broken server or proxy streaming a file past its manifest size (no Content-Length: chunked) was written
     to the phone's storage to the end of the stream; the edge reads no byte past the size."""
