@@ -26,7 +26,7 @@ With a keys file or an API key configured (``cloud_server.auth``) every route bu
 the URL); ``open_probes=False`` puts those three behind the key too (``/metrics``, which names every tenant's
 usage, behind an operator key when there is a keys file). The key's :class:`~cloud_server.auth.Principal`
 is on ``websocket.state.principal`` for the split endpoint (its tenant scopes the prefix cache). HTTP ``/v1``
-requests beyond ``max_http_requests`` in flight get 429 with ``Retry-After`` (``cloud_server.limits``).
+requests beyond ``max_http_requests`` in flight get 429 with ``Retry-After`` (``shared.http_limits``).
 
 Graceful drain (:func:`drain`, on the first SIGTERM via :class:`DrainingServer`, and at shutdown): the app
 stops admitting (``/ready`` -> 503, new sessions closed with 1013, new HTTP requests 503), sends ``Drain`` to
@@ -49,10 +49,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cloud_server.auth import Authenticator
 from cloud_server.engine.async_engine import EngineDeadError
-from cloud_server.limits import ConnectionLimit, HttpConcurrencyLimit
+from cloud_server.limits import ConnectionLimit
 from cloud_server.metrics import HttpRefusals
 from cloud_server.ws_protocol import protocol_class
 from shared import openai_compat as oc
+from shared.http_limits import HttpConcurrencyLimit
 from shared.http_protocol import protocol_class as http_protocol_class
 from shared.openai_routes import get_route
 

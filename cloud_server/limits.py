@@ -6,7 +6,8 @@ Every limit here answers at once with a "try later" and never parks work in an u
   ``max_sessions`` from the keys file (:func:`session_cap_refusal`), both refused at Hello with
   ``Error(overloaded, retry_after_ms)`` and close code 1013;
 * HTTP ``/v1`` requests (full-model mode's OpenAI routes, ``/v1/models``): at most ``max_http_requests`` in
-  flight (:class:`HttpConcurrencyLimit`); the next gets ``429`` with ``Retry-After`` and an OpenAI error body;
+  flight (:class:`shared.http_limits.HttpConcurrencyLimit`, the edge's endpoint's too); the next gets ``429`` with
+  ``Retry-After`` and an OpenAI error body;
 * connections, WebSockets and HTTP requests alike: at most ``max_connections`` open (:class:`ConnectionLimit`);
   the next gets 503 with ``Retry-After`` (a WebSocket before its upgrade), and the handshake timeout closes a
   WebSocket that sends no Hello. The probes are neither counted nor refused.
@@ -17,10 +18,9 @@ WebSocket by ``on_refused``. Frame sizes, context length and timeouts are the se
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
-RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After / retry_after_ms)
+from shared.http_limits import RETRY_AFTER_S, SlotLimit, refuse
 # Error.retry_after_ms of the refusals worth retrying, at Hello and for a request alike (the edge waits at least this):
 # a busy server soon has room; a draining one is going away, and another replica (a load balancer's next pick) or
 # its replacement usually answers within a second - a longer wait would stall every drain's failover
@@ -68,57 +68,10 @@ def session_cap_refusal(registry, principal) -> str | None:
     return None
 
 
-class _SlotLimit:
-    """ASGI middleware holding one slot per request it :meth:`counts` while it runs; with ``limit`` held, the next is
-    :meth:`refused` at once."""
-
-    def __init__(self, app, limit: int):
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1 (got {limit})")
-        self.app, self.limit = app, limit
-        self.held = 0  # event-loop thread only
-
-    def counts(self, scope) -> bool:
-        raise NotImplementedError
-
-    async def refused(self, scope, send) -> None:
-        raise NotImplementedError
-
-    async def __call__(self, scope, receive, send):
-        if not self.counts(scope):
-            await self.app(scope, receive, send)
-            return
-        if self.held >= self.limit:
-            await self.refused(scope, send)
-            return
-        self.held += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.held -= 1
-
-
-class HttpConcurrencyLimit(_SlotLimit):
-    """ASGI middleware: at most ``limit`` HTTP requests under ``prefix`` in flight; beyond, 429 + Retry-After.
-
-    Probes (``/health``, ``/ready``, ``/metrics``) and WebSockets are not counted: a probe must answer under
-    load, and sessions have their own caps. A streamed response holds its slot until its last byte."""
-
-    def __init__(self, app, limit: int, prefix: str = "/v1/"):
-        super().__init__(app, limit)
-        self.prefix = prefix
-
-    def counts(self, scope) -> bool:
-        return scope["type"] == "http" and scope["path"].startswith(self.prefix)
-
-    async def refused(self, scope, send) -> None:
-        await _too_many(send, self.limit)
-
-
 PROBES = ("/health", "/ready", "/metrics")
 
 
-class ConnectionLimit(_SlotLimit):
+class ConnectionLimit(SlotLimit):
     """ASGI middleware: at most ``limit`` WebSockets and HTTP requests open at once; beyond, 503 + Retry-After (for a
     WebSocket, before the upgrade: a proxy tries its next replica). The probes pass uncounted, so a server at its
     cap stays alive and scraped. uvicorn's ``limit_concurrency`` did this job: it never refused a WebSocket (an
@@ -142,20 +95,5 @@ async def _unavailable(scope, send, limit: int) -> None:
     if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
         await send({"type": "websocket.close", "code": 1013})  # no denial responses here: HTTP 403
         return
-    await _refuse(send, "websocket.http.response" if scope["type"] == "websocket" else "http.response", 503,
-                  f"server at its limit of {limit} open connections; retry later", "server_error")
-
-
-async def _too_many(send, limit: int) -> None:
-    await _refuse(send, "http.response", 429, f"server at its limit of {limit} concurrent requests; retry later",
-                  "rate_limit_error")
-
-
-async def _refuse(send, kind: str, status: int, message: str, error_type: str) -> None:
-    """An ``overloaded`` refusal in OpenAI's error shape, with Retry-After (``kind``: the ASGI response type)."""
-    body = json.dumps({"error": {"message": message, "type": error_type, "param": None,
-                                 "code": "overloaded"}}).encode()
-    await send({"type": f"{kind}.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode()),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": f"{kind}.body", "body": body})
+    await refuse(send, "websocket.http.response" if scope["type"] == "websocket" else "http.response", 503,
+                 f"server at its limit of {limit} open connections; retry later", "server_error")

@@ -228,9 +228,11 @@ def _forget_oldest_exchange(turns: list[dict]) -> bool:
 
 
 def cmd_serve(args) -> int:
+    from shared.http_limits import limit_problem
     from shared.prefix_keys import bearer_key_problem
 
-    from .local_api import HANDSHAKE_TIMEOUT_S, ClosingServer, create_app, handshake_timeout_problem
+    from .local_api import (HANDSHAKE_TIMEOUT_S, MAX_HTTP_REQUESTS, ClosingServer, create_app,
+                            handshake_timeout_problem)
 
     from shared.user_paths import user_path
 
@@ -251,13 +253,18 @@ def cmd_serve(args) -> int:
         args.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
     if (problem := handshake_timeout_problem(args.handshake_timeout_s)) is not None:  # before the bundle loads
         raise ValueError(f"--handshake-timeout-s {problem}")
+    if args.max_http_requests is None:
+        args.max_http_requests = MAX_HTTP_REQUESTS
+    if (problem := limit_problem(args.max_http_requests)) is not None:
+        raise ValueError(f"--max-http-requests {problem}")
     from shared.cli_exit import listen_problem
 
     if (problem := listen_problem(args.host, args.port)) is not None:  # was uvicorn's bind error, exit 3
         raise ValueError(problem)
     client = _client(args)
     app = create_app(client, model_name=args.model_name, api_key=args.local_api_key, media_dir=args.media_dir,
-                     fetch_urls=args.fetch_urls, handshake_timeout_s=args.handshake_timeout_s)
+                     fetch_urls=args.fetch_urls, handshake_timeout_s=args.handshake_timeout_s,
+                     max_http_requests=args.max_http_requests)
     try:
         ClosingServer(app, client, host=args.host, port=args.port, log_level=args.log_level).run()
     finally:
@@ -394,6 +401,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="close a connection without a whole request head within this many seconds, and answer "
                             "408 to a request body that stops arriving this long or, after this long, arrives "
                             "slower than 500 bytes/s (default 30, as the cloud's flag)")
+    serve.add_argument("--max-http-requests", type=int,
+                       help="/v1/ requests in flight, the one answered and those waiting their turn, before 429 + "
+                            "Retry-After (default 8)")
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug",
                                                                   "trace"),
                        help="uvicorn's log level: info logs every request (default warning)")

@@ -7,7 +7,11 @@ and completion routes of :mod:`shared.openai_routes` (shared with the cloud's fu
 module adapts to one :class:`~edge_client.client.EdgeClient`: the bundle's chat template makes the prompt,
 :meth:`EdgeClient.agenerate` runs it (front layers here, the rest in the cloud; stop strings cancel the cloud
 request), and the cloud's failures are ``upstream`` (502). ``precision`` (an extension) overrides the wire
-codec. Requests run one at a time (the edge runtime holds one sequence); later ones queue.
+codec. Requests run one at a time (the edge runtime holds one sequence); later ones queue, up to
+``max_http_requests`` ``/v1/`` requests in flight (``autoglm-edge serve --max-http-requests``, as the cloud's flag):
+the next is a 429 with ``Retry-After`` (:class:`shared.http_limits.HttpConcurrencyLimit`), which the ``openai`` client
+retries. Each request waiting its turn held its body (up to :data:`MAX_BODY_BYTES`) and its socket: an app sending
+many at once grew the endpoint's memory without bound (20 requests of 25 MiB at once: 1.1 GB more).
 
 Every connection has ``handshake_timeout_s`` (``autoglm-edge serve --handshake-timeout-s``, as the cloud's flag) to
 send a whole request head (:mod:`shared.http_protocol`, applied by :class:`ClosingServer`), and a request body that
@@ -37,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared import openai_compat as oc
 from shared import openai_routes
+from shared.http_limits import HttpConcurrencyLimit, limit_problem
 from shared.http_protocol import protocol_class as http_protocol_class
 from shared.precision import PrecisionError
 from shared.prefix_keys import bearer_token
@@ -57,6 +62,9 @@ MAX_BODY_BYTES = 32 << 20
 MEDIA_THREADS = 4
 # Seconds a connection has to send a whole request head, and a request body to keep arriving (the cloud's default)
 HANDSHAKE_TIMEOUT_S = 30.0
+# /v1/ requests in flight, the one running and those waiting their turn; beyond, 429 (worst case: as many bodies of
+# MAX_BODY_BYTES, read and decoded, in memory at once)
+MAX_HTTP_REQUESTS = 8
 
 
 def handshake_timeout_problem(seconds: float) -> str | None:
@@ -194,14 +202,18 @@ def _loopback_origin(origin: str) -> bool:
 
 def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None,
                media_dir: str | Path | None = None, fetch_urls: bool = True,
-               handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> FastAPI:
+               handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+               max_http_requests: int = MAX_HTTP_REQUESTS) -> FastAPI:
     """The FastAPI app serving ``client``; ``api_key`` (optional) is required as a Bearer token.
     ``media_dir``: the one folder whose files ``image_url`` may name by local path (default: none);
     ``fetch_urls=False``: http(s) ``image_url``s are refused (``url_refused``) instead of fetched.
     ``handshake_timeout_s``: a request body that stalls this long is a 408 (the module docstring); kept as
-    ``app.state.handshake_timeout_s``, the request heads' deadline under :class:`ClosingServer`."""
+    ``app.state.handshake_timeout_s``, the request heads' deadline under :class:`ClosingServer`.
+    ``max_http_requests``: ``/v1/`` requests in flight before 429 (the module docstring)."""
     if (problem := handshake_timeout_problem(handshake_timeout_s)) is not None:
         raise ValueError(f"handshake_timeout_s {problem}")
+    if (problem := limit_problem(max_http_requests)) is not None:
+        raise ValueError(f"max_http_requests {problem}")
     if media_dir is not None:
         client.media_policy = replace(client.media_policy, local_dir=Path(media_dir))
     if not fetch_urls:
@@ -248,6 +260,7 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
 
     openai_routes.install(app, _EdgeBackend(client, model_id), max_body_bytes=MAX_BODY_BYTES,
                           body_stall_s=handshake_timeout_s)
+    app.add_middleware(HttpConcurrencyLimit, limit=max_http_requests)  # outermost: before the key's check
     return app
 
 

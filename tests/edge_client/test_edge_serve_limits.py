@@ -1,8 +1,10 @@
-"""``autoglm-edge serve``'s deadlines on a request's head and body (``--handshake-timeout-s``), against a real
-``autoglm-edge serve`` process: anything reaching the local port (a local app, a page's fetch, a stray client) that
-opened a connection and sent nothing, half a request line, or a request body that stopped or came a byte at a time
-held its socket and request for ever - the cloud's front closed and answered those (shared.http_protocol,
-shared.openai_routes.read_body), the edge's did neither."""
+"""``autoglm-edge serve``'s limits, against a real ``autoglm-edge serve`` process, as the cloud's front has them.
+Deadlines on a request's head and body (``--handshake-timeout-s``): anything reaching the local port (a local app, a
+page's fetch, a stray client) that opened a connection and sent nothing, half a request line, or a request body that
+stopped or came a byte at a time held its socket and request for ever (shared.http_protocol,
+shared.openai_routes.read_body). A cap on requests in flight (``--max-http-requests``): each request waiting its
+turn held its body, and an app sending many at once grew the endpoint's memory without bound
+(shared.http_limits)."""
 
 from __future__ import annotations
 
@@ -88,11 +90,43 @@ def test_serve_closes_silent_and_half_sent_heads_and_answers_stalled_bodies_408(
         proc.wait(timeout=30)
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
-def test_a_handshake_timeout_that_is_no_deadline_is_refused_in_one_line(value, tiny_bundle, capsys):
-    """0 or a negative would time out every request; NaN or infinity none."""
-    assert edge_main(["serve", "--bundle", str(tiny_bundle), "--url", DEAD_URL, "--port", "0",
-                      "--handshake-timeout-s", value]) == 2
-    err = capsys.readouterr().err
-    assert err == f"autoglm-edge serve: error: --handshake-timeout-s must be a number of seconds > 0 (got " \
-                  f"{float(value)!r})\n", err
+def test_serve_answers_requests_past_its_cap_429_at_once(tiny_bundle):
+    """Two requests hold both slots (the cloud unreachable: each waits out the first connect's 10 s); the third is
+    refused at once, with Retry-After, before its body is read, and the probe still answers."""
+    proc, port = _serve(tiny_bundle, "--max-http-requests", "2")
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    try:
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        for sock in held:
+            sock.sendall(request)
+        time.sleep(1)  # both in flight
+        with socket.create_connection(("127.0.0.1", port)) as third:
+            sent = time.monotonic()
+            third.sendall(request.replace(b"Host: 127.0.0.1\r\n", b"Host: 127.0.0.1\r\nConnection: close\r\n"))
+            head, _, reply = _answer(third, 5).partition(b"\r\n\r\n")
+            assert time.monotonic() - sent < 2
+        assert head.startswith(b"HTTP/1.1 429 ") and b"retry-after: 1" in head.lower(), head
+        assert json.loads(reply)["error"]["code"] == "overloaded"
+        with socket.create_connection(("127.0.0.1", port)) as probe:
+            probe.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert _answer(probe, 5).startswith(b"HTTP/1.1 200 ")
+        for sock in held:
+            sock.settimeout(0)
+            with pytest.raises(BlockingIOError):  # still waiting for the cloud: the slots were theirs
+                sock.recv(1)
+            sock.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.parametrize("flag, value, problem", [
+    *[("--handshake-timeout-s", v, f"must be a number of seconds > 0 (got {float(v)!r})")  # 0 or a negative: every
+      for v in ("0", "-1", "nan", "inf")],  # request timed out; NaN or infinity: none
+    ("--max-http-requests", "0", "must be >= 1 (got 0)"),  # every request refused
+])
+def test_a_limit_that_limits_nothing_or_everything_is_refused_in_one_line(flag, value, problem, tiny_bundle, capsys):
+    assert edge_main(["serve", "--bundle", str(tiny_bundle), "--url", DEAD_URL, "--port", "0", flag, value]) == 2
+    assert capsys.readouterr().err == f"autoglm-edge serve: error: {flag} {problem}\n"
