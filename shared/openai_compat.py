@@ -600,9 +600,18 @@ def _finish(reason: str | None) -> str | None:
     return "stop"
 
 
+# Characters JSON leaves raw in a string that line readers end a line at: the SSE spec ends a line at CR and LF only
+# (which JSON escapes), but Python's str.splitlines also at NEL and the Unicode line and paragraph separators, and
+# httpx's Response.iter_lines (httpx-sse's reader before 0.4.1, requests' iter_lines(decode_unicode=True)) splits so:
+# an event whose text held one came to such a client as two lines, neither of them JSON.
+_LINE_BREAKS_IN_JSON = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def sse(obj: dict[str, Any]) -> str:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One server-sent event carrying ``obj`` as JSON, on one line for every line reader (CJK and the rest raw,
+    :data:`_LINE_BREAKS_IN_JSON` escaped)."""
+    data = json.dumps(obj, ensure_ascii=False, separators=(',', ':')).translate(_LINE_BREAKS_IN_JSON)
+    return f"data: {data}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

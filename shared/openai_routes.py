@@ -1,8 +1,9 @@
 """The OpenAI-compatible text routes, written once: ``POST /v1/chat/completions`` and ``POST /v1/completions``
 over a :class:`TextBackend`. The edge's local endpoint (``edge_client.local_api``) and the cloud's full-model
 mode (``cloud_server.full_api``) are adapters that supply the backend; parsing (:mod:`shared.openai_compat`),
-the ``<think>`` split for ``return_reasoning``, JSON or SSE (``data: {chunk}`` lines, then ``data: [DONE]``;
-``stream_options.include_usage`` adds a usage-only chunk), usage and errors are here. No torch.
+the ``<think>`` split for ``return_reasoning``, JSON or SSE (``data: {chunk}`` lines, each on one line for any
+line reader: :func:`shared.openai_compat.sse`; then ``data: [DONE]``; ``stream_options.include_usage`` adds a
+usage-only chunk), usage and errors are here. No torch.
 
 Contract:
 

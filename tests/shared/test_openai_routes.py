@@ -149,6 +149,23 @@ def test_completions_json_and_stream_with_echo(api):
     assert events[-1]["choices"][0]["finish_reason"] == "length" and backend.started[-1][2].closed
 
 
+def test_a_delta_holding_a_unicode_line_separator_stays_one_sse_line(api):
+    """JSON leaves NEL (U+0085) and the Unicode line and paragraph separators (U+2028, U+2029) raw, and httpx's
+    iter_lines (str.splitlines' rule) ends a line at each: an event whose text held one (an echoed prompt, a model's
+    output) reached such a client as pieces of lines that are no JSON. They are escaped; CJK stays raw."""
+    client, backend = api
+    text = "上一行\u2028下一行\x85NEL\u2029段落 👨\u200d👩\u200d👧"
+    backend.script = [text[:4], text[4:]]
+    for path, body, field in (("/v1/completions", {"prompt": text, "echo": True}, "text"),
+                              ("/v1/chat/completions", _chat(), "content")):
+        events = _events(client, path, body)
+        pieces = [e["choices"][0]["text"] if field == "text" else e["choices"][0]["delta"].get("content", "")
+                  for e in events]
+        assert "".join(pieces) == (text if field == "content" else text + text)
+    raw = client.post("/v1/chat/completions", json=_chat(stream=True)).content.decode()
+    assert "上一行" in raw and "\u2028" not in raw and "\\u2028" in raw
+
+
 def test_a_stream_of_token_ids_is_answered_as_token_ids(api):
     """A stream with ids_only (full-model mode over a model without a tokenizer) yields token ids: the completion
     carries them as choices[].token_ids (vLLM's field) beside an empty text, whole and streamed."""
