@@ -41,10 +41,7 @@ log = logging.getLogger("autoglm.cloud")
 SEND_NOW = "autoglm.send_now"  # scope["extensions"] key: a callable bytes -> bool (written now, or not)
 ABORT = "autoglm.abort"  # scope["extensions"] key: drop the TCP connection now (no close handshake)
 PAUSE_AT = 2  # messages waiting for the app at which the socket stops being read
-FEED_SLICE = (8 << 10) + 512  # bytes handed to the frame parser at a time: at most ~1,450 frames (empty ones are
-# 6 bytes; ~6 ms of websockets parsing on a 2-core box), and one whole decode step of a 4,096-wide model even in
-# bf16 (8,192 B + msgpack and frame headers): at 4 KiB its 4.4 KB int8-outlier step took two parser calls, a served
-# S = 64 on an H100 lost 1.3-2.8 % (the front-end loop +8 us per token; docs/performance.md, session 33)...
+FEED_SLICE = 4 << 10  # bytes handed to the frame parser at a time: at most ~700 frames (empty ones are 6 bytes)...
 FEED_SLICE_MAX = 256 << 10  # ...doubling up to this while each slice holds at most one frame (a prompt's 1 MiB)
 FRAMES_PER_TURN = 64  # frames parsed per turn of the event loop before the rest of a read waits for the next
 FIRST_MESSAGE_MAX = 1 << 16  # bytes of a connection's first message (its Hello: a few hundred) held before the

@@ -204,27 +204,3 @@ def test_outbox_keeps_order_when_the_socket_takes_some_frames_and_not_others():
     asyncio.run(run())
     assert ws_send_now(object()) is None
     assert SEND_NOW.startswith("autoglm.")
-
-
-def test_a_decode_step_of_a_4096_wide_model_goes_to_the_parser_in_one_call(echo, monkeypatch):
-    """A lockstep session's frame (one decode step: 4,096 values, 4.4 KB in int8-outlier, 8.3 KB in bf16) arriving in
-    one read is parsed in one call: 4 KiB slices cut it in two, and the extra parser call per token cost a served
-    S = 64 on an H100 1.3-2.8 % of its tokens/s (docs/performance.md, session 33)."""
-    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
-    parent, calls = WebSocketsSansIOProtocol.data_received, []
-
-    def counted(self, data):  # the parser's entry, which SplitWSProtocol reaches through super()
-        calls.append(len(data))
-        return parent(self, data)
-
-    async def run():
-        ws = await _connected(echo, hold=False)
-        monkeypatch.setattr(WebSocketsSansIOProtocol, "data_received", counted)
-        for size in (4_400, 8_300):
-            for _ in range(5):
-                await ws.send(b"s" * size)
-                assert len(await ws.recv()) == size
-        monkeypatch.undo()
-        await ws.close()
-    asyncio.run(run())
-    assert len(calls) == 10 and min(calls) > 4_400, calls  # one call per frame, each frame whole
