@@ -11,7 +11,8 @@
 
 One request runs at a time (the edge holds one sequence's KV); concurrent calls queue. Everything network-
 side runs on a private event loop thread that owns the WebSocket, so the sync and async APIs share one
-session; the front layers run in a worker thread so keepalive pings go out during a long prefill.
+session; the front layers run in a worker thread so keepalive pings go out during a long prefill. That thread stays
+in the process that built the client: a forked child's copy refuses every call (``forked``).
 
 A request (see :mod:`edge_client.generation` for the wire flow): tokenize -> activation-cache lookup ->
 front prefill of the rest in chunks, each chunk coded and sent as soon as it is computed -> for every token
@@ -79,6 +80,7 @@ class EdgeClient:
             kw = {"url": url} if url else {}
             cfg = EdgeConfig(bundle=Path(bundle), api_key=api_key, **kw, **overrides)
         self.config = cfg
+        self._pid = os.getpid()  # the process whose loop thread and WebSocket this is (a forked child has neither)
         bundle_sync.recover(cfg.bundle)  # a bundle switch that a crash interrupted
         self.manifest, self.runtime, self.tokenizer, self.cache, self._version = self._open_bundle()
         self._loop = asyncio.new_event_loop()
@@ -159,9 +161,17 @@ class EdgeClient:
         return self._call(self.session.connect())
 
     def close(self) -> None:
+        """End the session (the server frees it at once) and every request still running (``closed``); in a forked
+        child, whose copy has no loop thread, only the child's descriptors close: the parent's client runs on."""
         if self._closed:
             return
         self._closed = True
+        if os.getpid() == self._pid:
+            self._stop_loop()
+        self.cache.close()  # its scope is free to retire (edge_client.bundle_sync.retire_cache)
+        self._version.close()  # and its bundle version free to remove (bundle_sync.switch)
+
+    def _stop_loop(self) -> None:
         with self._inflight_lock:
             inflight, self._inflight = self._inflight, {}
         for future, sink in inflight.items():  # the loop stops below: its requests would never end their streams
@@ -175,8 +185,6 @@ class EdgeClient:
         self._thread.join(timeout=5.0)
         if not self._thread.is_alive():  # its executor's threads (front work, to_thread) end now: a closed client
             self._loop.close()           # kept by the app kept them until it was collected
-        self.cache.close()  # its scope is free to retire (edge_client.bundle_sync.retire_cache)
-        self._version.close()  # and its bundle version free to remove (bundle_sync.switch)
 
     async def _shutdown(self) -> None:
         """The loop's last work: the session closed (orderly: the server frees it at once), then every task still
@@ -197,9 +205,11 @@ class EdgeClient:
         self.close()
 
     def _call(self, coro, timeout: float | None = None):
-        if self._closed:
-            coro.close()  # never scheduled: no "never awaited" warning
+        try:
             self._check_open()
+        except EdgeClientError:
+            coro.close()  # never scheduled: no "never awaited" warning
+            raise
         try:
             return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
         except concurrent.futures.CancelledError:
@@ -207,7 +217,13 @@ class EdgeClient:
             raise
 
     def _check_open(self) -> None:
-        """A closed client's loop has stopped: a request would wait forever, so it is refused at once."""
+        """A closed client's loop has stopped, and a forked child's copy never had one (threads do not survive a
+        fork; its loop thread and WebSocket stayed with the parent): a request would wait forever, so it is refused
+        at once."""
+        if os.getpid() != self._pid:
+            raise EdgeClientError(f"this EdgeClient was created in process {self._pid}, and a forked process cannot "
+                                  "use it (its event loop thread and WebSocket stay in that process): create the "
+                                  "client in the child (a multiprocessing worker's initializer)", "forked")
         if self._closed:
             raise EdgeClientError("the client is closed", "closed")
 
