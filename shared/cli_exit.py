@@ -55,10 +55,16 @@ def sigterm_unwinds() -> None:
 
 def host_problem(host: str, name: str = "--host") -> str | None:
     """Why ``host`` (the option ``name``) is no listen address to give a server, or None: an empty one (``--host
-    "$HOST"`` with HOST unset) listened on every interface, IPv4 and IPv6, where the default is loopback only, and
-    an IPv6 address in a URL's brackets failed as 'Name or service not known'."""
+    "$HOST"`` with HOST unset) listened on every interface, IPv4 and IPv6, where the default is loopback only, an
+    IPv6 address in a URL's brackets failed as 'Name or service not known', and bytes that are no UTF-8 (argv's
+    surrogateescape, a config file's "\ud800"), a NUL or another control or invisible character (a soft hyphen, a
+    zero-width space pasted with the name) were a TypeError traceback from the socket's bind."""
     if not host.strip():
         return f"{name} is empty: give the listen address (0.0.0.0 for every interface)"
+    if (problem := not_utf8(host)) is not None:
+        return f"{name} is {problem}"
+    if not host.isprintable():
+        return f"{name} {host!r}: a control or invisible character is in no host name or address"
     if host.startswith("[") and host.endswith("]"):
         return f"{name} {host}: give an IPv6 address without brackets ({host[1:-1]})"
     return None
@@ -94,4 +100,6 @@ def listen_problem(host: str, port: int, named: str | None = None) -> str | None
             s.bind((host, port))
         except OSError as e:  # socket.gaierror included: a host name that does not resolve
             return f"{named or f'--host {host} --port {port}'}: cannot listen there ({e.strerror or e})"
+        except (TypeError, UnicodeError):  # a non-ASCII name IDNA cannot encode (a label over 63 characters)
+            return f"{named or f'--host {host} --port {port}'}: cannot listen there (not a host name IDNA encodes)"
     return None

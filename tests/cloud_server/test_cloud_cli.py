@@ -99,6 +99,8 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     # an empty host (`--host "$HOST"`, HOST unset) listened on every interface, where the default is loopback only
     (["B", "--device", "cpu", "--host", ""], {}, "host is empty"),
     (["B", "--device", "cpu", "--host", "[::1]"], {}, r"host \[::1\]: give an IPv6 address without brackets \(::1\)"),
+    # a TypeError traceback from the listen probe's bind (shared.cli_exit.host_problem)
+    (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_HOST": "a\x00b"}, r"host 'a\\x00b': a control or invisible character"),
     # argv's bytes that are no UTF-8 (surrogateescape): every /v1/models and /metrics answer was a 500
     (["B", "--device", "cpu", "--model-name", "caf\udce9"], {}, "model_name is not UTF-8 text \\(byte 0xe9 after 'caf'\\)"),
     (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_MODEL_NAME": "m\ud800"}, "model_name is not text \\(a lone surrogate U\\+D800"),
