@@ -28,15 +28,29 @@ class ConfigError(ValueError):
 def split_url(url: str) -> str:
     """The split endpoint's WebSocket URL for ``url``: a server's base URL (``ws://host:port``, or a path ending in
     ``/v1`` - ``wss://gw/autoglm/v1`` behind a proxy's prefix - as an OpenAI client takes ``base_url``) gets the
-    endpoint's path (``/v1/split``, ``/autoglm/v1/split``); any other path is kept as given."""
+    endpoint's path (``/v1/split``, ``/autoglm/v1/split``); any other path is kept as given. Whitespace around it
+    (an environment twin read from a file) is dropped, as a browser's URL parser drops it; whitespace inside, port 0
+    (the WebSocket library would dial the scheme's default port) and credentials in it (``user:pass@``: they would go
+    out as HTTP Basic auth in place of the API key's Bearer, and into every error message and log line naming the
+    URL) are ``ConfigError``, shown without the credentials."""
+    if not isinstance(url, str):
+        raise ConfigError(f"url: expected a string, got {type(url).__name__}")
+    url = url.strip()
+    netloc = url.partition("://")[2].split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    if "@" in netloc:  # named without its credentials
+        shown = url.replace(netloc, netloc.rpartition("@")[2], 1)
+        raise ConfigError(f"url {shown!r}: credentials in the URL (user:password@) are refused; pass the key as "
+                          "api_key (AUTOGLM_API_KEY), sent as 'Authorization: Bearer <key>'")
     try:
         parts = urlsplit(url)
-        host, _ = parts.hostname, parts.port  # parsing the port raises ValueError when it is not one
-    except (ValueError, TypeError, AttributeError) as e:  # a bracket left open, a port out of range, not a string
+        host, port = parts.hostname, parts.port  # parsing the port raises ValueError when it is not one
+    except ValueError as e:  # a bracket left open, a port out of range
         raise ConfigError(f"url {url!r}: {e}") from None
     if parts.scheme not in ("ws", "wss") or not host:
         raise ConfigError(f"url {url!r}: expected ws:// or wss:// and a host (the server's base URL, or its "
                           f"{DEFAULT_SPLIT_PATH} endpoint)")
+    if port == 0 or any(c.isspace() for c in url):
+        raise ConfigError(f"url {url!r}: " + ("port 0 is no server's port" if port == 0 else "whitespace inside"))
     path = parts.path.rstrip("/")
     if path == "":
         path = DEFAULT_SPLIT_PATH

@@ -113,3 +113,27 @@ def test_paths_starting_with_a_tilde_are_the_users_home(tmp_path, monkeypatch):
         EdgeConfig(bundle=tmp_path, ca_file="~/ca.pem")
     # a "~name" that is no user stays as written, as a shell leaves it (it was a RuntimeError traceback)
     assert EdgeConfig(bundle="~nosuchuser/b").bundle == Path("~nosuchuser/b")
+
+
+@pytest.mark.parametrize("given, expected", [
+    (" ws://h:8000 ", "ws://h:8000/v1/split"),  # an environment twin read from a file: the port was ' 8000'
+    ("wss://gw/autoglm/v1 \n", "wss://gw/autoglm/v1/split"),  # the path was '/v1 ', its server's answer HTTP 400
+    ("ws://[::1]:8000/", "ws://[::1]:8000/v1/split"),
+    ("ws://h:8000/v1?tenant=a", "ws://h:8000/v1/split?tenant=a"),
+])
+def test_a_url_with_whitespace_around_it_is_the_url(given, expected):
+    from edge_client.config import split_url
+
+    assert split_url(given) == expected
+
+
+@pytest.mark.parametrize("url, match", [
+    ("ws://127.0.0.1:0", "port 0"),  # dialled port 80 instead
+    ("ws://h:8000/v 1", "whitespace inside"),
+    ("ws://user:s3cret@h:8000/v1", "credentials in the URL"),  # sent as Basic auth and shown in every error
+    ("ws://user:s3cret@h:bad/v1", "credentials in the URL"),
+])
+def test_a_url_the_client_cannot_dial_as_written_is_a_config_error_that_shows_no_password(tmp_path, url, match):
+    with pytest.raises(ConfigError, match=match) as e:
+        EdgeConfig(bundle=tmp_path, url=url)
+    assert "s3cret" not in str(e.value)
