@@ -13,7 +13,8 @@ already follows is released. A run of tokens without text keeps at most :data:`M
 context. So each token decodes windows of at most ``MAX_CONTEXT + MAX_HELD`` ids (linear in the output),
 and the deltas plus :meth:`StreamDecoder.flush` equal a decode of all ids, except past those bounds: a
 character spread over more than ``MAX_HELD`` tokens comes out as U+FFFD, and more than ``MAX_CONTEXT``
-tokens without text drop the older left context.
+tokens without text drop the older left context; and at the end: the bytes of a character the stream ended
+inside (``max_tokens`` reached mid-character) are dropped, as vLLM drops them, not written as U+FFFD.
 """
 
 from __future__ import annotations
@@ -65,10 +66,13 @@ class StreamDecoder:
         return full[len(prefix):]
 
     def flush(self) -> str:
-        """Whatever is still held (a truncated multi-byte character comes out as U+FFFD)."""
+        """Whatever is still held, less the character the stream ended inside: held text ends in U+FFFD, the
+        decode of a character's first bytes (or of invalid ones: text alone cannot tell them apart), which no
+        later byte completes now (it came out as the answer's last character, in its text and in a stream's last
+        delta: a Chinese or emoji answer that ``max_tokens`` cut inside a character ended in U+FFFD)."""
         prefix, full = self._windows()
         self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix):]
+        return full[len(prefix):].rstrip("\ufffd")
 
     def _windows(self) -> tuple[str, str]:
         ids = self.ids
