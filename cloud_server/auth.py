@@ -7,6 +7,8 @@ The keys file (JSON, written by ``autoglm-cloud keys add``)::
       {"key_id": "k0c4e7d1", "tenant": "ops", "hash": "sha256:<hex>", "role": "operator"}
     ]}
 
+* The fields are these and ``created`` (``keys add``'s timestamp, not read); an unknown field, one given twice and a
+  hash two entries give are refused (:func:`parse_keys`), never read past.
 * The file holds hashes only: a leaked file does not let anyone in. Keys are 32 random bytes (``agk_`` +
   base64url), so an unsalted SHA-256 is enough (there is no dictionary to try); ``hash`` names its algorithm
   so a slower one can be added later without a format change.
@@ -52,6 +54,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.json_keys import unique_keys
 from shared.prefix_keys import SHARED_SCOPE, bearer_token, tenant_of
 
 log = logging.getLogger("autoglm.cloud.auth")
@@ -60,6 +63,7 @@ KEY_PREFIX = "agk_"
 STAT_EVERY_S = 1.0  # the request path looks at the file's mtime at most this often
 _TENANT_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 ROLES = ("tenant", "operator")  # operator: publishes into the shared prefix scope
+ENTRY_FIELDS = ("key_id", "tenant", "hash", "max_sessions", "role", "created")  # created: `keys add`'s note only
 
 
 class KeysFileError(ValueError):
@@ -103,19 +107,27 @@ def new_key() -> str:
 
 
 def parse_keys(text: str, source: str) -> list[KeyEntry]:
-    """The entries of a keys file's text; raises :class:`KeysFileError` naming ``source`` and the entry."""
+    """The entries of a keys file's text; raises :class:`KeysFileError` naming ``source`` and the entry. A field this
+    does not know (a hand edit's ``"max_sesions": 8``: a cap that capped nothing), a field given twice in one object
+    (``json`` kept the last) and a hash given by two entries (the key opened as whichever came last: its tenant,
+    cap and role) are refused, not read past."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
+        data = json.loads(text, object_pairs_hook=unique_keys)
+    except ValueError as e:  # json.JSONDecodeError is one, and so is unique_keys' key given twice
         raise KeysFileError(f"{source}: not JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("keys"), list):
-        raise KeysFileError(f"{source}: expected {{\"version\": 1, \"keys\": [...]}}")
+    if (not isinstance(data, dict) or set(data) != {"version", "keys"} or type(data["version"]) is not int
+            or data["version"] != 1 or not isinstance(data["keys"], list)):
+        raise KeysFileError(f"{source}: expected {{\"version\": 1, \"keys\": [...]}} and nothing else")
     out: list[KeyEntry] = []
     seen: set[str] = set()
+    hashes: dict[bytes, int] = {}
     for i, e in enumerate(data["keys"]):
         where = f"{source}: keys[{i}]"
         if not isinstance(e, dict):
             raise KeysFileError(f"{where}: expected an object")
+        if unknown := sorted(set(e) - set(ENTRY_FIELDS)):
+            raise KeysFileError(f"{where}: unknown field(s) {', '.join(unknown)} (an entry has "
+                                f"{', '.join(ENTRY_FIELDS)})")
         key_id, tenant, digest, cap = e.get("key_id"), e.get("tenant"), e.get("hash"), e.get("max_sessions")
         role = e.get("role", "tenant")
         if not isinstance(key_id, str) or not key_id or key_id in seen:
@@ -132,6 +144,10 @@ def parse_keys(text: str, source: str) -> list[KeyEntry]:
             raise KeysFileError(f"{where}: max_sessions must be a positive integer or absent")
         if role not in ROLES:
             raise KeysFileError(f"{where}: role must be one of {', '.join(ROLES)} (got {role!r})")
+        if raw in hashes:
+            raise KeysFileError(f"{where}: hash is keys[{hashes[raw]}]'s too (one key, one entry: give each "
+                                "tenant a key of its own)")
+        hashes[raw] = i
         seen.add(key_id)
         out.append(KeyEntry(key_id, tenant, raw, cap, role))
     return out

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import stat
 import time
@@ -328,3 +329,29 @@ def test_autoglm_cloud_keys_add_is_the_cli_entry(tmp_path, capsys):
     assert cli.main(["keys", "add", str(path), "--tenant", "ops"]) == 0
     key = capsys.readouterr().out.strip()
     assert auth.KeyStore(path).lookup(key).tenant == "ops"
+
+
+_HASH = "sha256:" + "ab" * 32
+
+
+@pytest.mark.parametrize("keys, said", [
+    # a hand edit's typo: the cap (or the operator role) it meant was read as absent, without a word
+    ([{"key_id": "a", "tenant": "acme", "hash": _HASH, "max_sesions": 1}], "keys[0]: unknown field(s) max_sesions"),
+    # one key in two entries opened as the last one's tenant, cap and role
+    ([{"key_id": "a", "tenant": "acme", "hash": _HASH},
+      {"key_id": "b", "tenant": "evil", "hash": "sha256:" + "AB" * 32}], "keys[1]: hash is keys[0]'s"),  # in capitals
+])
+def test_a_keys_file_that_would_be_misread_is_refused(tmp_path, keys, said):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"version": 1, "keys": keys}))
+    with pytest.raises(auth.KeysFileError, match=f"^{re.escape(f'{path}: {said}')}"):
+        auth.KeyStore(path)
+
+
+def test_a_keys_file_field_given_twice_is_refused_not_read_as_the_last():
+    """``{"tenant": "acme", "tenant": "evil"}``: json kept the last."""
+    text = ('{"version": 1, "keys": [{"key_id": "a", "tenant": "acme", "tenant": "evil", "hash": "' + _HASH + '"}]}')
+    with pytest.raises(auth.KeysFileError, match="not JSON \\(key 'tenant' given twice\\)"):
+        auth.parse_keys(text, "f")
+    with pytest.raises(auth.KeysFileError, match="and nothing else"):
+        auth.parse_keys('{"version": 1, "keys": [], "kyes": []}', "f")
