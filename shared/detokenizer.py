@@ -67,9 +67,10 @@ class StreamDecoder:
 
     def flush(self) -> str:
         """Whatever is still held, less the character the stream ended inside: held text ends in U+FFFD, the
-        decode of a character's first bytes (or of invalid ones: text alone cannot tell them apart), which no
-        later byte completes now (it came out as the answer's last character, in its text and in a stream's last
-        delta: a Chinese or emoji answer that ``max_tokens`` cut inside a character ended in U+FFFD)."""
+        decode of a character's first bytes, which no later byte completes now (it came out as the answer's last
+        character, in its text and in a stream's last delta: a Chinese or emoji answer that ``max_tokens`` cut
+        inside a character ended in U+FFFD). Invalid bytes held at the end, or a U+FFFD the model wrote itself,
+        go with it: text alone cannot tell them apart (vLLM's detokenizer drops them as well)."""
         prefix, full = self._windows()
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):].rstrip("\ufffd")
