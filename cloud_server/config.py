@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.cli_exit import host_problem, not_utf8
+from shared.http_protocol import handshake_timeout_problem
 from shared.messages import MAX_POSITION
 from shared.prefix_keys import bearer_key_problem
 from shared.user_paths import user_path
@@ -207,7 +208,9 @@ class ServerConfig:
         for name in ("ssl_certfile", "ssl_keyfile"):
             if getattr(self, name) is not None:
                 setattr(self, name, user_path(getattr(self, name)))
-        for name in ("handshake_timeout_s", "max_connections", "max_http_requests"):
+        if (problem := handshake_timeout_problem(self.handshake_timeout_s)) is not None:  # the edge's serve's rule
+            raise ConfigError(f"handshake_timeout_s {problem}")
+        for name in ("max_connections", "max_http_requests"):
             _positive(name, getattr(self, name))
         if self.max_prompt_tokens is not None:
             _positive("max_prompt_tokens", self.max_prompt_tokens)

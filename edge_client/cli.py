@@ -229,10 +229,10 @@ def _forget_oldest_exchange(turns: list[dict]) -> bool:
 
 def cmd_serve(args) -> int:
     from shared.http_limits import limit_problem
+    from shared.http_protocol import handshake_timeout_problem
     from shared.prefix_keys import bearer_key_problem
 
-    from .local_api import (HANDSHAKE_TIMEOUT_S, MAX_HTTP_REQUESTS, ClosingServer, create_app,
-                            handshake_timeout_problem)
+    from .local_api import HANDSHAKE_TIMEOUT_S, MAX_HTTP_REQUESTS, ClosingServer, create_app
 
     from shared.user_paths import user_path
 

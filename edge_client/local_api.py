@@ -26,7 +26,6 @@ import asyncio
 import concurrent.futures
 import functools
 import hmac
-import math
 import sys
 import threading
 from dataclasses import replace
@@ -42,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from shared import openai_compat as oc
 from shared import openai_routes
 from shared.http_limits import HttpConcurrencyLimit, limit_problem
+from shared.http_protocol import handshake_timeout_problem
 from shared.http_protocol import protocol_class as http_protocol_class
 from shared.precision import PrecisionError
 from shared.prefix_keys import bearer_token
@@ -65,14 +65,6 @@ HANDSHAKE_TIMEOUT_S = 30.0
 # /v1/ requests in flight, the one running and those waiting their turn; beyond, 429 (worst case: as many bodies of
 # MAX_BODY_BYTES, read and decoded, in memory at once)
 MAX_HTTP_REQUESTS = 8
-
-
-def handshake_timeout_problem(seconds: float) -> str | None:
-    """Why ``seconds`` is no deadline for a request's head and body (None: it is one): 0, a negative, NaN or
-    infinity would time out every request or none."""
-    if not 0 < seconds < math.inf:
-        return f"must be a number of seconds > 0 (got {seconds!r})"
-    return None
 
 
 class _EdgeStream:

@@ -90,6 +90,9 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B", "--device", "cpu", "--drain-timeout-s", "nan"], {}, "drain_timeout_s must be >= 0"),
     (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_DRAIN_TIMEOUT_S": "inf"}, "drain_timeout_s must be <= 2147483"),
     (["B", "--device", "cpu", "--drain-timeout-s", "3e6"], {}, "drain_timeout_s must be <= 2147483"),
+    # infinity kept a silent socket, a WebSocket without Hello and a stalled upload for ever (the edge's rule refused it)
+    (["B", "--device", "cpu", "--handshake-timeout-s", "inf"], {}, "handshake_timeout_s must be a number of seconds > 0"),
+    (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_HANDSHAKE_TIMEOUT_S": "nan"}, "handshake_timeout_s must be a number"),
     # an empty key (the deployment's secret made from an unset $KEY) served with no auth at all, silently
     (["B", "--device", "cpu", "--api-key", ""], {}, "api_key is empty"),
     (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_API_KEY": ""}, "api_key is empty"),
