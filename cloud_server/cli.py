@@ -451,8 +451,9 @@ def _startup_problem(config) -> str | None:
     .gguf cut short, a
     bundle whose manifest does not load or whose cloud files are missing, truncated or not the manifest's (their
     sha256: found by the runtime's load, which re-hashes them, each was a traceback), one bundle directory given
-    twice (or two of one bundle id and edge variant), several bundles with --tp 2, and a --host/--port it cannot
-    listen on."""
+    twice (or two of one bundle id and edge variant), several bundles with --tp 2, a KV pool larger than the device
+    (a bundle's, a --full model's whose config is known without its weights), and a --host/--port it cannot listen
+    on."""
     from cloud_server.auth import KeyStore, KeysFileError
     from shared.manifest import BundleError, Manifest
 
@@ -474,11 +475,9 @@ def _startup_problem(config) -> str | None:
             manifest.verify_files(bundle, roles=("cloud", "shared"))  # hashed: a same-size swap or bit rot too
         except BundleError as e:
             return str(e)
-        pool = _kv_pool_floor_bytes(manifest, ecfg)
-        memory = _device_memory_bytes(ecfg.device)
-        if memory and pool > memory:
-            return (f"--num-blocks {ecfg.num_blocks} x --block-size {ecfg.block_size}: the KV pool needs at least "
-                    f"{pool / 2**30:.1f} GiB per variant, more than this {ecfg.device}'s {memory / 2**30:.1f} GiB")
+        layers = manifest.num_layers - manifest.split_layer - manifest.tail_layers
+        if (problem := _kv_pool_problem(ecfg, layers, manifest.num_kv_heads, manifest.head_dim)) is not None:
+            return problem
     if config.bundle is not None:  # the download catalog refused a repeated (bundle, edge variant) after the load
         from cloud_server.bundle_files import BundleCatalog
 
@@ -510,12 +509,18 @@ def _startup_problem(config) -> str | None:
             return (f"--ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: not a PEM "
                     f"certificate and its key ({e})")
     if config.full is not None:
-        from partition_tools.models import ModelLoadError, check_source
+        from partition_tools.adapters import head_dim_of, kv_heads_of, text_config
+        from partition_tools.models import ModelLoadError, check_source, source_config
 
         try:
             check_source(config.full)
+            model_config = source_config(config.full)
         except ModelLoadError as e:
             return f"--full {e}"
+        if model_config is not None:  # a GGUF's comes with its load
+            text = text_config(model_config)
+            if (problem := _kv_pool_problem(ecfg, text.num_hidden_layers, kv_heads_of(text), head_dim_of(text))):
+                return problem
     from shared.cli_exit import listen_problem
 
     return listen_problem(config.host, config.port)  # last: the checks above name their own flags
@@ -555,11 +560,17 @@ def _certificate_dates_problem(config) -> str | None:
     return None
 
 
-def _kv_pool_floor_bytes(manifest, ecfg) -> int:
-    """The least a variant's KV pool can take (one byte an element: int8 / fp8 keys and values; every other
-    storage is larger): ``2 * back layers * num_blocks * block_size * kv_heads * head_dim``."""
-    layers = manifest.num_layers - manifest.split_layer - manifest.tail_layers
-    return 2 * max(layers, 0) * ecfg.num_blocks * ecfg.block_size * manifest.num_kv_heads * manifest.head_dim
+def _kv_pool_problem(ecfg, layers: int, kv_heads: int, head_dim: int) -> str | None:
+    """A KV pool of ``layers`` (the served ones: a bundle's back half, a --full model's all) that cannot fit the
+    device's whole memory at its least (one byte an element: int8 / fp8 keys and values; every other storage is
+    larger): ``2 * layers * num_blocks * block_size * kv_heads * head_dim`` bytes per variant; else None. Its
+    allocation failed in the app's startup, a traceback and exit 3 after the load."""
+    pool = 2 * max(layers, 0) * ecfg.num_blocks * ecfg.block_size * kv_heads * head_dim
+    memory = _device_memory_bytes(ecfg.device)
+    if memory and pool > memory:
+        return (f"--num-blocks {ecfg.num_blocks} x --block-size {ecfg.block_size}: the KV pool needs at least "
+                f"{pool / 2**30:.1f} GiB per variant, more than this {ecfg.device}'s {memory / 2**30:.1f} GiB")
+    return None
 
 
 def _device_memory_bytes(device: str) -> int | None:

@@ -409,6 +409,17 @@ def check_source(source: str) -> None:
     raise ModelLoadError(f"{source}: no such preset, directory or file (presets: {', '.join(PRESETS)})")
 
 
+def source_config(source: str):
+    """The model config of ``source`` (:func:`check_source`'d) read without its weights: a random preset's, a
+    checkpoint directory's ``config.json``; None for a GGUF, whose config comes with its load."""
+    if source in _random_presets():
+        return _random_presets()[source][0]()
+    path = Path(source)
+    if source not in PRESETS and path.is_dir():
+        return _load_config(path)
+    return None
+
+
 def has_tokenizer(source: str) -> bool:
     """Whether ``load_model(source)`` comes with a tokenizer, known without loading it: the random presets have
     none (the full-model server's OpenAI API then takes token ids only, and answers token ids), SmolLM2 and a

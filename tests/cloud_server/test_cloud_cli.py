@@ -246,6 +246,21 @@ def test_the_event_loop_is_uvicorns_choice_and_reaches_every_front_end():
         assert loop_factory("auto") is loop_factory("uvloop") is uvloop.new_event_loop
 
 
+def test_a_full_models_kv_pool_larger_than_the_device_is_refused_before_it_loads(tmp_path, capsys, monkeypatch):
+    """Only a bundle's pool was checked: with --full the model loaded, then the pool's allocation failed in the
+    app's startup (a RuntimeError traceback, exit 3). A preset's config and a checkpoint directory's config.json
+    give its layers, KV heads and head width without the weights."""
+    import partition_tools.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    (tmp_path / "config.json").write_text(json.dumps(models.tiny_glm4_config().to_dict()))
+    for source in ("tiny-glm4", str(tmp_path)):
+        assert main(["serve", "--full", source, "--device", "cpu", "--num-blocks", str(10**9), "--port", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("autoglm-cloud: error: --num-blocks 1000000000 x --block-size 16: the KV pool needs at "
+                              "least 3814.7 GiB per variant, more than this cpu's ") and err.count("\n") == 1, err
+
+
 def test_a_full_source_that_names_nothing_is_refused_before_the_server_starts(tmp_path, capsys):
     from cloud_server.cli import main
 
