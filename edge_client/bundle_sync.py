@@ -69,6 +69,7 @@ import ssl
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.client import HTTPException
@@ -359,6 +360,7 @@ class HeldVersion(os.PathLike):
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a removal in progress (switch holds it exclusively)
             if (directory / MANIFEST_NAME).is_file():
                 self.path, self._fd = directory, fd
+                self._release = weakref.finalize(self, os.close, fd)  # at close(), else when collected
                 return
             os.close(fd)  # removed by an update between the resolve and the lock: the link names another now
 
@@ -375,7 +377,7 @@ class HeldVersion(os.PathLike):
     def close(self) -> None:
         """Let go: a later update may remove this version."""
         if self._fd is not None:
-            os.close(self._fd)
+            self._release()
             self._fd = None
 
 

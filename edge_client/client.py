@@ -31,6 +31,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -84,12 +85,12 @@ class EdgeClient:
         bundle_sync.recover(cfg.bundle)  # a bundle switch that a crash interrupted
         self.manifest, self.runtime, self.tokenizer, self.cache, self._version = self._open_bundle()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="autoglm-edge-loop", daemon=True)
+        self._thread = threading.Thread(target=_run_loop, args=(self._loop,), name="autoglm-edge-loop", daemon=True)
         self._thread.start()
         self.session = Session(cfg, self.manifest, self.runtime, self.cache, self.tokenizer)
         if cfg.auto_update:  # on bundle_mismatch, or another export of this id: download it and carry on with it
-            self.session.on_bundle_mismatch = self._update_bundle
-            self.session.on_new_session = self._follow_export
+            self.session.on_bundle_mismatch = _weak(self._update_bundle)  # (the session never keeps the client)
+            self.session.on_new_session = _weak(self._follow_export)
         self.media = MediaEncoders(self._version, cfg.threads)  # opened on the first image / audio clip
         self.media_policy = media_policy or MediaPolicy()
         self.whole_model, self.all_cloud = whole_model, all_cloud
@@ -98,6 +99,10 @@ class EdgeClient:
         self._closed = False
         self._inflight: dict[concurrent.futures.Future, Any] = {}  # unfinished requests -> their sinks
         self._inflight_lock = threading.Lock()
+        # close(), or the app dropping the client unclosed: the loop thread, its WebSocket and the server's session
+        # ended only with the process (nothing else refers to the client: it is collected)
+        self._stop = weakref.finalize(self, _stop_loop, self._pid, self._loop, self._thread, self.session,
+                                      self._inflight, self._inflight_lock)
 
     def _open_bundle(self) -> tuple[Manifest, FrontRuntime, EdgeTokenizer, ActivationCache, bundle_sync.HeldVersion]:
         """The configured bundle's manifest, front runtime, tokenizer and activation cache, and its version
@@ -161,42 +166,15 @@ class EdgeClient:
         return self._call(self.session.connect())
 
     def close(self) -> None:
-        """End the session (the server frees it at once) and every request still running (``closed``); in a forked
-        child, whose copy has no loop thread, only the child's descriptors close: the parent's client runs on."""
+        """End the session (the server frees it at once) and every request still running (``closed``); a client
+        dropped unclosed gets the same when collected. In a forked child, whose copy has no loop thread, only the
+        child's descriptors close: the parent's client runs on."""
         if self._closed:
             return
         self._closed = True
-        if os.getpid() == self._pid:
-            self._stop_loop()
+        self._stop()  # (in a forked child, nothing)
         self.cache.close()  # its scope is free to retire (edge_client.bundle_sync.retire_cache)
         self._version.close()  # and its bundle version free to remove (bundle_sync.switch)
-
-    def _stop_loop(self) -> None:
-        with self._inflight_lock:
-            inflight, self._inflight = self._inflight, {}
-        for future, sink in inflight.items():  # the loop stops below: its requests would never end their streams
-            sink(("error", EdgeClientError("the client was closed before the request finished", "closed")))
-            future.cancel()
-        try:
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(5.0)
-        except Exception:  # noqa: BLE001 - closing is best effort
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5.0)
-        if not self._thread.is_alive():  # its executor's threads (front work, to_thread) end now: a closed client
-            self._loop.close()           # kept by the app kept them until it was collected
-
-    async def _shutdown(self) -> None:
-        """The loop's last work: the session closed (orderly: the server frees it at once), then every task still
-        on the loop (a preload or a connect another thread waits on) cancelled and awaited - the stopped loop left
-        them pending, their callers waiting forever and the tasks logged 'destroyed but pending' (Ctrl-C in
-        ``autoglm-edge preload``)."""
-        await self.session.close()
-        others = asyncio.all_tasks() - {asyncio.current_task()}
-        for task in others:
-            task.cancel()
-        if others:
-            await asyncio.wait(others, timeout=3.0)  # front work in a thread finishes first (_compute)
 
     def __enter__(self) -> EdgeClient:
         return self
@@ -510,6 +488,63 @@ class EdgeClient:
                     ids = ids[:next((i for i, t in enumerate(ids) if t in first), len(ids))]
             out.append(ids)
         return out
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The client's loop thread: the loop runs until stopped, then closes (its executor's threads - front work,
+    ``to_thread`` - end with it)."""
+    try:
+        loop.run_forever()
+    finally:
+        loop.close()
+
+
+def _weak(method):
+    """A session callback that calls ``method`` while its client lives (None after): the session keeps no client
+    alive, so an unclosed client is still collected and stopped (:func:`_stop_loop`)."""
+    ref = weakref.WeakMethod(method)
+
+    async def call(*args):
+        bound = ref()
+        return None if bound is None else await bound(*args)
+    return call
+
+
+def _stop_loop(pid: int, loop: asyncio.AbstractEventLoop, thread: threading.Thread, session: Session,
+               inflight: dict, lock: threading.Lock) -> None:
+    """End a client's loop thread: its unfinished requests fail ``closed`` (the loop stops under them: they would
+    never end their streams), the session closes (orderly: the server frees it at once) and the loop stops.
+    ``EdgeClient.close()``, or the client's collection (an app that dropped it unclosed). Nothing in a process forked
+    from ``pid``: the thread and its WebSocket are the parent's."""
+    if os.getpid() != pid:
+        return
+    with lock:
+        unfinished = list(inflight.items())
+        inflight.clear()
+    for future, sink in unfinished:
+        sink(("error", EdgeClientError("the client was closed before the request finished", "closed")))
+        future.cancel()
+    if threading.current_thread() is thread:  # collected on the loop itself (a request's last frame held the client)
+        loop.create_task(_shutdown(session)).add_done_callback(lambda _: loop.stop())
+        return
+    try:
+        asyncio.run_coroutine_threadsafe(_shutdown(session), loop).result(5.0)
+    except Exception:  # noqa: BLE001 - closing is best effort
+        pass
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=5.0)
+
+
+async def _shutdown(session: Session) -> None:
+    """The loop's last work: the session closed, then every other task still on the loop (a preload or a connect
+    another thread waits on) cancelled and awaited - the stopped loop left them pending, their callers waiting
+    forever and the tasks logged 'destroyed but pending' (Ctrl-C in ``autoglm-edge preload``)."""
+    await session.close()
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in others:
+        task.cancel()
+    if others:
+        await asyncio.wait(others, timeout=3.0)  # front work in a thread finishes first (_compute)
 
 
 def _runner_timings(stats: RequestStats, result: Any, n: int) -> None:

@@ -50,3 +50,37 @@ def test_a_client_inherited_by_a_forked_process_fails_forked_at_once_and_the_par
         outcomes, close_s = parent_end.recv()
         assert outcomes == ["forked"] * 3 and close_s < 1.0
         assert client.complete(prompt_ids=PROMPT, max_tokens=8).token_ids == before
+
+
+def _sessions_open(cloud) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{cloud.http_url}/metrics", timeout=10) as r:
+        line = next(x for x in r.read().decode().splitlines() if x.startswith("autoglm:sessions_open"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_a_client_dropped_unclosed_ends_its_thread_and_its_cloud_session(tiny_bundle, tiny_cloud):
+    """An app that drops its client without close() (one per request, a closure that lost it) kept its loop thread,
+    WebSocket and the server's session (with its flock on the bundle) until the process ended: four dropped
+    clients, four threads and four sessions open on the cloud. A collected client now stops them, one dropped
+    mid-stream (the last reference leaves on its own loop thread) and an auto-updating one too."""
+    import gc
+    import threading
+
+    from edge_client import EdgeClient
+
+    def loops() -> int:
+        return sum(t.name == "autoglm-edge-loop" for t in threading.enumerate())
+
+    before_threads, before_sessions = loops(), _sessions_open(tiny_cloud)
+    for auto_update in (False, True):
+        EdgeClient(tiny_bundle, tiny_cloud.ws_url, auto_update=auto_update).complete(prompt_ids=PROMPT, max_tokens=4)
+    gen = EdgeClient(tiny_bundle, tiny_cloud.ws_url).generate(prompt_ids=PROMPT, max_tokens=3000)
+    next(gen)
+    del gen
+    deadline = time.monotonic() + 10.0
+    while (loops(), _sessions_open(tiny_cloud)) != (before_threads, before_sessions) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.1)
+    assert (loops(), _sessions_open(tiny_cloud)) == (before_threads, before_sessions)
