@@ -289,7 +289,8 @@ def install_sighup(store: KeyStore | None) -> bool:
 def add_key(path: str | Path, tenant: str, max_sessions: int | None = None,
             role: str = "tenant") -> tuple[str, str]:
     """Append a new key for ``tenant`` with ``role`` (:data:`ROLES`) to the keys file (created if absent, mode
-    0600); returns ``(key_id, key)``. The key itself is not stored: this is the only time it is seen."""
+    0600; through a symlink, the file it names); returns ``(key_id, key)``. The key itself is not stored: this is
+    the only time it is seen."""
     # the new entry's own values, named as given (the file's check below named them "FILE: keys[<n>]", as if
     # the file were broken)
     if not isinstance(tenant, str) or not tenant or not set(tenant) <= _TENANT_CHARS or len(tenant) > 64:
@@ -298,7 +299,11 @@ def add_key(path: str | Path, tenant: str, max_sessions: int | None = None,
         raise KeysFileError(f"max_sessions {max_sessions!r}: must be a positive integer")
     if role not in ROLES:
         raise KeysFileError(f"role {role!r}: must be one of {', '.join(ROLES)}")
-    path = Path(path)
+    # the file a symlink names (a keys file kept on a shared volume, the link what --keys-file gives): os.replace
+    # below replaced the link with a file of its own, so the file the server reads never got the printed key
+    path = Path(os.path.realpath(path))
+    if path.is_symlink():  # realpath stops at a loop
+        raise KeysFileError(f"{path}: a symlink loop, no keys file")
     if not path.parent.is_dir():  # else the error named the lock file beside it, which the user never asked for
         raise KeysFileError(f"{path}: {path.parent} is not an existing folder (create it first)")
     with _one_writer(path):

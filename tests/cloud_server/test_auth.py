@@ -129,6 +129,22 @@ def test_keys_add_into_a_folder_that_is_not_there_names_the_folder(tmp_path, cap
     assert auth.keys_main(["add", "k.json", "--tenant", "acme"]) == 2  # a UnicodeDecodeError traceback
     assert "k.json: not UTF-8 text" in capsys.readouterr().err
 
+def test_keys_add_through_a_symlink_writes_the_file_it_names(tmp_path, capsys):
+    """The link was replaced by a file of its own: the key was printed, and the file a server reads (the link's
+    target, on a shared volume) never had it."""
+    real = tmp_path / "volume" / "keys.json"
+    real.parent.mkdir()
+    auth.add_key(real, "alice")
+    link = tmp_path / "keys.json"
+    link.symlink_to(real)
+    _, bob = auth.add_key(link, "bob")
+    assert link.is_symlink() and auth.KeyStore(real).lookup(bob).tenant == "bob"
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    assert auth.keys_main(["add", str(tmp_path / "loop1"), "--tenant", "carol"]) == 2
+    assert "a symlink loop, no keys file" in capsys.readouterr().err and (tmp_path / "loop1").is_symlink()
+
+
 def test_keys_add_keeps_the_files_mode_and_owner(tmp_path):
     """A root:autoglm 0640 file came back root:root 0600 from 'keys add' (the .tmp's): the server's user could no
     longer read it."""
