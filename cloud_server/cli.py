@@ -30,6 +30,9 @@ from shared.json_keys import unique_keys
 from shared.user_paths import user_path
 
 ENV_PREFIX = "AUTOGLM_CLOUD_"
+# what full-model mode has none of (phones' split sessions, their resume grace, the bundle's cloud drafter): given
+# with --full, each was accepted and ignored
+SPLIT_ONLY = ("max_sessions", "session_grace_s", "cloud_drafts")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -232,6 +235,9 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None,
     if "device" not in engine:
         engine["device"] = _default_device()
     try:
+        if "full" in server and (given := [name for name in SPLIT_ONLY if name in server or name in engine]):
+            raise ConfigError(f"{', '.join(given)}: split mode's, given with full (full-model mode has no split "
+                              "sessions nor cloud drafts); leave it unset")
         return ServerConfig(engine=EngineConfig(**engine), **server)
     except ConfigError as e:  # "keys_file and api_key: give one" left the operator hunting for an api_key never typed
         named = [f"{name} from {where}" for name, where in origin.items() if re.search(rf"\b{name}\b", str(e))]

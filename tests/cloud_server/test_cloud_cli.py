@@ -79,6 +79,10 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B", "--device", "cpu", "--workers", "0"], {}, "workers must be >= 1"),
     (["B", "--device", "cpu", "--workers", "100000"], {}, "workers must be >= 1 and <= 256"),  # was EMFILE, a traceback
     (["--full", "tiny-glm4", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves split mode"),
+    # split mode's alone, accepted and ignored with --full (a cap that capped nothing)
+    (["--full", "tiny-glm4", "--device", "cpu", "--max-sessions", "4"], {}, "max_sessions: split mode's, given with full"),
+    (["--full", "tiny-glm4", "--device", "cpu"], {"AUTOGLM_CLOUD_SESSION_GRACE_S": "5", "AUTOGLM_CLOUD_CLOUD_DRAFTS": "0"},
+     r"session_grace_s, cloud_drafts: split mode's.*\[session_grace_s from AUTOGLM_CLOUD_SESSION_GRACE_S; "),
     (["B", "C", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves one bundle"),
     (["B", "--device", "cpu", "--loop", "trio"], {}, "loop must be one of auto, asyncio, uvloop"),
     # past what Welcome.limits carries: each was a ProtocolError / OverflowError traceback as the app was built
