@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from shared.cli_exit import not_utf8
+from shared.cli_exit import not_utf8, shown
 
 
 def port_number(text: str) -> int:
@@ -198,7 +198,7 @@ def _answer(client, history: list[dict], args):
             print("assistant> ", end="", flush=True)
             try:
                 for delta in gen:
-                    print(delta, end="", flush=True)
+                    print(shown(delta), end="", flush=True)  # its control characters as escapes
             except KeyboardInterrupt as e:
                 gen.close()
                 if isinstance(e, Terminated):  # a SIGTERM ends the chat; Ctrl-C only this answer

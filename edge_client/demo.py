@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from shared.cli_exit import shown
 from shared.manifest import BundleError, Manifest, same_source
 from shared.user_paths import user_path
 
@@ -225,7 +226,7 @@ def run_demo(prompt: str = DEMO_PROMPT, max_tokens: int = 96, bundle: Path | Non
             print(f"user> {prompt}\nassistant> ", end="", file=out, flush=True)
             gen = client.generate(messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens)
             for delta in gen:
-                print(delta, end="", file=out, flush=True)
+                print(shown(delta), end="", file=out, flush=True)  # control characters as escapes
             st = gen.stats
     summary = {
         "ttft_s": st.ttft_s, "tokens_per_s": st.tokens_per_s, "completion_tokens": st.completion_tokens,

@@ -83,6 +83,20 @@ def not_utf8(text: str) -> str | None:
     return None
 
 
+# C0 controls but newline and tab, DEL and the C1 controls: a terminal acts on them instead of showing them
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def shown(text: str) -> str:
+    """``text`` (a model's answer) as a terminal may be given it: each control character written as its escape
+    (``\\x1b``), the rest as is. Written raw, an answer's ESC sequences (a prompt injection asks for them: OSC 52
+    writes the clipboard, CSI clears the screen), a shift-out (0x0e: every later letter in line-drawing glyphs
+    until a reset) or a carriage return (the line's start overwritten) acted on the user's terminal; the edge chat
+    and demo printed a random model's answers so. What an answer says is kept whole elsewhere (the conversation,
+    the API)."""
+    return text.translate(_CONTROLS)
+
+
 def listen_problem(host: str, port: int, named: str | None = None) -> str | None:
     """Why a server could not listen on ``host:port`` (:func:`host_problem`, the port in use, an address not this
     machine's, a privileged port), or None: a probe bound as uvicorn binds (IPv6 for a host with ':',

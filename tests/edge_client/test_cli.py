@@ -308,6 +308,25 @@ def test_a_turn_that_fails_leaves_the_chat_and_its_conversation_going(tiny_bundl
     assert capsys.readouterr().err.count("compute 'int8' is not available") == 2  # both turns were asked
 
 
+def test_an_answers_control_characters_reach_the_terminal_as_escapes(tiny_bundle, tiny_cloud, monkeypatch, capsys):
+    """`autoglm-edge chat` printed an answer's characters raw: the random tiny model's sampled answers wrote ESC,
+    shift-out (0x0e: a VT100's later letters as line-drawing glyphs), backspaces and carriage returns to the user's
+    terminal, which acted on them (a prompt injection asks a real model for ESC sequences: OSC 52 sets the
+    clipboard). They are shown as escapes; newlines, tabs and every printable character (CJK, emoji) as they are."""
+    argv = ["chat", "--bundle", str(tiny_bundle), "--url", tiny_cloud.ws_url, "--max-tokens", "200", "--no-stats",
+            "--temperature", "2"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nhello\nmore\n"))
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("assistant> ") == 3
+    raw = {ch for ch in out if (ord(ch) < 0x20 and ch not in "\n\t") or 0x7F <= ord(ch) < 0xA0}
+    assert not raw, sorted(raw)
+    assert "\\x" in out  # ~13 % of a near-uniform byte model's bytes are controls: 600 tokens held some
+    from shared.cli_exit import shown
+
+    assert shown("中文 😀\tok\n\x1b[2J\x0e\r\x85") == "中文 😀\tok\n\\x1b[2J\\x0e\\x0d\\x85"
+
+
 def test_a_conversation_over_the_context_forgets_its_oldest_exchange_and_goes_on(tiny_bundle, tiny_cloud, monkeypatch,
                                                                                 capsys):
     """Once a chat's turns filled the context (the edge graph's 2048 positions here: ~620 tokens a turn), every later
