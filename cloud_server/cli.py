@@ -189,6 +189,8 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None,
     collects, for a warning, each config-file value that a variable set otherwise: the image's
     ``AUTOGLM_CLOUD_PORT`` (deploy/Dockerfile) beat a ``--config`` file's port without a word."""
     env = os.environ if environ is None else environ
+    if args.config == "":  # `--config "$CFG"` with CFG unset served without the file's options (its keys file: none)
+        raise ConfigError("--config is empty (an unset variable?): give the file, or leave the option out")
     cfg_path = args.config or env.get(ENV_PREFIX + "CONFIG")
     cfg_label = f"--config {cfg_path}" if args.config else f"{ENV_PREFIX}CONFIG={cfg_path}"
     file = _load_file(cfg_path, cfg_label) if cfg_path else {}

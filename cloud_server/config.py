@@ -22,6 +22,8 @@ COMPUTE_VARIANTS = ("fp32", "bf16", "fp16", "int8")
 LOOPS = ("auto", "asyncio", "uvloop")  # uvicorn's --loop names
 MAX_WORKERS = 256  # front-end processes: each a Python process with its own socket (more bound sockets than the
 # open-file limit was a traceback); past the host's cores they only contend
+EMPTY_REFUSED = ("bundle", "full", "model_name", "keys_file", "ssl_certfile", "ssl_keyfile")  # paths and names: '' is
+# no value (an unset shell variable), never "the default" nor '.'
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int8v")  # cloud_server.kv_quant.POOL_LAYOUTS: the same names (no torch here)
 
 
@@ -168,6 +170,11 @@ class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
+        # `--keys-file "$KEYS"` with KEYS unset: the path '' was '.' ("--keys-file .: not a file"), a model name ''
+        # was served as the default one, without a word
+        for name, value in [(f, getattr(self, f)) for f in EMPTY_REFUSED] + [("more_bundles", b) for b in self.more_bundles]:
+            if value == "":
+                raise ConfigError(f"{name} is empty (an unset variable?): give it, or leave the option out")
         if (self.bundle is None) == (self.full is None):
             raise ConfigError("serve exactly one of: a BUNDLE (split mode) or --full SOURCE (full-model mode)")
         # "~/..." is the user's home in a --config file or an environment twin too, as a shell expands it

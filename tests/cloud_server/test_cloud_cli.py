@@ -97,6 +97,13 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     # infinity kept a silent socket, a WebSocket without Hello and a stalled upload for ever (the edge's rule refused it)
     (["B", "--device", "cpu", "--handshake-timeout-s", "inf"], {}, "handshake_timeout_s must be a number of seconds > 0"),
     (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_HANDSHAKE_TIMEOUT_S": "nan"}, "handshake_timeout_s must be a number"),
+    # `--config "$CFG"` with CFG unset served without the file (its keys file: an open server); '' as a path was '.'
+    # and an empty --model-name served the default one
+    (["B", "--device", "cpu", "--config", ""], {}, "--config is empty \\(an unset variable\\?\\)"),
+    (["B", "--device", "cpu", "--keys-file", ""], {}, "keys_file is empty"),
+    (["B", "--device", "cpu", "--model-name", ""], {}, "model_name is empty"),
+    (["B", "", "--device", "cpu"], {}, "more_bundles is empty"),
+    (["--full", "", "--device", "cpu"], {}, "full is empty"),
     # an empty key (the deployment's secret made from an unset $KEY) served with no auth at all, silently
     (["B", "--device", "cpu", "--api-key", ""], {}, "api_key is empty"),
     (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_API_KEY": ""}, "api_key is empty"),
