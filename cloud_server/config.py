@@ -238,6 +238,10 @@ class ServerConfig:
             if self.engine.tp > 1:
                 raise ConfigError("workers > 1 runs with tp 1 (front-end workers beside tensor parallelism are "
                                   "not built)")
+            for name in ("max_connections", "max_http_requests"):  # divided between the workers, each at least 1:
+                if getattr(self, name) < self.workers:  # --max-connections 2 --workers 8 let 8 in
+                    raise ConfigError(f"{name} ({getattr(self, name)}) must be >= workers ({self.workers}): it is "
+                                      "divided between them, each worker taking at least one")
 
     @property
     def prompt_limit(self) -> int:

@@ -51,10 +51,12 @@ STOP_SLACK_S = 15.0  # beyond drain_timeout_s, how long the main process waits f
 
 
 def worker_config(config: ServerConfig) -> ServerConfig:
-    """A worker's configuration: the connection and HTTP limits divided between the workers."""
+    """A worker's configuration, one front end's (``workers`` 1): the connection and HTTP limits divided between the
+    workers, rounded down so that together they hold no more than the limit (rounded up, 10 over 3 workers let 12
+    in; ``ServerConfig`` refuses a limit below the workers' count, so each worker takes at least one)."""
     n = config.workers
-    return dataclasses.replace(config, max_connections=-(-config.max_connections // n),
-                               max_http_requests=-(-config.max_http_requests // n))
+    return dataclasses.replace(config, workers=1, max_connections=config.max_connections // n,
+                               max_http_requests=config.max_http_requests // n)
 
 
 def listening_sockets(host: str, port: int, n: int) -> list[socket.socket]:

@@ -84,6 +84,10 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["--full", "tiny-glm4", "--device", "cpu"], {"AUTOGLM_CLOUD_SESSION_GRACE_S": "5", "AUTOGLM_CLOUD_CLOUD_DRAFTS": "0"},
      r"session_grace_s, cloud_drafts: split mode's.*\[session_grace_s from AUTOGLM_CLOUD_SESSION_GRACE_S; "),
     (["B", "C", "--device", "cpu", "--workers", "2"], {}, "workers > 1 serves one bundle"),
+    # divided between the workers, at least one each: 8 connections got in under a cap of 2
+    (["B", "--device", "cpu", "--workers", "8", "--max-connections", "2"], {}, r"max_connections \(2\) must be >= "
+                                                                             r"workers \(8\)"),
+    (["B", "--device", "cpu", "--workers", "4", "--max-http-requests", "3"], {}, "max_http_requests \\(3\\) must be"),
     (["B", "--device", "cpu", "--loop", "trio"], {}, "loop must be one of auto, asyncio, uvloop"),
     # past what Welcome.limits carries: each was a ProtocolError / OverflowError traceback as the app was built
     (["B", "--device", "cpu", "--max-model-len", "10000000000"], {}, "max_model_len must be <= 2147483647"),

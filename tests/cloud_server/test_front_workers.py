@@ -345,3 +345,16 @@ def test_port_0_logs_the_port_the_workers_listen_on(tiny_bundle, tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+@pytest.mark.parametrize("workers, limit", [(3, 10), (4, 4), (6, 2048), (7, 255)])
+def test_the_workers_shares_of_a_limit_hold_no_more_than_it(tmp_path, workers, limit):
+    """Shares rounded up let 12 connections in under --max-connections 10 over 3 workers (and 8 under 2 over 8,
+    now refused: ServerConfig)."""
+    from cloud_server.config import ServerConfig
+    from cloud_server.front_workers import worker_config
+
+    share = worker_config(ServerConfig(bundle=tmp_path, workers=workers, max_connections=limit,
+                                       max_http_requests=limit))
+    assert 1 <= share.max_connections and share.max_connections * workers <= limit
+    assert 1 <= share.max_http_requests and share.max_http_requests * workers <= limit
