@@ -69,14 +69,15 @@ class RetryPolicy:
     # PROGRESS_INTERVAL_S), so this need only exceed that; liveness is detected sooner by the keepalive below.
     reply_timeout_s: float = 60.0
     # How long the edge keeps trying to reach the cloud - after the link drops mid-request, or when a request's
-    # first connect fails - before the request fails (`unreachable`); the last attempt starts within it. It rides
+    # first connect fails - before the request fails (`unreachable`; the server's refusal, `overloaded` or
+    # `draining`, when it refused the last attempt for now); the last attempt starts within it. It rides
     # out mobile drops (handover, tunnel: seconds) and a server's crash-restart (process start + model load:
     # ~5-15 s for a tiny model on a busy CPU box, about a minute for a 9B GPU server), after which the request
     # resumes or is replayed; a server that stays dead fails the request after this long, not never.
     reconnect_window_s: float = 90.0
     # The same for a client that has not reached the cloud yet (a wrong URL, a server not started): a
-    # misconfiguration shows in seconds, as an HTTP client's connect error does; from its first Welcome on,
-    # reconnect_window_s applies.
+    # misconfiguration shows in seconds, as an HTTP client's connect error does; from its first Welcome or refusal
+    # for now on (the server answered: a busy server is no misconfiguration), reconnect_window_s applies.
     first_connect_window_s: float = 10.0
     # At most this many retries within the window (None: as many as the backoff fits in it); 0 never retries.
     max_retries: int | None = None

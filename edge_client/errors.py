@@ -5,11 +5,13 @@ from __future__ import annotations
 
 class EdgeClientError(Exception):
     """A request failed for good (after retries); ``code`` is the wire error code or a local one
-    (``unreachable``, ``bad_server``, ``internal``, ...)."""
+    (``unreachable``, ``bad_server``, ``internal``, ...). ``retry_after_s``: for a refusal for now (``overloaded``,
+    ``draining``), the wait the server asked for before another try, in seconds (None: it named none)."""
 
-    def __init__(self, message: str, code: str = "error"):
+    def __init__(self, message: str, code: str = "error", retry_after_s: float | None = None):
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s
 
 
 class PromptTooLongError(ValueError):

@@ -181,6 +181,12 @@ def _moved_kind(ushape: bool, when: str) -> EdgeClientError:
                            "the request again", "bundle_changed")
 
 
+def _refusal(failure: Exception) -> str | None:
+    """The wire code of a server's refusal for now (``overloaded``, ``draining``, ``internal``: the server answered),
+    None for a failure nothing answered (a drop, a refused socket, an unanswered upgrade)."""
+    return failure.code if isinstance(failure, ServerBusy) else None
+
+
 class Session:
     """The link, the Welcome it got, and the request loop (see the module docstring)."""
 
@@ -198,7 +204,9 @@ class Session:
         # so a session held for hours plans its requests at the server's load of late, not of its connect
         self.server_load = 0.0
         self.resume_token: str | None = None
-        self.reached = False  # a Welcome came once: a failed connect is then retried for the longer window
+        # the cloud answered once - a Welcome, or a refusal for now (overloaded, draining): the URL, key and bundle
+        # are right - so a failed connect is retried for the longer window (a busy server is no misconfiguration)
+        self.reached = False
         self.down_since: float | None = None  # monotonic time of the first failure since the cloud last answered
         # prefix keys the cloud holds as far as this session knows, per compute variant (each has its own KV pool:
         # a block held for one is a prefix_miss for another): Welcome.cached_prefixes (of Welcome.plan.compute),
@@ -377,28 +385,27 @@ class Session:
 
     async def connect(self, cause: Exception | None = None) -> dict:
         """Connect (resuming the session after ``cause``, the link's drop), retrying with backoff while the
-        retry policy's ``reconnect_window_s`` lasts - ``first_connect_window_s`` before this client first reached
-        the cloud - (and ``max_retries`` allows), then EdgeClientError ``unreachable``; returns the Welcome as a
-        dict. Requests and :meth:`EdgeClient.connect` both come here."""
+        retry policy's ``reconnect_window_s`` lasts - ``first_connect_window_s`` until the cloud first answered this
+        client (:attr:`reached`) - (and ``max_retries`` allows), then EdgeClientError with the last attempt's
+        refusal's code (``overloaded``, ``draining``; its ``retry_after_s``) when the server answered it, else
+        ``unreachable``; returns the Welcome as a dict. Requests and :meth:`EdgeClient.connect` both come here."""
         retry = self.config.retry
         start = time.monotonic()
-        window = retry.reconnect_window_s if self.reached else min(retry.first_connect_window_s,
-                                                                   retry.reconnect_window_s)
         if cause is not None and self.down_since is None:
             self.down_since = start
         # the window counts from the first failure since the cloud last answered, whichever request met it: the
         # requests queued behind one that retried through it (other threads) each retried a whole window of their
         # own, the 4th of 4 failing after 4 windows (6 minutes); each still tries once
         began = self.down_since if self.down_since is not None else start
-        deadline = began + window
         last, attempt = cause, 0
         while True:
             if last is not None:
-                left = deadline - time.monotonic()
+                window = retry.reconnect_window_s if self.reached else min(retry.first_connect_window_s,
+                                                                           retry.reconnect_window_s)
+                left = began + window - time.monotonic()
                 delay = retry.wait(attempt, left, getattr(last, "retry_after_s", None), random.random())
                 if delay is None:
-                    raise EdgeClientError(f"cannot reach the cloud at {self.config.url} (retried {attempt} times "
-                                          f"in {time.monotonic() - began:.1f} s): {last}", "unreachable")
+                    raise self._gave_up(last, attempt, time.monotonic() - began)
                 attempt += 1
                 log.info("%s (%s); retry %d in %.2f s (%.0f s left to reconnect)",
                          "link down" if cause is not None else "cannot connect", last, attempt, delay, left)
@@ -416,11 +423,21 @@ class Session:
                 welcome = await self.ensure_connected(resume=resume, route=route)
             except LinkDown as e:
                 last = e
+                self.reached = self.reached or _refusal(e) is not None
                 if self.down_since is None:
                     self.down_since = start
                 continue
             self.down_since = None
             return welcome
+
+    def _gave_up(self, last: Exception, attempts: int, spent: float) -> EdgeClientError:
+        """The connect's failure after its retries: the server's refusal for now when it answered the last attempt
+        so (busy: retry later, after ``retry_after_s``), ``unreachable`` when nothing answered."""
+        tried = f"retried {attempts} times in {spent:.1f} s"
+        if (code := _refusal(last)) is not None:
+            return EdgeClientError(f"the cloud at {self.config.url} refused the session for now ({tried}): {last}",
+                                   code, last.retry_after_s)
+        return EdgeClientError(f"cannot reach the cloud at {self.config.url} ({tried}): {last}", "unreachable")
 
     # -- requests -------------------------------------------------------------------------------
     async def run(self, spec: RequestSpec, sink: Callable, stats: RequestStats,
@@ -772,7 +789,8 @@ class Session:
             return None
         if isinstance(msg, P.Error) and msg.code == "draining":  # its Drain was unread when the request went up
             await self.link.close()
-            await self._recover(req, stats, ServerBusy(f"server draining: {msg.message}", retry_after_s(msg)))
+            await self._recover(req, stats, ServerBusy(f"server draining: {msg.message}", retry_after_s(msg),
+                                                       "draining"))
             return None
         if isinstance(msg, P.Error) and msg.code == "overloaded":  # dropped for load (the cloud's KV pool ran out)
             await self._replay_after_overload(req, stats, msg)
@@ -789,7 +807,7 @@ class Session:
         delay = retry.wait(attempt, since + retry.reconnect_window_s - now, retry_after_s(error), random.random())
         if delay is None:
             raise EdgeClientError(f"cloud error overloaded: {error.message} (replayed {attempt} times in "
-                                  f"{now - since:.1f} s)", "overloaded")
+                                  f"{now - since:.1f} s)", "overloaded", retry_after_s(error))
         req.overload = (since, attempt + 1, have)
         log.info("trace=%s overloaded (%s); replay %d in %.2f s", req.trace_id, error.message, attempt + 1, delay)
         await asyncio.sleep(delay)
@@ -1043,7 +1061,7 @@ class Session:
                 if self.state.phase == DRAINING:  # resumed on a draining server, which takes no replay: elsewhere
                     self.resume_token = None
                     await self.link.close()
-                    raise ServerBusy("the draining server cannot resume the request")
+                    raise ServerBusy("the draining server cannot resume the request", code="draining")
                 if req.rid in self.state.requests:  # the cloud holds part of a span: drop its copy, replay ours
                     await self._send(P.Cancel(request_id=req.rid))
                 stats.replays += 1

@@ -71,7 +71,12 @@ class LinkDown(Exception):
 class ServerBusy(LinkDown):
     """The server refused the session for now (:data:`RETRYABLE_REFUSALS`: full, draining, its engine not running),
     or is draining: another replica may take it. Behind a proxy that hashes on :data:`ROUTE_HEADER` the next upgrade
-    goes without it (``Session.connect``), or every retry would reach this same replica."""
+    goes without it (``Session.connect``), or every retry would reach this same replica. ``code``: the refusal's
+    wire code (``overloaded``, ``draining``, ``internal``); None when nothing answered (:class:`NoAnswer`)."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None, code: str | None = None):
+        super().__init__(message, retry_after_s)
+        self.code = code
 
 
 class NoAnswer(ServerBusy):
@@ -167,7 +172,7 @@ class Link:
         if isinstance(reply, P.Error):
             await self.close()
             if reply.code in RETRYABLE_REFUSALS:  # another attempt (or replica) may be accepted
-                raise ServerBusy(f"server busy: {reply.code}: {reply.message}", retry_after_s(reply))
+                raise ServerBusy(f"server busy: {reply.code}: {reply.message}", retry_after_s(reply), reply.code)
             raise HandshakeRefused(reply.code, f"server refused the session: {reply.code}: {reply.message}",
                                    reply.bundle_ids)
         if not isinstance(reply, P.Welcome):

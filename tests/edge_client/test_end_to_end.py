@@ -458,15 +458,47 @@ def test_a_busy_refusal_at_hello_is_retried_no_sooner_than_the_server_asks(tiny_
     with EdgeClient(tiny_bundle, url, retry=RetryPolicy(**fast)) as a, \
             EdgeClient(tiny_bundle, url, retry=RetryPolicy(**fast)) as b:
         a.connect(), b.connect()  # the server's two sessions
-        with EdgeClient(tiny_bundle, url, retry=RetryPolicy(first_connect_window_s=0.5, **fast)) as c, \
+        with EdgeClient(tiny_bundle, url, retry=RetryPolicy(reconnect_window_s=0.5, **fast)) as c, \
                 pytest.raises(EdgeClientError, match=r"retried 0 times .*overloaded") as ei:
             c.connect()
-        assert ei.value.code == "unreachable"
+        assert (ei.value.code, ei.value.retry_after_s) == ("overloaded", 1.0)
         with EdgeClient(tiny_bundle, url, retry=RetryPolicy(first_connect_window_s=5.0, **fast)) as c:
             threading.Timer(0.2, b.close).start()  # a session frees soon after the refusal
             t0 = time.monotonic()
             c.connect()
             assert time.monotonic() - t0 >= 1.0
+
+
+def test_a_first_connect_the_busy_cloud_refuses_fails_busy_not_unreachable(tiny_bundle, small_pool_cloud):
+    """A client's first request to a server at --max-sessions (both sessions held) was retried for
+    ``first_connect_window_s`` and failed ``unreachable`` - the code of a wrong URL or a dead server, which
+    ``autoglm-edge serve`` answered 502 "cannot reach the cloud". It fails with the refusal's code, ``overloaded``,
+    and its ``retry_after_s``, which the local endpoint answers 503 with ``Retry-After`` (the openai client retries
+    it); and a refusal is the cloud answering, so it is retried for ``reconnect_window_s``, not the first connect's
+    short window: a session that frees after that window is taken."""
+    import httpx
+
+    fast = dict(connect_timeout_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.1)
+    url = small_pool_cloud.ws_url
+    with EdgeClient(tiny_bundle, url, retry=RetryPolicy(**fast)) as a, \
+            EdgeClient(tiny_bundle, url, retry=RetryPolicy(**fast)) as b:
+        a.connect(), b.connect()  # the server's two sessions
+        with EdgeClient(tiny_bundle, url, retry=RetryPolicy(first_connect_window_s=0.2, reconnect_window_s=1.5,
+                                                            **fast)) as c:
+            with pytest.raises(EdgeClientError, match=r"refused the session for now .*overloaded") as ei:
+                list(c.generate("hello", max_tokens=2))
+            assert (ei.value.code, ei.value.retry_after_s) == ("overloaded", 1.0)
+            base, srv = _serve(c)
+            try:
+                r = httpx.post(f"{base}/chat/completions", timeout=30,
+                               json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+            finally:
+                srv.should_exit = True
+            assert (r.status_code, r.headers.get("retry-after"), r.json()["error"]["code"]) == (503, "1", "overloaded")
+        with EdgeClient(tiny_bundle, url, retry=RetryPolicy(first_connect_window_s=0.2, reconnect_window_s=5.0,
+                                                            **fast)) as c:
+            threading.Timer(1.3, b.close).start()  # frees after the first window and the first retry_after
+            c.connect()
 
 
 def test_the_blocks_known_held_by_the_cloud_are_those_of_the_requests_compute_variant(tiny_bundle, small_pool_cloud,
