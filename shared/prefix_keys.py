@@ -122,9 +122,14 @@ def bearer_key_problem(key: str) -> str | None:
     unset variable: taken as no key, a server meant to be protected served everyone, a client went without the key
     it was given), or whitespace at an end or a control character (a secret file's trailing newline) -
     :func:`bearer_token` reads a header's token stripped, so a server's such key never matches, and a client's
-    cannot be sent (a newline) or is not the key it names. The one rule for every key option (cloud and edge)."""
+    cannot be sent (a newline) or is not the key it names; or a character outside ASCII (RFC 6750's token is ASCII):
+    the server reads a header's bytes as Latin-1, so a UTF-8 client's ``café`` got 401 and httpx could not send it
+    (argv's bytes that are no UTF-8 likewise). The one rule for every key option (cloud and edge)."""
     if not key:
         return "is empty (an unset variable?): give the key, or leave the option unset for none"
+    if not key.isascii():
+        return ("has a character outside ASCII: an 'Authorization: Bearer' header carries ASCII (RFC 6750), so no "
+                "client could present it")
     if key != key.strip() or not key.isprintable():
         return ("has whitespace at an end or a control character (a secret file's trailing newline?): an "
                 "'Authorization: Bearer' header cannot carry it")

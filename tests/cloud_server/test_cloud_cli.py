@@ -114,6 +114,9 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     # a secret file's trailing newline: the header's token is stripped, so every client got 401
     (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_API_KEY": "abc\n"}, "api_key has whitespace at an end"),
     (["B", "--device", "cpu", "--api-key", "a\tb"], {}, "or a control character"),
+    # a header's bytes are read as Latin-1: a UTF-8 client's key got 401, httpx could not send it
+    (["B", "--device", "cpu", "--api-key", "caf\u00e9"], {}, "api_key has a character outside ASCII"),
+    (["B", "--device", "cpu", "--api-key", "k\udcff"], {}, "api_key has a character outside ASCII"),  # not UTF-8
     # an empty host (`--host "$HOST"`, HOST unset) listened on every interface, where the default is loopback only
     (["B", "--device", "cpu", "--host", ""], {}, "host is empty"),
     (["B", "--device", "cpu", "--host", "[::1]"], {}, r"host \[::1\]: give an IPv6 address without brackets \(::1\)"),
