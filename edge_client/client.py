@@ -691,6 +691,8 @@ class _GenerationBase:
                 self.token_ids.append(token)
             self.text += delta
             return delta
+        if kind in ("end", "error"):  # the stream's end stays queued for whoever else reads it: a close() from another
+            self._q.put_nowait(item)   # thread or task took it while the loop reading the deltas waited for ever
         if kind == "end":
             self.finish_reason = item[1]
             self._done = True

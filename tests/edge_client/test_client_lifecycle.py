@@ -84,3 +84,46 @@ def test_a_client_dropped_unclosed_ends_its_thread_and_its_cloud_session(tiny_bu
         gc.collect()
         time.sleep(0.1)
     assert (loops(), _sessions_open(tiny_cloud)) == (before_threads, before_sessions)
+
+
+def test_closing_a_generation_from_another_task_or_thread_ends_the_loop_reading_it():
+    """A UI's stop button calling ``gen.close()`` / ``await agen.aclose()`` while another thread or task reads the
+    deltas: both wait on the stream, and when the closing side took its end the reader waited for ever (1 in 10 on a
+    real autoglm-cloud serve). The end now stays queued for every reader. The interleaving is made exact here: the
+    reader takes a token, then waits behind the closer, which takes the end."""
+    import asyncio
+    import queue
+    import threading
+
+    from edge_client.client import AsyncGeneration, Generation
+    from edge_client.request import RequestSpec
+
+    async def async_case() -> str | None:
+        agen = AsyncGeneration(object(), RequestSpec(prompt_ids=PROMPT), asyncio.Queue())
+        reader = asyncio.create_task(agen.__anext__())
+        await asyncio.sleep(0.05)  # the reader waits on the stream first
+        closer = asyncio.create_task(agen.aclose())
+        await asyncio.sleep(0.05)  # and the closer behind it
+        agen._q.put_nowait(("token", 7, ""))  # the reader's: no text yet, it waits again - behind the closer
+        await asyncio.sleep(0.05)
+        agen._q.put_nowait(("end", "cancelled"))  # the closer's
+        await asyncio.wait_for(closer, 5.0)
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(reader, 5.0)
+        return agen.finish_reason
+
+    assert asyncio.run(async_case()) == "cancelled"
+
+    gen = Generation(object(), RequestSpec(prompt_ids=PROMPT), queue.Queue())
+    reader = threading.Thread(target=lambda: list(gen), daemon=True)
+    reader.start()
+    time.sleep(0.05)
+    closer = threading.Thread(target=gen.close, daemon=True)
+    closer.start()
+    time.sleep(0.05)
+    gen._q.put(("token", 7, ""))
+    time.sleep(0.05)
+    gen._q.put(("end", "cancelled"))
+    closer.join(5.0)
+    reader.join(5.0)
+    assert not reader.is_alive() and gen.finish_reason == "cancelled"
