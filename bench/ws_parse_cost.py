@@ -11,7 +11,8 @@ larger slice (``--alt-slice``, default 8.5 KiB: one whole bf16 step):
 * one slice of a flood of empty frames (6 bytes each) at each size: frames and milliseconds, the longest one parser
   call holds the loop.
 
-    python bench/ws_parse_cost.py [--frames 2000] [--repeats 5] [--alt-slice 8704] [--json out.json]
+Run as ``python bench/ws_parse_cost.py [--frames 2000] [--repeats 5] [--alt-slice 8704] [--json out.json]``; the
+numbers are this CPU's, so read the ratios.
 """
 
 from __future__ import annotations
