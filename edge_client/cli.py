@@ -37,8 +37,9 @@ def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
     g = p.add_argument_group("edge runtime (env: AUTOGLM_EDGE_<FIELD>)")
     g.add_argument("--bundle", type=Path, help="bundle directory (env AUTOGLM_BUNDLE)")
     if need_url:
-        g.add_argument("--url", help="the cloud's base URL ws://host:port, or its split endpoint "
-                                     "ws://host:port/v1/split (default ws://127.0.0.1:8000; env AUTOGLM_URL)")
+        g.add_argument("--url", help="the cloud's base URL ws://host:port (an OpenAI base_url's http(s):// is "
+                                     "ws(s)://), or its split endpoint ws://host:port/v1/split (default "
+                                     "ws://127.0.0.1:8000; env AUTOGLM_URL)")
         g.add_argument("--api-key", help="cloud API key (env AUTOGLM_API_KEY)")
         g.add_argument("--ca-file", type=Path, help="wss://: trust the CAs in this PEM file (default: the system "
                                                     "store or SSL_CERT_FILE; env AUTOGLM_EDGE_CA_FILE)")

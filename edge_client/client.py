@@ -9,10 +9,14 @@
     async for delta in client.agenerate(prompt="..."):   # the async twin (any event loop)
         ...
 
+    async with EdgeClient(...) as client:   # an asyncio app: closed by ``await client.aclose()``, off its loop
+        ...
+
 One request runs at a time (the edge holds one sequence's KV); concurrent calls queue. Everything network-
 side runs on a private event loop thread that owns the WebSocket, so the sync and async APIs share one
 session; the front layers run in a worker thread so keepalive pings go out during a long prefill. That thread stays
-in the process that built the client: a forked child's copy refuses every call (``forked``).
+in the process that built the client: a forked child's copy refuses every call (``forked``), and so does a
+generation it inherited (its stream is fed by that thread).
 
 A request (see :mod:`edge_client.generation` for the wire flow): tokenize -> activation-cache lookup ->
 front prefill of the rest in chunks, each chunk coded and sent as soon as it is computed -> for every token
@@ -176,11 +180,22 @@ class EdgeClient:
         self.cache.close()  # its scope is free to retire (edge_client.bundle_sync.retire_cache)
         self._version.close()  # and its bundle version free to remove (bundle_sync.switch)
 
+    async def aclose(self) -> None:
+        """:meth:`close` for an asyncio app: it runs on a worker thread, so the caller's event loop serves its other
+        tasks meanwhile (closing waits for the server's goodbye, up to seconds on a slow link)."""
+        await asyncio.to_thread(self.close)
+
     def __enter__(self) -> EdgeClient:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    async def __aenter__(self) -> EdgeClient:  # ``async with EdgeClient(...) as client:``
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
 
     def _call(self, coro, timeout: float | None = None):
         try:
@@ -198,10 +213,7 @@ class EdgeClient:
         """A closed client's loop has stopped, and a forked child's copy never had one (threads do not survive a
         fork; its loop thread and WebSocket stayed with the parent): a request would wait forever, so it is refused
         at once."""
-        if os.getpid() != self._pid:
-            raise EdgeClientError(f"this EdgeClient was created in process {self._pid}, and a forked process cannot "
-                                  "use it (its event loop thread and WebSocket stay in that process): create the "
-                                  "client in the child (a multiprocessing worker's initializer)", "forked")
+        _refuse_forked(self._pid, "EdgeClient")
         if self._closed:
             raise EdgeClientError("the client is closed", "closed")
 
@@ -490,6 +502,16 @@ class EdgeClient:
         return out
 
 
+def _refuse_forked(pid: int, what: str) -> None:
+    """EdgeClientError ``forked`` in a process forked from ``pid``, where ``what`` (the client, or a generation's
+    stream, which its event loop thread feeds) was made: threads do not survive a fork, so a call would wait for
+    ever."""
+    if os.getpid() != pid:
+        raise EdgeClientError(f"this {what} was created in process {pid}, and a forked process cannot use it (its "
+                              "event loop thread and WebSocket stay in that process): create the client in the child "
+                              "(a multiprocessing worker's initializer)", "forked")
+
+
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
     """The client's loop thread: the loop runs until stopped, then closes (its executor's threads - front work,
     ``to_thread`` - end with it)."""
@@ -665,6 +687,7 @@ class _GenerationBase:
         self.finish_reason: str | None = None
         self._future: concurrent.futures.Future | None = None
         self._done = False
+        self._pid = os.getpid()  # the process whose client's loop thread feeds the stream (a forked child's has none)
 
     def _media_stats(self) -> None:
         media = self.spec.media
@@ -675,12 +698,23 @@ class _GenerationBase:
 
     def cancel(self) -> None:
         """Stop generating: the cloud is told to drop the request; iteration ends with finish_reason
-        ``"cancelled"``. Safe from any thread."""
+        ``"cancelled"``. Safe from any thread; ``forked`` in a forked child, as reading it there is."""
+        self._check_process()
         if self._future is not None:
             self._future.cancel()
 
+    def _check_process(self) -> None:
+        """``forked`` in a child forked after the request started: its copy of the stream is fed by no one (the
+        parent's loop thread feeds the parent's), so a read waited for ever."""
+        _refuse_forked(self._pid, type(self).__name__)
+
+    def _unfinished_here(self) -> bool:
+        """Not finished, in the process that started it: what close() and collection cancel. A forked child's copy
+        is left alone, as a forked client's close() leaves the parent's client (the parent's request runs on)."""
+        return not self._done and os.getpid() == self._pid
+
     def __del__(self):  # abandoned mid-way (a loop left, a consuming task cancelled): free the session for the next
-        if not self._done:
+        if self._unfinished_here():
             self.cancel()
 
     def _consume(self, item) -> str | None:
@@ -722,6 +756,7 @@ class Generation(_GenerationBase):
 
     def __next__(self) -> str:
         while not self._done:
+            self._check_process()
             delta = self._consume(self._q.get())
             if delta:
                 return delta
@@ -731,13 +766,15 @@ class Generation(_GenerationBase):
         """Iterate ``(token_id, text_delta)`` per generated token (the delta may be empty while a character
         is incomplete). Use this or plain iteration, not both."""
         while not self._done:
+            self._check_process()
             n = len(self.token_ids)
             delta = self._consume(self._q.get())
             if len(self.token_ids) > n:
                 yield self.token_ids[-1], delta
 
     def close(self) -> None:
-        if not self._done:
+        """Cancel an unfinished request and wait for its end (nothing in a forked child: ``_unfinished_here``)."""
+        if self._unfinished_here():
             self.cancel()
             while not self._done:
                 try:
@@ -766,6 +803,7 @@ class AsyncGeneration(_GenerationBase):
 
     async def __anext__(self) -> str:
         while not self._done:
+            self._check_process()
             delta = self._consume(await self._q.get())
             if delta:
                 return delta
@@ -774,13 +812,15 @@ class AsyncGeneration(_GenerationBase):
     async def iter_tokens(self):
         """Async ``(token_id, text_delta)`` per generated token (see :meth:`Generation.iter_tokens`)."""
         while not self._done:
+            self._check_process()
             n = len(self.token_ids)
             delta = self._consume(await self._q.get())
             if len(self.token_ids) > n:
                 yield self.token_ids[-1], delta
 
     async def aclose(self) -> None:
-        if not self._done:
+        """Cancel an unfinished request and wait for its end (nothing in a forked child, as :meth:`Generation.close`)."""
+        if self._unfinished_here():
             self.cancel()
             while not self._done:
                 try:

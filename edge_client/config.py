@@ -19,6 +19,8 @@ from shared.threads import threads_problem
 from shared.user_paths import user_path
 
 DEFAULT_SPLIT_PATH = "/v1/split"  # the cloud server's WebSocket route for split sessions
+# a URL's scheme -> the split endpoint's: an OpenAI base_url's http(s) is the same server's WebSocket, TLS kept
+_WS_SCHEMES = {"ws": "ws", "wss": "wss", "http": "ws", "https": "wss"}
 
 
 class ConfigError(ValueError):
@@ -28,7 +30,10 @@ class ConfigError(ValueError):
 def split_url(url: str) -> str:
     """The split endpoint's WebSocket URL for ``url``: a server's base URL (``ws://host:port``, or a path ending in
     ``/v1`` - ``wss://gw/autoglm/v1`` behind a proxy's prefix - as an OpenAI client takes ``base_url``) gets the
-    endpoint's path (``/v1/split``, ``/autoglm/v1/split``); any other path is kept as given. Whitespace around it
+    endpoint's path (``/v1/split``, ``/autoglm/v1/split``); any other path is kept as given. An OpenAI client's own
+    ``base_url`` works too: ``http://`` is the same server's ``ws://``, ``https://`` its ``wss://`` (host, port and
+    path as above; the TLS options apply to it), so one base URL serves the cloud's OpenAI routes and this client;
+    another scheme is ``ConfigError``. Whitespace around it
     (an environment twin read from a file) is dropped, as a browser's URL parser drops it; whitespace inside, port 0
     (the WebSocket library would dial the scheme's default port) and credentials in it (``user:pass@``: they would go
     out as HTTP Basic auth in place of the API key's Bearer, and into every error message and log line naming the
@@ -46,9 +51,10 @@ def split_url(url: str) -> str:
         host, port = parts.hostname, parts.port  # parsing the port raises ValueError when it is not one
     except ValueError as e:  # a bracket left open, a port out of range
         raise ConfigError(f"url {url!r}: {e}") from None
-    if parts.scheme not in ("ws", "wss") or not host:
-        raise ConfigError(f"url {url!r}: expected ws:// or wss:// and a host (the server's base URL, or its "
-                          f"{DEFAULT_SPLIT_PATH} endpoint)")
+    scheme = _WS_SCHEMES.get(parts.scheme)
+    if scheme is None or not host:
+        raise ConfigError(f"url {url!r}: expected ws://, wss://, http:// or https:// and a host (the server's base "
+                          f"URL, or its {DEFAULT_SPLIT_PATH} endpoint)")
     if port == 0 or any(c.isspace() for c in url):
         raise ConfigError(f"url {url!r}: " + ("port 0 is no server's port" if port == 0 else "whitespace inside"))
     path = parts.path.rstrip("/")
@@ -56,7 +62,7 @@ def split_url(url: str) -> str:
         path = DEFAULT_SPLIT_PATH
     elif path.endswith("/v1"):
         path += DEFAULT_SPLIT_PATH.removeprefix("/v1")
-    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+    return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
 @dataclass(slots=True)

@@ -13,9 +13,9 @@ Failure classes (the client's retry decisions hang on them):
 * :class:`GarbageFromServer` - the peer is not speaking our protocol (a non-WebSocket HTTP reply, an
   undecodable frame): not retried; the message says what arrived.
 
-The URL may be the server's base URL (``ws://host:port``, as an OpenAI client takes ``base_url``) or the split
-endpoint itself (``ws://host:port/v1/split``); :func:`~edge_client.config.split_url` resolves the first to
-the second. A URL with no split endpoint behind it (HTTP 403/404 on the upgrade) says so.
+The URL may be the server's base URL (``ws://host:port``, as an OpenAI client takes ``base_url``; its ``http(s)://``
+is ``ws(s)://``) or the split endpoint itself (``ws://host:port/v1/split``); :func:`~edge_client.config.split_url`
+resolves the first to the second. A URL with no split endpoint behind it (HTTP 403/404 on the upgrade) says so.
 
 Routing: with :attr:`Link.route_key` set (the first prefix key of the system prompt the edge preloaded, scoped
 by tenant: :func:`route_key`), every upgrade carries it in :data:`ROUTE_HEADER`, so a proxy that hashes on it

@@ -93,9 +93,16 @@ MAX_STOPS = 16
 
 def stop_problem(stops: list[str]) -> str | None:
     """What is wrong with a request's stop strings (checked strings), or None: every path's one rule (the OpenAI
-    routes and ``EdgeClient.generate``). An empty one would end every answer before its first character."""
+    routes and ``EdgeClient.generate``). An empty one would end every answer before its first character; one with a
+    UTF-16 surrogate (``"\\ud800"``, or a pair's halves as two characters) is no text, so no answer's text holds it:
+    the stop never matched and the answer ran to ``max_tokens`` (the OpenAI routes refuse it in the body already)."""
     if len(stops) > MAX_STOPS or not all(stops):
         return f"stop: at most {MAX_STOPS} non-empty strings"
+    for s in stops:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            return "stop: a string with a lone UTF-16 surrogate (\\uD800-\\uDFFF), which is not text"
     return None
 
 

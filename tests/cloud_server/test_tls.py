@@ -197,6 +197,18 @@ def test_ssl_cert_file_is_the_trust_store_when_no_ca_file_is_given(tiny_bundle, 
     assert out.stdout.strip() == str(reference[0])
 
 
+def test_an_openai_https_base_url_is_the_servers_wss_with_the_same_trust(tiny_bundle, tls_server, pki, reference):
+    """The base URL an OpenAI client of this server takes (``https://host:port/v1``) was a ConfigError: it is the
+    server's ``wss://`` endpoint, and ``ca_file`` applies to it (another CA is refused as for ``wss://``)."""
+    with EdgeClient(tiny_bundle, f"{tls_server.url}/v1", codec="fp16", retry=RETRY, ca_file=pki["ca"]) as c:
+        assert c.config.url == tls_server.ws_url
+        assert c.complete(prompt_ids=PROMPT, max_tokens=8).token_ids == reference[0]
+    with EdgeClient(tiny_bundle, f"{tls_server.url}/v1", codec="fp16", retry=RETRY, ca_file=pki["other_ca"]) as c:
+        with pytest.raises(EdgeClientError) as e:
+            c.complete(prompt_ids=PROMPT, max_tokens=4)
+    assert e.value.code == "tls_verify_failed"
+
+
 def test_a_client_trusting_another_ca_is_refused_clearly(tiny_bundle, tls_server, pki):
     with EdgeClient(tiny_bundle, tls_server.ws_url, codec="fp16", retry=RETRY, ca_file=pki["other_ca"]) as c:
         with pytest.raises(EdgeClientError) as e:

@@ -19,7 +19,7 @@ from edge_client.cli import build_parser, main
 
 @pytest.mark.parametrize("argv, needle", [
     (["chat", "--bundle", "/no/such/bundle", "--url", "ws://x"], "no such bundle directory"),
-    (["serve", "--bundle", "/no/such/bundle", "--url", "http://x"], "expected ws:// or wss://"),
+    (["serve", "--bundle", "/no/such/bundle", "--url", "ftp://x"], "expected ws://, wss://, http:// or https://"),
     (["chat", "--bundle", "/b", "--url", "ws://x", "--threads", "0"], "threads must be >= 1"),
     # no upper bound: 100,000 hung the load (onnxruntime starting its threads); plan's and the rig's bound
     # (shared.threads), said before anything loads - demo's before minutes of building its bundle

@@ -1,6 +1,7 @@
-"""An EdgeClient's lifecycle as an app uses it beyond one thread: a client inherited by a forked process (a
-multiprocessing worker) must fail at once with a clear error, never wait forever, and leave the parent's client
-serving."""
+"""An EdgeClient's lifecycle as an app uses it beyond one thread: a client or a generation inherited by a forked
+process (a multiprocessing worker) must fail at once with a clear error, never wait forever, and leave the parent's
+serving; an asyncio app closes its client (``async with``) without holding its event loop; an OpenAI client's
+``base_url`` reaches the split endpoint."""
 
 from __future__ import annotations
 
@@ -127,3 +128,113 @@ def test_closing_a_generation_from_another_task_or_thread_ends_the_loop_reading_
     closer.join(5.0)
     reader.join(5.0)
     assert not reader.is_alive() and gen.finish_reason == "cancelled"
+
+
+def _read_in_child(gen, agen, conn) -> None:
+    """In the forked child: the outcome of reading, iterating by token and cancelling each inherited generation
+    (its error code, or 'ok'), and how long their close() took."""
+    import asyncio
+
+    outcomes = []
+    for call in (lambda: next(gen), lambda: next(gen.iter_tokens()), gen.cancel,
+                 lambda: asyncio.run(agen.__anext__()), agen.cancel):
+        try:
+            call()
+            outcomes.append("ok")
+        except Exception as e:  # noqa: BLE001 - the outcome is the test's
+            outcomes.append(getattr(e, "code", type(e).__name__))
+    t0 = time.monotonic()
+    gen.close()
+    asyncio.run(agen.aclose())
+    conn.send((outcomes, time.monotonic() - t0))
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork on this platform")
+def test_a_generation_read_in_a_forked_process_fails_forked_at_once_and_the_parent_reads_it_whole(tiny_bundle,
+                                                                                                 tiny_cloud):
+    """A generation started before a fork and read in the child (a multiprocessing worker handed it) waited for ever:
+    its stream is fed by the parent's loop thread, which the child has not (its close() waited 10 s). Reading it,
+    by text or by token, sync or async, and cancelling it now fail ``forked`` at once, its close() does nothing,
+    and the parent reads both generations to their end, the tokens of a run without a fork."""
+    import asyncio
+
+    from edge_client import EdgeClient
+
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url) as client:
+        reference = client.complete(prompt_ids=PROMPT, max_tokens=12).token_ids
+        loop = asyncio.new_event_loop()
+        gen = client.generate(prompt_ids=PROMPT, max_tokens=12)
+        next(gen)
+        agen = client.agenerate(prompt_ids=PROMPT, max_tokens=12, loop=loop)
+        ctx = multiprocessing.get_context("fork")
+        parent_end, child_end = ctx.Pipe()
+        child = ctx.Process(target=_read_in_child, args=(gen, agen, child_end))
+        child.start()
+        child.join(20.0)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+            child.join()
+        assert not hung and parent_end.poll(), "the forked child's reads waited for ever"
+        outcomes, close_s = parent_end.recv()
+        assert outcomes == ["forked"] * 5 and close_s < 1.0
+        list(gen)
+
+        async def read_all() -> None:
+            async for _ in agen:
+                pass
+        loop.run_until_complete(read_all())
+        loop.close()
+        assert gen.token_ids == agen.token_ids == reference
+
+
+def test_an_asyncio_app_closes_its_client_with_async_with_and_its_loop_runs_meanwhile(tiny_bundle, tiny_cloud):
+    """``async with EdgeClient(...)`` was a TypeError: an asyncio app called the blocking close() on its own event
+    loop, which then served nothing else until the server's goodbye came. ``__aexit__`` / ``aclose()`` close on a
+    worker thread: here the close waits for a flag that only another task of the app's loop sets, so a close on
+    the loop would never end. The client is closed as close() closes it: its generation still open ends
+    ``closed``, its loop thread and its cloud session end; a second aclose() is a no-op."""
+    import asyncio
+    import threading
+
+    from edge_client import EdgeClient, EdgeClientError
+
+    before = _sessions_open(tiny_cloud)
+
+    async def app() -> tuple[EdgeClient, object]:
+        loop_ran = threading.Event()
+        async with EdgeClient(tiny_bundle, tiny_cloud.ws_url) as client:
+            real_close = client.close
+
+            def close_after_the_loop_ran() -> None:
+                assert loop_ran.wait(30.0), "close() held the app's event loop"
+                real_close()
+            client.close = close_after_the_loop_ran
+            agen = client.agenerate(prompt_ids=PROMPT, max_tokens=3000)
+            await agen.__anext__()
+            asyncio.get_running_loop().call_later(0.05, loop_ran.set)
+        with pytest.raises(EdgeClientError) as e:
+            async for _ in agen:
+                pass
+        assert e.value.code == "closed"
+        await client.aclose()
+        return client
+
+    client = asyncio.run(app())
+    assert client._closed and not client._thread.is_alive()
+    deadline = time.monotonic() + 10.0
+    while _sessions_open(tiny_cloud) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _sessions_open(tiny_cloud) == before
+
+
+def test_an_openai_base_url_is_the_split_endpoints(tiny_bundle, tiny_cloud):
+    """An OpenAI user's ``base_url`` (``http://host:port/v1``) was a ConfigError; it is the same server's WebSocket
+    (``ws://host:port/v1/split``), and the answer is the one the ws:// URL gets."""
+    from edge_client import EdgeClient
+
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url) as client:
+        reference = client.complete(prompt_ids=PROMPT, max_tokens=8).token_ids
+    with EdgeClient(tiny_bundle, f"{tiny_cloud.http_url}/v1") as client:
+        assert client.config.url == tiny_cloud.ws_url
+        assert client.complete(prompt_ids=PROMPT, max_tokens=8).token_ids == reference

@@ -24,7 +24,7 @@ def test_backoff_grows_to_its_cap_with_bounded_jitter():
     assert r.backoff(5000) == 1.0  # a reconnect window of many short retries (2.0 ** 1100 overflowed)
 
 
-@pytest.mark.parametrize("kw, field", [(dict(url="http://x"), "url"), (dict(threads=0), "threads"),
+@pytest.mark.parametrize("kw, field", [(dict(url="ftp://x"), "url"), (dict(threads=0), "threads"),
                                        (dict(cache_dtype="int8"), "cache_dtype"),
                                        (dict(prefill_chunk=0), "prefill_chunk"), (dict(draft_k=-1), "draft_k"),
                                        (dict(draft_k=2.5), "draft_k"), (dict(draft_k="3"), "draft_k"),
@@ -120,6 +120,11 @@ def test_paths_starting_with_a_tilde_are_the_users_home(tmp_path, monkeypatch):
     ("wss://gw/autoglm/v1 \n", "wss://gw/autoglm/v1/split"),  # the path was '/v1 ', its server's answer HTTP 400
     ("ws://[::1]:8000/", "ws://[::1]:8000/v1/split"),
     ("ws://h:8000/v1?tenant=a", "ws://h:8000/v1/split?tenant=a"),
+    # an OpenAI client's base_url (a ConfigError before): the same server's WebSocket, the same path rules
+    ("http://h:8000/v1", "ws://h:8000/v1/split"),
+    ("https://gw/autoglm/v1/", "wss://gw/autoglm/v1/split"),
+    ("HTTPS://h:8443", "wss://h:8443/v1/split"),
+    ("http://h/v1/split?tenant=a", "ws://h/v1/split?tenant=a"),
 ])
 def test_a_url_with_whitespace_around_it_is_the_url(given, expected):
     from edge_client.config import split_url
@@ -132,6 +137,8 @@ def test_a_url_with_whitespace_around_it_is_the_url(given, expected):
     ("ws://h:8000/v 1", "whitespace inside"),
     ("ws://user:s3cret@h:8000/v1", "credentials in the URL"),  # sent as Basic auth and shown in every error
     ("ws://user:s3cret@h:bad/v1", "credentials in the URL"),
+    ("https://user:s3cret@h/v1", "credentials in the URL"),
+    ("ftp://h/v1", "expected ws://, wss://, http:// or https://"),
 ])
 def test_a_url_the_client_cannot_dial_as_written_is_a_config_error_that_shows_no_password(tmp_path, url, match):
     with pytest.raises(ConfigError, match=match) as e:

@@ -29,9 +29,10 @@ DEAD_URL = "ws://127.0.0.1:9"  # nothing listens: a request that got past valida
 @pytest.mark.parametrize("url, match", [
     ("ws://127.0.0.1:99999", "Port out of range"),
     ("ws://[::1", "Invalid IPv6"),
-    ("ws://:8000", "expected ws:// or wss:// and a host"),
-    ("localhost:8000", "expected ws:// or wss://"),
-    ("ftp://x", "expected ws:// or wss://"),
+    ("ws://:8000", "expected ws://, wss://, http:// or https:// and a host"),
+    ("http://:8000/v1", "expected ws://, wss://, http:// or https:// and a host"),
+    ("localhost:8000", "expected ws://, wss://, http:// or https://"),
+    ("ftp://x", "expected ws://, wss://, http:// or https://"),
 ])
 def test_bad_urls_are_config_errors(url, match):
     with pytest.raises(ConfigError, match=match):
@@ -182,6 +183,10 @@ def client(tiny_bundle):
     ({"prompt": "hi", "stop": ""}, "stop: at most 16 non-empty strings"),
     ({"prompt": "hi", "stop": ["a", ""]}, "stop: at most 16 non-empty strings"),
     ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "stop: at most 16 non-empty strings"),
+    # no text (the local API's 400 for the body): no answer's text holds one, so it never matched - the answer ran on
+    ({"prompt": "hi", "stop": "\ud800"}, "stop: a string with a lone UTF-16 surrogate"),
+    ({"prompt": "hi", "stop": ["ok", "a\udfff"]}, "stop: a string with a lone UTF-16 surrogate"),
+    ({"prompt": "hi", "stop": "\ud83d\ude00"}, "stop: a string with a lone UTF-16 surrogate"),  # a pair's halves
     # the wire's types too: these passed the range checks and failed after the prompt ran ('internal' + traceback)
     ({"prompt": "hi", "top_k": 1.5}, "top_k must be an integer"),
     ({"prompt": "hi", "top_p": True}, "top_p must be a number"),
