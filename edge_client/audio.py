@@ -5,9 +5,11 @@ GLM-4.1V has no audio encoder; a bundle carries one only when ``split --audio-en
 projector. Features follow Whisper's (transformers' ``WhisperFeatureExtractor``): 16 kHz mono, 25 ms
 periodic-Hann frames every 10 ms (reflect-padded, centred), power spectrum, Slaney mel filter bank,
 ``log10`` floored at 1e-10, clipped to 8 below the maximum, ``(x + 4) / 4``; the clip is zero-padded to the
-encoder's window first, and only the rows that cover the clip become prompt tokens.
+encoder's window first, and only the rows that cover the clip become prompt tokens. A clip at another rate (a phone
+records 44.1 or 48 kHz) is resampled to the encoder's first (``edge_client.resample``: polyphase Kaiser low-pass).
 
-Bad input (empty, silent, not finite, not 16 kHz, not a WAV of PCM or float samples, longer than the window) raises ``MediaError``.
+Bad input (empty, silent, not finite, sampled below MIN_SAMPLE_RATE or above MAX_SAMPLE_RATE, not a WAV of PCM or
+float samples, longer than the window once resampled) raises ``MediaError``.
 Only numpy and onnxruntime: this module runs on the phone.
 """
 
@@ -25,12 +27,14 @@ from pathlib import Path
 import numpy as np
 
 from .encoder_session import LazyEncoder, LazySession
+from .resample import output_length, resample
 from .vision import MediaError
 
 AUDIO = "edge/audio.onnx"
 AUDIO_CONFIG = "edge/audio.json"
 SILENCE_PEAK = 1e-4  # a clip whose samples all stay below this (of full scale) is silence
 MAX_AUDIO_BYTES = 16 << 20
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 4000, 384000  # Hz: a recording's rate outside these is a broken header
 WAVE_PCM, WAVE_FLOAT, WAVE_EXTENSIBLE = 1, 3, 0xFFFE  # a WAV fmt chunk's format tags
 KSDATAFORMAT_TAIL = bytes.fromhex("000000001000800000aa00389b71")  # an extensible sub-format GUID after its tag
 STREAMED_SIZE = 0xFFFFFFFF  # a chunk size a writer that cannot seek back leaves in place: "to the end of the file"
@@ -238,24 +242,31 @@ def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarra
     return x.reshape(-1, channels).mean(axis=1), rate
 
 
-def check_fits(n_samples: int, sample_rate: int, spec: AudioSpec) -> None:
-    """A clip of ``n_samples`` at ``sample_rate`` must be at the encoder's rate and within its window."""
-    if sample_rate != spec.sample_rate:
-        raise MediaError(f"audio at {sample_rate} Hz: the encoder takes {spec.sample_rate} Hz (resample first)",
+def check_fits(n_samples: int, sample_rate: int, spec: AudioSpec) -> int:
+    """A clip of ``n_samples`` at ``sample_rate`` -> its samples at the encoder's rate (:func:`check_audio` resamples
+    it there); refused if sampled outside [MIN_SAMPLE_RATE, MAX_SAMPLE_RATE] or longer than the encoder's window."""
+    if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
+        raise MediaError(f"audio at {sample_rate} Hz: the sample rate must be within {MIN_SAMPLE_RATE}.."
+                         f"{MAX_SAMPLE_RATE} Hz (the encoder takes {spec.sample_rate} Hz; other rates are resampled)",
                          "bad_sample_rate")
-    if n_samples > spec.max_samples:
-        raise MediaError(f"audio of {n_samples / spec.sample_rate:.1f} s exceeds the encoder's "
+    n = output_length(n_samples, sample_rate, spec.sample_rate)
+    if n > spec.max_samples:
+        raise MediaError(f"audio of {n_samples / sample_rate:.1f} s exceeds the encoder's "
                          f"{spec.max_samples / spec.sample_rate:.1f} s window", "audio_too_long")
+    return n
 
 
 def check_audio(samples: np.ndarray, sample_rate: int, spec: AudioSpec) -> np.ndarray:
-    """Samples -> float32 [n] the encoder takes; refuses wrongly sampled, too long, empty or silent clips."""
+    """Samples at ``sample_rate`` -> float32 [n] at the encoder's rate (resampled, ``edge_client.resample``);
+    refuses wrongly sampled, too long, empty, not finite or silent clips (silent at the encoder's rate: a clip of
+    only ultrasound is)."""
     x = np.asarray(samples, np.float32).reshape(-1)
     check_fits(x.size, sample_rate, spec)
     if x.size == 0:
         raise MediaError("empty audio (no samples)", "bad_audio")
     if not np.isfinite(x).all():
         raise MediaError("audio samples are not finite", "bad_audio")
+    x = resample(x, sample_rate, spec.sample_rate)
     if float(np.abs(x).max()) < SILENCE_PEAK:
         raise MediaError("the audio is silent", "silent_audio")
     return x
@@ -286,10 +297,10 @@ class AudioEncoder(LazyEncoder):
 
     def check(self, data: bytes) -> tuple[bytes, int]:
         """WAV bytes -> (the bytes, the clip's audio tokens), from the header alone (:func:`wav_header`): a clip at
-        another rate or longer than the encoder's window is refused, nothing is decoded yet."""
+        a rate outside the bounds or longer than the encoder's window once resampled is refused, nothing is decoded
+        yet."""
         h = wav_header(data)
-        check_fits(h.frames, h.rate, self.spec)
-        return data, self.spec.tokens_for(h.frames)
+        return data, self.spec.tokens_for(check_fits(h.frames, h.rate, self.spec))
 
     def prepared(self, data: bytes) -> PreparedAudio:
         """A :meth:`check` result's bytes -> :class:`PreparedAudio`: decoded, :func:`check_audio` (empty, not

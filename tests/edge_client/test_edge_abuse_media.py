@@ -511,10 +511,10 @@ def test_an_app_gone_while_its_image_is_fetched_starts_nothing(served, monkeypat
 
 def test_wav_variants(served):
     """8-, 16- (stereo), 24- (used to be refused) and 32-bit PCM, a missing ``format`` (wav), ``"WAV"`` (used to be
-    unsupported_format: the format is read in any case) and base64 with a trailing newline: served. Refused with a
-    400 each: 0 samples, a header declaring 2 hours
-    over half a second of data (truncated), mp3 bytes labelled wav, 8 kHz and 192 kHz, longer than the encoder's
-    window, a format other than wav."""
+    unsupported_format: the format is read in any case), base64 with a trailing newline, 8 kHz and 192 kHz (were
+    bad_sample_rate: resampled to 16 kHz now): served. Refused with a 400 each: 0 samples, a header declaring 2 hours
+    over half a second of data (truncated), mp3 bytes labelled wav, 3 kHz and 400 kHz (outside 4..384 kHz), longer
+    than the encoder's window (at 16 and at 48 kHz), a format other than wav."""
     _, a, _, _ = served
     x = tone(0.5)
     i24 = np.round(x * (2 ** 23 - 1)).astype("<i4")
@@ -530,6 +530,8 @@ def test_wav_variants(served):
         "no format": _audio(wav(x), fmt=None),
         "WAV": _audio(wav(x), fmt="WAV"),
         "newline": _audio(base64.b64encode(wav(x)).decode() + "\n"),
+        "8 kHz": _audio(wav(tone(0.5, 8000), 8000)),  # resampled to the encoder's 16 kHz (was bad_sample_rate)
+        "192 kHz": _audio(wav(tone(0.5, 192000), 192000)),
     }
     for name, part in served_ok.items():
         assert _ok(_chat(a, part, max_tokens=1))["usage"]["prompt_tokens_details"]["audio_tokens"] == 13, name
@@ -537,8 +539,9 @@ def test_wav_variants(served):
         (_audio(_riff(b"")), "bad_audio"),
         (_audio(_riff((x * 32767).astype("<i2").tobytes(), frames=16000 * 7200)), "bad_audio"),
         (_audio(b"ID3\x03\x00\x00\x00\x00\x00\x00\xff\xfb\x90\x64" + bytes(400)), "bad_audio"),
-        (_audio(wav(tone(0.5, 8000), 8000)), "bad_sample_rate"),
-        (_audio(wav(tone(0.5, 192000), 192000)), "bad_sample_rate"),
+        (_audio(wav(tone(0.5, 3000), 3000)), "bad_sample_rate"),  # outside 4..384 kHz
+        (_audio(wav(tone(0.5, 400000), 400000)), "bad_sample_rate"),
+        (_audio(wav(tone(2.5, 48000), 48000)), "audio_too_long"),  # the window in seconds, at any rate
         (_audio(wav(tone(2.5))), "audio_too_long"),
         (_audio(wav(x), fmt="mp3"), "unsupported_format"),
     ]
