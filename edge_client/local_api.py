@@ -6,12 +6,14 @@ Existing apps (the ``openai`` client, ``langchain_openai.ChatOpenAI``) point the
 and completion routes of :mod:`shared.openai_routes` (shared with the cloud's full-model mode), which this
 module adapts to one :class:`~edge_client.client.EdgeClient`: the bundle's chat template makes the prompt,
 :meth:`EdgeClient.agenerate` runs it (front layers here, the rest in the cloud; stop strings cancel the cloud
-request), and the cloud's failures are ``upstream`` (502). ``precision`` (an extension) overrides the wire
-codec. Requests run one at a time (the edge runtime holds one sequence); later ones queue, up to
-``max_http_requests`` ``/v1/`` requests in flight (``autoglm-edge serve --max-http-requests``, as the cloud's flag):
-the next is a 429 with ``Retry-After`` (:class:`shared.http_limits.HttpConcurrencyLimit`), which the ``openai`` client
-retries. Each request waiting its turn held its body (up to :data:`MAX_BODY_BYTES`) and its socket: an app sending
-many at once grew the endpoint's memory without bound (20 requests of 25 MiB at once: 1.1 GB more).
+request), and the cloud's failures are ``upstream`` (502; a refusal for load, ``overloaded`` / ``draining``, is a
+503 whose ``Retry-After`` is the cloud's ``retry_after_ms`` in whole seconds, rounded up, at least 1). ``precision``
+(an extension) overrides the wire codec. Requests run one at a time (the edge runtime holds one sequence); later
+ones queue, up to ``max_http_requests`` ``/v1/`` requests in flight (``autoglm-edge serve --max-http-requests``, as
+the cloud's flag): the next is a 429 with ``Retry-After`` (:class:`shared.http_limits.HttpConcurrencyLimit`), which
+the ``openai`` client retries. Each request waiting its turn held its body (up to :data:`MAX_BODY_BYTES`) and its
+socket: an app sending many at once grew the endpoint's memory without bound (20 requests of 25 MiB at once: 1.1 GB
+more).
 
 Every connection has ``handshake_timeout_s`` (``autoglm-edge serve --handshake-timeout-s``, as the cloud's flag) to
 send a whole request head (:mod:`shared.http_protocol`, applied by :class:`ClosingServer`), and a request body that
@@ -84,7 +86,9 @@ class _EdgeStream:
         try:
             return await self.gen.__anext__()
         except EdgeClientError as e:
-            raise openai_routes.GenerationError(str(e), e.code, upstream=True) from None
+            # a refusal for load (overloaded, draining) keeps the cloud's wait: the answer's Retry-After
+            raise openai_routes.GenerationError(str(e), e.code, upstream=True,
+                                                retry_after_s=e.retry_after_s) from None
 
     def usage(self) -> dict[str, Any]:
         st = self.gen.stats

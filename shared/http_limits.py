@@ -11,8 +11,16 @@ too (``cloud_server.limits``).
 from __future__ import annotations
 
 import json
+import math
 
-RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After)
+RETRY_AFTER_S = 1  # what a refused client is told to wait (Retry-After) when nothing says how long
+
+
+def retry_after(wait_s: float | None = None) -> str:
+    """``Retry-After``'s value for a wait of ``wait_s`` seconds (None: :data:`RETRY_AFTER_S`), the one rule of every
+    refusal both servers answer with it: whole seconds (HTTP's delay-seconds), rounded up so a client never comes
+    back sooner than asked, and at least 1 (0 would have the ``openai`` client retry on its own backoff instead)."""
+    return str(max(1, math.ceil(RETRY_AFTER_S if wait_s is None else wait_s)))
 
 
 def limit_problem(limit: int) -> str | None:
@@ -73,6 +81,6 @@ async def refuse(send, kind: str, status: int, message: str, error_type: str) ->
     body = json.dumps({"error": {"message": message, "type": error_type, "param": None,
                                  "code": "overloaded"}}).encode()
     await send({"type": f"{kind}.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"retry-after", str(RETRY_AFTER_S).encode()),
+                "headers": [(b"content-type", b"application/json"), (b"retry-after", retry_after().encode()),
                             (b"content-length", str(len(body)).encode())]})
     await send({"type": f"{kind}.body", "body": body})

@@ -18,7 +18,9 @@ Contract:
   may call it more than once; an unfinished generation must be cancelled then.
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and one set of statuses on
   both ends: 400 a request refused, 401 a wrong key (the app's auth), 413 a body over the adapter's limit
-  (``install(max_body_bytes=...)``), 415 a compressed body (``Content-Encoding``), 503 not ready, draining or overloaded (with ``Retry-After``),
+  (``install(max_body_bytes=...)``), 415 a compressed body (``Content-Encoding``), 503 not ready, draining or
+  overloaded (with ``Retry-After``: :attr:`GenerationError.retry_after_s`, the wait a peer asked for, as
+  :func:`shared.http_limits.retry_after` rounds it; else 1 s),
   504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here. A stream's HTTP 200 goes with
   its first delta: a generation that fails before it has its status too; after it, an error is one
   ``data: {"error": ...}`` event, then ``data: [DONE]``.
@@ -41,6 +43,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from shared import openai_compat as oc
+from shared.http_limits import retry_after
 
 # Generation error codes (engine or wire) whose status is not "the server failed".
 # codec_not_negotiated: a precision (codec or compute variant) the session does not offer - the request's choice.
@@ -50,11 +53,14 @@ _STATUS_BY_CODE = {"context_full": 400, "prompt_too_long": 400, "too_long": 400,
 
 class GenerationError(Exception):
     """A generation that failed after it started. ``code`` is the engine's or the wire's error code;
-    ``upstream`` says the failure is a peer's (the edge reports its cloud's errors so)."""
+    ``upstream`` says the failure is a peer's (the edge reports its cloud's errors so); ``retry_after_s``: for a
+    refusal for load (503), the wait the peer asked for (the cloud's ``retry_after_ms``; None: the default), which
+    the answer's ``Retry-After`` carries."""
 
-    def __init__(self, message: str, code: str, upstream: bool = False):
+    def __init__(self, message: str, code: str, upstream: bool = False, retry_after_s: float | None = None):
         super().__init__(message)
         self.message, self.code, self.upstream = message, code, upstream
+        self.retry_after_s = retry_after_s
 
     @property
     def status(self) -> int:
@@ -92,12 +98,11 @@ def _internal(e: Exception) -> GenerationError:
     return GenerationError(f"internal error: {type(e).__name__}", "internal")
 
 
-RETRY_AFTER_S = 1  # a 503 (not ready, draining, overloaded) says when to try again; the openai client honours it
-
-
 def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
-    # 415 (a compressed body): the codings taken, as RFC 9110 15.5.16 asks
-    headers = ({"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else {"Accept-Encoding": "identity"}
+    # a 503 (not ready, draining, overloaded) says when to try again (the openai client honours it): the peer's wait
+    # where it asked for one; 415 (a compressed body): the codings taken, as RFC 9110 15.5.16 asks
+    wait_s = e.retry_after_s if isinstance(e, GenerationError) else None
+    headers = ({"Retry-After": retry_after(wait_s)} if e.status == 503 else {"Accept-Encoding": "identity"}
                if e.status == 415 else {"Connection": "close"} if e.status == 408 else None)  # 408: the body's
     # rest will not come, and the server must not read it as the connection's next request: it closes the connection
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -499,6 +501,50 @@ def test_a_first_connect_the_busy_cloud_refuses_fails_busy_not_unreachable(tiny_
                                                             **fast)) as c:
             threading.Timer(1.3, b.close).start()  # frees after the first window and the first retry_after
             c.connect()
+
+
+def test_the_local_endpoints_503_asks_the_wait_the_busy_cloud_asked_for(tiny_bundle, tmp_path):
+    """A real cloud at --max-sessions whose refusal asks 2.5 s (``retry_after_ms`` is the server's to choose: this
+    one's constant raised) had ``autoglm-edge serve`` answer 503 with a fixed ``Retry-After: 1``: the ``openai``
+    client came back after a second, to the same refusal. The 503 carries the cloud's wait in whole seconds, rounded
+    up (3), and the client waits it."""
+    import httpx
+    import openai
+
+    from edge_client.demo import stop_gracefully, wait_ready
+
+    port = free_port()
+    patched = ("import sys; import cloud_server.limits as L; L.RETRY_AFTER_MS['overloaded'] = 2500; "
+               "from cloud_server.cli import main; sys.exit(main())")
+    with open(tmp_path / "cloud.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", patched, "serve", str(tiny_bundle), "--host", "127.0.0.1",
+                                 "--port", str(port), "--max-sessions", "1"], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}/ready", 180, "cloud server")
+        url = f"ws://127.0.0.1:{port}/v1/split"
+        fast = dict(connect_timeout_s=5.0, backoff_initial_s=0.05, backoff_max_s=0.1)
+        with EdgeClient(tiny_bundle, url, retry=RetryPolicy(**fast)) as a:
+            a.connect()  # the server's one session
+            # a window shorter than the wait asked: each request fails at once, overloaded
+            with EdgeClient(tiny_bundle, url, retry=RetryPolicy(first_connect_window_s=0.2, reconnect_window_s=1.0,
+                                                                **fast)) as c:
+                base, srv = _serve(c)
+                try:
+                    r = httpx.post(f"{base}/chat/completions", timeout=30,
+                                   json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
+                    assert (r.status_code, r.headers.get("retry-after"), r.json()["error"]["code"]) == \
+                        (503, "3", "overloaded")
+                    oa = openai.OpenAI(base_url=base, api_key="EMPTY", max_retries=1)
+                    t0 = time.monotonic()
+                    with pytest.raises(openai.APIStatusError) as ei:  # refused, waited 3 s, refused again
+                        oa.chat.completions.create(model="split", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2)
+                    assert ei.value.status_code == 503 and time.monotonic() - t0 >= 3.0
+                finally:
+                    srv.should_exit = True
+    finally:
+        stop_gracefully(proc)
 
 
 def test_the_blocks_known_held_by_the_cloud_are_those_of_the_requests_compute_variant(tiny_bundle, small_pool_cloud,

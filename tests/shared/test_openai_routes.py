@@ -208,6 +208,19 @@ def test_generation_errors_have_one_shape_and_status(api, error, status):
         assert events[-1] == r.json() and backend.started[-1][2].closed
 
 
+@pytest.mark.parametrize("wait_s, header", [(None, "1"), (0.0, "1"), (0.2, "1"), (1.0, "1"), (2.5, "3"), (30.0, "30")])
+def test_a_503s_retry_after_is_the_wait_the_peer_asked_for_in_whole_seconds_rounded_up(api, wait_s, header):
+    """A refusal for load carries the wait its peer asked for (the edge's cloud: ``retry_after_ms``); its
+    ``Retry-After`` is that wait in whole seconds (HTTP's delay-seconds), rounded up - a client never comes back
+    sooner than asked - and at least 1. It was 1 whatever the peer asked."""
+    client, backend = api
+    backend.script = []  # refused before a first delta: a stream has the status too
+    backend.error = GenerationError("too busy", "overloaded", upstream=True, retry_after_s=wait_s)
+    for path, body in (("/v1/chat/completions", _chat()), ("/v1/completions", {"prompt": "x", "stream": True})):
+        r = client.post(path, json=body)
+        assert (r.status_code, r.headers["retry-after"]) == (503, header)
+
+
 def test_refusals_before_any_generation(api):
     client, backend = api
     r = client.post("/v1/chat/completions", content=b"{not json")
