@@ -25,7 +25,9 @@ The keys file (JSON, written by ``autoglm-cloud keys add``)::
   server likewise keeps the last keys, with one warning; it is read again once it is back.
 * Revocable: a key removed from the file opens nothing from the reload on - no HTTP request, no WebSocket, and
   no new request on a split session it opened before (:func:`still_authorized`; the session ends with a fatal
-  ``Error(unauthorized)``; a request already running finishes).
+  ``Error(unauthorized)``; a request already running finishes). A key whose entry now names another tenant or role
+  (an operator key demoted) likewise starts no new request on a session it opened as the old one; a new session
+  opens as the entry says now.
 
 :class:`Authenticator` is what the app asks: ``authenticate(header) -> Principal | None`` (None: refuse with
 401). Without a keys file or ``--api-key`` every client is let in; its tenant is then the digest of whatever
@@ -87,6 +89,13 @@ class Principal:
         """The namespace its sessions publish prefix blocks in: the shared scope for an operator, else its
         tenant's (lookups fall back from a tenant's scope to the shared one: ``cloud_server.engine.kv_cache``)."""
         return SHARED_SCOPE if self.role == "operator" else self.tenant
+
+    def acts_as(self, other: Principal) -> bool:
+        """Whether this principal reads and writes what ``other`` does: the same tenant (its prefix blocks, its usage
+        label) and role (where it publishes). A session holds to the principal it opened with: a resume, and each new
+        request, must present a key that still acts as it (:func:`still_authorized`); the key's id and cap may
+        differ (another key of the tenant, a cap edited since)."""
+        return self.tenant == other.tenant and self.role == other.role
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,12 +263,18 @@ def principal_of(ws) -> Principal:
     return p if isinstance(p, Principal) else Principal(tenant_of(ws.headers.get("authorization")))
 
 
-def still_authorized(ws) -> bool:
-    """Whether the key this WebSocket presented at its upgrade still opens the server. A key removed from the keys
-    file since (revoked, rotated out) does not: its open sessions start no new request. True for an endpoint
-    served without the app's check (tests), which keeps no ``ws.state.authenticator``."""
+def still_authorized(ws, principal: Principal) -> bool:
+    """Whether the key this WebSocket presented at its upgrade still opens the server as ``principal``, its session's
+    (:meth:`Principal.acts_as`). A key removed from the keys file since (revoked, rotated out) does not, nor one whose
+    entry now names another tenant or role: a demoted operator key's open session went on publishing into the shared
+    scope every tenant reads, a key moved to another tenant went on reading its old tenant's blocks. Such a session
+    starts no new request. True for an endpoint served without the app's check (tests), which keeps no
+    ``ws.state.authenticator``."""
     authn = getattr(ws.state, "authenticator", None)
-    return authn is None or authn.authenticate(ws.headers.get("authorization")) is not None
+    if authn is None:
+        return True
+    now = authn.authenticate(ws.headers.get("authorization"))
+    return now is not None and now.acts_as(principal)
 
 
 def hold_sighup() -> None:

@@ -133,13 +133,16 @@ class SessionRegistry:
         self.by_token[s.resume_token] = s
         return s
 
-    def for_resume(self, token: str | None, tenant: str) -> Session | None:
-        """The live session of ``tenant`` holding ``token``. It may still look attached: a link that died
-        without a close (a phone losing coverage) is only noticed later, and the reconnect takes it over."""
+    def for_resume(self, token: str | None, principal) -> Session | None:
+        """The live session holding ``token`` that ``principal`` (``cloud_server.auth.Principal``: the reconnecting
+        key's) may take over: one it acts as (the same tenant and role, ``Principal.acts_as``); another tenant's key, or
+        a tenant key presenting an operator session's token, opens a new session instead. It may still look attached:
+        a link that died without a close (a phone losing coverage) is only noticed later, and the reconnect takes it
+        over."""
         if not token:
             return None
         s = self.by_token.get(token)
-        return s if s is not None and not s.closed and s.tenant == tenant else None
+        return s if s is not None and not s.closed and s.principal.acts_as(principal) else None
 
     def remove(self, s: Session) -> None:
         s.closed = True

@@ -268,7 +268,7 @@ class SplitEndpoint:
             return None
         principal = principal_of(ws)  # cloud_server.auth: who the key says this is; its tenant scopes the cache
         tenant = principal.tenant
-        session = self.registry.for_resume(hello.resume_token, tenant)
+        session = self.registry.for_resume(hello.resume_token, principal)
         resumed = session is not None
         if rt.draining and not resumed:  # a session held here resumes, so that its open requests can finish
             await self._refuse(ws, "draining", "server is draining; connect to another replica",
@@ -477,9 +477,12 @@ class SplitEndpoint:
                 self._close_session(session)
                 await self._close(ws, CLOSE_NORMAL)
                 return
-            if isinstance(msg, P.Prefill) and track is not None and track.owner is None and not still_authorized(ws):
+            if isinstance(msg, P.Prefill) and track is not None and track.owner is None and \
+                    not still_authorized(ws, session.principal):
                 await self._end(session, ws, P.Error(code="unauthorized", fatal=True,
-                                                     message="the API key of this session was revoked"), CLOSE_POLICY)
+                                                     message="the API key of this session was revoked, or its keys "
+                                                             "file entry now names another tenant or role; open a "
+                                                             "new session"), CLOSE_POLICY)
                 return
             try:
                 self._dispatch(session, msg, track, len(data))
@@ -503,8 +506,9 @@ class SplitEndpoint:
 
     def _dispatch(self, session: Session, msg, track, nbytes: int) -> None:
         """Act on a message the state machine accepted; ``track`` None: nothing to do (a late message)."""
-        if isinstance(msg, P.Error):
-            log.info("edge %s reports %s: %s", session.session_id, msg.code, msg.message)
+        if isinstance(msg, P.Error):  # its message is the peer's text: quoted and escaped, one line (a newline in it
+            # wrote a log line of the sender's making, e.g. a trace line billing another tenant's tokens)
+            log.info("edge %s reports %s: %r", session.session_id, msg.code, msg.message)
         if track is None:
             return
         if isinstance(msg, P.Prefill) and track.owner is None:

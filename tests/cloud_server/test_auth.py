@@ -338,6 +338,117 @@ def test_a_revoked_key_starts_no_new_request_on_a_session_it_opened(keyed, tiny_
     assert after[0] == [] and after[1] == "error:unauthorized" and after[2].fatal, after
 
 
+def _edit_entry(path, key_id, **fields):
+    """Set (None: drop) ``fields`` of the keys file's entry ``key_id``, with an mtime the server's next look sees."""
+    data = json.loads(path.read_text())
+    for e in data["keys"]:
+        if e["key_id"] == key_id:
+            e.update(fields)
+            for k in [k for k, v in fields.items() if v is None]:
+                del e[k]
+    path.write_text(json.dumps(data))
+    os.utime(path, (time.time() + 20, time.time() + 20))
+
+
+def test_an_operator_key_demoted_in_the_file_publishes_nothing_more_on_its_open_session(keyed, tiny_bundle):
+    """An operator key demoted to a tenant key (its ``role`` removed from its entry) was still an operator on a
+    session it had opened: its next prompts went into the shared scope, which every tenant's lookups fall back to -
+    on a real autoglm-cloud serve bob was served the demoted key's uploaded states (cached_tokens 16) and saw its keys
+    in Welcome.cached_prefixes. A session holds to the tenant and role it opened with (auth.Principal.acts_as): once
+    the entry names another, it starts no new request (Error unauthorized, fatal), as a revoked key's; a new session
+    opens as the entry says now."""
+    key_id, pub = auth.add_key(keyed.keys_path, "pub", role="operator")
+    prompt = list(range(5, 22))  # 17 tokens: 4 full blocks of 4, then the one position a request sends
+
+    async def until(status):  # /metrics takes an operator key: 403 once the server has read the demotion
+        deadline = time.monotonic() + 5
+        while httpx.get(keyed.url + "/metrics", headers=_bearer(pub)).status_code != status:
+            assert time.monotonic() < deadline, f"the keys file change was not picked up (want {status})"
+            await asyncio.sleep(0.2)
+
+    async def main():
+        await until(200)
+        op = _edge(keyed, tiny_bundle, pub)
+        await op.connect()
+        published = await op.generate("published", prompt, 1, keys=[f"pub-a{i}" for i in range(4)])
+        _edit_entry(keyed.keys_path, key_id, role=None)
+        await until(403)
+        demoted = await op.generate("demoted", prompt, 1, keys=[f"pub-b{i}" for i in range(4)])
+        bob = _edge(keyed, tiny_bundle, keyed.bob)
+        welcome = await bob.connect()
+        listed = [k for k in welcome.cached_prefixes if k.startswith("pub-")]
+        hit = await bob.generate("reuse", prompt, 1, start=16, keys=[f"pub-b{i}" for i in range(4)])
+        again = _edge(keyed, tiny_bundle, pub)  # a new session of the demoted key: its tenant's scope
+        await again.connect()
+        mine = await again.generate("own", prompt, 1, keys=[f"pub-c{i}" for i in range(4)])
+        theirs = await bob.generate("theirs", prompt, 1, start=16, keys=[f"pub-c{i}" for i in range(4)])
+        for e in (bob, again):
+            await e.close()
+        return published, demoted, listed, hit, mine, theirs
+
+    published, demoted, listed, hit, mine, theirs = asyncio.run(main())
+    assert published[1] == "length"
+    assert demoted[1] == "error:unauthorized" and demoted[2].fatal, demoted
+    assert sorted(listed) == [f"pub-a{i}" for i in range(4)]  # published as an operator: shared, listed to bob
+    assert hit[1] == "error:prefix_miss", hit
+    assert mine[1] == "length" and theirs[1] == "error:prefix_miss", (mine, theirs)
+
+
+def test_a_resume_token_reopens_its_session_only_for_a_key_acting_as_its_own(keyed, tiny_bundle):
+    """A resume token opens its session again only with a key of the same tenant and role: bob's key presenting
+    alice's token, and a tenant key presenting the token of its tenant's operator key's session (which publishes
+    into the shared scope), each open a new session of their own (``Welcome.resumed`` false)."""
+    _, op = auth.add_key(keyed.keys_path, "mixed", role="operator")
+    _, member = auth.add_key(keyed.keys_path, "mixed")
+    _, member2 = auth.add_key(keyed.keys_path, "mixed")
+    os.utime(keyed.keys_path, (time.time() + 30, time.time() + 30))
+
+    async def main():
+        deadline = time.monotonic() + 5
+        while httpx.get(keyed.url + "/v1/models", headers=_bearer(member2)).status_code != 200:
+            assert time.monotonic() < deadline, "the new keys were not picked up"
+            await asyncio.sleep(0.2)
+        opened = {}
+        for name, key in (("alice", keyed.alice), ("op", op), ("member", member)):
+            edge = _edge(keyed, tiny_bundle, key)
+            opened[name] = (edge, (await edge.connect()).resume_token)
+            edge.kill()  # the link drops: the session waits for its resume
+        resumed = {}
+        for name, key, token in (("bob with alice's", keyed.bob, opened["alice"][1]),
+                                 ("member with op's", member, opened["op"][1]),
+                                 ("member2 with member's", member2, opened["member"][1])):
+            edge = _edge(keyed, tiny_bundle, key)
+            resumed[name] = (await edge.connect(resume_token=token)).resumed
+            await edge.close()
+        return resumed
+
+    assert asyncio.run(main()) == {"bob with alice's": False, "member with op's": False,
+                                   "member2 with member's": True}  # another key of the same tenant and role may
+
+
+def test_an_edges_error_message_writes_one_log_line_and_forges_no_trace(keyed, tiny_bundle, caplog):
+    """The server logs an edge's ``Error`` (``edge <session> reports <code>: <message>``); its message is the peer's
+    free text (up to 1024 characters), and a newline in it wrote lines of the sender's making into the server's log:
+    on a real autoglm-cloud serve bob's key wrote a ``autoglm.cloud.trace: ... tenant=alice finish=length
+    tokens=99999`` line that a log-based usage count bills to alice. It is logged quoted and escaped, on one line."""
+    forged = ("ok\n2026-12-07 23:59:59,000 INFO autoglm.cloud.trace: trace=bill-me session=0123456789abcdef "
+              "tenant=alice finish=length tokens=99999\r\x1b[2K")
+
+    async def main():
+        bob = _edge(keyed, tiny_bundle, keyed.bob)
+        await bob.connect()
+        await bob.send(P.Error(code="note", message=forged))
+        tokens = await bob.generate("after-the-note", [5, 6, 7, 8, 9], 1)  # answered: the note was read first
+        await bob.close()
+        return tokens
+
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(main())[1] == "length"
+    said = [r.getMessage() for r in caplog.records if "reports note" in r.getMessage()]
+    assert len(said) == 1 and not any(c in said[0] for c in "\n\r\x1b"), said
+    assert "trace=bill-me" in said[0] and "\\n2026" in said[0]  # shown, escaped
+
+
 def test_autoglm_cloud_keys_add_is_the_cli_entry(tmp_path, capsys):
     from cloud_server import cli
 
