@@ -10,7 +10,9 @@ A request the engine drops for load (``kv_cache_full``: running requests outgrew
 youngest) is replayed here, as the edge replays a split request (docs/edge.md, "Dropped links"): after the wait a
 split client is told (``RETRY_AFTER_S``), it goes to the engine again under a new id, its prompt followed by the
 tokens generated so far, and the stream goes on at the next token - the same tokens as with a pool large enough
-(greedy; sampled: the request keeps its key, so each token is drawn from the same uniforms at the same position).
+(greedy; sampled: the request keeps its key, so each token is drawn from the same uniforms at the same position;
+penalties: the engine request carries those tokens as its output so far, ``LLMEngine.add_request``'s ``output_ids``,
+so they are penalized and count towards ``max_tokens`` as in the first one).
 :class:`ReplayPolicy` bounds it; a client gone meanwhile cancels it (the routes cancel the wait and ``aclose()``).
 
 A model without a tokenizer (the random presets) serves ``/v1/completions`` with a prompt of token ids only: its
@@ -79,8 +81,7 @@ def max_body_bytes(config, longest: int) -> int:
 class ReplayPolicy:
     """How a request the engine dropped for load is replayed (module docstring). The bounds count from its last new
     token, as the edge's ``RetryPolicy`` does: a request that makes progress between drops is never failed for
-    them. A request with penalties is not replayed (the engine applies them over its own sequence's tokens, which a
-    replay's would lack: its tokens would differ): it fails ``overloaded``, as before."""
+    them."""
 
     max_replays: int = 8  # replays without a new token; the next drop fails the request (503 / an error event)
     window_s: float = 30.0  # from the first drop without a new token since: no replay, nor a wait for its token, past it
@@ -114,15 +115,14 @@ class _EngineStream:
         self._submit()
 
     def _submit(self) -> None:
-        """Hand the engine the request's context (the prompt, then the tokens sampled so far) under a new id, to
-        sample the rest of its ``max_tokens``."""
+        """Hand the engine the request's context (the prompt, then the tokens sampled so far, which the engine request
+        carries as its output so far: the rest of ``max_tokens``, penalized as the first) under a new id."""
         self.rid = oc.new_id("req")
         self.outputs = RequestStream()
         self.engine_done = False  # the engine finished this engine request (or was told to abort it)
         context = torch.tensor(self.ids + self.tokens)  # [P + generated]
-        self.rt.engine.add_request(self.rid, self.outputs.sink, InputChunk(0, token_ids=context),
-                                   replace(self.params, max_tokens=self.params.max_tokens - len(self.tokens)),
-                                   self.variant)
+        self.rt.engine.add_request(self.rid, self.outputs.sink, InputChunk(0, token_ids=context), self.params,
+                                   self.variant, output_ids=list(self.tokens))
 
     def __aiter__(self):
         return self
@@ -159,8 +159,7 @@ class _EngineStream:
         """The engine dropped the request for load: whether to replay it (:class:`ReplayPolicy`'s bounds), counted."""
         now = time.monotonic()
         since, replays = self.dropped or (now, 0)
-        if (self.params.penalized or replays >= self.replay.max_replays
-                or now + self.replay.wait_s >= since + self.replay.window_s):
+        if replays >= self.replay.max_replays or now + self.replay.wait_s >= since + self.replay.window_s:
             return False
         self.dropped = (since, replays + 1)
         return True
@@ -177,8 +176,7 @@ class _EngineStream:
             code = WIRE_CODES.get(out.error_code, out.error_code)
             message = out.error_message or out.error_code
             if out.error_code == "kv_cache_full":  # dropped for load, and not replayed again (_may_replay)
-                message += (" (a request with penalties is not replayed)" if self.params.penalized else
-                            f" (replayed {self.dropped[1]} times in {time.monotonic() - self.dropped[0]:.1f} s "
+                message += (f" (replayed {self.dropped[1]} times in {time.monotonic() - self.dropped[0]:.1f} s "
                             "without a new token)" if self.dropped else " (not replayed)")
             raise openai_routes.GenerationError(message, code)
         sampled = None  # the token the answer shows

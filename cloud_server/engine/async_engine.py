@@ -138,8 +138,10 @@ class AsyncEngine:
 
     # -- commands (any thread) -----------------------------------------------------------------
     def add_request(self, request_id: str, sink: Sink, first, params, variant: str | None = None,
-                    prefix_keys: list[str] | None = None) -> None:
-        self._put(("add", request_id, sink, first, params, variant, prefix_keys))
+                    prefix_keys: list[str] | None = None, output_ids: list[int] | None = None) -> None:
+        """``LLMEngine.add_request`` on the engine thread (``output_ids``, a replayed request's tokens so far: handed
+        over, the caller no longer changes the list)."""
+        self._put(("add", request_id, sink, first, params, variant, prefix_keys, output_ids))
 
     def add_input(self, request_id: str, chunk) -> None:
         self._put(("input", request_id, chunk))
@@ -181,9 +183,9 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> list[RequestOutput]:
         kind = cmd[0]
         if kind == "add":
-            _, rid, sink, first, params, variant, keys = cmd
+            _, rid, sink, first, params, variant, keys, output_ids = cmd
             try:
-                outs = self.llm.add_request(rid, first, params, variant, keys)
+                outs = self.llm.add_request(rid, first, params, variant, keys, output_ids)
             except Exception:
                 self._sinks.setdefault(rid, sink)  # the engine dies of it (_loop): this request hears why too
                 raise

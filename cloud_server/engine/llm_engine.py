@@ -186,16 +186,22 @@ class LLMEngine:
         return self.default_variant
 
     def add_request(self, request_id: str, first: InputChunk, params: SamplingParams,
-                    variant: str | None = None, prefix_keys: list[str] | None = None) -> list[RequestOutput]:
-        """Admit a request; returns an error output (and admits nothing) if it is refused."""
+                    variant: str | None = None, prefix_keys: list[str] | None = None,
+                    output_ids: list[int] | None = None) -> list[RequestOutput]:
+        """Admit a request; returns an error output (and admits nothing) if it is refused.
+
+        ``output_ids``: a replayed request's tokens generated so far (full-model mode's replay of a request dropped
+        for load; they end its prompt): the request goes on as the one that generated them - its penalties count
+        them, ``params.max_tokens`` and the outputs' ``num_output_tokens`` include them."""
         if request_id in self.seqs:
             return [self._error_output(request_id, "duplicate_request", f"request {request_id!r} is active")]
         if params.seed is None and not params.greedy:  # a key of its own: its draws are a function of it and the
             params = replace(params, seed=self.sampler.fresh_key())  # position, which a decode graph can compute
         seq = Sequence(request_id, params, self.resolve_variant(variant), prefix_keys,
-                       feed_back_tokens=first.token_ids is not None)
+                       feed_back_tokens=first.token_ids is not None, output_ids=output_ids)
         try:
             self._check_input(first)
+            self._check_output_ids(seq)
             self.scheduler.add(seq, first)
         except RequestError as e:
             self.scheduler.remove(seq, "error")
@@ -309,6 +315,16 @@ class LLMEngine:
                 raise RequestError("bad_input", "this server runs the back layers only: send hidden states")
             if int(chunk.token_ids.min()) < 0 or int(chunk.token_ids.max()) >= self.vocab_size:
                 raise RequestError("bad_input", f"token id out of range [0, {self.vocab_size})")
+
+    def _check_output_ids(self, seq: Sequence) -> None:
+        """A replay's tokens so far (:meth:`add_request`): token ids (the penalties count them by id) that leave a
+        token to generate."""
+        out = seq.output_ids
+        if out and (min(out) < 0 or max(out) >= self.vocab_size):
+            raise RequestError("bad_input", f"generated token id out of range [0, {self.vocab_size})")
+        if len(out) >= seq.params.max_tokens:
+            raise RequestError("bad_input", f"{len(out)} tokens generated already, max_tokens "
+                                            f"{seq.params.max_tokens}: nothing left to generate")
 
     # -- the step ---------------------------------------------------------------------------
     def has_ready(self) -> bool:

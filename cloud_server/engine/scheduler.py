@@ -66,11 +66,12 @@ class ScheduledBatch:
 
 
 class _PrefillAllowance:
-    """Prompt positions one step may still take. While any running sequence is decoding (has generated a
-    token), a step holds at most ``max_num_seqs + prefill_chunk_while_decoding`` positions (0 = no cap): the
-    prompt chunks get what its decode rows leave of that, at least ``prefill_chunk_while_decoding``, so a long
-    prompt arriving is computed in chunks riding on the decode steps instead of stalling them (Sarathi-Serve's
-    chunked prefill under a token budget; on the fast path every such step fits the graphs of flat steps).
+    """Prompt positions one step may still take. While any running sequence is decoding (has sampled a token
+    here: a replayed request's earlier tokens are prompt positions to it), a step holds at most
+    ``max_num_seqs + prefill_chunk_while_decoding`` positions (0 = no cap): the prompt chunks get what its decode
+    rows leave of that, at least ``prefill_chunk_while_decoding``, so a long prompt arriving is computed in chunks
+    riding on the decode steps instead of stalling them (Sarathi-Serve's chunked prefill under a token budget; on
+    the fast path every such step fits the graphs of flat steps).
     Otherwise the whole token budget. The decode check runs once, at the first prompt chunk of the step."""
 
     __slots__ = ("scheduler", "left", "spent")
@@ -83,7 +84,7 @@ class _PrefillAllowance:
         if self.left is None:
             cfg = self.scheduler.config
             cap = cfg.prefill_chunk_while_decoding
-            decoding = cap > 0 and any(s.output_ids for s in self.scheduler.running)
+            decoding = cap > 0 and any(s.last_token_time is not None for s in self.scheduler.running)
             rows = cfg.max_num_batched_tokens - budget  # this step's positions so far: its decode rows
             self.left = max(cap, cap + cfg.max_num_seqs - rows) if decoding else budget
         return min(budget, self.left)

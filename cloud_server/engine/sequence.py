@@ -118,7 +118,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, params: SamplingParams, variant: str,
-                 prefix_keys: list[str] | None = None, feed_back_tokens: bool = False):
+                 prefix_keys: list[str] | None = None, feed_back_tokens: bool = False,
+                 output_ids: list[int] | None = None):
         self.request_id = request_id
         self.params = params
         self.variant = variant
@@ -133,7 +134,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt positions served by the prefix cache
         self.num_registered_blocks = 0  # prefix blocks already published to the cache
         self.block_table: list[int] = []
-        self.output_ids: list[int] = []
+        # every token the request generated, in order: a replayed request's earlier ones first (``output_ids``, the
+        # last of its prompt's positions), so that its penalties, max_tokens and counts go on as the original's
+        self.output_ids: list[int] = list(output_ids or ())
         self.finish_reason: str | None = None
         # cloud drafts: what the edge asked for with its last input turn, and the round being drafted (its first
         # draft position, the drafts so far, how many, and the token output held back until they are done)
@@ -145,7 +148,9 @@ class Sequence:
         self.draft_began = 0.0  # monotonic time the round's drafting began
         now = time.monotonic()
         self.arrival_time = now
-        self.last_token_time: float | None = None  # metrics: TTFT while None, then inter-token latency
+        # None until it samples a token here (it decodes from then on, to the scheduler); metrics: TTFT while None,
+        # then inter-token latency
+        self.last_token_time: float | None = None
         self.waiting_since = now  # when it last became idle waiting for input (step timeouts)
 
     # -- transitions ----------------------------------------------------------------------------
@@ -180,8 +185,7 @@ class Sequence:
         if chunk.last and not chunk.cloud_draft:
             self.ask_drafts = chunk.ask_drafts
         if not self.prompt_complete:
-            if not self.output_ids:
-                self.num_prompt_tokens = self.num_received
+            self.num_prompt_tokens = self.num_received
             self.prompt_complete = chunk.last
 
     def take(self, k: int) -> tuple[InputChunk, bool]:

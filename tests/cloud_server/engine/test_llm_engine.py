@@ -305,3 +305,41 @@ def test_a_request_ends_length_where_a_pool_smaller_than_max_model_len_ends_its_
                     eng.add_input("r", InputChunk(29 + len(outs) - 1, hidden=torch.randn(1, 64)))
         assert [o.finish_reason for o in outs] == [None, None, "length"], (kw, outs[-1])
         assert eng.num_used_blocks() == 0
+
+
+_PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.4}
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0, max_tokens=12, logprobs=2, ignore_eos=True, **_PENALTIES),
+                                    SamplingParams(0.9, max_tokens=12, seed=5, logprobs=2, ignore_eos=True,
+                                                   **_PENALTIES)], ids=["greedy", "seeded"])
+def test_a_request_replayed_with_its_output_so_far_continues_as_the_one_run_whole(tiny_lm, params):
+    """Full-model mode's replay of a request dropped for load (``cloud_server.full_api``): its prompt and first k
+    tokens, those k as ``output_ids``, give the rest of the tokens the request gives run whole - penalized over all
+    its tokens - with their logprobs, ``num_output_tokens`` and its ``length`` finish at ``max_tokens``. Without the
+    k as its output the replay penalizes (and counts) otherwise; a replay with nothing left to generate or a token
+    outside the vocabulary is refused."""
+    eng = LLMEngine.from_models(EngineConfig(num_blocks=64, block_size=4), {"fp32": load_full_model(tiny_lm, "fp32")})
+    prompt, k = [5, 6, 7, 8], 5
+
+    def run(rid: str, ids: list[int], output_ids: list[int] | None = None) -> list:
+        assert eng.add_request(rid, InputChunk(0, token_ids=torch.tensor(ids)), params, output_ids=output_ids) == []
+        outs = []
+        while eng.seqs:
+            outs += eng.step()
+        return outs
+
+    def seen(outs) -> list[tuple]:
+        return [(o.token_id, [t for t, _ in o.top_logprobs], o.num_output_tokens, o.finish_reason) for o in outs]
+
+    whole = run("whole", prompt)
+    tokens = [o.token_id for o in whole]
+    assert len(tokens) == 12 and len(set(tokens)) > 6  # (the penalties at work: tiny-glm4 repeats itself without)
+    replay = run("replay", prompt + tokens[:k], tokens[:k])
+    assert seen(replay) == seen(whole[k:])
+    assert [o.logprob for o in replay] == pytest.approx([o.logprob for o in whole[k:]], abs=1e-4)
+    assert [o.token_id for o in run("forgetful", prompt + tokens[:k])][:12 - k] != tokens[k:]
+    for rid, out in (("done", tokens[:12]), ("bad id", [eng.vocab_size])):
+        [err] = eng.add_request(rid, InputChunk(0, token_ids=torch.tensor(prompt + out)), params, output_ids=out)
+        assert err.error_code == "bad_input" and not eng.seqs
+    assert eng.num_used_blocks() == 0

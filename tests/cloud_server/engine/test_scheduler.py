@@ -217,13 +217,16 @@ def test_too_long_prompts_are_refused():
 def test_prompt_chunks_are_capped_while_a_sequence_decodes(cap):
     """A long prompt arriving while another sequence decodes: the step holds at most max_num_seqs +
     ``prefill_chunk_while_decoding`` positions, the decode rows' included (0: the whole budget); with nobody
-    decoding the prompt takes the whole budget."""
+    decoding the prompt takes the whole budget - a replayed request's too (the tokens it carries are prompt positions
+    to it)."""
     s = _sched(max_num_batched_tokens=32, max_num_seqs=8, prefill_chunk_while_decoding=cap)
-    alone = _seq("alone")
-    s.add(alone, InputChunk(0, hidden=_h(40)))
-    [b], _ = s.schedule()
-    assert [it.chunk.n for it in b.items] == [32]  # no decoder: the budget
-    s.remove(alone, "abort")
+    for alone in (_seq("alone"), Sequence("replayed", SamplingParams(0.0), "fp32", output_ids=[5, 6])):
+        s.add(alone, InputChunk(0, hidden=_h(80)))
+        for _ in range(2):
+            [b], _ = s.schedule()
+            assert [it.chunk.n for it in b.items] == [32]  # no decoder: the budget
+            _run(s, [b])
+        s.remove(alone, "abort")
     d, long = _seq("d"), _seq("long")
     s.add(d, InputChunk(0, hidden=_h(3)))
     [b], _ = s.schedule()

@@ -48,6 +48,20 @@ def test_inputs_then_output_then_finish():
     seq.mark_published(1)
     seq.mark_published(0)
     assert seq.num_registered_blocks == 1  # never goes back
+
+
+def test_a_replayed_sequence_starts_with_its_output_so_far_and_its_whole_prompt_is_prompt():
+    """A replay (``LLMEngine.add_request``'s ``output_ids``): its earlier tokens are its output (a copy), and every
+    chunk up to the one ending its first input turn counts as prompt, its carried tokens' positions included."""
+    carried = [7, 8]
+    seq = Sequence("r", SamplingParams(0.0), "fp32", output_ids=carried)
+    carried.append(9)
+    seq.admit(InputChunk(0, token_ids=torch.arange(4), last=False), [], 4)
+    seq.push(InputChunk(4, token_ids=torch.tensor([7, 8])))
+    assert seq.output_ids == [7, 8] and seq.num_prompt_tokens == 6 and seq.prompt_complete
+    assert seq.last_token_time is None  # no token sampled here yet
+    seq.update_from_output(6, token=3)
+    assert seq.output_ids == [7, 8, 3]
     seq.finish("stop")
     seq.finish("abort")
     assert seq.finish_reason == "stop" and seq.status is SequenceStatus.FINISHED and not seq.pending
