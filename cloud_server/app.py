@@ -26,7 +26,9 @@ With a keys file or an API key configured (``cloud_server.auth``) every route bu
 the URL); ``open_probes=False`` puts those three behind the key too (``/metrics``, which names every tenant's
 usage, behind an operator key when there is a keys file). The key's :class:`~cloud_server.auth.Principal`
 is on ``websocket.state.principal`` for the split endpoint (its tenant scopes the prefix cache). HTTP ``/v1``
-requests beyond ``max_http_requests`` in flight get 429 with ``Retry-After`` (``shared.http_limits``).
+requests beyond ``max_http_requests`` in flight get 429 with ``Retry-After`` (``shared.http_limits``). A web
+browser's request is a 403 unless its ``Host`` is a loopback name, the listen address or one of ``allowed_hosts`` and
+its ``Origin``, if any, the server's own or one of ``allowed_origins``, WebSockets included (``shared.http_browsers``).
 
 Graceful drain (:func:`drain`, on the first SIGTERM via :class:`DrainingServer`, and at shutdown): the app
 stops admitting (``/ready`` -> 503, new sessions closed with 1013, new HTTP requests 503), sends ``Drain`` to
@@ -53,6 +55,7 @@ from cloud_server.limits import ConnectionLimit
 from cloud_server.metrics import HttpRefusals
 from cloud_server.ws_protocol import protocol_class
 from shared import openai_compat as oc
+from shared.http_browsers import BrowserGuard
 from shared.http_limits import HttpConcurrencyLimit
 from shared.http_protocol import protocol_class as http_protocol_class
 from shared.openai_routes import get_route
@@ -215,6 +218,8 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
 
     # outside the admission limits: counts every connection
     app.add_middleware(ConnectionLimit, limit=cfg.max_connections, on_refused=refused_at_the_cap)
+    # a web page's request (another site's Origin, a rebound name's Host) is a 403 before it takes a connection slot
+    app.add_middleware(BrowserGuard, policy=cfg.browsers)
     # outermost: counts every HTTP refusal, the limits' included (autoglm:http_requests_refused_total)
     app.add_middleware(HttpRefusals, metrics=lambda: runtime.metrics)
 

@@ -63,6 +63,11 @@ _FAST_PATH_HELP = ("the hand-written GLM layers for GLM float variants, tp 1 or 
 _KV_CACHE_DTYPE_HELP = ("KV pool storage: auto (the compute dtype), int8 or fp8 (8-bit keys and values, a scale per "
                         "token and head: -48 %% bytes vs bf16), int8v (keys in the compute dtype, int8 values: -24 %%, "
                         "the 16-bit pool's quality); the fast path and the generic runner")
+_ALLOWED_HOSTS_HELP = ("Host names a request may name besides loopback ones and --host, comma-separated; * any "
+                       "(default: none, any when --host is beyond loopback): a page whose name was rebound to this "
+                       "address (DNS rebinding) is refused")
+_ALLOWED_ORIGINS_HELP = ("web pages whose requests are served, with CORS: origins (scheme://host[:port]), "
+                         "comma-separated; * any (default: none: apps, which send no Origin, only)")
 _WORKERS_HELP = ("WebSocket front-end processes feeding the one engine process (split mode; 1: one process "
                  "serves both; at most 256)")
 
@@ -86,6 +91,8 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
            "without Hello, or a request whose body stops arriving (408) within this"),
     Option("max_connections", int, "server", "open WebSockets and HTTP requests before 503 (probes aside)"),
     Option("max_http_requests", int, "server", "HTTP /v1 requests in flight before 429 + Retry-After"),
+    Option("allowed_hosts", str, "server", _ALLOWED_HOSTS_HELP),
+    Option("allowed_origins", str, "server", _ALLOWED_ORIGINS_HELP),
     Option("max_prompt_tokens", int, "server", "prompt positions per request (default: --max-model-len)"),
     Option("workers", int, "server", _WORKERS_HELP),
     Option("loop", str, "server", "event loop of every front end, as uvicorn's --loop: auto (uvloop when "

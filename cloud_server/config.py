@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.cli_exit import host_problem, not_utf8
+from shared.http_browsers import BrowserPolicy, hosts_problem, names, origins_problem
 from shared.http_protocol import handshake_timeout_problem
 from shared.messages import MAX_POSITION
 from shared.prefix_keys import bearer_key_problem
@@ -157,6 +158,11 @@ class ServerConfig:
     handshake_timeout_s: float = 30.0  # docs/protocol.md hello_timeout_ms
     max_connections: int = 2048  # open connections of any kind; beyond, uvicorn answers 503 (limit_concurrency)
     max_http_requests: int = 256  # HTTP /v1 requests in flight; beyond, 429 with Retry-After (never queued)
+    # What a web browser may ask (shared.http_browsers; a comma-separated string is split): Host names or addresses a
+    # request may name beside loopback ones and `host` ("*": any; none given: any when `host` is beyond loopback),
+    # and origins of web pages served (with CORS) beside the server's own ("*": any page)
+    allowed_hosts: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
     # Prompt positions per request (TGI's max_input_tokens), beside engine.max_model_len for prompt + generated;
     # a longer prompt fails at its Prefill (prompt_too_long) or HTTP request (400). None: engine.max_model_len.
     max_prompt_tokens: int | None = None
@@ -219,6 +225,11 @@ class ServerConfig:
             raise ConfigError(f"handshake_timeout_s {problem}")
         for name in ("max_connections", "max_http_requests"):
             _positive(name, getattr(self, name))
+        self.allowed_hosts, self.allowed_origins = names(self.allowed_hosts), names(self.allowed_origins)
+        for name, problem in (("allowed_hosts", hosts_problem(self.allowed_hosts)),
+                              ("allowed_origins", origins_problem(self.allowed_origins))):
+            if problem is not None:
+                raise ConfigError(f"{name}: {problem}")
         if self.max_prompt_tokens is not None:
             _positive("max_prompt_tokens", self.max_prompt_tokens)
             if self.max_prompt_tokens > self.engine.max_model_len:
@@ -242,6 +253,11 @@ class ServerConfig:
                 if getattr(self, name) < self.workers:  # --max-connections 2 --workers 8 let 8 in
                     raise ConfigError(f"{name} ({getattr(self, name)}) must be >= workers ({self.workers}): it is "
                                       "divided between them, each worker taking at least one")
+
+    @property
+    def browsers(self) -> BrowserPolicy:
+        """The hosts and web pages served (``allowed_hosts``, ``allowed_origins`` where it listens)."""
+        return BrowserPolicy.serving(self.host, self.allowed_hosts, self.allowed_origins)
 
     @property
     def prompt_limit(self) -> int:

@@ -258,6 +258,12 @@ def cmd_serve(args) -> int:
         args.max_http_requests = MAX_HTTP_REQUESTS
     if (problem := limit_problem(args.max_http_requests)) is not None:
         raise ValueError(f"--max-http-requests {problem}")
+    from shared.http_browsers import BrowserPolicy, hosts_problem, names, origins_problem
+
+    hosts, origins = names(args.allowed_hosts), names(args.allowed_origins)
+    for flag, problem in (("--allowed-hosts", hosts_problem(hosts)), ("--allowed-origins", origins_problem(origins))):
+        if problem is not None:
+            raise ValueError(f"{flag}: {problem}")
     from shared.cli_exit import listen_problem
 
     if (problem := listen_problem(args.host, args.port)) is not None:  # was uvicorn's bind error, exit 3
@@ -265,7 +271,8 @@ def cmd_serve(args) -> int:
     client = _client(args)
     app = create_app(client, model_name=args.model_name, api_key=args.local_api_key, media_dir=args.media_dir,
                      fetch_urls=args.fetch_urls, handshake_timeout_s=args.handshake_timeout_s,
-                     max_http_requests=args.max_http_requests)
+                     max_http_requests=args.max_http_requests,
+                     browsers=BrowserPolicy.serving(args.host, hosts, origins))
     try:
         ClosingServer(app, client, host=args.host, port=args.port, log_level=args.log_level).run()
     finally:
@@ -405,6 +412,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-http-requests", type=int,
                        help="/v1/ requests in flight, the one answered and those waiting their turn, before 429 + "
                             "Retry-After (default 8)")
+    serve.add_argument("--allowed-hosts", default="",
+                       help="Host names a request may name besides loopback ones and --host, comma-separated; * any "
+                            "(default: none, any when --host is beyond loopback): a page whose name was rebound to "
+                            "this address (DNS rebinding) is refused")
+    serve.add_argument("--allowed-origins", default="",
+                       help="web pages whose requests are served, with CORS: origins (scheme://host[:port]), "
+                            "comma-separated; * any (default: none: apps, which send no Origin, only)")
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug",
                                                                   "trace"),
                        help="uvicorn's log level: info logs every request (default warning)")

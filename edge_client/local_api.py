@@ -20,6 +20,11 @@ send a whole request head (:mod:`shared.http_protocol`, applied by :class:`Closi
 stops arriving for that long, or arrives slower than :data:`shared.openai_routes.MIN_BODY_RATE` once that long has
 passed, is a 408 (``openai_routes.read_body``): anything reaching the port - a local app that opens connections and
 leaves them, sends half a request line, or dribbles a body a byte at a time - held its socket and request for ever.
+
+Web pages in the device's browser are refused (:mod:`shared.http_browsers`, ``autoglm-edge serve --allowed-hosts``
+and ``--allowed-origins``, as the cloud's flags): a request whose ``Host`` is no loopback name (DNS rebinding) or
+whose ``Origin`` is another site's is a 403 before anything runs, and a body is read as JSON only under
+``Content-Type: application/json``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -42,6 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared import openai_compat as oc
 from shared import openai_routes
+from shared.http_browsers import BrowserGuard, BrowserPolicy
 from shared.http_limits import HttpConcurrencyLimit, limit_problem
 from shared.http_protocol import handshake_timeout_problem
 from shared.http_protocol import protocol_class as http_protocol_class
@@ -183,29 +188,18 @@ class _EdgeBackend:
             raise oc.OpenAIRequestError(message, param, getattr(e, "code", oc.INVALID_REQUEST)) from None
 
 
-def _loopback_origin(origin: str) -> bool:
-    """Whether a request's ``Origin`` is a page served on this device's loopback. Browsers send ``Origin`` on every
-    POST and cross-origin request, apps (the openai client, curl) none: without this check any page open in the
-    device's browser drove the endpoint - a text/plain POST needs no CORS preflight (its answer unreadable, the
-    generation and the cloud's quota spent all the same), and a page whose name was rebound to 127.0.0.1 (DNS
-    rebinding) read the answers too. ``null`` (a sandboxed frame, a file:// page) is no loopback origin."""
-    try:
-        host = urlsplit(origin).hostname
-    except ValueError:  # a malformed one ('http://[x')
-        return False
-    return host in ("localhost", "127.0.0.1", "::1")
-
-
 def create_app(client: EdgeClient, model_name: str | None = None, api_key: str | None = None,
                media_dir: str | Path | None = None, fetch_urls: bool = True,
                handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-               max_http_requests: int = MAX_HTTP_REQUESTS) -> FastAPI:
+               max_http_requests: int = MAX_HTTP_REQUESTS, browsers: BrowserPolicy | None = None) -> FastAPI:
     """The FastAPI app serving ``client``; ``api_key`` (optional) is required as a Bearer token.
     ``media_dir``: the one folder whose files ``image_url`` may name by local path (default: none);
     ``fetch_urls=False``: http(s) ``image_url``s are refused (``url_refused``) instead of fetched.
     ``handshake_timeout_s``: a request body that stalls this long is a 408 (the module docstring); kept as
     ``app.state.handshake_timeout_s``, the request heads' deadline under :class:`ClosingServer`.
-    ``max_http_requests``: ``/v1/`` requests in flight before 429 (the module docstring)."""
+    ``max_http_requests``: ``/v1/`` requests in flight before 429 (the module docstring).
+    ``browsers``: the hosts and web pages served (None: loopback names, no other site's pages;
+    ``BrowserPolicy.serving(host, ...)`` for the address it listens on)."""
     if (problem := handshake_timeout_problem(handshake_timeout_s)) is not None:
         raise ValueError(f"handshake_timeout_s {problem}")
     if (problem := limit_problem(max_http_requests)) is not None:
@@ -229,12 +223,6 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
     async def auth(request: Request, call_next):
         token = bearer_token(request.headers.get("authorization"))  # decoded as latin-1: its bytes as sent
         keyed = bool(api_key) and hmac.compare_digest((token or "").encode("latin-1"), api_key.encode())
-        # a page presenting the key is the app's own (a WebView loading its UI from the app's site): served
-        if (origin := request.headers.get("origin")) is not None and not keyed and not _loopback_origin(origin):
-            refused = oc.OpenAIRequestError(
-                f"requests from web pages are refused here (Origin: {origin[:100]}): apps send none", None,
-                "forbidden_origin", 403)
-            return openai_routes.error_response(refused)
         if api_key and request.url.path.startswith("/v1/") and not keyed:
             refused = oc.OpenAIRequestError("invalid API key", None, "invalid_api_key", 401)
             return openai_routes.error_response(refused)
@@ -256,7 +244,8 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
 
     openai_routes.install(app, _EdgeBackend(client, model_id), max_body_bytes=MAX_BODY_BYTES,
                           body_stall_s=handshake_timeout_s)
-    app.add_middleware(HttpConcurrencyLimit, limit=max_http_requests)  # outermost: before the key's check
+    app.add_middleware(HttpConcurrencyLimit, limit=max_http_requests)  # before the key's check
+    app.add_middleware(BrowserGuard, policy=browsers or BrowserPolicy())  # outermost: a refused page holds no slot
     return app
 
 

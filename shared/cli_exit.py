@@ -83,17 +83,21 @@ def not_utf8(text: str) -> str | None:
     return None
 
 
-# C0 controls but newline and tab, DEL and the C1 controls: a terminal acts on them instead of showing them
-_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)}
+# C0 controls but newline and tab, DEL and the C1 controls: a terminal acts on them instead of showing them; the
+# bidirectional embeddings, overrides and isolates (U+202A-U+202E, U+2066-U+2069): it reorders the text around them
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x09, 0x0A)} | \
+    {c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
 
 
 def shown(text: str) -> str:
     """``text`` (a model's answer) as a terminal may be given it: each control character written as its escape
-    (``\\x1b``), the rest as is. Written raw, an answer's ESC sequences (a prompt injection asks for them: OSC 52
-    writes the clipboard, CSI clears the screen), a shift-out (0x0e: every later letter in line-drawing glyphs
-    until a reset) or a carriage return (the line's start overwritten) acted on the user's terminal; the edge chat
-    and demo printed a random model's answers so. What an answer says is kept whole elsewhere (the conversation,
-    the API)."""
+    (``\\x1b``), and each bidirectional override, embedding or isolate too (``\\u202e``), the rest as is. Written
+    raw, an answer's ESC sequences (a prompt injection asks for them: OSC 52 writes the clipboard, CSI clears the
+    screen), a shift-out (0x0e: every later letter in line-drawing glyphs until a reset) or a carriage return (the
+    line's start overwritten) acted on the user's terminal, and its bidi controls reordered what the user read
+    (Trojan Source: a command shown harmless that runs otherwise when pasted); the edge chat and demo printed a
+    random model's answers so. Right-to-left text and its marks (U+200E, U+200F) are shown as they are. What an
+    answer says is kept whole elsewhere (the conversation, the API)."""
     return text.translate(_CONTROLS)
 
 

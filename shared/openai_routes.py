@@ -24,6 +24,9 @@ Contract:
   504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here. A stream's HTTP 200 goes with
   its first delta: a generation that fails before it has its status too; after it, an error is one
   ``data: {"error": ...}`` event, then ``data: [DONE]``.
+* A body is read as JSON only under ``Content-Type: application/json``: any other type, or none, is a 415
+  ``unsupported_media_type`` before the body is read (text/plain, a form and none are what a web page may send to
+  another site without a CORS preflight: :mod:`shared.http_browsers`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from shared import openai_compat as oc
+from shared.http_browsers import json_content_type_problem
 from shared.http_limits import retry_after
 
 # Generation error codes (engine or wire) whose status is not "the server failed".
@@ -98,13 +102,16 @@ def _internal(e: Exception) -> GenerationError:
     return GenerationError(f"internal error: {type(e).__name__}", "internal")
 
 
+UNSUPPORTED_ENCODING = "unsupported_content_encoding"  # a 415's code for a compressed body
+
+
 def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
     # a 503 (not ready, draining, overloaded) says when to try again (the openai client honours it): the peer's wait
-    # where it asked for one; 415 (a compressed body): the codings taken, as RFC 9110 15.5.16 asks
+    # where it asked for one; a 415 for a compressed body: the codings taken, as RFC 9110 15.5.16 asks
     wait_s = e.retry_after_s if isinstance(e, GenerationError) else None
     headers = ({"Retry-After": retry_after(wait_s)} if e.status == 503 else {"Accept-Encoding": "identity"}
-               if e.status == 415 else {"Connection": "close"} if e.status == 408 else None)  # 408: the body's
-    # rest will not come, and the server must not read it as the connection's next request: it closes the connection
+               if e.code == UNSUPPORTED_ENCODING else {"Connection": "close"} if e.status == 408 else None)  # 408: the
+    # body's rest will not come, and the server must not read it as the connection's next request: it closes it
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
@@ -124,7 +131,7 @@ async def read_body(request: Request, max_bytes: int | None, stall_s: float | No
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise oc.OpenAIRequestError(f"Content-Encoding {encoding!r} is not supported: send the JSON body "
-                                    "uncompressed", None, "unsupported_content_encoding", 415)
+                                    "uncompressed", None, UNSUPPORTED_ENCODING, 415)
     try:
         declared = request.headers.get("content-length", "")
         too_large = oc.OpenAIRequestError(f"request body over {max_bytes} bytes", None, "request_too_large", 413)
@@ -203,6 +210,8 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
     async def serve(request: Request, chat: bool):
         try:
             backend.check_ready()
+            if (problem := json_content_type_problem(request.headers.get("content-type"))) is not None:
+                raise oc.OpenAIRequestError(problem, None, "unsupported_media_type", 415)
             limit = max_body_bytes() if callable(max_body_bytes) else max_body_bytes
             raw = await read_body(request, limit, body_stall_s)
             # decoding, checking and the chat template cost in proportion to the body (a 32 MiB body of a million

@@ -389,9 +389,9 @@ def test_sockets_that_never_send_a_whole_request_head_are_closed_at_the_handshak
     port = int(server.url.rsplit(":", 1)[1])
     silent = socket.create_connection(("127.0.0.1", port))
     half = socket.create_connection(("127.0.0.1", port))
-    half.sendall(b"GET /v1/split HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n")
+    half.sendall(b"GET /v1/split HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n")
     kept = socket.create_connection(("127.0.0.1", port))
-    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     time.sleep(HANDSHAKE_S / 2)
     kept.sendall(b"GET /hea")  # the next request's head, begun and never finished
     t0 = time.monotonic()
@@ -416,7 +416,7 @@ def test_a_flood_of_idle_and_half_open_sockets_is_shed_and_a_session_still_serve
     async def main():
         tcp = [socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) for _ in range(FLOOD_TCP)]
         for s in tcp[: FLOOD_TCP // 2]:  # half-open upgrades: a request line and no end of headers
-            s.sendall(b"GET /v1/split HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n")
+            s.sendall(b"GET /v1/split HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n")
         idle = [Probe(server) for _ in range(FLOOD_WS)]
         await asyncio.gather(*(p.open(hello=False) for p in idle))
         served = await _bystander(server, front, tiny_bundle, 0.0)

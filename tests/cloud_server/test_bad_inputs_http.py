@@ -134,7 +134,7 @@ def test_a_client_that_vanishes_mid_body_frees_its_slot_and_socket(server):
     url = urlsplit(server.url)
     body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2}'
     with socket.create_connection((url.hostname, url.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                   b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:10])
         time.sleep(0.3)
         assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}).status_code == 429
@@ -161,7 +161,7 @@ def test_a_client_that_dribbles_its_body_is_cut_off_and_frees_its_slot(server):
     t0, answer = time.monotonic(), b""
     with socket.create_connection((url.hostname, url.port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                   b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
         for i in range(len(body)):  # a byte each 50 ms: 20 B/s, never silent for STALL_S
             if time.monotonic() - t0 > STALL_S + 10 or select.select([s], [], [], 0.05)[0]:
@@ -200,7 +200,7 @@ def test_refused_http_requests_are_counted_by_status_and_reason(server):
     before = _refused(server)
     url = urlsplit(server.url)
     with socket.create_connection((url.hostname, url.port)) as s:  # a body that never ends holds the only slot
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                   b"\r\nContent-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
         time.sleep(0.3)
         assert _post(server, "/v1/completions", {"model": "tiny", "prompt": "x"}).status_code == 429

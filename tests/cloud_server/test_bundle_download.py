@@ -190,7 +190,7 @@ def test_a_download_nobody_reads_gives_its_request_slot_back(monkeypatch, tmp_pa
     with ServerThread(create_app(CloudRuntime(cfg))) as srv, socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(("127.0.0.1", srv.port))
-        s.sendall(f"GET /v1/bundles/{m.bundle_id}/files/edge/pad.bin HTTP/1.1\r\nHost: x\r\n"
+        s.sendall(f"GET /v1/bundles/{m.bundle_id}/files/edge/pad.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                   f"Authorization: Bearer {KEY}\r\n\r\n".encode())
         s.recv(1024)  # it started; now nothing more is read
         import httpx

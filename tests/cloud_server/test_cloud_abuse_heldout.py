@@ -529,7 +529,8 @@ def test_a_connection_still_sending_the_body_of_an_answered_request_is_closed_at
             for status, head in heads.items():
                 s = socks[status] = socket.create_connection(("127.0.0.1", srv.port))
                 s.settimeout(15)
-                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{head}\r\n\r\n".encode())
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{head}\r\n\r\n"
+                          .encode())
                 assert s.recv(4096).startswith(f"HTTP/1.1 {status} ".encode())
                 s.sendall(b"a" * 1000)  # more of a body the server will not read; then silence
             t0, ended = time.monotonic(), {}

@@ -89,6 +89,11 @@ def test_precedence_cli_over_env_over_file(tmp_path):
                                                                              r"workers \(8\)"),
     (["B", "--device", "cpu", "--workers", "4", "--max-http-requests", "3"], {}, "max_http_requests \\(3\\) must be"),
     (["B", "--device", "cpu", "--loop", "trio"], {}, "loop must be one of auto, asyncio, uvloop"),
+    # an origin is what a browser sends in Origin (no path), a host what it sends in Host without the port
+    (["B", "--device", "cpu", "--allowed-origins", "https://app.example/"], {}, "allowed_origins: 'https://app.example/' "
+                                                                              "is no origin"),
+    (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_ALLOWED_HOSTS": "api.example:443"}, "allowed_hosts: 'api.example:443' "
+                                                                                  "is no host name"),
     # past what Welcome.limits carries: each was a ProtocolError / OverflowError traceback as the app was built
     (["B", "--device", "cpu", "--max-model-len", "10000000000"], {}, "max_model_len must be <= 2147483647"),
     (["B", "--device", "cpu", "--block-size", "100000"], {}, "block_size must be <= 65536"),

@@ -304,7 +304,7 @@ def test_a_client_that_does_not_read_its_replies_is_not_read_either(server, tiny
         """A raw socket that never reads after the Welcome: the most reply bytes seen waiting."""
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(b"GET /v1/split HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        sock.sendall(b"GET /v1/split HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                      b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
         sock.settimeout(10.0)
         head = b""

@@ -305,7 +305,7 @@ def test_a_post_that_a_draining_replica_refuses_is_passed_to_another(nginx_bin, 
             for path in ("/v1/completions", "/v1/chat/completions") * 3:
                 body = b'{"model": "m"}'
                 with socket.create_connection(("127.0.0.1", router.port), timeout=10) as c:
-                    c.sendall(f"POST {path} HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                    c.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
                     got.append(int(c.makefile("rb").readline().split()[1]))  # "HTTP/1.1 200 OK"
     finally:

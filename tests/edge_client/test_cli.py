@@ -33,6 +33,11 @@ from edge_client.cli import build_parser, main
     (["serve", "--bundle", "/b", "--url", "ws://x", "--host", ""], "--host is empty"),
     (["serve", "--bundle", "/b", "--url", "ws://x", "--host", "[::1]"], "give an IPv6 address without brackets (::1)"),
     (["serve", "--bundle", "/b", "--url", "ws://x", "--local-api-key", "k\n"], "--local-api-key has whitespace at an end"),
+    # the cloud serve's flags, one rule (shared.http_browsers): an origin as a browser sends it, a host without its port
+    (["serve", "--bundle", "/b", "--url", "ws://x", "--allowed-origins", "localhost:3000"],
+     "--allowed-origins: 'localhost:3000' is no origin"),
+    (["serve", "--bundle", "/b", "--url", "ws://x", "--allowed-hosts", "a.example,b.example:8001"],
+     "--allowed-hosts: 'b.example:8001' is no host name"),
     (["chat", "--bundle", "/b", "--url", "ws://x", "--api-key", "k\n"], "api_key has whitespace at an end"),
     (["chat", "--bundle", "/b", "--url", "ws://x", "--api-key", "a\tb"], "or a control character"),
 ])
@@ -325,6 +330,29 @@ def test_an_answers_control_characters_reach_the_terminal_as_escapes(tiny_bundle
     from shared.cli_exit import shown
 
     assert shown("中文 😀\tok\n\x1b[2J\x0e\r\x85") == "中文 😀\tok\n\\x1b[2J\\x0e\\x0d\\x85"
+
+
+def test_an_answers_bidi_controls_reach_the_terminal_as_escapes(monkeypatch, capsys):
+    """Trojan Source: the chat printed an answer's bidirectional overrides and isolates (U+202A-U+202E,
+    U+2066-U+2069) raw, and the terminal reordered what the user read - a command shown as harmless that does
+    something else when pasted. They are escapes now, as the control characters are; right-to-left text itself
+    (Hebrew, Arabic) and the marks within it are shown as they are."""
+    from types import SimpleNamespace
+
+    from edge_client.cli import _answer
+
+    trojan = "rm -rf ~ \u202e# safe\u202c \u2066x\u2069 \u202a\u202b\u202d\u2067\u2068 שלום\u200f"
+
+    class _Client:
+        def generate(self, **_):
+            return iter([trojan[:12], trojan[12:]])
+
+    args = SimpleNamespace(max_tokens=8, temperature=0.0, thinking=False, precision=None)
+    _answer(_Client(), [{"role": "user", "content": "hi"}], args)
+    out = capsys.readouterr().out
+    assert not {ch for ch in out if 0x202A <= ord(ch) <= 0x202E or 0x2066 <= ord(ch) <= 0x2069}, out
+    assert out == ("assistant> rm -rf ~ \\u202e# safe\\u202c \\u2066x\\u2069 "
+                   "\\u202a\\u202b\\u202d\\u2067\\u2068 שלום\u200f")
 
 
 def test_a_conversation_over_the_context_forgets_its_oldest_exchange_and_goes_on(tiny_bundle, tiny_cloud, monkeypatch,

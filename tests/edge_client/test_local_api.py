@@ -15,6 +15,7 @@ from edge_client.errors import EdgeClientError
 from edge_client.local_api import create_app
 from edge_client.request import RequestSpec
 from edge_client.tokenizer import ByteTokenizer
+from shared.http_browsers import BrowserPolicy
 
 SLOW_PROMPT = "a prompt that takes long to tokenize"
 SCRIPT = ["<thi", "nk>I should gr", "eet.</th", "ink>Hel", "lo the", "re! STOP here", " and more"]
@@ -106,11 +107,6 @@ def test_the_local_api_key_is_a_bearer_token_in_any_case_and_a_non_ascii_guess_i
         assert status("Bearer wrong") == status("Basic local-secret") == 401
         assert status("Bearer café".encode()) == 401
         assert httpx.get(url + "/v1/models").status_code == 401
-        # a web page is refused unless it presents the key (the app's own UI in a WebView loaded from its site)
-        page = {"Origin": "https://app.example"}
-        assert httpx.get(url + "/v1/models", headers=page).status_code == 403
-        assert httpx.get(url + "/v1/models", headers={**page, "Authorization": "Bearer wrong"}).status_code == 403
-        assert httpx.get(url + "/v1/models", headers={**page, "Authorization": "Bearer local-secret"}).status_code == 200
 
 
 def test_models_and_health(server):
@@ -204,7 +200,7 @@ def test_bad_requests_get_openai_errors(server):
     with pytest.raises(openai.BadRequestError) as ei:
         oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=5)
     assert "temperature" in str(ei.value)
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json")
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "   "})
     assert r.status_code == 400 and r.json()["error"] == {"message": "empty prompt", "type": "invalid_request_error",
@@ -312,21 +308,55 @@ def test_routes_outside_the_api_are_404s_without_or_with_a_key():
 def test_a_web_page_in_the_devices_browser_cannot_drive_the_endpoint(server):
     """Any page open in the phone's browser could POST to http://127.0.0.1:8001/v1/...: a text/plain body needs no
     CORS preflight (its answer unreadable, the generation and the cloud's quota spent all the same), and a page
-    whose name was rebound to 127.0.0.1 (DNS rebinding) read the answers too. Browsers send Origin on every POST;
-    apps (the openai client, curl, langchain) send none. A request from a page not on this device's loopback is a
-    403 before anything runs; a local page and an app are served as before."""
+    whose name was rebound to 127.0.0.1 (DNS rebinding) read the answers too. An Origin check alone (any loopback
+    page's origin served) left the rebound page reading /health and /v1/models (a same-origin GET carries no
+    Origin; Host: evil.example), any other local web app's page driving the endpoint, and a text/plain body parsed
+    as JSON. Now a Host that is no loopback name, an Origin not the endpoint's own and a body not application/json
+    are refused before anything runs; apps (no Origin, JSON) are served as before."""
     body = b'{"model": "m", "prompt": "Once", "max_tokens": 2}'
-    port = server.url.rsplit(":", 1)[1]
+    url, port = f"{server.url}/v1/completions", server.url.rsplit(":", 1)[1]
     calls = len(server.client.calls)
     for headers in ({"Origin": "https://evil.example", "Content-Type": "text/plain;charset=UTF-8"},
-                    {"Origin": f"http://evil.example:{port}", "Host": f"evil.example:{port}"},  # rebound
-                    {"Origin": "null"}):  # a sandboxed frame, a file:// page
-        r = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers)
+                    {"Origin": "https://evil.example", "Content-Type": "application/x-www-form-urlencoded"},
+                    {"Origin": "https://evil.example"},  # a Blob body: no Content-Type at all
+                    {"Origin": "null"},  # a sandboxed frame, a file:// page
+                    {"Origin": "http://127.0.0.1:3000", "Content-Type": "text/plain"}):  # another local web app
+        r = httpx.post(url, content=body, headers={"Sec-Fetch-Site": "cross-site", **headers})
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_origin", (headers, r.text[:100])
+    rebound = {"Host": f"evil.example:{port}", "Sec-Fetch-Site": "same-origin"}
+    for path in ("/health", "/v1/models"):
+        r = httpx.get(server.url + path, headers=rebound)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_host", (path, r.text[:100])
+    r = httpx.post(url, content=body, headers={**rebound, "Origin": f"http://evil.example:{port}",
+                                               "Content-Type": "text/plain"})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_host"
+    r = httpx.post(url, content=body, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text[:100]
     assert len(server.client.calls) == calls  # nothing ran
-    for headers in ({}, {"Origin": f"http://localhost:{port}"}, {"Origin": "http://127.0.0.1:3000"},
-                    {"Origin": "http://[::1]:3000"}):
-        assert httpx.post(f"{server.url}/v1/completions", content=body, headers=headers).status_code == 200, headers
+    for headers in ({}, {"Origin": f"http://127.0.0.1:{port}"}, {"Host": f"localhost:{port}",
+                                                                 "Origin": f"http://localhost:{port}"}):
+        r = httpx.post(url, content=body, headers={"Content-Type": "application/json", **headers})
+        assert r.status_code == 200, headers
+
+
+def test_allowed_origins_are_served_with_cors_and_a_key_opens_no_other_page():
+    """--allowed-origins: a listed page (the app's own UI in a WebView) has its preflight answered and reads the
+    answers; the --local-api-key is no pass for an unlisted page (a preflight carries no key: such a page was served
+    yet could never read an answer)."""
+    client = _ScriptedClient()
+    app = create_app(client, model_name="m", api_key="sk-local",
+                     browsers=BrowserPolicy.serving("127.0.0.1", (), "http://localhost:3000"))
+    with local_server(app) as url:
+        ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+        pre = httpx.options(f"{url}/v1/completions", headers={"Origin": "http://localhost:3000", **ask})
+        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "http://localhost:3000"
+        page = {"Authorization": "Bearer sk-local", "Content-Type": "application/json"}
+        r = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "Once", "max_tokens": 2},
+                       headers={"Origin": "http://localhost:3000", **page})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+        r = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "Once", "max_tokens": 2},
+                       headers={"Origin": "https://evil.example", **page})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden_origin"
 
 
 def test_max_completion_tokens_past_the_wire_limit_is_refused_by_its_name(server):

@@ -223,7 +223,7 @@ def test_a_503s_retry_after_is_the_wait_the_peer_asked_for_in_whole_seconds_roun
 
 def test_refusals_before_any_generation(api):
     client, backend = api
-    r = client.post("/v1/chat/completions", content=b"{not json")
+    r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = client.post("/v1/chat/completions", json=_chat(temperature=7))
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
@@ -267,8 +267,29 @@ def test_json_the_server_cannot_take_is_a_400_naming_its_field(api, name):
     assert backend.started == []
     # a surrogate pair is one character, and template variables a few levels deep are fine
     ok = client.post("/v1/chat/completions", content=b'{"model": "\\ud83d\\ude00", "messages": [{"role": "user", '
-                     b'"content": "a"}], "chat_template_kwargs": {"x": [[{"y": 1}]]}}')
+                     b'"content": "a"}], "chat_template_kwargs": {"x": [[{"y": 1}]]}}',
+                     headers={"content-type": "application/json"})
     assert ok.status_code == 200 and ok.json()["model"] == "\U0001f600"
+
+
+@pytest.mark.parametrize("content_type", ["text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None, "application/jsonp"])
+def test_a_body_that_is_not_application_json_is_a_415_not_parsed(api, content_type):
+    """A body of any Content-Type, or none, was parsed as JSON: what a web page may send to another site without a
+    CORS preflight (text/plain, a form, a Blob without a type) ran a generation on both servers. Only
+    application/json (any parameters) is read as JSON; the rest is a 415 before the body is read."""
+    client, backend = api
+    body = json.dumps(_chat()).encode()
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": content_type} if content_type
+                    else {})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+    assert "accept-encoding" not in r.headers  # a compressed body's 415 names the codings taken
+    gz = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json",
+                                                                    "content-encoding": "gzip"})
+    assert gz.status_code == 415 and gz.headers["accept-encoding"] == "identity"
+    assert backend.started == []
+    ok = client.post("/v1/chat/completions", content=body, headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("limit", [None, 1 << 20])
