@@ -3,7 +3,8 @@
 Preprocessing mirrors transformers' ``Glm4vImageProcessor`` (PIL backend) step by step:
 
 1. decode (PIL), upright by the EXIF orientation tag (as transformers' ``load_image``), transparency
-   composited onto white, RGB;
+   composited onto white, RGB; a PNG's text chunks that cannot turn it, or that PIL would refuse, are dropped
+   before PIL reads it (:func:`png_for_pil`);
 2. ``smart_resize``: height and width rounded to multiples of ``patch x merge`` (28), scaled so that
    ``temporal_patch x h x w`` stays within ``[min_pixels, max_pixels]``, then a bicubic resize;
 3. rescale by 1/255, normalise with the CLIP mean/std;
@@ -32,6 +33,7 @@ import math
 import struct
 import sys
 import time
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,12 @@ IMAGE_FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "BMP", "GIF")
 MAX_IMAGE_BYTES = 20 << 20  # an encoded image larger than this is refused before decoding
 MAX_INPUT_PIXELS = 40_000_000  # decoded width x height above this is refused (decompression bombs)
 ORIENTATION_TAG = 0x0112  # EXIF Orientation: 1 upright, 2-8 mirrored and/or rotated
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PNG_TEXT = (b"tEXt", b"zTXt", b"iTXt")  # a PNG's text chunks: metadata, no pixels
+# the text keywords PIL's getexif reads an orientation from (ImageMagick's EXIF profile, an XMP packet's
+# tiff:Orientation); every other text chunk is unused here
+ORIENTATION_TEXT = (b"Raw profile type exif", b"XML:com.adobe.xmp")
+MAX_PNG_CHUNKS = 1 << 16  # chunks in a PNG (a writer makes a few, plus its image data's: 2560 of 8 KB in 20 MB)
 
 
 class MediaError(ValueError):
@@ -182,6 +190,64 @@ def _format_pil_cannot_open(data: bytes) -> str | None:
     return None
 
 
+def _text_size(cid: bytes, body: bytes, budget: int) -> int | None:
+    """The bytes of a PNG text chunk's text (``body``: the chunk's data) as PIL reads it, at most ``budget``; None if
+    it holds more, or its compressed text is broken. Decompresses at most ``budget`` bytes, as PIL's
+    ``_safe_zlib_decompress`` does MAX_TEXT_CHUNK."""
+    rest = body.partition(b"\0")[2]  # after the keyword
+    if cid == b"tEXt":
+        text, compressed = rest, False
+    elif cid == b"zTXt":
+        text, compressed = rest[1:], True  # a method byte, then zlib
+    else:  # iTXt: compression flag, method, language \0 translated keyword \0 text
+        fields = rest[2:].split(b"\0", 2)
+        if len(fields) < 3:
+            return None
+        text, compressed = fields[2], rest[:1] != b"\0"
+    if compressed:
+        z = zlib.decompressobj()
+        try:
+            text = z.decompress(text, budget)
+        except zlib.error:
+            return None
+        if z.unconsumed_tail:
+            return None
+    return len(text) if len(text) <= budget else None
+
+
+def png_for_pil(data: bytes) -> bytes:
+    """A PNG's bytes as PIL should read them: its text chunks (tEXt, zTXt, iTXt: metadata, no pixels) dropped but for
+    those PIL turns the image by (``ORIENTATION_TEXT``) that it can read within its own limits (``PngImagePlugin``'s
+    MAX_TEXT_CHUNK decompressed a chunk, MAX_TEXT_MEMORY in all): PIL refused the whole image for text over them
+    ('Decompressed data too large', 'Too much memory used in text chunks'), so a screenshot with a large XMP packet
+    was bad_image. At most MAX_TEXT_MEMORY of text is decompressed here. A PNG of over MAX_PNG_CHUNKS chunks is
+    refused (PIL reads each in a Python loop: 1.4 M tiny text chunks in 20 MB took 3 s). Other bytes, and a PNG with
+    nothing to drop, are returned as they are."""
+    if not data.startswith(PNG_MAGIC):
+        return data
+    from PIL import PngImagePlugin
+
+    left = PngImagePlugin.MAX_TEXT_MEMORY  # text PIL may still hold, and the most this may still decompress
+    kept, start, pos, chunks = [], 0, len(PNG_MAGIC), 0  # the bytes kept are kept + data[start:]
+    while pos + 8 <= len(data) and data[pos + 4:pos + 8] != b"IEND":
+        if (chunks := chunks + 1) > MAX_PNG_CHUNKS:
+            raise MediaError(f"not a PNG an app writes (over {MAX_PNG_CHUNKS} chunks)", "bad_image")
+        cid, end = data[pos + 4:pos + 8], pos + 12 + int.from_bytes(data[pos:pos + 4], "big")
+        if end > len(data):  # cut short: PIL says how
+            break
+        if cid in PNG_TEXT:
+            body, size = data[pos + 8:end - 4], None
+            if left > 0 and body.partition(b"\0")[0] in ORIENTATION_TEXT:
+                budget = min(PngImagePlugin.MAX_TEXT_CHUNK, left)
+                size = _text_size(cid, body, budget)
+                left -= budget if size is None else size
+            if size is None:
+                kept.append(data[start:pos])
+                start = end
+        pos = end
+    return data if start == 0 else b"".join(kept) + data[start:]
+
+
 def open_image(data, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INPUT_PIXELS):
     """Encoded bytes -> a PIL image whose header alone is read: format and size checked, nothing decoded yet
     (:func:`load_image` decodes it). Its size tells the visual tokens before any pixel is decoded. A PIL image
@@ -199,7 +265,7 @@ def open_image(data, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INP
                          "unsupported_format")
     else:
         with _pil_errors(max_pixels):
-            img = Image.open(io.BytesIO(data))
+            img = Image.open(io.BytesIO(png_for_pil(data)))
             if img.format not in IMAGE_FORMATS:
                 raise MediaError(f"unsupported image format {img.format!r} (accepted: {', '.join(IMAGE_FORMATS)})",
                                  "unsupported_format")

@@ -763,6 +763,83 @@ def test_formats_pil_cannot_open_are_unsupported_formats_by_name(served):
     _ok(_chat(v, NORMAL_IMAGE))
 
 
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _with_chunks(png: bytes, before: list[bytes] = (), after: list[bytes] = ()) -> bytes:
+    """``png`` with chunks inserted after its IHDR (``before`` the image data) and before its IEND (``after``)."""
+    ihdr_end, iend = 8 + 12 + 13, png.rindex(b"IEND") - 4
+    return png[:ihdr_end] + b"".join(before) + png[ihdr_end:iend] + b"".join(after) + png[iend:]
+
+
+def _itxt(key: bytes, text: bytes, compress: bool = True) -> bytes:
+    return _png_chunk(b"iTXt", key + b"\0" + bytes([compress, 0]) + b"\0\0" + (zlib.compress(text) if compress else text))
+
+
+def _ztxt(key: bytes, text: bytes) -> bytes:
+    return _png_chunk(b"zTXt", key + b"\0\0" + zlib.compress(text, 9))
+
+
+MEGABYTE_OF_TEXT = zlib.compress(bytes(1 << 20), 9)  # 1 KB
+
+
+def _text_mb(key: bytes) -> bytes:
+    """A zTXt chunk of 1 MB of text (PIL's MAX_TEXT_CHUNK exactly: read) in 1 KB."""
+    return _png_chunk(b"zTXt", key + b"\0\0" + MEGABYTE_OF_TEXT)
+
+
+def _xmp(orientation: int, padding: int = 0) -> bytes:
+    """An XMP packet naming an orientation, ``padding`` bytes of history in it (Photoshop's can run to megabytes)."""
+    return (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+            b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="%d">' % orientation
+            + b"<!-- " + b"h" * padding + b" --></rdf:Description></rdf:RDF></x:xmpmeta>")
+
+
+def test_a_png_with_large_or_many_text_chunks(served):
+    """A screenshot whose XMP packet decompresses to over 1 MB (PIL's MAX_TEXT_CHUNK) was a 400 bad_image 'cannot
+    decode the image: Decompressed data too large for PngImagePlugin.MAX_TEXT_CHUNK', and so were a PNG with 70 MB
+    of compressed text ('Too much memory used in text chunks', before or after the image data) and a 64 KB zTXt of
+    64 MB of text: text chunks carry no pixels; the phone drops those it does not turn images by (XMP, an EXIF raw
+    profile) or that PIL would refuse, and serves the picture: the answer and digest of the plain PNG. An XMP
+    orientation PIL can read still turns the image (as the model's processor does). A PNG of over 65536 chunks
+    (1.4 M tiny text chunks in 20 MB held PIL for 3 s) is bad_image, refused at once."""
+    v, _, vc, _ = served
+    rng = np.random.default_rng(3)
+    picture = Image.fromarray(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8))
+    plain = _encoded(picture)
+    served_as_plain = {
+        "1.5 MB XMP, compressed": _with_chunks(plain, [_itxt(b"XML:com.adobe.xmp", _xmp(1, 3 << 19))]),
+        "1 MB XMP, plain": _with_chunks(plain, [_itxt(b"XML:com.adobe.xmp", _xmp(1, 1 << 20), compress=False)]),
+        "70 MB of text": _with_chunks(plain, [_text_mb(b"k%d" % i) for i in range(70)]),
+        "70 MB of text after the pixels": _with_chunks(plain, after=[_text_mb(b"k%d" % i) for i in range(70)]),
+        "64 MB of text in one zTXt": _with_chunks(plain, [_ztxt(b"Comment", bytes(64 << 20))]),
+        "70 1 MB XMP packets": _with_chunks(plain, [_itxt(b"XML:com.adobe.xmp", _xmp(1, 1 << 20)) for _ in range(70)]),
+    }
+    reference = vc.media.vision.prepare(plain)
+    for name, data in served_as_plain.items():
+        t0 = time.perf_counter()
+        assert vc.media.vision.prepare(data).digest == reference.digest, name
+        assert time.perf_counter() - t0 < 10, name  # ~0.1 s; generous for a shared machine
+    answer = _ok(_chat(v, _image(_data_url(plain)), max_tokens=6))["choices"][0]["message"]["content"]
+    for name in ("1.5 MB XMP, compressed", "70 MB of text"):
+        assert _ok(_chat(v, _image(_data_url(served_as_plain[name])), max_tokens=6))["choices"][0]["message"][
+            "content"] == answer, name
+
+    upright = picture.transpose(Image.Transpose.ROTATE_270)  # what XMP orientation 6 shows
+    turned = _with_chunks(plain, [_itxt(b"XML:com.adobe.xmp", _xmp(6, 1000))] + [_text_mb(b"k%d" % i)
+                                                                                   for i in range(70)])
+    assert np.array_equal(np.asarray(decode_image(turned)), np.asarray(upright))
+    assert np.array_equal(np.asarray(decode_image(turned)), np.asarray(decode_image(_encoded(upright))))
+
+    flood = _with_chunks(plain, [_png_chunk(b"tEXt", b"k\0")] * 1_400_000)  # 19.6 MB
+    t0 = time.perf_counter()
+    r = _chat(v, _image(_data_url(flood)))
+    assert _code(r) == "bad_image" and "over 65536 chunks" in r.json()["error"]["message"]
+    assert time.perf_counter() - t0 < 20
+    _ok(_chat(v, NORMAL_IMAGE))
+
+
 def test_a_pathlib_path_is_a_local_path(served, tmp_path):
     """``images=Path(...)`` / ``audio=Path(...)`` (or such a path in an ``image`` part), the Python way to name a
     file, was bad_media 'not PosixPath' where its string was read from the media folder; a path is a local path:
