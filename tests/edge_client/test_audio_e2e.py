@@ -64,7 +64,7 @@ def test_input_audio_through_the_real_server(tiny_glm4v_lm, tiny_glm4v_audio_bun
         assert e.value.code == "silent_audio"
         assert c.complete(messages=_messages(clip), max_tokens=N_NEW).token_ids == ref_tokens  # served next
 
-        http = TestClient(create_app(c))
+        http = TestClient(create_app(c), base_url="http://127.0.0.1")  # a loopback Host (not testserver: 403)
         body = {"model": "m", "max_tokens": N_NEW, "temperature": 0, "messages": _messages(clip)}
         r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text

@@ -136,7 +136,7 @@ def test_local_openai_endpoint_takes_image_parts(bundle, cloud, tmp_path):
                                                           {"type": "image_url", "image_url": {"url": url}}]}]}
 
     with EdgeClient(bundle, cloud.ws_url, codec="fp16", retry=RETRY) as c:
-        http = TestClient(create_app(c, media_dir=tmp_path))
+        http = TestClient(create_app(c, media_dir=tmp_path), base_url="http://127.0.0.1")  # a loopback Host (not testserver: 403)
         ok = http.post("/v1/chat/completions", json=body(data_url))
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["prompt_tokens_details"]["image_tokens"] == 24
@@ -240,7 +240,7 @@ def test_http_image_urls_are_fetched_by_the_phone_within_limits(tiny_glm4v_lm, b
         assert again.token_ids == ok.token_ids  # the next request is served
         # an object uploaded to S3 without a type is served as binary/octet-stream: it was bad_image 'not an image'
         assert c.complete(prompt_ids=PROMPT, images=[srv.url("s3-object")], max_tokens=N_NEW).token_ids == ok.token_ids
-        http = TestClient(create_app(c))
+        http = TestClient(create_app(c), base_url="http://127.0.0.1")  # a loopback Host (not testserver: 403)
         body = {"model": "m", "max_tokens": 4, "temperature": 0}
         for name, code in (("slow.png", "fetch_timeout"), ("page.html", "bad_image")):
             r = http.post("/v1/chat/completions", json={**body, "messages": msgs(srv.url(name))})
