@@ -28,7 +28,8 @@ FRONT = "edge/front.onnx"
 
 def _client(bundle, *more) -> TestClient:
     cfg = ServerConfig(bundle=bundle, more_bundles=more, api_key=KEY, engine=EngineConfig(device="cpu"))
-    return TestClient(create_app(CloudRuntime(cfg)))  # the routes read files only: no engine needed
+    # the routes read files only: no engine needed; a loopback Host (TestClient's "testserver" is refused 403)
+    return TestClient(create_app(CloudRuntime(cfg)), base_url="http://127.0.0.1")
 
 
 @pytest.fixture(scope="module")
