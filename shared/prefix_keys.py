@@ -2,9 +2,9 @@
 
 A key names one full block of ``B`` prompt tokens *together with everything before it and everything that
 produced its states*, so two requests share a cached block only when sharing cannot change an answer.
-Version 2 (docs/protocol.md, "Prefix keys")::
+Version 3 (docs/protocol.md, "Prefix keys")::
 
-    seed   = sha256("autoglm-prefix-key" 0x00 || u32le(2) || lp(bundle_id) || lp(edge_variant) || lp(encoding))
+    seed   = sha256("autoglm-prefix-key" 0x00 || u32le(3) || lp(bundle_id) || lp(edge_variant) || lp(encoding))
     k_0    = sha256(seed    || int64le(ids of block 0) || c_0)
     k_i    = sha256(k_{i-1} || int64le(ids of block i) || c_i)        key_i = hex(k_i)
 
@@ -17,6 +17,11 @@ activation cache rounds the prefixes it sends from there; the storage dtype for 
 ``c_i`` is block i's 32-byte content digest: all zeros for text, else a digest of the non-text inputs
 (image, audio) whose placeholder tokens fall in the block (:func:`content_digests`), because every image
 token has the same id and two screenshots must never share a block.
+
+Any change to what a key hashes, or to what a scope's strings mean, bumps :data:`PREFIX_KEY_VERSION` (it is in
+every seed): phones run old clients for weeks, and the cloud cannot check a key, so a derivation changed under
+the same version names different states by one key - a miss is only slower, a block of other states a wrong
+answer. Clients of different versions then never share a block.
 
 Unsalted keys let whoever holds them test a guess: hash a candidate prompt and compare. The private levels
 therefore key the chain with a per-tenant secret (:attr:`KeyScope.secret`): an HMAC seed the cloud cannot
@@ -37,7 +42,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PREFIX_KEY_VERSION = 2  # 1: sha256(k_{i-1} || ids || bundle_id), no scope, no content, no tenant
+# 1: sha256(k_{i-1} || ids || bundle_id), no scope, no content, no tenant. 2: the seed and scope above, whose
+# encoding was at first the bare codec even for the states an edge sends rounded from its float16 activation cache,
+# and later (commit 236f8e7) names that rounding (+cache-float16) under the same number: an older client's rounded
+# blocks had a newer exact client's keys. 3: version 2's last derivation, under a number of its own.
+PREFIX_KEY_VERSION = 3
 NO_CONTENT = bytes(32)  # c_i of a text-only block
 PUBLIC_TENANT = "public"  # the tenant of clients that present no API key
 SHARED_SCOPE = "shared"  # the operator's prefix namespace; no tenant name maps to it (tenant_of, cloud_server.auth)

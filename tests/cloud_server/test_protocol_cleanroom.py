@@ -81,7 +81,7 @@ def params(max_tokens: int) -> list:
 
 
 def prefix_keys(manifest: dict, ids: list[int], block: int, encoding: str) -> list[str]:
-    """The keys of the full blocks of a text prompt ("Prefix keys", key version 2)."""
+    """The keys of the full blocks of a text prompt ("Prefix keys", key version 3)."""
     def lp(s: str) -> bytes:
         return struct.pack("<I", len(s.encode())) + s.encode()
 
@@ -90,7 +90,7 @@ def prefix_keys(manifest: dict, ids: list[int], block: int, encoding: str) -> li
               if g in arts]
     digest = hashlib.sha256("".join(f"{g}={arts[g]['sha256']};" for g in graphs).encode()).hexdigest()[:16]
     variant = manifest["edge_quant"] + ("+fp32-prefill" if "edge/front_prefill.onnx" in arts else "") + "#" + digest
-    k = hashlib.sha256(b"autoglm-prefix-key\x00" + struct.pack("<I", 2) + lp(manifest["bundle_id"]) + lp(variant)
+    k = hashlib.sha256(b"autoglm-prefix-key\x00" + struct.pack("<I", 3) + lp(manifest["bundle_id"]) + lp(variant)
                        + lp(encoding)).digest()
     keys = []
     for i in range(len(ids) // block):

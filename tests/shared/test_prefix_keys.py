@@ -35,7 +35,7 @@ def test_keys_form_a_chain():
 
 def test_the_documented_derivation():
     lp = lambda s: struct.pack("<I", len(s)) + s.encode()  # noqa: E731
-    seed = hashlib.sha256(b"autoglm-prefix-key\x00" + struct.pack("<I", 2) + lp("b1") + lp("int8")
+    seed = hashlib.sha256(b"autoglm-prefix-key\x00" + struct.pack("<I", 3) + lp("b1") + lp("int8")
                           + lp("int8-outlier")).digest()
     k0 = hashlib.sha256(seed + np.asarray(IDS[:16], "<i8").tobytes() + bytes(32)).digest()
     k1 = hashlib.sha256(k0 + np.asarray(IDS[16:32], "<i8").tobytes() + bytes(32)).digest()
