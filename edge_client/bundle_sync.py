@@ -13,8 +13,11 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
    tokenizer - keeps the id, which covers the cloud half): that export is the update;
 2. downloads that bundle's ``manifest.json`` and every ``edge``/``shared`` artifact into a staging directory
    next to the old bundle. A file grows as ``<name>.part``; an interrupted download (a killed app, a dropped
-   link) continues where it stopped with ``Range: bytes=<have>-`` and ``If-Range: <etag>`` (a file that
-   changed on the server starts over). Each file is checked against the manifest's sha256 and size before it
+   link, a full disk) continues where it stopped with ``Range: bytes=<have>-`` and ``If-Range: <etag>`` (a file
+   that changed on the server starts over); the staged downloads of other exports (the server moved on meanwhile)
+   are removed first, their room is this one's (:func:`_drop_other_downloads`). A version directory of this very
+   manifest already there (a rollback to the version kept) is used once its files verify again; one that does not
+   (a removal a crash cut short, the phone's storage) is removed, unless held, and downloaded again. Each file is checked against the manifest's sha256 and size before it
    takes its name; the manifest's bundle id must re-derive from its hashes (``Manifest.load``). Then every edge
    graph (``edge/*.onnx``: front, prompt-phase graph, tail, drafters, encoders) is opened with this device's
    onnxruntime, as the phone opens it (``edge_client.front.open_session``), one at a time, and let go
@@ -424,7 +427,8 @@ def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progres
     """Download the edge half of ``bundle_id`` (variant ``edge``) beside ``bundle``; returns its verified
     directory in the versions folder (:func:`_version_path`), whose edge graphs load with this onnxruntime
     (:func:`check_loads`, with ``threads`` intra-op threads: ``EdgeConfig.threads``; else ``unloadable``, the
-    download left staged). Resumes a staging directory an earlier call left.
+    download left staged). Resumes a staging directory an earlier call left for this export; removes those of other
+    exports (:func:`_drop_other_downloads`).
     Removes no version: :func:`switch` does, unless a running client holds it. A server that moves to another export
     of the bundle meanwhile (``bundle_changed``: a restart on a re-export) is followed once, from its new manifest."""
     _check_names(bundle_id, edge)  # before either becomes a path
@@ -442,11 +446,12 @@ def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progre
     """:func:`fetch` over the manifest the server serves now."""
     raw = server.manifest_bytes(bundle_id, edge)
     final = _version_path(bundle, bundle_id, edge, raw, reuse=True)
-    if final.is_dir():  # complete from an earlier run (verified before it took this name)
+    if final.is_dir():  # complete from an earlier run, its files verified again (_version_path)
         return final
     stage = final.with_name(final.name + ".partial")
     if stage.is_dir() and not _same_manifest(stage, raw):
         shutil.rmtree(stage)
+    _drop_other_downloads(stage)
     stage.mkdir(parents=True, exist_ok=True)
     (stage / MANIFEST_NAME).write_bytes(raw)
     try:
@@ -481,6 +486,17 @@ def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progre
     _sync_dir(final.parent)
     log.info("bundle %s (%s edge): %d files, %d bytes, verified", bundle_id, edge, len(todo), total)
     return final
+
+
+def _drop_other_downloads(stage: Path) -> None:
+    """Remove the staging directories beside ``stage``: downloads of other exports that an earlier update left (cut
+    short by a full disk or a link, or ``unloadable``) for a bundle the server no longer serves. The room they hold
+    is the new download's: kept until a switch, a download that had filled the disk failed every update after it
+    (``write_failed``, 'make room') while the room was the updater's own. One update of a bundle path runs at a
+    time (:func:`_update_lock`), so none of them is being written."""
+    for other in stage.parent.glob("*.partial"):
+        if other != stage and other.is_dir() and not other.is_symlink():
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def check_loads(directory: Path, m: Manifest, threads: int) -> None:
@@ -524,17 +540,33 @@ def _version_path(bundle: Path, bundle_id: str, edge: str, raw: bytes, *, reuse:
     the cloud half only), a plain copy put back at the bundle path - ``<that>~<12 hex of the manifest's sha256>``
     (then ``.2``, ``.3``...): a taken name is never freed here, so no version a running client holds is removed
     or replaced (:func:`switch` removes old versions, unless held). ``reuse``: a directory of this very manifest
-    already there is the answer (a complete download: verified before it took its name)."""
+    already there is the answer when its files verify again (:func:`_damage`); one that does not - a removal a crash
+    cut short, files the phone's storage or a cleaner took - is removed, unless a running client holds it, and the
+    version downloaded again (it was switched to as it was: every client then failed to open the bundle, and
+    ``preload --update`` said 'up to date')."""
     base = versions_dir(bundle) / f"{bundle_id}-{edge}"
     if reuse:
         taken = [base, *sorted(base.parent.glob(glob.escape(base.name) + "~*"))]
         for path in taken:
             if not path.name.endswith(".partial") and path.is_dir() and _same_manifest(path, raw):
-                return path
+                if (damage := _damage(path)) is None:
+                    return path
+                log.warning("%s: not whole (%s); downloading the version again", path, damage)
+                _remove_unless_held(path)
     tag = export_digest(raw)[:12]
     names = itertools.chain([base.name, f"{base.name}~{tag}"],
                             (f"{base.name}~{tag}.{n}" for n in itertools.count(2)))
     return next(path for path in map(base.with_name, names) if not (path.exists() or path.is_symlink()))
+
+
+def _damage(version: Path) -> str | None:
+    """Why the version directory ``version`` is no whole edge half - a file of it missing, of another size or
+    another sha256 than its manifest says -, or None."""
+    try:
+        Manifest.load(version).verify_files(version, roles=EDGE_HALF_ROLES)
+    except BundleError as e:
+        return str(e)
+    return None
 
 
 def _same_manifest(directory: Path, raw: bytes) -> bool:

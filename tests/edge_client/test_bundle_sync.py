@@ -166,6 +166,32 @@ def test_a_staged_file_damaged_on_the_phone_is_fetched_again_not_switched_to(bun
     _assert_edge_half(edge_l2)  # hashed: the front came down again
 
 
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_a_kept_version_damaged_on_the_phone_is_downloaded_again_not_switched_back_to(damage, tiny_bundle, bundle_l1,
+                                                                                     edge_l2, capsys):
+    """The previous version kept beside the bundle, its front then gone (a removal a crash cut short, the phone's
+    storage, a cleaner) or cut short: a server rolled back to that bundle had the phone switched back to the
+    version as it was, by its manifest alone - 'updated to bundle ...', then every client failed to open it
+    ('missing artifact') and another 'preload --update' said 'up to date'. Its files are verified first now."""
+    from edge_client.cli import main
+
+    m2 = Manifest.load(edge_l2)
+    with Serving(_app(bundle_l1)) as srv:  # split at 2 -> split at 1: the plain directory is kept as a version
+        bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), m2)
+    kept = bundle_sync.versions_dir(edge_l2) / f"{m2.bundle_id}-fp32"
+    if damage == "removed":
+        (kept / FRONT).unlink()
+    else:
+        os.truncate(kept / FRONT, m2.artifacts[FRONT].bytes // 2)
+    with Serving(_app(tiny_bundle)) as srv:  # the server rolled back to the split at 2
+        argv = ["preload", "--bundle", str(edge_l2), "--url", srv.ws_url, "--update"]
+        assert main(argv) == 0
+        assert f"updated to bundle {m2.bundle_id} (split layer 2" in capsys.readouterr().err
+        assert main(argv) == 0 and "up to date" in capsys.readouterr().err
+    _assert_edge_half(edge_l2)  # whole: the front came down again
+    assert Manifest.load(edge_l2).bundle_id == m2.bundle_id
+
+
 class CutFirstTransfer:
     """ASGI wrapper: the first download of the front graph breaks after ``after`` bytes of body."""
 
@@ -967,6 +993,61 @@ def test_a_full_disk_is_a_clear_error_the_old_bundle_stays_and_a_rerun_resumes(m
         assert not edge_l2.is_symlink() and Manifest.load(edge_l2).bundle_id == m2.bundle_id  # still the old one
         monkeypatch.delattr(bundle_sync, "open")  # space freed: the same call resumes and switches
         assert bundle_sync.update(cfg, m2).bundle_id == m1.bundle_id
+    _assert_edge_half(edge_l2)
+
+
+class _SmallDisk:
+    """``open`` for bundle_sync on a file system of ``capacity`` bytes holding the versions folder ``root``: a part
+    file's write past them fails as a full disk does (what fits is written); removing files there frees room."""
+
+    def __init__(self, root: Path, capacity: int):
+        self.root, self.capacity = root, capacity
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
+    def __call__(self, path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        if not str(path).endswith(".part") or "r" in mode:
+            return f
+        disk = self
+
+        class Writer:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                f.close()
+
+            def write(self, data):
+                room = max(0, disk.capacity - disk.used())
+                f.write(data[:room])
+                f.flush()
+                if len(data) > room:
+                    raise OSError(28, "No space left on device")
+
+        return Writer()
+
+
+def test_a_download_cut_by_a_full_disk_leaves_no_room_taken_from_the_next_bundles(monkeypatch, tmp_path, tiny_bundle,
+                                                                                  bundle_l1, edge_l2):
+    """A download a full disk cut short stayed staged in the versions folder until a switch; the server moved on to
+    another bundle, which would have fit in the room that download held: every update failed 'write_failed ... make
+    room' (on a real 1.2 MB tmpfs: the split at 3's 612 KB left staged, then the split at 1's 482 KB never fit)
+    while the room was the updater's own. A download now removes the other exports' staged ones first."""
+    m2 = Manifest.load(edge_l2)
+    bigger, smaller = _served_bytes(m2), _served_bytes(Manifest.load(bundle_l1))
+    assert smaller < bigger
+    monkeypatch.setattr(bundle_sync, "CHUNK_BYTES", 8192)
+    monkeypatch.setattr(bundle_sync, "open", _SmallDisk(bundle_sync.versions_dir(edge_l2), (smaller + bigger) // 2),
+                        raising=False)
+    with Serving(_app(_re_export(tmp_path, tiny_bundle))) as srv:  # the bigger edge half: it does not fit
+        with pytest.raises(BundleSyncError, match="No space left") as ei:
+            bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), m2)
+        assert ei.value.code == "write_failed"
+    with Serving(_app(bundle_l1)) as srv:  # the server moved on to a bundle that fits
+        assert bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), m2).split_layer == 1
+    assert not list(bundle_sync.versions_dir(edge_l2).glob("*.partial"))
     _assert_edge_half(edge_l2)
 
 
