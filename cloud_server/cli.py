@@ -80,8 +80,8 @@ OPTIONS = (  # help without "(default ...)" gets the dataclass default appended 
     Option("session_grace_s", float, "server", "seconds a disconnected session keeps its KV for Resume"),
     Option("step_timeout_s", float, "server", "abort a request whose edge sends nothing for this long"),
     Option("drain_timeout_s", float, "server", "on shutdown, seconds open requests may finish"),
-    Option("engine_stall_s", float, "server", "an engine step running this long is a wedged engine: the server "
-                                              "stops (exit 1), to be restarted"),
+    Option("engine_stall_s", float, "server", "an engine step running this long (at least 1 s) is a wedged engine: "
+                                              "the server stops (exit 1), to be restarted"),
     Option("model_name", str, "server", "model id reported by /v1/models (default: bundle or source name)"),
     Option("keys_file", str, "server", "API keys file (`autoglm-cloud keys add`): hashes, reloaded on change"),
     Option("open_probes", bool, "server", "serve /health, /ready and /metrics without a key"),

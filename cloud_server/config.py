@@ -12,9 +12,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.cli_exit import host_problem, not_utf8
+from shared.cli_exit import MIN_DURATION_S, duration_problem, host_problem, not_utf8
 from shared.http_browsers import BrowserPolicy, hosts_problem, names, origins_problem
-from shared.http_protocol import handshake_timeout_problem
 from shared.messages import MAX_POSITION
 from shared.prefix_keys import bearer_key_problem
 from shared.user_paths import user_path
@@ -26,6 +25,10 @@ MAX_WORKERS = 256  # front-end processes: each a Python process with its own soc
 EMPTY_REFUSED = ("bundle", "full", "model_name", "keys_file", "ssl_certfile", "ssl_keyfile")  # paths and names: '' is
 # no value (an unset shell variable), never "the default" nor '.'
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "int8v")  # cloud_server.kv_quant.POOL_LAYOUTS: the same names (no torch here)
+# The shortest --engine-stall-s: a real step takes milliseconds to seconds (a long prompt's chunk on a CPU, a first
+# step's kernels compiled), and a watchdog shorter than that takes a healthy engine for a wedged one (1e-9 stopped a
+# real server, exit 1, at its first request)
+ENGINE_STALL_MIN_S = 1.0
 
 
 class ConfigError(ValueError):
@@ -202,16 +205,15 @@ class ServerConfig:
             # secret from `kubectl create secret --from-file` (its newline): every request was a 401
             raise ConfigError(f"api_key {problem}")
         _positive("max_sessions", self.max_sessions)
-        _positive("session_grace_s", self.session_grace_s)
-        _positive("step_timeout_s", self.step_timeout_s)
-        _positive("engine_stall_s", self.engine_stall_s)
-        if not self.drain_timeout_s >= 0:
-            raise ConfigError(f"drain_timeout_s must be >= 0 (got {self.drain_timeout_s!r})")
-        # sent as int32 milliseconds: in Welcome.limits, and the drain timeout in Drain.grace_ms (nan / inf /
-        # larger failed the drain itself: a SIGTERM then left the server draining forever)
-        for name in ("session_grace_s", "step_timeout_s", "drain_timeout_s"):
-            if not getattr(self, name) <= MAX_POSITION / 1000:
-                raise ConfigError(f"{name} must be <= {MAX_POSITION // 1000} (got {getattr(self, name)!r})")
+        # durations, one rule (shared.cli_exit.duration_problem): a number of seconds up to what the wire's int32 of
+        # milliseconds carries (Welcome.limits, Drain.grace_ms: nan / inf / larger failed the drain itself, a SIGTERM
+        # then left the server draining for ever; an infinite handshake deadline or stall watchdog never fired), from
+        # a millisecond - a drain from 0 (open requests end at once), the stall watchdog from ENGINE_STALL_MIN_S
+        for name, least in (("session_grace_s", MIN_DURATION_S), ("step_timeout_s", MIN_DURATION_S),
+                            ("drain_timeout_s", 0.0), ("engine_stall_s", ENGINE_STALL_MIN_S),
+                            ("handshake_timeout_s", MIN_DURATION_S)):
+            if (problem := duration_problem(getattr(self, name), least)) is not None:
+                raise ConfigError(f"{name} {problem}")
         if self.keys_file is not None:
             self.keys_file = user_path(self.keys_file)
             if self.api_key is not None:
@@ -221,8 +223,6 @@ class ServerConfig:
         for name in ("ssl_certfile", "ssl_keyfile"):
             if getattr(self, name) is not None:
                 setattr(self, name, user_path(getattr(self, name)))
-        if (problem := handshake_timeout_problem(self.handshake_timeout_s)) is not None:  # the edge's serve's rule
-            raise ConfigError(f"handshake_timeout_s {problem}")
         for name in ("max_connections", "max_http_requests"):
             _positive(name, getattr(self, name))
         self.allowed_hosts, self.allowed_origins = names(self.allowed_hosts), names(self.allowed_origins)

@@ -230,7 +230,7 @@ def _forget_oldest_exchange(turns: list[dict]) -> bool:
 
 def cmd_serve(args) -> int:
     from shared.http_limits import limit_problem
-    from shared.http_protocol import handshake_timeout_problem
+    from shared.cli_exit import duration_problem
     from shared.prefix_keys import bearer_key_problem
 
     from .local_api import HANDSHAKE_TIMEOUT_S, MAX_HTTP_REQUESTS, ClosingServer, create_app
@@ -252,7 +252,7 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--local-api-key {problem}")
     if args.handshake_timeout_s is None:
         args.handshake_timeout_s = HANDSHAKE_TIMEOUT_S
-    if (problem := handshake_timeout_problem(args.handshake_timeout_s)) is not None:  # before the bundle loads
+    if (problem := duration_problem(args.handshake_timeout_s)) is not None:  # before the bundle loads
         raise ValueError(f"--handshake-timeout-s {problem}")
     if args.max_http_requests is None:
         args.max_http_requests = MAX_HTTP_REQUESTS

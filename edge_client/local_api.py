@@ -46,9 +46,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared import openai_compat as oc
 from shared import openai_routes
+from shared.cli_exit import duration_problem
 from shared.http_browsers import BrowserGuard, BrowserPolicy
 from shared.http_limits import HttpConcurrencyLimit, limit_problem
-from shared.http_protocol import handshake_timeout_problem
 from shared.http_protocol import protocol_class as http_protocol_class
 from shared.precision import PrecisionError
 from shared.prefix_keys import bearer_token
@@ -200,7 +200,7 @@ def create_app(client: EdgeClient, model_name: str | None = None, api_key: str |
     ``max_http_requests``: ``/v1/`` requests in flight before 429 (the module docstring).
     ``browsers``: the hosts and web pages served (None: loopback names, no other site's pages;
     ``BrowserPolicy.serving(host, ...)`` for the address it listens on)."""
-    if (problem := handshake_timeout_problem(handshake_timeout_s)) is not None:
+    if (problem := duration_problem(handshake_timeout_s)) is not None:
         raise ValueError(f"handshake_timeout_s {problem}")
     if (problem := limit_problem(max_http_requests)) is not None:
         raise ValueError(f"max_http_requests {problem}")

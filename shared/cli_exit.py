@@ -121,3 +121,20 @@ def listen_problem(host: str, port: int, named: str | None = None) -> str | None
         except (TypeError, UnicodeError):  # a non-ASCII name IDNA cannot encode (a label over 63 characters)
             return f"{named or f'--host {host} --port {port}'}: cannot listen there (not a host name IDNA encodes)"
     return None
+
+
+MAX_DURATION_S = ((1 << 31) - 1) // 1000  # 2147483 s (24.8 days): an int32 of milliseconds, a duration on the wire
+MIN_DURATION_S = 0.001  # one millisecond, the wire's unit (a shorter duration is 0 ms there)
+
+
+def duration_problem(seconds: float, least: float = MIN_DURATION_S) -> str | None:
+    """Why ``seconds`` is no value of a duration option (None: it is one): a number of seconds from ``least`` to
+    :data:`MAX_DURATION_S`, the one rule of the servers' timeouts, grace periods and deadlines (``autoglm-cloud
+    serve``'s ``--handshake-timeout-s``, ``--session-grace-s``, ``--step-timeout-s``, ``--drain-timeout-s`` and
+    ``--engine-stall-s``, with their own ``least``; ``autoglm-edge serve``'s ``--handshake-timeout-s``). NaN,
+    infinity or a longer one (1e300) is a deadline that never comes - a silent socket, a wedged engine kept for
+    ever - or one the wire's int32 of milliseconds cannot carry (``Welcome.limits``, ``Drain.grace_ms``); 0, a
+    negative or less than a millisecond times everything out at once."""
+    if not least <= seconds <= MAX_DURATION_S:
+        return f"must be a number of seconds from {least:g} to {MAX_DURATION_S} (got {seconds!r})"
+    return None

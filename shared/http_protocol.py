@@ -17,19 +17,8 @@ deadline).
 
 from __future__ import annotations
 
-import math
-
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
-
-
-def handshake_timeout_problem(seconds: float) -> str | None:
-    """Why ``seconds`` is no deadline for a request's head and body (None: it is one): 0, a negative, NaN or
-    infinity would time out every request or none. Both servers' ``--handshake-timeout-s`` (the cloud's took
-    infinity, and with it kept a silent socket, a WebSocket without Hello and a stalled upload for ever)."""
-    if not 0 < seconds < math.inf:
-        return f"must be a number of seconds > 0 (got {seconds!r})"
-    return None
 
 
 class HeadDeadlineProtocol(H11Protocol):

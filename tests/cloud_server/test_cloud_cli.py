@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,15 +98,28 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     # past what Welcome.limits carries: each was a ProtocolError / OverflowError traceback as the app was built
     (["B", "--device", "cpu", "--max-model-len", "10000000000"], {}, "max_model_len must be <= 2147483647"),
     (["B", "--device", "cpu", "--block-size", "100000"], {}, "block_size must be <= 65536"),
-    (["B", "--device", "cpu", "--step-timeout-s", "inf"], {}, "step_timeout_s must be <= 2147483"),
-    (["B", "--device", "cpu", "--session-grace-s", "1e9"], {}, "session_grace_s must be <= 2147483"),
+    (["B", "--device", "cpu", "--step-timeout-s", "inf"], {}, r"step_timeout_s must be a number of seconds from "
+                                                             r"0\.001 to 2147483 \(got inf\)$"),
+    (["B", "--device", "cpu", "--session-grace-s", "1e9"], {}, "session_grace_s must be a number of seconds from"),
+    # under a millisecond: resume_window_ms 0, no resume at all
+    (["B", "--device", "cpu", "--session-grace-s", "1e-9"], {}, "session_grace_s must be a number of seconds from"),
     # Drain.grace_ms: nan / inf were an exception in the SIGTERM drain, which never ended (the server hung)
-    (["B", "--device", "cpu", "--drain-timeout-s", "nan"], {}, "drain_timeout_s must be >= 0"),
-    (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_DRAIN_TIMEOUT_S": "inf"}, "drain_timeout_s must be <= 2147483"),
-    (["B", "--device", "cpu", "--drain-timeout-s", "3e6"], {}, "drain_timeout_s must be <= 2147483"),
-    # infinity kept a silent socket, a WebSocket without Hello and a stalled upload for ever (the edge's rule refused it)
-    (["B", "--device", "cpu", "--handshake-timeout-s", "inf"], {}, "handshake_timeout_s must be a number of seconds > 0"),
+    (["B", "--device", "cpu", "--drain-timeout-s", "nan"], {}, r"drain_timeout_s must be a number of seconds from 0 "
+                                                              r"to 2147483 \(got nan\)$"),
+    (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_DRAIN_TIMEOUT_S": "inf"}, "drain_timeout_s must be a number of seconds"),
+    (["B", "--device", "cpu", "--drain-timeout-s", "3e6"], {}, "drain_timeout_s must be a number of seconds from 0 to"),
+    # infinity kept a silent socket, a WebSocket without Hello and a stalled upload for ever (the edge's rule refused
+    # it), and so did 1e300 - accepted by the rule that refused infinity, a deadline that never came all the same
+    (["B", "--device", "cpu", "--handshake-timeout-s", "inf"], {}, "handshake_timeout_s must be a number of seconds"),
+    (["B", "--device", "cpu", "--handshake-timeout-s", "1e300"], {}, r"handshake_timeout_s must be a number of "
+                                                                    r"seconds from 0\.001 to 2147483 \(got 1e\+300\)$"),
     (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_HANDSHAKE_TIMEOUT_S": "nan"}, "handshake_timeout_s must be a number"),
+    # the stall watchdog: infinity (or 1e300) never fired, a wedged engine served its probes for ever; 1e-9 (or any
+    # value under a real step's time) fired at the first request, a healthy server stopped (exit 1)
+    *[(["B", "--device", "cpu", "--engine-stall-s", v], {}, rf"engine_stall_s must be a number of seconds from 1 to "
+                                                           rf"2147483 \(got {re.escape(repr(float(v)))}\)$")
+      for v in ("inf", "1e300", "1e-9", "0.5", "0", "-1", "nan")],
+    (["B", "--device", "cpu"], {"AUTOGLM_CLOUD_ENGINE_STALL_S": "inf"}, "engine_stall_s must be a number of seconds"),
     # `--config "$CFG"` with CFG unset served without the file (its keys file: an open server); '' as a path was '.'
     # and an empty --model-name served the default one
     (["B", "--device", "cpu", "--config", ""], {}, "--config is empty \\(an unset variable\\?\\)"),

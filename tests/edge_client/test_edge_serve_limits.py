@@ -123,8 +123,9 @@ def test_serve_answers_requests_past_its_cap_429_at_once(tiny_bundle):
 
 
 @pytest.mark.parametrize("flag, value, problem", [
-    *[("--handshake-timeout-s", v, f"must be a number of seconds > 0 (got {float(v)!r})")  # 0 or a negative: every
-      for v in ("0", "-1", "nan", "inf")],  # request timed out; NaN or infinity: none
+    *[("--handshake-timeout-s", v, f"must be a number of seconds from 0.001 to 2147483 (got {float(v)!r})")
+      for v in ("0", "-1", "1e-9", "nan", "inf", "1e300")],  # 0, a negative or under 1 ms: every request timed out;
+    # NaN, infinity or longer than the wire's int32 of milliseconds: none (the cloud's rule, one helper)
     ("--max-http-requests", "0", "must be >= 1 (got 0)"),  # every request refused
 ])
 def test_a_limit_that_limits_nothing_or_everything_is_refused_in_one_line(flag, value, problem, tiny_bundle, capsys):
