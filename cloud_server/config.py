@@ -232,9 +232,16 @@ class ServerConfig:
                 raise ConfigError(f"{name}: {problem}")
         if self.max_prompt_tokens is not None:
             _positive("max_prompt_tokens", self.max_prompt_tokens)
-            if self.max_prompt_tokens > self.engine.max_model_len:
-                raise ConfigError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be <= max_model_len "
-                                  f"({self.engine.max_model_len}): a prompt also has to fit the context")
+            ecfg = self.engine
+            if self.max_prompt_tokens > ecfg.max_context:  # the pool bounds a request too (EngineConfig.max_context)
+                # over the pool (--num-blocks 4 --block-size 16 --max-prompt-tokens 200) it was served and sent in
+                # Welcome.limits beside a max_context of 64: a limit no prompt could reach, every prompt over 63
+                # refused as over the context the operator had not set
+                bound = (f"max_model_len ({ecfg.max_model_len})" if ecfg.max_context == ecfg.max_model_len else
+                         f"the KV pool's {ecfg.max_context} positions (num_blocks {ecfg.num_blocks} x block_size "
+                         f"{ecfg.block_size}, below max_model_len {ecfg.max_model_len})")
+                raise ConfigError(f"max_prompt_tokens ({self.max_prompt_tokens}) must be <= {bound}: a prompt also "
+                                  "has to fit the context")
         if not 1 <= self.workers <= MAX_WORKERS:
             raise ConfigError(f"workers must be >= 1 and <= {MAX_WORKERS} (got {self.workers})")
         if self.loop not in LOOPS:

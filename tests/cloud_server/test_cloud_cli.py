@@ -76,6 +76,13 @@ def test_precedence_cli_over_env_over_file(tmp_path):
     (["B"], {"AUTOGLM_CLOUD_PORT": "eighty"}, "AUTOGLM_CLOUD_PORT"),
     (["B", "--device", "tpu"], {}, "device"),
     (["B", "--device", "cpu", "--max-model-len", "512", "--max-prompt-tokens", "513"], {}, "max_prompt_tokens"),
+    # the pool bounds a request's context too (64 positions here): a limit no prompt could reach was served, and sent
+    # in Welcome.limits beside max_context 64; every prompt over 63 was refused as over a context nobody had set
+    (["B", "--device", "cpu", "--num-blocks", "4", "--block-size", "16", "--max-prompt-tokens", "200"], {},
+     r"max_prompt_tokens \(200\) must be <= the KV pool's 64 positions \(num_blocks 4 x block_size 16, below "
+     r"max_model_len 8192\)"),
+    (["--full", "tiny-glm4", "--device", "cpu", "--num-blocks", "4", "--block-size", "16", "--max-prompt-tokens",
+      "65"], {}, "max_prompt_tokens \\(65\\) must be <= the KV pool's 64 positions"),
     (["B", "--device", "cpu", "--kv-cache-dtype", "int4"], {}, "kv_cache_dtype: unknown"),
     (["B", "--device", "cpu", "--workers", "0"], {}, "workers must be >= 1"),
     (["B", "--device", "cpu", "--workers", "100000"], {}, "workers must be >= 1 and <= 256"),  # was EMFILE, a traceback
