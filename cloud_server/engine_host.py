@@ -350,9 +350,8 @@ class EngineHost:
                 return
             fut.add_done_callback(lambda f: port.reply(cid, f))
         elif op == "admit":
-            session_id, token, tenant, key_id, key_cap, replaces = args
-            got = self.ledger.admit(port.serial, session_id, LedgerEntry(port.serial, token, tenant, key_id),
-                                    key_cap, replaces)
+            session_id, token, principal, replaces = args
+            got = self.ledger.admit(port.serial, session_id, LedgerEntry(port.serial, token, principal), replaces)
             if got.reclaim is not None:
                 holder = self.ports.get(got.reclaim[0])
                 if holder is not None:

@@ -16,7 +16,9 @@ worker -> engine
     ``("abort", rid, reason)``
     ``("ask", call_id, op, args)``                           a request answered by ``("reply", ...)``: ``op``
                                                              ``"call"`` (``args``: a picklable ``fn(llm)``, run on
-                                                             the engine thread), ``"admit"``, ``"metrics"``
+                                                             the engine thread), ``"admit"`` (``args``: session
+                                                             id, resume token, the key's ``auth.Principal``, the
+                                                             token presented: the session ledger), ``"metrics"``
     ``("release", session_id)``                              a session closed (the session ledger)
     ``("rendered", token, families)``                        this worker's metric families, for a ``render``
                                                              (``token`` None: unasked, once, when it started)

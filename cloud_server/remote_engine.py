@@ -31,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
+from cloud_server.auth import Principal
 from cloud_server.engine.async_engine import EngineDeadError, Sink
 from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine_link import FrameReader, facts_from_wire, frame, pack_chunks, take_socket, unpack_output
@@ -136,12 +137,12 @@ class RemoteEngine:
         return self._ask("call", fn)
 
     # -- sessions over every worker (event-loop thread) ------------------------------------------------
-    async def admit(self, session_id: str, resume_token: str, tenant: str, principal,
+    async def admit(self, session_id: str, resume_token: str, principal: Principal,
                     replaces: str | None) -> tuple[str, str] | None:
-        """Count a new session in the engine process's ledger: None, or ``(metric reason, message)``."""
-        args = (session_id, resume_token, tenant, getattr(principal, "key_id", None),
-                getattr(principal, "max_sessions", None), replaces)
-        return await asyncio.wrap_future(self._ask("admit", args))
+        """Count a new session in the engine process's ledger: None, or ``(metric reason, message)``. The whole
+        ``principal`` crosses: the ledger caps by its key and reclaims ``replaces``'s session only for a principal
+        acting as its opener's (tenant and role)."""
+        return await asyncio.wrap_future(self._ask("admit", (session_id, resume_token, principal, replaces)))
 
     def release(self, session_id: str) -> None:
         if self.dead is None:

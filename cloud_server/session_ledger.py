@@ -10,6 +10,10 @@ worker does not have the session's state, so it opens a new session (``Welcome.r
 replays its context, as after a server restart (0 tokens lost). ``admit(replaces=token)`` frees the old
 session at once: it names the worker and session to *reclaim* (the engine process tells that worker to close
 it, aborting its requests), so the replay does not wait out the grace period beside a stale copy holding KV.
+Only a key that may resume the session reclaims it: one acting as the key that opened it, the same tenant and
+role (``cloud_server.auth.Principal.acts_as``, the rule of ``SessionRegistry.for_resume`` on the worker holding
+it). Another key presenting the token opens its new session beside the old one, which runs on: a tenant key
+holding its operator's token closed the operator's session on another worker (only the tenant was compared).
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from cloud_server.auth import Principal
+
 
 @dataclass(frozen=True, slots=True)
 class LedgerEntry:
     worker: int  # the link of the worker holding it (``WorkerPort.serial``)
     resume_token: str
-    tenant: str
-    key_id: str | None  # the API key it was opened with (per-key caps); None: no key of the store
+    principal: Principal  # who opened it: its key (per-key caps; key_id None: no key of the store), tenant and role
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,23 +52,25 @@ class SessionLedger:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def admit(self, worker: int, session_id: str, entry: LedgerEntry, key_cap: int | None,
-              replaces: str | None = None) -> Admission:
-        """Count ``session_id`` for ``worker`` unless the server or its key is at its limit. ``replaces``: the
-        resume token the edge presented, which ``worker`` does not hold (reclaimed from its holder first)."""
+    def admit(self, worker: int, session_id: str, entry: LedgerEntry, replaces: str | None = None) -> Admission:
+        """Count ``session_id`` for ``worker`` unless the server or its key (``entry.principal.max_sessions``) is
+        at its limit. ``replaces``: the resume token the edge presented, which ``worker`` does not hold (reclaimed
+        from its holder first when ``entry.principal`` acts as the principal that opened it)."""
         with self._lock:
             reclaim = None
             old = self._by_token.get(replaces) if replaces else None
-            if old is not None and self._entries[old].tenant == entry.tenant and self._entries[old].worker != worker:
-                reclaim = (self._entries[old].worker, old)
+            prior = self._entries[old] if old is not None else None
+            if prior is not None and prior.principal.acts_as(entry.principal) and prior.worker != worker:
+                reclaim = (prior.worker, old)
                 self._drop(old)
             if len(self._entries) >= self.max_sessions:
                 return Admission(("overloaded", f"server at its limit of {self.max_sessions} sessions; retry later"),
                                  reclaim)
-            if key_cap is not None and entry.key_id is not None:
-                held = sum(1 for e in self._entries.values() if e.key_id == entry.key_id)
+            key_id, key_cap = entry.principal.key_id, entry.principal.max_sessions
+            if key_cap is not None and key_id is not None:
+                held = sum(1 for e in self._entries.values() if e.principal.key_id == key_id)
                 if held >= key_cap:
-                    return Admission(("key_session_cap", f"API key {entry.key_id} holds its limit of {key_cap} "
+                    return Admission(("key_session_cap", f"API key {key_id} holds its limit of {key_cap} "
                                                          "sessions; retry later"), reclaim)
             self._entries[session_id] = entry
             self._by_token[entry.resume_token] = session_id

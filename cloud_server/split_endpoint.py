@@ -326,7 +326,7 @@ class SplitEndpoint:
         (``cloud_server.session_ledger``) and reclaims the session of ``presented``, a resume token this
         worker does not hold, from the worker that does: the edge replays here."""
         if self.peers is not None:
-            return await self.peers.admit(session_id, token, principal.tenant, principal, presented)
+            return await self.peers.admit(session_id, token, principal, presented)
         if self.registry.full:
             return "overloaded", f"server at its limit of {self.registry.max_sessions} sessions; retry later"
         capped = session_cap_refusal(self.registry, principal)

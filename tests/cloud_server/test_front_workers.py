@@ -20,6 +20,7 @@ import pytest
 import websockets
 from cloud_support import EdgeSim, edge_generate, refused_hello
 
+from cloud_server import auth
 from cloud_server.engine_host import RENDER_TIMEOUT_S
 from edge_client.config import RetryPolicy
 from edge_client.demo import LocalCloud
@@ -66,6 +67,14 @@ def _wait_no_sessions(cloud: LocalCloud, within_s: float) -> float:
     while (n := _metric(cloud, "autoglm:sessions_open")) and time.monotonic() < deadline:
         time.sleep(0.1)
     return n
+
+
+def _wait_both_ready(cloud: LocalCloud, within_s: float = 90.0) -> None:
+    """Poll ``/ready`` until both workers have answered (the server is ready once one is)."""
+    seen, deadline = set(), time.monotonic() + within_s
+    while seen != {0, 1}:
+        assert time.monotonic() < deadline, f"only workers {sorted(seen)} answered"
+        seen.add(httpx.get(cloud.http_url + "/ready", timeout=5).json()["worker"])
 
 
 async def _one_per_worker(cloud: LocalCloud, bundle, tries: int = 40) -> dict[str, EdgeSim]:
@@ -197,6 +206,55 @@ def test_a_reconnect_to_the_other_worker_replays_without_losing_a_token(servers,
     # nothing left behind: the edge closed its session, the stale copy on the other worker was reclaimed at the
     # replay (a copy the edge abandoned mid-handshake, if a cut hit it, expires after its 2 s grace)
     assert _wait_no_sessions(cloud, 5) == 0 and _metric(cloud, "vllm:num_requests_running") == 0
+
+
+@pytest.mark.slow  # a keyed --workers 2 server of its own (~25 s on a busy 2-core box); the rule alone:
+# test_session_ledger.py::test_a_token_presented_by_a_key_not_acting_as_its_opener_reclaims_nothing
+def test_a_resume_token_on_the_other_worker_closes_its_session_only_for_a_key_acting_as_its_opener(tiny_bundle,
+                                                                                                   tmp_path):
+    """A resume token presented on the worker that does not hold its session reclaims (closes) that session only
+    for a key acting as the one that opened it (``Principal.acts_as``: same tenant and role), as on the worker
+    holding it (``SessionRegistry.for_resume``): a tenant key presenting its tenant's operator's token closed the
+    operator's live session on the other worker ('resumed on another worker'), the ledger compared tenants only.
+    Another operator key of the tenant takes it over wherever it lands: reclaimed from the other worker, or
+    resumed on the holder (the old link 'replaced by a new connection')."""
+    keys = tmp_path / "keys.json"
+    _, op = auth.add_key(keys, "acme", role="operator")
+    _, op2 = auth.add_key(keys, "acme", role="operator")
+    _, member = auth.add_key(keys, "acme")
+    bundle_id = Manifest.load(tiny_bundle).bundle_id
+    args = ARGS + ["--workers", "2", "--keys-file", str(keys)]
+
+    async def on_the_other_worker(cloud, key, holder, token, front):
+        """Connect with ``key`` presenting ``token`` until the session opened lands off ``holder``."""
+        for _ in range(40):
+            edge = EdgeSim(cloud.ws_url, tiny_bundle, bundle_id, api_key=key, front=front)
+            welcome = await edge.connect(resume_token=token)
+            if not welcome.session_id.startswith(holder + "-"):
+                return edge, welcome
+            await edge.close()
+        raise AssertionError(f"40 connections all reached {holder}")
+
+    async def scenario(cloud):
+        opened = EdgeSim(cloud.ws_url, tiny_bundle, bundle_id, api_key=op)
+        welcome = await opened.connect()
+        holder = welcome.session_id.split("-", 1)[0]
+        intruder, theirs = await on_the_other_worker(cloud, member, holder, welcome.resume_token, opened.front)
+        tokens, finish, _ = await opened.generate("still-open", PROMPTS[0], 4)  # after the ledger's answer
+        await intruder.close()
+        heir = EdgeSim(cloud.ws_url, tiny_bundle, bundle_id, api_key=op2, front=opened.front)
+        took_over = await heir.connect(resume_token=welcome.resume_token)
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            await opened.recv(timeout=10)
+        await heir.close()
+        on_holder = took_over.session_id.startswith(holder + "-")
+        return (theirs.resumed, (len(tokens), finish)), (on_holder, took_over.resumed, closed.value.rcvd.reason)
+
+    with LocalCloud(tiny_bundle, extra_args=args, log_path=tmp_path / "keyed.log") as cloud:
+        _wait_both_ready(cloud)
+        intruder, heir = asyncio.run(scenario(cloud))
+    assert intruder == (False, (4, "length"))  # a session of its own; the operator's generated on
+    assert heir in {(False, False, "resumed on another worker"), (True, True, "replaced by a new connection")}
 
 
 def _front_pids(main: int) -> set[int]:
