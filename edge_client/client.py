@@ -61,6 +61,8 @@ from .vision import MediaError
 
 log = logging.getLogger("edge_client.client")
 
+STOP_WAIT_S = 5.0  # closing waits this long for the session's goodbye, then as long for the loop thread to end
+
 __all__ = ["AsyncGeneration", "EdgeClient", "EdgeClientError", "Generation", "RequestStats"]
 
 
@@ -101,6 +103,8 @@ class EdgeClient:
         self.prefix_secret = prefix_secret if prefix_secret is not None else os.urandom(32)
         self.link_up = True  # False: the caller knows the link is down (the policy then keeps the request here)
         self._closed = False
+        self._close_lock = threading.Lock()  # one close() closes; every other waits for it (_wait_closed)
+        self._close_done = threading.Event()
         self._inflight: dict[concurrent.futures.Future, Any] = {}  # unfinished requests -> their sinks
         self._inflight_lock = threading.Lock()
         # close(), or the app dropping the client unclosed: the loop thread, its WebSocket and the server's session
@@ -171,18 +175,36 @@ class EdgeClient:
 
     def close(self) -> None:
         """End the session (the server frees it at once) and every request still running (``closed``); a client
-        dropped unclosed gets the same when collected. In a forked child, whose copy has no loop thread, only the
-        child's descriptors close: the parent's client runs on."""
-        if self._closed:
+        dropped unclosed gets the same when collected. It returns once the client is closed, whichever thread
+        closes it and however many at once: a second close() returned while the first still ended the session, its
+        loop thread alive. Called on the client's own loop thread (a callback there), it cannot wait for that
+        thread to end: it returns at once and the loop stops once its turn ends. In a forked child, whose copy has
+        no loop thread, only the child's descriptors close: the parent's client runs on."""
+        with self._close_lock:
+            first, self._closed = not self._closed, True
+        if first:
+            try:
+                self._stop()  # (in a forked child, nothing)
+                self.cache.close()  # its scope is free to retire (edge_client.bundle_sync.retire_cache)
+                self._version.close()  # and its bundle version free to remove (bundle_sync.switch)
+            finally:
+                self._close_done.set()
+        self._wait_closed()
+
+    def _wait_closed(self) -> None:
+        """Wait until the close() that closes the client has finished and the loop thread has ended (after that
+        close() returned, when it ran on the loop thread itself). Not on the loop thread, which cannot wait for
+        itself, nor in a forked child: its copy has no such thread, and a close() of the parent's half done at the
+        fork is finished by nobody there."""
+        if threading.current_thread() is self._thread or os.getpid() != self._pid:
             return
-        self._closed = True
-        self._stop()  # (in a forked child, nothing)
-        self.cache.close()  # its scope is free to retire (edge_client.bundle_sync.retire_cache)
-        self._version.close()  # and its bundle version free to remove (bundle_sync.switch)
+        self._close_done.wait()
+        self._thread.join(STOP_WAIT_S)
 
     async def aclose(self) -> None:
         """:meth:`close` for an asyncio app: it runs on a worker thread, so the caller's event loop serves its other
-        tasks meanwhile (closing waits for the server's goodbye, up to seconds on a slow link)."""
+        tasks meanwhile (closing waits for the server's goodbye, up to seconds on a slow link); it returns, as
+        close() does, once the client is closed."""
         await asyncio.to_thread(self.close)
 
     def __enter__(self) -> EdgeClient:
@@ -550,11 +572,11 @@ def _stop_loop(pid: int, loop: asyncio.AbstractEventLoop, thread: threading.Thre
         loop.create_task(_shutdown(session)).add_done_callback(lambda _: loop.stop())
         return
     try:
-        asyncio.run_coroutine_threadsafe(_shutdown(session), loop).result(5.0)
+        asyncio.run_coroutine_threadsafe(_shutdown(session), loop).result(STOP_WAIT_S)
     except Exception:  # noqa: BLE001 - closing is best effort
         pass
     loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=5.0)
+    thread.join(timeout=STOP_WAIT_S)
 
 
 async def _shutdown(session: Session) -> None:

@@ -228,6 +228,67 @@ def test_an_asyncio_app_closes_its_client_with_async_with_and_its_loop_runs_mean
     assert _sessions_open(tiny_cloud) == before
 
 
+def test_every_close_returns_once_the_client_is_closed_and_one_on_its_loop_thread_at_once(tiny_bundle, tiny_cloud):
+    """Two threads closing one client at once: the second close() returned while the first still ended the cloud
+    session, the loop thread alive - a caller that closes, then checks (or exits, or forks) met a client still
+    open. The interleaving is made exact: the first close() is held in the session's goodbye while a thread's
+    close(), an asyncio app's aclose() and a callback on the client's own loop thread close too. The thread and the
+    app return only once the client is closed (loop thread ended, session closed, the cloud's too); the callback, which
+    that thread's end waits for, at once (no deadlock), and so does a callback's close() that is the first."""
+    import asyncio
+    import threading
+
+    from edge_client import EdgeClient
+
+    before = _sessions_open(tiny_cloud)
+    client = EdgeClient(tiny_bundle, tiny_cloud.ws_url)
+    client.connect()
+    entered, gate = threading.Event(), threading.Event()
+    goodbye = client.session.close
+
+    async def held_goodbye() -> None:
+        entered.set()
+        await asyncio.to_thread(gate.wait, 10.0)
+        await goodbye()
+    client.session.close = held_goodbye
+    seen: dict[str, object] = {}
+
+    def closed_then_seen(name: str, close) -> None:
+        close()
+        seen[name] = (client._thread.is_alive(), client.connected)
+
+    first = threading.Thread(target=client.close)
+    first.start()
+    assert entered.wait(10.0)
+    closers = [threading.Thread(target=closed_then_seen, args=("thread", client.close)),
+               threading.Thread(target=closed_then_seen, args=("aclose", lambda: asyncio.run(client.aclose())))]
+    for t in closers:
+        t.start()
+    on_loop = threading.Event()
+    client._loop.call_soon_threadsafe(lambda: (client.close(), on_loop.set()))
+    assert on_loop.wait(5.0), "close() on the client's loop thread waited for that thread"
+    time.sleep(0.3)
+    held = {name: name in seen for name in ("thread", "aclose")}
+    gate.set()
+    for t in (first, *closers):
+        t.join(30.0)
+    assert held == {"thread": False, "aclose": False}, f"returned while the first close() was running: {seen}"
+    assert seen == {"thread": (False, False), "aclose": (False, False)}
+    # the first close() on the loop thread returns at once (the loop stops after its turn); a close() elsewhere
+    # then returns once it has
+    client = EdgeClient(tiny_bundle, tiny_cloud.ws_url)
+    client.connect()
+    on_loop.clear()
+    client._loop.call_soon_threadsafe(lambda: (client.close(), on_loop.set()))
+    assert on_loop.wait(5.0)
+    closed_then_seen("after the loop's", client.close)
+    assert seen["after the loop's"] == (False, False)
+    deadline = time.monotonic() + 10.0  # the server frees a session at the client's Close (the client waits 1 s)
+    while _sessions_open(tiny_cloud) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _sessions_open(tiny_cloud) == before
+
+
 def test_an_openai_base_url_is_the_split_endpoints(tiny_bundle, tiny_cloud):
     """An OpenAI user's ``base_url`` (``http://host:port/v1``) was a ConfigError; it is the same server's WebSocket
     (``ws://host:port/v1/split``), and the answer is the one the ws:// URL gets."""
