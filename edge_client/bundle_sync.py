@@ -49,8 +49,8 @@ another export of the bundle during the download, twice: run again), ``truncated
 stopping short; the part file stays, run again to resume), ``unauthorized``, ``tls_verify_failed`` /
 ``tls_required`` / ``tls_error`` (as the split link's, ``edge_client.tls``), ``unreachable``, ``http_error``
 (also a bundle id or edge variant that is no plain name: they name directories here), ``bad_manifest``,
-``write_failed`` (the phone's storage refused a write: full, read-only; what came down stays, run again to
-resume).
+``write_failed`` (the phone's storage refused a write, the file or folder named: full - what came down stays,
+make room and run again to resume - or not writable by the app).
 
 HTTP is the standard library's ``urllib`` (nothing more to install on a phone); the base URL is the split
 endpoint's with ``ws`` -> ``http``. References: RFC 9110 (Range, If-Range, ETag).
@@ -80,7 +80,7 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from shared.manifest import (EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleError, Manifest, export_digest,
-                             same_source)
+                             no_room, same_source)
 
 from . import tls
 from .activation_cache import retire
@@ -667,10 +667,19 @@ def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
                                       f"update checks it again without downloading it); "
                                       + _after_unloadable(current, bundle_id)) from None
     except OSError as e:  # the phone's storage (the network's OSErrors are BundleSyncErrors by now)
-        raise BundleSyncError("write_failed", f"cannot write the new bundle beside {config.bundle}: "
-                                              f"{e.strerror or e} ({e.filename or 'a file'}); what came down is "
-                                              "kept: make room and run again to resume") from None
+        raise BundleSyncError("write_failed", _unwritten(bundle, e)) from None
     return Manifest.load(config.bundle)
+
+
+def _unwritten(bundle: Path, e: OSError) -> str:
+    """The line of an update the phone's storage refused (``e``): where - a write's error names no file: the
+    versions folder it wrote in (it said 'a file') - and what helps: room (``shared.manifest.no_room``: a full disk,
+    a quota; what came down is kept for the rerun), else write access there (a read-only or foreign folder, where
+    'make room' was the advice)."""
+    head = f"cannot write the new bundle beside {bundle}: {e.strerror or e} ({e.filename or versions_dir(bundle)})"
+    if no_room(e) is not None:
+        return f"{head}; what came down is kept: make room and run again to resume"
+    return f"{head}; the app needs write access there (the bundle held stays in use)"
 
 
 def _after_unloadable(current: Manifest, bundle_id: str) -> str:

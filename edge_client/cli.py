@@ -281,6 +281,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_preload(args) -> int:
+    from . import activation_cache
     from .client import EdgeClient
 
     if not [*args.preload, *args.files] and not args.update:
@@ -292,12 +293,18 @@ def cmd_preload(args) -> int:
         return 0
     if cfg.cache_dir is None:
         raise ValueError("preload needs --cache-dir (or AUTOGLM_EDGE_CACHE_DIR): a memory cache dies with the process")
-    client = EdgeClient(cfg)
+    level = activation_cache.log.level
+    if not args.verbose:  # a directory that refuses the blocks is this command's one-line error (cache_unwritable):
+        activation_cache.log.setLevel(logging.ERROR)  # the cache's warning, for apps that carry on, said it twice
     try:
-        _preload(client, [*args.preload, *args.files], lambda path, n: print(f"{path}: {n} tokens cached in "
-                                                                             f"{cfg.cache_dir}"), saved=True)
+        client = EdgeClient(cfg)
+        try:
+            _preload(client, [*args.preload, *args.files], lambda path, n: print(f"{path}: {n} tokens cached in "
+                                                                                 f"{cfg.cache_dir}"), saved=True)
+        finally:
+            client.close()
     finally:
-        client.close()
+        activation_cache.log.setLevel(level)  # (main() run in-process, as the tests do, leaves it as it was)
     return 0
 
 

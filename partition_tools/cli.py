@@ -234,12 +234,12 @@ def _drafter_progress(args, steps: int, check=None):
     source's load, then the drafter's ``steps``) and the bundle's staging directory, held (``split.writing``) until
     the block ends; a write the disk had no room for (an OSError traceback) is one line. ``check(manifest)``: the
     drafter's own checks of the bundle, after the one every drafter makes and before the model loads."""
-    from shared.manifest import BundleError, Manifest
+    from shared.manifest import BundleError, Manifest, no_room
 
     from .draft_head import check_takes_a_drafter
     from .models import load_bundle_source
     from .progress import Steps
-    from .split import no_room, refuse_if_held, writing
+    from .split import refuse_if_held, writing
 
     started = time.perf_counter()
     progress = Steps(1 + steps, "draft-head")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import os
@@ -19,7 +18,7 @@ import torch
 from edge_client.bundle_sync import unheld
 from edge_client.front import FRONT, PREFILL_GRAPH
 from shared.manifest import (FORMAT_VERSION, JOURNAL, MANIFEST_NAME, STAGING, BundleError, Manifest, finish_move,
-                             finish_update, move_in)
+                             finish_update, move_in, no_room)
 
 from .adapters import ModelAdapter, call_layer
 from .cloud_half import BACK_CONFIG, BACK_WEIGHTS, GENERATION_CONFIG, back_state_dict
@@ -335,18 +334,6 @@ def split(lm: LoadedModel, cfg: SplitConfig) -> Manifest:
             raise BundleError(f"--out {cfg.out}: the bundle does not fit ({reason}); make room{kept} and split again") \
                 from None
     return manifest
-
-
-_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, the file size limit (ulimit -f)
-
-
-def no_room(e: Exception) -> str | None:
-    """Why writing the bundle failed for want of room, or None: an OSError's errno, or the system's words inside a
-    library's own error (safetensors' SafetensorError 'No space left on device (os error 28)'), which ended the
-    split in a traceback after all its work."""
-    if isinstance(e, OSError) and e.errno in _NO_ROOM:
-        return e.strerror
-    return next((os.strerror(n) for n in _NO_ROOM if os.strerror(n) in str(e)), None)
 
 
 def _swap_in(staged: Path, out: Path) -> None:

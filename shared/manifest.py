@@ -27,6 +27,7 @@ Pure Python (the standard library): the phone reads manifests too.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -270,6 +271,18 @@ def unreadable(path: Path, e: OSError) -> str:
     """The one line for a bundle file this process cannot read (``e``): another user's file (mode 0600), a folder
     it may not enter, an I/O error of the disk."""
     return f"{path}: cannot be read ({e.strerror or e}); the user running this needs read access to the bundle's files"
+
+
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, the file size limit (ulimit -f)
+
+
+def no_room(e: Exception) -> str | None:
+    """Why writing a bundle failed for want of room, or None: an OSError's errno, or the system's words inside a
+    library's own error (safetensors' SafetensorError 'No space left on device (os error 28)'), which ended the
+    split in a traceback after all its work. The one rule of the split, draft-head and the edge's bundle update."""
+    if isinstance(e, OSError) and e.errno in _NO_ROOM:
+        return e.strerror
+    return next((os.strerror(n) for n in _NO_ROOM if os.strerror(n) in str(e)), None)
 
 
 def _is_int(v) -> bool:

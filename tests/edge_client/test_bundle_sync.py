@@ -990,10 +990,37 @@ def test_a_full_disk_is_a_clear_error_the_old_bundle_stays_and_a_rerun_resumes(m
         with pytest.raises(BundleSyncError, match="No space left") as ei:
             bundle_sync.update(cfg, m2)
         assert ei.value.code == "write_failed"
+        assert f"({bundle_sync.versions_dir(edge_l2)}); what came down is kept: make room" in str(ei.value)  # where
         assert not edge_l2.is_symlink() and Manifest.load(edge_l2).bundle_id == m2.bundle_id  # still the old one
         monkeypatch.delattr(bundle_sync, "open")  # space freed: the same call resumes and switches
         assert bundle_sync.update(cfg, m2).bundle_id == m1.bundle_id
     _assert_edge_half(edge_l2)
+
+
+def test_a_bundle_folder_the_app_cannot_write_is_write_failed_asking_for_write_access(monkeypatch, bundle_l1, edge_l2):
+    """A bundle on storage the app cannot write (a read-only mount: real preload --update on one) failed
+    'write_failed ... what came down is kept: make room and run again to resume': nothing had come down, and room
+    was not what it lacked. Simulated (the tests run as root): the update's lock file refused as on a read-only
+    file system."""
+    import errno
+
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).endswith(".update-lock"):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(bundle_sync.os, "open", read_only)
+    m2 = Manifest.load(edge_l2)
+    with Serving(_app(bundle_l1)) as srv:
+        with pytest.raises(BundleSyncError) as ei:
+            bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), m2)
+    assert ei.value.code == "write_failed"
+    assert str(ei.value) == (f"cannot write the new bundle beside {edge_l2}: Read-only file system "
+                             f"({edge_l2.parent / '.bundle.update-lock'}); the app needs write access there (the "
+                             "bundle held stays in use)")
+    assert Manifest.load(edge_l2).bundle_id == m2.bundle_id
 
 
 class _SmallDisk:

@@ -131,6 +131,24 @@ def test_preload_into_a_directory_that_refuses_writes_fails_saying_so(tiny_bundl
                                    f"write in {tmp_path / 'c'}"), captured.err
 
 
+def test_preload_into_a_directory_that_refuses_writes_prints_its_one_line_alone(tiny_bundle, tmp_path):
+    """The command's own process (the test above runs main() under pytest's log capture): preload into a read-only
+    or full --cache-dir printed the cache's warning ('WARNING edge_client.activation_cache: ... kept in memory
+    only') before its error line, which says the same (real: a read-only mount, a full 2 MB tmpfs)."""
+    from shared.manifest import Manifest
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("You are a phone agent. Tap, swipe and type to finish the task.")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / Manifest.load(tiny_bundle).bundle_id).write_text("")  # where the bundle's folder goes
+    proc = subprocess.run([sys.executable, "-m", "edge_client.cli", "preload", "--bundle", str(tiny_bundle),
+                           "--cache-dir", str(tmp_path / "c"), str(prompt)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith(f"autoglm-edge preload: {prompt}: the activation cache was not saved: cannot write "
+                                  f"in {tmp_path / 'c'}") and proc.stderr.count("\n") == 1, proc.stderr
+
+
 def test_preload_of_a_prompt_longer_than_the_edge_graph_is_one_line(tiny_bundle, tmp_path, capsys):
     """A prompt past the edge graph's positions (the 2.7 KB agent prompt through a tokenizer-less bundle's byte
     fallback: 2,048 positions) ended `autoglm-edge preload` in a FrontError traceback, half-way through the front."""
