@@ -69,7 +69,8 @@ def test_a_web_page_cannot_drive_a_loopback_server_nor_read_it_rebound(server):
     import openai
 
     oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
-    assert oa.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2).choices[0].finish_reason == "length"
+    done = oa.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2)  # (random weights: may end on EOS)
+    assert done.choices[0].finish_reason in ("length", "stop") and 1 <= done.usage.completion_tokens <= 2
 
 
 def test_allowed_origins_get_cors_and_allowed_hosts_are_served(tiny_lm):

@@ -202,7 +202,7 @@ def test_no_fetch_urls_refuses_http_image_urls_without_fetching(api):
     before = client.media_policy
     try:
         app = create_app(client, fetch_urls=False)
-        with TestClient(app) as tc:
+        with TestClient(app, base_url="http://127.0.0.1") as tc:  # a loopback Host ("testserver" is refused 403)
             r = tc.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": [
                 {"role": "user", "content": [{"type": "text", "text": "tap "}, _image("http://127.0.0.1:9/x.png")]}]})
         assert r.status_code == 400 and r.json()["error"]["code"] == "url_refused"

@@ -136,7 +136,7 @@ def test_split_matches_reference(tiny_glm4v_lm, tiny_glm4v_audio_bundle):
 @pytest.mark.parametrize("make,code", [
     (lambda: wav(np.zeros(8000, np.float32)), "silent_audio"),
     (lambda: wav(np.zeros(0, np.float32)), "bad_audio"),
-    (lambda: wav(tone(0.5, 8000), 8000), "bad_sample_rate"),
+    (lambda: wav(tone(0.5, 3000), 3000), "bad_sample_rate"),  # below the resampler's 4 kHz floor
     (lambda: wav(tone(3.0)), "audio_too_long"),  # the tiny encoder's window is 2 s
     (lambda: b"RIFF\x00\x00\x00\x00WAVEjunk", "bad_audio"),
     (lambda: b"ID3\x03\x00" + bytes(100), "bad_audio"),  # an mp3: not a PCM WAV
