@@ -217,7 +217,9 @@ class EdgeConfig:
                 PrecisionOverride(codec=self.codec)
             except PrecisionError as e:
                 raise ConfigError(str(e)) from None
-        if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
+        # (os.path's checks: a path the app may not even look at - a parent it cannot enter - was a PermissionError
+        # traceback here; it is the cache's to refuse, which keeps its blocks in memory then, as for a read-only one)
+        if self.cache_dir is not None and os.path.exists(self.cache_dir) and not os.path.isdir(self.cache_dir):
             raise ConfigError(f"cache_dir {self.cache_dir}: exists and is not a directory")
         if self.ca_file is not None:
             from .tls import trust_context

@@ -5,7 +5,9 @@ from __future__ import annotations
 from cli_support import undocumented
 
 import io
+import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -147,6 +149,23 @@ def test_preload_into_a_directory_that_refuses_writes_prints_its_one_line_alone(
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.startswith(f"autoglm-edge preload: {prompt}: the activation cache was not saved: cannot write "
                                   f"in {tmp_path / 'c'}") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="drops root's DAC override")
+def test_preload_with_a_cache_dir_the_app_may_not_enter_is_its_one_line(tiny_bundle, tmp_path):
+    """A --cache-dir inside a folder the app may not enter ended every command at its start in a PermissionError
+    traceback (EdgeConfig's check); the cache refuses it as a read-only one, and preload says so in its one line."""
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    os.chown(locked, 65534, 65534)  # nobody's: root without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH cannot enter it
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("You are a phone agent. Tap, swipe and type to finish the task.")
+    proc = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m",
+                           "edge_client.cli", "preload", "--bundle", str(tiny_bundle), "--cache-dir",
+                           str(locked / "cache"), str(prompt)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"autoglm-edge preload: {prompt}: the activation cache was not saved: cannot "
+                                  f"write in {locked / 'cache'}") and "Permission denied" in proc.stderr
 
 
 def test_preload_of_a_prompt_longer_than_the_edge_graph_is_one_line(tiny_bundle, tmp_path, capsys):

@@ -115,6 +115,28 @@ def test_paths_starting_with_a_tilde_are_the_users_home(tmp_path, monkeypatch):
     assert EdgeConfig(bundle="~nosuchuser/b").bundle == Path("~nosuchuser/b")
 
 
+def test_a_cache_dir_the_app_may_not_look_into_is_left_to_the_cache(tmp_path, monkeypatch):
+    """A cache_dir under a folder the app cannot enter (another app's, another user's) was a PermissionError
+    traceback from the config's 'is it a file?' check - autoglm-edge chat / serve / preload and EdgeClient failed to
+    start (real: as root without CAP_DAC_OVERRIDE, a nobody-owned 0700 parent); the cache refuses it as it refuses a
+    read-only one (its blocks in memory). Simulated here: stat refused under that folder."""
+    import os
+
+    locked = tmp_path / "locked"
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).startswith(str(locked)):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert EdgeConfig(bundle=tmp_path, cache_dir=locked / "cache").cache_dir == locked / "cache"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="exists and is not a directory"):  # a file there is still refused
+        EdgeConfig(bundle=tmp_path, cache_dir=tmp_path / "file")
+
+
 @pytest.mark.parametrize("given, expected", [
     (" ws://h:8000 ", "ws://h:8000/v1/split"),  # an environment twin read from a file: the port was ' 8000'
     ("wss://gw/autoglm/v1 \n", "wss://gw/autoglm/v1/split"),  # the path was '/v1 ', its server's answer HTTP 400
