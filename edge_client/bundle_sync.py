@@ -340,7 +340,9 @@ def _link_tmp(bundle: Path) -> Path:
 def recover(bundle: Path) -> None:
     """Finish a switch a crash interrupted (the old directory moved away, the new link not yet in place)."""
     bundle, tmp = Path(bundle), _link_tmp(Path(bundle))
-    if not bundle.exists() and not bundle.is_symlink() and tmp.is_symlink():
+    # (os.path's checks: a bundle in a folder the app may not enter was a PermissionError traceback at every client's
+    # start; Manifest.load says it in one line)
+    if not os.path.lexists(bundle) and os.path.islink(tmp):
         os.replace(tmp, bundle)
         log.info("%s: finished an interrupted bundle switch", bundle)
 

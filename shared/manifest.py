@@ -32,6 +32,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -166,11 +167,15 @@ class Manifest:
     @classmethod
     def load(cls, bundle_dir: str | Path) -> Manifest:
         path = Path(bundle_dir) / MANIFEST_NAME
-        if Path(bundle_dir).exists() and not Path(bundle_dir).is_dir():  # was "no such bundle directory"
+        try:
+            is_dir = stat.S_ISDIR(os.stat(bundle_dir).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            raise BundleError(f"{bundle_dir}: no such bundle directory") from None
+        except OSError as e:  # a folder above it the process may not enter: Path.exists raised PermissionError
+            raise BundleError(unreadable(Path(bundle_dir), e)) from None
+        if not is_dir:  # was "no such bundle directory"
             raise BundleError(f"{bundle_dir}: a file, not a bundle directory (give the directory split --out "
                               "wrote, the one holding its manifest.json)")
-        if not Path(bundle_dir).is_dir():
-            raise BundleError(f"{bundle_dir}: no such bundle directory")
         try:
             os.stat(path)  # (not a listing: a folder others may enter but not list, mode 0711, serves)
         except FileNotFoundError:

@@ -168,6 +168,24 @@ def test_preload_with_a_cache_dir_the_app_may_not_enter_is_its_one_line(tiny_bun
                                   f"write in {locked / 'cache'}") and "Permission denied" in proc.stderr
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="drops root's DAC override")
+@pytest.mark.parametrize("command", [["chat"], ["preload", "--update"]])
+def test_a_bundle_in_a_folder_the_app_may_not_enter_is_one_line(command, tiny_bundle, tmp_path):
+    """A bundle inside a folder the app may not enter ended chat / serve / preload --update (and EdgeClient) in a
+    PermissionError traceback: bundle_sync.recover's and Manifest.load's Path.exists raised on EACCES."""
+    locked = tmp_path / "locked"
+    shutil.copytree(tiny_bundle, locked / "bundle")
+    locked.chmod(0o700)
+    os.chown(locked, 65534, 65534)  # nobody's: root without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH cannot enter it
+    proc = subprocess.run(["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-m",
+                           "edge_client.cli", command[0], "--bundle", str(locked / "bundle"), "--url",
+                           "ws://127.0.0.1:9", *command[1:]], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (f"autoglm-edge {command[0]}: error: {locked / 'bundle'}: cannot be read (Permission denied); "
+                           "the user running this needs read access to the bundle's files\n")
+
+
 def test_preload_of_a_prompt_longer_than_the_edge_graph_is_one_line(tiny_bundle, tmp_path, capsys):
     """A prompt past the edge graph's positions (the 2.7 KB agent prompt through a tokenizer-less bundle's byte
     fallback: 2,048 positions) ended `autoglm-edge preload` in a FrontError traceback, half-way through the front."""
