@@ -44,13 +44,17 @@ def client_context(url: str, ca_file: str | Path | None = None) -> ssl.SSLContex
 
 def trust_context(ca_file: str | Path | None = None) -> ssl.SSLContext:
     """A verifying client context trusting ``ca_file`` (None: the system store). ``FileNotFoundError`` for a missing
-    file, ``ValueError`` for one that holds no PEM certificate."""
-    if ca_file is not None and not Path(ca_file).is_file():
-        raise FileNotFoundError(f"ca_file {ca_file}: no such file")
+    file, ``ValueError`` for one that holds no PEM certificate or that this process may not read (another user's
+    file, a folder it may not enter: a PermissionError traceback at the start)."""
     try:
+        if ca_file is not None and not Path(ca_file).is_file():
+            raise FileNotFoundError(f"ca_file {ca_file}: no such file")
         return ssl.create_default_context(cafile=str(ca_file) if ca_file is not None else None)
     except ssl.SSLError as e:
         raise ValueError(f"ca_file {ca_file}: no PEM CA certificate in it ({e.reason or e})") from None
+    except PermissionError as e:
+        raise ValueError(f"ca_file {ca_file}: cannot be read ({e.strerror}); the user running this needs read access "
+                         "to it") from None
 
 
 def speaks_tls(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:

@@ -137,6 +137,35 @@ def test_a_cache_dir_the_app_may_not_look_into_is_left_to_the_cache(tmp_path, mo
         EdgeConfig(bundle=tmp_path, cache_dir=tmp_path / "file")
 
 
+@pytest.mark.parametrize("where", ["a folder it may not enter", "a file it may not read"])
+def test_a_ca_file_the_app_may_not_read_is_a_config_error(tmp_path, monkeypatch, where):
+    """A ca_file in a folder the app may not enter, or another user's (mode 0600), was a PermissionError traceback
+    from EdgeConfig (real: root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH); it is a one-line ConfigError.
+    Simulated: stat, or the read, refused."""
+    import os
+    import ssl
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    if where == "a folder it may not enter":
+        real_stat = os.stat
+
+        def stat(path, *args, **kwargs):
+            if str(path) == str(ca):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "stat", stat)
+    else:
+        def refused(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(ssl, "create_default_context", refused)
+    with pytest.raises(ConfigError, match=f"^ca_file {ca}: cannot be read \\(Permission denied\\); the user running "
+                                          "this needs read access to it$"):
+        EdgeConfig(bundle=tmp_path, url="wss://h:8000", ca_file=ca)
+
+
 @pytest.mark.parametrize("given, expected", [
     (" ws://h:8000 ", "ws://h:8000/v1/split"),  # an environment twin read from a file: the port was ' 8000'
     ("wss://gw/autoglm/v1 \n", "wss://gw/autoglm/v1/split"),  # the path was '/v1 ', its server's answer HTTP 400
