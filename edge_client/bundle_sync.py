@@ -553,7 +553,7 @@ def _version_path(bundle: Path, bundle_id: str, edge: str, raw: bytes, *, reuse:
             if not path.name.endswith(".partial") and path.is_dir() and _same_manifest(path, raw):
                 if (damage := _damage(path)) is None:
                     return path
-                log.warning("%s: not whole (%s); downloading the version again", path, damage)
+                log.info("%s: not whole (%s); downloading the version again", path, damage)
                 _remove_unless_held(path)
     tag = export_digest(raw)[:12]
     names = itertools.chain([base.name, f"{base.name}~{tag}"],
@@ -561,14 +561,20 @@ def _version_path(bundle: Path, bundle_id: str, edge: str, raw: bytes, *, reuse:
     return next(path for path in map(base.with_name, names) if not (path.exists() or path.is_symlink()))
 
 
-def _damage(version: Path) -> str | None:
-    """Why the version directory ``version`` is no whole edge half - a file of it missing, of another size or
-    another sha256 than its manifest says -, or None."""
+def _damage(version: Path, hashes: bool = True) -> str | None:
+    """Why the bundle directory ``version`` is no edge half a client opens - an edge file missing, or one of it or
+    of the shared files it holds of another size or (``hashes``) sha256 than its manifest says -, or None."""
     try:
-        Manifest.load(version).verify_files(version, roles=EDGE_HALF_ROLES)
+        Manifest.load(version).verify_files(version, roles=EDGE_HALF_ROLES, hashes=hashes, if_present=("shared",))
     except BundleError as e:
         return str(e)
     return None
+
+
+def _serves(listing: list[dict], m: Manifest) -> bool:
+    """Does the server's listing offer ``m``'s bundle id with its edge variant for download?"""
+    return any(b.get("id") == m.bundle_id and any(v.get("edge_quant") == m.edge_quant for v in _variants(b))
+               for b in listing if isinstance(b, dict))
 
 
 def _same_manifest(directory: Path, raw: bytes) -> bool:
@@ -647,15 +653,23 @@ def switch(bundle: Path, new: Path) -> None:
 def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
            progress: Progress | None = None) -> Manifest | None:
     """Bring ``config.bundle`` to the server's bundle of the same model; returns the new manifest, or None
-    when the server serves ``current`` already. Raises BundleSyncError."""
+    when the server serves ``current`` already and the copy held is whole (one that lost files - a power cut, a
+    cleaner - is downloaded again: the manifest returned is ``current``'s). Raises BundleSyncError."""
     server = BundleServer(config.url, config.api_key, config.ca_file, timeout_s=config.retry.reply_timeout_s)
-    pick = choose(current, server.listing(), list(preferred_ids), _export_at(Path(config.bundle)))
+    bundle = Path(config.bundle)
+    listing = server.listing()
+    pick = choose(current, listing, list(preferred_ids), _export_at(bundle))
     if pick is None:
-        return None
+        damage = _damage(bundle, hashes=False)
+        if damage is None or not _serves(listing, current):
+            return None
+        # the phone's copy lost files (a power cut, a cleaner) while the server serves it: no client opens it (and
+        # 'preload --update' said 'up to date'); the same export is downloaded again
+        log.info("%s: not whole (%s); downloading bundle %s again", bundle, damage, current.bundle_id)
+        pick = current.bundle_id, current.edge_quant
     bundle_id, edge = pick
     log.info("updating %s: bundle %s -> %s (%s edge) from %s", config.bundle, current.bundle_id, bundle_id, edge,
              server.base)
-    bundle = Path(config.bundle)
     try:
         with _update_lock(bundle):
             if _is_version(bundle, server.manifest_bytes(bundle_id, edge)):  # another updater got there first
@@ -723,8 +737,8 @@ def _update_lock(bundle: Path):
 
 def _is_version(bundle: Path, raw: bytes) -> bool:
     """Is the bundle at ``bundle`` already a verified version of the export whose manifest is ``raw`` (whatever its
-    folder's name: :func:`_version_path`)?"""
-    return bundle.is_symlink() and _same_manifest(bundle, raw)
+    folder's name: :func:`_version_path`), its files all there?"""
+    return bundle.is_symlink() and _same_manifest(bundle, raw) and _damage(bundle, hashes=False) is None
 
 
 def _export_at(bundle: Path) -> str | None:

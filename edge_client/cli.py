@@ -326,6 +326,8 @@ def _update(cfg) -> None:
         bar.close()
     if new is None:
         print(f"{cfg.bundle}: up to date (bundle {current.bundle_id})", file=sys.stderr)
+    elif new == current:  # the copy held had lost files: the server's same export came down again
+        print(f"{cfg.bundle}: bundle {new.bundle_id} downloaded again (the copy held was damaged)", file=sys.stderr)
     else:
         bundle_sync.retire_cache(cfg, current, new)
         what = "another export of bundle" if new.bundle_id == current.bundle_id else "bundle"

@@ -192,6 +192,33 @@ def test_a_kept_version_damaged_on_the_phone_is_downloaded_again_not_switched_ba
     assert Manifest.load(edge_l2).bundle_id == m2.bundle_id
 
 
+@pytest.mark.parametrize("held", ["plain", "version"])
+def test_a_bundle_that_lost_files_is_downloaded_again_from_the_server_serving_it(held, tiny_bundle, bundle_l1,
+                                                                                edge_l2, capsys):
+    """The bundle held lost its front (a power cut after an unsynced install, a cleaner) while the server serves
+    it: no client opened it ('missing artifact' / 'truncated or replaced') and 'preload --update' said 'up to date'
+    (real: a plain copy with its front truncated, and a version with it removed). The same export comes down
+    again."""
+    from edge_client.cli import main
+
+    m2 = Manifest.load(edge_l2)
+    if held == "version":  # the bundle path a link into the versions folder: there and back
+        for served in (bundle_l1, tiny_bundle):
+            with Serving(_app(served)) as srv:
+                bundle_sync.update(EdgeConfig(bundle=edge_l2, url=srv.ws_url, retry=RETRY), Manifest.load(edge_l2))
+        assert edge_l2.is_symlink()
+        (edge_l2 / FRONT).unlink()
+    else:
+        os.truncate(edge_l2 / FRONT, 1000)
+    with Serving(_app(tiny_bundle)) as srv:
+        argv = ["preload", "--bundle", str(edge_l2), "--url", srv.ws_url, "--update"]
+        assert main(argv) == 0
+        assert f"bundle {m2.bundle_id} downloaded again (the copy held was damaged)" in capsys.readouterr().err
+        assert main(argv) == 0 and "up to date" in capsys.readouterr().err
+    _assert_edge_half(edge_l2)
+    assert Manifest.load(edge_l2) == m2
+
+
 class CutFirstTransfer:
     """ASGI wrapper: the first download of the front graph breaks after ``after`` bytes of body."""
 
