@@ -276,7 +276,7 @@ class _EngineBackend:
                                        tok.added_tokens_decoder.__contains__)
 
     async def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EngineStream:
-        param = "messages" if isinstance(req, oc.ChatRequest) else "prompt"
+        param = req.prompt_param
         if isinstance(req, oc.CompletionRequest) and req.prompt_ids is not None:  # token ids: as given
             ids, facts = req.prompt_ids, getattr(self.rt, "facts", None)
             if facts is not None and max(ids) >= facts.vocab_size:

@@ -177,11 +177,9 @@ class _EdgeBackend:
             # very server is fetched like any other - and one request's media never wait for another's slow fetch
             return _EdgeStream(await _unless_abandoned(loop, self._media_threads if _has_media(req) else None, run))
         except EdgeClientError as e:  # a bad image / audio clip (or a placeholder without one), before any traffic
-            raise oc.OpenAIRequestError(str(e), "messages" if isinstance(req, oc.ChatRequest) else "prompt",
-                                        e.code) from None
+            raise oc.OpenAIRequestError(str(e), req.prompt_param, e.code) from None
         except ValueError as e:  # e.g. a prompt that tokenizes to nothing, or a sampling value the wire cannot carry
-            param = getattr(e, "param", None) or ("precision" if isinstance(e, PrecisionError) else
-                                                  "messages" if isinstance(req, oc.ChatRequest) else "prompt")
+            param = getattr(e, "param", None) or ("precision" if isinstance(e, PrecisionError) else req.prompt_param)
             message = str(e)
             if param == "max_tokens":  # EdgeClient's name for it: the error names the field the client sent
                 param, message = s.max_tokens_param, message.replace("max_tokens", s.max_tokens_param, 1)

@@ -33,7 +33,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from .messages import MAX_SEED
 
@@ -154,6 +154,8 @@ class ChatRequest:
     return_reasoning: bool = False  # reasoning in `reasoning_content`, not in `content`
     precision: str | None = None  # extension: client override of the wire codec ("fp16", "int8-b32", ...)
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the field the prompt comes in: OpenAI's ``param`` of an error about the prompt (context_length_exceeded)
+    prompt_param: ClassVar[str] = "messages"
 
     def template_kwargs(self) -> dict[str, Any]:
         kw = dict(self.chat_template_kwargs)
@@ -172,6 +174,7 @@ class CompletionRequest:
     echo: bool = False
     precision: str | None = None
     prompt_ids: list[int] | None = None  # a prompt given as token ids (``prompt`` is then "")
+    prompt_param: ClassVar[str] = "prompt"  # as ChatRequest's
 
 
 def _get(body: dict, name: str, types: type | tuple[type, ...], default: Any = None) -> Any:

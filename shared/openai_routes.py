@@ -21,8 +21,10 @@ Contract:
   (``install(max_body_bytes=...)``), 415 a compressed body (``Content-Encoding``), 503 not ready, draining or
   overloaded (with ``Retry-After``: :attr:`GenerationError.retry_after_s`, the wait a peer asked for, as
   :func:`shared.http_limits.retry_after` rounds it; else 1 s),
-  504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here. A stream's HTTP 200 goes with
-  its first delta: a generation that fails before it has its status too; after it, an error is one
+  504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here; a prompt that does not fit is a
+  400 ``context_length_exceeded`` naming the request's prompt field (``param``: ``messages`` or ``prompt``,
+  :attr:`~shared.openai_compat.ChatRequest.prompt_param`) whoever refused it, streamed or not. A stream's HTTP
+  200 goes with its first delta: a generation that fails before it has its status too; after it, an error is one
   ``data: {"error": ...}`` event, then ``data: [DONE]``.
 * A body is read as JSON only under ``Content-Type: application/json``: any other type, or none, is a 415
   ``unsupported_media_type`` before the body is read (text/plain, a form and none are what a web page may send to
@@ -70,8 +72,14 @@ class GenerationError(Exception):
     def status(self) -> int:
         return _STATUS_BY_CODE.get(self.code, 502 if self.upstream else 500)
 
-    def to_dict(self) -> dict[str, Any]:
-        return oc.OpenAIRequestError(self.message, None, self.code, self.status).to_dict()
+    def to_dict(self, prompt_param: str | None = None) -> dict[str, Any]:
+        """OpenAI's error body; a prompt that does not fit (``context_length_exceeded``) names ``prompt_param``, the
+        request's prompt field, as a refusal before the generation started does: whoever refused it (the edge
+        client, its cloud, the engine), streamed or not, the error reads the same."""
+        err = oc.OpenAIRequestError(self.message, None, self.code, self.status)
+        if err.code == oc.CONTEXT_LENGTH_EXCEEDED:
+            err.param = prompt_param
+        return err.to_dict()
 
 
 class TextStream(Protocol):
@@ -105,14 +113,16 @@ def _internal(e: Exception) -> GenerationError:
 UNSUPPORTED_ENCODING = "unsupported_content_encoding"  # a 415's code for a compressed body
 
 
-def error_response(e: oc.OpenAIRequestError | GenerationError) -> JSONResponse:
-    # a 503 (not ready, draining, overloaded) says when to try again (the openai client honours it): the peer's wait
+def error_response(e: oc.OpenAIRequestError | GenerationError, prompt_param: str | None = None) -> JSONResponse:
+    # ``prompt_param``: a GenerationError's request's prompt field (GenerationError.to_dict). A 503 (not ready,
+    # draining, overloaded) says when to try again (the openai client honours it): the peer's wait
     # where it asked for one; a 415 for a compressed body: the codings taken, as RFC 9110 15.5.16 asks
     wait_s = e.retry_after_s if isinstance(e, GenerationError) else None
     headers = ({"Retry-After": retry_after(wait_s)} if e.status == 503 else {"Accept-Encoding": "identity"}
                if e.code == UNSUPPORTED_ENCODING else {"Connection": "close"} if e.status == 408 else None)  # 408: the
     # body's rest will not come, and the server must not read it as the connection's next request: it closes it
-    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
+    body = e.to_dict(prompt_param) if isinstance(e, GenerationError) else e.to_dict()
+    return JSONResponse(body, status_code=e.status, headers=headers)
 
 
 MIN_BODY_RATE = 500  # bytes/s a request body keeps up once read_body's stall_s has passed (Apache mod_reqtimeout's)
@@ -288,7 +298,7 @@ async def _whole(stream: TextStream, reply: _Reply, request: Request) -> JSONRes
     except _ClientGone:
         return error_response(_GONE)
     except GenerationError as e:
-        return error_response(e)
+        return error_response(e, reply.prompt_param)
     except Exception as e:  # noqa: BLE001
         return error_response(_internal(e))
     finally:
@@ -311,7 +321,7 @@ async def _streamed(stream: TextStream, reply: _Reply, request: Request) -> Stre
     except Exception as e:  # noqa: BLE001
         await stream.aclose()
         return error_response(_GONE if isinstance(e, _ClientGone) else e if isinstance(e, GenerationError)
-                              else _internal(e))
+                              else _internal(e), reply.prompt_param)
 
     async def events():
         try:
@@ -329,7 +339,7 @@ async def _streamed(stream: TextStream, reply: _Reply, request: Request) -> Stre
             if reply.include_usage:
                 yield oc.sse(reply.chunk(None, usage=stream.usage()))
         except GenerationError as e:
-            yield oc.sse(e.to_dict())
+            yield oc.sse(e.to_dict(reply.prompt_param))
         except Exception as e:  # noqa: BLE001
             yield oc.sse(_internal(e).to_dict())
         finally:
@@ -349,6 +359,7 @@ class _Reply:
 
     def __init__(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str, model: str, ids_only: bool = False):
         self.chat = isinstance(req, oc.ChatRequest)
+        self.prompt_param = req.prompt_param
         self.ids: list[int] | None = [] if ids_only and not self.chat else None  # the token ids answered so far
         self.model, self.created = model, int(time.time())
         self.rid = oc.new_id() if self.chat else oc.new_id("cmpl")

@@ -6,6 +6,7 @@ for the module, on the shared tiny cloud."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import signal
 import threading
@@ -127,3 +128,30 @@ def test_stopping_the_server_ends_its_open_streams_at_once(tiny_bundle, tiny_clo
     while _running(tiny_cloud) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _running(tiny_cloud) == 0
+
+
+
+def test_a_prompt_the_cloud_refuses_reads_the_same_streamed_or_not(tiny_bundle, tmp_path):
+    """A prompt over the cloud's prompt limit (16 here, under the edge graph's positions) is refused by the cloud on
+    a client's first request (no Welcome yet to check it against) and by the client itself once its session is
+    open: either way, streamed or not, OpenAI's error is context_length_exceeded with param "prompt" (completions)
+    or "messages" (chat). The cloud's refusal read param null: the same prompt's error differed by who refused it."""
+    from edge_client.demo import LocalCloud
+
+    def ask(oa, chat: bool, stream: bool):
+        if chat:
+            return oa.chat.completions.create(model="e", messages=[{"role": "user", "content": "x " * 40}],
+                                              max_tokens=1, stream=stream)
+        return oa.completions.create(model="e", prompt=_prompt(40), max_tokens=1, stream=stream)
+
+    with LocalCloud(tiny_bundle, extra_args=["--max-prompt-tokens", "16"], log_path=tmp_path / "cloud.log") as cloud:
+        for chat, stream in itertools.product((False, True), (False, True)):
+            with EdgeClient(tiny_bundle, cloud.ws_url) as client, \
+                    local_server(create_app(client, model_name="e")) as url:
+                oa = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=60)
+                for who in ("the cloud", "the client"):  # the first request meets the cloud's limit
+                    with pytest.raises(openai.BadRequestError) as refused:
+                        ask(oa, chat, stream)
+                    assert (refused.value.code, refused.value.param) == \
+                        ("context_length_exceeded", "messages" if chat else "prompt"), (chat, stream, who)
+                    assert "limit of 16" in refused.value.message, who
