@@ -38,7 +38,7 @@ from cloud_server.engine.async_engine import RequestStream
 from cloud_server.engine.llm_engine import RequestOutput
 from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsError
 from cloud_server.engine.sequence import InputChunk
-from cloud_server.limits import RETRY_AFTER_S
+from cloud_server.limits import RETRY_AFTER_MS, RETRY_AFTER_S
 from cloud_server.split_translate import WIRE_CODES
 from shared import chat_tokens
 from shared import openai_compat as oc
@@ -153,7 +153,7 @@ class _EngineStream:
             self.finish_reason = "error"
             raise openai_routes.GenerationError(f"the KV pool is exhausted: no token in {self.replay.window_s:g} s "
                                                 f"after the request was replayed {self.dropped[1]} times",
-                                                "overloaded") from None
+                                                "overloaded", retry_after_s=self.replay.wait_s) from None
 
     def _may_replay(self) -> bool:
         """The engine dropped the request for load: whether to replay it (:class:`ReplayPolicy`'s bounds), counted."""
@@ -174,11 +174,12 @@ class _EngineStream:
             self.finish_reason = "error"
             # the engine's code as the split endpoint sends it (kv_cache_full -> overloaded: a 503 with Retry-After)
             code = WIRE_CODES.get(out.error_code, out.error_code)
-            message = out.error_message or out.error_code
+            message, wait_s = out.error_message or out.error_code, None
             if out.error_code == "kv_cache_full":  # dropped for load, and not replayed again (_may_replay)
                 message += (f" (replayed {self.dropped[1]} times in {time.monotonic() - self.dropped[0]:.1f} s "
                             "without a new token)" if self.dropped else " (not replayed)")
-            raise openai_routes.GenerationError(message, code)
+                wait_s = self.replay.wait_s  # the client waits as this server waits before a replay
+            raise openai_routes.GenerationError(message, code, retry_after_s=wait_s)
         sampled = None  # the token the answer shows
         if out.token_id is not None:
             self.completion_tokens += 1
@@ -243,7 +244,8 @@ class _EngineBackend:
         if self.rt.engine is None or not self.rt.engine.alive:
             raise oc.OpenAIRequestError("engine not running", None, "unavailable", 503)
         if self.rt.draining:
-            raise oc.OpenAIRequestError("server is draining", None, "draining", 503)
+            raise oc.OpenAIRequestError("server is draining", None, "draining", 503,
+                                        retry_after_s=RETRY_AFTER_MS["draining"] / 1000)  # as a split session's
 
     def render_chat(self, req: oc.ChatRequest) -> str:
         tok = self.rt.tokenizer

@@ -69,15 +69,17 @@ class OpenAIRequestError(Exception):
     """An answer in OpenAI's error shape (:meth:`to_dict`) with HTTP ``status``: 400 for a request refused
     (``param`` names the offending field), or the status the caller gives (401, 503, ...). ``code`` is the
     engine's or the wire's, or OpenAI's (a prompt over the context is ``context_length_exceeded`` whatever
-    refused it)."""
+    refused it). ``retry_after_s``: for a 503, the server's own wait before another try (None: the default),
+    which the answer's ``Retry-After`` carries (:func:`shared.http_limits.retry_after`)."""
 
     def __init__(self, message: str, param: str | None = None, code: str = INVALID_REQUEST,
-                 status: int = 400):
+                 status: int = 400, retry_after_s: float | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = _OPENAI_CODES.get(code, code)
         self.status = status
+        self.retry_after_s = retry_after_s
 
     def to_dict(self) -> dict[str, Any]:
         err_type = INVALID_REQUEST if self.status < 500 else "server_error"

@@ -19,7 +19,7 @@ Contract:
 * Errors have OpenAI's shape ``{"error": {"message", "type", "param", "code"}}`` and one set of statuses on
   both ends: 400 a request refused, 401 a wrong key (the app's auth), 413 a body over the adapter's limit
   (``install(max_body_bytes=...)``), 415 a compressed body (``Content-Encoding``), 503 not ready, draining or
-  overloaded (with ``Retry-After``: :attr:`GenerationError.retry_after_s`, the wait a peer asked for, as
+  overloaded (with ``Retry-After``: the error's ``retry_after_s``, the wait the server or a peer asked for, as
   :func:`shared.http_limits.retry_after` rounds it; else 1 s),
   504 a timeout, 502 a failure upstream (the edge's cloud), 500 a failure here; a prompt that does not fit is a
   400 ``context_length_exceeded`` naming the request's prompt field (``param``: ``messages`` or ``prompt``,
@@ -60,8 +60,8 @@ _STATUS_BY_CODE = {"context_full": 400, "prompt_too_long": 400, "too_long": 400,
 class GenerationError(Exception):
     """A generation that failed after it started. ``code`` is the engine's or the wire's error code;
     ``upstream`` says the failure is a peer's (the edge reports its cloud's errors so); ``retry_after_s``: for a
-    refusal for load (503), the wait the peer asked for (the cloud's ``retry_after_ms``; None: the default), which
-    the answer's ``Retry-After`` carries."""
+    refusal for load (503), the wait the server asks for (full mode: its replay's wait) or its peer did (the edge's
+    cloud's ``retry_after_ms``); None: the default. The answer's ``Retry-After`` carries it."""
 
     def __init__(self, message: str, code: str, upstream: bool = False, retry_after_s: float | None = None):
         super().__init__(message)
@@ -115,10 +115,9 @@ UNSUPPORTED_ENCODING = "unsupported_content_encoding"  # a 415's code for a comp
 
 def error_response(e: oc.OpenAIRequestError | GenerationError, prompt_param: str | None = None) -> JSONResponse:
     # ``prompt_param``: a GenerationError's request's prompt field (GenerationError.to_dict). A 503 (not ready,
-    # draining, overloaded) says when to try again (the openai client honours it): the peer's wait
-    # where it asked for one; a 415 for a compressed body: the codings taken, as RFC 9110 15.5.16 asks
-    wait_s = e.retry_after_s if isinstance(e, GenerationError) else None
-    headers = ({"Retry-After": retry_after(wait_s)} if e.status == 503 else {"Accept-Encoding": "identity"}
+    # draining, overloaded) says when to try again (the openai client honours it): the wait the server or its peer
+    # asked for (``retry_after_s``) where there is one; a 415 for a compressed body: the codings taken, as RFC 9110 15.5.16 asks
+    headers = ({"Retry-After": retry_after(e.retry_after_s)} if e.status == 503 else {"Accept-Encoding": "identity"}
                if e.code == UNSUPPORTED_ENCODING else {"Connection": "close"} if e.status == 408 else None)  # 408: the
     # body's rest will not come, and the server must not read it as the connection's next request: it closes it
     body = e.to_dict(prompt_param) if isinstance(e, GenerationError) else e.to_dict()

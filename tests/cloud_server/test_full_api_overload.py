@@ -18,7 +18,7 @@ import httpx
 import pytest
 from cloud_support import ServerThread
 
-from cloud_server import full_api
+from cloud_server import full_api, limits
 from cloud_server.app import create_app
 from cloud_server.config import EngineConfig, ServerConfig
 from cloud_server.runtime import CloudRuntime
@@ -148,6 +148,23 @@ def test_a_request_past_its_replays_fails_overloaded_with_a_503(tiny_lm, monkeyp
         status, err, headers, _ = next(r for r in _together(srv, False, [{}] * 3) if r[1] is not None)
         assert status == 503 and headers["retry-after"] == "1"
         assert err["code"] == "overloaded" and "not replayed" in err["message"]
+
+
+def test_a_503_for_load_or_drain_asks_the_servers_own_wait(tiny_lm, monkeypatch):
+    """Every 503 says the wait this server itself keeps (shared.http_limits.retry_after's one rule, rounded up): a
+    request the full KV pool dropped past its replays, the wait before a replay (ReplayPolicy.wait_s), and a draining
+    server's refusal what a split session's Drain refusal asks (RETRY_AFTER_MS). Both said the default, 1 s."""
+    monkeypatch.setattr(full_api, "REPLAY", full_api.ReplayPolicy(max_replays=0, wait_s=2.5))
+    monkeypatch.setitem(limits.RETRY_AFTER_MS, "draining", 4200)  # (the one dict: full_api and the split endpoint)
+    with _serving(tiny_lm, 16) as srv:
+        status, err, headers, _ = next(r for r in _together(srv, False, [{}] * 3) if r[1] is not None)
+        assert (status, err["code"], headers["retry-after"]) == (503, "overloaded", "3")
+        srv.runtime.draining = True
+        try:
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 1}, timeout=60)
+        finally:
+            srv.runtime.draining = False
+        assert (r.status_code, r.json()["error"]["code"], r.headers["retry-after"]) == (503, "draining", "5")
 
 
 def test_a_client_gone_while_its_request_waits_for_its_replay_cancels_it(tiny_lm, monkeypatch):
