@@ -16,7 +16,8 @@ Only full blocks are cached, and a lookup never covers a prompt's last token (it
 computed and sent for the cloud to sample the first new token).
 
 Bounded in bytes with LRU eviction; a chain's deeper blocks are evicted before its head. Persisted (when
-given a directory) as one file per block under ``<dir>/<bundle_id>/``::
+given a directory) as one file per block, ``<dir>/<bundle_id>/<key>.blk<key version>`` (:data:`FILE_SUFFIX`;
+version 2's clients named theirs ``<key>.blk``)::
 
     magic b"AGLMACT1" | u32 LE header length | header JSON | payload (raw little-endian arrays)
 
@@ -30,7 +31,10 @@ own (``<key>.<pid>-<random>.tmp``) and renamed into place, and a scan removes on
 directory's, every bundle's folder in it: a client that has written re-reads its bundle's folder, indexes the blocks
 the others of its scope wrote (they serve it too), drops the ones they evicted, and evicts the least recently used
 block files of the directory by mtime, which every client's use sets - its own, and those of other scopes and
-bundles (counted by their size on disk: a bundle the edge left, whose blocks no client retired, goes that way). A directory that cannot be
+bundles (counted by their size on disk: a bundle the edge left, whose blocks no client retired, goes that way), and
+those of another prefix-key version (an older or newer app on the phone: never read, never removed on sight, since
+each version's files have their own suffix - the one way two versions share a directory without thrashing, as a
+version-2 client removes any other ``.blk`` file of its folder as stale). A directory that cannot be
 created or written (read-only, full) costs persistence, never a request: the blocks it refuses are kept in
 memory only, the first refusal is logged and :attr:`ActivationCache.write_error` says why. A folder removed under
 a running cache (a phone's cache cleaner) is made again at the next write.
@@ -69,8 +73,12 @@ from shared.user_paths import user_path
 log = logging.getLogger("edge_client.activation_cache")
 
 MAGIC = b"AGLMACT1"
-FILE_SUFFIX = ".blk"
-_BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.blk")  # a block file's name: its key (a sha256, hex)
+# A block file's name: its key (a sha256, hex) and its key version's suffix, ".blk<version>" (version 2's: ".blk").
+# Each version's files are its own: a client of another version sharing the directory neither reads nor removes
+# them (each removed the other's as stale: two apps of versions 2 and 3 recomputed every prompt in turn); they count
+# in the directory's bound as another scope's do (_BLOCK_NAME: any version's), the least recently used first.
+FILE_SUFFIX = f".blk{PREFIX_KEY_VERSION}"
+_BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.blk[0-9]*")
 _HEADER_LIMIT = 1 << 20
 STALE_TMP_S = 600.0  # a temporary file older than this is a write a crash cut short (a block takes milliseconds)
 
@@ -302,8 +310,9 @@ class ActivationCache:
                 self.stats.evicted_blocks += 1
 
     def _others(self) -> list[tuple[float, int, Path]]:
-        """(mtime, size, path) of the block files in the cache directory that are not this cache's: other scopes' in
-        its bundle's folder, and every other bundle's folder's (a bundle the edge left, another app's)."""
+        """(mtime, size, path) of the block files in the cache directory that are not this cache's: other scopes' and
+        other key versions' in its bundle's folder, and every other bundle's folder's (a bundle the edge left, another
+        app's)."""
         assert self.dir is not None
         try:
             folders = [p for p in self.dir.parent.iterdir() if p.is_dir() and not p.is_symlink()]
@@ -313,7 +322,8 @@ class ActivationCache:
         for folder in folders:
             with contextlib.suppress(OSError):
                 for path in folder.iterdir():
-                    if _BLOCK_NAME.fullmatch(path.name) and not (folder == self.dir and path.stem in self._entries):
+                    if _BLOCK_NAME.fullmatch(path.name) and not (folder == self.dir and path.suffix == FILE_SUFFIX
+                                                                 and path.stem in self._entries):
                         with contextlib.suppress(OSError):
                             st = path.stat()
                             found.append((st.st_mtime, st.st_size, path))

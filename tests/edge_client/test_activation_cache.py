@@ -8,12 +8,14 @@ import os
 import shutil
 import struct
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edge_client.activation_cache import MAGIC, STALE_TMP_S, ActivationCache
+from edge_client.activation_cache import FILE_SUFFIX, MAGIC, STALE_TMP_S, ActivationCache
 from edge_client.front import FrontRuntime
+from shared.prefix_keys import PREFIX_KEY_VERSION
 
 B = 16
 
@@ -82,7 +84,7 @@ def test_lru_bound_evicts_deepest_blocks_first(rt):
 def test_persisted_entries_survive_a_restart(rt, tmp_path):
     cache = _cache(rt, cache_dir=tmp_path)
     _, h = _fill(rt, cache)
-    files = sorted((tmp_path / rt.manifest.bundle_id).glob("*.blk"))
+    files = sorted((tmp_path / rt.manifest.bundle_id).glob(f"*{FILE_SUFFIX}"))
     assert len(files) == 4 and files[0].read_bytes().startswith(MAGIC)
     again = _cache(rt, cache_dir=tmp_path)
     assert len(again) == 4 and again.nbytes == cache.nbytes
@@ -103,12 +105,12 @@ def test_other_bundle_does_not_see_entries(rt, tmp_path):
 def test_other_edge_variants_and_dtypes_share_a_directory_without_sharing_blocks(rt, tmp_path):
     mine = _cache(rt, cache_dir=tmp_path)
     _fill(rt, mine)
-    files = sorted((tmp_path / rt.manifest.bundle_id).glob("*.blk"))
+    files = sorted((tmp_path / rt.manifest.bundle_id).glob(f"*{FILE_SUFFIX}"))
     for kw in ({"edge_variant": "int8"}, {"dtype": "float16"}):
         other = _cache(rt, cache_dir=tmp_path, **kw)  # an int8 front of the same bundle; a float16 cache
         assert len(other) == 0 and other.lookup(IDS) is None and other.stats.rejected_files == 0
         _fill(rt, other)
-    assert set(files) < set((tmp_path / rt.manifest.bundle_id).glob("*.blk"))  # each kept the others' files
+    assert set(files) < set((tmp_path / rt.manifest.bundle_id).glob(f"*{FILE_SUFFIX}"))  # each kept the others' files
     again = _cache(rt, cache_dir=tmp_path)
     assert again.lookup(IDS).tokens == 64 and again.stats.rejected_files == 0
 
@@ -127,19 +129,60 @@ def test_a_retired_bundles_blocks_go_unless_a_client_still_holds_them(rt, tmp_pa
     _fill(rt, leaving)
     staying = _cache(rt, cache_dir=tmp_path)  # another client of that bundle, sharing the directory
     leaving.close()
-    assert not retire(**scope) and len(list(folder.glob("*.blk"))) == 4  # the other client still uses them
+    assert not retire(**scope) and len(list(folder.glob(f"*{FILE_SUFFIX}"))) == 4  # the other client still uses them
     assert staying.lookup(IDS).tokens == 64
     del staying  # a cache nobody closed releases its scope when collected
     int8 = _cache(rt, cache_dir=tmp_path, edge_variant="int8")  # another scope in the folder: never touched
     _fill(rt, int8)
     int8.close()
-    assert len(list(folder.glob("*.blk"))) == 8
-    assert retire(**scope) and len(list(folder.glob("*.blk"))) == 4  # the int8 client's only
+    assert len(list(folder.glob(f"*{FILE_SUFFIX}"))) == 8
+    assert retire(**scope) and len(list(folder.glob(f"*{FILE_SUFFIX}"))) == 4  # the int8 client's only
     assert retire(**{**scope, "edge_variant": "int8"}) and not folder.exists()
     assert retire(**scope)  # nothing left to remove
     back = _cache(rt, cache_dir=tmp_path)  # a client starting on it again (a rollback) begins empty, and writes
-    assert _fill(rt, back)[0] == 4 and len(list(folder.glob("*.blk"))) == 4
+    assert _fill(rt, back)[0] == 4 and len(list(folder.glob(f"*{FILE_SUFFIX}"))) == 4
     assert not retire(**scope)
+
+
+def _as_version_2(block: Path, folder: Path) -> Path:
+    """A version-2 client's file of ``block`` (the documented layout: magic, u32 LE header length, header JSON,
+    payload; named ``<key>.blk``; header ``key_version`` 2) in ``folder``."""
+    raw = block.read_bytes()
+    n = struct.unpack("<I", raw[len(MAGIC):len(MAGIC) + 4])[0]
+    header = json.loads(raw[len(MAGIC) + 4:len(MAGIC) + 4 + n])
+    header["key_version"] = 2
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    old = folder / f"{header['key']}.blk"
+    old.write_bytes(MAGIC + struct.pack("<I", len(hb)) + hb + raw[len(MAGIC) + 4 + n:])
+    return old
+
+
+def test_another_key_versions_files_in_the_directory_are_neither_read_nor_removed(rt, tmp_path):
+    """Two apps on one phone sharing a cache directory, one on prefix keys of version 2 (a client before 40c1bc0),
+    one on version 3, removed each other's block files as stale at every scan: each recomputed its prompts every
+    time the other had run (reproduced with a worktree of 40c1bc0~1 and this tree). Each version's files now have
+    its own suffix, so neither reads the other's (version 2 removes any .blk of its folder that is not its own):
+    another version's files are kept, counted in the directory's bound and evicted least recently used first."""
+    source = _cache(rt, cache_dir=tmp_path / "src")
+    _fill(rt, source)
+    source.close()
+    folder = tmp_path / "c" / rt.manifest.bundle_id
+    folder.mkdir(parents=True)
+    old = [_as_version_2(p, folder) for p in sorted((tmp_path / "src" / rt.manifest.bundle_id).glob("*.blk*"))]
+    kept = {p: p.read_bytes() for p in old}
+    cache = _cache(rt, cache_dir=tmp_path / "c")
+    other = list(np.random.RandomState(3).randint(4, 512, 70))
+    assert _fill(rt, cache, other)[0] == 4 and _fill(rt, cache)[0] == 4  # the version-2 blocks serve no lookup
+    assert {p: p.read_bytes() for p in old if p.exists()} == kept  # and stay, whole
+    cache.close()
+    mine = sorted(folder.glob(f"*{FILE_SUFFIX}"))
+    assert len(mine) == 8 and FILE_SUFFIX == f".blk{PREFIX_KEY_VERSION}"
+    assert all(p.suffix != ".blk" for p in mine)  # a version-2 client reads (and checks) only <key>.blk files
+    # another version's blocks count in the directory's bound: the least recently used go first
+    for p in old:
+        os.utime(p, (1, 1))
+    bounded = _cache(rt, cache_dir=tmp_path / "c", max_bytes=8 * source.block_bytes)
+    assert not any(p.exists() for p in old) and bounded.contains(IDS) == 64 and bounded.contains(other) == 64
 
 
 def test_the_names_of_another_scopes_files_are_forgotten_once_they_are_gone(rt, tmp_path):
@@ -185,7 +228,7 @@ def test_corrupt_file_is_rejected_and_removed(rt, tmp_path, caplog, damage):
     cache = _cache(rt, cache_dir=tmp_path)
     _fill(rt, cache)
     d = tmp_path / rt.manifest.bundle_id
-    victim = d / f"{cache.keys_for(IDS)[1]}.blk"
+    victim = d / f"{cache.keys_for(IDS)[1]}{FILE_SUFFIX}"
     data = bytearray(victim.read_bytes())
     if damage == "payload":
         data[-5] ^= 0xFF
@@ -265,7 +308,7 @@ def test_a_scan_keeps_another_clients_write_in_progress(rt, tmp_path):
     assert writing.exists() and not crashed.exists() and not legacy.exists()
     _fill(rt, cache)
     _fill(rt, _cache(rt, cache_dir=tmp_path), IDS[:40])  # a second client writing the same blocks
-    assert len(list(d.glob("*.blk"))) == 4 and {p.name for p in d.glob("*.tmp")} == {writing.name}
+    assert len(list(d.glob(f"*{FILE_SUFFIX}"))) == 4 and {p.name for p in d.glob("*.tmp")} == {writing.name}
 
 
 def test_a_directory_that_refuses_writes_keeps_blocks_in_memory(rt, tmp_path, caplog):
@@ -319,11 +362,11 @@ def test_clients_sharing_a_directory_keep_it_within_the_bound(rt, tmp_path):
     _fill(rt, a)  # 4 blocks
     other = list(np.random.RandomState(2).randint(4, 512, 64))
     _fill(rt, b, other)  # 4 more: 8 on disk > 6
-    assert len(list(d.glob("*.blk"))) == 6 and b.nbytes <= bound
+    assert len(list(d.glob(f"*{FILE_SUFFIX}"))) == 6 and b.nbytes <= bound
     assert b.contains(other) == 64 and b.contains(IDS) == 32  # a's deepest blocks went first; its head serves b
     assert b.lookup(IDS[:40]).tokens == 32
     _fill(rt, a, list(np.random.RandomState(3).randint(4, 512, 33)))  # a drops b's deletions, adds 2 blocks
-    assert len(list(d.glob("*.blk"))) == 6 and a.nbytes <= bound and a.contains(other) == 64 - 2 * B
+    assert len(list(d.glob(f"*{FILE_SUFFIX}"))) == 6 and a.nbytes <= bound and a.contains(other) == 64 - 2 * B
 
 
 def test_a_bundle_left_behind_counts_in_the_directorys_bound(rt, tmp_path):
@@ -340,7 +383,7 @@ def test_a_bundle_left_behind_counts_in_the_directorys_bound(rt, tmp_path):
     old.close()
     assert not retire(tmp_path, rt.manifest.bundle_id, rt.manifest.edge_quant, block_tokens=B)
     second.close()  # it exits without updating: nobody retires those blocks
-    stranger = tmp_path / "elsewhere" / ("0" * 64 + ".blk")  # a block's name, not a block
+    stranger = tmp_path / "elsewhere" / ("0" * 64 + FILE_SUFFIX)  # a block's name, not a block
     stranger.parent.mkdir()
     stranger.write_bytes(b"x" * 10)
     time.sleep(0.01)
@@ -348,8 +391,8 @@ def test_a_bundle_left_behind_counts_in_the_directorys_bound(rt, tmp_path):
                           max_bytes=bound, cache_dir=tmp_path, edge_variant=rt.manifest.edge_quant)
     for seed in (2, 3):
         _fill(rt, new, list(np.random.RandomState(seed).randint(4, 512, 64)))
-    assert len(list((tmp_path / rt.manifest.bundle_id).glob("*.blk"))) == 0
-    assert len(list((tmp_path / ("f" * 32)).glob("*.blk"))) == 6 and new.nbytes <= bound
+    assert len(list((tmp_path / rt.manifest.bundle_id).glob(f"*{FILE_SUFFIX}"))) == 0
+    assert len(list((tmp_path / ("f" * 32)).glob(f"*{FILE_SUFFIX}"))) == 6 and new.nbytes <= bound
     assert stranger.exists()
 
 
@@ -358,14 +401,14 @@ def test_a_bad_file_that_cannot_be_removed_is_reported_once_and_a_vanished_one_i
     directory; here a folder under a block's name) was logged and counted again at every write; and a block
     another client evicted was logged as a corrupt file 'removed' when this one went to read it."""
     d = tmp_path / rt.manifest.bundle_id
-    (d / f"{'0' * 64}.blk").mkdir(parents=True)
+    (d / f"{'0' * 64}{FILE_SUFFIX}").mkdir(parents=True)
     with caplog.at_level(logging.WARNING, logger="edge_client.activation_cache"):
         cache = _cache(rt, cache_dir=tmp_path)
         _fill(rt, cache)
         _fill(rt, cache, list(np.random.RandomState(2).randint(4, 512, 40)))
         assert cache.stats.rejected_files == 1 and len(caplog.records) == 1
         fresh = _cache(rt, cache_dir=tmp_path)  # indexes the blocks (the folder: logged again, by this client)
-        for f in d.glob("*.blk"):
+        for f in d.glob(f"*{FILE_SUFFIX}"):
             if f.is_file():
                 f.unlink()  # another client evicted them
         assert fresh.lookup(IDS) is None and fresh.stats.rejected_files == 1 and len(caplog.records) == 2

@@ -27,6 +27,7 @@ from cloud_server.bundle_files import BundleCatalog
 from cloud_server.config import EngineConfig, ServerConfig
 from cloud_server.runtime import CloudRuntime
 from edge_client import bundle_sync
+from edge_client.activation_cache import FILE_SUFFIX
 from edge_client.bundle_sync import BundleServer, BundleSyncError
 from edge_client.client import EdgeClient
 from edge_client.config import EdgeConfig, RetryPolicy
@@ -610,12 +611,12 @@ def test_an_update_drops_the_left_bundles_cache_unless_another_client_uses_it(bu
     with EdgeClient(other, "ws://127.0.0.1:9", cache_dir=cache) as c:  # install-time preload (no network)
         c._call(c.session.preload(PROMPT))
     old = cache / m2.bundle_id
-    assert len(list(old.glob("*.blk"))) == 2
+    assert len(list(old.glob(f"*{FILE_SUFFIX}"))) == 2
     with Serving(_app(bundle_l1)) as srv:
         with EdgeClient(other, srv.ws_url, cache_dir=cache):  # the other app runs on the old bundle meanwhile
             assert main(["preload", "--bundle", str(edge_l2), "--url", srv.ws_url, "--update",
                          "--cache-dir", str(cache)]) == 0
-            assert len(list(old.glob("*.blk"))) == 2  # its blocks stay
+            assert len(list(old.glob(f"*{FILE_SUFFIX}"))) == 2  # its blocks stay
         assert main(["preload", "--bundle", str(other), "--url", srv.ws_url, "--update", "--cache-dir",
                      str(cache)]) == 0  # the last one moves too
     assert not old.exists() and Manifest.load(other).bundle_id == Manifest.load(bundle_l1).bundle_id
@@ -768,7 +769,7 @@ def test_the_edge_updates_from_split_2_to_split_1_and_generates(bundle_l1, edge_
         gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
         assert gen.token_ids == reference_tokens and gen.finish_reason == "length"
         assert c.manifest.bundle_id == m1.bundle_id and c.runtime.n_layers == 1
-    assert not (tmp_path / m2.bundle_id).exists() and len(list((tmp_path / m1.bundle_id).glob("*.blk"))) == 2
+    assert not (tmp_path / m2.bundle_id).exists() and len(list((tmp_path / m1.bundle_id).glob(f"*{FILE_SUFFIX}"))) == 2
     assert edge_l2.is_symlink() and Manifest.load(edge_l2).split_layer == 1
     kept = bundle_sync.versions_dir(edge_l2) / f"{m2.bundle_id}-fp32"
     assert Manifest.load(kept).split_layer == 2  # the previous version stays for a rollback

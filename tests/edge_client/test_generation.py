@@ -15,6 +15,7 @@ import pytest
 from model_support import hf_greedy
 from edge_fake_cloud import FakeCloud
 
+from edge_client.activation_cache import FILE_SUFFIX
 from edge_client.client import EdgeClient
 from edge_client.config import RetryPolicy
 from edge_client.errors import EdgeClientError
@@ -384,7 +385,7 @@ def test_persistent_cache_survives_restart_and_corruption(tiny_bundle, cloud, re
     kw = dict(codec="fp16", retry=FAST_RETRY, cache_dir=tmp_path)
     with EdgeClient(tiny_bundle, cloud.url, **kw) as c:
         assert c.complete(prompt_ids=PROMPT, max_tokens=N_NEW).token_ids == reference
-    files = sorted((tmp_path / c.manifest.bundle_id).glob("*.blk"))
+    files = sorted((tmp_path / c.manifest.bundle_id).glob(f"*{FILE_SUFFIX}"))
     assert len(files) == 2  # 40 prompt tokens: two full blocks of 16
     with EdgeClient(tiny_bundle, cloud.url, **kw) as c:  # a new process would see the same files
         gen = c.complete(prompt_ids=PROMPT, max_tokens=N_NEW)
