@@ -39,6 +39,15 @@ created or written (read-only, full) costs persistence, never a request: the blo
 memory only, the first refusal is logged and :attr:`ActivationCache.write_error` says why. A folder removed under
 a running cache (a phone's cache cleaner) is made again at the next write.
 
+The cache never takes a phone's last free space: before each block file is written, one ``os.statvfs`` checks that
+the file system keeps its *reserve* free after it - the larger of ``reserve_bytes`` and ``reserve_fraction`` of the
+file system's size (the check took 6-11 us a block on this 2-core box, statvfs itself 1.5 us, beside the write's
+0.1-1.4 ms: per block costs nothing worth batching). When it would not, the directory's least
+recently used blocks go first (as under the byte bound: this cache's and other scopes' and bundles'); when even
+that leaves too little, the block stays in memory only (a refusal as a full disk's). The directory's scans (at
+start and after an insert) evict down to the reserve too, so a disk that other apps filled gets the cache's room
+back. :func:`make_room` frees room for a bundle update the same way: other bundles' and scopes' blocks first.
+
 A bundle the edge moved off (``edge_client.bundle_sync``) leaves its blocks behind: :func:`retire` removes one
 scope's files at once (and the bundle's folder once nothing else is in it) unless a cache still holds that scope open -
 every open cache with a directory holds a shared ``flock`` on its scope's lock file (``.scope-<digest>.lock`` in
@@ -81,6 +90,20 @@ FILE_SUFFIX = f".blk{PREFIX_KEY_VERSION}"
 _BLOCK_NAME = re.compile(r"[0-9a-f]{64}\.blk[0-9]*")
 _HEADER_LIMIT = 1 << 20
 STALE_TMP_S = 600.0  # a temporary file older than this is a write a crash cut short (a block takes milliseconds)
+# The free space a cache directory's file system keeps: the larger of the two. Android tells the user storage is low
+# under 5 % free (its cache cleaner starts there); 256 MiB keeps a small disk's updates and other apps writing.
+RESERVE_BYTES = 256 << 20
+RESERVE_FRACTION = 0.05
+
+
+def reserve_problem(reserve_bytes, reserve_fraction) -> str | None:
+    """What is wrong with a free-space reserve (``EdgeConfig.cache_reserve_bytes`` / ``_fraction``), or None."""
+    if type(reserve_bytes) is not int or reserve_bytes < 0:
+        return f"cache_reserve_bytes must be an integer >= 0, got {reserve_bytes!r}"
+    if isinstance(reserve_fraction, bool) or not isinstance(reserve_fraction, (int, float)) \
+            or not 0 <= reserve_fraction < 1:  # nan fails too
+        return f"cache_reserve_fraction must be a number from 0 to below 1, got {reserve_fraction!r}"
+    return None
 
 
 class CacheFileError(Exception):
@@ -131,17 +154,21 @@ class ActivationCache:
 
     def __init__(self, bundle_id: str, n_layers: int, kv_heads: int, head_dim: int, hidden_size: int,
                  block_tokens: int = 16, max_bytes: int = 512 << 20, cache_dir: str | Path | None = None,
-                 dtype: str = "float32", *, edge_variant: str):
+                 dtype: str = "float32", *, edge_variant: str, reserve_bytes: int = RESERVE_BYTES,
+                 reserve_fraction: float = RESERVE_FRACTION):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         if dtype not in ("float32", "float16"):
             raise ValueError(f"cache dtype {dtype!r}: expected float32 or float16")
+        if (problem := reserve_problem(reserve_bytes, reserve_fraction)) is not None:
+            raise ValueError(problem)
         self.bundle_id = bundle_id
         self.n_layers, self.kv_heads, self.head_dim, self.hidden_size = n_layers, kv_heads, head_dim, hidden_size
         self.block_tokens = block_tokens
         self.max_bytes = max_bytes
+        self.reserve_bytes, self.reserve_fraction = reserve_bytes, reserve_fraction  # free space kept on the disk
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.scope = KeyScope(bundle_id, edge_variant, f"cache-{dtype}")  # what produced (and stores) the states
         self.dir = Path(cache_dir) / bundle_id if cache_dir is not None else None
@@ -285,6 +312,8 @@ class ActivationCache:
         """Mark a chain used: deepest block first, so the head ends up most recent and is evicted last."""
         now = time.time()
         for j, e in enumerate(reversed(chain)):
+            if self._entries.get(e.key) is not e:  # evicted since, for the disk's reserve (:meth:`_write`)
+                continue
             self._entries.move_to_end(e.key)
             e.used = now - 1e-3 * (len(chain) - j)  # strictly increasing towards the head
             if e.path is not None:
@@ -293,21 +322,40 @@ class ActivationCache:
                 except OSError:
                     pass
 
-    def _evict(self, others: list[tuple[float, int, Path]] = ()) -> None:
-        """Remove the least recently used blocks until the bound holds: this cache's and ``others`` (the directory's
-        other block files, :meth:`_others`), oldest first."""
+    def _evict(self, others: list[tuple[float, int, Path]] = (), short: int = 0) -> None:
+        """Remove the least recently used blocks until the bound holds and ``short`` more bytes of block files are
+        gone (the disk's reserve, :meth:`_disk_short`): this cache's and ``others`` (the directory's other block
+        files, :meth:`_others`), oldest first."""
         others = sorted(others, reverse=True)  # the oldest last, taken first
         total = self._bytes + sum(size for _, size, _ in others)
-        while total > self.max_bytes and (self._entries or others):
-            e = next(iter(self._entries.values()), None)
+        while (over := total > self.max_bytes) or short > 0:
+            # for the reserve alone, only blocks on disk: a block kept in memory frees none of it
+            e = next((e for e in self._entries.values() if over or e.path is not None), None)
             if others and (e is None or others[-1][0] < e.used):
                 _, size, path = others.pop()
                 _remove_block_file(path)
                 total -= size
-            else:
+                short -= size
+            elif e is not None:
                 self._remove(e)
                 total -= e.nbytes
+                short -= e.nbytes if e.path is not None else 0
                 self.stats.evicted_blocks += 1
+            else:
+                break
+
+    def _disk_short(self, size: int) -> int:
+        """Bytes of block files to remove so that writing ``size`` more keeps the reserve free on the directory's
+        file system (<= 0: none). One ``statvfs``; a directory it cannot look at is the write's to refuse."""
+        assert self.dir is not None
+        try:
+            st = os.statvfs(self.dir)
+        except OSError:
+            return 0
+        return self._reserve(st) + size - st.f_bavail * st.f_frsize
+
+    def _reserve(self, st: os.statvfs_result) -> int:
+        return max(self.reserve_bytes, int(self.reserve_fraction * st.f_blocks * st.f_frsize))
 
     def _others(self) -> list[tuple[float, int, Path]]:
         """(mtime, size, path) of the block files in the cache directory that are not this cache's: other scopes' and
@@ -358,6 +406,8 @@ class ActivationCache:
             "payload_sha256": hashlib.sha256(payload).hexdigest(),
         }
         hb = json.dumps(header, separators=(",", ":")).encode()
+        if not self._room(len(MAGIC) + 4 + len(hb) + len(payload)):
+            return None
         path = self.dir / f"{e.key}{FILE_SUFFIX}"
         # this write's own name: another client (or another cache of this process) may write the same block now
         tmp = self.dir / f"{e.key}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
@@ -381,14 +431,35 @@ class ActivationCache:
         e.meta = header
         return path
 
+    def _room(self, size: int) -> bool:
+        """Can a block file of ``size`` bytes be written keeping the disk's reserve free - after evicting the
+        directory's least recently used blocks where needed? False (the refusal noted): it stays in memory."""
+        if (short := self._disk_short(size)) <= 0:
+            return True
+        self._evict(self._others(), short)
+        try:
+            if self._disk_short(size) <= 0:
+                return True
+            st = os.statvfs(self.dir)
+        except OSError:  # the folder went meanwhile: the write makes it again, or refuses
+            return True
+        self._refused(f"{st.f_bavail * st.f_frsize} bytes free on its disk, which keeps {self._reserve(st)} free "
+                      f"(the reserve: the larger of cache_reserve_bytes and cache_reserve_fraction of "
+                      f"{st.f_blocks * st.f_frsize} bytes)")
+        return False
+
     def _unwritable(self, err: OSError) -> None:
         """The directory refused to create or keep a block: blocks stay in memory only (logged once)."""
+        why = err.strerror or str(err)
+        if isinstance(err, FileExistsError) and err.filename and os.path.islink(err.filename) \
+                and not os.path.exists(err.filename):  # mkdir through a dangling symlink: 'File exists' said nothing
+            why = f"{err.filename} is a symlink to {os.readlink(err.filename)}, which does not exist"
+        self._refused(why)
+
+    def _refused(self, why: str) -> None:
+        """A block is kept in memory only, for ``why`` (the first refusal is logged and kept as ``write_error``)."""
         self.stats.unwritten_blocks += 1
         if self.write_error is None:  # the first refusal says why (later writes into a missing directory follow)
-            why = err.strerror or str(err)
-            if isinstance(err, FileExistsError) and err.filename and os.path.islink(err.filename) \
-                    and not os.path.exists(err.filename):  # mkdir through a dangling symlink: 'File exists' said nothing
-                why = f"{err.filename} is a symlink to {os.readlink(err.filename)}, which does not exist"
             log.warning("activation cache: cannot write in %s (%s); new blocks are kept in memory only", self.dir, why)
             self.write_error = f"cannot write in {self.dir}: {why}"
 
@@ -459,7 +530,7 @@ class ActivationCache:
             self._entries.pop(e.key)  # another client evicted it: the directory's LRU decided
             self._bytes -= e.nbytes
         self._entries = OrderedDict(sorted(self._entries.items(), key=lambda kv: kv[1].used))  # oldest first
-        self._evict(self._others())
+        self._evict(self._others(), self._disk_short(0))  # a disk other apps filled gets the cache's room back
 
     def _index(self, path: Path) -> _Entry:
         """An entry for a block file of this scope (its payload is read on first use); raises if it is not one."""
@@ -600,17 +671,13 @@ def retire(cache_dir: str | Path, bundle_id: str, edge_variant: str, dtype: str 
         with contextlib.suppress(FileNotFoundError):
             if os.stat(path).st_ino != os.fstat(fd).st_ino:
                 return False  # another retire removed that file meanwhile
-        ours = (bundle_id, edge_variant, scope.encoding, np.dtype(dtype).newbyteorder("<").str, block_tokens)
         try:
             for entry in directory.iterdir():
                 if entry.suffix.startswith(".tmp"):
                     ActivationCache._remove_stale_tmp(entry)
-                elif entry.suffix == FILE_SUFFIX:
-                    with contextlib.suppress(CacheFileError, OSError):
-                        h, _ = _raw_header(entry)
-                        if (h.get("bundle_id"), h.get("edge_variant"), h.get("encoding"), h.get("dtype"),
-                                h.get("block_tokens")) == ours:
-                            entry.unlink()
+                elif entry.suffix == FILE_SUFFIX and _of_scope(entry, scope, dtype, block_tokens):
+                    with contextlib.suppress(OSError):
+                        entry.unlink()
             path.unlink()
         except OSError as err:  # a directory that refuses removals (read-only): the blocks stay, as the cache's do
             log.warning("activation cache: cannot remove the blocks of bundle %s in %s: %s", bundle_id, directory, err)
@@ -621,3 +688,55 @@ def retire(cache_dir: str | Path, bundle_id: str, edge_variant: str, dtype: str 
         directory.rmdir()
     log.info("activation cache: removed bundle %s's blocks from %s", bundle_id, directory)
     return True
+
+
+def _of_scope(path: Path, scope: KeyScope, dtype: str, block_tokens: int) -> bool:
+    """Is ``path`` a block file a cache of this scope (bundle, edge variant, storage dtype, block size) wrote?"""
+    try:
+        h, _ = _raw_header(path)
+    except (CacheFileError, OSError):
+        return False
+    return (h.get("bundle_id"), h.get("edge_variant"), h.get("encoding"), h.get("dtype"), h.get("block_tokens")) == (
+        scope.bundle_id, scope.edge_variant, scope.encoding, np.dtype(dtype).newbyteorder("<").str, block_tokens)
+
+
+def make_room(cache_dir: str | Path, where: Path, need: int, bundle_id: str, edge_variant: str,
+              dtype: str = "float32", block_tokens: int = 16) -> int:
+    """Remove block files of the cache directory ``cache_dir`` until ``need`` bytes are free on ``where``'s file
+    system (a bundle update's download): every other bundle's and scope's blocks first, then those of the scope
+    given (the bundle held, which its switch retires), each group oldest first. Nothing is removed when all of them
+    would not make the room, or when ``cache_dir`` is on another file system. Returns the bytes freed."""
+    directory = user_path(cache_dir)
+    try:
+        st = os.statvfs(where)
+        if os.stat(directory).st_dev != os.stat(where).st_dev:
+            return 0
+        folders = [p for p in directory.iterdir() if p.is_dir() and not p.is_symlink()]
+    except OSError:  # no cache directory (nothing to free), or one it may not look at
+        return 0
+    missing = need - st.f_bavail * st.f_frsize
+    if missing <= 0:
+        return 0
+    scope = KeyScope(bundle_id, edge_variant, f"cache-{dtype}")
+    found = []  # (the held scope's: last, mtime, size, path)
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            for path in folder.iterdir():
+                if _BLOCK_NAME.fullmatch(path.name):
+                    with contextlib.suppress(OSError):
+                        held = folder.name == bundle_id and path.suffix == FILE_SUFFIX and _of_scope(
+                            path, scope, dtype, block_tokens)
+                        fst = path.stat()
+                        found.append((held, fst.st_mtime, fst.st_size, path))
+    if sum(size for _, _, size, _ in found) < missing:
+        log.info("activation cache: its %d blocks in %s would not make the %d bytes a bundle update needs; kept",
+                 len(found), directory, need)
+        return 0
+    freed = 0
+    for _, _, size, path in sorted(found):
+        if freed >= missing:
+            break
+        _remove_block_file(path)
+        freed += size
+    log.info("activation cache: removed %d bytes of blocks from %s for a bundle update", freed, directory)
+    return freed

@@ -15,7 +15,9 @@ refused with ``Error(bundle_mismatch, bundle_ids=[...])``. With ``EdgeConfig.aut
    next to the old bundle. A file grows as ``<name>.part``; an interrupted download (a killed app, a dropped
    link, a full disk) continues where it stopped with ``Range: bytes=<have>-`` and ``If-Range: <etag>`` (a file
    that changed on the server starts over); the staged downloads of other exports (the server moved on meanwhile)
-   are removed first, their room is this one's (:func:`_drop_other_downloads`). A version directory of this very
+   are removed first, their room is this one's (:func:`_drop_other_downloads`); a download short of room on its disk
+   takes it from the activation cache's blocks there, other bundles' and scopes' first, when that makes it
+   (:func:`_cache_room`). A version directory of this very
    manifest already there (a rollback to the version kept) is used once its files verify again; one that does not
    (a removal a crash cut short, the phone's storage) is removed, unless held, and downloaded again. Each file is checked against the manifest's sha256 and size before it
    takes its name; the manifest's bundle id must re-derive from its hashes (``Manifest.load``). Then every edge
@@ -83,7 +85,7 @@ from shared.manifest import (EDGE_HALF_ROLES, MANIFEST_NAME, Artifact, BundleErr
                              no_room, same_source)
 
 from . import tls
-from .activation_cache import retire
+from .activation_cache import make_room, retire
 from .config import DEFAULT_SPLIT_PATH, EdgeConfig, split_url
 from .front import open_session
 
@@ -425,26 +427,27 @@ def _remove_unless_held(version: Path) -> None:
 
 
 def fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None = None,
-          threads: int = 2) -> Path:
+          threads: int = 2, room: Callable[[Path, int], object] | None = None) -> Path:
     """Download the edge half of ``bundle_id`` (variant ``edge``) beside ``bundle``; returns its verified
     directory in the versions folder (:func:`_version_path`), whose edge graphs load with this onnxruntime
     (:func:`check_loads`, with ``threads`` intra-op threads: ``EdgeConfig.threads``; else ``unloadable``, the
     download left staged). Resumes a staging directory an earlier call left for this export; removes those of other
-    exports (:func:`_drop_other_downloads`).
+    exports (:func:`_drop_other_downloads`). ``room(stage, bytes)``, before the files are written: make that room on the
+    staging directory's disk (``update``'s frees the activation cache's blocks, :func:`_cache_room`).
     Removes no version: :func:`switch` does, unless a running client holds it. A server that moves to another export
     of the bundle meanwhile (``bundle_changed``: a restart on a re-export) is followed once, from its new manifest."""
     _check_names(bundle_id, edge)  # before either becomes a path
     try:
-        return _fetch(server, bundle_id, edge, bundle, progress, threads)
+        return _fetch(server, bundle_id, edge, bundle, progress, threads, room)
     except BundleSyncError as e:
         if e.code != "bundle_changed":
             raise
         log.info("%s; starting over with the server's manifest", e)
-    return _fetch(server, bundle_id, edge, bundle, progress, threads)
+    return _fetch(server, bundle_id, edge, bundle, progress, threads, room)
 
 
 def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progress: Progress | None,
-           threads: int) -> Path:
+           threads: int, room: Callable[[Path, int], object] | None) -> Path:
     """:func:`fetch` over the manifest the server serves now."""
     raw = server.manifest_bytes(bundle_id, edge)
     final = _version_path(bundle, bundle_id, edge, raw, reuse=True)
@@ -466,6 +469,8 @@ def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progre
     todo = sorted((rel, a) for rel, a in m.artifacts.items() if a.role in EDGE_HALF_ROLES)
     total = sum(a.bytes for _, a in todo)
     done = 0
+    if room is not None:  # what is left to write, a 4 KiB page more per file (what a file system allocates in)
+        room(stage, sum(a.bytes - _staged_bytes(stage / rel) + 4096 for rel, a in todo))
 
     def on_bytes(n: int) -> None:
         nonlocal done
@@ -488,6 +493,14 @@ def _fetch(server: BundleServer, bundle_id: str, edge: str, bundle: Path, progre
     _sync_dir(final.parent)
     log.info("bundle %s (%s edge): %d files, %d bytes, verified", bundle_id, edge, len(todo), total)
     return final
+
+
+def _staged_bytes(dest: Path) -> int:
+    """Bytes of ``dest`` already down: the file, or its part file."""
+    for path in (dest, dest.with_name(dest.name + ".part")):
+        with contextlib.suppress(OSError):
+            return path.stat().st_size
+    return 0
 
 
 def _drop_other_downloads(stage: Path) -> None:
@@ -674,7 +687,8 @@ def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
         with _update_lock(bundle):
             if _is_version(bundle, server.manifest_bytes(bundle_id, edge)):  # another updater got there first
                 return Manifest.load(bundle)
-            switch(bundle, fetch(server, bundle_id, edge, bundle, progress, config.threads))
+            switch(bundle, fetch(server, bundle_id, edge, bundle, progress, config.threads,
+                                 _cache_room(config, current)))
     except BundleSyncError as e:
         if e.code != "unloadable":
             raise
@@ -685,6 +699,16 @@ def update(config: EdgeConfig, current: Manifest, preferred_ids: list[str] = (),
     except OSError as e:  # the phone's storage (the network's OSErrors are BundleSyncErrors by now)
         raise BundleSyncError("write_failed", _unwritten(bundle, e)) from None
     return Manifest.load(config.bundle)
+
+
+def _cache_room(config: EdgeConfig, current: Manifest) -> Callable[[Path, int], object] | None:
+    """An update's ``room``: a download that lacks room frees the activation cache's blocks on its disk, other
+    bundles' and scopes' first, then the bundle held's (its switch retires them) - only when that makes the room
+    (``edge_client.activation_cache.make_room``): the cache is an optimisation, the update what the phone runs."""
+    if config.cache_dir is None:
+        return None
+    return lambda where, need: make_room(config.cache_dir, where, need, current.bundle_id, current.states_variant,
+                                         config.cache_dtype, config.cache_block_tokens)
 
 
 def _unwritten(bundle: Path, e: OSError) -> str:

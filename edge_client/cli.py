@@ -14,6 +14,7 @@ and exit with status 2 (bad input) or 1 (failure at run time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -56,6 +57,12 @@ def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
     g.add_argument("--codec", help="wire codec for hidden states (default: the server's precision plan)")
     g.add_argument("--cache-dir", help="persist the activation cache here (default: memory only)")
     g.add_argument("--cache-max-bytes", type=int, help="activation cache bound in bytes (default 512 MiB)")
+    g.add_argument("--cache-reserve-bytes", type=int,
+                   help="free space the --cache-dir's disk keeps: the cache evicts its oldest blocks, else keeps new "
+                        "ones in memory, rather than take it (default 256 MiB; the larger of this and "
+                        "--cache-reserve-fraction is kept)")
+    g.add_argument("--cache-reserve-fraction", type=float,
+                   help="free space the --cache-dir's disk keeps, as a fraction of its size (default 0.05)")
     g.add_argument("--preload", type=Path, action="append", default=[],
                    help="common prompts to cache first (.txt: one system prompt; .jsonl/.json: several)")
 
@@ -70,7 +77,8 @@ def _config(args):
                                speculate=getattr(args, "speculate", None),
                                threads=args.threads,
                                prefill_chunk=args.prefill_chunk, codec=args.codec, cache_dir=args.cache_dir,
-                               cache_max_bytes=args.cache_max_bytes)
+                               cache_max_bytes=args.cache_max_bytes, cache_reserve_bytes=args.cache_reserve_bytes,
+                               cache_reserve_fraction=args.cache_reserve_fraction)
 
 
 def _client(args):
@@ -115,15 +123,21 @@ def _speculate_flag(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_chat(args) -> int:
-    from shared.cli_exit import sigterm_unwinds
-
-    from .errors import EdgeClientError
     from .request import RequestSpec
 
     if args.system is not None and (problem := not_utf8(args.system)) is not None:  # argv: surrogateescape
         raise ValueError(f"--system is {problem}")
     # the per-answer flags, checked before the bundle loads (the rules of every request: RequestSpec)
     RequestSpec(prompt_ids=[0], max_tokens=args.max_tokens, temperature=args.temperature, precision=args.precision)
+    with _cache_said_by_command(args.verbose):
+        return _chat(args)
+
+
+def _chat(args) -> int:
+    from shared.cli_exit import sigterm_unwinds
+
+    from .errors import EdgeClientError
+
     client = _client(args)
     history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
     print("autoglm-edge chat: empty line or Ctrl-D quits; Ctrl-C stops an answer.", file=sys.stderr)
@@ -132,8 +146,15 @@ def cmd_chat(args) -> int:
         sys.stdin.reconfigure(errors="surrogateescape")
     sigterm_unwinds()  # a SIGTERM killed it with readline's terminal left without echo, the answer's request open
     _terminal_editing()
+    cache_said = False
     try:
         while True:
+            # the cache's refusal (a full or unwritable --cache-dir) on a line of its own, between answers: its
+            # logged warning came in the middle of the streamed answer that cached the prompt
+            if not cache_said and client.cache.write_error is not None:
+                print(f"autoglm-edge chat: activation cache: {client.cache.write_error}; new blocks are kept in memory "
+                      "only", file=sys.stderr)
+                cache_said = True
             try:
                 line = input("you> ")
             except EOFError:
@@ -281,7 +302,6 @@ def cmd_serve(args) -> int:
 
 
 def cmd_preload(args) -> int:
-    from . import activation_cache
     from .client import EdgeClient
 
     if not [*args.preload, *args.files] and not args.update:
@@ -293,19 +313,31 @@ def cmd_preload(args) -> int:
         return 0
     if cfg.cache_dir is None:
         raise ValueError("preload needs --cache-dir (or AUTOGLM_EDGE_CACHE_DIR): a memory cache dies with the process")
-    level = activation_cache.log.level
-    if not args.verbose:  # a directory that refuses the blocks is this command's one-line error (cache_unwritable):
-        activation_cache.log.setLevel(logging.ERROR)  # the cache's warning, for apps that carry on, said it twice
-    try:
+    # a directory that refuses the blocks is this command's one-line error (cache_unwritable)
+    with _cache_said_by_command(args.verbose):
         client = EdgeClient(cfg)
         try:
             _preload(client, [*args.preload, *args.files], lambda path, n: print(f"{path}: {n} tokens cached in "
                                                                                  f"{cfg.cache_dir}"), saved=True)
         finally:
             client.close()
+    return 0
+
+
+@contextlib.contextmanager
+def _cache_said_by_command(verbose: bool):
+    """The activation cache's warning (a directory that refused its blocks: ``cache.write_error``) left to the
+    command, which says it in its own line - preload's error, chat's line between answers - unless ``-v``: logged, for
+    apps that carry on, it said the same twice, or in the middle of a streamed answer."""
+    from . import activation_cache
+
+    level = activation_cache.log.level
+    if not verbose:
+        activation_cache.log.setLevel(logging.ERROR)
+    try:
+        yield
     finally:
         activation_cache.log.setLevel(level)  # (main() run in-process, as the tests do, leaves it as it was)
-    return 0
 
 
 def _update(cfg) -> None:

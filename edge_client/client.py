@@ -127,7 +127,8 @@ class EdgeClient:
             cache = ActivationCache(
                 manifest.bundle_id, runtime.n_layers, runtime.kv_heads, runtime.head_dim,
                 runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
-                cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.states_variant)
+                cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.states_variant,
+                reserve_bytes=cfg.cache_reserve_bytes, reserve_fraction=cfg.cache_reserve_fraction)
         except BaseException:
             version.close()
             raise

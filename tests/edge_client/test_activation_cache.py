@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import struct
+import subprocess
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ B = 16
 
 def _cache(rt: FrontRuntime, **kw) -> ActivationCache:
     kw.setdefault("edge_variant", rt.manifest.edge_quant)
+    kw.setdefault("reserve_bytes", 0)  # the test box's disk may be fuller than a phone's reserve allows
+    kw.setdefault("reserve_fraction", 0)
     return ActivationCache(rt.manifest.bundle_id, rt.n_layers, rt.kv_heads, rt.head_dim, rt.hidden_size,
                            block_tokens=B, **kw)
 
@@ -412,3 +415,104 @@ def test_a_bad_file_that_cannot_be_removed_is_reported_once_and_a_vanished_one_i
             if f.is_file():
                 f.unlink()  # another client evicted them
         assert fresh.lookup(IDS) is None and fresh.stats.rejected_files == 1 and len(caplog.records) == 2
+
+
+class _Disk:
+    """``os.statvfs`` of a file system of ``capacity`` bytes holding ``root``: what is under it is what is used."""
+
+    def __init__(self, root, capacity: int):
+        self.root, self.capacity = root, capacity
+
+    def free(self) -> int:
+        return max(0, self.capacity - sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file()))
+
+    def __call__(self, path):
+        free = self.free()
+        return os.statvfs_result((4096, 1, self.capacity, free, free, 1 << 20, 1 << 20, 1 << 20, 0, 255))
+
+
+def _prompts(n: int):
+    return [list(np.random.RandomState(10 + i).randint(4, 512, 65)) for i in range(n)]  # 4 full blocks each
+
+
+def test_a_cache_keeps_its_disks_reserve_free_evicting_its_oldest_blocks_first(rt, tmp_path, monkeypatch, caplog):
+    """The cache grew to cache_max_bytes whatever the disk's free space, and did not shrink when the disk filled:
+    a phone with less free space than that gave its last bytes to it (a real 4 MiB tmpfs under a real server: 12 KB
+    left, the next bundle update 'write_failed ... make room'). Each block file is written only with the reserve
+    left free, the directory's oldest blocks evicted first; a disk other apps filled gets the cache's room back at
+    the next scan; where even that is not enough, blocks stay in memory (write_error names the reserve)."""
+    file_bytes = _cache(rt).block_bytes + 1024  # a block file: the payload and its header
+    disk = _Disk(tmp_path, 40 * file_bytes)
+    monkeypatch.setattr(os, "statvfs", disk)
+    cache = _cache(rt, cache_dir=tmp_path / "c", reserve_bytes=28 * file_bytes)  # room for about 12 blocks
+    prompts = _prompts(5)  # 20 blocks
+    for ids in prompts:
+        assert _fill(rt, cache, ids)[0] == 4
+        assert disk.free() >= cache.reserve_bytes, disk.free()
+    assert cache.write_error is None and cache.stats.unwritten_blocks == 0
+    assert cache.contains(prompts[-1]) == 64 and cache.contains(prompts[0]) == 0  # the oldest went
+    held = len(list((tmp_path / "c").rglob(f"*{FILE_SUFFIX}")))
+    assert 8 <= held <= 12, held
+    (tmp_path / "other-app").write_bytes(b"x" * (6 * file_bytes))  # another app fills the disk
+    cache.close()
+    reopened = _cache(rt, cache_dir=tmp_path / "c", reserve_bytes=28 * file_bytes)
+    assert disk.free() >= reopened.reserve_bytes and len(list((tmp_path / "c").rglob(f"*{FILE_SUFFIX}"))) <= held - 6
+    assert reopened.contains(prompts[-1]) == 64  # the newest blocks stay
+    (tmp_path / "other-app").write_bytes(b"x" * (20 * file_bytes))  # now nothing the cache holds makes the room
+    with caplog.at_level(logging.WARNING, logger="edge_client.activation_cache"):
+        assert _fill(rt, reopened)[0] == 4 and reopened.lookup(IDS).tokens == 64  # served from memory
+    assert not list((tmp_path / "c").rglob(f"*{FILE_SUFFIX}"))
+    assert "which keeps" in reopened.write_error and "cache_reserve_bytes" in reopened.write_error
+    assert sum("kept in memory only" in r.message for r in caplog.records) == 1
+
+
+def test_the_reserve_is_the_larger_of_its_bytes_and_its_fraction_of_the_disk(rt, tmp_path, monkeypatch):
+    """By default a cache keeps max(256 MiB, 5 % of the disk) free: on a 1 GiB disk with 200 MiB free it writes
+    nothing (it wrote every block, up to its 512 MiB bound)."""
+    disk = _Disk(tmp_path, 1 << 30)
+    monkeypatch.setattr(os, "statvfs", disk)
+    (tmp_path / "other-app").write_bytes(b"")
+    os.truncate(tmp_path / "other-app", (1 << 30) - (200 << 20))  # (sparse: st_size is what the fake disk counts)
+    default = ActivationCache(rt.manifest.bundle_id, rt.n_layers, rt.kv_heads, rt.head_dim, rt.hidden_size,
+                              block_tokens=B, cache_dir=tmp_path / "default", edge_variant=rt.manifest.edge_quant)
+    assert _fill(rt, default)[0] == 4 and default.lookup(IDS).tokens == 64
+    assert not list((tmp_path / "default").rglob(f"*{FILE_SUFFIX}")) and f"which keeps {256 << 20} free" in default.write_error
+    disk.capacity = 100 << 20
+    (tmp_path / "other-app").write_bytes(b"x" * (90 << 20))  # 10 MiB free
+    assert _fill(rt, _cache(rt, cache_dir=tmp_path / "a", reserve_bytes=1 << 20, reserve_fraction=0.05))[0] == 4
+    assert len(list((tmp_path / "a").rglob(f"*{FILE_SUFFIX}"))) == 4  # 10 MiB free > max(1 MiB, 5 MiB)
+    c = _cache(rt, cache_dir=tmp_path / "b", reserve_bytes=1 << 20, reserve_fraction=0.2)  # 20 MiB
+    assert _fill(rt, c)[0] == 4 and c.write_error and not list((tmp_path / "b").rglob(f"*{FILE_SUFFIX}"))
+    c = _cache(rt, cache_dir=tmp_path / "d", reserve_bytes=11 << 20, reserve_fraction=0.05)
+    assert _fill(rt, c)[0] == 4 and c.write_error and not list((tmp_path / "d").rglob(f"*{FILE_SUFFIX}"))
+    with pytest.raises(ValueError, match="cache_reserve_fraction"):
+        _cache(rt, reserve_fraction=1.0)
+    with pytest.raises(ValueError, match="cache_reserve_bytes"):
+        _cache(rt, reserve_bytes=-1)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 1 MiB tmpfs (needs the right to mount: root, or skipped)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True,
+                              timeout=30)
+    except OSError:
+        done = None
+    if done is None or done.returncode != 0:
+        pytest.skip("mounting a tmpfs is not permitted here")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True, timeout=30)
+
+
+def test_a_cache_on_a_real_small_disk_keeps_its_reserve_free(rt, small_tmpfs):
+    cache = _cache(rt, cache_dir=small_tmpfs / "c", reserve_bytes=512 << 10)
+    for ids in _prompts(12):  # 48 blocks of ~13 KB: more than the 1 MiB disk holds
+        assert _fill(rt, cache, ids)[0] == 4
+        st = os.statvfs(small_tmpfs)
+        assert st.f_bavail * st.f_frsize >= 512 << 10
+    assert cache.write_error is None and cache.contains(_prompts(12)[-1]) == 64

@@ -1106,6 +1106,67 @@ def test_a_download_cut_by_a_full_disk_leaves_no_room_taken_from_the_next_bundle
     _assert_edge_half(edge_l2)
 
 
+class _PhoneDisk(_SmallDisk):
+    """:class:`_SmallDisk` over everything under ``root`` (the bundle, its versions, the activation cache), and its
+    ``os.statvfs``."""
+
+    def statvfs(self, path):
+        free = max(0, self.capacity - self.used())
+        return os.statvfs_result((4096, 1, self.capacity, free, free, 1 << 20, 1 << 20, 1 << 20, 0, 255))
+
+
+def _cache_blocks(rt, cache_dir: Path, bundle_id: str, prompts: int) -> list[Path]:
+    """``prompts`` x 4 activation-cache block files of ``bundle_id`` (the phone's edge variant) in ``cache_dir``."""
+    from edge_client.activation_cache import FILE_SUFFIX, ActivationCache
+
+    cache = ActivationCache(bundle_id, rt.n_layers, rt.kv_heads, rt.head_dim, rt.hidden_size, cache_dir=cache_dir,
+                            edge_variant=rt.manifest.states_variant)
+    for seed in range(prompts):
+        ids = [int(t) for t in np.random.RandomState(seed).randint(4, 512, 65)]
+        rt.reset()
+        cache.insert(ids, rt.kv_slice, rt.prefill(ids))
+    cache.close()
+    return sorted((cache_dir / bundle_id).glob(f"*{FILE_SUFFIX}"))
+
+
+@pytest.mark.parametrize("room", ["other bundles' blocks make it", "all blocks would not"])
+def test_a_bundle_update_short_of_room_takes_it_from_the_activation_cache(monkeypatch, tmp_path, tiny_bundle,
+                                                                          bundle_l1, edge_l2, room):
+    """The activation cache on the bundle's disk filled it (a real 4 MiB tmpfs: 12 KB left), and a bundle update
+    then failed 'write_failed ... make room' for good, the room the app's own cache. A download short of room now
+    removes the cache's blocks, other bundles' and scopes' first (oldest first), then the held bundle's; only when
+    that makes the room: else the cache is kept and the update fails as before."""
+    from edge_client.front import FrontRuntime
+
+    m2 = Manifest.load(edge_l2)
+    rt = FrontRuntime(tiny_bundle, threads=1)
+    cache_dir = edge_l2.parent / "cache"
+    disk = _PhoneDisk(edge_l2.parent, 1 << 40)  # roomy while the cache fills (whatever the test box's disk holds)
+    monkeypatch.setattr(os, "statvfs", disk.statvfs)
+    held = _cache_blocks(rt, cache_dir, m2.bundle_id, 2)
+    others = _cache_blocks(rt, cache_dir, "f" * 32, 6)
+    need = _served_bytes(Manifest.load(bundle_l1)) + 3 * 4096
+    block = others[0].stat().st_size
+    # a disk with room for all but half the other bundle's blocks, or for all but twice the cache
+    disk.capacity = disk.used() + need - (len(others) // 2) * block
+    if room == "all blocks would not":
+        disk.capacity -= (len(others) + len(held)) * block
+    monkeypatch.setattr(bundle_sync, "open", disk, raising=False)
+    with Serving(_app(bundle_l1)) as srv:
+        cfg = EdgeConfig(bundle=edge_l2, url=srv.ws_url, cache_dir=cache_dir, retry=RETRY)
+        if room == "all blocks would not":
+            with pytest.raises(BundleSyncError, match="make room") as ei:
+                bundle_sync.update(cfg, m2)
+            assert ei.value.code == "write_failed"
+            assert all(p.exists() for p in held + others)  # the cache is kept
+            return
+        assert bundle_sync.update(cfg, m2).split_layer == 1
+    _assert_edge_half(edge_l2)
+    assert all(p.exists() for p in held)  # the held bundle's blocks were not needed
+    gone = [p for p in others if not p.exists()]
+    assert len(others) // 2 <= len(gone) < len(others), len(gone)
+
+
 class HoldFirstDownload:
     """ASGI wrapper: the first file download holds its response (and so its --max-http-requests slot) ``hold_s``."""
 

@@ -28,6 +28,9 @@ from edge_client.cli import build_parser, main
     (["chat", "--bundle", "/b", "--url", "ws://x", "--threads", "100000"], "threads must be >= 1 and <= 256"),
     (["serve", "--bundle", "/b", "--url", "ws://x", "--threads", "257"], "threads must be >= 1 and <= 256"),
     (["preload", "--bundle", "/b", "--threads", "100000", "p.txt"], "threads must be >= 1 and <= 256"),
+    (["chat", "--bundle", "/b", "--url", "ws://x", "--cache-reserve-fraction", "1"],
+     "cache_reserve_fraction must be a number from 0 to below 1, got 1.0"),
+    (["preload", "--bundle", "/b", "--cache-reserve-bytes", "-1", "p.txt"], "cache_reserve_bytes must be an integer"),
     (["demo", "--threads", "100000"], "--threads must be >= 1 and <= 256"),
     # the cloud's serve refuses these (one rule, shared.cli_exit.host_problem / shared.prefix_keys.bearer_key_problem):
     # an empty host listened on every interface, a key with a secret file's newline was a 401 on every local request
@@ -366,6 +369,34 @@ def test_a_turn_that_fails_leaves_the_chat_and_its_conversation_going(tiny_bundl
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\nhello\n"))
     assert main([*argv, "--precision", "int8"]) == 1
     assert capsys.readouterr().err.count("compute 'int8' is not available") == 2  # both turns were asked
+
+
+def test_the_caches_refusal_is_a_line_of_its_own_between_answers(tiny_bundle, tiny_cloud, tmp_path):
+    """A --cache-dir that refuses the blocks (a full disk, here the file size limit: the refusal comes at the first
+    block's write) was logged by the cache while it stored the prompt: in `autoglm-edge chat`, in the middle of the
+    streamed answer ('assistant> WARNING edge_client.activation_cache: ...'). The chat says it once, on a line of its
+    own after that answer (a real process, its stdout and stderr one stream as on a terminal)."""
+    import resource
+
+    from shared.manifest import Manifest
+
+    def no_file_bytes():  # the file size limit (ulimit -f 0): every block's write is EFBIG (Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    prompt = "You are a phone agent. Tap, swipe and type to finish the task. " * 2
+    proc = subprocess.run([sys.executable, "-m", "edge_client.cli", "chat", "--bundle", str(tiny_bundle), "--url",
+                           tiny_cloud.ws_url, "--cache-dir", str(tmp_path / "c"), "--max-tokens", "8", "--no-stats"],
+                          input=f"{prompt}\n{prompt}again\n", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          preexec_fn=no_file_bytes)
+    assert proc.returncode == 0, proc.stdout
+    lines = proc.stdout.splitlines()
+    said = f"autoglm-edge chat: activation cache: cannot write in {tmp_path / 'c' / Manifest.load(tiny_bundle).bundle_id}"
+    assert [line for line in lines if "cannot write" in line] == [
+        f"{said}: File too large; new blocks are kept in memory only"], proc.stdout
+    assert lines[lines.index(f"{said}: File too large; new blocks are kept in memory only") - 1].startswith(
+        "you> assistant> "), proc.stdout  # after the first answer
+    assert proc.stdout.count("assistant> ") == 2
 
 
 def test_an_answers_control_characters_reach_the_terminal_as_escapes(tiny_bundle, tiny_cloud, monkeypatch, capsys):
