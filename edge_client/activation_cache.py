@@ -39,6 +39,12 @@ created or written (read-only, full) costs persistence, never a request: the blo
 memory only, the first refusal is logged and :attr:`ActivationCache.write_error` says why. A folder removed under
 a running cache (a phone's cache cleaner) is made again at the next write.
 
+What the cache holds in memory has its own, smaller bound, ``memory_bytes`` (:data:`MEMORY_BYTES`, 32 MiB: a phone
+app's budget, where ``max_bytes`` is the directory's): past it the least recently used blocks let go of their arrays -
+a block on disk is read again from its file on its next use, a block held in memory only (no directory, or one the
+directory refused) is evicted. Without it a client kept every block it had inserted or read, up to ``max_bytes``
+(512 MiB), on a writable directory as on a refusing one.
+
 The cache never takes a phone's last free space: before each block file is written, one ``os.statvfs`` checks that
 the file system keeps its *reserve* free after it - the larger of ``reserve_bytes`` and ``reserve_fraction`` of the
 file system's size (the check took 6-11 us a block on this 2-core box, statvfs itself 1.5 us, beside the write's
@@ -94,6 +100,17 @@ STALE_TMP_S = 600.0  # a temporary file older than this is a write a crash cut s
 # under 5 % free (its cache cleaner starts there); 256 MiB keeps a small disk's updates and other apps writing.
 RESERVE_BYTES = 256 << 20
 RESERVE_FRACTION = 0.05
+# The block arrays a cache holds in memory (a phone app's budget, not the directory's bound: Android kills background
+# apps holding far less than cache_max_bytes' 512 MiB). 32 MiB: 2,730 of tiny-glm4's 12 KiB blocks. Past it a block on
+# disk is read again on its next use, one held in memory only (no directory, or one that refused it) is evicted.
+MEMORY_BYTES = 32 << 20
+
+
+def memory_problem(memory_bytes) -> str | None:
+    """What is wrong with an in-memory bound (``EdgeConfig.cache_memory_bytes``), or None."""
+    if type(memory_bytes) is not int or memory_bytes < 0:
+        return f"cache_memory_bytes must be an integer >= 0, got {memory_bytes!r}"
+    return None
 
 
 def reserve_problem(reserve_bytes, reserve_fraction) -> str | None:
@@ -143,7 +160,7 @@ class _Entry:
     tokens: list[int]
     content: bytes | None  # the block's content digest (None: text only)
     nbytes: int
-    arrays: list[np.ndarray] | None = None  # 2N KV arrays [KVH, B, D] + hidden [B, H]; None until loaded
+    arrays: list[np.ndarray] | None = None  # 2N KV arrays [KVH, B, D] + hidden [B, H]; None: on disk only
     path: Path | None = None
     meta: dict = field(default_factory=dict)
     used: float = 0.0  # when last used (the LRU order): its file's mtime, which every client sharing it sets
@@ -155,20 +172,21 @@ class ActivationCache:
     def __init__(self, bundle_id: str, n_layers: int, kv_heads: int, head_dim: int, hidden_size: int,
                  block_tokens: int = 16, max_bytes: int = 512 << 20, cache_dir: str | Path | None = None,
                  dtype: str = "float32", *, edge_variant: str, reserve_bytes: int = RESERVE_BYTES,
-                 reserve_fraction: float = RESERVE_FRACTION):
+                 reserve_fraction: float = RESERVE_FRACTION, memory_bytes: int = MEMORY_BYTES):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         if dtype not in ("float32", "float16"):
             raise ValueError(f"cache dtype {dtype!r}: expected float32 or float16")
-        if (problem := reserve_problem(reserve_bytes, reserve_fraction)) is not None:
+        if (problem := reserve_problem(reserve_bytes, reserve_fraction) or memory_problem(memory_bytes)) is not None:
             raise ValueError(problem)
         self.bundle_id = bundle_id
         self.n_layers, self.kv_heads, self.head_dim, self.hidden_size = n_layers, kv_heads, head_dim, hidden_size
         self.block_tokens = block_tokens
         self.max_bytes = max_bytes
         self.reserve_bytes, self.reserve_fraction = reserve_bytes, reserve_fraction  # free space kept on the disk
+        self.memory_bytes = memory_bytes  # the bound of the block arrays held in memory (:meth:`_trim_memory`)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.scope = KeyScope(bundle_id, edge_variant, f"cache-{dtype}")  # what produced (and stores) the states
         self.dir = Path(cache_dir) / bundle_id if cache_dir is not None else None
@@ -178,6 +196,7 @@ class ActivationCache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # LRU first
         self._skipped: set[str] = set()  # files left alone: other scopes' blocks, bad files it cannot remove
         self._bytes = 0
+        self._held = 0  # bytes of the entries' arrays held in memory
         self._lock = threading.RLock()
         if self.dir is not None and self._open_dir():
             self._scan()
@@ -214,7 +233,13 @@ class ActivationCache:
 
     @property
     def nbytes(self) -> int:
+        """Payload bytes of the blocks indexed (on disk or in memory), within ``max_bytes``."""
         return self._bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of block arrays held in memory, within ``memory_bytes`` between calls."""
+        return self._held
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -245,6 +270,7 @@ class ActivationCache:
             n = 2 * self.n_layers
             kv_blocks = [[a.astype(np.float32) for a in e.arrays[:n]] for e in hit]  # type: ignore[index]
             hidden = np.concatenate([e.arrays[n] for e in hit], axis=0).astype(np.float32)  # type: ignore[index]
+            self._trim_memory()
             return CacheHit(len(hit) * self.block_tokens, [e.key for e in hit], kv_blocks, hidden)
 
     def contains(self, ids, content=None) -> int:
@@ -287,7 +313,8 @@ class ActivationCache:
                 arrays.append(np.array(hidden[a:b], dtype=self.dtype, order="C"))
                 self._check_shapes(arrays)
                 e = _Entry(key, keys[i - 1] if i else "", i, ids[a:b], None if content is None else content[i],
-                           sum(x.nbytes for x in arrays), arrays)
+                           sum(x.nbytes for x in arrays))
+                self._hold(e, arrays)
                 if self.dir is not None:
                     e.path = self._write(e)  # None: the directory refused it (the block is in memory only)
                 self._entries[key] = e
@@ -300,6 +327,7 @@ class ActivationCache:
                 self._scan()  # the directory's blocks, others' too, within the bound
             else:
                 self._evict()
+            self._trim_memory()
         return added
 
     def clear(self) -> None:
@@ -344,6 +372,32 @@ class ActivationCache:
             else:
                 break
 
+    def _trim_memory(self) -> None:
+        """Hold at most ``memory_bytes`` of block arrays, the least recently used let go first: a block on disk drops
+        its arrays (read again from its file on its next use), a block held in memory only (no directory, or one
+        that refused it) is evicted."""
+        if self._held <= self.memory_bytes:
+            return
+        for e in list(self._entries.values()):  # oldest first
+            if self._held <= self.memory_bytes:
+                break
+            if e.arrays is None:
+                continue
+            if e.path is not None:
+                self._let_go(e)
+            else:
+                self._remove(e)
+                self.stats.evicted_blocks += 1
+
+    def _hold(self, e: _Entry, arrays: list[np.ndarray]) -> None:
+        e.arrays = arrays
+        self._held += e.nbytes
+
+    def _let_go(self, e: _Entry) -> None:
+        if e.arrays is not None:
+            e.arrays = None
+            self._held -= e.nbytes
+
     def _disk_short(self, size: int) -> int:
         """Bytes of block files to remove so that writing ``size`` more keeps the reserve free on the directory's
         file system (<= 0: none). One ``statvfs``; a directory it cannot look at is the write's to refuse."""
@@ -380,6 +434,7 @@ class ActivationCache:
     def _remove(self, e: _Entry) -> None:
         if self._entries.pop(e.key, None) is not None:
             self._bytes -= e.nbytes
+            self._let_go(e)
         if e.path is not None:
             try:
                 e.path.unlink()
@@ -529,6 +584,7 @@ class ActivationCache:
         for e in [e for e in self._entries.values() if e.path is not None and e.key not in on_disk]:
             self._entries.pop(e.key)  # another client evicted it: the directory's LRU decided
             self._bytes -= e.nbytes
+            self._let_go(e)
         self._entries = OrderedDict(sorted(self._entries.items(), key=lambda kv: kv[1].used))  # oldest first
         self._evict(self._others(), self._disk_short(0))  # a disk other apps filled gets the cache's room back
 
@@ -577,7 +633,7 @@ class ActivationCache:
             self._reject(e.path, err)
             self._remove(e)
             return None
-        e.arrays = arrays
+        self._hold(e, arrays)
         return arrays
 
     def _reject(self, path: Path, err: Exception) -> None:

@@ -63,6 +63,9 @@ def _config_flags(p: argparse.ArgumentParser, need_url: bool = True) -> None:
                         "--cache-reserve-fraction is kept)")
     g.add_argument("--cache-reserve-fraction", type=float,
                    help="free space the --cache-dir's disk keeps, as a fraction of its size (default 0.05)")
+    g.add_argument("--cache-memory-bytes", type=int,
+                   help="activation cache blocks held in memory, in bytes: past it the oldest are read again from "
+                        "--cache-dir on their next use, or evicted where they are in memory only (default 32 MiB)")
     g.add_argument("--preload", type=Path, action="append", default=[],
                    help="common prompts to cache first (.txt: one system prompt; .jsonl/.json: several)")
 
@@ -78,7 +81,8 @@ def _config(args):
                                threads=args.threads,
                                prefill_chunk=args.prefill_chunk, codec=args.codec, cache_dir=args.cache_dir,
                                cache_max_bytes=args.cache_max_bytes, cache_reserve_bytes=args.cache_reserve_bytes,
-                               cache_reserve_fraction=args.cache_reserve_fraction)
+                               cache_reserve_fraction=args.cache_reserve_fraction,
+                               cache_memory_bytes=args.cache_memory_bytes)
 
 
 def _client(args):
@@ -95,8 +99,9 @@ def _client(args):
 
 def _preload(client, paths: list, report, saved: bool = False) -> None:
     """Cache ``paths``' prompts, then ``report(path, tokens)`` what the cache holds of each once all are in (not what
-    went in: a ``cache_max_bytes`` too small for them all evicts earlier files' blocks as later ones go in);
-    EdgeClientError ``cache_too_small`` when it holds less than went in. ``saved``: a cache directory must have kept
+    went in: a ``cache_max_bytes`` too small for them all evicts earlier files' blocks as later ones go in, as does a
+    ``cache_memory_bytes`` where the blocks are held in memory only); EdgeClientError ``cache_too_small``, naming the
+    bound, when it holds less than went in. ``saved``: a cache directory must have kept
     each file (``cache_unwritable``)."""
     from .errors import EdgeClientError
 
@@ -110,7 +115,11 @@ def _preload(client, paths: list, report, saved: bool = False) -> None:
     for path, n in zip(paths, held):
         report(path, n)
     if sum(held) < sum(cached):
-        raise EdgeClientError(f"--cache-max-bytes {client.config.cache_max_bytes} holds {sum(held)} of the "
+        bounds = [("--cache-max-bytes", client.config.cache_max_bytes)]
+        if client.cache.dir is None or client.cache.write_error is not None:  # blocks in memory only: its bound too
+            bounds.append(("--cache-memory-bytes", client.config.cache_memory_bytes))
+        flag, bound = min(bounds, key=lambda b: b[1])
+        raise EdgeClientError(f"{flag} {bound} holds {sum(held)} of the "
                               f"{sum(cached)} tokens preloaded: later prompts' blocks evicted earlier ones (raise the "
                               "bound)", "cache_too_small")
 

@@ -128,7 +128,8 @@ class EdgeClient:
                 manifest.bundle_id, runtime.n_layers, runtime.kv_heads, runtime.head_dim,
                 runtime.hidden_size, block_tokens=cfg.cache_block_tokens, max_bytes=cfg.cache_max_bytes,
                 cache_dir=cfg.cache_dir, dtype=cfg.cache_dtype, edge_variant=manifest.states_variant,
-                reserve_bytes=cfg.cache_reserve_bytes, reserve_fraction=cfg.cache_reserve_fraction)
+                reserve_bytes=cfg.cache_reserve_bytes, reserve_fraction=cfg.cache_reserve_fraction,
+                memory_bytes=cfg.cache_memory_bytes)
         except BaseException:
             version.close()
             raise
@@ -505,7 +506,8 @@ class EdgeClient:
 
     def preloaded_tokens(self, path: str | Path, as_system: bool = True) -> int:
         """Tokens of ``path``'s prompts (as :meth:`preload_prompts` reads them) the activation cache holds now: a
-        ``cache_max_bytes`` too small for them all evicts earlier prompts' blocks as later ones are cached."""
+        ``cache_max_bytes`` too small for them all evicts earlier prompts' blocks as later ones are cached (as does a
+        ``cache_memory_bytes`` where they are held in memory only)."""
         self._check_open()
         return sum(self.cache.contains(ids) for ids in self._preload_ids(path, as_system))
 

@@ -18,7 +18,7 @@ from shared.prefix_keys import bearer_key_problem
 from shared.threads import threads_problem
 from shared.user_paths import user_path
 
-from .activation_cache import RESERVE_BYTES, RESERVE_FRACTION, reserve_problem
+from .activation_cache import MEMORY_BYTES, RESERVE_BYTES, RESERVE_FRACTION, memory_problem, reserve_problem
 
 DEFAULT_SPLIT_PATH = "/v1/split"  # the cloud server's WebSocket route for split sessions
 # a URL's scheme -> the split endpoint's: an OpenAI base_url's http(s) is the same server's WebSocket, TLS kept
@@ -161,6 +161,9 @@ class EdgeConfig:
     # it evicts the oldest blocks first, else stays in memory: the cache never takes a phone's last free space.
     cache_reserve_bytes: int = RESERVE_BYTES
     cache_reserve_fraction: float = RESERVE_FRACTION
+    # Block arrays the cache holds in memory (32 MiB: a phone app's budget): past it the oldest blocks on disk are read
+    # again on their next use, those in memory only (no cache_dir, or one that refused them) are evicted.
+    cache_memory_bytes: int = MEMORY_BYTES
     cache_block_tokens: int = 16  # hash-chain block: finer blocks reuse more, coarser ones cost fewer files
     cache_dtype: str = "float32"  # float32 keeps cached == recomputed bit for bit; float16 halves the bytes
     cache_prompts: bool = True  # also cache the full blocks of every request's prompt (not only preloads)
@@ -205,7 +208,8 @@ class EdgeConfig:
             raise ConfigError(f"cache_max_bytes must be >= 0, got {self.cache_max_bytes}")
         if self.cache_block_tokens < 1:
             raise ConfigError(f"cache_block_tokens must be >= 1, got {self.cache_block_tokens}")
-        if (problem := reserve_problem(self.cache_reserve_bytes, self.cache_reserve_fraction)) is not None:
+        if (problem := reserve_problem(self.cache_reserve_bytes, self.cache_reserve_fraction)
+                or memory_problem(self.cache_memory_bytes)) is not None:
             raise ConfigError(problem)
         if self.draft_k is not None and (type(self.draft_k) is not int or self.draft_k < 0):
             # (2.5 failed the first speculative step as an internal error, "3" raised a TypeError here)

@@ -466,6 +466,34 @@ def test_a_cache_keeps_its_disks_reserve_free_evicting_its_oldest_blocks_first(r
     assert sum("kept in memory only" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.parametrize("where", ["refused", "no directory", "on disk"])
+def test_the_blocks_held_in_memory_stay_within_memory_bytes(rt, tmp_path, where):
+    """A cache kept every block it inserted or read in memory up to cache_max_bytes (512 MiB, a phone app's whole
+    budget): a real client of a real server with its cache_dir's writes refused (ulimit -f 0) held 63 MiB after 60
+    prompts, and as much with a writable one. Past memory_bytes the least recently used blocks let go: a block in
+    memory only (the directory refused it, or there is none) is evicted, one on disk is read again from its file."""
+    one = _cache(rt).block_bytes
+    if where == "refused":
+        (tmp_path / "c").mkdir()
+        (tmp_path / "c" / rt.manifest.bundle_id).write_text("not a directory")  # every write refused
+    cache = _cache(rt, cache_dir=None if where == "no directory" else tmp_path / "c", memory_bytes=6 * one)
+    prompts = _prompts(10)  # 40 blocks
+    for ids in prompts:
+        time.sleep(0.01)  # a chain's blocks are used 1 ms apart (the LRU clock): the previous prompt's are older
+        _, h = _fill(rt, cache, ids)
+        assert cache.held_bytes <= 6 * one, (cache.held_bytes, one)
+    assert cache.contains(prompts[-1]) == 64 and np.array_equal(cache.lookup(prompts[-1]).hidden, h[:64])
+    if where == "on disk":  # every block stays cached, the oldest read back from its file
+        assert len(cache) == 40 and cache.nbytes == 40 * one and cache.stats.evicted_blocks == 0
+        rt.reset()
+        assert np.array_equal(cache.lookup(prompts[0]).hidden, rt.prefill(prompts[0])[:64])
+    else:
+        assert len(cache) == 6 and cache.contains(prompts[0]) == 0 and cache.stats.evicted_blocks == 34
+    assert cache.held_bytes <= 6 * one
+    with pytest.raises(ValueError, match="cache_memory_bytes must be an integer >= 0, got -1"):
+        _cache(rt, memory_bytes=-1)
+
+
 def test_the_reserve_is_the_larger_of_its_bytes_and_its_fraction_of_the_disk(rt, tmp_path, monkeypatch):
     """By default a cache keeps max(256 MiB, 5 % of the disk) free: on a 1 GiB disk with 200 MiB free it writes
     nothing (it wrote every block, up to its 512 MiB bound)."""

@@ -31,6 +31,8 @@ from edge_client.cli import build_parser, main
     (["chat", "--bundle", "/b", "--url", "ws://x", "--cache-reserve-fraction", "1"],
      "cache_reserve_fraction must be a number from 0 to below 1, got 1.0"),
     (["preload", "--bundle", "/b", "--cache-reserve-bytes", "-1", "p.txt"], "cache_reserve_bytes must be an integer"),
+    (["serve", "--bundle", "/b", "--url", "ws://x", "--cache-memory-bytes", "-1"],
+     "cache_memory_bytes must be an integer >= 0, got -1"),
     (["demo", "--threads", "100000"], "--threads must be >= 1 and <= 256"),
     # the cloud's serve refuses these (one rule, shared.cli_exit.host_problem / shared.prefix_keys.bearer_key_problem):
     # an empty host listened on every interface, a key with a secret file's newline was a 401 on every local request
@@ -652,8 +654,12 @@ def test_chat_and_serve_preload_report_what_the_cache_bound_kept_and_fail_when_i
     err = capsys.readouterr().err
     held = {p: int(n) for p, n in re.findall(r"preloaded (.*): (\d+) tokens cached", err)}
     assert held[str(first)] < full[str(first)] and held[str(second)] == full[str(second)], (held, full)
-    assert "later prompts' blocks evicted earlier ones" in err, err
+    assert f"--cache-max-bytes {one_file * 3 // 2} holds" in err and "later prompts' blocks evicted earlier ones" in err
     assert "empty line or Ctrl-D quits" not in err  # it fails before the chat starts
+    # a memory-only cache holds at most --cache-memory-bytes (a phone app's budget), whatever --cache-max-bytes says
+    assert main([*argv, "--cache-memory-bytes", str(one_file * 3 // 2)]) == 1
+    err = capsys.readouterr().err
+    assert f"--cache-memory-bytes {one_file * 3 // 2} holds" in err and "empty line or Ctrl-D quits" not in err, err
 
 
 @pytest.mark.parametrize("when", ["at the prompt", "mid-answer"])
