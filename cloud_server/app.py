@@ -25,7 +25,8 @@ With a keys file or an API key configured (``cloud_server.auth``) every route bu
 ``/metrics`` needs ``Authorization: Bearer <key>`` (a WebSocket presents it in the handshake headers, never in
 the URL); ``open_probes=False`` puts those three behind the key too (``/metrics``, which names every tenant's
 usage, behind an operator key when there is a keys file). The key's :class:`~cloud_server.auth.Principal`
-is on ``websocket.state.principal`` for the split endpoint (its tenant scopes the prefix cache). HTTP ``/v1``
+is on ``websocket.state.principal`` for the split endpoint (its tenant scopes the prefix cache) and on
+``request.state.principal`` for HTTP (full mode counts a request's usage under its tenant). HTTP ``/v1``
 requests beyond ``max_http_requests`` in flight get 429 with ``Retry-After`` (``shared.http_limits``). A web
 browser's request is a 403 unless its ``Host`` is a loopback name, the listen address or one of ``allowed_hosts`` and
 its ``Origin``, if any, the server's own or one of ``allowed_origins``, WebSockets included (``shared.http_browsers``).
@@ -223,10 +224,12 @@ def create_app(runtime, owns_runtime: bool = False) -> FastAPI:
     # outermost: counts every HTTP refusal, the limits' included (autoglm:http_requests_refused_total)
     app.add_middleware(HttpRefusals, metrics=lambda: runtime.metrics)
 
-    async def require_key(request: Request):
-        if authn.authenticate(request.headers.get("authorization")) is None:
+    async def require_key(request: Request):  # the key's Principal on request.state (full mode's usage label)
+        principal = authn.authenticate(request.headers.get("authorization"))
+        if principal is None:
             raise HTTPException(401, detail="missing or wrong API key (Authorization: Bearer <key>)",
                                 headers=CHALLENGE)
+        request.state.principal = principal
 
     async def require_operator_key(request: Request):  # /metrics names every tenant and its usage
         principal = authn.authenticate(request.headers.get("authorization"))

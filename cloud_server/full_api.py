@@ -15,6 +15,10 @@ penalties: the engine request carries those tokens as its output so far, ``LLMEn
 so they are penalized and count towards ``max_tokens`` as in the first one).
 :class:`ReplayPolicy` bounds it; a client gone meanwhile cancels it (the routes cancel the wait and ``aclose()``).
 
+Each request is counted under its key's tenant (``cloud_server.usage``, :class:`~cloud_server.usage.RequestMeter`:
+the prompt once, however often it is replayed, and each token as it is sampled) and traced by its first engine
+request's id.
+
 A model without a tokenizer (the random presets) serves ``/v1/completions`` with a prompt of token ids only: its
 answer is token ids (``choices[].token_ids``, vLLM's field; ``text`` stays empty), and a chat request, a text
 prompt or ``stop`` strings (all need text) are a 400 that says so.
@@ -40,6 +44,7 @@ from cloud_server.engine.sampling_params import SamplingParams, SamplingParamsEr
 from cloud_server.engine.sequence import InputChunk
 from cloud_server.limits import RETRY_AFTER_MS, RETRY_AFTER_S
 from cloud_server.split_translate import WIRE_CODES
+from cloud_server.usage import TenantUsage
 from shared import chat_tokens
 from shared import openai_compat as oc
 from shared import openai_routes
@@ -97,7 +102,7 @@ class _EngineStream:
     engine request, or several when the engine drops it for load and it is replayed (:class:`ReplayPolicy`)."""
 
     def __init__(self, rt, ids: list[int], params: SamplingParams, variant: str | None, stops: list[str],
-                 replay: ReplayPolicy):
+                 replay: ReplayPolicy, caller=None):
         self.rt, self.prompt_tokens = rt, len(ids)
         self.eos = set(rt.eos_token_ids()) | set(params.stop_token_ids)
         self.ids_only = rt.tokenizer is None
@@ -112,7 +117,11 @@ class _EngineStream:
         self.tokens: list[int] = []  # every token sampled so far, in order (a replay's prompt ends with them)
         self.replays = 0
         self.dropped: tuple[float, int] | None = None  # (first drop, replays) since the last new token
+        self.error_code: str | None = None  # the code of the GenerationError the stream ended with
         self._submit()
+        # counted once the engine took it, under the key's tenant ``caller`` (an auth Principal; None: unkeyed)
+        self.meter = (None if rt.metrics is None
+                      else TenantUsage.of(rt.metrics).request(caller, self.rid, self.prompt_tokens))
 
     def _submit(self) -> None:
         """Hand the engine the request's context (the prompt, then the tokens sampled so far, which the engine request
@@ -149,8 +158,8 @@ class _EngineStream:
         try:
             return await asyncio.wait_for(self.outputs.get(), self.dropped[0] + self.replay.window_s - time.monotonic())
         except asyncio.TimeoutError:
+            self.finish_reason, self.error_code = "error", "overloaded"
             await self.aclose()
-            self.finish_reason = "error"
             raise openai_routes.GenerationError(f"the KV pool is exhausted: no token in {self.replay.window_s:g} s "
                                                 f"after the request was replayed {self.dropped[1]} times",
                                                 "overloaded", retry_after_s=self.replay.wait_s) from None
@@ -173,7 +182,7 @@ class _EngineStream:
         if out.error_code is not None:
             self.finish_reason = "error"
             # the engine's code as the split endpoint sends it (kv_cache_full -> overloaded: a 503 with Retry-After)
-            code = WIRE_CODES.get(out.error_code, out.error_code)
+            code = self.error_code = WIRE_CODES.get(out.error_code, out.error_code)
             message, wait_s = out.error_message or out.error_code, None
             if out.error_code == "kv_cache_full":  # dropped for load, and not replayed again (_may_replay)
                 message += (f" (replayed {self.dropped[1]} times in {time.monotonic() - self.dropped[0]:.1f} s "
@@ -183,6 +192,8 @@ class _EngineStream:
         sampled = None  # the token the answer shows
         if out.token_id is not None:
             self.completion_tokens += 1
+            if self.meter is not None:
+                self.meter.sampled()
             self.tokens.append(out.token_id)
             self.dropped = None
             if not (out.finish_reason == "stop" and out.token_id in self.eos):
@@ -207,6 +218,8 @@ class _EngineStream:
 
     async def aclose(self) -> None:
         self.outputs.close()  # (the current engine request's: a replay's wait is cancelled before this)
+        if self.meter is not None:  # its trace line, once: unfinished here, the client went first
+            self.meter.end(self.finish_reason or "cancelled", self.completion_tokens, self.error_code)
         if not self.engine_done:
             self.engine_done = True
             self.rt.engine.abort(self.rid)
@@ -277,7 +290,7 @@ class _EngineBackend:
                                        partial(tok.encode, add_special_tokens=False, split_special_tokens=True),
                                        tok.added_tokens_decoder.__contains__)
 
-    async def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EngineStream:
+    async def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str, caller=None) -> _EngineStream:
         param = req.prompt_param
         if isinstance(req, oc.CompletionRequest) and req.prompt_ids is not None:  # token ids: as given
             ids, facts = req.prompt_ids, getattr(self.rt, "facts", None)
@@ -296,7 +309,7 @@ class _EngineBackend:
         if self.rt.tokenizer is None and req.sampling.stop:
             raise self._no_tokenizer("stop strings need text", "stop")
         return _EngineStream(self.rt, ids, self._params(req.sampling, len(ids), param),
-                             self._variant(req.precision, len(ids)), req.sampling.stop, self.replay)
+                             self._variant(req.precision, len(ids)), req.sampling.stop, self.replay, caller)
 
     def _check_length(self, prompt: str, param: str) -> None:
         """Refuse a prompt whose text cannot fit its positions, before it is tokenized: every character but the

@@ -153,7 +153,8 @@ class _EdgeBackend:
         except ValueError as e:
             raise oc.OpenAIRequestError(str(e), "messages") from None
 
-    async def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> _EdgeStream:
+    async def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str, caller=None) -> _EdgeStream:
+        # (caller: unused, the phone's one user; the cloud meters the session's key)
         s = req.sampling
         if s.penalized:  # a replay after a dropped link would lose the penalties' history: not offered here
             name = next(n for n, d in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),

@@ -7,8 +7,10 @@ usage-only chunk), usage and errors are here. No torch.
 
 Contract:
 
-* ``check_ready()``, ``render_chat(req)`` (the chat template's prompt text) and ``start(req, prompt)`` (a
-  running :class:`TextStream`) refuse by raising :class:`~shared.openai_compat.OpenAIRequestError`. The body's
+* ``check_ready()``, ``render_chat(req)`` (the chat template's prompt text) and ``start(req, prompt, caller)`` (a
+  running :class:`TextStream`; ``caller``: who sent it, what the app's auth dependency put on
+  ``request.state.principal``, None without one - the cloud counts usage under its tenant) refuse by raising
+  :class:`~shared.openai_compat.OpenAIRequestError`. The body's
   decoding, its checks and ``render_chat`` run on a worker thread (their cost grows with the body), never on the
   event loop; ``render_chat`` may run for several requests at once.
 * A :class:`TextStream` yields text deltas with stop strings applied (the text ends before the stop string),
@@ -97,7 +99,7 @@ class TextBackend(Protocol):
     def check_ready(self) -> None: ...
     def render_chat(self, req: oc.ChatRequest) -> str: ...
     # may be a coroutine function (a backend that tokenizes off the event loop)
-    def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str) -> TextStream: ...
+    def start(self, req: oc.ChatRequest | oc.CompletionRequest, prompt: str, caller: Any) -> TextStream: ...
 
 
 log = logging.getLogger(__name__)
@@ -227,7 +229,7 @@ def install(app: FastAPI, backend: TextBackend, dependencies: Sequence[Any] = ()
             # one-letter messages took 4 s on the edge): on a worker thread, so the streams already running keep
             # their pace meanwhile
             req, prompt = await asyncio.to_thread(_prepare, backend, raw, chat)
-            stream = backend.start(req, prompt)
+            stream = backend.start(req, prompt, getattr(request.state, "principal", None))
             if inspect.isawaitable(stream):  # (an app gone while it prepares - media fetched - starts nothing)
                 stream = await _unless_gone(stream, request)
         except _ClientGone:

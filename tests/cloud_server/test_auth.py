@@ -272,6 +272,7 @@ def test_websocket_keys_caps_usage_and_trace(keyed, tiny_bundle, caplog):
     text = httpx.get(keyed.url + "/metrics", headers=_bearer(keyed.ops)).text
     assert 'autoglm:tenant_generation_tokens_total{model_name="tiny",tenant="alice"} 4.0' in text
     assert 'autoglm:tenant_prompt_tokens_total{model_name="tiny",tenant="alice"} 5.0' in text
+    assert 'autoglm:tenant_requests_total{model_name="tiny",tenant="alice"} 1.0' in text
     assert 'autoglm:tenant_sessions_total{model_name="tiny",tenant="alice"} 2.0' in text
     assert 'autoglm:tenant_sessions_total{model_name="tiny",tenant="bob"} 1.0' in text
     assert 'autoglm:sessions_refused_total{model_name="tiny",reason="key_session_cap"} 1.0' in text

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import threading
 import time
 
@@ -142,12 +143,44 @@ def test_requests_that_outgrow_the_pool_together_all_get_the_large_pools_answers
     assert server.runtime.engine.llm.num_used_blocks() == 0
 
 
-def test_a_request_past_its_replays_fails_overloaded_with_a_503(tiny_lm, monkeypatch):
+def _unkeyed(srv, series: str) -> float:
+    return srv.runtime.metrics.registry.get_sample_value(f"autoglm:tenant_{series}_total",
+                                                         {"model_name": "tiny", "tenant": "unkeyed"}) or 0.0
+
+
+def test_a_replayed_request_counts_its_prompt_once_and_each_token_once(server):
+    """Usage (cloud_server.usage, full mode): what the tenant was served, not what the server recomputed - a replay
+    re-prefills the prompt and the tokens so far, which is not billed again; the counters are the answers' usage."""
+    before = {k: _unkeyed(server, k) for k in ("requests", "prompt_tokens", "generation_tokens")}
+    replays, usages = _replays(server), []
+
+    def ask(first):
+        body = {"prompt": [first, 6, 7, 8], "max_tokens": 36, "temperature": 0.0}
+        usages.append(httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["usage"])
+
+    threads = [threading.Thread(target=ask, args=(first,)) for first in (5, 9, 13)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert _replays(server) > replays  # the pool did run out
+    assert [u["prompt_tokens"] for u in usages] == [4, 4, 4]
+    assert {k: _unkeyed(server, k) - v for k, v in before.items()} == {
+        "requests": 3, "prompt_tokens": 12, "generation_tokens": sum(u["completion_tokens"] for u in usages)}
+
+
+def test_a_request_past_its_replays_fails_overloaded_with_a_503(tiny_lm, monkeypatch, caplog):
     monkeypatch.setattr(full_api, "REPLAY", full_api.ReplayPolicy(max_replays=0))
-    with _serving(tiny_lm, 16) as srv:
+    with _serving(tiny_lm, 16) as srv, caplog.at_level(logging.INFO, logger="autoglm.cloud.trace"):
         status, err, headers, _ = next(r for r in _together(srv, False, [{}] * 3) if r[1] is not None)
         assert status == 503 and headers["retry-after"] == "1"
         assert err["code"] == "overloaded" and "not replayed" in err["message"]
+        # the failed request counts what it had: its prompt, and the tokens sampled before the drop (its trace line)
+        failed = [m for r in caplog.records if "error=overloaded" in (m := r.getMessage())]
+        assert failed and _unkeyed(srv, "prompt_tokens") == 12, failed
+        answered = sum(int(m.rsplit("tokens=", 1)[1]) for r in caplog.records
+                       if "finish=" in (m := r.getMessage()) or "error=" in m)
+        assert _unkeyed(srv, "generation_tokens") == answered
 
 
 def test_a_503_for_load_or_drain_asks_the_servers_own_wait(tiny_lm, monkeypatch):

@@ -63,7 +63,7 @@ class ScriptedBackend:
                 raise oc.OpenAIRequestError("the event loop stood still while the template rendered", "messages")
         return "PROMPT:" + req.messages[-1]["content"] + self.prompt_suffix
 
-    def start(self, req, prompt):
+    def start(self, req, prompt, caller=None):
         stream = ScriptedStream(self.script, self.error)
         stream.ids_only = self.ids_only
         self.started.append((req, prompt, stream))
@@ -332,7 +332,7 @@ def test_a_client_gone_before_a_whole_answer_cancels_its_generation():
             yield "never"
 
     class Backend(ScriptedBackend):
-        def start(self, req, prompt):
+        def start(self, req, prompt, caller=None):
             stream = Endless([], None)
             self.started.append((req, prompt, stream))
             return stream
