@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .encoder_session import LazyEncoder, LazySession
-from .resample import output_length, resample
+from .resample import output_length, ratio_problem, resample
 from .vision import MediaError
 
 AUDIO = "edge/audio.onnx"
@@ -244,11 +244,14 @@ def decode_wav(data: bytes, max_bytes: int = MAX_AUDIO_BYTES) -> tuple[np.ndarra
 
 def check_fits(n_samples: int, sample_rate: int, spec: AudioSpec) -> int:
     """A clip of ``n_samples`` at ``sample_rate`` -> its samples at the encoder's rate (:func:`check_audio` resamples
-    it there); refused if sampled outside [MIN_SAMPLE_RATE, MAX_SAMPLE_RATE] or longer than the encoder's window."""
+    it there); refused if sampled outside [MIN_SAMPLE_RATE, MAX_SAMPLE_RATE], at an odd rate the resampler does not
+    take (``edge_client.resample.ratio_problem``) or longer than the encoder's window."""
     if not MIN_SAMPLE_RATE <= sample_rate <= MAX_SAMPLE_RATE:
         raise MediaError(f"audio at {sample_rate} Hz: the sample rate must be within {MIN_SAMPLE_RATE}.."
                          f"{MAX_SAMPLE_RATE} Hz (the encoder takes {spec.sample_rate} Hz; other rates are resampled)",
                          "bad_sample_rate")
+    if (problem := ratio_problem(sample_rate, spec.sample_rate)) is not None:
+        raise MediaError(f"audio at {problem}", "bad_sample_rate")
     n = output_length(n_samples, sample_rate, spec.sample_rate)
     if n > spec.max_samples:
         raise MediaError(f"audio of {n_samples / sample_rate:.1f} s exceeds the encoder's "

@@ -26,6 +26,10 @@ import numpy as np
 
 PASS_EDGE = 0.9  # the passband's end, a fraction of the band edge F (the lower Nyquist frequency)
 ATTENUATION_DB = 65.0  # the Kaiser design's stopband attenuation (and passband ripple 10^(-65/20))
+# The most filter phases (``up``) a ratio may take. The filter holds ~ up x taps values (taps ~ 5e-3 x the faster
+# rate): a recording's rate makes at most 640 (11.025 kHz -> 16 kHz; 44.1 kHz takes 160, 8 / 48 / 96 kHz 1 or 2),
+# while an odd rate in a header (44,099 Hz: 16,000 phases) took 0.4 GB and 1 s to design, 383,999 Hz 3.3 GB and 9 s
+MAX_PHASES = 640
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +52,23 @@ def ratio(rate_in: int, rate_out: int) -> tuple[int, int]:
     return rate_out // g, rate_in // g
 
 
-@lru_cache(maxsize=16)
+def ratio_problem(rate_in: int, rate_out: int) -> str | None:
+    """Why ``rate_in -> rate_out`` is not resampled here (its ratio in lowest terms needs more than
+    :data:`MAX_PHASES` filter phases), or None."""
+    up, _ = ratio(rate_in, rate_out)
+    if up > MAX_PHASES:
+        return (f"{rate_in} Hz is no recording rate this resampler takes ({rate_out} / {rate_in} in lowest terms "
+                f"needs {up} filter phases, at most {MAX_PHASES}: 8, 11.025, 12, 22.05, 24, 32, 44.1, 48, 88.2, 96, "
+                "176.4, 192 kHz and the like are taken)")
+    return None
+
+
+@lru_cache(maxsize=8)
 def design(rate_in: int, rate_out: int) -> Polyphase:
     """The Kaiser windowed-sinc low-pass for ``rate_in -> rate_out`` (the module docstring's band edges), split into
-    its ``up`` phases."""
+    its ``up`` phases; a ratio of more than :data:`MAX_PHASES` is a ValueError (:func:`ratio_problem`)."""
+    if (problem := ratio_problem(rate_in, rate_out)) is not None:
+        raise ValueError(problem)
     up, down = ratio(rate_in, rate_out)
     fs = rate_in * up  # the upsampled rate the prototype filter runs at
     band = min(rate_in, rate_out) / 2  # F

@@ -5,6 +5,8 @@ the log-mel features of one band-limited clip recorded at the rates phones use."
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from media_support import voice, wav
@@ -18,8 +20,9 @@ from edge_client.audio import (
     check_fits,
     checked_audio,
     decode_wav,
+    prepare_audio,
 )
-from edge_client.resample import design, output_length, resample
+from edge_client.resample import MAX_PHASES, design, output_length, resample
 from edge_client.vision import MediaError
 
 PHONE_RATES = (8000, 11025, 22050, 24000, 32000, 44100, 48000, 96000)
@@ -108,6 +111,24 @@ def test_the_rate_bounds_and_the_window_after_resampling():
         check_fits(96001, 48000, SPEC)
     assert e.value.code == "audio_too_long"
     assert check_fits(MIN_SAMPLE_RATE, MIN_SAMPLE_RATE, SPEC) == 16000
+
+
+def test_an_odd_rate_in_a_header_is_refused_before_any_filter_is_designed():
+    """A WAV header may say any rate within the bounds: 383,999 Hz (16,000 filter phases) took 9 s and 3.3 GB to
+    design, 44,099 Hz 1 s and 0.4 GB (a few KB of WAV, on the phone); such a ratio is bad_sample_rate from the header,
+    at once, and every recording rate (at most 640 phases: 11.025 kHz) is still taken."""
+    design.cache_clear()
+    for rate in (383999, 44099, 47952):  # the last: 48 kHz x 1000/1001, a video's pull-down
+        began = time.perf_counter()
+        with pytest.raises(MediaError, match="no recording rate this resampler takes") as e:
+            prepare_audio(*decode_wav(wav(np.full(rate // 10, 0.1, np.float32), rate)), SPEC)
+        assert e.value.code == "bad_sample_rate" and time.perf_counter() - began < 0.5
+        with pytest.raises(ValueError):
+            design(rate, 16000)
+    assert design.cache_info().currsize == 0
+    for rate in (*PHONE_RATES, 12000, 88200, 176400, 192000, 352800, MAX_SAMPLE_RATE):
+        assert check_fits(rate // 10, rate, SPEC) == 1600
+        assert design(rate, 16000).up <= MAX_PHASES
 
 
 def test_a_clip_of_ultrasound_only_is_silent_to_the_encoder():
