@@ -45,7 +45,7 @@ from shared.chat_tokens import Placeholder
 from shared.detokenizer import StreamDecoder
 from shared.exec_mode import Deployment, ExecModeError, LinkState, ModeDecision, RequestShape, choose_mode
 from shared.messages import MIN_TEMPERATURE
-from shared.openai_compat import RESERVED_TEMPLATE_KWARGS, StopMatcher
+from shared.openai_compat import StopMatcher, template_kwargs_problem
 from shared.manifest import Manifest
 
 from . import bundle_sync
@@ -657,15 +657,14 @@ def check_messages(messages: Any) -> None:
 
 
 def _template_kwargs(given: Any, enable_thinking: Any) -> dict:
-    """The chat template's variables of a request, or ``ValueError``: a dict that names none of the template call's
-    own arguments (the local API's rule, shared.openai_compat) - ``messages`` or ``add_generation_prompt`` there
-    was a bare TypeError, a string or a list a puzzling ValueError - and a boolean ``enable_thinking`` (or None)."""
+    """The chat template's variables of a request, or ``ValueError``: a dict within the local API's rule
+    (``shared.openai_compat.template_kwargs_problem``: none of the template call's own arguments - ``messages`` or
+    ``add_generation_prompt`` there was a bare TypeError -, bounded nesting and size), a string or a list was a
+    puzzling ValueError - and a boolean ``enable_thinking`` (or None)."""
     if given is not None and not isinstance(given, dict):
         raise ValueError(f"chat_template_kwargs must be a dict, got {type(given).__name__}")
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(given or {}))
-    if reserved:
-        raise ValueError(f"chat_template_kwargs: {', '.join(reserved)} may not be set (the chat template call's "
-                         "own arguments)")
+    if (problem := template_kwargs_problem(given or {})) is not None:
+        raise ValueError(problem)
     if enable_thinking is not None and not isinstance(enable_thinking, bool):
         raise ValueError(f"enable_thinking must be True, False or None, got {enable_thinking!r}")
     return {**(given or {}), **({} if enable_thinking is None else {"enable_thinking": enable_thinking})}

@@ -209,17 +209,35 @@ def _number(body: dict, name: str, default: float) -> float:
 
 MAX_TEMPLATE_KWARGS_DEPTH = 16  # nesting of a chat_template_kwargs value: deeper overflows the template's own
 # recursive conversion of its variables (a RecursionError: a 500), and no template reads deeper
+MAX_TEMPLATE_KWARGS_ITEMS = 256  # a chat_template_kwargs' keys and values, nested ones counted: a template reads a
+# few flags (enable_thinking, a budget, a list of names); 900,000 keys (12 MB of body) cost the phone 7 s of CPU and
+# 570 MB of memory, each variable copied into every render
 
 
-def _depth_over(value: Any, limit: int) -> bool:
-    """Whether ``value`` (decoded JSON) nests arrays/objects more than ``limit`` levels deep."""
-    level, todo = 0, [value]
+def template_kwargs_problem(kwargs: dict[str, Any]) -> str | None:
+    """What is wrong with a request's chat template variables, or None: every path's one rule (the OpenAI routes,
+    both servers', and ``EdgeClient``'s ``chat_template_kwargs=``), checked before any render: none of the template
+    call's own arguments (:data:`RESERVED_TEMPLATE_KWARGS`), at most :data:`MAX_TEMPLATE_KWARGS_DEPTH` levels of
+    arrays/objects and :data:`MAX_TEMPLATE_KWARGS_ITEMS` keys and values in all (the walk stops past either bound,
+    so a huge value costs no more than a refused one)."""
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        return f"chat_template_kwargs: {', '.join(reserved)} may not be set (the chat template call's own arguments)"
+    level, items, todo = 0, 0, [kwargs]
     while todo:
-        todo = [x for v in todo if isinstance(v, (list, dict)) for x in (v.values() if isinstance(v, dict) else v)]
-        level += 1
-        if todo and level > limit:
-            return True
-    return False
+        level, nxt = level + 1, []
+        for v in todo:
+            for x in (v.values() if isinstance(v, dict) else v):
+                items += 1 + isinstance(v, dict)  # an object's entry: its key and its value
+                if items > MAX_TEMPLATE_KWARGS_ITEMS:
+                    return (f"chat_template_kwargs: more than {MAX_TEMPLATE_KWARGS_ITEMS} keys and values "
+                            "(a chat template reads a few variables)")
+                if isinstance(x, (list, dict)):
+                    nxt.append(x)
+        if nxt and level >= MAX_TEMPLATE_KWARGS_DEPTH:
+            return f"chat_template_kwargs: nested deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels"
+        todo = nxt
+    return None
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
@@ -382,13 +400,8 @@ def parse_chat_request(body: Any, media: bool = False) -> ChatRequest:
                                      "chat_template_kwargs")
         thinking = kwargs["enable_thinking"]
     kwargs = {k: v for k, v in kwargs.items() if k != "enable_thinking"}
-    if _depth_over(kwargs, MAX_TEMPLATE_KWARGS_DEPTH):
-        raise OpenAIRequestError(f"chat_template_kwargs: nested deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels",
-                                 "chat_template_kwargs")
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
-    if reserved:
-        raise OpenAIRequestError(f"chat_template_kwargs: {', '.join(reserved)} may not be set (the server's "
-                                 "own arguments of the chat template)", "chat_template_kwargs")
+    if (problem := template_kwargs_problem(kwargs)) is not None:
+        raise OpenAIRequestError(problem, "chat_template_kwargs")
     _refuse_unsupported(body, chat=True)
     stream, include_usage = _stream_flags(body)
     return ChatRequest(

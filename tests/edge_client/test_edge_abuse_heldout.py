@@ -168,6 +168,11 @@ def client(tiny_bundle):
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}},
      "add_generation_prompt may not be set"),
     ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"}, "must be a dict, got str"),
+    # every variable is copied into each render: 900,000 keys cost the phone 7 s and 570 MB (the local API's rule)
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {f"k{i}": 1 for i in range(129)}},
+     "more than 256 keys and values"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"k": [[]] * 256}},
+     "more than 256 keys and values"),
     ({"messages": [{"role": "user", "content": "hi"}], "enable_thinking": "no"}, "enable_thinking must be"),
     # they shape the chat template's rendering of messages=; a raw prompt is not rendered: they were ignored, silently
     ({"prompt": "hi", "enable_thinking": False}, "apply to messages="),
@@ -513,3 +518,43 @@ def test_a_seed_outside_the_wire_range_is_refused_before_sampling(seed):
 
     with pytest.raises(ValueError, match="seed"):
         RequestSpec(prompt_ids=[1, 2], seed=seed)
+
+
+def test_chat_template_kwargs_past_their_bound_are_a_400_before_any_render(tiny_bundle, tiny_cloud):
+    """A real local API over a real cloud: chat_template_kwargs of 900,000 keys (12 MB, within the body limit) took
+    the phone 7 s of CPU and 570 MB, rendered twice (each variable copied into the template's context); now more
+    than MAX_TEMPLATE_KWARGS_ITEMS keys and values, however nested, are refused by name before the template runs,
+    and as many as that are served."""
+    import urllib.error
+    import urllib.request
+
+    from edge_client import EdgeClient
+    from edge_client.local_api import create_app
+    from local_server import local_server
+
+    def post(url, kwargs):
+        body = json.dumps({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                           "chat_template_kwargs": kwargs}).encode()
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, body, {"Content-Type": "application/json"}),
+                                        timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    bound = 256  # shared.openai_compat.MAX_TEMPLATE_KWARGS_ITEMS
+    rendered = []
+    with EdgeClient(tiny_bundle, tiny_cloud.ws_url) as c:
+        render = c.tokenizer.template.render
+        c.tokenizer.template.render = lambda *a, **kw: rendered.append(len(kw)) or render(*a, **kw)
+        with local_server(create_app(c)) as base:
+            url = base + "/v1/chat/completions"
+            at_bound = {f"k{i}": 1 for i in range(bound // 2)}
+            assert post(url, at_bound)[0] == 200
+            rendered.clear()
+            for too_many in ({f"k{i}": 1 for i in range(200_000)}, {"k": [1] * 200_000},
+                             {"k": [{"a": [1] * 100}] * 3}):
+                status, body = post(url, too_many)
+                assert status == 400 and body["error"]["param"] == "chat_template_kwargs", body
+                assert f"more than {bound} keys and values" in body["error"]["message"]
+            assert rendered == []  # refused before the template ran
