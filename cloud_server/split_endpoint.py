@@ -60,7 +60,7 @@ from cloud_server.ws_protocol import ABORT, SEND_NOW
 from shared import protocol as P
 from shared.codecs import available_codecs, load_calibration
 from shared.errors import fatal_close_code
-from shared.prefix_keys import SHARED_SCOPE, tenant_scoped
+from shared.prefix_keys import SHARED_SCOPE
 from shared.session_state import SessionError, SessionState
 from shared.version import __version__
 
@@ -103,12 +103,12 @@ def session_limits(cfg: ServerConfig) -> P.SessionLimits:
         max_prompt_tokens=cfg.max_prompt_tokens or 0)  # 0: max_context bounds the prompt
 
 
-def held_prefix_keys(engine, variant: str, spaces: tuple[str, ...], limit: int) -> list[str]:
-    """Up to ``limit`` prefix keys the pool of compute ``variant`` holds in the namespaces ``spaces`` (namespace
+def held_prefix_keys(engine, variant: str, scopes: tuple[str, ...], limit: int) -> list[str]:
+    """Up to ``limit`` prefix keys the pool of compute ``variant`` holds in the key scopes ``scopes`` (scope
     stripped), the most recently used first (a busy tenant's hot system prompt is listed, not its oldest blocks), on
-    the engine thread; module-level so a front-end worker can send it (``engine.call``)."""
-    keys = (k.partition("/")[2] for k in engine.block_managers[variant].keys_by_recency()
-            if k.startswith(spaces))
+    the engine thread; module-level so a front-end worker can send it (``engine.call``). It reads those scopes' first
+    keys only: a ``Hello`` costs the engine thread the same however many blocks other tenants keep cached."""
+    keys = (k.partition("/")[2] for k in engine.block_managers[variant].keys_by_recency(scopes))
     return list(dict.fromkeys(k for _, k in zip(range(limit), keys)))
 
 
@@ -362,9 +362,8 @@ class SplitEndpoint:
         """Prefix keys the pool of ``variant`` (the session plan's compute, ``Welcome.plan.compute``: the edge notes
         them for that variant only) holds that a session of prefix ``scope`` can hit: its own and the shared scope's
         (advisory: the edge may skip uploading those blocks), read on the engine thread."""
-        spaces = (tenant_scoped(scope, ""), tenant_scoped(SHARED_SCOPE, ""))
         try:
-            fut = self.rt.engine.call(functools.partial(held_prefix_keys, variant=variant, spaces=spaces,
+            fut = self.rt.engine.call(functools.partial(held_prefix_keys, variant=variant, scopes=(scope, SHARED_SCOPE),
                                                         limit=limit))
             return await asyncio.wait_for(asyncio.wrap_future(fut), 5.0)
         except (EngineDeadError, asyncio.TimeoutError):

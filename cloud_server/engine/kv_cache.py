@@ -15,6 +15,8 @@ written again, so sharing needs no copy-on-write. A cached block whose last refe
 Keys are scoped by tenant (``shared.prefix_keys.tenant_scoped``); a key that misses in its tenant's scope is
 looked up in the operator's shared scope (``shared_fallback``), and shared blocks are evicted only when no
 tenant's cached block is left to evict: a system prompt the operator published stays resident under load.
+Each scope's keyed blocks are indexed (in use / released, in release order), so listing a session's held keys
+(:meth:`BlockManager.keys_by_recency`, at every ``Hello``) reads its scopes' first keys only, never the whole pool.
 
 Invariant checked by the tests: once every sequence is released, ``num_used_blocks == 0``.
 Reference: PagedAttention / vLLM's block manager and automatic prefix caching; nano-vLLM's block_manager.
@@ -30,7 +32,7 @@ from itertools import chain
 import torch
 
 from cloud_server.kv_quant import SCALE_DTYPE, is_quantized, storage_dtypes
-from shared.prefix_keys import is_shared, shared_fallback
+from shared.prefix_keys import SHARED_SCOPE, is_shared, shared_fallback
 
 
 class KVCachePool:
@@ -81,6 +83,8 @@ class BlockManager:
         self.evictable_shared: OrderedDict[int, None] = OrderedDict()  # the same, of the shared scope: evicted last
         self.block_of_key: dict[str, int] = {}
         self.key_of_block: dict[int, str] = {}
+        # per key scope (a tenant's, the shared one): its keyed blocks in use, and its released ones (LRU first)
+        self.scopes: dict[str, tuple[dict[int, None], OrderedDict[int, None]]] = {}
         self.prefix_hits = 0  # blocks served from the cache
         self.prefix_queries = 0  # blocks looked up
 
@@ -130,14 +134,24 @@ class BlockManager:
             if self.ref_count[b] == 0:
                 self.evictable.pop(b, None)
                 self.evictable_shared.pop(b, None)
+                in_use, released = self._scope_of(b)
+                released.pop(b)
+                in_use[b] = None
             self.ref_count[b] += 1
 
-    def keys_by_recency(self) -> Iterator[str]:
-        """The cached keys, most recently used first: those of blocks in use now, then the released ones from the
-        last released (eviction's LRU order reversed; the shared scope's, evicted last, before a tenant's)."""
-        in_use = (k for b, k in self.key_of_block.items() if self.ref_count[b] > 0)
-        released = (self.key_of_block[b] for b in chain(reversed(self.evictable_shared), reversed(self.evictable)))
-        return chain(in_use, released)
+    def keys_by_recency(self, scopes: tuple[str, ...]) -> Iterator[str]:
+        """The cached keys of ``scopes`` (key scopes: a tenant's, ``SHARED_SCOPE``), most recently used first: those
+        of blocks in use now, then the released ones from the last released (eviction's LRU order reversed; the
+        shared scope's, evicted last, before a tenant's). Lazy, over those scopes' index only: its first keys cost
+        the same however many keys other scopes hold."""
+        held = [self.scopes[s] for s in sorted(set(scopes), key=lambda s: s != SHARED_SCOPE) if s in self.scopes]
+        in_use = chain.from_iterable(u for u, _ in held)
+        released = chain.from_iterable(reversed(r) for _, r in held)
+        return (self.key_of_block[b] for b in chain(in_use, released))
+
+    def _scope_of(self, block: int) -> tuple[dict[int, None], OrderedDict[int, None]]:
+        """The index of the scope of keyed ``block``'s key: (in use, released)."""
+        return self.scopes[self.key_of_block[block].partition("/")[0]]
 
     def publish(self, block: int, key: str) -> None:
         """Record that full block ``block`` holds the tokens named by ``key`` (first writer wins)."""
@@ -145,6 +159,8 @@ class BlockManager:
             return
         self.block_of_key[key] = block
         self.key_of_block[block] = key
+        in_use, released = self.scopes.setdefault(key.partition("/")[0], ({}, OrderedDict()))
+        (in_use if self.ref_count[block] > 0 else released)[block] = None
 
     # -- allocation -------------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
@@ -159,6 +175,10 @@ class BlockManager:
                 b = self.free.popleft()
             else:  # evict the least recently released cached block, a tenant's before a shared one
                 b, _ = (self.evictable or self.evictable_shared).popitem(last=False)
+                scope = self.key_of_block[b].partition("/")[0]
+                self.scopes[scope][1].pop(b)
+                if not any(self.scopes[scope]):
+                    del self.scopes[scope]
                 del self.block_of_key[self.key_of_block.pop(b)]
             self.ref_count[b] = 1
             out.append(b)
@@ -191,6 +211,9 @@ class BlockManager:
             if self.ref_count[b] == 0:
                 if b in self.key_of_block:
                     (self.evictable_shared if is_shared(self.key_of_block[b]) else self.evictable)[b] = None
+                    in_use, released = self._scope_of(b)
+                    del in_use[b]
+                    released[b] = None
                 else:
                     self.free.append(b)
         table.clear()
@@ -210,3 +233,7 @@ class BlockManager:
                 raise RuntimeError(f"block {b}: ref_count {self.ref_count[b]} disagrees with the free lists")
         if any(self.block_of_key[k] != b for b, k in self.key_of_block.items()):
             raise RuntimeError("prefix-cache maps disagree")
+        indexed = {b: (scope, b in in_use) for scope, (in_use, released) in self.scopes.items()
+                   for b in chain(in_use, released)}
+        if indexed != {b: (k.partition("/")[0], self.ref_count[b] > 0) for b, k in self.key_of_block.items()}:
+            raise RuntimeError("the scopes' index disagrees with the prefix cache")

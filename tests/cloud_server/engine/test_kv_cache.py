@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -150,7 +152,7 @@ def test_the_welcome_lists_the_most_recently_used_keys_first():
     from types import SimpleNamespace
 
     from cloud_server.split_endpoint import held_prefix_keys
-    from shared.prefix_keys import SHARED_SCOPE, tenant_scoped
+    from shared.prefix_keys import SHARED_SCOPE
 
     bm, t = _published(6, 1, 6, {0: "a/sys", 1: "a/old1", 2: "a/old2", 3: "b/x", 4: "shared/op", 5: "a/busy"})
     bm.release(t[:5])  # in this order: a/sys is the least recently used ...
@@ -158,6 +160,44 @@ def test_the_welcome_lists_the_most_recently_used_keys_first():
     bm.acquire(sys_block, queried=1)
     bm.release(sys_block)  # ... until a request reuses it
     engine = SimpleNamespace(block_managers={"fp32": bm})
-    spaces = (tenant_scoped("a", ""), tenant_scoped(SHARED_SCOPE, ""))
+    spaces = ("a", SHARED_SCOPE)
     assert held_prefix_keys(engine, "fp32", spaces, limit=3) == ["busy", "op", "sys"]  # t[5] is still in use
     assert held_prefix_keys(engine, "fp32", spaces, limit=10) == ["busy", "op", "sys", "old2", "old1"]
+    assert held_prefix_keys(engine, "fp32", (SHARED_SCOPE, SHARED_SCOPE), limit=10) == ["op"]  # an operator's session
+    bm.check()
+
+
+def test_listing_a_sessions_held_keys_costs_the_same_however_many_keys_other_tenants_hold():
+    """Every Hello lists its session's held keys on the engine thread (Welcome.cached_prefixes). The listing walked
+    every cached key of the pool to pick its scopes' out: on a real autoglm-cloud serve (tiny-glm4, --block-size 1)
+    whose pool held 102,400 keys of another tenant, another tenant's Hello took 36 ms (2 ms on an empty pool), each
+    stalling every session's steps - a cheap Hello flood held the engine. Now each scope's keys are indexed: the
+    listing reads its scopes' first keys only. (Cost ratio with a generous margin: the walk took ~20 ms here.)"""
+    from types import SimpleNamespace
+
+    from cloud_server.split_endpoint import held_prefix_keys
+    from shared.prefix_keys import SHARED_SCOPE
+
+    def pool(others: int) -> BlockManager:
+        bm = BlockManager(num_blocks=others + 600, block_size=1)
+        mine = bm.allocate(300)
+        for i, b in enumerate(mine):
+            bm.publish(b, f"a/k{i}")
+        bm.release(mine[:200])  # released, each its own LRU entry
+        theirs = bm.allocate(others)
+        for i, b in enumerate(theirs):
+            bm.publish(b, f"b/k{i}")
+        bm.release(theirs[: others // 2])
+        return bm
+
+    def cost(bm: BlockManager) -> tuple[float, list[str]]:
+        engine, best = SimpleNamespace(block_managers={"fp32": bm}), float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            keys = held_prefix_keys(engine, "fp32", ("a", SHARED_SCOPE), 256)
+            best = min(best, time.perf_counter() - t0)
+        return best, keys
+
+    (alone, listed), (crowded, listed_crowded) = cost(pool(0)), cost(pool(100_000))
+    assert listed == listed_crowded and len(listed) == 256 and listed[:100] == [f"k{i}" for i in range(200, 300)]
+    assert crowded <= 10 * alone + 0.002, f"{crowded * 1e3:.1f} ms beside 100,000 other keys, {alone * 1e3:.2f} ms alone"
