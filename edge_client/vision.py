@@ -4,7 +4,8 @@ Preprocessing mirrors transformers' ``Glm4vImageProcessor`` (PIL backend) step b
 
 1. decode (PIL), upright by the EXIF orientation tag (as transformers' ``load_image``), transparency
    composited onto white, RGB; a PNG's text chunks that cannot turn it, or that PIL would refuse, are dropped
-   before PIL reads it (:func:`png_for_pil`);
+   before PIL reads it (:func:`png_for_pil`); a JPEG of more scans or segments than an app writes is refused
+   before it is decoded (:func:`check_jpeg`);
 2. ``smart_resize``: height and width rounded to multiples of ``patch x merge`` (28), scaled so that
    ``temporal_patch x h x w`` stays within ``[min_pixels, max_pixels]``, then a bicubic resize;
 3. rescale by 1/255, normalise with the CLIP mean/std;
@@ -30,6 +31,7 @@ import hashlib
 import io
 import json
 import math
+import re
 import struct
 import sys
 import time
@@ -57,6 +59,13 @@ PNG_TEXT = (b"tEXt", b"zTXt", b"iTXt")  # a PNG's text chunks: metadata, no pixe
 # tiff:Orientation); every other text chunk is unused here
 ORIENTATION_TEXT = (b"Raw profile type exif", b"XML:com.adobe.xmp")
 MAX_PNG_CHUNKS = 1 << 16  # chunks in a PNG (a writer makes a few, plus its image data's: 2560 of 8 KB in 20 MB)
+# A progressive JPEG's decoder runs over every block of the image once per scan: a writer makes ~10 (libjpeg's
+# progressive script, mozjpeg's), but a scan can be a dozen bytes - 10,000 copies of one in 130 KB made a 1200 x 1200
+# image take 10 s of the phone's CPU (each scan 1 ms there, 30 ms at 40 MP)
+MAX_JPEG_SCANS = 64
+MAX_JPEG_SEGMENTS = 4096  # markers with a length (metadata spread over 64 KB APPn segments: 320 in 20 MB)
+# the marker after a scan's entropy-coded data: 0xFF but for a stuffed 0xFF00, a restart (RST0-7) or fill (0xFFFF)
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 
 
 class MediaError(ValueError):
@@ -215,6 +224,26 @@ def _text_size(cid: bytes, body: bytes, budget: int) -> int | None:
     return len(text) if len(text) <= budget else None
 
 
+def check_jpeg(data: bytes) -> None:
+    """Refuse (``bad_image``) a JPEG whose first image (an MPO's first frame: the one decoded) has more than
+    MAX_JPEG_SCANS scans or MAX_JPEG_SEGMENTS segments, from its markers alone: each scan costs a pass over the whole
+    image however few bytes it takes, and PIL reads the segments before the first scan in a Python loop. The walk
+    stops at those bounds, the image's end, or where the file breaks (PIL then says how)."""
+    scans = segments = 0
+    pos = 2  # after SOI
+    while (m := _JPEG_MARKER.search(data, pos)) is not None and m.start() + 4 <= len(data):
+        marker, pos = data[m.start() + 1], m.start() + 2
+        if marker == 0xD9:  # EOI
+            return
+        if marker == 0x01:  # TEM: no length
+            continue
+        segments, scans = segments + 1, scans + (marker == 0xDA)
+        if scans > MAX_JPEG_SCANS or segments > MAX_JPEG_SEGMENTS:
+            what = f"{MAX_JPEG_SCANS} scans" if scans > MAX_JPEG_SCANS else f"{MAX_JPEG_SEGMENTS} segments"
+            raise MediaError(f"not a JPEG an app writes (over {what})", "bad_image")
+        pos += int.from_bytes(data[pos:pos + 2], "big")  # a scan's entropy-coded data: the next search skips it
+
+
 def png_for_pil(data: bytes) -> bytes:
     """A PNG's bytes as PIL should read them: its text chunks (tEXt, zTXt, iTXt: metadata, no pixels) dropped but for
     those PIL turns the image by (``ORIENTATION_TEXT``) that it can read within its own limits (``PngImagePlugin``'s
@@ -269,6 +298,8 @@ def open_image(data, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_INP
             if img.format not in IMAGE_FORMATS:
                 raise MediaError(f"unsupported image format {img.format!r} (accepted: {', '.join(IMAGE_FORMATS)})",
                                  "unsupported_format")
+            if img.format in ("JPEG", "MPO"):
+                check_jpeg(data)
     w, h = img.size
     if w * h == 0:
         raise MediaError(f"zero-size image ({w}x{h})", "bad_image")

@@ -796,6 +796,42 @@ def _xmp(orientation: int, padding: int = 0) -> bytes:
             + b"<!-- " + b"h" * padding + b" --></rdf:Description></rdf:RDF></x:xmpmeta>")
 
 
+def _jpeg_rescanned(side: int, copies: int) -> bytes:
+    """A progressive JPEG of ``side x side`` with ``copies`` more of its last scan (a 12-byte AC refinement of the
+    luma, each a pass over every block of the image) before its end: libjpeg decodes it (warning only)."""
+    data = _encoded(Image.new("RGB", (side, side), (120, 30, 200)), "JPEG", progressive=True, quality=90)
+    end = data.rindex(b"\xff\xd9")
+    last = data[data.rindex(b"\xff\xda"):end]
+    return data[:end] + last * copies + b"\xff\xd9"
+
+
+def test_a_jpeg_of_more_scans_than_an_app_writes_is_refused_before_it_is_decoded(served, no_tower, monkeypatch):
+    """A progressive JPEG's decode passes over the whole image once per scan, and a scan can be 12 bytes: 10,000
+    copies of one in a 130 KB 1200 x 1200 JPEG took a real ``autoglm-edge serve`` 10 s of CPU (1.2 s for the
+    image as written, tower included), 20 MB of them would take half an hour. Now a JPEG of over MAX_JPEG_SCANS
+    (64) scans, or MAX_JPEG_SEGMENTS segments, is bad_image from its markers alone; what encoders write (10 scans,
+    baseline's 1, an MPO's first frame) is served."""
+    from edge_client import vision
+
+    v = served[0]
+    decoded = []
+    monkeypatch.setattr(vision, "load_image", lambda *a, **kw: decoded.append(1) or load_image(*a, **kw))
+    for copies in (60, 2000):  # 70 scans: over the bound at once; 2000: 2 s of decoding before
+        r = _chat(v, _image(_data_url(_jpeg_rescanned(1200, copies), "image/jpeg")))
+        assert _code(r) == "bad_image" and "over 64 scans" in r.json()["error"]["message"], r.text
+    segments = _encoded(Image.new("RGB", (64, 64)), "JPEG")
+    segments = segments[:2] + b"\xff\xfe\x00\x03c" * 5000 + segments[2:]  # 5000 one-byte comments
+    r = _chat(v, _image(_data_url(segments, "image/jpeg")))
+    assert _code(r) == "bad_image" and "over 4096 segments" in r.json()["error"]["message"], r.text
+    assert decoded == [] and no_tower == []  # refused before any decode or tower run
+    picture = Image.fromarray((np.random.default_rng(0).random((96, 80, 3)) * 255).astype(np.uint8))
+    for kw in ({}, {"progressive": True}, {"progressive": True, "optimize": True, "subsampling": 0}):
+        assert vision.open_image(_encoded(picture, "JPEG", **kw)).size == (80, 96)
+    assert vision.open_image(_jpeg_rescanned(64, 54)).size == (64, 64)  # 64 scans: within the bound
+    mpo = _encoded(picture, "MPO", save_all=True, append_images=[picture] * 8)  # 9 frames of 10 scans
+    assert vision.open_image(mpo).format == "MPO"
+
+
 def test_a_png_with_large_or_many_text_chunks(served):
     """A screenshot whose XMP packet decompresses to over 1 MB (PIL's MAX_TEXT_CHUNK) was a 400 bad_image 'cannot
     decode the image: Decompressed data too large for PngImagePlugin.MAX_TEXT_CHUNK', and so were a PNG with 70 MB
