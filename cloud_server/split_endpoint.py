@@ -180,7 +180,7 @@ class SplitEndpoint:
         self.codecs = available_codecs(calib)  # name -> codec able to decode
         self.limits = session_limits(cfg)
         self.max_message_bytes = transport_max_frame_bytes(self.limits)
-        self.wire_limits = P.Limits(max_frame_bytes=self.max_message_bytes)
+        self.wire_limits = P.Limits(max_frame_bytes=self.max_message_bytes, max_items=P.CLIENT_MESSAGE_ITEMS)
         self.translate = SplitTranslator(runtime, self.codecs, self.wire_limits, self._load)
         self.served_bundle_ids: list[str] = []  # every bundle this process serves (set by cloud_server.bundle_set)
         self.drain_grace_ms = 0  # the Drain's grace, once draining

@@ -46,7 +46,7 @@ from .messages import (
 )
 from .plan import PrecisionPlan
 from .tensors import EncodedTensor, WireArray
-from .wire import DEFAULT_LIMITS, Limits, decode_message, encode_message
+from .wire import CLIENT_MESSAGE_ITEMS, DEFAULT_LIMITS, Limits, decode_message, encode_message
 
 
 def to_dict(msg) -> dict:
@@ -63,6 +63,7 @@ def to_dict(msg) -> dict:
 
 
 __all__ = [
+    "CLIENT_MESSAGE_ITEMS",
     "DEFAULT_LIMITS",
     "FINISH_REASONS",
     "MESSAGE_TYPES",

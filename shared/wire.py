@@ -5,7 +5,9 @@
 
 1. the frame length is checked against ``limits.max_frame_bytes`` before anything is parsed;
 2. ``msgpack.unpackb`` runs with explicit ``max_bin_len`` / ``max_str_len`` / ``max_array_len`` /
-   ``max_map_len`` and ``max_ext_len=0`` (no ext types, hence no msgpack timestamps); exactly one value
+   ``max_map_len`` and ``max_ext_len=0`` (no ext types, hence no msgpack timestamps), and at most
+   ``limits.max_items`` array elements in all, counted as each array is built (each element is a Python object of
+   up to ~70 bytes from one byte of frame: a 16 MiB frame of empty arrays took 1.2 GB and 11 s); exactly one value
    must fill the frame;
 3. the value is converted field by field against the message dataclass's annotations (no ``eval``, no
    pickle, no object hooks) and the dataclass validates ranges in ``__post_init__``;
@@ -36,6 +38,18 @@ from .messages import MESSAGE_TYPES, PROTOCOL_VERSION, Hello, Message, Welcome
 from .tensors import EncodedTensor
 
 
+# Array elements in a frame, each array counting as one more. A server's Tokens may hold 65,536 tokens with 20
+# alternatives each (5.3 M), so by default none but the frame's own (an element takes a byte at least); a client's
+# message holds far fewer (a Prefill's 4,096 prefix keys, a Hello's 32 codecs): the server decodes with
+# CLIENT_MESSAGE_ITEMS, 16x that, so one frame costs it a few MB of objects at most.
+MAX_ITEMS = 1 << 25
+CLIENT_MESSAGE_ITEMS = 1 << 16
+
+
+class _TooManyItems(Exception):
+    pass
+
+
 @dataclass(slots=True)
 class Limits:
     """Local decoding limits (not sent anywhere). Defaults fit the SessionLimits defaults."""
@@ -43,13 +57,14 @@ class Limits:
     max_frame_bytes: int = (16 << 20) + 4096  # the session's frame limit plus envelope slack
     max_str_len: int = 1 << 16  # error messages are cut at 1 KiB; ids are at most 256 characters
     max_array_len: int = 1 << 17  # token lists, prefix keys; tensors are bin, not arrays
+    max_items: int = MAX_ITEMS  # array elements of a frame in all (arrays included); a server: CLIENT_MESSAGE_ITEMS
     max_map_len: int = 0  # the protocol uses no msgpack maps
     max_decoded_tensor_bytes: int = 64 << 20  # at most: a decoded tensor's float32 states, a decompressed payload
     max_zstd_ratio: float = 256.0  # decompressed / compressed
     zstd_window_log_max: int = 23  # 8 MiB window
 
     def __post_init__(self):
-        for name in ("max_frame_bytes", "max_str_len", "max_array_len", "max_decoded_tensor_bytes"):
+        for name in ("max_frame_bytes", "max_str_len", "max_array_len", "max_items", "max_decoded_tensor_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be a positive int")
         if self.max_map_len < 0:
@@ -273,11 +288,22 @@ def decode_message(data: bytes, limits: Limits | None = None) -> Message:
         raise ProtocolError(TOO_LARGE, f"frame of {len(data)} bytes (limit {limits.max_frame_bytes})")
     if len(data) == 0:
         raise ProtocolError(BAD_FRAME, "empty frame")
+    left = limits.max_items
+
+    def counted(items: list) -> list:  # each array once built: a frame stops within max_items + one array
+        nonlocal left
+        left -= len(items) + 1
+        if left < 0:
+            raise _TooManyItems
+        return items
+
     try:  # one call, no Unpacker object: a frame is parsed per token
         value = msgpack.unpackb(
             data, raw=False, use_list=True, strict_map_key=True, max_bin_len=limits.max_frame_bytes,
             max_str_len=limits.max_str_len, max_array_len=limits.max_array_len,
-            max_map_len=limits.max_map_len, max_ext_len=0)
+            max_map_len=limits.max_map_len, max_ext_len=0, list_hook=counted)
+    except _TooManyItems:
+        raise ProtocolError(TOO_LARGE, f"more than {limits.max_items} array elements in one frame") from None
     except msgpack.ExtraData as e:
         raise ProtocolError(BAD_FRAME, f"{len(e.extra)} trailing bytes after the message") from None
     except ValueError as e:  # msgpack reports limit violations (and StackError, FormatError) as ValueError

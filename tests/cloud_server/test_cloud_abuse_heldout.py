@@ -191,6 +191,26 @@ def test_malformed_frames_and_messages_get_their_documented_answer(server):
     assert server.runtime.engine.alive
 
 
+def test_a_frame_of_many_tiny_arrays_is_too_large_before_its_objects_are_built(server, front, tiny_bundle):
+    """Each msgpack element is a Python object of up to ~70 bytes from one byte of frame: a 16 MiB Prefill of empty
+    arrays (within max_frame_bytes) cost a real server 1.2 GB and 11 s of its event loop (/health unanswered for
+    5 s) before its bad_type. The server now counts the elements as the arrays are built (CLIENT_MESSAGE_ITEMS,
+    16x what a client's message holds): a fatal too_large, the next session served."""
+    n, m = 127, 131071  # 127 arrays of 131,071 empty arrays: 15.9 MiB
+    frame = b"\x92\x03\xdc" + n.to_bytes(2, "big") + (b"\xdd" + m.to_bytes(4, "big") + b"\x90" * m) * n
+    assert len(frame) <= P.SessionLimits().max_frame_bytes
+
+    async def main():
+        p = await Probe(server).open()
+        await p.send(frame)
+        answer = await p.answer()
+        return answer, await _good_client(server, front, tiny_bundle)
+
+    (code, fatal, rid, close), tokens = asyncio.run(main())
+    assert (code, fatal, rid, close) == ("too_large", True, None, 1009)
+    assert tokens and server.runtime.engine.alive
+
+
 @pytest.mark.parametrize("link_kbps", [0.0, 1e-300, 1e9])
 def test_a_hello_with_a_link_hint_at_the_ends_of_its_range_is_welcomed(server, link_kbps):
     """ClientHints.link_kbps may be 0 on the wire ([0, 1e9]); the precision policy took it as a rate and raised:
