@@ -979,11 +979,21 @@ def test_a_malformed_listing_is_a_bundle_sync_error(edge_l2):
         assert ei.value.code in ("http_error", "not_served", "other_model"), listing
 
 
-class _DiskFull:
-    """``open`` for bundle_sync whose part files take ``room`` bytes in all, then fail as a full disk does."""
+class _SmallDisk:
+    """``open`` for bundle_sync on a file system of ``capacity`` bytes holding the versions folder ``root``: a part
+    file's write past them fails as a full disk does (what fits is written); removing files there frees room."""
 
-    def __init__(self, room: int):
-        self.room = room
+    def __init__(self, root: Path, capacity: int):
+        self.root, self.capacity = root, capacity
+
+    def used(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
+    def room(self) -> int:
+        return max(0, self.capacity - self.used())
+
+    def took(self, n: int) -> None:
+        """``n`` bytes were written."""
 
     def __call__(self, path, mode="r", *args, **kwargs):
         f = open(path, mode, *args, **kwargs)
@@ -999,14 +1009,27 @@ class _DiskFull:
                 f.close()
 
             def write(self, data):
-                if len(data) > disk.room:
-                    f.write(data[:disk.room])
-                    disk.room = 0
+                room = disk.room()
+                f.write(data[:room])
+                f.flush()
+                disk.took(min(room, len(data)))
+                if len(data) > room:
                     raise OSError(28, "No space left on device")
-                disk.room -= len(data)
-                return f.write(data)
 
         return Writer()
+
+
+class _DiskFull(_SmallDisk):
+    """A :class:`_SmallDisk` whose part files take ``room`` bytes in all, whatever else is removed."""
+
+    def __init__(self, room: int):
+        self.left = room
+
+    def room(self) -> int:
+        return self.left
+
+    def took(self, n: int) -> None:
+        self.left -= n
 
 
 def test_a_full_disk_is_a_clear_error_the_old_bundle_stays_and_a_rerun_resumes(monkeypatch, bundle_l1, edge_l2):
@@ -1051,39 +1074,6 @@ def test_a_bundle_folder_the_app_cannot_write_is_write_failed_asking_for_write_a
     assert Manifest.load(edge_l2).bundle_id == m2.bundle_id
 
 
-class _SmallDisk:
-    """``open`` for bundle_sync on a file system of ``capacity`` bytes holding the versions folder ``root``: a part
-    file's write past them fails as a full disk does (what fits is written); removing files there frees room."""
-
-    def __init__(self, root: Path, capacity: int):
-        self.root, self.capacity = root, capacity
-
-    def used(self) -> int:
-        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
-
-    def __call__(self, path, mode="r", *args, **kwargs):
-        f = open(path, mode, *args, **kwargs)
-        if not str(path).endswith(".part") or "r" in mode:
-            return f
-        disk = self
-
-        class Writer:
-            def __enter__(self):
-                return self
-
-            def __exit__(self, *exc):
-                f.close()
-
-            def write(self, data):
-                room = max(0, disk.capacity - disk.used())
-                f.write(data[:room])
-                f.flush()
-                if len(data) > room:
-                    raise OSError(28, "No space left on device")
-
-        return Writer()
-
-
 def test_a_download_cut_by_a_full_disk_leaves_no_room_taken_from_the_next_bundles(monkeypatch, tmp_path, tiny_bundle,
                                                                                   bundle_l1, edge_l2):
     """A download a full disk cut short stayed staged in the versions folder until a switch; the server moved on to
@@ -1111,7 +1101,7 @@ class _PhoneDisk(_SmallDisk):
     ``os.statvfs``."""
 
     def statvfs(self, path):
-        free = max(0, self.capacity - self.used())
+        free = self.room()
         return os.statvfs_result((4096, 1, self.capacity, free, free, 1 << 20, 1 << 20, 1 << 20, 0, 255))
 
 

@@ -28,6 +28,22 @@ def _use_in_child(client, conn) -> None:
     conn.send((outcomes, time.monotonic() - t0))
 
 
+def _in_forked_child(target, *args):
+    """What ``target(*args, conn)`` sent over ``conn`` from a forked child; a child still running after 20 s (its
+    calls waited for ever) fails the test."""
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=target, args=(*args, child_end))
+    child.start()
+    child.join(20.0)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+        child.join()
+    assert not hung and parent_end.poll(), "the forked child's calls waited for ever"
+    return parent_end.recv()
+
+
 @pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork on this platform")
 def test_a_client_inherited_by_a_forked_process_fails_forked_at_once_and_the_parents_serves_on(tiny_bundle,
                                                                                               tiny_cloud):
@@ -38,17 +54,7 @@ def test_a_client_inherited_by_a_forked_process_fails_forked_at_once_and_the_par
 
     with EdgeClient(tiny_bundle, tiny_cloud.ws_url) as client:
         before = client.complete(prompt_ids=PROMPT, max_tokens=8).token_ids
-        ctx = multiprocessing.get_context("fork")
-        parent_end, child_end = ctx.Pipe()
-        child = ctx.Process(target=_use_in_child, args=(client, child_end))
-        child.start()
-        child.join(20.0)
-        hung = child.is_alive()
-        if hung:
-            child.kill()
-            child.join()
-        assert not hung and parent_end.poll(), "the forked child's calls waited for ever"
-        outcomes, close_s = parent_end.recv()
+        outcomes, close_s = _in_forked_child(_use_in_child, client)
         assert outcomes == ["forked"] * 3 and close_s < 1.0
         assert client.complete(prompt_ids=PROMPT, max_tokens=8).token_ids == before
 
@@ -166,17 +172,7 @@ def test_a_generation_read_in_a_forked_process_fails_forked_at_once_and_the_pare
         gen = client.generate(prompt_ids=PROMPT, max_tokens=12)
         next(gen)
         agen = client.agenerate(prompt_ids=PROMPT, max_tokens=12, loop=loop)
-        ctx = multiprocessing.get_context("fork")
-        parent_end, child_end = ctx.Pipe()
-        child = ctx.Process(target=_read_in_child, args=(gen, agen, child_end))
-        child.start()
-        child.join(20.0)
-        hung = child.is_alive()
-        if hung:
-            child.kill()
-            child.join()
-        assert not hung and parent_end.poll(), "the forked child's reads waited for ever"
-        outcomes, close_s = parent_end.recv()
+        outcomes, close_s = _in_forked_child(_read_in_child, gen, agen)
         assert outcomes == ["forked"] * 5 and close_s < 1.0
         list(gen)
 
