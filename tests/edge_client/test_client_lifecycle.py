@@ -13,16 +13,22 @@ import pytest
 PROMPT = [1, 2, 3, 4, 5]
 
 
-def _use_in_child(client, conn) -> None:
-    """In the forked child: each call's outcome (its error code, or 'ok'), and how long close() took."""
+def _outcomes(*calls) -> list[str]:
+    """Each call's outcome: its error's code (or type), or 'ok'."""
     outcomes = []
-    for call in (lambda: list(client.generate(prompt_ids=PROMPT, max_tokens=4)), client.connect,
-                 lambda: client.agenerate(prompt_ids=PROMPT, max_tokens=4, loop=object())):
+    for call in calls:
         try:
             call()
             outcomes.append("ok")
         except Exception as e:  # noqa: BLE001 - the outcome is the test's
             outcomes.append(getattr(e, "code", type(e).__name__))
+    return outcomes
+
+
+def _use_in_child(client, conn) -> None:
+    """In the forked child: each call's outcome (its error code, or 'ok'), and how long close() took."""
+    outcomes = _outcomes(lambda: list(client.generate(prompt_ids=PROMPT, max_tokens=4)), client.connect,
+                         lambda: client.agenerate(prompt_ids=PROMPT, max_tokens=4, loop=object()))
     t0 = time.monotonic()
     client.close()
     conn.send((outcomes, time.monotonic() - t0))
@@ -141,14 +147,8 @@ def _read_in_child(gen, agen, conn) -> None:
     (its error code, or 'ok'), and how long their close() took."""
     import asyncio
 
-    outcomes = []
-    for call in (lambda: next(gen), lambda: next(gen.iter_tokens()), gen.cancel,
-                 lambda: asyncio.run(agen.__anext__()), agen.cancel):
-        try:
-            call()
-            outcomes.append("ok")
-        except Exception as e:  # noqa: BLE001 - the outcome is the test's
-            outcomes.append(getattr(e, "code", type(e).__name__))
+    outcomes = _outcomes(lambda: next(gen), lambda: next(gen.iter_tokens()), gen.cancel,
+                         lambda: asyncio.run(agen.__anext__()), agen.cancel)
     t0 = time.monotonic()
     gen.close()
     asyncio.run(agen.aclose())
