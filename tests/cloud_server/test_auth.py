@@ -311,15 +311,21 @@ def test_a_key_added_to_the_file_works_without_a_restart(keyed, tiny_bundle):
         time.sleep(0.2)
 
 
+async def _until_status(url: str, key: str, status: int) -> None:
+    """Wait (5 s at most) until ``url`` answers ``key`` with ``status``: the server re-reads its keys file at most
+    once a second."""
+    deadline = time.monotonic() + 5
+    while httpx.get(url, headers=_bearer(key)).status_code != status:
+        assert time.monotonic() < deadline, f"the keys file change was not picked up (want {status})"
+        await asyncio.sleep(0.2)
+
+
 def test_a_revoked_key_starts_no_new_request_on_a_session_it_opened(keyed, tiny_bundle):
     _, dave = auth.add_key(keyed.keys_path, "dave")
     data = json.loads(keyed.keys_path.read_text())
 
-    async def until(status):  # the server re-reads the file at most once a second
-        deadline = time.monotonic() + 5
-        while httpx.get(keyed.url + "/v1/models", headers=_bearer(dave)).status_code != status:
-            assert time.monotonic() < deadline, f"the keys file change was not picked up (want {status})"
-            await asyncio.sleep(0.2)
+    def until(status):  # the server re-reads the file at most once a second
+        return _until_status(keyed.url + "/v1/models", dave, status)
 
     async def main():
         await until(200)
@@ -361,11 +367,8 @@ def test_an_operator_key_demoted_in_the_file_publishes_nothing_more_on_its_open_
     key_id, pub = auth.add_key(keyed.keys_path, "pub", role="operator")
     prompt = list(range(5, 22))  # 17 tokens: 4 full blocks of 4, then the one position a request sends
 
-    async def until(status):  # /metrics takes an operator key: 403 once the server has read the demotion
-        deadline = time.monotonic() + 5
-        while httpx.get(keyed.url + "/metrics", headers=_bearer(pub)).status_code != status:
-            assert time.monotonic() < deadline, f"the keys file change was not picked up (want {status})"
-            await asyncio.sleep(0.2)
+    def until(status):  # /metrics takes an operator key: 403 once the server has read the demotion
+        return _until_status(keyed.url + "/metrics", pub, status)
 
     async def main():
         await until(200)
